@@ -1,0 +1,57 @@
+"""Bytes moved by attention collectives, per rank, per layer and per step.
+
+Every transport records what this rank sends and receives for each collective it issues. The
+numbers are logical: an all-gather of P shards of S bytes sends and receives (P-1)*S on every rank
+(the ring algorithm's volume), a reduce-scatter the same, a ring shift one shard each way. Gloo's
+reduce-scatter is emulated by all-reduce plus slice; it is still counted as the reduce-scatter a
+GPU run would issue, so CPU measurements match the formulas and the GPU behaviour.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+
+@dataclass
+class TrafficCounter:
+    """sent/received bytes keyed by (layer number, phase) where phase is 'forward' or 'backward'."""
+
+    sent: Dict[Tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
+    received: Dict[Tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, layer: int, phase: str, sent: int, received: int) -> None:
+        self.sent[(layer, phase)] += int(sent)
+        self.received[(layer, phase)] += int(received)
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    @property
+    def total(self) -> int:
+        return self.total_sent + self.total_received
+
+    def per_layer(self) -> Dict[int, Dict[str, int]]:
+        layers: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for (layer, phase), v in self.sent.items():
+            layers[layer][f"{phase}_sent"] += v
+        for (layer, phase), v in self.received.items():
+            layers[layer][f"{phase}_received"] += v
+        return {k: dict(v) for k, v in sorted(layers.items())}
+
+
+# One counter per process: a step's traffic is read and reset by the training loop or benchmark.
+_COUNTER = TrafficCounter()
+
+
+def traffic_counter() -> TrafficCounter:
+    return _COUNTER

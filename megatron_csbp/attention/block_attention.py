@@ -1,0 +1,135 @@
+"""Block-diffusion attention for one rank of any layout: local partials, transported partials, merge.
+
+Clean exchange (single, BP, CSBP): local rows are [noisy ; clean]. Noisy queries attend their own
+block on this rank (block-diagonal, never moves) and clean keys; clean keys are this rank's own
+(single, BP) or the ring's shards (CSBP: all-gathered while the noisy part runs, or ring-streamed).
+Full exchange (CP baseline): K/V of all local rows are exchanged and every query attends every
+chunk under the same predicate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.attention.kernels import merge_partials
+from megatron_csbp.attention.transports import PendingGather, pack_kv, ring_chunks, unpack_kv
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
+
+
+@dataclass
+class AttentionPlan:
+    """Everything a core attention call needs beyond q, k, v: static for a (layout, rank, length)."""
+
+    geometry: BlockGeometry
+    local: RowMeta  # this rank's rows, [noisy ; clean]
+    exchange: str = "none"  # 'none' | 'clean' (CSBP) | 'all' (CP baseline)
+    transport: str = "allgather"  # 'allgather' | 'ring'
+    group: Optional[dist.ProcessGroup] = None  # the ring that exchanges K/V
+    peers: Optional[List[RowMeta]] = None  # what each ring member sends, in ring order
+    _masks: Dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        assert self.exchange in ("none", "clean", "all")
+        self.num_noisy = int((~self.local.is_clean).sum())
+        if self.exchange != "none":
+            assert self.group is not None and self.peers is not None
+        if self.exchange == "none":
+            assert bool(self.local.is_clean[self.num_noisy :].all()), "local rows must be [noisy ; clean]"
+
+    def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device) -> torch.Tensor:
+        """Bool mask cached per (part, window): metadata is static, so masks are built once."""
+        cache_key = key + (geometry.window, str(device))
+        if cache_key not in self._masks:
+            self._masks[cache_key] = allowed(q, k, geometry).to(device)
+        return self._masks[cache_key]
+
+
+def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0):
+    """q [sq, b, H, d], k/v [sq, b, G, d] for this rank's local rows; returns [sq, b, H, d]."""
+    geometry = plan.geometry.with_window(window) if window != plan.geometry.window else plan.geometry
+    device = q.device
+    local = plan.local
+
+    # Chunks that arrived over the network but have no allowed pair are skipped; they stay tied
+    # to the output with a zero so that every rank runs the same backward collectives.
+    anchors = []
+
+    def partial(tag, q_rows, k_rows, q_, k_, v_):
+        m = plan.mask(tag, q_rows, k_rows, geometry, device)
+        if not bool(m.any()):
+            if k_.requires_grad:
+                anchors.append(k_.sum() + v_.sum())
+            return None
+        return kernel(q_, k_, v_, m, softmax_scale)
+
+    def tie(out):
+        for a in anchors:
+            out = out + 0.0 * a
+        return out
+
+    if plan.exchange == "all":
+        # CP baseline: every row's K/V crosses ranks.
+        kv = pack_kv(k, v)
+        parts = []
+        if plan.transport == "allgather":
+            gathered = PendingGather(kv, plan.group, layer).result()
+            gk, gv = unpack_kv(gathered)
+            parts.append(partial(("all",), local, RowMeta.cat(plan.peers), q, gk, gv))
+        else:
+            for src, chunk in ring_chunks(kv, plan.group, layer):
+                ck, cv = unpack_kv(chunk)
+                parts.append(partial(("ring", src), local, plan.peers[src], q, ck, cv))
+        return tie(merge_partials([p for p in parts if p is not None])[0])
+
+    n = plan.num_noisy
+    noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
+    pending = None
+    if plan.exchange == "clean" and plan.transport == "allgather":
+        # Start moving clean K/V now; the block-diagonal noisy attention below overlaps it.
+        pending = PendingGather(pack_kv(k[n:], v[n:]), plan.group, layer)
+
+    noisy_part = partial(("noisy",), noisy_rows, noisy_rows, q[:n], k[:n], v[:n]) if n else None
+
+    clean_parts = []
+    if plan.exchange == "none":
+        clean_parts.append(partial(("clean",), local, clean_rows, q, k[n:], v[n:]))
+    elif plan.transport == "allgather":
+        gk, gv = unpack_kv(pending.result())
+        clean_parts.append(partial(("clean",), local, RowMeta.cat(plan.peers), q, gk, gv))
+    else:
+        for src, chunk in ring_chunks(pack_kv(k[n:], v[n:]), plan.group, layer):
+            ck, cv = unpack_kv(chunk)
+            clean_parts.append(partial(("ring", src), local, plan.peers[src], q, ck, cv))
+    clean_parts = [p for p in clean_parts if p is not None]
+    if not clean_parts:
+        # Only possible when no query sees a clean key (block 0 alone): noisy part is everything.
+        return tie(noisy_part[0])
+    clean_out, clean_lse = merge_partials(clean_parts)
+    if noisy_part is None:
+        return tie(clean_out)
+    # Noisy queries merge their in-block part with their clean-prefix part; clean queries have
+    # only the clean part.
+    noisy_out, _ = merge_partials([noisy_part, (clean_out[:n], clean_lse[..., :n])])
+    return tie(torch.cat([noisy_out, clean_out[n:]], dim=0))
+
+
+def plan_for_layout(layout, rank: int = 0, group=None, transport: str = "allgather") -> AttentionPlan:
+    """The attention plan of `rank` (in the sequence group) under `layout`.
+
+    `group` is the ring that exchanges K/V: the CP ring for CSBP, the whole group for CP.
+    """
+    kind = layout.kind
+    local = layout.rows(rank)
+    if kind in ("single", "bp"):
+        return AttentionPlan(layout.geometry, local)
+    if group is None:
+        raise ValueError(f"layout {kind!r} needs the K/V ring process group")
+    if dist.get_world_size(group) != layout.ring_size:
+        raise ValueError(f"ring group has {dist.get_world_size(group)} ranks, layout expects {layout.ring_size}")
+    if kind == "cp":
+        peers = [layout.rows(r) for r in range(layout.group_size)]
+        return AttentionPlan(layout.geometry, local, "all", transport, group, peers)
+    return AttentionPlan(layout.geometry, local, "clean", transport, group, layout.ring_clean_rows(rank))

@@ -1,0 +1,124 @@
+"""Differentiable K/V transports over the sequence ring, with byte accounting.
+
+- all-gather: forward gathers every member's shard (started asynchronously so local work overlaps
+  it); backward reduce-scatters the gradient so each shard's owner gets the sum of all uses.
+- ring: P-1 point-to-point shifts; each step's chunk is attended as it arrives; backward sends the
+  gradients the opposite way around the ring.
+
+K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.attention.accounting import traffic_counter
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _uses_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group, keep this rank's equal share of rows (dim 0)."""
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    rows = full.shape[0] // P
+    if _uses_gloo(group):
+        # gloo: all-reduce + slice (counted as the reduce-scatter a GPU run issues).
+        full = full.contiguous().clone()
+        dist.all_reduce(full, group=group)
+        return full[r * rows : (r + 1) * rows].contiguous()
+    out = torch.empty((rows,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
+    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+    return out
+
+
+class PendingGather:
+    """An all-gather in flight; `result()` waits and returns the gathered rows, differentiably."""
+
+    def __init__(self, local: torch.Tensor, group, layer: int):
+        self.local, self.group, self.layer = local, group, layer
+        P = dist.get_world_size(group)
+        self.buffer = torch.empty((P * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+        self.work = dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group, async_op=True)
+        traffic_counter().record(layer, "forward", (P - 1) * _nbytes(local), (P - 1) * _nbytes(local))
+
+    def result(self) -> torch.Tensor:
+        return _FinishGather.apply(self.local, self)
+
+
+class _FinishGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, pending: PendingGather):
+        pending.work.wait()
+        ctx.group, ctx.layer = pending.group, pending.layer
+        return pending.buffer
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        grad_local = reduce_scatter_rows(grad_full, ctx.group)
+        P = dist.get_world_size(ctx.group)
+        traffic_counter().record(ctx.layer, "backward", (P - 1) * _nbytes(grad_local), (P - 1) * _nbytes(grad_local))
+        return grad_local, None
+
+
+def _ring_exchange(tensor: torch.Tensor, send_to: int, recv_from: int, group) -> torch.Tensor:
+    received = torch.empty_like(tensor)
+    ops = [
+        dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, send_to), group),
+        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group),
+    ]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return received
+
+
+class _RingShift(torch.autograd.Function):
+    """Send to the next ring member, receive from the previous; backward goes the other way."""
+
+    @staticmethod
+    def forward(ctx, chunk, group, layer: int):
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        ctx.group, ctx.layer = group, layer
+        traffic_counter().record(layer, "forward", _nbytes(chunk), _nbytes(chunk))
+        return _ring_exchange(chunk, (r + 1) % P, (r - 1) % P, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        P, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        traffic_counter().record(ctx.layer, "backward", _nbytes(grad), _nbytes(grad))
+        return _ring_exchange(grad, (r - 1) % P, (r + 1) % P, ctx.group), None, None
+
+
+def ring_chunks(local: torch.Tensor, group, layer: int):
+    """Yield (source ring index, chunk) for every member's chunk, the local one first."""
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    chunk = local
+    for step in range(P):
+        yield (r - step) % P, chunk
+        if step < P - 1:
+            chunk = _RingShift.apply(chunk, group, layer)
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k, v], dim=2)
+
+
+def unpack_kv(kv: torch.Tensor):
+    G = kv.shape[2] // 2
+    return kv[:, :, :G], kv[:, :, G:]
+
+
+TRANSPORTS = ("allgather", "ring")
+
+
+def check_transport(name: str) -> str:
+    if name not in TRANSPORTS:
+        raise ValueError(f"--attention-transport must be one of {TRANSPORTS}, got {name!r}")
+    return name

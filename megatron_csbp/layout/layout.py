@@ -1,0 +1,177 @@
+"""Which rows of the logical [noisy ; clean] input each rank of the sequence group holds.
+
+Four layouts of one objective (design brief section 2), chosen from the two sizes:
+
+- `single`   (CP = BP = 1): every row on one rank.
+- `cp`       (CP = P, BP = 1): the baseline. The 2L rows are cut into 2P chunks; rank r holds chunks
+             r and 2P-1-r (zigzag), and K/V of all rows are exchanged.
+- `bp`       (BP = P, CP = 1): each noisy block lives on one rank; each rank recomputes the clean
+             prefix its blocks need. No attention traffic.
+- `csbp`     (CP = C, BP = k*C): noisy blocks owned per rank; the clean stream zigzag-sharded over
+             a ring of C consecutive ranks (k rings, each with a full clean copy). Only clean K/V move.
+
+Local rows are always ordered [owned noisy rows ; clean rows]. Everything here is static metadata:
+it is computed identically on every rank, before any collective is issued.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import List, Tuple
+
+import torch
+
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+
+OWNERSHIP_SCHEDULES = ("mirrored", "contiguous")
+
+
+def split_evenly(items: List[int], parts: int) -> List[List[int]]:
+    """Contiguous split into `parts` pieces whose sizes differ by at most one (larger first)."""
+    q, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = q + (1 if i < r else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out
+
+
+def mirrored_order(num_blocks: int) -> List[int]:
+    """Blocks in mirrored-pair order 0, n-1, 1, n-2, ...: each pair (i, n-1-i) costs the same
+    noisy-prefix work, so any contiguous split of this order into equal counts is balanced."""
+    order = []
+    for i in range((num_blocks + 1) // 2):
+        order.append(i)
+        if num_blocks - 1 - i != i:
+            order.append(num_blocks - 1 - i)
+    return order
+
+
+def zigzag_chunks(num_chunks_half: int, rank: int) -> Tuple[int, int]:
+    """Chunk indices held by `rank` when a stream is cut into 2P chunks: r and 2P-1-r."""
+    return rank, 2 * num_chunks_half - 1 - rank
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """The placement of rows over the `bp_size`-rank sequence group (or `cp_size` for CP only)."""
+
+    geometry: BlockGeometry
+    cp_size: int = 1
+    bp_size: int = 1
+    schedule: str = "mirrored"
+
+    def __post_init__(self):
+        cp, bp, g = self.cp_size, self.bp_size, self.geometry
+        if cp < 1 or bp < 1:
+            raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
+        if bp > 1 and bp % cp != 0:
+            raise ValueError(
+                f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp} "
+                "(BP = k * CP gives k clean rings)"
+            )
+        if self.schedule not in OWNERSHIP_SCHEDULES:
+            raise ValueError(f"--block-ownership must be one of {OWNERSHIP_SCHEDULES}, got {self.schedule!r}")
+        P = self.group_size
+        if g.seq_length % (2 * P) != 0:
+            raise ValueError(
+                f"--seq-length {g.seq_length} must be divisible by 2 x {P} sequence-parallel ranks "
+                f"(zigzag sharding cuts the stream into {2 * P} equal chunks)"
+            )
+        if self.kind in ("bp", "csbp") and g.num_blocks < bp:
+            raise ValueError(
+                f"{g.num_blocks} blocks (--seq-length {g.seq_length} / --block-size {g.block_size}) "
+                f"are fewer than --block-parallel-size {bp}: every block-parallel rank must own a block"
+            )
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        if self.bp_size > 1:
+            return "csbp" if self.cp_size > 1 else "bp"
+        return "cp" if self.cp_size > 1 else "single"
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the sequence group: max(CP, BP) (Megatron's context-parallel axis)."""
+        return max(self.cp_size, self.bp_size)
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks that share one clean stream (and exchange K/V)."""
+        return self.cp_size
+
+    def ring_of(self, rank: int) -> Tuple[int, int]:
+        """(ring index j, position i in the ring) of a rank of the sequence group."""
+        return divmod(rank, self.cp_size)
+
+    # ---- ownership -----------------------------------------------------------------------------
+    @cached_property
+    def block_owners(self) -> List[List[int]]:
+        """owned blocks (sorted) of each rank; every block is owned by exactly one rank."""
+        n, P = self.geometry.num_blocks, self.group_size
+        if self.kind in ("single", "cp"):
+            return [list(range(n))] * P  # not owned per rank: CP shards rows, not blocks
+        if self.schedule == "contiguous":
+            parts = split_evenly(list(range(n)), self.bp_size)
+        else:
+            # Mirrored order split first over ring positions (so, when blocks divide evenly, a rank's
+            # clean shard is the clean copy of its own blocks), then over the k ring copies.
+            k = self.bp_size // self.cp_size
+            by_position = split_evenly(mirrored_order(n), self.cp_size)
+            parts = [None] * self.bp_size
+            for i, part in enumerate(by_position):
+                for j, sub in enumerate(split_evenly(part, k)):
+                    parts[j * self.cp_size + i] = sub
+        return [sorted(p) for p in parts]
+
+    # ---- rows ----------------------------------------------------------------------------------
+    def _block_positions(self, blocks: List[int]) -> torch.Tensor:
+        B = self.geometry.block_size
+        if not blocks:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(b * B, (b + 1) * B) for b in blocks])
+
+    def clean_shard_positions(self, ring_position: int) -> torch.Tensor:
+        """Clean positions held at `ring_position` of a ring (zigzag over 2C chunks)."""
+        L, C = self.geometry.seq_length, self.cp_size
+        c = L // (2 * C)
+        a, b = zigzag_chunks(C, ring_position)
+        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+    def rows(self, rank: int) -> RowMeta:
+        """Local rows of `rank`, ordered [noisy ; clean]."""
+        L, P = self.geometry.seq_length, self.group_size
+        if not 0 <= rank < P:
+            raise ValueError(f"rank {rank} outside the sequence group of size {P}")
+        kind = self.kind
+        if kind == "single":
+            pos = torch.arange(L)
+            return RowMeta.of(pos, pos)
+        if kind == "cp":
+            # Zigzag over the 2L logical rows: chunk r is noisy, chunk 2P-1-r is clean.
+            c = L // P
+            a, b = zigzag_chunks(P, rank)
+            noisy = torch.arange(a * c, (a + 1) * c)
+            clean = torch.arange((b - P) * c, (b - P + 1) * c)
+            return RowMeta.of(noisy, clean)
+        owned = self.block_owners[rank]
+        noisy = self._block_positions(owned)
+        if kind == "bp":
+            # The clean prefix the rank's blocks need (recomputed here, no traffic).
+            needed = max(owned) * self.geometry.block_size if owned else 0
+            return RowMeta.of(noisy, torch.arange(needed))
+        return RowMeta.of(noisy, self.clean_shard_positions(self.ring_of(rank)[1]))
+
+    def ring_clean_rows(self, rank: int) -> List[RowMeta]:
+        """Clean-row metadata of each member of `rank`'s ring, in ring order (CSBP exchange)."""
+        return [RowMeta.of(torch.zeros(0, dtype=torch.long), self.clean_shard_positions(i)) for i in range(self.cp_size)]
+
+    def ring_ranks(self, rank: int) -> List[int]:
+        """Sequence-group ranks of `rank`'s ring."""
+        j, _ = self.ring_of(rank)
+        return list(range(j * self.cp_size, (j + 1) * self.cp_size))
+
+    def num_noisy_rows(self, rank: int) -> int:
+        return int((~self.rows(rank).is_clean).sum())

@@ -1,0 +1,32 @@
+"""Rotary embeddings indexed by the layout's positions.
+
+Megatron's RotaryEmbedding ignores position ids and slices by its own zigzag CP layout. Block
+layouts reorder rows (and noisy and clean copies of a token share one position), so the angles
+must come from each row's position. This wrapper keeps Megatron's frequencies (rope scaling,
+interpolation) and only changes which positions are used.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class LayoutRotaryEmbedding(torch.nn.Module):
+    def __init__(self, base: torch.nn.Module):
+        super().__init__()
+        self.base = base
+        self.positions = None  # set by BlockDiffusionModel before each forward
+
+    def get_rotary_seq_len(self, *args, **kwargs):
+        return self.base.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len=None, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if self.positions is None:
+            raise RuntimeError("LayoutRotaryEmbedding used without positions: run through BlockDiffusionModel")
+        pos = self.positions
+        # Megatron's own frequency table (same arange, same outer product) indexed by position.
+        freqs = self.base.get_freqs_non_repeated(int(pos.max()) + 1 + offset, 0)[pos + offset]
+        if not getattr(self.base, "rotary_interleaved", False):
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]

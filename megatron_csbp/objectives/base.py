@@ -1,0 +1,46 @@
+"""What an objective gives the model: the noisy stream, per-row targets and weights, a denominator.
+
+Noise depends only on (seed, the sample's global index): every rank of a model replica draws the
+same noise for the same sample, so the loss does not depend on the parallel layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class NoisedBatch:
+    noisy_tokens: torch.Tensor  # [b, L] ids fed to the noisy rows
+    targets: torch.Tensor  # [b, L] target id of each noisy row, -100 where the row is no target
+    weights: torch.Tensor  # [b, L] float32 loss weight of each noisy row (0 where no target)
+
+
+def sample_generator(seed: int, sample_index: int) -> torch.Generator:
+    """A CPU generator keyed by (seed, global sample index), independent of rank and layout."""
+    state = np.random.SeedSequence([int(seed), int(sample_index)]).generate_state(2, dtype=np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+class Objective:
+    """Base class. Subclasses set `name` and implement `noise`."""
+
+    name = "base"
+    #: exclude the mask token's logit from the softmax (absorbing-state MDLM losses)
+    exclude_mask_from_softmax = False
+    mask_token_id = None
+
+    def noise(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> NoisedBatch:
+        raise NotImplementedError
+
+    def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the loss denominator (summed over the global batch)."""
+        return loss_mask.sum().to(torch.float32)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab_size:
+            raise ValueError(
+                f"--mask-token-id {self.mask_token_id} is outside the vocabulary [0, {vocab_size})"
+            )

@@ -1,0 +1,59 @@
+"""The standard block-diffusion objective (BD3-LM / MDLM with absorbing noise).
+
+One time t per (sample, block), antithetic over the sample's blocks: u ~ U(0,1) and block i gets
+(u + i/n) mod 1, mapped to [eps_min, eps_max]. A supervised token is replaced by the mask token
+with probability t (SFT prompt tokens are never noised and never targets). The loss is
+sum over masked tokens of w(t) * CE / (supervised tokens in the global batch), w = 1/t or 1, with
+the mask token excluded from the softmax.
+
+Choice: the antithetic grid is each sample's own n blocks, so a sample's noise is a function of
+(seed, sample index) alone and does not change with micro-batch size or data-parallel size.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+
+LOSS_WEIGHTINGS = ("inverse_t", "unit")
+
+
+class BD3LMObjective(Objective):
+    name = "bd3lm"
+    exclude_mask_from_softmax = True
+
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
+                 eps_min: float = 1e-3, eps_max: float = 1.0, loss_weighting: str = "inverse_t"):
+        if not 0.0 < eps_min <= eps_max <= 1.0:
+            raise ValueError(
+                f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got {eps_min}, {eps_max}"
+            )
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"--loss-weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
+        self.block_size, self.mask_token_id, self.seed = block_size, int(mask_token_id), seed
+        self.eps_min, self.eps_max, self.loss_weighting = eps_min, eps_max, loss_weighting
+
+    def block_times(self, num_blocks: int, generator: torch.Generator) -> torch.Tensor:
+        u = torch.rand(1, generator=generator, dtype=torch.float64)
+        t = torch.remainder(u + torch.arange(num_blocks, dtype=torch.float64) / num_blocks, 1.0)
+        return (self.eps_min + (self.eps_max - self.eps_min) * t).float()
+
+    def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
+        b, L = tokens.shape
+        if L % self.block_size:
+            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
+        n = L // self.block_size
+        t_rows, draw_rows = [], []
+        for i in range(b):
+            g = sample_generator(self.seed, int(sample_index[i]))
+            t_rows.append(self.block_times(n, g).repeat_interleave(self.block_size))
+            draw_rows.append(torch.rand(L, generator=g))
+        t = torch.stack(t_rows).to(tokens.device)
+        draws = torch.stack(draw_rows).to(tokens.device)
+        supervised = loss_mask.bool()
+        masked = (draws < t) & supervised
+        noisy = torch.where(masked, torch.full_like(tokens, self.mask_token_id), tokens)
+        targets = torch.where(masked, tokens, torch.full_like(tokens, -100))
+        w = (1.0 / t) if self.loss_weighting == "inverse_t" else torch.ones_like(t)
+        weights = torch.where(masked, w, torch.zeros_like(w))
+        return NoisedBatch(noisy, targets, weights)

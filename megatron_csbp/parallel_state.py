@@ -1,0 +1,176 @@
+"""Block parallelism as a process group beside Megatron's TP/PP/CP/EP/DP.
+
+Megatron treats context-parallel ranks like data-parallel replicas for weights (DDP reduces over
+`dp_cp`, the distributed optimizer shards over it, checkpoints take replica ids from it, the
+sampler gives every CP rank the same sample). Block parallelism therefore lives inside Megatron's
+CP axis: Megatron is initialised with context_parallel_size = max(CP, BP) (the *sequence group*),
+and the plugin carves two families of sub-groups out of every sequence group:
+
+- clean rings: CP consecutive ranks that share one zigzag-sharded clean stream and exchange clean
+  K/V (for the CP baseline, the ring is the whole sequence group);
+- clean replicas: the ranks at the same ring position across the k = BP / CP rings (they hold the
+  same clean shard).
+
+Every rank creates every group in the same order, as torch.distributed requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state as mpu
+
+
+@dataclass(frozen=True)
+class BlockParallelSizes:
+    context_parallel_size: int = 1
+    block_parallel_size: int = 1
+
+    def __post_init__(self):
+        cp, bp = self.context_parallel_size, self.block_parallel_size
+        if cp < 1 or bp < 1:
+            raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
+        if bp > 1 and bp % cp != 0:
+            raise ValueError(
+                f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
+                "BP = k * CP runs k clean rings of CP ranks"
+            )
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return max(self.context_parallel_size, self.block_parallel_size)
+
+
+_SIZES: Optional[BlockParallelSizes] = None
+_RING_GROUP = None
+_RING_RANKS: Optional[List[int]] = None
+_REPLICA_GROUP = None
+_REPLICA_RANKS: Optional[List[int]] = None
+
+
+def check_topology(world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                   context_parallel_size: int = 1, block_parallel_size: int = 1,
+                   expert_model_parallel_size: int = 1) -> BlockParallelSizes:
+    """Validate sizes before any collective: a clear error instead of a hang or a wrong answer."""
+    sizes = BlockParallelSizes(context_parallel_size, block_parallel_size)
+    if pipeline_model_parallel_size != 1 and sizes.sequence_parallel_size > 1:
+        raise ValueError("--pipeline-model-parallel-size > 1 is not supported with block or context parallelism "
+                         "for block diffusion (the reference rejects it too)")
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * sizes.sequence_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+            f"{tensor_model_parallel_size} x --pipeline-model-parallel-size {pipeline_model_parallel_size} x "
+            f"max(--context-parallel-size, --block-parallel-size) {sizes.sequence_parallel_size}"
+        )
+    dp_cp = world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)
+    if expert_model_parallel_size > 1 and dp_cp % expert_model_parallel_size != 0:
+        raise ValueError(
+            f"--expert-model-parallel-size {expert_model_parallel_size} must divide data x sequence "
+            f"parallel ranks ({dp_cp})"
+        )
+    return sizes
+
+
+def initialize_block_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1, block_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1, **megatron_kwargs) -> BlockParallelSizes:
+    """Initialise Megatron's groups with CP = max(CP, BP), then the plugin's sub-groups."""
+    global _SIZES
+    sizes = check_topology(dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size,
+                           context_parallel_size, block_parallel_size, expert_model_parallel_size)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=sizes.sequence_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        **megatron_kwargs,
+    )
+    _build_subgroups(sizes, tensor_model_parallel_size, pipeline_model_parallel_size)
+    _SIZES = sizes
+    return sizes
+
+
+def _all_sequence_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
+    world = dist.get_world_size()
+    generator = mpu.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * seq), pp=pp, cp=seq, order="tp-cp-ep-dp-pp")
+    return generator.get_ranks("cp")
+
+
+def _build_subgroups(sizes: BlockParallelSizes, tp: int, pp: int) -> None:
+    global _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS
+    me = dist.get_rank()
+    C, S = sizes.context_parallel_size, sizes.sequence_parallel_size
+    seq_groups = _all_sequence_groups(tp, pp, S)
+    mine = mpu.get_context_parallel_global_ranks()
+    assert any(list(g) == list(mine) for g in seq_groups), "rank generator disagrees with Megatron's CP groups"
+    for g in seq_groups:  # same order on every rank
+        for j in range(S // C):
+            ring = list(g[j * C:(j + 1) * C])
+            group = mpu.create_group(ring, group_desc="BLOCK_PARALLEL_CLEAN_RING")
+            if me in ring:
+                _RING_GROUP, _RING_RANKS = group, ring
+        for i in range(C):
+            replica = list(g[i::C])
+            group = mpu.create_group(replica, group_desc="BLOCK_PARALLEL_CLEAN_REPLICA")
+            if me in replica:
+                _REPLICA_GROUP, _REPLICA_RANKS = group, replica
+
+
+def is_initialized() -> bool:
+    return _SIZES is not None
+
+
+def _require():
+    if _SIZES is None:
+        raise RuntimeError("block parallelism is not initialised: call initialize_block_parallel first")
+    return _SIZES
+
+
+def destroy_block_parallel() -> None:
+    global _SIZES, _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS
+    _SIZES = _RING_GROUP = _RING_RANKS = _REPLICA_GROUP = _REPLICA_RANKS = None
+    mpu.destroy_model_parallel()
+
+
+def get_block_parallel_sizes() -> BlockParallelSizes:
+    return _require()
+
+
+def get_block_parallel_group():
+    """The sequence group (Megatron's CP group, of max(CP, BP) ranks) that shares one sample."""
+    _require()
+    return mpu.get_context_parallel_group()
+
+
+def get_block_parallel_world_size() -> int:
+    return _require().sequence_parallel_size
+
+
+def get_block_parallel_rank() -> int:
+    _require()
+    return mpu.get_context_parallel_rank()
+
+
+def get_clean_ring_group():
+    """The CP ring that exchanges (clean) K/V."""
+    _require()
+    return _RING_GROUP
+
+
+def get_clean_ring_global_ranks() -> List[int]:
+    _require()
+    return list(_RING_RANKS)
+
+
+def get_clean_replica_group():
+    """Ranks holding the same clean shard across the BP / CP rings."""
+    _require()
+    return _REPLICA_GROUP
+
+
+def get_clean_replica_global_ranks() -> List[int]:
+    _require()
+    return list(_REPLICA_RANKS)
