@@ -19,6 +19,7 @@ from megatron.core import tensor_parallel
 from megatron_csbp.attention.block_attention import AttentionPlan, plan_for_layout
 from megatron_csbp.attention.core_attention import plan_mask
 from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.model.rotary import LayoutRotaryEmbedding
 from megatron_csbp.model.spec import count_block_attention
 from megatron_csbp.objectives.base import Objective
@@ -48,7 +49,11 @@ class BlockDiffusionModel(torch.nn.Module):
         objective.check_vocab(gpt.vocab_size)
         self.gpt, self.objective, self.layout = gpt, objective, layout
         self.seq_rank, self.ring_group, self.transport = seq_rank, ring_group, transport
-        self.plan: AttentionPlan = plan_for_layout(layout, seq_rank, ring_group, transport)
+        if objective.uses_noisy_stream:
+            self.plan: AttentionPlan = plan_for_layout(layout, seq_rank, ring_group, transport)
+            self.replication = 1
+        else:
+            self.plan, self.replication = autoregressive_plan(layout, seq_rank, ring_group, transport)
         self._num_logit_rows: Optional[int] = None
         gpt.output_layer.register_forward_pre_hook(self._keep_noisy_rows)
 
@@ -62,7 +67,9 @@ class BlockDiffusionModel(torch.nn.Module):
         """Logits [b, noisy rows, vocab / TP] of this rank's rows (ids already laid out)."""
         if self.gpt.position_embedding_type == "rope":
             self.gpt.rotary_pos_emb.positions = rows.position.to(input_ids.device)
-        self._num_logit_rows = int((~rows.is_clean).sum())
+        num_noisy = int((~rows.is_clean).sum())
+        # Logits for the noisy rows only; with no noisy stream (AR) for every row.
+        self._num_logit_rows = num_noisy if num_noisy else None
         try:
             return self.gpt(input_ids, rows.position.to(input_ids.device)[None].expand_as(input_ids),
                             attention_mask=plan_mask(self.plan))
@@ -83,15 +90,19 @@ class BlockDiffusionModel(torch.nn.Module):
         if denominator is None:
             denominator = self.objective.denominator(loss_mask)
         noised = self.objective.noise(tokens, loss_mask, sample_index)
+        if noised.clean_tokens is not None:
+            tokens = noised.clean_tokens
         rows = self.plan.local
         pos = rows.position.to(tokens.device)
         is_clean = rows.is_clean.to(tokens.device)
         input_ids = torch.where(is_clean[None], tokens[:, pos], noised.noisy_tokens[:, pos])
         logits = self.logits(input_ids, rows)
-        noisy_pos = pos[~is_clean]
-        targets = noised.targets[:, noisy_pos]
-        weights = noised.weights[:, noisy_pos]
-        return self.loss(logits, targets, weights, denominator)
+        # Target rows: the noisy rows, or (AR) the clean rows.
+        target_pos = pos[~is_clean] if self.objective.uses_noisy_stream else pos
+        targets = noised.targets[:, target_pos]
+        weights = noised.weights[:, target_pos]
+        # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
+        return self.loss(logits, targets, weights, denominator * self.replication)
 
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
         """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
@@ -116,3 +127,18 @@ class BlockDiffusionModel(torch.nn.Module):
         if start <= token_id < start + local_vocab:
             logits_f = logits_f.index_fill(-1, torch.tensor([token_id - start], device=logits_f.device), float("-inf"))
         return logits_f
+
+
+def autoregressive_plan(layout: SequenceLayout, seq_rank: int, ring_group, transport: str):
+    """Clean stream only, token-causal: each ring holds a zigzag copy of the stream (CP ranks), so
+    AR runs under every layout. Returns (plan, number of rings that compute the same loss)."""
+    g = layout.geometry
+    geometry = BlockGeometry(g.seq_length, g.block_size, "token_causal", g.window)
+    empty = torch.zeros(0, dtype=torch.long)
+    if layout.ring_size == 1:
+        plan = AttentionPlan(geometry, RowMeta.of(empty, torch.arange(g.seq_length)))
+    else:
+        ring_position = layout.ring_of(seq_rank)[1]
+        local = RowMeta.of(empty, layout.clean_shard_positions(ring_position))
+        plan = AttentionPlan(geometry, local, "clean", transport, ring_group, layout.ring_clean_rows(seq_rank))
+    return plan, layout.group_size // layout.ring_size

@@ -6,6 +6,7 @@ same noise for the same sample, so the loss does not depend on the parallel layo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ class NoisedBatch:
     noisy_tokens: torch.Tensor  # [b, L] ids fed to the noisy rows
     targets: torch.Tensor  # [b, L] target id of each noisy row, -100 where the row is no target
     weights: torch.Tensor  # [b, L] float32 loss weight of each noisy row (0 where no target)
+    # Objectives that expand the batch (e.g. complementary views) give the clean stream of each
+    # returned row; None means the input tokens.
+    clean_tokens: Optional[torch.Tensor] = None
 
 
 def sample_generator(seed: int, sample_index: int) -> torch.Generator:
@@ -28,6 +32,8 @@ class Objective:
     """Base class. Subclasses set `name` and implement `noise`."""
 
     name = "base"
+    #: False for plain next-token training: the model sees the clean stream only
+    uses_noisy_stream = True
     #: exclude the mask token's logit from the softmax (absorbing-state MDLM losses)
     exclude_mask_from_softmax = False
     mask_token_id = None
