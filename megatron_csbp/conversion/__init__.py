@@ -1,0 +1,1 @@
+"""Hugging Face <-> Megatron checkpoint conversion (see docs/conversion.md)."""

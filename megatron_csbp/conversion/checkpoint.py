@@ -1,0 +1,146 @@
+"""Megatron `torch_dist` checkpoints of converted models (see docs/conversion.md for the format).
+
+    OUT/
+      latest_checkpointed_iteration.txt   "release" (Megatron-LM's marker for a converted model)
+      megatron_csbp_model.json            the model shape (ModelShape), incl. the source HF config
+      hf_assets/                          tokenizer / generation files of the source model
+      release/                            dist_checkpointing torch_dist checkpoint:
+        {"model": GPTModel.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
+        megatron_csbp_model.json          (copy, so the iteration folder is self-contained)
+
+The sharded state dict of the unsharded (TP = PP = EP = 1) model is saved; dist_checkpointing
+reshards it on load, so the trainer loads it under any TP / CP / BP / EP layout, and
+`load_gpt_model` reads back a checkpoint the trainer saved under any layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.conversion.cpu_fallback import ensure_cpu_compat
+from megatron_csbp.model.providers import SHAPE_FILE, ModelShape, build_gpt_model
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+ASSETS_DIR = "hf_assets"
+CHECKPOINT_VERSION = 3.0
+MODEL_KEY = "model"
+
+
+@contextlib.contextmanager
+def single_process_megatron():
+    """A one-rank gloo group and Megatron's parallel state (TP = PP = 1), unless the caller already
+    set them up; torn down afterwards if created here."""
+    from megatron.core import parallel_state as mpu
+
+    ensure_cpu_compat()
+    created_pg = created_mpu = False
+    tmp = None
+    if not dist.is_initialized():
+        tmp = tempfile.mkdtemp(prefix="csbp_convert_")
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        created_pg = True
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(1, 1)
+        created_mpu = True
+    try:
+        yield
+    finally:
+        if created_mpu:
+            mpu.destroy_model_parallel()
+        if created_pg:
+            dist.destroy_process_group()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model_weights(model: torch.nn.Module, state: dict) -> None:
+    """`load_state_dict` that ignores Megatron's (None) `_extra_state` entries but nothing else."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """The folder holding the torch_dist files: `path` itself, or the iteration that
+    `latest_checkpointed_iteration.txt` names (Megatron-LM's layout)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--load {path}: no such folder")
+    tracker = os.path.join(path, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            marker = f.read().strip()
+        sub = RELEASE if marker == RELEASE else f"iter_{int(marker):07d}"
+        path = os.path.join(path, sub)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"{path} is not a dist_checkpointing checkpoint (no metadata.json)")
+    return path
+
+
+def find_shape_file(load: str, ckpt_dir: str) -> str:
+    for d in (ckpt_dir, load, os.path.dirname(os.path.abspath(ckpt_dir))):
+        p = os.path.join(d, SHAPE_FILE)
+        if os.path.isfile(p):
+            return p
+    raise FileNotFoundError(
+        f"no {SHAPE_FILE} in {ckpt_dir} or {load}: the model shape of a Megatron checkpoint comes from "
+        "that file (written by `convert hf-to-megatron`; the trainer copies it into its checkpoints)"
+    )
+
+
+def read_shape(load: str) -> Tuple[ModelShape, str]:
+    ckpt_dir = resolve_checkpoint_dir(load)
+    with open(find_shape_file(load, ckpt_dir)) as f:
+        return ModelShape.from_json(f.read()), ckpt_dir
+
+
+def save_gpt_model(model, shape: ModelShape, output: str, assets_from: Optional[str] = None) -> str:
+    """Save `model` (any parallel layout: every rank calls this) as a release checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ckpt_dir = os.path.join(output, RELEASE)
+    if rank == 0:
+        if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+            raise FileExistsError(f"{ckpt_dir} exists and is not empty: choose a new --output")
+        os.makedirs(ckpt_dir, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    state = {MODEL_KEY: model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    dist_checkpointing.save(state, ckpt_dir)
+    if rank == 0:
+        text = shape.to_json()
+        for d in (output, ckpt_dir):
+            with open(os.path.join(d, SHAPE_FILE), "w") as f:
+                f.write(text)
+        with open(os.path.join(output, TRACKER_FILE), "w") as f:
+            f.write(RELEASE)
+        if assets_from is not None:
+            from megatron_csbp.conversion.hf_io import copy_assets
+
+            copy_assets(assets_from, os.path.join(output, ASSETS_DIR))
+    if dist.is_initialized():
+        dist.barrier()
+    return ckpt_dir
+
+
+def load_gpt_model(load: str, params_dtype: Optional[torch.dtype] = None, block_diffusion: bool = True,
+                   **config_overrides):
+    """Build the model described by the checkpoint's shape file under the current parallel state
+    and load its weights (dist_checkpointing reshards). Returns (model, shape)."""
+    from megatron.core import dist_checkpointing
+
+    shape, ckpt_dir = read_shape(load)
+    model = build_gpt_model(shape, block_diffusion=block_diffusion,
+                            **dict(dict(params_dtype=params_dtype or shape.torch_dtype), **config_overrides))
+    state = dist_checkpointing.load({MODEL_KEY: model.sharded_state_dict()}, ckpt_dir)
+    load_model_weights(model, state[MODEL_KEY])
+    return model, shape

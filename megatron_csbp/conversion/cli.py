@@ -1,0 +1,65 @@
+"""`python -m megatron_csbp.convert {hf-to-megatron, megatron-to-hf, score, flags}`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import numpy as np
+
+from megatron_csbp.model.providers import DTYPES, UnsupportedModelError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.convert",
+                                description="Hugging Face <-> Megatron torch_dist checkpoint conversion")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron torch_dist release checkpoint")
+    a.add_argument("--hf-path", required=True, help="folder with config.json and safetensors weights")
+    a.add_argument("--output", required=True, help="new checkpoint folder (the trainer's --load)")
+    a.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weight dtype of the checkpoint (default: the Hugging Face config's dtype)")
+    b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any parallel layout) -> Hugging Face folder")
+    b.add_argument("--load", required=True, help="checkpoint folder (converted or saved by the trainer)")
+    b.add_argument("--output", required=True, help="Hugging Face folder to write")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of the written weights (default: the checkpoint's)")
+    b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    c = sub.add_parser("score", help="next-token logits of a Megatron checkpoint for token ids")
+    c.add_argument("--load", required=True)
+    c.add_argument("--tokens", required=True, help=".npy integer array [batch, seq]")
+    c.add_argument("--output", required=True, help=".npy float32 logits [batch, seq, vocab]")
+    c.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    d = sub.add_parser("flags", help="print the Megatron-LM flags that rebuild a checkpoint's model")
+    d.add_argument("--load", required=True)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from megatron_csbp.conversion import api
+
+    try:
+        if args.command == "hf-to-megatron":
+            shape = api.hf_to_megatron_checkpoint(args.hf_path, args.output, args.dtype)
+            print(f"converted {shape.family} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
+                  f"vocab {shape.vocab_size}, {shape.params_dtype}) -> {args.output}")
+            print("Megatron flags that rebuild this model:")
+            print("    " + api.flags_text(shape))
+        elif args.command == "megatron-to-hf":
+            shape = api.megatron_to_hf_checkpoint(args.load, args.output, args.dtype,
+                                                  int(args.max_shard_size_gb * (1 << 30)))
+            print(f"exported {shape.family} -> {args.output}")
+        elif args.command == "score":
+            logits = api.score(args.load, np.load(args.tokens), args.batch_size)
+            np.save(args.output, logits.astype(np.float32))
+            print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
+        elif args.command == "flags":
+            from megatron_csbp.conversion.checkpoint import read_shape
+
+            shape, _ = read_shape(args.load)
+            print(api.flags_text(shape))
+    except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

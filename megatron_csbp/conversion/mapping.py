@@ -1,0 +1,186 @@
+"""Tensor mapping between Hugging Face checkpoints and Megatron's local-spec `GPTModel` (TP = 1).
+
+The Megatron side is the unsharded (TP = EP = 1) `state_dict` of the model built by
+`megatron_csbp.model.providers.build_gpt_model`; `dist_checkpointing` then shards or reshards it for
+any layout. The Hugging Face side uses the on-disk names of released checkpoints (per-expert MoE
+weights, `block_sparse_moe` for Mixtral), which is also what transformers 5 writes.
+
+Layouts that are easy to get wrong:
+
+- fused QKV: Megatron's `linear_qkv` rows are grouped by query group, each group holding
+  [its q heads, its k head, its v head] (heads/groups q heads of kv_channels rows each). Column
+  parallelism then hands each TP rank whole groups.
+- SwiGLU: `linear_fc1` is [gate ; up] (Megatron computes silu(first half) * second half).
+- tied embeddings: no `output_layer.weight`; a Hugging Face file may still carry `lm_head.weight`,
+  which must then equal the embedding.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from megatron_csbp.model.providers import ModelShape
+
+# Buffers some older Hugging Face checkpoints carry that hold no weights.
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def _moe_names(shape: ModelShape) -> Tuple[str, str, Tuple[str, str, str]]:
+    """(module prefix, router name, (gate, up, down) expert weight names) of a MoE family."""
+    if shape.family == "mixtral":
+        return "block_sparse_moe", "gate", ("w1", "w3", "w2")
+    return "mlp", "gate", ("gate_proj", "up_proj", "down_proj")
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """[q; k; v] (Hugging Face) -> Megatron's per-group interleaved layout. Works for weights
+    [rows, hidden] and biases [rows]."""
+    groups, d = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups
+    rest = q.shape[1:]
+    q = q.reshape(groups, per_group * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(groups * (per_group + 2) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    qkv = qkv.reshape(groups, (per_group + 2) * d, *rest)
+    q, k, v = torch.split(qkv, [per_group * d, d, d], dim=1)
+    return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
+
+
+class _Source:
+    """Hugging Face tensors, each to be consumed exactly once."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.used = set()
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ConversionError(f"the Hugging Face checkpoint has no tensor {name!r}")
+        self.used.add(name)
+        return self.tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def unused(self) -> List[str]:
+        return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_HF_SUFFIXES))
+
+
+def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Hugging Face tensors -> the unsharded Megatron state dict. Every Hugging Face tensor must be
+    used (an unknown one means an option the model would silently drop)."""
+    src = _Source(hf)
+    out: Dict[str, torch.Tensor] = {}
+    out["embedding.word_embeddings.weight"] = src.take("model.embed_tokens.weight")
+    moe_layers = set(shape.moe_layers())
+    for i in range(shape.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = h + "self_attn."
+        out[m + "input_layernorm.weight"] = src.take(h + "input_layernorm.weight")
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"), src.take(attn + "v_proj.weight"), shape)
+        if shape.add_qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                src.take(attn + "q_proj.bias"), src.take(attn + "k_proj.bias"), src.take(attn + "v_proj.bias"), shape)
+        if shape.qk_layernorm:
+            out[m + "self_attention.q_layernorm.weight"] = src.take(attn + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = src.take(attn + "k_norm.weight")
+        out[m + "self_attention.linear_proj.weight"] = src.take(attn + "o_proj.weight")
+        out[m + "pre_mlp_layernorm.weight"] = src.take(h + "post_attention_layernorm.weight")
+        if i in moe_layers:
+            block, router, (gate, up, down) = _moe_names(shape)
+            out[m + "mlp.router.weight"] = src.take(f"{h}{block}.{router}.weight")
+            for e in range(shape.num_experts):
+                x = f"{h}{block}.experts.{e}."
+                y = f"{m}mlp.experts.local_experts.{e}."
+                out[y + "linear_fc1.weight"] = torch.cat([src.take(x + f"{gate}.weight"), src.take(x + f"{up}.weight")])
+                out[y + "linear_fc2.weight"] = src.take(x + f"{down}.weight")
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [src.take(h + "mlp.gate_proj.weight"), src.take(h + "mlp.up_proj.weight")])
+            out[m + "mlp.linear_fc2.weight"] = src.take(h + "mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = src.take("model.norm.weight")
+    if shape.tie_word_embeddings:
+        if src.has("lm_head.weight"):
+            lm_head = src.take("lm_head.weight")
+            if not torch.equal(lm_head, out["embedding.word_embeddings.weight"]):
+                raise ConversionError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens.weight")
+    else:
+        out["output_layer.weight"] = src.take("lm_head.weight")
+    unused = src.unused()
+    if unused:
+        raise ConversionError(
+            f"{len(unused)} Hugging Face tensors have no Megatron counterpart for a {shape.family} model "
+            f"(an unsupported option?): {unused[:8]}{' ...' if len(unused) > 8 else ''}"
+        )
+    return out
+
+
+def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The unsharded Megatron state dict -> Hugging Face tensors (on-disk names)."""
+    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    used = set()
+
+    def take(name):
+        if name not in sd:
+            raise ConversionError(f"the Megatron checkpoint has no tensor {name!r}")
+        used.add(name)
+        return sd[name]
+
+    out: Dict[str, torch.Tensor] = {}
+    out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")
+    moe_layers = set(shape.moe_layers())
+    for i in range(shape.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = h + "self_attn."
+        out[h + "input_layernorm.weight"] = take(m + "input_layernorm.weight")
+        q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), shape)
+        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
+        if shape.add_qkv_bias:
+            q, k, v = split_qkv(take(m + "self_attention.linear_qkv.bias"), shape)
+            out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
+        if shape.qk_layernorm:
+            out[attn + "q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
+            out[attn + "k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
+        out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
+        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
+        if i in moe_layers:
+            block, router, (gate, up, down) = _moe_names(shape)
+            out[f"{h}{block}.{router}.weight"] = take(m + "mlp.router.weight")
+            for e in range(shape.num_experts):
+                x = f"{h}{block}.experts.{e}."
+                y = f"{m}mlp.experts.local_experts.{e}."
+                g, u = torch.chunk(take(y + "linear_fc1.weight"), 2, dim=0)
+                out[x + f"{gate}.weight"], out[x + f"{up}.weight"] = g, u
+                out[x + f"{down}.weight"] = take(y + "linear_fc2.weight")
+        else:
+            g, u = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = g, u
+            out[h + "mlp.down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
+    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+    if not shape.tie_word_embeddings:
+        out["lm_head.weight"] = take("output_layer.weight")
+    left = sorted(set(sd) - used)
+    if left:
+        raise ConversionError(f"Megatron tensors not exported (unexpected for {shape.family}): {left[:8]}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    return {k: v.to(dtype) for k, v in tensors.items()}
+
+
+def names(tensors: Iterable[str]) -> List[str]:
+    return sorted(tensors)

@@ -1,0 +1,77 @@
+"""Tiny random-weight Hugging Face models of each supported family, built locally with
+transformers (no download): for the equivalence tests and the AR -> BDLM example.
+
+Weights are re-drawn with unit-scale statistics (not the 0.02 initialiser) so that logits are
+O(1) and a 1e-4 comparison actually constrains the conversion; norm weights are drawn around 1 and
+biases around 0 so a transposed or misplaced tensor shows up.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-6, attention_dropout=0.0)
+
+
+def tiny_config(family: str, **overrides: Any):
+    """A transformers config of `family` (GQA 4 query heads over 2 KV groups)."""
+    import transformers
+
+    kw: Dict[str, Any] = dict(_COMMON)
+    if family == "llama":
+        # rope_theta 1e6 with llama3 scaling: head_dim 8 puts one frequency in each scaling regime
+        cls = transformers.LlamaConfig
+        kw.update(max_position_embeddings=65536,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    elif family == "qwen2":
+        cls = transformers.Qwen2Config
+        kw.update(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "qwen3":
+        cls = transformers.Qwen3Config
+        kw.update(head_dim=16, tie_word_embeddings=True)  # head_dim != hidden / heads, as in Qwen3
+    elif family == "qwen3_moe":
+        cls = transformers.Qwen3MoeConfig
+        kw.update(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    elif family == "mixtral":
+        cls = transformers.MixtralConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides: Any):
+    """A random-weight transformers causal LM (fp32, eager attention)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, **overrides)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+def save_tiny_model(family: str, path: str, seed: int = 0, **overrides: Any):
+    model = tiny_model(family, seed, **overrides)
+    model.save_pretrained(path)
+    return model
