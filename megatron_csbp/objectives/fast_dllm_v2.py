@@ -1,0 +1,121 @@
+"""Fast-dLLM v2: turning an autoregressive model into a block diffusion LM (arXiv 2509.26328).
+
+Per sample, one mask m is drawn (a time t per block, antithetic over the sample's blocks as in
+BD3-LM, and a supervised token is masked with probability t); the batch is doubled into the
+complementary pair of noisy views, m and (1 - m). Every supervised token is masked in exactly one
+of the two views (prompt tokens are never masked).
+
+Token shift keeps the AR head: noisy row i predicts token i+1, and is a target in a view exactly
+when token i+1 is masked in that view. So every supervised token at position >= 1 is a target
+exactly once over the pair; position 0 is never a target. Weights are 1, the mask token stays in
+the softmax, and the denominator is the number of shifted supervised targets
+(`loss_mask[:, 1:].sum()`, as for the AR objective): with m and 1-m together, the loss is a mean
+over the same targets as the AR loss.
+
+Row i of a noisy block sees its own block (bidirectionally) and the clean prefix before the block,
+so the token i+1 it predicts is never visible to it: for the last row of a block the target is the
+first token of the next block, which that row cannot see at all.
+
+The mask token is an existing (reserved) token id of the vocabulary, given by id or by token
+string; the embedding is never resized.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Union
+
+import torch
+
+from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+from megatron_csbp.objectives.bd3lm import BD3LMObjective
+
+
+class FastDLLMv2Objective(Objective):
+    name = "fast-dllm-v2"
+    exclude_mask_from_softmax = False
+
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
+                 eps_min: float = 1e-3, eps_max: float = 1.0):
+        if not 0.0 < eps_min <= eps_max <= 1.0:
+            raise ValueError(
+                f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got {eps_min}, {eps_max}"
+            )
+        if mask_token_id is None or int(mask_token_id) < 0:
+            raise ValueError("--objective fast-dllm-v2 needs a mask token (--mask-token-id or --mask-token)")
+        self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
+        self.eps_min, self.eps_max = eps_min, eps_max
+
+    # the same antithetic per-block times as BD3-LM
+    block_times = BD3LMObjective.block_times
+
+    def masks(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+        """The first view's mask m [b, L] (bool): supervised tokens drawn with their block's t."""
+        b, L = tokens.shape
+        if L % self.block_size:
+            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
+        n = L // self.block_size
+        t_rows, draw_rows = [], []
+        for i in range(b):
+            g = sample_generator(self.seed, int(sample_index[i]))
+            t_rows.append(self.block_times(n, g).repeat_interleave(self.block_size))
+            draw_rows.append(torch.rand(L, generator=g))
+        t = torch.stack(t_rows).to(tokens.device)
+        draws = torch.stack(draw_rows).to(tokens.device)
+        return (draws < t) & loss_mask.bool()
+
+    def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
+        supervised = loss_mask.bool()
+        m = self.masks(tokens, loss_mask, sample_index)
+        # Rows 2i and 2i+1 are the two complementary views of sample i.
+        masked = torch.stack([m, supervised & ~m], dim=1).flatten(0, 1)  # [2b, L]
+        clean = tokens.repeat_interleave(2, dim=0)
+        noisy = torch.where(masked, torch.full_like(clean, self.mask_token_id), clean)
+        targets = torch.full_like(clean, -100)
+        targets[:, :-1] = torch.where(masked[:, 1:], clean[:, 1:], targets[:, :-1])
+        weights = (targets >= 0).float()
+        return NoisedBatch(noisy, targets, weights, clean_tokens=clean)
+
+    def denominator(self, loss_mask):
+        return loss_mask[:, 1:].sum().to(torch.float32)
+
+
+def resolve_mask_token(value: Union[int, str], tokenizer_path: Optional[str] = None,
+                       vocab_size: Optional[int] = None) -> int:
+    """The id of the mask token given as an id ("151665") or as a token string ("<|mask|>").
+
+    A string must already be one token of the tokenizer (`tokenizer.json` in `tokenizer_path`:
+    its vocabulary or its added tokens): Fast-dLLM v2 reuses a reserved token, never resizing the
+    embedding. The id must lie inside the model's vocabulary (`vocab_size`, which may be larger
+    than the tokenizer's: the spare rows are usable reserved ids)."""
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        token_id = int(value)
+    else:
+        token_id = _lookup_token(str(value), tokenizer_path)
+    if vocab_size is not None and not 0 <= token_id < vocab_size:
+        raise ValueError(f"mask token id {token_id} is outside the model's vocabulary [0, {vocab_size}); "
+                         "Fast-dLLM v2 reuses an existing (reserved) token and does not resize the embedding")
+    return token_id
+
+
+def _lookup_token(token: str, tokenizer_path: Optional[str]) -> int:
+    if tokenizer_path is None:
+        raise ValueError(f"mask token {token!r} given as a string: the tokenizer folder is needed to find its id "
+                         "(or pass the id)")
+    path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer.json at {tokenizer_path} to look up mask token {token!r}")
+    with open(path) as f:
+        data = json.load(f)
+    for added in data.get("added_tokens", []):
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    if isinstance(vocab, list):  # unigram vocabularies: [[piece, score], ...]
+        for i, entry in enumerate(vocab):
+            if entry and entry[0] == token:
+                return i
+    raise ValueError(f"mask token {token!r} is not a token of {path}; Fast-dLLM v2 reuses an existing reserved "
+                     "token (no embedding resize): pick one of the tokenizer's added/reserved tokens or pass an id")
