@@ -1,0 +1,168 @@
+"""A thin sentencepiece tokenizer, and the command that rebuilds the shipped data assets.
+
+The shipped model (`assets/pydoc_topics_unigram1024.model`) is a 1024-piece unigram model trained
+on the shipped corpus (`megatron_csbp.data.corpus`). Its reserved ids:
+
+    0 <pad>   1 <unk>   2 <s>   3 </s> (EOD, ends every packed document)
+    4 <mask>  (the absorbing-noise mask token)   5-7 <reserved_0..2>   8 "\\n"
+
+The control pieces are never produced from text (the string "<mask>" tokenizes as characters).
+Normalisation is the identity and whitespace is kept, so `detokenize(tokenize(text)) == text` for
+any text made of characters seen in training.
+
+Rebuild both assets (byte-identical on the same Python minor version, whose `pydoc_data` they come
+from; sentencepiece training runs on one thread to stay deterministic):
+
+    python -m megatron_csbp.data.tokenizer build [--out-dir DIR] [--vocab-size 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import platform
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from megatron_csbp.data import corpus as corpus_mod
+
+MODEL_FILE = "pydoc_topics_unigram1024.model"
+DEFAULT_MODEL = os.path.join(corpus_mod.ASSET_DIR, MODEL_FILE)
+MANIFEST_FILE = "MANIFEST.json"
+
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
+MASK = "<mask>"
+RESERVED = [MASK] + [f"<reserved_{i}>" for i in range(3)]
+NEWLINE = "\n"
+
+
+class SentencePieceTokenizer:
+    """ids / detokenize / eod / mask_token_id / vocab_size around a sentencepiece `.model` file."""
+
+    def __init__(self, model_path: Optional[str] = None, mask_token: str = MASK, eod_token: str = EOS):
+        import sentencepiece as spm
+
+        self.model_path = model_path or DEFAULT_MODEL
+        if not os.path.exists(self.model_path):
+            raise FileNotFoundError(
+                f"tokenizer model {self.model_path} not found; rebuild the shipped assets with "
+                "`python -m megatron_csbp.data.tokenizer build`"
+            )
+        self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        self._mask = self._special_id(mask_token, "mask token")
+        self._eod = self._special_id(eod_token, "end-of-document token")
+
+    def _special_id(self, piece: str, what: str) -> int:
+        i = self.sp.piece_to_id(piece)
+        if i == self.sp.unk_id() and piece != self.sp.id_to_piece(self.sp.unk_id()):
+            raise ValueError(f"tokenizer {self.model_path} has no {what} piece {piece!r}")
+        return int(i)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.sp.get_piece_size())
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def mask_token_id(self) -> int:
+        return self._mask
+
+    @property
+    def pad(self) -> int:
+        return int(self.sp.pad_id())
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of `text` (no BOS/EOS added)."""
+        return list(self.sp.encode(text))
+
+    ids = tokenize
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [list(x) for x in self.sp.encode(list(texts))]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def piece(self, token_id: int) -> str:
+        return self.sp.id_to_piece(int(token_id))
+
+
+def train_sentencepiece(texts: Sequence[str], vocab_size: int = 1024) -> bytes:
+    """Serialized unigram sentencepiece model trained on `texts` (one document per item)."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(texts)), model_writer=buf, model_type="unigram", vocab_size=vocab_size,
+        pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=PAD, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
+        control_symbols=RESERVED, user_defined_symbols=[NEWLINE],
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        character_coverage=1.0, split_digits=True, max_sentence_length=1 << 16,
+        num_threads=1, minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def build_assets(out_dir: Optional[str] = None, vocab_size: int = 1024) -> Dict[str, str]:
+    """Extract the corpus from `pydoc_data.topics`, train the tokenizer, write both and a manifest."""
+    out_dir = out_dir or corpus_mod.ASSET_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    docs = corpus_mod.extract_pydoc_documents()
+    corpus_path = os.path.join(out_dir, corpus_mod.CORPUS_FILE)
+    corpus_mod.write_documents(docs, corpus_path)
+    model_path = os.path.join(out_dir, MODEL_FILE if vocab_size == 1024 else f"pydoc_topics_unigram{vocab_size}.model")
+    with open(model_path, "wb") as f:
+        f.write(train_sentencepiece([d["text"] for d in docs], vocab_size))
+    import sentencepiece
+
+    manifest = {
+        "source": "pydoc_data.topics of CPython (PSF License)",
+        "python": platform.python_version(),
+        "sentencepiece": sentencepiece.__version__,
+        "documents": len(docs),
+        "characters": sum(len(d["text"]) for d in docs),
+        "vocab_size": vocab_size,
+        "files": {os.path.basename(p): _sha256(p) for p in (corpus_path, model_path)},
+        "command": "python -m megatron_csbp.data.tokenizer build",
+    }
+    with open(os.path.join(out_dir, MANIFEST_FILE), "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return {"corpus": corpus_path, "model": model_path, "manifest": os.path.join(out_dir, MANIFEST_FILE)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_csbp.data.tokenizer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="rebuild the corpus and tokenizer assets")
+    b.add_argument("--out-dir", default=corpus_mod.ASSET_DIR)
+    b.add_argument("--vocab-size", type=int, default=1024)
+    e = sub.add_parser("encode", help="print the ids and pieces of a text")
+    e.add_argument("text")
+    e.add_argument("--model", default=None)
+    args = parser.parse_args(argv)
+    if args.cmd == "build":
+        paths = build_assets(args.out_dir, args.vocab_size)
+        for k, p in paths.items():
+            print(f"{k}: {p}")
+        return 0
+    tok = SentencePieceTokenizer(args.model)
+    ids = tok.tokenize(args.text)
+    print(ids)
+    print([tok.piece(i) for i in ids])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
