@@ -1,0 +1,1 @@
+"""CPU benchmark of the block-diffusion layouts (`python -m megatron_csbp.bench`)."""

@@ -1,0 +1,80 @@
+"""`python -m megatron_csbp.bench`: single rank, CP, BP and CSBP on CPU gloo ranks, one run.
+
+Default (a few minutes on two cores): 2 layers, L = 256, 512, 1024, P = 2 and 4, every layout.
+`--quick`: the CI-sized configuration used by the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, BenchModel, quick_config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI-sized configuration (overrides the size flags)")
+    p.add_argument("--seq-lengths", type=int, nargs="+", default=None, help="clean tokens L per sample")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="sequence-group sizes P (>= 2)")
+    p.add_argument("--layouts", nargs="+", default=None, choices=ALL_LAYOUTS)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--hidden-size", type=int, default=None)
+    p.add_argument("--num-attention-heads", type=int, default=None)
+    p.add_argument("--num-query-groups", type=int, default=None)
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per case")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per case (median reported)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory-tracking step")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--output-dir", default="docs/benchmarks")
+    p.add_argument("--name", default=None, help="basename of the report files (default: cpu or cpu_quick)")
+    return p.parse_args(argv)
+
+
+def config_from_args(args) -> BenchConfig:
+    cfg = quick_config() if args.quick else BenchConfig()
+    m = cfg.model
+    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                               "num_query_groups", "ffn_hidden_size", "vocab_size",
+                                               "block_size", "micro_batch_size") if getattr(args, k) is not None}
+    model = BenchModel(**{**m.__dict__, **overrides})
+    cfg = BenchConfig(
+        model=model,
+        seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
+        sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
+        layouts=tuple(args.layouts) if args.layouts else cfg.layouts,
+        warmup=cfg.warmup if args.warmup is None else args.warmup,
+        steps=cfg.steps if args.steps is None else args.steps,
+        seed=cfg.seed, measure_memory=not args.no_memory,
+    )
+    cfg.check()
+    return cfg
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from megatron_csbp.bench.report import save
+    from megatron_csbp.bench.runner import run
+
+    result = run(cfg)
+    name = args.name or ("cpu_quick" if args.quick else "cpu")
+    command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
+    files = save(result, args.output_dir, name, command.strip(), with_plots=not args.no_plots)
+    for kind, path in files.items():
+        print(f"[bench] wrote {kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

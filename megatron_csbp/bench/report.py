@@ -1,0 +1,202 @@
+"""Markdown table, JSON and PNG plots of a benchmark run."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional
+
+MiB = 2 ** 20
+
+
+def _fmt(x, spec=".2f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def _ratio(x):
+    return "–" if x is None else f"{x:.2f}x"
+
+
+def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
+    cfg, env, rows = result["config"], result["environment"], result["rows"]
+    m = cfg["model"]
+    head_dim = m["hidden_size"] // m["num_attention_heads"]
+    out = [
+        "# CPU benchmark: single rank, CP, BP and CSBP",
+        "",
+        "Made by:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- model: Megatron GPTModel (local spec, block-diffusion core attention, RoPE), {m['num_layers']} layers, "
+        f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads, G = {m['num_query_groups']} KV groups of "
+        f"d = {head_dim}, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']}, block size {m['block_size']}, "
+        f"micro-batch {m['micro_batch_size']}, {m['dtype']}; BD3-LM objective; AdamW.",
+        f"- step = forward + backward + one all-reduce of parameter gradients over the sequence group + "
+        f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
+        "the slowest rank's step.",
+        "- traffic: bytes each rank *sends* in attention collectives per step (forward + backward, all layers), "
+        "from `megatron_csbp.attention.accounting.traffic_counter()`; received bytes are equal. The formula "
+        "column is the design brief's per-layer `8*L*G*d*s*(P-1)/P` (CP) and `4*L*G*d*s*(C-1)/C` (CSBP, ring of "
+        "C ranks) times layers.",
+        "- memory: peak live tensor bytes of one extra (untimed) step per rank, with weights, gradients, "
+        "optimizer states and cached masks (see `megatron_csbp/bench/memory.py`); the table shows the largest "
+        "rank. The process RSS high-water mark (after `/proc/self/clear_refs`) is in the JSON file; it is "
+        "dominated by the ~0.4 GiB of libraries and is not compared.",
+        "- ratios are to CP over the same ranks with the same transport (BP: to CP all-gather).",
+        f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
+        f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread per "
+        f"rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s. "
+        "Worlds of 4 ranks run on 2 cores, so their times carry oversubscription; compare layouts within one P.",
+        "",
+    ]
+    by_p: Dict[int, List[Dict]] = {}
+    for r in rows:
+        by_p.setdefault(r["P"], []).append(r)
+    for P in sorted(by_p):
+        out += [f"## P = {P}" if P > 1 else "## Single rank", ""]
+        out += ["| L | layout | CP | BP | step ms | tok/s | time vs CP | attn MiB sent/rank | vs CP | formula MiB "
+                "| measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(by_p[P], key=lambda r: (r["seq_length"],)):
+            mf = (r["attn_bytes_sent"] / r["formula_bytes_sent"]) if r["formula_bytes_sent"] else None
+            out.append(
+                f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | "
+                f"{r['tokens_per_s']:.0f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | "
+                f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | "
+                f"{'–' if mf is None else f'{mf:.3f}'} | "
+                f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
+                f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} |")
+        out.append("")
+    full = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"] and r["traffic_vs_cp"] is not None]
+    if full:
+        worst = max(r["traffic_vs_cp"] for r in full)
+        out += [f"CSBP (CP = BP = P) traffic vs CP, every case above: at most {worst:.3f}x "
+                f"({'half or less' if worst <= 0.5 + 1e-12 else 'MORE THAN HALF'}).", ""]
+    dev = loss_deviation(rows)
+    if dev is not None:
+        out += [f"Step-0 loss of every layout vs the single-rank loss at the same L (same weights, tokens and "
+                f"noise): largest relative difference {dev:.1e}.", ""]
+    mem = _memory_table(rows)
+    if mem:
+        out += mem
+    if plots:
+        out += ["## Plots", ""]
+        out += [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def loss_deviation(rows: List[Dict]) -> Optional[float]:
+    """Largest |loss - single-rank loss| / |single-rank loss| over all cases (None without single)."""
+    single = {r["seq_length"]: r["loss_step0"] for r in rows if r["kind"] == "single"}
+    devs = [abs(r["loss_step0"] - single[r["seq_length"]]) / abs(single[r["seq_length"]])
+            for r in rows if r["seq_length"] in single and r["kind"] != "single"]
+    return max(devs) if devs else None
+
+
+def _memory_table(rows: List[Dict]) -> List[str]:
+    if not rows or rows[0]["peak_tensor_bytes"] is None:
+        return []
+    Lmax = max(r["seq_length"] for r in rows)
+    sel = [r for r in rows if r["seq_length"] == Lmax and r["P"] > 1]
+    if not sel:
+        return []
+    out = [f"## Peak tensor memory per rank at L = {Lmax} (MiB)", "",
+           "| P | layout | per rank | rows per rank |", "|---|---|---|---|"]
+    for r in sorted(sel, key=lambda r: (r["P"], r["case"])):
+        per = ", ".join(f"{b / MiB:.1f}" for b in r["peak_tensor_bytes_per_rank"])
+        out.append(f"| {r['P']} | {r['case']} | {per} | {', '.join(map(str, r['rows_per_rank']))} |")
+    out.append("")
+    return out
+
+
+def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
+    """PNG plots: traffic and step time vs sequence length (one panel per P), memory per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    sizes = sorted({r["P"] for r in rows if r["P"] > 1})
+    if not sizes:
+        return {}
+    files = {}
+    cases = []
+    for r in rows:
+        if r["P"] > 1 and r["case"] not in cases:
+            cases.append(r["case"])
+
+    def series(P, case, key):
+        pts = sorted((r["seq_length"], r[key]) for r in rows if r["P"] == P and r["case"] == case
+                     and r[key] is not None)
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    for key, ylabel, fname, scale in (("attn_bytes_sent", "attention MiB sent per rank per step", "traffic", MiB),
+                                      ("median_step_s", "median step time (ms)", "time", 1e-3)):
+        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+        for ax, P in zip(axes[0], sizes):
+            for case in cases:
+                x, y = series(P, case, key)
+                if x:
+                    ax.plot(x, [v / scale for v in y], marker="o", label=case)
+            if key == "median_step_s":
+                x, y = series(1, "single", key)
+                ax.plot(x, [v / scale for v in y], marker="x", linestyle="--", color="k", label="single rank")
+            ax.set_title(f"P = {P}")
+            ax.set_xlabel("sequence length L (clean tokens)")
+            ax.set_ylabel(ylabel)
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{name}_{fname}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files[f"{fname} vs sequence length"] = path
+
+    if rows[0]["peak_tensor_bytes"] is not None:
+        Lmax = max(r["seq_length"] for r in rows)
+        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+        for ax, P in zip(axes[0], sizes):
+            sel = [r for r in rows if r["P"] == P and r["seq_length"] == Lmax]
+            width = 0.8 / max(1, P)
+            for i, r in enumerate(sel):
+                for rank, b in enumerate(r["peak_tensor_bytes_per_rank"]):
+                    ax.bar(i + (rank - (P - 1) / 2) * width, b / MiB, width=width,
+                           color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)
+            ax.set_xticks(range(len(sel)))
+            ax.set_xticklabels([r["case"] for r in sel], rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel("peak live tensor MiB")
+            ax.set_title(f"P = {P}, L = {Lmax}")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{name}_memory.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files["peak memory per rank"] = path
+    return files
+
+
+def save(result: Dict, out_dir: str, name: str, command: str, with_plots: bool = True) -> Dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    result = dict(result, command=command)
+    written = {}
+    figs = plots(result, out_dir, name) if with_plots else {}
+    written.update(figs)
+    md = os.path.join(out_dir, f"{name}.md")
+    with open(md, "w") as f:
+        f.write(markdown(result, command, figs))
+    js = os.path.join(out_dir, f"{name}.json")
+    with open(js, "w") as f:
+        json.dump(result, f, indent=1)
+    written.update(markdown=md, json=js)
+    return written
+
+
+def load(path: str) -> Dict:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,95 @@
+"""Run every world of the benchmark and aggregate per case (max over ranks where a step waits
+for the slowest rank, per-rank lists for memory)."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Dict, List
+
+import torch
+
+from megatron_csbp.bench.cases import BenchConfig, Case, cases_for, formula_bytes_sent
+from megatron_csbp.bench.spawn import spawn
+from megatron_csbp.bench.worker import world_main
+
+
+def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
+    """per_rank[r] is rank r's list of case records (same order on every rank)."""
+    rows = []
+    for records in zip(*per_rank):
+        first = records[0]
+        case = Case(first["case"], first["cp"], first["bp"], first["transport"], first["schedule"])
+        if case.size != len(records):
+            raise RuntimeError(f"case {case.name} of {case.size} ranks came back from {len(records)} ranks")
+        L = first["seq_length"]
+        t = first["median_step_s"]  # already the max over ranks, per step
+        sent = [r["attn_bytes_sent"] for r in records]
+        peak = [r["peak_tensor_bytes"] for r in records]
+        rss = [r["rss_high_water_bytes"] for r in records]
+        formula = formula_bytes_sent(case, cfg.model, L)
+        rows.append({
+            "case": case.name, "kind": case.kind, "P": case.size, "cp": case.cp, "bp": case.bp,
+            "transport": case.transport, "schedule": case.schedule, "seq_length": L,
+            "median_step_s": t, "step_times_s": first["step_times_s"],
+            "tokens_per_s": cfg.model.micro_batch_size * L / t,
+            "loss_step0": first["loss_step0"],
+            "rows_per_rank": [r["rows"] for r in records],
+            "attn_bytes_sent_per_rank": sent, "attn_bytes_sent": max(sent),
+            "attn_bytes_received": max(r["attn_bytes_received"] for r in records),
+            "attn_bytes_per_layer_rank0": {str(k): v for k, v in records[0]["attn_bytes_per_layer"].items()},
+            "formula_bytes_sent": formula,
+            "peak_tensor_bytes_per_rank": peak,
+            "peak_tensor_bytes": max(peak) if all(p is not None for p in peak) else None,
+            "static_tensor_bytes_per_rank": [r["static_tensor_bytes"] for r in records],
+            "rss_high_water_bytes_per_rank": rss,
+            "rss_high_water_bytes": max(rss) if all(x is not None for x in rss) else None,
+            "baseline": case.baseline_name(),
+        })
+    return rows
+
+
+def add_ratios(rows: List[Dict]) -> None:
+    index = {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+    for r in rows:
+        base = index.get((r["P"], r["seq_length"], r["baseline"])) if r["baseline"] else None
+        for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
+                         ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp")):
+            if base is None or not base.get(key) or r.get(key) is None:
+                r[out] = None
+            else:
+                r[out] = r[key] / base[key]
+
+
+def environment() -> Dict:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "host_cpus": os.cpu_count(), "load_average_at_start": load, "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "threads_per_rank": 1, "backend": "gloo",
+    }
+
+
+def run(cfg: BenchConfig, log=print) -> Dict:
+    cfg.check()
+    env = environment()
+    per_world = []
+    t0 = time.perf_counter()
+    for P in (1,) + tuple(cfg.sizes):
+        cases = cases_for(P, cfg.layouts)
+        log(f"[bench] world of {P} rank(s): {', '.join(c.name for c in cases)} at L = {list(cfg.seq_lengths)}")
+        tw = time.perf_counter()
+        per_rank = spawn(world_main, P, cfg, cases)
+        log(f"[bench]   done in {time.perf_counter() - tw:.1f} s")
+        per_world.extend(aggregate(cfg, per_rank))
+    add_ratios(per_world)
+    env["wall_s"] = time.perf_counter() - t0
+    try:
+        env["load_average_at_end"] = os.getloadavg()
+    except OSError:
+        pass
+    return {"config": cfg.to_dict(), "environment": env, "rows": per_world}

@@ -1,0 +1,52 @@
+"""Spawn N single-threaded CPU ranks on gloo and collect what each returns."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, out_dir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        torch.save({"ok": True, "result": fn(rank, world_size, *args)}, path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args):
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return the list of results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except Exception as exc:
+            errors = []
+            for r in range(world_size):
+                p = os.path.join(out_dir, f"rank{r}.pt")
+                if os.path.exists(p):
+                    rec = torch.load(p, weights_only=False)
+                    if not rec["ok"]:
+                        errors.append(f"--- rank {r} ---\n{rec['error']}")
+            raise RuntimeError("benchmark world failed:\n" + "\n".join(errors or [str(exc)])) from None
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["result"]
+                for r in range(world_size)]
