@@ -1,0 +1,117 @@
+"""`python -m megatron_csbp.plan`: predict step time and memory of every layout and print the best.
+
+Examples:
+  python -m megatron_csbp.plan --model nemotron-diffusion-14b --seq-length 262144 --block-size 256 \\
+      --gpus 16 --gpus-per-node 8 --hardware h200
+  python -m megatron_csbp.plan --hf-config config.json --seq-length 131072 --block-size 64 --gpus 8 --json
+  python -m megatron_csbp.plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
+      --group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu --vocab-size 131072 \\
+      --seq-length 65536 --block-size 32 --gpus 8 --hardware h100
+  python -m megatron_csbp.plan --profile docs/benchmarks/cpu_profile.json   # measure this machine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_csbp.planner.cost import Workload
+from megatron_csbp.planner.hardware import load_hardware, save_hardware
+from megatron_csbp.planner.model_config import (add_megatron_model_args, from_megatron_args, load_hf_config,
+                                                load_preset, presets)
+from megatron_csbp.planner.search import plan
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model source (one of)")
+    src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json")
+    src.add_argument("--model", metavar="PRESET", help=f"a built-in config: {', '.join(presets())}")
+    add_megatron_model_args(p)
+    w = p.add_argument_group("workload and cluster")
+    w.add_argument("--seq-length", type=int, help="clean tokens L per sample")
+    w.add_argument("--block-size", type=int, help="block size B")
+    w.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step (default: one per data-parallel replica)")
+    w.add_argument("--gpus", type=int, help="GPUs in the job")
+    w.add_argument("--gpus-per-node", type=int, default=8)
+    w.add_argument("--hardware", default="h200", help="h100, h200, measured, or a profile FILE")
+    w.add_argument("--transports", nargs="+", default=["allgather", "ring"], choices=["allgather", "ring"])
+    w.add_argument("--block-ownership", nargs="+", default=["mirrored"], choices=["mirrored", "contiguous"])
+    w.add_argument("--recompute", nargs="+", default=["none", "full"], choices=["none", "full"])
+    w.add_argument("--no-distributed-optimizer", action="store_true")
+    w.add_argument("--grad-reduce-in-bf16", action="store_true", help="bf16 main gradients (2 bytes, not 4)")
+    w.add_argument("--logits-bytes", type=int, default=6,
+                   help="bytes per logit element at the loss (6: bf16 logits + fp32 copy; 2: fused linear-CE)")
+    w.add_argument("--loss-chunk-rows", type=int, default=0,
+                   help="rows per chunk of a fused/chunked linear cross-entropy (0: all logits at once)")
+    w.add_argument("--window-exchange", choices=["window", "all"], default="window",
+                   help="CSBP sliding-window layers: exchange only the rows inside windows, or every clean row")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=8, help="layouts to print")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    o.add_argument("--profile", metavar="FILE", help="measure this machine's hardware profile into FILE and exit")
+    return p.parse_args(argv)
+
+
+def model_from_args(args):
+    given = [x for x in (args.hf_config, args.model) if x] + (["flags"] if args.num_layers else [])
+    if len(given) > 1:
+        raise ValueError("give exactly one of --hf-config, --model or the Megatron model flags")
+    if args.hf_config:
+        return load_hf_config(args.hf_config)
+    if args.model:
+        return load_preset(args.model)
+    return from_megatron_args(args)
+
+
+def format_table(result, top: int) -> str:
+    lines = [f"model: {result['model']}",
+             f"L = {result['seq_length']}, B = {result['block_size']}, {result['gpus']} GPUs "
+             f"({result['gpus_per_node']} per node), hardware {result['hardware']}; "
+             f"{result['evaluated']} layouts evaluated, {result['infeasible']} do not fit in memory",
+             "",
+             f"{'rank':>4}  {'layout':<44} {'step s':>9} {'tok/s':>9} {'peak GiB':>9} {'attn GiB/GPU':>12}"]
+    for i, l in enumerate(result["layouts"][:top]):
+        lines.append(f"{i + 1:>4}  {l['label']:<44} {l['step_time_s']:>9.2f} {l['tokens_per_s']:>9.0f} "
+                     f"{l['peak_memory_gib']:>9.1f} {l['attn_bytes_per_gpu'] / 2**30:>12.2f}")
+    if not result["layouts"]:
+        lines.append("  (no layout fits: more GPUs, recompute, or a shorter sequence)")
+    for key, title in (("best", "best"), ("best_baseline", "best without block parallelism")):
+        l = result[key]
+        if l:
+            lines += ["", f"{title}: {l['label']}", "  " + " ".join(l["flags"])]
+    if result.get("speedup_best_vs_baseline"):
+        lines.append(f"\npredicted speedup of the best layout over the best baseline: "
+                     f"{result['speedup_best_vs_baseline']:.3f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.profile:
+            prof = load_hardware("measured")
+            save_hardware(prof, args.profile)
+            print(f"wrote {args.profile}: {prof.notes}")
+            return 0
+        missing = [f for f, v in (("--seq-length", args.seq_length), ("--block-size", args.block_size),
+                                  ("--gpus", args.gpus)) if v is None]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        model = model_from_args(args)
+        hw = load_hardware(args.hardware)
+        wl = Workload(args.seq_length, args.block_size, args.global_batch_size, args.window_exchange,
+                      2 if args.grad_reduce_in_bf16 else 4, args.logits_bytes, args.loss_chunk_rows)
+        result = plan(model, wl, args.gpus, args.gpus_per_node, hw, transports=args.transports,
+                      schedules=args.block_ownership, recompute=args.recompute,
+                      distributed_optimizer=not args.no_distributed_optimizer)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_table(result, args.top))
+    return 0

@@ -1,0 +1,278 @@
+"""The cost model: step time and peak memory per rank of one parallel layout.
+
+Every term is written out in docs/planner.md. In short, per micro-batch of one sample of L clean
+tokens, on the slowest rank of the sequence group:
+
+- GEMMs: 2 * active parameters per row per layer (/TP), on the rank's rows; the output layer on its
+  noisy rows only; x3 for forward + backward, +1 forward with full recompute;
+- attention: pairs of the real mask on this rank (exact count from the layout) * 4 * heads/TP * d
+  flops forward, x3.5 forward + backward, +1 with recompute;
+- attention traffic: the bytes the transports send (CP: all rows' K/V, 4*L*G*d*s*(P-1)/P per layer
+  forward; CSBP: clean K/V only, half; sliding layers: the window plan's rows; BP: none), forward
+  and backward (and the recompute forward); all-gather transport: overlapped with the noisy
+  block-diagonal attention (CSBP) in forward only; ring: overlapped with the attention of that pass;
+- TP (sequence parallel) all-gathers / reduce-scatters, MoE all-to-all, exposed DP gradient
+  reduction and the optimizer step; elementwise work at HBM bandwidth.
+
+Memory: bf16 weights + fp32 gradients + fp32 master weights and Adam moments (sharded over DP x CP
+with the distributed optimizer), activations per row per layer (all layers, or layer inputs plus
+one layer with full recompute), the gathered K/V kept for backward, fp32 logits of the noisy rows,
+and a reserve.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from megatron_csbp.planner.hardware import GiB, HardwareProfile
+from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+from megatron_csbp.planner.work import RankWork, rank_work
+
+ATTN_FWD_BWD = 3.5  # backward of attention ~2.5x its forward (5 vs 2 matmuls)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    bp: int = 1
+    ep: int = 1
+    dp: int = 1
+    recompute: str = "none"  # 'none' | 'full'
+    transport: str = "allgather"
+    schedule: str = "mirrored"
+    distributed_optimizer: bool = True
+
+    @property
+    def seq(self) -> int:
+        return max(self.cp, self.bp)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.seq * self.dp
+
+    @property
+    def kind(self) -> str:
+        if self.bp > 1:
+            return "csbp" if self.cp > 1 else "bp"
+        return "cp" if self.cp > 1 else "single"
+
+    def label(self) -> str:
+        parts = [f"DP{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"TP{self.tp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.bp > 1:
+            parts.append(f"BP{self.bp}")
+        extra = []
+        if self.recompute != "none":
+            extra.append("recompute")
+        if self.cp > 1:
+            extra.append(self.transport)
+        if self.bp > 1 and self.schedule != "mirrored":
+            extra.append(self.schedule)
+        return "/".join(parts) + (f" ({', '.join(extra)})" if extra else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_length: int
+    block_size: int
+    global_batch_size: Optional[int] = None  # samples per step; None = one per DP replica
+    window_exchange: str = "window"  # CSBP sliding layers: 'window' plan or 'all' clean rows
+    grad_bytes: int = 4  # main-gradient bytes per parameter (Megatron: fp32; --grad-reduce-in-bf16: 2)
+    logits_bytes: int = 6  # per logit element at the loss: bf16 logits + fp32 copy
+    loss_chunk_rows: int = 0  # 0: logits of all noisy rows at once (Megatron); N: chunked linear-CE
+
+    def samples_per_replica(self, dp: int) -> int:
+        gb = self.global_batch_size or dp
+        if gb % dp:
+            raise ValueError(f"--global-batch-size {gb} is not divisible by data-parallel size {dp}")
+        return gb // dp
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_gib: float
+    attn_bytes_per_gpu: int  # sent per GPU per step in attention collectives
+    feasible: bool
+    time: Dict[str, float] = field(default_factory=dict)
+    memory_gib: Dict[str, float] = field(default_factory=dict)
+    why_infeasible: str = ""
+
+    def to_dict(self, flags: List[str]) -> Dict:
+        lay = self.layout
+        return {
+            "tp": lay.tp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
+            "transport": lay.transport, "schedule": lay.schedule, "label": lay.label(),
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "peak_memory_gib": self.peak_memory_gib, "attn_bytes_per_gpu": self.attn_bytes_per_gpu,
+            "feasible": self.feasible, "why_infeasible": self.why_infeasible,
+            "time_breakdown_s": self.time, "memory_breakdown_gib": self.memory_gib, "flags": flags,
+        }
+
+
+def _spans_nodes(span: int, gpus_per_node: int) -> bool:
+    return span > gpus_per_node
+
+
+def _precision(hw: HardwareProfile, wl: "Workload"):
+    """(weight, grad, optimizer-state) bytes per parameter."""
+    if hw.dtype_bytes >= 4:
+        return 4, 4, 8  # fp32 training: weights, grads, Adam m and v
+    return 2, wl.grad_bytes, 12  # bf16 weights, main grads, fp32 master + m + v
+
+
+def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: int) -> float:
+    """Bytes one row keeps for backward in one layer (sequence parallel: everything / TP)."""
+    h, d = model.hidden_size, layer.head_dim
+    m = 2 if model.gated_mlp else 1
+    attn = 4 * h + (2 * layer.num_heads + 2 * layer.num_kv_heads) * d  # LN in/out x2, q, k, v, core out
+    mlp = (m + 1) * layer.mlp_ffn
+    moe = layer.topk * (h + (m + 1) * layer.expert_ffn) if layer.num_experts else 0
+    lse = layer.num_heads * 4 / s  # fp32 log-sum-exp per head
+    return s * (attn + mlp + moe + lse) / tp
+
+
+def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
+    L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.seq
+    s = hw.dtype_bytes
+    peak = hw.peak_tflops * 1e12
+    h, V = model.hidden_size, model.vocab_size
+    recompute = lay.recompute == "full"
+    passes_fwd = 2 if recompute else 1  # forward passes through the layers (recompute replays it)
+
+    # ---- per-rank work of the real mask, for each distinct attention window ------------------
+    windows = sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
+    work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w) for w in windows}
+    base = work[windows[0]]
+    ranks = range(len(base))
+
+    # ---- time of one sample on each rank; the group waits for the slowest ------------------------
+    ring = lay.cp if lay.kind in ("cp", "csbp") else 1
+    ring_span_nodes = _spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)
+    link = hw.link_gbps(ring_span_nodes) * 1e9
+    lat = hw.collective_latency_us * 1e-6
+    per_rank = []
+    for r in ranks:
+        rows, noisy = base[r].rows, base[r].noisy_rows
+        t = dict(gemm=0.0, moe_gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, moe_comm=0.0,
+                 elementwise=0.0, output_layer=0.0)
+        sent = 0
+        for layer in model.layers:
+            w = work[layer.window][r]
+            dense_flops = 2 * model.layer_dense_params(layer) / tp * rows
+            t["gemm"] += dense_flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
+            if layer.num_experts:
+                moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
+                t["moe_gemm"] += moe_flops * (3 + (1 if recompute else 0)) / (peak * hw.grouped_gemm_efficiency)
+            pairs = w.sparse_pairs if hw.attention_kernel == "sparse" else w.dense_pairs
+            heads_t = max(1, layer.num_heads // tp)
+            attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+            attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+            t["attention"] += attn_total
+            # attention traffic (bytes sent by this rank in one pass)
+            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+            if lay.kind == "cp":
+                per_pass = rows * kv_row * (S - 1)
+                n_coll = 1 if lay.transport == "allgather" else S - 1
+            elif lay.kind == "csbp":
+                if layer.window is not None and wl.window_exchange == "window":
+                    per_pass = w.exchange_rows * kv_row  # one variable all-to-all, received ~ sent
+                    n_coll = 1
+                else:
+                    per_pass = w.clean_rows * kv_row * (ring - 1)
+                    n_coll = 1 if lay.transport == "allgather" else ring - 1
+            else:
+                per_pass, n_coll = 0, 0
+            n_pass = passes_fwd + 1
+            sent += per_pass * n_pass
+            if per_pass:
+                t_pass = per_pass / link + n_coll * lat
+                if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                    # each shift hides behind the attention on the chunk before it
+                    hidden_fwd = attn_fwd * (ring - 1) / ring
+                    exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                else:
+                    # all-gather: CSBP's clean gather overlaps the noisy block-diagonal part (forward);
+                    # CP's gather must finish before any of its attention; reduce-scatter is exposed
+                    diag = 0.0
+                    if lay.kind == "csbp":
+                        diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim
+                                / (peak * hw.attention_efficiency))
+                    exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
+                t["attn_comm_exposed"] += exposed
+            if tp > 1:
+                tp_bytes = 4 * rows * h * s * (tp - 1) / tp
+                t["tp_comm"] += (passes_fwd + 1) * (tp_bytes / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9)
+                                                    + 4 * lat)
+            if layer.num_experts and lay.ep > 1:
+                a2a = 2 * rows / tp * layer.topk * h * s * (lay.ep - 1) / lay.ep
+                t["moe_comm"] += (passes_fwd + 1) * (
+                    a2a / (hw.link_gbps(_spans_nodes(tp * lay.ep, gpus_per_node)) * 1e9) + 2 * lat)
+            t["elementwise"] += (rows * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
+                                 * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
+        t["output_layer"] = 3 * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
+        per_rank.append((sum(t.values()), t, sent))
+    t_sample, t_parts, sent_sample = max(per_rank, key=lambda x: x[0])
+
+    # ---- per step: micro-batches, gradient reduction, optimizer ---------------------------------
+    micro = wl.samples_per_replica(lay.dp)
+    wb, gb, ob = _precision(hw, wl)
+    expert_total = model.expert_params
+    dense_rank = model.dense_params / tp
+    expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
+    D = lay.dp * S
+    De = max(1, D // lay.ep)
+    grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
+    if lay.distributed_optimizer:
+        grad_bytes = (gb + wb) * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
+        opt_params = dense_rank / D + expert_rank / De
+    else:
+        grad_bytes = 2 * gb * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
+        opt_params = dense_rank + expert_rank
+    t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
+    t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
+    step = micro * t_sample + t_grad + t_opt
+    time = {k: micro * v for k, v in t_parts.items()}
+    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+
+    # ---- memory of the largest rank ----------------------------------------------------------------
+    params_rank = dense_rank + expert_rank
+    static = (wb + gb) * params_rank + ob * opt_params
+    mems = []
+    for r in ranks:
+        rows, noisy = base[r].rows, base[r].noisy_rows
+        per_layer = []
+        for layer in model.layers:
+            w = work[layer.window][r]
+            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+            if lay.kind == "csbp" and layer.window is not None and wl.window_exchange == "window":
+                kv_held = w.exchange_rows * kv_row
+            else:
+                kv_held = w.kv_rows_gathered * kv_row
+            per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held)
+        if recompute:
+            act = rows * h * s / tp * model.num_layers + max(per_layer)
+        else:
+            act = sum(per_layer)
+        logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
+        logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
+        mems.append((act + logits, act, logits))
+    act_total, act, logits = max(mems, key=lambda m: m[0])
+    reserved = hw.reserved_gib * GiB
+    peak_bytes = static + act_total + reserved
+    mem = {"weights_grads_optimizer": static / GiB, "activations": act / GiB, "logits": logits / GiB,
+           "reserved": hw.reserved_gib}
+    feasible = peak_bytes <= hw.memory_gib * GiB
+    return Estimate(
+        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * L / step, peak_memory_gib=peak_bytes / GiB,
+        attn_bytes_per_gpu=int(micro * sent_sample), feasible=feasible, time=time, memory_gib=mem,
+        why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
+    )

@@ -1,0 +1,252 @@
+"""Model shapes for the cost model: from Megatron flags or a Hugging Face config.json.
+
+Only what decides FLOPs, bytes and memory is kept: per layer the attention shape (query heads, KV
+heads, head dim, sliding window), the dense MLP and the experts; plus hidden size, vocabulary and
+whether embeddings are tied. Norm weights and biases are ignored (well under 0.1% of parameters).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "models")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: Optional[int] = None  # sliding window W (keys q-W < k <= q); None = full attention
+    kv_shared: bool = False  # V is derived from the K projection (no v_proj)
+    mlp_ffn: int = 0  # dense MLP intermediate size (0 = none)
+    num_experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+
+    def attn_params(self, hidden: int) -> int:
+        q = hidden * self.num_heads * self.head_dim
+        kv = hidden * self.num_kv_heads * self.head_dim * (1 if self.kv_shared else 2)
+        o = self.num_heads * self.head_dim * hidden
+        return q + kv + o
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden_size: int
+    vocab_size: int
+    layers: tuple  # of LayerShape
+    gated_mlp: bool = True  # SwiGLU / GeGLU: 3 matrices instead of 2
+    tied_embeddings: bool = False
+    clean_attention: str = "block_causal"
+    notes: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    def layer_dense_params(self, layer: LayerShape) -> int:
+        """Parameters every token uses: attention and the dense MLP."""
+        return layer.attn_params(self.hidden_size) + self.mlp_matrices * self.hidden_size * layer.mlp_ffn
+
+    def layer_expert_params(self, layer: LayerShape) -> int:
+        """Parameters of one expert."""
+        return self.mlp_matrices * self.hidden_size * layer.expert_ffn
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+
+    @property
+    def dense_params(self) -> int:
+        return sum(self.layer_dense_params(l) for l in self.layers) + self.embedding_params
+
+    @property
+    def expert_params(self) -> int:
+        return sum(self.layer_expert_params(l) * l.num_experts for l in self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return self.dense_params + self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        return self.dense_params + sum(self.layer_expert_params(l) * l.topk for l in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(l.num_experts for l in self.layers)
+
+    @property
+    def max_heads(self) -> int:
+        return max(l.num_heads for l in self.layers)
+
+    def summary(self) -> str:
+        windows = sorted({l.window for l in self.layers if l.window})
+        kinds = f", {sum(1 for l in self.layers if l.window)} sliding (W={windows}) / " \
+                f"{sum(1 for l in self.layers if not l.window)} full layers" if windows else ""
+        moe = ""
+        if self.is_moe:
+            l0 = next(l for l in self.layers if l.num_experts)
+            moe = f", MoE {l0.num_experts} experts top-{l0.topk}"
+        return (f"{self.name}: {self.total_params / 1e9:.2f}B params ({self.active_params / 1e9:.2f}B active), "
+                f"{self.num_layers} layers, hidden {self.hidden_size}{kinds}{moe}")
+
+    def to_dict(self) -> Dict:
+        d = asdict(self)
+        d["layers"] = [asdict(l) for l in self.layers]
+        return d
+
+
+def _req(cfg: Dict, *keys, default=None):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    if default is not None:
+        return default
+    raise ValueError(f"config.json has none of {list(keys)}")
+
+
+def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
+    """Llama / Mistral / Qwen2-3 / Qwen-MoE / Mixtral / Gemma-style config.json (also nested
+    `text_config`). Sliding layers come from `layer_types` or `sliding_window_pattern`; Gemma-4-style
+    full layers may have their own `global_head_dim` / `num_global_key_value_heads` and
+    `attention_k_eq_v` (DiffusionGemma)."""
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("name",)}}
+    hidden = int(_req(cfg, "hidden_size", "d_model"))
+    n_layers = int(_req(cfg, "num_hidden_layers", "num_layers", "n_layer"))
+    heads = int(_req(cfg, "num_attention_heads", "n_head"))
+    kv = int(_req(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    vocab = int(_req(cfg, "vocab_size"))
+    ffn = int(cfg.get("intermediate_size") or 0)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+    topk = int(cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or cfg.get("moe_topk") or 0)
+    expert_ffn = int(cfg.get("moe_intermediate_size") or cfg.get("expert_intermediate_size") or 0)
+    if experts and not expert_ffn:
+        expert_ffn, ffn = ffn, 0
+    if experts and not topk:
+        raise ValueError("MoE config.json needs num_experts_per_tok")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    dense_ffn = ffn if (not experts or cfg.get("enable_moe_block") or cfg.get("dense_mlp_with_experts")) else 0
+    dense_ffn += shared
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and window:
+        pattern = cfg.get("sliding_window_pattern")
+        if pattern:  # every pattern-th layer is full (Gemma 2/3)
+            layer_types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+                           for i in range(n_layers)]
+        elif cfg.get("use_sliding_window", True):
+            layer_types = ["sliding_attention"] * n_layers
+    if layer_types is None:
+        layer_types = ["full_attention"] * n_layers
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    full_head_dim = int(cfg.get("global_head_dim") or head_dim)
+    full_kv = int(cfg.get("num_global_key_value_heads") or kv)
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    layers = []
+    for t in layer_types:
+        sliding = t in ("sliding_attention", "sliding", "local")
+        layers.append(LayerShape(
+            num_heads=heads, num_kv_heads=kv if sliding else full_kv,
+            head_dim=head_dim if sliding else full_head_dim, window=int(window) if sliding else None,
+            kv_shared=(k_eq_v and not sliding), mlp_ffn=dense_ffn, num_experts=experts,
+            topk=topk if experts else 0, expert_ffn=expert_ffn if experts else 0,
+        ))
+    act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu")
+    gated = bool(cfg.get("gated_mlp", act in ("silu", "swiglu", "gelu_pytorch_tanh", "gelu", "geglu")))
+    return ModelConfig(
+        name=name or cfg.get("name") or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model",
+        hidden_size=hidden, vocab_size=vocab, layers=tuple(layers), gated_mlp=gated,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        clean_attention=cfg.get("clean_attention", "block_causal"), notes=cfg.get("notes", ""),
+    )
+
+
+def load_hf_config(path: str) -> ModelConfig:
+    with open(path) as f:
+        cfg = json.load(f)
+    return from_hf_config(cfg, cfg.get("name") or os.path.basename(os.path.dirname(os.path.abspath(path))))
+
+
+def presets() -> Dict[str, str]:
+    """Built-in model configs (HF-style JSON) by name."""
+    out = {}
+    for f in sorted(os.listdir(PRESET_DIR)):
+        if f.endswith(".json"):
+            out[f[:-5]] = os.path.join(PRESET_DIR, f)
+    return out
+
+
+def load_preset(name: str) -> ModelConfig:
+    table = presets()
+    if name not in table:
+        raise ValueError(f"--model {name!r} is not a preset; choose from {sorted(table)}")
+    with open(table[name]) as f:
+        cfg = json.load(f)
+    return from_hf_config(cfg, name)
+
+
+def from_megatron_args(args) -> ModelConfig:
+    """Megatron-LM model flags (same names and defaults where they exist)."""
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    if hidden is None or heads is None or args.num_layers is None:
+        raise ValueError("give --hf-config FILE, --model PRESET, or at least --num-layers, --hidden-size and "
+                         "--num-attention-heads")
+    if hidden % heads and args.kv_channels is None:
+        raise ValueError(f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}; set --kv-channels")
+    head_dim = args.kv_channels or hidden // heads
+    kv = args.num_query_groups if args.group_query_attention else heads
+    if heads % kv:
+        raise ValueError(f"--num-attention-heads {heads} must be divisible by --num-query-groups {kv}")
+    ffn = args.ffn_hidden_size or (4 * hidden if not args.swiglu else int(8 * hidden / 3))
+    vocab = args.padded_vocab_size or args.vocab_size
+    if vocab is None:
+        raise ValueError("give --vocab-size (or --padded-vocab-size)")
+    experts = args.num_experts or 0
+    window = None
+    if args.window_size:
+        left = int(str(args.window_size).split(",")[0])
+        window = left + 1 if left >= 0 else None
+    layers = []
+    for i in range(1, args.num_layers + 1):
+        full = window is None or (args.window_attn_skip_freq and i % args.window_attn_skip_freq == 0)
+        layers.append(LayerShape(
+            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, window=None if full else window,
+            mlp_ffn=(args.moe_shared_expert_intermediate_size or 0) if experts else ffn,
+            num_experts=experts, topk=args.moe_router_topk if experts else 0,
+            expert_ffn=(args.moe_ffn_hidden_size or ffn) if experts else 0,
+        ))
+    return ModelConfig(name="megatron-flags", hidden_size=hidden, vocab_size=vocab, layers=tuple(layers),
+                       gated_mlp=bool(args.swiglu), tied_embeddings=not args.untie_embeddings_and_output_weights)
+
+
+def add_megatron_model_args(p) -> None:
+    g = p.add_argument_group("model (Megatron-LM flag names)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--kv-channels", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--padded-vocab-size", type=int)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--num-experts", type=int)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int)
+    g.add_argument("--window-size", type=str, help="'LEFT,RIGHT' as in Megatron, e.g. 1023,0")
+    g.add_argument("--window-attn-skip-freq", type=int, help="every N-th layer is full attention")

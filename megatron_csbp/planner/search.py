@@ -1,0 +1,105 @@
+"""Enumerate the layouts a cluster admits and rank them by predicted throughput."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional
+
+from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
+from megatron_csbp.planner.hardware import HardwareProfile
+from megatron_csbp.planner.model_config import ModelConfig
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_flags(lay: Layout, wl: Workload) -> List[str]:
+    """Megatron(-LM) flags plus the plugin's, as `python -m megatron_csbp.train` takes them."""
+    f = [f"--tensor-model-parallel-size {lay.tp}", "--pipeline-model-parallel-size 1",
+         f"--context-parallel-size {lay.cp}", f"--block-parallel-size {lay.bp}"]
+    if lay.ep > 1:
+        f.append(f"--expert-model-parallel-size {lay.ep}")
+    if lay.tp > 1:
+        f.append("--sequence-parallel")
+    if lay.cp > 1:
+        f.append(f"--attention-transport {lay.transport}")
+    if lay.bp > 1:
+        f.append(f"--block-ownership {lay.schedule}")
+    if lay.recompute == "full":
+        f += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    if lay.distributed_optimizer:
+        f.append("--use-distributed-optimizer")
+    f += [f"--seq-length {wl.seq_length}", f"--block-size {wl.block_size}", "--micro-batch-size 1",
+          f"--global-batch-size {wl.global_batch_size or lay.dp}", "--bf16"]
+    return f
+
+
+def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int,
+                      transports: Iterable[str] = ("allgather", "ring"),
+                      schedules: Iterable[str] = ("mirrored",),
+                      recompute: Iterable[str] = ("none", "full"),
+                      distributed_optimizer: bool = True) -> List[Layout]:
+    L, B = wl.seq_length, wl.block_size
+    if L % B:
+        raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
+    n = L // B
+    heads = [l.num_heads for l in model.layers]
+    out = []
+    for tp in divisors(gpus):
+        if tp > gpus_per_node or any(h % tp for h in heads):
+            continue
+        rest = gpus // tp
+        for S in divisors(rest):
+            dp = rest // S
+            if wl.global_batch_size and wl.global_batch_size % dp:
+                continue
+            if L % (2 * S):
+                continue
+            pairs = [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]
+            for cp, bp in pairs:
+                if bp > 1 and n < bp:
+                    continue
+                eps = [1]
+                if model.is_moe:
+                    experts = max(l.num_experts for l in model.layers)
+                    eps = [e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
+                for ep in eps:
+                    for rc in recompute:
+                        for tr in (transports if cp > 1 else ("allgather",)):
+                            for sc in (schedules if bp > 1 else ("mirrored",)):
+                                out.append(Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer))
+    return out
+
+
+def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: HardwareProfile,
+         **options) -> Dict:
+    if gpus < 1 or gpus_per_node < 1:
+        raise ValueError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}")
+    estimates: List[Estimate] = [estimate(model, lay, wl, hw, gpus_per_node)
+                                 for lay in candidate_layouts(model, wl, gpus, gpus_per_node, **options)]
+    feasible = sorted((e for e in estimates if e.feasible), key=lambda e: -e.tokens_per_s)
+    layouts = [e.to_dict(layout_flags(e.layout, wl)) for e in feasible]
+    best = layouts[0] if layouts else None
+    baselines = [l for l in layouts if l["bp"] == 1]
+    return {
+        "model": model.summary(), "hardware": hw.name, "seq_length": wl.seq_length, "block_size": wl.block_size,
+        "gpus": gpus, "gpus_per_node": gpus_per_node,
+        "global_batch_size": wl.global_batch_size or "one sample per data-parallel replica",
+        "evaluated": len(estimates), "infeasible": len(estimates) - len(feasible),
+        "layouts": layouts, "best": best, "best_baseline": baselines[0] if baselines else None,
+        "speedup_best_vs_baseline": (best["tokens_per_s"] / baselines[0]["tokens_per_s"]
+                                     if best and baselines else None),
+    }
+
+
+def evaluate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
+    return estimate(model, lay, wl, hw, gpus_per_node)
+
+
+def find(result: Dict, **match) -> Optional[Dict]:
+    """The best feasible layout in a plan result whose fields equal `match`."""
+    for l in result["layouts"]:
+        if all(l.get(k) == v for k, v in match.items()):
+            return l
+    return None

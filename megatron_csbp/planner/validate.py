@@ -1,0 +1,241 @@
+"""Validation of the cost model: (a) the paper's table, (b) the CPU benchmark.
+
+  python -m megatron_csbp.planner.validate --paper [--hardware h200]
+  python -m megatron_csbp.planner.validate --bench docs/benchmarks/cpu.json --hardware FILE
+
+Prints markdown (the tables of docs/planner.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List, Optional
+
+from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
+from megatron_csbp.planner.hardware import HardwareProfile, load_hardware
+from megatron_csbp.planner.model_config import load_preset
+
+# design brief section 4: (model preset, paper baseline label, CSBP label, baseline tok/s, CSBP tok/s,
+# speedup, peak GiB baseline, peak GiB CSBP, Megatron sizes (tp, cp, ep, dp))
+PAPER = [
+    ("nemotron-diffusion-3b", "DP4/CP4", "DP4/CP4/BP4", 13434, 16027, 1.19, 57.1, 57.0, (1, 4, 1, 4)),
+    ("nemotron-diffusion-8b", "DP4/CP4", "DP4/CP4/BP4", 9668, 11379, 1.18, 97.5, 97.5, (1, 4, 1, 4)),
+    ("nemotron-diffusion-14b", "DP2/CP8", "DP2/CP8/BP8", 7884, 9301, 1.18, 91.1, 90.6, (1, 8, 1, 2)),
+    # the paper's EP2 multiplies its GPU count (DP1 x EP2 x CP8 = 16); Megatron counts EP inside
+    # DP x CP, so the same 16 GPUs are dp = 2, cp = 8, ep = 2
+    ("diffusiongemma-26b-a4b", "DP1/EP2/CP8", "DP1/EP2/CP8/BP8", 10557, 15359, 1.45, 118.1, 113.6, (1, 8, 2, 2)),
+    ("qwen3-27b-like", "DP1/TP2/CP8 (Qwen3.8-27B)", "DP1/TP2/CP8/BP8", 2623, 3490, 1.33, 120.7, 111.1, (2, 8, 1, 1)),
+    ("qwen3-27b-like", "DP1/TP2/CP8 (Qwen3.5-27B)", "DP1/TP2/CP8/BP8", 2641, 3351, 1.27, 120.7, 111.1, (2, 8, 1, 1)),
+]
+PAPER_L, PAPER_B, PAPER_GPUS, PAPER_GPN = 262144, 256, 16, 8
+
+
+def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), transports=("allgather", "ring"),
+            schedule="mirrored") -> Estimate:
+    """The fastest feasible (recompute, transport) choice of one layout, else the smallest."""
+    ests = [estimate(model, Layout(tp, cp, bp, ep, dp, rc, tr if cp > 1 else "allgather", schedule), wl, hw, gpn)
+            for rc in recompute for tr in (transports if cp > 1 else ("allgather",))]
+    ok = [e for e in ests if e.feasible]
+    if ok:
+        return max(ok, key=lambda e: e.tokens_per_s)
+    return min(ests, key=lambda e: e.peak_memory_gib)
+
+
+def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None) -> Dict:
+    wl_kwargs = wl_kwargs or {}
+    rows = []
+    for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in PAPER:
+        model = load_preset(preset)
+        wl = Workload(PAPER_L, PAPER_B, **wl_kwargs)
+        base = best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN)
+        # CSBP must use the baseline's recompute choice when comparing like with like
+        cs = best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,))
+        rows.append({
+            "model": preset, "paper_baseline": bl, "paper_csbp": cl, "paper_speedup": speed,
+            "paper_baseline_tok_s": btok, "paper_csbp_tok_s": ctok, "paper_peak_gib": (bmem, cmem),
+            "pred_baseline": base.layout.label(), "pred_csbp": cs.layout.label(),
+            "pred_baseline_tok_s": base.tokens_per_s, "pred_csbp_tok_s": cs.tokens_per_s,
+            "pred_speedup": cs.tokens_per_s / base.tokens_per_s,
+            "pred_peak_gib": (base.peak_memory_gib, cs.peak_memory_gib),
+            "feasible": (base.feasible, cs.feasible),
+            "pred_attn_gib": (base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30),
+            "exposed_comm_s": (base.time["attn_comm_exposed"], cs.time["attn_comm_exposed"]),
+            "step_s": (base.step_time_s, cs.step_time_s),
+            "paper_step_s": (dp * PAPER_L / btok, dp * PAPER_L / ctok),
+        })
+        # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
+        saved = (base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu)
+        rows[-1]["explaining_gbps"] = saved / max(1e-9, rows[-1]["paper_step_s"][0] - rows[-1]["paper_step_s"][1]) / 1e9
+    return {"hardware": hw.name, "rows": rows}
+
+
+def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None) -> Dict:
+    wl_kwargs = wl_kwargs or {}
+    out = {}
+    gemma = load_preset("diffusiongemma-26b-a4b")
+    sp = {}
+    for L in (65536, 131072, 262144, 524288):
+        wl = Workload(L, PAPER_B, **wl_kwargs)
+        base = best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN)
+        cs = best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,))
+        sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
+                 base.feasible, cs.feasible)
+    out["gemma_by_length"] = sp
+    # pure BP at 128K on 16 GPUs (BP16 and DP2 x BP8), every model, best recompute choice
+    bp = {}
+    for preset in ("nemotron-diffusion-3b", "nemotron-diffusion-8b", "nemotron-diffusion-14b", "qwen3-27b-like",
+                   "diffusiongemma-26b-a4b"):
+        model = load_preset(preset)
+        wl = Workload(131072, PAPER_B, **wl_kwargs)
+        ep = 2 if model.is_moe else 1
+        tp = 2 if preset.startswith("qwen") else 1
+        e = best_of(model, tp, 1, 16 // tp, ep, 1, wl, hw, PAPER_GPN)
+        c = best_of(model, tp, 16 // tp, 16 // tp, ep, 1, wl, hw, PAPER_GPN)
+        bp[preset] = (e.layout.label(), e.peak_memory_gib, e.feasible, c.layout.label(), c.peak_memory_gib, c.feasible)
+    out["pure_bp_128k"] = bp
+    # mirrored vs contiguous ownership (CSBP, Nemotron 14B, DP2/CP8/BP8)
+    m14 = load_preset("nemotron-diffusion-14b")
+    wl = Workload(PAPER_L, PAPER_B, **wl_kwargs)
+    mir = best_of(m14, 1, 8, 8, 1, 2, wl, hw, PAPER_GPN, recompute=("full",))
+    con = best_of(m14, 1, 8, 8, 1, 2, wl, hw, PAPER_GPN, recompute=("full",), schedule="contiguous")
+    out["mirrored_vs_contiguous_14b"] = mir.tokens_per_s / con.tokens_per_s
+    # Nemotron 14B traffic at 256K, P = 8 with full recompute
+    b14 = estimate(m14, Layout(1, 8, 1, 1, 2, "full"), wl, hw, PAPER_GPN)
+    c14 = estimate(m14, Layout(1, 8, 8, 1, 2, "full"), wl, hw, PAPER_GPN)
+    out["traffic_14b_gib"] = (b14.attn_bytes_per_gpu / 2 ** 30, c14.attn_bytes_per_gpu / 2 ** 30)
+    b26 = estimate(gemma, Layout(1, 8, 1, 2, 2, "full"), wl, hw, PAPER_GPN)
+    c26 = estimate(gemma, Layout(1, 8, 8, 2, 2, "full"), wl, hw, PAPER_GPN)
+    out["traffic_gemma_gib"] = (b26.attn_bytes_per_gpu / 2 ** 30, c26.attn_bytes_per_gpu / 2 ** 30)
+    return out
+
+
+def paper_markdown(v: Dict, extra: Dict) -> str:
+    out = [f"Hardware profile: `{v['hardware']}`; L = {PAPER_L}, B = {PAPER_B}, 16 GPUs, 8 per node.", "",
+           "| model | paper layouts | paper speedup | predicted layouts (chosen options) | predicted speedup | "
+           "paper peak GiB | predicted peak GiB | memory direction | predicted step s (paper) | "
+           "attn GiB/GPU pred. | exposed attn comm s | GB/s explaining the paper's gain by traffic |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        pb, pc = r["paper_peak_gib"]
+        qb, qc = r["pred_peak_gib"]
+        same_dir = (qc <= qb + 1e-9) == (pc <= pb + 1e-9)
+        fits = "" if all(r["feasible"]) else " (does not fit)"
+        out.append(
+            f"| {r['model']} | {r['paper_baseline']} -> {r['paper_csbp']} | {r['paper_speedup']:.2f}x | "
+            f"{r['pred_baseline']} -> {r['pred_csbp']}{fits} | {r['pred_speedup']:.3f}x | {pb} -> {pc} | "
+            f"{qb:.1f} -> {qc:.1f} | {'same' if same_dir else 'DIFFERENT'} | "
+            f"{r['step_s'][0]:.1f} -> {r['step_s'][1]:.1f} ({r['paper_step_s'][0]:.1f} -> {r['paper_step_s'][1]:.1f}) | "
+            f"{r['pred_attn_gib'][0]:.0f} -> {r['pred_attn_gib'][1]:.0f} | "
+            f"{r['exposed_comm_s'][0]:.2f} -> {r['exposed_comm_s'][1]:.2f} | {r['explaining_gbps']:.1f} |")
+    out.append("")
+    g = extra["gemma_by_length"]
+    out += ["DiffusionGemma DP2(EP2)/CP8 vs +BP8 by sequence length (paper: 1.25x, 1.44x, 1.45x, 1.61x):", "",
+            "| L | predicted speedup | attn GiB/GPU CP -> CSBP | fits (CP, CSBP) |", "|---|---|---|---|"]
+    for L, (s, a, b, f1, f2) in g.items():
+        out.append(f"| {L} | {s:.3f}x | {a:.0f} -> {b:.1f} | {f1}, {f2} |")
+    out.append("")
+    out += ["Pure BP vs CSBP at 128K on 16 GPUs (paper: pure BP runs out of memory at 128K):", "",
+            "| model | pure BP layout | peak GiB | fits | CSBP layout | peak GiB | fits |", "|---|---|---|---|---|---|---|"]
+    for k, (bl, bm, bf, cl, cm, cf) in extra["pure_bp_128k"].items():
+        out.append(f"| {k} | {bl} | {bm:.1f} | {bf} | {cl} | {cm:.1f} | {cf} |")
+    out.append("")
+    t = extra["traffic_14b_gib"]
+    tg = extra["traffic_gemma_gib"]
+    out += [f"Nemotron 14B attention traffic per GPU at 256K (DP2/CP8, recompute): predicted {t[0]:.1f} -> "
+            f"{t[1]:.1f} GiB (paper 210 -> 105). DiffusionGemma (DP2/EP2/CP8, recompute): predicted "
+            f"{tg[0]:.0f} -> {tg[1]:.1f} GiB (paper 433 -> 28).",
+            f"Mirrored vs contiguous ownership, Nemotron 14B CSBP: predicted {extra['mirrored_vs_contiguous_14b']:.2f}x "
+            "(paper 1.28-1.34x).", ""]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) the CPU benchmark
+
+
+def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
+    from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+
+    m = bench["config"]["model"]
+    d = m["hidden_size"] // m["num_attention_heads"]
+    layer = LayerShape(m["num_attention_heads"], m["num_query_groups"], d, None, False, m["ffn_hidden_size"])
+    model = ModelConfig("cpu-bench", m["hidden_size"], m["vocab_size"], tuple([layer] * m["num_layers"]),
+                        gated_mlp=False, tied_embeddings=False)
+    rows = []
+    index = {(r["P"], r["seq_length"], r["case"]): r for r in bench["rows"]}
+    for r in bench["rows"]:
+        if r["P"] == 1:
+            continue
+        wl = Workload(r["seq_length"], m["block_size"], global_batch_size=1)
+        lay = Layout(1, r["cp"], r["bp"], 1, 1, "none", r["transport"], r["schedule"], distributed_optimizer=False)
+        e = estimate(model, lay, wl, hw, gpus_per_node=r["P"])
+        base_row = index.get((r["P"], r["seq_length"], r["baseline"]))
+        if base_row is None:
+            continue
+        bl = Layout(1, base_row["cp"], base_row["bp"], 1, 1, "none", base_row["transport"], base_row["schedule"],
+                    distributed_optimizer=False)
+        eb = estimate(model, bl, wl, hw, gpus_per_node=r["P"])
+        rows.append({
+            "P": r["P"], "L": r["seq_length"], "case": r["case"],
+            "measured_s": r["median_step_s"], "predicted_s": e.step_time_s,
+            "measured_time_ratio": r["time_vs_cp"], "predicted_time_ratio": e.step_time_s / eb.step_time_s,
+            "measured_bytes": r["attn_bytes_sent"], "predicted_bytes": e.attn_bytes_per_gpu,
+            "measured_traffic_ratio": r["traffic_vs_cp"],
+            "predicted_traffic_ratio": (e.attn_bytes_per_gpu / eb.attn_bytes_per_gpu) if eb.attn_bytes_per_gpu else None,
+            "measured_peak_mib": (r["peak_tensor_bytes"] or 0) / 2 ** 20,
+            "predicted_peak_mib": e.peak_memory_gib * 1024,
+        })
+    return rows
+
+
+def bench_markdown(rows: List[Dict], hw: HardwareProfile) -> str:
+    out = [f"Hardware profile: `{hw.name}` ({hw.notes})", "",
+           "| P | L | layout | step ms measured | predicted | time vs CP measured | predicted | "
+           "bytes sent measured | predicted | traffic vs CP measured | predicted | peak MiB measured | predicted |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, s=".2f": "–" if x is None else format(x, s)
+    for r in rows:
+        out.append(f"| {r['P']} | {r['L']} | {r['case']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
+                   f"{f(r['measured_time_ratio'])} | {f(r['predicted_time_ratio'])} | {r['measured_bytes']} | "
+                   f"{r['predicted_bytes']} | {f(r['measured_traffic_ratio'])} | {f(r['predicted_traffic_ratio'])} | "
+                   f"{r['measured_peak_mib']:.1f} | {r['predicted_peak_mib']:.1f} |")
+    ok = [r for r in rows if r["measured_bytes"] == r["predicted_bytes"]]
+    errs = [abs(r["predicted_time_ratio"] - r["measured_time_ratio"]) for r in rows if r["measured_time_ratio"]]
+    out += ["", f"Traffic: predicted bytes equal measured bytes in {len(ok)} of {len(rows)} cases.",
+            f"Time ratio vs CP: mean absolute error {sum(errs) / max(1, len(errs)):.3f}, "
+            f"largest {max(errs) if errs else 0:.3f}.", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.planner.validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paper", action="store_true")
+    p.add_argument("--bench", metavar="JSON", help="a benchmark result (docs/benchmarks/cpu.json)")
+    p.add_argument("--hardware", default=None, help="h100, h200, measured or FILE (default: h200 / measured)")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true")
+    p.add_argument("--logits-bytes", type=int, default=6)
+    p.add_argument("--loss-chunk-rows", type=int, default=0)
+    args = p.parse_args(argv)
+    if not (args.paper or args.bench):
+        p.error("give --paper and/or --bench JSON")
+    try:
+        wl_kwargs = {"grad_bytes": 2 if args.grad_reduce_in_bf16 else 4, "logits_bytes": args.logits_bytes,
+                     "loss_chunk_rows": args.loss_chunk_rows}
+        if args.paper:
+            hw = load_hardware(args.hardware or "h200")
+            print(paper_markdown(paper_validation(hw, wl_kwargs), extra_checks(hw, wl_kwargs)))
+        if args.bench:
+            hw = load_hardware(args.hardware or "measured")
+            with open(args.bench) as f:
+                bench = json.load(f)
+            print(bench_markdown(bench_validation(bench, hw), hw))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
