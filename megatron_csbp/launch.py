@@ -1,0 +1,259 @@
+"""NeMo-style recipe launcher: `python -m megatron_csbp.launch RECIPE [options] [key=value ...]`.
+
+A recipe is a YAML file with the sections `model`, `parallelism`, `data`, `objective` and
+`training` (each a mapping of Megatron / plugin flag names to values, with `_` or `-`), plus an
+optional `launch` section (`nnodes`, `nproc_per_node`, `slurm: {partition, account, time, ...}`).
+The launcher turns the sections into the command line of `python -m megatron_csbp.train` and
+either runs it under torchrun on this machine or writes a SLURM batch script.
+
+Values: `true` -> the bare flag; `false` / null -> omitted; a list -> repeated values after one
+flag. Overrides: `training.train_iters=5` or, when the key exists in exactly one section,
+`train_iters=5` (values parsed as YAML). `launch.nnodes=2` etc. override the launch section.
+
+Examples:
+  python -m megatron_csbp.launch examples/recipes/cpu_demo.yaml --dry-run
+  python -m megatron_csbp.launch examples/recipes/cpu_demo.yaml training.train_iters=2
+  python -m megatron_csbp.launch examples/recipes/nemotron_diffusion_14b_256k_csbp.yaml --slurm run.sbatch
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from typing import Dict, List, Optional, Tuple
+
+SECTIONS = ("model", "parallelism", "data", "objective", "training")
+LAUNCH_KEYS = ("nnodes", "nproc_per_node", "master_port", "env", "slurm")
+SLURM_KEYS = ("job_name", "partition", "account", "time", "cpus_per_task", "output", "container_image",
+              "container_mounts", "exclusive", "extra_sbatch", "setup")
+
+
+class RecipeError(ValueError):
+    pass
+
+
+def _yaml():
+    try:
+        import yaml
+    except ImportError as e:  # pragma: no cover
+        raise RecipeError("recipes need PyYAML: pip install pyyaml") from e
+    return yaml
+
+
+def load_recipe(path: str) -> Dict:
+    if not os.path.exists(path):
+        raise RecipeError(f"recipe {path!r} does not exist")
+    with open(path) as f:
+        recipe = _yaml().safe_load(f) or {}
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"recipe {path}: the top level must be a mapping")
+    unknown = set(recipe) - set(SECTIONS) - {"launch", "name", "description"}
+    if unknown:
+        raise RecipeError(f"recipe {path}: unknown sections {sorted(unknown)}; expected {list(SECTIONS)} and launch")
+    for s in SECTIONS:
+        recipe.setdefault(s, {})
+        if not isinstance(recipe[s], dict):
+            raise RecipeError(f"recipe {path}: section {s!r} must be a mapping of flag names to values")
+    recipe.setdefault("launch", {})
+    bad = set(recipe["launch"]) - set(LAUNCH_KEYS)
+    if bad:
+        raise RecipeError(f"recipe {path}: unknown launch keys {sorted(bad)}; expected {list(LAUNCH_KEYS)}")
+    bad = set(recipe["launch"].get("slurm") or {}) - set(SLURM_KEYS)
+    if bad:
+        raise RecipeError(f"recipe {path}: unknown launch.slurm keys {sorted(bad)}; expected {list(SLURM_KEYS)}")
+    recipe.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    return recipe
+
+
+def _norm(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def apply_overrides(recipe: Dict, overrides: List[str]) -> Dict:
+    yaml = _yaml()
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not KEY=VALUE")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        parts = key.split(".")
+        if parts[0] in SECTIONS + ("launch",) and len(parts) >= 2:
+            node = recipe[parts[0]]
+            for p in parts[1:-1]:
+                node = node.setdefault(_norm(p), {})
+            node[_norm(parts[-1])] = value
+            continue
+        if len(parts) != 1:
+            raise RecipeError(f"override {item!r}: the section must be one of {list(SECTIONS) + ['launch']}")
+        k = _norm(key)
+        owners = [s for s in SECTIONS if any(_norm(x) == k for x in recipe[s])]
+        if len(owners) == 0:
+            raise RecipeError(f"override {item!r}: no section has {key!r}; write SECTION.{key}=VALUE to add it")
+        if len(owners) > 1:
+            raise RecipeError(f"override {item!r}: {key!r} is in sections {owners}; write SECTION.{key}=VALUE")
+        sec = recipe[owners[0]]
+        for x in list(sec):
+            if _norm(x) == k:
+                del sec[x]
+        sec[k] = value
+    return recipe
+
+
+def recipe_flags(recipe: Dict) -> List[str]:
+    """The command-line flags of `python -m megatron_csbp.train` for a recipe."""
+    flags: List[str] = []
+    seen = {}
+    for s in SECTIONS:
+        for key, value in recipe[s].items():
+            name = "--" + str(key).replace("_", "-")
+            if name in seen:
+                raise RecipeError(f"flag {name} is set in both {seen[name]!r} and {s!r}")
+            seen[name] = s
+            if value is None or value is False:
+                continue
+            if value is True:
+                flags.append(name)
+            elif isinstance(value, (list, tuple)):
+                flags.append(name)
+                flags.extend(str(v) for v in value)
+            elif isinstance(value, dict):
+                raise RecipeError(f"{s}.{key}: a flag value cannot be a mapping")
+            else:
+                flags += [name, str(value)]
+    return flags
+
+
+def _flag(recipe: Dict, name: str, default=None):
+    for s in SECTIONS:
+        for k, v in recipe[s].items():
+            if _norm(k) == name:
+                return v
+    return default
+
+
+def check_world(recipe: Dict, nnodes: int, nproc: int) -> int:
+    """Fail early, with the flag names, when the layout cannot tile the world."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's import-time notices (no TE/apex)
+        from megatron_csbp.parallel_state import check_topology
+
+    if nnodes < 1 or nproc < 1:
+        raise RecipeError(f"--nnodes ({nnodes}) and --nproc-per-node ({nproc}) must be >= 1")
+    world = nnodes * nproc
+    try:
+        check_topology(world, int(_flag(recipe, "tensor_model_parallel_size", 1)),
+                       int(_flag(recipe, "pipeline_model_parallel_size", 1)),
+                       int(_flag(recipe, "context_parallel_size", 1)), int(_flag(recipe, "block_parallel_size", 1)),
+                       int(_flag(recipe, "expert_model_parallel_size", 1)))
+    except ValueError as e:
+        raise RecipeError(f"{nnodes} node(s) x {nproc} process(es): {e}") from None
+    return world
+
+
+def launch_sizes(recipe: Dict, nnodes: Optional[int], nproc: Optional[int]) -> Tuple[int, int]:
+    lc = recipe["launch"]
+    return int(nnodes or lc.get("nnodes") or 1), int(nproc or lc.get("nproc_per_node") or 1)
+
+
+def torchrun_command(recipe: Dict, nnodes: int, nproc: int, python: str = sys.executable,
+                     rdzv_endpoint: Optional[str] = None) -> List[str]:
+    cmd = [python, "-m", "torch.distributed.run"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd += ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)]
+    else:
+        cmd += ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", rdzv_endpoint or "$MASTER_ADDR:$MASTER_PORT"]
+    return cmd + ["-m", "megatron_csbp.train"] + recipe_flags(recipe)
+
+
+def slurm_script(recipe: Dict, nnodes: int, nproc: int) -> str:
+    sl = dict(recipe["launch"].get("slurm") or {})
+    name = sl.get("job_name") or recipe["name"]
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={nproc}"]
+    for key, opt in (("partition", "partition"), ("account", "account"), ("time", "time"),
+                     ("cpus_per_task", "cpus-per-task")):
+        if sl.get(key):
+            lines.append(f"#SBATCH --{opt}={sl[key]}")
+    lines.append(f"#SBATCH --output={sl.get('output') or name + '-%j.out'}")
+    if sl.get("exclusive", True):
+        lines.append("#SBATCH --exclusive")
+    for extra in sl.get("extra_sbatch") or []:
+        lines.append(f"#SBATCH {extra}")
+    lines += ["", f"# recipe: {recipe.get('description', recipe['name'])}", "set -euo pipefail", "",
+              'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              "export MASTER_PORT=${MASTER_PORT:-%d}" % int(recipe["launch"].get("master_port") or 29500)]
+    for k, v in (recipe["launch"].get("env") or {}).items():
+        lines.append(f"export {k}={shlex.quote(str(v))}")
+    for cmd in sl.get("setup") or []:
+        lines.append(cmd)
+    run = torchrun_command(recipe, nnodes, nproc, python="python", rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT}")
+    run = run[:run.index("--rdzv-endpoint") + 2] + ["--rdzv-id", "${SLURM_JOB_ID}"] + run[run.index("--rdzv-endpoint") + 2:]
+    srun = ["srun", "--kill-on-bad-exit=1"]
+    if sl.get("container_image"):
+        srun.append(f"--container-image={sl['container_image']}")
+        if sl.get("container_mounts"):
+            srun.append(f"--container-mounts={sl['container_mounts']}")
+    # keep ${...} for the shell, quote everything else
+    quoted = [a if a.startswith("${") or ":${" in a else shlex.quote(a) for a in srun + run]
+    body, line = [], []
+    for a in quoted:
+        line.append(a)
+        if a.startswith("--") is False and len(" ".join(line)) > 90:
+            body.append(" ".join(line))
+            line = []
+    if line:
+        body.append(" ".join(line))
+    lines += ["", " \\\n    ".join(body), ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="YAML recipe (examples/recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE or SECTION.KEY=VALUE")
+    p.add_argument("--dry-run", action="store_true", help="print the command (or script) and exit")
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--slurm", metavar="FILE", help="write a SLURM batch script to FILE instead of running")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        recipe = apply_overrides(load_recipe(args.recipe), args.overrides)
+        nnodes, nproc = launch_sizes(recipe, args.nnodes, args.nproc_per_node)
+        check_world(recipe, nnodes, nproc)
+        if args.slurm:
+            script = slurm_script(recipe, nnodes, nproc)
+            if args.dry_run:
+                print(script)
+                return 0
+            os.makedirs(os.path.dirname(os.path.abspath(args.slurm)), exist_ok=True)
+            with open(args.slurm, "w") as f:
+                f.write(script)
+            print(f"wrote {args.slurm}; submit with: sbatch {args.slurm}")
+            return 0
+        if nnodes > 1:
+            raise RecipeError(f"--nnodes {nnodes}: a multi-node run needs a scheduler; use --slurm FILE "
+                              "(or run this command on every node with --rdzv-endpoint)")
+        cmd = torchrun_command(recipe, nnodes, nproc)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" ".join(shlex.quote(c) for c in cmd), flush=True)
+    if args.dry_run:
+        return 0
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in (recipe["launch"].get("env") or {}).items()})
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
