@@ -1,0 +1,207 @@
+"""Hugging Face `diffusion_gemma` <-> Megatron `DiffusionGemmaModel` state dicts (full, unsharded).
+
+Hugging Face layout (transformers 5.24): the text weights are shared by the encoder (clean stream)
+and the decoder (canvas); a saved checkpoint holds them once under `model.decoder.*`, plus the
+encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.{i}.layer_scalar`
+(a live model's `state_dict()` also lists the encoder copies and `lm_head.weight`, all tied).
+Import checks every duplicate it sees against the decoder copy and refuses a mismatch; the two
+`layer_scalar` copies may differ and are kept apart (`layer_scalar` for noisy rows,
+`clean_layer_scalar` for clean rows). Vision weights have no Megatron counterpart: they are
+returned untouched so an export can write them back.
+
+Megatron layout (TP = EP = 1 names; `linear_qkv` interleaved per KV group as Megatron expects):
+  embedding.word_embeddings.weight                    <- embed_tokens (tied output layer)
+  decoder.layers.{i}.self_attention.linear_qkv.weight <- per group [q heads ; k ; v] (full K=V layers: [q heads ; k])
+  decoder.layers.{i}.mlp.dense.linear_fc1.weight      <- [gate_proj ; up_proj]
+  decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight <- experts.gate_up_proj[e]
+  ... (see `_layer_map`)
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from megatron_csbp.model.diffusiongemma.config import DiffusionGemmaConfig, config_from_hf
+
+HF_TEXT = "model.decoder."
+HF_ENCODER = "model.encoder.language_model."
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def _layer_map(i: int):
+    """(HF suffix under layers.{i}., Megatron key) for the one-to-one tensors of layer i."""
+    m = f"decoder.layers.{i}."
+    return [
+        ("self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+        ("self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
+        ("self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
+        ("input_layernorm.weight", m + "input_layernorm.weight"),
+        ("post_attention_layernorm.weight", m + "post_attention_layernorm.weight"),
+        ("pre_feedforward_layernorm.weight", m + "mlp.pre_dense_layernorm.weight"),
+        ("post_feedforward_layernorm_1.weight", m + "mlp.post_dense_layernorm.weight"),
+        ("pre_feedforward_layernorm_2.weight", m + "mlp.pre_experts_layernorm.weight"),
+        ("post_feedforward_layernorm_2.weight", m + "mlp.post_experts_layernorm.weight"),
+        ("post_feedforward_layernorm.weight", m + "post_feedforward_layernorm.weight"),
+        ("mlp.down_proj.weight", m + "mlp.dense.linear_fc2.weight"),
+        ("router.proj.weight", m + "mlp.router.weight"),
+        ("router.scale", m + "mlp.router.scale"),
+        ("router.per_expert_scale", m + "mlp.router.per_expert_scale"),
+        ("layer_scalar", m + "layer_scalar"),
+    ]
+
+
+def _qkv_to_megatron(q, k, v, heads: int, groups: int, d: int) -> torch.Tensor:
+    h = q.shape[-1]
+    q = q.view(groups, heads // groups * d, h)
+    parts = [q, k.view(groups, d, h)] + ([] if v is None else [v.view(groups, d, h)])
+    return torch.cat(parts, dim=1).reshape(-1, h)
+
+
+def _qkv_from_megatron(qkv, heads: int, groups: int, d: int, k_eq_v: bool):
+    h = qkv.shape[-1]
+    per = heads // groups * d
+    x = qkv.view(groups, per + (1 if k_eq_v else 2) * d, h)
+    q = x[:, :per].reshape(-1, h)
+    k = x[:, per : per + d].reshape(-1, h)
+    v = None if k_eq_v else x[:, per + d :].reshape(-1, h)
+    return q, k, v
+
+
+def _layer_shape(config: DiffusionGemmaConfig, i: int):
+    c = config.get_config_for_layer(i + 1)
+    return config.num_attention_heads, c.num_query_groups, c.kv_channels, config.k_eq_v(i + 1)
+
+
+def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
+                         config: Optional[DiffusionGemmaConfig] = None, **config_overrides
+                         ) -> Tuple[Dict[str, torch.Tensor], DiffusionGemmaConfig, Dict[str, torch.Tensor]]:
+    """Returns (Megatron state dict, the model's config, HF tensors without a Megatron counterpart).
+
+    `hf_config`: the HF config object or its config.json dict (`per_layer_config` is read from it).
+    """
+    if config is None:
+        config = config_from_hf(hf_config, **config_overrides)
+    used = set()
+
+    def take(key):
+        if key not in hf_state:
+            raise ConversionError(f"Hugging Face state dict lacks {key}")
+        used.add(key)
+        return hf_state[key]
+
+    def check_copy(key, reference, what):
+        if key in hf_state:
+            used.add(key)
+            if hf_state[key].shape != reference.shape or not torch.equal(hf_state[key], reference):
+                raise ConversionError(f"{key} differs from the shared copy {what}: the checkpoint's encoder "
+                                      "and decoder weights must be tied")
+
+    out: Dict[str, torch.Tensor] = {}
+    emb = take(HF_TEXT + "embed_tokens.weight")
+    check_copy(HF_ENCODER + "embed_tokens.weight", emb, HF_TEXT + "embed_tokens.weight")
+    check_copy("lm_head.weight", emb, HF_TEXT + "embed_tokens.weight")
+    out["embedding.word_embeddings.weight"] = emb
+    norm = take(HF_TEXT + "norm.weight")
+    check_copy(HF_ENCODER + "norm.weight", norm, HF_TEXT + "norm.weight")
+    out["decoder.final_layernorm.weight"] = norm
+    sc = HF_TEXT + "self_conditioning."
+    out["self_conditioning_norm.weight"] = take(sc + "pre_norm.weight")
+    out["self_conditioning_mlp.linear_fc1.weight"] = torch.cat([take(sc + "gate_proj.weight"), take(sc + "up_proj.weight")])
+    out["self_conditioning_mlp.linear_fc2.weight"] = take(sc + "down_proj.weight")
+
+    for i in range(config.num_layers):
+        hp, ep = f"{HF_TEXT}layers.{i}.", f"{HF_ENCODER}layers.{i}."
+        m = f"decoder.layers.{i}."
+        heads, groups, d, k_eq_v = _layer_shape(config, i)
+
+        def layer(suffix):
+            t = take(hp + suffix)
+            if suffix != "layer_scalar":
+                check_copy(ep + suffix, t, hp + suffix)
+            return t
+
+        for suffix, mkey in _layer_map(i):
+            out[mkey] = layer(suffix)
+        enc_scalar = ep + "layer_scalar"
+        out[m + "clean_layer_scalar"] = take(enc_scalar) if enc_scalar in hf_state else out[m + "layer_scalar"]
+        q, k = layer("self_attn.q_proj.weight"), layer("self_attn.k_proj.weight")
+        has_v = (hp + "self_attn.v_proj.weight") in hf_state
+        if has_v == k_eq_v:
+            raise ConversionError(f"layer {i}: v_proj {'present' if has_v else 'missing'} but the config says "
+                                  f"{'K=V' if k_eq_v else 'separate V'}")
+        v = layer("self_attn.v_proj.weight") if has_v else None
+        if q.shape[0] != heads * d or k.shape[0] != groups * d:
+            raise ConversionError(f"layer {i}: q/k shapes {tuple(q.shape)}/{tuple(k.shape)} do not match "
+                                  f"{heads} heads, {groups} KV heads of dim {d} (per_layer_config)")
+        out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(q, k, v, heads, groups, d)
+        out[m + "mlp.dense.linear_fc1.weight"] = torch.cat([layer("mlp.gate_proj.weight"), layer("mlp.up_proj.weight")])
+        gate_up, down = layer("experts.gate_up_proj"), layer("experts.down_proj")
+        if gate_up.shape[0] != config.num_moe_experts:
+            raise ConversionError(f"layer {i}: {gate_up.shape[0]} experts, config says {config.num_moe_experts}")
+        for e in range(config.num_moe_experts):
+            out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+            out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+
+    text_left = sorted(k for k in hf_state if k not in used and (k.startswith(HF_TEXT) or k.startswith(HF_ENCODER)))
+    if text_left:
+        raise ConversionError(f"text weights with no Megatron counterpart: {text_left[:8]}")
+    rest = {k: v for k, v in hf_state.items() if k not in used}
+    return out, config, rest
+
+
+def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaConfig,
+                         extra: Optional[Dict[str, torch.Tensor]] = None, tied_copies: bool = False
+                         ) -> Dict[str, torch.Tensor]:
+    """The Hugging Face state dict as `save_pretrained` writes it (decoder copy of the text weights,
+    encoder `layer_scalar`s, `extra` such as vision weights passed through). `tied_copies=True`
+    also writes the encoder copies and `lm_head.weight`, i.e. a live model's `state_dict()`."""
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    out: Dict[str, torch.Tensor] = {}
+    used = set()
+
+    def take(key):
+        used.add(key)
+        return state[key]
+
+    out[HF_TEXT + "embed_tokens.weight"] = take("embedding.word_embeddings.weight")
+    out[HF_TEXT + "norm.weight"] = take("decoder.final_layernorm.weight")
+    sc = HF_TEXT + "self_conditioning."
+    out[sc + "pre_norm.weight"] = take("self_conditioning_norm.weight")
+    out[sc + "gate_proj.weight"], out[sc + "up_proj.weight"] = take("self_conditioning_mlp.linear_fc1.weight").chunk(2)
+    out[sc + "down_proj.weight"] = take("self_conditioning_mlp.linear_fc2.weight")
+    for i in range(config.num_layers):
+        hp, ep, m = f"{HF_TEXT}layers.{i}.", f"{HF_ENCODER}layers.{i}.", f"decoder.layers.{i}."
+        heads, groups, d, k_eq_v = _layer_shape(config, i)
+        for suffix, mkey in _layer_map(i):
+            out[hp + suffix] = take(mkey)
+        out[ep + "layer_scalar"] = take(m + "clean_layer_scalar")
+        q, k, v = _qkv_from_megatron(take(m + "self_attention.linear_qkv.weight"), heads, groups, d, k_eq_v)
+        out[hp + "self_attn.q_proj.weight"], out[hp + "self_attn.k_proj.weight"] = q, k
+        if v is not None:
+            out[hp + "self_attn.v_proj.weight"] = v
+        out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = take(m + "mlp.dense.linear_fc1.weight").chunk(2)
+        out[hp + "experts.gate_up_proj"] = torch.stack(
+            [take(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight") for e in range(config.num_moe_experts)])
+        out[hp + "experts.down_proj"] = torch.stack(
+            [take(f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight") for e in range(config.num_moe_experts)])
+    left = sorted(k for k in state if k not in used and k != "output_layer.weight")
+    if left:
+        raise ConversionError(f"Megatron tensors with no Hugging Face counterpart: {left[:8]}")
+    if tied_copies:
+        for key in list(out):
+            if key.startswith(HF_TEXT) and "self_conditioning." not in key and not key.endswith("layer_scalar"):
+                out[HF_ENCODER + key[len(HF_TEXT):]] = out[key]
+        out["lm_head.weight"] = out[HF_TEXT + "embed_tokens.weight"]
+    out = {k: v.contiguous() for k, v in out.items()}
+    if extra:
+        out.update(extra)
+    return out
+
+
+def is_diffusion_gemma(hf_config: Any) -> bool:
+    mt = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
+    return mt == "diffusion_gemma"

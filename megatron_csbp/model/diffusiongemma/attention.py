@@ -1,0 +1,86 @@
+"""DiffusionGemma self-attention: Megatron's `SelfAttention` with
+
+- K=V layers (the full layers): `linear_qkv` projects [q heads ; k] per KV group, no v part;
+  V = v_norm(raw k), taken before k_norm and rotary; K = rope(k_norm(raw k));
+- a weightless V norm on every layer (`v_layernorm`);
+- its layer type's rotary table picked out of the combined two-table tensor (see `rotary.py`).
+
+q/k norms, softmax scale 1.0 (config), GQA, TP (including fewer KV groups than TP ranks) and the
+core attention slot are Megatron's: the block-aware core attention is swapped in through the spec.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_csbp.model.diffusiongemma.norms import WeightlessRMSNorm
+from megatron_csbp.model.diffusiongemma.rotary import select_table
+
+
+class DiffusionGemmaSelfAttention(SelfAttention):
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
+                 cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if config.attention_output_gate:
+            raise ValueError("attention_output_gate is not part of DiffusionGemma")
+        self.layer_kind = config.layer_type(layer_number)
+        self.k_eq_v = config.k_eq_v(layer_number)
+        self.rotary_half_dims = config.rotary_half_dims
+        if self.k_eq_v:
+            # No value projection: [q heads of the group ; k] per KV group.
+            self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
+            self.linear_qkv = submodules.linear_qkv(
+                self.config.hidden_size,
+                self.linear_qkv_out_dim,
+                config=self.config,
+                init_method=self.config.init_method,
+                gather_output=False,
+                bias=False,
+                skip_bias_add=False,
+                is_expert=False,
+                tp_comm_buffer_name="qkv",
+                tp_group=self.pg_collection.tp,
+            )
+        self.v_layernorm = WeightlessRMSNorm(config, self.hidden_size_per_attention_head, eps=config.layernorm_epsilon)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False,
+                                    split_qkv: bool = True):
+        if output_gate or not split_qkv or key_value_states is not None:
+            raise ValueError("DiffusionGemma attention computes split q, k, v for self attention only")
+        mixed, _ = self.linear_qkv(hidden_states)
+        hn = self.hidden_size_per_attention_head
+        q_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        kv_slots = 1 if self.k_eq_v else 2
+        if self.config.num_query_groups < self.world_size:
+            # Fewer KV groups than TP ranks: gather the groups, keep this rank's (as Megatron does).
+            mixed = all_gather_last_dim_from_tensor_parallel_region(mixed)
+            idx = parallel_state.get_tensor_model_parallel_rank() // (self.world_size // self.config.num_query_groups)
+            size = mixed.size(-1) // self.config.num_query_groups
+            mixed = mixed[:, :, idx * size : (idx + 1) * size]
+        mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (q_per_group + kv_slots) * hn)
+        parts = torch.split(mixed, [q_per_group * hn] + [hn] * kv_slots, dim=3)
+        query = parts[0].reshape(parts[0].size(0), parts[0].size(1), -1, hn)
+        key = parts[1]
+        raw_value = parts[1] if self.k_eq_v else parts[2]
+        if self.config.num_query_groups < self.world_size:
+            idx = parallel_state.get_tensor_model_parallel_rank() % (self.world_size // self.config.num_query_groups)
+            size = self.num_attention_heads_per_partition // (self.world_size // self.config.num_query_groups)
+            query = query[:, :, idx * size : (idx + 1) * size, :]
+        query = self.q_layernorm(query)
+        key = self.k_layernorm(key)
+        value = self.v_layernorm(raw_value)
+        return query, key, value
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, *args, **kwargs):
+        if rotary_pos_emb is not None:
+            if isinstance(rotary_pos_emb, tuple):
+                raise ValueError("DiffusionGemma attention expects the combined rotary tensor, not a (q, k) tuple")
+            rotary_pos_emb = select_table(rotary_pos_emb, self.layer_kind, self.rotary_half_dims)
+        return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                               rotary_pos_emb, *args, **kwargs)

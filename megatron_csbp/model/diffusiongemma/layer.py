@@ -1,0 +1,181 @@
+"""DiffusionGemma transformer layer and its Megatron layer spec.
+
+Megatron's `TransformerLayer` with Gemma's sandwich norms:
+  r   = x + post_attention_norm(attn(input_norm(x)))
+  out = (r + post_feedforward_norm(ffn(r))) * layer_scalar
+The post-norms go into the two residual adds (the bias-dropout-add slots, dropout is 0), the FFN
+block (`DiffusionGemmaMoELayer`) carries its own pre/post branch norms, so `pre_mlp_layernorm` is
+the identity. Together with the attention's q/k/v norms those are Gemma's seven hidden-size norms
+per layer (input, post-attention, pre-FFN, post-FFN-1, pre-FFN-2, post-FFN-2, post-FFN).
+
+`layer_scalar` is a 1-element buffer. Hugging Face keeps one copy in the encoder (clean stream)
+and one in the decoder (noisy stream); the layer keeps both (`clean_layer_scalar`,
+`layer_scalar`) and applies each to its rows, which it reads from the block-diffusion plan that
+travels as the attention mask. Without a plan (plain autoregressive use) every row is clean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+from megatron_csbp.attention.core_attention import plan_from_mask
+from megatron_csbp.model.diffusiongemma.attention import DiffusionGemmaSelfAttention
+from megatron_csbp.model.diffusiongemma.moe import (DiffusionGemmaMoELayer, DiffusionGemmaMoESubmodules,
+                                                    DiffusionGemmaRouter)
+from megatron_csbp.model.diffusiongemma.norms import GemmaRMSNorm
+
+
+
+def plan_or_none(attention_mask):
+    """The block-diffusion plan carried by `attention_mask`, or None for an ordinary mask."""
+    if attention_mask is None:
+        return None
+    try:
+        return plan_from_mask(attention_mask)
+    except RuntimeError:
+        return None
+
+
+def local_is_clean(attention_mask, num_rows: int, sequence_parallel: bool):
+    """Bool [num_rows] of this rank's rows (after sequence-parallel scattering), or None when the
+    mask carries no block-diffusion plan (every row clean)."""
+    plan = plan_or_none(attention_mask)
+    if plan is None:
+        return None
+    is_clean = physical_is_clean(plan)
+    if sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        is_clean = is_clean[rank * num_rows : (rank + 1) * num_rows]
+    if is_clean.numel() != num_rows:
+        raise RuntimeError(f"block-diffusion plan has {is_clean.numel()} rows, the layer got {num_rows}")
+    return is_clean
+
+
+def physical_is_clean(plan):
+    """is_clean of the rows in the order they are fed (sequence parallelism may feed them
+    shard-major, `plan.physical_order`); noisy rows keep their relative plan order either way."""
+    order = getattr(plan, "physical_order", None)
+    return plan.local.is_clean if order is None else plan.local.is_clean[order]
+
+
+def _sandwich_add(norm):
+    """Replaces bias-dropout-add: residual + post_norm(x) (no bias, no dropout)."""
+
+    def make(training, fused):
+        def add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                raise ValueError("DiffusionGemma linears have no bias")
+            return residual + norm(x)
+
+        return add
+
+    return make
+
+
+@dataclass
+class DiffusionGemmaLayerSubmodules(TransformerLayerSubmodules):
+    post_attention_layernorm: Union[ModuleSpec, type] = IdentityOp
+    post_feedforward_layernorm: Union[ModuleSpec, type] = IdentityOp
+
+
+class DiffusionGemmaTransformerLayer(TransformerLayer):
+    def __init__(self, config, submodules: DiffusionGemmaLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout=None, pg_collection=None, vp_stage=None):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection, vp_stage=vp_stage)
+        if self.hidden_dropout:
+            raise ValueError("hidden_dropout must be 0 for DiffusionGemma (sandwich norms replace bias-dropout-add)")
+
+        def norm(spec):
+            return build_module(spec, config=self.config, hidden_size=self.config.hidden_size,
+                                eps=self.config.layernorm_epsilon)
+
+        self.post_attention_layernorm = norm(submodules.post_attention_layernorm)
+        self.post_feedforward_layernorm = norm(submodules.post_feedforward_layernorm)
+        self.self_attn_bda = _sandwich_add(self.post_attention_layernorm)
+        self.mlp_bda = _sandwich_add(self.post_feedforward_layernorm)
+        dtype = self.config.params_dtype
+        self.register_buffer("layer_scalar", torch.ones(1, dtype=dtype))  # noisy rows (HF decoder copy)
+        self.register_buffer("clean_layer_scalar", torch.ones(1, dtype=dtype))  # clean rows (HF encoder copy)
+
+    def forward(self, *args, **kwargs):
+        output, context = super().forward(*args, **kwargs)
+        attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        is_clean = local_is_clean(attention_mask, output.shape[0], self.config.sequence_parallel)
+        if is_clean is None:
+            scale = self.clean_layer_scalar
+        else:
+            scale = torch.where(is_clean.to(output.device)[:, None, None], self.clean_layer_scalar,
+                                self.layer_scalar).to(output.dtype)
+        return output * scale, context
+
+
+def diffusion_gemma_layer_spec(kernel_core_attention=DotProductAttention) -> ModuleSpec:
+    """Spec of one DiffusionGemma layer (local Megatron linears). Per-layer head dims, KV heads and
+    windows come from the config (`get_config_for_layer`). The core attention is Megatron's; apply
+    `with_block_diffusion_attention` to train it as a block-diffusion LM."""
+    return ModuleSpec(
+        module=DiffusionGemmaTransformerLayer,
+        submodules=DiffusionGemmaLayerSubmodules(
+            input_layernorm=GemmaRMSNorm,
+            self_attention=ModuleSpec(
+                module=DiffusionGemmaSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=kernel_core_attention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=GemmaRMSNorm,
+                    k_layernorm=GemmaRMSNorm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,  # replaced by the post-attention sandwich add
+            post_attention_layernorm=GemmaRMSNorm,
+            pre_mlp_layernorm=IdentityOp,  # the FFN block normalises each branch itself
+            mlp=ModuleSpec(
+                module=DiffusionGemmaMoELayer,
+                submodules=DiffusionGemmaMoESubmodules(
+                    experts=ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+                        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+                    router=DiffusionGemmaRouter,
+                    dense=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+                    pre_dense_layernorm=GemmaRMSNorm,
+                    post_dense_layernorm=GemmaRMSNorm,
+                    pre_experts_layernorm=GemmaRMSNorm,
+                    post_experts_layernorm=GemmaRMSNorm,
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,  # replaced by the post-feedforward sandwich add
+            post_feedforward_layernorm=GemmaRMSNorm,
+        ),
+    )
+
+
+def diffusion_gemma_block_spec(config, block_diffusion: bool = True, kernel: str = "auto"):
+    """Decoder block spec: every layer `diffusion_gemma_layer_spec()`, Gemma RMSNorm as the final
+    norm; with the block-diffusion core attention swapped in unless `block_diffusion=False`."""
+    layer = diffusion_gemma_layer_spec()
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=GemmaRMSNorm)
+    if block_diffusion:
+        from megatron_csbp.model.spec import with_block_diffusion_attention
+
+        spec = with_block_diffusion_attention(spec, kernel=kernel)
+    return spec

@@ -1,0 +1,175 @@
+"""`DiffusionGemmaModel`: a megatron-core `GPTModel` with DiffusionGemma's embedding, rotary tables,
+self-conditioning and logit soft-cap. The transformer block is built from the layer spec in
+`layer.py`, so `with_block_diffusion_attention` swaps the core attention like in any GPT spec, and
+`BlockDiffusionModel(model, objective, layout)` trains it on [noisy ; clean] rows.
+
+Rows are told apart by the block-diffusion plan that `BlockDiffusionModel` passes as the attention
+mask: clean rows are the Hugging Face encoder stream, noisy rows the decoder (canvas) stream.
+
+- embedding: E[ids] * sqrt(hidden), the scale rounded to the weight dtype first; the lookup of
+  `embedding_padding_idx` gets no gradient (nn.Embedding's padding_idx); tied output layer;
+- noisy rows: canvas = rmsnorm_noscale(E[z] * scale + GeGLU(rmsnorm_w(soft))), where
+  soft = softmax_fp32(sc_logits) @ E * scale, or zeros without self-conditioning (then the GeGLU
+  term is exactly 0 and skipped);
+- rotary: `GemmaRotaryTables` (both tables in one tensor, indexed by layout positions through the
+  plugin's `LayoutRotaryEmbedding`);
+- logits: 30 * tanh(float(h @ E^T) / 30) (fp32), applied as a forward hook on the output layer so
+  the plugin's row-selecting pre-hook on the same layer keeps working.
+
+Self-conditioning logits are passed as `self_conditioning_logits` [b, noisy rows, vocab / TP] (the
+local noisy rows in plan order, detached logits of a first pass) with an optional per-example
+`self_conditioning_mask` [b]; callers that cannot pass keywords (BlockDiffusionModel.logits) use
+`with model.self_conditioning_inputs(logits, mask): ...`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_csbp.model.diffusiongemma.layer import diffusion_gemma_block_spec, local_is_clean, physical_is_clean, plan_or_none
+from megatron_csbp.model.diffusiongemma.norms import GemmaRMSNorm, rms_normalize
+from megatron_csbp.model.diffusiongemma.rotary import GemmaRotaryTables
+
+
+def vocab_parallel_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over a vocabulary split across TP ranks (the local shard of the result)."""
+    logits = logits.float()
+    m = logits.max(dim=-1, keepdim=True)[0]
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if tp > 1:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_tensor_model_parallel_group())
+    e = torch.exp(logits - m)
+    s = e.sum(dim=-1, keepdim=True)
+    if tp > 1:
+        torch.distributed.all_reduce(s, group=parallel_state.get_tensor_model_parallel_group())
+    return e / s
+
+
+class DiffusionGemmaModel(GPTModel):
+    def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
+                 pre_process: bool = True, post_process: bool = True, parallel_output: bool = True,
+                 pg_collection=None, vp_stage=None):
+        super().__init__(
+            config=config, transformer_layer_spec=transformer_layer_spec, vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
+            parallel_output=parallel_output, share_embeddings_and_output_weights=True,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=config.rotary_base,
+            pg_collection=pg_collection, vp_stage=vp_stage,
+        )
+        self.rotary_pos_emb = GemmaRotaryTables(config, cp_group=self.pg_collection.cp)
+        self._pending_sc = None
+        if pre_process and config.self_conditioning:
+            self.self_conditioning_norm = GemmaRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+            self.self_conditioning_mlp = MLP(
+                config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                tp_group=self.pg_collection.tp,
+            )
+        if post_process and config.final_logit_softcapping:
+            self.output_layer.register_forward_hook(self._softcap_hook)
+
+    # ---- logits ----------------------------------------------------------------------------------
+    def _softcap_hook(self, module, args, output):
+        logits, bias = output
+        cap = float(self.config.final_logit_softcapping)
+        return torch.tanh(logits.float() / cap) * cap, bias
+
+    # ---- embedding -------------------------------------------------------------------------------
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        weight = self.embedding.word_embeddings.weight
+        return torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(weight.dtype)
+
+    @contextlib.contextmanager
+    def self_conditioning_inputs(self, logits: Optional[torch.Tensor], mask: Optional[torch.Tensor] = None):
+        """Self-conditioning inputs for the forwards run inside the block."""
+        previous = self._pending_sc
+        self._pending_sc = None if logits is None else (logits, mask)
+        try:
+            yield
+        finally:
+            self._pending_sc = previous
+
+    def soft_embeddings(self, sc_logits: torch.Tensor, sc_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """softmax_fp32(logits) @ E * scale: [b, rows, V/TP] -> [rows, b, h] (summed over TP)."""
+        weight = self.embedding.word_embeddings.weight  # [V/TP, h]
+        probs = vocab_parallel_softmax(sc_logits.detach()).to(weight.dtype)
+        soft = torch.matmul(probs, weight)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            soft = reduce_from_tensor_model_parallel_region(soft)
+        soft = soft * self.embed_scale
+        if sc_mask is not None:
+            soft = soft * sc_mask.to(soft.dtype)[:, None, None]
+        return soft.transpose(0, 1)
+
+    def embed(self, input_ids, position_ids, attention_mask, sc_logits=None, sc_mask=None) -> torch.Tensor:
+        """[s (/TP with sequence parallelism), b, h] input of the transformer block."""
+        emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h], SP-scattered
+        pad = self.config.embedding_padding_idx
+        sp = self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+        if pad is not None and torch.is_grad_enabled():
+            # nn.Embedding(padding_idx): the lookup of the padding id passes no gradient to E.
+            is_pad = (input_ids == pad).transpose(0, 1).contiguous()
+            if sp:
+                is_pad = tensor_parallel.scatter_to_sequence_parallel_region(is_pad.contiguous())
+            emb = torch.where(is_pad[..., None], emb.detach(), emb).contiguous()
+        emb = emb * self.embed_scale
+        is_clean = local_is_clean(attention_mask, emb.shape[0], self.config.sequence_parallel)
+        if is_clean is None or not self.config.self_conditioning or bool(is_clean.all()):
+            if sc_logits is not None:
+                raise ValueError("self-conditioning logits given but the batch has no noisy rows")
+            return emb
+        is_clean = is_clean.to(emb.device)
+        noisy_idx = torch.nonzero(~is_clean).squeeze(1)
+        if sc_logits is not None:
+            plan = plan_or_none(attention_mask)
+            plan_noisy = int((~plan.local.is_clean).sum())
+            if sc_logits.shape[1] != plan_noisy:
+                raise ValueError(f"self-conditioning logits cover {sc_logits.shape[1]} rows, the plan has {plan_noisy} noisy rows")
+            soft = self.soft_embeddings(sc_logits, sc_mask)  # [noisy rows, b, h]
+            if sp:
+                full = soft.new_zeros((emb.shape[0] * parallel_state.get_tensor_model_parallel_world_size(),) + soft.shape[1:])
+                full = full.index_copy(0, torch.nonzero(~physical_is_clean(plan).to(emb.device)).squeeze(1), soft)
+                soft_local = tensor_parallel.scatter_to_sequence_parallel_region(full)
+                signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft_local))
+                canvas = emb + signal
+            else:
+                signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft))
+                canvas = emb.index_add(0, noisy_idx, signal)
+        else:
+            canvas = emb
+        normed = rms_normalize(canvas, self.config.layernorm_epsilon).type_as(canvas)
+        return torch.where(is_clean[:, None, None], emb, normed)
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None,
+                self_conditioning_logits=None, self_conditioning_mask=None):
+        if self_conditioning_logits is None and self._pending_sc is not None:
+            self_conditioning_logits, self_conditioning_mask = self._pending_sc
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embed(input_ids, position_ids, attention_mask,
+                                       self_conditioning_logits, self_conditioning_mask)
+        return super().forward(
+            input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+            inference_context=inference_context, packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
+            inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask,
+        )
+
+
+def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, block_diffusion: bool = True,
+                          kernel: str = "auto", parallel_output: bool = True) -> DiffusionGemmaModel:
+    """Model provider (parallel state must be initialised; pipeline parallelism is not supported)."""
+    if config.pipeline_model_parallel_size != 1:
+        raise ValueError("DiffusionGemma with block diffusion does not support pipeline parallelism")
+    spec = diffusion_gemma_block_spec(config, block_diffusion=block_diffusion, kernel=kernel)
+    return DiffusionGemmaModel(config, spec, vocab_size, max_sequence_length, parallel_output=parallel_output)

@@ -1,0 +1,36 @@
+"""Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w` computed in fp32 with a plain weight `w`
+(not Gemma 3's `1 + w`), cast back to the input dtype; optionally without a weight (`v_norm`, the
+router's input norm, the canvas post-norm). Signature of a Megatron norm module."""
+from __future__ import annotations
+
+import torch
+
+from megatron.core.transformer.module import MegatronModule
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 RMS normalisation without weight (returns fp32)."""
+    xf = x.float()
+    return xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
+class GemmaRMSNorm(MegatronModule):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__(config=config)
+        self.eps = eps
+        self.with_scale = with_scale
+        if with_scale:
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+            # Replicated over TP: with sequence parallelism its gradient is a TP partial sum.
+            setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = rms_normalize(x, self.eps)
+        if self.with_scale:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+class WeightlessRMSNorm(GemmaRMSNorm):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__(config, hidden_size, eps, with_scale=False)

@@ -1,0 +1,45 @@
+"""Two rotary tables in one Megatron `RotaryEmbedding`.
+
+DiffusionGemma's sliding layers rotate all `d_s` dims with theta 1e4; its full layers use
+"proportional" rotary: `d_f` dims, the first `proportion * d_f / 2` frequencies theta^(-2i/d_f) and
+zeros after (so rotate-half spans all `d_f` dims but the tail does not rotate).
+
+`GemmaRotaryTables` is a `RotaryEmbedding` whose `inv_freq` is the concatenation
+[inv_sliding (d_s/2) | inv_full (d_f/2)]. Everything Megatron (and the plugin) does with a rotary
+embedding then works unchanged: `get_freqs_non_repeated`, the CP slicing in `forward`, and
+`LayoutRotaryEmbedding`, which indexes `get_freqs_non_repeated` by each row's layout position and
+returns cat(F, F) = [Fs | Ff | Fs | Ff]. Each attention layer takes its own table out of that
+tensor with `select_table` (a slice, no copy of positions). One tensor flows through the
+transformer block, so activation recompute and CP need nothing special.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from megatron_csbp.model.diffusiongemma.config import FULL, SLIDING
+
+
+class GemmaRotaryTables(RotaryEmbedding):
+    def __init__(self, config, cp_group=None):
+        super().__init__(kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=False,
+                         rotary_base=config.rotary_base, use_cpu_initialization=True, cp_group=cp_group)
+        if config.rotary_interleaved:
+            raise ValueError("DiffusionGemma uses rotate-half rotary embeddings (rotary_interleaved=False)")
+        sliding, full = config.rope_inv_freq(SLIDING), config.rope_inv_freq(FULL)
+        self.half_dims = (sliding.numel(), full.numel())
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        self.inv_freq = torch.cat([sliding, full]).to(device)
+
+
+def select_table(emb: torch.Tensor, kind: str, half_dims) -> torch.Tensor:
+    """The `kind` layers' rotary angles [.., d] out of the combined [.., 2 * (d_s/2 + d_f/2)] tensor."""
+    hs, hf = half_dims
+    if emb.shape[-1] != 2 * (hs + hf):
+        raise RuntimeError(f"rotary tensor has {emb.shape[-1]} angles, expected 2 x ({hs} + {hf})")
+    if kind == SLIDING:
+        return torch.cat([emb[..., :hs], emb[..., hs + hf : 2 * hs + hf]], dim=-1)
+    if kind == FULL:
+        return torch.cat([emb[..., hs : hs + hf], emb[..., 2 * hs + hf :]], dim=-1)
+    raise ValueError(kind)
