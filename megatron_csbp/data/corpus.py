@@ -4,6 +4,7 @@ Source: `pydoc_data.topics` (the text behind `help("if")`, `help("assignment")`,
 from the CPython documentation and distributed with every CPython under the PSF License. It needs
 no network. Each topic is cut into documents at its section headings; hard-wrapped prose
 paragraphs are re-flowed onto one line, indented blocks (grammar, code) keep their line breaks.
+Sections that several topics repeat verbatim are kept once, so a held-out split cannot leak.
 
 The documents ship as `assets/pydoc_topics.jsonl.gz` (one JSON object per line: `id`, `topic`,
 `text`) so that every machine trains on the same bytes whatever its Python version. They are
@@ -71,7 +72,7 @@ def extract_pydoc_documents(topics: Optional[Dict[str, str]] = None) -> List[Dic
     """Documents (dicts with `id`, `topic`, `text`) from `pydoc_data.topics`, in sorted topic order."""
     if topics is None:
         from pydoc_data.topics import topics  # stdlib, PSF License
-    docs = []
+    docs, seen = [], set()
     for topic in sorted(topics):
         for k, (heading, body) in enumerate(_split_sections(topics[topic])):
             text = _reflow(body)
@@ -79,6 +80,9 @@ def extract_pydoc_documents(topics: Optional[Dict[str, str]] = None) -> List[Dic
                 text = heading + "\n\n" + text if text else heading
             if len(text) < 200:  # stray headings and one-line stubs
                 continue
+            if text in seen:  # several topics repeat sections: keep the first, no train/eval leak
+                continue
+            seen.add(text)
             docs.append({"id": f"{topic}/{k}", "topic": topic, "text": text})
     return docs
 
