@@ -1,0 +1,189 @@
+"""Model construction for training: Megatron `GPTModel` (local layer spec with block-diffusion core
+attention) wrapped as a `BlockDiffusionModel`, ready for Megatron's DDP.
+
+Initial weights do not depend on the layout. Choice: every weight is built with Megatron's CPU
+initialisation (`use_cpu_initialization=True`): each tensor-parallel weight is drawn in full from the
+CPU generator seeded with `--seed` and then split, so TP = 1, 2, 4 ... and any CP/BP produce the same
+logical weights (GLU weights use Megatron's stride-2 split, so they match too). The vocabulary is
+padded to a multiple of `--make-vocab-size-divisible-by` (default 128) independent of TP; TP must
+divide the padded size. On GPU the model is moved to the device after initialisation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.masks import BlockGeometry
+from megatron_csbp.model.bdlm import BlockDiffusionModel
+from megatron_csbp.model.spec import with_block_diffusion_attention
+from megatron_csbp.objectives import AutoregressiveObjective, BD3LMObjective
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by
+    if multiple % tp:
+        multiple = multiple * tp // math.gcd(multiple, tp)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ModelArgs:
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: Optional[int] = None
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    seq_length: int = 64
+    vocab_size: int = 128
+    make_vocab_size_divisible_by: int = 128
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    block_parallel_size: int = 1
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+    block_size: int = 16
+    objective: str = "bd3lm"
+    mask_token_id: Optional[int] = None
+    clean_attention: str = "block_causal"
+    noise_eps_min: float = 1e-3
+    noise_eps_max: float = 1.0
+    loss_weighting: str = "inverse_t"
+    attention_transport: str = "allgather"
+    block_ownership: str = "mirrored"
+    seed: int = 1234
+    bf16: bool = False
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    rotary_base: int = 10000
+    attention_kernel: str = "auto"
+
+
+def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
+    seq = max(a.context_parallel_size, a.block_parallel_size)
+    cfg = TransformerConfig(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups,
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        context_parallel_size=seq,
+        sequence_parallel=a.sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=a.init_method_std,
+        normalization=a.normalization,
+        gated_linear_unit=a.swiglu,
+        activation_func=F.silu if a.swiglu else F.gelu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=a.bf16,
+        params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float32,
+        # The loss is already divided by the global denominator: gradients are SUMMED over
+        # DP x CP x BP (Megatron DDP with per-token loss does not average).
+        calculate_per_token_loss=True,
+        recompute_granularity=a.recompute_granularity,
+        recompute_method="uniform" if a.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if a.recompute_granularity == "full" else None,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+    )
+    if finalize_model_grads_func is not None:
+        cfg.finalize_model_grads_func = finalize_model_grads_func
+    return cfg
+
+
+def build_objective(a):
+    if a.objective == "bd3lm":
+        if a.mask_token_id is None:
+            raise ValueError("--objective bd3lm needs --mask-token-id (a token id the data never uses)")
+        return BD3LMObjective(a.block_size, a.mask_token_id, seed=a.seed, eps_min=a.noise_eps_min,
+                              eps_max=a.noise_eps_max, loss_weighting=a.loss_weighting)
+    if a.objective == "ar":
+        return AutoregressiveObjective()
+    raise ValueError(f"--objective must be one of ('bd3lm', 'ar'), got {a.objective!r}")
+
+
+def build_layout(a) -> SequenceLayout:
+    geometry = BlockGeometry(a.seq_length, a.block_size, a.clean_attention)
+    return SequenceLayout(geometry, a.context_parallel_size, a.block_parallel_size, a.block_ownership)
+
+
+class TrainableBDLM(MegatronModule):
+    """A `BlockDiffusionModel` as a MegatronModule for DDP; checkpoints are plain GPT state (the
+    same keys as Megatron-LM's GPT checkpoints: core attention has no parameters)."""
+
+    def __init__(self, config: TransformerConfig, bdlm: BlockDiffusionModel):
+        super().__init__(config=config)
+        self.bdlm = bdlm
+
+    @property
+    def gpt(self) -> GPTModel:
+        return self.bdlm.gpt
+
+    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None):
+        return self.bdlm(tokens, loss_mask, sample_index, denominator)
+
+    def set_input_tensor(self, input_tensor):
+        self.bdlm.gpt.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return self.bdlm.gpt.sharded_state_dict(prefix, sharded_offsets, metadata)
+
+
+def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_func=None) -> TrainableBDLM:
+    """Build on CPU with a fixed seed (layout-independent weights), then move to `device`."""
+    from megatron_csbp import parallel_state as bps
+
+    config = transformer_config(a, finalize_model_grads_func)
+    objective = build_objective(a)
+    layout = build_layout(a)
+    if a.mask_token_id is not None and not 0 <= a.mask_token_id < a.vocab_size:
+        raise ValueError(f"--mask-token-id {a.mask_token_id} is outside the vocabulary [0, {a.vocab_size})")
+    vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    spec = with_block_diffusion_attention(get_gpt_layer_local_spec(normalization=a.normalization),
+                                          kernel=a.attention_kernel)
+    # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
+    torch.manual_seed(a.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
+    torch.manual_seed(a.seed)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=a.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=a.rotary_base,
+    )
+    if device is not None:
+        gpt = gpt.to(device)
+    seq_rank = bps.get_block_parallel_rank() if bps.is_initialized() else 0
+    ring = bps.get_clean_ring_group() if bps.is_initialized() else None
+    bdlm = BlockDiffusionModel(gpt, objective, layout, seq_rank, ring, a.attention_transport)
+    return TrainableBDLM(config, bdlm)
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
