@@ -1,0 +1,126 @@
+"""DiffusionGemma native SFT objective (`--objective diffusiongemma-sft`).
+
+Per sample (tokens [L], loss_mask [L] = 1 on response tokens):
+- blocks of B tokens; the response must start on a block boundary (pad the prompt to a multiple of
+  --block-size; this is what makes canvas b start at s_b = prompt length + b * B as in Hugging
+  Face). Response blocks are the blocks holding supervised tokens; only they are canvases;
+- uniform-state noise with one time per block: t ~ U(eps_min, eps_max), each supervised token of
+  the block is replaced by a uniform random vocabulary id with probability t;
+- diffusion loss on every supervised token of every response block (noised or not): mean over the
+  block's tokens, then over the sample's response blocks;
+- AR next-token loss on the clean stream (clean row p predicts token p+1 where p+1 is supervised):
+  mean over the sample's targets, times `encoder_loss_weight`;
+- self-conditioning for the sample with probability `self_conditioning_prob` (0.5): a first pass
+  without it gives detached canvas logits, fed to the second pass as soft embeddings;
+- batch loss = mean over samples with a response of (diffusion + encoder_loss_weight * AR).
+
+Everything random is drawn from `sample_generator(seed, sample index)`, so it does not depend on
+the parallel layout. The per-token weights carry both means, so the denominator is the number of
+samples (with a response) in the global batch and the usual sum(w * CE) / denominator applies to
+the noisy rows (`weights`) and to the clean rows (`clean_weights`) alike.
+
+Choices not fixed by the sources: independent (not antithetic) block times; the AR term is a
+per-sample token mean (so one denominator serves both terms); only supervised tokens are noised
+(trailing padding inside the last block stays as is and is no target).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+
+
+@dataclass
+class DiffusionGemmaNoisedBatch(NoisedBatch):
+    #: [b, L] target of clean row p (token p+1) or -100; [b, L] its weight
+    clean_targets: Optional[torch.Tensor] = None
+    clean_weights: Optional[torch.Tensor] = None
+    #: [b] bool: the sample gets self-conditioning in this step
+    self_conditioning: Optional[torch.Tensor] = None
+    #: first block with a noisy copy (the earliest response block of the micro-batch)
+    first_canvas_block: int = 0
+
+
+class DiffusionGemmaSFTObjective(Objective):
+    name = "diffusiongemma-sft"
+    #: the model must also return logits for the clean rows (AR loss)
+    needs_clean_logits = True
+
+    def __init__(self, block_size: int, vocab_size: int, seed: int = 1234, encoder_loss_weight: float = 1.0,
+                 self_conditioning_prob: float = 0.5, eps_min: float = 1e-3, eps_max: float = 1.0):
+        if not 0.0 <= eps_min <= eps_max <= 1.0:
+            raise ValueError(f"noise times must satisfy 0 <= min <= max <= 1, got {eps_min}, {eps_max}")
+        if not 0.0 <= self_conditioning_prob <= 1.0:
+            raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {self_conditioning_prob}")
+        if encoder_loss_weight < 0:
+            raise ValueError(f"--encoder-loss-weight must be >= 0, got {encoder_loss_weight}")
+        self.block_size, self.vocab_size, self.seed = int(block_size), int(vocab_size), seed
+        self.encoder_loss_weight = float(encoder_loss_weight)
+        self.self_conditioning_prob = float(self_conditioning_prob)
+        self.eps_min, self.eps_max = eps_min, eps_max
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if vocab_size != self.vocab_size:
+            raise ValueError(f"objective draws noise from {self.vocab_size} ids, the model has {vocab_size}")
+
+    def response_blocks(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """[b, n] bool: blocks holding supervised tokens. Refuses responses that start mid-block."""
+        b, L = loss_mask.shape
+        B = self.block_size
+        if L % B:
+            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
+        sup = loss_mask.bool()
+        has = sup.any(dim=1)
+        first = torch.where(has, sup.float().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))
+        bad = has & (first % B != 0)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"sample {i}: the response starts at position {int(first[i])}, not on a multiple of "
+                             f"--block-size {B}; pad prompts to whole blocks for diffusiongemma-sft")
+        return sup.view(b, L // B, B).any(dim=2)
+
+    def noise(self, tokens, loss_mask, sample_index) -> DiffusionGemmaNoisedBatch:
+        b, L = tokens.shape
+        B = self.block_size
+        n = L // B
+        blocks = self.response_blocks(loss_mask)  # [b, n]
+        sup = loss_mask.bool()
+        t_rows, draw_rows, rand_rows, sc = [], [], [], []
+        for i in range(b):
+            g = sample_generator(self.seed, int(sample_index[i]))
+            t = self.eps_min + (self.eps_max - self.eps_min) * torch.rand(n, generator=g, dtype=torch.float64)
+            t_rows.append(t.float().repeat_interleave(B))
+            draw_rows.append(torch.rand(L, generator=g))
+            rand_rows.append(torch.randint(0, self.vocab_size, (L,), generator=g))
+            sc.append(bool(torch.rand(1, generator=g).item() < self.self_conditioning_prob))
+        dev = tokens.device
+        t = torch.stack(t_rows).to(dev)
+        replace = (torch.stack(draw_rows).to(dev) < t) & sup
+        noisy = torch.where(replace, torch.stack(rand_rows).to(dev), tokens)
+
+        # Diffusion targets: every supervised token of a response block; weight 1 / (blocks * tokens).
+        tokens_per_block = sup.view(b, n, B).sum(dim=2).clamp_min(1).float()  # [b, n]
+        blocks_per_sample = blocks.sum(dim=1).clamp_min(1).float()  # [b]
+        w_block = (1.0 / (tokens_per_block * blocks_per_sample[:, None])).repeat_interleave(B, dim=1)
+        targets = torch.where(sup, tokens, torch.full_like(tokens, -100))
+        weights = torch.where(sup, w_block, torch.zeros_like(w_block))
+
+        # AR targets on the clean stream: row p -> token p+1 where p+1 is supervised.
+        clean_targets = torch.full_like(tokens, -100)
+        ok = sup[:, 1:]
+        clean_targets[:, :-1] = torch.where(ok, tokens[:, 1:], clean_targets[:, :-1])
+        n_ar = (clean_targets >= 0).sum(dim=1).clamp_min(1).float()
+        clean_weights = torch.where(clean_targets >= 0, (self.encoder_loss_weight / n_ar)[:, None],
+                                    torch.zeros(b, L, device=dev))
+
+        has = blocks.any(dim=1)
+        first_block = int(blocks.float().argmax(dim=1)[has].min()) if bool(has.any()) else n
+        return DiffusionGemmaNoisedBatch(noisy, targets, weights, None, clean_targets, clean_weights,
+                                         torch.tensor(sc, device=dev), first_block)
+
+    def denominator(self, loss_mask):
+        """Samples with a response (the loss is a mean over samples)."""
+        return loss_mask.bool().any(dim=1).sum().to(torch.float32)

@@ -1,0 +1,175 @@
+"""`diffusiongemma-sft` against a brute-force computation with the Hugging Face model.
+
+The brute force loops over samples and response blocks, calls HF's
+`DiffusionGemmaForBlockDiffusion(input_ids=clean[:s_b], decoder_input_ids=noisy block)` (with a
+first HF pass feeding self-conditioning where the sample draws it), takes the block's token-mean
+CE, the mean over blocks, adds encoder_loss_weight x the token-mean next-token CE of HF's encoder
+logits, and averages over samples. Loss and every parameter gradient must match the one-pass
+Megatron forward.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+pytest.importorskip("transformers")
+
+from megatron_csbp.conversion.diffusiongemma import hf_to_megatron_state  # noqa: E402
+from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
+from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
+from megatron_csbp.model.diffusiongemma import diffusion_gemma_model  # noqa: E402
+from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel  # noqa: E402
+from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_model  # noqa: E402
+from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective  # noqa: E402
+
+V, L, B = 96, 24, 4
+ENC_W = 0.7
+
+
+@pytest.fixture(scope="module")
+def mp1():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not dist.is_initialized():
+            store = os.path.join(tempfile.mkdtemp(), "store")
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        if not mpu.model_parallel_is_initialized():
+            mpu.initialize_model_parallel(1, 1)
+    yield
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, V, (2, L), generator=g)
+    loss_mask = torch.zeros(2, L, dtype=torch.long)
+    loss_mask[0, 8:22] = 1  # 2 prompt blocks, response ends mid-block (2 trailing pad tokens)
+    loss_mask[1, 4:] = 1  # 1 prompt block
+    return tokens, loss_mask
+
+
+def _sample_indices(objective, want):
+    """Global sample indices whose self-conditioning draws are `want` (one per sample)."""
+    tokens, loss_mask = _batch()
+    found = []
+    for w in want:
+        i = 0
+        while True:
+            if i not in found and bool(objective.noise(tokens[:1], loss_mask[:1], torch.tensor([i])).self_conditioning[0]) == w:
+                found.append(i)
+                break
+            i += 1
+    return torch.tensor(found)
+
+
+def test_noise_is_uniform_state_per_block_and_seeded_by_sample():
+    obj = DiffusionGemmaSFTObjective(B, V, seed=11)
+    tokens, loss_mask = _batch()
+    nb = obj.noise(tokens, loss_mask, torch.tensor([5, 6]))
+    changed = nb.noisy_tokens != tokens
+    assert not bool(changed[loss_mask == 0].any())  # prompts and padding never noised
+    assert nb.first_canvas_block == 1
+    assert torch.equal(nb.targets[loss_mask == 1], tokens[loss_mask == 1]) and bool((nb.targets[loss_mask == 0] == -100).all())
+    # Block-then-sample weights: every response block of a sample sums to 1 / (its blocks).
+    w = nb.weights.view(2, L // B, B).sum(dim=2)
+    assert torch.allclose(w[0, 2:], torch.full((4,), 0.25)) and torch.allclose(w[1, 1:], torch.full((5,), 0.2))
+    assert torch.allclose(nb.clean_weights.sum(dim=1), torch.full((2,), obj.encoder_loss_weight))
+    assert int(nb.clean_targets[0, 7]) == int(tokens[0, 8]) and int(nb.clean_targets[0, 21]) == -100
+    # Same sample index -> same noise, wherever it sits in the batch.
+    again = obj.noise(tokens.flip(0), loss_mask.flip(0), torch.tensor([6, 5]))
+    assert torch.equal(again.noisy_tokens.flip(0), nb.noisy_tokens)
+    # Uniform noise rate follows t: over many samples about half of the tokens are replaced.
+    big = torch.randint(0, V, (256, 32), generator=torch.Generator().manual_seed(0))
+    frac = (obj.noise(big, torch.ones_like(big), torch.arange(256)).noisy_tokens != big).float().mean().item()
+    assert 0.4 < frac < 0.55, frac  # E[t] = 0.5005, minus the 1/V chance of drawing the same id
+    with pytest.raises(ValueError, match="multiple of --block-size"):
+        bad = loss_mask.clone()
+        bad[1, 3] = 1
+        obj.noise(tokens, bad, torch.tensor([0, 1]))
+
+
+def _brute_force_loss(hf, obj, tokens, loss_mask, nb):
+    softcap = hf.config.text_config.final_logit_softcapping
+    per_sample = []
+    for e in range(tokens.shape[0]):
+        sup = loss_mask[e].bool()
+        if not bool(sup.any()):
+            continue
+        clean, noisy = tokens[e : e + 1], nb.noisy_tokens[e : e + 1]
+        block_losses = []
+        for b in range(L // B):
+            s = b * B
+            block_sup = sup[s : s + B]
+            if not bool(block_sup.any()):
+                continue
+            kw = {}
+            if bool(nb.self_conditioning[e]):
+                with torch.no_grad():
+                    first = hf(input_ids=clean[:, :s], decoder_input_ids=noisy[:, s : s + B]).logits
+                kw = dict(self_conditioning_logits=first)
+            logits = hf(input_ids=clean[:, :s], decoder_input_ids=noisy[:, s : s + B], **kw).logits[0]
+            block_losses.append(F.cross_entropy(logits[block_sup], clean[0, s : s + B][block_sup]))
+        diffusion = torch.stack(block_losses).mean()
+        out = hf.model(input_ids=clean, decoder_input_ids=noisy[:, :B])
+        enc_logits = torch.tanh(hf.lm_head(out.encoder_last_hidden_state[0]).float() / softcap) * softcap
+        targets_ok = sup[1:]
+        ar = F.cross_entropy(enc_logits[:-1][targets_ok], clean[0, 1:][targets_ok])
+        per_sample.append(diffusion + obj.encoder_loss_weight * ar)
+    return torch.stack(per_sample).mean()
+
+
+@pytest.mark.parametrize("want_sc", [(True, False), (False, False)])
+def test_sft_loss_and_gradients_equal_brute_force(mp1, want_sc):
+    hf = tiny_hf_model(seed=2, vocab_size=V, sliding_window=3).train()
+    state, config, _ = hf_to_megatron_state(hf.state_dict(), hf.config)
+    gpt = diffusion_gemma_model(config, V, 256)
+    gpt.load_state_dict(state, strict=False)
+    gpt.train()
+    obj = DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=ENC_W)
+    model = DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
+    tokens, loss_mask = _batch()
+    index = _sample_indices(obj, want_sc)
+    nb = obj.noise(tokens, loss_mask, index)
+    assert tuple(nb.self_conditioning.tolist()) == want_sc
+
+    out = model(tokens, loss_mask, index)
+    out.loss.backward()
+    ref = _brute_force_loss(hf, obj, tokens, loss_mask, nb)
+    ref.backward()
+    print(f"SC {want_sc}: megatron loss {out.loss.item():.6f}, brute force {ref.item():.6f}")
+    assert abs(out.loss.item() - ref.item()) < 1e-5
+
+    hf_grads = {}
+    for key, value in hf.state_dict().items():
+        if key.endswith("layer_scalar"):
+            hf_grads[key] = torch.zeros_like(value)
+            continue
+        p = hf.get_parameter(key)
+        hf_grads[key] = p.grad if p.grad is not None else torch.zeros_like(p)
+    ref_grads, _, _ = hf_to_megatron_state(hf_grads, hf.config)
+    def grad(p):  # without self-conditioning the SC block is skipped (its gradient is exactly 0)
+        return torch.zeros_like(p) if p.grad is None else p.grad
+
+    worst = max(((grad(p) - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-6)).item()
+                for k, p in gpt.named_parameters())
+    print(f"worst relative gradient difference {worst:.2e}")
+    assert worst < 1e-4
+    assert bool(grad(gpt.self_conditioning_mlp.linear_fc1.weight).abs().sum() > 0) == want_sc[0]
+
+
+def test_prompt_blocks_get_no_noisy_copy(mp1):
+    from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
+
+    gpt = diffusion_gemma_model(tiny_megatron_config(), V, 256)
+    obj = DiffusionGemmaSFTObjective(B, V)
+    model = DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
+    plan = model.canvas_plan(2)
+    assert int((~plan.local.is_clean).sum()) == L - 2 * B and int(plan.local.position[0]) == 2 * B
