@@ -44,8 +44,20 @@ def _entry(rank, world_size, port, out_dir, fn, args):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args):
-    """Spawn `world_size` gloo ranks running fn(rank, world_size, *args); return their results."""
+def run_distributed(fn, world_size: int, *args, attempts: int = 3):
+    """Spawn `world_size` gloo ranks running fn(rank, world_size, *args); return their results.
+
+    The rendezvous port is picked free and then bound by rank 0, so another process can take it
+    in between: that (and only that) is retried on a new port."""
+    for attempt in range(attempts):
+        try:
+            return _run_once(fn, world_size, args)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
+                raise
+
+
+def _run_once(fn, world_size: int, args):
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         try:

@@ -29,6 +29,9 @@ class AttentionPlan:
     transport: str = "allgather"  # 'allgather' | 'ring'
     group: Optional[dist.ProcessGroup] = None  # the ring that exchanges K/V
     peers: Optional[List[RowMeta]] = None  # what each ring member sends, in ring order
+    # Sequence parallelism orders each TP shard [noisy | clean]; row j of the physical input is
+    # local row physical_order[j]. None means the physical order is the local order.
+    physical_order: Optional[torch.Tensor] = None
     _masks: Dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -49,6 +52,16 @@ class AttentionPlan:
 
 def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0):
     """q [sq, b, H, d], k/v [sq, b, G, d] for this rank's local rows; returns [sq, b, H, d]."""
+    if plan.physical_order is not None:
+        to_local = torch.argsort(plan.physical_order).to(q.device)
+        out = _block_diffusion_attention(q[to_local], k[to_local], v[to_local], plan, softmax_scale=softmax_scale,
+                                         kernel=kernel, window=window, layer=layer)
+        return out[plan.physical_order.to(q.device)]
+    return _block_diffusion_attention(q, k, v, plan, softmax_scale=softmax_scale, kernel=kernel, window=window,
+                                      layer=layer)
+
+
+def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0):
     geometry = plan.geometry.with_window(window) if window != plan.geometry.window else plan.geometry
     device = q.device
     local = plan.local

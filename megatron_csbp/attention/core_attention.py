@@ -1,14 +1,16 @@
 """`BlockDiffusionAttention`: a drop-in for Megatron's `core_attention` slot.
 
 Megatron calls core attention with (query, key, value, attention_mask, ...). The block-diffusion
-model passes, as `attention_mask`, a tiny tensor carrying this forward's `AttentionPlan` (see
-`plan_mask`). A tensor travels through every Megatron path unchanged, including full-layer
-activation recompute, which saves and replays the layer's inputs: the recompute then sees the
-same plan and replays the same collectives.
+model passes, as `attention_mask`, a one-element tensor holding the id of this rank's
+`AttentionPlan` (see `plan_mask`). A tensor travels through every Megatron path, including
+full-layer activation recompute, which saves, detaches and replays the layer's inputs: the
+recompute then finds the same plan and replays the same collectives.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -19,18 +21,27 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron_csbp.attention.block_attention import AttentionPlan, block_diffusion_attention
 from megatron_csbp.attention.kernels import get_kernel
 
-_PLAN_ATTR = "_block_diffusion_plan"
+# Plans are found by an id stored in the mask tensor's value: the value survives everything
+# Megatron does to layer inputs (detach in recompute, save_for_backward, device moves).
+_PLANS: "weakref.WeakValueDictionary[int, AttentionPlan]" = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
 
 
 def plan_mask(plan: AttentionPlan) -> torch.Tensor:
-    """A placeholder tensor for Megatron's `attention_mask` argument that carries `plan`."""
-    handle = torch.zeros(1, dtype=torch.bool)
-    setattr(handle, _PLAN_ATTR, plan)
+    """A 1-element tensor for Megatron's `attention_mask` argument that identifies `plan`."""
+    handle = getattr(plan, "_mask_handle", None)
+    if handle is None:
+        plan_id = next(_NEXT_ID)
+        _PLANS[plan_id] = plan
+        handle = torch.tensor([plan_id], dtype=torch.long)
+        plan._mask_handle = handle
     return handle
 
 
 def plan_from_mask(attention_mask) -> AttentionPlan:
-    plan = getattr(attention_mask, _PLAN_ATTR, None)
+    plan = None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.long and attention_mask.numel() == 1:
+        plan = _PLANS.get(int(attention_mask.item()))
     if plan is None:
         raise RuntimeError(
             "BlockDiffusionAttention got an ordinary attention mask. Run the model through "

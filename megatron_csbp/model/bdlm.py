@@ -55,6 +55,9 @@ class BlockDiffusionModel(torch.nn.Module):
         else:
             self.plan, self.replication = autoregressive_plan(layout, seq_rank, ring_group, transport)
         self._num_logit_rows: Optional[int] = None
+        self._sp_shards = self._sequence_parallel_shards(gpt.config)
+        if self._sp_shards > 1:
+            self.plan.physical_order = shard_major_order(self.plan.local, self._sp_shards)
         gpt.output_layer.register_forward_pre_hook(self._keep_noisy_rows)
 
     def _keep_noisy_rows(self, module, args):
@@ -63,16 +66,27 @@ class BlockDiffusionModel(torch.nn.Module):
         hidden = args[0][: self._num_logit_rows]
         return (hidden,) + tuple(args[1:])
 
+    @staticmethod
+    def _sequence_parallel_shards(config) -> int:
+        return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
     def logits(self, input_ids: torch.Tensor, rows) -> torch.Tensor:
-        """Logits [b, noisy rows, vocab / TP] of this rank's rows (ids already laid out)."""
-        if self.gpt.position_embedding_type == "rope":
-            self.gpt.rotary_pos_emb.positions = rows.position.to(input_ids.device)
+        """Logits [b, noisy rows, vocab / TP] of this rank's rows (ids in local row order).
+
+        With sequence parallelism the rows are fed shard-major ([noisy | clean] per TP shard) so
+        that every TP rank drops its clean rows alike before the output layer; the gathered logits
+        come back in local noisy-row order."""
         num_noisy = int((~rows.is_clean).sum())
+        positions = rows.position.to(input_ids.device)
+        if self.plan.physical_order is not None:
+            order = self.plan.physical_order.to(input_ids.device)
+            input_ids, positions = input_ids[:, order], positions[order]
+        if self.gpt.position_embedding_type == "rope":
+            self.gpt.rotary_pos_emb.positions = positions
         # Logits for the noisy rows only; with no noisy stream (AR) for every row.
-        self._num_logit_rows = num_noisy if num_noisy else None
+        self._num_logit_rows = num_noisy // self._sp_shards if num_noisy else None
         try:
-            return self.gpt(input_ids, rows.position.to(input_ids.device)[None].expand_as(input_ids),
-                            attention_mask=plan_mask(self.plan))
+            return self.gpt(input_ids, positions[None].expand_as(input_ids), attention_mask=plan_mask(self.plan))
         finally:
             self._num_logit_rows = None
 
@@ -142,3 +156,19 @@ def autoregressive_plan(layout: SequenceLayout, seq_rank: int, ring_group, trans
         local = RowMeta.of(empty, layout.clean_shard_positions(ring_position))
         plan = AttentionPlan(geometry, local, "clean", transport, ring_group, layout.ring_clean_rows(seq_rank))
     return plan, layout.group_size // layout.ring_size
+
+
+def shard_major_order(rows: RowMeta, shards: int) -> torch.Tensor:
+    """Physical order for sequence parallelism: shard i holds [noisy chunk i | clean chunk i]."""
+    n = int((~rows.is_clean).sum())
+    c = len(rows) - n
+    if n % shards or c % shards:
+        raise ValueError(
+            f"--sequence-parallel with --tensor-model-parallel-size {shards} needs this rank's {n} noisy and "
+            f"{c} clean rows to divide by {shards} (choose --seq-length/--block-size accordingly)"
+        )
+    parts = []
+    for i in range(shards):
+        parts.append(torch.arange(i * n // shards, (i + 1) * n // shards))
+        parts.append(n + torch.arange(i * c // shards, (i + 1) * c // shards))
+    return torch.cat(parts)
