@@ -341,7 +341,7 @@ def build_gpt_model(shape: ModelShape, config=None, block_diffusion: bool = True
     if config is None:
         config = transformer_config(shape, **config_overrides)
     rotary = rotary_kwargs(shape)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(shape, config, block_diffusion),
         vocab_size=shape.vocab_size,
@@ -351,6 +351,38 @@ def build_gpt_model(shape: ModelShape, config=None, block_diffusion: bool = True
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         **rotary,
     )
+    if not config.perform_initialization:
+        mark_tensor_parallel_weights(model, config)
+    return model
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module, config) -> int:
+    """Set the tensor-parallel attributes Megatron only sets while initialising weights.
+
+    With `perform_initialization=False` (weights about to be loaded), megatron-core 0.16 leaves
+    `tensor_model_parallel` / `partition_dim` / `partition_stride` unset on the weights of parallel
+    linears and embeddings, so gradient-norm and optimizer code would treat TP-sharded weights as
+    TP duplicates. This sets exactly what initialisation sets: dim 0 for column-parallel layers and
+    the vocabulary embedding, dim 1 for row-parallel layers, stride 2 for SwiGLU `linear_fc1`.
+    Returns the number of weights marked."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    marked = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or getattr(weight, "tensor_model_parallel", False):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            stride = 2 if (name.endswith("linear_fc1") and config.gated_linear_unit) else 1
+            set_tensor_model_parallel_attributes(weight, True, 0, stride)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+        else:
+            continue
+        marked += 1
+    return marked
 
 
 def megatron_flags(shape: ModelShape) -> List[str]:
