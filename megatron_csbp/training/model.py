@@ -135,6 +135,7 @@ class TrainableBDLM(MegatronModule):
     def __init__(self, config: TransformerConfig, bdlm: BlockDiffusionModel):
         super().__init__(config=config)
         self.bdlm = bdlm
+        self.model_type = bdlm.gpt.model_type
 
     @property
     def gpt(self) -> GPTModel:

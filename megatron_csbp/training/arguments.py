@@ -1,0 +1,229 @@
+"""Command line of `python -m megatron_csbp.train`: Megatron-LM's flag names plus the block-diffusion
+ones (the same set `megatron_csbp.megatron_lm.extra_args_provider` adds to Megatron-LM).
+
+Every rule is checked before any process group exists; a violation exits with a message naming
+the flag and the rule.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional, Sequence
+
+from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
+
+
+def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Our flags (also used as Megatron-LM's extra_args_provider)."""
+    g = parser.add_argument_group("block diffusion")
+    g.add_argument("--block-parallel-size", type=int, default=1,
+                   help="ranks sharing one sample by noisy blocks (BP); CSBP when --context-parallel-size > 1 "
+                        "too. Must be a multiple of --context-parallel-size.")
+    g.add_argument("--block-size", type=int, default=16, help="block diffusion block size; must divide --seq-length")
+    g.add_argument("--objective", choices=("bd3lm", "ar"), default="bd3lm")
+    g.add_argument("--mask-token-id", type=int, default=None,
+                   help="absorbing mask token (default: the tokenizer's <mask>)")
+    g.add_argument("--clean-attention", choices=CLEAN_ATTENTION_VARIANTS, default="block_causal")
+    g.add_argument("--noise-eps-min", type=float, default=1e-3)
+    g.add_argument("--noise-eps-max", type=float, default=1.0)
+    g.add_argument("--loss-weighting", choices=("inverse_t", "unit"), default="inverse_t")
+    g.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
+    g.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
+    g.add_argument("--attention-kernel", choices=("auto", "math", "flex"), default="auto")
+    g.add_argument("--log-json", type=str, default=None, help="append one JSON object per logged iteration")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.train",
+                                description="Train a block diffusion LM with Megatron-core (launch with torchrun). "
+                                            "With no flags at all: the embedded CSBP demo.")
+    m = p.add_argument_group("model (Megatron-LM names)")
+    m.add_argument("--num-layers", type=int, default=4)
+    m.add_argument("--hidden-size", type=int, default=128)
+    m.add_argument("--ffn-hidden-size", type=int, default=None)
+    m.add_argument("--num-attention-heads", type=int, default=4)
+    m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--group-query-attention", action="store_true", help="accepted for Megatron-LM compatibility")
+    m.add_argument("--seq-length", type=int, default=128)
+    m.add_argument("--max-position-embeddings", type=int, default=None)
+    m.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
+    m.add_argument("--swiglu", action="store_true", default=True)
+    m.add_argument("--no-swiglu", dest="swiglu", action="store_false")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--rotary-base", type=int, default=10000)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--bf16", action="store_true")
+    m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+
+    t = p.add_argument_group("training (Megatron-LM names)")
+    t.add_argument("--micro-batch-size", type=int, default=2)
+    t.add_argument("--global-batch-size", type=int, default=None)
+    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--min-lr", type=float, default=3e-4)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--lr-decay-iters", type=int, default=None)
+    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                   default="cosine")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.95)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--use-distributed-optimizer", action="store_true")
+
+    par = p.add_argument_group("parallelism (Megatron-LM names)")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--context-parallel-size", type=int, default=1)
+    par.add_argument("--expert-model-parallel-size", type=int, default=1)
+    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                     help="default: nccl with CUDA, gloo without")
+
+    c = p.add_argument_group("checkpoints and logs (Megatron-LM names)")
+    c.add_argument("--save", type=str, default=None)
+    c.add_argument("--load", type=str, default=None)
+    c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--log-interval", type=int, default=10)
+    c.add_argument("--eval-interval", type=int, default=None)
+    c.add_argument("--eval-iters", type=int, default=0)
+    c.add_argument("--skip-train", action="store_true")
+    c.add_argument("--tensorboard-dir", type=str, default=None)
+    c.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration (for tests/resume)")
+    c.add_argument("--no-progress-bar", action="store_true")
+
+    d = p.add_argument_group("data (Megatron-LM names)")
+    d.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+    d.add_argument("--split", type=str, default="969,30,1")
+    d.add_argument("--data-cache-path", type=str, default=None)
+    d.add_argument("--sft-data-path", type=str, default=None, help="jsonl of conversations or prompt/response pairs")
+    d.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"),
+                   default=None)
+    d.add_argument("--tokenizer-model", type=str, default=None)
+    d.add_argument("--vocab-size", type=int, default=None)
+    d.add_argument("--mock-data", action="store_true")
+
+    add_block_diffusion_args(p)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validate_args(args, world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill derived values and refuse bad input with a message naming the flag and the rule."""
+    from megatron_csbp.parallel_state import check_topology
+
+    sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                           args.context_parallel_size, args.block_parallel_size, args.expert_model_parallel_size)
+    args.world_size = world_size
+    seq_group = sizes.sequence_parallel_size
+    args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                                             * seq_group)
+    if args.seq_length <= 0 or args.block_size <= 0:
+        raise ValueError(f"--seq-length ({args.seq_length}) and --block-size ({args.block_size}) must be positive")
+    if args.seq_length % args.block_size:
+        raise ValueError(f"--block-size {args.block_size} does not divide --seq-length {args.seq_length}: "
+                         "block diffusion needs whole blocks")
+    if args.seq_length % (2 * seq_group):
+        raise ValueError(f"--seq-length {args.seq_length} must be divisible by 2 x max(--context-parallel-size, "
+                         f"--block-parallel-size) = {2 * seq_group} (zigzag sharding)")
+    num_blocks = args.seq_length // args.block_size
+    if args.block_parallel_size > 1 and num_blocks < args.block_parallel_size:
+        raise ValueError(f"--seq-length / --block-size = {num_blocks} blocks, fewer than --block-parallel-size "
+                         f"{args.block_parallel_size}: every block-parallel rank must own a block")
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_attention_heads % args.num_query_groups:
+        raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+                         f"{args.num_attention_heads}")
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} must divide --hidden-size {args.hidden_size}")
+    tp = args.tensor_model_parallel_size
+    if args.num_query_groups % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide --num-query-groups {args.num_query_groups}")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # Megatron-LM does the same
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size if not args.swiglu else int(8 * args.hidden_size / 3 / 16 + 0.999) * 16
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+                         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.expert_model_parallel_size != 1:
+        raise ValueError("--expert-model-parallel-size > 1 needs an MoE model, which python -m megatron_csbp.train "
+                         "does not build (use the Megatron-LM hooks)")
+    # Data and tokenizer.
+    sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path)]
+    if sum(sources) == 0:
+        raise ValueError("give one of --mock-data, --data-path or --sft-data-path")
+    if sum(sources) > 1:
+        raise ValueError("--mock-data, --data-path and --sft-data-path are mutually exclusive")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None) else \
+            "SentencePieceTokenizer"
+    if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
+        raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without --tokenizer-model) needs --vocab-size")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
+    if not 0.0 < args.noise_eps_min <= args.noise_eps_max <= 1.0:
+        raise ValueError(f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got "
+                         f"{args.noise_eps_min}, {args.noise_eps_max}")
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ValueError("--save-interval must be positive")
+    if args.save_interval and not args.save:
+        raise ValueError("--save-interval needs --save DIR")
+    if args.eval_interval is not None and args.eval_interval <= 0:
+        raise ValueError("--eval-interval must be positive")
+    if args.skip_train and not args.eval_iters:
+        raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError("--pipeline-model-parallel-size must be 1 for block diffusion")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.
+    from megatron_csbp.data.megatron_data import build_tokenizer
+    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    if args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size:
+        raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
+    args.vocab_size = tok.vocab_size
+    args.eod_token_id = tok.eod
+    if args.mask_token_id is None and args.objective == "bd3lm":
+        args.mask_token_id = tok.mask_token_id
+    check_vocab(args, tok.vocab_size)
+    return args
+
+
+def check_vocab(args, vocab_size: int) -> None:
+    """After the tokenizer is known: the mask token must be a real id."""
+    if args.objective == "bd3lm":
+        if args.mask_token_id is None:
+            raise ValueError("--objective bd3lm needs --mask-token-id (the tokenizer has no <mask>)")
+        if not 0 <= args.mask_token_id < vocab_size:
+            raise ValueError(f"--mask-token-id {args.mask_token_id} is outside the vocabulary [0, {vocab_size})")
+
+
+def model_args(args):
+    from megatron_csbp.training.model import ModelArgs
+
+    fields = ModelArgs.__dataclass_fields__
+    return ModelArgs(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+
+
+DEMO_ARGV: List[str] = []  # filled in by megatron_csbp.training.demo

@@ -1,0 +1,142 @@
+"""Checkpoints through `megatron.core.dist_checkpointing` (torch_dist), written atomically.
+
+Layout of `--save DIR` (Megatron-LM's names):
+
+    DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
+    DIR/iter_0000100/                       a complete dist_checkpointing directory
+    DIR/iter_0000200.tmp-<nonce>/           a save in progress (ignored, removed by the next save)
+
+A save writes everything into a fresh temporary directory, then (rank 0, after every rank finished)
+renames it to `iter_N` and replaces the tracker file with `os.replace`. A crash at any point leaves
+the tracker pointing at the previous complete checkpoint. Loading reads the tracker.
+
+State: the model as Megatron's GPT sharded state dict (plain GPT keys), the optimizer with
+`fully_reshardable` sharding for the distributed optimizer (so TP, CP, BP and DP may all change
+between save and load), the LR scheduler, iteration and consumed samples. Training noise is keyed
+by (seed, sample index) and dropout is off, so this is everything an exact resume needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
+    state = {"model": model.sharded_state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    return state
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int,
+                    extra: Optional[Dict[str, Any]] = None, _fail_after_write: bool = False) -> str:
+    """Collective. Returns the final directory. `_fail_after_write` simulates a crash (tests)."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = iteration_dir(root, iteration)
+    nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)
+    tmp = f"{final}.tmp-{nonce[0]}"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of crashed saves
+            if ".tmp-" in name:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state["iteration"] = iteration
+    state["consumed_samples"] = consumed_samples
+    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["extra"] = extra or {}
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if _fail_after_write:
+        raise RuntimeError("simulated crash during checkpoint save")
+    if rank == 0:
+        with open(os.path.join(tmp, "bdlm_meta.json"), "w") as f:
+            json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, f, indent=1)
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving the same iteration: move the old one aside first
+            old = f"{final}.old-{nonce[0]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        tracker_tmp = os.path.join(root, f".{TRACKER}.{nonce[0]}")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        _fsync_dir(root)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    """Collective. Loads the tracker's checkpoint (or `iteration`); None when there is none."""
+    from megatron.core import dist_checkpointing
+
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            return None
+    path = iteration_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise ValueError(f"--load {root}: checkpoint directory {path} is missing")
+    state = _sharded_state(model, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, path)
+    missing, unexpected = model.gpt.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise RuntimeError(f"checkpoint {path} lacks model keys {missing[:5]}")
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    return {"iteration": int(loaded["iteration"]), "consumed_samples": int(loaded["consumed_samples"]),
+            "extra": loaded.get("extra", {}), "path": path}
+
+
+def load_model_only(root: str, model) -> Dict[str, Any]:
+    """Weights only (generation): any layout, no optimizer."""
+    return load_checkpoint(root, model, None, None)
