@@ -38,6 +38,10 @@ class MegatronTokenizerAdapter:
             self.eod = vocab_size - 1 if eod is None else eod
             self.mask_token_id = vocab_size - 2
         self.pad = -1
+        # Megatron's dataset cache keys hash this (its MegatronTokenizer has the same attribute).
+        model = getattr(tokenizer, "model_path", None) or getattr(tokenizer, "path", None)
+        self.unique_identifiers = {"class": "MegatronTokenizerAdapter", "model": str(model),
+                                   "vocab_size": self.vocab_size, "eod": self.eod}
 
     def tokenize(self, text: str) -> List[int]:
         if self.tokenizer is None:

@@ -1,0 +1,94 @@
+"""jsonl -> Megatron indexed dataset (.bin/.idx), in the spirit of Megatron-LM's
+`tools/preprocess_data.py`:
+
+    python -m megatron_csbp.data.preprocess --input docs.jsonl --output-prefix data/corpus \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod
+
+writes `data/corpus_text_document.bin/.idx` (one document per jsonl line, field `--json-keys`,
+default `text`), readable by `megatron.core.datasets.indexed_dataset.IndexedDataset` and usable as
+`--data-path data/corpus_text_document`. `--input` may also be the shipped corpus (`shipped`).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+from typing import Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def _open(path: str):
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def iter_jsonl(path: str, key: str) -> Iterable[str]:
+    with _open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--input {path}: line {lineno} is not JSON ({exc})") from None
+            if key not in record:
+                raise ValueError(f"--input {path}: line {lineno} has no key {key!r} (see --json-keys)")
+            yield record[key]
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "text",
+               append_eod: bool = True) -> str:
+    """Tokenize every document and write `{output_prefix}_{json_key}_document.bin/.idx`."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    prefix = f"{output_prefix}_{json_key}_document"
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    n = 0
+    for text in iter_jsonl(input_path, json_key):
+        ids = tokenizer.tokenize(text)
+        if append_eod:
+            ids = list(ids) + [tokenizer.eod]
+        if not ids:
+            continue
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+        n += 1
+    if n == 0:
+        raise ValueError(f"--input {input_path} has no non-empty documents")
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    from megatron_csbp.data.megatron_data import build_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.data.preprocess", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="jsonl(.gz) file, or 'shipped' for the shipped corpus")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"))
+    p.add_argument("--tokenizer-model", default=None, help="default: the shipped sentencepiece model")
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--append-eod", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility")
+    a = p.parse_args(argv)
+    if a.input == "shipped":
+        from megatron_csbp.data.corpus import DEFAULT_CORPUS
+        a.input = DEFAULT_CORPUS
+    if not os.path.exists(a.input):
+        p.error(f"--input {a.input} does not exist")
+    tok = build_tokenizer(a.tokenizer_type, a.tokenizer_model, a.vocab_size)
+    out = None
+    for key in a.json_keys:
+        out = preprocess(a.input, a.output_prefix, tok, key, a.append_eod)
+        print(f"wrote {out}.bin and {out}.idx")
+    return out
+
+
+if __name__ == "__main__":
+    main()

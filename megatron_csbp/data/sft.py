@@ -1,0 +1,101 @@
+"""SFT data: jsonl of prompt/response pairs or conversations, with loss masks so prompts stay clean.
+
+Accepted records (one per line):
+
+    {"prompt": "...", "response": "..."}
+    {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    {"messages": [...same...]}            {"conversations": [{"from": "human"|"gpt", "value": "..."}]}
+
+Rendering (plain text through the tokenizer): each turn is `"<Role>: " + content + "\\n"`, except that
+an assistant turn's content is followed by EOD instead of the newline. Loss mask = 1 on assistant
+content tokens and the EOD that ends them, 0 on everything else (system/user turns and the role
+headers). The BD3-LM objective only ever masks (noises) supervised tokens, so prompts stay clean in
+the noisy stream too. Samples are truncated or padded to `--seq-length`; padding is EOD with loss
+mask 0 (it stays clean: the model sees where the answer stopped).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Dict, List, Tuple
+
+import torch
+
+_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                 "model": "assistant", "system": "system"}
+_HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
+
+
+def _turns(record: Dict, where: str) -> List[Tuple[str, str]]:
+    if "prompt" in record and "response" in record:
+        return [("user", record["prompt"]), ("assistant", record["response"])]
+    conv = record.get("conversations", record.get("messages"))
+    if not isinstance(conv, list) or not conv:
+        raise ValueError(f"{where}: an SFT record needs prompt/response or a non-empty conversations/messages list")
+    turns = []
+    for t in conv:
+        role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))).lower())
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            raise ValueError(f"{where}: turn {t!r} needs role (system/user/assistant) and content")
+        turns.append((role, content))
+    if not any(r == "assistant" for r, _ in turns):
+        raise ValueError(f"{where}: the conversation has no assistant turn (nothing to learn)")
+    return turns
+
+
+def render(record: Dict, tokenizer, where: str = "record") -> Tuple[List[int], List[int]]:
+    """(token ids, loss mask) of one record, before truncation/padding."""
+    ids: List[int] = []
+    mask: List[int] = []
+    for role, content in _turns(record, where):
+        header = tokenizer.tokenize(_HEADERS[role])
+        ids += header
+        mask += [0] * len(header)
+        if role == "assistant":
+            body = tokenizer.tokenize(content) + [tokenizer.eod]
+            ids += body
+            mask += [1] * len(body)
+        else:
+            body = tokenizer.tokenize(content + "\n")
+            ids += body
+            mask += [0] * len(body)
+    return ids, mask
+
+
+def prompt_ids(prompt: str, tokenizer) -> List[int]:
+    """The ids a model trained on this format should be given to answer `prompt`."""
+    return tokenizer.tokenize(_HEADERS["user"]) + tokenizer.tokenize(prompt + "\n") + \
+        tokenizer.tokenize(_HEADERS["assistant"])
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    def __init__(self, path: str, tokenizer, seq_length: int):
+        opener = gzip.open if path.endswith(".gz") else open
+        self.samples = []
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"--sft-data-path {path}:{n} is not JSON ({exc})") from None
+                ids, mask = render(record, tokenizer, f"--sft-data-path {path}:{n}")
+                ids, mask = ids[:seq_length], mask[:seq_length]
+                pad = seq_length - len(ids)
+                ids += [tokenizer.eod] * pad
+                mask += [0] * pad
+                if not any(mask):
+                    raise ValueError(f"--sft-data-path {path}:{n}: the response starts after --seq-length "
+                                     f"{seq_length} tokens (nothing supervised)")
+                self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32)))
+        if not self.samples:
+            raise ValueError(f"--sft-data-path {path} holds no records")
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, idx):
+        tokens, mask = self.samples[int(idx) % len(self.samples)]
+        return {"tokens": tokens.clone(), "loss_mask": mask.clone()}
