@@ -84,17 +84,24 @@ def _attention_rank(rank, world, cases):
         out = block_diffusion_attention(ql, kl, vl, plan, softmax_scale=case["d"] ** -0.5,
                                         kernel=math_partial_attention, window=case["window"], layer=1)
         out.backward(do[idx] * mine[:, None, None, None])
-        results.append(dict(idx=idx, out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+        results.append(dict(idx=idx, out=out.detach(), seq_rank=seq_rank, dq=ql.grad, dk=kl.grad, dv=vl.grad,
                             sent=traffic_counter().total_sent, received=traffic_counter().total_received))
         bps.destroy_block_parallel()
     return results
 
 
-def attention_bytes_formula(case) -> int:
+def attention_bytes_formula(case, seq_rank) -> int:
     """Bytes received per rank per layer, forward + backward (design brief section 2), fp32."""
     L, G, d, b, s = case["L"], case["G"], case["d"], case["b"], 4
     if case["cp"] == 1:
         return 0  # single or BP: nothing moves
+    if case["bp"] > 1 and case["window"] is not None:
+        # Sliding window under CSBP: exactly the rows of the static plan: forward receives the
+        # rows it needs, backward receives the gradients of the rows it sent.
+        from tests.test_window_exchange import window_plans
+
+        plan = window_plans(case)[seq_rank]
+        return (sum(plan.recv_counts) + sum(plan.send_counts)) * b * 2 * G * d * s
     P = case["cp"]  # ring size
     rows_moved = 2 * L if case["bp"] == 1 else L  # CP moves all 2L rows, CSBP the L clean rows
     # forward K and V of the other members' rows, backward their gradients
@@ -115,6 +122,7 @@ WORLD_CASES = {
         make_case(2, 2, "ring", "mirrored", "token_causal"),
         make_case(2, 2, "allgather", "contiguous"),
         make_case(2, 2, "allgather", "mirrored", "token_causal", window=6),
+        make_case(2, 2, "allgather", "contiguous", "block_causal", window=3),
         make_case(2, 1, "allgather", "mirrored", "block_causal", window=5),
     ],
     4: [
@@ -126,6 +134,7 @@ WORLD_CASES = {
         make_case(2, 4, "allgather", "mirrored", "token_causal"),
         make_case(2, 4, "ring", "contiguous"),
         make_case(4, 4, "allgather", "mirrored", "block_causal", window=7),
+        make_case(2, 4, "allgather", "mirrored", "token_causal", window=5),
     ],
 }
 
@@ -154,7 +163,10 @@ def check_case(case, results):
     for res in results:
         idx = res["idx"]
         torch.testing.assert_close(res["out"].double(), ref_out[idx], atol=1e-5, rtol=1e-5, msg=lambda m: f"{label}: {m}")
-        assert res["sent"] == res["received"] == attention_bytes_formula(case), (label, res["received"])
+        expected = attention_bytes_formula(case, res["seq_rank"])
+        assert res["received"] == expected, (label, res["received"], expected)
+        if case["window"] is None:
+            assert res["sent"] == res["received"], label
         holders[idx] += 1
         for n in sums:
             sums[n].index_add_(0, idx, res[n].double())

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.attention.kernels import merge_partials
-from megatron_csbp.attention.transports import PendingGather, pack_kv, ring_chunks, unpack_kv
+from megatron_csbp.attention.transports import PendingAllToAll, PendingGather, pack_kv, ring_chunks, unpack_kv
+from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
 
 
@@ -29,6 +30,8 @@ class AttentionPlan:
     transport: str = "allgather"  # 'allgather' | 'ring'
     group: Optional[dist.ProcessGroup] = None  # the ring that exchanges K/V
     peers: Optional[List[RowMeta]] = None  # what each ring member sends, in ring order
+    members: Optional[List[RowMeta]] = None  # every ring member's local rows (its queries)
+    ring_index: int = 0  # this rank's position in the ring
     # Sequence parallelism orders each TP shard [noisy | clean]; row j of the physical input is
     # local row physical_order[j]. None means the physical order is the local order.
     physical_order: Optional[torch.Tensor] = None
@@ -41,6 +44,13 @@ class AttentionPlan:
             assert self.group is not None and self.peers is not None
         if self.exchange == "none":
             assert bool(self.local.is_clean[self.num_noisy :].all()), "local rows must be [noisy ; clean]"
+
+    def window_exchange(self, geometry: BlockGeometry) -> WindowExchangePlan:
+        """The static windowed clean exchange of this rank for a sliding-window layer."""
+        key = ("window_exchange", geometry.window)
+        if key not in self._masks:
+            self._masks[key] = WindowExchangePlan.build(self.members, self.peers, geometry, self.ring_index)
+        return self._masks[key]
 
     def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device) -> torch.Tensor:
         """Bool mask cached per (part, window): metadata is static, so masks are built once."""
@@ -99,8 +109,12 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
 
     n = plan.num_noisy
     noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
-    pending = None
-    if plan.exchange == "clean" and plan.transport == "allgather":
+    pending = windowed = None
+    if plan.exchange == "clean" and geometry.window is not None:
+        # Sliding-window layer: only the clean rows inside the windows move (one all-to-all).
+        windowed = plan.window_exchange(geometry)
+        pending = PendingAllToAll(pack_kv(k[n:], v[n:]), windowed.send_index, windowed.recv_counts, plan.group, layer)
+    elif plan.exchange == "clean" and plan.transport == "allgather":
         # Start moving clean K/V now; the block-diagonal noisy attention below overlaps it.
         pending = PendingGather(pack_kv(k[n:], v[n:]), plan.group, layer)
 
@@ -109,6 +123,10 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     clean_parts = []
     if plan.exchange == "none":
         clean_parts.append(partial(("clean",), local, clean_rows, q, k[n:], v[n:]))
+    elif windowed is not None:
+        rk, rv = unpack_kv(pending.result())
+        keys = RowMeta.cat([clean_rows] + windowed.recv_rows)
+        clean_parts.append(partial(("window",), local, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
     elif plan.transport == "allgather":
         gk, gv = unpack_kv(pending.result())
         clean_parts.append(partial(("clean",), local, RowMeta.cat(plan.peers), q, gk, gv))
@@ -142,7 +160,9 @@ def plan_for_layout(layout, rank: int = 0, group=None, transport: str = "allgath
         raise ValueError(f"layout {kind!r} needs the K/V ring process group")
     if dist.get_world_size(group) != layout.ring_size:
         raise ValueError(f"ring group has {dist.get_world_size(group)} ranks, layout expects {layout.ring_size}")
+    members = [layout.rows(r) for r in layout.ring_ranks(rank)]
+    ring_index = layout.ring_of(rank)[1]
     if kind == "cp":
-        peers = [layout.rows(r) for r in range(layout.group_size)]
-        return AttentionPlan(layout.geometry, local, "all", transport, group, peers)
-    return AttentionPlan(layout.geometry, local, "clean", transport, group, layout.ring_clean_rows(rank))
+        return AttentionPlan(layout.geometry, local, "all", transport, group, members, members, ring_index)
+    return AttentionPlan(layout.geometry, local, "clean", transport, group, layout.ring_clean_rows(rank), members,
+                         ring_index)

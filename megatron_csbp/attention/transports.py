@@ -122,3 +122,39 @@ def check_transport(name: str) -> str:
     if name not in TRANSPORTS:
         raise ValueError(f"--attention-transport must be one of {TRANSPORTS}, got {name!r}")
     return name
+
+
+class PendingAllToAll:
+    """A variable-split all-to-all in flight (windowed clean exchange); `result()` waits and
+    returns the received rows, differentiably: backward sends the gradients back the same way."""
+
+    def __init__(self, local: torch.Tensor, send_index: List[torch.Tensor], recv_counts: List[int], group, layer: int):
+        self.local, self.group, self.layer = local, group, layer
+        self.send_index = torch.cat(send_index).to(local.device)
+        self.send_counts, self.recv_counts = [len(ix) for ix in send_index], list(recv_counts)
+        send = local.detach()[self.send_index].contiguous()
+        self.buffer = local.new_empty((sum(self.recv_counts),) + tuple(local.shape[1:]))
+        self.work = dist.all_to_all_single(self.buffer, send, self.recv_counts, self.send_counts, group=group,
+                                           async_op=True)
+        traffic_counter().record(layer, "forward", _nbytes(send), _nbytes(self.buffer))
+
+    def result(self) -> torch.Tensor:
+        return _FinishAllToAll.apply(self.local, self)
+
+
+class _FinishAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, pending: PendingAllToAll):
+        pending.work.wait()
+        ctx.pending = pending
+        return pending.buffer
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        p = ctx.pending
+        grad_sent = grad_received.new_empty((sum(p.send_counts),) + tuple(grad_received.shape[1:]))
+        dist.all_to_all_single(grad_sent, grad_received.contiguous(), p.send_counts, p.recv_counts, group=p.group)
+        traffic_counter().record(p.layer, "backward", _nbytes(grad_received), _nbytes(grad_sent))
+        grad_local = torch.zeros_like(p.local).index_add_(0, p.send_index, grad_sent)
+        ctx.pending = None
+        return grad_local, None

@@ -154,7 +154,8 @@ def autoregressive_plan(layout: SequenceLayout, seq_rank: int, ring_group, trans
     else:
         ring_position = layout.ring_of(seq_rank)[1]
         local = RowMeta.of(empty, layout.clean_shard_positions(ring_position))
-        plan = AttentionPlan(geometry, local, "clean", transport, ring_group, layout.ring_clean_rows(seq_rank))
+        shards = layout.ring_clean_rows(seq_rank)
+        plan = AttentionPlan(geometry, local, "clean", transport, ring_group, shards, shards, ring_position)
     return plan, layout.group_size // layout.ring_size
 
 

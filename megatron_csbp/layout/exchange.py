@@ -1,0 +1,49 @@
+"""Static exchange plans for sliding-window layers under CSBP.
+
+A sliding-window layer needs only the clean rows inside the windows: for each owned noisy block
+the W-1 clean rows before it, for each local clean query the W-1 rows before it. Which rows of
+which ring member those are follows from the metadata alone, so every rank computes the same
+plan: what it sends to each member (indices into its clean shard) and what it receives from
+each. One variable-split all-to-all moves exactly those rows; backward runs it in reverse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
+
+
+def needed_clean_rows(queries: RowMeta, shard: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
+    """Indices of `shard`'s (clean) rows that any of `queries` may attend."""
+    if len(queries) == 0 or len(shard) == 0:
+        return torch.zeros(0, dtype=torch.long)
+    return allowed(queries, shard, geometry).any(0).nonzero().flatten()
+
+
+@dataclass(frozen=True)
+class WindowExchangePlan:
+    me: int  # position in the ring
+    send_index: List[torch.Tensor]  # per member: indices into my clean shard it needs
+    recv_rows: List[RowMeta]  # per member: metadata of the rows it sends me (empty for me)
+
+    @staticmethod
+    def build(members: List[RowMeta], shards: List[RowMeta], geometry: BlockGeometry, me: int) -> "WindowExchangePlan":
+        """`members[i]`: all local rows (queries) of ring member i; `shards[i]`: its clean rows."""
+        send_index, recv_rows = [], []
+        for i in range(len(members)):
+            send_index.append(torch.zeros(0, dtype=torch.long) if i == me else
+                              needed_clean_rows(members[i], shards[me], geometry))
+            recv_rows.append(shards[i].select(torch.zeros(0, dtype=torch.long)) if i == me else
+                             shards[i].select(needed_clean_rows(members[me], shards[i], geometry)))
+        return WindowExchangePlan(me, send_index, recv_rows)
+
+    @property
+    def send_counts(self) -> List[int]:
+        return [len(ix) for ix in self.send_index]
+
+    @property
+    def recv_counts(self) -> List[int]:
+        return [len(r) for r in self.recv_rows]

@@ -1,0 +1,67 @@
+"""The static windowed clean-exchange plan of sliding-window layers under CSBP."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_csbp.layout.exchange import WindowExchangePlan
+from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed, logical_rows
+
+
+def window_plans(case):
+    """The plan of every rank of the sequence group for an attention-test case."""
+    geometry = BlockGeometry(case["L"], case["B"], case["clean_attention"], None)
+    layout = SequenceLayout(geometry, case["cp"], case["bp"], case["schedule"])
+    windowed = geometry.with_window(case["window"])
+    plans = []
+    for r in range(layout.group_size):
+        members = [layout.rows(m) for m in layout.ring_ranks(r)]
+        plans.append(WindowExchangePlan.build(members, layout.ring_clean_rows(r), windowed, layout.ring_of(r)[1]))
+    return plans
+
+
+def setup(L, B, cp, bp, W, clean="block_causal", schedule="mirrored"):
+    case = dict(L=L, B=B, cp=cp, bp=bp, window=W, clean_attention=clean, schedule=schedule)
+    layout = SequenceLayout(BlockGeometry(L, B, clean), cp, bp, schedule)
+    return layout, layout.geometry.with_window(W), window_plans(case)
+
+
+CONFIGS = [(64, 4, 2, 2, 5), (64, 4, 4, 4, 9), (64, 4, 2, 4, 3), (128, 8, 4, 4, 16), (64, 4, 4, 4, 1)]
+
+
+@pytest.mark.parametrize("L,B,cp,bp,W", CONFIGS)
+@pytest.mark.parametrize("clean", ["block_causal", "token_causal"])
+def test_plan_covers_exactly_the_needed_rows(L, B, cp, bp, W, clean):
+    layout, geometry, plans = setup(L, B, cp, bp, W, clean)
+    all_clean = logical_rows(L).select(slice(L, None))
+    for r in range(layout.group_size):
+        rows = layout.rows(r)
+        local_clean = set(rows.position[rows.is_clean].tolist())
+        received = set(RowMeta.cat(plans[r].recv_rows).position.tolist())
+        needed = set(all_clean.position[allowed(rows, all_clean, geometry).any(0)].tolist())
+        assert needed <= local_clean | received  # coverage
+        assert received <= needed and not (received & local_clean)  # nothing extra moves
+
+
+@pytest.mark.parametrize("L,B,cp,bp,W", CONFIGS)
+def test_plan_is_symmetric(L, B, cp, bp, W):
+    """What member i sends to member j is exactly what j expects from i, row for row."""
+    layout, _, plans = setup(L, B, cp, bp, W)
+    for r in range(layout.group_size):
+        ring = layout.ring_ranks(r)
+        me = layout.ring_of(r)[1]
+        for j, other in enumerate(ring):
+            shard = layout.ring_clean_rows(r)[me]
+            sent = shard.position[plans[r].send_index[j]]
+            expected = plans[other].recv_rows[me].position
+            assert torch.equal(sent, expected)
+        assert plans[r].send_counts[me] == plans[r].recv_counts[me] == 0
+
+
+def test_window_traffic_is_a_small_fraction_of_the_full_clean_exchange():
+    L, B, P, W = 256, 8, 4, 16
+    layout, _, plans = setup(L, B, P, P, W)
+    full_rows = (P - 1) * L // P  # all-gather of the clean stream
+    for plan in plans:
+        assert sum(plan.recv_counts) <= full_rows / 4
