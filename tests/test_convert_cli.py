@@ -142,3 +142,26 @@ def test_sharded_hf_checkpoints_are_read_and_written(tmp_path):
     assert len(files) > 1 and os.path.isfile(tmp_path / hf_io.INDEX_FILE)
     back = hf_io.read_tensors(str(tmp_path))
     assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_bf16_checkpoint_keeps_its_dtype_and_scores_in_fp32(tmp_path):
+    """Released checkpoints are bf16: the Megatron checkpoint stays bf16, the export is bit-exact, and
+    `score` loads the bf16 weights into an fp32 model (transformers loading the same files in fp32
+    gives the same logits)."""
+    import transformers
+
+    from megatron_csbp.conversion import api
+
+    hf, meg, back = str(tmp_path / "hf"), str(tmp_path / "meg"), str(tmp_path / "back")
+    save_tiny_model("mixtral", str(tmp_path / "fp32"), seed=4)
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"), dtype=torch.bfloat16).save_pretrained(hf)
+    shape = api.hf_to_megatron_checkpoint(hf, meg)
+    assert shape.params_dtype == "bfloat16"
+    api.megatron_to_hf_checkpoint(meg, back)
+    src, out = hf_io.read_tensors(hf), hf_io.read_tensors(back)
+    assert all(out[k].dtype == torch.bfloat16 and torch.equal(src[k], out[k]) for k in src)
+    tokens = np.random.RandomState(2).randint(0, 128, size=(1, 10))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        ref = ref_model(torch.from_numpy(tokens)).logits.numpy()
+    assert np.abs(api.score(meg, tokens) - ref).max() <= 1e-4
