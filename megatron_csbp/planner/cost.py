@@ -257,11 +257,18 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 kv_held = w.exchange_rows * kv_row
             else:
                 kv_held = w.kv_rows_gathered * kv_row
-            per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held)
+            scores = 0
+            if hw.attention_kernel == "dense_partials":
+                # the math kernel keeps fp32 scores, probabilities and the masked copy of every
+                # partial's rectangle for backward (3 x 4 bytes per computed pair and head)
+                scores = 12 * w.dense_pairs * max(1, layer.num_heads // tp)
+            per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores)
         if recompute:
             act = rows * h * s / tp * model.num_layers + max(per_layer)
         else:
             act = sum(per_layer)
+        if hw.attention_kernel == "dense_partials":
+            act += sum(work[w][r].dense_pairs for w in windows)  # boolean masks cached by the plan
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + logits, act, logits))

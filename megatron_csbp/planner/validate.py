@@ -185,6 +185,8 @@ def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
             "predicted_traffic_ratio": (e.attn_bytes_per_gpu / eb.attn_bytes_per_gpu) if eb.attn_bytes_per_gpu else None,
             "measured_peak_mib": (r["peak_tensor_bytes"] or 0) / 2 ** 20,
             "predicted_peak_mib": e.peak_memory_gib * 1024,
+            "measured_memory_ratio": r["memory_vs_cp"],
+            "predicted_memory_ratio": e.peak_memory_gib / eb.peak_memory_gib,
         })
     return rows
 
@@ -192,19 +194,26 @@ def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
 def bench_markdown(rows: List[Dict], hw: HardwareProfile) -> str:
     out = [f"Hardware profile: `{hw.name}` ({hw.notes})", "",
            "| P | L | layout | step ms measured | predicted | time vs CP measured | predicted | "
-           "bytes sent measured | predicted | traffic vs CP measured | predicted | peak MiB measured | predicted |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bytes sent measured | predicted | traffic vs CP measured | predicted | peak MiB measured | predicted | "
+           "memory vs CP measured | predicted |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda x, s=".2f": "–" if x is None else format(x, s)
     for r in rows:
         out.append(f"| {r['P']} | {r['L']} | {r['case']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
                    f"{f(r['measured_time_ratio'])} | {f(r['predicted_time_ratio'])} | {r['measured_bytes']} | "
                    f"{r['predicted_bytes']} | {f(r['measured_traffic_ratio'])} | {f(r['predicted_traffic_ratio'])} | "
-                   f"{r['measured_peak_mib']:.1f} | {r['predicted_peak_mib']:.1f} |")
+                   f"{r['measured_peak_mib']:.1f} | {r['predicted_peak_mib']:.1f} | "
+                   f"{f(r['measured_memory_ratio'])} | {f(r['predicted_memory_ratio'])} |")
     ok = [r for r in rows if r["measured_bytes"] == r["predicted_bytes"]]
     errs = [abs(r["predicted_time_ratio"] - r["measured_time_ratio"]) for r in rows if r["measured_time_ratio"]]
+    merrs = [abs(r["predicted_memory_ratio"] - r["measured_memory_ratio"]) for r in rows if r["measured_memory_ratio"]]
+    longest = max(r["L"] for r in rows)
+    lerrs = [abs(r["predicted_time_ratio"] - r["measured_time_ratio"]) for r in rows
+             if r["measured_time_ratio"] and r["L"] == longest]
     out += ["", f"Traffic: predicted bytes equal measured bytes in {len(ok)} of {len(rows)} cases.",
-            f"Time ratio vs CP: mean absolute error {sum(errs) / max(1, len(errs)):.3f}, "
-            f"largest {max(errs) if errs else 0:.3f}.", ""]
+            f"Time ratio vs CP: mean absolute error {sum(errs) / max(1, len(errs)):.3f} over all cases, "
+            f"{sum(lerrs) / max(1, len(lerrs)):.3f} at L = {longest}; largest {max(errs) if errs else 0:.3f}.",
+            f"Memory ratio vs CP: mean absolute error {sum(merrs) / max(1, len(merrs)):.3f}.", ""]
     return "\n".join(out)
 
 

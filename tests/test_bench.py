@@ -1,0 +1,113 @@
+"""The CPU benchmark: the CI-sized run (`--quick`) and the byte accounting it reports.
+
+No wall-clock assertions: timings are measured, not tested. What must hold: attention bytes equal
+the design-brief formulas exactly, CSBP moves exactly half of CP, BP moves nothing, every layout's
+step-0 loss equals the single-rank loss, and the report files are written.
+"""
+import json
+import os
+
+import pytest
+
+from megatron_csbp.bench.__main__ import config_from_args, main, parse_args
+from megatron_csbp.bench.cases import BenchModel, Case, cases_for, formula_bytes_sent, quick_config
+
+
+def test_formulas():
+    m = BenchModel(num_layers=3, hidden_size=128, num_attention_heads=4, num_query_groups=2)
+    L, G, d, s = 512, 2, 32, 4
+    assert formula_bytes_sent(Case("cp", 4, 1), m, L) == 3 * 8 * L * G * d * s * 3 // 4
+    assert formula_bytes_sent(Case("csbp", 4, 4), m, L) == 3 * 4 * L * G * d * s * 3 // 4
+    assert formula_bytes_sent(Case("csbp2", 2, 4), m, L) == 3 * 4 * L * G * d * s // 2
+    assert formula_bytes_sent(Case("bp", 1, 4), m, L) == 0
+
+
+def test_cases_include_their_baselines():
+    names = [c.name for c in cases_for(4, ("csbp-ring", "bp"))]
+    assert "cp-ring" in names and "cp-allgather" in names
+    assert [c.name for c in cases_for(1)] == ["single"]
+    assert "csbp-2rings" in [c.name for c in cases_for(4)]
+    assert "csbp-2rings" not in [c.name for c in cases_for(2)]
+    with pytest.raises(ValueError, match="unknown"):
+        cases_for(2, ("cp-allgather", "nope"))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--seq-lengths", "100"], "multiple of 2 x P"),
+    (["--sizes", "1"], "sizes must be >= 2"),
+    (["--num-attention-heads", "3"], "divisible"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_flags_are_refused(argv, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_args(parse_args(argv))
+    assert main(argv + ["--output-dir", "/nonexistent/never"]) == 2
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory):
+    from megatron_csbp.bench.report import save
+    from megatron_csbp.bench.runner import run
+
+    out = tmp_path_factory.mktemp("bench")
+    result = run(quick_config(), log=lambda *a: None)
+    files = save(result, str(out), "cpu_quick", "python -m megatron_csbp.bench --quick")
+    return result, files
+
+
+def test_quick_bench_bytes_match_formulas(quick_result):
+    result, _ = quick_result
+    rows = result["rows"]
+    kinds = {r["kind"] for r in rows}
+    assert {"single", "cp", "bp", "csbp"} <= kinds
+    for r in rows:
+        # every rank sends exactly the formula's bytes, and receives as many
+        assert r["attn_bytes_sent_per_rank"] == [r["formula_bytes_sent"]] * r["P"], r["case"]
+        assert r["attn_bytes_received"] == r["attn_bytes_sent"]
+        if r["kind"] == "csbp" and r["cp"] == r["P"]:
+            assert r["traffic_vs_cp"] == 0.5
+        if r["kind"] == "bp":
+            assert r["attn_bytes_sent"] == 0 and r["traffic_vs_cp"] == 0.0
+        if r["kind"] == "cp":
+            assert r["traffic_vs_cp"] == 1.0
+
+
+def test_quick_bench_same_loss_every_layout(quick_result):
+    rows = quick_result[0]["rows"]
+    single = {r["seq_length"]: r["loss_step0"] for r in rows if r["kind"] == "single"}
+    for r in rows:
+        assert r["loss_step0"] == pytest.approx(single[r["seq_length"]], rel=1e-5), r["case"]
+
+
+def test_quick_bench_measures_memory_and_time(quick_result):
+    for r in quick_result[0]["rows"]:
+        assert len(r["step_times_s"]) == quick_config().steps and r["median_step_s"] > 0
+        assert r["tokens_per_s"] > 0
+        assert all(p > s > 0 for p, s in zip(r["peak_tensor_bytes_per_rank"], r["static_tensor_bytes_per_rank"]))
+        assert len(r["rows_per_rank"]) == r["P"]
+        # CP and CSBP hold 2L/P rows on every rank
+        if r["kind"] in ("cp", "csbp"):
+            assert r["rows_per_rank"] == [2 * r["seq_length"] // r["P"]] * r["P"]
+
+
+def test_quick_bench_report_files(quick_result):
+    _, files = quick_result
+    for key in ("markdown", "json", "traffic vs sequence length", "time vs sequence length", "peak memory per rank"):
+        assert os.path.getsize(files[key]) > 0, key
+    md = open(files["markdown"]).read()
+    assert "python -m megatron_csbp.bench --quick" in md
+    assert "| measured/formula |" in md.replace(" measured/formula ", " measured/formula ")
+    assert "half or less" in md
+    data = json.load(open(files["json"]))
+    assert data["command"] == "python -m megatron_csbp.bench --quick" and data["rows"]
+
+
+def test_saved_report_shows_half_traffic():
+    """The committed default run: CSBP (CP = BP = P) moves at most half of CP's bytes."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "cpu.json")
+    if not os.path.exists(path):
+        pytest.skip("docs/benchmarks/cpu.json not generated")
+    rows = json.load(open(path))["rows"]
+    csbp = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"]]
+    assert csbp and all(r["traffic_vs_cp"] <= 0.5 for r in csbp)
+    assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows)

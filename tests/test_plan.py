@@ -1,0 +1,150 @@
+"""The cost model and planner: exact work and traffic counts, CLI output, model sources, errors."""
+import json
+import os
+
+import pytest
+
+from megatron_csbp.planner.cli import main
+from megatron_csbp.planner.cost import Layout, Workload, estimate
+from megatron_csbp.planner.hardware import PRESETS, load_hardware
+from megatron_csbp.planner.model_config import LayerShape, ModelConfig, from_hf_config, load_preset
+from megatron_csbp.planner.work import mask_pairs, rank_work
+
+GiB = 2 ** 30
+
+
+def test_mask_pairs_match_the_brief():
+    for L, B in ((256, 16), (1024, 64), (96, 32)):
+        assert mask_pairs(L, B) == L * (L + B)  # twice causal over L, a quarter of dense 2L x 2L
+        # token-causal clean stream: L(L+1)/2 clean pairs
+        assert mask_pairs(L, B, "token_causal") == L * B + L * (L - B) // 2 + L * (L + 1) // 2
+
+
+def test_work_is_balanced_and_sums_to_the_mask():
+    L, B = 1024, 16
+    total = mask_pairs(L, B)
+    for cp, bp in ((4, 1), (4, 4), (2, 4), (1, 4)):
+        w = rank_work(L, B, cp, bp, "mirrored", "block_causal", None)
+        if bp == 1 or cp == bp:
+            assert sum(x.sparse_pairs for x in w) == total
+        if cp > 1:
+            assert len({x.sparse_pairs for x in w}) == 1  # zigzag / mirrored pairs: exactly balanced
+            # rows per rank: noisy L/BP + the ring's clean shard L/CP (2L/P when CP = BP = P)
+            assert {x.rows for x in w} == {2 * L // cp if bp == 1 else L // bp + L // cp}
+    bp_only = rank_work(L, B, 1, 4, "mirrored", "block_causal", None)
+    assert max(x.rows for x in bp_only) > 2 * L // 4  # BP replicates the clean prefix
+    contiguous = rank_work(L, B, 4, 4, "contiguous", "block_causal", None)
+    assert max(x.sparse_pairs for x in contiguous) > min(x.sparse_pairs for x in contiguous)
+
+
+def test_window_plan_moves_only_window_rows():
+    w = rank_work(1024, 16, 4, 4, "mirrored", "block_causal", 64)
+    assert all(x.exchange_rows <= 2 * 63 for x in w)
+    full = rank_work(1024, 16, 4, 4, "mirrored", "block_causal", None)
+    assert all(x.exchange_rows == 1024 - 256 for x in full)
+
+
+def _tiny(layers=2, G=2, d=32):
+    layer = LayerShape(4, G, d, None, False, 256)
+    return ModelConfig("t", 128, 512, tuple([layer] * layers), gated_mlp=False)
+
+
+@pytest.mark.parametrize("recompute,factor", [("none", 8), ("full", 12)])
+def test_traffic_equals_formulas(recompute, factor):
+    model, hw = _tiny(layers=3), PRESETS["h100"]
+    L, P, G, d, s = 4096, 4, 2, 32, 2
+    wl = Workload(L, 32)
+    cp = estimate(model, Layout(1, P, 1, 1, 1, recompute), wl, hw, 8)
+    cs = estimate(model, Layout(1, P, P, 1, 1, recompute), wl, hw, 8)
+    bp = estimate(model, Layout(1, 1, P, 1, 1, recompute), wl, hw, 8)
+    assert cp.attn_bytes_per_gpu == 3 * factor * L * G * d * s * (P - 1) // P
+    assert cs.attn_bytes_per_gpu * 2 == cp.attn_bytes_per_gpu
+    assert bp.attn_bytes_per_gpu == 0
+    assert cs.peak_memory_gib <= cp.peak_memory_gib  # CSBP keeps only clean K/V of others
+    assert bp.peak_memory_gib > cs.peak_memory_gib  # BP replicates the clean prefix
+
+
+def test_nemotron_14b_traffic_matches_paper():
+    m = load_preset("nemotron-diffusion-14b")
+    wl, hw = Workload(262144, 256), PRESETS["h200"]
+    base = estimate(m, Layout(1, 8, 1, 1, 2, "full"), wl, hw, 8)
+    csbp = estimate(m, Layout(1, 8, 8, 1, 2, "full"), wl, hw, 8)
+    assert base.attn_bytes_per_gpu / GiB == pytest.approx(210.0)
+    assert csbp.attn_bytes_per_gpu / GiB == pytest.approx(105.0)
+
+
+def test_presets_parameter_counts():
+    g = load_preset("diffusiongemma-26b-a4b")
+    assert g.total_params / 1e9 == pytest.approx(25.2, abs=0.2)  # notes: about 25.3B
+    assert g.active_params / 1e9 == pytest.approx(3.8, abs=0.1)  # about 3.8B active
+    assert sum(1 for l in g.layers if l.window) == 25 and g.layers[5].head_dim == 512
+    assert load_preset("qwen3-27b-like").total_params / 1e9 == pytest.approx(26.7, abs=0.3)
+
+
+def test_hf_config_and_megatron_flags_agree(tmp_path):
+    cfg = {"hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+           "intermediate_size": 2816, "vocab_size": 32000, "tie_word_embeddings": False, "hidden_act": "silu"}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    common = ["--seq-length", "8192", "--block-size", "32", "--gpus", "4", "--hardware", "h100", "--json"]
+    a = tmp_path / "a.json"
+    flags = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--group-query-attention",
+             "--num-query-groups", "4", "--ffn-hidden-size", "2816", "--swiglu", "--vocab-size", "32000",
+             "--untie-embeddings-and-output-weights"]
+    import contextlib
+    import io
+    outs = []
+    for src in (["--hf-config", str(p)], flags):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(src + common) == 0
+        outs.append(json.loads(buf.getvalue()))
+    strip = lambda r: [(l["label"], round(l["step_time_s"], 9), round(l["peak_memory_gib"], 6)) for l in r["layouts"]]
+    assert strip(outs[0]) == strip(outs[1])
+    assert from_hf_config(cfg).total_params == 4 * (1024 * 1024 * 2 + 1024 * 256 * 2 + 3 * 1024 * 2816) + 2 * 32000 * 1024
+
+
+def test_cli_json_schema(capsys):
+    assert main(["--model", "nemotron-diffusion-3b", "--seq-length", "32768", "--block-size", "64", "--gpus", "8",
+                 "--hardware", "h100", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert {"layouts", "best", "best_baseline"} <= set(r)
+    for l in r["layouts"]:
+        assert {"tp", "cp", "bp", "ep", "dp", "recompute", "step_time_s", "peak_memory_gib", "attn_bytes_per_gpu",
+                "flags"} <= set(l)
+        assert l["tp"] * max(l["cp"], l["bp"]) * l["dp"] == 8
+        assert l["peak_memory_gib"] <= PRESETS["h100"].memory_gib
+    assert r["best"] == r["layouts"][0]
+    assert r["best"]["tokens_per_s"] == pytest.approx(max(l["tokens_per_s"] for l in r["layouts"]), rel=1e-6)
+    assert r["best_baseline"]["bp"] == 1
+    assert any(f.startswith("--block-parallel-size") for f in r["best"]["flags"])
+
+
+def test_cli_table_and_errors(capsys, tmp_path):
+    assert main(["--model", "diffusiongemma-26b-a4b", "--seq-length", "65536", "--block-size", "256", "--gpus", "16",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "best:" in out and "best without block parallelism:" in out and "--block-parallel-size" in out
+    assert main(["--model", "nemotron-diffusion-3b", "--seq-length", "1000", "--block-size", "64", "--gpus", "8"]) == 2
+    assert "multiple of --block-size" in capsys.readouterr().err
+    assert main(["--model", "nope", "--seq-length", "1024", "--block-size", "64", "--gpus", "8"]) == 2
+    assert main(["--model", "nemotron-diffusion-3b", "--block-size", "64", "--gpus", "8"]) == 2
+    assert "--seq-length" in capsys.readouterr().err
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"name": "x", "warp_speed": 9}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_hardware(str(bad))
+    assert main(["--model", "nemotron-diffusion-3b", "--seq-length", "1024", "--block-size", "64", "--gpus", "8",
+                 "--hardware", "tpu"]) == 2
+
+
+def test_cpu_benchmark_traffic_predicted_exactly():
+    """Validation (b), the part that must hold exactly: predicted bytes == measured bytes."""
+    root = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
+    if not os.path.exists(os.path.join(root, "cpu.json")):
+        pytest.skip("docs/benchmarks/cpu.json not generated")
+    from megatron_csbp.planner.validate import bench_validation
+
+    bench = json.load(open(os.path.join(root, "cpu.json")))
+    rows = bench_validation(bench, PRESETS["h100"].__class__(**{**PRESETS["h100"].to_dict(), "dtype_bytes": 4}))
+    assert rows and all(r["predicted_bytes"] == r["measured_bytes"] for r in rows)
