@@ -47,13 +47,14 @@ except Exception as e:
     print(f"no benchmark result ({e}); see attention_bench.log"); sys.exit(0)
 print(f"device: {data['device']}, torch {data['torch']}. TFLOP/s on each call's real work "
       "(block diffusion: L*(L+B) allowed pairs; causal: (2L)^2/2), forward 4*H*d flops per pair, fwd+bwd 3.5x.\n")
-print("| L | B | H/G/d | block-diffusion fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) | causal flash 2L fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) |")
-print("|---|---|---|---|---|---|---|")
+print("| L | B | H/G/d | block-diffusion fwd ms (TFLOP/s) | fwd+bwd | compiled flex fwd | fwd+bwd | causal flash 2L fwd | fwd+bwd |")
+print("|---|---|---|---|---|---|---|---|---|")
 def cell(x):
     return x.get("error", "")[:60] if "error" in x else f"{x['ms']:.2f} ({x['tflops']:.0f})"
 for r in data["rows"]:
     print(f"| {r['L']} | {r['B']} | {r['H']}/{r['G']}/{r['d']} | {cell(r['block_diffusion_fwd'])} | "
-          f"{cell(r['block_diffusion_fwd_bwd'])} | {cell(r['causal_flash_fwd'])} | {cell(r['causal_flash_fwd_bwd'])} |")
+          f"{cell(r['block_diffusion_fwd_bwd'])} | {cell(r['block_diffusion_compiled_fwd'])} | "
+          f"{cell(r['block_diffusion_compiled_fwd_bwd'])} | {cell(r['causal_flash_fwd'])} | {cell(r['causal_flash_fwd_bwd'])} |")
 PY
 echo "exit status: $bench_rc" >> "$REPORT"
 echo >> "$REPORT"
