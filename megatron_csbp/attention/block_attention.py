@@ -9,6 +9,7 @@ chunk under the same predicate.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -52,12 +53,32 @@ class AttentionPlan:
             self._masks[key] = WindowExchangePlan.build(self.members, self.peers, geometry, self.ring_index)
         return self._masks[key]
 
-    def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device) -> torch.Tensor:
-        """Bool mask cached per (part, window): metadata is static, so masks are built once."""
+    def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device):
+        """(mask over the keys any query may see, their indices or None when all are), cached per
+        (part, window): the metadata is static, so masks are built once. Dropping keys no query
+        sees (other ranks' noisy rows under CP, clean rows past every local block) skips work
+        that a tiled kernel would skip too."""
         cache_key = key + (geometry.window, str(device))
         if cache_key not in self._masks:
-            self._masks[cache_key] = allowed(q, k, geometry).to(device)
+            m = allowed(q, k, geometry)
+            used = m.any(0)
+            if bool(used.all()):
+                self._masks[cache_key] = (m.to(device), None)
+            else:
+                cols = used.nonzero().flatten()
+                self._masks[cache_key] = (m[:, cols].to(device), cols.to(device))
         return self._masks[cache_key]
+
+    @cached_property
+    def noisy_rows_are_whole_blocks(self) -> bool:
+        """Local noisy rows are complete blocks in order (BP, CSBP, single): the noisy part is
+        block-diagonal and runs as a batch of dense B x B attentions."""
+        B = self.geometry.block_size
+        pos = self.local.position[: self.num_noisy]
+        if self.num_noisy % B:
+            return False
+        starts = pos.view(-1, B)
+        return bool((starts % B == torch.arange(B)).all() and (starts // B == starts[:, :1] // B).all())
 
 
 def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0):
@@ -81,11 +102,13 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     anchors = []
 
     def partial(tag, q_rows, k_rows, q_, k_, v_):
-        m = plan.mask(tag, q_rows, k_rows, geometry, device)
-        if not bool(m.any()):
+        m, cols = plan.mask(tag, q_rows, k_rows, geometry, device)
+        if m.shape[1] == 0:
             if k_.requires_grad:
                 anchors.append(k_.sum() + v_.sum())
             return None
+        if cols is not None:
+            k_, v_ = k_.index_select(0, cols), v_.index_select(0, cols)
         return kernel(q_, k_, v_, m, softmax_scale)
 
     def tie(out):
@@ -118,7 +141,12 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
         # Start moving clean K/V now; the block-diagonal noisy attention below overlaps it.
         pending = PendingGather(pack_kv(k[n:], v[n:]), plan.group, layer)
 
-    noisy_part = partial(("noisy",), noisy_rows, noisy_rows, q[:n], k[:n], v[:n]) if n else None
+    if not n:
+        noisy_part = None
+    elif plan.noisy_rows_are_whole_blocks:
+        noisy_part = block_diagonal_attention(q[:n], k[:n], v[:n], geometry.block_size, kernel, softmax_scale)
+    else:
+        noisy_part = partial(("noisy",), noisy_rows, noisy_rows, q[:n], k[:n], v[:n])
 
     clean_parts = []
     if plan.exchange == "none":
@@ -145,6 +173,22 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     # only the clean part.
     noisy_out, _ = merge_partials([noisy_part, (clean_out[:n], clean_lse[..., :n])])
     return tie(torch.cat([noisy_out, clean_out[n:]], dim=0))
+
+
+def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float):
+    """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
+    batch: nb dense B x B problems instead of one (nb*B)^2 masked one."""
+    n, b, H, d = q.shape
+    nb, B = n // block_size, block_size
+
+    def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
+        return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
+
+    full = torch.ones(B, B, dtype=torch.bool, device=q.device)
+    out, lse = kernel(fold(q), fold(k), fold(v), full, softmax_scale)
+    out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
+    lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
+    return out, lse
 
 
 def plan_for_layout(layout, rank: int = 0, group=None, transport: str = "allgather") -> AttentionPlan:

@@ -34,6 +34,7 @@ def plan_mask(plan: AttentionPlan) -> torch.Tensor:
         plan_id = next(_NEXT_ID)
         _PLANS[plan_id] = plan
         handle = torch.tensor([plan_id], dtype=torch.long)
+        handle.block_diffusion_plan = plan  # keeps the plan alive as long as the mask is
         plan._mask_handle = handle
     return handle
 
