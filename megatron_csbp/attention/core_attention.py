@@ -108,7 +108,12 @@ class BlockDiffusionAttention(MegatronModule):
         attn_mask_type=None,
         attention_bias=None,
         packed_seq_params=None,
+        **kwargs,
     ) -> torch.Tensor:
+        # megatron-core 0.19 may pass extra keywords (MLA); none of them can be honoured here.
+        unsupported = sorted(k for k, v in kwargs.items() if v is not None)
+        if unsupported:
+            raise ValueError(f"block-diffusion attention does not support {unsupported}")
         if packed_seq_params is not None:
             raise ValueError("packed sequences (THD) are not supported with block diffusion; pack to --seq-length")
         if attention_bias is not None:

@@ -23,6 +23,8 @@ class LayoutRotaryEmbedding(torch.nn.Module):
         if self.positions is None:
             raise RuntimeError("LayoutRotaryEmbedding used without positions: run through BlockDiffusionModel")
         pos = self.positions
+        if self.base.inv_freq.device != pos.device:  # e.g. built on CPU, run on GPU
+            self.base.inv_freq = self.base.inv_freq.to(pos.device)
         # Megatron's own frequency table (same arange, same outer product) indexed by position.
         freqs = self.base.get_freqs_non_repeated(int(pos.max()) + 1 + offset, 0)[pos + offset]
         if not getattr(self.base, "rotary_interleaved", False):
