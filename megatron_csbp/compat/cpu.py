@@ -12,6 +12,8 @@ second call only extends the device remap to megatron modules imported since the
 | `clip_grad_by_total_norm_fp32` | asserts `grad.type() == 'torch.cuda.FloatTensor'` | runs with CPU tensors reporting `torch.cuda.*` type names (fp32 clip by total norm, unchanged) |
 | `Float16OptimizerWithFloat16Params`, `DistributedOptimizer` | dispatch on `param.type()` being `torch.cuda.*Tensor` | same type-name view during their construction |
 | `DistributedOptimizer._set_main_param_and_optimizer_states` with torch Adam (no TE/Apex) | fully-reshardable load skips the per-param `step` (restored from param groups) then copies it: KeyError | copy the keys present |
+| `DistributedOptimizer.state_dict` with torch Adam, before the first step | asserts one per-param `step` value; none exist yet (loading into a fresh run) | create torch Adam's first-step state (zeros, step 0) first |
+| `DistributedOptimizer.load_state_dict` with torch Adam | one shared `step` tensor for all parameters, incremented in place once per parameter: resumed runs use wrong bias corrections (silent) | each state gets its own copy |
 | `DistributedOptimizer.get_parameter_state_dp_zero` (checkpointing, `fully_reshardable`) | non-gloo branch calls `send_tensor.cuda()` | always the gloo branch (on CPU the data-parallel group is gloo anyway) |
 | `transformer.moe.moe_utils` without TransformerEngine | `te_general_gemm` is never defined: NameError in the router GEMM | defined as `None` (the code's own non-TE path) |
 | MoE all-to-all dispatcher | `torch.cuda.Stream()` side stream; split sizes passed as tensors/arrays, which gloo's `all_to_all_single` rejects | streams through the proxy (one no-op stream, so no side-stream bookkeeping); `_AllToAll` converts split sizes to lists |
@@ -412,6 +414,46 @@ def _patch_type_dispatch() -> None:
 
         _set_main_param_and_optimizer_states.__cpu_compat__ = True
         distrib.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    # Same fallback: `state_dict()` reads the per-parameter torch Adam "step", which does not exist
+    # before the first step (loading a checkpoint into a fresh run): AssertionError. Give empty
+    # states the values torch Adam would create on its first step (zeros, step 0): numerically the
+    # same optimizer, and the load then overwrites them.
+    orig_state_dict = distrib.DistributedOptimizer.state_dict
+    if not getattr(orig_state_dict, "__cpu_compat__", False):
+        @functools.wraps(orig_state_dict)
+        def state_dict(self, *args, **kwargs):
+            if not getattr(distrib, "HAVE_APEX_OR_TE", True):
+                _init_empty_torch_adam_states(self.optimizer)
+            return orig_state_dict(self, *args, **kwargs)
+
+        state_dict.__cpu_compat__ = True
+        distrib.DistributedOptimizer.state_dict = state_dict
+    # Same fallback, on load: one `step` tensor object is put into every parameter's state, and
+    # torch Adam increments it in place once per parameter: after a resume the bias correction
+    # uses step + number of parameters (silently different updates). Give each state its own copy.
+    orig_load = distrib.DistributedOptimizer.load_state_dict
+    if not getattr(orig_load, "__cpu_compat__", False):
+        @functools.wraps(orig_load)
+        def load_state_dict(self, *args, **kwargs):
+            out = orig_load(self, *args, **kwargs)
+            for st in self.optimizer.state.values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].detach().clone()
+            return out
+
+        load_state_dict.__cpu_compat__ = True
+        distrib.DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _init_empty_torch_adam_states(opt) -> None:
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                opt.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+                opt.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                opt.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 # --------------------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save", type=str, default=None)
     c.add_argument("--load", type=str, default=None)
     c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     c.add_argument("--log-interval", type=int, default=10)
     c.add_argument("--eval-interval", type=int, default=None)
     c.add_argument("--eval-iters", type=int, default=0)

@@ -297,7 +297,7 @@ def train(s: Setup) -> Dict:
     args = s.args
     iteration, consumed = 0, 0
     if args.load:
-        info = checkpointing.load_checkpoint(args.load, s.model, s.optimizer, s.scheduler)
+        info = checkpointing.load_checkpoint(args.load, s.model, s.optimizer, s.scheduler, args.ckpt_step)
         if info is not None:
             iteration, consumed = info["iteration"], info["consumed_samples"]
             _log0(f" loaded checkpoint {info['path']} (iteration {iteration}, consumed samples {consumed})")
