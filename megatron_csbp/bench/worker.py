@@ -7,6 +7,7 @@ loss is the same under every layout: a cheap check that each layout computes the
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -50,7 +51,18 @@ def _allreduce_grads(params, group) -> None:
         offset += n
 
 
-def run_case(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
+def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]:
+    """Initialise the layout's process groups once, then measure every sequence length."""
+    from megatron_csbp import parallel_state as bps
+
+    bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
+    try:
+        return [_measure(case, L, cfg) for L in seq_lengths]
+    finally:
+        bps.destroy_block_parallel()
+
+
+def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.layout.layout import SequenceLayout
@@ -59,71 +71,68 @@ def run_case(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     from megatron_csbp.objectives.bd3lm import BD3LMObjective
 
     m = cfg.model
-    bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
-    try:
-        seq_rank = bps.get_block_parallel_rank()
-        seq_group = bps.get_block_parallel_group()
-        ring_group = bps.get_clean_ring_group()
-        layout = SequenceLayout(BlockGeometry(seq_length, m.block_size), case.cp, case.bp, case.schedule)
-        gpt = build_gpt(m, seq_length, cfg.seed)
-        mask_id = m.vocab_size - 1
-        model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout,
-                                    seq_rank, ring_group, case.transport)
-        params = [p for p in gpt.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        gen = torch.Generator().manual_seed(cfg.seed + seq_length)
-        tokens = torch.randint(0, mask_id, (m.micro_batch_size, seq_length), generator=gen)
-        rows = len(layout.rows(seq_rank))
+    seq_rank = bps.get_block_parallel_rank()
+    seq_group = bps.get_block_parallel_group()
+    ring_group = bps.get_clean_ring_group()
+    layout = SequenceLayout(BlockGeometry(seq_length, m.block_size), case.cp, case.bp, case.schedule)
+    gpt = build_gpt(m, seq_length, cfg.seed)
+    mask_id = m.vocab_size - 1
+    model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout,
+                                seq_rank, ring_group, case.transport)
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    gen = torch.Generator().manual_seed(cfg.seed + seq_length)
+    tokens = torch.randint(0, mask_id, (m.micro_batch_size, seq_length), generator=gen)
+    rows = len(layout.rows(seq_rank))
 
-        def step(i: int):
-            out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i * m.micro_batch_size)
-            out.loss.backward()
-            _allreduce_grads(params, seq_group)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return out.loss.detach()
+    def step(i: int):
+        out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i * m.micro_batch_size)
+        out.loss.backward()
+        _allreduce_grads(params, seq_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
 
-        counter = traffic_counter()
-        times: List[float] = []
-        first_loss = None
-        for i in range(cfg.warmup + cfg.steps):
-            dist.barrier(group=seq_group)
-            counter.reset()
-            t0 = time.perf_counter()
-            loss = step(i)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            # a step lasts as long as its slowest rank
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
-            if i == 0:
-                total = loss.clone()
-                dist.all_reduce(total, group=seq_group)
-                first_loss = float(total)
-            if i >= cfg.warmup:
-                times.append(float(dt))
-        sent, received = counter.total_sent, counter.total_received
-        per_layer = counter.per_layer()
+    counter = traffic_counter()
+    times: List[float] = []
+    first_loss = None
+    for i in range(cfg.warmup + cfg.steps):
+        dist.barrier(group=seq_group)
+        counter.reset()
+        t0 = time.perf_counter()
+        loss = step(i)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        # a step lasts as long as its slowest rank
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
+        if i == 0:
+            total = loss.clone()
+            dist.all_reduce(total, group=seq_group)
+            first_loss = float(total)
+        if i >= cfg.warmup:
+            times.append(float(dt))
+    sent, received = counter.total_sent, counter.total_received
+    per_layer = counter.per_layer()
 
-        peak_tensor = rss_peak = None
-        if cfg.measure_memory:
-            dist.barrier(group=seq_group)
-            reset_rss_high_water()
-            tracker = TensorPeakTracker()
-            with tracker:
-                step(cfg.warmup + cfg.steps)
-            peak_tensor, rss_peak = tracker.peak_bytes, rss_high_water_bytes()
-            static = tracker.baseline
-        else:
-            static = None
-        return {
-            "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.size,
-            "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
-            "seq_rank": seq_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
-            "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
-            "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
-            "rss_high_water_bytes": rss_peak,
-        }
-    finally:
-        bps.destroy_block_parallel()
+    peak_tensor = rss_peak = None
+    if cfg.measure_memory:
+        gc.collect()  # models of earlier cases hold reference cycles (hooks): free them before the census
+        dist.barrier(group=seq_group)
+        reset_rss_high_water()
+        tracker = TensorPeakTracker()
+        with tracker:
+            step(cfg.warmup + cfg.steps)
+        peak_tensor, rss_peak = tracker.peak_bytes, rss_high_water_bytes()
+        static = tracker.baseline
+    else:
+        static = None
+    return {
+        "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.size,
+        "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
+        "seq_rank": seq_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
+        "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
+        "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
+        "rss_high_water_bytes": rss_peak,
+    }
 
 
 def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) -> List[Dict]:
@@ -132,11 +141,10 @@ def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) 
 
     warnings.filterwarnings("ignore")  # Megatron's CPU/apex notices, once per case otherwise
     results = []
-    for L in cfg.seq_lengths:
-        for case in cases:
-            results.append(run_case(case, L, cfg))
+    for case in cases:
+        for r in run_case(case, list(cfg.seq_lengths), cfg):
+            results.append(r)
             if rank == 0 and os.environ.get("CSBP_BENCH_VERBOSE"):
-                r = results[-1]
-                print(f"[bench] P={world_size} L={L} {case.name}: {r['median_step_s'] * 1e3:.1f} ms, "
+                print(f"[bench] P={world_size} L={r['seq_length']} {case.name}: {r['median_step_s'] * 1e3:.1f} ms, "
                       f"{r['attn_bytes_sent'] / 2**20:.2f} MiB sent", flush=True)
     return results
