@@ -148,3 +148,22 @@ def test_cpu_benchmark_traffic_predicted_exactly():
     bench = json.load(open(os.path.join(root, "cpu.json")))
     rows = bench_validation(bench, PRESETS["h100"].__class__(**{**PRESETS["h100"].to_dict(), "dtype_bytes": 4}))
     assert rows and all(r["predicted_bytes"] == r["measured_bytes"] for r in rows)
+
+
+def test_window_plan_matches_the_core():
+    """The planner's window-exchange rows equal what the core's static plan receives."""
+    from megatron_csbp.layout.exchange import WindowExchangePlan
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+
+    for L, B, cp, W, ca in ((1024, 16, 4, 64, "block_causal"), (2048, 32, 4, 300, "token_causal"),
+                            (512, 16, 2, 100, "block_causal")):
+        layout = SequenceLayout(BlockGeometry(L, B, ca), cp, cp)
+        geometry = BlockGeometry(L, B, ca, W)
+        predicted = [w.exchange_rows for w in rank_work(L, B, cp, cp, "mirrored", ca, W)]
+        core = []
+        for r in range(cp):
+            members = [layout.rows(x) for x in layout.ring_ranks(r)]
+            plan = WindowExchangePlan.build(members, layout.ring_clean_rows(r), geometry, layout.ring_of(r)[1])
+            core.append(int(sum(plan.recv_counts)))
+        assert predicted == core

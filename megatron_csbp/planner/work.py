@@ -6,8 +6,9 @@ intervals, so the counts are those of the real block-diffusion mask, not an appr
 - `sparse_pairs`: allowed (query, key) pairs of the rank's queries (what a block-sparse GPU kernel
   computes): a noisy query sees its B in-block noisy keys plus its clean interval, a clean query its
   clean interval;
-- `dense_pairs`: query x key rectangles of the partials the rank runs (what the CPU math kernel
-  computes: it masks after computing every pair);
+- `dense_pairs`: query x key rectangles of the partials the rank runs, as
+  `attention/block_attention.py` issues them (whole noisy blocks as a batch of B x B problems, keys
+  that no local query sees dropped): what the CPU math kernel computes, masking afterwards;
 - `exchange_rows`: clean rows this rank must receive from its ring in one sliding-window layer
   (the static window plan), vs all other shards of the ring for a full layer.
 """
@@ -61,28 +62,30 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
         n_clean = len(pos) - n_noisy
         lo, hi = _intervals(pos, clean, B, clean_attention, window)
         sparse = int((hi - lo).sum()) + B * n_noisy
-        # rectangles of the partials (block_attention.py): noisy x noisy, then queries x keys
+        # clean positions any local query may see (their union): the keys a partial keeps
+        diff = np.zeros(L + 1, dtype=np.int64)
+        np.add.at(diff, lo, 1)
+        np.add.at(diff, hi, -1)
+        need = np.cumsum(diff[:-1]) > 0
+        used_clean = int(need.sum())
+        # rectangles of the partials block_attention.py runs (keys no query sees are dropped;
+        # whole noisy blocks run as a batch of B x B attentions)
         if kind == "cp":
-            dense = len(pos) * 2 * L
+            noisy_blocks = np.unique(pos[~clean] // B)
+            dense = len(pos) * (used_clean + B * len(noisy_blocks))
             gathered = 2 * L - len(pos)
             exchange = gathered
-        elif kind == "csbp":
-            dense = n_noisy * n_noisy + len(pos) * L
-            gathered = L - n_clean
-            if window is None:
-                exchange = gathered
-            else:
-                need = np.zeros(L, dtype=bool)
-                # mark every clean position inside any local query's interval
-                diff = np.zeros(L + 1, dtype=np.int64)
-                np.add.at(diff, lo, 1)
-                np.add.at(diff, hi, -1)
-                need = np.cumsum(diff[:-1]) > 0
-                need[pos[clean]] = False
-                exchange = int(need.sum())
-        else:  # single, bp: every clean key the rank needs is local
-            dense = n_noisy * n_noisy + len(pos) * n_clean
-            gathered = exchange = 0
+        else:
+            dense = n_noisy * B + len(pos) * used_clean
+            if kind == "csbp":
+                gathered = L - n_clean
+                if window is None:
+                    exchange = gathered
+                else:
+                    need[pos[clean]] = False
+                    exchange = int(need.sum())
+            else:  # single, bp: every clean key the rank needs is local
+                gathered = exchange = 0
         out.append(RankWork(len(pos), n_noisy, n_clean, sparse, dense, exchange, gathered))
     return tuple(out)
 
