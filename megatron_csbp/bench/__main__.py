@@ -6,6 +6,7 @@ Default (a few minutes on two cores): 2 layers, L = 256, 512, 1024, P = 2 and 4,
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -33,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--output-dir", default="docs/benchmarks")
     p.add_argument("--name", default=None, help="basename of the report files (default: cpu or cpu_quick)")
+    p.add_argument("--from-json", metavar="FILE", help="re-render the report and plots of a saved run (no run)")
     return p.parse_args(argv)
 
 
@@ -59,6 +61,15 @@ def config_from_args(args) -> BenchConfig:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.from_json:
+        from megatron_csbp.bench.report import load, save
+
+        result = load(args.from_json)
+        name = args.name or os.path.splitext(os.path.basename(args.from_json))[0]
+        files = save(result, args.output_dir, name, result["command"], with_plots=not args.no_plots)
+        for kind, path in files.items():
+            print(f"[bench] wrote {kind}: {path}")
+        return 0
     try:
         cfg = config_from_args(args)
     except ValueError as e:

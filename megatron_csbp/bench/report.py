@@ -142,6 +142,12 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
                 x, y = series(P, case, key)
                 if x:
                     ax.plot(x, [v / scale for v in y], marker="o", label=case)
+            if key == "attn_bytes_sent":
+                for case, style in (("cp-allgather", ":"), ("csbp-allgather", "--")):
+                    x, y = series(P, case, "formula_bytes_sent")
+                    if x:
+                        ax.plot(x, [v / scale for v in y], linestyle=style, color="k", linewidth=1,
+                                label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
                 x, y = series(1, "single", key)
                 ax.plot(x, [v / scale for v in y], marker="x", linestyle="--", color="k", label="single rank")
@@ -150,7 +156,7 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
             ax.set_ylabel(ylabel)
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{name}_{fname}.png")
         fig.savefig(path, dpi=110)
