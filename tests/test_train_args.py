@@ -1,0 +1,47 @@
+"""Bad flags are refused before any process group exists, with the flag and the rule named."""
+import subprocess
+import sys
+
+import pytest
+
+from megatron_csbp.training.arguments import parse_args
+from tests.train_helpers import TINY
+
+
+def _err(argv, world, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,world,needle", [
+    (["--block-size", "12"], 1, "--block-size 12 does not divide --seq-length 32"),
+    (["--context-parallel-size", "2", "--block-parallel-size", "3"], 6, "--block-parallel-size 3 must be a multiple of --context-parallel-size 2"),
+    (["--mask-token-id", "64"], 1, "--mask-token-id 64 is outside the vocabulary [0, 64)"),
+    (["--mask-token-id", "-1"], 1, "--mask-token-id -1 is outside"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--context-parallel-size", "2", "--block-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--global-batch-size", "6"], 4, "--global-batch-size 6 must be a multiple of --micro-batch-size 2 x data-parallel size 4"),
+    (["--seq-length", "36", "--block-size", "4", "--context-parallel-size", "4"], 4, "divisible by 2 x max"),
+    (["--block-parallel-size", "8", "--seq-length", "48"], 8, "fewer than --block-parallel-size 8"),
+    (["--noise-eps-min", "0"], 1, "--noise-eps-min/--noise-eps-max"),
+])
+def test_refused_with_named_flag(flags, world, needle, capsys):
+    assert needle in _err(TINY + flags, world, capsys)
+
+
+def test_sentencepiece_defaults_and_good_args():
+    a = parse_args(["--data-path", "x", "--seq-length", "64", "--block-size", "16"], world_size=1)
+    from megatron_csbp.data.tokenizer import SentencePieceTokenizer
+    tok = SentencePieceTokenizer()
+    assert a.vocab_size == tok.vocab_size and a.mask_token_id == tok.mask_token_id and a.eod_token_id == tok.eod
+    a = parse_args(TINY + ["--context-parallel-size", "2", "--block-parallel-size", "4"], world_size=8)
+    assert a.data_parallel_size == 2 and a.num_microbatches == 1
+
+
+def test_cli_exit_message():
+    out = subprocess.run([sys.executable, "-m", "megatron_csbp.train"] + TINY + ["--block-size", "5"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "--block-size 5 does not divide --seq-length 32" in out.stderr
