@@ -54,6 +54,24 @@ def vocab_parallel_softmax(logits: torch.Tensor) -> torch.Tensor:
     return e / s
 
 
+class _SoftCap(torch.autograd.Function):
+    """cap * tanh(float(x) / cap). Backward recomputes tanh from the saved input, so the returned
+    logits may be modified in place by the consumer, as Megatron's vocab-parallel cross entropy
+    does (torch.tanh would save its output and fail, or silently go wrong, afterwards)."""
+
+    @staticmethod
+    def forward(ctx, x, cap: float):
+        ctx.save_for_backward(x)
+        ctx.cap = cap
+        return torch.tanh(x.float() / cap) * cap
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(x.float() / ctx.cap)
+        return (grad * (1 - t * t)).to(x.dtype), None
+
+
 class DiffusionGemmaModel(GPTModel):
     def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, parallel_output: bool = True,
@@ -79,8 +97,7 @@ class DiffusionGemmaModel(GPTModel):
     # ---- logits ----------------------------------------------------------------------------------
     def _softcap_hook(self, module, args, output):
         logits, bias = output
-        cap = float(self.config.final_logit_softcapping)
-        return torch.tanh(logits.float() / cap) * cap, bias
+        return _SoftCap.apply(logits, float(self.config.final_logit_softcapping)), bias
 
     # ---- embedding -------------------------------------------------------------------------------
     @property

@@ -15,6 +15,9 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as mpu
 
 from megatron_csbp.attention.block_attention import AttentionPlan
 from megatron_csbp.attention.core_attention import plan_mask
@@ -43,6 +46,22 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
             self._canvas_plans[first_block] = AttentionPlan(g, RowMeta.of(noisy, torch.arange(g.seq_length)))
         return self._canvas_plans[first_block]
 
+    @staticmethod
+    def _agree_with_expert_peers(first_block: int, any_sc: bool):
+        """Ranks that exchange tokens in MoE layers (the expert tensor-and-model-parallel group)
+        hold different samples but must issue the same collectives with the same shapes: they
+        agree on the earliest canvas block (MIN) and on running the self-conditioning pass (MAX).
+        Extra canvas blocks carry no loss and a first pass for a sample without self-conditioning
+        is masked out, so the loss is unchanged."""
+        if not (dist.is_initialized() and mpu.model_parallel_is_initialized()):
+            return first_block, any_sc
+        group = mpu.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+        if group is None or dist.get_world_size(group) == 1:
+            return first_block, any_sc
+        t = torch.tensor([-first_block, int(any_sc)], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(-t[0]), bool(t[1])
+
     def _run(self, ids, positions, plan, keep_rows: Optional[int], **model_kwargs):
         self._num_logit_rows = keep_rows
         try:
@@ -61,7 +80,8 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
         if denominator is None:
             denominator = self.objective.denominator(loss_mask)
         noised = self.objective.noise(tokens, loss_mask, sample_index)
-        plan = self.canvas_plan(noised.first_canvas_block)
+        first_block, any_sc = self._agree_with_expert_peers(noised.first_canvas_block, bool(noised.self_conditioning.any()))
+        plan = self.canvas_plan(first_block)
         rows = plan.local
         dev = tokens.device
         pos, is_clean = rows.position.to(dev), rows.is_clean.to(dev)
@@ -69,15 +89,14 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
         ids = torch.where(is_clean[None], tokens[:, pos], noised.noisy_tokens[:, pos])
         self.gpt.rotary_pos_emb.positions = pos
         sc_kwargs = {}
-        if n and bool(noised.self_conditioning.any()):
+        if n and any_sc:
             with torch.no_grad():
                 first = self._run(ids, pos, plan, n)
             sc_kwargs = dict(self_conditioning_logits=first.detach(), self_conditioning_mask=noised.self_conditioning)
         logits = self._run(ids, pos, plan, None, **sc_kwargs)
+        # One cross entropy over every row ([canvas ; clean]): Megatron's vocab-parallel CE works in
+        # place on its input, so two calls on slices of the same logits would clash in backward.
         noisy_pos, clean_pos = pos[:n], pos[n:]
-        ar = self.loss(logits[:, n:], noised.clean_targets[:, clean_pos], noised.clean_weights[:, clean_pos], denominator)
-        if not n:
-            return ar
-        canvas = self.loss(logits[:, :n], noised.targets[:, noisy_pos], noised.weights[:, noisy_pos], denominator)
-        return LossOutput(canvas.loss + ar.loss, canvas.num_targets + ar.num_targets,
-                          canvas.weighted_sum + ar.weighted_sum)
+        targets = torch.cat([noised.targets[:, noisy_pos], noised.clean_targets[:, clean_pos]], dim=1)
+        weights = torch.cat([noised.weights[:, noisy_pos], noised.clean_weights[:, clean_pos]], dim=1)
+        return self.loss(logits, targets, weights, denominator)

@@ -1,0 +1,139 @@
+"""DiffusionGemma with expert parallelism (EP = 2, gloo, CPU shim) equals one rank.
+
+The reference runs both samples of a batch on one rank (EP = 1) through the `diffusiongemma-sft`
+training forward (self-conditioning on one sample, AR loss on). Under EP = 2 each rank takes one
+sample (the EP ranks are data-parallel for the dense weights), holds half the experts, and divides
+by the global denominator. Sum of the two rank losses = reference loss; dense gradients summed over
+the ranks = reference; each rank's expert gradients = the reference's for those experts.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+torch.set_num_threads(1)
+
+V, L, B, E = 96, 16, 4, 4
+
+
+def _config(**kw):
+    from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
+
+    return tiny_megatron_config(sliding_window=3, **kw)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, V, (2, L), generator=g)
+    loss_mask = torch.zeros(2, L, dtype=torch.long)
+    loss_mask[0, 4:14] = 1
+    loss_mask[1, 8:] = 1
+    return tokens, loss_mask, torch.tensor([2, 1])  # sample 2 draws self-conditioning, sample 1 not
+
+
+def _model(config):
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
+    from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
+    from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
+
+    gpt = diffusion_gemma_model(config, V, 64)
+    obj = DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=0.5)
+    return gpt, DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
+
+
+def _expert_key(key: str, rank: int, local: int):
+    """Global name of a local expert parameter of `rank`."""
+    marker = "local_experts."
+    if marker not in key:
+        return key
+    head, tail = key.split(marker)
+    j, rest = tail.split(".", 1)
+    return f"{head}{marker}{rank * local + int(j)}.{rest}"
+
+
+def _ep_rank(rank, world_size, state_path, dispatcher):
+    from megatron_csbp.compat.cpu import install_cpu_compat
+
+    install_cpu_compat()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(expert_model_parallel_size=2)
+    config = _config(expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher)
+    gpt, model = _model(config)
+    full = torch.load(state_path)
+    local = E // 2
+    gpt.load_state_dict({k: full[_expert_key(k, rank, local)] for k in gpt.state_dict() if not k.endswith("_extra_state")},
+                        strict=False)
+    model.train()
+    tokens, loss_mask, index = _batch()
+    denominator = model.objective.denominator(loss_mask)  # global: both samples
+    out = model(tokens[rank : rank + 1], loss_mask[rank : rank + 1], index[rank : rank + 1], denominator)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    grads = {}
+    for name, p in gpt.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        if "local_experts." not in name:
+            dist.all_reduce(g)  # dense weights: data-parallel over the EP ranks
+        grads[_expert_key(name, rank, local)] = g
+    return dict(loss=loss.item(), grads=grads)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not dist.is_initialized():
+            store = os.path.join(tempfile.mkdtemp(), "store")
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        if not mpu.model_parallel_is_initialized():
+            mpu.initialize_model_parallel(1, 1)
+    gpt, model = _model(_config())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # random weights everywhere, norms and scales near 1, distinct layer scalars
+        for name, p in gpt.named_parameters():
+            near_one = "layernorm" in name or name.endswith("scale") or "norm.weight" in name
+            p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if near_one else 0.15 * torch.randn(p.shape, generator=g))
+        for name, b in gpt.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    model.train()
+    tokens, loss_mask, index = _batch()
+    nb = model.objective.noise(tokens, loss_mask, index)
+    assert nb.self_conditioning.tolist() == [True, False]
+    out = model(tokens, loss_mask, index)
+    out.loss.backward()
+    grads = {k: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for k, p in gpt.named_parameters()}
+    path = os.path.join(tempfile.mkdtemp(), "state.pt")
+    torch.save({k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}, path)
+    return dict(loss=out.loss.item(), grads=grads, path=path)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", pytest.param("allgather", marks=pytest.mark.slow)])
+def test_ep2_equals_one_rank(reference, dispatcher):
+    results = run_distributed(_ep_rank, 2, reference["path"], dispatcher)
+    for r, res in enumerate(results):
+        assert abs(res["loss"] - reference["loss"]) < 1e-5, (r, res["loss"], reference["loss"])
+        worst = 0.0
+        for name, ref in reference["grads"].items():
+            if "local_experts." in name and name not in res["grads"]:
+                continue
+            got = res["grads"][name]
+            worst = max(worst, ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item())
+        print(f"{dispatcher} rank {r}: loss {res['loss']:.6f} (ref {reference['loss']:.6f}), worst rel grad diff {worst:.2e}")
+        assert worst < 1e-4
+    experts = {n for res in results for n in res["grads"] if "local_experts." in n}
+    assert experts == {n for n in reference["grads"] if "local_experts." in n}
