@@ -111,3 +111,10 @@ def test_saved_report_shows_half_traffic():
     csbp = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"]]
     assert csbp and all(r["traffic_vs_cp"] <= 0.5 for r in csbp)
     assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows)
+
+
+def test_report_rerenders_from_json(quick_result, tmp_path):
+    _, files = quick_result
+    assert main(["--from-json", files["json"], "--output-dir", str(tmp_path), "--no-plots"]) == 0
+    again = (tmp_path / "cpu_quick.md").read_text().split("## Plots")[0].rstrip()
+    assert again == open(files["markdown"]).read().split("## Plots")[0].rstrip()
