@@ -85,6 +85,9 @@ class DiffusionGemmaMoELayer(MoELayer):
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:
             raise ValueError("partial CUDA-graph MoE execution is not supported for DiffusionGemma")
+        if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
+            # As MoELayer: the token dispatchers assume sequence-parallel shards under TP.
+            raise ValueError("MoE with tensor parallelism needs --sequence-parallel")
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()
         residual = hidden_states.contiguous()
