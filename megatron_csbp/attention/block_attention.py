@@ -9,7 +9,7 @@ chunk under the same predicate.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -175,6 +175,12 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     return tie(torch.cat([noisy_out, clean_out[n:]], dim=0))
 
 
+@lru_cache(maxsize=None)
+def _all_true(size: int, device: torch.device) -> torch.Tensor:
+    """One static mask per (B, device), so kernels may cache what they derive from it."""
+    return torch.ones(size, size, dtype=torch.bool, device=device)
+
+
 def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float):
     """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
     batch: nb dense B x B problems instead of one (nb*B)^2 masked one."""
@@ -184,8 +190,7 @@ def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: fl
     def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
         return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
 
-    full = torch.ones(B, B, dtype=torch.bool, device=q.device)
-    out, lse = kernel(fold(q), fold(k), fold(v), full, softmax_scale)
+    out, lse = kernel(fold(q), fold(k), fold(v), _all_true(B, q.device), softmax_scale)
     out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
     lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
     return out, lse

@@ -52,26 +52,50 @@ def merge_partials(partials: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[t
     return out, lse
 
 
+_FLEX = {}
+
+
+def _flex_attention_fn(device: torch.device):
+    """FlexAttention, compiled on CUDA (its fused kernel); eager elsewhere (tests on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "compiled" not in _FLEX:
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["compiled"]
+
+
+def _block_mask(allowed: torch.Tensor, device: torch.device):
+    """Block mask of a (static, cached) bool mask; built once per mask tensor."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (allowed.data_ptr(), tuple(allowed.shape), str(device))
+    if key not in _FLEX:
+        dense = allowed.to(device)
+
+        def mask_mod(batch, head, qi, ki):
+            return dense[qi, ki]
+
+        _FLEX[key] = (allowed, create_block_mask(mask_mod, None, None, *dense.shape, device=device))
+    return _FLEX[key][1]
+
+
 def flex_partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, softmax_scale: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention with the same mask (GPU path; torch has no FlexAttention backward on CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    """FlexAttention with the same mask (GPU path; torch has no FlexAttention backward on CPU).
 
+    Masks are static per plan and cached by the plan, so their block masks are built once."""
     sq, b, H, d = q.shape
-    sk, G = k.shape[0], k.shape[2]
-    allowed = allowed.to(q.device)
-
-    def mask_mod(batch, head, qi, ki):
-        return allowed[qi, ki]
-
-    block_mask = create_block_mask(mask_mod, None, None, sq, sk, device=q.device)
+    G = k.shape[2]
+    block_mask = _block_mask(allowed, q.device)
     qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    out, lse = flex_attention(
+    out, lse = _flex_attention_fn(q.device)(
         qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True
     )
-    # Flex gives -inf-free lse for rows with at least one key; rows with none get -inf: clamp so
-    # the merge weights them by exactly zero, like the math kernel.
+    # Rows with no allowed key get -inf: clamp so the merge weights them by exactly zero, like
+    # the math kernel.
     lse = lse.float().clamp_min(MASKED_SCORE)
     return out.permute(2, 0, 1, 3), lse
 
