@@ -203,3 +203,54 @@ def test_spec_swaps_block_attention_with_per_layer_windows(mp1):
     assert all(isinstance(layer.self_attention.core_attention, BlockDiffusionAttention) for layer in gpt.decoder.layers)
     assert [layer.self_attention.k_eq_v for layer in gpt.decoder.layers] == [False, True, False, True]
     assert gpt.decoder.layers[0].self_attention.core_attention.softmax_scale == 1.0
+
+
+def _tiny_gemma4(k_eq_v: bool):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                           num_global_key_value_heads=1, layer_types=[SLIDING, FULL, SLIDING, FULL], sliding_window=3,
+                           num_experts=4, top_k_experts=2, moe_intermediate_size=12, max_position_embeddings=256,
+                           hidden_size_per_layer_input=0, enable_moe_block=True, attention_k_eq_v=k_eq_v,
+                           final_logit_softcapping=30.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if ("norm" in name or name.endswith("scale"))
+                    else 0.15 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("k_eq_v", [True, False])
+def test_gemma4_text_moe_as_ar_starting_point(mp1, k_eq_v):
+    """A Gemma 4 text MoE checkpoint converts to the same Megatron model; its clean stream (AR,
+    token-causal, sliding windows) reproduces Gemma4ForCausalLM's logits, and the new
+    self-conditioning block starts as a no-op."""
+    from megatron_csbp.conversion.diffusiongemma import gemma4_to_megatron_state
+    from megatron_csbp.model.bdlm import BlockDiffusionModel
+    from megatron_csbp.objectives import AutoregressiveObjective
+
+    hf = _tiny_gemma4(k_eq_v)
+    state, config, rest = gemma4_to_megatron_state(hf.state_dict(), hf.config)
+    assert not rest and config.full_k_eq_v == k_eq_v
+    gpt = diffusion_gemma_model(config, V, 256)
+    gpt.load_state_dict(state, strict=False)
+    gpt.eval()
+    assert torch.equal(state["decoder.layers.1.layer_scalar"], state["decoder.layers.1.clean_layer_scalar"])
+    assert not bool(state["self_conditioning_mlp.linear_fc2.weight"].any())
+    bdm = BlockDiffusionModel(gpt, AutoregressiveObjective(), SequenceLayout(BlockGeometry(L, B, "token_causal")))
+    clean, _, _ = _tokens()
+    with torch.no_grad():
+        rows = bdm.plan.local
+        logits = bdm.logits(clean[:, rows.position], rows)
+        ref = hf(input_ids=clean).logits
+    diff = (logits - ref[:, rows.position]).abs().max().item()
+    print(f"Gemma 4 (K=V {k_eq_v}) AR logits: max |diff| {diff:.2e}")
+    assert diff < 1e-4

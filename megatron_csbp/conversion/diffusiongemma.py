@@ -202,6 +202,54 @@ def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaC
     return out
 
 
+# ---- Gemma 4 text MoE checkpoints (AR starting points) ---------------------------------------
+
+GEMMA4_PREFIXES = ("model.language_model.", "model.")  # Gemma4ForConditionalGeneration, Gemma4ForCausalLM
+
+
+def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, seed: int = 0,
+                             init_std: Optional[float] = None, **config_overrides
+                             ) -> Tuple[Dict[str, torch.Tensor], DiffusionGemmaConfig, Dict[str, torch.Tensor]]:
+    """A Gemma 4 text MoE checkpoint (`enable_moe_block`, no per-layer inputs, no KV sharing) as the
+    starting point of a DiffusionGemma: same layers, embedding, final norm and soft-cap; K=V on full
+    layers only where `attention_k_eq_v` says so; one `layer_scalar` used for both streams.
+
+    The self-conditioning block does not exist in Gemma 4. It is created as a no-op: pre-norm
+    weight 1, gate/up N(0, init_std) (default: the config's initializer_range), down-projection 0,
+    so the canvas embedding starts as rmsnorm_noscale(E[z] * scale). Returns (state, config,
+    HF tensors without a Megatron counterpart, e.g. vision/audio towers)."""
+    from megatron_csbp.model.diffusiongemma.config import text_config_dict
+
+    c = text_config_dict(hf_config)
+    if not c.get("enable_moe_block", False):
+        raise ConversionError("Gemma 4 checkpoint without the MoE block (enable_moe_block=False) is not supported")
+    prefix = next((p for p in GEMMA4_PREFIXES if p + "embed_tokens.weight" in hf_state), None)
+    if prefix is None:
+        raise ConversionError(f"no Gemma 4 text weights under {GEMMA4_PREFIXES}")
+    config_overrides.setdefault("final_logit_softcapping", c.get("final_logit_softcapping"))
+    config = config_from_hf(c, k_eq_v_full=bool(c.get("attention_k_eq_v", False)), **config_overrides)
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+    g = torch.Generator().manual_seed(seed)
+    std = float(init_std if init_std is not None else c.get("initializer_range", 0.02))
+    dtype = hf_state[prefix + "embed_tokens.weight"].dtype
+    sc = {
+        "self_conditioning.pre_norm.weight": torch.ones(hidden, dtype=dtype),
+        "self_conditioning.gate_proj.weight": (std * torch.randn(ffn, hidden, generator=g)).to(dtype),
+        "self_conditioning.up_proj.weight": (std * torch.randn(ffn, hidden, generator=g)).to(dtype),
+        "self_conditioning.down_proj.weight": torch.zeros(hidden, ffn, dtype=dtype),
+    }
+    renamed = {HF_TEXT + k[len(prefix):]: v for k, v in hf_state.items() if k.startswith(prefix)
+               and not k.startswith(prefix + "vision") and not k.startswith(prefix + "audio")
+               and not k.startswith(prefix + "embed_vision") and not k.startswith(prefix + "embed_audio")}
+    renamed.update({HF_TEXT + k: v for k, v in sc.items()})
+    if "lm_head.weight" in hf_state:
+        renamed["lm_head.weight"] = hf_state["lm_head.weight"]
+    state, config, _ = hf_to_megatron_state(renamed, c, config=config)
+    used = {k for k in hf_state if k.startswith(prefix) and HF_TEXT + k[len(prefix):] in renamed} | {"lm_head.weight"}
+    rest = {k: v for k, v in hf_state.items() if k not in used}
+    return state, config, rest
+
+
 def is_diffusion_gemma(hf_config: Any) -> bool:
     mt = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
     return mt == "diffusion_gemma"
