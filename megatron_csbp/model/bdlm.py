@@ -70,7 +70,7 @@ class BlockDiffusionModel(torch.nn.Module):
     def _sequence_parallel_shards(config) -> int:
         return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
-    def logits(self, input_ids: torch.Tensor, rows) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, rows, **model_kwargs) -> torch.Tensor:
         """Logits [b, noisy rows, vocab / TP] of this rank's rows (ids in local row order).
 
         With sequence parallelism the rows are fed shard-major ([noisy | clean] per TP shard) so
@@ -86,7 +86,8 @@ class BlockDiffusionModel(torch.nn.Module):
         # Logits for the noisy rows only; with no noisy stream (AR) for every row.
         self._num_logit_rows = num_noisy // self._sp_shards if num_noisy else None
         try:
-            return self.gpt(input_ids, positions[None].expand_as(input_ids), attention_mask=plan_mask(self.plan))
+            return self.gpt(input_ids, positions[None].expand_as(input_ids), attention_mask=plan_mask(self.plan),
+                            **model_kwargs)
         finally:
             self._num_logit_rows = None
 
@@ -125,9 +126,12 @@ class BlockDiffusionModel(torch.nn.Module):
             logits_f = self._exclude_token(logits_f, self.objective.mask_token_id)
         is_target = targets >= 0
         safe_targets = torch.where(is_target, targets, torch.zeros_like(targets))
-        # Megatron's vocab-parallel CE wants [s, b, V/TP] and works for TP = 1 too.
+        # Megatron's vocab-parallel CE wants [s, b, V/TP] (works for TP = 1 too) and rewrites its
+        # input in place: never hand it a view of the model's own logits.
+        logits_sb = logits_f.transpose(0, 1)
+        logits_sb = logits_sb.clone() if logits_sb.data_ptr() == logits.data_ptr() else logits_sb.contiguous()
         ce = tensor_parallel.vocab_parallel_cross_entropy(
-            logits_f.transpose(0, 1).contiguous(), safe_targets.transpose(0, 1).contiguous()
+            logits_sb, safe_targets.transpose(0, 1).contiguous()
         ).transpose(0, 1)
         weighted = (ce * weights * is_target).sum()
         # A rank whose rows hold no target still returns a loss attached to every parameter.
