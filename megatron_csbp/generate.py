@@ -193,13 +193,8 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None, kv_cache: bo
     from megatron_csbp.training.model import ModelArgs, build_model
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # One process: an in-memory store (no rendezvous, immune to a surrounding torchrun's env).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
     install_cpu_compat()

@@ -378,6 +378,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     demo = not argv
+    start = time.time()
     if demo:
         from megatron_csbp.training.demo import prepare_demo
         argv = prepare_demo(int(os.environ.get("WORLD_SIZE", "1")))
@@ -391,13 +392,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
               f"DP {args.data_parallel_size}; {sum(p.numel() for p in s.model.parameters())} parameters per rank; "
               f"objective {args.objective}; {args.num_microbatches} micro-batches per iteration")
         result = train(s)
-        if demo:
-            from megatron_csbp.training.demo import finish_demo
-            finish_demo(args, result)
-        return result
     finally:
         from megatron_csbp import parallel_state as bps
         if bps.is_initialized():
             bps.destroy_block_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if demo:
+        from megatron_csbp.training.demo import finish_demo
+        finish_demo(args, result, time.time() - start)
+    return result

@@ -1,0 +1,25 @@
+"""Train a block diffusion LM with Megatron-LM's own `pretrain()` (checked with Megatron-LM tag
+core_v0.16.1, commit 55ac7082517c3878ae653c07c09c534b8aed49f6). Run from a Megatron-LM checkout,
+with megatron_csbp installed, exactly like pretrain_gpt.py plus the block-diffusion flags:
+
+    cd Megatron-LM
+    torchrun --nproc-per-node 8 /path/to/megatron-csbp/examples/megatron_lm/pretrain_bdlm.py \
+        <the usual pretrain_gpt.py flags: model, data, optimizer, checkpoints> \
+        --context-parallel-size 4 --block-parallel-size 4 --block-size 16 \
+        --objective bd3lm --mask-token-id <a reserved id of your tokenizer> \
+        --attention-dropout 0 --hidden-dropout 0
+
+No patch to Megatron-LM is needed: pretrain_gpt.py's dataset provider is reused, and
+megatron_csbp.megatron_lm supplies the extra_args_provider, the model provider, the forward step and
+the hook that builds the block-parallel groups inside Megatron's initialisation. The script rewrites
+argv so Megatron sees --context-parallel-size max(CP, BP) (see megatron_csbp/megatron_lm.py).
+"""
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())  # the Megatron-LM checkout (pretrain_gpt.py, megatron.training)
+
+from megatron_csbp.megatron_lm import pretrain_bdlm  # noqa: E402
+
+if __name__ == "__main__":
+    pretrain_bdlm()

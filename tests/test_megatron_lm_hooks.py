@@ -1,0 +1,92 @@
+"""Megatron-LM hooks. The argv rewrite is tested always; the checks against a real Megatron-LM
+checkout (its parse_args/validate_args with our extra_args_provider, its initialize call through
+our hook, our model provider and forward step on gloo) run when MEGATRON_LM_PATH points at one
+(checked with tag core_v0.16.1; Megatron-LM's training package imports triton: add a triton
+install to MEGATRON_LM_EXTRA_PATH when it is not installed)."""
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_csbp.megatron_lm import rewrite_argv
+from tests.distributed import run_distributed
+
+MLM = os.environ.get("MEGATRON_LM_PATH")
+
+
+def test_rewrite_argv_puts_bp_inside_cp():
+    out = rewrite_argv(["--context-parallel-size", "2", "--block-parallel-size", "8", "--seq-length", "64"])
+    assert out[out.index("--context-parallel-size") + 1] == "8"
+    assert out[out.index("--bdlm-context-parallel-size") + 1] == "2"
+    assert "--calculate-per-token-loss" in out
+    assert rewrite_argv(out) == out  # idempotent
+    out = rewrite_argv(["--block-parallel-size=2"])
+    assert out[out.index("--context-parallel-size") + 1] == "2"
+    with pytest.raises(SystemExit, match="multiple of --context-parallel-size"):
+        rewrite_argv(["--context-parallel-size", "2", "--block-parallel-size", "3"])
+
+
+ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 1 --global-batch-size 2 --block-parallel-size 2 --block-size 8 --mask-token-id 5 "
+        "--vocab-size 64 --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 "
+        "--transformer-impl local --use-cpu-initialization --position-embedding-type rope --normalization RMSNorm "
+        "--disable-bias-linear --no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
+        "--no-bias-dropout-fusion --no-rope-fusion --lr 1e-3 --train-iters 1").split()
+
+
+def _with_megatron_lm():
+    for p in (os.environ.get("MEGATRON_LM_EXTRA_PATH"), MLM):
+        if p and p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _hook_rank(rank, world_size):
+    _with_megatron_lm()
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    install_cpu_compat()
+    from megatron.core import parallel_state as mpu
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_args
+    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
+    from megatron_csbp import megatron_lm
+    from megatron_csbp import parallel_state as bps
+
+    import megatron.training.arguments as mlm_arguments
+    mlm_arguments.get_device_arch_version = lambda: 10  # validate_args reads the GPU architecture
+    sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(ARGV)
+    args = parse_args(megatron_lm.extra_args_provider)
+    validate_args(args, {})
+    args.padded_vocab_size = _vocab_size_with_padding(64, args)
+    set_args(args)
+    megatron_lm.install_initialize_hook()
+    # Megatron-LM's own call (megatron/training/initialize.py, core_v0.16.1).
+    mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                  args.virtual_pipeline_model_parallel_size,
+                                  context_parallel_size=args.context_parallel_size,
+                                  expert_model_parallel_size=args.expert_model_parallel_size,
+                                  order="tp-cp-ep-dp-pp", create_gloo_process_groups=True)
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    model = megatron_lm.model_provider()
+    tokens = torch.randint(6, 60, (1, 32), generator=torch.Generator().manual_seed(3))  # not the mask id 5
+    args.consumed_train_samples = 0
+    loss, lf = megatron_lm.forward_step(iter([{"tokens": tokens}]), model)
+    out, num_tokens, report = lf(loss)
+    out.backward()
+    grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
+    return dict(dp=args.data_parallel_size, seq=mpu.get_context_parallel_world_size(), kind=model.bdlm.layout.kind,
+                bp=bps.get_block_parallel_sizes().block_parallel_size, report=report["lm loss"].detach(), grads=grads,
+                num_tokens=int(num_tokens))
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+def test_real_megatron_lm_args_initialize_model_forward():
+    res = run_distributed(_hook_rank, 2)
+    for r in res:
+        assert r["dp"] == 1 and r["seq"] == 2 and r["bp"] == 2 and r["kind"] == "bp"
+        assert r["grads"] > 0
+    # The supervised-token count is counted once per sample over the sequence group.
+    assert sum(r["num_tokens"] for r in res) == 32
+    total = sum(r["report"][0] for r in res) / sum(r["report"][1] for r in res)
+    assert torch.isfinite(total) and total > 0
