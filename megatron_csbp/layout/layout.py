@@ -15,9 +15,9 @@ it is computed identically on every rank, before any collective is issued.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -61,6 +61,10 @@ class SequenceLayout:
     cp_size: int = 1
     bp_size: int = 1
     schedule: str = "mirrored"
+    #: first block with a noisy copy (0: every block)
+    canvas_start: int = 0
+    #: clean rows carry a loss term (each counted by one rank, see `clean_loss_positions`)
+    clean_loss: bool = False
 
     def __post_init__(self):
         cp, bp, g = self.cp_size, self.bp_size, self.geometry
@@ -84,6 +88,27 @@ class SequenceLayout:
                 f"{g.num_blocks} blocks (--seq-length {g.seq_length} / --block-size {g.block_size}) "
                 f"are fewer than --block-parallel-size {bp}: every block-parallel rank must own a block"
             )
+        s, n = self.canvas_start, g.num_blocks
+        if not 0 <= s <= n:
+            raise ValueError(f"canvas start block {s} outside [0, {n}] ({n} blocks)")
+        if self.kind in ("bp", "csbp") and n - s < bp:
+            raise ValueError(f"canvas of {n - s} blocks (from block {s}) is smaller than --block-parallel-size {bp}: "
+                             "every block-parallel rank must own a canvas block (use canvas_layout)")
+        if self.kind == "cp" and (s * g.block_size) % (2 * P):
+            raise ValueError(f"canvas start block {s} x --block-size {g.block_size} must divide by 2 x {P} "
+                             "context-parallel ranks (zigzag over the canvas and clean rows; use canvas_layout)")
+
+    def canvas_layout(self, first_block: int, clean_loss: Optional[bool] = None) -> "SequenceLayout":
+        """This layout with noisy rows only from block `first_block` on, the start moved down to
+        the nearest block this layout can place (see the module docstring)."""
+        g, n = self.geometry, self.geometry.num_blocks
+        s = min(max(int(first_block), 0), n)
+        if self.kind in ("bp", "csbp"):
+            s = min(s, n - self.bp_size)
+        elif self.kind == "cp":
+            while (s * g.block_size) % (2 * self.group_size):
+                s -= 1
+        return replace(self, canvas_start=s, clean_loss=self.clean_loss if clean_loss is None else clean_loss)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -110,16 +135,16 @@ class SequenceLayout:
     @cached_property
     def block_owners(self) -> List[List[int]]:
         """owned blocks (sorted) of each rank; every block is owned by exactly one rank."""
-        n, P = self.geometry.num_blocks, self.group_size
+        n, P, s = self.geometry.num_blocks, self.group_size, self.canvas_start
         if self.kind in ("single", "cp"):
-            return [list(range(n))] * P  # not owned per rank: CP shards rows, not blocks
+            return [list(range(s, n))] * P  # not owned per rank: CP shards rows, not blocks
         if self.schedule == "contiguous":
-            parts = split_evenly(list(range(n)), self.bp_size)
+            parts = split_evenly(list(range(s, n)), self.bp_size)
         else:
             # Mirrored order split first over ring positions (so, when blocks divide evenly, a rank's
             # clean shard is the clean copy of its own blocks), then over the k ring copies.
             k = self.bp_size // self.cp_size
-            by_position = split_evenly(mirrored_order(n), self.cp_size)
+            by_position = split_evenly([s + b for b in mirrored_order(n - s)], self.cp_size)
             parts = [None] * self.bp_size
             for i, part in enumerate(by_position):
                 for j, sub in enumerate(split_evenly(part, k)):
@@ -146,22 +171,25 @@ class SequenceLayout:
         if not 0 <= rank < P:
             raise ValueError(f"rank {rank} outside the sequence group of size {P}")
         kind = self.kind
+        start = self.canvas_start * self.geometry.block_size
         if kind == "single":
-            pos = torch.arange(L)
-            return RowMeta.of(pos, pos)
+            return RowMeta.of(torch.arange(start, L), torch.arange(L))
         if kind == "cp":
-            # Zigzag over the 2L logical rows: chunk r is noisy, chunk 2P-1-r is clean.
-            c = L // P
+            # Zigzag over the logical rows [canvas noisy ; clean] (2L rows without a canvas):
+            # rank r holds chunks r and 2P-1-r, which keeps its rows in [noisy ; clean] order.
+            canvas = L - start
+            c = (canvas + L) // (2 * P)
             a, b = zigzag_chunks(P, rank)
-            noisy = torch.arange(a * c, (a + 1) * c)
-            clean = torch.arange((b - P) * c, (b - P + 1) * c)
-            return RowMeta.of(noisy, clean)
+            logical = torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+            is_clean = logical >= canvas
+            return RowMeta(is_clean, torch.where(is_clean, logical - canvas, logical + start))
         owned = self.block_owners[rank]
         noisy = self._block_positions(owned)
         if kind == "bp":
-            # The clean prefix the rank's blocks need (recomputed here, no traffic).
-            needed = max(owned) * self.geometry.block_size if owned else 0
-            return RowMeta.of(noisy, torch.arange(needed))
+            # The clean prefix the rank's blocks need (recomputed here, no traffic); with a clean
+            # loss also the clean rows of its last block, whose loss it may count.
+            last = max(owned) + (1 if self.clean_loss else 0) if owned else 0
+            return RowMeta.of(noisy, torch.arange(last * self.geometry.block_size))
         return RowMeta.of(noisy, self.clean_shard_positions(self.ring_of(rank)[1]))
 
     def ring_clean_rows(self, rank: int) -> List[RowMeta]:
@@ -175,3 +203,28 @@ class SequenceLayout:
 
     def num_noisy_rows(self, rank: int) -> int:
         return int((~self.rows(rank).is_clean).sum())
+
+    def clean_loss_positions(self, rank: int) -> torch.Tensor:
+        """Clean positions whose loss `rank` counts: over the sequence group every clean position
+        is counted exactly once, by a rank that holds it.
+
+        single / cp: the rank's own clean rows. bp: clean block c is counted by the owner of
+        block max(c, canvas start), which holds it (rows through its last owned block).
+        csbp: a ring position's clean shard is held by the k rings alike; ring j counts the j-th
+        of k even parts of it."""
+        rows = self.rows(rank)
+        clean = rows.position[rows.is_clean]
+        kind = self.kind
+        if kind in ("single", "cp"):
+            return clean
+        if kind == "bp":
+            if not self.clean_loss:
+                raise ValueError("under bp the clean rows of a rank's last block are only held with clean_loss=True")
+            B, s = self.geometry.block_size, self.canvas_start
+            owner = {b: r for r, blocks in enumerate(self.block_owners) for b in blocks}
+            counted = torch.tensor([owner[max(int(p) // B, s)] == rank for p in clean], dtype=torch.bool)
+            return clean[counted] if len(clean) else clean
+        j, _ = self.ring_of(rank)
+        k = self.bp_size // self.cp_size
+        parts = split_evenly(list(range(len(clean))), k)
+        return clean[torch.tensor(parts[j], dtype=torch.long)]

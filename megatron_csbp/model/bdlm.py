@@ -5,13 +5,26 @@ Per forward it builds this rank's rows from the layout ([owned noisy ; clean]), 
 their shared positions, gets logits for the noisy rows only (a pre-hook on the output layer drops
 the clean rows: half the output GEMM, no fp32 logits for them), and returns this rank's partial
 loss over the global denominator. Summing it over the sequence group gives the full loss.
+
+Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses all three):
+- `first_canvas_block`: noisy rows only for blocks from there on (the layout's `canvas_layout`;
+  plans are cached per canvas start);
+- `clean_targets` / `clean_weights` (objective flag `needs_clean_logits`): a loss on clean rows;
+  each clean row is counted by one rank of the sequence group (`SequenceLayout.clean_loss_positions`)
+  and only the counted rows that carry a target in the micro-batch reach the output layer;
+- `self_conditioning` ([b] bool): when any sample draws it, a no-grad first pass gives the noisy
+  rows' logits, fed to the second pass as `self_conditioning_logits` (+ the per-sample mask).
+The canvas start and whether the first pass runs follow from the samples alone, so every rank of
+the sequence group (same samples) computes the same; ranks that exchange MoE tokens across
+different samples agree on them (MIN / MAX) before any other collective.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
@@ -47,6 +60,8 @@ class BlockDiffusionModel(torch.nn.Module):
         elif gpt.position_embedding_type != "none":
             raise ValueError(f"--position-embedding-type {gpt.position_embedding_type} is not supported (use rope or none)")
         objective.check_vocab(gpt.vocab_size)
+        if getattr(objective, "needs_clean_logits", False) and not layout.clean_loss:
+            layout = replace(layout, clean_loss=True)
         self.gpt, self.objective, self.layout = gpt, objective, layout
         self.seq_rank, self.ring_group, self.transport = seq_rank, ring_group, transport
         if objective.uses_noisy_stream:
@@ -55,41 +70,100 @@ class BlockDiffusionModel(torch.nn.Module):
         else:
             self.plan, self.replication = autoregressive_plan(layout, seq_rank, ring_group, transport)
         self._num_logit_rows: Optional[int] = None
+        self._logit_rows: Optional[torch.Tensor] = None
         self._sp_shards = self._sequence_parallel_shards(gpt.config)
         if self._sp_shards > 1:
             self.plan.physical_order = shard_major_order(self.plan.local, self._sp_shards)
+        self._canvas_plans: Dict[int, AttentionPlan] = {layout.canvas_start: self.plan}
+        self._counted_clean: Dict[int, torch.Tensor] = {}
         gpt.output_layer.register_forward_pre_hook(self._keep_noisy_rows)
 
     def _keep_noisy_rows(self, module, args):
-        if self._num_logit_rows is None:
+        if self._logit_rows is not None:
+            hidden = args[0].index_select(0, self._logit_rows.to(args[0].device))
+        elif self._num_logit_rows is not None:
+            hidden = args[0][: self._num_logit_rows]
+        else:
             return None
-        hidden = args[0][: self._num_logit_rows]
         return (hidden,) + tuple(args[1:])
+
+    # ---- canvas plans ----------------------------------------------------------------------------
+    def canvas_plan(self, first_block: int) -> AttentionPlan:
+        """This rank's plan when noisy rows start at block `first_block` (moved down where the
+        layout needs it, see `SequenceLayout.canvas_layout`); built once per start."""
+        layout = self.layout.canvas_layout(first_block)
+        s = layout.canvas_start
+        if s not in self._canvas_plans:
+            plan = plan_for_layout(layout, self.seq_rank, self.ring_group, self.transport)
+            if self._sp_shards > 1:
+                plan.physical_order = shard_major_order(plan.local, self._sp_shards)
+            self._canvas_plans[s] = plan
+            self._counted_clean[s] = self._counted_clean_rows(layout, plan)
+        return self._canvas_plans[s]
+
+    def _counted_clean_rows(self, layout: SequenceLayout, plan: AttentionPlan) -> torch.Tensor:
+        """Indices (into this rank's clean rows) of the clean rows whose loss this rank counts."""
+        clean_pos = plan.local.position[plan.local.is_clean]
+        counted = layout.clean_loss_positions(self.seq_rank)
+        return torch.nonzero(torch.isin(clean_pos, counted)).flatten()
+
+    def counted_clean_rows(self, plan: AttentionPlan) -> torch.Tensor:
+        for s, p in self._canvas_plans.items():
+            if p is plan:
+                if s not in self._counted_clean:
+                    self._counted_clean[s] = self._counted_clean_rows(self.layout.canvas_layout(s), plan)
+                return self._counted_clean[s]
+        raise KeyError("plan not built by this model")
+
+    @staticmethod
+    def agree_with_expert_peers(first_block: int, any_sc: bool):
+        """Ranks that exchange tokens in MoE layers (the expert tensor-and-model-parallel group)
+        may hold different samples but must issue the same collectives with the same shapes: they
+        agree on the earliest canvas block (MIN) and on running the self-conditioning pass (MAX).
+        Extra canvas blocks carry no loss and a first pass for a sample without self-conditioning
+        is masked out, so the loss is unchanged. Ranks of one sequence group hold the same samples
+        and draw the same values from (seed, sample index): no collective is needed there."""
+        if not (dist.is_initialized() and mpu.model_parallel_is_initialized()):
+            return first_block, any_sc
+        group = mpu.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+        if group is None or dist.get_world_size(group) == 1:
+            return first_block, any_sc
+        t = torch.tensor([-first_block, int(any_sc)], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(-t[0]), bool(t[1])
 
     @staticmethod
     def _sequence_parallel_shards(config) -> int:
         return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
-    def logits(self, input_ids: torch.Tensor, rows, **model_kwargs) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, rows, *, plan: Optional[AttentionPlan] = None,
+               logit_rows: Optional[torch.Tensor] = None, **model_kwargs) -> torch.Tensor:
         """Logits [b, noisy rows, vocab / TP] of this rank's rows (ids in local row order).
 
         With sequence parallelism the rows are fed shard-major ([noisy | clean] per TP shard) so
         that every TP rank drops its clean rows alike before the output layer; the gathered logits
-        come back in local noisy-row order."""
+        come back in local noisy-row order. `plan` defaults to the model's (canvas start 0);
+        `logit_rows` (local row indices) picks the rows that reach the output layer instead."""
+        plan = self.plan if plan is None else plan
         num_noisy = int((~rows.is_clean).sum())
         positions = rows.position.to(input_ids.device)
-        if self.plan.physical_order is not None:
-            order = self.plan.physical_order.to(input_ids.device)
+        if plan.physical_order is not None:
+            if logit_rows is not None:
+                raise ValueError("logits of clean rows (e.g. --objective diffusiongemma-sft's AR term) are not "
+                                 "supported with --sequence-parallel yet")
+            order = plan.physical_order.to(input_ids.device)
             input_ids, positions = input_ids[:, order], positions[order]
         if self.gpt.position_embedding_type == "rope":
             self.gpt.rotary_pos_emb.positions = positions
         # Logits for the noisy rows only; with no noisy stream (AR) for every row.
         self._num_logit_rows = num_noisy // self._sp_shards if num_noisy else None
+        self._logit_rows = logit_rows
         try:
-            return self.gpt(input_ids, positions[None].expand_as(input_ids), attention_mask=plan_mask(self.plan),
+            return self.gpt(input_ids, positions[None].expand_as(input_ids), attention_mask=plan_mask(plan),
                             **model_kwargs)
         finally:
             self._num_logit_rows = None
+            self._logit_rows = None
 
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 sample_index: Optional[torch.Tensor] = None,
@@ -107,16 +181,50 @@ class BlockDiffusionModel(torch.nn.Module):
         noised = self.objective.noise(tokens, loss_mask, sample_index)
         if noised.clean_tokens is not None:
             tokens = noised.clean_tokens
-        rows = self.plan.local
+        plan = self.plan
+        sc = noised.self_conditioning
+        any_sc = sc is not None and bool(sc.any())
+        if noised.first_canvas_block is not None or sc is not None:
+            first, any_sc = self.agree_with_expert_peers(
+                self.layout.canvas_start if noised.first_canvas_block is None else noised.first_canvas_block, any_sc)
+            if noised.first_canvas_block is not None:
+                plan = self.canvas_plan(first)
+        rows = plan.local
         pos = rows.position.to(tokens.device)
         is_clean = rows.is_clean.to(tokens.device)
         input_ids = torch.where(is_clean[None], tokens[:, pos], noised.noisy_tokens[:, pos])
-        logits = self.logits(input_ids, rows)
+        n = int((~is_clean).sum())
+        model_kwargs = {}
+        if any_sc and n:
+            # Self-conditioning: a detached first pass gives the noisy rows' logits.
+            with torch.no_grad():
+                first_logits = self.logits(input_ids, rows, plan=plan)
+            model_kwargs = dict(self_conditioning_logits=first_logits.detach(), self_conditioning_mask=sc)
+        if noised.clean_targets is not None:
+            return self._loss_with_clean_rows(noised, plan, pos, n, input_ids, denominator, model_kwargs)
+        logits = self.logits(input_ids, rows, plan=plan, **model_kwargs)
         # Target rows: the noisy rows, or (AR) the clean rows.
         target_pos = pos[~is_clean] if self.objective.uses_noisy_stream else pos
         targets = noised.targets[:, target_pos]
         weights = noised.weights[:, target_pos]
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
+        return self.loss(logits, targets, weights, denominator * self.replication)
+
+    def _loss_with_clean_rows(self, noised, plan, pos, n, input_ids, denominator, model_kwargs) -> LossOutput:
+        """One cross entropy over [noisy rows ; counted clean rows with a target]: Megatron's
+        vocab-parallel CE works in place on its input, so two calls on slices of the same logits
+        would clash in backward."""
+        if not self.objective.uses_noisy_stream:
+            raise ValueError("clean-row targets need an objective with a noisy stream")
+        clean_pos = pos[n:]
+        counted = self.counted_clean_rows(plan).to(pos.device)
+        has_target = (noised.clean_targets[:, clean_pos[counted]] >= 0).any(dim=0)
+        chosen = counted[has_target]
+        logit_rows = torch.cat([torch.arange(n, device=pos.device), n + chosen])
+        logits = self.logits(input_ids, plan.local, plan=plan, logit_rows=logit_rows, **model_kwargs)
+        noisy_pos, target_clean = pos[:n], clean_pos[chosen]
+        targets = torch.cat([noised.targets[:, noisy_pos], noised.clean_targets[:, target_clean]], dim=1)
+        weights = torch.cat([noised.weights[:, noisy_pos], noised.clean_weights[:, target_clean]], dim=1)
         return self.loss(logits, targets, weights, denominator * self.replication)
 
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
@@ -129,7 +237,8 @@ class BlockDiffusionModel(torch.nn.Module):
         # Megatron's vocab-parallel CE wants [s, b, V/TP] (works for TP = 1 too) and rewrites its
         # input in place: never hand it a view of the model's own logits.
         logits_sb = logits_f.transpose(0, 1)
-        logits_sb = logits_sb.clone() if logits_sb.data_ptr() == logits.data_ptr() else logits_sb.contiguous()
+        logits_sb = (logits_sb.clone(memory_format=torch.contiguous_format) if logits_sb.data_ptr() == logits.data_ptr()
+                     else logits_sb.contiguous())
         ce = tensor_parallel.vocab_parallel_cross_entropy(
             logits_sb, safe_targets.transpose(0, 1).contiguous()
         ).transpose(0, 1)

@@ -20,6 +20,15 @@ class NoisedBatch:
     # Objectives that expand the batch (e.g. complementary views) give the clean stream of each
     # returned row; None means the input tokens.
     clean_tokens: Optional[torch.Tensor] = None
+    # Objectives with a loss on the clean stream (DiffusionGemma's AR term): target of clean row p
+    # (-100 where none) and its weight, [b, L]; `BlockDiffusionModel` then sends the clean rows
+    # that carry a target (on the rank that counts them) through the output layer too.
+    clean_targets: Optional[torch.Tensor] = None
+    clean_weights: Optional[torch.Tensor] = None
+    #: [b] bool: the sample gets a self-conditioning first pass (None: the objective has none)
+    self_conditioning: Optional[torch.Tensor] = None
+    #: first block with a noisy copy (canvas of response blocks); None: every block
+    first_canvas_block: Optional[int] = None
 
 
 def sample_generator(seed: int, sample_index: int) -> torch.Generator:
@@ -37,6 +46,9 @@ class Objective:
     #: exclude the mask token's logit from the softmax (absorbing-state MDLM losses)
     exclude_mask_from_softmax = False
     mask_token_id = None
+    #: the loss has terms on clean rows (`NoisedBatch.clean_targets`); layouts then assign every
+    #: clean row's term to one rank (`SequenceLayout.clean_loss`)
+    needs_clean_logits = False
 
     def noise(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> NoisedBatch:
         raise NotImplementedError

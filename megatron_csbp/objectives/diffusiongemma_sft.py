@@ -25,23 +25,13 @@ per-sample token mean (so one denominator serves both terms); only supervised to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
 
 
-@dataclass
-class DiffusionGemmaNoisedBatch(NoisedBatch):
-    #: [b, L] target of clean row p (token p+1) or -100; [b, L] its weight
-    clean_targets: Optional[torch.Tensor] = None
-    clean_weights: Optional[torch.Tensor] = None
-    #: [b] bool: the sample gets self-conditioning in this step
-    self_conditioning: Optional[torch.Tensor] = None
-    #: first block with a noisy copy (the earliest response block of the micro-batch)
-    first_canvas_block: int = 0
+#: the fields (clean targets/weights, self-conditioning draws, first canvas block) live on NoisedBatch
+DiffusionGemmaNoisedBatch = NoisedBatch
 
 
 class DiffusionGemmaSFTObjective(Objective):
@@ -118,8 +108,8 @@ class DiffusionGemmaSFTObjective(Objective):
 
         has = blocks.any(dim=1)
         first_block = int(blocks.float().argmax(dim=1)[has].min()) if bool(has.any()) else n
-        return DiffusionGemmaNoisedBatch(noisy, targets, weights, None, clean_targets, clean_weights,
-                                         torch.tensor(sc, device=dev), first_block)
+        return NoisedBatch(noisy, targets, weights, None, clean_targets, clean_weights,
+                           torch.tensor(sc, device=dev), first_block)
 
     def denominator(self, loss_mask):
         """Samples with a response (the loss is a mean over samples)."""
