@@ -236,6 +236,7 @@ def _recompute_rank(rank, world_size):
     return [h["loss"] for h in main(TINY + ["--train-iters", "2", "--recompute-granularity", "full"])["history"]]
 
 
+@pytest.mark.slow
 def test_full_recompute_matches_plain():
     """--recompute-granularity full: Megatron's CheckpointFunction replays each layer (RNG states
     on the CPU generator through the shim) and the loss curve is unchanged."""
