@@ -20,9 +20,14 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="ranks sharing one sample by noisy blocks (BP); CSBP when --context-parallel-size > 1 "
                         "too. Must be a multiple of --context-parallel-size.")
     g.add_argument("--block-size", type=int, default=16, help="block diffusion block size; must divide --seq-length")
-    g.add_argument("--objective", choices=("bd3lm", "ar"), default="bd3lm")
+    g.add_argument("--objective", choices=("bd3lm", "ar", "fast-dllm-v2"), default="bd3lm",
+                   help="fast-dllm-v2: AR -> BDLM adaptation (complementary masks, token shift), for a converted "
+                        "--load checkpoint")
     g.add_argument("--mask-token-id", type=int, default=None,
                    help="absorbing mask token (default: the tokenizer's <mask>)")
+    g.add_argument("--mask-token", type=str, default=None,
+                   help="mask token as a string of the converted checkpoint's tokenizer (--load DIR/hf_assets/"
+                        "tokenizer.json), e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id")
     g.add_argument("--clean-attention", choices=CLEAN_ATTENTION_VARIANTS, default="block_causal")
     g.add_argument("--noise-eps-min", type=float, default=1e-3)
     g.add_argument("--noise-eps-max", type=float, default=1.0)
@@ -134,6 +139,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     seq_group = sizes.sequence_parallel_size
     args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                                              * seq_group)
+    args.model_shape = None
+    if args.load:
+        from megatron_csbp.training.checkpointing import checkpoint_shape
+        args.model_shape = checkpoint_shape(args.load, args.ckpt_step)
+    if args.model_shape is not None:
+        apply_model_shape(args, args.model_shape)
     if args.seq_length <= 0 or args.block_size <= 0:
         raise ValueError(f"--seq-length ({args.seq_length}) and --block-size ({args.block_size}) must be positive")
     if args.seq_length % args.block_size:
@@ -151,7 +162,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.num_attention_heads % args.num_query_groups:
         raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                          f"{args.num_attention_heads}")
-    if args.hidden_size % args.num_attention_heads:
+    if args.model_shape is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} must divide --hidden-size {args.hidden_size}")
     tp = args.tensor_model_parallel_size
     if args.num_query_groups % tp:
@@ -205,15 +216,77 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
     args.vocab_size = tok.vocab_size
     args.eod_token_id = tok.eod
+    if args.model_shape is not None:
+        if tok.vocab_size > args.model_shape.vocab_size:
+            raise ValueError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the checkpoint's "
+                             f"({args.model_shape.vocab_size})")
+        args.vocab_size = args.model_shape.vocab_size  # the model's vocabulary, unpadded
+    if args.mask_token is not None:
+        if args.mask_token_id is not None:
+            raise ValueError("give --mask-token-id or --mask-token, not both")
+        from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
+        assets = os.path.join(args.load, "hf_assets") if args.load else None
+        try:
+            args.mask_token_id = resolve_mask_token(args.mask_token, tokenizer_path=assets,
+                                                    vocab_size=args.vocab_size)
+        except FileNotFoundError as exc:
+            raise ValueError(f"--mask-token: {exc}") from None
     if args.mask_token_id is None and args.objective == "bd3lm":
         args.mask_token_id = tok.mask_token_id
-    check_vocab(args, tok.vocab_size)
+    check_vocab(args, args.vocab_size)
     return args
+
+
+# Flag (dest) -> what the converted checkpoint's shape says. A flag left at its default takes the
+# checkpoint's value; a flag given with another value is refused.
+def _shape_values(shape):
+    return {
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "ffn_hidden_size": shape.ffn_hidden_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_query_groups": shape.num_query_groups,
+        "rotary_base": shape.rotary_base,
+        "untie_embeddings_and_output_weights": not shape.tie_word_embeddings,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "vocab_size": shape.vocab_size,
+    }
+
+
+def apply_model_shape(args: argparse.Namespace, shape) -> None:
+    """The model comes from the checkpoint's megatron_csbp_model.json: fill the shape flags from it
+    and refuse flags that contradict it."""
+    defaults = build_parser()
+    for dest, value in _shape_values(shape).items():
+        given = getattr(args, dest)
+        if given == defaults.get_default(dest) or given == value:
+            setattr(args, dest, value)
+            continue
+        if dest == "vocab_size" and args.tokenizer_type not in (None, "NullTokenizer"):
+            continue  # a tokenizer's vocabulary may be smaller than the model's: checked later
+        flag = "--" + dest.replace("_", "-")
+        raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
+                         "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
+    args.kv_channels = shape.kv_channels
+    if shape.is_moe:
+        raise ValueError(f"--load {args.load} holds an MoE model ({shape.num_experts} experts): "
+                         "python -m megatron_csbp.train trains dense converted models only (use the Megatron-LM hooks)")
+    tp = args.tensor_model_parallel_size
+    if shape.vocab_size % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the checkpoint's vocabulary "
+                         f"{shape.vocab_size} (converted models are not padded)")
+    if args.tokenizer_type is None and not args.tokenizer_model:
+        args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
 
 
 def check_vocab(args, vocab_size: int) -> None:
     """After the tokenizer is known: the mask token must be a real id."""
-    if args.objective == "bd3lm":
+    if args.objective == "fast-dllm-v2" and args.mask_token_id is None:
+        raise ValueError("--objective fast-dllm-v2 needs --mask-token-id or --mask-token (an existing reserved token "
+                         "the data never uses)")
+    if args.objective in ("bd3lm", "fast-dllm-v2"):
         if args.mask_token_id is None:
             raise ValueError("--objective bd3lm needs --mask-token-id (the tokenizer has no <mask>)")
         if not 0 <= args.mask_token_id < vocab_size:

@@ -14,6 +14,12 @@ State: the model as Megatron's GPT sharded state dict (plain GPT keys), the opti
 `fully_reshardable` sharding for the distributed optimizer (so TP, CP, BP and DP may all change
 between save and load), the LR scheduler, iteration and consumed samples. Training noise is keyed
 by (seed, sample index) and dropout is off, so this is everything an exact resume needs.
+
+Converted models (`python -m megatron_csbp.convert hf-to-megatron`): the tracker holds `release`
+and `DIR/release/` holds the model only; it is loaded as weights (iteration 0, no optimizer or
+scheduler state). The model shape comes from `megatron_csbp_model.json` (`checkpoint_shape`), and
+every checkpoint saved from such a model carries that file (in `iter_N/` and the root) and the
+root's `hf_assets/`, so `convert megatron-to-hf` / `score` read trained checkpoints.
 """
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+SHAPE_FILE = "megatron_csbp_model.json"
+ASSETS_DIR = "hf_assets"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -34,15 +43,41 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def read_tracker(root: str) -> Optional[int]:
+def read_tracker(root: str):
+    """The tracker's iteration (int), `RELEASE` for a converted checkpoint, or None."""
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
     if not text.isdigit():
-        raise ValueError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+        raise ValueError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number or 'release'")
     return int(text)
+
+
+def checkpoint_path(root: str, iteration) -> str:
+    return os.path.join(root, RELEASE) if iteration == RELEASE else iteration_dir(root, iteration)
+
+
+def checkpoint_shape(root: Optional[str], iteration=None):
+    """The `ModelShape` of the checkpoint `--load root` would load (its `megatron_csbp_model.json`,
+    looked up in the checkpoint folder, then `root`), or None (no checkpoint or no shape file:
+    the model is built from the flags)."""
+    if not root or not os.path.isdir(root):
+        return None
+    if iteration is None:
+        iteration = read_tracker(root)
+    candidates = [root] if iteration is None else [checkpoint_path(root, iteration), root]
+    for d in candidates:
+        p = os.path.join(d, SHAPE_FILE)
+        if os.path.isfile(p):
+            from megatron_csbp.model.providers import ModelShape
+
+            with open(p) as f:
+                return ModelShape.from_json(f.read())
+    return None
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
@@ -64,8 +99,11 @@ def _fsync_dir(path: str) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int,
-                    extra: Optional[Dict[str, Any]] = None, _fail_after_write: bool = False) -> str:
-    """Collective. Returns the final directory. `_fail_after_write` simulates a crash (tests)."""
+                    extra: Optional[Dict[str, Any]] = None, _fail_after_write: bool = False,
+                    shape=None, assets_from: Optional[str] = None) -> str:
+    """Collective. Returns the final directory. `_fail_after_write` simulates a crash (tests).
+    `shape` (a ModelShape): written as `megatron_csbp_model.json` into the iteration folder and
+    `root`; `assets_from` (an `hf_assets/` folder): copied to `root/hf_assets` if absent there."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -92,6 +130,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     if rank == 0:
         with open(os.path.join(tmp, "bdlm_meta.json"), "w") as f:
             json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, f, indent=1)
+        if shape is not None:
+            with open(os.path.join(tmp, SHAPE_FILE), "w") as f:
+                f.write(shape.to_json())
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving the same iteration: move the old one aside first
             old = f"{final}.old-{nonce[0]}"
@@ -107,34 +148,55 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             f.flush()
             os.fsync(f.fileno())
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        if shape is not None:
+            shape_tmp = os.path.join(root, f".{SHAPE_FILE}.{nonce[0]}")
+            with open(shape_tmp, "w") as f:
+                f.write(shape.to_json())
+            os.replace(shape_tmp, os.path.join(root, SHAPE_FILE))
+        dst = os.path.join(root, ASSETS_DIR)
+        if assets_from and os.path.isdir(assets_from) and not os.path.exists(dst) \
+                and os.path.abspath(assets_from) != os.path.abspath(dst):
+            shutil.copytree(assets_from, dst)
         _fsync_dir(root)
     dist.barrier()
     return final
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[int] = None) -> Optional[Dict[str, Any]]:
-    """Collective. Loads the tracker's checkpoint (or `iteration`); None when there is none."""
+    """Collective. Loads the tracker's checkpoint (or `iteration`); None when there is none.
+    A `release` checkpoint (converted model) loads the model only: iteration 0, consumed samples 0,
+    fresh optimizer and scheduler."""
     from megatron.core import dist_checkpointing
 
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
             return None
-    path = iteration_dir(root, iteration)
+    path = checkpoint_path(root, iteration)
     if not os.path.isdir(path):
         raise ValueError(f"--load {root}: checkpoint directory {path} is missing")
+    if iteration == RELEASE:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        _load_model_state(model, loaded["model"], path)
+        if optimizer is not None:  # mixed-precision main params were copied from unloaded weights
+            optimizer.reload_model_params()
+        return {"iteration": 0, "consumed_samples": 0, "extra": {}, "path": path, "release": True}
     state = _sharded_state(model, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
-    missing, unexpected = model.gpt.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise RuntimeError(f"checkpoint {path} lacks model keys {missing[:5]}")
+    _load_model_state(model, loaded["model"], path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     return {"iteration": int(loaded["iteration"]), "consumed_samples": int(loaded["consumed_samples"]),
             "extra": loaded.get("extra", {}), "path": path}
+
+
+def _load_model_state(model, state, path: str) -> None:
+    missing, unexpected = model.gpt.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise RuntimeError(f"checkpoint {path} lacks model keys {missing[:5]}")
 
 
 def load_model_only(root: str, model) -> Dict[str, Any]:

@@ -70,13 +70,15 @@ def flops_per_sample(args) -> float:
     """Forward + backward FLOPs of one sample, counting the logical (not replicated) work."""
     L, h, ffn, layers = args.seq_length, args.hidden_size, args.ffn_hidden_size, args.num_layers
     heads, groups = args.num_attention_heads, args.num_query_groups
-    d = h // heads
-    rows = 2 * L if args.objective == "bd3lm" else L
+    d = getattr(args, "kv_channels", None) or h // heads
+    # fast-dllm-v2 doubles the batch (two complementary views), each view 2L rows
+    views = 2 if args.objective == "fast-dllm-v2" else 1
+    rows = views * 2 * L if args.objective in ("bd3lm", "fast-dllm-v2") else L
     per_row = 2 * h * (heads * d + 2 * groups * d) + 2 * heads * d * h
     per_row += (6 if args.swiglu else 4) * h * ffn
     linear = rows * per_row * layers
-    attn = 4 * attention_pairs(L, args.block_size, args.clean_attention, args.objective) * heads * d * layers
-    logits = 2 * L * h * args.vocab_size
+    attn = 4 * views * attention_pairs(L, args.block_size, args.clean_attention, args.objective) * heads * d * layers
+    logits = 2 * views * L * h * args.vocab_size
     return 3.0 * (linear + attn + logits)
 
 
@@ -298,7 +300,11 @@ def train(s: Setup) -> Dict:
     iteration, consumed = 0, 0
     if args.load:
         info = checkpointing.load_checkpoint(args.load, s.model, s.optimizer, s.scheduler, args.ckpt_step)
-        if info is not None:
+        if info is None and getattr(args, "model_shape", None) is not None:
+            raise RuntimeError(f"--load {args.load} has a model shape file but no checkpoint to load")
+        if info is not None and info.get("release"):
+            _log0(f" loaded converted model {info['path']} (release: weights only, iteration 0, fresh optimizer)")
+        elif info is not None:
             iteration, consumed = info["iteration"], info["consumed_samples"]
             _log0(f" loaded checkpoint {info['path']} (iteration {iteration}, consumed samples {consumed})")
         else:
@@ -353,14 +359,23 @@ def train(s: Setup) -> Dict:
             acc_time, acc_iters = 0.0, 0
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(args.save, iteration, s.model, s.optimizer, s.scheduler, consumed,
-                                          extra=checkpoint_extra(args))
+                                          extra=checkpoint_extra(args), **_shape_files(args))
             _log0(f" saved checkpoint at iteration {iteration} to {args.save}")
     if args.save and not (args.save_interval and iteration % args.save_interval == 0) and iteration > 0:
         checkpointing.save_checkpoint(args.save, iteration, s.model, s.optimizer, s.scheduler, consumed,
-                                      extra=checkpoint_extra(args))
+                                      extra=checkpoint_extra(args), **_shape_files(args))
         _log0(f" saved checkpoint at iteration {iteration} to {args.save}")
     logger.close()
     return {"history": history, "iteration": iteration, "consumed_samples": consumed}
+
+
+def _shape_files(args) -> Dict:
+    """A converted model's shape file and Hugging Face assets travel into every saved checkpoint."""
+    shape = getattr(args, "model_shape", None)
+    if shape is None:
+        return {}
+    from megatron_csbp.training.checkpointing import ASSETS_DIR
+    return {"shape": shape, "assets_from": os.path.join(args.load, ASSETS_DIR)}
 
 
 def checkpoint_extra(args) -> Dict:

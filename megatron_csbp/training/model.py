@@ -7,12 +7,16 @@ CPU generator seeded with `--seed` and then split, so TP = 1, 2, 4 ... and any C
 logical weights (GLU weights use Megatron's stride-2 split, so they match too). The vocabulary is
 padded to a multiple of `--make-vocab-size-divisible-by` (default 128) independent of TP; TP must
 divide the padded size. On GPU the model is moved to the device after initialisation.
+
+With `model_shape` (a converted checkpoint's `megatron_csbp_model.json`, read by `--load`), the
+model is `megatron_csbp.model.providers.build_gpt_model(shape, ...)` instead: the checkpoint's
+architecture, its exact (unpadded) vocabulary, weights left uninitialised because they are loaded.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +74,8 @@ class ModelArgs:
     init_method_std: float = 0.02
     rotary_base: int = 10000
     attention_kernel: str = "auto"
+    #: a converted checkpoint's ModelShape (None: the model is built from the flags above)
+    model_shape: Optional[Any] = None
 
 
 def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
@@ -120,7 +126,37 @@ def build_objective(a):
                               eps_max=a.noise_eps_max, loss_weighting=a.loss_weighting)
     if a.objective == "ar":
         return AutoregressiveObjective()
-    raise ValueError(f"--objective must be one of ('bd3lm', 'ar'), got {a.objective!r}")
+    if a.objective == "fast-dllm-v2":
+        from megatron_csbp.objectives.fast_dllm_v2 import FastDLLMv2Objective
+        return FastDLLMv2Objective(a.block_size, a.mask_token_id, seed=a.seed, eps_min=a.noise_eps_min,
+                                   eps_max=a.noise_eps_max)
+    raise ValueError(f"--objective must be one of ('bd3lm', 'ar', 'fast-dllm-v2'), got {a.objective!r}")
+
+
+def build_converted_gpt(a, finalize_model_grads_func=None):
+    """`GPTModel` of a converted checkpoint's shape under this run's parallel layout (weights
+    uninitialised: they are loaded next)."""
+    from megatron_csbp.model import providers
+
+    shape = a.model_shape
+    dtype = torch.bfloat16 if a.bf16 else torch.float32
+    if shape.vocab_size % a.tensor_model_parallel_size:
+        raise ValueError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must divide the checkpoint's "
+                         f"vocabulary {shape.vocab_size}")
+    config = providers.transformer_config(
+        shape, params_dtype=dtype,
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        context_parallel_size=max(a.context_parallel_size, a.block_parallel_size),
+        sequence_parallel=a.sequence_parallel,
+        calculate_per_token_loss=True,
+        pipeline_dtype=dtype,
+        recompute_granularity=a.recompute_granularity,
+        recompute_method="uniform" if a.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if a.recompute_granularity == "full" else None,
+    )
+    if finalize_model_grads_func is not None:
+        config.finalize_model_grads_func = finalize_model_grads_func
+    return config, providers.build_gpt_model(shape, config=config)
 
 
 def build_layout(a) -> SequenceLayout:
@@ -155,11 +191,14 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
     """Build on CPU with a fixed seed (layout-independent weights), then move to `device`."""
     from megatron_csbp import parallel_state as bps
 
-    config = transformer_config(a, finalize_model_grads_func)
     objective = build_objective(a)
     layout = build_layout(a)
     if a.mask_token_id is not None and not 0 <= a.mask_token_id < a.vocab_size:
         raise ValueError(f"--mask-token-id {a.mask_token_id} is outside the vocabulary [0, {a.vocab_size})")
+    if a.model_shape is not None:
+        config, gpt = build_converted_gpt(a, finalize_model_grads_func)
+        return _wrap(a, config, gpt, objective, layout, device)
+    config = transformer_config(a, finalize_model_grads_func)
     vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
     spec = with_block_diffusion_attention(get_gpt_layer_local_spec(normalization=a.normalization),
                                           kernel=a.attention_kernel)
@@ -178,6 +217,12 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         position_embedding_type="rope",
         rotary_base=a.rotary_base,
     )
+    return _wrap(a, config, gpt, objective, layout, device)
+
+
+def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
+    from megatron_csbp import parallel_state as bps
+
     if device is not None:
         gpt = gpt.to(device)
     seq_rank = bps.get_block_parallel_rank() if bps.is_initialized() else 0
