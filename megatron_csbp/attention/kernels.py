@@ -91,9 +91,15 @@ def flex_partial_attention(
     G = k.shape[2]
     block_mask = _block_mask(allowed, q.device)
     qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    out, lse = _flex_attention_fn(q.device)(
-        qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True
-    )
+    flex = _flex_attention_fn(q.device)
+    try:  # torch >= 2.9: auxiliary outputs are requested with AuxRequest
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H,
+                        return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+    except ImportError:
+        out, lse = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True)
     # Rows with no allowed key get -inf: clamp so the merge weights them by exactly zero, like
     # the math kernel.
     lse = lse.float().clamp_min(MASKED_SCORE)
