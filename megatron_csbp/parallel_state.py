@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as mpu
 
+from megatron_csbp.layout.layout import check_parallel_sizes
+
 
 @dataclass(frozen=True)
 class BlockParallelSizes:
@@ -29,14 +31,7 @@ class BlockParallelSizes:
     block_parallel_size: int = 1
 
     def __post_init__(self):
-        cp, bp = self.context_parallel_size, self.block_parallel_size
-        if cp < 1 or bp < 1:
-            raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
-        if bp > 1 and bp % cp != 0:
-            raise ValueError(
-                f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
-                "BP = k * CP runs k clean rings of CP ranks"
-            )
+        check_parallel_sizes(self.context_parallel_size, self.block_parallel_size)
 
     @property
     def sequence_parallel_size(self) -> int:

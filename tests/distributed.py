@@ -1,76 +1,8 @@
 """Run a function on N CPU ranks with gloo and collect each rank's return value.
 
-`fn(rank, world_size, *args)` must be importable (module level). Each rank's return value is
-pickled back; an exception on any rank fails the caller with that rank's traceback.
+`run_distributed(fn, world_size, *args)`: `fn(rank, world_size, *args)` must be importable
+(module level); see `megatron_csbp.utils.spawn`, which the benchmark uses too.
 """
-from __future__ import annotations
+from megatron_csbp.utils.spawn import spawn as run_distributed
 
-import os
-import socket
-import tempfile
-import traceback
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, out_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    result_path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": True, "result": result}, result_path)
-    except BaseException:  # report, then let the others time out or finish
-        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
-        raise
-    finally:
-        try:
-            from megatron_csbp import parallel_state as bps
-            if bps.is_initialized():
-                bps.destroy_block_parallel()
-        except Exception:
-            pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_distributed(fn, world_size: int, *args, attempts: int = 3):
-    """Spawn `world_size` gloo ranks running fn(rank, world_size, *args); return their results.
-
-    The rendezvous port is picked free and then bound by rank 0, so another process can take it
-    in between: that (and only that) is retried on a new port."""
-    for attempt in range(attempts):
-        try:
-            return _run_once(fn, world_size, args)
-        except RuntimeError as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
-                raise
-
-
-def _run_once(fn, world_size: int, args):
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        try:
-            mp.start_processes(_entry, args=(world_size, port, out_dir, fn, args), nprocs=world_size,
-                               join=True, start_method="spawn")
-        except Exception as exc:
-            errors = []
-            for r in range(world_size):
-                p = os.path.join(out_dir, f"rank{r}.pt")
-                if os.path.exists(p):
-                    rec = torch.load(p, weights_only=False)
-                    if not rec["ok"]:
-                        errors.append(f"--- rank {r} ---\n{rec['error']}")
-            raise RuntimeError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["result"]
-                for r in range(world_size)]
+__all__ = ["run_distributed"]

@@ -10,7 +10,7 @@ from typing import Dict, List
 import torch
 
 from megatron_csbp.bench.cases import BenchConfig, Case, cases_for, formula_bytes_sent
-from megatron_csbp.bench.spawn import spawn
+from megatron_csbp.utils.spawn import spawn
 from megatron_csbp.bench.worker import world_main
 
 

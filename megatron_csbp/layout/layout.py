@@ -26,6 +26,17 @@ from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 OWNERSHIP_SCHEDULES = ("mirrored", "contiguous")
 
 
+def check_parallel_sizes(cp: int, bp: int) -> None:
+    """The rule for the two sizes, shared by layouts and process groups."""
+    if cp < 1 or bp < 1:
+        raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
+    if bp > 1 and bp % cp != 0:
+        raise ValueError(
+            f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
+            "BP = k * CP runs k clean rings of CP ranks"
+        )
+
+
 def split_evenly(items: List[int], parts: int) -> List[List[int]]:
     """Contiguous split into `parts` pieces whose sizes differ by at most one (larger first)."""
     q, r = divmod(len(items), parts)
@@ -68,13 +79,7 @@ class SequenceLayout:
 
     def __post_init__(self):
         cp, bp, g = self.cp_size, self.bp_size, self.geometry
-        if cp < 1 or bp < 1:
-            raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
-        if bp > 1 and bp % cp != 0:
-            raise ValueError(
-                f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp} "
-                "(BP = k * CP gives k clean rings)"
-            )
+        check_parallel_sizes(cp, bp)
         if self.schedule not in OWNERSHIP_SCHEDULES:
             raise ValueError(f"--block-ownership must be one of {OWNERSHIP_SCHEDULES}, got {self.schedule!r}")
         P = self.group_size

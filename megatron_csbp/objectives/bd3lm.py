@@ -38,18 +38,22 @@ class BD3LMObjective(Objective):
         t = torch.remainder(u + torch.arange(num_blocks, dtype=torch.float64) / num_blocks, 1.0)
         return (self.eps_min + (self.eps_max - self.eps_min) * t).float()
 
-    def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
+    def times_and_draws(self, tokens, sample_index):
+        """Per token: its block's time t and one uniform draw, both [b, L], from (seed, sample)."""
         b, L = tokens.shape
-        if L % self.block_size:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
         n = L // self.block_size
         t_rows, draw_rows = [], []
         for i in range(b):
             g = sample_generator(self.seed, int(sample_index[i]))
             t_rows.append(self.block_times(n, g).repeat_interleave(self.block_size))
             draw_rows.append(torch.rand(L, generator=g))
-        t = torch.stack(t_rows).to(tokens.device)
-        draws = torch.stack(draw_rows).to(tokens.device)
+        return torch.stack(t_rows).to(tokens.device), torch.stack(draw_rows).to(tokens.device)
+
+    def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
+        b, L = tokens.shape
+        if L % self.block_size:
+            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
+        t, draws = self.times_and_draws(tokens, sample_index)
         supervised = loss_mask.bool()
         masked = (draws < t) & supervised
         noisy = torch.where(masked, torch.full_like(tokens, self.mask_token_id), tokens)

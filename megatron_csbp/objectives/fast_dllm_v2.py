@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+from megatron_csbp.objectives.base import NoisedBatch, Objective
 from megatron_csbp.objectives.bd3lm import BD3LMObjective
 
 
@@ -46,22 +46,16 @@ class FastDLLMv2Objective(Objective):
         self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
         self.eps_min, self.eps_max = eps_min, eps_max
 
-    # the same antithetic per-block times as BD3-LM
+    # the same antithetic per-block times and per-token draws as BD3-LM
     block_times = BD3LMObjective.block_times
+    times_and_draws = BD3LMObjective.times_and_draws
 
     def masks(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
         """The first view's mask m [b, L] (bool): supervised tokens drawn with their block's t."""
         b, L = tokens.shape
         if L % self.block_size:
             raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
-        n = L // self.block_size
-        t_rows, draw_rows = [], []
-        for i in range(b):
-            g = sample_generator(self.seed, int(sample_index[i]))
-            t_rows.append(self.block_times(n, g).repeat_interleave(self.block_size))
-            draw_rows.append(torch.rand(L, generator=g))
-        t = torch.stack(t_rows).to(tokens.device)
-        draws = torch.stack(draw_rows).to(tokens.device)
+        t, draws = self.times_and_draws(tokens, sample_index)
         return (draws < t) & loss_mask.bool()
 
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:

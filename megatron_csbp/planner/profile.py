@@ -82,7 +82,7 @@ def measure_cpu_profile(name: str = "measured-cpu") -> HardwareProfile:
     gemm = _gemm_gflops()
     attn = _attention_gflops()
     mem = _memory_gbps()
-    from megatron_csbp.bench.spawn import spawn
+    from megatron_csbp.utils.spawn import spawn
 
     link = spawn(_link_worker, 2, None)[0]
     try:

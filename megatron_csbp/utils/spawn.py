@@ -1,4 +1,4 @@
-"""Spawn N single-threaded CPU ranks on gloo and collect what each returns."""
+"""Spawn N single-threaded CPU ranks on gloo and collect what each returns (benchmarks, tests)."""
 from __future__ import annotations
 
 import os
@@ -29,12 +29,29 @@ def _entry(rank, world_size, port, out_dir, fn, args):
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
         raise
     finally:
+        from megatron_csbp import parallel_state as bps
+
+        if bps.is_initialized():
+            bps.destroy_block_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args):
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return the list of results."""
+def spawn(fn, world_size: int, *args, attempts: int = 3):
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return the list of results.
+
+    `fn` must be importable (module level). An exception on any rank fails the call with that
+    rank's traceback. The rendezvous port is picked free and then bound by rank 0, so another
+    process can take it in between: that (and only that) is retried on a new port."""
+    for attempt in range(attempts):
+        try:
+            return _spawn_once(fn, world_size, args)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
+                raise
+
+
+def _spawn_once(fn, world_size: int, args):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
@@ -47,6 +64,6 @@ def spawn(fn, world_size: int, *args):
                     rec = torch.load(p, weights_only=False)
                     if not rec["ok"]:
                         errors.append(f"--- rank {r} ---\n{rec['error']}")
-            raise RuntimeError("benchmark world failed:\n" + "\n".join(errors or [str(exc)])) from None
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["result"]
                 for r in range(world_size)]
