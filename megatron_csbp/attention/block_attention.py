@@ -2,7 +2,8 @@
 
 Clean exchange (single, BP, CSBP): local rows are [noisy ; clean]. Noisy queries attend their own
 block on this rank (block-diagonal, never moves) and clean keys; clean keys are this rank's own
-(single, BP) or the ring's shards (CSBP: all-gathered while the noisy part runs, or ring-streamed).
+(single, BP) or the ring's shards (CSBP: all-gathered while the noisy part runs, or ring-streamed;
+on sliding-window layers only the rows inside the windows move, by one all-to-all).
 Full exchange (CP baseline): K/V of all local rows are exchanged and every query attends every
 chunk under the same predicate.
 """
@@ -36,7 +37,7 @@ class AttentionPlan:
     # Sequence parallelism orders each TP shard [noisy | clean]; row j of the physical input is
     # local row physical_order[j]. None means the physical order is the local order.
     physical_order: Optional[torch.Tensor] = None
-    _masks: Dict = field(default_factory=dict, repr=False)
+    _cache: Dict = field(default_factory=dict, repr=False)  # masks and window plans (static)
 
     def __post_init__(self):
         assert self.exchange in ("none", "clean", "all")
@@ -49,9 +50,9 @@ class AttentionPlan:
     def window_exchange(self, geometry: BlockGeometry) -> WindowExchangePlan:
         """The static windowed clean exchange of this rank for a sliding-window layer."""
         key = ("window_exchange", geometry.window)
-        if key not in self._masks:
-            self._masks[key] = WindowExchangePlan.build(self.members, self.peers, geometry, self.ring_index)
-        return self._masks[key]
+        if key not in self._cache:
+            self._cache[key] = WindowExchangePlan.build(self.members, self.peers, geometry, self.ring_index)
+        return self._cache[key]
 
     def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device):
         """(mask over the keys any query may see, their indices or None when all are), cached per
@@ -59,15 +60,15 @@ class AttentionPlan:
         sees (other ranks' noisy rows under CP, clean rows past every local block) skips work
         that a tiled kernel would skip too."""
         cache_key = key + (geometry.window, str(device))
-        if cache_key not in self._masks:
+        if cache_key not in self._cache:
             m = allowed(q, k, geometry)
             used = m.any(0)
             if bool(used.all()):
-                self._masks[cache_key] = (m.to(device), None)
+                self._cache[cache_key] = (m.to(device), None)
             else:
                 cols = used.nonzero().flatten()
-                self._masks[cache_key] = (m[:, cols].to(device), cols.to(device))
-        return self._masks[cache_key]
+                self._cache[cache_key] = (m[:, cols].to(device), cols.to(device))
+        return self._cache[cache_key]
 
     @cached_property
     def noisy_rows_are_whole_blocks(self) -> bool:
