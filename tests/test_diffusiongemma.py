@@ -6,10 +6,6 @@ decoder_input_ids=noisy_b)`; the Megatron model runs once over the [noisy ; clea
 """
 from __future__ import annotations
 
-import os
-import tempfile
-import warnings
-
 import pytest
 import torch
 
@@ -24,21 +20,6 @@ from megatron_csbp.model.diffusiongemma import FULL, SLIDING, config_from_hf, di
 from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_model  # noqa: E402
 
 V, L, B, BATCH = 96, 24, 4, 2
-
-
-@pytest.fixture(scope="module")
-def mp1():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if not dist.is_initialized():
-            store = os.path.join(tempfile.mkdtemp(), "store")
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        if not mpu.model_parallel_is_initialized():
-            mpu.initialize_model_parallel(1, 1)
-    yield
 
 
 def _models(window: int, seed: int = 0):
@@ -88,7 +69,7 @@ def _per_block_diffs(hf, bdm, clean, noisy, sc=None, sc_mask=None):
 
 
 @pytest.mark.parametrize("window", [6, 3])  # window wider and narrower than the block
-def test_noisy_logits_equal_hf_per_block(mp1, window):
+def test_noisy_logits_equal_hf_per_block(megatron_single_rank, window):
     hf, gpt, config = _models(window)
     assert config.window_attn_skip_freq == [1, 0, 1, 0] and config.window_size == (window - 1, 0)
     bdm = _bdlm(gpt)
@@ -106,14 +87,14 @@ def test_noisy_logits_equal_hf_per_block(mp1, window):
     assert (plain - conditioned).abs().max() > 1e-2
 
 
-def test_block_causal_clean_stream_is_not_diffusiongemma(mp1):
+def test_block_causal_clean_stream_is_not_diffusiongemma(megatron_single_rank):
     hf, gpt, _ = _models(6)
     clean, noisy, _ = _tokens()
     diffs = _per_block_diffs(hf, _bdlm(gpt, "block_causal"), clean, noisy)
     assert max(diffs) > 1e-2, diffs
 
 
-def test_gradients_equal_hf(mp1):
+def test_gradients_equal_hf(megatron_single_rank):
     """Gradient of a random linear function of every block's logits (with self-conditioning)."""
     hf, gpt, _ = _models(3)
     hf.train(), gpt.train()
@@ -148,7 +129,7 @@ def test_gradients_equal_hf(mp1):
     assert emb.grad is not None and emb.grad.abs().sum() > 0
 
 
-def test_config_reads_per_layer_config(mp1):
+def test_config_reads_per_layer_config(megatron_single_rank):
     hf = tiny_hf_model(vocab_size=V, sliding_window=6)
     saved = hf.config.to_dict()
     assert "per_layer_config" in saved["text_config"] and "global_head_dim" not in saved["text_config"]
@@ -167,7 +148,7 @@ def test_config_reads_per_layer_config(mp1):
         config_from_hf(bad)
 
 
-def test_conversion_both_ways(mp1):
+def test_conversion_both_ways(megatron_single_rank):
     hf, gpt, config = _models(6)
     sd = hf.state_dict()
     enc, dec = "model.encoder.language_model.layers.1.", "model.decoder.layers.1."
@@ -192,7 +173,7 @@ def test_conversion_both_ways(mp1):
         hf_to_megatron_state(broken, hf.config)
 
 
-def test_spec_swaps_block_attention_with_per_layer_windows(mp1):
+def test_spec_swaps_block_attention_with_per_layer_windows(megatron_single_rank):
     from megatron_csbp.attention.core_attention import BlockDiffusionAttention
     from megatron_csbp.model.spec import count_block_attention
 
@@ -229,7 +210,7 @@ def _tiny_gemma4(k_eq_v: bool):
 
 
 @pytest.mark.parametrize("k_eq_v", [True, False])
-def test_gemma4_text_moe_as_ar_starting_point(mp1, k_eq_v):
+def test_gemma4_text_moe_as_ar_starting_point(megatron_single_rank, k_eq_v):
     """A Gemma 4 text MoE checkpoint converts to the same Megatron model; its clean stream (AR,
     token-causal, sliding windows) reproduces Gemma4ForCausalLM's logits, and the new
     self-conditioning block starts as a no-op."""
@@ -256,7 +237,7 @@ def test_gemma4_text_moe_as_ar_starting_point(mp1, k_eq_v):
     assert diff < 1e-4
 
 
-def test_full_recompute_gives_the_same_gradients(mp1):
+def test_full_recompute_gives_the_same_gradients(megatron_single_rank):
     """Full-layer activation recompute replays the layers (plan id, layer scalars per row, MoE)."""
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -90,17 +89,7 @@ def _ep_rank(rank, world_size, state_path, dispatcher):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if not dist.is_initialized():
-            store = os.path.join(tempfile.mkdtemp(), "store")
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        if not mpu.model_parallel_is_initialized():
-            mpu.initialize_model_parallel(1, 1)
+def reference(megatron_single_rank):
     gpt, model = _model(_config())
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # random weights everywhere, norms and scales near 1, distinct layer scalars

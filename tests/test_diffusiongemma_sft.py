@@ -9,10 +9,6 @@ Megatron forward.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,21 +26,6 @@ from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjecti
 
 V, L, B = 96, 24, 4
 ENC_W = 0.7
-
-
-@pytest.fixture(scope="module")
-def mp1():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if not dist.is_initialized():
-            store = os.path.join(tempfile.mkdtemp(), "store")
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        if not mpu.model_parallel_is_initialized():
-            mpu.initialize_model_parallel(1, 1)
-    yield
 
 
 def _batch():
@@ -127,7 +108,7 @@ def _brute_force_loss(hf, obj, tokens, loss_mask, nb):
 
 
 @pytest.mark.parametrize("want_sc", [(True, False), (False, False)])
-def test_sft_loss_and_gradients_equal_brute_force(mp1, want_sc):
+def test_sft_loss_and_gradients_equal_brute_force(megatron_single_rank, want_sc):
     hf = tiny_hf_model(seed=2, vocab_size=V, sliding_window=3).train()
     state, config, _ = hf_to_megatron_state(hf.state_dict(), hf.config)
     gpt = diffusion_gemma_model(config, V, 256)
@@ -165,7 +146,7 @@ def test_sft_loss_and_gradients_equal_brute_force(mp1, want_sc):
     assert bool(grad(gpt.self_conditioning_mlp.linear_fc1.weight).abs().sum() > 0) == want_sc[0]
 
 
-def test_prompt_blocks_get_no_noisy_copy(mp1):
+def test_prompt_blocks_get_no_noisy_copy(megatron_single_rank):
     from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
 
     gpt = diffusion_gemma_model(tiny_megatron_config(), V, 256)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -95,19 +94,9 @@ def _tp_rank(rank, world_size, state_path):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
+def reference(megatron_single_rank):
     from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if not dist.is_initialized():
-            store = os.path.join(tempfile.mkdtemp(), "store")
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        if not mpu.model_parallel_is_initialized():
-            mpu.initialize_model_parallel(1, 1)
     gpt = diffusion_gemma_model(_config(), V, 64)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
