@@ -240,6 +240,22 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
 
 # ---- shape -> Megatron ---------------------------------------------------------------------------
 
+#: What every model the plugin builds from a checkpoint shares: no dropout (the loss must not depend
+#: on the layout), no fused kernels (they need CUDA, TransformerEngine or Apex, and exactness is
+#: checked against unfused math), weights created on CPU.
+PORTABLE_CONFIG = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    use_cpu_initialization=True,
+)
+
+
 def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
     """The megatron-core `TransformerConfig` of `shape`. `overrides` set parallelism and training
     options (tensor_model_parallel_size, sequence_parallel, recompute, ...)."""
@@ -260,15 +276,7 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
         add_bias_linear=False,
         add_qkv_bias=shape.add_qkv_bias,
         qk_layernorm=shape.qk_layernorm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
+        **PORTABLE_CONFIG,
         # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
         perform_initialization=False,
         params_dtype=dtype,

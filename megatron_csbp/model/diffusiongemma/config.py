@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_csbp.model.providers import PORTABLE_CONFIG
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -256,15 +258,7 @@ def make_config(**kwargs) -> DiffusionGemmaConfig:
         add_qkv_bias=False,
         qk_layernorm=True,
         softmax_scale=1.0,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
+        **PORTABLE_CONFIG,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         moe_router_score_function="softmax",
