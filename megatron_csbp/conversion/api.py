@@ -16,32 +16,77 @@ from megatron_csbp.conversion.mapping import cast, hf_to_megatron, megatron_to_h
 from megatron_csbp.model.providers import DTYPES, ModelShape, build_gpt_model, megatron_flags, shape_from_hf_config
 
 
+#: Hugging Face tensors of a diffusion_gemma checkpoint with no Megatron counterpart (the vision
+#: tower), kept beside the Megatron checkpoint so that the export writes them back.
+EXTRA_WEIGHTS_FILE = "hf_extra_weights.safetensors"
+
+
+def _to_megatron_state(shape: ModelShape, tensors, cfg):
+    """(Megatron state dict, HF tensors to carry through unchanged) of `shape`'s family."""
+    if shape.family != "diffusion_gemma":
+        return hf_to_megatron(shape, tensors), {}
+    from megatron_csbp.conversion import diffusiongemma as dg
+
+    if shape.diffusion_gemma["source"] == "diffusion_gemma":
+        state, _, rest = dg.hf_to_megatron_state(tensors, cfg)
+        return state, rest
+    # Gemma 4 start: its vision / audio towers have no place in a diffusion_gemma export.
+    state, _, _ = dg.gemma4_to_megatron_state(tensors, cfg, **_gemma4_options(shape))
+    return state, {}
+
+
+def _gemma4_options(shape: ModelShape):
+    return dict(final_logit_softcapping=shape.diffusion_gemma["final_logit_softcapping"])
+
+
 def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = None) -> ModelShape:
     """Convert a Hugging Face folder into a Megatron torch_dist release checkpoint."""
     cfg = hf_io.read_config(hf_path)
     shape = shape_from_hf_config(cfg, params_dtype=dtype)  # refuses unsupported models first
     tensors = hf_io.read_tensors(hf_path)
-    state = cast(hf_to_megatron(shape, tensors), shape.torch_dtype)
+    state, extra = _to_megatron_state(shape, tensors, cfg)
+    state = cast(state, shape.torch_dtype)
     with single_process_megatron():
         model = build_gpt_model(shape)
         load_model_weights(model, state)
         save_gpt_model(model, shape, output, assets_from=hf_path)
+    if extra:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in extra.items()}, os.path.join(output, EXTRA_WEIGHTS_FILE))
     return shape
 
 
 def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[str] = None,
-                         assets_from: Optional[str] = None, max_shard_bytes: int = 5 << 30) -> None:
+                         assets_from: Optional[str] = None, max_shard_bytes: int = 5 << 30,
+                         extra: Optional[dict] = None) -> None:
+    """Write `state` (the unsharded Megatron state dict) as a Hugging Face folder; `extra`: HF
+    tensors carried through unchanged (a diffusion_gemma vision tower)."""
     out_dtype = dtype or shape.params_dtype
     if out_dtype not in DTYPES:
         raise ValueError(f"--dtype {out_dtype!r} is not one of {sorted(DTYPES)}")
-    tensors = cast(megatron_to_hf(shape, state), DTYPES[out_dtype])
+    skip_assets: tuple = ()
+    if shape.family == "diffusion_gemma":
+        from megatron_csbp.conversion.diffusiongemma import megatron_to_hf_state
+        from megatron_csbp.model.diffusiongemma.provider import hf_config_for_export, transformer_config
+
+        cfg = hf_config_for_export(shape)  # refuses a model Hugging Face cannot hold, before writing
+        tensors = cast(megatron_to_hf_state(state, transformer_config(shape)), DTYPES[out_dtype])
+        tensors.update(extra or {})
+        if shape.diffusion_gemma["source"] != "diffusion_gemma":
+            # A Gemma 4 start's generation defaults are an AR model's; diffusion_gemma refuses them.
+            skip_assets = ("generation_config.json",)
+    else:
+        cfg = dict(shape.hf_config)
+        tensors = cast(megatron_to_hf(shape, state), DTYPES[out_dtype])
     hf_io.write_tensors(output, tensors, max_shard_bytes)
     if assets_from is not None and os.path.isdir(assets_from):
-        hf_io.copy_assets(assets_from, output)
-    cfg = dict(shape.hf_config)
+        hf_io.copy_assets(assets_from, output, exclude=skip_assets)
     cfg["dtype"] = out_dtype
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = out_dtype
+    if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
+        cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
 
@@ -53,7 +98,13 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
     with single_process_megatron():
         model, shape = load_gpt_model(load)
         state = model.state_dict()
-    megatron_state_to_hf(shape, state, output, dtype, os.path.join(load, ASSETS_DIR), max_shard_bytes)
+    extra = None
+    extra_file = os.path.join(load, EXTRA_WEIGHTS_FILE)
+    if shape.family == "diffusion_gemma" and os.path.isfile(extra_file):
+        from safetensors.torch import load_file
+
+        extra = load_file(extra_file)
+    megatron_state_to_hf(shape, state, output, dtype, os.path.join(load, ASSETS_DIR), max_shard_bytes, extra)
     return shape
 
 
@@ -81,24 +132,97 @@ class ARScorer:
         return self.bdlm.logits(tokens, self.bdlm.plan.local)[:, : self.seq_length]
 
 
-def score(load: str, tokens: np.ndarray, batch_size: int = 8) -> np.ndarray:
-    """float32 next-token logits [batch, seq, vocab] of the checkpoint for int token ids [batch, seq]."""
+class BlockDiffusionScorer:
+    """Logits [batch, L - P, vocab] of the noisy rows after a prompt of P tokens: the training
+    forward over [noisy ; clean] rows, where noisy block b sees the clean tokens before it and its
+    own block (bidirectionally). Prompt blocks get no noisy copy (as in DiffusionGemma SFT)."""
+
+    def __init__(self, model, seq_length: int, block_size: int, prompt_length: int = 0,
+                 clean_attention: str = "block_causal"):
+        from megatron_csbp.layout.layout import SequenceLayout
+        from megatron_csbp.layout.masks import BlockGeometry
+        from megatron_csbp.model.bdlm import BlockDiffusionModel
+        from megatron_csbp.objectives import BD3LMObjective
+
+        if block_size <= 0 or seq_length % block_size:
+            raise ValueError(f"--block-size {block_size} must divide the sequence length {seq_length}")
+        if not 0 <= prompt_length < seq_length or prompt_length % block_size:
+            raise ValueError(f"--prompt-length {prompt_length} must be a multiple of --block-size {block_size} "
+                             f"below the sequence length {seq_length} (noisy blocks start on block boundaries)")
+        self.seq_length, self.prompt_length = seq_length, prompt_length
+        layout = SequenceLayout(BlockGeometry(seq_length, block_size, clean_attention))
+        # Logits only: the objective's noise and loss are never used here.
+        self.bdlm = BlockDiffusionModel(model, BD3LMObjective(block_size, mask_token_id=0), layout)
+        self.plan = self.bdlm.canvas_plan(prompt_length // block_size)
+        rows = self.plan.local
+        self.noisy_positions = rows.position[~rows.is_clean]
+        assert int(self.noisy_positions.min()) == prompt_length and len(self.noisy_positions) == seq_length - prompt_length
+
+    def __call__(self, clean: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+        rows = self.plan.local
+        ids = torch.where(rows.is_clean[None], clean[:, rows.position], noisy[:, rows.position])
+        logits = self.bdlm.logits(ids, rows, plan=self.plan)
+        out = torch.empty_like(logits)
+        out[:, self.noisy_positions - self.prompt_length] = logits
+        return out
+
+
+def _check_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer array [batch, seq], got {ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name}: token ids must lie in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+
+
+def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Optional[np.ndarray] = None,
+          block_size: Optional[int] = None, prompt_length: int = 0,
+          clean_attention: Optional[str] = None) -> np.ndarray:
+    """float32 logits of the checkpoint for int token ids [batch, seq].
+
+    Without `noisy_tokens`: next-token logits [batch, seq, vocab] (the clean, token-causal stream).
+    With `noisy_tokens` ([batch, seq], or [batch, seq - P]) and `block_size`: the block-diffusion
+    logits of the noisy rows after the prompt, [batch, seq - P, vocab]. The clean stream is
+    token-causal for DiffusionGemma, `clean_attention` (default block_causal, the trainer's
+    default) otherwise."""
     tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"--tokens must be an integer array [batch, seq], got {tokens.dtype} {tokens.shape}")
     shape, _ = read_shape(load)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= shape.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {shape.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    _check_ids("--tokens", tokens, shape.vocab_size)
+    if noisy_tokens is not None:
+        noisy_tokens = np.asarray(noisy_tokens)
+        if block_size is None:
+            raise ValueError("--noisy-tokens needs --block-size")
+        _check_ids("--noisy-tokens", noisy_tokens, shape.vocab_size)
+        L, P = tokens.shape[1], prompt_length
+        if noisy_tokens.shape == (tokens.shape[0], L - P) and P:
+            noisy_tokens = np.concatenate([tokens[:, :P], noisy_tokens], axis=1)
+        if noisy_tokens.shape != tokens.shape:
+            raise ValueError(f"--noisy-tokens has shape {noisy_tokens.shape}; it must be {tokens.shape} (like --tokens) "
+                             f"or {(tokens.shape[0], L - P)} (the rows after --prompt-length)")
+        if shape.family == "diffusion_gemma":
+            if clean_attention not in (None, "token_causal"):
+                raise ValueError("DiffusionGemma's clean stream is token-causal: --clean-attention token_causal")
+            clean_attention = "token_causal"
+    elif block_size is not None or prompt_length:
+        raise ValueError("--block-size / --prompt-length score noisy rows: give --noisy-tokens too")
     out = []
     with single_process_megatron():
         model, shape = load_gpt_model(load, params_dtype=torch.float32)
         model.eval()
-        scorer = ARScorer(model, tokens.shape[1])
+        if noisy_tokens is None:
+            scorer = ARScorer(model, tokens.shape[1])
+        else:
+            scorer = BlockDiffusionScorer(model, tokens.shape[1], block_size, prompt_length,
+                                          clean_attention or "block_causal")
         with torch.no_grad():
             for start in range(0, tokens.shape[0], batch_size):
                 chunk = torch.from_numpy(tokens[start:start + batch_size].astype(np.int64))
-                out.append(scorer(chunk).float().numpy())
-    return np.concatenate(out, axis=0) if out else np.zeros((0, tokens.shape[1], shape.vocab_size), np.float32)
+                if noisy_tokens is None:
+                    out.append(scorer(chunk).float().numpy())
+                else:
+                    noisy = torch.from_numpy(noisy_tokens[start:start + batch_size].astype(np.int64))
+                    out.append(scorer(chunk, noisy).float().numpy())
+    rows = tokens.shape[1] - (prompt_length if noisy_tokens is not None else 0)
+    return np.concatenate(out, axis=0) if out else np.zeros((0, rows, shape.vocab_size), np.float32)
 
 
 def flags_text(shape: ModelShape) -> str:

@@ -25,11 +25,21 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype of the written weights (default: the checkpoint's)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
-    c = sub.add_parser("score", help="next-token logits of a Megatron checkpoint for token ids")
+    c = sub.add_parser("score", help="logits of a Megatron checkpoint for token ids: next-token logits, or "
+                                     "with --noisy-tokens the block-diffusion logits of the noisy rows")
     c.add_argument("--load", required=True)
-    c.add_argument("--tokens", required=True, help=".npy integer array [batch, seq]")
-    c.add_argument("--output", required=True, help=".npy float32 logits [batch, seq, vocab]")
+    c.add_argument("--tokens", required=True, help=".npy integer array [batch, seq] (the clean tokens)")
+    c.add_argument("--output", required=True,
+                   help=".npy float32 logits [batch, seq, vocab], with --noisy-tokens [batch, seq - P, vocab]")
     c.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    c.add_argument("--noisy-tokens", default=None,
+                   help=".npy integer array [batch, seq] (or [batch, seq - P]): the noised copy; noisy block b "
+                        "attends to the clean tokens before it and to itself, as in training")
+    c.add_argument("--block-size", type=int, default=None, help="block (canvas) size B; must divide seq")
+    c.add_argument("--prompt-length", type=int, default=0,
+                   help="P: the first P tokens are prompt, with no noisy copy (a multiple of --block-size)")
+    c.add_argument("--clean-attention", choices=("block_causal", "token_causal"), default=None,
+                   help="clean stream mask (default: token_causal for DiffusionGemma, block_causal otherwise)")
     d = sub.add_parser("flags", help="print the Megatron-LM flags that rebuild a checkpoint's model")
     d.add_argument("--load", required=True)
     return p
@@ -42,16 +52,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "hf-to-megatron":
             shape = api.hf_to_megatron_checkpoint(args.hf_path, args.output, args.dtype)
-            print(f"converted {shape.family} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
+            source = f" from {shape.diffusion_gemma['source']}" if shape.diffusion_gemma else ""
+            print(f"converted {shape.family}{source} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
                   f"vocab {shape.vocab_size}, {shape.params_dtype}) -> {args.output}")
-            print("Megatron flags that rebuild this model:")
-            print("    " + api.flags_text(shape))
+            if shape.family == "diffusion_gemma":
+                print("train it with: python -m megatron_csbp.train --load " + args.output)
+            else:
+                print("Megatron flags that rebuild this model:")
+                print("    " + api.flags_text(shape))
         elif args.command == "megatron-to-hf":
             shape = api.megatron_to_hf_checkpoint(args.load, args.output, args.dtype,
                                                   int(args.max_shard_size_gb * (1 << 30)))
             print(f"exported {shape.family} -> {args.output}")
         elif args.command == "score":
-            logits = api.score(args.load, np.load(args.tokens), args.batch_size)
+            noisy = None if args.noisy_tokens is None else np.load(args.noisy_tokens)
+            logits = api.score(args.load, np.load(args.tokens), args.batch_size, noisy, args.block_size,
+                               args.prompt_length, args.clean_attention)
             np.save(args.output, logits.astype(np.float32))
             print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
         elif args.command == "flags":

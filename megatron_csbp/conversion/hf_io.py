@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from safetensors import safe_open
@@ -97,9 +97,9 @@ def asset_files(path: str) -> List[str]:
     return out
 
 
-def copy_assets(src: str, dst: str) -> List[str]:
+def copy_assets(src: str, dst: str, exclude: Tuple[str, ...] = ()) -> List[str]:
     os.makedirs(dst, exist_ok=True)
-    copied = asset_files(src)
+    copied = [name for name in asset_files(src) if name not in exclude]
     for name in copied:
         shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
     return copied

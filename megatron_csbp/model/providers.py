@@ -80,6 +80,8 @@ class ModelShape:
     params_dtype: str = "bfloat16"
     #: the source Hugging Face config.json, kept so the export writes it back unchanged
     hf_config: Dict[str, Any] = field(default_factory=dict)
+    #: family "diffusion_gemma" only: its source and config options (see model/diffusiongemma/provider.py)
+    diffusion_gemma: Optional[Dict[str, Any]] = None
     format_version: int = SHAPE_FORMAT_VERSION
 
     # ---- files -------------------------------------------------------------------------------
@@ -155,13 +157,17 @@ def _refuse_if(condition: bool, what: str) -> None:
 
 def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
     """Translate a Hugging Face `config.json` dict; refuse what Megatron's layers cannot match."""
+    from megatron_csbp.model.diffusiongemma import provider as diffusion_gemma
+
+    if diffusion_gemma.is_source(cfg):
+        return diffusion_gemma.shape_from_hf_config(cfg, params_dtype)
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
     family = FAMILIES.get(model_type)
     if family is None:
         raise UnsupportedModelError(
             f"Hugging Face model_type {model_type!r} (architectures {archs}) is not supported; "
-            f"supported: {sorted(ARCHITECTURES)}"
+            f"supported: {sorted(ARCHITECTURES)} and DiffusionGemma / Gemma 4 text MoE"
         )
     for arch in archs:
         if arch not in ARCHITECTURES:
@@ -261,6 +267,10 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
     options (tensor_model_parallel_size, sequence_parallel, recompute, ...)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if shape.family == "diffusion_gemma":
+        from megatron_csbp.model.diffusiongemma import provider as diffusion_gemma
+
+        return diffusion_gemma.transformer_config(shape, params_dtype, **overrides)
     dtype = params_dtype or shape.torch_dtype
     kwargs = dict(
         num_layers=shape.num_layers,
@@ -346,6 +356,10 @@ def build_gpt_model(shape: ModelShape, config=None, block_diffusion: bool = True
     in `config_overrides` to draw them. Other overrides set parallelism and training options."""
     from megatron.core.models.gpt import GPTModel
 
+    if shape.family == "diffusion_gemma":
+        from megatron_csbp.model.diffusiongemma import provider as diffusion_gemma
+
+        return diffusion_gemma.build_model(shape, config, block_diffusion, **config_overrides)
     if config is None:
         config = transformer_config(shape, **config_overrides)
     rotary = rotary_kwargs(shape)
@@ -395,6 +409,11 @@ def mark_tensor_parallel_weights(model: torch.nn.Module, config) -> int:
 
 def megatron_flags(shape: ModelShape) -> List[str]:
     """Megatron-LM command-line flags that rebuild the same model (local spec)."""
+    if shape.family == "diffusion_gemma":
+        raise UnsupportedModelError(
+            "DiffusionGemma has no Megatron-LM flag set (heterogeneous layers, K=V full layers, sandwich norms): "
+            "build it with megatron_csbp.model.diffusiongemma.provider.build_model or train it with "
+            "python -m megatron_csbp.train --load CHECKPOINT")
     flags = [
         f"--num-layers {shape.num_layers}",
         f"--hidden-size {shape.hidden_size}",

@@ -1,0 +1,137 @@
+"""DiffusionGemma as a `ModelShape` family, so the converter, `convert score` and the trainer treat
+it like the Llama / Qwen families: `shape_from_hf_config` -> `megatron_csbp_model.json` ->
+`build_model`.
+
+The shape keeps the source Hugging Face config (`hf_config`): the `DiffusionGemmaConfig` is always
+re-derived from it with `config_from_hf`, so the JSON file cannot drift from what the weights
+need. Two sources are read:
+
+- `diffusion_gemma` checkpoints (`DiffusionGemmaForBlockDiffusion`): full layers always K=V;
+- Gemma 4 text MoE checkpoints (`gemma4` / `gemma4_text`) as AR starting points: K=V on full layers
+  only where `attention_k_eq_v` says so, the checkpoint's own logit soft-cap.
+
+`shape.diffusion_gemma` records which, and the `config_from_hf` options that follow from it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron_csbp.model.diffusiongemma.config import UnsupportedDiffusionGemmaConfig, config_from_hf, text_config_dict
+from megatron_csbp.model.providers import DTYPES, ModelShape, UnsupportedModelError
+
+FAMILY = "diffusion_gemma"
+#: Hugging Face model types read as DiffusionGemma
+SOURCE_TYPES = ("diffusion_gemma", "gemma4", "gemma4_text")
+#: DiffusionGemma's fixed final soft-cap (the HF model has no config field for it)
+DIFFUSION_GEMMA_SOFTCAP = 30.0
+
+
+def is_source(cfg: Dict[str, Any]) -> bool:
+    return cfg.get("model_type") in SOURCE_TYPES
+
+
+def _options(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    source = cfg.get("model_type")
+    if source == "diffusion_gemma":
+        return dict(source=source, k_eq_v_full=True, final_logit_softcapping=DIFFUSION_GEMMA_SOFTCAP)
+    text = text_config_dict(cfg)
+    if not text.get("enable_moe_block", False):
+        raise UnsupportedModelError("Gemma 4 checkpoint without the MoE block (enable_moe_block=False) is not "
+                                    "supported: DiffusionGemma layers are dense MLP + experts")
+    return dict(source=source, k_eq_v_full=bool(text.get("attention_k_eq_v", False)),
+                final_logit_softcapping=text.get("final_logit_softcapping"))
+
+
+def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
+    """The shape of a `diffusion_gemma` or Gemma 4 text MoE config; refuses what the Megatron model
+    cannot reproduce (the message names the option)."""
+    options = _options(cfg)
+    try:
+        config = megatron_config_from(cfg, options, torch.float32)
+    except UnsupportedDiffusionGemmaConfig as exc:
+        raise UnsupportedModelError(f"{cfg.get('model_type')}: {exc}") from exc
+    text = text_config_dict(cfg)
+    dtype = params_dtype or cfg.get("dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    if dtype not in DTYPES:
+        raise UnsupportedModelError(f"dtype {dtype!r} is not supported (one of {sorted(DTYPES)})")
+    return ModelShape(
+        family=FAMILY,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        kv_channels=config.sliding_kv_channels,
+        vocab_size=int(text["vocab_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
+        norm_epsilon=config.layernorm_epsilon,
+        rotary_base=config.rotary_base,
+        qk_layernorm=True,
+        tie_word_embeddings=True,
+        num_experts=config.num_moe_experts,
+        moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+        params_dtype=dtype,
+        hf_config=dict(cfg),
+        diffusion_gemma=options,
+    )
+
+
+def megatron_config_from(hf_config: Dict[str, Any], options: Dict[str, Any], params_dtype: torch.dtype,
+                         **overrides):
+    return config_from_hf(hf_config, params_dtype=params_dtype, k_eq_v_full=options["k_eq_v_full"],
+                          final_logit_softcapping=options["final_logit_softcapping"], **overrides)
+
+
+def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
+    """The `DiffusionGemmaConfig` of `shape`; `overrides` set parallelism and training options.
+    Weights are not drawn unless `perform_initialization=True` (they are about to be loaded)."""
+    dtype = params_dtype or shape.torch_dtype
+    overrides.setdefault("perform_initialization", False)
+    overrides.setdefault("pipeline_dtype", dtype)
+    return megatron_config_from(shape.hf_config, shape.diffusion_gemma, dtype, **overrides)
+
+
+def build_model(shape: ModelShape, config=None, block_diffusion: bool = True, **config_overrides):
+    """A `DiffusionGemmaModel` of `shape` under the current parallel state (exact vocabulary)."""
+    from megatron_csbp.model.diffusiongemma.model import diffusion_gemma_model
+    from megatron_csbp.model.providers import mark_tensor_parallel_weights
+
+    if config is None:
+        config = transformer_config(shape, **config_overrides)
+    model = diffusion_gemma_model(config, shape.vocab_size, shape.max_position_embeddings,
+                                  block_diffusion=block_diffusion)
+    if not config.perform_initialization:
+        mark_tensor_parallel_weights(model, config)
+    return model
+
+
+def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
+    """The `diffusion_gemma` config.json of the model: the source's own, or for a Gemma 4 start one
+    built with transformers' `DiffusionGemmaConfig` from the Gemma 4 text config."""
+    cfg = shape.hf_config
+    if shape.diffusion_gemma["source"] == "diffusion_gemma":
+        return dict(cfg)
+    opts = shape.diffusion_gemma
+    if not opts["k_eq_v_full"]:
+        raise UnsupportedModelError(
+            "this model started from a Gemma 4 checkpoint with attention_k_eq_v=False: its full layers have a "
+            "v_proj, which Hugging Face diffusion_gemma (always K=V) cannot hold")
+    if opts["final_logit_softcapping"] != DIFFUSION_GEMMA_SOFTCAP:
+        raise UnsupportedModelError(
+            f"final_logit_softcapping {opts['final_logit_softcapping']}: Hugging Face diffusion_gemma fixes it at "
+            f"{DIFFUSION_GEMMA_SOFTCAP}")
+    try:
+        from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig
+    except ImportError as exc:  # pragma: no cover - transformers is in the CPU requirements
+        raise UnsupportedModelError("exporting a Gemma 4 start as diffusion_gemma needs transformers >= 5.24") from exc
+    text = text_config_dict(cfg)
+    keys = set(DiffusionGemmaTextConfig().to_dict())
+    text = {k: v for k, v in text.items() if k in keys and k not in ("model_type", "architectures")}
+    text["per_layer_config"] = {str(k): v for k, v in text["per_layer_config"].items()}
+    vision = cfg.get("vision_config") if isinstance(cfg.get("vision_config"), dict) else None
+    out = DiffusionGemmaConfig(text_config=text, vision_config=vision).to_dict()
+    out["architectures"] = ["DiffusionGemmaForBlockDiffusion"]
+    return out
