@@ -6,12 +6,19 @@ block on this rank (block-diagonal, never moves) and clean keys; clean keys are 
 on sliding-window layers only the rows inside the windows move, by one all-to-all).
 Full exchange (CP baseline): K/V of all local rows are exchanged and every query attends every
 chunk under the same predicate.
+
+K/V sources: a layer whose K and V are both functions of one per-row tensor (DiffusionGemma's K=V
+layers: V = v_norm(raw k), K = rope(k_norm(raw k))) may pass a `KVSource`. The clean exchange then
+moves that tensor alone (half the bytes of K and V when it has K's width) and each receiver
+derives K and V of the rows it got at their layout positions; its own rows keep the K and V it
+was given. The CP baseline keeps moving K and V: it stands for Megatron's CP, which has no such
+notion.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +27,20 @@ from megatron_csbp.attention.kernels import merge_partials
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather, pack_kv, ring_chunks, unpack_kv
 from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """K and V of a layer's rows as a function of one per-row tensor.
+
+    `raw` [sq, b, G', d'] holds this rank's rows in the order of k and v. `derive(raw_rows,
+    positions)` returns (k, v) [n, b, G, d] of rows given their `raw` rows and layout positions
+    (int64 [n], on raw's device), differentiably, and equal to the k and v the owner of those
+    rows computes. It must not depend on anything but its arguments and the layer's weights:
+    activation recompute replays it."""
+
+    raw: torch.Tensor
+    derive: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -70,6 +91,13 @@ class AttentionPlan:
                 self._cache[cache_key] = (m[:, cols].to(device), cols.to(device))
         return self._cache[cache_key]
 
+    def positions(self, key: Tuple, rows: RowMeta, device) -> torch.Tensor:
+        """`rows.position` on `device`, cached under `key` (static, as the masks are)."""
+        cache_key = ("positions",) + key + (str(device),)
+        if cache_key not in self._cache:
+            self._cache[cache_key] = rows.position.to(device)
+        return self._cache[cache_key]
+
     @cached_property
     def noisy_rows_are_whole_blocks(self) -> bool:
         """Local noisy rows are complete blocks in order (BP, CSBP, single): the noisy part is
@@ -82,18 +110,29 @@ class AttentionPlan:
         return bool((starts % B == torch.arange(B)).all() and (starts // B == starts[:, :1] // B).all())
 
 
-def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0):
-    """q [sq, b, H, d], k/v [sq, b, G, d] for this rank's local rows; returns [sq, b, H, d]."""
+def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0,
+                              kv_source: Optional[KVSource] = None):
+    """q [sq, b, H, d], k/v [sq, b, G, d] for this rank's local rows; returns [sq, b, H, d].
+
+    `kv_source`: optional `KVSource` of the same rows; the clean exchange (CSBP) then moves its
+    raw rows instead of K and V. Ignored by the other exchanges."""
+    if kv_source is not None and kv_source.raw.shape[:2] != k.shape[:2]:
+        raise ValueError(f"K/V source has rows {tuple(kv_source.raw.shape[:2])}, k has {tuple(k.shape[:2])}")
+    if plan.exchange != "clean":
+        kv_source = None
     if plan.physical_order is not None:
         to_local = torch.argsort(plan.physical_order).to(q.device)
+        if kv_source is not None:
+            kv_source = replace(kv_source, raw=kv_source.raw[to_local])
         out = _block_diffusion_attention(q[to_local], k[to_local], v[to_local], plan, softmax_scale=softmax_scale,
-                                         kernel=kernel, window=window, layer=layer)
+                                         kernel=kernel, window=window, layer=layer, kv_source=kv_source)
         return out[plan.physical_order.to(q.device)]
     return _block_diffusion_attention(q, k, v, plan, softmax_scale=softmax_scale, kernel=kernel, window=window,
-                                      layer=layer)
+                                      layer=layer, kv_source=kv_source)
 
 
-def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0):
+def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0,
+                               kv_source: Optional[KVSource] = None):
     geometry = plan.geometry.with_window(window) if window != plan.geometry.window else plan.geometry
     device = q.device
     local = plan.local
@@ -133,14 +172,25 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
 
     n = plan.num_noisy
     noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
+    # What the clean exchange moves: this rank's clean K and V, or their source rows alone.
+    outgoing = None
+    if plan.exchange == "clean":
+        outgoing = pack_kv(k[n:], v[n:]) if kv_source is None else kv_source.raw[n:]
+
+    def arrived(tag, rows: RowMeta, received: torch.Tensor):
+        """K and V of rows received from other ring members."""
+        if kv_source is None:
+            return unpack_kv(received)
+        return kv_source.derive(received, plan.positions(tag, rows, device))
+
     pending = windowed = None
     if plan.exchange == "clean" and geometry.window is not None:
         # Sliding-window layer: only the clean rows inside the windows move (one all-to-all).
         windowed = plan.window_exchange(geometry)
-        pending = PendingAllToAll(pack_kv(k[n:], v[n:]), windowed.send_index, windowed.recv_counts, plan.group, layer)
+        pending = PendingAllToAll(outgoing, windowed.send_index, windowed.recv_counts, plan.group, layer)
     elif plan.exchange == "clean" and plan.transport == "allgather":
         # Start moving clean K/V now; the block-diagonal noisy attention below overlaps it.
-        pending = PendingGather(pack_kv(k[n:], v[n:]), plan.group, layer)
+        pending = PendingGather(outgoing, plan.group, layer)
 
     if not n:
         noisy_part = None
@@ -153,15 +203,31 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     if plan.exchange == "none":
         clean_parts.append(partial(("clean",), local, clean_rows, q, k[n:], v[n:]))
     elif windowed is not None:
-        rk, rv = unpack_kv(pending.result())
-        keys = RowMeta.cat([clean_rows] + windowed.recv_rows)
+        recv_rows = RowMeta.cat(windowed.recv_rows)
+        # Derived even when nothing arrived: the empty result keeps the all-to-all's backward
+        # (which this rank's sent rows need) in the graph.
+        rk, rv = arrived(("window", geometry.window), recv_rows, pending.result())
+        keys = RowMeta.cat([clean_rows, recv_rows])
         clean_parts.append(partial(("window",), local, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
     elif plan.transport == "allgather":
-        gk, gv = unpack_kv(pending.result())
+        if kv_source is None:
+            gk, gv = unpack_kv(pending.result())
+        else:
+            # The own shard in the gathered rows is replaced by this rank's K and V.
+            me, sizes = plan.ring_index, [len(p) for p in plan.peers]
+            start, stop = sum(sizes[:me]), sum(sizes[: me + 1])
+            gathered = pending.result()
+            others = torch.cat([gathered[:start], gathered[stop:]])
+            ok, ov = arrived(("gathered",), RowMeta.cat(plan.peers[:me] + plan.peers[me + 1 :]), others)
+            gk = torch.cat([ok[:start], k[n:], ok[start:]])
+            gv = torch.cat([ov[:start], v[n:], ov[start:]])
         clean_parts.append(partial(("clean",), local, RowMeta.cat(plan.peers), q, gk, gv))
     else:
-        for src, chunk in ring_chunks(pack_kv(k[n:], v[n:]), plan.group, layer):
-            ck, cv = unpack_kv(chunk)
+        for src, chunk in ring_chunks(outgoing, plan.group, layer):
+            if kv_source is not None and src == plan.ring_index:
+                ck, cv = k[n:], v[n:]
+            else:
+                ck, cv = arrived(("ring", src), plan.peers[src], chunk)
             clean_parts.append(partial(("ring", src), local, plan.peers[src], q, ck, cv))
     clean_parts = [p for p in clean_parts if p is not None]
     if not clean_parts:

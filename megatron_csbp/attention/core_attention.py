@@ -5,6 +5,12 @@ model passes, as `attention_mask`, a one-element tensor holding the id of this r
 `AttentionPlan` (see `plan_mask`). A tensor travels through every Megatron path, including
 full-layer activation recompute, which saves, detaches and replays the layer's inputs: the
 recompute then finds the same plan and replays the same collectives.
+
+A K/V source (see `block_attention.KVSource`) reaches the core attention the same way, on a
+tensor of the call: the attention module attaches it to the `value` it returns (`with_kv_source`).
+It lives and dies with that one call's value tensor, so nothing carries over between calls, and a
+recompute replays whatever the replayed attention attaches. Inputs that Megatron detaches before
+calling core attention (selective core-attention recompute) carry none: those calls move K and V.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_csbp.attention.block_attention import AttentionPlan, block_diffusion_attention
+from megatron_csbp.attention.block_attention import AttentionPlan, KVSource, block_diffusion_attention
 from megatron_csbp.attention.kernels import get_kernel
 
 # Plans are found by an id stored in the mask tensor's value: the value survives everything
@@ -37,6 +43,22 @@ def plan_mask(plan: AttentionPlan) -> torch.Tensor:
         handle.block_diffusion_plan = plan  # keeps the plan alive as long as the mask is
         plan._mask_handle = handle
     return handle
+
+
+_KV_SOURCE = "block_diffusion_kv_source"
+
+
+def with_kv_source(value: torch.Tensor, source: KVSource) -> torch.Tensor:
+    """`value` carrying the K/V source of its rows to `BlockDiffusionAttention` (returns it)."""
+    if source.raw.shape[:2] != value.shape[:2]:
+        raise ValueError(f"K/V source rows {tuple(source.raw.shape[:2])} do not match value {tuple(value.shape[:2])}")
+    setattr(value, _KV_SOURCE, source)
+    return value
+
+
+def kv_source_of(value) -> Optional[KVSource]:
+    """The K/V source attached to `value` by `with_kv_source`, or None."""
+    return getattr(value, _KV_SOURCE, None)
 
 
 def plan_from_mask(attention_mask) -> AttentionPlan:
@@ -127,6 +149,7 @@ class BlockDiffusionAttention(MegatronModule):
         out = block_diffusion_attention(
             query, key, value, plan,
             softmax_scale=self.softmax_scale, kernel=kernel, window=self.window, layer=self.layer_number,
+            kv_source=kv_source_of(value),
         )
         sq, b, H, d = out.shape
         return out.reshape(sq, b, H * d)

@@ -5,7 +5,9 @@
 - ring: P-1 point-to-point shifts; each step's chunk is attended as it arrives; backward sends the
   gradients the opposite way around the ring.
 
-K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective.
+K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective; layers whose
+K and V derive from one tensor (K=V layers) send that tensor alone, half the bytes (see
+`block_attention.KVSource`).
 """
 from __future__ import annotations
 
@@ -69,9 +71,10 @@ class _FinishGather(torch.autograd.Function):
 
 
 def _ring_exchange(tensor: torch.Tensor, send_to: int, recv_from: int, group) -> torch.Tensor:
+    tensor = tensor.contiguous()  # a view (e.g. raw k out of the fused projection) or its gradient
     received = torch.empty_like(tensor)
     ops = [
-        dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, send_to), group),
+        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group),
         dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group),
     ]
     for req in dist.batch_isend_irecv(ops):

@@ -7,18 +7,38 @@
 
 q/k norms, softmax scale 1.0 (config), GQA, TP (including fewer KV groups than TP ranks) and the
 core attention slot are Megatron's: the block-aware core attention is swapped in through the spec.
+
+On K=V layers the value handed to core attention carries a `KVSource` (raw k and `derive_kv`):
+the block-aware core attention's clean exchange (CSBP) then moves raw k only, half of K and V, and
+each receiver computes K = rope(k_norm(raw)) and V = v_norm(raw) of the rows it got, at their
+layout positions, with the same modules and the same Megatron rotary function as the owner.
+`exchange_kv_source = False` on a module moves K and V instead (same results; for comparisons).
+Selective core-attention recompute detaches q, k, v, so there the source is not attached.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_csbp.attention.block_attention import KVSource
+from megatron_csbp.attention.core_attention import with_kv_source
 from megatron_csbp.model.diffusiongemma.norms import WeightlessRMSNorm
-from megatron_csbp.model.diffusiongemma.rotary import select_table
+from megatron_csbp.model.diffusiongemma.rotary import layer_rotary_angles, select_table
+
+try:  # the rotary scale Megatron's attention applies (1 unless YaRN)
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config as _rotary_mscale,
+    )
+except ImportError:  # pragma: no cover - other megatron-core versions
+    def _rotary_mscale(config):
+        return 1.0
 
 
 class DiffusionGemmaSelfAttention(SelfAttention):
@@ -47,6 +67,11 @@ class DiffusionGemmaSelfAttention(SelfAttention):
                 tp_group=self.pg_collection.tp,
             )
         self.v_layernorm = WeightlessRMSNorm(config, self.hidden_size_per_attention_head, eps=config.layernorm_epsilon)
+        #: K=V layers hand core attention raw k as the K/V source (CSBP moves it instead of K and V)
+        self.exchange_kv_source = self.k_eq_v
+        # Within one forward call only: whether this call rotates keys (None outside a call).
+        self._call_rotates_keys = None
+        self._inv_freq = {}  # this layer kind's rotary inverse frequencies per device (static)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False,
                                     split_qkv: bool = True):
@@ -74,7 +99,24 @@ class DiffusionGemmaSelfAttention(SelfAttention):
         query = self.q_layernorm(query)
         key = self.k_layernorm(key)
         value = self.v_layernorm(raw_value)
+        if self.k_eq_v and self.exchange_kv_source and self._call_rotates_keys is not None:
+            with_kv_source(value, KVSource(raw_value, functools.partial(self.derive_kv, rotate=self._call_rotates_keys)))
         return query, key, value
+
+    def derive_kv(self, raw: torch.Tensor, positions: torch.Tensor, rotate: bool = True):
+        """(K, V) of K=V rows from raw k [n, b, G, d] at layout `positions` [n]: the same norms and
+        the same Megatron rotary function as `forward`, the angles of this layer kind's table at
+        those positions (`layer_rotary_angles`, equal to the model's table rows)."""
+        key = self.k_layernorm(raw)
+        value = self.v_layernorm(raw)
+        if rotate:
+            device = raw.device
+            if device not in self._inv_freq:
+                self._inv_freq[device] = self.config.rope_inv_freq(self.layer_kind).to(device)
+            angles = layer_rotary_angles(self._inv_freq[device], positions.to(device))
+            key = apply_rotary_pos_emb(key, angles, config=self.config, mscale=_rotary_mscale(self.config),
+                                       cp_group=self.pg_collection.cp)
+        return key, value
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, *args, **kwargs):
@@ -82,5 +124,15 @@ class DiffusionGemmaSelfAttention(SelfAttention):
             if isinstance(rotary_pos_emb, tuple):
                 raise ValueError("DiffusionGemma attention expects the combined rotary tensor, not a (q, k) tuple")
             rotary_pos_emb = select_table(rotary_pos_emb, self.layer_kind, self.rotary_half_dims)
-        return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
-                               rotary_pos_emb, *args, **kwargs)
+        no_rope = bool(self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1])
+        # The K/V source is offered only where this call's keys are plain training/eval keys: not
+        # under an inference context (KV caches, flash decode) nor selective core-attention
+        # recompute (Megatron detaches q, k, v there, the source would not follow).
+        inference = inference_context is not None or kwargs.get("inference_params") is not None
+        offer = not inference and not (getattr(self, "checkpoint_core_attention", False) and self.training)
+        self._call_rotates_keys = (rotary_pos_emb is not None and not no_rope) if offer else None
+        try:
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                   rotary_pos_emb, *args, **kwargs)
+        finally:
+            self._call_rotates_keys = None

@@ -11,6 +11,9 @@ embedding then works unchanged: `get_freqs_non_repeated`, the CP slicing in `for
 returns cat(F, F) = [Fs | Ff | Fs | Ff]. Each attention layer takes its own table out of that
 tensor with `select_table` (a slice, no copy of positions). One tensor flows through the
 transformer block, so activation recompute and CP need nothing special.
+
+`layer_rotary_angles` gives one kind's angles at any positions (rows received from other ranks,
+whose K a K=V layer derives from raw k): the same values as the model's table rows.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ class GemmaRotaryTables(RotaryEmbedding):
         self.half_dims = (sliding.numel(), full.numel())
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.inv_freq = torch.cat([sliding, full]).to(device)
+        # `layer_rotary_angles` relies on the table being outer(position, inv_freq).
+        assert self.seq_len_interpolation_factor is None
 
 
 def select_table(emb: torch.Tensor, kind: str, half_dims) -> torch.Tensor:
@@ -43,3 +48,13 @@ def select_table(emb: torch.Tensor, kind: str, half_dims) -> torch.Tensor:
     if kind == FULL:
         return torch.cat([emb[..., hs : hs + hf], emb[..., 2 * hs + hf :]], dim=-1)
     raise ValueError(kind)
+
+
+def layer_rotary_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[n, 1, 1, d] rotary angles of one layer kind (its `rope_inv_freq`) at `positions` [n].
+
+    Bitwise what `select_table(LayoutRotaryEmbedding(GemmaRotaryTables)(...), kind)` holds for rows
+    at those positions: Megatron's table is outer(arange, inv_freq) (one fp32 product per entry,
+    no interpolation factor here) indexed by position, and the combined tensor is cat(F, F)."""
+    freqs = torch.outer(positions.to(inv_freq.dtype), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
