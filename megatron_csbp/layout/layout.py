@@ -103,13 +103,19 @@ class SequenceLayout:
             raise ValueError(f"canvas start block {s} x --block-size {g.block_size} must divide by 2 x {P} "
                              "context-parallel ranks (zigzag over the canvas and clean rows; use canvas_layout)")
 
-    def canvas_layout(self, first_block: int, clean_loss: Optional[bool] = None) -> "SequenceLayout":
+    def canvas_layout(self, first_block: int, clean_loss: Optional[bool] = None,
+                      balanced: bool = False) -> "SequenceLayout":
         """This layout with noisy rows only from block `first_block` on, the start moved down to
-        the nearest block this layout can place (see the module docstring)."""
+        the nearest block this layout can place (see the module docstring). `balanced`: under
+        BP/CSBP also down to where every block-parallel rank owns the same number of canvas blocks
+        (the extra blocks carry no loss); MoE token exchange needs equal row counts."""
         g, n = self.geometry, self.geometry.num_blocks
         s = min(max(int(first_block), 0), n)
         if self.kind in ("bp", "csbp"):
             s = min(s, n - self.bp_size)
+            unit = 2 * self.bp_size if self.schedule == "mirrored" else self.bp_size
+            while balanced and s > 0 and (n - s) % unit:
+                s -= 1
         elif self.kind == "cp":
             while (s * g.block_size) % (2 * self.group_size):
                 s -= 1

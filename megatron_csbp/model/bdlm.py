@@ -91,7 +91,7 @@ class BlockDiffusionModel(torch.nn.Module):
     def canvas_plan(self, first_block: int) -> AttentionPlan:
         """This rank's plan when noisy rows start at block `first_block` (moved down where the
         layout needs it, see `SequenceLayout.canvas_layout`); built once per start."""
-        layout = self.layout.canvas_layout(first_block)
+        layout = self.layout.canvas_layout(first_block, balanced=self._expert_parallel())
         s = layout.canvas_start
         if s not in self._canvas_plans:
             plan = plan_for_layout(layout, self.seq_rank, self.ring_group, self.transport)
@@ -131,6 +131,15 @@ class BlockDiffusionModel(torch.nn.Module):
         t = torch.tensor([-first_block, int(any_sc)], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return int(-t[0]), bool(t[1])
+
+    @staticmethod
+    def _expert_parallel() -> bool:
+        """MoE tokens cross ranks (EP or expert TP > 1): every rank must hold as many rows as its
+        expert peers, so canvases are balanced over the block-parallel ranks."""
+        if not mpu.model_parallel_is_initialized():
+            return False
+        group = mpu.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+        return group is not None and dist.get_world_size(group) > 1
 
     @staticmethod
     def _sequence_parallel_shards(config) -> int:
