@@ -126,7 +126,7 @@ def _model_args_from_megatron(args):
         seq_length=args.seq_length, vocab_size=args.padded_vocab_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=_true_cp(args), block_parallel_size=args.block_parallel_size,
         block_size=args.block_size, objective=args.objective, mask_token_id=args.mask_token_id,
-        clean_attention=args.clean_attention, noise_eps_min=args.noise_eps_min, noise_eps_max=args.noise_eps_max,
+        clean_attention=args.clean_attention or "block_causal", noise_eps_min=args.noise_eps_min, noise_eps_max=args.noise_eps_max,
         loss_weighting=args.loss_weighting, attention_transport=args.attention_transport,
         block_ownership=args.block_ownership, seed=args.seed, attention_kernel=args.attention_kernel)
 
@@ -165,6 +165,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base)
     margs = _model_args_from_megatron(args)
+    if margs.objective == "diffusiongemma-sft":
+        raise ValueError("--objective diffusiongemma-sft runs in python -m megatron_csbp.train (DiffusionGemma is "
+                         "built from a converted checkpoint, not from Megatron-LM flags)")
     if margs.mask_token_id is None and margs.objective == "bd3lm":
         raise ValueError("--objective bd3lm needs --mask-token-id with Megatron-LM tokenizers")
     bdlm = BlockDiffusionModel(gpt, build_objective(margs), build_layout(margs), bps.get_block_parallel_rank(),

@@ -16,8 +16,9 @@ mask 0 (it stays clean: the model sees where the answer stopped).
 from __future__ import annotations
 
 import gzip
+import os
 import json
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -69,8 +70,24 @@ def prompt_ids(prompt: str, tokenizer) -> List[int]:
         tokenizer.tokenize(_HEADERS["assistant"])
 
 
+def align_response(ids: List[int], mask: List[int], multiple: int, pad_id: int) -> Tuple[List[int], List[int]]:
+    """Left-pad with `pad_id` (loss mask 0) so that the first supervised token sits on a multiple of
+    `multiple`: DiffusionGemma's SFT canvases start at the response (Hugging Face: s_b = prompt
+    length + b * B), and the plugin's blocks sit at multiples of B."""
+    first = mask.index(1) if 1 in mask else 0
+    pad = (-first) % multiple
+    return [pad_id] * pad + ids, [0] * pad + mask
+
+
 class SFTDataset(torch.utils.data.Dataset):
-    def __init__(self, path: str, tokenizer, seq_length: int):
+    """`align_response_to=B` left-pads each sample (with `pad_id`, default the tokenizer's pad or
+    EOD) so its response starts on a block boundary (`--objective diffusiongemma-sft`)."""
+
+    def __init__(self, path: str, tokenizer, seq_length: int, align_response_to: Optional[int] = None,
+                 pad_id: Optional[int] = None):
+        if pad_id is None:
+            pad_id = getattr(tokenizer, "pad", None)
+            pad_id = tokenizer.eod if pad_id is None or pad_id < 0 else pad_id
         opener = gzip.open if path.endswith(".gz") else open
         self.samples = []
         with opener(path, "rt", encoding="utf-8") as f:
@@ -82,6 +99,8 @@ class SFTDataset(torch.utils.data.Dataset):
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"--sft-data-path {path}:{n} is not JSON ({exc})") from None
                 ids, mask = render(record, tokenizer, f"--sft-data-path {path}:{n}")
+                if align_response_to:
+                    ids, mask = align_response(ids, mask, align_response_to, pad_id)
                 ids, mask = ids[:seq_length], mask[:seq_length]
                 pad = seq_length - len(ids)
                 ids += [tokenizer.eod] * pad
@@ -99,3 +118,54 @@ class SFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx):
         tokens, mask = self.samples[int(idx) % len(self.samples)]
         return {"tokens": tokens.clone(), "loss_mask": mask.clone()}
+
+
+# ---- a small real SFT set from the shipped corpus -----------------------------------------------
+
+SFT_ASSET = "pydoc_sft.jsonl"
+
+
+def pydoc_sft_records(max_response_chars: int = 400) -> List[Dict[str, str]]:
+    """Prompt/response pairs from the shipped Python-reference corpus: "What is <section title>?"
+    answered by the section's first prose paragraph (cut at the last sentence end that fits)."""
+    from megatron_csbp.data.corpus import load_records
+
+    out = []
+    for rec in load_records():
+        paras = [p.strip() for p in rec["text"].split("\n\n") if p.strip()]
+        if len(paras) < 2 or "\n" in paras[0]:
+            continue
+        title, answer = paras[0], next((p for p in paras[1:] if "::=" not in p and len(p) > 40), None)
+        if answer is None:
+            continue
+        if len(answer) > max_response_chars:
+            cut = answer[:max_response_chars]
+            end = cut.rfind(". ")
+            answer = cut[: end + 1] if end > 40 else cut
+        out.append({"prompt": f"Explain this part of the Python language reference: {title}", "response": answer})
+    return out
+
+
+def default_sft_path() -> str:
+    from megatron_csbp.data.corpus import ASSET_DIR
+
+    return os.path.join(ASSET_DIR, SFT_ASSET)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`python -m megatron_csbp.data.sft [--output FILE]`: (re)build the shipped SFT set."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.data.sft", description=main.__doc__)
+    p.add_argument("--output", default=default_sft_path())
+    args = p.parse_args(argv)
+    records = pydoc_sft_records()
+    with open(args.output, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(records)} prompt/response pairs -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,12 +51,19 @@ class SentencePieceTokenizer:
                 "`python -m megatron_csbp.data.tokenizer build`"
             )
         self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
-        self._mask = self._special_id(mask_token, "mask token")
-        self._eod = self._special_id(eod_token, "end-of-document token")
+        # Other models' sentencepiece files (e.g. Gemma's `<eos>`, no `<mask>`) work too: EOD falls
+        # back to the model's own EOS id; a missing default `<mask>` leaves mask_token_id None, which
+        # only the absorbing-mask objectives refuse (by flag). A mask piece asked for by name must exist.
+        self._mask = self._special_id(mask_token, "mask token", required=mask_token != MASK)
+        self._eod = self._special_id(eod_token, "end-of-document token", fallback=int(self.sp.eos_id()))
 
-    def _special_id(self, piece: str, what: str) -> int:
+    def _special_id(self, piece: str, what: str, required: bool = True, fallback: int = -1) -> Optional[int]:
         i = self.sp.piece_to_id(piece)
         if i == self.sp.unk_id() and piece != self.sp.id_to_piece(self.sp.unk_id()):
+            if fallback >= 0:
+                return fallback
+            if not required:
+                return None
             raise ValueError(f"tokenizer {self.model_path} has no {what} piece {piece!r}")
         return int(i)
 

@@ -20,15 +20,22 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="ranks sharing one sample by noisy blocks (BP); CSBP when --context-parallel-size > 1 "
                         "too. Must be a multiple of --context-parallel-size.")
     g.add_argument("--block-size", type=int, default=16, help="block diffusion block size; must divide --seq-length")
-    g.add_argument("--objective", choices=("bd3lm", "ar", "fast-dllm-v2"), default="bd3lm",
+    g.add_argument("--objective", choices=("bd3lm", "ar", "fast-dllm-v2", "diffusiongemma-sft"), default="bd3lm",
                    help="fast-dllm-v2: AR -> BDLM adaptation (complementary masks, token shift), for a converted "
-                        "--load checkpoint")
+                        "--load checkpoint; diffusiongemma-sft: DiffusionGemma's native SFT (uniform noise, canvas "
+                        "of response blocks, AR loss on the clean stream, self-conditioning) for a converted "
+                        "DiffusionGemma / Gemma 4 --load checkpoint and --sft-data-path")
+    g.add_argument("--encoder-loss-weight", type=float, default=1.0,
+                   help="diffusiongemma-sft: weight of the AR next-token loss on the clean stream")
+    g.add_argument("--self-conditioning-prob", type=float, default=0.5,
+                   help="diffusiongemma-sft: probability that a sample gets the self-conditioning pass")
     g.add_argument("--mask-token-id", type=int, default=None,
                    help="absorbing mask token (default: the tokenizer's <mask>)")
     g.add_argument("--mask-token", type=str, default=None,
                    help="mask token as a string of the converted checkpoint's tokenizer (--load DIR/hf_assets/"
                         "tokenizer.json), e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id")
-    g.add_argument("--clean-attention", choices=CLEAN_ATTENTION_VARIANTS, default="block_causal")
+    g.add_argument("--clean-attention", choices=CLEAN_ATTENTION_VARIANTS, default=None,
+                   help="clean stream mask (default: token_causal for DiffusionGemma models, block_causal otherwise)")
     g.add_argument("--noise-eps-min", type=float, default=1e-3)
     g.add_argument("--noise-eps-max", type=float, default=1.0)
     g.add_argument("--loss-weighting", choices=("inverse_t", "unit"), default="inverse_t")
@@ -178,9 +185,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
-    if args.expert_model_parallel_size != 1:
-        raise ValueError("--expert-model-parallel-size > 1 needs an MoE model, which python -m megatron_csbp.train "
-                         "does not build (use the Megatron-LM hooks)")
+    check_experts_and_objective(args)
     # Data and tokenizer.
     sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path)]
     if sum(sources) == 0:
@@ -212,7 +217,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.
     from megatron_csbp.data.megatron_data import build_tokenizer
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    if args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size:
+    if (args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size
+            and args.model_shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
     args.vocab_size = tok.vocab_size
     args.eod_token_id = tok.eod
@@ -270,15 +276,54 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
     args.kv_channels = shape.kv_channels
-    if shape.is_moe:
-        raise ValueError(f"--load {args.load} holds an MoE model ({shape.num_experts} experts): "
-                         "python -m megatron_csbp.train trains dense converted models only (use the Megatron-LM hooks)")
+    if shape.is_moe and shape.family != "diffusion_gemma":
+        raise ValueError(f"--load {args.load} holds a {shape.family} MoE model ({shape.num_experts} experts): "
+                         "python -m megatron_csbp.train trains dense converted models and DiffusionGemma only "
+                         "(train other MoE models through the Megatron-LM hooks)")
     tp = args.tensor_model_parallel_size
     if shape.vocab_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the checkpoint's vocabulary "
                          f"{shape.vocab_size} (converted models are not padded)")
     if args.tokenizer_type is None and not args.tokenizer_model:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
+
+
+def check_experts_and_objective(args) -> None:
+    """Expert parallelism needs an MoE model; DiffusionGemma's SFT needs DiffusionGemma, SFT data and
+    its token-causal clean stream. Fills the --clean-attention default."""
+    shape = args.model_shape
+    is_dg = shape is not None and shape.family == "diffusion_gemma"
+    ep = args.expert_model_parallel_size
+    if ep != 1:
+        if not (shape is not None and shape.is_moe):
+            raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --load a converted DiffusionGemma "
+                             "/ Gemma 4 MoE checkpoint (the flag-built GPT is dense)")
+        if shape.num_experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts")
+        if args.block_parallel_size > 1 and args.context_parallel_size == 1:
+            # BP ranks hold different numbers of rows (each recomputes the clean prefix it needs);
+            # Megatron's allgather token dispatcher needs equal token counts across expert ranks.
+            raise ValueError(f"--expert-model-parallel-size {ep} with --block-parallel-size "
+                             f"{args.block_parallel_size} and --context-parallel-size 1 (plain BP) is not supported: "
+                             "BP ranks hold different row counts, which the MoE token dispatcher cannot exchange; "
+                             "use CSBP (--context-parallel-size > 1) or CP")
+    if args.clean_attention is None:
+        args.clean_attention = "token_causal" if is_dg else "block_causal"
+    if is_dg and args.clean_attention != "token_causal":
+        raise ValueError(f"--clean-attention {args.clean_attention}: DiffusionGemma's clean stream is token_causal")
+    if args.objective == "diffusiongemma-sft":
+        if not is_dg:
+            raise ValueError("--objective diffusiongemma-sft trains a DiffusionGemma: --load a checkpoint converted "
+                             "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
+        if not args.sft_data_path:
+            raise ValueError("--objective diffusiongemma-sft needs --sft-data-path (prompt/response data with loss masks)")
+        if args.sequence_parallel:
+            raise ValueError("--objective diffusiongemma-sft with --sequence-parallel is not supported yet (the AR "
+                             "loss needs clean-row logits, which the sequence-parallel output path does not select)")
+        if not 0.0 <= args.self_conditioning_prob <= 1.0:
+            raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {args.self_conditioning_prob}")
+        if args.encoder_loss_weight < 0:
+            raise ValueError(f"--encoder-loss-weight must be >= 0, got {args.encoder_loss_weight}")
 
 
 def check_vocab(args, vocab_size: int) -> None:

@@ -67,13 +67,15 @@ def attention_pairs(seq_length: int, block_size: int, clean_attention: str, obje
 
 
 def flops_per_sample(args) -> float:
-    """Forward + backward FLOPs of one sample, counting the logical (not replicated) work."""
+    """Forward + backward FLOPs of one sample, counting the logical (not replicated) work. A dense
+    estimate: MoE models (DiffusionGemma) count their dense MLP only; diffusiongemma-sft counts a
+    canvas over the whole sequence (an upper bound: prompt blocks have no canvas)."""
     L, h, ffn, layers = args.seq_length, args.hidden_size, args.ffn_hidden_size, args.num_layers
     heads, groups = args.num_attention_heads, args.num_query_groups
     d = getattr(args, "kv_channels", None) or h // heads
     # fast-dllm-v2 doubles the batch (two complementary views), each view 2L rows
     views = 2 if args.objective == "fast-dllm-v2" else 1
-    rows = views * 2 * L if args.objective in ("bd3lm", "fast-dllm-v2") else L
+    rows = views * 2 * L if args.objective in ("bd3lm", "fast-dllm-v2", "diffusiongemma-sft") else L
     per_row = 2 * h * (heads * d + 2 * groups * d) + 2 * heads * d * h
     per_row += (6 if args.swiglu else 4) * h * ffn
     linear = rows * per_row * layers
@@ -155,7 +157,8 @@ def build_datasets(args):
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     if args.sft_data_path:
         from megatron_csbp.data.sft import SFTDataset
-        ds = SFTDataset(args.sft_data_path, tok, args.seq_length)
+        align = args.block_size if args.objective == "diffusiongemma-sft" else None
+        ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align)
         return ds, ds
     G = args.global_batch_size
     n_eval = (args.train_iters // args.eval_interval + 1) * args.eval_iters * G if args.eval_interval else \

@@ -74,6 +74,9 @@ class ModelArgs:
     init_method_std: float = 0.02
     rotary_base: int = 10000
     attention_kernel: str = "auto"
+    expert_model_parallel_size: int = 1
+    encoder_loss_weight: float = 1.0
+    self_conditioning_prob: float = 0.5
     #: a converted checkpoint's ModelShape (None: the model is built from the flags above)
     model_shape: Optional[Any] = None
 
@@ -130,7 +133,14 @@ def build_objective(a):
         from megatron_csbp.objectives.fast_dllm_v2 import FastDLLMv2Objective
         return FastDLLMv2Objective(a.block_size, a.mask_token_id, seed=a.seed, eps_min=a.noise_eps_min,
                                    eps_max=a.noise_eps_max)
-    raise ValueError(f"--objective must be one of ('bd3lm', 'ar', 'fast-dllm-v2'), got {a.objective!r}")
+    if a.objective == "diffusiongemma-sft":
+        from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
+        return DiffusionGemmaSFTObjective(a.block_size, a.vocab_size, seed=a.seed,
+                                          encoder_loss_weight=a.encoder_loss_weight,
+                                          self_conditioning_prob=a.self_conditioning_prob,
+                                          eps_min=a.noise_eps_min, eps_max=a.noise_eps_max)
+    raise ValueError(f"--objective must be one of ('bd3lm', 'ar', 'fast-dllm-v2', 'diffusiongemma-sft'), "
+                     f"got {a.objective!r}")
 
 
 def build_converted_gpt(a, finalize_model_grads_func=None):
@@ -147,6 +157,7 @@ def build_converted_gpt(a, finalize_model_grads_func=None):
         shape, params_dtype=dtype,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=max(a.context_parallel_size, a.block_parallel_size),
+        expert_model_parallel_size=a.expert_model_parallel_size,
         sequence_parallel=a.sequence_parallel,
         calculate_per_token_loss=True,
         pipeline_dtype=dtype,
@@ -227,7 +238,10 @@ def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
         gpt = gpt.to(device)
     seq_rank = bps.get_block_parallel_rank() if bps.is_initialized() else 0
     ring = bps.get_clean_ring_group() if bps.is_initialized() else None
-    bdlm = BlockDiffusionModel(gpt, objective, layout, seq_rank, ring, a.attention_transport)
+    cls = BlockDiffusionModel
+    if a.objective == "diffusiongemma-sft":
+        from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel as cls
+    bdlm = cls(gpt, objective, layout, seq_rank=seq_rank, ring_group=ring, transport=a.attention_transport)
     return TrainableBDLM(config, bdlm)
 
 

@@ -33,12 +33,16 @@ def tiny_hf_config(**text_kwargs):
     return cfg
 
 
-def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, **text_kwargs):
+def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, redraw: bool = True, **text_kwargs):
+    """`redraw=False` keeps transformers' own initialisation (a model to train rather than to test
+    wiring with)."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
     cfg = tiny_hf_config(**text_kwargs)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    if not redraw:
+        return model.to(dtype)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,3 +65,27 @@ def tiny_megatron_config(vocab_size: Optional[int] = None, sliding_window: int =
               moe_ffn_hidden_size=12)
     kw.update(overrides)
     return make_config(**kw)
+
+
+def main(argv=None) -> int:
+    """`python -m megatron_csbp.model.diffusiongemma.tiny --output DIR`: write a tiny random-weight
+    Hugging Face `diffusion_gemma` folder (sliding and full layers, 4 experts), e.g. for the CPU
+    DiffusionGemma SFT recipe: convert it with `python -m megatron_csbp.convert hf-to-megatron`."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.model.diffusiongemma.tiny", description=main.__doc__)
+    p.add_argument("--output", required=True)
+    p.add_argument("--vocab-size", type=int, default=1024, help="default: the shipped tokenizer's 1024 pieces")
+    p.add_argument("--sliding-window", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    # transformers' initialisation (std 0.02): a model to train
+    model = tiny_hf_model(seed=args.seed, vocab_size=args.vocab_size, sliding_window=args.sliding_window, redraw=False)
+    model.save_pretrained(args.output)
+    print(f"wrote a tiny diffusion_gemma ({sum(p.numel() for p in model.parameters())} parameters, vocabulary "
+          f"{args.vocab_size}, layers {list(TINY_LAYER_TYPES)}) -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
