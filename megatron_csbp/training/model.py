@@ -167,6 +167,9 @@ def build_converted_gpt(a, finalize_model_grads_func=None):
     )
     if finalize_model_grads_func is not None:
         config.finalize_model_grads_func = finalize_model_grads_func
+    # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
+    # --sequence-parallel (the weights themselves are loaded next).
+    tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
     return config, providers.build_gpt_model(shape, config=config)
 
 
