@@ -45,6 +45,7 @@ LAYOUTS = {
     "CP 2": ("--context-parallel-size 2", 2),
     "BP 2": ("--block-parallel-size 2", 2),
     "DP 2, EP 2": ("--expert-model-parallel-size 2", 2),
+    "TP 2 + SP": ("--tensor-model-parallel-size 2 --sequence-parallel", 2),
 }
 
 
@@ -64,7 +65,6 @@ def test_diffusiongemma_sft_loss_is_the_same_under_every_layout(converted):
     ("--block-parallel-size 2 --expert-model-parallel-size 2", 2, "(plain BP) is not supported"),
     ("--expert-model-parallel-size 3 --global-batch-size 6", 3, "must divide the 4 experts"),
     ("--clean-attention block_causal", 1, "clean stream is token_causal"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel", 2, "with --sequence-parallel is not supported"),
 ])
 def test_diffusiongemma_refusals_name_the_rule(converted, flags, world, needle, capsys):
     from megatron_csbp.training.arguments import parse_args

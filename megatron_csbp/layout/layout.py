@@ -104,11 +104,23 @@ class SequenceLayout:
                              "context-parallel ranks (zigzag over the canvas and clean rows; use canvas_layout)")
 
     def canvas_layout(self, first_block: int, clean_loss: Optional[bool] = None,
-                      balanced: bool = False) -> "SequenceLayout":
+                      balanced: bool = False, row_multiple: int = 1) -> "SequenceLayout":
         """This layout with noisy rows only from block `first_block` on, the start moved down to
         the nearest block this layout can place (see the module docstring). `balanced`: under
         BP/CSBP also down to where every block-parallel rank owns the same number of canvas blocks
-        (the extra blocks carry no loss); MoE token exchange needs equal row counts."""
+        (the extra blocks carry no loss); MoE token exchange needs equal row counts.
+        `row_multiple`: also down to where every rank's noisy and clean row counts divide by it
+        (sequence parallelism feeds each rank's rows as TP shards of [noisy chunk | clean chunk])."""
+        clean_loss = self.clean_loss if clean_loss is None else clean_loss
+        s = self._placeable_start(first_block, balanced)
+        layout = replace(self, canvas_start=s, clean_loss=clean_loss)
+        while row_multiple > 1 and s > 0 and not layout.rows_divide_by(row_multiple):
+            s = self._placeable_start(s - 1, balanced)
+            layout = replace(self, canvas_start=s, clean_loss=clean_loss)
+        return layout
+
+    def _placeable_start(self, first_block: int, balanced: bool) -> int:
+        """The largest canvas start <= first_block this layout can place (never increases)."""
         g, n = self.geometry, self.geometry.num_blocks
         s = min(max(int(first_block), 0), n)
         if self.kind in ("bp", "csbp"):
@@ -119,7 +131,16 @@ class SequenceLayout:
         elif self.kind == "cp":
             while (s * g.block_size) % (2 * self.group_size):
                 s -= 1
-        return replace(self, canvas_start=s, clean_loss=self.clean_loss if clean_loss is None else clean_loss)
+        return s
+
+    def rows_divide_by(self, multiple: int) -> bool:
+        """Every rank's noisy and clean row counts divide by `multiple`."""
+        for rank in range(self.group_size):
+            rows = self.rows(rank)
+            noisy = int((~rows.is_clean).sum())
+            if noisy % multiple or (len(rows) - noisy) % multiple:
+                return False
+        return True
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

@@ -11,7 +11,9 @@ Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses
   plans are cached per canvas start);
 - `clean_targets` / `clean_weights` (objective flag `needs_clean_logits`): a loss on clean rows;
   each clean row is counted by one rank of the sequence group (`SequenceLayout.clean_loss_positions`)
-  and only the counted rows that carry a target in the micro-batch reach the output layer;
+  and only the counted rows that carry a target in the micro-batch reach the output layer (under
+  sequence parallelism: each TP shard keeps its noisy chunk and its chosen clean rows, padded to
+  one count for the all-gather; see `sequence_parallel_logit_rows`);
 - `self_conditioning` ([b] bool): when any sample draws it, a no-grad first pass gives the noisy
   rows' logits, fed to the second pass as `self_conditioning_logits` (+ the per-sample mask).
 The canvas start and whether the first pass runs follow from the samples alone, so every rank of
@@ -71,12 +73,15 @@ class BlockDiffusionModel(torch.nn.Module):
             self.plan, self.replication = autoregressive_plan(layout, seq_rank, ring_group, transport)
         self._num_logit_rows: Optional[int] = None
         self._logit_rows: Optional[torch.Tensor] = None
+        self._logit_order: Optional[torch.Tensor] = None  # gathered output rows -> requested order
         self._sp_shards = self._sequence_parallel_shards(gpt.config)
         if self._sp_shards > 1:
             self.plan.physical_order = shard_major_order(self.plan.local, self._sp_shards)
         self._canvas_plans: Dict[int, AttentionPlan] = {layout.canvas_start: self.plan}
+        self._canvas_starts: Dict[int, int] = {}  # first response block -> canvas start
         self._counted_clean: Dict[int, torch.Tensor] = {}
         gpt.output_layer.register_forward_pre_hook(self._keep_noisy_rows)
+        gpt.output_layer.register_forward_hook(self._order_logit_rows)
 
     def _keep_noisy_rows(self, module, args):
         if self._logit_rows is not None:
@@ -87,13 +92,27 @@ class BlockDiffusionModel(torch.nn.Module):
             return None
         return (hidden,) + tuple(args[1:])
 
+    def _order_logit_rows(self, module, args, output):
+        """Sequence parallelism with `logit_rows`: the all-gathered rows [shard 0's k | shard 1's k
+        | ...] -> the requested order, padding dropped."""
+        if self._logit_order is None:
+            return None
+        logits, bias = output
+        return logits.index_select(0, self._logit_order.to(logits.device)), bias
+
     # ---- canvas plans ----------------------------------------------------------------------------
     def canvas_plan(self, first_block: int) -> AttentionPlan:
         """This rank's plan when noisy rows start at block `first_block` (moved down where the
         layout needs it, see `SequenceLayout.canvas_layout`); built once per start."""
-        layout = self.layout.canvas_layout(first_block, balanced=self._expert_parallel())
-        s = layout.canvas_start
+        first_block = int(first_block)
+        if first_block in self._canvas_starts:
+            s = self._canvas_starts[first_block]
+        else:
+            layout = self.layout.canvas_layout(first_block, balanced=self._expert_parallel(),
+                                               row_multiple=self._sp_shards)
+            s = self._canvas_starts[first_block] = layout.canvas_start
         if s not in self._canvas_plans:
+            layout = self.layout.canvas_layout(s)
             plan = plan_for_layout(layout, self.seq_rank, self.ring_group, self.transport)
             if self._sp_shards > 1:
                 plan.physical_order = shard_major_order(plan.local, self._sp_shards)
@@ -152,27 +171,30 @@ class BlockDiffusionModel(torch.nn.Module):
         With sequence parallelism the rows are fed shard-major ([noisy | clean] per TP shard) so
         that every TP rank drops its clean rows alike before the output layer; the gathered logits
         come back in local noisy-row order. `plan` defaults to the model's (canvas start 0);
-        `logit_rows` (local row indices) picks the rows that reach the output layer instead."""
+        `logit_rows` (local row indices: every noisy row in order, then chosen clean rows) picks
+        the rows that reach the output layer instead, and the logits come back in that order."""
         plan = self.plan if plan is None else plan
         num_noisy = int((~rows.is_clean).sum())
         positions = rows.position.to(input_ids.device)
+        keep, gathered_order = logit_rows, None
         if plan.physical_order is not None:
             if logit_rows is not None:
-                raise ValueError("logits of clean rows (e.g. --objective diffusiongemma-sft's AR term) are not "
-                                 "supported with --sequence-parallel yet")
+                per_shard, gathered_order = sequence_parallel_logit_rows(
+                    num_noisy, len(rows) - num_noisy, logit_rows, self._sp_shards)
+                keep = per_shard[mpu.get_tensor_model_parallel_rank()]
             order = plan.physical_order.to(input_ids.device)
             input_ids, positions = input_ids[:, order], positions[order]
         if self.gpt.position_embedding_type == "rope":
             self.gpt.rotary_pos_emb.positions = positions
         # Logits for the noisy rows only; with no noisy stream (AR) for every row.
         self._num_logit_rows = num_noisy // self._sp_shards if num_noisy else None
-        self._logit_rows = logit_rows
+        self._logit_rows, self._logit_order = keep, gathered_order
         try:
             return self.gpt(input_ids, positions[None].expand_as(input_ids), attention_mask=plan_mask(plan),
                             **model_kwargs)
         finally:
             self._num_logit_rows = None
-            self._logit_rows = None
+            self._logit_rows = self._logit_order = None
 
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 sample_index: Optional[torch.Tensor] = None,
@@ -295,3 +317,41 @@ def shard_major_order(rows: RowMeta, shards: int) -> torch.Tensor:
         parts.append(torch.arange(i * n // shards, (i + 1) * n // shards))
         parts.append(n + torch.arange(i * c // shards, (i + 1) * c // shards))
     return torch.cat(parts)
+
+
+def sequence_parallel_logit_rows(num_noisy: int, num_clean: int, logit_rows: torch.Tensor, shards: int):
+    """The rows each TP shard keeps before the output layer when the rows are fed shard-major
+    (`shard_major_order`) and `logit_rows` = [every noisy row in local order ; chosen clean rows]
+    (local indices) must reach it. Returns (keep, order):
+
+    - keep[i]: indices into shard i's rows: its noisy chunk, then the chosen clean rows of its
+      clean chunk (in the given order), then padding (the shard's first row) up to k = the largest
+      count over shards, at least 1, so that the sequence-parallel all-gather sees equal sizes;
+    - order: indices into the gathered [shards * k] rows giving the logits in `logit_rows` order
+      (padding dropped).
+
+    Static metadata of (row counts, chosen rows): every TP rank computes the same, no collective."""
+    n, c = int(num_noisy), int(num_clean)
+    if n % shards or c % shards:
+        raise ValueError(f"{n} noisy and {c} clean rows do not divide by {shards} sequence-parallel shards")
+    nc, cc = n // shards, c // shards
+    rows = logit_rows.detach().to("cpu", torch.long)
+    if len(rows) < n or not torch.equal(rows[:n], torch.arange(n)):
+        raise ValueError("under sequence parallelism logit_rows must start with every noisy row in local order")
+    clean = rows[n:] - n
+    if len(clean) and (int(clean.min()) < 0 or int(clean.max()) >= c):
+        raise ValueError(f"logit_rows name clean rows outside [0, {c})")
+    if len(torch.unique(clean)) != len(clean):
+        raise ValueError("logit_rows name a clean row twice")
+    shard_of = torch.div(clean, cc, rounding_mode="floor") if cc else clean
+    counts = torch.bincount(shard_of, minlength=shards) if len(clean) else torch.zeros(shards, dtype=torch.long)
+    k = max(nc + int(counts.max()), 1)
+    keep, clean_slot = [], torch.empty(len(clean), dtype=torch.long)
+    for i in range(shards):
+        mine = torch.nonzero(shard_of == i).flatten()
+        pad = torch.zeros(k - nc - len(mine), dtype=torch.long)
+        keep.append(torch.cat([torch.arange(nc), nc + clean[mine] - i * cc, pad]))
+        clean_slot[mine] = i * k + nc + torch.arange(len(mine))
+    noisy = torch.arange(n)
+    noisy_slot = (noisy // nc) * k + noisy % nc if nc else noisy
+    return keep, torch.cat([noisy_slot, clean_slot])

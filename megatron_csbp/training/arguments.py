@@ -317,9 +317,6 @@ def check_experts_and_objective(args) -> None:
                              "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
         if not args.sft_data_path:
             raise ValueError("--objective diffusiongemma-sft needs --sft-data-path (prompt/response data with loss masks)")
-        if args.sequence_parallel:
-            raise ValueError("--objective diffusiongemma-sft with --sequence-parallel is not supported yet (the AR "
-                             "loss needs clean-row logits, which the sequence-parallel output path does not select)")
         if not 0.0 <= args.self_conditioning_prob <= 1.0:
             raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {args.self_conditioning_prob}")
         if args.encoder_loss_weight < 0:
