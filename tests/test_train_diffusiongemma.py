@@ -65,6 +65,7 @@ def test_diffusiongemma_sft_loss_is_the_same_under_every_layout(converted):
     ("--block-parallel-size 2 --expert-model-parallel-size 2", 2, "(plain BP) is not supported"),
     ("--expert-model-parallel-size 3 --global-batch-size 6", 3, "must divide the 4 experts"),
     ("--clean-attention block_causal", 1, "clean stream is token_causal"),
+    ("--tensor-model-parallel-size 2", 2, "on an MoE model needs --sequence-parallel"),
 ])
 def test_diffusiongemma_refusals_name_the_rule(converted, flags, world, needle, capsys):
     from megatron_csbp.training.arguments import parse_args

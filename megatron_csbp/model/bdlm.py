@@ -153,11 +153,12 @@ class BlockDiffusionModel(torch.nn.Module):
 
     @staticmethod
     def _expert_parallel() -> bool:
-        """MoE tokens cross ranks (EP or expert TP > 1): every rank must hold as many rows as its
-        expert peers, so canvases are balanced over the block-parallel ranks."""
+        """MoE tokens cross to expert-parallel peers, which may sit at other places of the layout:
+        every rank must then hold as many rows as its peers, so canvases are balanced over the
+        block-parallel ranks. (Expert-TP peers are TP ranks: they hold the same rows already.)"""
         if not mpu.model_parallel_is_initialized():
             return False
-        group = mpu.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+        group = mpu.get_expert_model_parallel_group(check_initialized=False)
         return group is not None and dist.get_world_size(group) > 1
 
     @staticmethod

@@ -294,6 +294,9 @@ def check_experts_and_objective(args) -> None:
     shape = args.model_shape
     is_dg = shape is not None and shape.family == "diffusion_gemma"
     ep = args.expert_model_parallel_size
+    if shape is not None and shape.is_moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} on an MoE model needs "
+                         "--sequence-parallel (Megatron's rule for MoE layers under tensor parallelism)")
     if ep != 1:
         if not (shape is not None and shape.is_moe):
             raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --load a converted DiffusionGemma "
