@@ -158,3 +158,24 @@ def test_paper_diffusiongemma_recipe_validates_against_the_26b_shape(tmp_path):
     assert (args.expert_model_parallel_size, args.context_parallel_size, args.block_parallel_size,
             args.data_parallel_size) == (2, 8, 8, 2)
     assert args.num_layers == 30 and args.clean_attention == "token_causal" and args.vocab_size == 262144
+
+
+def test_trained_checkpoint_exports_to_hugging_face_with_its_vision_tower(converted, tmp_path):
+    """A checkpoint the trainer saved under CSBP + EP exports as a diffusion_gemma folder: trained text
+    weights, the source's vision tower carried through, loadable by transformers."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from megatron_csbp.conversion import api, hf_io
+
+    save, out = str(tmp_path / "save"), str(tmp_path / "hf")
+    run_distributed(train_rank, 2, sft_argv(converted, "--context-parallel-size", "2", "--block-parallel-size", "2",
+                                            "--expert-model-parallel-size", "2", "--train-iters", "1", "--save", save))
+    api.megatron_to_hf_checkpoint(save, out)
+    src = hf_io.read_tensors(os.path.join(os.path.dirname(converted), "hf"))
+    got = hf_io.read_tensors(out)
+    assert sorted(src) == sorted(got)
+    vision = [k for k in src if "vision" in k]
+    assert vision and all(torch.equal(src[k], got[k]) for k in vision)
+    assert not torch.equal(src["model.decoder.embed_tokens.weight"], got["model.decoder.embed_tokens.weight"])
+    DiffusionGemmaForBlockDiffusion.from_pretrained(out)

@@ -17,7 +17,8 @@ from megatron_csbp.model.providers import DTYPES, ModelShape, build_gpt_model, m
 
 
 #: Hugging Face tensors of a diffusion_gemma checkpoint with no Megatron counterpart (the vision
-#: tower), kept beside the Megatron checkpoint so that the export writes them back.
+#: tower), kept in the checkpoint's `hf_assets/` (which the trainer copies into every checkpoint it
+#: saves) so that the export writes them back.
 EXTRA_WEIGHTS_FILE = "hf_extra_weights.safetensors"
 
 
@@ -53,7 +54,7 @@ def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = 
     if extra:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in extra.items()}, os.path.join(output, EXTRA_WEIGHTS_FILE))
+        save_file({k: v.contiguous() for k, v in extra.items()}, os.path.join(output, ASSETS_DIR, EXTRA_WEIGHTS_FILE))
     return shape
 
 
@@ -99,7 +100,7 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
         model, shape = load_gpt_model(load)
         state = model.state_dict()
     extra = None
-    extra_file = os.path.join(load, EXTRA_WEIGHTS_FILE)
+    extra_file = os.path.join(load, ASSETS_DIR, EXTRA_WEIGHTS_FILE)
     if shape.family == "diffusion_gemma" and os.path.isfile(extra_file):
         from safetensors.torch import load_file
 
