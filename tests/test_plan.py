@@ -64,6 +64,16 @@ def test_traffic_equals_formulas(recompute, factor):
     assert bp.peak_memory_gib > cs.peak_memory_gib  # BP replicates the clean prefix
 
 
+def test_kv_shared_layers_halve_csbp_traffic_only():
+    """K=V layers (V derived from the k projection): CSBP moves the raw k alone, CP still K and V."""
+    hw, wl, P = PRESETS["h100"], Workload(4096, 32), 4
+    shared = ModelConfig("t", 128, 512, (LayerShape(4, 2, 32, None, True, 256),) * 3, gated_mlp=False)
+    cp, cs = (estimate(m, Layout(1, P, bp, 1, 1, "none"), wl, hw, 8) for m, bp in ((shared, 1), (shared, P)))
+    plain_cp, plain_cs = (estimate(_tiny(layers=3), Layout(1, P, bp, 1, 1, "none"), wl, hw, 8) for bp in (1, P))
+    assert cp.attn_bytes_per_gpu == plain_cp.attn_bytes_per_gpu
+    assert cs.attn_bytes_per_gpu * 2 == plain_cs.attn_bytes_per_gpu
+
+
 def test_nemotron_14b_traffic_matches_paper():
     m = load_preset("nemotron-diffusion-14b")
     wl, hw = Workload(262144, 256), PRESETS["h200"]

@@ -8,7 +8,7 @@ tokens, on the slowest rank of the sequence group:
 - attention: pairs of the real mask on this rank (exact count from the layout) * 4 * heads/TP * d
   flops forward, x3.5 forward + backward, +1 with recompute;
 - attention traffic: the bytes the transports send (CP: all rows' K/V, 4*L*G*d*s*(P-1)/P per layer
-  forward; CSBP: clean K/V only, half; sliding layers: the window plan's rows; BP: none), forward
+  forward; CSBP: clean K/V only, half (raw k only on K=V layers); sliding layers: the window plan's rows; BP: none), forward
   and backward (and the recompute forward); all-gather transport: overlapped with the noisy
   block-diagonal attention (CSBP) in forward only; ring: overlapped with the attention of that pass;
 - TP (sequence parallel) all-gathers / reduce-scatters, MoE all-to-all, exposed DP gradient
@@ -179,6 +179,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             t["attention"] += attn_total
             # attention traffic (bytes sent by this rank in one pass)
             kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+            if lay.kind == "csbp" and layer.kv_shared:
+                kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
             if lay.kind == "cp":
                 per_pass = rows * kv_row * (S - 1)
                 n_coll = 1 if lay.transport == "allgather" else S - 1
