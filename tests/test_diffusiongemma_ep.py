@@ -91,14 +91,9 @@ def _ep_rank(rank, world_size, state_path, dispatcher):
 @pytest.fixture(scope="module")
 def reference(megatron_single_rank):
     gpt, model = _model(_config())
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # random weights everywhere, norms and scales near 1, distinct layer scalars
-        for name, p in gpt.named_parameters():
-            near_one = "layernorm" in name or name.endswith("scale") or "norm.weight" in name
-            p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if near_one else 0.15 * torch.randn(p.shape, generator=g))
-        for name, b in gpt.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    from megatron_csbp.model.diffusiongemma.tiny import redraw_weights
+
+    redraw_weights(gpt, seed=0)  # random everywhere, norms and scales near 1, distinct layer scalars
     model.train()
     tokens, loss_mask, index = _batch()
     nb = model.objective.noise(tokens, loss_mask, index)

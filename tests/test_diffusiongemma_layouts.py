@@ -29,18 +29,11 @@ def _gpt():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
-    from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
+    from megatron_csbp.model.diffusiongemma.tiny import redraw_weights, tiny_megatron_config
 
     model_parallel_cuda_manual_seed(5)
     gpt = diffusion_gemma_model(tiny_megatron_config(sliding_window=3), V, 64)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # random everywhere, norms and scales near 1, distinct layer scalars
-        for name, p in gpt.named_parameters():
-            near_one = "layernorm" in name or name.endswith("scale") or "norm.weight" in name
-            p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if near_one else 0.15 * torch.randn(p.shape, generator=g))
-        for name, b in gpt.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    redraw_weights(gpt, seed=0)  # random everywhere, norms and scales near 1, distinct layer scalars
     return gpt.train()
 
 

@@ -98,14 +98,9 @@ def reference(megatron_single_rank):
     from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
 
     gpt = diffusion_gemma_model(_config(), V, 64)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in gpt.named_parameters():
-            near_one = "layernorm" in name or name.endswith("scale") or "norm.weight" in name
-            p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if near_one else 0.15 * torch.randn(p.shape, generator=g))
-        for name, b in gpt.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    from megatron_csbp.model.diffusiongemma.tiny import redraw_weights
+
+    redraw_weights(gpt, seed=0)  # random everywhere, norms and scales near 1, distinct layer scalars
     gpt.train()
     logits = _forward(gpt)
     grads = {k: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for k, p in gpt.named_parameters()}

@@ -41,9 +41,16 @@ def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, redraw: boo
     cfg = tiny_hf_config(**text_kwargs)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
-    if not redraw:
-        return model.to(dtype)
-    g = torch.Generator().manual_seed(seed + 1)
+    if redraw:
+        redraw_weights(model, seed + 1)
+    return model.to(dtype)
+
+
+def redraw_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draw every weight of a Hugging Face or Megatron DiffusionGemma for wiring tests: norm
+    weights and scales around 1, everything else N(0, 0.15^2), `layer_scalar` buffers in [0.5, 1.5)
+    (so that the two streams' copies differ), from one generator in parameter order."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("scale"):
@@ -53,7 +60,7 @@ def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, redraw: boo
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
-    return model.to(dtype)
+    return model
 
 
 def tiny_megatron_config(vocab_size: Optional[int] = None, sliding_window: int = 6,
