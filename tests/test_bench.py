@@ -118,3 +118,93 @@ def test_report_rerenders_from_json(quick_result, tmp_path):
     assert main(["--from-json", files["json"], "--output-dir", str(tmp_path), "--no-plots"]) == 0
     again = (tmp_path / "cpu_quick.md").read_text().split("## Plots")[0].rstrip()
     assert again == open(files["markdown"]).read().split("## Plots")[0].rstrip()
+
+
+# --- `--model diffusiongemma-hybrid`: 5 sliding : 1 full layers vs the same weights all full ---
+
+def test_diffusiongemma_flags():
+    from megatron_csbp.bench.cases import DiffusionGemmaBenchModel, dg_cases_for
+
+    cfg = config_from_args(parse_args(["--model", "diffusiongemma-hybrid", "--quick", "--sliding-window", "5"]))
+    assert isinstance(cfg.model, DiffusionGemmaBenchModel) and cfg.model.sliding_window == 5
+    assert cfg.model.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert [c.name for c in dg_cases_for(2)] == ["cp-hybrid", "csbp-hybrid", "cp-full", "csbp-full"]
+    assert [c.baseline_name() for c in dg_cases_for(2)] == ["cp-hybrid", "cp-hybrid", "cp-full", "cp-full"]
+    # the GPT default is untouched
+    assert config_from_args(parse_args([])) == config_from_args(parse_args(["--model", "gpt"]))
+    with pytest.raises(ValueError, match="--layouts"):
+        config_from_args(parse_args(["--model", "diffusiongemma-hybrid", "--layouts", "bp"]))
+    with pytest.raises(ValueError, match="--sliding-window"):
+        config_from_args(parse_args(["--sliding-window", "3"]))
+
+
+@pytest.fixture(scope="module")
+def dg_quick_result(tmp_path_factory):
+    from megatron_csbp.bench.cases import dg_quick_config
+    from megatron_csbp.bench.report import save
+    from megatron_csbp.bench.runner import run
+
+    out = tmp_path_factory.mktemp("bench_dg")
+    result = run(dg_quick_config(), log=lambda *a: None)
+    command = "python -m megatron_csbp.bench --model diffusiongemma-hybrid --quick"
+    return result, save(result, str(out), "diffusiongemma_quick", command)
+
+
+def test_diffusiongemma_quick_cases_and_losses(dg_quick_result):
+    rows = dg_quick_result[0]["rows"]
+    assert sorted(r["case"] for r in rows) == sorted(
+        ["single-hybrid", "single-full", "cp-hybrid", "csbp-hybrid", "cp-full", "csbp-full"])
+    single = {r["attention"]: r["loss_step0"] for r in rows if r["kind"] == "single"}
+    assert single["hybrid"] != pytest.approx(single["full"], rel=1e-3)  # the windows do change the model
+    for r in rows:
+        assert r["loss_step0"] == pytest.approx(single[r["attention"]], rel=1e-5), r["case"]
+        assert len(r["step_times_s"]) == 2 and r["median_step_s"] > 0
+        assert all(p > s > 0 for p, s in zip(r["peak_tensor_bytes_per_rank"], r["static_tensor_bytes_per_rank"]))
+
+
+def test_diffusiongemma_quick_bytes(dg_quick_result):
+    rows = {r["case"]: r for r in dg_quick_result[0]["rows"]}
+    for name, r in rows.items():
+        assert r["attn_bytes_received"] == r["attn_bytes_sent"], name
+        for per_layer in r["attn_bytes_sent_per_layer_per_rank"]:
+            for layer, want in r["formula_bytes_per_layer"].items():
+                if want is not None:  # exact wherever there is a formula: all but windowed CSBP layers
+                    assert per_layer.get(layer, 0) == want, (name, layer)
+    # CP: K and V of every row on every layer, windows or not
+    assert rows["cp-hybrid"]["attn_bytes_sent_per_rank"] == rows["cp-full"]["attn_bytes_sent_per_rank"]
+    assert rows["cp-full"]["attn_bytes_sent"] == rows["cp-full"]["formula_bytes_sent"]
+    assert rows["csbp-full"]["attn_bytes_sent"] == rows["csbp-full"]["formula_bytes_sent"]
+    # the K=V full layer (6): CSBP moves raw k of half the rows, a quarter of CP's K+V, with or without windows
+    for rank in range(2):
+        cp6 = rows["cp-hybrid"]["attn_bytes_sent_per_layer_per_rank"][rank]["6"]
+        for name in ("csbp-hybrid", "csbp-full"):
+            assert 4 * rows[name]["attn_bytes_sent_per_layer_per_rank"][rank]["6"] == cp6
+    hybrid, full = rows["csbp-hybrid"]["traffic_vs_cp"], rows["csbp-full"]["traffic_vs_cp"]
+    assert full / hybrid >= 10, (hybrid, full)
+    assert all(r["bp"] == 1 or r["traffic_vs_cp"] < 0.5 for r in rows.values() if r["P"] > 1)
+
+
+def test_diffusiongemma_quick_report(dg_quick_result, tmp_path):
+    _, files = dg_quick_result
+    for key in ("markdown", "json", "traffic vs sequence length", "time vs sequence length", "peak memory per rank"):
+        assert os.path.getsize(files[key]) > 0, key
+    md = open(files["markdown"]).read()
+    assert "--model diffusiongemma-hybrid --quick" in md and "## Headline: CSBP / CP" in md
+    data = json.load(open(files["json"]))
+    (head,) = data["headline"]
+    assert head["P"] == 2 and head["seq_length"] == 128 and head["bytes_ratio_of_ratios"] >= 10
+    assert main(["--from-json", files["json"], "--output-dir", str(tmp_path), "--no-plots"]) == 0
+    again = (tmp_path / "diffusiongemma_quick.md").read_text().split("## Plots")[0].rstrip()
+    assert again == md.split("## Plots")[0].rstrip()
+
+
+def test_saved_diffusiongemma_report():
+    """The committed `--model diffusiongemma-hybrid` run: >= 10x ratio of ratios at every L."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "diffusiongemma.json")
+    if not os.path.exists(path):
+        pytest.skip("docs/benchmarks/diffusiongemma.json not generated")
+    data = json.load(open(path))
+    assert data["headline"] and all(h["bytes_ratio_of_ratios"] >= 10 for h in data["headline"])
+    for r in data["rows"]:
+        if r["formula_bytes_sent"] is not None:
+            assert r["attn_bytes_sent"] == r["formula_bytes_sent"], r["case"]

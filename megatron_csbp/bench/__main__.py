@@ -2,6 +2,9 @@
 
 Default (a few minutes on two cores): 2 layers, L = 256, 512, 1024, P = 2 and 4, every layout.
 `--quick`: the CI-sized configuration used by the test suite.
+`--model diffusiongemma-hybrid`: a tiny DiffusionGemma with 5 sliding-window : 1 full layers;
+single rank, CP and CSBP (CP = BP = P = 2) on it and on the same weights with every layer full
+attention, L = 128, 256, 512 (`--quick`: L = 128). Report: diffusiongemma.md (or _quick).
 """
 from __future__ import annotations
 
@@ -10,13 +13,22 @@ import os
 import shlex
 import sys
 
-from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, BenchModel, quick_config
+from dataclasses import replace
+
+from megatron_csbp.bench.cases import (ALL_LAYOUTS, BenchConfig, BenchModel, dg_config, dg_quick_config,
+                                      quick_config)
+
+MODELS = ("gpt", "diffusiongemma-hybrid")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI-sized configuration (overrides the size flags)")
+    p.add_argument("--model", choices=MODELS, default="gpt",
+                   help="gpt (default): the tiny GPT; diffusiongemma-hybrid: 5 sliding : 1 full layers, "
+                        "hybrid vs every layer full attention")
+    p.add_argument("--sliding-window", type=int, default=None, help="diffusiongemma-hybrid only")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=None, help="clean tokens L per sample")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="sequence-group sizes P (>= 2)")
     p.add_argument("--layouts", nargs="+", default=None, choices=ALL_LAYOUTS)
@@ -38,7 +50,31 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _dg_config_from_args(args) -> BenchConfig:
+    if args.layouts:
+        raise ValueError("--layouts: the diffusiongemma-hybrid model runs single, CP and CSBP (all-gather) only")
+    cfg = dg_quick_config() if args.quick else dg_config()
+    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                               "num_query_groups", "ffn_hidden_size", "vocab_size",
+                                               "block_size", "micro_batch_size", "sliding_window")
+                 if getattr(args, k) is not None}
+    cfg = replace(
+        cfg, model=replace(cfg.model, **overrides),
+        seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
+        sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
+        warmup=cfg.warmup if args.warmup is None else args.warmup,
+        steps=cfg.steps if args.steps is None else args.steps,
+        measure_memory=not args.no_memory,
+    )
+    cfg.check()
+    return cfg
+
+
 def config_from_args(args) -> BenchConfig:
+    if args.model == "diffusiongemma-hybrid":
+        return _dg_config_from_args(args)
+    if args.sliding_window is not None:
+        raise ValueError("--sliding-window applies to --model diffusiongemma-hybrid only")
     cfg = quick_config() if args.quick else BenchConfig()
     m = cfg.model
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
@@ -79,7 +115,8 @@ def main(argv=None) -> int:
     from megatron_csbp.bench.runner import run
 
     result = run(cfg)
-    name = args.name or ("cpu_quick" if args.quick else "cpu")
+    base = "diffusiongemma" if args.model == "diffusiongemma-hybrid" else "cpu"
+    name = args.name or (f"{base}_quick" if args.quick else base)
     command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
     files = save(result, args.output_dir, name, command.strip(), with_plots=not args.no_plots)
     for kind, path in files.items():

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -45,6 +45,9 @@ class Case:
     bp: int
     transport: str = "allgather"
     schedule: str = "mirrored"
+    # DiffusionGemma bench only: "hybrid" (sliding windows as configured) or "full" (every layer
+    # full attention, same weights); None for the GPT bench
+    attention: Optional[str] = None
 
     @property
     def size(self) -> int:
@@ -64,6 +67,8 @@ class Case:
         """The CP case this one is compared with: CP over the same ranks, same transport."""
         if self.kind == "single":
             return None
+        if self.attention is not None:
+            return f"cp-{self.attention}"
         transport = self.transport if self.kind in ("cp", "csbp") else "allgather"
         return f"cp-{transport}"
 
@@ -97,12 +102,15 @@ def cases_for(size: int, layouts=ALL_LAYOUTS) -> List[Case]:
     return out
 
 
-def formula_bytes_sent(case: Case, model: BenchModel, seq_length: int) -> int:
+def formula_bytes_sent(case: Case, model: "AnyModel", seq_length: int) -> Optional[int]:
     """Attention bytes each rank sends per step (forward + backward), all layers (design brief 2).
 
     CP: 8*L*G*d*s*(P-1)/P per layer; CSBP: 4*L*G*d*s*(C-1)/C (C = ring size, half of CP when
     C = P); BP: 0. Times the micro-batch size.
     """
+    if isinstance(model, DiffusionGemmaBenchModel):
+        per = dg_formula_bytes_per_layer(case, model, seq_length)
+        return None if any(v is None for v in per.values()) else sum(per.values())
     L, G, d = seq_length, model.num_query_groups, model.head_dim
     s = BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
     if case.kind == "cp":
@@ -116,9 +124,104 @@ def formula_bytes_sent(case: Case, model: BenchModel, seq_length: int) -> int:
     return per_layer * model.num_layers
 
 
+@dataclass(frozen=True)
+class DiffusionGemmaBenchModel:
+    """A tiny DiffusionGemma (megatron-core, MoE MLP, `diffusion_gemma_model`) with the hybrid
+    layout of the 26B-A4B model: `full_every - 1` sliding-window layers, then one full layer.
+    Sliding layers carry more K/V bytes per row than the full one, whose K = V (one KV head of
+    `full_kv_channels`; CSBP moves raw k alone there): defaults 4 KV heads x 8 (64 K+V values
+    per row) vs 1 KV head x 16 (32 K+V values, 16 raw k), the real model's 2:1."""
+
+    arch: str = "diffusiongemma-hybrid"
+    num_layers: int = 6
+    full_every: int = 6
+    sliding_window: int = 3
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: int = 4
+    kv_channels: int = 8
+    full_num_query_groups: int = 1
+    full_kv_channels: int = 16
+    ffn_hidden_size: int = 48
+    num_moe_experts: int = 4
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 12
+    vocab_size: int = 96
+    block_size: int = 4
+    micro_batch_size: int = 1
+    dtype: str = "fp32"
+
+    @property
+    def layer_types(self) -> List[str]:
+        return ["full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
+                for i in range(self.num_layers)]
+
+    def check(self) -> None:
+        if self.num_attention_heads % self.num_query_groups or self.num_attention_heads % self.full_num_query_groups:
+            raise ValueError(f"--num-attention-heads {self.num_attention_heads} must be divisible by the KV groups "
+                             f"({self.num_query_groups} sliding, {self.full_num_query_groups} full)")
+        if self.sliding_window < 1 or self.full_every < 1:
+            raise ValueError(f"--sliding-window ({self.sliding_window}) and full_every must be >= 1")
+        if self.dtype != "fp32":
+            raise ValueError("the CPU benchmark runs in fp32 (gloo, CPU kernels)")
+
+
+AnyModel = Union[BenchModel, DiffusionGemmaBenchModel]
+DG_ATTENTION = ("hybrid", "full")
+
+
+def dg_cases_for(size: int) -> List[Case]:
+    """Single, CP and CSBP (CP = BP = P, all-gather transport) on the hybrid model and on the same
+    weights with every layer full attention."""
+    out = []
+    for att in DG_ATTENTION:
+        if size == 1:
+            out.append(Case(f"single-{att}", 1, 1, attention=att))
+        else:
+            out += [Case(f"cp-{att}", size, 1, "allgather", attention=att),
+                    Case(f"csbp-{att}", size, size, "allgather", "mirrored", attention=att)]
+    return out
+
+
+def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_length: int) -> Dict[int, Optional[int]]:
+    """Bytes each rank sends per layer (forward + backward), layers numbered from 1.
+
+    CP: 8*L*G*d*s*(P-1)/P on every layer with the layer's G and d (K and V on every layer, the K=V
+    layer too; windows only mask). CSBP, full attention: 4*L*G*d*s*(C-1)/C, and half of it on the
+    K=V layer (raw k only). CSBP on a sliding layer with its window: the windowed all-to-all's
+    bytes depend on which clean rows the windows reach across ranks: no closed formula here (None).
+    """
+    L, s = seq_length, BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
+    out: Dict[int, Optional[int]] = {}
+    for i, kind in enumerate(model.layer_types, start=1):
+        full = kind == "full_attention"
+        G, d = (model.full_num_query_groups, model.full_kv_channels) if full else (model.num_query_groups,
+                                                                                    model.kv_channels)
+        if case.kind == "cp":
+            P = case.size
+            out[i] = 8 * L * G * d * s * (P - 1) // P
+        elif case.kind == "csbp":
+            C = case.ring_size
+            if full:
+                out[i] = 2 * L * G * d * s * (C - 1) // C
+            elif case.attention == "full":
+                out[i] = 4 * L * G * d * s * (C - 1) // C
+            else:
+                out[i] = None
+        else:
+            out[i] = 0
+    return out
+
+
+def cases_for_config(cfg: "BenchConfig", size: int) -> List[Case]:
+    if isinstance(cfg.model, DiffusionGemmaBenchModel):
+        return dg_cases_for(size)
+    return cases_for(size, cfg.layouts)
+
+
 @dataclass
 class BenchConfig:
-    model: BenchModel = field(default_factory=BenchModel)
+    model: AnyModel = field(default_factory=BenchModel)
     seq_lengths: Tuple[int, ...] = (256, 512, 1024)
     sizes: Tuple[int, ...] = (2, 4)
     layouts: Tuple[str, ...] = ALL_LAYOUTS
@@ -157,3 +260,16 @@ def quick_config() -> BenchConfig:
         seq_lengths=(64, 128), sizes=(2,), warmup=1, steps=2,
         layouts=("cp-allgather", "cp-ring", "bp", "csbp-allgather", "csbp-ring", "csbp-allgather-contiguous"),
     )
+
+
+def dg_config() -> BenchConfig:
+    """`--model diffusiongemma-hybrid`: the tests/test_hybrid_traffic.py shape (5 sliding : 1 full,
+    window 3, block size 4), P = 2, L = 128, 256, 512."""
+    return BenchConfig(model=DiffusionGemmaBenchModel(), seq_lengths=(128, 256, 512), sizes=(2,),
+                       layouts=(), warmup=2, steps=5)
+
+
+def dg_quick_config() -> BenchConfig:
+    """`--model diffusiongemma-hybrid --quick`: L = 128 only, one warm-up and two timed steps."""
+    return BenchConfig(model=DiffusionGemmaBenchModel(), seq_lengths=(128,), sizes=(2,), layouts=(),
+                       warmup=1, steps=2)

@@ -19,6 +19,8 @@ def _ratio(x):
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     cfg, env, rows = result["config"], result["environment"], result["rows"]
     m = cfg["model"]
+    if m.get("arch") == "diffusiongemma-hybrid":
+        return markdown_diffusiongemma(result, command, plots)
     head_dim = m["hidden_size"] // m["num_attention_heads"]
     out = [
         "# CPU benchmark: single rank, CP, BP and CSBP",
@@ -88,12 +90,131 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     return "\n".join(out)
 
 
+def _single_key(r: Dict):
+    return r["seq_length"], r.get("attention")
+
+
+def loss_vs_single(r: Dict, rows: List[Dict]) -> Optional[float]:
+    """|loss - single-rank loss| / |single-rank loss| of one case (same L, and for DiffusionGemma
+    the same attention variant); None without a single-rank case."""
+    single = {_single_key(x): x["loss_step0"] for x in rows if x["kind"] == "single"}
+    ref = single.get(_single_key(r))
+    return None if ref is None else abs(r["loss_step0"] - ref) / abs(ref)
+
+
 def loss_deviation(rows: List[Dict]) -> Optional[float]:
     """Largest |loss - single-rank loss| / |single-rank loss| over all cases (None without single)."""
-    single = {r["seq_length"]: r["loss_step0"] for r in rows if r["kind"] == "single"}
-    devs = [abs(r["loss_step0"] - single[r["seq_length"]]) / abs(single[r["seq_length"]])
-            for r in rows if r["seq_length"] in single and r["kind"] != "single"]
+    devs = [loss_vs_single(r, rows) for r in rows if r["kind"] != "single"]
+    devs = [d for d in devs if d is not None]
     return max(devs) if devs else None
+
+
+def dg_headline(rows: List[Dict]) -> List[Dict]:
+    """Per (P, L): CSBP/CP bytes on the hybrid model, on full attention, their ratio, and CSBP/CP
+    step time and peak memory for both."""
+    index = {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+    out = []
+    for P, L in sorted({(r["P"], r["seq_length"]) for r in rows if r["P"] > 1}):
+        h, f = index.get((P, L, "csbp-hybrid")), index.get((P, L, "csbp-full"))
+        if h is None or f is None:
+            continue
+        hb, fb = h["traffic_vs_cp"], f["traffic_vs_cp"]
+        out.append({"P": P, "seq_length": L, "bytes_hybrid": hb, "bytes_full": fb,
+                    "bytes_ratio_of_ratios": (fb / hb) if hb and fb is not None else None,
+                    "time_hybrid": h["time_vs_cp"], "time_full": f["time_vs_cp"],
+                    "memory_hybrid": h["memory_vs_cp"], "memory_full": f["memory_vs_cp"]})
+    return out
+
+
+def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -> str:
+    cfg, env, rows = result["config"], result["environment"], result["rows"]
+    m = cfg["model"]
+    types = ["F" if (i + 1) % m["full_every"] == 0 else "S" for i in range(m["num_layers"])]
+    out = [
+        "# CPU benchmark: DiffusionGemma hybrid (sliding : full) layers, single rank, CP and CSBP",
+        "",
+        "Made by:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- model: tiny DiffusionGemma in megatron-core (`diffusion_gemma_model`, MoE MLP with "
+        f"{m['num_moe_experts']} experts top-{m['moe_router_topk']}), {m['num_layers']} layers "
+        f"`[{','.join(types)}]` (S = sliding window {m['sliding_window']}, F = full), hidden {m['hidden_size']}, "
+        f"{m['num_attention_heads']} query heads; sliding layers {m['num_query_groups']} KV heads x "
+        f"{m['kv_channels']} ({2 * m['num_query_groups'] * m['kv_channels']} K+V values per row), the full layer "
+        f"{m['full_num_query_groups']} KV head x {m['full_kv_channels']} with K = V (CSBP moves raw k alone "
+        f"there, {m['full_num_query_groups'] * m['full_kv_channels']} values per row); vocab {m['vocab_size']}, "
+        f"block size {m['block_size']}, token-causal clean stream, micro-batch {m['micro_batch_size']}, "
+        f"{m['dtype']}; weights from `redraw_weights(model, {cfg['seed']})`; BD3-LM objective; AdamW.",
+        "- `hybrid`: the windows as configured; `full`: the same weights with every layer full attention "
+        "(each `BlockDiffusionAttention.window = None`).",
+        "- layouts: single rank, CP (all-gather of K and V on every layer; windows only mask) and CSBP with "
+        "CP = BP = P (all-gather of the clean rows on full-attention layers, the windowed all-to-all on sliding "
+        "layers).",
+        f"- step = forward + backward + one all-reduce of parameter gradients over the sequence group + "
+        f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
+        "the slowest rank's step.",
+        "- traffic: bytes each rank *sends* in attention collectives per step (forward + backward, all layers), "
+        "from `megatron_csbp.attention.accounting.traffic_counter()`; the table shows the largest rank. Formula: "
+        "per layer `8*L*G*d*s*(P-1)/P` (CP, K and V on every layer), `4*L*G*d*s*(C-1)/C` (CSBP, full attention) "
+        "and half of that on the K=V layer; CSBP's windowed sliding layers have no closed formula (–).",
+        "- memory: peak live tensor bytes of one extra (untimed) step per rank (`megatron_csbp/bench/memory.py`), "
+        "largest rank.",
+        f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
+        f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread per "
+        f"rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.",
+        "",
+    ]
+    head = dg_headline(rows)
+    if head:
+        out += ["## Headline: CSBP / CP", "",
+                "| P | L | bytes, hybrid | bytes, full attention | full / hybrid | step time, hybrid | "
+                "step time, full | peak memory, hybrid | peak memory, full |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for h in head:
+            out.append(f"| {h['P']} | {h['seq_length']} | {_fmt(h['bytes_hybrid'], '.4f')} | "
+                       f"{_fmt(h['bytes_full'], '.4f')} | {_fmt(h['bytes_ratio_of_ratios'], '.1f')}x | "
+                       f"{_ratio(h['time_hybrid'])} | {_ratio(h['time_full'])} | {_ratio(h['memory_hybrid'])} | "
+                       f"{_ratio(h['memory_full'])} |")
+        out.append("")
+    out += ["## Cases", "",
+            "| L | case | attention | CP | BP | step ms | time vs CP | attn bytes sent/rank | vs CP | formula bytes "
+            "| peak MiB (max rank) | vs CP | loss step 0 | vs single |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["seq_length"], r["attention"] != "hybrid", r["P"], r["bp"])):
+        dev = loss_vs_single(r, rows) if r["kind"] != "single" else None
+        out.append(
+            f"| {r['seq_length']} | {r['case']} | {r['attention']} | {r['cp']} | {r['bp']} | "
+            f"{r['median_step_s'] * 1e3:.1f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent']:,} | "
+            f"{_fmt(r['traffic_vs_cp'], '.4f')} | "
+            f"{'–' if r['formula_bytes_sent'] is None else format(r['formula_bytes_sent'], ',')} | "
+            f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
+            f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
+    out.append("")
+    out += ["## Bytes sent per layer (rank 0)", "",
+            "| L | case | " + " | ".join(f"layer {i + 1} ({t})" for i, t in enumerate(types)) + " |",
+            "|---|---|" + "---|" * len(types)]
+    for r in sorted((r for r in rows if r["P"] > 1), key=lambda r: (r["seq_length"], r["attention"] != "hybrid",
+                                                                     r["bp"])):
+        per = r["attn_bytes_sent_per_layer_per_rank"][0]
+        formula = r["formula_bytes_per_layer"]
+        cells = []
+        for i in range(len(types)):
+            got, want = per.get(str(i + 1), 0), formula.get(str(i + 1))
+            cells.append(f"{got:,}" + ("" if want is None else (" (= formula)" if got == want else f" (formula {want:,})")))
+        out.append(f"| {r['seq_length']} | {r['case']} | " + " | ".join(cells) + " |")
+    out.append("")
+    dev = loss_deviation(rows)
+    if dev is not None:
+        out += [f"Step-0 loss of every layout vs the single-rank loss of the same model and L (same weights, tokens "
+                f"and noise): largest relative difference {dev:.1e}.", ""]
+    if plots:
+        out += ["## Plots", ""]
+        out += [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()]
+        out.append("")
+    return "\n".join(out)
 
 
 def _memory_table(rows: List[Dict]) -> List[str]:
@@ -149,8 +270,13 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
                         ax.plot(x, [v / scale for v in y], linestyle=style, color="k", linewidth=1,
                                 label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
-                x, y = series(1, "single", key)
-                ax.plot(x, [v / scale for v in y], marker="x", linestyle="--", color="k", label="single rank")
+                singles = [c for c in dict.fromkeys(r["case"] for r in rows if r["P"] == 1)] or ["single"]
+                for j, single in enumerate(singles):
+                    x, y = series(1, single, key)
+                    ax.plot(x, [v / scale for v in y], marker="x", linestyle="--" if j == 0 else "-.", color="k",
+                            label="single rank" if single == "single" else f"single rank ({single})")
+            if key == "attn_bytes_sent" and any("attention" in r for r in rows):
+                ax.set_yscale("log")  # DiffusionGemma: windowed CSBP moves ~1/30 of CP
             ax.set_title(f"P = {P}")
             ax.set_xlabel("sequence length L (clean tokens)")
             ax.set_ylabel(ylabel)
@@ -190,6 +316,8 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
 def save(result: Dict, out_dir: str, name: str, command: str, with_plots: bool = True) -> Dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     result = dict(result, command=command)
+    if result["config"]["model"].get("arch") == "diffusiongemma-hybrid":
+        result["headline"] = dg_headline(result["rows"])
     written = {}
     figs = plots(result, out_dir, name) if with_plots else {}
     written.update(figs)

@@ -9,7 +9,8 @@ from typing import Dict, List
 
 import torch
 
-from megatron_csbp.bench.cases import BenchConfig, Case, cases_for, formula_bytes_sent
+from megatron_csbp.bench.cases import (BenchConfig, Case, cases_for_config, dg_formula_bytes_per_layer,
+                                      formula_bytes_sent)
 from megatron_csbp.utils.spawn import spawn
 from megatron_csbp.bench.worker import world_main
 
@@ -19,7 +20,8 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
     rows = []
     for records in zip(*per_rank):
         first = records[0]
-        case = Case(first["case"], first["cp"], first["bp"], first["transport"], first["schedule"])
+        case = Case(first["case"], first["cp"], first["bp"], first["transport"], first["schedule"],
+                    first.get("attention"))
         if case.size != len(records):
             raise RuntimeError(f"case {case.name} of {case.size} ranks came back from {len(records)} ranks")
         L = first["seq_length"]
@@ -28,7 +30,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
         peak = [r["peak_tensor_bytes"] for r in records]
         rss = [r["rss_high_water_bytes"] for r in records]
         formula = formula_bytes_sent(case, cfg.model, L)
-        rows.append({
+        row = {
             "case": case.name, "kind": case.kind, "P": case.size, "cp": case.cp, "bp": case.bp,
             "transport": case.transport, "schedule": case.schedule, "seq_length": L,
             "median_step_s": t, "step_times_s": first["step_times_s"],
@@ -45,7 +47,15 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
             "rss_high_water_bytes_per_rank": rss,
             "rss_high_water_bytes": max(rss) if all(x is not None for x in rss) else None,
             "baseline": case.baseline_name(),
-        })
+        }
+        if case.attention is not None:
+            row["attention"] = case.attention
+            row["formula_bytes_per_layer"] = {str(k): v for k, v in
+                                              dg_formula_bytes_per_layer(case, cfg.model, L).items()}
+            row["attn_bytes_sent_per_layer_per_rank"] = [
+                {str(k): sum(v for key, v in per.items() if key.endswith("_sent"))
+                 for k, per in r["attn_bytes_per_layer"].items()} for r in records]
+        rows.append(row)
     return rows
 
 
@@ -80,7 +90,7 @@ def run(cfg: BenchConfig, log=print) -> Dict:
     per_world = []
     t0 = time.perf_counter()
     for P in (1,) + tuple(cfg.sizes):
-        cases = cases_for(P, cfg.layouts)
+        cases = cases_for_config(cfg, P)
         log(f"[bench] world of {P} rank(s): {', '.join(c.name for c in cases)} at L = {list(cfg.seq_lengths)}")
         tw = time.perf_counter()
         per_rank = spawn(world_main, P, cfg, cases)

@@ -16,7 +16,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.bench.cases import BenchConfig, BenchModel, Case
+from megatron_csbp.bench.cases import BenchConfig, BenchModel, Case, DiffusionGemmaBenchModel
 from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
 
 
@@ -36,6 +36,34 @@ def build_gpt(model: BenchModel, max_seq: int, seed: int):
     )
     return GPTModel(cfg, with_block_diffusion_attention(get_gpt_layer_local_spec()),
                     vocab_size=model.vocab_size, max_sequence_length=max_seq, position_embedding_type="rope")
+
+
+def build_diffusion_gemma(model: DiffusionGemmaBenchModel, max_seq: int, seed: int, full_attention: bool):
+    """The tiny DiffusionGemma in megatron-core, weights redrawn from `seed` (the same on every
+    layout); `full_attention` turns every layer to full attention (same weights and head shapes)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.attention.core_attention import BlockDiffusionAttention
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
+    from megatron_csbp.model.diffusiongemma.tiny import redraw_weights, tiny_megatron_config
+
+    install_cpu_compat()
+    model_parallel_cuda_manual_seed(seed)
+    config = tiny_megatron_config(
+        sliding_window=model.sliding_window, layer_types=model.layer_types, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels, full_num_query_groups=model.full_num_query_groups,
+        full_kv_channels=model.full_kv_channels, ffn_hidden_size=model.ffn_hidden_size,
+        num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size)
+    gpt = diffusion_gemma_model(config, model.vocab_size, max_seq).train()
+    redraw_weights(gpt, seed)
+    if full_attention:
+        for m in gpt.modules():
+            if isinstance(m, BlockDiffusionAttention):
+                m.window = None
+    return gpt
 
 
 def _allreduce_grads(params, group) -> None:
@@ -74,8 +102,14 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     seq_rank = bps.get_block_parallel_rank()
     seq_group = bps.get_block_parallel_group()
     ring_group = bps.get_clean_ring_group()
-    layout = SequenceLayout(BlockGeometry(seq_length, m.block_size), case.cp, case.bp, case.schedule)
-    gpt = build_gpt(m, seq_length, cfg.seed)
+    if isinstance(m, DiffusionGemmaBenchModel):
+        # DiffusionGemma's clean stream is token-causal
+        layout = SequenceLayout(BlockGeometry(seq_length, m.block_size, "token_causal"), case.cp, case.bp,
+                                case.schedule)
+        gpt = build_diffusion_gemma(m, seq_length, cfg.seed, full_attention=case.attention == "full")
+    else:
+        layout = SequenceLayout(BlockGeometry(seq_length, m.block_size), case.cp, case.bp, case.schedule)
+        gpt = build_gpt(m, seq_length, cfg.seed)
     mask_id = m.vocab_size - 1
     model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout,
                                 seq_rank, ring_group, case.transport)
@@ -125,7 +159,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         static = tracker.baseline
     else:
         static = None
-    return {
+    record = {
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.size,
         "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
         "seq_rank": seq_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
@@ -133,6 +167,9 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak,
     }
+    if case.attention is not None:
+        record["attention"] = case.attention
+    return record
 
 
 def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) -> List[Dict]:
