@@ -209,8 +209,16 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None, kv_cache: bo
     with open(meta_path) as f:
         meta = json.load(f)
     margs = dict(meta["model_args"])
+    if margs.get("objective") != "bd3lm":
+        # Fast-dLLM v2 decodes with a token shift, DiffusionGemma from uniform noise with
+        # self-conditioning: neither is this sampler. Checked before building the model.
+        raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler decodes "
+                         "BD3-LM (--objective bd3lm) checkpoints. Export others with `python -m megatron_csbp.convert "
+                         "megatron-to-hf` and generate with their Hugging Face model")
     fields = ModelArgs.__dataclass_fields__
     a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
+    # A model converted from Hugging Face is rebuilt from its shape file, like the trainer does.
+    a.model_shape = checkpointing.checkpoint_shape(load, step)
     model = build_model(a)
     model.eval()
     checkpointing.load_checkpoint(load, model, None, None, step)
@@ -239,8 +247,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
     tok = build_tokenizer(margs.get("tokenizer_type") or "SentencePieceTokenizer",
                           a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
-    if margs.get("objective") != "bd3lm":
-        p.error(f"checkpoint objective is {margs.get('objective')!r}: block-diffusion decoding needs bd3lm")
     sampler = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod,
                                     margs["block_size"], kv_cache=not a.no_kv_cache)
     prompt = tok.tokenize(a.prompt)

@@ -67,3 +67,44 @@ def test_cli(checkpoint):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "iteration 2" in res.stdout and "The if statement" in res.stdout
+
+
+def _generate_ids(rank, world_size, save):
+    from megatron_csbp.generate import BlockDiffusionSampler, load_for_generation
+
+    model, margs, step = load_for_generation(save)
+    out = {}
+    for cache in (True, False):
+        s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], margs["eod_token_id"],
+                                  margs["block_size"], kv_cache=cache)
+        out[cache] = s.generate([5, 6, 7, 8, 9], 12, max_length=32)
+        for m in model.modules():  # unwrap for the next sampler
+            if hasattr(m, "core_attention") and hasattr(m.core_attention, "inner"):
+                m.core_attention = m.core_attention.inner
+    qk_norm = any("q_layernorm" in name for name, _ in model.gpt.named_parameters())
+    return dict(out=out, qk_norm=qk_norm)
+
+
+def test_converted_model_trained_as_bd3lm_generates_and_other_objectives_are_refused(tmp_path):
+    """A Hugging Face model converted, trained with BD3-LM under CSBP and saved is rebuilt from its
+    shape file for decoding; checkpoints of objectives this sampler does not decode are refused by name."""
+    pytest.importorskip("transformers")
+    from megatron_csbp.conversion import api
+    from megatron_csbp.conversion.tiny import save_tiny_model
+
+    hf, meg, save = str(tmp_path / "hf"), str(tmp_path / "meg"), str(tmp_path / "save")
+    save_tiny_model("qwen3", hf, seed=1)
+    api.hf_to_megatron_checkpoint(hf, meg)
+    base = ["--load", meg, "--mock-data", "--seq-length", "32", "--block-size", "8", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--log-interval", "1", "--no-progress-bar"]
+    run_distributed(train_rank, 2, base + ["--train-iters", "2", "--mask-token-id", "127", "--context-parallel-size",
+                                           "2", "--block-parallel-size", "2", "--save", save])
+    r = run_distributed(_generate_ids, 1, save)[0]
+    assert r["out"][True] == r["out"][False] and 0 < len(r["out"][True]) <= 12
+    assert r["qk_norm"]  # Qwen3's QK-norm: the model came from the shape file, not from flags
+
+    ar = str(tmp_path / "ar")
+    run_distributed(train_rank, 1, base + ["--train-iters", "1", "--objective", "ar", "--save", ar])
+    res = subprocess.run([sys.executable, "-m", "megatron_csbp.generate", "--load", ar, "--prompt", "x"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 2 and "checkpoint objective is 'ar'" in res.stderr
