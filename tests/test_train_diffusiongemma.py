@@ -64,6 +64,8 @@ def test_diffusiongemma_sft_loss_is_the_same_under_every_layout(converted):
 @pytest.mark.parametrize("flags, world, needle", [
     ("--block-parallel-size 2 --expert-model-parallel-size 2", 2, "(plain BP) is not supported"),
     ("--expert-model-parallel-size 3 --global-batch-size 6", 3, "must divide the 4 experts"),
+    ("--context-parallel-size 2 --block-parallel-size 2 --expert-model-parallel-size 2 --seq-length 96", 2,
+     "6 blocks must be a multiple of 4"),
     ("--clean-attention block_causal", 1, "clean stream is token_causal"),
     ("--tensor-model-parallel-size 2", 2, "on an MoE model needs --sequence-parallel"),
 ])

@@ -310,6 +310,13 @@ def check_experts_and_objective(args) -> None:
                              f"{args.block_parallel_size} and --context-parallel-size 1 (plain BP) is not supported: "
                              "BP ranks hold different row counts, which the MoE token dispatcher cannot exchange; "
                              "use CSBP (--context-parallel-size > 1) or CP")
+        unit = 2 * args.block_parallel_size if args.block_ownership == "mirrored" else args.block_parallel_size
+        blocks = args.seq_length // args.block_size
+        if args.block_parallel_size > 1 and blocks % unit:
+            raise ValueError(f"--expert-model-parallel-size {ep} with --block-parallel-size {args.block_parallel_size}: "
+                             f"--seq-length / --block-size = {blocks} blocks must be a multiple of {unit} so every "
+                             f"block-parallel rank owns as many noisy blocks ({args.block_ownership} ownership); the "
+                             "MoE token dispatcher needs equal row counts across expert ranks")
     if args.clean_attention is None:
         args.clean_attention = "token_causal" if is_dg else "block_causal"
     if is_dg and args.clean_attention != "token_causal":
