@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tests.gradients import gradient_error
 from tests.test_diffusiongemma_layouts import B, ENC_W, L_SFT, SFT_SEED, V, _gpt, sft_batches
 from tests.test_diffusiongemma_tp import _shard
 
@@ -102,18 +103,17 @@ def _rank(rank, world, path, cases):
         seq_group = bps.get_block_parallel_group() if cp * bp > 1 else None
         if seq_group is not None:
             dist.all_reduce(loss, group=seq_group)
-        worst, diff2, ref2 = 0.0, 0.0, 0.0
+        pairs = []
         for n, p in gpt.named_parameters():
             g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
             if seq_group is not None:
                 dist.all_reduce(g, group=seq_group)
             if getattr(p, "sequence_parallel", False):  # replicated weight fed by this TP rank's rows only
                 dist.all_reduce(g, group=mpu.get_tensor_model_parallel_group())
-            r = _shard(n, ref[sc]["grads"][n], tp_rank)
-            worst = max(worst, float((g - r).abs().max() / r.abs().max().clamp_min(1e-6)))
-            diff2, ref2 = diff2 + float((g - r).pow(2).sum()), ref2 + float(r.pow(2).sum())
+            pairs.append((g, _shard(n, ref[sc]["grads"][n], tp_rank)))
+        worst, rel_norm = gradient_error(pairs)
         out.append(dict(case=(cp, bp), sc=sc, loss=float(loss), ref=ref[sc]["loss"], worst=worst,
-                        rel_norm=(diff2 / ref2) ** 0.5, starts=starts))
+                        rel_norm=rel_norm, starts=starts))
         bps.destroy_block_parallel()
     return out
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tests.gradients import gradient_error
 
 V, B, BATCH = 96, 4, 2
 L_BD3LM, L_SFT = 16, 32
@@ -132,15 +133,14 @@ def _rank(rank, world, cases):
             loss = LOSSES[objective](gpt, cp, bp)
             group = bps.get_block_parallel_group()
             dist.all_reduce(loss, group=group)
-            worst, diff2, ref2 = 0.0, 0.0, 0.0
+            pairs = []
             for n, p in gpt.named_parameters():
                 g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
                 dist.all_reduce(g, group=group)
-                r = ref_grads.get(n, torch.zeros_like(p))
-                worst = max(worst, float((g - r).abs().max() / r.abs().max().clamp_min(1e-6)))
-                diff2, ref2 = diff2 + float((g - r).pow(2).sum()), ref2 + float(r.pow(2).sum())
+                pairs.append((g, ref_grads.get(n, torch.zeros_like(p))))
+            worst, rel_norm = gradient_error(pairs)
             out.append(dict(objective=objective, case=(cp, bp), loss=float(loss), ref=float(ref_loss), worst=worst,
-                            rel_norm=(diff2 / ref2) ** 0.5))
+                            rel_norm=rel_norm))
             bps.destroy_block_parallel()
     return out
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tests.gradients import gradient_error
 
 V, L, B, W, BATCH = 96, 16, 4, 3, 2
 
@@ -189,12 +190,8 @@ def _run(config, cp, bp, transport, send_source=True):
 
 
 def _compare(res, ref):
-    worst, diff2, ref2 = 0.0, 0.0, 0.0
-    for n, r in ref["grads"].items():
-        g = res["grads"][n]
-        worst = max(worst, float((g - r).abs().max() / r.abs().max().clamp_min(1e-6)))
-        diff2, ref2 = diff2 + float((g - r).pow(2).sum()), ref2 + float(r.pow(2).sum())
-    return dict(loss=res["loss"], ref=ref["loss"], worst=worst, rel_norm=(diff2 / ref2) ** 0.5,
+    worst, rel_norm = gradient_error((res["grads"][n], r) for n, r in ref["grads"].items())
+    return dict(loss=res["loss"], ref=ref["loss"], worst=worst, rel_norm=rel_norm,
                 per_layer=res["per_layer"], expected=res["expected"])
 
 
