@@ -16,21 +16,17 @@ def _ratio(x):
     return "–" if x is None else f"{x:.2f}x"
 
 
+def _made_by(title: str, command: str) -> List[str]:
+    return [f"# {title}", "", "Made by:", "", "```", command, "```", ""]
+
+
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     cfg, env, rows = result["config"], result["environment"], result["rows"]
     m = cfg["model"]
     if m.get("arch") == "diffusiongemma-hybrid":
         return markdown_diffusiongemma(result, command, plots)
     head_dim = m["hidden_size"] // m["num_attention_heads"]
-    out = [
-        "# CPU benchmark: single rank, CP, BP and CSBP",
-        "",
-        "Made by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+    out = _made_by("CPU benchmark: single rank, CP, BP and CSBP", command) + [
         f"- model: Megatron GPTModel (local spec, block-diffusion core attention, RoPE), {m['num_layers']} layers, "
         f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads, G = {m['num_query_groups']} KV groups of "
         f"d = {head_dim}, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']}, block size {m['block_size']}, "
@@ -130,15 +126,8 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
     cfg, env, rows = result["config"], result["environment"], result["rows"]
     m = cfg["model"]
     types = ["F" if (i + 1) % m["full_every"] == 0 else "S" for i in range(m["num_layers"])]
-    out = [
-        "# CPU benchmark: DiffusionGemma hybrid (sliding : full) layers, single rank, CP and CSBP",
-        "",
-        "Made by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+    out = _made_by("CPU benchmark: DiffusionGemma hybrid (sliding : full) layers, single rank, CP and CSBP",
+                   command) + [
         f"- model: tiny DiffusionGemma in megatron-core (`diffusion_gemma_model`, MoE MLP with "
         f"{m['num_moe_experts']} experts top-{m['moe_router_topk']}), {m['num_layers']} layers "
         f"`[{','.join(types)}]` (S = sliding window {m['sliding_window']}, F = full), hidden {m['hidden_size']}, "
