@@ -37,6 +37,12 @@ def check_parallel_sizes(cp: int, bp: int) -> None:
         )
 
 
+def balanced_block_unit(bp: int, schedule: str) -> int:
+    """Noisy-block counts that split equally over `bp` block-parallel ranks are multiples of this:
+    mirrored ownership hands out pairs (i, n-1-i), contiguous ownership single blocks."""
+    return 2 * bp if schedule == "mirrored" else bp
+
+
 def split_evenly(items: List[int], parts: int) -> List[List[int]]:
     """Contiguous split into `parts` pieces whose sizes differ by at most one (larger first)."""
     q, r = divmod(len(items), parts)
@@ -125,7 +131,7 @@ class SequenceLayout:
         s = min(max(int(first_block), 0), n)
         if self.kind in ("bp", "csbp"):
             s = min(s, n - self.bp_size)
-            unit = 2 * self.bp_size if self.schedule == "mirrored" else self.bp_size
+            unit = balanced_block_unit(self.bp_size, self.schedule)
             while balanced and s > 0 and (n - s) % unit:
                 s -= 1
         elif self.kind == "cp":

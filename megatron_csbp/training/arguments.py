@@ -310,7 +310,9 @@ def check_experts_and_objective(args) -> None:
                              f"{args.block_parallel_size} and --context-parallel-size 1 (plain BP) is not supported: "
                              "BP ranks hold different row counts, which the MoE token dispatcher cannot exchange; "
                              "use CSBP (--context-parallel-size > 1) or CP")
-        unit = 2 * args.block_parallel_size if args.block_ownership == "mirrored" else args.block_parallel_size
+        from megatron_csbp.layout.layout import balanced_block_unit
+
+        unit = balanced_block_unit(args.block_parallel_size, args.block_ownership)
         blocks = args.seq_length // args.block_size
         if args.block_parallel_size > 1 and blocks % unit:
             raise ValueError(f"--expert-model-parallel-size {ep} with --block-parallel-size {args.block_parallel_size}: "
