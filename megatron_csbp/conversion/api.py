@@ -32,12 +32,8 @@ def _to_megatron_state(shape: ModelShape, tensors, cfg):
         state, _, rest = dg.hf_to_megatron_state(tensors, cfg)
         return state, rest
     # Gemma 4 start: its vision / audio towers have no place in a diffusion_gemma export.
-    state, _, _ = dg.gemma4_to_megatron_state(tensors, cfg, **_gemma4_options(shape))
+    state, _, _ = dg.gemma4_to_megatron_state(tensors, cfg)
     return state, {}
-
-
-def _gemma4_options(shape: ModelShape):
-    return dict(final_logit_softcapping=shape.diffusion_gemma["final_logit_softcapping"])
 
 
 def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = None) -> ModelShape:
