@@ -1,0 +1,235 @@
+"""A partial attention's mask as row vectors: what kernels read instead of a dense matrix.
+
+`layout.masks.allowed` decides every (query, key) pair from two numbers per row. A kernel needs
+the same decision without ever holding a [queries x keys] tensor, so a partial is described by
+
+- its queries (`QueryRows`): block id, is_clean and the clean-key interval [lo, hi) of
+  `clean_key_interval` (int32, int32, int32, bool: 13 bytes a row), and
+- its keys (`KeyRows`): position, block id, is_clean (int32, int32, bool: 9 bytes a row).
+
+A pair is allowed when both rows are noisy and in the same block, or the key is clean and its
+position lies in the query's interval (`pair_allowed`, element by element, broadcastable: it is
+the FlexAttention `mask_mod` and the tiled kernel's tile mask). Tiles of `q_tile` x `k_tile`
+pairs are classified exactly, without a dense mask, by `TileTable`: *empty* (no allowed pair,
+skipped), *full* (every pair allowed, computed without a mask) or *partial*.
+
+Sizes at L = 256K tokens on 16 ranks (CSBP P = 16: 32K local rows, 256K gathered clean keys):
+row vectors 32K x 13 + 256K x 9 bytes = 2.7 MiB; tile tables (128 x 128 tiles) 256 x 2048 x 2
+bools = 1 MiB; building them streams [q tile x k tiles] work, O(rows x k_tiles) time, never a
+[rows x keys] tensor. Everything here is linear in the rows (tables: in the tiles).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta, clean_key_interval
+
+_I32 = torch.int32
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """Per query row: noisy block id, is_clean, clean-key interval [lo, hi). All shape [rows]."""
+
+    block: torch.Tensor
+    is_clean: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+    @staticmethod
+    def of(meta: RowMeta, geometry: BlockGeometry) -> "QueryRows":
+        lo, hi = clean_key_interval(meta, geometry)
+        return QueryRows((meta.position // geometry.block_size).to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
+
+    def __len__(self) -> int:
+        return self.block.numel()
+
+    def select(self, index) -> "QueryRows":
+        return QueryRows(self.block[index], self.is_clean[index], self.lo[index], self.hi[index])
+
+    def to(self, device) -> "QueryRows":
+        return QueryRows(*(t.to(device) for t in (self.block, self.is_clean, self.lo, self.hi)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.block, self.is_clean, self.lo, self.hi))
+
+
+@dataclass(frozen=True)
+class KeyRows:
+    """Per key row: position, block id, is_clean. All shape [rows]."""
+
+    position: torch.Tensor
+    block: torch.Tensor
+    is_clean: torch.Tensor
+
+    @staticmethod
+    def of(meta: RowMeta, geometry: BlockGeometry) -> "KeyRows":
+        return KeyRows(meta.position.to(_I32), (meta.position // geometry.block_size).to(_I32), meta.is_clean.clone())
+
+    def __len__(self) -> int:
+        return self.position.numel()
+
+    def select(self, index) -> "KeyRows":
+        return KeyRows(self.position[index], self.block[index], self.is_clean[index])
+
+    def to(self, device) -> "KeyRows":
+        return KeyRows(*(t.to(device) for t in (self.position, self.block, self.is_clean)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.position, self.block, self.is_clean))
+
+
+def pair_allowed(q_block, q_clean, q_lo, q_hi, k_pos, k_block, k_clean):
+    """The predicate of `layout.masks.allowed`, element by element on broadcastable tensors."""
+    same_noisy_block = ~q_clean & ~k_clean & (q_block == k_block)
+    clean_in_interval = k_clean & (q_lo <= k_pos) & (k_pos < q_hi)
+    return same_noisy_block | clean_in_interval
+
+
+def _pad(x: torch.Tensor, multiple: int, value) -> torch.Tensor:
+    extra = (-x.numel()) % multiple
+    return torch.cat([x, x.new_full((extra,), value)]) if extra else x
+
+
+@dataclass(frozen=True)
+class TileTable:
+    """Exact classification of (q tile, k tile) pairs: `occupied` (some pair allowed) and `full`
+    (every real pair allowed; padding rows of a last, short tile count as allowed), bool
+    [q_tiles, k_tiles]. Partial tiles are `occupied & ~full`."""
+
+    q_tile: int
+    k_tile: int
+    occupied: torch.Tensor
+    full: torch.Tensor
+
+    @property
+    def partial(self) -> torch.Tensor:
+        return self.occupied & ~self.full
+
+
+def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: int) -> TileTable:
+    """Per query row and key tile: count the allowed keys from sorted per-tile key vectors
+    (searchsorted on clean positions and on noisy block ids), then reduce rows to q tiles."""
+    device = q.block.device
+    big = torch.iinfo(torch.int64).max // 4
+    nk = len(k)
+    kt = max(1, -(-nk // k_tile))
+    # Per k tile: sorted clean positions (non-clean slots pushed to +big), sorted noisy blocks.
+    kp = _pad(torch.where(k.is_clean, k.position.long(), torch.full_like(k.position, 0).long() + big), k_tile, big)
+    kb = _pad(torch.where(~k.is_clean, k.block.long(), torch.full_like(k.block, 0).long() + big), k_tile, big)
+    clean_sorted = kp.view(kt, k_tile).sort(dim=1).values.contiguous()
+    noisy_sorted = kb.view(kt, k_tile).sort(dim=1).values.contiguous()
+    real = _pad(torch.ones(nk, dtype=torch.long, device=device), k_tile, 0).view(kt, k_tile).sum(1)  # [kt]
+    # A query row sees `seen` keys of a tile: clean ones inside [lo, hi), noisy ones of its own
+    # block (noisy queries only). Occupied: seen > 0; full: seen == the tile's real keys.
+    occupied_rows, full_rows = [], []
+    nq = len(q)
+    for start in range(0, nq, chunk_rows):
+        sl = slice(start, min(nq, start + chunk_rows))
+        lo = q.lo[sl].long()[None, :].expand(kt, -1).contiguous()
+        hi = q.hi[sl].long()[None, :].expand(kt, -1).contiguous()
+        qb = q.block[sl].long()[None, :].expand(kt, -1).contiguous()
+        clean_seen = torch.searchsorted(clean_sorted, hi) - torch.searchsorted(clean_sorted, lo)  # [kt, rows]
+        clean_seen = clean_seen.clamp_min(0)
+        same_block = torch.searchsorted(noisy_sorted, qb, right=True) - torch.searchsorted(noisy_sorted, qb)
+        noisy_seen = torch.where(q.is_clean[sl][None, :], torch.zeros_like(same_block), same_block)
+        seen = clean_seen + noisy_seen
+        occupied_rows.append((seen > 0).T)  # [rows, kt]
+        full_rows.append((seen == real[:, None]).T)
+    occ = torch.cat(occupied_rows) if occupied_rows else torch.zeros(0, kt, dtype=torch.bool, device=device)
+    full = torch.cat(full_rows) if full_rows else torch.zeros(0, kt, dtype=torch.bool, device=device)
+    qt = max(1, -(-nq // q_tile))
+    occ = _pad_rows(occ, q_tile, False).view(qt, q_tile, kt).any(1)
+    full = _pad_rows(full, q_tile, True).view(qt, q_tile, kt).all(1)
+    return TileTable(q_tile, k_tile, occ, full & occ)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int, value: bool) -> torch.Tensor:
+    extra = (-x.shape[0]) % multiple
+    if not extra:
+        return x
+    return torch.cat([x, x.new_full((extra, x.shape[1]), value)])
+
+
+@dataclass(frozen=True, eq=False)
+class PartialMask:
+    """The mask of one partial attention: queries x keys, as row vectors. Owned by the plan that
+    built it; whatever a kernel derives from it (tile tables, block masks) is cached on it and
+    freed with it."""
+
+    q: QueryRows
+    k: KeyRows
+
+    @staticmethod
+    def of(q: RowMeta, k: RowMeta, geometry: BlockGeometry) -> "PartialMask":
+        return PartialMask(QueryRows.of(q, geometry), KeyRows.of(k, geometry))
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return (len(self.q), len(self.k))
+
+    def to(self, device) -> "PartialMask":
+        return PartialMask(self.q.to(device), self.k.to(device))
+
+    def block(self, q_index, k_index) -> torch.Tensor:
+        """Bool [len(q_index), len(k_index)] for a sub-rectangle (a tile): row vectors gathered
+        and compared, O(tile)."""
+        q, k = self.q, self.k
+        return pair_allowed(
+            q.block[q_index, None], q.is_clean[q_index, None], q.lo[q_index, None], q.hi[q_index, None],
+            k.position[None, k_index], k.block[None, k_index], k.is_clean[None, k_index],
+        )
+
+    def dense(self) -> torch.Tensor:
+        """The whole [queries x keys] bool mask: for the math reference kernel and tests only."""
+        return self.block(slice(None), slice(None))
+
+    @cached_property
+    def _tiles(self) -> dict:
+        return {}
+
+    def tiles(self, q_tile: int = 128, k_tile: int = 128, chunk_rows: int = 4096) -> TileTable:
+        """Tile classification, cached per tile shape on this mask."""
+        key = (q_tile, k_tile)
+        if key not in self._tiles:
+            self._tiles[key] = _tile_table(self.q, self.k, q_tile, k_tile, chunk_rows)
+        return self._tiles[key]
+
+    def keys_seen(self) -> torch.Tensor:
+        """Bool [keys]: keys some query may attend, from an interval union (difference array
+        over positions) and the set of noisy query blocks, never a dense mask."""
+        q, k = self.q, self.k
+        seen = torch.zeros(len(k), dtype=torch.bool, device=k.position.device)
+        if len(q) == 0 or len(k) == 0:
+            return seen
+        # Clean keys: covered by the union of [lo, hi) intervals.
+        span = int(max(int(q.hi.max()), int(k.position.max()) + 1))
+        diff = torch.zeros(span + 1, dtype=torch.int64, device=seen.device)
+        valid = q.lo < q.hi
+        diff.index_add_(0, q.lo[valid].long(), torch.ones(int(valid.sum()), dtype=torch.int64, device=seen.device))
+        diff.index_add_(0, q.hi[valid].long(), -torch.ones(int(valid.sum()), dtype=torch.int64, device=seen.device))
+        covered = diff.cumsum(0)[:-1] > 0
+        seen |= k.is_clean & covered[k.position.long()]
+        # Noisy keys: their block has a noisy query.
+        noisy_q_blocks = torch.unique(q.block[~q.is_clean])
+        seen |= ~k.is_clean & torch.isin(k.block, noisy_q_blocks)
+        return seen
+
+    def allowed_pairs(self) -> int:
+        """Number of allowed pairs, without a dense mask: per query, clean keys in [lo, hi) by
+        searchsorted over sorted clean key positions, plus noisy keys of its block."""
+        q, k = self.q, self.k
+        if len(q) == 0 or len(k) == 0:
+            return 0
+        clean_pos = k.position[k.is_clean].long().sort().values
+        total = (torch.searchsorted(clean_pos, q.hi.long()) - torch.searchsorted(clean_pos, q.lo.long())).clamp_min(0).sum()
+        noisy_blocks = k.block[~k.is_clean].long().sort().values
+        qb = q.block[~q.is_clean].long()
+        total = total + (torch.searchsorted(noisy_blocks, qb, right=True) - torch.searchsorted(noisy_blocks, qb)).sum()
+        return int(total)
