@@ -16,9 +16,10 @@ softmax is hard-coded `torch.softmax(..., dtype=torch.float32)` (value and backw
 carry u32 = 2^-24 = 6e-8 rounding whose last bit depends on the layout (vectorised exp over
 another row count), so router-parameter gradients move by ~u32 relative, the other gradients by the
 router's share of the backward flow (~10^-2 u32 in norm), the loss by ~u32 x routing-weight share
-of the output. MOE_TOL bounds those by 10 x u32 (worst per tensor), u32 (norm) and u32 / 10
-(loss): still >= 10x the largest deviation measured, and 30 to 300 times tighter than the fp32
-tolerances these tests had.
+of the output. MOE_TOL bounds those by 33 x u32 (worst per tensor: a tensor's entries are sums
+over tokens with partial cancellation, measured up to 2 u32), u32 (norm) and u32 / 10 (loss): >= 10x
+the largest deviation measured, and 15 to 500 times tighter than the fp32 tolerances these tests
+had.
 """
 import torch
 
@@ -27,7 +28,7 @@ EXACT_DTYPE = torch.float64
 # Relative bounds: loss |l - l1| / max(1, |l1|); rel_norm |g - g1| / |g1| over all parameters;
 # worst max over tensors of max|g - g1| / max|g1|.
 FP64_TOL = dict(loss=1e-12, rel_norm=1e-10, worst=1e-9)
-MOE_TOL = dict(loss=6e-9, rel_norm=6e-8, worst=6e-7)
+MOE_TOL = dict(loss=6e-9, rel_norm=6e-8, worst=2e-6)
 
 
 def gradient_error(pairs):
