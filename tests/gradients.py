@@ -1,4 +1,34 @@
-"""The gradient comparison the layout-vs-one-rank tests report and bound."""
+"""The gradient comparison the layout-vs-one-rank tests report and bound, and their error model.
+
+The layout-vs-one-rank exactness tests build their models with `params_dtype=EXACT_DTYPE`
+(float64; reductions, softmaxes and norms then run in float64 too: `utils.precision`). A layout only
+reorders sums (attention partials merged over key chunks, gradients all-reduced over ranks, K/V
+gradients reduce-scattered) and evaluates elementwise functions at other positions of a vector
+(whose last bit can depend on that position). With u64 = 2^-53 = 1.1e-16, each reordered sum of K
+terms moves by <= K * u64 relative and D layers compound it, ~ D * K * u64 < 1e-12 for the tiny
+models here (K <= 10^3, D <= 10); a per-tensor ratio max|g - r| / max|r| can lose another
+max|r| / typical|r| <= 10^2. FP64_TOL leaves >= 10^2 over that model and >= 10^3 over every
+deviation measured under ATEN_CPU_CAPABILITY = default, avx2 and avx512 (docs/exactness.md).
+
+DiffusionGemma's MoE router is the one place megatron-core keeps fp32 in an fp64 model: the top-k
+softmax is hard-coded `torch.softmax(..., dtype=torch.float32)` (value and backward) in
+`megatron.core.transformer.moe.moe_utils.topk_routing_with_score_function`. Routing weights then
+carry u32 = 2^-24 = 6e-8 rounding whose last bit depends on the layout (vectorised exp over
+another row count), so router-parameter gradients move by ~u32 relative, the other gradients by the
+router's share of the backward flow (~10^-2 u32 in norm), the loss by ~u32 x routing-weight share
+of the output. MOE_TOL bounds those by 33 x u32 (worst per tensor: a tensor's entries are sums
+over tokens with partial cancellation, measured up to 2 u32), u32 (norm) and u32 / 10 (loss): >= 10x
+the largest deviation measured, and 15 to 500 times tighter than the fp32 tolerances these tests
+had.
+"""
+import torch
+
+# The dtype of the layout-vs-one-rank exactness tests (models built with params_dtype=EXACT_DTYPE).
+EXACT_DTYPE = torch.float64
+# Relative bounds: loss |l - l1| / max(1, |l1|); rel_norm |g - g1| / |g1| over all parameters;
+# worst max over tensors of max|g - g1| / max|g1|.
+FP64_TOL = dict(loss=1e-12, rel_norm=1e-10, worst=1e-9)
+MOE_TOL = dict(loss=6e-9, rel_norm=6e-8, worst=2e-6)
 
 
 def gradient_error(pairs):
@@ -10,3 +40,11 @@ def gradient_error(pairs):
         worst = max(worst, float((g - r).abs().max() / r.abs().max().clamp_min(1e-6)))
         diff2, ref2 = diff2 + float((g - r).pow(2).sum()), ref2 + float(r.pow(2).sum())
     return worst, (diff2 / ref2) ** 0.5
+
+
+def check_close(loss, ref_loss, worst, rel_norm, tol, what=""):
+    """Assert one layout's loss and gradient errors are within `tol` (FP64_TOL or MOE_TOL)."""
+    loss_err = abs(loss - ref_loss) / max(1.0, abs(ref_loss))
+    assert loss_err <= tol["loss"], (what, "loss", loss, ref_loss, loss_err)
+    assert rel_norm <= tol["rel_norm"], (what, "rel_norm", rel_norm)
+    assert worst <= tol["worst"], (what, "worst", worst)

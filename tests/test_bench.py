@@ -102,15 +102,65 @@ def test_quick_bench_report_files(quick_result):
     assert data["command"] == "python -m megatron_csbp.bench --quick" and data["rows"]
 
 
-def test_saved_report_shows_half_traffic():
-    """The committed default run: CSBP (CP = BP = P) moves at most half of CP's bytes."""
-    path = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "cpu.json")
-    if not os.path.exists(path):
-        pytest.skip("docs/benchmarks/cpu.json not generated")
-    rows = json.load(open(path))["rows"]
-    csbp = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"]]
-    assert csbp and all(r["traffic_vs_cp"] <= 0.5 for r in csbp)
-    assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows)
+SAVED = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
+
+
+def _measured(row, rank):
+    """One rank's record as `bench.worker` returns it, from a saved row's per-rank measurements."""
+    per_layer = row["attn_bytes_per_layer_rank0"] if rank == 0 else {}
+    if "attn_bytes_sent_per_layer_per_rank" in row:
+        per_layer = {k: {"forward_sent": v} for k, v in row["attn_bytes_sent_per_layer_per_rank"][rank].items()}
+    return dict(case=row["case"], cp=row["cp"], bp=row["bp"], transport=row["transport"], schedule=row["schedule"],
+                attention=row.get("attention"), seq_length=row["seq_length"], median_step_s=row["median_step_s"],
+                step_times_s=row["step_times_s"], loss_step0=row["loss_step0"], rows=row["rows_per_rank"][rank],
+                attn_bytes_sent=row["attn_bytes_sent_per_rank"][rank], attn_bytes_received=row["attn_bytes_received"],
+                attn_bytes_per_layer=per_layer, peak_tensor_bytes=row["peak_tensor_bytes_per_rank"][rank],
+                static_tensor_bytes=row["static_tensor_bytes_per_rank"][rank],
+                rss_high_water_bytes=row["rss_high_water_bytes_per_rank"][rank])
+
+
+def rerender_saved(name, out_dir):
+    """(markdown, rows) of a committed report rebuilt by the code from its measurements alone:
+    formulas, ratios, headline and every line of the markdown come from `bench.runner` and
+    `bench.report` as they are now, not from the derived fields saved with the run."""
+    from megatron_csbp.bench.cases import BenchConfig, BenchModel, DiffusionGemmaBenchModel
+    from megatron_csbp.bench.report import dg_headline, load, markdown, plots
+    from megatron_csbp.bench.runner import add_ratios, aggregate
+
+    saved = load(os.path.join(SAVED, f"{name}.json"))
+    c = saved["config"]
+    model = (DiffusionGemmaBenchModel if c["model"].get("arch") == "diffusiongemma-hybrid" else BenchModel)(**c["model"])
+    cfg = BenchConfig(model=model, seq_lengths=tuple(c["seq_lengths"]), sizes=tuple(c["sizes"]),
+                      layouts=tuple(c["layouts"]), warmup=c["warmup"], steps=c["steps"], seed=c["seed"],
+                      measure_memory=c["measure_memory"])
+    rows = []
+    for P in dict.fromkeys(r["P"] for r in saved["rows"]):  # worlds in run order
+        world = [r for r in saved["rows"] if r["P"] == P]
+        rows += aggregate(cfg, [[_measured(r, rank) for r in world] for rank in range(P)])
+    add_ratios(rows)
+    result = dict(config=c, environment=saved["environment"], rows=rows)
+    if isinstance(model, DiffusionGemmaBenchModel):
+        result["headline"] = dg_headline(rows)
+    return markdown(result, saved["command"], plots(result, str(out_dir), name)), result
+
+
+@pytest.mark.parametrize("name", ["cpu", "diffusiongemma"])
+def test_saved_report_is_what_the_code_renders(name, tmp_path):
+    """The committed reports (docs/benchmarks/NAME.md) equal what the code renders from the
+    measurements: a change to the formulas, the ratios or the report shows up as a diff here
+    (refresh with `python -m megatron_csbp.bench --from-json docs/benchmarks/NAME.json
+    --output-dir docs/benchmarks`)."""
+    md, result = rerender_saved(name, tmp_path)
+    committed = open(os.path.join(SAVED, f"{name}.md")).read()
+    assert md.splitlines() == committed.splitlines()
+    rows = result["rows"]
+    if name == "cpu":  # measured = formula everywhere; CSBP with CP = BP = P moves half of CP or less
+        assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows)
+        csbp = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"]]
+        assert csbp and all(r["traffic_vs_cp"] <= 0.5 for r in csbp)
+    else:  # >= 10x ratio of ratios at every L; measured = formula wherever there is one
+        assert result["headline"] and all(h["bytes_ratio_of_ratios"] >= 10 for h in result["headline"])
+        assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows if r["formula_bytes_sent"] is not None)
 
 
 def test_report_rerenders_from_json(quick_result, tmp_path):
@@ -197,14 +247,3 @@ def test_diffusiongemma_quick_report(dg_quick_result, tmp_path):
     again = (tmp_path / "diffusiongemma_quick.md").read_text().split("## Plots")[0].rstrip()
     assert again == md.split("## Plots")[0].rstrip()
 
-
-def test_saved_diffusiongemma_report():
-    """The committed `--model diffusiongemma-hybrid` run: >= 10x ratio of ratios at every L."""
-    path = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "diffusiongemma.json")
-    if not os.path.exists(path):
-        pytest.skip("docs/benchmarks/diffusiongemma.json not generated")
-    data = json.load(open(path))
-    assert data["headline"] and all(h["bytes_ratio_of_ratios"] >= 10 for h in data["headline"])
-    for r in data["rows"]:
-        if r["formula_bytes_sent"] is not None:
-            assert r["attn_bytes_sent"] == r["formula_bytes_sent"], r["case"]

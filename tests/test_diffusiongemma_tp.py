@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.gradients import EXACT_DTYPE, MOE_TOL
 
 torch.set_num_threads(1)
 
@@ -24,7 +25,7 @@ V, L, B, TP = 96, 16, 4, 2
 def _config(**kw):
     from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
 
-    return tiny_megatron_config(sliding_window=3, **kw)
+    return tiny_megatron_config(sliding_window=3, params_dtype=EXACT_DTYPE, **kw)
 
 
 def _inputs():
@@ -32,8 +33,8 @@ def _inputs():
     clean = torch.randint(0, V, (2, L), generator=g)
     noisy = torch.randint(0, V, (2, L), generator=g)
     clean[1, 5] = 0
-    sc = 3 * torch.randn(2, L, V, generator=g)
-    weight = torch.randn(2, L, V, generator=g)
+    sc = (3 * torch.randn(2, L, V, generator=g)).to(EXACT_DTYPE)
+    weight = torch.randn(2, L, V, generator=g).to(EXACT_DTYPE)
     return clean, noisy, sc, weight
 
 
@@ -109,6 +110,7 @@ def reference(megatron_single_rank):
     return dict(logits=logits, grads=grads, path=path)
 
 
+@pytest.mark.exactness
 def test_tp2_sequence_parallel_equals_one_rank(reference):
     results = run_distributed(_tp_rank, TP, reference["path"])
     logits = torch.cat([r["logits"] for r in results], dim=-1)
@@ -119,4 +121,5 @@ def test_tp2_sequence_parallel_equals_one_rank(reference):
             worst = max(worst, ((res["grads"][name] - _shard(name, ref, rank)).abs().max()
                                 / ref.abs().max().clamp_min(1e-6)).item())
     print(f"TP=2+SP: max |logit diff| {diff:.2e}, worst relative gradient difference {worst:.2e}")
-    assert diff < 1e-4 and worst < 1e-4
+    # float64 except Megatron's fp32 router softmax: tests/gradients.py (MOE_TOL; logits |l| <= 30).
+    assert diff < 30 * MOE_TOL["loss"] and worst < MOE_TOL["worst"]

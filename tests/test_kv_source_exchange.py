@@ -20,14 +20,16 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import gradient_error
+from tests.gradients import EXACT_DTYPE, MOE_TOL, check_close, gradient_error
 
 V, L, B, W, BATCH = 96, 16, 4, 3, 2
 
 
 def _config(sliding_k_eq_v=False, **kw):
+    """float64 unless `params_dtype` says otherwise (the exactness tests: tests/gradients.py)."""
     from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
 
+    kw.setdefault("params_dtype", EXACT_DTYPE)
     return tiny_megatron_config(sliding_window=W, sliding_k_eq_v=sliding_k_eq_v, **kw)
 
 
@@ -225,16 +227,17 @@ def _rank(rank, world):
     return out
 
 
+@pytest.mark.exactness
 def test_csbp_with_kv_source_equals_one_rank_and_moves_half_the_bytes():
     results = run_distributed(_rank, 2)
     for case, res in zip(CASES, results[0]):
-        print(f"{case}: loss {res['loss']:.7f} (1 rank {res['ref']:.7f}), |g - g1|/|g1| {res['rel_norm']:.2e}, "
+        print(f"{case}: loss {res['loss']:.12f} (1 rank {res['ref']:.12f}), |g - g1|/|g1| {res['rel_norm']:.2e}, "
               f"worst {res['worst']:.2e}; bytes per layer {res['per_layer']}")
     for per_rank in results:
         for case, res in zip(CASES, per_rank):
             sliding_k_eq_v, cp, bp, transport, send, recompute = case
-            assert abs(res["loss"] - res["ref"]) <= 1e-5 * max(1.0, abs(res["ref"])), (case, res)
-            assert res["rel_norm"] < 1e-5 and res["worst"] < 1e-4, (case, res)
+            # float64 except Megatron's fp32 router softmax: tests/gradients.py (MOE_TOL).
+            check_close(res["loss"], res["ref"], res["worst"], res["rel_norm"], MOE_TOL, case)
             for layer, e in res["expected"].items():
                 raw_moves = e["k_eq_v"] and send and bp > 1  # CSBP with a source; CP moves K and V
                 assert e["raw"] * 2 == e["kv"]
@@ -263,16 +266,16 @@ def _tp_rank(rank, world):
     return out
 
 
+@pytest.mark.exactness
 def test_tp2_sequence_parallel_csbp_source_equals_k_and_v():
     results = run_distributed(_tp_rank, 4)
     for res in results[0]:
         c = res["cmp"]
-        print(f"TP=2+SP, CSBP {res['transport']}: loss {c['loss']:.7f} (K and V {c['ref']:.7f}), "
-              f"|dg|/|g| {c['rel_norm']:.2e}; bytes per layer {c['per_layer']} (K and V {res['kv_bytes']})")
+        print(f"TP=2+SP, CSBP {res['transport']}: loss {c['loss']:.12f} (K and V {c['ref']:.12f}), "
+              f"|dg|/|g| {c['rel_norm']:.2e}, worst {c['worst']:.2e}; bytes per layer {c['per_layer']} (K and V {res['kv_bytes']})")
     for per_rank in results:
         for res in per_rank:
             c = res["cmp"]
-            assert abs(c["loss"] - c["ref"]) <= 1e-6 * max(1.0, abs(c["ref"])), res
-            assert c["rel_norm"] < 1e-6 and c["worst"] < 1e-5, res
+            check_close(c["loss"], c["ref"], c["worst"], c["rel_norm"], MOE_TOL, res["transport"])
             for layer, e in c["expected"].items():
                 assert c["per_layer"][layer] == e["raw"] and res["kv_bytes"][layer] == e["kv"], (layer, e, res)

@@ -1,5 +1,6 @@
 """Model-level exactness: a tiny megatron-core GPTModel trained as a BDLM gives the same loss and
-the same parameter gradients (<= 1e-5 relative) on 1 rank and under CP, BP, CSBP and TP x CSBP.
+the same parameter gradients on 1 rank and under CP, BP, CSBP and TP x CSBP, in float64 (the error
+model and tolerances are tests/gradients.py's FP64_TOL).
 
 Each spawned rank first computes the single-device reference in-process (Megatron initialised
 with TP = 1 and no sequence parallelism: every rank is a data-parallel replica, no collective
@@ -13,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
+from tests.gradients import EXACT_DTYPE, FP64_TOL
+
+pytestmark = pytest.mark.exactness
 
 L, B, VOCAB, BATCH = 32, 4, 64, 2
 
@@ -31,16 +35,18 @@ def build_gpt(sequence_parallel=False, recompute=False, tp=1, seed=1234):
         num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
         use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, normalization="RMSNorm",
-        **extra,
+        params_dtype=EXACT_DTYPE, **extra,
     )
     # Megatron's TP code forks named RNG states (CPU generator under the compat shim).
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    return GPTModel(config, with_block_diffusion_attention(get_gpt_layer_local_spec(normalization="RMSNorm")),
-                    vocab_size=VOCAB, max_sequence_length=L, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+    gpt = GPTModel(config, with_block_diffusion_attention(get_gpt_layer_local_spec(normalization="RMSNorm")),
+                   vocab_size=VOCAB, max_sequence_length=L, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=False)
+    # Megatron's torch-norm fallback (no Apex) builds its weights in fp32 whatever params_dtype says.
+    return gpt.to(EXACT_DTYPE)
 
 
 def batch():
@@ -159,6 +165,9 @@ def test_model_loss_and_grads_match_single_rank(world):
     for i, c in enumerate(cases):
         for rank, per_rank in enumerate(results):
             r = per_rank[i]
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), (c, rank, r["loss"], r["ref_loss"])
             worst = max(r["errors"].items(), key=lambda kv: kv[1])
-            assert worst[1] <= 1e-5, (c, rank, worst)
+            if rank == 0:
+                print(f"{c}: loss |diff|/|l1| {abs(r['loss'] - r['ref_loss']) / abs(r['ref_loss']):.1e}, "
+                      f"worst per-parameter max|g - g1|/max|g1| {worst[1]:.1e} ({worst[0]})")
+            assert abs(r["loss"] - r["ref_loss"]) <= FP64_TOL["loss"] * abs(r["ref_loss"]), (c, rank, r["loss"], r["ref_loss"])
+            assert worst[1] <= FP64_TOL["worst"], (c, rank, worst)

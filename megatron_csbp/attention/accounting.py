@@ -1,10 +1,12 @@
 """Bytes moved by attention collectives, per rank, per layer and per step.
 
 Every transport records what this rank sends and receives for each collective it issues. The
-numbers are logical: an all-gather of P shards of S bytes sends and receives (P-1)*S on every rank
-(the ring algorithm's volume), a reduce-scatter the same, a ring shift one shard each way. Gloo's
-reduce-scatter is emulated by all-reduce plus slice; it is still counted as the reduce-scatter a
-GPU run would issue, so CPU measurements match the formulas and the GPU behaviour.
+numbers are logical bytes, computed from the sizes of the tensors handed to the collectives: an
+all-gather of P shards of S bytes sends and receives (P-1)*S on every rank (the ring algorithm's
+volume), a reduce-scatter the same, a ring shift one shard each way, an all-to-all the rows it
+sends and receives. tests/test_traffic_collectives.py checks them equal to the bytes counted by a
+wrapper around torch.distributed's collectives (2 gloo ranks, all-gather and ring transports).
+What the wire carries on top (protocol headers, an all-reduce fallback's extra pass) is not counted.
 """
 from __future__ import annotations
 

@@ -1,17 +1,20 @@
-"""Partial attention kernels that return the log-sum-exp, and the fp32 merge of partials.
+"""Partial attention kernels that return the log-sum-exp, and the merge of partials, both computed
+in at least fp32 (fp64 for fp64 inputs: `utils.precision.compute_dtype`).
 
 A partial attends a set of queries to one set of keys under a boolean mask (built from row
 metadata by `layout.masks.allowed`). Partials over disjoint key sets combine exactly with their
 log-sum-exp statistics, which is how local noisy keys, gathered clean keys and ring chunks meet.
 
 Shapes follow Megatron's core attention: q [sq, b, H, d], k/v [sk, b, G, d] with G | H (GQA);
-outputs [sq, b, H, d] and lse [b, H, sq] in fp32.
+outputs [sq, b, H, d] in the input dtype and lse [b, H, sq] in at least fp32.
 """
 from __future__ import annotations
 
 from typing import List, Tuple
 
 import torch
+
+from megatron_csbp.utils.precision import at_least_fp32, compute_dtype
 
 # Masked scores are set to a large finite negative number rather than -inf: a query with no
 # allowed key in one partial then gets a finite lse that the merge weights by exactly 0, and no
@@ -22,15 +25,15 @@ MASKED_SCORE = -1.0e30
 def math_partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, softmax_scale: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Explicit fp32 attention (CPU or any device), differentiable in q, k, v and the lse."""
+    """Explicit attention in at least fp32 (CPU or any device), differentiable in q, k, v and the lse."""
     sq, b, H, d = q.shape
     sk, G = k.shape[0], k.shape[2]
     rep = H // G
     dtype = q.dtype
     # [b, G, rep, sq, d] x [b, G, sk, d] -> [b, G, rep, sq, sk]
-    qg = q.float().permute(1, 2, 0, 3).reshape(b, G, rep, sq, d)
-    kg = k.float().permute(1, 2, 0, 3)
-    vg = v.float().permute(1, 2, 0, 3)
+    qg = at_least_fp32(q).permute(1, 2, 0, 3).reshape(b, G, rep, sq, d)
+    kg = at_least_fp32(k).permute(1, 2, 0, 3)
+    vg = at_least_fp32(v).permute(1, 2, 0, 3)
     scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, kg) * softmax_scale
     scores = scores.masked_fill(~allowed.to(scores.device), MASKED_SCORE)
     lse = torch.logsumexp(scores, dim=-1)
@@ -41,10 +44,10 @@ def math_partial_attention(
 
 
 def merge_partials(partials: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Exact combination of partial attentions over disjoint key sets, in fp32."""
+    """Exact combination of partial attentions over disjoint key sets, in at least fp32."""
     if len(partials) == 1:
         return partials[0]
-    outs = torch.stack([o.float() for o, _ in partials])  # [n, sq, b, H, d]
+    outs = torch.stack([at_least_fp32(o) for o, _ in partials])  # [n, sq, b, H, d]
     lses = torch.stack([l for _, l in partials])  # [n, b, H, sq]
     lse = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - lse).permute(0, 3, 1, 2).unsqueeze(-1)  # [n, sq, b, H, 1]
@@ -102,7 +105,7 @@ def flex_partial_attention(
         out, lse = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True)
     # Rows with no allowed key get -inf: clamp so the merge weights them by exactly zero, like
     # the math kernel.
-    lse = lse.float().clamp_min(MASKED_SCORE)
+    lse = lse.to(compute_dtype(q.dtype)).clamp_min(MASKED_SCORE)
     return out.permute(2, 0, 1, 3), lse
 
 

@@ -31,14 +31,18 @@ def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
     """Sum over the group, keep this rank's equal share of rows (dim 0)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     rows = full.shape[0] // P
-    if _uses_gloo(group):
-        # gloo: all-reduce + slice (counted as the reduce-scatter a GPU run issues).
-        full = full.contiguous().clone()
-        dist.all_reduce(full, group=group)
-        return full[r * rows : (r + 1) * rows].contiguous()
     out = torch.empty((rows,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
-    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
-    return out
+    try:
+        dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+        return out
+    except (RuntimeError, NotImplementedError):
+        if not _uses_gloo(group):
+            raise
+    # gloo of torch releases without reduce-scatter (the pinned CPU torch has it): all-reduce +
+    # slice, still counted as the reduce-scatter it stands for.
+    full = full.contiguous().clone()
+    dist.all_reduce(full, group=group)
+    return full[r * rows : (r + 1) * rows].contiguous()
 
 
 class PendingGather:

@@ -34,8 +34,10 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         f"- step = forward + backward + one all-reduce of parameter gradients over the sequence group + "
         f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
         "the slowest rank's step.",
-        "- traffic: bytes each rank *sends* in attention collectives per step (forward + backward, all layers), "
-        "from `megatron_csbp.attention.accounting.traffic_counter()`; received bytes are equal. The formula "
+        "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
+        "layers): the sizes of the tensors handed to the collectives, from "
+        "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the process-group "
+        "layer: `tests/test_traffic_collectives.py`); received bytes are equal. The formula "
         "column is the design brief's per-layer `8*L*G*d*s*(P-1)/P` (CP) and `4*L*G*d*s*(C-1)/C` (CSBP, ring of "
         "C ranks) times layers.",
         "- memory: peak live tensor bytes of one extra (untimed) step per rank, with weights, gradients, "
@@ -54,7 +56,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         by_p.setdefault(r["P"], []).append(r)
     for P in sorted(by_p):
         out += [f"## P = {P}" if P > 1 else "## Single rank", ""]
-        out += ["| L | layout | CP | BP | step ms | tok/s | time vs CP | attn MiB sent/rank | vs CP | formula MiB "
+        out += ["| L | layout | CP | BP | step ms | tok/s | time vs CP | attn logical MiB sent/rank | vs CP | formula MiB "
                 "| measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(by_p[P], key=lambda r: (r["seq_length"],)):
@@ -145,8 +147,10 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         f"- step = forward + backward + one all-reduce of parameter gradients over the sequence group + "
         f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
         "the slowest rank's step.",
-        "- traffic: bytes each rank *sends* in attention collectives per step (forward + backward, all layers), "
-        "from `megatron_csbp.attention.accounting.traffic_counter()`; the table shows the largest rank. Formula: "
+        "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
+        "layers): the sizes of the tensors handed to the collectives, from "
+        "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the process-group "
+        "layer: `tests/test_traffic_collectives.py`); the table shows the largest rank. Formula: "
         "per layer `8*L*G*d*s*(P-1)/P` (CP, K and V on every layer), `4*L*G*d*s*(C-1)/C` (CSBP, full attention) "
         "and half of that on the K=V layer; CSBP's windowed sliding layers have no closed formula (–).",
         "- memory: peak live tensor bytes of one extra (untimed) step per rank (`megatron_csbp/bench/memory.py`), "
@@ -169,7 +173,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
                        f"{_ratio(h['memory_full'])} |")
         out.append("")
     out += ["## Cases", "",
-            "| L | case | attention | CP | BP | step ms | time vs CP | attn bytes sent/rank | vs CP | formula bytes "
+            "| L | case | attention | CP | BP | step ms | time vs CP | attn logical bytes sent/rank | vs CP | formula bytes "
             "| peak MiB (max rank) | vs CP | loss step 0 | vs single |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["seq_length"], r["attention"] != "hybrid", r["P"], r["bp"])):
@@ -182,7 +186,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
             f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
             f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
     out.append("")
-    out += ["## Bytes sent per layer (rank 0)", "",
+    out += ["## Logical bytes sent per layer (rank 0)", "",
             "| L | case | " + " | ".join(f"layer {i + 1} ({t})" for i, t in enumerate(types)) + " |",
             "|---|---|" + "---|" * len(types)]
     for r in sorted((r for r in rows if r["P"] > 1), key=lambda r: (r["seq_length"], r["attention"] != "hybrid",

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as mpu
-from megatron.core import tensor_parallel
 
 from megatron_csbp.attention.block_attention import AttentionPlan, plan_for_layout
 from megatron_csbp.attention.core_attention import plan_mask
@@ -38,6 +37,7 @@ from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.model.rotary import LayoutRotaryEmbedding
 from megatron_csbp.model.spec import count_block_attention
 from megatron_csbp.objectives.base import Objective
+from megatron_csbp.utils.precision import at_least_fp32, compute_dtype, vocab_parallel_cross_entropy
 
 
 @dataclass
@@ -58,7 +58,7 @@ class BlockDiffusionModel(torch.nn.Module):
             raise ValueError("multi-token prediction rolls labels over the CP group: not supported with block diffusion")
         if gpt.position_embedding_type == "rope":
             if not isinstance(gpt.rotary_pos_emb, LayoutRotaryEmbedding):
-                gpt.rotary_pos_emb = LayoutRotaryEmbedding(gpt.rotary_pos_emb)
+                gpt.rotary_pos_emb = LayoutRotaryEmbedding(gpt.rotary_pos_emb, compute_dtype(gpt.config.params_dtype))
         elif gpt.position_embedding_type != "none":
             raise ValueError(f"--position-embedding-type {gpt.position_embedding_type} is not supported (use rope or none)")
         objective.check_vocab(gpt.vocab_size)
@@ -261,7 +261,7 @@ class BlockDiffusionModel(torch.nn.Module):
 
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
         """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
-        logits_f = logits.float()
+        logits_f = at_least_fp32(logits)
         if self.objective.exclude_mask_from_softmax:
             logits_f = self._exclude_token(logits_f, self.objective.mask_token_id)
         is_target = targets >= 0
@@ -271,7 +271,7 @@ class BlockDiffusionModel(torch.nn.Module):
         logits_sb = logits_f.transpose(0, 1)
         logits_sb = (logits_sb.clone(memory_format=torch.contiguous_format) if logits_sb.data_ptr() == logits.data_ptr()
                      else logits_sb.contiguous())
-        ce = tensor_parallel.vocab_parallel_cross_entropy(
+        ce = vocab_parallel_cross_entropy(
             logits_sb, safe_targets.transpose(0, 1).contiguous()
         ).transpose(0, 1)
         weighted = (ce * weights * is_target).sum()

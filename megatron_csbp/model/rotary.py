@@ -4,6 +4,10 @@ Megatron's RotaryEmbedding ignores position ids and slices by its own zigzag CP 
 layouts reorder rows (and noisy and clean copies of a token share one position), so the angles
 must come from each row's position. This wrapper keeps Megatron's frequencies (rope scaling,
 interpolation) and only changes which positions are used.
+
+The angles are Megatron's (fp32 products), handed out in `dtype` (the model's compute dtype): an
+fp64 model then takes cos/sin in fp64, whose rounding does not depend on how many rows a rank
+holds (fp32 cos/sin, vectorised over a layout-dependent row count, can differ by an ulp).
 """
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ import torch
 
 
 class LayoutRotaryEmbedding(torch.nn.Module):
-    def __init__(self, base: torch.nn.Module):
+    def __init__(self, base: torch.nn.Module, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.base = base
+        self.dtype = dtype
         self.positions = None  # set by BlockDiffusionModel before each forward
 
     def get_rotary_seq_len(self, *args, **kwargs):
@@ -31,4 +36,4 @@ class LayoutRotaryEmbedding(torch.nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
         else:
             emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-        return emb[:, None, None, :]
+        return emb[:, None, None, :].to(self.dtype)

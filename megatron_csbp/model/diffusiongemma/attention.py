@@ -31,6 +31,7 @@ from megatron_csbp.attention.block_attention import KVSource
 from megatron_csbp.attention.core_attention import with_kv_source
 from megatron_csbp.model.diffusiongemma.norms import WeightlessRMSNorm
 from megatron_csbp.model.diffusiongemma.rotary import layer_rotary_angles, select_table
+from megatron_csbp.utils.precision import compute_dtype
 
 try:  # the rotary scale Megatron's attention applies (1 unless YaRN)
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
@@ -114,6 +115,7 @@ class DiffusionGemmaSelfAttention(SelfAttention):
             if device not in self._inv_freq:
                 self._inv_freq[device] = self.config.rope_inv_freq(self.layer_kind).to(device)
             angles = layer_rotary_angles(self._inv_freq[device], positions.to(device))
+            angles = angles.to(compute_dtype(self.config.params_dtype))  # as LayoutRotaryEmbedding hands them out
             key = apply_rotary_pos_emb(key, angles, config=self.config, mscale=_rotary_mscale(self.config),
                                        cp_group=self.pg_collection.cp)
         return key, value

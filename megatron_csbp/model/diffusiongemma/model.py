@@ -37,11 +37,12 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_csbp.model.diffusiongemma.layer import diffusion_gemma_block_spec, local_is_clean, physical_is_clean, plan_or_none
 from megatron_csbp.model.diffusiongemma.norms import GemmaRMSNorm, rms_normalize
 from megatron_csbp.model.diffusiongemma.rotary import GemmaRotaryTables
+from megatron_csbp.utils.precision import at_least_fp32
 
 
 def vocab_parallel_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """fp32 softmax over a vocabulary split across TP ranks (the local shard of the result)."""
-    logits = logits.float()
+    """Softmax in at least fp32 over a vocabulary split across TP ranks (the local shard of the result)."""
+    logits = at_least_fp32(logits)
     m = logits.max(dim=-1, keepdim=True)[0]
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     if tp > 1:
@@ -55,7 +56,7 @@ def vocab_parallel_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class _SoftCap(torch.autograd.Function):
-    """cap * tanh(float(x) / cap). Backward recomputes tanh from the saved input, so the returned
+    """cap * tanh(x / cap) in at least fp32. Backward recomputes tanh from the saved input, so the returned
     logits may be modified in place by the consumer, as Megatron's vocab-parallel cross entropy
     does (torch.tanh would save its output and fail, or silently go wrong, afterwards)."""
 
@@ -63,12 +64,12 @@ class _SoftCap(torch.autograd.Function):
     def forward(ctx, x, cap: float):
         ctx.save_for_backward(x)
         ctx.cap = cap
-        return torch.tanh(x.float() / cap) * cap
+        return torch.tanh(at_least_fp32(x) / cap) * cap
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        t = torch.tanh(x.float() / ctx.cap)
+        t = torch.tanh(at_least_fp32(x) / ctx.cap)
         return (grad * (1 - t * t)).to(x.dtype), None
 
 

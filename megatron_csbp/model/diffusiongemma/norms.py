@@ -1,4 +1,4 @@
-"""Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w` computed in fp32 with a plain weight `w`
+"""Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w` computed in at least fp32 (fp64 for fp64 inputs) with a plain weight `w`
 (not Gemma 3's `1 + w`), cast back to the input dtype; optionally without a weight (`v_norm`, the
 router's input norm, the canvas post-norm). Signature of a Megatron norm module."""
 from __future__ import annotations
@@ -7,10 +7,12 @@ import torch
 
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_csbp.utils.precision import at_least_fp32
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 RMS normalisation without weight (returns fp32)."""
-    xf = x.float()
+    """RMS normalisation without weight in at least fp32 (returns that dtype)."""
+    xf = at_least_fp32(x)
     return xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
 
 
@@ -27,7 +29,7 @@ class GemmaRMSNorm(MegatronModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = rms_normalize(x, self.eps)
         if self.with_scale:
-            out = out * self.weight.float()
+            out = out * at_least_fp32(self.weight)
         return out.type_as(x)
 
 
