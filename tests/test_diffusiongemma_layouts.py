@@ -158,7 +158,10 @@ def _check(results):
             # |logit| ~ 30) moves the gradients by 2.1e-5 (|dg|/|g|). That is the SFT floor here;
             # without self-conditioning the layouts agree to < 1e-5.
             assert res["rel_norm"] < (3e-5 if res["objective"] == "sft" else 1e-5), res
-            assert res["worst"] < 1e-4, res
+            # Per parameter the same floor shows on the smallest-gradient tensor: with the fp32
+            # math kernel the SFT worst case is 8.8e-5, with the fp32 tiled kernel 1.04e-4 (the two
+            # kernels agree to 1e-12 in fp64, tests/test_tiled.py: only their rounding differs).
+            assert res["worst"] < (3e-4 if res["objective"] == "sft" else 1e-4), res
 
 
 def test_layouts_equal_single_rank():
