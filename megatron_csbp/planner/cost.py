@@ -140,6 +140,50 @@ def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: 
     return s * (attn + mlp + moe + lse) / tp
 
 
+def _clean_partials(lay: Layout, ring: int) -> int:
+    """Partials over clean keys (CP: over all keys) a rank runs per layer: one after an all-gather,
+    one per ring member when streamed."""
+    if lay.kind in ("cp", "csbp") and lay.transport == "ring":
+        return ring if lay.kind == "csbp" else lay.seq
+    return 1
+
+
+def partials_in_flight_bytes(w, layer: LayerShape, tp: int, s: int, lay: Layout, ring: int) -> float:
+    """What a row-vector kernel (tiled, flex) and the streamed merge keep for backward per layer
+    beyond Megatron's per-row activations: per partial, its output in the kernel's fp32 (fp32
+    inputs: the returned output shares it; else a second copy of `s` bytes) and fp32 lse, and the
+    merge's two fp32 weights per query and head. The block-diagonal partial covers the noisy rows,
+    each clean partial (one after an all-gather, one per ring chunk) all rows."""
+    heads = max(1, layer.num_heads // tp)
+    out_row = heads * (layer.head_dim * (4 if s == 4 else 4 + s) + 4 + 8)
+    q_rows = w.noisy_rows + w.rows * _clean_partials(lay, ring)
+    return q_rows * out_row
+
+
+def attention_transient_bytes(w, layer: LayerShape, tp: int, lay: Layout, ring: int, q_tile: int = 256,
+                              run_keys: int = 2048) -> float:
+    """Working set of one tiled-kernel backward (live once, at the peak, not per layer): fp32
+    grouped copies of q, k, v and their gradients, plus about five [heads x q tile x run] fp32
+    chunk buffers (scores / probabilities, dP, dS and two matmul results)."""
+    heads = max(1, layer.num_heads // tp)
+    kv_heads = max(1, -(-layer.num_kv_heads // tp))
+    keys = w.clean_rows + w.kv_rows_gathered
+    copies = 2 * 4 * layer.head_dim * (w.rows * heads + 2 * keys * kv_heads)
+    chunks = 5 * 4 * heads * q_tile * min(run_keys, max(1, keys))
+    return copies + chunks
+
+
+def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
+    """Masks a plan keeps per attention window: row vectors (13 bytes a query, 9 a key) and
+    tile tables (2 bytes a 256 x 256 tile) of each partial: linear in the rows (the tables in the
+    tiles). At L = 256K on 16 ranks (CSBP): 2.7 MiB of vectors and 0.3 MiB of tables."""
+    keys = w.clean_rows + w.kv_rows_gathered
+    parts = _clean_partials(lay, ring)
+    vectors = 13 * w.rows * parts + 9 * keys
+    tables = 2 * (-(-w.rows // tile)) * (-(-keys // tile))
+    return vectors + tables
+
+
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.seq
     s = hw.dtype_bytes
@@ -172,7 +216,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             if layer.num_experts:
                 moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
                 t["moe_gemm"] += moe_flops * (3 + (1 if recompute else 0)) / (peak * hw.grouped_gemm_efficiency)
-            pairs = w.sparse_pairs if hw.attention_kernel == "sparse" else w.dense_pairs
+            pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
             heads_t = max(1, layer.num_heads // tp)
             attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
             attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
@@ -264,6 +308,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 # the math kernel keeps fp32 scores, probabilities and the masked copy of every
                 # partial's rectangle for backward (3 x 4 bytes per computed pair and head)
                 scores = 12 * w.dense_pairs * max(1, layer.num_heads // tp)
+            else:
+                scores = partials_in_flight_bytes(w, layer, tp, s, lay, ring)
             per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores)
         if recompute:
             act = rows * h * s / tp * model.num_layers + max(per_layer)
@@ -271,6 +317,10 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             act = sum(per_layer)
         if hw.attention_kernel == "dense_partials":
             act += sum(work[w][r].dense_pairs for w in windows)  # boolean masks cached by the plan
+        else:
+            act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)  # row vectors + tile tables
+            act += max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                       for layer in model.layers)
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + logits, act, logits))
