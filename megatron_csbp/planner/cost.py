@@ -149,7 +149,7 @@ def _clean_partials(lay: Layout, ring: int) -> int:
 
 
 def partials_in_flight_bytes(w, layer: LayerShape, tp: int, s: int, lay: Layout, ring: int) -> float:
-    """What a row-vector kernel (tiled, flex) and the streamed merge keep for backward per layer
+    """What the tiled kernel and the streamed merge keep for backward per layer
     beyond Megatron's per-row activations: per partial, its output in the kernel's fp32 (fp32
     inputs: the returned output shares it; else a second copy of `s` bytes) and fp32 lse, and the
     merge's two fp32 weights per query and head. The block-diagonal partial covers the noisy rows,
@@ -308,7 +308,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 # the math kernel keeps fp32 scores, probabilities and the masked copy of every
                 # partial's rectangle for backward (3 x 4 bytes per computed pair and head)
                 scores = 12 * w.dense_pairs * max(1, layer.num_heads // tp)
-            else:
+            elif hw.attention_kernel == "tiled":
                 scores = partials_in_flight_bytes(w, layer, tp, s, lay, ring)
             per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores)
         if recompute:
@@ -319,8 +319,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             act += sum(work[w][r].dense_pairs for w in windows)  # boolean masks cached by the plan
         else:
             act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)  # row vectors + tile tables
-            act += max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
-                       for layer in model.layers)
+            if hw.attention_kernel == "tiled":
+                act += max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                           for layer in model.layers)
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + logits, act, logits))

@@ -32,9 +32,10 @@ class HardwareProfile:
     collective_latency_us: float  # fixed cost of one collective
     dtype_bytes: int = 2  # activations / K/V element size
     # 'sparse': the kernel only computes the mask's allowed (query, key) pairs (FlexAttention's
-    # block masks on GPU; the tiled kernel, the CPU default, in its occupied tiles); both keep
-    # row-vector masks and per-partial outputs (`cost.partials_in_flight_bytes`). 'dense_partials':
-    # each partial computes every pair of its query x key rectangle and masks afterwards (the CPU
+    # block masks on GPU), masks kept as row vectors; 'tiled': the same work on the tiled kernel
+    # (the CPU default), whose per-partial outputs and backward working set are counted too
+    # (`cost.partials_in_flight_bytes`, `cost.attention_transient_bytes`); 'dense_partials': each
+    # partial computes every pair of its query x key rectangle and masks afterwards (the CPU
     # math kernel, `--attention-kernel math`).
     attention_kernel: str = "sparse"
     grad_reduce_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward

@@ -220,8 +220,8 @@ def bench_markdown(rows: List[Dict], hw: HardwareProfile) -> str:
 
 def long_context_validation(result: Dict, hw: HardwareProfile) -> List[Dict]:
     """Predicted peak memory per rank vs the long-context benchmark's tensor peak
-    (`bench.long_context`): the tiled rows against the row-vector model (`attention_kernel`
-    'sparse'), the math rows against 'dense_partials'."""
+    (`bench.long_context`): the tiled rows against `attention_kernel` 'tiled', the math rows
+    against 'dense_partials'."""
     from dataclasses import replace
 
     from megatron_csbp.planner.model_config import LayerShape, ModelConfig
@@ -235,7 +235,7 @@ def long_context_validation(result: Dict, hw: HardwareProfile) -> List[Dict]:
     rows = []
     for r in result["rows"]:
         cp, bp = shapes[r["case"]]
-        kernel = "dense_partials" if r["kernel"] == "math" else "sparse"
+        kernel = "dense_partials" if r["kernel"] == "math" else "tiled"
         lay = Layout(1, cp, bp, 1, 1, "none", "allgather", "mirrored", distributed_optimizer=False)
         e = estimate(model, lay, Workload(r["seq_length"], m["block_size"], global_batch_size=1),
                      replace(hw, attention_kernel=kernel, reserved_gib=0.0), gpus_per_node=max(cp, bp))
