@@ -3,7 +3,9 @@ single, CP and CSBP (P = 2) from 2K to 32K tokens, the tiled kernel (row-vector 
 linear in the rows) against the math kernel (dense [rows x keys] scores and mask per partial,
 what every partial did before), the latter only at lengths where it fits.
 
-`python -m megatron_csbp.bench --long-context` (defaults below; `--seq-lengths`, `--old-max-length`).
+`python -m megatron_csbp.bench --long-context` (defaults below; `--seq-lengths`, `--old-max-length`,
+`--sizes 1` or `--sizes 2` for one world only; `--from-json X.records.jsonl` renders what a run
+wrote so far, or several runs' records concatenated).
 
 Per (kernel, layout, L) and rank it records
 - the step time (forward, backward, gradient all-reduce, AdamW: one untimed warm step for L <=
@@ -41,6 +43,7 @@ class LongContextConfig:
     old_max_length: int = 4096  # the dense path: 8 GiB per rank at 8K before issue 13
     warm_max_length: int = 8192
     P: int = 2
+    worlds: Tuple[int, ...] = (1, 2)  # world sizes to run (1: single; P: CP and CSBP)
     layouts: Tuple[str, ...] = ("single", "cp-allgather", "csbp-allgather")
     seed: int = 1234
 
@@ -190,7 +193,7 @@ def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
     from megatron_csbp.bench.runner import environment
     from megatron_csbp.utils.spawn import spawn
 
-    for world in (1, cfg.P):
+    for world in cfg.worlds:
         jobs = [(k, c.name) for k in cfg.kernels for c in cfg.cases(world)]
         if not jobs:
             continue
@@ -329,6 +332,8 @@ def main(args, command: str) -> int:
         cfg = replace(cfg, seq_lengths=tuple(args.seq_lengths))
     if args.old_max_length is not None:
         cfg = replace(cfg, old_max_length=args.old_max_length)
+    if args.sizes:
+        cfg = replace(cfg, worlds=tuple(args.sizes))
     name = args.name or "long_context"
     os.makedirs(args.output_dir, exist_ok=True)
     records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
