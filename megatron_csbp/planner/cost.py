@@ -153,23 +153,29 @@ def partials_in_flight_bytes(w, layer: LayerShape, tp: int, s: int, lay: Layout,
     beyond Megatron's per-row activations: per partial, its output in the kernel's fp32 (fp32
     inputs: the returned output shares it; else a second copy of `s` bytes) and fp32 lse, and the
     merge's two fp32 weights per query and head. The block-diagonal partial covers the noisy rows,
-    each clean partial (one after an all-gather, one per ring chunk) all rows."""
+    each clean partial (one after an all-gather, one per ring chunk) all rows; CP runs its
+    partials over all keys."""
     heads = max(1, layer.num_heads // tp)
+    kv_heads = max(1, -(-layer.num_kv_heads // tp))
     out_row = heads * (layer.head_dim * (4 if s == 4 else 4 + s) + 4 + 8)
-    q_rows = w.noisy_rows + w.rows * _clean_partials(lay, ring)
-    return q_rows * out_row
+    if lay.kind == "cp":  # one partial (or one per ring chunk) over all keys
+        return w.rows * _clean_partials(lay, ring) * out_row
+    # Noisy rows run block-diagonally, folded into the batch: the kernel saves its folded copies
+    # of q, k, v, and the output is unfolded into one more copy.
+    fold_row = (2 * heads + 2 * kv_heads) * layer.head_dim * s
+    return w.noisy_rows * (out_row + fold_row) + w.rows * _clean_partials(lay, ring) * out_row
 
 
 def attention_transient_bytes(w, layer: LayerShape, tp: int, lay: Layout, ring: int, q_tile: int = 256,
                               run_keys: int = 2048) -> float:
     """Working set of one tiled-kernel backward (live once, at the peak, not per layer): fp32
-    grouped copies of q, k, v and their gradients, plus about five [heads x q tile x run] fp32
-    chunk buffers (scores / probabilities, dP, dS and two matmul results)."""
+    grouped copies of q, k, v and their gradients, plus three [heads x q tile x run] fp32 chunk
+    buffers (probabilities, dP, dS)."""
     heads = max(1, layer.num_heads // tp)
     kv_heads = max(1, -(-layer.num_kv_heads // tp))
     keys = w.clean_rows + w.kv_rows_gathered
     copies = 2 * 4 * layer.head_dim * (w.rows * heads + 2 * keys * kv_heads)
-    chunks = 5 * 4 * heads * q_tile * min(run_keys, max(1, keys))
+    chunks = 3 * 4 * heads * q_tile * min(run_keys, max(1, keys))
     return copies + chunks
 
 
@@ -294,6 +300,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     static = (wb + gb) * params_rank + ob * opt_params
     mems = []
     for r in ranks:
+        transient = 0.0
         rows, noisy = base[r].rows, base[r].noisy_rows
         per_layer = []
         for layer in model.layers:
@@ -320,11 +327,12 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         else:
             act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)  # row vectors + tile tables
             if hw.attention_kernel == "tiled":
-                act += max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
-                           for layer in model.layers)
+                # the backward's working set is live only once the loss and logits are freed
+                transient = max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                                for layer in model.layers)
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
-        mems.append((act + logits, act, logits))
+        mems.append((act + max(logits, transient), act, logits))
     act_total, act, logits = max(mems, key=lambda m: m[0])
     reserved = hw.reserved_gib * GiB
     peak_bytes = static + act_total + reserved
