@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--long-context", action="store_true",
                    help="the long-context benchmark (bench.long_context); takes --seq-lengths, --old-max-length, "
                         "--output-dir, --name, --from-json, --no-plots")
+    p.add_argument("--attention-scaling", action="store_true",
+                   help="--long-context: only time one layer's attention on the single-rank plan (thread CPU "
+                        "time) per kernel and L; written next to the report and shown in it")
     p.add_argument("--old-max-length", type=int, default=None,
                    help="--long-context: longest L run with the dense math kernel (default 4096)")
     return p.parse_args(argv)

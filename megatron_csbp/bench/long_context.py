@@ -160,6 +160,54 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     return record
 
 
+def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> List[Dict]:
+    """Thread CPU time (insensitive to other jobs on a shared machine, unlike wall time) of one
+    layer's block attention forward + backward on the single-rank plan, per kernel and L: the
+    tiled kernel's time per allowed pair should stay flat, the math kernel's follows the
+    rectangle. Also the pairs the tiled kernel's tiles cover. Best of `repeats` below 16K."""
+    from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
+    from megatron_csbp.attention.kernels import get_kernel
+    from megatron_csbp.attention.tiled import tile_schedule
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.layout.rows import PartialMask
+
+    torch.set_num_threads(1)
+    m = cfg.model
+    H, G, d = m.num_attention_heads, m.num_query_groups, m.head_dim
+    out = []
+    for kernel_name in cfg.kernels:
+        for L in cfg.lengths(kernel_name):
+            plan = plan_for_layout(SequenceLayout(BlockGeometry(L, m.block_size)), 0)
+            gen = torch.Generator().manual_seed(L)
+            q = torch.randn(2 * L, 1, H, d, generator=gen, requires_grad=True)
+            k = torch.randn(2 * L, 1, G, d, generator=gen, requires_grad=True)
+            v = torch.randn(2 * L, 1, G, d, generator=gen, requires_grad=True)
+            kernel = get_kernel(kernel_name, q.device)
+            best = None
+            for _ in range(repeats if L < 16384 else 1):
+                t0 = time.thread_time()
+                block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel).sum().backward()
+                dt = time.thread_time() - t0
+                best = dt if best is None else min(best, dt)
+            allowed, rect, _ = _plan_pairs(plan)
+            computed = 0
+            for key, value in plan._cache.items():
+                mask = value[0] if isinstance(value, tuple) else value
+                if isinstance(mask, PartialMask) and key[0] != "block_diagonal":
+                    computed += tile_schedule(mask).computed_pairs
+                elif isinstance(mask, PartialMask):
+                    computed += plan.num_noisy * mask.shape[0]
+            row = {"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
+                   "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed}
+            log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
+                f"{best / allowed * 1e9:.1f} ns per allowed pair")
+            out.append(row)
+            del q, k, v, plan
+            gc.collect()
+    return out
+
+
 def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tuple[str, str]], out_path: str):
     """All (kernel, layout) jobs of this world size, every length; records appended to
     `out_path` as they finish (rank 0 writes every rank's record: a killed run keeps its rows)."""
@@ -271,6 +319,18 @@ def render(result: Dict) -> str:
             f"{r['peak_tensor_bytes'] / 2**20:.0f} | {r['rss_high_water_bytes'] / 2**20:.0f} | "
             f"{r['allowed_pairs'] / 1e6:.1f} | {r['kernel_rectangle_pairs'] / 1e6:.1f} | {r['mask_bytes'] / 1024:.0f} | "
             f"{r['attention_s']:.2f} | {r['attention_s'] / max(1, r['allowed_pairs']) * 1e9:.1f} |")
+    scaling = result.get("attention_scaling")
+    if scaling:
+        lines += ["", "Attention alone, single rank (one layer, forward + backward, thread CPU time: other jobs on "
+                  "the machine barely move it), with the pairs the tiled kernel's occupied tiles cover:", "",
+                  "| kernel | L | CPU s | allowed pairs (M) | tiles cover (M) | rectangle (M) | ns / allowed pair "
+                  "| ns / rectangle pair |", "|---|---|---|---|---|---|---|---|"]
+        for r in scaling:
+            lines.append(f"| {r['kernel']} | {r['seq_length']} | {r['attention_cpu_s']:.2f} | "
+                         f"{r['allowed_pairs'] / 1e6:.1f} | {r['tiled_computed_pairs'] / 1e6:.1f} | "
+                         f"{r['kernel_rectangle_pairs'] / 1e6:.1f} | "
+                         f"{r['attention_cpu_s'] / r['allowed_pairs'] * 1e9:.1f} | "
+                         f"{r['attention_cpu_s'] / r['kernel_rectangle_pairs'] * 1e9:.1f} |")
     lin = result.get("linearity", {})
     if lin:
         lines += ["", "Memory linearity (tiled): (peak 32K - peak 16K) / (peak 16K - peak 8K), linear = 2.0, "
@@ -337,7 +397,9 @@ def main(args, command: str) -> int:
     name = args.name or "long_context"
     os.makedirs(args.output_dir, exist_ok=True)
     records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
-    if args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
+    if args.attention_scaling and not args.from_json:
+        result = None
+    elif args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
         from megatron_csbp.bench.runner import environment
 
         result = {"config": cfg.to_dict(), "environment": environment(), "command": command + " (partial records)",
@@ -345,7 +407,7 @@ def main(args, command: str) -> int:
     elif args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)
-    else:
+    elif not args.attention_scaling:
         if os.path.exists(records_path):
             os.remove(records_path)
         env = environment()
@@ -353,6 +415,17 @@ def main(args, command: str) -> int:
         records = run(cfg, records_path)
         env["wall_s"] = time.perf_counter() - t0
         result = {"config": cfg.to_dict(), "environment": env, "command": command, "records": records}
+    scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
+    if args.attention_scaling:
+        scaling = attention_scaling(cfg)
+        with open(scaling_path, "w") as f:
+            json.dump(scaling, f, indent=1)
+        if not args.from_json:
+            print(f"[bench] wrote attention scaling: {scaling_path}")
+            return 0
+    if os.path.exists(scaling_path) and "attention_scaling" not in result:
+        with open(scaling_path) as f:
+            result["attention_scaling"] = json.load(f)
     result["rows"] = summarize(result["records"])
     result["linearity"] = linearity(result["rows"])
     files = save(result, args.output_dir, name, with_plots=not args.no_plots)
