@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+from megatron_csbp.layout.rows import PartialMask
 
 
 @dataclass
@@ -55,7 +56,7 @@ class CachedBlockAttention(torch.nn.Module):
         st = self.state
         if st.mode == "off":
             return self.inner(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        from megatron_csbp.attention.kernels import math_partial_attention
+        from megatron_csbp.attention.kernels import get_kernel
 
         layer = self.inner.layer_number
         geometry = st.geometry.with_window(self.inner.window)
@@ -66,8 +67,11 @@ class CachedBlockAttention(torch.nn.Module):
             k_meta = RowMeta.cat([cached[2], st.rows])
         else:
             k_all, v_all, k_meta = key, value, st.rows
-        mask = allowed(st.rows, k_meta, geometry)
-        out, _ = math_partial_attention(query, k_all, v_all, mask, self.inner.softmax_scale)
+        # Row vectors of this call's queries and cached + new keys; the layer's kernel (tiled on
+        # CPU) never builds a [queries x keys] mask.
+        mask = PartialMask.of(st.rows, k_meta, geometry).to(query.device)
+        kernel = get_kernel(self.inner.kernel_name, query.device)
+        out, _ = kernel(query, k_all, v_all, mask, self.inner.softmax_scale)
         if st.mode == "extend":
             st.kv[layer] = (k_all.detach(), v_all.detach(), k_meta)
         sq, b, H, d = out.shape

@@ -154,3 +154,26 @@ def test_prompt_blocks_get_no_noisy_copy(megatron_single_rank):
     model = DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
     plan = model.canvas_plan(2)
     assert int((~plan.local.is_clean).sum()) == L - 2 * B and int(plan.local.position[0]) == 2 * B
+
+
+def test_canvas_plans_are_an_lru_cache(megatron_single_rank):
+    # One plan per canvas start would grow with the starts seen; the cache keeps the model's own
+    # plan and the CANVAS_PLAN_CACHE most recently used ones, each rebuilt equal when needed again.
+    from megatron_csbp.model.bdlm import CANVAS_PLAN_CACHE
+    from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
+
+    gpt = diffusion_gemma_model(tiny_megatron_config(), V, 256)
+    L2 = 12 * B
+    model = DiffusionGemmaSFTModel(gpt, DiffusionGemmaSFTObjective(B, V),
+                                   SequenceLayout(BlockGeometry(L2, B, "token_causal")))
+    starts = list(range(1, L2 // B))
+    assert len(starts) > CANVAS_PLAN_CACHE + 1
+    first = model.canvas_plan(starts[0])
+    for s in starts[1:]:
+        model.canvas_plan(s)
+        model.canvas_plan(starts[1])  # kept in use: never the one evicted
+    assert len(model._canvas_plans) == CANVAS_PLAN_CACHE + 1
+    assert model.plan in model._canvas_plans.values() and starts[1] in model._canvas_plans
+    assert starts[0] not in model._canvas_plans and set(model._counted_clean) <= set(model._canvas_plans)
+    again = model.canvas_plan(starts[0])
+    assert again is not first and torch.equal(again.local.position, first.local.position)

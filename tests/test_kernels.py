@@ -9,6 +9,7 @@ from megatron_csbp.attention.block_attention import block_diffusion_attention, p
 from megatron_csbp.attention.kernels import flex_partial_attention, math_partial_attention, merge_partials
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, allowed, dense_reference_mask, logical_rows
+from megatron_csbp.layout.rows import PartialMask
 
 TOL = 1e-5
 
@@ -94,14 +95,14 @@ def test_merge_is_order_invariant_and_equals_one_shot(H, G):
     rows = logical_rows(L)
     q, k, v = _qkv(2 * L, b, H, G, d, seed=11)
     scale = 0.4
-    full_out, full_lse = math_partial_attention(q, k, v, allowed(rows, rows, g), scale)
+    full_out, full_lse = math_partial_attention(q, k, v, PartialMask.of(rows, rows, g), scale)
     ref_out, ref_lse = dense_attention_fp64(q, k, v, dense_reference_mask(L, B), scale)
     torch.testing.assert_close(full_out.double(), ref_out, atol=TOL, rtol=0)
     torch.testing.assert_close(full_lse.double(), ref_lse, atol=TOL, rtol=0)
 
     # Disjoint random key sets; some queries have no allowed key in some part (finite lse, weight 0).
     splits = _split_keys(L, B, 4, seed=5)
-    partials = [math_partial_attention(q, k[i], v[i], allowed(rows, rows.select(i), g), scale) for i in splits]
+    partials = [math_partial_attention(q, k[i], v[i], PartialMask.of(rows, rows.select(i), g), scale) for i in splits]
     assert any(not allowed(rows, rows.select(i), g).any(dim=1).all() for i in splits)
     merged = [merge_partials([partials[j] for j in order]) for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0])]
     for out, lse in merged:
@@ -122,7 +123,7 @@ def test_merge_is_order_invariant_and_equals_one_shot(H, G):
 
 def test_merge_single_partial_is_identity():
     q, k, v = _qkv(6, 1, 2, 2, 4, seed=0)
-    part = math_partial_attention(q, k, v, torch.ones(6, 6, dtype=torch.bool), 0.5)
+    part = math_partial_attention(q, k, v, PartialMask.block_diagonal(6), 0.5)
     out, lse = merge_partials([part])
     assert out is part[0] and lse is part[1]
 
@@ -132,7 +133,7 @@ def _flex_available():
         q = torch.randn(1, 1, 8, 4)
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         flex_partial_attention(q.permute(2, 0, 1, 3), q.permute(2, 0, 1, 3), q.permute(2, 0, 1, 3),
-                               torch.ones(8, 8, dtype=torch.bool), 0.5)
+                               PartialMask.block_diagonal(8), 0.5)
         return True, ""
     except Exception as exc:  # pragma: no cover - depends on the torch build
         return False, f"FlexAttention forward does not run on this CPU build: {type(exc).__name__}: {exc}"
@@ -147,19 +148,19 @@ def test_flex_forward_matches_math_on_cpu(H, G, window):
     g = BlockGeometry(L, B, window=window)
     rows = logical_rows(L)
     q, k, v = [x.detach() for x in _qkv(2 * L, 1, H, G, d, seed=7)]
-    m = allowed(rows, rows, g)
+    m = PartialMask.of(rows, rows, g)
     out_f, lse_f = flex_partial_attention(q, k, v, m, 0.35)
     out_m, lse_m = math_partial_attention(q, k, v, m, 0.35)
     torch.testing.assert_close(out_f.float(), out_m, atol=TOL, rtol=0)
     torch.testing.assert_close(lse_f, lse_m, atol=TOL, rtol=0)
     # A partial in which some queries have no key at all: flex must give them a weight-0 lse.
     clean_only = rows.select(torch.arange(L, 2 * L))
-    m2 = allowed(rows, clean_only, g)
+    m2 = PartialMask.of(rows, clean_only, g)
     out2, lse2 = flex_partial_attention(q, k[L:], v[L:], m2, 0.35)
     ref2, rlse2 = math_partial_attention(q, k[L:], v[L:], m2, 0.35)
-    has = m2.any(dim=1)
+    has = m2.dense().any(dim=1)
     torch.testing.assert_close(out2[has].float(), ref2[has], atol=TOL, rtol=0)
     noisy_only = rows.select(torch.arange(L))
-    noisy_part = math_partial_attention(q, k[:L], v[:L], allowed(rows, noisy_only, g), 0.35)
+    noisy_part = math_partial_attention(q, k[:L], v[:L], PartialMask.of(rows, noisy_only, g), 0.35)
     merged = merge_partials([(out2, lse2), noisy_part])
     torch.testing.assert_close(merged[0], out_m, atol=TOL, rtol=0)

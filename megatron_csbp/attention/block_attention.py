@@ -17,16 +17,17 @@ notion.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.attention.kernels import merge_partials
+from megatron_csbp.attention.kernels import PartialMerge, merge_partials
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather, pack_kv, ring_chunks, unpack_kv
 from megatron_csbp.layout.exchange import WindowExchangePlan
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+from megatron_csbp.layout.rows import PartialMask
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,10 @@ class AttentionPlan:
     # Sequence parallelism orders each TP shard [noisy | clean]; row j of the physical input is
     # local row physical_order[j]. None means the physical order is the local order.
     physical_order: Optional[torch.Tensor] = None
-    _cache: Dict = field(default_factory=dict, repr=False)  # masks and window plans (static)
+    # Masks (row vectors, with what kernels derive from them) and window plans: static, owned
+    # by the plan and freed with it. Bounded: one entry per (part, window, device), parts being
+    # the plan's few partials (noisy, clean, one per ring member).
+    _cache: Dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         assert self.exchange in ("none", "clean", "all")
@@ -76,20 +80,37 @@ class AttentionPlan:
         return self._cache[key]
 
     def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device):
-        """(mask over the keys any query may see, their indices or None when all are), cached per
-        (part, window): the metadata is static, so masks are built once. Dropping keys no query
-        sees (other ranks' noisy rows under CP, clean rows past every local block) skips work
-        that a tiled kernel would skip too."""
+        """(`PartialMask` over the keys any query may see, their indices or None when all are),
+        cached per (part, window): the metadata is static, so masks are built once. The keys
+        seen come from the queries' interval union (`PartialMask.keys_seen`), never a dense
+        mask. Dropping keys no query sees (other ranks' noisy rows under CP, clean rows past
+        every local block) saves moving them into the kernel."""
         cache_key = key + (geometry.window, str(device))
         if cache_key not in self._cache:
-            m = allowed(q, k, geometry)
-            used = m.any(0)
+            m = PartialMask.of(q, k, geometry)
+            used = m.keys_seen()
             if bool(used.all()):
                 self._cache[cache_key] = (m.to(device), None)
             else:
                 cols = used.nonzero().flatten()
-                self._cache[cache_key] = (m[:, cols].to(device), cols.to(device))
+                self._cache[cache_key] = (m.select_keys(cols).to(device), cols.to(device))
         return self._cache[cache_key]
+
+    def block_diagonal_mask(self, device) -> PartialMask:
+        """The B x B all-allowed mask of the folded block-diagonal noisy attention (row vectors)."""
+        cache_key = ("block_diagonal", str(device))
+        if cache_key not in self._cache:
+            self._cache[cache_key] = PartialMask.block_diagonal(self.geometry.block_size, device)
+        return self._cache[cache_key]
+
+    def nbytes(self) -> int:
+        """Bytes this plan keeps for its masks: row vectors plus derived tile tables/schedules."""
+        total = 0
+        for value in self._cache.values():
+            mask = value[0] if isinstance(value, tuple) else value
+            if isinstance(mask, PartialMask):
+                total += mask.nbytes + mask.derived_nbytes()
+        return total
 
     def positions(self, key: Tuple, rows: RowMeta, device) -> torch.Tensor:
         """`rows.position` on `device`, cached under `key` (static, as the masks are)."""
@@ -159,16 +180,20 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     if plan.exchange == "all":
         # CP baseline: every row's K/V crosses ranks.
         kv = pack_kv(k, v)
-        parts = []
+        parts = PartialMerge()  # ring chunks merge as they arrive: one accumulator in flight
         if plan.transport == "allgather":
             gathered = PendingGather(kv, plan.group, layer).result()
             gk, gv = unpack_kv(gathered)
-            parts.append(partial(("all",), local, RowMeta.cat(plan.peers), q, gk, gv))
+            part = partial(("all",), local, RowMeta.cat(plan.peers), q, gk, gv)
+            if part is not None:
+                parts.add(*part)
         else:
             for src, chunk in ring_chunks(kv, plan.group, layer):
                 ck, cv = unpack_kv(chunk)
-                parts.append(partial(("ring", src), local, plan.peers[src], q, ck, cv))
-        return tie(merge_partials([p for p in parts if p is not None])[0])
+                part = partial(("ring", src), local, plan.peers[src], q, ck, cv)
+                if part is not None:
+                    parts.add(*part)
+        return tie(parts.result()[0])
 
     n = plan.num_noisy
     noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
@@ -195,20 +220,26 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     if not n:
         noisy_part = None
     elif plan.noisy_rows_are_whole_blocks:
-        noisy_part = block_diagonal_attention(q[:n], k[:n], v[:n], geometry.block_size, kernel, softmax_scale)
+        noisy_part = block_diagonal_attention(q[:n], k[:n], v[:n], geometry.block_size, kernel, softmax_scale,
+                                              plan.block_diagonal_mask(device))
     else:
         noisy_part = partial(("noisy",), noisy_rows, noisy_rows, q[:n], k[:n], v[:n])
 
-    clean_parts = []
+    clean_parts = PartialMerge()  # streamed: ring chunks merge as they arrive
+
+    def add_clean(part):
+        if part is not None:
+            clean_parts.add(*part)
+
     if plan.exchange == "none":
-        clean_parts.append(partial(("clean",), local, clean_rows, q, k[n:], v[n:]))
+        add_clean(partial(("clean",), local, clean_rows, q, k[n:], v[n:]))
     elif windowed is not None:
         recv_rows = RowMeta.cat(windowed.recv_rows)
         # Derived even when nothing arrived: the empty result keeps the all-to-all's backward
         # (which this rank's sent rows need) in the graph.
         rk, rv = arrived(("window", geometry.window), recv_rows, pending.result())
         keys = RowMeta.cat([clean_rows, recv_rows])
-        clean_parts.append(partial(("window",), local, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
+        add_clean(partial(("window",), local, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
     elif plan.transport == "allgather":
         if kv_source is None:
             gk, gv = unpack_kv(pending.result())
@@ -221,19 +252,18 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
             ok, ov = arrived(("gathered",), RowMeta.cat(plan.peers[:me] + plan.peers[me + 1 :]), others)
             gk = torch.cat([ok[:start], k[n:], ok[start:]])
             gv = torch.cat([ov[:start], v[n:], ov[start:]])
-        clean_parts.append(partial(("clean",), local, RowMeta.cat(plan.peers), q, gk, gv))
+        add_clean(partial(("clean",), local, RowMeta.cat(plan.peers), q, gk, gv))
     else:
         for src, chunk in ring_chunks(outgoing, plan.group, layer):
             if kv_source is not None and src == plan.ring_index:
                 ck, cv = k[n:], v[n:]
             else:
                 ck, cv = arrived(("ring", src), plan.peers[src], chunk)
-            clean_parts.append(partial(("ring", src), local, plan.peers[src], q, ck, cv))
-    clean_parts = [p for p in clean_parts if p is not None]
-    if not clean_parts:
+            add_clean(partial(("ring", src), local, plan.peers[src], q, ck, cv))
+    if not clean_parts.count:
         # Only possible when no query sees a clean key (block 0 alone): noisy part is everything.
         return tie(noisy_part[0])
-    clean_out, clean_lse = merge_partials(clean_parts)
+    clean_out, clean_lse = clean_parts.result()
     if noisy_part is None:
         return tie(clean_out)
     # Noisy queries merge their in-block part with their clean-prefix part; clean queries have
@@ -242,22 +272,21 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     return tie(torch.cat([noisy_out, clean_out[n:]], dim=0))
 
 
-@lru_cache(maxsize=None)
-def _all_true(size: int, device: torch.device) -> torch.Tensor:
-    """One static mask per (B, device), so kernels may cache what they derive from it."""
-    return torch.ones(size, size, dtype=torch.bool, device=device)
-
-
-def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float):
+def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float,
+                             mask: Optional[PartialMask] = None):
     """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
-    batch: nb dense B x B problems instead of one (nb*B)^2 masked one."""
+    batch: nb dense B x B problems instead of one (nb*B)^2 masked one. `mask`: the all-allowed
+    `PartialMask.block_diagonal(B)` (a plan passes its cached one, so kernels cache what they
+    derive from it once)."""
     n, b, H, d = q.shape
     nb, B = n // block_size, block_size
 
     def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
         return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
 
-    out, lse = kernel(fold(q), fold(k), fold(v), _all_true(B, q.device), softmax_scale)
+    if mask is None:
+        mask = PartialMask.block_diagonal(B, q.device)
+    out, lse = kernel(fold(q), fold(k), fold(v), mask, softmax_scale)
     out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
     lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
     return out, lse

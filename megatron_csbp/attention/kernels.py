@@ -1,61 +1,102 @@
-"""Partial attention kernels that return the log-sum-exp, and the merge of partials, both computed
-in at least fp32 (fp64 for fp64 inputs: `utils.precision.compute_dtype`).
+"""Partial attention kernels that return the log-sum-exp, and the fp32 merge of partials.
 
-A partial attends a set of queries to one set of keys under a boolean mask (built from row
-metadata by `layout.masks.allowed`). Partials over disjoint key sets combine exactly with their
-log-sum-exp statistics, which is how local noisy keys, gathered clean keys and ring chunks meet.
+A partial attends a set of queries to one set of keys under a mask given as row vectors
+(`layout.rows.PartialMask`: per query block, is_clean and clean-key interval; per key position,
+block and is_clean), never as a dense matrix. Partials over disjoint key sets combine exactly with
+their log-sum-exp statistics, which is how local noisy keys, gathered clean keys and ring chunks
+meet.
 
+Every kernel is `kernel(q, k, v, mask: PartialMask, softmax_scale) -> (out, lse)`.
 Shapes follow Megatron's core attention: q [sq, b, H, d], k/v [sk, b, G, d] with G | H (GQA);
-outputs [sq, b, H, d] in the input dtype and lse [b, H, sq] in at least fp32.
+outputs [sq, b, H, d] and lse [b, H, sq] in fp32 (fp64 for fp64 inputs). A query with no
+allowed key gets output 0 and lse = MASKED_SCORE.
+
+- "tiled" (`attention.tiled`, the default on CPU): block-sparse tiles, online softmax, memory
+  linear in the rows, work following the allowed pairs.
+- "flex": FlexAttention (the default on CUDA).
+- "math": explicit attention over the whole rectangle, the small-case reference (it builds the
+  dense mask and scores of the partial for the duration of the call).
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
-from megatron_csbp.utils.precision import at_least_fp32, compute_dtype
+from megatron_csbp.attention.tiled import MASKED_SCORE, tiled_partial_attention
+from megatron_csbp.layout.rows import PartialMask, pair_allowed
+from megatron_csbp.utils.precision import compute_dtype
 
-# Masked scores are set to a large finite negative number rather than -inf: a query with no
-# allowed key in one partial then gets a finite lse that the merge weights by exactly 0, and no
-# NaN can appear in forward or backward.
-MASKED_SCORE = -1.0e30
+__all__ = ["MASKED_SCORE", "KERNELS", "get_kernel", "math_partial_attention", "merge_partials", "PartialMerge",
+           "tiled_partial_attention", "flex_partial_attention"]
 
 
 def math_partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, softmax_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask, softmax_scale: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Explicit attention in at least fp32 (CPU or any device), differentiable in q, k, v and the lse."""
+    """Explicit attention in fp32 (fp64 for fp64 inputs) on any device, differentiable in q, k, v
+    and the lse. Reference for small cases: holds [b, H, sq, sk] scores and the dense mask."""
     sq, b, H, d = q.shape
     sk, G = k.shape[0], k.shape[2]
+    if mask.shape != (sq, sk):
+        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(sq, sk)}")
     rep = H // G
-    dtype = q.dtype
+    dtype, cdt = q.dtype, compute_dtype(q.dtype)
+    allowed = mask.dense().to(q.device)
     # [b, G, rep, sq, d] x [b, G, sk, d] -> [b, G, rep, sq, sk]
-    qg = at_least_fp32(q).permute(1, 2, 0, 3).reshape(b, G, rep, sq, d)
-    kg = at_least_fp32(k).permute(1, 2, 0, 3)
-    vg = at_least_fp32(v).permute(1, 2, 0, 3)
+    qg = q.to(cdt).permute(1, 2, 0, 3).reshape(b, G, rep, sq, d)
+    kg = k.to(cdt).permute(1, 2, 0, 3)
+    vg = v.to(cdt).permute(1, 2, 0, 3)
     scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, kg) * softmax_scale
-    scores = scores.masked_fill(~allowed.to(scores.device), MASKED_SCORE)
+    scores = scores.masked_fill(~allowed, MASKED_SCORE)
+    # A row with no allowed key: lse = MASKED_SCORE + log(sk), which rounds to MASKED_SCORE, and
+    # its probabilities are zeroed (output 0), as the tiled kernel does.
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~allowed, 0.0)
     out = torch.einsum("bgrqk,bgkd->bgrqd", probs, vg)
     out = out.reshape(b, H, sq, d).permute(2, 0, 1, 3).to(dtype)
     return out, lse.reshape(b, H, sq)
 
 
-def merge_partials(partials: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Exact combination of partial attentions over disjoint key sets, in at least fp32."""
-    if len(partials) == 1:
-        return partials[0]
-    outs = torch.stack([at_least_fp32(o) for o, _ in partials])  # [n, sq, b, H, d]
-    lses = torch.stack([l for _, l in partials])  # [n, b, H, sq]
-    lse = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - lse).permute(0, 3, 1, 2).unsqueeze(-1)  # [n, sq, b, H, 1]
-    out = (weights * outs).sum(0).to(partials[0][0].dtype)
-    return out, lse
+class PartialMerge:
+    """Running log-sum-exp merge of partial attentions over disjoint key sets: one fp32
+    accumulator (fp64 for fp64 inputs), whatever the number of partials (a ring merges each chunk
+    as it arrives instead of stacking all of them)."""
+
+    def __init__(self):
+        self.out: Optional[torch.Tensor] = None
+        self.lse: Optional[torch.Tensor] = None
+        self.dtype: Optional[torch.dtype] = None
+        self.count = 0
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.out, self.lse, self.dtype = out, lse, out.dtype
+            return
+        cdt = compute_dtype(self.dtype)
+        new = torch.logaddexp(self.lse, lse)
+        # lse [b, H, sq] -> weights [sq, b, H, 1] on the outputs.
+        w_old = torch.exp(self.lse - new).permute(2, 0, 1).unsqueeze(-1)
+        w_new = torch.exp(lse - new).permute(2, 0, 1).unsqueeze(-1)
+        self.out = self.out.to(cdt) * w_old + out.to(cdt) * w_new
+        self.lse = new
+
+    def result(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.count == 0:
+            raise ValueError("no partial to merge")
+        return self.out.to(self.dtype), self.lse
 
 
-_FLEX = {}
+def merge_partials(partials: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact combination of partial attentions over disjoint key sets, in fp32, streamed."""
+    merge = PartialMerge()
+    for out, lse in partials:
+        merge.add(out, lse)
+    return merge.result()
+
+
+_FLEX = {}  # the compiled flex_attention, one entry
 
 
 def _flex_attention_fn(device: torch.device):
@@ -69,30 +110,29 @@ def _flex_attention_fn(device: torch.device):
     return _FLEX["compiled"]
 
 
-def _block_mask(allowed: torch.Tensor, device: torch.device):
-    """Block mask of a (static, cached) bool mask; built once per mask tensor."""
+def _block_mask(mask: PartialMask, device: torch.device):
+    """Block mask of a partial, built once per mask and cached on it (freed with its plan)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (allowed.data_ptr(), tuple(allowed.shape), str(device))
-    if key not in _FLEX:
-        dense = allowed.to(device)
+    def build():
+        q, k = mask.q.to(device), mask.k.to(device)
 
         def mask_mod(batch, head, qi, ki):
-            return dense[qi, ki]
+            return pair_allowed(q.block[qi], q.is_clean[qi], q.lo[qi], q.hi[qi], k.position[ki], k.block[ki],
+                                k.is_clean[ki])
 
-        _FLEX[key] = (allowed, create_block_mask(mask_mod, None, None, *dense.shape, device=device))
-    return _FLEX[key][1]
+        return create_block_mask(mask_mod, None, None, *mask.shape, device=device)
+
+    return mask.derived(("flex_block_mask", str(device)), build)
 
 
 def flex_partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, softmax_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask, softmax_scale: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention with the same mask (GPU path; torch has no FlexAttention backward on CPU).
-
-    Masks are static per plan and cached by the plan, so their block masks are built once."""
+    """FlexAttention with the same mask (GPU path; torch has no FlexAttention backward on CPU)."""
     sq, b, H, d = q.shape
     G = k.shape[2]
-    block_mask = _block_mask(allowed, q.device)
+    block_mask = _block_mask(mask, q.device)
     qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
     flex = _flex_attention_fn(q.device)
     try:  # torch >= 2.9: auxiliary outputs are requested with AuxRequest
@@ -105,17 +145,17 @@ def flex_partial_attention(
         out, lse = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True)
     # Rows with no allowed key get -inf: clamp so the merge weights them by exactly zero, like
     # the math kernel.
-    lse = lse.to(compute_dtype(q.dtype)).clamp_min(MASKED_SCORE)
+    lse = lse.float().clamp_min(MASKED_SCORE)
     return out.permute(2, 0, 1, 3), lse
 
 
-KERNELS = {"math": math_partial_attention, "flex": flex_partial_attention}
+KERNELS = {"math": math_partial_attention, "tiled": tiled_partial_attention, "flex": flex_partial_attention}
 
 
 def get_kernel(name: str, device: torch.device):
-    """'auto' picks FlexAttention on CUDA and the explicit math kernel elsewhere."""
+    """'auto' picks FlexAttention on CUDA and the tiled kernel elsewhere."""
     if name == "auto":
-        name = "flex" if device.type == "cuda" else "math"
+        name = "flex" if device.type == "cuda" else "tiled"
     if name not in KERNELS:
         raise ValueError(f"--attention-kernel must be one of {sorted(KERNELS) + ['auto']}, got {name!r}")
     return KERNELS[name]

@@ -5,6 +5,9 @@ Default (a few minutes on two cores): 2 layers, L = 256, 512, 1024, P = 2 and 4,
 `--model diffusiongemma-hybrid`: a tiny DiffusionGemma with 5 sliding-window : 1 full layers;
 single rank, CP and CSBP (CP = BP = P = 2) on it and on the same weights with every layer full
 attention, L = 128, 256, 512 (`--quick`: L = 128). Report: diffusiongemma.md (or _quick).
+`--long-context`: one step of a 2-layer, hidden-64 GPT under single, CP and CSBP (P = 2) at
+L = 2K-32K, tiled kernel vs the dense math kernel (up to `--old-max-length`): peak memory per rank,
+step and attention time, allowed pairs (`bench.long_context`). Report: long_context.md.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def parse_args(argv=None):
                         "hybrid vs every layer full attention")
     p.add_argument("--sliding-window", type=int, default=None, help="diffusiongemma-hybrid only")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=None, help="clean tokens L per sample")
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="sequence-group sizes P (>= 2)")
+    p.add_argument("--sizes", type=int, nargs="+", default=None,
+                   help="sequence-group sizes P (>= 2); --long-context: world sizes to run (1 and/or 2)")
     p.add_argument("--layouts", nargs="+", default=None, choices=ALL_LAYOUTS)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--hidden-size", type=int, default=None)
@@ -47,6 +51,14 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="docs/benchmarks")
     p.add_argument("--name", default=None, help="basename of the report files (default: cpu or cpu_quick)")
     p.add_argument("--from-json", metavar="FILE", help="re-render the report and plots of a saved run (no run)")
+    p.add_argument("--long-context", action="store_true",
+                   help="the long-context benchmark (bench.long_context); takes --seq-lengths, --old-max-length, "
+                        "--output-dir, --name, --from-json, --no-plots")
+    p.add_argument("--attention-scaling", action="store_true",
+                   help="--long-context: only time one layer's attention on the single-rank plan (thread CPU "
+                        "time) per kernel and L; written next to the report and shown in it")
+    p.add_argument("--old-max-length", type=int, default=None,
+                   help="--long-context: longest L run with the dense math kernel (default 4096)")
     return p.parse_args(argv)
 
 
@@ -97,6 +109,11 @@ def config_from_args(args) -> BenchConfig:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.long_context:
+        from megatron_csbp.bench import long_context
+
+        command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
+        return long_context.main(args, command.strip())
     if args.from_json:
         from megatron_csbp.bench.report import load, save
 

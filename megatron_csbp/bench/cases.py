@@ -20,6 +20,7 @@ class BenchModel:
     block_size: int = 16
     micro_batch_size: int = 1
     dtype: str = "fp32"
+    attention_kernel: str = "auto"  # --attention-kernel of the block attention (auto: tiled on CPU)
 
     @property
     def head_dim(self) -> int:

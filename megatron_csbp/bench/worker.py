@@ -34,7 +34,7 @@ def build_gpt(model: BenchModel, max_seq: int, seed: int):
         ffn_hidden_size=model.ffn_hidden_size, use_cpu_initialization=True,
         attention_dropout=0.0, hidden_dropout=0.0,
     )
-    return GPTModel(cfg, with_block_diffusion_attention(get_gpt_layer_local_spec()),
+    return GPTModel(cfg, with_block_diffusion_attention(get_gpt_layer_local_spec(), kernel=model.attention_kernel),
                     vocab_size=model.vocab_size, max_sequence_length=max_seq, position_embedding_type="rope")
 
 

@@ -5,6 +5,10 @@ the W-1 clean rows before it, for each local clean query the W-1 rows before it.
 which ring member those are follows from the metadata alone, so every rank computes the same
 plan: what it sends to each member (indices into its clean shard) and what it receives from
 each. One variable-split all-to-all moves exactly those rows; backward runs it in reverse.
+
+The rows needed come from the queries' clean-key intervals (a difference array over positions,
+`PartialMask.keys_seen`): O(queries + shard + span) per member, never a [queries x shard] mask.
+The plan itself is linear in the rows it moves (one index per row).
 """
 from __future__ import annotations
 
@@ -13,14 +17,15 @@ from typing import List
 
 import torch
 
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+from megatron_csbp.layout.rows import PartialMask
 
 
 def needed_clean_rows(queries: RowMeta, shard: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
     """Indices of `shard`'s (clean) rows that any of `queries` may attend."""
     if len(queries) == 0 or len(shard) == 0:
         return torch.zeros(0, dtype=torch.long)
-    return allowed(queries, shard, geometry).any(0).nonzero().flatten()
+    return PartialMask.of(queries, shard, geometry).keys_seen().nonzero().flatten()
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,10 @@ class TileTable:
     def partial(self) -> torch.Tensor:
         return self.occupied & ~self.full
 
+    @property
+    def nbytes(self) -> int:
+        return self.occupied.numel() + self.full.numel()
+
 
 def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: int) -> TileTable:
     """Per query row and key tile: count the allowed keys from sorted per-tile key vectors
@@ -127,9 +131,13 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
     noisy_sorted = kb.view(kt, k_tile).sort(dim=1).values.contiguous()
     real = _pad(torch.ones(nk, dtype=torch.long, device=device), k_tile, 0).view(kt, k_tile).sum(1)  # [kt]
     # A query row sees `seen` keys of a tile: clean ones inside [lo, hi), noisy ones of its own
-    # block (noisy queries only). Occupied: seen > 0; full: seen == the tile's real keys.
-    occupied_rows, full_rows = [], []
+    # block (noisy queries only). Occupied: seen > 0; full: seen == the tile's real keys. Rows go
+    # in chunks of whole q tiles, reduced to tiles at once: the largest live tensor is
+    # [k tiles x chunk rows], never [rows x k tiles].
     nq = len(q)
+    qt = max(1, -(-nq // q_tile))
+    chunk_rows = max(q_tile, chunk_rows - chunk_rows % q_tile)
+    occ_tiles, full_tiles = [], []
     for start in range(0, nq, chunk_rows):
         sl = slice(start, min(nq, start + chunk_rows))
         lo = q.lo[sl].long()[None, :].expand(kt, -1).contiguous()
@@ -140,13 +148,14 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
         same_block = torch.searchsorted(noisy_sorted, qb, right=True) - torch.searchsorted(noisy_sorted, qb)
         noisy_seen = torch.where(q.is_clean[sl][None, :], torch.zeros_like(same_block), same_block)
         seen = clean_seen + noisy_seen
-        occupied_rows.append((seen > 0).T)  # [rows, kt]
-        full_rows.append((seen == real[:, None]).T)
-    occ = torch.cat(occupied_rows) if occupied_rows else torch.zeros(0, kt, dtype=torch.bool, device=device)
-    full = torch.cat(full_rows) if full_rows else torch.zeros(0, kt, dtype=torch.bool, device=device)
-    qt = max(1, -(-nq // q_tile))
-    occ = _pad_rows(occ, q_tile, False).view(qt, q_tile, kt).any(1)
-    full = _pad_rows(full, q_tile, True).view(qt, q_tile, kt).all(1)
+        occ = _pad_rows((seen > 0).T, q_tile, False)  # [rows, kt]
+        full = _pad_rows((seen == real[:, None]).T, q_tile, True)
+        occ_tiles.append(occ.view(-1, q_tile, kt).any(1))
+        full_tiles.append(full.view(-1, q_tile, kt).all(1))
+    if not occ_tiles:
+        occ = torch.zeros(qt, kt, dtype=torch.bool, device=device)
+        return TileTable(q_tile, k_tile, occ, occ.clone())
+    occ, full = torch.cat(occ_tiles), torch.cat(full_tiles)
     return TileTable(q_tile, k_tile, occ, full & occ)
 
 
@@ -190,16 +199,42 @@ class PartialMask:
         """The whole [queries x keys] bool mask: for the math reference kernel and tests only."""
         return self.block(slice(None), slice(None))
 
+    @staticmethod
+    def block_diagonal(block_size: int, device=None) -> "PartialMask":
+        """B noisy queries and B noisy keys of one block: every pair allowed (the folded
+        block-diagonal attention's mask), 2 x B rows instead of a B x B matrix."""
+        zeros = torch.zeros(block_size, dtype=_I32, device=device)
+        noisy = torch.zeros(block_size, dtype=torch.bool, device=device)
+        return PartialMask(QueryRows(zeros, noisy, zeros, zeros),
+                           KeyRows(torch.arange(block_size, dtype=_I32, device=device), zeros, noisy.clone()))
+
+    def select_keys(self, index) -> "PartialMask":
+        """The same queries against a subset of the keys (e.g. the keys some query sees)."""
+        return PartialMask(self.q, self.k.select(index))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the row vectors (what the mask itself keeps; derived tables come on top)."""
+        return self.q.nbytes + self.k.nbytes
+
     @cached_property
-    def _tiles(self) -> dict:
+    def _derived(self) -> dict:
         return {}
+
+    def derived(self, key, build):
+        """What a kernel derives from this mask (tile tables, schedules, block masks), built once
+        by `build()` and kept on the mask: owned by the plan that owns the mask, freed with it."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    def derived_nbytes(self) -> int:
+        """Bytes of the tensors cached by `derived` (tile tables and the like)."""
+        return sum(int(getattr(value, "nbytes", 0)) for value in self._derived.values())
 
     def tiles(self, q_tile: int = 128, k_tile: int = 128, chunk_rows: int = 4096) -> TileTable:
         """Tile classification, cached per tile shape on this mask."""
-        key = (q_tile, k_tile)
-        if key not in self._tiles:
-            self._tiles[key] = _tile_table(self.q, self.k, q_tile, k_tile, chunk_rows)
-        return self._tiles[key]
+        return self.derived(("tiles", q_tile, k_tile), lambda: _tile_table(self.q, self.k, q_tile, k_tile, chunk_rows))
 
     def keys_seen(self) -> torch.Tensor:
         """Bool [keys]: keys some query may attend, from an interval union (difference array

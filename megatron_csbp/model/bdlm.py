@@ -8,7 +8,8 @@ loss over the global denominator. Summing it over the sequence group gives the f
 
 Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses all three):
 - `first_canvas_block`: noisy rows only for blocks from there on (the layout's `canvas_layout`;
-  plans are cached per canvas start);
+  plans are cached per canvas start, at most `CANVAS_PLAN_CACHE` of them besides the model's own,
+  least recently used evicted: each holds its masks' row vectors and tile tables);
 - `clean_targets` / `clean_weights` (objective flag `needs_clean_logits`): a loss on clean rows;
   each clean row is counted by one rank of the sequence group (`SequenceLayout.clean_loss_positions`)
   and only the counted rows that carry a target in the micro-batch reach the output layer (under
@@ -22,6 +23,7 @@ different samples agree on them (MIN / MAX) before any other collective.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
@@ -38,6 +40,11 @@ from megatron_csbp.model.rotary import LayoutRotaryEmbedding
 from megatron_csbp.model.spec import count_block_attention
 from megatron_csbp.objectives.base import Objective
 from megatron_csbp.utils.precision import at_least_fp32, compute_dtype, vocab_parallel_cross_entropy
+
+
+# Canvas plans kept besides the model's own plan (LRU). Each is linear in the local rows (row
+# vectors, tile tables), so the bound keeps their total at a few plans' worth.
+CANVAS_PLAN_CACHE = 4
 
 
 @dataclass
@@ -77,9 +84,10 @@ class BlockDiffusionModel(torch.nn.Module):
         self._sp_shards = self._sequence_parallel_shards(gpt.config)
         if self._sp_shards > 1:
             self.plan.physical_order = shard_major_order(self.plan.local, self._sp_shards)
-        self._canvas_plans: Dict[int, AttentionPlan] = {layout.canvas_start: self.plan}
-        self._canvas_starts: Dict[int, int] = {}  # first response block -> canvas start
-        self._counted_clean: Dict[int, torch.Tensor] = {}
+        # Canvas start -> plan, least recently used first; the model's own plan is never evicted.
+        self._canvas_plans: "OrderedDict[int, AttentionPlan]" = OrderedDict({layout.canvas_start: self.plan})
+        self._canvas_starts: Dict[int, int] = {}  # first response block -> canvas start (ints, <= blocks)
+        self._counted_clean: Dict[int, torch.Tensor] = {}  # canvas start -> counted rows, same keys
         gpt.output_layer.register_forward_pre_hook(self._keep_noisy_rows)
         gpt.output_layer.register_forward_hook(self._order_logit_rows)
 
@@ -103,7 +111,8 @@ class BlockDiffusionModel(torch.nn.Module):
     # ---- canvas plans ----------------------------------------------------------------------------
     def canvas_plan(self, first_block: int) -> AttentionPlan:
         """This rank's plan when noisy rows start at block `first_block` (moved down where the
-        layout needs it, see `SequenceLayout.canvas_layout`); built once per start."""
+        layout needs it, see `SequenceLayout.canvas_layout`); built once per start and kept in an
+        LRU cache of `CANVAS_PLAN_CACHE` plans (the model's own plan always stays)."""
         first_block = int(first_block)
         if first_block in self._canvas_starts:
             s = self._canvas_starts[first_block]
@@ -118,7 +127,16 @@ class BlockDiffusionModel(torch.nn.Module):
                 plan.physical_order = shard_major_order(plan.local, self._sp_shards)
             self._canvas_plans[s] = plan
             self._counted_clean[s] = self._counted_clean_rows(layout, plan)
+            self._evict_canvas_plans()
+        self._canvas_plans.move_to_end(s)
         return self._canvas_plans[s]
+
+    def _evict_canvas_plans(self) -> None:
+        own = self.layout.canvas_start
+        while len(self._canvas_plans) > CANVAS_PLAN_CACHE + 1:
+            oldest = next(s for s in self._canvas_plans if s != own)
+            del self._canvas_plans[oldest]
+            self._counted_clean.pop(oldest, None)
 
     def _counted_clean_rows(self, layout: SequenceLayout, plan: AttentionPlan) -> torch.Tensor:
         """Indices (into this rank's clean rows) of the clean rows whose loss this rank counts."""

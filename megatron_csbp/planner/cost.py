@@ -140,6 +140,56 @@ def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: 
     return s * (attn + mlp + moe + lse) / tp
 
 
+def _clean_partials(lay: Layout, ring: int) -> int:
+    """Partials over clean keys (CP: over all keys) a rank runs per layer: one after an all-gather,
+    one per ring member when streamed."""
+    if lay.kind in ("cp", "csbp") and lay.transport == "ring":
+        return ring if lay.kind == "csbp" else lay.seq
+    return 1
+
+
+def partials_in_flight_bytes(w, layer: LayerShape, tp: int, s: int, lay: Layout, ring: int) -> float:
+    """What the tiled kernel and the streamed merge keep for backward per layer
+    beyond Megatron's per-row activations: per partial, its output in the kernel's fp32 (fp32
+    inputs: the returned output shares it; else a second copy of `s` bytes) and fp32 lse, and the
+    merge's two fp32 weights per query and head. The block-diagonal partial covers the noisy rows,
+    each clean partial (one after an all-gather, one per ring chunk) all rows; CP runs its
+    partials over all keys."""
+    heads = max(1, layer.num_heads // tp)
+    kv_heads = max(1, -(-layer.num_kv_heads // tp))
+    out_row = heads * (layer.head_dim * (4 if s == 4 else 4 + s) + 4 + 8)
+    if lay.kind == "cp":  # one partial (or one per ring chunk) over all keys
+        return w.rows * _clean_partials(lay, ring) * out_row
+    # Noisy rows run block-diagonally, folded into the batch: the kernel saves its folded copies
+    # of q, k, v, and the output is unfolded into one more copy.
+    fold_row = (2 * heads + 2 * kv_heads) * layer.head_dim * s
+    return w.noisy_rows * (out_row + fold_row) + w.rows * _clean_partials(lay, ring) * out_row
+
+
+def attention_transient_bytes(w, layer: LayerShape, tp: int, lay: Layout, ring: int, q_tile: int = 256,
+                              run_keys: int = 2048) -> float:
+    """Working set of one tiled-kernel backward (live once, at the peak, not per layer): fp32
+    grouped copies of q, k, v and their gradients, plus three [heads x q tile x run] fp32 chunk
+    buffers (probabilities, dP, dS)."""
+    heads = max(1, layer.num_heads // tp)
+    kv_heads = max(1, -(-layer.num_kv_heads // tp))
+    keys = w.clean_rows + w.kv_rows_gathered
+    copies = 2 * 4 * layer.head_dim * (w.rows * heads + 2 * keys * kv_heads)
+    chunks = 3 * 4 * heads * q_tile * min(run_keys, max(1, keys))
+    return copies + chunks
+
+
+def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
+    """Masks a plan keeps per attention window: row vectors (13 bytes a query, 9 a key) and
+    tile tables (2 bytes a 256 x 256 tile) of each partial: linear in the rows (the tables in the
+    tiles). At L = 256K on 16 ranks (CSBP): 2.7 MiB of vectors and 0.3 MiB of tables."""
+    keys = w.clean_rows + w.kv_rows_gathered
+    parts = _clean_partials(lay, ring)
+    vectors = 13 * w.rows * parts + 9 * keys
+    tables = 2 * (-(-w.rows // tile)) * (-(-keys // tile))
+    return vectors + tables
+
+
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.seq
     s = hw.dtype_bytes
@@ -172,7 +222,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             if layer.num_experts:
                 moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
                 t["moe_gemm"] += moe_flops * (3 + (1 if recompute else 0)) / (peak * hw.grouped_gemm_efficiency)
-            pairs = w.sparse_pairs if hw.attention_kernel == "sparse" else w.dense_pairs
+            pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
             heads_t = max(1, layer.num_heads // tp)
             attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
             attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
@@ -250,6 +300,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     static = (wb + gb) * params_rank + ob * opt_params
     mems = []
     for r in ranks:
+        transient = 0.0
         rows, noisy = base[r].rows, base[r].noisy_rows
         per_layer = []
         for layer in model.layers:
@@ -264,6 +315,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 # the math kernel keeps fp32 scores, probabilities and the masked copy of every
                 # partial's rectangle for backward (3 x 4 bytes per computed pair and head)
                 scores = 12 * w.dense_pairs * max(1, layer.num_heads // tp)
+            elif hw.attention_kernel == "tiled":
+                scores = partials_in_flight_bytes(w, layer, tp, s, lay, ring)
             per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores)
         if recompute:
             act = rows * h * s / tp * model.num_layers + max(per_layer)
@@ -271,9 +324,15 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             act = sum(per_layer)
         if hw.attention_kernel == "dense_partials":
             act += sum(work[w][r].dense_pairs for w in windows)  # boolean masks cached by the plan
+        else:
+            act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)  # row vectors + tile tables
+            if hw.attention_kernel == "tiled":
+                # the backward's working set is live only once the loss and logits are freed
+                transient = max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                                for layer in model.layers)
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
-        mems.append((act + logits, act, logits))
+        mems.append((act + max(logits, transient), act, logits))
     act_total, act, logits = max(mems, key=lambda m: m[0])
     reserved = hw.reserved_gib * GiB
     peak_bytes = static + act_total + reserved

@@ -32,8 +32,11 @@ class HardwareProfile:
     collective_latency_us: float  # fixed cost of one collective
     dtype_bytes: int = 2  # activations / K/V element size
     # 'sparse': the kernel only computes the mask's allowed (query, key) pairs (FlexAttention's
-    # block masks on GPU); 'dense_partials': each partial computes every pair of its query x key
-    # rectangle and masks afterwards (the CPU math kernel).
+    # block masks on GPU), masks kept as row vectors; 'tiled': the same work on the tiled kernel
+    # (the CPU default), whose per-partial outputs and backward working set are counted too
+    # (`cost.partials_in_flight_bytes`, `cost.attention_transient_bytes`); 'dense_partials': each
+    # partial computes every pair of its query x key rectangle and masks afterwards (the CPU
+    # math kernel, `--attention-kernel math`).
     attention_kernel: str = "sparse"
     grad_reduce_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward
     elementwise_bytes_per_row_layer_per_hidden: float = 40.0  # norms, activations, residuals (fwd+bwd)

@@ -2,6 +2,7 @@
 
   python -m megatron_csbp.planner.validate --paper [--hardware h200]
   python -m megatron_csbp.planner.validate --bench docs/benchmarks/cpu.json --hardware FILE
+  python -m megatron_csbp.planner.validate --long-context docs/benchmarks/long_context.json --hardware FILE
 
 Prints markdown (the tables of docs/planner.md).
 """
@@ -217,18 +218,59 @@ def bench_markdown(rows: List[Dict], hw: HardwareProfile) -> str:
     return "\n".join(out)
 
 
+def long_context_validation(result: Dict, hw: HardwareProfile) -> List[Dict]:
+    """Predicted peak memory per rank vs the long-context benchmark's tensor peak
+    (`bench.long_context`): the tiled rows against `attention_kernel` 'tiled', the math rows
+    against 'dense_partials'."""
+    from dataclasses import replace
+
+    from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+
+    m = result["config"]["model"]
+    d = m["hidden_size"] // m["num_attention_heads"]
+    layer = LayerShape(m["num_attention_heads"], m["num_query_groups"], d, None, False, m["ffn_hidden_size"])
+    model = ModelConfig("long-context-bench", m["hidden_size"], m["vocab_size"], tuple([layer] * m["num_layers"]),
+                        gated_mlp=False, tied_embeddings=False)
+    shapes = {"single": (1, 1), "cp-allgather": (2, 1), "csbp-allgather": (2, 2)}
+    rows = []
+    for r in result["rows"]:
+        cp, bp = shapes[r["case"]]
+        kernel = "dense_partials" if r["kernel"] == "math" else "tiled"
+        lay = Layout(1, cp, bp, 1, 1, "none", "allgather", "mirrored", distributed_optimizer=False)
+        e = estimate(model, lay, Workload(r["seq_length"], m["block_size"], global_batch_size=1),
+                     replace(hw, attention_kernel=kernel, reserved_gib=0.0), gpus_per_node=max(cp, bp))
+        measured, predicted = r["peak_tensor_bytes"] / 2 ** 20, e.peak_memory_gib * 1024
+        rows.append({"kernel": r["kernel"], "case": r["case"], "L": r["seq_length"], "measured_peak_mib": measured,
+                     "predicted_peak_mib": predicted, "ratio": predicted / measured})
+    return rows
+
+
+def long_context_markdown(rows: List[Dict]) -> str:
+    out = ["| kernel | layout | L | peak MiB measured | predicted | predicted / measured |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['kernel']} | {r['case']} | {r['L']} | {r['measured_peak_mib']:.0f} | "
+                   f"{r['predicted_peak_mib']:.0f} | {r['ratio']:.2f} |")
+    tiled = [abs(r["ratio"] - 1) for r in rows if r["kernel"] == "tiled"]
+    if tiled:
+        out += ["", f"Tiled rows: largest |predicted / measured - 1| = {max(tiled):.3f} over {len(tiled)} cases "
+                    f"(target <= 0.20)."]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.planner.validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", action="store_true")
     p.add_argument("--bench", metavar="JSON", help="a benchmark result (docs/benchmarks/cpu.json)")
+    p.add_argument("--long-context", metavar="JSON",
+                   help="a long-context benchmark result (docs/benchmarks/long_context.json): peak memory per rank")
     p.add_argument("--hardware", default=None, help="h100, h200, measured or FILE (default: h200 / measured)")
     p.add_argument("--grad-reduce-in-bf16", action="store_true")
     p.add_argument("--logits-bytes", type=int, default=6)
     p.add_argument("--loss-chunk-rows", type=int, default=0)
     args = p.parse_args(argv)
-    if not (args.paper or args.bench):
-        p.error("give --paper and/or --bench JSON")
+    if not (args.paper or args.bench or args.long_context):
+        p.error("give --paper, --bench JSON and/or --long-context JSON")
     try:
         wl_kwargs = {"grad_bytes": 2 if args.grad_reduce_in_bf16 else 4, "logits_bytes": args.logits_bytes,
                      "loss_chunk_rows": args.loss_chunk_rows}
@@ -240,6 +282,10 @@ def main(argv=None) -> int:
             with open(args.bench) as f:
                 bench = json.load(f)
             print(bench_markdown(bench_validation(bench, hw), hw))
+        if args.long_context:
+            hw = load_hardware(args.hardware or "measured")
+            with open(args.long_context) as f:
+                print(long_context_markdown(long_context_validation(json.load(f), hw)))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,212 @@
+"""A tiled, block-sparse partial attention for any device: memory linear in the rows, work
+following the mask's allowed pairs.
+
+Queries go in tiles of `q_tile` rows, keys in tiles of `k_tile` rows. The mask's exact
+`TileTable` (`layout.rows`, from per-tile sorted row vectors, no dense mask) says which tiles
+hold an allowed pair; only those are computed. Consecutive occupied key tiles of one query tile
+run as one chunk of up to `MAX_RUN_KEYS` keys: a chunk of *full* tiles (every pair allowed) runs
+without any mask, a chunk of *partial* tiles with the chunk's mask from `PartialMask.block`
+(O(tile)). Forward is the online softmax of FlashAttention-2 in fp32 (fp64 when the inputs are
+fp64); backward is a custom autograd function that recomputes scores per chunk from q, k, v,
+the output, the log-sum-exp and dO (D = rowsum(dO * O)), so neither pass ever holds a
+[rows x keys] tensor: the largest temporaries are [b, H, q_tile, MAX_RUN_KEYS].
+
+The log-sum-exp is an output with a gradient of its own (the partials' merge weights depend on
+it): d lse / d s = p, so the backward's dS = p * (dP - D + dlse).
+
+Convention shared with the math kernel: a query with no allowed key gets lse = MASKED_SCORE and
+output 0; its gradients are 0 (no NaN).
+
+What it keeps per mask (cached on the `PartialMask`, freed with the plan that owns it): the tile
+table (2 bools per tile) and the schedule (one (k0, k1, masked) triple per chunk, at most one per
+occupied tile). At L = 256K on 16 ranks (CSBP P = 16: 32K query rows x 256K gathered clean keys,
+256 x 256 tiles): 128 x 1024 tiles -> 256 KiB of tables, at most ~64K chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.utils.precision import compute_dtype
+
+# Masked scores are set to a large finite negative number rather than -inf: a query with no
+# allowed key in one partial then gets a finite lse that the merge weights by exactly 0, and no
+# NaN can appear in forward or backward. Shared by every kernel (re-exported by `kernels`).
+MASKED_SCORE = -1.0e30
+
+# CPU: 256 x 256 tiles keep a [b, H, 256, 2048] score chunk in a few MiB (cache-friendly
+# matmuls) while the per-chunk Python overhead stays small against the arithmetic.
+DEFAULT_Q_TILE = 256
+DEFAULT_K_TILE = 256
+MAX_RUN_KEYS = 2048
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """Per query tile, the key chunks to compute: (k0, k1, masked)."""
+
+    q_tile: int
+    k_tile: int
+    runs: Tuple[Tuple[Tuple[int, int, bool], ...], ...]
+    computed_pairs: int  # query x key pairs the chunks cover (>= the mask's allowed pairs)
+
+    @property
+    def chunks(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * 8 * self.chunks  # three integers per chunk
+
+
+def tile_schedule(mask: PartialMask, q_tile: int = DEFAULT_Q_TILE, k_tile: int = DEFAULT_K_TILE,
+                  max_run_keys: int = MAX_RUN_KEYS) -> TileSchedule:
+    """The chunks of occupied tiles of `mask`, cached on the mask."""
+
+    def build() -> TileSchedule:
+        nq, nk = mask.shape
+        table = mask.tiles(q_tile, k_tile)
+        occupied, full = table.occupied.cpu(), table.full.cpu()
+        max_tiles = max(1, max_run_keys // k_tile)
+        runs: List[Tuple[Tuple[int, int, bool], ...]] = []
+        computed = 0
+        for i in range(occupied.shape[0]):
+            tq = min(nq, (i + 1) * q_tile) - i * q_tile
+            row: List[Tuple[int, int, bool]] = []
+            if tq > 0 and nk > 0:
+                cols = occupied[i].nonzero().flatten().tolist()
+                is_full = full[i].tolist()
+                start = prev = None
+                for j in cols + [None]:
+                    extend = (j is not None and prev is not None and j == prev + 1
+                              and is_full[j] == is_full[start] and j - start < max_tiles)
+                    if not extend:
+                        if start is not None:
+                            k0, k1 = start * k_tile, min(nk, (prev + 1) * k_tile)
+                            row.append((k0, k1, not is_full[start]))
+                            computed += tq * (k1 - k0)
+                        start = j
+                    prev = j
+            runs.append(tuple(row))
+        return TileSchedule(q_tile, k_tile, tuple(runs), computed)
+
+    return mask.derived(("tile_schedule", q_tile, k_tile, max_run_keys), build)
+
+
+def _grouped(q, k, v, cdt):
+    """q [sq, b, H, d] -> [b, G, rep, sq, d]; k, v [sk, b, G, d] -> [b, G, sk, d], in `cdt`."""
+    sq, b, H, d = q.shape
+    G = k.shape[2]
+    qg = q.to(cdt).permute(1, 2, 0, 3).reshape(b, G, H // G, sq, d).contiguous()
+    kg = k.to(cdt).permute(1, 2, 0, 3).contiguous()
+    vg = v.to(cdt).permute(1, 2, 0, 3).contiguous()
+    return qg, kg, vg
+
+
+def _forward(qg, kg, vg, mask: PartialMask, sched: TileSchedule, scale: float):
+    b, G, rep, sq, d = qg.shape
+    out = torch.zeros_like(qg)
+    lse = torch.full((b, G, rep, sq), MASKED_SCORE, dtype=qg.dtype, device=qg.device)
+    for i, runs in enumerate(sched.runs):
+        if not runs:
+            continue
+        q0, q1 = i * sched.q_tile, min(sq, (i + 1) * sched.q_tile)
+        tq = q1 - q0
+        qi = qg[:, :, :, q0:q1].reshape(b, G, rep * tq, d)
+        m = torch.full((b, G, rep, tq), MASKED_SCORE, dtype=qg.dtype, device=qg.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(b, G, rep, tq, d, dtype=qg.dtype, device=qg.device)
+        for k0, k1, masked in runs:
+            s = torch.matmul(qi, kg[:, :, k0:k1].transpose(-1, -2)).view(b, G, rep, tq, k1 - k0).mul_(scale)
+            if masked:
+                blocked = ~mask.block(slice(q0, q1), slice(k0, k1))
+                s.masked_fill_(blocked, MASKED_SCORE)
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s.sub_(m_new.unsqueeze(-1)))
+            if masked:  # rows with nothing allowed yet have m_new = MASKED_SCORE: exp(0) there
+                p.masked_fill_(blocked, 0.0)
+            alpha = torch.exp(m - m_new)
+            l = l * alpha + p.sum(-1)
+            pv = torch.matmul(p.view(b, G, rep * tq, k1 - k0), vg[:, :, k0:k1]).view(b, G, rep, tq, d)
+            acc = acc * alpha.unsqueeze(-1) + pv
+            m = m_new
+        seen = l > 0
+        out[:, :, :, q0:q1] = acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)
+        lse[:, :, :, q0:q1] = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))),
+                                          torch.full_like(m, MASKED_SCORE))
+    return out, lse
+
+
+def _backward(qg, kg, vg, out, lse, dout, dlse, mask: PartialMask, sched: TileSchedule, scale: float):
+    b, G, rep, sq, d = qg.shape
+    dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
+    # dS = P * (dP - D + dlse) with D = rowsum(dO * O).
+    delta = (dout * out).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    for i, runs in enumerate(sched.runs):
+        if not runs:
+            continue
+        q0, q1 = i * sched.q_tile, min(sq, (i + 1) * sched.q_tile)
+        tq = q1 - q0
+        qi = qg[:, :, :, q0:q1].reshape(b, G, rep * tq, d)
+        doi = dout[:, :, :, q0:q1].reshape(b, G, rep * tq, d)
+        li = lse[:, :, :, q0:q1].unsqueeze(-1)
+        di = delta[:, :, :, q0:q1].unsqueeze(-1)
+        dqi = torch.zeros_like(qi)
+        for k0, k1, masked in runs:
+            kc, vc, n = kg[:, :, k0:k1], vg[:, :, k0:k1], k1 - k0
+            s = torch.matmul(qi, kc.transpose(-1, -2)).view(b, G, rep, tq, n).mul_(scale)
+            p = torch.exp(s.sub_(li))
+            if masked:  # also zeroes rows with no allowed key at all (lse = MASKED_SCORE)
+                p.masked_fill_(~mask.block(slice(q0, q1), slice(k0, k1)), 0.0)
+            dp = torch.matmul(doi, vc.transpose(-1, -2)).view(b, G, rep, tq, n)
+            ds = p * (dp - di)
+            p2, ds2 = p.view(b, G, rep * tq, n), ds.view(b, G, rep * tq, n)
+            dv[:, :, k0:k1] += torch.matmul(p2.transpose(-1, -2), doi)
+            dk[:, :, k0:k1] += torch.matmul(ds2.transpose(-1, -2), qi).mul_(scale)
+            dqi += torch.matmul(ds2, kc).mul_(scale)
+        dq[:, :, :, q0:q1] = dqi.view(b, G, rep, tq, d)
+    return dq, dk, dv
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, sched, scale):
+        sq, b, H, d = q.shape
+        cdt = compute_dtype(q.dtype)
+        qg, kg, vg = _grouped(q, k, v, cdt)
+        out, lse = _forward(qg, kg, vg, mask, sched, scale)
+        del qg, kg, vg
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.sched, ctx.scale = mask, sched, scale
+        return out.reshape(b, H, sq, d).permute(2, 0, 1, 3).to(q.dtype), lse.reshape(b, H, sq)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        sq, b, H, d = q.shape
+        G = k.shape[2]
+        cdt = out.dtype
+        qg, kg, vg = _grouped(q, k, v, cdt)
+        do = torch.zeros_like(out) if dout is None else dout.to(cdt).permute(1, 2, 0, 3).reshape(out.shape)
+        dl = None if dlse is None else dlse.to(cdt).reshape(lse.shape)
+        dq, dk, dv = _backward(qg, kg, vg, out, lse, do, dl, ctx.mask, ctx.sched, ctx.scale)
+        dq = dq.reshape(b, H, sq, d).permute(2, 0, 1, 3).to(q.dtype)
+        return dq, dk.permute(2, 0, 1, 3).to(k.dtype), dv.permute(2, 0, 1, 3).to(v.dtype), None, None, None
+
+
+def tiled_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask,
+                            softmax_scale: float, q_tile: Optional[int] = None, k_tile: Optional[int] = None):
+    """q [sq, b, H, d], k/v [sk, b, G, d] (G | H) under `mask` (sq x sk row vectors); returns
+    (out [sq, b, H, d], lse [b, H, sq] in fp32, fp64 for fp64 inputs)."""
+    sq, sk = q.shape[0], k.shape[0]
+    if mask.shape != (sq, sk):
+        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(sq, sk)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
+    sched = tile_schedule(mask, q_tile or DEFAULT_Q_TILE, k_tile or DEFAULT_K_TILE)
+    return _TiledAttention.apply(q, k, v, mask, sched, softmax_scale)

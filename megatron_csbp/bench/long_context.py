@@ -1,0 +1,434 @@
+"""Long-context benchmark on CPU ranks: one training step of a tiny GPT (2 layers, hidden 64) under
+single, CP and CSBP (P = 2) from 2K to 32K tokens, the tiled kernel (row-vector masks, memory
+linear in the rows) against the math kernel (dense [rows x keys] scores and mask per partial,
+what every partial did before), the latter only at lengths where it fits.
+
+`python -m megatron_csbp.bench --long-context` (defaults below; `--seq-lengths`, `--old-max-length`,
+`--sizes 1` or `--sizes 2` for one world only; `--from-json X.records.jsonl` renders what a run
+wrote so far, or several runs' records concatenated).
+
+Per (kernel, layout, L) and rank it records
+- the step time (forward, backward, gradient all-reduce, AdamW: one untimed warm step for L <=
+  `warm_max_length`, then one timed step),
+- the tensor peak and RSS high-water of one more, tracked step (`bench.memory`),
+- the mask's allowed pairs on the rank (every partial of its plan, from row vectors) and the
+  query x key rectangle the kernels were handed,
+- attention time: one layer's block attention (exchange included) forward + backward on the rank's
+  plan with random q, k, v, timed alone; per allowed pair it should stay flat over L.
+Targets (issue 13): tensor peak linear in L (increase 16K->32K at most 2.3x the increase 8K->16K)
+and attention time following the allowed pairs. Report: `long_context.md` / `.json` / `_memory.png`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.bench.cases import BenchModel, Case
+
+
+@dataclass(frozen=True)
+class LongContextConfig:
+    model: BenchModel = BenchModel(num_layers=2, hidden_size=64, num_attention_heads=2, num_query_groups=1,
+                                   ffn_hidden_size=256, vocab_size=512, block_size=64)
+    seq_lengths: Tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
+    kernels: Tuple[str, ...] = ("tiled", "math")
+    old_kernel: str = "math"
+    old_max_length: int = 4096  # the dense path: 8 GiB per rank at 8K before issue 13
+    warm_max_length: int = 8192
+    P: int = 2
+    worlds: Tuple[int, ...] = (1, 2)  # world sizes to run (1: single; P: CP and CSBP)
+    layouts: Tuple[str, ...] = ("single", "cp-allgather", "csbp-allgather")
+    seed: int = 1234
+
+    def to_dict(self) -> Dict:
+        d = asdict(self)
+        d["model"] = asdict(self.model)
+        return d
+
+    def cases(self, world: int) -> List[Case]:
+        table = {"single": Case("single", 1, 1), "cp-allgather": Case("cp-allgather", self.P, 1, "allgather"),
+                 "csbp-allgather": Case("csbp-allgather", self.P, self.P, "allgather", "mirrored")}
+        return [table[n] for n in self.layouts if table[n].size == world]
+
+    def lengths(self, kernel: str) -> List[int]:
+        return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]
+
+
+def _plan_pairs(plan) -> Tuple[int, int, int]:
+    """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
+    from megatron_csbp.layout.rows import PartialMask
+
+    allowed = rect = 0
+    for key, value in plan._cache.items():
+        mask = value[0] if isinstance(value, tuple) else value
+        if not isinstance(mask, PartialMask):
+            continue
+        if key[0] == "block_diagonal":
+            B = mask.shape[0]
+            n = plan.num_noisy
+            allowed += n * B
+            rect += n * B
+        else:
+            allowed += mask.allowed_pairs()
+            rect += mask.shape[0] * mask.shape[1]
+    return allowed, rect, plan.nbytes()
+
+
+def _attention_time(model, plan, kernel_name: str, seq_group) -> float:
+    """One layer's block attention forward + backward on this rank's plan, random inputs."""
+    from megatron_csbp.attention.block_attention import block_diffusion_attention
+    from megatron_csbp.attention.kernels import get_kernel
+
+    m = model
+    H, G, d = m.num_attention_heads, m.num_query_groups, m.head_dim
+    rows = len(plan.local)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(rows, m.micro_batch_size, H, d, generator=gen, requires_grad=True)
+    k = torch.randn(rows, m.micro_batch_size, G, d, generator=gen, requires_grad=True)
+    v = torch.randn(rows, m.micro_batch_size, G, d, generator=gen, requires_grad=True)
+    kernel = get_kernel(kernel_name, q.device)
+    dist.barrier(group=seq_group)
+    t0 = time.perf_counter()
+    out = block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, layer=1)
+    out.sum().backward()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
+    return float(dt)
+
+
+def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
+    from megatron_csbp.bench.worker import _allreduce_grads, build_gpt
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.bdlm import BlockDiffusionModel
+    from megatron_csbp.objectives.bd3lm import BD3LMObjective
+
+    m = replace(cfg.model, attention_kernel=kernel_name)
+    seq_rank, seq_group = bps.get_block_parallel_rank(), bps.get_block_parallel_group()
+    layout = SequenceLayout(BlockGeometry(L, m.block_size), case.cp, case.bp, case.schedule)
+    gpt = build_gpt(m, L, cfg.seed)
+    mask_id = m.vocab_size - 1
+    model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout, seq_rank,
+                                bps.get_clean_ring_group(), case.transport)
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    tokens = torch.randint(0, mask_id, (m.micro_batch_size, L), generator=torch.Generator().manual_seed(cfg.seed + L))
+
+    def step(i: int) -> float:
+        out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i)
+        out.loss.backward()
+        _allreduce_grads(params, seq_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(out.loss.detach())
+
+    def timed(i: int) -> Tuple[float, float]:
+        dist.barrier(group=seq_group)
+        t0 = time.perf_counter()
+        loss = step(i)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
+        return float(dt), loss
+
+    first_step_s, loss0 = timed(0)  # builds the plan's masks and tile schedules
+    step_s = timed(1)[0] if L <= cfg.warm_max_length else first_step_s
+    gc.collect()
+    dist.barrier(group=seq_group)
+    reset_rss_high_water()
+    tracker = TensorPeakTracker()
+    with tracker:
+        step(2)
+    peak, static, rss = tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
+    allowed, rect, mask_bytes = _plan_pairs(model.plan)
+    attn_s = _attention_time(m, model.plan, kernel_name, seq_group)
+    record = {"case": case.name, "kind": case.kind, "P": case.size, "kernel": kernel_name, "seq_length": L,
+              "seq_rank": seq_rank, "rows": len(model.plan.local), "first_step_s": first_step_s, "step_s": step_s,
+              "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "peak_tensor_bytes": peak,
+              "static_tensor_bytes": static, "rss_high_water_bytes": rss, "allowed_pairs": allowed,
+              "kernel_rectangle_pairs": rect, "mask_bytes": mask_bytes, "attention_s": attn_s}
+    del model, gpt, opt, params
+    gc.collect()
+    return record
+
+
+def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> List[Dict]:
+    """Thread CPU time (insensitive to other jobs on a shared machine, unlike wall time) of one
+    layer's block attention forward + backward on the single-rank plan, per kernel and L: the
+    tiled kernel's time per allowed pair should stay flat, the math kernel's follows the
+    rectangle. Also the pairs the tiled kernel's tiles cover. Best of `repeats` below 16K."""
+    from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
+    from megatron_csbp.attention.kernels import get_kernel
+    from megatron_csbp.attention.tiled import tile_schedule
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.layout.rows import PartialMask
+
+    torch.set_num_threads(1)
+    m = cfg.model
+    H, G, d = m.num_attention_heads, m.num_query_groups, m.head_dim
+    out = []
+    for kernel_name in cfg.kernels:
+        for L in cfg.lengths(kernel_name):
+            plan = plan_for_layout(SequenceLayout(BlockGeometry(L, m.block_size)), 0)
+            gen = torch.Generator().manual_seed(L)
+            q = torch.randn(2 * L, 1, H, d, generator=gen, requires_grad=True)
+            k = torch.randn(2 * L, 1, G, d, generator=gen, requires_grad=True)
+            v = torch.randn(2 * L, 1, G, d, generator=gen, requires_grad=True)
+            kernel = get_kernel(kernel_name, q.device)
+            best = None
+            for _ in range(repeats if L < 16384 else 1):
+                t0 = time.thread_time()
+                block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel).sum().backward()
+                dt = time.thread_time() - t0
+                best = dt if best is None else min(best, dt)
+            allowed, rect, _ = _plan_pairs(plan)
+            computed = 0
+            for key, value in plan._cache.items():
+                mask = value[0] if isinstance(value, tuple) else value
+                if isinstance(mask, PartialMask) and key[0] != "block_diagonal":
+                    computed += tile_schedule(mask).computed_pairs
+                elif isinstance(mask, PartialMask):
+                    computed += plan.num_noisy * mask.shape[0]
+            row = {"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
+                   "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed}
+            log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
+                f"{best / allowed * 1e9:.1f} ns per allowed pair")
+            out.append(row)
+            del q, k, v, plan
+            gc.collect()
+    return out
+
+
+def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tuple[str, str]], out_path: str):
+    """All (kernel, layout) jobs of this world size, every length; records appended to
+    `out_path` as they finish (rank 0 writes every rank's record: a killed run keeps its rows)."""
+    import warnings
+
+    from megatron_csbp import parallel_state as bps
+
+    warnings.filterwarnings("ignore")
+    results = []
+    for kernel_name, case_name in jobs:
+        case = next(c for c in cfg.cases(world_size) if c.name == case_name)
+        bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
+        try:
+            for L in cfg.lengths(kernel_name):
+                rec = _measure(cfg, case, kernel_name, L)
+                gathered = [None] * world_size
+                dist.all_gather_object(gathered, rec)
+                if rank == 0:
+                    with open(out_path, "a") as f:
+                        for r in gathered:
+                            f.write(json.dumps(r) + "\n")
+                    print(f"[long-context] {kernel_name} {case_name} L={L}: step {rec['step_s']:.1f} s, "
+                          f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
+                results.append(rec)
+        finally:
+            bps.destroy_block_parallel()
+    return results
+
+
+def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
+    from megatron_csbp.bench.runner import environment
+    from megatron_csbp.utils.spawn import spawn
+
+    for world in cfg.worlds:
+        jobs = [(k, c.name) for k in cfg.kernels for c in cfg.cases(world)]
+        if not jobs:
+            continue
+        log(f"[long-context] world of {world}: {jobs}")
+        spawn(world_main, world, cfg, jobs, records_path, attempts=1)
+    return load_records(records_path)
+
+
+def load_records(path: str) -> List[Dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(records: List[Dict]) -> List[Dict]:
+    """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
+    groups: Dict[Tuple, List[Dict]] = {}
+    for r in records:
+        groups.setdefault((r["kernel"], r["case"], r["seq_length"]), []).append(r)
+    rows = []
+    for (kernel, case, L), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        rows.append({
+            "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L,
+            "step_s": max(r["step_s"] for r in rs), "first_step_s": max(r["first_step_s"] for r in rs),
+            "warm": rs[0]["warm"],
+            "peak_tensor_bytes": max(r["peak_tensor_bytes"] for r in rs),
+            "rss_high_water_bytes": max(r["rss_high_water_bytes"] or 0 for r in rs),
+            "allowed_pairs": max(r["allowed_pairs"] for r in rs),
+            "kernel_rectangle_pairs": max(r["kernel_rectangle_pairs"] for r in rs),
+            "mask_bytes": max(r["mask_bytes"] for r in rs),
+            "attention_s": max(r["attention_s"] for r in rs),
+            "loss_step0": sum(r["loss_step0"] for r in rs),
+        })
+    return rows
+
+
+def linearity(rows: List[Dict], kernel: str = "tiled") -> Dict[str, Dict]:
+    """Per case: (peak 32K - peak 16K) / (peak 16K - peak 8K); linear memory gives 2.0."""
+    out = {}
+    for case in sorted({r["case"] for r in rows if r["kernel"] == kernel}):
+        peak = {r["seq_length"]: r["peak_tensor_bytes"] for r in rows if r["kernel"] == kernel and r["case"] == case}
+        if all(L in peak for L in (8192, 16384, 32768)):
+            ratio = (peak[32768] - peak[16384]) / max(1, peak[16384] - peak[8192])
+            out[case] = {"ratio": ratio, "target": 2.3, "ok": ratio <= 2.3}
+    return out
+
+
+def render(result: Dict) -> str:
+    rows, cfg = result["rows"], result["config"]
+    m = cfg["model"]
+    lines = [
+        "# Long-context benchmark (CPU ranks)", "",
+        f"Made by `{result['command']}` on {result['environment']['date_utc']} UTC "
+        f"({result['environment']['host_cpus']} shared cores, load average at start "
+        f"{result['environment']['load_average_at_start']}, torch {result['environment']['torch']}, one thread per rank).",
+        "",
+        f"One training step of a {m['num_layers']}-layer GPT (hidden {m['hidden_size']}, {m['num_attention_heads']} "
+        f"heads, {m['num_query_groups']} KV group, block {m['block_size']}, micro-batch {m['micro_batch_size']}) with "
+        f"the BD3-LM objective, P = {cfg['P']} for CP and CSBP. `tiled`: row-vector masks and the tiled kernel (this "
+        f"code's CPU default); `math`: the dense reference kernel ([rows x keys] mask and scores per partial, as every "
+        f"partial was computed before issue 13), run up to L = {cfg['old_max_length']} only. Memory is per rank (max over "
+        "ranks): tensor peak of the step (`bench.memory`, the CPU analogue of max_memory_allocated) and RSS "
+        "high-water. Allowed pairs: the worst rank's mask, summed over its partials; attention: one layer's block "
+        "attention forward + backward alone (exchange included), max over ranks. Step times on a machine shared "
+        "with other jobs: compare shapes, not absolute values; steps marked * are first steps (plan building "
+        "included, no warm-up).",
+        "",
+        "| kernel | layout | L | step (s) | tensor peak (MiB) | RSS (MiB) | allowed pairs (M) | kernel rectangle (M) "
+        "| mask bytes (KiB) | attention (s) | ns / allowed pair |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        star = "" if r["warm"] else "*"
+        lines.append(
+            f"| {r['kernel']} | {r['case']} | {r['seq_length']} | {r['step_s']:.2f}{star} | "
+            f"{r['peak_tensor_bytes'] / 2**20:.0f} | {r['rss_high_water_bytes'] / 2**20:.0f} | "
+            f"{r['allowed_pairs'] / 1e6:.1f} | {r['kernel_rectangle_pairs'] / 1e6:.1f} | {r['mask_bytes'] / 1024:.0f} | "
+            f"{r['attention_s']:.2f} | {r['attention_s'] / max(1, r['allowed_pairs']) * 1e9:.1f} |")
+    scaling = result.get("attention_scaling")
+    if scaling:
+        lines += ["", "Attention alone, single rank (one layer, forward + backward, thread CPU time: other jobs on "
+                  "the machine barely move it), with the pairs the tiled kernel's occupied tiles cover:", "",
+                  "| kernel | L | CPU s | allowed pairs (M) | tiles cover (M) | rectangle (M) | ns / allowed pair "
+                  "| ns / rectangle pair |", "|---|---|---|---|---|---|---|---|"]
+        for r in scaling:
+            lines.append(f"| {r['kernel']} | {r['seq_length']} | {r['attention_cpu_s']:.2f} | "
+                         f"{r['allowed_pairs'] / 1e6:.1f} | {r['tiled_computed_pairs'] / 1e6:.1f} | "
+                         f"{r['kernel_rectangle_pairs'] / 1e6:.1f} | "
+                         f"{r['attention_cpu_s'] / r['allowed_pairs'] * 1e9:.1f} | "
+                         f"{r['attention_cpu_s'] / r['kernel_rectangle_pairs'] * 1e9:.1f} |")
+    lin = result.get("linearity", {})
+    if lin:
+        lines += ["", "Memory linearity (tiled): (peak 32K - peak 16K) / (peak 16K - peak 8K), linear = 2.0, "
+                  "target <= 2.3:", ""]
+        for case, v in lin.items():
+            lines.append(f"- {case}: {v['ratio']:.2f} ({'ok' if v['ok'] else 'MISSED'})")
+    if result.get("notes"):
+        lines += [""] + result["notes"]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: Dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (kernel, case) in sorted({(r["kernel"], r["case"]) for r in rows}):
+        rs = sorted((r for r in rows if r["kernel"] == kernel and r["case"] == case), key=lambda r: r["seq_length"])
+        xs = [r["seq_length"] for r in rs]
+        style = "-o" if kernel == "tiled" else "--x"
+        axes[0].plot(xs, [r["peak_tensor_bytes"] / 2**30 for r in rs], style, label=f"{kernel} {case}")
+        axes[1].plot(xs, [r["attention_s"] / max(1, r["allowed_pairs"]) * 1e9 for r in rs], style,
+                     label=f"{kernel} {case}")
+    axes[0].set(xscale="log", xlabel="L (tokens)", ylabel="tensor peak per rank (GiB)", title="Peak memory per rank")
+    axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per allowed pair",
+                title="Attention time / allowed pairs")
+    for ax in axes:
+        ax.set_xticks(sorted({r["seq_length"] for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:
+    os.makedirs(output_dir, exist_ok=True)
+    files = {"json": os.path.join(output_dir, f"{name}.json"), "markdown": os.path.join(output_dir, f"{name}.md")}
+    with open(files["json"], "w") as f:
+        json.dump(result, f, indent=1)
+    with open(files["markdown"], "w") as f:
+        f.write(render(result))
+    if with_plots:
+        files["plot"] = os.path.join(output_dir, f"{name}_memory.png")
+        plot(result, files["plot"])
+    return files
+
+
+def main(args, command: str) -> int:
+    from megatron_csbp.bench.runner import environment
+
+    cfg = LongContextConfig()
+    if args.seq_lengths:
+        cfg = replace(cfg, seq_lengths=tuple(args.seq_lengths))
+    if args.old_max_length is not None:
+        cfg = replace(cfg, old_max_length=args.old_max_length)
+    if args.sizes:
+        cfg = replace(cfg, worlds=tuple(args.sizes))
+    name = args.name or "long_context"
+    os.makedirs(args.output_dir, exist_ok=True)
+    records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
+    if args.attention_scaling and not args.from_json:
+        result = None
+    elif args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
+        from megatron_csbp.bench.runner import environment
+
+        result = {"config": cfg.to_dict(), "environment": environment(), "command": command + " (partial records)",
+                  "records": load_records(args.from_json)}
+    elif args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+    elif not args.attention_scaling:
+        if os.path.exists(records_path):
+            os.remove(records_path)
+        env = environment()
+        t0 = time.perf_counter()
+        records = run(cfg, records_path)
+        env["wall_s"] = time.perf_counter() - t0
+        result = {"config": cfg.to_dict(), "environment": env, "command": command, "records": records}
+    scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
+    if args.attention_scaling:
+        scaling = attention_scaling(cfg)
+        with open(scaling_path, "w") as f:
+            json.dump(scaling, f, indent=1)
+        if not args.from_json:
+            print(f"[bench] wrote attention scaling: {scaling_path}")
+            return 0
+    if os.path.exists(scaling_path) and "attention_scaling" not in result:
+        with open(scaling_path) as f:
+            result["attention_scaling"] = json.load(f)
+    result["rows"] = summarize(result["records"])
+    result["linearity"] = linearity(result["rows"])
+    files = save(result, args.output_dir, name, with_plots=not args.no_plots)
+    for kind, path in files.items():
+        print(f"[bench] wrote {kind}: {path}")
+    return 0
