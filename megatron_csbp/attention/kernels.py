@@ -52,61 +52,21 @@ def merge_partials(partials: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[t
     return out, lse
 
 
-_FLEX = {}
+def flex_partial_attention(q, k, v, mask, softmax_scale):
+    """FlexAttention driven by the mask's row vectors (`attention/flex.py`; default on CUDA)."""
+    from megatron_csbp.attention.flex import flex_attention_partial
+
+    return flex_attention_partial(q, k, v, mask, softmax_scale)
 
 
-def _flex_attention_fn(device: torch.device):
-    """FlexAttention, compiled on CUDA (its fused kernel); eager elsewhere (tests on CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention
+def flash_partial_attention(q, k, v, mask, softmax_scale):
+    """flash-attn varlen for the pieces it expresses exactly, flex for the rest (`attention/flash.py`)."""
+    from megatron_csbp.attention.flash import flash_attention_partial
 
-    if device.type != "cuda":
-        return flex_attention
-    if "compiled" not in _FLEX:
-        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["compiled"]
+    return flash_attention_partial(q, k, v, mask, softmax_scale)
 
 
-def _block_mask(allowed: torch.Tensor, device: torch.device):
-    """Block mask of a (static, cached) bool mask; built once per mask tensor."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    key = (allowed.data_ptr(), tuple(allowed.shape), str(device))
-    if key not in _FLEX:
-        dense = allowed.to(device)
-
-        def mask_mod(batch, head, qi, ki):
-            return dense[qi, ki]
-
-        _FLEX[key] = (allowed, create_block_mask(mask_mod, None, None, *dense.shape, device=device))
-    return _FLEX[key][1]
-
-
-def flex_partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, softmax_scale: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention with the same mask (GPU path; torch has no FlexAttention backward on CPU).
-
-    Masks are static per plan and cached by the plan, so their block masks are built once."""
-    sq, b, H, d = q.shape
-    G = k.shape[2]
-    block_mask = _block_mask(allowed, q.device)
-    qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    flex = _flex_attention_fn(q.device)
-    try:  # torch >= 2.9: auxiliary outputs are requested with AuxRequest
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        out, aux = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H,
-                        return_aux=AuxRequest(lse=True))
-        lse = aux.lse
-    except ImportError:
-        out, lse = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True)
-    # Rows with no allowed key get -inf: clamp so the merge weights them by exactly zero, like
-    # the math kernel.
-    lse = lse.float().clamp_min(MASKED_SCORE)
-    return out.permute(2, 0, 1, 3), lse
-
-
-KERNELS = {"math": math_partial_attention, "flex": flex_partial_attention}
+KERNELS = {"math": math_partial_attention, "flex": flex_partial_attention, "flash": flash_partial_attention}
 
 
 def get_kernel(name: str, device: torch.device):
