@@ -75,4 +75,8 @@ def get_kernel(name: str, device: torch.device):
         name = "flex" if device.type == "cuda" else "math"
     if name not in KERNELS:
         raise ValueError(f"--attention-kernel must be one of {sorted(KERNELS) + ['auto']}, got {name!r}")
+    if name == "flash":  # fail at selection, with the flag's name, not inside the first forward
+        from megatron_csbp.attention.flash import require_flash_attn
+
+        require_flash_attn()
     return KERNELS[name]
