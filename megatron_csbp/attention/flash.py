@@ -260,8 +260,9 @@ def _run(fa, q, k, v, call: VarlenCall, scale: float):
     def pack(x, idx):  # [rows, b, h, d] -> [b * len(idx), h, d], batch-major
         return x.index_select(0, idx).transpose(0, 1).reshape(b * idx.numel(), x.shape[2], x.shape[3])
 
-    def cu_b(cu, rows):
-        return torch.cat([cu[:-1] + j * rows for j in range(b)] + [cu[-1:] + (b - 1) * rows]).to(torch.int32)
+    def cu_b(cu, rows):  # the same sequences once per batch element, batch-major
+        starts = cu[:-1][None, :] + rows * torch.arange(b, device=cu.device, dtype=cu.dtype)[:, None]
+        return torch.cat([starts.flatten(), cu[-1:] + (b - 1) * rows]).to(torch.int32)
 
     qp, kp, vp = pack(q, call.q_index), pack(k, call.k_index), pack(v, call.k_index)
     cq, ck = cu_b(call.cu_q, n), cu_b(call.cu_k, m)
