@@ -38,7 +38,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.attention.flex import derived, flex_attention_partial
+from megatron_csbp.attention.flex import derived, flex_attention_partial, lse_dtype
 from megatron_csbp.layout.rows import PartialMask
 
 KEY_COPY_BUDGET = 2.0  # gathered clean keys per call, at most this many x the partial's clean keys
@@ -226,6 +226,14 @@ class FlashPlan:
         fallback_mask = PartialMask(q.select(fallback_q), k.select(clean_keys)) if fallback_q.numel() else None
         return FlashPlan(noisy, calls, clean_keys, fallback_q, fallback_mask)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index vectors (the fallback's flex tables are counted on its own mask)."""
+        calls = ([self.noisy] if self.noisy is not None else []) + self.clean
+        vecs = [t for c in calls for t in (c.q_index, c.k_index, c.cu_q, c.cu_k)] + [self.clean_keys, self.fallback_q]
+        rows = self.fallback_mask.q.nbytes + self.fallback_mask.k.nbytes if self.fallback_mask is not None else 0
+        return rows + sum(t.numel() * t.element_size() for t in vecs)
+
     def to(self, device) -> "FlashPlan":
         fm = self.fallback_mask.to(device) if self.fallback_mask is not None else None
         return FlashPlan(self.noisy.to(device) if self.noisy is not None else None, [c.to(device) for c in self.clean],
@@ -234,13 +242,7 @@ class FlashPlan:
 
 def flash_plan(mask: PartialMask, device) -> FlashPlan:
     """The mask's FlashPlan on `device`, built once and cached on the mask."""
-    cache = derived(mask)
-    if ("flash", "cpu") not in cache:
-        cache[("flash", "cpu")] = FlashPlan.of(mask)
-    key = ("flash", str(device))
-    if key not in cache:
-        cache[key] = cache[("flash", "cpu")].to(device)
-    return cache[key]
+    return derived(mask, ("flash", str(device)), lambda: FlashPlan.of(mask).to(device))
 
 
 def _lse_rows(lse: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -269,11 +271,11 @@ def _run(fa, q, k, v, call: VarlenCall, scale: float):
     args = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, dropout_p=0.0,
                 softmax_scale=scale, causal=call.causal, window_size=call.window)
     out, lse, _ = fa(qp, kp, vp, return_attn_probs=True, **args)
-    lse = _lse_rows(lse, cq, b * n).float()  # [H, b*n]
+    lse = _lse_rows(lse, cq, b * n).to(lse_dtype(q))  # [H, b*n]
     if torch.is_grad_enabled() and (qp.requires_grad or kp.requires_grad):
         ok = fa(qp.detach(), kp.detach(), kp, **args)  # (P @ K) per query, differentiable in K only
-        a = (qp.float() * ok.detach().float()).sum(-1)
-        c = (qp.detach().float() * ok.float()).sum(-1)
+        a = (qp.to(lse.dtype) * ok.detach().to(lse.dtype)).sum(-1)
+        c = (qp.detach().to(lse.dtype) * ok.to(lse.dtype)).sum(-1)
         lse = lse + scale * ((a - a.detach()) + (c - c.detach())).T
     out = out.reshape(b, n, H, -1).transpose(0, 1)
     return out, lse.reshape(H, b, n).transpose(0, 1)
@@ -298,8 +300,8 @@ def flash_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         """Pieces over disjoint query sets -> one partial over all sq rows (others: 0, MASKED)."""
         idx = torch.cat([p[0] for p in pieces])
         out = q.new_zeros(sq, b, H, v.shape[-1]).index_copy(0, idx, torch.cat([p[1].to(q.dtype) for p in pieces]))
-        lse = torch.full((b, H, sq), MASKED_SCORE, dtype=torch.float32, device=q.device)
-        return out, lse.index_copy(2, idx, torch.cat([p[2] for p in pieces], dim=2))
+        lse = torch.full((b, H, sq), MASKED_SCORE, dtype=lse_dtype(q), device=q.device)
+        return out, lse.index_copy(2, idx, torch.cat([p[2].to(lse.dtype) for p in pieces], dim=2))
 
     layers = []
     if plan.noisy is not None:
@@ -315,6 +317,6 @@ def flash_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         layers.append(layer(clean))
     if not layers:  # no allowed pair at all
         out = q.new_zeros(sq, b, H, v.shape[-1]) + 0.0 * (k.sum() + v.sum())
-        return out, torch.full((b, H, sq), MASKED_SCORE, dtype=torch.float32, device=q.device)
+        return out, torch.full((b, H, sq), MASKED_SCORE, dtype=lse_dtype(q), device=q.device)
     out, lse = merge_partials(layers)
     return out, lse.clamp_min(MASKED_SCORE)

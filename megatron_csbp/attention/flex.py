@@ -2,7 +2,7 @@
 
 `flex_attention_partial(q, k, v, mask: PartialMask, softmax_scale) -> (out, lse)` follows the
 kernel interface of `attention/kernels.py`: q [sq, b, H, d], k/v [sk, b, G, d] (G | H), out
-[sq, b, H, d] in q's dtype, lse [b, H, sq] fp32; a row with no allowed key gets output 0 and lse
+[sq, b, H, d] in q's dtype, lse [b, H, sq] fp32 (fp64 for fp64 inputs); a row with no allowed key gets output 0 and lse
 MASKED_SCORE, so that `merge_partials` weights it by exactly 0.
 
 No dense mask anywhere:
@@ -24,7 +24,7 @@ RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)`: more shapes than that is a 
 instead of Dynamo's silent uncompiled fallback (which materialises the score matrix).
 
 Ownership. The padded row vectors, the tile tables and the `BlockMask` are cached on the
-`PartialMask` (`derived(mask)`), so they live exactly as long as the plan that owns the mask; the
+`PartialMask` (`derived`), so they live exactly as long as the plan that owns the mask; the
 only module-level state is the one compiled `flex_attention` callable.
 
 Sizes at L = 256K tokens on 16 ranks (CSBP P = 16: 32K local rows, 256K gathered clean keys,
@@ -65,9 +65,20 @@ def bucket(n: int, block: int = FLEX_BLOCK) -> int:
     raise AssertionError("unreachable")
 
 
-def derived(mask: PartialMask) -> dict:
-    """Per-mask cache of what kernels derive from it (freed with the mask)."""
-    return mask.__dict__.setdefault("_kernel_cache", {})
+def derived(mask: PartialMask, key, build):
+    """`build()` once per (mask, key), kept on the mask and freed with it: `PartialMask.derived`
+    where the mask has it, else a dict in the mask's __dict__."""
+    if hasattr(mask, "derived"):
+        return mask.derived(key, build)
+    cache = mask.__dict__.setdefault("_kernel_cache", {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The kernels' lse dtype: fp32, fp64 for fp64 inputs (as the math and tiled kernels)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def padded_mask(mask: PartialMask, q_len: int, k_len: int) -> PartialMask:
@@ -129,22 +140,30 @@ class FlexMask:
     q_len: int
     k_len: int
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+    row_bytes: int = 0  # the padded row vectors the mask_mod reads
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept: block tables (kv and q, partial and full) and the padded row vectors."""
+        bm = self.block_mask
+        tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
+                  bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+        return self.row_bytes + sum(t.numel() * t.element_size() for t in tables if t is not None)
 
 
 def flex_mask(mask: PartialMask, device: torch.device, block: int = FLEX_BLOCK) -> FlexMask:
     """The padded BlockMask of `mask` on `device`, built once and cached on the mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    key = ("flex", str(device), block)
-    cache = derived(mask)
-    if key not in cache:
+    def build():
         q_len, k_len = bucket(mask.shape[0], block), bucket(mask.shape[1], block)
         padded = padded_mask(mask.to(device), q_len, k_len)
         tables = flex_block_tables(padded, block)
         block_mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=mask_mod_of(padded),
                                               seq_lengths=(q_len, k_len))
-        cache[key] = FlexMask(q_len, k_len, block_mask)
-    return cache[key]
+        return FlexMask(q_len, k_len, block_mask, padded.q.nbytes + padded.k.nbytes)
+
+    return derived(mask, ("flex", str(device), block), build)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +203,7 @@ def flex_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         raise ValueError(f"mask is {mask.shape}, q/k have ({sq}, {sk}) rows")
     if sq == 0 or sk == 0:
         out = q.new_zeros(sq, b, H, v.shape[-1]) + 0.0 * (k.sum() + v.sum())
-        return out, torch.full((b, H, sq), MASKED_SCORE, dtype=torch.float32, device=q.device)
+        return out, torch.full((b, H, sq), MASKED_SCORE, dtype=lse_dtype(q), device=q.device)
     fm = flex_mask(mask, q.device)
     qt, kt, vt = _pad_rows(q, fm.q_len), _pad_rows(k, fm.k_len), _pad_rows(v, fm.k_len)
     flex = _flex_fn(q.device, compile)
@@ -195,5 +214,5 @@ def flex_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                         return_aux=AuxRequest(lse=True))
     # Rows with no allowed key come back with lse = -inf and output 0: clamp the lse so the
     # merge weights them by exactly 0, like the math kernel.
-    lse = aux.lse[..., :sq].float().clamp_min(MASKED_SCORE)
+    lse = aux.lse[..., :sq].to(lse_dtype(q)).clamp_min(MASKED_SCORE)
     return out[:, :, :sq].permute(2, 0, 1, 3), lse
