@@ -145,3 +145,28 @@ def test_flash_needs_flash_attn():
         mask = CASES[0][1]
         with pytest.raises(ValueError, match="fp16/bf16 on CUDA"):
             get_kernel("flash", torch.device("cpu"))(q, q, q, mask, 1.0)
+
+
+@pytest.mark.parametrize("variant,window", [("block_causal", None), ("token_causal", None), ("token_causal", 24)])
+def test_block_diffusion_attention_with_the_flash_decomposition(variant, window):
+    """A whole single-layout attention (block-diagonal noisy part folded into the batch, the clean
+    partial) through the flash kernel's decomposition, varlen calls evaluated by
+    `varlen_reference`, fallback on the tiled kernel: equals the tiled kernel, outputs and grads
+    (fp64, 1e-5: the lse is carried in fp32 by the reference varlen)."""
+    tiled = pytest.importorskip("megatron_csbp.attention.tiled", reason="needs the row-vector call sites")
+    from functools import partial
+
+    from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
+    from megatron_csbp.layout.layout import SequenceLayout
+
+    L, B = 96, 8
+    plan = plan_for_layout(SequenceLayout(BlockGeometry(L, B, variant), 1, 1))
+    flash = partial(flash_attention_partial, flash_fn=varlen_reference, fallback=tiled.tiled_partial_attention)
+    grads = []
+    for kernel in (flash, tiled.tiled_partial_attention):
+        q, k, v = (x.requires_grad_() for x in _qkv(2 * L, 2 * L, 2, 4, 2, 8, torch.float64, seed=1))
+        out = block_diffusion_attention(q, k, v, plan, softmax_scale=0.3, kernel=kernel, window=window)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype))
+        grads.append([out.detach(), q.grad, k.grad, v.grad])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")

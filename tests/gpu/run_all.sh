@@ -31,7 +31,7 @@ fi
 } > "$OUT_DIR/gpu_check.log"
 
 # 1. kernels vs fp64 and speed (writes the JSON after every cell: a timeout keeps what finished)
-timeout 330 python tests/gpu/check_kernels.py --out "$OUT_DIR/gpu_kernels.json" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+timeout 330 python tests/gpu/check_kernels.py --time-budget 300 --out "$OUT_DIR/gpu_kernels.json" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 kernels_rc=${PIPESTATUS[0]}
 
 # 2. end to end: block_diffusion_attention in bf16 vs the dense reference, with what is left of 7.5 min
