@@ -28,8 +28,10 @@ K. One more varlen call, ok = attention(q.detach(), k.detach(), values=k), gives
 returned as lse + scale * [q . sg(ok) + sg(q) . ok - sg(both)], exact and only with the public API.
 
 Requires flash-attn >= 2.3 (window_size; causal aligned bottom-right since 2.1). Plans are cached
-on the PartialMask (`flex.derived`): index vectors linear in the rows (4-8 bytes a row, 1.5 MiB
-at 256K tokens on 16 ranks), the fallback's sub-mask and its flex tables.
+on the PartialMask (`flex.derived`): int64 index vectors linear in the rows (sorted clean keys,
+gathered rows <= queries + 2 x clean keys, the fallback's 13 + 9 bytes a row), measured 1.2-1.4
+MiB for one rank's 32K x 32K partial; at 256K tokens on 16 ranks (32K queries x 256K clean keys)
+at most 256K*8 + (32K + 512K)*8 + 32K*13 + 256K*9 bytes = 9 MiB, plus the fallback's flex tables.
 """
 from __future__ import annotations
 
