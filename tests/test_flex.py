@@ -124,6 +124,9 @@ def test_flex_forward_equals_dense_attention(idx, H, G):
     dense = mask.dense()
     if idx == 4:  # block 0's noisy queries see no clean key: output 0, lse MASKED_SCORE
         assert not dense.any(1).all()
+        # and its 128 x 128 tiles are of all three kinds: partial (mask_mod), full (none), empty
+        partial, _, full, _ = flex_block_tables(mask)
+        assert 0 < int(partial.sum()) and 0 < int(full.sum()) and int(partial.sum() + full.sum()) < 8
     q, k, v = _qkv(nq, nk, 2, H, G, 8, torch.float64, seed=idx)
     out, lse = flex_attention_partial(q, k, v, mask, 0.37)
     ref, ref_lse = dense_attention_fp64(q, k, v, dense, 0.37)
