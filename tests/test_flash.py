@@ -170,3 +170,18 @@ def test_block_diffusion_attention_with_the_flash_decomposition(variant, window)
         grads.append([out.detach(), q.grad, k.grad, v.grad])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_lse_layouts_of_flash_attn_releases():
+    """flash-attn 2.x returns the varlen lse as (nheads, total_q); some older 2.x releases as
+    (batch, nheads, max_seqlen_q), padded per sequence: both read back as (nheads, total_q)."""
+    from megatron_csbp.attention.flash import _lse_rows
+
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    rows = torch.randn(2, 9)
+    padded = torch.full((3, 2, 5), float("nan"))
+    for i in range(3):
+        a, b = int(cu[i]), int(cu[i + 1])
+        padded[i, :, : b - a] = rows[:, a:b]
+    assert _lse_rows(rows, cu, 9) is rows
+    assert torch.equal(_lse_rows(padded, cu, 9), rows)
