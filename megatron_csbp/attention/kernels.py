@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from megatron_csbp.attention.tiled import MASKED_SCORE, tiled_partial_attention
-from megatron_csbp.layout.rows import PartialMask, pair_allowed
+from megatron_csbp.layout.rows import PartialMask
 from megatron_csbp.utils.precision import compute_dtype
 
 __all__ = ["MASKED_SCORE", "KERNELS", "get_kernel", "math_partial_attention", "merge_partials", "PartialMerge",
@@ -96,60 +96,22 @@ def merge_partials(partials: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Tup
     return merge.result()
 
 
-_FLEX = {}  # the compiled flex_attention, one entry
+def flex_partial_attention(q, k, v, mask, softmax_scale):
+    """FlexAttention driven by the mask's row vectors (`attention/flex.py`; default on CUDA)."""
+    from megatron_csbp.attention.flex import flex_attention_partial
+
+    return flex_attention_partial(q, k, v, mask, softmax_scale)
 
 
-def _flex_attention_fn(device: torch.device):
-    """FlexAttention, compiled on CUDA (its fused kernel); eager elsewhere (tests on CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention
+def flash_partial_attention(q, k, v, mask, softmax_scale):
+    """flash-attn varlen for the pieces it expresses exactly, flex for the rest (`attention/flash.py`)."""
+    from megatron_csbp.attention.flash import flash_attention_partial
 
-    if device.type != "cuda":
-        return flex_attention
-    if "compiled" not in _FLEX:
-        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["compiled"]
+    return flash_attention_partial(q, k, v, mask, softmax_scale)
 
 
-def _block_mask(mask: PartialMask, device: torch.device):
-    """Block mask of a partial, built once per mask and cached on it (freed with its plan)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def build():
-        q, k = mask.q.to(device), mask.k.to(device)
-
-        def mask_mod(batch, head, qi, ki):
-            return pair_allowed(q.block[qi], q.is_clean[qi], q.lo[qi], q.hi[qi], k.position[ki], k.block[ki],
-                                k.is_clean[ki])
-
-        return create_block_mask(mask_mod, None, None, *mask.shape, device=device)
-
-    return mask.derived(("flex_block_mask", str(device)), build)
-
-
-def flex_partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask, softmax_scale: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention with the same mask (GPU path; torch has no FlexAttention backward on CPU)."""
-    sq, b, H, d = q.shape
-    G = k.shape[2]
-    block_mask = _block_mask(mask, q.device)
-    qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    flex = _flex_attention_fn(q.device)
-    try:  # torch >= 2.9: auxiliary outputs are requested with AuxRequest
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        out, aux = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H,
-                        return_aux=AuxRequest(lse=True))
-        lse = aux.lse
-    except ImportError:
-        out, lse = flex(qt, kt, vt, block_mask=block_mask, scale=softmax_scale, enable_gqa=G != H, return_lse=True)
-    # Rows with no allowed key get -inf: clamp so the merge weights them by exactly zero, like
-    # the math kernel.
-    lse = lse.float().clamp_min(MASKED_SCORE)
-    return out.permute(2, 0, 1, 3), lse
-
-
-KERNELS = {"math": math_partial_attention, "tiled": tiled_partial_attention, "flex": flex_partial_attention}
+KERNELS = {"math": math_partial_attention, "tiled": tiled_partial_attention, "flex": flex_partial_attention,
+           "flash": flash_partial_attention}
 
 
 def get_kernel(name: str, device: torch.device):
@@ -158,4 +120,8 @@ def get_kernel(name: str, device: torch.device):
         name = "flex" if device.type == "cuda" else "tiled"
     if name not in KERNELS:
         raise ValueError(f"--attention-kernel must be one of {sorted(KERNELS) + ['auto']}, got {name!r}")
+    if name == "flash":  # fail at selection, with the flag's name, not inside the first forward
+        from megatron_csbp.attention.flash import require_flash_attn
+
+        require_flash_attn()
     return KERNELS[name]

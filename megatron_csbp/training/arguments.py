@@ -41,9 +41,11 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
     g.add_argument("--loss-weighting", choices=("inverse_t", "unit"), default="inverse_t")
     g.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
     g.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
-    g.add_argument("--attention-kernel", choices=("auto", "tiled", "math", "flex"), default="auto",
+    g.add_argument("--attention-kernel", choices=("auto", "tiled", "math", "flex", "flash"), default="auto",
                    help="partial attention kernel: auto = flex on CUDA, tiled elsewhere; tiled = block-sparse "
-                        "tiles with memory linear in the rows (any device); math = dense reference for small cases")
+                        "tiles with memory linear in the rows (any device); math = dense reference for small "
+                        "cases; flex = FlexAttention from row vectors; flash = flash-attn varlen for the noisy "
+                        "block-diagonal and token-causal clean pieces, flex for the rest (needs flash-attn)")
     g.add_argument("--log-json", type=str, default=None, help="append one JSON object per logged iteration")
     return parser
 
