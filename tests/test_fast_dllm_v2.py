@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_csbp.objectives import FastDLLMv2Objective
 from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
 from tests.distributed import run_distributed
+from tests.gradients import EXACT_DTYPE, FP64_TOL
 
 L, B, VOCAB = 16, 4, 128
 MASK_ID = 127
@@ -153,7 +154,7 @@ def converted_qwen3(tmp_path_factory):
     return model, str(root / "megatron")
 
 
-def single_rank_loss_and_grads(meg_dir):
+def single_rank_loss_and_grads(meg_dir, dtype=torch.float32):
     from megatron_csbp.conversion.checkpoint import load_gpt_model, single_process_megatron
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
@@ -161,7 +162,8 @@ def single_rank_loss_and_grads(meg_dir):
 
     tokens, loss_mask, index = batch()
     with single_process_megatron():
-        gpt, _ = load_gpt_model(meg_dir, params_dtype=torch.float32)
+        gpt, _ = load_gpt_model(meg_dir, params_dtype=dtype)
+        gpt = gpt.to(dtype)  # Megatron's torch-norm fallback (no Apex) builds norm weights in fp32
         model = BlockDiffusionModel(gpt, FastDLLMv2Objective(B, MASK_ID, seed=1), SequenceLayout(BlockGeometry(L, B)))
         out = model(tokens, loss_mask, index)
         out.loss.backward()
@@ -201,14 +203,15 @@ def _layouts_rank(rank, world, meg_dir, cases):
         bps.initialize_block_parallel(tensor_model_parallel_size=c["tp"], context_parallel_size=c["cp"],
                                       block_parallel_size=c["bp"])
         seq = max(c["cp"], c["bp"])
-        gpt, _ = load_gpt_model(meg_dir, params_dtype=torch.float32, tensor_model_parallel_size=c["tp"],
+        gpt, _ = load_gpt_model(meg_dir, params_dtype=EXACT_DTYPE, tensor_model_parallel_size=c["tp"],
                                 context_parallel_size=seq)
+        gpt = gpt.to(EXACT_DTYPE)  # Megatron's torch-norm fallback (no Apex) builds norm weights in fp32
         if c["tp"] > 1:
             # weights built for loading carry the same TP attributes as initialised ones
             from megatron_csbp.model.providers import build_gpt_model
             from megatron_csbp.conversion.checkpoint import read_shape
 
-            init = build_gpt_model(read_shape(meg_dir)[0], perform_initialization=True, params_dtype=torch.float32,
+            init = build_gpt_model(read_shape(meg_dir)[0], perform_initialization=True, params_dtype=EXACT_DTYPE,
                                    tensor_model_parallel_size=c["tp"])
             attrs = ("tensor_model_parallel", "partition_dim", "partition_stride")
             for (n, p), (_, q) in zip(gpt.named_parameters(), init.named_parameters()):
@@ -239,18 +242,23 @@ def _layouts_rank(rank, world, meg_dir, cases):
 
 
 def _check_layouts(meg_dir, world, cases):
-    ref, ref_grads = single_rank_loss_and_grads(meg_dir)
+    # float64 (the fp32 checkpoint loaded into an fp64 model): tests/gradients.py (FP64_TOL).
+    ref, ref_grads = single_rank_loss_and_grads(meg_dir, EXACT_DTYPE)
     results = run_distributed(_layouts_rank, world, meg_dir, cases)
     for i, c in enumerate(cases):
         for rank, per_rank in enumerate(results):
             r = per_rank[i]
-            assert abs(r["loss"] - float(ref.loss)) <= 1e-5 * abs(float(ref.loss)), (c, rank, r["loss"], float(ref.loss))
             assert r["grads"], c
-            for n, g in r["grads"].items():
-                err = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12))
-                assert err <= 1e-5, (c, rank, n, err)
+            worst = max(float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12))
+                        for n, g in r["grads"].items())
+            loss_err = abs(r["loss"] - float(ref.loss)) / abs(float(ref.loss))
+            if rank == 0:
+                print(f"{c}: loss |diff|/|l1| {loss_err:.1e}, worst per-parameter max|g - g1|/max|g1| {worst:.1e}")
+            assert loss_err <= FP64_TOL["loss"], (c, rank, r["loss"], float(ref.loss))
+            assert worst <= FP64_TOL["worst"], (c, rank, worst)
 
 
+@pytest.mark.exactness
 def test_same_loss_under_cp_bp_csbp_and_tp(converted_qwen3):
     _check_layouts(converted_qwen3[1], 2, [
         dict(tp=1, cp=2, bp=1),  # CP baseline
