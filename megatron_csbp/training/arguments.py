@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save", type=str, default=None)
     c.add_argument("--load", type=str, default=None)
     c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--save-initial", action="store_true",
+                   help="also save the untrained weights as iteration 0 before the first step (for comparison, "
+                        "e.g. python -m megatron_csbp.generate --ckpt-step 0)")
     c.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     c.add_argument("--log-interval", type=int, default=10)
     c.add_argument("--eval-interval", type=int, default=None)
@@ -206,6 +209,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError("--save-interval must be positive")
     if args.save_interval and not args.save:
         raise ValueError("--save-interval needs --save DIR")
+    if args.save_initial and not args.save:
+        raise ValueError("--save-initial needs --save DIR")
     if args.eval_interval is not None and args.eval_interval <= 0:
         raise ValueError("--eval-interval must be positive")
     if args.skip_train and not args.eval_iters:
