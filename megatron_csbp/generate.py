@@ -6,7 +6,9 @@ Decoding goes block by block, left to right. The prompt fills the first position
 position starts as the mask token. For the current block the model sees the block's noisy rows
 (known tokens and masks) and the clean prefix before it; at each of `--steps-per-block` steps the
 masked positions with the most confident predictions (largest softmax probability, mask token
-excluded) are fixed, until the block has no mask left. The finished block becomes clean context.
+excluded) are fixed (`--unmask-order random`: positions drawn uniformly instead, MDLM's ancestral
+order, which keeps small models from filling blocks with their most frequent piece), until the
+block has no mask left. The finished block becomes clean context.
 Decoding stops after the block in which EOD appears (the text is cut at EOD) or at
 `--max-new-tokens`.
 
@@ -141,7 +143,8 @@ class BlockDiffusionSampler:
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt: List[int], max_new_tokens: int, steps_per_block: Optional[int] = None,
-                 temperature: float = 0.0, seed: int = 0, max_length: Optional[int] = None) -> List[int]:
+                 temperature: float = 0.0, seed: int = 0, max_length: Optional[int] = None,
+                 order: str = "confidence") -> List[int]:
         B = self.B
         total = len(prompt) + max_new_tokens
         if max_length is not None:
@@ -174,9 +177,12 @@ class BlockDiffusionSampler:
                     pred = torch.multinomial(probs, 1, generator=g)[:, 0]
                 else:
                     pred = probs.argmax(-1)
-                conf = probs.gather(1, pred[:, None])[:, 0]
                 k = math.ceil(len(masked) / (steps - step))
-                for j in torch.topk(conf, k).indices.tolist():
+                if order == "random":  # MDLM's ancestral order: any masked position is equally likely
+                    chosen = torch.randperm(len(masked), generator=g)[:k].tolist()
+                else:
+                    chosen = torch.topk(probs.gather(1, pred[:, None])[:, 0], k).indices.tolist()
+                for j in chosen:
                     tokens[masked[j]] = int(pred[j])
             block_tokens = tokens[lo:lo + B]
             new = [t for p, t in zip(range(lo, lo + B), block_tokens) if p >= len(prompt)]
@@ -241,6 +247,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-model", default=None, help="default: the one saved with the checkpoint")
     p.add_argument("--no-kv-cache", action="store_true")
+    p.add_argument("--unmask-order", choices=("confidence", "random"), default="confidence",
+                   help="which masked positions a step fixes: the most confident, or uniformly drawn ones")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
@@ -257,10 +265,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     if len(prompt) >= margs["seq_length"]:
         p.error(f"--prompt has {len(prompt)} tokens; the model was trained on --seq-length {margs['seq_length']}")
     out = sampler.generate(prompt, a.max_new_tokens, a.steps_per_block, a.temperature, a.seed,
-                           max_length=margs["seq_length"])
+                           max_length=margs["seq_length"], order=a.unmask_order)
     text = tok.detokenize(out)
     print(f"[checkpoint {a.load} iteration {step}; {sampler.forward_calls} forward calls]")
-    print(a.prompt + text)
+    print(tok.detokenize(prompt + out))  # decoded together: the word boundary at the prompt's end stays
     return text
 
 

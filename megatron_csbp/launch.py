@@ -10,7 +10,12 @@ Values: `true` -> the bare flag; `false` / null -> omitted; a list -> repeated v
 flag. Overrides: `training.train_iters=5` or, when the key exists in exactly one section,
 `train_iters=5` (values parsed as YAML). `launch.nnodes=2` etc. override the launch section.
 
+`--check` validates the recipe without starting anything: the trainer's own argument parser and
+rules for the recipe's world size (exit 0, or 2 with the flag and the rule); values holding
+REPLACE_ME are site-specific placeholders, listed and filled before launch.
+
 Examples:
+  python -m megatron_csbp.launch examples/recipes/qwen3_27b_256k_csbp.yaml --check
   python -m megatron_csbp.launch examples/recipes/cpu_demo.yaml --dry-run
   python -m megatron_csbp.launch examples/recipes/cpu_demo.yaml training.train_iters=2
   python -m megatron_csbp.launch examples/recipes/nemotron_diffusion_14b_256k_csbp.yaml --slurm run.sbatch
@@ -101,9 +106,9 @@ def apply_overrides(recipe: Dict, overrides: List[str]) -> Dict:
     return recipe
 
 
-def recipe_flags(recipe: Dict) -> List[str]:
-    """The command-line flags of `python -m megatron_csbp.train` for a recipe."""
-    flags: List[str] = []
+def recipe_flag_groups(recipe: Dict) -> List[Tuple[str, List[str]]]:
+    """(flag, values) of every flag the recipe passes, in order (a bare flag has no values)."""
+    groups: List[Tuple[str, List[str]]] = []
     seen = {}
     for s in SECTIONS:
         for key, value in recipe[s].items():
@@ -114,15 +119,19 @@ def recipe_flags(recipe: Dict) -> List[str]:
             if value is None or value is False:
                 continue
             if value is True:
-                flags.append(name)
+                groups.append((name, []))
             elif isinstance(value, (list, tuple)):
-                flags.append(name)
-                flags.extend(str(v) for v in value)
+                groups.append((name, [str(v) for v in value]))
             elif isinstance(value, dict):
                 raise RecipeError(f"{s}.{key}: a flag value cannot be a mapping")
             else:
-                flags += [name, str(value)]
-    return flags
+                groups.append((name, [str(value)]))
+    return groups
+
+
+def recipe_flags(recipe: Dict) -> List[str]:
+    """The command-line flags of `python -m megatron_csbp.train` for a recipe."""
+    return [token for name, values in recipe_flag_groups(recipe) for token in [name] + values]
 
 
 def _flag(recipe: Dict, name: str, default=None):
@@ -152,6 +161,57 @@ def check_world(recipe: Dict, nnodes: int, nproc: int) -> int:
     except ValueError as e:
         raise RecipeError(f"{nnodes} node(s) x {nproc} process(es): {e}") from None
     return world
+
+
+#: a recipe value holding this is site-specific (a path, a tokenizer, a mask id) and filled before launch
+PLACEHOLDER = "REPLACE_ME"
+
+
+def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
+    """Validate a recipe as `python -m megatron_csbp.train` would on `nnodes` x `nproc` ranks: the
+    trainer's own parser (an unknown flag, a bad value or choice) and its rules (topology, sizes,
+    batch, objective, ...). Starts nothing. Values holding PLACEHOLDER are listed, not parsed, and
+    the rules that need files absent from this machine (a --load checkpoint, a tokenizer) are
+    skipped and named. Returns a one-paragraph report; raises RecipeError naming the flag and rule."""
+    import warnings
+
+    world = check_world(recipe, nnodes, nproc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron_csbp.training.arguments import build_parser, validate_args
+
+    name = recipe["name"]
+
+    def fail(message):
+        raise RecipeError(f"recipe {name} ({nnodes} node(s) x {nproc}): {message}")
+
+    parser = build_parser()
+    parser.error = fail  # argparse's messages name the flag ("argument --objective: invalid choice ...")
+    actions = {opt: a for a in parser._actions for opt in a.option_strings}
+    groups = recipe_flag_groups(recipe)
+    unknown = [flag for flag, _ in groups if flag not in actions]
+    if unknown:
+        fail(f"flags that python -m megatron_csbp.train does not take: {' '.join(unknown)}")
+    argv, placeholders = [], []
+    for flag, values in groups:
+        if any(PLACEHOLDER in v for v in values):
+            placeholders.append(flag)
+            if actions[flag].type in (int, float):
+                continue  # no value to parse yet; the rules that need it are skipped
+        argv += [flag] + values
+    args = parser.parse_args(argv)
+    args.placeholders = {actions[f].dest for f in placeholders}
+    try:
+        validate_args(args, world, check_only=True)
+    except ValueError as e:
+        fail(str(e))
+    lines = [f"recipe {name}: OK for {world} ranks ({nnodes} node(s) x {nproc}): TP {args.tensor_model_parallel_size}"
+             f" x CP {args.context_parallel_size} / BP {args.block_parallel_size} x DP {args.data_parallel_size}"
+             f" (EP {args.expert_model_parallel_size}), {args.num_microbatches} micro-batch(es) per iteration"]
+    if placeholders:
+        lines.append(f"  placeholders to fill before launch: {' '.join(placeholders)}")
+    lines += [f"  not checked here: {note}" for note in args.check_notes]
+    return "\n".join(lines)
 
 
 def launch_sizes(recipe: Dict, nnodes: Optional[int], nproc: Optional[int]) -> Tuple[int, int]:
@@ -218,6 +278,9 @@ def parse_args(argv=None):
     p.add_argument("recipe", help="YAML recipe (examples/recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE or SECTION.KEY=VALUE")
     p.add_argument("--dry-run", action="store_true", help="print the command (or script) and exit")
+    p.add_argument("--check", action="store_true",
+                   help="validate the recipe's flags with the trainer's parser and rules for its world size "
+                        "(nnodes x nproc_per_node) and exit: 0 when valid, 2 with the flag and rule otherwise")
     p.add_argument("--nnodes", type=int)
     p.add_argument("--nproc-per-node", type=int)
     p.add_argument("--slurm", metavar="FILE", help="write a SLURM batch script to FILE instead of running")
@@ -229,6 +292,9 @@ def main(argv=None) -> int:
     try:
         recipe = apply_overrides(load_recipe(args.recipe), args.overrides)
         nnodes, nproc = launch_sizes(recipe, args.nnodes, args.nproc_per_node)
+        if args.check:
+            print(check_recipe(recipe, nnodes, nproc))
+            return 0
         check_world(recipe, nnodes, nproc)
         if args.slurm:
             script = slurm_script(recipe, nnodes, nproc)

@@ -106,37 +106,46 @@ def test_cli_dry_run_and_errors(capsys):
 
 
 def test_real_local_launch_of_cpu_demo():
-    if not os.path.exists(os.path.join(ROOT, "megatron_csbp", "train.py")):
-        pytest.skip("the trainer (python -m megatron_csbp.train) has not landed yet")
     proc = subprocess.run([sys.executable, "-m", "megatron_csbp.launch", CPU_DEMO, "training.train_iters=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-# Flags of the paper recipes that the trainer did not take when the recipes were written (model
-# shape and recompute details of Megatron-LM). The CPU demo must use none; the paper recipes may
-# use only these until the trainer grows them (then this set only shrinks).
-PENDING_TRAINER_FLAGS = {
-    "--kv-channels", "--disable-bias-linear", "--position-embedding-type", "--attention-dropout",
-    "--hidden-dropout", "--recompute-method", "--recompute-num-layers", "--attention-backend",
-    "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--window-size", "--window-attn-skip-freq",
-    "--moe-token-dispatcher-type",
-}
-
-
-def _trainer_options():
-    try:
-        from megatron_csbp.training.arguments import build_parser
-    except ImportError:
-        pytest.skip("the trainer's argument parser (megatron_csbp.training.arguments) has not landed")
-    return {s for a in build_parser()._actions for s in a.option_strings}
-
-
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
-def test_recipe_flags_known_to_the_trainer(path):
-    known = _trainer_options()
-    unknown = {f for f in recipe_flags(load_recipe(path)) if f.startswith("--")} - known
-    if os.path.basename(path) == "cpu_demo.yaml" or os.path.basename(path).startswith("diffusiongemma_"):
-        assert not unknown, unknown
-    else:
-        assert unknown <= PENDING_TRAINER_FLAGS, sorted(unknown - PENDING_TRAINER_FLAGS)
+def test_every_recipe_passes_check(path, capsys):
+    """`launch RECIPE --check`: the trainer's parser and rules for the recipe's world size."""
+    assert main([path, "--check"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    r = load_recipe(path)
+    nnodes, nproc = launch_sizes(r, None, None)
+    assert f"OK for {nnodes * nproc} ranks" in out
+    # every flag is one the trainer takes (the parser refuses the rest)
+    from megatron_csbp.training.arguments import build_parser
+
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    assert {f for f in recipe_flags(r) if f.startswith("--")} <= known
+
+
+def test_check_names_the_flag_and_the_rule(capsys):
+    path = os.path.join(ROOT, "examples", "recipes", "nemotron_diffusion_14b_256k_csbp.yaml")
+    cases = [
+        (["model.recompute_sideways=1"], "does not take: --recompute-sideways"),
+        (["objective.objective=fast_dllm_v2"], "argument --objective: invalid choice"),
+        (["data.block_size=300"], "--block-size 300 does not divide --seq-length 262144"),
+        (["block_parallel_size=3"], "multiple of --context-parallel-size"),
+        (["training.recompute_granularity=selective"], "--recompute-method uniform needs --recompute-granularity full"),
+        (["training.attention_backend=flash", "parallelism.attention_kernel=math"], "--attention-backend flash"),
+        (["model.attention_dropout=0.1"], "--attention-dropout must be 0"),
+        (["training.global_batch_size=3"], "--global-batch-size 3 must be a multiple"),
+    ]
+    for overrides, message in cases:
+        assert main([path, "--check", *overrides]) == 2, overrides
+        err = capsys.readouterr().err
+        assert message in err, (overrides, err)
+    # the world size is the recipe's (2 x 8): 12 ranks do not tile CP 8
+    assert main([path, "--check", "--nproc-per-node", "6"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    # the CLI exits 2 with the message, and starts nothing
+    proc = subprocess.run([sys.executable, "-m", "megatron_csbp.launch", path, "--check", "data.block_size=300"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--block-size 300" in proc.stderr, proc.stderr[-2000:]

@@ -1,10 +1,7 @@
-"""Logs: --log-json fields, TensorBoard events, eval, --skip-train; the embedded demo (slow)."""
+"""Logs: --log-json fields, TensorBoard events, eval, --skip-train (the embedded default run:
+tests/test_train_default_run.py)."""
 import json
 import os
-import subprocess
-import sys
-
-import pytest
 
 from tests.distributed import run_distributed
 from tests.train_helpers import TINY, train_rank
@@ -28,17 +25,3 @@ def test_log_json_tensorboard_eval_and_skip_train(tmp_path):
     # --skip-train: evaluation only, same eval batches => same value under another layout.
     only = run_distributed(train_rank, 1, TINY + ["--train-iters", "2", "--skip-train", "--eval-iters", "1"])[0]
     assert only["iteration"] == 0 and "eval_loss" in only["history"][0]
-
-
-@pytest.mark.slow
-def test_embedded_demo_end_to_end(tmp_path):
-    env = {**os.environ, "MEGATRON_CSBP_DEMO_DIR": str(tmp_path / "runs"), "MEGATRON_CSBP_DEMO_ITERS": "20",
-           "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(["torchrun", "--nproc-per-node", "2", "-m", "megatron_csbp.train"], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = tmp_path / "runs"
-    for name in ("loss_curve.png", "log.jsonl", "summary.json", "sample.txt", "command.txt"):
-        assert (run / name).exists(), name
-    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "20"
-    assert "layout csbp" in res.stdout and "The for statement is used to" in res.stdout

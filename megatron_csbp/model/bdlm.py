@@ -279,31 +279,52 @@ class BlockDiffusionModel(torch.nn.Module):
 
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
         """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
-        logits_f = at_least_fp32(logits)
-        if self.objective.exclude_mask_from_softmax:
-            logits_f = self._exclude_token(logits_f, self.objective.mask_token_id)
-        is_target = targets >= 0
-        safe_targets = torch.where(is_target, targets, torch.zeros_like(targets))
-        # Megatron's vocab-parallel CE wants [s, b, V/TP] (works for TP = 1 too) and rewrites its
-        # input in place: never hand it a view of the model's own logits.
-        logits_sb = logits_f.transpose(0, 1)
-        logits_sb = (logits_sb.clone(memory_format=torch.contiguous_format) if logits_sb.data_ptr() == logits.data_ptr()
-                     else logits_sb.contiguous())
-        ce = vocab_parallel_cross_entropy(
-            logits_sb, safe_targets.transpose(0, 1).contiguous()
-        ).transpose(0, 1)
-        weighted = (ce * weights * is_target).sum()
-        # A rank whose rows hold no target still returns a loss attached to every parameter.
-        loss = weighted / denominator + 0.0 * logits.sum()
-        return LossOutput(loss, is_target.sum(), weighted.detach())
+        exclude = self.objective.mask_token_id if self.objective.exclude_mask_from_softmax else None
+        return weighted_cross_entropy(logits, targets, weights, denominator, exclude_token=exclude)
 
-    @staticmethod
-    def _exclude_token(logits_f: torch.Tensor, token_id: int) -> torch.Tensor:
-        local_vocab = logits_f.shape[-1]
-        start = mpu.get_tensor_model_parallel_rank() * local_vocab if mpu.model_parallel_is_initialized() else 0
-        if start <= token_id < start + local_vocab:
-            logits_f = logits_f.index_fill(-1, torch.tensor([token_id - start], device=logits_f.device), float("-inf"))
-        return logits_f
+
+def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                           denominator: torch.Tensor, exclude_token: Optional[int] = None) -> LossOutput:
+    """sum over target rows (targets >= 0) of w * CE / denominator with Megatron's vocab-parallel
+    cross entropy (logits [b, s, V/TP], this rank's vocabulary shard; TP = 1 too).
+
+    `exclude_token` (the absorbing mask token of BD3-LM) is removed from the softmax: its logit is
+    -inf on the shard that holds it. Rows that are no target get a placeholder target that is never
+    that column (CE of a row whose target logit is -inf is +inf, and +inf x 0 = NaN), and their CE
+    is dropped with `where`, not multiplied by 0. A target equal to `exclude_token` is refused: its
+    probability is 0 by construction (objectives never make the mask token a target).
+    """
+    logits_f = at_least_fp32(logits)
+    is_target = targets >= 0
+    placeholder = 0
+    if exclude_token is not None:
+        if bool((targets == exclude_token).any()):
+            raise ValueError(f"a target equals the mask token {exclude_token}, which is excluded from the softmax: "
+                             "the objective must never make the mask token a target")
+        logits_f = _exclude_token(logits_f, exclude_token)
+        placeholder = 1 if exclude_token == 0 else 0
+    safe_targets = torch.where(is_target, targets, torch.full_like(targets, placeholder))
+    # Megatron's vocab-parallel CE wants [s, b, V/TP] (works for TP = 1 too) and rewrites its
+    # input in place: never hand it a view of the model's own logits.
+    logits_sb = logits_f.transpose(0, 1)
+    logits_sb = (logits_sb.clone(memory_format=torch.contiguous_format) if logits_sb.data_ptr() == logits.data_ptr()
+                 else logits_sb.contiguous())
+    ce = vocab_parallel_cross_entropy(
+        logits_sb, safe_targets.transpose(0, 1).contiguous()
+    ).transpose(0, 1)
+    weighted = torch.where(is_target, ce * weights, torch.zeros_like(ce)).sum()
+    # A rank whose rows hold no target still returns a loss attached to every parameter.
+    loss = weighted / denominator + 0.0 * logits.sum()
+    return LossOutput(loss, is_target.sum(), weighted.detach())
+
+
+def _exclude_token(logits_f: torch.Tensor, token_id: int) -> torch.Tensor:
+    """-inf at `token_id` on the tensor-parallel rank whose vocabulary shard holds it."""
+    local_vocab = logits_f.shape[-1]
+    start = mpu.get_tensor_model_parallel_rank() * local_vocab if mpu.model_parallel_is_initialized() else 0
+    if start <= token_id < start + local_vocab:
+        logits_f = logits_f.index_fill(-1, torch.tensor([token_id - start], device=logits_f.device), float("-inf"))
+    return logits_f
 
 
 def autoregressive_plan(layout: SequenceLayout, seq_rank: int, ring_group, transport: str):

@@ -312,9 +312,10 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(shape: ModelShape, config=None, block_diffusion: bool = True):
+def layer_spec(shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto"):
     """Megatron local layer spec of `shape` (a decoder block spec when dense and MoE layers mix),
-    with the block-diffusion core attention swapped in unless `block_diffusion=False`."""
+    with the block-diffusion core attention (attention kernel `kernel`: --attention-kernel) swapped
+    in unless `block_diffusion=False`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if shape.is_moe and shape.moe_layer_pattern is not None:
@@ -331,7 +332,7 @@ def layer_spec(shape: ModelShape, config=None, block_diffusion: bool = True):
     if block_diffusion:
         from megatron_csbp.model.spec import with_block_diffusion_attention
 
-        spec = with_block_diffusion_attention(spec)
+        spec = with_block_diffusion_attention(spec, kernel=kernel)
     return spec
 
 
@@ -348,9 +349,11 @@ def rotary_kwargs(shape: ModelShape) -> Dict[str, Any]:
     return kwargs
 
 
-def build_gpt_model(shape: ModelShape, config=None, block_diffusion: bool = True, **config_overrides):
+def build_gpt_model(shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto",
+                    **config_overrides):
     """A megatron-core `GPTModel` of `shape` (parallel state must be initialised). The vocabulary is
-    exactly `shape.vocab_size` (no padding: TP must divide it).
+    exactly `shape.vocab_size` (no padding: TP must divide it). `kernel`: the block-diffusion
+    attention kernel (--attention-kernel), for every model family.
 
     Weights are not initialised (they are about to be loaded); pass `perform_initialization=True`
     in `config_overrides` to draw them. Other overrides set parallelism and training options."""
@@ -359,13 +362,13 @@ def build_gpt_model(shape: ModelShape, config=None, block_diffusion: bool = True
     if shape.family == "diffusion_gemma":
         from megatron_csbp.model.diffusiongemma import provider as diffusion_gemma
 
-        return diffusion_gemma.build_model(shape, config, block_diffusion, **config_overrides)
+        return diffusion_gemma.build_model(shape, config, block_diffusion, kernel=kernel, **config_overrides)
     if config is None:
         config = transformer_config(shape, **config_overrides)
     rotary = rotary_kwargs(shape)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(shape, config, block_diffusion),
+        transformer_layer_spec=layer_spec(shape, config, block_diffusion, kernel=kernel),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=True,

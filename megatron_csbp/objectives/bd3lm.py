@@ -4,7 +4,8 @@ One time t per (sample, block), antithetic over the sample's blocks: u ~ U(0,1) 
 (u + i/n) mod 1, mapped to [eps_min, eps_max]. A supervised token is replaced by the mask token
 with probability t (SFT prompt tokens are never noised and never targets). The loss is
 sum over masked tokens of w(t) * CE / (supervised tokens in the global batch), w = 1/t or 1, with
-the mask token excluded from the softmax.
+the mask token excluded from the softmax. The mask token may be any id of the vocabulary (0, the
+last one, ...); a data token that equals it is never noised and never a target.
 
 Choice: the antithetic grid is each sample's own n blocks, so a sample's noise is a function of
 (seed, sample index) alone and does not change with micro-batch size or data-parallel size.
@@ -54,7 +55,10 @@ class BD3LMObjective(Objective):
         if L % self.block_size:
             raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
         t, draws = self.times_and_draws(tokens, sample_index)
-        supervised = loss_mask.bool()
+        # A data token equal to the mask id is never noised and never a target: the mask column is
+        # excluded from the softmax, so its probability is 0 (an infinite loss). Its draw is still
+        # consumed, so every other token's noise is unchanged; it stays in the denominator.
+        supervised = loss_mask.bool() & (tokens != self.mask_token_id)
         masked = (draws < t) & supervised
         noisy = torch.where(masked, torch.full_like(tokens, self.mask_token_id), tokens)
         targets = torch.where(masked, tokens, torch.full_like(tokens, -100))

@@ -12,6 +12,10 @@ from typing import List, Optional, Sequence
 
 from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
 
+#: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
+ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
+BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
+
 
 def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our flags (also used as Megatron-LM's extra_args_provider)."""
@@ -42,10 +46,12 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
     g.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
     g.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
     g.add_argument("--attention-kernel", choices=("auto", "tiled", "math", "flex", "flash"), default="auto",
-                   help="partial attention kernel: auto = flex on CUDA, tiled elsewhere; tiled = block-sparse "
-                        "tiles with memory linear in the rows (any device); math = dense reference for small "
-                        "cases; flex = FlexAttention from row vectors; flash = flash-attn varlen for the noisy "
-                        "block-diagonal and token-causal clean pieces, flex for the rest (needs flash-attn)")
+                   help="kernel of the block-diffusion core attention, for every model family (flag-built GPT, "
+                        "converted models, DiffusionGemma): auto = flex on CUDA, tiled elsewhere; tiled = "
+                        "block-sparse tiles with memory linear in the rows (any device); math = dense reference "
+                        "for small cases; flex = FlexAttention from row vectors; flash = flash-attn varlen for the "
+                        "noisy block-diagonal and token-causal clean pieces, flex for the rest (needs flash-attn); "
+                        "--attention-backend selects it too")
     g.add_argument("--log-json", type=str, default=None, help="append one JSON object per logged iteration")
     return parser
 
@@ -60,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn-hidden-size", type=int, default=None)
     m.add_argument("--num-attention-heads", type=int, default=4)
     m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--kv-channels", type=int, default=None,
+                   help="projection size per attention head (default: --hidden-size / --num-attention-heads)")
     m.add_argument("--group-query-attention", action="store_true", help="accepted for Megatron-LM compatibility")
     m.add_argument("--seq-length", type=int, default=128)
     m.add_argument("--max-position-embeddings", type=int, default=None)
@@ -67,11 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--swiglu", action="store_true", default=True)
     m.add_argument("--no-swiglu", dest="swiglu", action="store_false")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--position-embedding-type", choices=("rope",), default="rope",
+                   help="rope only: block diffusion indexes rotary angles by each row's position")
+    m.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=False,
+                   help="no biases in linear layers (the default here; Megatron-LM's default is with biases)")
+    m.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true",
+                   help="biases in the linear layers of a flag-built model")
+    m.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="must be 0: dropout on attention probabilities would make the loss depend on the layout")
+    m.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP (Megatron's)")
+    m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="Megatron's attention backend names for the block-diffusion core attention (which replaces "
+                        "Megatron's): local -> --attention-kernel tiled, unfused -> math, flash/fused -> flex, auto -> "
+                        "--attention-kernel; also set as TransformerConfig.attention_backend")
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--rotary-base", type=int, default=10000)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--bf16", action="store_true")
-    m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recomputation (Megatron's TransformerConfig.recompute_granularity)")
+    m.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full (default there: uniform)")
+    m.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed "
+                        "layers (block); default 1")
 
     t = p.add_argument_group("training (Megatron-LM names)")
     t.add_argument("--micro-batch-size", type=int, default=2)
@@ -104,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save", type=str, default=None)
     c.add_argument("--load", type=str, default=None)
     c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--save-initial", action="store_true",
+                   help="also save the untrained weights as iteration 0 before the first step (for comparison, "
+                        "e.g. python -m megatron_csbp.generate --ckpt-step 0)")
     c.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     c.add_argument("--log-interval", type=int, default=10)
     c.add_argument("--eval-interval", type=int, default=None)
@@ -140,9 +170,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     return args
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Fill derived values and refuse bad input with a message naming the flag and the rule."""
+def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
+    """Fill derived values and refuse bad input with a message naming the flag and the rule.
+
+    `check_only` (`python -m megatron_csbp.launch RECIPE --check`, on a machine that need not hold
+    the run's files): a --load checkpoint or tokenizer that is not here, and flags whose values are
+    placeholders (`args.placeholders`, a set of dests), skip the rules that need them; every other
+    rule runs. What was skipped is appended to `args.check_notes`."""
     from megatron_csbp.parallel_state import check_topology
+
+    placeholders = set(getattr(args, "placeholders", ()))
+    args.check_notes = []
+    args.shape_unknown = False
 
     sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.context_parallel_size, args.block_parallel_size, args.expert_model_parallel_size)
@@ -151,7 +190,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                                              * seq_group)
     args.model_shape = None
-    if args.load:
+    if args.load and check_only and ("load" in placeholders or not os.path.exists(args.load)):
+        args.shape_unknown = True
+        args.check_notes.append(f"--load {args.load} is not here: the model-shape rules (flags vs the checkpoint's "
+                                "shape, MoE and DiffusionGemma requirements) run at launch")
+    elif args.load:
         from megatron_csbp.training.checkpointing import checkpoint_shape
         args.model_shape = checkpoint_shape(args.load, args.ckpt_step)
     if args.model_shape is not None:
@@ -173,11 +216,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.num_attention_heads % args.num_query_groups:
         raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                          f"{args.num_attention_heads}")
-    if args.model_shape is None and args.hidden_size % args.num_attention_heads:
+    if args.model_shape is None and args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} must divide --hidden-size {args.hidden_size}")
     tp = args.tensor_model_parallel_size
     if args.num_query_groups % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide --num-query-groups {args.num_query_groups}")
+    check_model_options(args, check_only)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same
     if args.ffn_hidden_size is None:
@@ -210,6 +254,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ValueError("--save-interval must be positive")
     if args.save_interval and not args.save:
         raise ValueError("--save-interval needs --save DIR")
+    if args.save_initial and not args.save:
+        raise ValueError("--save-initial needs --save DIR")
     if args.eval_interval is not None and args.eval_interval <= 0:
         raise ValueError("--eval-interval must be positive")
     if args.skip_train and not args.eval_iters:
@@ -220,6 +266,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.max_position_embeddings = args.seq_length
     # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.
     from megatron_csbp.data.megatron_data import build_tokenizer
+
+    if check_only and args.tokenizer_type != "NullTokenizer" and (
+            "tokenizer_model" in placeholders or (args.tokenizer_model and not os.path.exists(args.tokenizer_model))):
+        args.check_notes.append(f"--tokenizer-model {args.tokenizer_model} is not here: the vocabulary and mask-token "
+                                "rules run at launch")
+        return args
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     if (args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size
             and args.model_shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
@@ -231,6 +283,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ValueError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the checkpoint's "
                              f"({args.model_shape.vocab_size})")
         args.vocab_size = args.model_shape.vocab_size  # the model's vocabulary, unpadded
+    if check_only and ({"mask_token", "mask_token_id"} & placeholders or
+                       (args.mask_token is not None and args.shape_unknown)):
+        args.check_notes.append("the mask token is a placeholder (or needs the --load checkpoint's tokenizer): its "
+                                "vocabulary rule runs at launch")
+        return args
     if args.mask_token is not None:
         if args.mask_token_id is not None:
             raise ValueError("give --mask-token-id or --mask-token, not both")
@@ -256,6 +313,7 @@ def _shape_values(shape):
         "ffn_hidden_size": shape.ffn_hidden_size,
         "num_attention_heads": shape.num_attention_heads,
         "num_query_groups": shape.num_query_groups,
+        "kv_channels": shape.kv_channels,
         "rotary_base": shape.rotary_base,
         "untie_embeddings_and_output_weights": not shape.tie_word_embeddings,
         "normalization": "RMSNorm",
@@ -279,7 +337,6 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         flag = "--" + dest.replace("_", "-")
         raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
-    args.kv_channels = shape.kv_channels
     if shape.is_moe and shape.family != "diffusion_gemma":
         raise ValueError(f"--load {args.load} holds a {shape.family} MoE model ({shape.num_experts} experts): "
                          "python -m megatron_csbp.train trains dense converted models and DiffusionGemma only "
@@ -292,20 +349,59 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
 
 
+def check_model_options(args, check_only: bool = False) -> None:
+    """Megatron model flags with rules of their own: head size, dropout, recomputation, and the
+    attention kernel named by --attention-backend."""
+    if args.kv_channels is not None and args.kv_channels <= 0:
+        raise ValueError(f"--kv-channels must be positive, got {args.kv_channels}")
+    if args.attention_dropout:
+        raise ValueError(f"--attention-dropout must be 0 with block-diffusion attention (got {args.attention_dropout}): "
+                         "dropout on attention probabilities would make the loss depend on the layout")
+    if not 0.0 <= args.hidden_dropout < 1.0:
+        raise ValueError(f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
+    if args.recompute_granularity != "full":
+        for flag, value in (("--recompute-method", args.recompute_method),
+                            ("--recompute-num-layers", args.recompute_num_layers)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} needs --recompute-granularity full (got "
+                                 f"{args.recompute_granularity}); Megatron recomputes selectively per layer otherwise")
+    else:
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
+        if not 1 <= args.recompute_num_layers <= args.num_layers:
+            raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} must be between 1 and "
+                             f"--num-layers {args.num_layers}")
+    implied = BACKEND_KERNEL.get(args.attention_backend)
+    if implied is not None:
+        if args.attention_kernel not in ("auto", implied):
+            raise ValueError(f"--attention-backend {args.attention_backend} selects the {implied} kernel, "
+                             f"--attention-kernel {args.attention_kernel} another: give one of them")
+        args.attention_kernel = implied
+    if args.attention_kernel == "flex" and not args.skip_train and not check_only:
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("--attention-kernel flex (or --attention-backend flash/fused) trains on CUDA only: "
+                             "FlexAttention has no backward on CPU; use tiled (--attention-backend local) here")
+    if args.model_shape is not None and args.add_bias_linear:
+        raise ValueError(f"--add-bias-linear: the model shape comes from the checkpoint --load {args.load}")
+
+
 def check_experts_and_objective(args) -> None:
     """Expert parallelism needs an MoE model; DiffusionGemma's SFT needs DiffusionGemma, SFT data and
     its token-causal clean stream. Fills the --clean-attention default."""
     shape = args.model_shape
+    # launch --check without the checkpoint: the rules that need its shape are skipped
+    unknown = getattr(args, "shape_unknown", False)
     is_dg = shape is not None and shape.family == "diffusion_gemma"
     ep = args.expert_model_parallel_size
     if shape is not None and shape.is_moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} on an MoE model needs "
                          "--sequence-parallel (Megatron's rule for MoE layers under tensor parallelism)")
     if ep != 1:
-        if not (shape is not None and shape.is_moe):
+        if not unknown and not (shape is not None and shape.is_moe):
             raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --load a converted DiffusionGemma "
                              "/ Gemma 4 MoE checkpoint (the flag-built GPT is dense)")
-        if shape.num_experts % ep:
+        if not unknown and shape.num_experts % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts")
         if args.block_parallel_size > 1 and args.context_parallel_size == 1:
             # BP ranks hold different numbers of rows (each recomputes the clean prefix it needs);
@@ -328,7 +424,7 @@ def check_experts_and_objective(args) -> None:
     if is_dg and args.clean_attention != "token_causal":
         raise ValueError(f"--clean-attention {args.clean_attention}: DiffusionGemma's clean stream is token_causal")
     if args.objective == "diffusiongemma-sft":
-        if not is_dg:
+        if not is_dg and not unknown:
             raise ValueError("--objective diffusiongemma-sft trains a DiffusionGemma: --load a checkpoint converted "
                              "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
         if not args.sft_data_path:

@@ -23,21 +23,31 @@ import time
 from typing import Dict, List
 
 RUN_DIR = os.environ.get("MEGATRON_CSBP_DEMO_DIR", os.path.join("runs", "default"))
-TRAIN_ITERS = int(os.environ.get("MEGATRON_CSBP_DEMO_ITERS", "300"))
+TRAIN_ITERS = int(os.environ.get("MEGATRON_CSBP_DEMO_ITERS", "600"))
+#: held-out evaluations over the run (every TRAIN_ITERS / EVALS iterations)
+EVALS = 6
 
 
 def demo_argv(world_size: int, prefix: str) -> List[str]:
+    """The embedded run's flags. The model and schedule are the single-rank demo's
+    (`python -m megatron_csbp.demo`): 2 layers, hidden 128, 2 heads, SwiGLU 512, init std 0.05,
+    8 sequences per step, Adam 2e-3 -> 2e-4 cosine after 20 warmup steps, and training block times
+    drawn from the clipped range [0.3, 0.8] (BD3-LM's clipped schedule cuts the variance of the 1/t
+    weights); evaluation always reports the full-schedule NELBO on the same held-out batches."""
     seq = max(1, world_size)
+    eval_interval = max(1, TRAIN_ITERS // EVALS)
     return [
-        "--data-path", prefix, "--split", "95,5,0", "--tokenizer-type", "SentencePieceTokenizer",
+        "--data-path", prefix, "--split", "90,10,0", "--tokenizer-type", "SentencePieceTokenizer",
         "--seq-length", "128", "--block-size", "16",
-        "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--micro-batch-size", "4", "--global-batch-size", "8",
-        "--train-iters", str(TRAIN_ITERS), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "20",
+        "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "2", "--num-query-groups", "2",
+        "--ffn-hidden-size", "512", "--init-method-std", "0.05",
+        "--noise-eps-min", "0.3", "--noise-eps-max", "0.8",
+        "--micro-batch-size", "8", "--global-batch-size", "8",
+        "--train-iters", str(TRAIN_ITERS), "--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
         "--context-parallel-size", str(seq), "--block-parallel-size", str(seq),
-        "--save", os.path.join(RUN_DIR, "checkpoints"), "--save-interval", str(TRAIN_ITERS),
-        "--eval-interval", "100", "--eval-iters", "2", "--log-interval", "20",
+        "--save", os.path.join(RUN_DIR, "checkpoints"), "--save-interval", str(TRAIN_ITERS), "--save-initial",
+        "--eval-interval", str(eval_interval), "--eval-iters", "8", "--log-interval", str(max(1, TRAIN_ITERS // 12)),
         "--tensorboard-dir", os.path.join(RUN_DIR, "tensorboard"),
         "--log-json", os.path.join(RUN_DIR, "log.jsonl"),
         "--data-cache-path", os.path.join(RUN_DIR, "data", "cache"),
@@ -56,7 +66,7 @@ def prepare_demo(world_size: int) -> List[str]:
             preprocess(["--input", "shipped", "--output-prefix", os.path.join(data_dir, "pydoc"), "--append-eod"])
             with open(done, "w") as f:
                 f.write("ok\n")
-        for stale in ("checkpoints", "tensorboard", "log.jsonl", "loss_curve.png", "sample.txt"):
+        for stale in ("checkpoints", "tensorboard", "log.jsonl", "loss_curve.png", "sample.txt", "summary.json"):
             path = os.path.join(RUN_DIR, stale)
             if os.path.isdir(path):
                 shutil.rmtree(path)
@@ -77,55 +87,99 @@ def prepare_demo(world_size: int) -> List[str]:
     return demo_argv(world_size, prefix)
 
 
-def plot_losses(history: List[Dict], path: str) -> None:
+def ema(values: List[float], decay: float = 0.95) -> List[float]:
+    """Exponential moving average, bias-corrected (the first points are not pulled towards 0)."""
+    out, acc, norm = [], 0.0, 0.0
+    for v in values:
+        acc = decay * acc + (1 - decay) * v
+        norm = decay * norm + (1 - decay)
+        out.append(acc / norm)
+    return out
+
+
+def corpus_unigram_entropy(prefix: str) -> float:
+    """Entropy (nats/token) of the unigram distribution of the preprocessed corpus: the loss of the
+    best model that ignores context, for scale."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_csbp.data.corpus import unigram_entropy
+
+    ds = IndexedDataset(prefix)
+    tokens = np.concatenate([ds[i] for i in range(len(ds))])
+    return unigram_entropy([tokens], int(tokens.max()) + 1)
+
+
+def plot_losses(train_losses: List, history: List[Dict], path: str, entropy: float = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tr = [(h["iteration"], h["loss"]) for h in history if "loss" in h]
     ev = [(h["iteration"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if tr:
-        ax.plot(*zip(*tr), label="train (BD3-LM NELBO)")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train_losses:
+        it, loss = zip(*train_losses)
+        ax.plot(it, loss, color="tab:blue", alpha=0.2, lw=0.7, label="train objective (per step)")
+        ax.plot(it, ema(list(loss)), color="tab:blue", lw=1.8, label="train objective (EMA 0.95)")
     if ev:
-        ax.plot(*zip(*ev), "o-", label="held-out")
+        ax.plot(*zip(*ev), "o-", color="tab:red", label="held-out NELBO")
+    if entropy is not None:
+        ax.axhline(entropy, color="k", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("block diffusion LM, CSBP on CPU")
+    ax.set_ylabel("nats/token")
+    ax.set_ylim(3.5, 8.0)
+    ax.set_title("block diffusion LM (BD3-LM), CSBP on 2 CPU ranks")
+    ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def finish_demo(args, result: Dict, wall_seconds: float) -> None:
-    """Rank 0, after the process groups are gone: plot, summary, a sample from the checkpoint."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    hist = result["history"]
-    png = os.path.join(RUN_DIR, "loss_curve.png")
-    plot_losses(hist, png)
-    losses = [h["loss"] for h in hist if "loss" in h]
-    evals = [h["eval_loss"] for h in hist if h.get("eval_loss") is not None]
-    comm = [h["attn_comm_bytes"] for h in hist if "attn_comm_bytes" in h]
-    summary = {"wall_seconds": round(wall_seconds, 1), "first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None, "last_eval_loss": evals[-1] if evals else None,
-               "attn_comm_bytes_per_iteration": comm[-1] if comm else None, "iterations": result["iteration"]}
-    with open(os.path.join(RUN_DIR, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f" > demo done in {wall_seconds:.0f} s: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"
-          f" (held-out {summary['last_eval_loss']}); attention traffic per iteration (busiest rank) "
-          f"{summary['attn_comm_bytes_per_iteration']} bytes; plot {png}", flush=True)
-    prompt = "The for statement is used to"
-    cmd = [sys.executable, "-m", "megatron_csbp.generate", "--load", args.save, "--prompt", prompt,
-           "--max-new-tokens", "48", "--temperature", "0.8", "--seed", "0"]
-    print(" > sample: " + " ".join(cmd[1:]), flush=True)
+def generate(load: str, step: int, prompt: str) -> str:
+    """A sample decoded from the checkpoint of iteration `step` (a fresh process, one rank)."""
+    cmd = [sys.executable, "-m", "megatron_csbp.generate", "--load", load, "--ckpt-step", str(step), "--prompt", prompt,
+           "--max-new-tokens", "48", "--temperature", "0.8", "--unmask-order", "random", "--seed", "1"]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOCAL_WORLD_SIZE",
                         "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
            and not k.startswith("TORCHELASTIC_")}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    sample = res.stdout.strip() if res.returncode == 0 else f"(generation failed: {res.stderr[-1000:]})"
-    print(sample, flush=True)
+    if res.returncode != 0:
+        return f"(generation failed: {res.stderr[-1000:]})"
+    return res.stdout.strip().split("\n", 1)[-1]  # drop the "[checkpoint ...]" line
+
+
+def finish_demo(args, result: Dict, wall_seconds: float) -> None:
+    """Rank 0, after the process groups are gone: plot, summary, samples before and after training."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    hist = result["history"]
+    png = os.path.join(RUN_DIR, "loss_curve.png")
+    prefix = args.data_path[-1]
+    entropy = corpus_unigram_entropy(prefix)
+    plot_losses(result.get("train_losses", []), hist, png, entropy)
+    losses = [h["loss"] for h in hist if "loss" in h]
+    evals = [(h["iteration"], h["eval_loss"]) for h in hist if h.get("eval_loss") is not None]
+    comm = [h["attn_comm_bytes"] for h in hist if "attn_comm_bytes" in h]
+    summary = {"wall_seconds": round(wall_seconds, 1), "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "last_eval_loss": evals[-1][1] if evals else None,
+               "eval_losses": {str(i): v for i, v in evals}, "unigram_entropy": entropy,
+               "attn_comm_bytes_per_iteration": comm[-1] if comm else None, "iterations": result["iteration"]}
+    with open(os.path.join(RUN_DIR, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    curve = " -> ".join(f"{v:.3f}" for _, v in evals)
+    print(f" > demo done in {wall_seconds:.0f} s; held-out NELBO (nats/token) at iterations "
+          f"{', '.join(str(i) for i, _ in evals)}: {curve} (unigram entropy of the corpus {entropy:.3f}); "
+          f"attention traffic per iteration (busiest rank) {summary['attn_comm_bytes_per_iteration']} bytes; "
+          f"plot {png}", flush=True)
+    prompt = "The for statement is used to"
+    before = generate(args.save, 0, prompt)
+    after = generate(args.save, result["iteration"], prompt)
+    text = (f" > samples (python -m megatron_csbp.generate --load {args.save} --ckpt-step N --prompt '{prompt}' "
+            f"--temperature 0.8 --unmask-order random --seed 1):\n"
+            f"--- untrained (iteration 0) ---\n{before}\n"
+            f"--- trained (iteration {result['iteration']}) ---\n{after}")
+    print(text, flush=True)
     with open(os.path.join(RUN_DIR, "sample.txt"), "w") as f:
-        f.write(sample + "\n")
+        f.write(text + "\n")

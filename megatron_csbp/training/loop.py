@@ -144,7 +144,19 @@ def build(args) -> Setup:
     s.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
     s.train_ds, s.valid_ds = build_datasets(args)
     s.flops_per_sample = flops_per_sample(args)
+    s.eval_objective = eval_objective(args, model.bdlm.objective)
     return s
+
+
+def eval_objective(args, train_objective):
+    """The objective evaluation uses. BD3-LM: always the NELBO (t ~ U[1e-3, 1], 1/t weights), an
+    upper bound on the model's NLL in nats/token, whatever schedule training draws from
+    (`--noise-eps-min/max`, `--loss-weighting`): so held-out losses of runs with different training
+    schedules compare. Other objectives: the training objective."""
+    if args.objective != "bd3lm":
+        return train_objective
+    from megatron_csbp.objectives import BD3LMObjective
+    return BD3LMObjective(args.block_size, args.mask_token_id, seed=args.seed)
 
 
 def build_datasets(args):
@@ -161,8 +173,7 @@ def build_datasets(args):
         ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align)
         return ds, ds
     G = args.global_batch_size
-    n_eval = (args.train_iters // args.eval_interval + 1) * args.eval_iters * G if args.eval_interval else \
-        args.eval_iters * G
+    n_eval = args.eval_iters * G  # every evaluation reads the same held-out batches
     train, valid, _ = build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, tok,
                                          [args.train_iters * G, max(n_eval, 1), 1], args.data_cache_path)
     if train is None:
@@ -219,22 +230,35 @@ def train_step(s: Setup, consumed: int):
     return loss, (float(grad_norm) if grad_norm is not None else float("nan")), ok
 
 
-def evaluate(s: Setup, eval_round: int) -> float:
+def evaluate(s: Setup) -> float:
+    """Mean loss over the first `--eval-iters` global batches of the held-out split, with
+    `eval_objective`. Every evaluation reads the same samples with the same noise (keyed by the
+    held-out sample index), so successive evaluations differ only by the model."""
     args = s.args
-    for m in (s.ddp,):
-        m.eval()
+    bdlm = s.model.bdlm
+    train_objective = bdlm.objective
+    bdlm.objective = s.eval_objective
+    s.ddp.eval()
     losses = []
-    with torch.no_grad():
-        for k in range(args.eval_iters):
-            consumed = (eval_round * args.eval_iters + k) * args.global_batch_size
-            losses.append(run_batches(s, s.valid_ds, consumed, forward_only=True))
-    s.ddp.train()
+    try:
+        with torch.no_grad():
+            for k in range(args.eval_iters):
+                losses.append(run_batches(s, s.valid_ds, k * args.global_batch_size, forward_only=True))
+    finally:
+        bdlm.objective = train_objective
+        s.ddp.train()
     return sum(losses) / len(losses)
 
 
 # ----------------------------------------------------------------------------------------------
+def _hms(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
 class Logger:
-    def __init__(self, args):
+    def __init__(self, args, start_iteration: int = 0):
         self.args = args
         self.rank = dist.get_rank()
         self.last = dist.get_world_size() - 1
@@ -244,9 +268,11 @@ class Logger:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(log_dir=args.tensorboard_dir)
         self.bar = None
-        if self.rank == 0 and not args.no_progress_bar and sys.stdout.isatty():
+        if self.rank == 0 and not args.no_progress_bar and sys.stderr.isatty():
+            # tqdm on stderr: iterations done, rate and ETA; log lines are written above it.
             from tqdm import tqdm
-            self.bar = tqdm(total=args.train_iters, desc="train", dynamic_ncols=True, leave=False)
+            self.bar = tqdm(total=args.train_iters, initial=start_iteration, desc="train", dynamic_ncols=True,
+                            leave=False)
 
     def write(self, rec: Dict):
         args = self.args
@@ -274,7 +300,8 @@ class Logger:
                     f" grad norm: {rec['grad_norm']:.4f} |"
                     f" attn comm (MiB): {rec['attn_comm_bytes'] / 2 ** 20:.2f} |"
                     f" peak mem (MiB): {rec['peak_memory_bytes'] / 2 ** 20:.0f} |"
-                    f" tokens/s: {rec['tokens_per_second']:.0f}")
+                    f" tokens/s: {rec['tokens_per_second']:.0f} |"
+                    f" ETA: {_hms(rec['eta_seconds'])}")
             if self.bar is not None:
                 self.bar.write(line)
                 self.bar.set_postfix(loss=f"{rec['loss']:.3f}")
@@ -312,28 +339,27 @@ def train(s: Setup) -> Dict:
             _log0(f" loaded checkpoint {info['path']} (iteration {iteration}, consumed samples {consumed})")
         else:
             _log0(f" no checkpoint in --load {args.load}: starting from scratch")
-    logger = Logger(args)
+    logger = Logger(args, iteration)
     history = []
-    eval_round = 0
     world = dist.get_world_size()
     tokens_per_iter = args.global_batch_size * args.seq_length
 
-    def log_eval(it):
-        nonlocal eval_round
-        ev = evaluate(s, eval_round)
-        eval_round += 1
-        return ev
-
     if args.skip_train:
-        ev = log_eval(iteration)
+        ev = evaluate(s)
         rec = {"iteration": iteration, "eval_loss": ev}
         logger.write(rec)
         history.append(rec)
         logger.close()
         return {"history": history, "iteration": iteration}
 
+    if args.save and args.save_initial and iteration == 0:
+        checkpointing.save_checkpoint(args.save, 0, s.model, s.optimizer, s.scheduler, 0,
+                                      extra=checkpoint_extra(args), **_shape_files(args))
+        _log0(f" saved the initial (untrained) weights as iteration 0 to {args.save}")
     acc_time, acc_iters = 0.0, 0
     stop_at = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
+    start_iteration, wall_start = iteration, time.perf_counter()
+    train_losses = []  # (iteration, loss) of every step, for plots
     while iteration < stop_at:
         traffic_counter().reset()
         t0 = time.perf_counter()
@@ -341,6 +367,7 @@ def train(s: Setup) -> Dict:
         dt = time.perf_counter() - t0
         iteration += 1
         consumed += args.global_batch_size
+        train_losses.append((iteration, loss))
         acc_time += dt
         acc_iters += 1
         logger.step()
@@ -356,7 +383,10 @@ def train(s: Setup) -> Dict:
                    "tflops_per_gpu": s.flops_per_sample * args.global_batch_size / per_iter / world / 1e12,
                    "attn_comm_bytes": int(comm), "peak_memory_bytes": int(mem), "skipped": not ok}
             if do_eval:
-                rec["eval_loss"] = log_eval(iteration)
+                rec["eval_loss"] = evaluate(s)
+            # Remaining time at the mean pace so far (training, evaluation and checkpoints included).
+            pace = (time.perf_counter() - wall_start) / (iteration - start_iteration)
+            rec["eta_seconds"] = pace * (stop_at - iteration)
             logger.write(rec)
             history.append(rec)
             acc_time, acc_iters = 0.0, 0
@@ -369,7 +399,7 @@ def train(s: Setup) -> Dict:
                                       extra=checkpoint_extra(args), **_shape_files(args))
         _log0(f" saved checkpoint at iteration {iteration} to {args.save}")
     logger.close()
-    return {"history": history, "iteration": iteration, "consumed_samples": consumed}
+    return {"history": history, "iteration": iteration, "consumed_samples": consumed, "train_losses": train_losses}
 
 
 def _shape_files(args) -> Dict:

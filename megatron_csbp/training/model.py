@@ -57,6 +57,14 @@ class ModelArgs:
     block_parallel_size: int = 1
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None  # with granularity full: default uniform
+    recompute_num_layers: Optional[int] = None  # with granularity full: default 1
+    kv_channels: Optional[int] = None  # default hidden_size / num_attention_heads
+    add_bias_linear: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    position_embedding_type: str = "rope"
+    attention_backend: str = "auto"  # Megatron's AttnBackend name, set on the TransformerConfig
     block_size: int = 16
     objective: str = "bd3lm"
     mask_token_id: Optional[int] = None
@@ -81,6 +89,19 @@ class ModelArgs:
     model_shape: Optional[Any] = None
 
 
+def recompute_options(a) -> dict:
+    """Megatron's recompute fields from the flags (full granularity: uniform, 1 layer by default)."""
+    full = a.recompute_granularity == "full"
+    return dict(recompute_granularity=a.recompute_granularity,
+                recompute_method=(a.recompute_method or "uniform") if full else None,
+                recompute_num_layers=(1 if a.recompute_num_layers is None else a.recompute_num_layers) if full else None)
+
+
+def attention_backend(a):
+    from megatron.core.transformer.enums import AttnBackend
+    return AttnBackend[a.attention_backend]
+
+
 def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
     seq = max(a.context_parallel_size, a.block_parallel_size)
     cfg = TransformerConfig(
@@ -89,6 +110,7 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         ffn_hidden_size=a.ffn_hidden_size,
         num_attention_heads=a.num_attention_heads,
         num_query_groups=a.num_query_groups,
+        kv_channels=a.kv_channels,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=seq,
         sequence_parallel=a.sequence_parallel,
@@ -98,18 +120,17 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         normalization=a.normalization,
         gated_linear_unit=a.swiglu,
         activation_func=F.silu if a.swiglu else F.gelu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        add_bias_linear=a.add_bias_linear,
+        hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout,
+        attention_backend=attention_backend(a),
         bf16=a.bf16,
         params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float32,
         # The loss is already divided by the global denominator: gradients are SUMMED over
         # DP x CP x BP (Megatron DDP with per-token loss does not average).
         calculate_per_token_loss=True,
-        recompute_granularity=a.recompute_granularity,
-        recompute_method="uniform" if a.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if a.recompute_granularity == "full" else None,
+        **recompute_options(a),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
@@ -161,16 +182,17 @@ def build_converted_gpt(a, finalize_model_grads_func=None):
         sequence_parallel=a.sequence_parallel,
         calculate_per_token_loss=True,
         pipeline_dtype=dtype,
-        recompute_granularity=a.recompute_granularity,
-        recompute_method="uniform" if a.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if a.recompute_granularity == "full" else None,
+        hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout,
+        attention_backend=attention_backend(a),
+        **recompute_options(a),
     )
     if finalize_model_grads_func is not None:
         config.finalize_model_grads_func = finalize_model_grads_func
     # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
     # --sequence-parallel (the weights themselves are loaded next).
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-    return config, providers.build_gpt_model(shape, config=config)
+    return config, providers.build_gpt_model(shape, config=config, kernel=a.attention_kernel)
 
 
 def build_layout(a) -> SequenceLayout:
@@ -228,7 +250,7 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
+        position_embedding_type=a.position_embedding_type,
         rotary_base=a.rotary_base,
     )
     return _wrap(a, config, gpt, objective, layout, device)

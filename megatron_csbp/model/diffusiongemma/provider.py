@@ -94,15 +94,17 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
     return megatron_config_from(shape.hf_config, shape.diffusion_gemma, dtype, **overrides)
 
 
-def build_model(shape: ModelShape, config=None, block_diffusion: bool = True, **config_overrides):
-    """A `DiffusionGemmaModel` of `shape` under the current parallel state (exact vocabulary)."""
+def build_model(shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto",
+                **config_overrides):
+    """A `DiffusionGemmaModel` of `shape` under the current parallel state (exact vocabulary);
+    `kernel`: the block-diffusion attention kernel (--attention-kernel)."""
     from megatron_csbp.model.diffusiongemma.model import diffusion_gemma_model
     from megatron_csbp.model.providers import mark_tensor_parallel_weights
 
     if config is None:
         config = transformer_config(shape, **config_overrides)
     model = diffusion_gemma_model(config, shape.vocab_size, shape.max_position_embeddings,
-                                  block_diffusion=block_diffusion)
+                                  block_diffusion=block_diffusion, kernel=kernel)
     if not config.perform_initialization:
         mark_tensor_parallel_weights(model, config)
     return model
