@@ -227,6 +227,23 @@ def forward_step(data_iterator, model):
     return out.loss, partial(loss_func, out, share.to(tokens.device))
 
 
+def use_prebuilt_dataset_helpers() -> bool:
+    """Megatron-LM's `initialize_megatron` runs `make` in megatron/core/datasets to build the C++
+    index helpers. The megatron-core wheel ships them prebuilt (`helpers_cpp`) and has no Makefile,
+    so with Megatron-LM's training package on top of the wheel that `make` fails. When the prebuilt
+    module imports, compiling is skipped; a source checkout of megatron/core is left as it was."""
+    import importlib.util
+    import os
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    here = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+    if os.path.exists(os.path.join(here, "Makefile")) or importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return False
+    dataset_utils.compile_helpers = lambda: None
+    return True
+
+
 def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable)."""
     import sys
@@ -237,9 +254,10 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     import pretrain_gpt  # Megatron-LM's script: its dataset provider
 
     sys.argv = [sys.argv[0]] + rewrite_argv(sys.argv[1:] if argv is None else argv)
-    from megatron_csbp.compat.cpu import install_cpu_compat
-    install_cpu_compat()
+    from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
+    install_megatron_lm_cpu_compat()
     install_initialize_hook()
+    use_prebuilt_dataset_helpers()
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, extra_args_provider=extra_args_provider,
