@@ -9,6 +9,7 @@ query by its CPU equivalent, or takes Megatron-LM's own no-CUDA branch.
 |---|---|---|
 | `pretrain()` -> `initialize_megatron()` | asserts "Megatron requires CUDA." | passes Megatron's own `allow_no_cuda=True` |
 | `_initialize_distributed`, `_set_random_seed` | gate `mpu.initialize_model_parallel` and the model-parallel RNG seeding on `torch.cuda.device_count() > 0` | these modules see one device, the CPU: `device_count()` is 1, `set_device` does nothing (the rest as in the proxy below) |
+| `_warmup_jit_function` (`set_jit_fusion_options`, in `pretrain()` before the model is built) | draws `torch.rand(..., device="cuda")` tensors shaped by --seq-length / CP: on GPU from the CUDA generator, on CPU from the CPU generator that --use-cpu-initialization weights come from, so the initial weights would depend on the CP size | runs with the CPU generator state saved and restored (`torch.random.fork_rng`), as the CUDA generator leaves it on GPU |
 | `megatron.legacy.fused_kernels.load` (`_compile_dependencies`) | reads the CUDA toolkit's `nvcc -V` (`CUDA_HOME` is None) | nothing to build without CUDA: a no-op |
 | `get_device_arch_version()` (validate_args) | reads the GPU's compute capability | 0: no GPU architecture (so Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 rule for TP/CP > 1 applies, as before Blackwell) |
 | `training.py`, `utils.py`, `checkpointing.py`, ... (every module that names CUDA) | `device='cuda'` factories, `torch.cuda.current_device()`, streams, `empty_cache`, memory statistics | the module's `torch` becomes compat/cpu.py's proxy (CUDA devices are the CPU, streams no-ops, memory statistics 0) |
@@ -95,6 +96,14 @@ def _patch_initialize() -> None:
 
     training.initialize_megatron = initialize_megatron
 
+    warmup = initialize._warmup_jit_function
+
+    @functools.wraps(warmup)
+    def _warmup_jit_function():
+        with torch.random.fork_rng(devices=[]):
+            warmup()
+
+    initialize._warmup_jit_function = _warmup_jit_function
     importlib.import_module("megatron.legacy.fused_kernels").load = lambda args: None
 
     def get_device_arch_version():
