@@ -89,7 +89,7 @@ def test_pretrain_one_rank_vs_csbp_with_eval_and_resume(tmp_path):
 @pytest.mark.slow
 def test_pretrain_evaluation_never_moves_training_losses(tmp_path):
     a = pretrain(tmp_path, "one_rank", 1, NO_EVAL, 29641)
-    b = pretrain(tmp_path, "one_rank_eval", 1, EVAL_AT_2 + ["--eval-interval", "1"], 29642)
+    b = pretrain(tmp_path, "one_rank_eval", 1, ["--eval-iters", "1", "--eval-interval", "1"], 29642)
     assert b["tb"]["lm loss"] == a["tb"]["lm loss"]  # bit for bit: evaluation after every iteration
     c = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL, 29643)
     _same_losses(a, c)
