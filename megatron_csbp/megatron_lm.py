@@ -1,24 +1,29 @@
 """Megatron-LM integration without forking it (checked against Megatron-LM tag core_v0.16.1,
-commit 55ac7082517c3878ae653c07c09c534b8aed49f6; see docs/training.md).
+commit 55ac7082517c3878ae653c07c09c534b8aed49f6; user guide: docs/megatron-lm.md).
 
 Megatron-LM's `pretrain()` takes an `extra_args_provider`, a model provider and a forward step, and
-calls `mpu.initialize_model_parallel` by attribute lookup. That is all the plugin needs:
+calls `mpu.initialize_model_parallel` and `validate_args` by attribute lookup. That is all the
+plugin needs:
 
-- `extra_args_provider(parser)`: our flags (`--block-parallel-size`, `--block-size`, `--objective`,
-  `--mask-token-id`, `--clean-attention`, `--noise-eps-min/max`, `--loss-weighting`,
-  `--attention-transport`, `--block-ownership`, `--attention-kernel`, `--log-json`), plus
+- `extra_args_provider(parser)`: the block-diffusion flags, `--allow-mask-token-in-vocab`, and
   `--bdlm-context-parallel-size` (set by `rewrite_argv`).
 - `rewrite_argv(argv)`: block parallelism lives inside Megatron's CP axis, so Megatron must see
   `--context-parallel-size max(CP, BP)` (its batch, sampler, DDP and checkpoint arithmetic then
   treat the whole sequence group like CP ranks). The user's CP (the clean ring size) travels as
   `--bdlm-context-parallel-size`. It also adds `--calculate-per-token-loss` (our losses are sums
   over each rank's own targets; Megatron divides by the token count summed over DP x CP x BP).
-- `install_initialize_hook()`: wraps `megatron.core.parallel_state.initialize_model_parallel` so
-  Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
+- `install()`: the hooks below, the wheel's prebuilt dataset helpers, and (without CUDA) the CPU
+  shim of `megatron_csbp.compat.megatron_lm`.
+  - `install_initialize_hook()`: wraps `megatron.core.parallel_state.initialize_model_parallel` so
+    Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
+  - `install_validation_hook()`: after Megatron-LM's `validate_args`, refuse the flags the plugin
+    cannot honour (`validate_megatron_args`, the flag named); after its tokenizer is built, pick
+    or check the mask id (`resolve_mask_token_id`).
 - `model_provider(...)`: Megatron's GPTModel from Megatron-LM's args, any layer spec with the
   core attention swapped, wrapped as a block diffusion model.
 - `forward_step(data_iterator, model)`: Megatron-LM's batch (NOT sliced by CP rank: every rank of
-  the sequence group needs the whole sample), noise keyed by the global sample index.
+  the sequence group needs the whole sample); `labels` with `loss_mask` as the clean sequence
+  (`bdlm_batch`); noise keyed by the global sample index, evaluation samples on their own indices.
 
 `examples/megatron_lm/pretrain_bdlm.py` puts these together with `pretrain_gpt.py`'s dataset
 provider. Nothing needs patching in core_v0.16.1 (so `patches/` stays empty for it).
@@ -382,6 +387,18 @@ def use_prebuilt_dataset_helpers() -> bool:
     return True
 
 
+def install() -> None:
+    """Everything a Megatron-LM script needs before `pretrain()` (after importing megatron.training):
+    the CPU shim (a no-op with CUDA), the initialisation and validation hooks, and the wheel's
+    prebuilt dataset helpers."""
+    from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
+
+    install_megatron_lm_cpu_compat()
+    install_initialize_hook()
+    install_validation_hook()
+    use_prebuilt_dataset_helpers()
+
+
 def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable)."""
     import sys
@@ -392,11 +409,7 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     import pretrain_gpt  # Megatron-LM's script: its dataset provider
 
     sys.argv = [sys.argv[0]] + rewrite_argv(sys.argv[1:] if argv is None else argv)
-    from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
-    install_megatron_lm_cpu_compat()
-    install_initialize_hook()
-    install_validation_hook()
-    use_prebuilt_dataset_helpers()
+    install()
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, extra_args_provider=extra_args_provider,
