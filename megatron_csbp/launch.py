@@ -3,8 +3,9 @@
 A recipe is a YAML file with the sections `model`, `parallelism`, `data`, `objective` and
 `training` (each a mapping of Megatron / plugin flag names to values, with `_` or `-`), plus an
 optional `launch` section (`nnodes`, `nproc_per_node`, `slurm: {partition, account, time, ...}`).
-The launcher turns the sections into the command line of `python -m megatron_csbp.train` and
-either runs it under torchrun on this machine or writes a SLURM batch script.
+The launcher turns the sections into the command line of `python -m megatron_csbp.train` and runs
+it through NeMo-Run (megatron_csbp.launch_nemo): under torchrun on this machine
+(`run.LocalExecutor`), or as the sbatch script of `run.SlurmExecutor` (written, not submitted).
 
 Values: `true` -> the bare flag; `false` / null -> omitted; a list -> repeated values after one
 flag. Overrides: `training.train_iters=5` or, when the key exists in exactly one section,
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -230,46 +230,11 @@ def torchrun_command(recipe: Dict, nnodes: int, nproc: int, python: str = sys.ex
     return cmd + ["-m", "megatron_csbp.train"] + recipe_flags(recipe)
 
 
-def slurm_script(recipe: Dict, nnodes: int, nproc: int) -> str:
-    sl = dict(recipe["launch"].get("slurm") or {})
-    name = sl.get("job_name") or recipe["name"]
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={nproc}"]
-    for key, opt in (("partition", "partition"), ("account", "account"), ("time", "time"),
-                     ("cpus_per_task", "cpus-per-task")):
-        if sl.get(key):
-            lines.append(f"#SBATCH --{opt}={sl[key]}")
-    lines.append(f"#SBATCH --output={sl.get('output') or name + '-%j.out'}")
-    if sl.get("exclusive", True):
-        lines.append("#SBATCH --exclusive")
-    for extra in sl.get("extra_sbatch") or []:
-        lines.append(f"#SBATCH {extra}")
-    lines += ["", f"# recipe: {recipe.get('description', recipe['name'])}", "set -euo pipefail", "",
-              'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              "export MASTER_PORT=${MASTER_PORT:-%d}" % int(recipe["launch"].get("master_port") or 29500)]
-    for k, v in (recipe["launch"].get("env") or {}).items():
-        lines.append(f"export {k}={shlex.quote(str(v))}")
-    for cmd in sl.get("setup") or []:
-        lines.append(cmd)
-    run = torchrun_command(recipe, nnodes, nproc, python="python", rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT}")
-    run = run[:run.index("--rdzv-endpoint") + 2] + ["--rdzv-id", "${SLURM_JOB_ID}"] + run[run.index("--rdzv-endpoint") + 2:]
-    srun = ["srun", "--kill-on-bad-exit=1"]
-    if sl.get("container_image"):
-        srun.append(f"--container-image={sl['container_image']}")
-        if sl.get("container_mounts"):
-            srun.append(f"--container-mounts={sl['container_mounts']}")
-    # keep ${...} for the shell, quote everything else
-    quoted = [a if a.startswith("${") or ":${" in a else shlex.quote(a) for a in srun + run]
-    body, line = [], []
-    for a in quoted:
-        line.append(a)
-        if a.startswith("--") is False and len(" ".join(line)) > 90:
-            body.append(" ".join(line))
-            line = []
-    if line:
-        body.append(" ".join(line))
-    lines += ["", " \\\n    ".join(body), ""]
-    return "\n".join(lines)
+def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
+    """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch_nemo)."""
+    from megatron_csbp.launch_nemo import slurm_script as nemo_slurm_script
+
+    return nemo_slurm_script(recipe, nnodes, nproc, job_dir)
 
 
 def parse_args(argv=None):
@@ -297,7 +262,8 @@ def main(argv=None) -> int:
             return 0
         check_world(recipe, nnodes, nproc)
         if args.slurm:
-            script = slurm_script(recipe, nnodes, nproc)
+            job_dir = os.path.join(os.path.dirname(os.path.abspath(args.slurm)), "nemo_run_jobs")
+            script = slurm_script(recipe, nnodes, nproc, job_dir)
             if args.dry_run:
                 print(script)
                 return 0
@@ -316,9 +282,9 @@ def main(argv=None) -> int:
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
     if args.dry_run:
         return 0
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in (recipe["launch"].get("env") or {}).items()})
-    return subprocess.call(cmd, env=env)
+    from megatron_csbp.launch_nemo import run_local
+
+    return run_local(recipe, nproc)  # NeMo-Run's LocalExecutor runs the same torchrun command
 
 
 if __name__ == "__main__":

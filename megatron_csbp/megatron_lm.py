@@ -1,24 +1,29 @@
 """Megatron-LM integration without forking it (checked against Megatron-LM tag core_v0.16.1,
-commit 55ac7082517c3878ae653c07c09c534b8aed49f6; see docs/training.md).
+commit 55ac7082517c3878ae653c07c09c534b8aed49f6; user guide: docs/megatron-lm.md).
 
 Megatron-LM's `pretrain()` takes an `extra_args_provider`, a model provider and a forward step, and
-calls `mpu.initialize_model_parallel` by attribute lookup. That is all the plugin needs:
+calls `mpu.initialize_model_parallel` and `validate_args` by attribute lookup. That is all the
+plugin needs:
 
-- `extra_args_provider(parser)`: our flags (`--block-parallel-size`, `--block-size`, `--objective`,
-  `--mask-token-id`, `--clean-attention`, `--noise-eps-min/max`, `--loss-weighting`,
-  `--attention-transport`, `--block-ownership`, `--attention-kernel`, `--log-json`), plus
+- `extra_args_provider(parser)`: the block-diffusion flags, `--allow-mask-token-in-vocab`, and
   `--bdlm-context-parallel-size` (set by `rewrite_argv`).
 - `rewrite_argv(argv)`: block parallelism lives inside Megatron's CP axis, so Megatron must see
   `--context-parallel-size max(CP, BP)` (its batch, sampler, DDP and checkpoint arithmetic then
   treat the whole sequence group like CP ranks). The user's CP (the clean ring size) travels as
   `--bdlm-context-parallel-size`. It also adds `--calculate-per-token-loss` (our losses are sums
   over each rank's own targets; Megatron divides by the token count summed over DP x CP x BP).
-- `install_initialize_hook()`: wraps `megatron.core.parallel_state.initialize_model_parallel` so
-  Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
+- `install()`: the hooks below, the wheel's prebuilt dataset helpers, and (without CUDA) the CPU
+  shim of `megatron_csbp.compat.megatron_lm`.
+  - `install_initialize_hook()`: wraps `megatron.core.parallel_state.initialize_model_parallel` so
+    Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
+  - `install_validation_hook()`: after Megatron-LM's `validate_args`, refuse the flags the plugin
+    cannot honour (`validate_megatron_args`, the flag named); after its tokenizer is built, pick
+    or check the mask id (`resolve_mask_token_id`).
 - `model_provider(...)`: Megatron's GPTModel from Megatron-LM's args, any layer spec with the
   core attention swapped, wrapped as a block diffusion model.
 - `forward_step(data_iterator, model)`: Megatron-LM's batch (NOT sliced by CP rank: every rank of
-  the sequence group needs the whole sample), noise keyed by the global sample index.
+  the sequence group needs the whole sample); `labels` with `loss_mask` as the clean sequence
+  (`bdlm_batch`); noise keyed by the global sample index, evaluation samples on their own indices.
 
 `examples/megatron_lm/pretrain_bdlm.py` puts these together with `pretrain_gpt.py`'s dataset
 provider. Nothing needs patching in core_v0.16.1 (so `patches/` stays empty for it).
@@ -39,7 +44,116 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--bdlm-context-parallel-size", type=int, default=None,
                         help="(set by megatron_csbp.megatron_lm.rewrite_argv) the clean-ring size; Megatron's "
                              "--context-parallel-size holds max(CP, BP)")
+    parser.add_argument("--allow-mask-token-in-vocab", action="store_true",
+                        help="accept a --mask-token-id that the tokenizer can produce (default: refused, since data "
+                             "tokens equal to it would read as masks; such tokens are then never loss targets)")
     return parser
+
+
+# Megatron-LM flags whose values the plugin cannot honour: (attribute, flag, allowed values, why).
+_REFUSED_MEGATRON_FLAGS = (
+    ("position_embedding_type", "--position-embedding-type", ("rope", "none"),
+     "the layouts place a position's noisy and clean rows on different ranks and pass each row's position "
+     "to the rotary embedding; Megatron's default learned_absolute embedding reads positions 0..L-1 of the "
+     "local rows instead. Pass --position-embedding-type rope"),
+    ("attention_dropout", "--attention-dropout", (0.0,),
+     "dropout on attention probabilities would make the loss depend on the layout (ranks draw different "
+     "masks for the same row). Pass --attention-dropout 0"),
+    ("hidden_dropout", "--hidden-dropout", (0.0,),
+     "dropout masks are drawn per rank, so the loss would depend on the layout. Pass --hidden-dropout 0"),
+    ("reset_attention_mask", "--reset-attention-mask", (False,),
+     "block-diffusion attention masks are built from the block layout, not from document boundaries"),
+    ("reset_position_ids", "--reset-position-ids", (False,),
+     "positions come from the block layout (one position per token of the sample)"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", (1,),
+     "block diffusion does not support pipeline parallelism"),
+)
+
+
+def validate_megatron_args(args) -> None:
+    """Refuse, at Megatron-LM's argument validation, what the plugin cannot honour (the flag named)."""
+    for attr, flag, allowed, why in _REFUSED_MEGATRON_FLAGS:
+        value = getattr(args, attr, allowed[0])
+        if value not in allowed:
+            raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
+    if args.objective == "diffusiongemma-sft":
+        raise ValueError("--objective diffusiongemma-sft runs in python -m megatron_csbp.train (DiffusionGemma is "
+                         "built from a converted checkpoint, not from Megatron-LM flags)")
+    if args.mask_token is not None:
+        raise ValueError("--mask-token (a string of a converted checkpoint's tokenizer) is for python -m "
+                         "megatron_csbp.train; with Megatron-LM pass --mask-token-id or leave it unset (default: "
+                         "the first padding id of the vocabulary)")
+    if not args.calculate_per_token_loss:
+        raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
+
+
+def _tokenizer_mask_id(tokenizer) -> Optional[int]:
+    """The tokenizer's own mask token, or None (Megatron's tokenizers raise NotImplementedError or
+    return -1 when they have none)."""
+    try:
+        mask = tokenizer.mask
+    except (AttributeError, NotImplementedError):
+        return None
+    return int(mask) if isinstance(mask, int) and mask >= 0 else None
+
+
+def resolve_mask_token_id(args, tokenizer) -> Optional[int]:
+    """The mask id, chosen so that it cannot collide with data (sets args.mask_token_id).
+
+    Unset: the tokenizer's own mask token if it has one, else the first id of the padded vocabulary
+    past the tokenizer's (Megatron pads the vocabulary to --make-vocab-size-divisible-by x TP: those
+    ids exist in the embedding but no tokenizer output uses them). Given: it must be an embedding
+    row, and an id the tokenizer can produce (other than its mask token) needs --allow-mask-token-in-vocab."""
+    if args.objective == "ar":
+        return args.mask_token_id
+    vocab, padded = int(tokenizer.vocab_size), int(args.padded_vocab_size)
+    own = _tokenizer_mask_id(tokenizer)
+    if args.mask_token_id is None:
+        if own is not None:
+            args.mask_token_id = own
+        elif padded > vocab:
+            args.mask_token_id = vocab
+        else:
+            raise ValueError(f"--mask-token-id is unset and the padded vocabulary ({padded}) has no id past the "
+                             f"tokenizer's {vocab}: pass --mask-token-id, or raise --make-vocab-size-divisible-by")
+        return args.mask_token_id
+    mid = int(args.mask_token_id)
+    if not 0 <= mid < padded:
+        raise ValueError(f"--mask-token-id {mid} is outside the padded vocabulary [0, {padded})")
+    if mid < vocab and mid != own and not args.allow_mask_token_in_vocab:
+        raise ValueError(f"--mask-token-id {mid} is an id the tokenizer can produce (its vocabulary is [0, {vocab})): "
+                         f"data tokens equal to it would be read as masks. Leave --mask-token-id unset (default "
+                         f"{vocab if padded > vocab else 'none free'}: the first padding id), pass an id in "
+                         f"[{vocab}, {padded}), or pass --allow-mask-token-in-vocab")
+    return mid
+
+
+def install_validation_hook() -> None:
+    """Megatron-LM's `initialize_megatron` then runs `validate_megatron_args` right after its own
+    `validate_args`, and resolves the mask id right after building the tokenizer (which sets
+    `padded_vocab_size`), before any process group or model exists."""
+    from megatron.training import initialize
+
+    if getattr(initialize.validate_args, "__bdlm_hook__", False):
+        return
+    validate_args, set_global_variables = initialize.validate_args, initialize.set_global_variables
+
+    def validate(args, defaults={}):
+        out = validate_args(args, defaults)
+        validate_megatron_args(args)
+        return out
+
+    def set_globals(args, build_tokenizer=True):
+        out = set_global_variables(args, build_tokenizer)
+        if build_tokenizer:
+            from megatron.training import get_tokenizer
+            mask = resolve_mask_token_id(args, get_tokenizer())
+            if args.rank == 0 and mask is not None:
+                print(f"> block diffusion: --objective {args.objective}, mask token id {mask}", flush=True)
+        return out
+
+    validate.__bdlm_hook__ = True
+    initialize.validate_args, initialize.set_global_variables = validate, set_globals
 
 
 def _flag_value(argv: List[str], name: str, default: int) -> int:
@@ -165,30 +279,44 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base)
     margs = _model_args_from_megatron(args)
-    if margs.objective == "diffusiongemma-sft":
-        raise ValueError("--objective diffusiongemma-sft runs in python -m megatron_csbp.train (DiffusionGemma is "
-                         "built from a converted checkpoint, not from Megatron-LM flags)")
-    if margs.mask_token_id is None and margs.objective == "bd3lm":
-        raise ValueError("--objective bd3lm needs --mask-token-id with Megatron-LM tokenizers")
+    if margs.mask_token_id is None and margs.objective != "ar":
+        raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
+                         "hook picks the first padding id) or pass --mask-token-id")
     bdlm = BlockDiffusionModel(gpt, build_objective(margs), build_layout(margs), bps.get_block_parallel_rank(),
                                bps.get_clean_ring_group(), margs.attention_transport)
     return TrainableBDLM(config, bdlm)
 
 
+#: Evaluation samples are keyed EVAL_SAMPLE_INDEX_BASE + (their index in the validation stream), so
+#: they never share a noise draw with a training sample (training indices stay below 2**62).
+EVAL_SAMPLE_INDEX_BASE = 1 << 62
+
+
 class _SampleCounter:
-    """Global sample indices from Megatron-LM's consumed-sample counter (its sampler's arithmetic)."""
+    """Global sample indices from Megatron-LM's consumed-sample counters (its sampler's arithmetic).
+
+    Megatron-LM advances `consumed_train_samples` (after each training step) and
+    `consumed_valid_samples` (after each evaluation step) by the global batch size; micro-batch m of
+    data-parallel rank r then holds samples consumed + m * mbs * DP + r * mbs .. + mbs. Training and
+    evaluation keep separate micro-batch positions (the model's train()/eval() mode says which), so
+    an evaluation never moves the training noise: training losses do not depend on whether or how
+    often evaluation runs. State: two (consumed, micro) pairs."""
 
     def __init__(self):
-        self.consumed, self.micro = None, 0
+        self.state = {True: (None, 0), False: (None, 0)}
 
-    def indices(self, args, micro_batch_size: int):
+    def indices(self, args, micro_batch_size: int, training: bool = True):
         from megatron.core import parallel_state as mpu
 
-        if self.consumed != args.consumed_train_samples:
-            self.consumed, self.micro = args.consumed_train_samples, 0
+        consumed = args.consumed_train_samples if training else args.consumed_valid_samples
+        seen, micro = self.state[training]
+        if seen != consumed:
+            micro = 0
+        self.state[training] = (consumed, micro + 1)
         dp, r = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-        start = self.consumed + self.micro * micro_batch_size * dp + r * micro_batch_size
-        self.micro += 1
+        start = consumed + micro * micro_batch_size * dp + r * micro_batch_size
+        if not training:
+            start += EVAL_SAMPLE_INDEX_BASE
         return torch.arange(start, start + micro_batch_size)
 
 
@@ -200,31 +328,75 @@ def loss_func(out, denominator_share, output_tensor):
     return output_tensor, denominator_share.to(torch.int), {"lm loss": report}
 
 
+def bdlm_batch(batch, mask_token_id: Optional[int]):
+    """(clean sequence, supervised-token mask) from Megatron-LM's GPT batch.
+
+    Megatron's `loss_mask` is defined on `labels` (text[1:], the next-token targets): it is 0 at EOD
+    tokens under --eod-mask-loss, at padding, and wherever the dataset says so. A BDLM's targets are
+    the tokens of the sequence itself, so the plugin diffuses `labels`: `loss_mask` then applies
+    position by position, and consecutive samples (text[kL : (k+1)L + 1]) tile the corpus without
+    overlap. Unsupervised positions stay clean context and are never noised. A label equal to the
+    mask id (only possible with --allow-mask-token-in-vocab) is not a target either: the mask
+    token's logit is excluded from the softmax, so its cross entropy would be infinite. The BD3-LM
+    denominator is the number of supervised tokens in the global batch."""
+    clean = batch["labels"]
+    supervised = batch["loss_mask"].to(torch.float32)
+    if mask_token_id is not None:
+        supervised = supervised * (clean != mask_token_id)
+    return clean, supervised
+
+
 def forward_step(data_iterator, model):
     """Megatron-LM forward step: whole samples on every rank of the sequence group."""
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
     from megatron.training.utils import get_batch_on_this_tp_rank
 
-    args = get_args()
-    if torch.cuda.is_available():
-        batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
-    else:  # CPU checks (its TP broadcast moves batches with .cuda()); TP = 1 there
-        batch = next(data_iterator)
-    tokens = batch["tokens"]
-    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
-    sample_index = _COUNTER.indices(args, tokens.shape[0])
-    # Sum of w * CE over this rank's own targets (denominator 1); Megatron divides the gradients by
-    # the token count summed over DP x CP x BP: count each sample's supervised tokens once.
     from megatron_csbp.training.model import TrainableBDLM
+
+    args = get_args()
+    batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
     inner = model
     while not isinstance(inner, TrainableBDLM):
         inner = inner.module
+    tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id)
+    sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training)
+    # Sum of w * CE over this rank's own targets (denominator 1); Megatron divides the gradients by
+    # the token count summed over DP x CP x BP: count each sample's supervised tokens once.
     share = inner.bdlm.objective.denominator(loss_mask)
     if mpu.get_context_parallel_rank() != 0:
         share = torch.zeros_like(share)
     out = model(tokens, loss_mask, sample_index, torch.ones((), device=tokens.device))
     return out.loss, partial(loss_func, out, share.to(tokens.device))
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Megatron-LM's `initialize_megatron` runs `make` in megatron/core/datasets to build the C++
+    index helpers. The megatron-core wheel ships them prebuilt (`helpers_cpp`) and has no Makefile,
+    so with Megatron-LM's training package on top of the wheel that `make` fails. When the prebuilt
+    module imports, compiling is skipped; a source checkout of megatron/core is left as it was."""
+    import importlib.util
+    import os
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    here = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+    if os.path.exists(os.path.join(here, "Makefile")) or importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return False
+    dataset_utils.compile_helpers = lambda: None
+    return True
+
+
+def install() -> None:
+    """Everything a Megatron-LM script needs before `pretrain()` (after importing megatron.training):
+    the CPU shim (a no-op with CUDA), the initialisation and validation hooks, and the wheel's
+    prebuilt dataset helpers."""
+    from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
+
+    install_megatron_lm_cpu_compat()
+    install_initialize_hook()
+    install_validation_hook()
+    use_prebuilt_dataset_helpers()
 
 
 def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
@@ -237,9 +409,7 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     import pretrain_gpt  # Megatron-LM's script: its dataset provider
 
     sys.argv = [sys.argv[0]] + rewrite_argv(sys.argv[1:] if argv is None else argv)
-    from megatron_csbp.compat.cpu import install_cpu_compat
-    install_cpu_compat()
-    install_initialize_hook()
+    install()
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, extra_args_provider=extra_args_provider,

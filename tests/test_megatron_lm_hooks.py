@@ -1,8 +1,8 @@
 """Megatron-LM hooks. The argv rewrite is tested always; the checks against a real Megatron-LM
 checkout (its parse_args/validate_args with our extra_args_provider, its initialize call through
 our hook, our model provider and forward step on gloo) run when MEGATRON_LM_PATH points at one
-(checked with tag core_v0.16.1; Megatron-LM's training package imports triton: add a triton
-install to MEGATRON_LM_EXTRA_PATH when it is not installed)."""
+(checked with tag core_v0.16.1; Megatron-LM's training package imports triton, in
+requirements/cpu.txt). The end-to-end pretrain() runs are in tests/test_megatron_lm_pretrain.py."""
 import os
 import sys
 
@@ -43,8 +43,8 @@ def _with_megatron_lm():
 
 def _hook_rank(rank, world_size):
     _with_megatron_lm()
-    from megatron_csbp.compat.cpu import install_cpu_compat
-    install_cpu_compat()
+    from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
+    install_megatron_lm_cpu_compat()
     from megatron.core import parallel_state as mpu
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_args
@@ -52,8 +52,7 @@ def _hook_rank(rank, world_size):
     from megatron_csbp import megatron_lm
     from megatron_csbp import parallel_state as bps
 
-    import megatron.training.arguments as mlm_arguments
-    mlm_arguments.get_device_arch_version = lambda: 10  # validate_args reads the GPU architecture
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's rule for CP > 1 (no GPU architecture on CPU)
     sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(ARGV)
     args = parse_args(megatron_lm.extra_args_provider)
     validate_args(args, {})
@@ -69,9 +68,15 @@ def _hook_rank(rank, world_size):
     from megatron.core import tensor_parallel
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = megatron_lm.model_provider()
-    tokens = torch.randint(6, 60, (1, 32), generator=torch.Generator().manual_seed(3))  # not the mask id 5
+    g = torch.Generator().manual_seed(3)
+    text = torch.randint(6, 60, (1, 33), generator=g)
+    labels = text[:, 1:].clone()
+    labels[0, [3, 20]] = 5  # the mask id (--allow-mask-token-in-vocab data): never a target
+    loss_mask = torch.ones(1, 32)
+    loss_mask[0, [7, 8, 20]] = 0  # e.g. --eod-mask-loss or padding
+    batch = dict(tokens=text[:, :-1], labels=labels, loss_mask=loss_mask, position_ids=torch.arange(32)[None])
     args.consumed_train_samples = 0
-    loss, lf = megatron_lm.forward_step(iter([{"tokens": tokens}]), model)
+    loss, lf = megatron_lm.forward_step(iter([batch]), model)
     out, num_tokens, report = lf(loss)
     out.backward()
     grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
@@ -86,7 +91,71 @@ def test_real_megatron_lm_args_initialize_model_forward():
     for r in res:
         assert r["dp"] == 1 and r["seq"] == 2 and r["bp"] == 2 and r["kind"] == "bp"
         assert r["grads"] > 0
-    # The supervised-token count is counted once per sample over the sequence group.
-    assert sum(r["num_tokens"] for r in res) == 32
+    # The supervised-token count (loss_mask, less labels equal to the mask id) is counted once per
+    # sample over the sequence group: 32 - 3 masked by loss_mask - 1 more label equal to the mask id.
+    assert sum(r["num_tokens"] for r in res) == 28
     total = sum(r["report"][0] for r in res) / sum(r["report"][1] for r in res)
     assert torch.isfinite(total) and total > 0
+
+
+def _without(argv, flag):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+def _validation_rank(rank, world_size):
+    _with_megatron_lm()
+    from megatron.training import initialize
+    from megatron.training.arguments import parse_args
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron_csbp import megatron_lm
+
+    megatron_lm.install_validation_hook()
+    base = _without(_without(ARGV, "--block-parallel-size"), "--mask-token-id")
+
+    def parsed(extra):
+        sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(base + extra)
+        return parse_args(megatron_lm.extra_args_provider)
+
+    refusals = {}
+    # Megatron-LM's defaults (learned_absolute, dropout 0.1) and flags the plugin cannot honour.
+    for drop, add in [("rope", []), ("--attention-dropout", []), ("--hidden-dropout", []),
+                      (None, ["--reset-attention-mask"]), (None, ["--reset-position-ids"])]:
+        argv = list(base)
+        if drop:
+            argv = _without(argv, "--position-embedding-type" if drop == "rope" else drop)
+        sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(argv + add)
+        args = parse_args(megatron_lm.extra_args_provider)
+        try:
+            initialize.validate_args(args, {})  # Megatron-LM's validate_args, then the plugin's checks
+        except ValueError as e:
+            refusals[drop or add[0]] = str(e)
+    masks = {}
+    for name, extra in [("default", []), ("in_vocab", ["--mask-token-id", "5"]),
+                        ("allowed", ["--mask-token-id", "5", "--allow-mask-token-in-vocab"]),
+                        ("outside", ["--mask-token-id", "128"]), ("padding", ["--mask-token-id", "100"]),
+                        ("no_room", ["--make-vocab-size-divisible-by", "65"])]:
+        args = parsed(extra)
+        tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size (Megatron pads to 128 here)
+        try:
+            masks[name] = megatron_lm.resolve_mask_token_id(args, tokenizer)
+        except ValueError as e:
+            masks[name] = str(e)
+    return refusals, masks
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+def test_unsupported_flags_and_mask_id_refused_at_validation():
+    refusals, masks = run_distributed(_validation_rank, 1)[0]
+    assert "--position-embedding-type learned_absolute is not supported" in refusals["rope"]
+    assert "--attention-dropout 0.1 is not supported" in refusals["--attention-dropout"]
+    assert "--hidden-dropout 0.1 is not supported" in refusals["--hidden-dropout"]
+    assert "--reset-attention-mask True" in refusals["--reset-attention-mask"]
+    assert "--reset-position-ids True" in refusals["--reset-position-ids"]
+    # NullTokenizer(64) produces ids 0..64 (64 = EOD); Megatron pads the vocabulary to 128.
+    assert masks["default"] == 65
+    assert "--mask-token-id 5 is an id the tokenizer can produce" in masks["in_vocab"]
+    assert "--allow-mask-token-in-vocab" in masks["in_vocab"]
+    assert masks["allowed"] == 5 and masks["padding"] == 100
+    assert "--mask-token-id 128 is outside the padded vocabulary [0, 128)" in masks["outside"]
+    assert "no id past the tokenizer's 65" in masks["no_room"]

@@ -17,7 +17,8 @@ argv so Megatron sees --context-parallel-size max(CP, BP) (see megatron_csbp/meg
 import os
 import sys
 
-sys.path.insert(0, os.getcwd())  # the Megatron-LM checkout (pretrain_gpt.py, megatron.training)
+# The Megatron-LM checkout (pretrain_gpt.py, megatron.training): MEGATRON_LM_PATH, else the current directory.
+sys.path.insert(0, os.environ.get("MEGATRON_LM_PATH") or os.getcwd())
 
 from megatron_csbp.megatron_lm import pretrain_bdlm  # noqa: E402
 

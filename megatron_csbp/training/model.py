@@ -213,6 +213,13 @@ class TrainableBDLM(MegatronModule):
     def gpt(self) -> GPTModel:
         return self.bdlm.gpt
 
+    @property
+    def module(self) -> GPTModel:
+        """The wrapped GPTModel, as DDP/Float16Module expose theirs: Megatron's
+        `get_attr_wrapped_model` (e.g. Megatron-LM's `train()` asking for `pg_collection`) walks
+        `.module` until it finds the attribute. A property, so no second state-dict entry."""
+        return self.bdlm.gpt
+
     def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None):
         return self.bdlm(tokens, loss_mask, sample_index, denominator)
 

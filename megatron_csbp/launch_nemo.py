@@ -1,0 +1,122 @@
+"""Recipes as NeMo-Run tasks (PyPI `nemo-run`, which imports with `leptonai<0.27`).
+
+A YAML recipe (examples/recipes/*.yaml, read by `megatron_csbp.launch`) stays the data; NeMo-Run
+runs it. Each recipe is
+
+- `recipe_script(recipe)`: a `run.Script` (`python -m megatron_csbp.train <the recipe's flags>`),
+- `recipe_partial(recipe)`: a `run.Partial` of `megatron_csbp.training.loop.main(argv=<flags>)`,
+
+and either runs with
+
+- `local_executor(recipe, nproc)`: `run.LocalExecutor(launcher="torchrun")` on this machine, or
+- `slurm_executor(recipe, nnodes, nproc, job_dir)`: `run.SlurmExecutor` (torchrun per node, one
+  task per node, `gpus_per_node = nproc`), whose sbatch script `slurm_script(...)` returns from a
+  NeMo-Run dry run (nothing is submitted).
+
+`python -m megatron_csbp.launch RECIPE` runs recipes through these (its options unchanged).
+
+    import nemo_run as run
+    from megatron_csbp.launch import load_recipe
+    from megatron_csbp.launch_nemo import local_executor, recipe_script
+    r = load_recipe("examples/recipes/cpu_demo.yaml")
+    run.run(recipe_script(r), executor=local_executor(r, 2), name=r["name"])
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, Optional
+
+from megatron_csbp.launch import RecipeError, recipe_flags
+
+
+def _run():
+    try:
+        import nemo_run as run
+    except ImportError as e:  # pragma: no cover - requirements/cpu.txt installs it
+        raise RecipeError("launching recipes needs NeMo-Run: pip install nemo-run 'leptonai<0.27' "
+                          "(requirements/cpu.txt)") from e
+    return run
+
+
+def recipe_env(recipe: Dict) -> Dict[str, str]:
+    return {str(k): str(v) for k, v in (recipe["launch"].get("env") or {}).items()}
+
+
+def recipe_script(recipe: Dict, python: str = sys.executable):
+    """`python -m megatron_csbp.train FLAGS` as a NeMo-Run Script (torchrun wraps it per executor)."""
+    return _run().Script(path="megatron_csbp.train", args=recipe_flags(recipe), entrypoint=python, m=True,
+                         env=recipe_env(recipe))
+
+
+def recipe_partial(recipe: Dict):
+    """`megatron_csbp.training.loop.main(argv=FLAGS)` as a NeMo-Run Partial."""
+    from megatron_csbp.training.loop import main
+
+    return _run().Partial(main, argv=recipe_flags(recipe))
+
+
+def local_executor(recipe: Dict, nproc: int):
+    env = recipe_env(recipe)
+    # Spawned ranks import this checkout first, as `python -m megatron_csbp.launch` itself does.
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return _run().LocalExecutor(ntasks_per_node=nproc, nodes=1, launcher="torchrun", env_vars=env)
+
+
+def slurm_executor(recipe: Dict, nnodes: int, nproc: int, job_dir: str):
+    """SLURM through NeMo-Run: `launch.slurm` keys map to SlurmExecutor fields (`job_name`,
+    `partition`, `account`, `time`, `cpus_per_task`, `container_image`, `container_mounts`,
+    `exclusive` (default true), `extra_sbatch` ("--key=value" lines), `setup` (shell lines));
+    `output` is NeMo-Run's own (the job directory's sbatch_*.out and log-*.out)."""
+    run = _run()
+    sl = dict(recipe["launch"].get("slurm") or {})
+    extra = {}
+    for line in sl.get("extra_sbatch") or []:
+        key, _, value = str(line).lstrip("-").partition("=")
+        extra[key.replace("-", "_")] = value or None
+    mounts = sl.get("container_mounts")
+    if isinstance(mounts, str):
+        mounts = [m for m in mounts.split(",") if m]
+    env = recipe_env(recipe)
+    env.setdefault("MASTER_PORT", str(recipe["launch"].get("master_port") or 29500))
+    return run.SlurmExecutor(
+        account=sl.get("account") or "", partition=sl.get("partition"), time=sl.get("time") or "",
+        nodes=nnodes, ntasks_per_node=nproc, gpus_per_node=nproc, cpus_per_task=sl.get("cpus_per_task"),
+        exclusive=sl.get("exclusive", True), container_image=sl.get("container_image"),
+        container_mounts=list(mounts or []), additional_parameters=extra, setup_lines="\n".join(sl.get("setup") or []),
+        env_vars=env, job_name_prefix="", launcher="torchrun",
+        packager=run.Packager(),  # the cluster has megatron_csbp installed (or in the container)
+        tunnel=run.LocalTunnel(job_dir=job_dir))
+
+
+def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
+    """The sbatch script NeMo-Run's SlurmExecutor would submit (a dry run: nothing is submitted)."""
+    run = _run()
+    job_dir = os.path.abspath(job_dir or os.path.join(os.getcwd(), "nemo_run_jobs"))
+    executor = slurm_executor(recipe, nnodes, nproc, job_dir)
+    # NeMo-Run's LocalTunnel runs its shell commands through invoke, which mirrors stdin: a dry run
+    # reads nothing, so give it an empty one (a closed or captured stdin would make it fail).
+    stdin = sys.stdin
+    with open(os.devnull) as devnull:
+        sys.stdin = devnull
+        try:
+            with run.Experiment(recipe["name"], executor=executor, log_level="ERROR") as exp:
+                sl = recipe["launch"].get("slurm") or {}
+                exp.add(recipe_script(recipe, python="python"), name=sl.get("job_name") or recipe["name"])
+                exp.dryrun(log=False)
+                return exp.jobs[0]._dryrun_info.request.materialize()
+        finally:
+            sys.stdin = stdin
+
+
+def run_local(recipe: Dict, nproc: int) -> int:
+    """Run the recipe on this machine with NeMo-Run's LocalExecutor (torchrun); 0 on success."""
+    run = _run()
+    with run.Experiment(recipe["name"], executor=local_executor(recipe, nproc), log_level="WARN") as exp:
+        exp.add(recipe_script(recipe), name=recipe["name"], tail_logs=True)
+        exp.run(detach=False)
+    # Leaving the experiment waits for its jobs; their states are final then.
+    states = [str(job.state) for job in exp.jobs]
+    print(f"NeMo-Run: {recipe['name']} {', '.join(states)}", flush=True)
+    return 0 if states and all(s.endswith("SUCCEEDED") for s in states) else 1

@@ -1,0 +1,104 @@
+"""Megatron-LM's own `pretrain()` (tag core_v0.16.1) trains a BDLM through the plugin
+(examples/megatron_lm/pretrain_bdlm.py) on CPU gloo ranks launched with torchrun.
+
+Runs when MEGATRON_LM_PATH names a Megatron-LM checkout (.ci/run sets it to the cache directory of
+docs/megatron-lm.md when that holds one). The default test launches three runs:
+  A. 1 rank, 3 iterations, no evaluation, a torch_dist checkpoint at iteration 2;
+  B. CSBP (CP 2 + BP 2: Megatron sees --context-parallel-size 2, i.e. 2 ranks), 3 iterations, an
+     evaluation after iteration 2;
+  C. 1 rank, --load A's iteration-2 checkpoint, iteration 3.
+B's losses equal A's (Megatron's 6-digit log lines exactly; TensorBoard's fp32 values to 1e-5, the
+tolerance of tests/test_train_layouts.py: fp32 sums in another order on 2 ranks, ~1e-7 relative
+per operation over a 2-layer model), so neither the layout nor the evaluation moves the training
+loss. C's iteration 3 equals A's bit for bit (TensorBoard float32). The other combinations
+(1 rank with evaluation, CSBP without, CSBP resume) are -m slow."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLM = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(not (MLM and os.path.exists(os.path.join(MLM, "pretrain_gpt.py"))),
+                                reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1); see "
+                                       "docs/megatron-lm.md")
+
+# The Megatron-LM flags of a tiny CPU run (docs/megatron-lm.md lists why each CPU flag is needed).
+ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 1 --global-batch-size 2 --block-size 8 --vocab-size 64 --tokenizer-type NullTokenizer "
+        "--mock-data --attention-dropout 0 --hidden-dropout 0 --position-embedding-type rope "
+        "--normalization RMSNorm --disable-bias-linear --lr 1e-3 --train-iters 3 --log-interval 1 "
+        "--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
+        "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
+        "--no-bias-dropout-fusion --no-rope-fusion").split()
+CSBP = ["--context-parallel-size", "2", "--block-parallel-size", "2"]
+NO_EVAL = ["--eval-iters", "0", "--eval-interval", "1000"]
+EVAL_AT_2 = ["--eval-iters", "1", "--eval-interval", "2"]
+LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+
+
+def pretrain(tmp_path, name, nproc, extra, port):
+    tb = tmp_path / f"tb_{name}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, MLM, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", MEGATRON_LM_PATH=MLM)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           os.path.join(ROOT, "examples", "megatron_lm", "pretrain_bdlm.py"), *ARGV, "--tensorboard-dir", str(tb),
+           *extra]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    (tmp_path / f"{name}.log").write_text(out)
+    assert proc.returncode == 0, out[-6000:]
+    lines = {int(i): (loss, gn) for i, loss, gn in LOG.findall(out)}
+    return dict(log=lines, out=out, tb=_scalars(tb))
+
+
+def _scalars(tb):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
+
+
+def _same_losses(a, b):
+    assert sorted(a["log"]) == sorted(b["log"]) == [1, 2, 3]
+    assert a["log"] == b["log"]  # Megatron-LM's own log lines, digit for digit
+    for i in (1, 2, 3):
+        assert b["tb"]["lm loss"][i] == pytest.approx(a["tb"]["lm loss"][i], rel=1e-5, abs=0)
+    for r in (a, b):
+        assert all(v == v and abs(v) != float("inf") for v in r["tb"]["lm loss"].values())
+
+
+def test_pretrain_one_rank_vs_csbp_with_eval_and_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL + ["--save", str(ckpt), "--save-interval", "2"], 29631)
+    assert "> block diffusion: --objective bd3lm, mask token id 65" in a["out"]  # NullTokenizer: 64 + EOD
+    assert (ckpt / "iter_0000002").is_dir()
+    b = pretrain(tmp_path, "csbp_eval", 2, CSBP + EVAL_AT_2, 29632)
+    assert re.search(r"validation loss at iteration 2 \| lm loss value: \S+", b["out"])
+    assert 2 in b["tb"]["lm loss validation"]
+    _same_losses(a, b)
+    c = pretrain(tmp_path, "resume", 1, NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"], 29633)
+    assert "successfully loaded checkpoint" in c["out"] and sorted(c["log"]) == [3]
+    assert c["tb"]["lm loss"][3] == a["tb"]["lm loss"][3]  # bit for bit (float32)
+    assert c["tb"]["grad-norm"][3] == a["tb"]["grad-norm"][3]
+
+
+@pytest.mark.slow
+def test_pretrain_evaluation_never_moves_training_losses(tmp_path):
+    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL, 29641)
+    b = pretrain(tmp_path, "one_rank_eval", 1, ["--eval-iters", "1", "--eval-interval", "1"], 29642)
+    assert b["tb"]["lm loss"] == a["tb"]["lm loss"]  # bit for bit: evaluation after every iteration
+    c = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL, 29643)
+    _same_losses(a, c)
+
+
+@pytest.mark.slow
+def test_pretrain_csbp_resume_bit_for_bit(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    a = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL + ["--save", str(ckpt), "--save-interval", "2"], 29651)
+    c = pretrain(tmp_path, "csbp_resume", 2, CSBP + NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"], 29652)
+    assert c["tb"]["lm loss"][3] == a["tb"]["lm loss"][3]
+    assert c["tb"]["grad-norm"][3] == a["tb"]["grad-norm"][3]
