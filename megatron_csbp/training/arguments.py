@@ -34,7 +34,8 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
     g.add_argument("--self-conditioning-prob", type=float, default=0.5,
                    help="diffusiongemma-sft: probability that a sample gets the self-conditioning pass")
     g.add_argument("--mask-token-id", type=int, default=None,
-                   help="absorbing mask token (default: the tokenizer's <mask>)")
+                   help="absorbing mask token, any id in [0, vocab) (default: the tokenizer's <mask>); data tokens "
+                        "equal to it are never targets")
     g.add_argument("--mask-token", type=str, default=None,
                    help="mask token as a string of the converted checkpoint's tokenizer (--load DIR/hf_assets/"
                         "tokenizer.json), e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id")
