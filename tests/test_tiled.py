@@ -188,3 +188,17 @@ def test_auto_kernel_is_tiled_on_cpu_and_matches_dense_reference(L, B, variant, 
     go = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for a, r in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
         torch.testing.assert_close(a, r, atol=1e-12, rtol=0)
+
+
+def test_plan_keeps_row_vectors_not_dense_masks():
+    # After a forward and backward, what the plan caches (masks, tile tables, schedules) is linear
+    # in the rows: at most 64 bytes a row, where one dense mask alone would be rows x keys bytes.
+    L, B = 2048, 64
+    plan = plan_for_layout(SequenceLayout(BlockGeometry(L, B)), 0)
+    q, k, v = _inputs(2 * L, 2 * L, 1, 2, 1, 8, torch.float32, seed=5)
+    block_diffusion_attention(q, k, v, plan, softmax_scale=0.3, kernel=tiled_partial_attention).sum().backward()
+    rows = len(plan.local)
+    masks = [v[0] if isinstance(v, tuple) else v for v in plan._cache.values()]
+    masks = [m for m in masks if isinstance(m, PartialMask)]
+    assert masks and all(m._derived for m in masks)  # the kernel's tables live on the masks
+    assert 0 < plan.nbytes() <= 64 * rows < rows * L // 8

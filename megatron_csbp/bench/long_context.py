@@ -356,14 +356,25 @@ def plot(result: Dict, path: str) -> None:
         xs = [r["seq_length"] for r in rs]
         style = "-o" if kernel == "tiled" else "--x"
         axes[0].plot(xs, [r["peak_tensor_bytes"] / 2**30 for r in rs], style, label=f"{kernel} {case}")
-        axes[1].plot(xs, [r["attention_s"] / max(1, r["allowed_pairs"]) * 1e9 for r in rs], style,
-                     label=f"{kernel} {case}")
+        if not result.get("attention_scaling"):
+            axes[1].plot(xs, [r["attention_s"] / max(1, r["allowed_pairs"]) * 1e9 for r in rs], style,
+                         label=f"{kernel} {case}")
+    title = "Attention wall time / allowed pairs"
+    for kernel in sorted({r["kernel"] for r in result.get("attention_scaling") or []}):
+        rs = [r for r in result["attention_scaling"] if r["kernel"] == kernel]
+        style = "-o" if kernel == "tiled" else "--x"
+        axes[1].plot([r["seq_length"] for r in rs], [r["attention_cpu_s"] / r["allowed_pairs"] * 1e9 for r in rs],
+                     style, label=f"{kernel}, per allowed pair")
+        axes[1].plot([r["seq_length"] for r in rs],
+                     [r["attention_cpu_s"] / r["kernel_rectangle_pairs"] * 1e9 for r in rs], style, alpha=0.4,
+                     label=f"{kernel}, per rectangle pair")
+        title = "One layer's attention (single rank, CPU time)"
     axes[0].set(xscale="log", xlabel="L (tokens)", ylabel="tensor peak per rank (GiB)", title="Peak memory per rank")
-    axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per allowed pair",
-                title="Attention time / allowed pairs")
+    axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per pair", title=title)
     for ax in axes:
         ax.set_xticks(sorted({r["seq_length"] for r in rows}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()

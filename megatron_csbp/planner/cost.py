@@ -312,9 +312,10 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 kv_held = w.kv_rows_gathered * kv_row
             scores = 0
             if hw.attention_kernel == "dense_partials":
-                # the math kernel keeps fp32 scores, probabilities and the masked copy of every
-                # partial's rectangle for backward (3 x 4 bytes per computed pair and head)
-                scores = 12 * w.dense_pairs * max(1, layer.num_heads // tp)
+                # the math kernel keeps fp32 scores, their masked copy, the probabilities and
+                # their zeroed copy of every partial's rectangle for backward (4 x 4 bytes per
+                # computed pair and head), and the partial's dense bool mask (1 byte per pair)
+                scores = (16 * max(1, layer.num_heads // tp) + 1) * w.dense_pairs
             elif hw.attention_kernel == "tiled":
                 scores = partials_in_flight_bytes(w, layer, tp, s, lay, ring)
             per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores)
@@ -322,14 +323,12 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             act = rows * h * s / tp * model.num_layers + max(per_layer)
         else:
             act = sum(per_layer)
-        if hw.attention_kernel == "dense_partials":
-            act += sum(work[w][r].dense_pairs for w in windows)  # boolean masks cached by the plan
-        else:
-            act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)  # row vectors + tile tables
-            if hw.attention_kernel == "tiled":
-                # the backward's working set is live only once the loss and logits are freed
-                transient = max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
-                                for layer in model.layers)
+        # masks the plan keeps: row vectors and tile tables, for every kernel (none is dense)
+        act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)
+        if hw.attention_kernel == "tiled":
+            # the backward's working set is live only once the loss and logits are freed
+            transient = max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                            for layer in model.layers)
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))
