@@ -80,3 +80,45 @@ def per_block_oracle(layer, x, rows, block_size):
         seq = torch.cat([x[clean_idx[: j * block_size]], x[idx]], 0)
         out = out.index_copy(0, idx, reference_gdn(layer, seq)[j * block_size:])
     return out
+
+
+def build_hybrid_gpt(pattern=(1, 0, 1), vocab=64, seq_length=32, tp=1, sequence_parallel=False, seed=1234,
+                     recompute=False):
+    """A megatron-core GPTModel whose layers follow `pattern` (1: Gated DeltaNet, 0: block-aware
+    attention), with every GDN parameter drawn (see `randomize_gdn`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.model.hybrid import hybrid_block_spec
+
+    install_cpu_compat()  # Megatron's named RNG states name CUDA
+    extra = {}
+    if recompute:
+        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = gdn_config(num_layers=len(pattern), tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                        **extra)
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    gpt = GPTModel(config, hybrid_block_spec(list(pattern)), vocab_size=vocab, max_sequence_length=seq_length,
+                   position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    for i, layer in enumerate(gpt.decoder.layers):
+        if pattern[i]:
+            randomize_gdn(layer.self_attention, seed + i)
+    return gpt
+
+
+def gdn_tp_slice(name, full, param, tp_rank, tp, layer):
+    """The TP shard of a full (TP = 1) parameter as megatron's GatedDeltaNet holds it: in_proj rows
+    are [q, k, v, z, beta, alpha] per rank, conv1d channels [q, k, v] per rank."""
+    if full.shape == param.shape:
+        return full
+    if name.endswith("in_proj.weight") or name.endswith("conv1d.weight") or name.endswith("conv1d.bias"):
+        sizes = [layer.qk_dim, layer.qk_dim, layer.v_dim]
+        if "in_proj" in name:
+            sizes += [layer.v_dim, layer.num_value_heads, layer.num_value_heads]
+        parts = torch.split(full, sizes, dim=0)
+        return torch.cat([p.chunk(tp, dim=0)[tp_rank] for p in parts], dim=0)
+    dim = getattr(param, "partition_dim", 0)
+    size = param.shape[dim]
+    return full.narrow(dim, tp_rank * size, size)
