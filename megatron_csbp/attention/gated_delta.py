@@ -174,7 +174,11 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
     local_boundary = []
     for dest, blocks in enumerate(member_blocks):
         for b in blocks:
-            src = ring_index if b == 0 else holder(b * B - 1)
+            if b == 0:  # starts from the zero state: nothing to send
+                if dest == ring_index:
+                    local_boundary.append(b)
+                continue
+            src = holder(b * B - 1)
             if dest == ring_index and src == ring_index:
                 local_boundary.append(b)
             elif src == ring_index:
@@ -298,11 +302,16 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         b, S, _ = mixed.shape
         dtype = torch.float64 if mixed.dtype == torch.float64 else torch.float32
         core = mixed.new_zeros(b, S, self.num_value_heads // tp, self.value_head_dim, dtype=dtype)
-        clean_out, boundaries = self._clean_stream(mixed, beta_raw, alpha, routes, plan, dtype)
+        # Collectives of the layer, in order; each one's input is tied to the previous ones' outputs so
+        # that backward runs them in reverse order on every rank, whatever rows a rank holds.
+        ties = []
+        clean_out, boundaries = self._clean_stream(mixed, beta_raw, alpha, routes, plan, dtype, ties)
         if clean_out is not None:
             core = core.index_copy(1, routes.clean_rows.to(core.device), clean_out)
+        # every ring member joins the boundary exchange, also one without noisy rows (CP baseline)
+        received = self._route_boundaries(routes, plan, boundaries, b, mixed.shape[2], mixed, dtype, ties)
         if len(routes.noisy_blocks):
-            noisy_out = self._noisy_blocks(mixed, beta_raw, alpha, routes, plan, boundaries, dtype)
+            noisy_out = self._noisy_blocks(mixed, beta_raw, alpha, routes, boundaries, received, dtype)
             core = core.index_copy(1, routes.noisy_rows.flatten().to(core.device), noisy_out)
         out = self._gated_norm(core.to(mixed.dtype), gate)  # [b*rows, d_v]
         out = out.reshape(b, S, -1).transpose(0, 1)
@@ -321,7 +330,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         return (y * self.act_fn(gate.to(compute))).to(dtype)
 
     # -- clean stream ---------------------------------------------------------------------------------
-    def _clean_stream(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, dtype):
+    def _clean_stream(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, dtype, ties):
         """Outputs of the clean rows ([b, clean, Hv, d_v] in position order) and the boundary payload
         of every block start this rank holds: {block: (state [b, H, d_k, d_v], halo [b, K-1, conv])}."""
         K, B = self.conv_kernel_dim, plan.geometry.block_size
@@ -333,7 +342,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         cbeta, calpha = beta_raw.index_select(1, idx), alpha.index_select(1, idx)
         lengths = [e - s for s, e in routes.segments]
         pieces = list(torch.split(clean, lengths, dim=1))
-        halos = self._halos(pieces, routes, plan)
+        halos = self._halos(pieces, routes, plan, ties)
         H = self.num_value_heads // self.tp_size
         dk, dv = self.key_head_dim, self.value_head_dim
         feats = []
@@ -342,7 +351,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             conv = self._conv(torch.cat([halo, piece], dim=1))
             feats.append(self._features(conv, cbeta[:, off:off + e - s], calpha[:, off:off + e - s], dtype))
             off += e - s
-        starts = self._segment_start_states(feats, routes, plan, b, H, dk, dv, dtype, mixed.device)
+        starts = self._segment_start_states(feats, routes, plan, b, H, dk, dv, dtype, mixed.device, ties)
         outs, boundaries = [], {}
         for (s, e), (q, k, v, g, beta), state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
             ext = torch.cat([halo, piece], dim=1)  # pre-conv rows s-K+1 .. e-1
@@ -356,7 +365,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         out = torch.cat(outs, dim=2).transpose(1, 2)  # [b, clean, H, dv]
         return out, boundaries
 
-    def _halos(self, pieces, routes: GDNRoutes, plan):
+    def _halos(self, pieces, routes: GDNRoutes, plan, ties):
         """The K-1 pre-conv rows before each local segment ([b, K-1, conv]; zeros before position 0)."""
         K = self.conv_kernel_dim
         b, conv = pieces[0].shape[0], pieces[0].shape[2]
@@ -368,7 +377,8 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         tails = [p[:, p.shape[1] - (K - 1):] for p in pieces]
         tails += [zero] * (routes.max_segments - len(tails))
         local = torch.stack(tails, dim=0)  # [m, b, K-1, conv]
-        gathered = PendingGather(local, plan.group, self.layer_number).result()
+        gathered = PendingGather(_tied(local, ties), plan.group, self.layer_number).result()
+        ties.append(gathered)
         lookup = {}
         for i, segs in enumerate(routes.member_segments):
             for j, (s, e) in enumerate(segs):
@@ -378,7 +388,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             out.append(zero if s == 0 else lookup[s])
         return out
 
-    def _segment_start_states(self, feats, routes: GDNRoutes, plan, b, H, dk, dv, dtype, device):
+    def _segment_start_states(self, feats, routes: GDNRoutes, plan, b, H, dk, dv, dtype, device, ties):
         zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=device)
         if routes.ring == 1:
             if routes.segments[0][0] != 0 or len(routes.segments) != 1:
@@ -396,7 +406,8 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
                 _, state = chunk_rule(q[:, :, sl], k[:, :, sl], vv[:, :, sl], g[:, :, sl], beta[:, :, sl], state)
             maps.append(state)  # [b, H, dk, dk + dv] = [M | N]
         maps += [torch.zeros_like(maps[0])] * (routes.max_segments - len(maps))
-        gathered = PendingGather(torch.stack(maps, 0), plan.group, self.layer_number).result()
+        gathered = PendingGather(_tied(torch.stack(maps, 0), ties), plan.group, self.layer_number).result()
+        ties.append(gathered)
         by_start = {}
         for i, segs in enumerate(routes.member_segments):
             for j, (s, e) in enumerate(segs):
@@ -410,12 +421,11 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         return [starts[s] for s, _ in routes.segments]
 
     # -- noisy blocks --------------------------------------------------------------------------------------
-    def _noisy_blocks(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, boundaries, dtype):
+    def _noisy_blocks(self, mixed, beta_raw, alpha, routes: GDNRoutes, boundaries, received, dtype):
         K = self.conv_kernel_dim
         b, _, conv = mixed.shape
         H = self.num_value_heads // self.tp_size
         dk, dv = self.key_head_dim, self.value_head_dim
-        received = self._route_boundaries(routes, plan, boundaries, b, H, dk, dv, conv, mixed, dtype)
         states, halos = [], []
         for blk in routes.noisy_blocks:
             if blk == 0:
@@ -435,10 +445,12 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         o = o.reshape(nb, b, H, Bsz, dv).permute(1, 0, 3, 2, 4).reshape(b, nb * Bsz, H, dv)
         return o
 
-    def _route_boundaries(self, routes: GDNRoutes, plan, boundaries, b, H, dk, dv, conv, mixed, dtype):
+    def _route_boundaries(self, routes: GDNRoutes, plan, boundaries, b, conv, mixed, dtype, ties):
         """All-to-all of the boundary payloads over the ring -> {block: (state, halo)} received."""
         if routes.ring == 1 or not _ring_sends_anything(plan, routes):
             return {}
+        H = self.num_value_heads // self.tp_size
+        dk, dv = self.key_head_dim, self.value_head_dim
         K = self.conv_kernel_dim
         width = H * dk * dv + (K - 1) * conv
         order = [blk for dest in routes.send_blocks for blk in dest]
@@ -453,7 +465,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             send_index.append(torch.arange(start, start + len(dest)))
             start += len(dest)
         recv_counts = [len(r) for r in routes.recv_blocks]
-        got = PendingAllToAll(payload, send_index, recv_counts, plan.group, self.layer_number).result()
+        got = PendingAllToAll(_tied(payload, ties), send_index, recv_counts, plan.group, self.layer_number).result()
         out, row = {}, 0
         for src in routes.recv_blocks:
             for blk in src:
@@ -462,6 +474,14 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
                             flat[:, H * dk * dv:].reshape(b, K - 1, conv))
                 row += 1
         return out
+
+
+def _tied(local: torch.Tensor, ties: List[torch.Tensor]) -> torch.Tensor:
+    """`local` + 0 x (the earlier collectives' outputs): the same values, and a graph edge that
+    makes autograd finish this collective's backward before theirs on every rank."""
+    for t in ties:
+        local = local + 0.0 * t.sum().to(local.dtype)
+    return local
 
 
 def _ring_sends_anything(plan, routes: GDNRoutes) -> bool:
