@@ -113,6 +113,8 @@ def gdn_tp_slice(name, full, param, tp_rank, tp, layer):
     are [q, k, v, z, beta, alpha] per rank, conv1d channels [q, k, v] per rank."""
     if full.shape == param.shape:
         return full
+    if name.endswith("mlp.linear_fc1.weight"):  # SwiGLU: [gate_r ; up_r] per rank
+        return torch.cat([half.chunk(tp, dim=0)[tp_rank] for half in full.chunk(2, dim=0)], dim=0)
     if name.endswith("in_proj.weight") or name.endswith("conv1d.weight") or name.endswith("conv1d.bias"):
         sizes = [layer.qk_dim, layer.qk_dim, layer.v_dim]
         if "in_proj" in name:

@@ -123,15 +123,16 @@ def case(cp=1, bp=1, tp=1, schedule="mirrored", sp=False, recompute=False):
 
 
 WORLD_CASES = {
-    2: [case(cp=2), case(bp=2), case(cp=2, bp=2), case(cp=2, bp=2, schedule="contiguous"),
-        case(cp=2, bp=2, recompute=True)],
-    4: [case(cp=2, bp=4), case(cp=4), case(tp=2, cp=2, bp=2), case(tp=2, cp=2, bp=2, sp=True)],
+    "2": (2, [case(cp=2), case(bp=2), case(cp=2, bp=2)]),
+    "2-slow": (2, [case(cp=2, bp=2, schedule="contiguous"), case(cp=2, bp=2, recompute=True)]),
+    "4-slow": (4, [case(cp=2, bp=4), case(cp=4), case(tp=2, cp=2, bp=2), case(tp=2, cp=2, bp=2, sp=True)]),
 }
 
 
-@pytest.mark.parametrize("world", sorted(WORLD_CASES))
-def test_hybrid_loss_grads_and_state_bytes_match_single_rank(world):
-    cases = WORLD_CASES[world]
+@pytest.mark.parametrize("name", [pytest.param(k, marks=pytest.mark.slow) if k.endswith("slow") else k
+                                  for k in WORLD_CASES])
+def test_hybrid_loss_grads_and_state_bytes_match_single_rank(name):
+    world, cases = WORLD_CASES[name]
     results = run_distributed(_rank, world, cases)
     for i, c in enumerate(cases):
         for rank, per_rank in enumerate(results):
@@ -139,8 +140,11 @@ def test_hybrid_loss_grads_and_state_bytes_match_single_rank(world):
             # fp32, same ops in another grouping (chunk boundaries, affine state composition):
             # ~1e-7 per op over a few hundred ops; 1e-5 relative as for the attention-only model.
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), (c, rank, r["loss"], r["ref_loss"])
+            # Gradients: the same model; parameters like dt_bias sum a few thousand fp32 terms in
+            # another order (TP splits the heads, the transfer maps regroup the recurrence):
+            # measured worst 1.3e-5 (TP x CSBP), 1.8e-6 without TP; bound 5e-5.
             worst = max(r["errors"].items(), key=lambda kv: kv[1])
-            assert worst[1] <= 2e-5, (c, rank, worst)
+            assert worst[1] <= 5e-5, (c, rank, worst)
             # full-layer recompute replays the forward, collectives included
             want = r["want_sent"] * (2 if c["recompute"] else 1)
             assert all(s == want for s in r["gdn_sent"]), (c, rank, r["gdn_sent"], want)

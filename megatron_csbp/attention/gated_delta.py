@@ -232,6 +232,11 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         finally:
             _mc_gdn.HAVE_FLA, _mc_gdn.torch = saved
         self.layer_number = self.layer_number or 1
+        # out_norm sees only this TP rank's value heads: its weight gradient is a partial sum over
+        # TP, reduced in backward by `_gated_norm` itself (also under sequence parallelism, where the
+        # rows are already gathered), so it must not be reduced again as a sequence-parallel norm.
+        for p in self.out_norm.parameters():
+            p.sequence_parallel = False
 
     def reset_parameters(self):
         """megatron's initialisation (dt_bias = 1, A = U(A_init_range), conv uniform when conv_init),
@@ -313,6 +318,9 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         if len(routes.noisy_blocks):
             noisy_out = self._noisy_blocks(mixed, beta_raw, alpha, routes, boundaries, received, dtype)
             core = core.index_copy(1, routes.noisy_rows.flatten().to(core.device), noisy_out)
+        # A rank may receive no boundary (or need no halo): the collectives' outputs still reach
+        # the loss, so that every rank runs their backward (the other ranks wait for it).
+        core = _tied(core, ties)
         out = self._gated_norm(core.to(mixed.dtype), gate)  # [b*rows, d_v]
         out = out.reshape(b, S, -1).transpose(0, 1)
         if plan.physical_order is not None:
@@ -322,9 +330,14 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def _gated_norm(self, x, gate):
         """out_norm(x) * act(gate), the gate in at least fp32 (Megatron's `_apply_gated_norm`
         without its jit and its fp32 cast, so float64 stays float64)."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
         dtype = x.dtype
         x = x.reshape(-1, x.shape[-1])
-        y = self.out_norm(x)
+        weight = self.out_norm.weight
+        if self.tp_size > 1:  # identity forward; backward sums the weight gradient over TP
+            weight = copy_to_tensor_model_parallel_region(weight, group=self.pg_collection.tp)
+        y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps=self.config.layernorm_epsilon)
         gate = gate.reshape(-1, x.shape[-1])
         compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
         return (y * self.act_fn(gate.to(compute))).to(dtype)
@@ -466,6 +479,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             start += len(dest)
         recv_counts = [len(r) for r in routes.recv_blocks]
         got = PendingAllToAll(_tied(payload, ties), send_index, recv_counts, plan.group, self.layer_number).result()
+        ties.append(got)
         out, row = {}, 0
         for src in routes.recv_blocks:
             for blk in src:
