@@ -98,15 +98,6 @@ def _is_gdn_layer(shape: ModelShape, i: int) -> bool:
     return shape.gated_delta is not None and bool(shape.gated_delta["pattern"][i])
 
 
-def _norm_in(shape: ModelShape, w: torch.Tensor) -> torch.Tensor:
-    """Hugging Face norm weight -> Megatron's (1 + w when the HF norm scales by 1 + w)."""
-    return w + 1 if shape.zero_centered_norms else w
-
-
-def _norm_out(shape: ModelShape, w: torch.Tensor) -> torch.Tensor:
-    return w - 1 if shape.zero_centered_norms else w
-
-
 class _Source:
     """Hugging Face tensors, each to be consumed exactly once."""
 
@@ -137,8 +128,8 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, 
     for i in range(shape.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
-        out[m + "input_layernorm.weight"] = _norm_in(shape, src.take(h + "input_layernorm.weight"))
-        out[m + "pre_mlp_layernorm.weight"] = _norm_in(shape, src.take(h + "post_attention_layernorm.weight"))
+        out[m + "input_layernorm.weight"] = src.take(h + "input_layernorm.weight")
+        out[m + "pre_mlp_layernorm.weight"] = src.take(h + "post_attention_layernorm.weight")
         if _is_gdn_layer(shape, i):
             la = h + "linear_attn."
             out[m + "self_attention.in_proj.weight"] = torch.cat([src.take(f"{la}{n}.weight") for n in GDN_IN_PROJ])
@@ -154,8 +145,8 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, 
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 src.take(attn + "q_proj.bias"), src.take(attn + "k_proj.bias"), src.take(attn + "v_proj.bias"), shape)
         if shape.qk_layernorm and not _is_gdn_layer(shape, i):
-            out[m + "self_attention.q_layernorm.weight"] = _norm_in(shape, src.take(attn + "q_norm.weight"))
-            out[m + "self_attention.k_layernorm.weight"] = _norm_in(shape, src.take(attn + "k_norm.weight"))
+            out[m + "self_attention.q_layernorm.weight"] = src.take(attn + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = src.take(attn + "k_norm.weight")
         if not _is_gdn_layer(shape, i):
             out[m + "self_attention.linear_proj.weight"] = src.take(attn + "o_proj.weight")
         if i in moe_layers:
@@ -170,7 +161,7 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, 
             out[m + "mlp.linear_fc1.weight"] = torch.cat(
                 [src.take(h + "mlp.gate_proj.weight"), src.take(h + "mlp.up_proj.weight")])
             out[m + "mlp.linear_fc2.weight"] = src.take(h + "mlp.down_proj.weight")
-    out["decoder.final_layernorm.weight"] = _norm_in(shape, src.take("model.norm.weight"))
+    out["decoder.final_layernorm.weight"] = src.take("model.norm.weight")
     if shape.tie_word_embeddings:
         if src.has("lm_head.weight"):
             lm_head = src.take("lm_head.weight")
@@ -204,8 +195,8 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, 
     for i in range(shape.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
-        out[h + "input_layernorm.weight"] = _norm_out(shape, take(m + "input_layernorm.weight"))
-        out[h + "post_attention_layernorm.weight"] = _norm_out(shape, take(m + "pre_mlp_layernorm.weight"))
+        out[h + "input_layernorm.weight"] = take(m + "input_layernorm.weight")
+        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
         if _is_gdn_layer(shape, i):
             la = h + "linear_attn."
             parts = torch.split(take(m + "self_attention.in_proj.weight"), _gdn_sizes(shape), dim=0)
@@ -221,8 +212,8 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, 
             q, k, v = split_qkv(take(m + "self_attention.linear_qkv.bias"), shape)
             out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
         if shape.qk_layernorm and not _is_gdn_layer(shape, i):
-            out[attn + "q_norm.weight"] = _norm_out(shape, take(m + "self_attention.q_layernorm.weight"))
-            out[attn + "k_norm.weight"] = _norm_out(shape, take(m + "self_attention.k_layernorm.weight"))
+            out[attn + "q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
+            out[attn + "k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
         if not _is_gdn_layer(shape, i):
             out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
         if i in moe_layers:
@@ -238,7 +229,7 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, 
             g, u = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = g, u
             out[h + "mlp.down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = _norm_out(shape, take("decoder.final_layernorm.weight"))
+    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     if not shape.tie_word_embeddings:
         out["lm_head.weight"] = take("output_layer.weight")
     left = sorted(set(sd) - used)

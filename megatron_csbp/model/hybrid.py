@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Union
 
+import torch
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
@@ -54,6 +56,27 @@ def linear_attention_pattern(num_layers: int, *, layer_types: Optional[Sequence[
     return pattern
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm that scales by (1 + w), w initialised to 0 (Qwen3.5 / Qwen3-Next `RMSNorm`), computed
+    in fp32 like the Hugging Face reference: checkpoints keep w itself, bit for bit. Megatron's
+    `layernorm_zero_centered_gamma` is refused by its torch norm, and GDN's own out_norm is a
+    plain RMSNorm, so the zero-centred norms are chosen by the spec, not by the config."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        self.config, self.eps = config, eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        # under sequence parallelism each TP rank sees its rows only: gradients are summed over TP
+        # by finalize_model_grads, as for Megatron's norms
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x):
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = x.to(compute)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(compute))).to(x.dtype)
+
+
 def gated_delta_net_spec() -> ModuleSpec:
     norm = LocalSpecProvider().layer_norm(rms_norm=True)
     return ModuleSpec(
@@ -62,15 +85,23 @@ def gated_delta_net_spec() -> ModuleSpec:
     )
 
 
-def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False,
-                      kernel: str = "auto") -> TransformerBlockSubmodules:
+def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False, kernel: str = "auto",
+                      zero_centered_norms: bool = False) -> TransformerBlockSubmodules:
     """Decoder block spec: layer i is Gated DeltaNet where pattern[i] == 1, block-aware attention
-    (local spec, RMSNorm, SwiGLU-ready MLP) where 0."""
+    (local spec, RMSNorm, SwiGLU-ready MLP) where 0. `zero_centered_norms`: the layer, QK and final
+    norms scale by (1 + w) (`ZeroCenteredRMSNorm`); GDN's gated out_norm stays a plain RMSNorm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_csbp.model.spec import with_block_diffusion_attention
 
     attention_layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    final_norm = LocalSpecProvider().layer_norm(rms_norm=True)
+    if zero_centered_norms:
+        sub = attention_layer.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = final_norm = ZeroCenteredRMSNorm
+        if qk_layernorm:
+            sub.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+            sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
     norm = attention_layer.submodules.input_layernorm
     gdn_layer = ModuleSpec(
         module=TransformerLayer,
@@ -86,7 +117,7 @@ def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False,
     if 0 in pattern:
         attention_layer = with_block_diffusion_attention(attention_layer, kernel)
     layers = [gdn_layer if p else attention_layer for p in pattern]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalSpecProvider().layer_norm(rms_norm=True))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
 
 def count_gated_delta_layers(model) -> int:

@@ -89,7 +89,7 @@ class ModelShape:
     attention_output_gate: bool = False
     #: fraction of each head's dims that rotary embeddings rotate (Qwen3.5: 0.25)
     rotary_percent: float = 1.0
-    #: Hugging Face RMSNorms scale by (1 + w) (Qwen3.5): Megatron holds 1 + w
+    #: Hugging Face RMSNorms scale by (1 + w) (Qwen3.5): Megatron's spec uses the same norm (w kept as is)
     zero_centered_norms: bool = False
     #: family "diffusion_gemma" only: its source and config options (see model/diffusiongemma/provider.py)
     diffusion_gemma: Optional[Dict[str, Any]] = None
@@ -325,7 +325,10 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
         gd = shape.gated_delta
         kwargs.update(linear_conv_kernel_dim=gd["conv_kernel"], linear_key_head_dim=gd["key_head_dim"],
                       linear_value_head_dim=gd["value_head_dim"], linear_num_key_heads=gd["num_key_heads"],
-                      linear_num_value_heads=gd["num_value_heads"])
+                      linear_num_value_heads=gd["num_value_heads"],
+                      # megatron's own hybrid pattern knob: also makes dist_checkpointing store the
+                      # layers one by one (non-homogeneous), as their parameters differ
+                      linear_attention_freq=list(gd["pattern"]))
     if shape.attention_output_gate:
         kwargs.update(attention_output_gate=True)
     if shape.is_moe:
@@ -357,7 +360,8 @@ def layer_spec(shape: ModelShape, config=None, block_diffusion: bool = True):
             raise UnsupportedModelError("hybrid Gated DeltaNet models with MoE layers are not supported")
         from megatron_csbp.model.hybrid import hybrid_block_spec
 
-        spec = hybrid_block_spec(shape.gated_delta["pattern"], qk_layernorm=shape.qk_layernorm)
+        spec = hybrid_block_spec(shape.gated_delta["pattern"], qk_layernorm=shape.qk_layernorm,
+                                 zero_centered_norms=shape.zero_centered_norms)
         if not block_diffusion:
             raise UnsupportedModelError("hybrid Gated DeltaNet models are built with block-diffusion layers only")
         return spec
