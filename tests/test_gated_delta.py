@@ -76,3 +76,23 @@ def test_clean_rows_match_megatron_gated_delta_net_forward(megatron_single_rank,
     # recurrence: ~1e-5; the bound is 20x that.
     assert (got[L:] - ref).abs().max() < 2e-4, float((got[L:] - ref).abs().max())
     assert (got[L:] - reference_gdn(layer.double(), x[L:].double()).float()).abs().max() < 2e-4
+
+
+def test_partial_noisy_blocks_are_refused_by_name():
+    from megatron_csbp.attention.block_attention import AttentionPlan
+    from megatron_csbp.attention.gated_delta import build_routes
+    from megatron_csbp.layout.masks import RowMeta
+
+    plan = AttentionPlan(BlockGeometry(16, 4), RowMeta.of(torch.arange(2, 6), torch.arange(8)))
+    with pytest.raises(ValueError, match="whole noisy blocks.*--block-size"):
+        build_routes(plan, 4)
+
+
+def test_layer_pattern_from_the_checkpoint():
+    from megatron_csbp.model.hybrid import linear_attention_pattern
+
+    assert linear_attention_pattern(8, full_attention_interval=4) == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert linear_attention_pattern(3, layer_types=["linear_attention", "full_attention", "linear_attention"]) == [1, 0, 1]
+    assert linear_attention_pattern(4, linear_attention_freq=2) == [1, 0, 1, 0]
+    with pytest.raises(ValueError, match="sliding_attention"):
+        linear_attention_pattern(1, layer_types=["sliding_attention"])
