@@ -53,6 +53,7 @@ _EAGER_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.ssm.gated_delta_net",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.finalize_model_grads",
@@ -239,6 +240,13 @@ class _TorchProxy(types.ModuleType):
 
 
 _TORCH_PROXY = _TorchProxy()
+
+
+def torch_view_for_module():
+    """What a megatron module should see as `torch` here: the CPU view when CUDA is absent (device
+    factories and `torch.cuda.current_device()` give CPU), plain torch otherwise. For modules built
+    outside the shim's list, e.g. megatron's GatedDeltaNet while constructing it."""
+    return _TORCH_PROXY if cuda_absent() else torch
 
 
 def _mentions_cuda(module) -> bool:

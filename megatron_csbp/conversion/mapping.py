@@ -58,6 +58,46 @@ def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> Tuple[torch.Tensor, torch
     return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
 
 
+def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """Qwen3.5 gated attention: q_proj rows are [q_h ; gate_h] per head; Megatron's `linear_qkv`
+    with `attention_output_gate` is, per query group, [its q heads, their gates, k, v]."""
+    groups, d = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups
+    rest = q_gate.shape[1:]
+    qg = q_gate.reshape(groups, per_group, 2, d, *rest)
+    q, gate = qg[:, :, 0].reshape(groups, per_group * d, *rest), qg[:, :, 1].reshape(groups, per_group * d, *rest)
+    return torch.cat([q, gate, k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1).reshape(
+        groups * (2 * per_group + 2) * d, *rest)
+
+
+def split_gated_qkv(qkv: torch.Tensor, shape: ModelShape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    q, gate, k, v = torch.split(qkv.reshape(groups, (2 * per_group + 2) * d, *rest),
+                                [per_group * d, per_group * d, d, d], dim=1)
+    q_gate = torch.stack([q.reshape(groups, per_group, d, *rest), gate.reshape(groups, per_group, d, *rest)], dim=2)
+    return q_gate.reshape(groups * per_group * 2 * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest)
+
+
+#: Gated DeltaNet tensors: Megatron (under `self_attention.`) <- Hugging Face (under `linear_attn.`).
+#: Megatron's `in_proj` is [q, k, v | z | beta | alpha] = Hugging Face [in_proj_qkv ; in_proj_z ;
+#: in_proj_b ; in_proj_a] (same q/k/v order in the conv channels).
+GDN_IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+GDN_SAME = {"conv1d.weight": "conv1d.weight", "dt_bias": "dt_bias", "A_log": "A_log",
+            "out_norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}
+
+
+def _gdn_sizes(shape: ModelShape) -> List[int]:
+    gd = shape.gated_delta
+    qk, v = gd["num_key_heads"] * gd["key_head_dim"], gd["num_value_heads"] * gd["value_head_dim"]
+    return [2 * qk + v, v, gd["num_value_heads"], gd["num_value_heads"]]
+
+
+def _is_gdn_layer(shape: ModelShape, i: int) -> bool:
+    return shape.gated_delta is not None and bool(shape.gated_delta["pattern"][i])
+
+
 class _Source:
     """Hugging Face tensors, each to be consumed exactly once."""
 
@@ -89,16 +129,26 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, 
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
         out[m + "input_layernorm.weight"] = src.take(h + "input_layernorm.weight")
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"), src.take(attn + "v_proj.weight"), shape)
+        out[m + "pre_mlp_layernorm.weight"] = src.take(h + "post_attention_layernorm.weight")
+        if _is_gdn_layer(shape, i):
+            la = h + "linear_attn."
+            out[m + "self_attention.in_proj.weight"] = torch.cat([src.take(f"{la}{n}.weight") for n in GDN_IN_PROJ])
+            for meg, hf_name in GDN_SAME.items():
+                out[m + "self_attention." + meg] = src.take(la + hf_name)
+        elif shape.attention_output_gate:
+            out[m + "self_attention.linear_qkv.weight"] = fuse_gated_qkv(
+                src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"), src.take(attn + "v_proj.weight"), shape)
+        else:
+            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+                src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"), src.take(attn + "v_proj.weight"), shape)
         if shape.add_qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 src.take(attn + "q_proj.bias"), src.take(attn + "k_proj.bias"), src.take(attn + "v_proj.bias"), shape)
-        if shape.qk_layernorm:
+        if shape.qk_layernorm and not _is_gdn_layer(shape, i):
             out[m + "self_attention.q_layernorm.weight"] = src.take(attn + "q_norm.weight")
             out[m + "self_attention.k_layernorm.weight"] = src.take(attn + "k_norm.weight")
-        out[m + "self_attention.linear_proj.weight"] = src.take(attn + "o_proj.weight")
-        out[m + "pre_mlp_layernorm.weight"] = src.take(h + "post_attention_layernorm.weight")
+        if not _is_gdn_layer(shape, i):
+            out[m + "self_attention.linear_proj.weight"] = src.take(attn + "o_proj.weight")
         if i in moe_layers:
             block, router, (gate, up, down) = _moe_names(shape)
             out[m + "mlp.router.weight"] = src.take(f"{h}{block}.{router}.weight")
@@ -146,16 +196,26 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, 
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = h + "self_attn."
         out[h + "input_layernorm.weight"] = take(m + "input_layernorm.weight")
-        q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), shape)
-        out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
+        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
+        if _is_gdn_layer(shape, i):
+            la = h + "linear_attn."
+            parts = torch.split(take(m + "self_attention.in_proj.weight"), _gdn_sizes(shape), dim=0)
+            for n, part in zip(GDN_IN_PROJ, parts):
+                out[f"{la}{n}.weight"] = part
+            for meg, hf_name in GDN_SAME.items():
+                out[la + hf_name] = take(m + "self_attention." + meg)
+        else:
+            split = split_gated_qkv if shape.attention_output_gate else split_qkv
+            q, k, v = split(take(m + "self_attention.linear_qkv.weight"), shape)
+            out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
         if shape.add_qkv_bias:
             q, k, v = split_qkv(take(m + "self_attention.linear_qkv.bias"), shape)
             out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
-        if shape.qk_layernorm:
+        if shape.qk_layernorm and not _is_gdn_layer(shape, i):
             out[attn + "q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
             out[attn + "k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
-        out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
-        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
+        if not _is_gdn_layer(shape, i):
+            out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
         if i in moe_layers:
             block, router, (gate, up, down) = _moe_names(shape)
             out[f"{h}{block}.{router}.weight"] = take(m + "mlp.router.weight")

@@ -12,7 +12,7 @@ from typing import Any, Dict
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")
 
 _COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -42,6 +42,13 @@ def tiny_config(family: str, **overrides: Any):
     elif family == "mixtral":
         cls = transformers.MixtralConfig
         kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen3_5":
+        # Hybrid: Gated DeltaNet, attention, GDN, attention (full_attention_interval 2); gated
+        # attention with head_dim 16 and partial rotary 0.25 (4 rotated dims), (1 + w) norms.
+        cls = transformers.Qwen3_5TextConfig
+        kw.update(num_hidden_layers=4, head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     kw.update(overrides)

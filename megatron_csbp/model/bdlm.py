@@ -37,6 +37,7 @@ from megatron_csbp.attention.core_attention import plan_mask
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.model.rotary import LayoutRotaryEmbedding
+from megatron_csbp.model.hybrid import count_gated_delta_layers
 from megatron_csbp.model.spec import count_block_attention
 from megatron_csbp.objectives.base import Objective
 from megatron_csbp.utils.precision import at_least_fp32, compute_dtype, vocab_parallel_cross_entropy
@@ -58,9 +59,9 @@ class BlockDiffusionModel(torch.nn.Module):
     def __init__(self, gpt: torch.nn.Module, objective: Objective, layout: SequenceLayout,
                  seq_rank: int = 0, ring_group=None, transport: str = "allgather"):
         super().__init__()
-        if count_block_attention(gpt) == 0:
-            raise ValueError("the GPT model has no BlockDiffusionAttention: build it from "
-                             "with_block_diffusion_attention(spec)")
+        if count_block_attention(gpt) == 0 and count_gated_delta_layers(gpt) == 0:
+            raise ValueError("the GPT model has no BlockDiffusionAttention or BlockDiffusionGatedDeltaNet: build it "
+                             "from with_block_diffusion_attention(spec) or model.hybrid.hybrid_block_spec")
         if getattr(gpt, "mtp_process", False):
             raise ValueError("multi-token prediction rolls labels over the CP group: not supported with block diffusion")
         if gpt.position_embedding_type == "rope":

@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "qwen3_5_text": "qwen3_5",
 }
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -40,6 +41,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +82,15 @@ class ModelShape:
     params_dtype: str = "bfloat16"
     #: the source Hugging Face config.json, kept so the export writes it back unchanged
     hf_config: Dict[str, Any] = field(default_factory=dict)
+    #: hybrid linear attention (family qwen3_5): {"pattern": [1 = Gated DeltaNet, 0 = attention per
+    #: layer], "conv_kernel", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"}
+    gated_delta: Optional[Dict[str, Any]] = None
+    #: sigmoid output gate on attention (Qwen3.5: q_proj holds [q_h ; gate_h] per head)
+    attention_output_gate: bool = False
+    #: fraction of each head's dims that rotary embeddings rotate (Qwen3.5: 0.25)
+    rotary_percent: float = 1.0
+    #: Hugging Face RMSNorms scale by (1 + w) (Qwen3.5): Megatron's spec uses the same norm (w kept as is)
+    zero_centered_norms: bool = False
     #: family "diffusion_gemma" only: its source and config options (see model/diffusiongemma/provider.py)
     diffusion_gemma: Optional[Dict[str, Any]] = None
     format_version: int = SHAPE_FORMAT_VERSION
@@ -187,16 +198,19 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
     if family == "mixtral":
         _refuse_if(cfg.get("sliding_window") is not None,
                    f"sliding_window={cfg.get('sliding_window')} (Mistral sliding-window attention) is not supported")
-    _refuse_if(cfg.get("layer_types") is not None and any(t != "full_attention" for t in cfg["layer_types"]),
-               f"layer_types {sorted(set(cfg.get('layer_types') or []))}: only full_attention layers are supported")
+    hybrid = family == "qwen3_5"
+    allowed_layers = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
+    _refuse_if(cfg.get("layer_types") is not None and any(t not in allowed_layers for t in cfg["layer_types"]),
+               f"layer_types {sorted(set(cfg.get('layer_types') or []))}: only {sorted(allowed_layers)} layers "
+               f"are supported for {family}")
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     groups = int(cfg.get("num_key_value_heads") or heads)
     _refuse_if(heads % groups != 0, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, scaling = _rope(cfg)
-    partial = cfg.get("partial_rotary_factor", 1.0)
-    _refuse_if(partial not in (None, 1.0), f"partial_rotary_factor={partial} is not supported")
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    _refuse_if(partial not in (None, 1.0) and not hybrid, f"partial_rotary_factor={partial} is not supported")
     dtype = params_dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     _refuse_if(dtype not in DTYPES, f"dtype {dtype!r} is not supported (one of {sorted(DTYPES)})")
     shape = ModelShape(
@@ -213,11 +227,25 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
         rotary_base=theta,
         rope_scaling=scaling,
         add_qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "qwen3_5"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         params_dtype=dtype,
         hf_config=dict(cfg),
     )
+    if hybrid:
+        from megatron_csbp.model.hybrid import linear_attention_pattern
+
+        # Text positions are the same on the three M-RoPE axes, so M-RoPE is plain RoPE here.
+        shape.gated_delta = dict(
+            pattern=linear_attention_pattern(shape.num_layers, layer_types=cfg["layer_types"]),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+            key_head_dim=int(cfg["linear_key_head_dim"]), value_head_dim=int(cfg["linear_value_head_dim"]),
+            num_key_heads=int(cfg["linear_num_key_heads"]), num_value_heads=int(cfg["linear_num_value_heads"]))
+        _refuse_if(shape.gated_delta["num_value_heads"] % shape.gated_delta["num_key_heads"] != 0,
+                   "linear_num_value_heads must be a multiple of linear_num_key_heads")
+        shape.attention_output_gate = True
+        shape.rotary_percent = float(partial or 1.0)
+        shape.zero_centered_norms = True
     if family == "qwen3_moe":
         experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
         step = int(cfg.get("decoder_sparse_step", 1))
@@ -293,6 +321,16 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
     )
+    if shape.gated_delta is not None:
+        gd = shape.gated_delta
+        kwargs.update(linear_conv_kernel_dim=gd["conv_kernel"], linear_key_head_dim=gd["key_head_dim"],
+                      linear_value_head_dim=gd["value_head_dim"], linear_num_key_heads=gd["num_key_heads"],
+                      linear_num_value_heads=gd["num_value_heads"],
+                      # megatron's own hybrid pattern knob: also makes dist_checkpointing store the
+                      # layers one by one (non-homogeneous), as their parameters differ
+                      linear_attention_freq=list(gd["pattern"]))
+    if shape.attention_output_gate:
+        kwargs.update(attention_output_gate=True)
     if shape.is_moe:
         kwargs.update(
             num_moe_experts=shape.num_experts,
@@ -318,6 +356,16 @@ def layer_spec(shape: ModelShape, config=None, block_diffusion: bool = True, ker
     in unless `block_diffusion=False`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+    if shape.gated_delta is not None:
+        if shape.is_moe:
+            raise UnsupportedModelError("hybrid Gated DeltaNet models with MoE layers are not supported")
+        from megatron_csbp.model.hybrid import hybrid_block_spec
+
+        spec = hybrid_block_spec(shape.gated_delta["pattern"], qk_layernorm=shape.qk_layernorm,
+                                 zero_centered_norms=shape.zero_centered_norms)
+        if not block_diffusion:
+            raise UnsupportedModelError("hybrid Gated DeltaNet models are built with block-diffusion layers only")
+        return spec
     if shape.is_moe and shape.moe_layer_pattern is not None:
         if config is None:
             raise ValueError("a mixed dense/MoE layer pattern needs the TransformerConfig")
@@ -337,7 +385,7 @@ def layer_spec(shape: ModelShape, config=None, block_diffusion: bool = True, ker
 
 
 def rotary_kwargs(shape: ModelShape) -> Dict[str, Any]:
-    kwargs: Dict[str, Any] = dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rotary_base)
+    kwargs: Dict[str, Any] = dict(position_embedding_type="rope", rotary_percent=shape.rotary_percent, rotary_base=int(shape.rotary_base)
                                   if float(shape.rotary_base).is_integer() else shape.rotary_base)
     if shape.rope_scaling is not None:
         if shape.rope_scaling["type"] == "llama3":
@@ -417,6 +465,10 @@ def megatron_flags(shape: ModelShape) -> List[str]:
             "DiffusionGemma has no Megatron-LM flag set (heterogeneous layers, K=V full layers, sandwich norms): "
             "build it with megatron_csbp.model.diffusiongemma.provider.build_model or train it with "
             "python -m megatron_csbp.train --load CHECKPOINT")
+    if shape.gated_delta is not None:
+        raise UnsupportedModelError(
+            "hybrid Gated DeltaNet models have no Megatron-LM flag set here (Megatron-LM builds its GDN "
+            "decoder with TransformerEngine only): train with python -m megatron_csbp.train --load CHECKPOINT")
     flags = [
         f"--num-layers {shape.num_layers}",
         f"--hidden-size {shape.hidden_size}",

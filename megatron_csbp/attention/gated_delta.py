@@ -1,0 +1,526 @@
+"""Gated DeltaNet (GDN) linear-attention layers in a block diffusion LM, on any layout.
+
+Semantics (docs/semantics.md, "Gated DeltaNet layers"): the clean stream runs the causal gated
+delta recurrence (and the causal short convolution) over clean positions 0..L-1. A noisy block b
+continues from the clean stream's recurrent state at its start b*B and from the last K-1 clean
+pre-convolution rows before it (K = linear_conv_kernel_dim), then runs the recurrence over its own
+noisy tokens in position order. Equivalently: run the layer on [clean prefix x_0[:bB] ; noisy block
+b] as one causal sequence and keep the block's rows (the oracle of the tests).
+
+The rule (`chunk_rule`): per head, with state S [d_k, d_v], decay a_t = exp(g_t), beta_t in (0,1),
+    S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - (a_t S_{t-1})^T k_t),   o_t = S_t^T q_t.
+Over a chunk of T tokens from state S, with G_t = sum_{s<=t} g_s and D_ts = exp(G_t - G_s) (s<=t):
+    (I + A) U = beta V - diag(beta exp(G)) K S,   A_ts = beta_t D_ts k_t.k_s (s < t),
+    O = diag(exp(G)) Q S + (D o QK^T) U,   S_T = exp(G_T) S + sum_s D_Ts k_s u_s^T,
+solved with one unit-lower-triangular solve: no loop over tokens, any float dtype (float64 in the
+tests). Chunks are the blocks, so the state at every block start falls out of the clean pass.
+
+Distribution (every layout, one code path; ranks that share a clean stream form the plan's ring):
+- clean segments: a rank's clean rows split into runs of consecutive positions. A segment that
+  does not start at 0 needs the K-1 pre-convolution rows before it: the ring all-gathers every
+  member's segment tails (K-1 rows each).
+- clean recurrence without gathering the sequence: S_end = M S_start + N is affine in the
+  segment's start state. Each member computes (M, N) of its segments (one chunked pass with state
+  [I | 0] and values [0 | v]), the ring all-gathers them ([segments, b, H, d_k, d_k + d_v] per
+  member), every member composes them in position order and reruns its segments from their true
+  start states. Exact (no approximation), P-way parallel, and the messages do not grow with L.
+- boundary states to their owners: the member holding clean position bB-1 sends (S at bB, the
+  K-1 pre-convolution rows before bB) to the owner of noisy block b by one all-to-all: per block
+  b x (H d_k d_v + (K-1) conv_dim) elements, only for blocks whose owner does not hold bB-1.
+  `boundary_state_bytes` gives the total; the transports count it in `traffic_counter()`.
+Single and BP hold every clean row they need (a prefix from 0) and move nothing.
+
+Size of the static metadata (built once per plan and layer kind): the boundary routes list one
+entry per block, at 256K tokens with 16 ranks and B = 16 that is 16K entries per rank, 16x fewer
+than the rows they describe; segment lists hold at most 2 entries per ring member.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.ssm import gated_delta_net as _mc_gdn
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+from megatron_csbp.attention.accounting import traffic_counter
+from megatron_csbp.attention.transports import PendingAllToAll, PendingGather
+
+L2NORM_EPS = 1e-6  # flash-linear-attention's l2norm (and transformers' copy of it)
+
+
+# ---- the rule ------------------------------------------------------------------------------------
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_rule(q, k, v, g, beta, state):
+    """One chunk of the gated delta rule from `state`. q, k [N, H, T, d_k] (q already scaled),
+    v [N, H, T, d_v], g (log decay) and beta [N, H, T], state [N, H, d_k, d_v].
+    Returns (o [N, H, T, d_v], state after the chunk)."""
+    T = q.shape[-2]
+    G = g.cumsum(-1)
+    tri = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    strict = tri.clone().fill_diagonal_(False)
+    # exp only where s <= t: the masked-out entries would overflow
+    D = torch.where(tri, G[..., :, None] - G[..., None, :], torch.full_like(G[..., :1, None], float("-inf"))).exp()
+    A = torch.where(strict, beta[..., :, None] * D * (k @ k.transpose(-1, -2)), torch.zeros((), dtype=q.dtype))
+    gam = G.exp()
+    rhs = beta[..., None] * v - (beta * gam)[..., None] * (k @ state)
+    eye = torch.eye(T, dtype=q.dtype, device=q.device)
+    U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    out = gam[..., None] * (q @ state) + (D * (q @ k.transpose(-1, -2))) @ U
+    new_state = gam[..., -1, None, None] * state + (k * D[..., -1, :, None]).transpose(-1, -2) @ U
+    return out, new_state
+
+
+def recurrent_rule(q, k, v, g, beta, state):
+    """The same rule token by token (the tests' reference). Shapes as `chunk_rule`."""
+    outs = []
+    for t in range(q.shape[-2]):
+        state = state * g[..., t, None, None].exp()
+        u = beta[..., t, None] * (v[..., t, :] - (state * k[..., t, :, None]).sum(-2))
+        state = state + k[..., t, :, None] * u[..., None, :]
+        outs.append((state * q[..., t, :, None]).sum(-2))
+    return torch.stack(outs, dim=-2), state
+
+
+# ---- static routing --------------------------------------------------------------------------------
+
+def _runs(positions: torch.Tensor) -> List[Tuple[int, int]]:
+    """[(start, end)) runs of consecutive values of a sorted position list."""
+    runs: List[Tuple[int, int]] = []
+    for p in positions.tolist():
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+@dataclass
+class GDNRoutes:
+    """Static placement of one rank's GDN work under a plan (same on every rank of the ring)."""
+
+    noisy_rows: torch.Tensor  # [nb, B] local row indices of each local noisy block, position order
+    noisy_blocks: List[int]
+    clean_rows: torch.Tensor  # local row indices of the clean rows in position order
+    segments: List[Tuple[int, int]]  # this rank's clean runs [start, end)
+    ring: int  # ring size (1: every needed clean row is local)
+    ring_index: int
+    max_segments: int
+    member_segments: List[List[Tuple[int, int]]]  # every ring member's runs
+    # boundary routing: blocks this rank sends (per destination, in the receiver's order) and receives
+    send_blocks: List[List[int]]
+    recv_blocks: List[List[int]]  # per source: my noisy blocks whose boundary it sends
+    local_boundary_blocks: List[int]  # my noisy blocks whose bB-1 I hold (or b == 0)
+
+    @property
+    def boundary_blocks_sent(self) -> int:
+        return sum(len(s) for s in self.send_blocks)
+
+
+def build_routes(plan, conv_kernel: int) -> GDNRoutes:
+    rows = plan.local
+    B = plan.geometry.block_size
+    noisy_idx = torch.nonzero(~rows.is_clean).flatten()
+    noisy_idx = noisy_idx[torch.argsort(rows.position[noisy_idx])]
+    npos = rows.position[noisy_idx]
+    whole = len(npos) % B == 0
+    if whole and len(npos):
+        blocks = npos.view(-1, B)
+        whole = bool((blocks[:, 0] % B == 0).all()) and bool((blocks - blocks[:, :1] == torch.arange(B)).all())
+    if not whole:
+        raise ValueError(
+            "Gated DeltaNet layers need whole noisy blocks on every rank: under the CP baseline choose "
+            "--seq-length / --context-parallel-size as a multiple of --block-size")
+    noisy_blocks = (npos.view(-1, B)[:, 0] // B).tolist() if len(npos) else []
+    clean_idx = torch.nonzero(rows.is_clean).flatten()
+    clean_idx = clean_idx[torch.argsort(rows.position[clean_idx])]
+    segments = _runs(rows.position[clean_idx])
+    if plan.exchange == "none":
+        ring, ring_index, members = 1, 0, [segments]
+    else:
+        ring, ring_index = len(plan.members), plan.ring_index
+        members = [_runs(torch.sort(m.position[m.is_clean]).values) for m in plan.members]
+    # The clean stream of the ring must tile [0, end) (each position held once).
+    flat = sorted(s for m in members for s in m)
+    cursor = 0
+    for s, e in flat:
+        if s != cursor:
+            raise ValueError(f"Gated DeltaNet: the clean rows of the ring do not tile a prefix (gap or overlap at {cursor})")
+        cursor = e
+    if ring > 1:
+        short = [s for m in members for s in m if s[1] - s[0] < conv_kernel - 1]
+        if short:
+            raise ValueError(
+                f"Gated DeltaNet: clean shard pieces {short} are shorter than linear_conv_kernel_dim - 1 = "
+                f"{conv_kernel - 1} rows; use a longer --seq-length per rank")
+
+    def holder(p: int) -> int:
+        for i, m in enumerate(members):
+            if any(s <= p < e for s, e in m):
+                return i
+        raise ValueError(f"Gated DeltaNet: no rank of the ring holds clean position {p}")
+
+    member_blocks = [[b for b in _noisy_blocks_of(m, B)] for m in (plan.members if ring > 1 else [rows])]
+    send_blocks = [[] for _ in range(ring)]
+    recv_blocks = [[] for _ in range(ring)]
+    local_boundary = []
+    for dest, blocks in enumerate(member_blocks):
+        for b in blocks:
+            if b == 0:  # starts from the zero state: nothing to send
+                if dest == ring_index:
+                    local_boundary.append(b)
+                continue
+            src = holder(b * B - 1)
+            if dest == ring_index and src == ring_index:
+                local_boundary.append(b)
+            elif src == ring_index:
+                send_blocks[dest].append(b)
+            elif dest == ring_index:
+                recv_blocks[src].append(b)
+    return GDNRoutes(noisy_idx.view(-1, B) if len(npos) else noisy_idx.view(0, B), noisy_blocks, clean_idx,
+                     segments, ring, ring_index, max(len(m) for m in members), members,
+                     send_blocks, recv_blocks, local_boundary)
+
+
+def _noisy_blocks_of(rows, B: int) -> List[int]:
+    pos = torch.sort(rows.position[~rows.is_clean]).values
+    return sorted(set((pos // B).tolist()))
+
+
+def routes_for(plan, conv_kernel: int) -> GDNRoutes:
+    key = ("gdn_routes", conv_kernel)
+    if key not in plan._cache:
+        plan._cache[key] = build_routes(plan, conv_kernel)
+    return plan._cache[key]
+
+
+def boundary_state_bytes(plan, heads: int, d_k: int, d_v: int, conv_dim: int, conv_kernel: int, batch: int,
+                         element_size: int) -> int:
+    """Bytes this rank sends in forward for the boundary states of one GDN layer (heads, conv_dim:
+    this TP rank's share)."""
+    routes = routes_for(plan, conv_kernel)
+    return routes.boundary_blocks_sent * batch * (heads * d_k * d_v + (conv_kernel - 1) * conv_dim) * element_size
+
+
+# ---- the layer --------------------------------------------------------------------------------------
+
+class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's `GatedDeltaNet` (same parameters, same checkpoint layout, TP included) whose
+    forward follows the block-diffusion plan passed as `attention_mask` (see module docstring).
+
+    The forward is this module's own (pure torch, float64-capable), so flash-linear-attention is
+    not needed: its absence only lifts megatron-core's import guard while building."""
+
+    def __init__(self, *args, cp_comm_type=None, **kwargs):
+        # cp_comm_type: Megatron passes it to every attention module when its CP size > 1; the
+        # block layout, not Megatron's CP, decides what this layer exchanges.
+        from megatron_csbp.compat.cpu import torch_view_for_module
+
+        saved = _mc_gdn.HAVE_FLA, _mc_gdn.torch
+        _mc_gdn.HAVE_FLA = True  # the guard only; nothing of FLA is used here
+        _mc_gdn.torch = torch_view_for_module()  # conv1d / A_log / dt_bias on torch.cuda.current_device()
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            _mc_gdn.HAVE_FLA, _mc_gdn.torch = saved
+        self.layer_number = self.layer_number or 1
+        # out_norm sees only this TP rank's value heads: its weight gradient is a partial sum over
+        # TP, reduced in backward by `_gated_norm` itself (also under sequence parallelism, where the
+        # rows are already gathered), so it must not be reduced again as a sequence-parallel norm.
+        for p in self.out_norm.parameters():
+            p.sequence_parallel = False
+
+    def reset_parameters(self):
+        """megatron's initialisation (dt_bias = 1, A = U(A_init_range), conv uniform when conv_init),
+        drawn inside the model-parallel RNG stream when one is set up, else the default generator."""
+        if not self.config.perform_initialization:
+            return
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        ctx = tracker.fork() if tracker.get_states() else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            if self.conv_init is not None:
+                torch.nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+            self.dt_bias.fill_(1.0)
+            A = torch.empty_like(self.A_log).uniform_(*self.A_init_range)
+            self.A_log.copy_(torch.log(A))
+
+    # -- pieces on [N, T, ...] tensors ------------------------------------------------------------
+    def _conv(self, x_with_halo: torch.Tensor) -> torch.Tensor:
+        """x [N, K-1+T, conv] (halo first) -> activated conv output [N, T, conv]."""
+        w = self.conv1d.weight
+        y = F.conv1d(x_with_halo.transpose(1, 2), w.to(x_with_halo.dtype),
+                     None if self.conv1d.bias is None else self.conv1d.bias.to(x_with_halo.dtype),
+                     groups=w.shape[0])
+        return self.act_fn(y).transpose(1, 2)
+
+    def _features(self, conv_out, beta_raw, alpha, dtype):
+        """conv output [N, T, conv], beta/alpha [N, T, Hv] -> q, k, v [N, H, T, d], g, beta [N, H, T]."""
+        tp = self.tp_size
+        N, T, _ = conv_out.shape
+        q, k, v = torch.split(conv_out, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+        q = q.reshape(N, T, -1, self.key_head_dim).to(dtype)
+        k = k.reshape(N, T, -1, self.key_head_dim).to(dtype)
+        v = v.reshape(N, T, -1, self.value_head_dim).to(dtype)
+        if self.use_qk_l2norm:
+            q, k = l2norm(q), l2norm(k)
+        rep = self.num_value_heads // self.num_key_heads
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        q = q * (self.key_head_dim ** -0.5)
+        g = -self.A_log.to(dtype).exp() * F.softplus(alpha.to(dtype) + self.dt_bias.to(dtype))
+        beta = beta_raw.to(dtype).sigmoid()
+        t = lambda x: x.transpose(1, 2)
+        return t(q), t(k), t(v), t(g), t(beta)
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                inference_params=None, **kwargs):
+        from megatron_csbp.attention.core_attention import plan_from_mask
+
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("Gated DeltaNet block-diffusion layers do not support inference contexts")
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (THD) are not supported with block diffusion; pack to --seq-length")
+        plan = plan_from_mask(attention_mask)
+        K = self.conv_kernel_dim
+        routes = routes_for(plan, K)
+        qkvzba, _ = self.in_proj(hidden_states)  # [rows, b, in_proj / TP] (sequence-parallel: gathered)
+        if qkvzba.shape[0] != len(plan.local):
+            raise RuntimeError(f"Gated DeltaNet got {qkvzba.shape[0]} rows, the block layout has {len(plan.local)}")
+        if plan.physical_order is not None:
+            qkvzba = qkvzba.index_select(0, torch.argsort(plan.physical_order).to(qkvzba.device))
+        tp = self.tp_size
+        qkvzba = qkvzba.transpose(0, 1)  # [b, rows, .]
+        mixed, gate, beta_raw, alpha = torch.split(
+            qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp,
+                     self.num_value_heads // tp, self.num_value_heads // tp], dim=-1)
+        b, S, _ = mixed.shape
+        dtype = torch.float64 if mixed.dtype == torch.float64 else torch.float32
+        core = mixed.new_zeros(b, S, self.num_value_heads // tp, self.value_head_dim, dtype=dtype)
+        # Collectives of the layer, in order; each one's input is tied to the previous ones' outputs so
+        # that backward runs them in reverse order on every rank, whatever rows a rank holds.
+        ties = []
+        clean_out, boundaries = self._clean_stream(mixed, beta_raw, alpha, routes, plan, dtype, ties)
+        if clean_out is not None:
+            core = core.index_copy(1, routes.clean_rows.to(core.device), clean_out)
+        # every ring member joins the boundary exchange, also one without noisy rows (CP baseline)
+        received = self._route_boundaries(routes, plan, boundaries, b, mixed.shape[2], mixed, dtype, ties)
+        if len(routes.noisy_blocks):
+            noisy_out = self._noisy_blocks(mixed, beta_raw, alpha, routes, boundaries, received, dtype)
+            core = core.index_copy(1, routes.noisy_rows.flatten().to(core.device), noisy_out)
+        # A rank may receive no boundary (or need no halo): the collectives' outputs still reach
+        # the loss, so that every rank runs their backward (the other ranks wait for it).
+        core = _tied(core, ties)
+        out = self._gated_norm(core.to(mixed.dtype), gate)  # [b*rows, d_v]
+        out = out.reshape(b, S, -1).transpose(0, 1)
+        if plan.physical_order is not None:
+            out = out.index_select(0, plan.physical_order.to(out.device))
+        return self.out_proj(out.contiguous())
+
+    def _gated_norm(self, x, gate):
+        """out_norm(x) * act(gate), the gate in at least fp32 (Megatron's `_apply_gated_norm`
+        without its jit and its fp32 cast, so float64 stays float64)."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        dtype = x.dtype
+        x = x.reshape(-1, x.shape[-1])
+        weight = self.out_norm.weight
+        if self.tp_size > 1:  # identity forward; backward sums the weight gradient over TP
+            weight = copy_to_tensor_model_parallel_region(weight, group=self.pg_collection.tp)
+        y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps=self.config.layernorm_epsilon)
+        gate = gate.reshape(-1, x.shape[-1])
+        compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+        return (y * self.act_fn(gate.to(compute))).to(dtype)
+
+    # -- clean stream ---------------------------------------------------------------------------------
+    def _clean_stream(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, dtype, ties):
+        """Outputs of the clean rows ([b, clean, Hv, d_v] in position order) and the boundary payload
+        of every block start this rank holds: {block: (state [b, H, d_k, d_v], halo [b, K-1, conv])}."""
+        K, B = self.conv_kernel_dim, plan.geometry.block_size
+        if not routes.segments:
+            return None, {}
+        b = mixed.shape[0]
+        idx = routes.clean_rows.to(mixed.device)
+        clean = mixed.index_select(1, idx)
+        cbeta, calpha = beta_raw.index_select(1, idx), alpha.index_select(1, idx)
+        lengths = [e - s for s, e in routes.segments]
+        pieces = list(torch.split(clean, lengths, dim=1))
+        halos = self._halos(pieces, routes, plan, ties)
+        H = self.num_value_heads // self.tp_size
+        dk, dv = self.key_head_dim, self.value_head_dim
+        feats = []
+        off = 0
+        for (s, e), piece, halo in zip(routes.segments, pieces, halos):
+            conv = self._conv(torch.cat([halo, piece], dim=1))
+            feats.append(self._features(conv, cbeta[:, off:off + e - s], calpha[:, off:off + e - s], dtype))
+            off += e - s
+        starts = self._segment_start_states(feats, routes, plan, b, H, dk, dv, dtype, mixed.device, ties)
+        outs, boundaries = [], {}
+        for (s, e), (q, k, v, g, beta), state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
+            ext = torch.cat([halo, piece], dim=1)  # pre-conv rows s-K+1 .. e-1
+            cuts = [s] + [c for c in range((s // B + 1) * B, e, B)] + [e]
+            for c0, c1 in zip(cuts[:-1], cuts[1:]):
+                o, state = chunk_rule(q[:, :, c0 - s:c1 - s], k[:, :, c0 - s:c1 - s], v[:, :, c0 - s:c1 - s],
+                                      g[:, :, c0 - s:c1 - s], beta[:, :, c0 - s:c1 - s], state)
+                outs.append(o)
+                if c1 % B == 0:  # state at block start c1; the K-1 pre-conv rows before it
+                    boundaries[c1 // B] = (state, ext[:, c1 - s:c1 - s + K - 1])
+        out = torch.cat(outs, dim=2).transpose(1, 2)  # [b, clean, H, dv]
+        return out, boundaries
+
+    def _halos(self, pieces, routes: GDNRoutes, plan, ties):
+        """The K-1 pre-conv rows before each local segment ([b, K-1, conv]; zeros before position 0)."""
+        K = self.conv_kernel_dim
+        b, conv = pieces[0].shape[0], pieces[0].shape[2]
+        zero = pieces[0].new_zeros(b, K - 1, conv)
+        if routes.ring == 1:
+            return [zero if s == 0 else pieces[i - 1][:, -(K - 1):] if K > 1 else zero[:, :0]
+                    for i, (s, _) in enumerate(routes.segments)]
+        # all-gather every member's segment tails (padded to max_segments)
+        tails = [p[:, p.shape[1] - (K - 1):] for p in pieces]
+        tails += [zero] * (routes.max_segments - len(tails))
+        local = torch.stack(tails, dim=0)  # [m, b, K-1, conv]
+        gathered = PendingGather(_tied(local, ties), plan.group, self.layer_number).result()
+        ties.append(gathered)
+        lookup = {}
+        for i, segs in enumerate(routes.member_segments):
+            for j, (s, e) in enumerate(segs):
+                lookup[e] = gathered[i * routes.max_segments + j]
+        out = []
+        for s, _ in routes.segments:
+            out.append(zero if s == 0 else lookup[s])
+        return out
+
+    def _segment_start_states(self, feats, routes: GDNRoutes, plan, b, H, dk, dv, dtype, device, ties):
+        zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=device)
+        if routes.ring == 1:
+            if routes.segments[0][0] != 0 or len(routes.segments) != 1:
+                raise ValueError("Gated DeltaNet: a rank without a clean ring must hold a clean prefix from 0")
+            return [zero]
+        B = plan.geometry.block_size
+        eye = torch.eye(dk, dtype=dtype, device=device).expand(b, H, dk, dk)
+        maps = []
+        for (s, e), (q, k, v, g, beta) in zip(routes.segments, feats):
+            state = torch.cat([eye, zero], dim=-1)
+            vv = torch.cat([torch.zeros_like(v[..., :1]).expand(*v.shape[:-1], dk), v], dim=-1)
+            cuts = [s] + [c for c in range((s // B + 1) * B, e, B)] + [e]
+            for c0, c1 in zip(cuts[:-1], cuts[1:]):
+                sl = slice(c0 - s, c1 - s)
+                _, state = chunk_rule(q[:, :, sl], k[:, :, sl], vv[:, :, sl], g[:, :, sl], beta[:, :, sl], state)
+            maps.append(state)  # [b, H, dk, dk + dv] = [M | N]
+        maps += [torch.zeros_like(maps[0])] * (routes.max_segments - len(maps))
+        gathered = PendingGather(_tied(torch.stack(maps, 0), ties), plan.group, self.layer_number).result()
+        ties.append(gathered)
+        by_start = {}
+        for i, segs in enumerate(routes.member_segments):
+            for j, (s, e) in enumerate(segs):
+                by_start[s] = (e, gathered[i * routes.max_segments + j])
+        starts, state, p = {0: zero}, zero, 0
+        while p in by_start:
+            e, mn = by_start[p]
+            state = mn[..., :dk] @ state + mn[..., dk:]  # S_end = M S_start + N
+            p = e
+            starts[p] = state
+        return [starts[s] for s, _ in routes.segments]
+
+    # -- noisy blocks --------------------------------------------------------------------------------------
+    def _noisy_blocks(self, mixed, beta_raw, alpha, routes: GDNRoutes, boundaries, received, dtype):
+        K = self.conv_kernel_dim
+        b, _, conv = mixed.shape
+        H = self.num_value_heads // self.tp_size
+        dk, dv = self.key_head_dim, self.value_head_dim
+        states, halos = [], []
+        for blk in routes.noisy_blocks:
+            if blk == 0:
+                states.append(torch.zeros(b, H, dk, dv, dtype=dtype, device=mixed.device))
+                halos.append(mixed.new_zeros(b, K - 1, conv))
+            else:
+                st, ha = received[blk] if blk in received else boundaries[blk]
+                states.append(st)
+                halos.append(ha.to(mixed.dtype))
+        nb, Bsz = routes.noisy_rows.shape
+        idx = routes.noisy_rows.flatten().to(mixed.device)
+        fold = lambda x: x.index_select(1, idx).reshape(b, nb, Bsz, -1).transpose(0, 1).reshape(nb * b, Bsz, -1)
+        x = torch.cat([torch.stack(halos, 0).reshape(nb * b, K - 1, conv), fold(mixed)], dim=1)
+        q, k, v, g, beta = self._features(self._conv(x), fold(beta_raw), fold(alpha), dtype)
+        state = torch.stack(states, 0).reshape(nb * b, H, dk, dv)
+        o, _ = chunk_rule(q, k, v, g, beta, state)  # [nb*b, H, B, dv]
+        o = o.reshape(nb, b, H, Bsz, dv).permute(1, 0, 3, 2, 4).reshape(b, nb * Bsz, H, dv)
+        return o
+
+    def _route_boundaries(self, routes: GDNRoutes, plan, boundaries, b, conv, mixed, dtype, ties):
+        """All-to-all of the boundary payloads over the ring -> {block: (state, halo)} received."""
+        if routes.ring == 1 or not _ring_sends_anything(plan, routes):
+            return {}
+        H = self.num_value_heads // self.tp_size
+        dk, dv = self.key_head_dim, self.value_head_dim
+        K = self.conv_kernel_dim
+        width = H * dk * dv + (K - 1) * conv
+        order = [blk for dest in routes.send_blocks for blk in dest]
+        if order:
+            payload = torch.stack([torch.cat([boundaries[blk][0].reshape(b, -1).to(dtype),
+                                              boundaries[blk][1].reshape(b, -1).to(dtype)], dim=-1)
+                                   for blk in order], 0)
+        else:
+            payload = torch.zeros(0, b, width, dtype=dtype, device=mixed.device)
+        send_index, start = [], 0
+        for dest in routes.send_blocks:
+            send_index.append(torch.arange(start, start + len(dest)))
+            start += len(dest)
+        recv_counts = [len(r) for r in routes.recv_blocks]
+        got = PendingAllToAll(_tied(payload, ties), send_index, recv_counts, plan.group, self.layer_number).result()
+        ties.append(got)
+        out, row = {}, 0
+        for src in routes.recv_blocks:
+            for blk in src:
+                flat = got[row]
+                out[blk] = (flat[:, :H * dk * dv].reshape(b, H, dk, dv),
+                            flat[:, H * dk * dv:].reshape(b, K - 1, conv))
+                row += 1
+        return out
+
+
+def _tied(local: torch.Tensor, ties: List[torch.Tensor]) -> torch.Tensor:
+    """`local` + 0 x (the earlier collectives' outputs): the same values, and a graph edge that
+    makes autograd finish this collective's backward before theirs on every rank."""
+    for t in ties:
+        local = local + 0.0 * t.sum().to(local.dtype)
+    return local
+
+
+def _ring_sends_anything(plan, routes: GDNRoutes) -> bool:
+    """Whether any member of the ring sends a boundary (static; the same answer on every member,
+    so either all of them join the all-to-all or none does)."""
+    key = "gdn_ring_sends"
+    if key not in plan._cache:
+        plan._cache[key] = _any_member_sends(plan, routes)
+    return plan._cache[key]
+
+
+def _any_member_sends(plan, routes: GDNRoutes) -> bool:
+    B = plan.geometry.block_size
+
+    def holder(p):
+        for i, m in enumerate(routes.member_segments):
+            if any(s <= p < e for s, e in m):
+                return i
+
+    for dest, m in enumerate(plan.members):
+        for blk in _noisy_blocks_of(m, B):
+            if blk > 0 and holder(blk * B - 1) != dest:
+                return True
+    return False
+
+
+def is_gdn(module) -> bool:
+    return isinstance(module, BlockDiffusionGatedDeltaNet)
