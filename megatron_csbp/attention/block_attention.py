@@ -184,7 +184,8 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
             for src, chunk in ring_chunks(kv, plan.group, layer):
                 ck, cv = unpack_kv(chunk)
                 parts.append(partial(("ring", src), queries, plan.peers[src], q, ck, cv))
-        return tie(merge_partials([p for p in parts if p is not None])[0])
+        parts = [p for p in parts if p is not None]
+        return tie(merge_partials(parts)[0] if parts else q * 0.0)
 
     n = plan.num_noisy
     noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
@@ -248,7 +249,8 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     clean_parts = [p for p in clean_parts if p is not None]
     if not clean_parts:
         # Only possible when no query sees a clean key (block 0 alone): noisy part is everything.
-        return tie(noisy_part[0])
+        # With no query rows at all (a DFlash rank that owns no block) the output is empty.
+        return tie(noisy_part[0] if noisy_part is not None else q * 0.0)
     clean_out, clean_lse = merge_partials(clean_parts)
     if noisy_part is None:
         return tie(clean_out)

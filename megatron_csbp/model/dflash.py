@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 HF_MODEL_TYPE = "muse_glimmer_assistant"
@@ -319,3 +320,79 @@ def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dt
     if output_dir is not None:
         hf.save_pretrained(output_dir)
     return hf
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+@dataclass
+class DFlashLoss:
+    loss: torch.Tensor  # this rank's partial loss (over the sequence group's weight sum)
+    numerator: torch.Tensor  # detached sum of weighted token losses on this rank
+    metrics: Dict  # weight_sum, acceptance (mean target probability), supervised slots (group-wide)
+
+
+class DFlashTrainingModel(torch.nn.Module):
+    """The drafter plus the verifier's frozen input embeddings and LM head, one sequence per
+    forward, under any `DFlashLayout`. The returned losses sum over the sequence group to the
+    loss of one rank holding everything; gradients likewise."""
+
+    def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, objective, layout,
+                 seq_rank: int = 0, seq_group=None, ring_group=None, transport: str = "allgather"):
+        super().__init__()
+        if embedding.shape[1] != drafter.shape.hidden_size or lm_head.shape[1] != drafter.shape.hidden_size:
+            raise ValueError(f"verifier embeddings {tuple(embedding.shape)} / LM head {tuple(lm_head.shape)} do not "
+                             f"match the drafter's hidden size {drafter.shape.hidden_size}")
+        if objective.block_size != drafter.shape.block_size or layout.block_size != drafter.shape.block_size:
+            raise ValueError(f"--block-size {objective.block_size} differs from the drafter's {drafter.shape.block_size}")
+        self.drafter = drafter
+        self.register_buffer("embedding", embedding.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        self.objective, self.layout = objective, layout
+        self.seq_rank, self.seq_group, self.ring_group, self.transport = seq_rank, seq_group, ring_group, transport
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.group_size == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, group=self.seq_group)
+        return t
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0) -> DFlashLoss:
+        """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
+        rows are read), tokens / loss_mask / doc_ids [L]."""
+        from megatron_csbp.objectives.dflash import document_starts, streamed_cross_entropy
+
+        L = tokens.numel()
+        if L != self.layout.seq_length:
+            raise ValueError(f"sequence of {L} tokens, the layout was built for --seq-length {self.layout.seq_length}")
+        if features.shape[0] != L or features.shape[1] != self.drafter.shape.context_width:
+            raise ValueError(f"features {tuple(features.shape)} must be [{L}, {self.drafter.shape.context_width}] "
+                             f"(len(--target-layer-ids) x hidden)")
+        loss_mask = torch.ones(L, dtype=torch.long) if loss_mask is None else loss_mask
+        doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids
+        sample = self.objective.sample(tokens, loss_mask, doc_ids, sample_index)
+        starts = document_starts(doc_ids.cpu().long())
+        plan = self.layout.plan(self.seq_rank, sample.anchors, sample.doc_starts, starts, self.ring_group,
+                                self.transport)
+        owned = self.layout.owned(sample.anchors, sample.doc_starts)[self.seq_rank]
+        mine = sample.select(owned)
+        device = self.embedding.device
+        B, n = self.objective.block_size, plan.num_noisy
+        draft_tokens = torch.full((n // B, B), self.objective.mask_token_id, dtype=torch.long)
+        draft_tokens[: len(owned)] = mine.draft_tokens
+        draft = self.embedding[draft_tokens.flatten().to(device)][:, None]
+        ctx_pos = plan.local.position[n:]
+        feats = torch.as_tensor(features[ctx_pos.numpy()]).to(device=device, dtype=self.embedding.dtype)[:, None]
+        hidden = self.drafter(draft, feats, plan)[: len(owned) * B, 0]
+        targets = mine.targets.flatten().to(device)
+        sup = targets >= 0
+        idx = sup.nonzero().flatten()
+        ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx],
+                                        self.objective.vocab_chunk)
+        ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
+        num, den, metrics = self.objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
+                                                      sup.view(-1, B), reduce=self._reduce)
+        # A rank without supervised slots still returns a loss attached to every parameter.
+        loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
+        return DFlashLoss(loss, num.detach(), metrics)

@@ -1,0 +1,178 @@
+"""DFlash drafter objective: anchors, weights, streamed CE, D-PACE; and loss and gradients equal on
+1 rank, CP, BP and CSBP (gloo), with the attention bytes each layout moves."""
+import math
+
+import pytest
+import torch
+
+from megatron_csbp.objectives.dflash import (DFlashObjective, document_starts, sample_anchors,
+                                             streamed_cross_entropy, valid_anchor_mask)
+from tests.distributed import run_distributed
+from tests.gradients import gradient_error
+
+
+def test_valid_anchors_and_targets():
+    tokens = torch.arange(100, 116)
+    loss_mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1])
+    doc_ids = torch.tensor([0] * 6 + [1] * 10)
+    valid = valid_anchor_mask(loss_mask, doc_ids)
+    # p valid iff p, p+1 supervised, same document, p+1 < L
+    want = [False, True, True, True, True, False, True, True, True, True, True, True, False, False, True, False]
+    assert valid.tolist() == want
+    assert document_starts(doc_ids).tolist() == [0] * 6 + [6] * 10
+    obj = DFlashObjective(block_size=4, mask_token_id=7, max_anchors=100, gamma=2.0)
+    s = obj.sample(tokens, loss_mask, doc_ids, sample_index=3)
+    assert s.anchors.tolist() == [i for i, v in enumerate(want) if v]
+    i = s.anchors.tolist().index(3)  # block at 3: targets 4, 5 (document 0 ends at 5), then none
+    assert s.draft_tokens[i].tolist() == [103, 7, 7, 7]
+    assert s.targets[i].tolist() == [-100, 104, 105, -100]
+    j = s.anchors.tolist().index(11)  # targets 12, then 13 unsupervised, 14 supervised
+    assert s.targets[j].tolist() == [-100, 112, -100, 114]
+    assert s.position_weights[j].tolist() == pytest.approx([0.0, 1.0, 0.0, math.exp(-1.0)])
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "locality"])
+def test_anchor_sampling(sampling):
+    valid = torch.zeros(200, dtype=torch.bool)
+    valid[10:190] = True
+    draws = [sample_anchors(valid, 16, sampling, 8, torch.Generator().manual_seed(s)) for s in range(300)]
+    for a in draws:
+        assert len(a) == 16 and len(set(a.tolist())) == 16 and bool(valid[a].all())
+        assert torch.equal(a, a.sort().values)
+    if sampling == "locality":  # stride 8 is not coprime with 180 valid positions: moved to 11
+        for a in draws[:20]:
+            assert any(set(a.tolist()) == {10 + (s + 11 * i) % 180 for i in range(16)} for s in range(180))
+    hits = torch.zeros(200)
+    for a in draws:
+        hits[a] += 1
+    # every valid position drawn with frequency ~ 16/180 per draw (300 draws: mean 26.7)
+    assert hits[:10].sum() == 0 and hits[190:].sum() == 0
+    assert 10 < hits[10:190].min() and hits[10:190].max() < 50
+
+
+def test_streamed_cross_entropy_matches_full_logits():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    head = torch.randn(37, 6, dtype=torch.float64, generator=g)
+    t = torch.randint(0, 37, (9,), generator=g)
+    ce = streamed_cross_entropy(h, head, t, chunk=5)
+    ref = torch.nn.functional.cross_entropy(h @ head.T, t, reduction="none")
+    assert torch.allclose(ce, ref, atol=1e-12)
+    w = torch.randn(9, dtype=torch.float64, generator=g)
+    (gh,) = torch.autograd.grad((ce * w).sum(), h)
+    (rh,) = torch.autograd.grad((ref * w).sum(), h)
+    assert torch.allclose(gh, rh, atol=1e-12)
+
+
+def test_dpace_weights_by_hand():
+    obj = DFlashObjective(block_size=4, mask_token_id=0, loss="dpace", dpace_alpha=0.5, kl_scale=1.0, kl_decay=1.0)
+    p = torch.tensor([[1.0, 0.5, 0.25, 0.8]], dtype=torch.float64)
+    ce = -p.log()
+    sup = torch.tensor([[False, True, True, True]])
+    num, den, m = obj.token_loss(ce, torch.zeros(1, 4), sup)
+    s = [1.0, 0.75, 0.625, 0.9]  # (1-a) p + a on supervised slots, 1 on slot 0
+    P = [1.0, 0.75, 0.75 * 0.625, 0.75 * 0.625 * 0.9]
+    w = [0.0, P[1] + P[2] + P[3], P[2] + P[3], P[3]]
+    acc = (0.5 + 0.25 + 0.8) / 3
+    c = math.exp(-acc)
+    want = sum(w[k] * (c * float(ce[0, k]) + (1 - c) * (1 - float(p[0, k]))) for k in range(1, 4))
+    assert float(den) == pytest.approx(sum(w), rel=1e-6)
+    assert float(num) == pytest.approx(want, rel=1e-6)
+    assert m["acceptance"] == pytest.approx(acc)
+    assert s[0] == 1.0
+
+
+# ---- layouts on gloo ------------------------------------------------------------------------------
+
+SHAPE = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+             ffn_hidden_size=48, target_layer_ids=[1, 3], block_size=4, mask_token_id=5, rotary_base=10000.0,
+             layer_types=["sliding_attention", "full_attention"], sliding_window=11)
+L, VOCAB = 64, 40
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(6, VOCAB, (L,), generator=g)
+    loss_mask = torch.ones(L, dtype=torch.long)
+    loss_mask[:5] = 0
+    doc_ids = torch.tensor([0] * 23 + [1] * 30 + [2] * 11)
+    features = torch.randn(L, 2 * SHAPE["hidden_size"], generator=g)
+    embedding = torch.randn(VOCAB, SHAPE["hidden_size"], generator=g)
+    head = torch.randn(VOCAB, SHAPE["hidden_size"], generator=g) * 0.3
+    return tokens, loss_mask, doc_ids, features, embedding, head
+
+
+def drafter_rank(rank, world, cp, bp, loss_kind, transport, sampling):
+    import warnings
+
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.attention.accounting import traffic_counter
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape
+
+    warnings.simplefilter("ignore")
+    bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
+    from megatron_csbp.model.dflash import drafter_transformer_config
+
+    shape = DrafterShape(**SHAPE)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(shape, drafter_transformer_config(shape, perform_initialization=True))
+    with torch.no_grad():  # norms away from 1 so their gradients are exercised
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    tokens, loss_mask, doc_ids, features, embedding, head = _data()
+    obj = DFlashObjective(block_size=4, mask_token_id=5, max_anchors=11, sampling=sampling, gamma=3.0, loss=loss_kind,
+                          vocab_chunk=16)
+    layout = DFlashLayout(L, 4, cp, bp)
+    ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
+    model = DFlashTrainingModel(drafter, embedding, head, obj, layout, seq_rank=mpu.get_context_parallel_rank(),
+                                seq_group=mpu.get_context_parallel_group(), ring_group=ring, transport=transport)
+    traffic_counter().reset()
+    out = model(features, tokens, loss_mask, doc_ids, sample_index=5)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
+    return {"loss": float(out.loss), "grads": grads, "bytes": traffic_counter().total, "metrics": out.metrics}
+
+
+def _summed(results):
+    loss = sum(r["loss"] for r in results)
+    grads = {k: sum(r["grads"][k] for r in results) for k in results[0]["grads"]}
+    return loss, grads
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: run_distributed(drafter_rank, 1, 1, 1, kind, "allgather", "uniform")[0] for kind in ("ce", "dpace")}
+
+
+# fp32 error model: the layouts differ only in the order of the softmax merge (fp32 lse merge) and
+# of the gradient sums over ranks: ~1e-7 relative per op, a few hundred ops deep: bound 1e-5 on
+# the loss and 1e-4 on the worst gradient tensor, 1e-5 on the gradient norm.
+@pytest.mark.parametrize("cp,bp,transport,loss_kind", [
+    (2, 2, "allgather", "ce"),   # CSBP
+    (2, 2, "ring", "dpace"),     # CSBP, ring transport, D-PACE (group-wide acceptance)
+    (1, 2, "allgather", "ce"),   # BP
+    (2, 1, "allgather", "ce"),   # CP baseline (all K/V move)
+])
+def test_layouts_match_one_rank(references, cp, bp, transport, loss_kind):
+    ref = references[loss_kind]
+    results = run_distributed(drafter_rank, max(cp, bp), cp, bp, loss_kind, transport, "uniform")
+    loss, grads = _summed(results)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    worst, rel = gradient_error([(grads[k], ref["grads"][k]) for k in grads])
+    assert worst < 1e-4 and rel < 1e-5, (worst, rel)
+    assert all(r["metrics"]["supervised"] == ref["metrics"]["supervised"] for r in results)
+    if bp > 1 and cp == 1:
+        assert all(r["bytes"] == 0 for r in results)
+    else:
+        assert all(r["bytes"] > 0 for r in results)
+
+
+def test_csbp_moves_fewer_bytes_than_cp(references):
+    csbp = run_distributed(drafter_rank, 2, 2, 2, "ce", "allgather", "locality")
+    cp = run_distributed(drafter_rank, 2, 2, 1, "ce", "allgather", "locality")
+    # CP moves the K/V of context and draft rows; CSBP only the context's.
+    assert max(r["bytes"] for r in csbp) < min(r["bytes"] for r in cp)
