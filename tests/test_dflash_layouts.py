@@ -102,19 +102,10 @@ def _data():
     return tokens, loss_mask, doc_ids, features, embedding, head
 
 
-def drafter_rank(rank, world, cp, bp, loss_kind, transport, sampling):
-    import warnings
-
-    from megatron.core import parallel_state as mpu
-
-    from megatron_csbp import parallel_state as bps
+def _run_case(cp, bp, loss_kind, transport, sampling, seq_rank, seq_group, ring_group):
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.layout.dflash import DFlashLayout
-    from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape
-
-    warnings.simplefilter("ignore")
-    bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
-    from megatron_csbp.model.dflash import drafter_transformer_config
+    from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, drafter_transformer_config
 
     shape = DrafterShape(**SHAPE)
     torch.manual_seed(0)
@@ -127,9 +118,8 @@ def drafter_rank(rank, world, cp, bp, loss_kind, transport, sampling):
     obj = DFlashObjective(block_size=4, mask_token_id=5, max_anchors=11, sampling=sampling, gamma=3.0, loss=loss_kind,
                           vocab_chunk=16)
     layout = DFlashLayout(L, 4, cp, bp)
-    ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
-    model = DFlashTrainingModel(drafter, embedding, head, obj, layout, seq_rank=mpu.get_context_parallel_rank(),
-                                seq_group=mpu.get_context_parallel_group(), ring_group=ring, transport=transport)
+    model = DFlashTrainingModel(drafter, embedding, head, obj, layout, seq_rank=seq_rank, seq_group=seq_group,
+                                ring_group=ring_group, transport=transport)
     traffic_counter().reset()
     out = model(features, tokens, loss_mask, doc_ids, sample_index=5)
     out.loss.backward()
@@ -137,42 +127,82 @@ def drafter_rank(rank, world, cp, bp, loss_kind, transport, sampling):
     return {"loss": float(out.loss), "grads": grads, "bytes": traffic_counter().total, "metrics": out.metrics}
 
 
-def _summed(results):
-    loss = sum(r["loss"] for r in results)
-    grads = {k: sum(r["grads"][k] for r in results) for k in results[0]["grads"]}
+def layouts_rank(rank, world, cp, bp, cases):
+    """Every case on one process group setup: the sequence group holds all `world` ranks; the
+    one-rank references run on each rank alone (no collective)."""
+    import warnings
+
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import parallel_state as bps
+
+    warnings.simplefilter("ignore")
+    bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
+    seq_group, seq_rank = mpu.get_context_parallel_group(), mpu.get_context_parallel_rank()
+    out = {}
+    for name, (ccp, cbp, loss_kind, transport, sampling) in cases.items():
+        if max(ccp, cbp) == 1:
+            out[name] = _run_case(1, 1, loss_kind, transport, sampling, 0, None, None)
+            continue
+        ring = bps.get_clean_ring_group() if ccp == cp else seq_group
+        out[name] = _run_case(ccp, cbp, loss_kind, transport, sampling, seq_rank, seq_group, ring)
+    return out
+
+
+def _summed(results, name):
+    loss = sum(r[name]["loss"] for r in results)
+    grads = {k: sum(r[name]["grads"][k] for r in results) for k in results[0][name]["grads"]}
     return loss, grads
 
 
-@pytest.fixture(scope="module")
-def references():
-    return {kind: run_distributed(drafter_rank, 1, 1, 1, kind, "allgather", "uniform")[0] for kind in ("ce", "dpace")}
+def _check(results, name, ref_name):
+    ref = results[0][ref_name]
+    loss, grads = _summed(results, name)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    worst, rel = gradient_error([(grads[k], ref["grads"][k]) for k in grads])
+    assert worst < 1e-4 and rel < 1e-5, (name, worst, rel)
+    assert all(r[name]["metrics"]["supervised"] == ref["metrics"]["supervised"] for r in results)
 
 
 # fp32 error model: the layouts differ only in the order of the softmax merge (fp32 lse merge) and
 # of the gradient sums over ranks: ~1e-7 relative per op, a few hundred ops deep: bound 1e-5 on
-# the loss and 1e-4 on the worst gradient tensor, 1e-5 on the gradient norm.
-@pytest.mark.parametrize("cp,bp,transport,loss_kind", [
-    (2, 2, "allgather", "ce"),   # CSBP
-    (2, 2, "ring", "dpace"),     # CSBP, ring transport, D-PACE (group-wide acceptance)
-    (1, 2, "allgather", "ce"),   # BP
-    (2, 1, "allgather", "ce"),   # CP baseline (all K/V move)
-])
-def test_layouts_match_one_rank(references, cp, bp, transport, loss_kind):
-    ref = references[loss_kind]
-    results = run_distributed(drafter_rank, max(cp, bp), cp, bp, loss_kind, transport, "uniform")
-    loss, grads = _summed(results)
-    assert loss == pytest.approx(ref["loss"], rel=1e-5)
-    worst, rel = gradient_error([(grads[k], ref["grads"][k]) for k in grads])
-    assert worst < 1e-4 and rel < 1e-5, (worst, rel)
-    assert all(r["metrics"]["supervised"] == ref["metrics"]["supervised"] for r in results)
-    if bp > 1 and cp == 1:
-        assert all(r["bytes"] == 0 for r in results)
-    else:
-        assert all(r["bytes"] > 0 for r in results)
+# the loss and the gradient norm, 1e-4 on the worst gradient tensor.
+CASES_2 = {
+    "ref_ce": (1, 1, "ce", "allgather", "uniform"),
+    "ref_dpace": (1, 1, "dpace", "allgather", "uniform"),
+    "csbp": (2, 2, "ce", "allgather", "uniform"),
+    "csbp_ring_dpace": (2, 2, "dpace", "ring", "uniform"),
+    "bp": (1, 2, "ce", "allgather", "uniform"),
+    "cp": (2, 1, "ce", "allgather", "uniform"),
+}
 
 
-def test_csbp_moves_fewer_bytes_than_cp(references):
-    csbp = run_distributed(drafter_rank, 2, 2, 2, "ce", "allgather", "locality")
-    cp = run_distributed(drafter_rank, 2, 2, 1, "ce", "allgather", "locality")
+def test_layouts_match_one_rank_on_two_ranks():
+    """1 rank vs CSBP (all-gather and ring, CE and D-PACE), BP and CP on 2 gloo ranks; bytes."""
+    results = run_distributed(layouts_rank, 2, 2, 2, CASES_2)
+    for name, ref in [("csbp", "ref_ce"), ("csbp_ring_dpace", "ref_dpace"), ("bp", "ref_ce"), ("cp", "ref_ce")]:
+        _check(results, name, ref)
+    assert all(r["bp"]["bytes"] == 0 for r in results)
     # CP moves the K/V of context and draft rows; CSBP only the context's.
-    assert max(r["bytes"] for r in csbp) < min(r["bytes"] for r in cp)
+    assert 0 < max(r["csbp"]["bytes"] for r in results) < min(r["cp"]["bytes"] for r in results)
+
+
+@pytest.mark.slow
+def test_locality_sampling_layouts_on_two_ranks():
+    cases = {"ref": (1, 1, "ce", "allgather", "locality"), "csbp": (2, 2, "ce", "allgather", "locality"),
+             "cp": (2, 1, "ce", "allgather", "locality"), "bp": (1, 2, "dpace", "allgather", "locality"),
+             "ref_dpace": (1, 1, "dpace", "allgather", "locality")}
+    results = run_distributed(layouts_rank, 2, 2, 2, cases)
+    _check(results, "csbp", "ref")
+    _check(results, "cp", "ref")
+    _check(results, "bp", "ref_dpace")
+
+
+@pytest.mark.slow
+def test_csbp_two_rings_on_four_ranks():
+    """CP = 2, BP = 4: two clean rings, anchors dealt over four ranks."""
+    cases = {"ref": (1, 1, "ce", "allgather", "uniform"), "csbp": (2, 4, "ce", "allgather", "uniform"),
+             "ref_dpace": (1, 1, "dpace", "allgather", "locality"), "csbp_dpace": (2, 4, "dpace", "ring", "locality")}
+    results = run_distributed(layouts_rank, 4, 2, 4, cases)
+    _check(results, "csbp", "ref")
+    _check(results, "csbp_dpace", "ref_dpace")
