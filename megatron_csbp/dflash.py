@@ -263,7 +263,7 @@ def train(a) -> Dict:
                         torch.from_numpy(item["loss_mask"].astype(np.int64)),
                         torch.from_numpy(item["doc_ids"].astype(np.int64)), sample_index=index)
             (out.loss / (a.micro_batch_size * dp)).backward()
-            total += float(out.loss)
+            total += float(out.loss.detach())
             acc += out.metrics["acceptance"]
         # Gradients and losses: summed over the sequence group (partial losses), averaged over DP.
         for p in drafter.parameters():
