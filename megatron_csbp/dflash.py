@@ -226,7 +226,12 @@ def train(a) -> Dict:
         raise ValueError(f"--target-layer-ids {a.target_layer_ids} differ from the captured features' "
                          f"{data.meta['target_layer_ids']}")
     a.target_layer_ids = data.meta["target_layer_ids"]
+    if a.seq_length not in (None, L):
+        raise ValueError(f"--seq-length {a.seq_length} differs from the captured features' {L}")
     a.seq_length = L
+    if a.global_batch_size not in (None, a.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {a.global_batch_size} must be --micro-batch-size {a.micro_batch_size} "
+                         f"x data-parallel size {dp}")
     embedding, head = verifier_embeddings(a.verifier)
     if a.mask_token_id is None or not 0 <= a.mask_token_id < embedding.shape[0]:
         raise ValueError(f"--mask-token-id {a.mask_token_id} must be a token of the verifier's vocabulary "
@@ -416,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
     t.add_argument("--train-iters", type=int, default=100)
     t.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per step (accumulated)")
+    t.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per step; must be --micro-batch-size x data-parallel size (default: that)")
+    t.add_argument("--seq-length", type=int, default=None, help="must equal the captured features' (default: theirs)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--lr-warmup-iters", type=int, default=0)
     t.add_argument("--weight-decay", type=float, default=0.0)
