@@ -355,11 +355,21 @@ def evaluate_cli(a) -> Dict:
 
     verifier = load_verifier(a.verifier)
     drafter = MuseGlimmerAssistantModel.from_pretrained(a.drafter, dtype=torch.float32).eval()
-    data = FeatureDataset(a.features_path)
     prompts = []
-    for i in range(len(data) - a.eval_sequences, len(data)):
-        item = data[i]
-        prompts.append(item["tokens"][: a.prompt_length].astype(np.int64).tolist())
+    if a.prompts_data_path:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        docs = IndexedDataset(a.prompts_data_path)
+        for i in range(len(docs) - 1, -1, -1):  # the last documents with a full prompt
+            if len(prompts) == a.eval_sequences:
+                break
+            ids = np.asarray(docs[i], dtype=np.int64)
+            if len(ids) > a.prompt_length:
+                prompts.append(ids[: a.prompt_length].tolist())
+    else:
+        data = FeatureDataset(a.features_path)
+        for i in range(len(data) - a.eval_sequences, len(data)):
+            prompts.append(data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist())
     result = evaluate(verifier, drafter, prompts, a.max_new_tokens)
     print(json.dumps(result, indent=1))
     return result
@@ -442,7 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("evaluate", help="transformers' DFlash decoding vs the verifier alone, held-out prompts")
     v.add_argument("--verifier", required=True)
     v.add_argument("--drafter", required=True, help="exported Hugging Face drafter")
-    v.add_argument("--features-path", required=True, help="prompts: the last --eval-sequences captured sequences")
+    v.add_argument("--features-path", default=None, help="prompts: the last --eval-sequences captured sequences")
+    v.add_argument("--prompts-data-path", default=None,
+                   help="prompts instead from the last --eval-sequences documents of this indexed dataset")
     v.add_argument("--eval-sequences", type=int, default=8)
     v.add_argument("--prompt-length", type=int, default=32)
     v.add_argument("--max-new-tokens", type=int, default=48)
@@ -458,6 +470,8 @@ def check_args(a) -> None:
             raise ValueError(f"--block-size must be >= 2 for DFlash, got {a.block_size}")
         if a.micro_batch_size < 1 or a.train_iters < 0:
             raise ValueError("--micro-batch-size must be >= 1 and --train-iters >= 0")
+    if a.command == "evaluate" and not (a.features_path or a.prompts_data_path):
+        raise ValueError("evaluate needs --features-path or --prompts-data-path (where the prompts come from)")
 
 
 def main(argv: Optional[Sequence[str]] = None):

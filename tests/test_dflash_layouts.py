@@ -206,3 +206,21 @@ def test_csbp_two_rings_on_four_ranks():
     results = run_distributed(layouts_rank, 4, 2, 4, cases)
     _check(results, "csbp", "ref")
     _check(results, "csbp_dpace", "ref_dpace")
+
+
+def test_planner_drafter_work():
+    """The planner's per-rank drafter counts: rows and pairs partition the one-rank totals, the
+    pairing balances the attention work, CSBP receives only context rows, CP all rows."""
+    from megatron_csbp.planner.work import drafter_rank_work
+
+    (one,) = drafter_rank_work(4096, 16, 64, 1, 1)
+    assert one.draft_rows == 64 * 16 and one.exchange_rows == 0
+    for cp, bp in [(2, 1), (1, 2), (2, 2), (4, 8)]:
+        ranks = drafter_rank_work(4096, 16, 64, cp, bp)
+        assert len(ranks) == max(cp, bp)
+        assert sum(w.sparse_pairs for w in ranks) == one.sparse_pairs
+        assert max(w.sparse_pairs for w in ranks) <= 1.05 * one.sparse_pairs / len(ranks)
+        if cp > 1:
+            assert all(w.context_rows == 4096 // cp for w in ranks)
+    csbp, cp_only = drafter_rank_work(4096, 16, 64, 2, 2), drafter_rank_work(4096, 16, 64, 2, 1)
+    assert csbp[0].exchange_rows == 2048 and cp_only[0].exchange_rows == 2048 + 512

@@ -5,13 +5,17 @@ transformers' own DFlash decoding.
 
 1. The shipped corpus (megatron_csbp/data) -> a Megatron indexed dataset (`megatron_csbp.data.preprocess`).
 2. A tiny Qwen3 verifier (config made here: 4 layers, hidden 64, the shipped 1024-piece tokenizer)
-   trained briefly as a causal LM with torch AdamW on the packed corpus (10% of the documents held
-   out), saved as a Hugging Face checkpoint.
-3. `python -m megatron_csbp.dflash prepare-features` with --target-layer-ids 1 3 (sharded memmaps).
+   trained briefly as a causal LM with torch AdamW on the packed corpus (its last 10% held out),
+   saved as a Hugging Face checkpoint.
+3. Distillation data, as DFlash drafters are trained: every document's first --prompt-length
+   tokens (except the last --eval-sequences documents, kept for evaluation) continued greedily by
+   the verifier to --seq-length tokens; `python -m megatron_csbp.dflash prepare-features` on it
+   with --target-layer-ids 1 3 (sharded memmaps).
 4. `python -m megatron_csbp.dflash train` on 2 gloo ranks with CSBP (--context-parallel-size 2
    --block-parallel-size 2), block size 8, mask token `<mask>` (id 4).
 5. `python -m megatron_csbp.dflash export` -> MuseGlimmerAssistantModel.
-6. `python -m megatron_csbp.dflash evaluate`: held-out prompts decoded greedily by the verifier
+6. `python -m megatron_csbp.dflash evaluate`: prompts from the last --eval-sequences corpus
+   documents (held out from the drafter's data) decoded greedily by the verifier
    alone and with `generate(..., assistant_model=drafter)` (speculation_type "dflash"); prints
    whether the outputs are identical and the mean tokens per verifier step.
 """
@@ -87,6 +91,37 @@ def train_verifier(path: str, prefix: str, steps: int, seq: int = 128, batch: in
     return {"train_loss": float(loss), "heldout_loss": eval_loss, "sequences": len(tokens), "train_sequences": n_train}
 
 
+@torch.no_grad()
+def regenerate(verifier_path: str, prefix: str, out_prefix: str, prompt_length: int, new_tokens: int,
+               held_out: int, batch: int = 64) -> dict:
+    """Distillation data: prompts of `prompt_length` tokens taken every prompt + continuation tokens
+    of each training document, each followed by the verifier's greedy continuation of `new_tokens`
+    tokens (the last `held_out` documents are left out: their prompts are the evaluation's).
+    Written as an indexed dataset, one document per prompt."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_path).eval()
+    docs = IndexedDataset(prefix)
+    prompts = []
+    for i in range(len(docs) - held_out):  # a prompt every (prompt + continuation) tokens of the document
+        ids = np.asarray(docs[i], dtype=np.int64)
+        step = prompt_length + new_tokens
+        prompts += [ids[s:s + prompt_length] for s in range(0, len(ids) - prompt_length + 1, step)]
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=None)
+    builder = IndexedDatasetBuilder(out_prefix + ".bin", dtype=DType.optimal_dtype(verifier.config.vocab_size))
+    t0 = time.time()
+    for start in range(0, len(prompts), batch):
+        ids = torch.as_tensor(np.stack(prompts[start:start + batch]))
+        out = verifier.generate(ids, generation_config=cfg)
+        for row in out:
+            builder.add_document(row, [len(row)])
+        print(f"regenerated {min(start + batch, len(prompts))}/{len(prompts)} ({time.time() - t0:.0f}s)", flush=True)
+    builder.finalize(out_prefix + ".idx")
+    return {"documents": len(prompts), "prompt_length": prompt_length, "new_tokens": new_tokens}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/dflash")
@@ -94,7 +129,8 @@ def main(argv=None):
     p.add_argument("--drafter-steps", type=int, default=150)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--max-sequences", type=int, default=None, help="capture only this many sequences")
-    p.add_argument("--eval-sequences", type=int, default=12)
+    p.add_argument("--eval-sequences", type=int, default=12, help="held-out corpus documents whose prompts are decoded")
+    p.add_argument("--prompt-length", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=48)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -108,10 +144,14 @@ def main(argv=None):
     report = {}
     if not os.path.exists(os.path.join(verifier, "config.json")):
         report["verifier"] = train_verifier(verifier, prefix, a.verifier_steps, a.seq_length)
+    regen = os.path.join(w, "regenerated_text_document")
+    if not os.path.exists(regen + ".idx"):
+        report["regenerated"] = regenerate(verifier, prefix, regen, a.prompt_length, a.seq_length - a.prompt_length - 1,
+                                           a.eval_sequences, )
     features = os.path.join(w, "features")
-    cap = ["megatron_csbp.dflash", "prepare-features", "--hf-path", verifier, "--data-path", prefix,
+    cap = ["megatron_csbp.dflash", "prepare-features", "--hf-path", verifier, "--data-path", regen,
            "--seq-length", str(a.seq_length), "--target-layer-ids", "1", "3", "--output", features,
-           "--shard-size", "64"]
+           "--shard-size", "64", "--eod-token-id", "3"]
     if a.max_sequences:
         cap += ["--max-sequences", str(a.max_sequences)]
     run(*cap)
@@ -121,13 +161,14 @@ def main(argv=None):
         "--ffn-hidden-size", "192", "--block-size", "8", "--mask-token-id", "4",
         "--context-parallel-size", "2", "--block-parallel-size", "2", "--train-iters", str(a.drafter_steps),
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "10", "--dflash-max-anchors", "32",
-        "--eval-sequences", str(a.eval_sequences), "--log-interval", "10", "--save", drafter, world=2)
+        "--log-interval", "10", "--save", drafter, world=2)
     hf_drafter = os.path.join(w, "drafter_hf")
     run("megatron_csbp.dflash", "export", "--load", drafter, "--output", hf_drafter)
     out = os.path.join(w, "evaluate.json")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "megatron_csbp.dflash", "evaluate", "--verifier", verifier, "--drafter", hf_drafter,
-           "--features-path", features, "--eval-sequences", str(a.eval_sequences), "--max-new-tokens",
+           "--prompts-data-path", prefix, "--eval-sequences", str(a.eval_sequences), "--prompt-length",
+           str(a.prompt_length), "--max-new-tokens",
            str(a.max_new_tokens)]
     print("$", " ".join(cmd[1:]), flush=True)
     result = json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout)
