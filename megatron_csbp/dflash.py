@@ -461,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def train_parser() -> argparse.ArgumentParser:
+    """The parser of `train` (what `python -m megatron_csbp.train --objective dflash` accepts)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
 def check_args(a) -> None:
     if a.command == "prepare-features":
         if a.seq_length <= 0 or a.shard_size <= 0:
