@@ -1,7 +1,7 @@
 """DFlash drafter end to end on CPU: verifier, features, CSBP drafter training, Hugging Face export,
 transformers' own DFlash decoding.
 
-    python examples/dflash/run.py [--workdir runs/dflash] [--verifier-steps 400] [--drafter-steps 150]
+    python examples/dflash/run.py [--workdir runs/dflash] [--verifier-steps 300] [--drafter-steps 1000]
 
 1. The shipped corpus (megatron_csbp/data) -> a Megatron indexed dataset (`megatron_csbp.data.preprocess`).
 2. A tiny Qwen3 verifier (config made here: 4 layers, hidden 64, the shipped 1024-piece tokenizer)
@@ -125,8 +125,8 @@ def regenerate(verifier_path: str, prefix: str, out_prefix: str, prompt_length: 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/dflash")
-    p.add_argument("--verifier-steps", type=int, default=400)
-    p.add_argument("--drafter-steps", type=int, default=150)
+    p.add_argument("--verifier-steps", type=int, default=300)
+    p.add_argument("--drafter-steps", type=int, default=1000)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--max-sequences", type=int, default=None, help="capture only this many sequences")
     p.add_argument("--eval-sequences", type=int, default=12, help="held-out corpus documents whose prompts are decoded")
@@ -160,7 +160,7 @@ def main(argv=None):
         "--num-layers", "2", "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
         "--ffn-hidden-size", "192", "--block-size", "8", "--mask-token-id", "4",
         "--context-parallel-size", "2", "--block-parallel-size", "2", "--train-iters", str(a.drafter_steps),
-        "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "10", "--dflash-max-anchors", "32",
+        "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "20", "--dflash-max-anchors", "64",
         "--log-interval", "10", "--save", drafter, world=2)
     hf_drafter = os.path.join(w, "drafter_hf")
     run("megatron_csbp.dflash", "export", "--load", drafter, "--output", hf_drafter)
