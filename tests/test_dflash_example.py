@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_dflash_example_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dflash", "run.py"), "--workdir", str(tmp_path),
-                    "--verifier-steps", "60", "--drafter-steps", "20", "--max-sequences", "96",
+                    "--verifier-steps", "60", "--drafter-steps", "20", "--max-prompts", "96",
                     "--eval-sequences", "4", "--max-new-tokens", "24"], check=True, env=env, cwd=ROOT)
     report = json.load(open(tmp_path / "evaluate.json"))
     ev = report["evaluate"]

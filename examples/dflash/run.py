@@ -93,7 +93,7 @@ def train_verifier(path: str, prefix: str, steps: int, seq: int = 128, batch: in
 
 @torch.no_grad()
 def regenerate(verifier_path: str, prefix: str, out_prefix: str, prompt_length: int, new_tokens: int,
-               held_out: int, batch: int = 64) -> dict:
+               held_out: int, batch: int = 64, max_prompts=None) -> dict:
     """Distillation data: prompts of `prompt_length` tokens taken every prompt + continuation tokens
     of each training document, each followed by the verifier's greedy continuation of `new_tokens`
     tokens (the last `held_out` documents are left out: their prompts are the evaluation's).
@@ -108,6 +108,7 @@ def regenerate(verifier_path: str, prefix: str, out_prefix: str, prompt_length: 
         ids = np.asarray(docs[i], dtype=np.int64)
         step = prompt_length + new_tokens
         prompts += [ids[s:s + prompt_length] for s in range(0, len(ids) - prompt_length + 1, step)]
+    prompts = prompts[:max_prompts]
     cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=None)
     builder = IndexedDatasetBuilder(out_prefix + ".bin", dtype=DType.optimal_dtype(verifier.config.vocab_size))
@@ -129,6 +130,7 @@ def main(argv=None):
     p.add_argument("--drafter-steps", type=int, default=1000)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--max-sequences", type=int, default=None, help="capture only this many sequences")
+    p.add_argument("--max-prompts", type=int, default=None, help="regenerate only this many prompts")
     p.add_argument("--eval-sequences", type=int, default=12, help="held-out corpus documents whose prompts are decoded")
     p.add_argument("--prompt-length", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -147,7 +149,7 @@ def main(argv=None):
     regen = os.path.join(w, "regenerated_text_document")
     if not os.path.exists(regen + ".idx"):
         report["regenerated"] = regenerate(verifier, prefix, regen, a.prompt_length, a.seq_length - a.prompt_length - 1,
-                                           a.eval_sequences, )
+                                           a.eval_sequences, max_prompts=a.max_prompts)
     features = os.path.join(w, "features")
     cap = ["megatron_csbp.dflash", "prepare-features", "--hf-path", verifier, "--data-path", regen,
            "--seq-length", str(a.seq_length), "--target-layer-ids", "1", "3", "--output", features,
