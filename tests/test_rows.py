@@ -50,3 +50,30 @@ def test_empty_sides():
         m = PartialMask.of(q, k, geometry)
         assert m.allowed_pairs() == 0 and m.dense().shape == (len(q), len(k))
         assert m.keys_seen().shape == (len(k),) and not m.keys_seen().any()
+
+
+def test_anchored_rows_equal_the_dflash_predicate():
+    """DFlash draft blocks (`masks.anchored_allowed`) as row vectors: same pairs, tiles exact."""
+    from megatron_csbp.layout.masks import AnchoredGeometry
+
+    gen = torch.Generator().manual_seed(5)
+    for window in (None, 6, 11):
+        geometry = AnchoredGeometry(4, window)
+        anchors = torch.tensor([3, 9, 17, 30])
+        doc_starts = torch.tensor([0, 5, 5, 20])
+        ctx = torch.arange(40)
+        ctx_doc = torch.where(ctx < 5, 0, torch.where(ctx < 20, 5, 20))
+        rows = RowMeta.anchored(anchors, doc_starts, 4, ctx, ctx_doc)
+        perm = torch.randperm(len(rows), generator=gen)
+        for q, k in [(rows, rows), (rows.select(perm[:30]), rows.select(perm))]:
+            dense = allowed(q, k, geometry)
+            m = PartialMask.of(q, k, geometry)
+            assert torch.equal(m.dense(), dense)
+            assert m.allowed_pairs() == int(dense.sum())
+            assert torch.equal(m.keys_seen(), dense.any(0))
+            table = m.tiles(8, 8)
+            for i in range(table.occupied.shape[0]):
+                for j in range(table.occupied.shape[1]):
+                    tile = dense[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8]
+                    assert bool(table.occupied[i, j]) == bool(tile.any())
+                    assert bool(table.full[i, j]) == bool(tile.all() and tile.numel() > 0)

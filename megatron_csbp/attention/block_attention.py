@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_csbp.attention.kernels import PartialMerge, merge_partials
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather, pack_kv, ring_chunks, unpack_kv
 from megatron_csbp.layout.exchange import WindowExchangePlan
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask
 
 
@@ -59,6 +59,8 @@ class AttentionPlan:
     # Sequence parallelism orders each TP shard [noisy | clean]; row j of the physical input is
     # local row physical_order[j]. None means the physical order is the local order.
     physical_order: Optional[torch.Tensor] = None
+    # False: clean rows are keys only (DFlash context): q and the output hold the noisy rows alone.
+    clean_queries: bool = True
     # Masks (row vectors, with what kernels derive from them) and window plans: static, owned
     # by the plan and freed with it. Bounded: one entry per (part, window, device), parts being
     # the plan's few partials (noisy, clean, one per ring member).
@@ -71,6 +73,13 @@ class AttentionPlan:
             assert self.group is not None and self.peers is not None
         if self.exchange == "none":
             assert bool(self.local.is_clean[self.num_noisy :].all()), "local rows must be [noisy ; clean]"
+        if not self.clean_queries:
+            assert self.physical_order is None, "key-only clean rows are not supported with sequence parallelism"
+
+    @property
+    def num_query_rows(self) -> int:
+        """Rows of q (and of the output) this plan expects."""
+        return len(self.local) if self.clean_queries else self.num_noisy
 
     def window_exchange(self, geometry: BlockGeometry) -> WindowExchangePlan:
         """The static windowed clean exchange of this rank for a sliding-window layer."""
@@ -127,6 +136,9 @@ class AttentionPlan:
         pos = self.local.position[: self.num_noisy]
         if self.num_noisy % B:
             return False
+        if isinstance(self.geometry, AnchoredGeometry):
+            anchor = self.local.anchor[: self.num_noisy].view(-1, B)
+            return bool((anchor == anchor[:, :1]).all() and (pos.view(-1, B) - anchor == torch.arange(B)).all())
         starts = pos.view(-1, B)
         return bool((starts % B == torch.arange(B)).all() and (starts // B == starts[:, :1] // B).all())
 
@@ -157,6 +169,10 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
     geometry = plan.geometry.with_window(window) if window != plan.geometry.window else plan.geometry
     device = q.device
     local = plan.local
+    if q.shape[0] != plan.num_query_rows:
+        raise RuntimeError(f"q has {q.shape[0]} rows, the plan expects {plan.num_query_rows}")
+    # Query metadata: every local row, or the noisy rows alone when clean rows are keys only.
+    queries = local if plan.clean_queries else local.select(slice(0, plan.num_noisy))
 
     # Chunks that arrived over the network but have no allowed pair are skipped; they stay tied
     # to the output with a zero so that every rank runs the same backward collectives.
@@ -184,16 +200,16 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
         if plan.transport == "allgather":
             gathered = PendingGather(kv, plan.group, layer).result()
             gk, gv = unpack_kv(gathered)
-            part = partial(("all",), local, RowMeta.cat(plan.peers), q, gk, gv)
+            part = partial(("all",), queries, RowMeta.cat(plan.peers), q, gk, gv)
             if part is not None:
                 parts.add(*part)
         else:
             for src, chunk in ring_chunks(kv, plan.group, layer):
                 ck, cv = unpack_kv(chunk)
-                part = partial(("ring", src), local, plan.peers[src], q, ck, cv)
+                part = partial(("ring", src), queries, plan.peers[src], q, ck, cv)
                 if part is not None:
                     parts.add(*part)
-        return tie(parts.result()[0])
+        return tie(parts.result()[0] if parts.count else q * 0.0)
 
     n = plan.num_noisy
     noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
@@ -232,14 +248,14 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
             clean_parts.add(*part)
 
     if plan.exchange == "none":
-        add_clean(partial(("clean",), local, clean_rows, q, k[n:], v[n:]))
+        add_clean(partial(("clean",), queries, clean_rows, q, k[n:], v[n:]))
     elif windowed is not None:
         recv_rows = RowMeta.cat(windowed.recv_rows)
         # Derived even when nothing arrived: the empty result keeps the all-to-all's backward
         # (which this rank's sent rows need) in the graph.
         rk, rv = arrived(("window", geometry.window), recv_rows, pending.result())
         keys = RowMeta.cat([clean_rows, recv_rows])
-        add_clean(partial(("window",), local, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
+        add_clean(partial(("window",), queries, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
     elif plan.transport == "allgather":
         if kv_source is None:
             gk, gv = unpack_kv(pending.result())
@@ -252,17 +268,18 @@ def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: f
             ok, ov = arrived(("gathered",), RowMeta.cat(plan.peers[:me] + plan.peers[me + 1 :]), others)
             gk = torch.cat([ok[:start], k[n:], ok[start:]])
             gv = torch.cat([ov[:start], v[n:], ov[start:]])
-        add_clean(partial(("clean",), local, RowMeta.cat(plan.peers), q, gk, gv))
+        add_clean(partial(("clean",), queries, RowMeta.cat(plan.peers), q, gk, gv))
     else:
         for src, chunk in ring_chunks(outgoing, plan.group, layer):
             if kv_source is not None and src == plan.ring_index:
                 ck, cv = k[n:], v[n:]
             else:
                 ck, cv = arrived(("ring", src), plan.peers[src], chunk)
-            add_clean(partial(("ring", src), local, plan.peers[src], q, ck, cv))
+            add_clean(partial(("ring", src), queries, plan.peers[src], q, ck, cv))
     if not clean_parts.count:
         # Only possible when no query sees a clean key (block 0 alone): noisy part is everything.
-        return tie(noisy_part[0])
+        # With no query rows at all (a DFlash rank that owns no block) the output is empty.
+        return tie(noisy_part[0] if noisy_part is not None else q * 0.0)
     clean_out, clean_lse = clean_parts.result()
     if noisy_part is None:
         return tie(clean_out)

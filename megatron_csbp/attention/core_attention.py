@@ -141,9 +141,9 @@ class BlockDiffusionAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by block-diffusion attention")
         plan = plan_from_mask(attention_mask)
-        if query.shape[0] != len(plan.local):
+        if query.shape[0] != plan.num_query_rows:
             raise RuntimeError(
-                f"core attention got {query.shape[0]} rows but the block layout has {len(plan.local)} on this rank"
+                f"core attention got {query.shape[0]} rows but the block layout has {plan.num_query_rows} on this rank"
             )
         kernel = get_kernel(self.kernel_name, query.device)
         out = block_diffusion_attention(

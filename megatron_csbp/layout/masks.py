@@ -50,14 +50,42 @@ class BlockGeometry:
 
 
 @dataclass(frozen=True)
+class AnchoredGeometry:
+    """DFlash draft blocks (see `anchored_allowed`): blocks of `block_size` rows opened at arbitrary
+    anchor positions, over a key-only clean context. `window` W (sliding layers): a draft query at
+    position p sees context keys k > p - W (Hugging Face's bidirectional window of W - 1)."""
+
+    block_size: int
+    window: Optional[int] = None
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        if self.window is not None and self.window < self.block_size:
+            raise ValueError(f"sliding window {self.window} is smaller than --block-size {self.block_size}: "
+                             "a draft block must see itself whole")
+
+    def with_window(self, window: Optional[int]) -> "AnchoredGeometry":
+        return AnchoredGeometry(self.block_size, window)
+
+
+@dataclass(frozen=True)
 class RowMeta:
-    """Metadata of a set of rows: `is_clean` (bool) and `position` (int64), both of shape [rows]."""
+    """Metadata of a set of rows: `is_clean` (bool) and `position` (int64), both of shape [rows].
+
+    Anchored (DFlash) rows also carry `anchor` (int64: the anchor position of a draft row's block,
+    -1 on context rows) and `doc_start` (int64: first position of the row's document)."""
 
     is_clean: torch.Tensor
     position: torch.Tensor
+    anchor: Optional[torch.Tensor] = None
+    doc_start: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         assert self.is_clean.shape == self.position.shape and self.is_clean.dim() == 1
+        assert (self.anchor is None) == (self.doc_start is None)
+        if self.anchor is not None:
+            assert self.anchor.shape == self.position.shape == self.doc_start.shape
 
     def __len__(self) -> int:
         return self.position.numel()
@@ -74,13 +102,40 @@ class RowMeta:
     @staticmethod
     def cat(metas) -> "RowMeta":
         metas = list(metas)
-        return RowMeta(torch.cat([m.is_clean for m in metas]), torch.cat([m.position for m in metas]))
+        is_clean, position = torch.cat([m.is_clean for m in metas]), torch.cat([m.position for m in metas])
+        if all(m.anchor is None for m in metas):
+            return RowMeta(is_clean, position)
+        if any(m.anchor is None and len(m) for m in metas):
+            raise ValueError("cannot concatenate anchored and plain rows")
+        live = [m for m in metas if m.anchor is not None]
+        return RowMeta(is_clean, position, torch.cat([m.anchor for m in live]), torch.cat([m.doc_start for m in live]))
 
     def select(self, index) -> "RowMeta":
-        return RowMeta(self.is_clean[index], self.position[index])
+        if self.anchor is None:
+            return RowMeta(self.is_clean[index], self.position[index])
+        return RowMeta(self.is_clean[index], self.position[index], self.anchor[index], self.doc_start[index])
 
     def to(self, device) -> "RowMeta":
-        return RowMeta(self.is_clean.to(device), self.position.to(device))
+        if self.anchor is None:
+            return RowMeta(self.is_clean.to(device), self.position.to(device))
+        return RowMeta(self.is_clean.to(device), self.position.to(device), self.anchor.to(device),
+                       self.doc_start.to(device))
+
+    @staticmethod
+    def anchored(anchors: torch.Tensor, doc_starts: torch.Tensor, block_size: int,
+                 context_positions: torch.Tensor, context_doc_starts: torch.Tensor) -> "RowMeta":
+        """DFlash rows [draft blocks ; context]: block i holds positions anchors[i] + 0..B-1 (anchor
+        anchors[i], document start doc_starts[i]); context rows are clean, key-only."""
+        anchors, doc_starts = anchors.long(), doc_starts.long()
+        offsets = torch.arange(block_size)
+        draft_pos = (anchors[:, None] + offsets).flatten()
+        n, c = draft_pos.numel(), context_positions.numel()
+        return RowMeta(
+            torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(c, dtype=torch.bool)]),
+            torch.cat([draft_pos, context_positions.long()]),
+            torch.cat([anchors.repeat_interleave(block_size), torch.full((c,), -1, dtype=torch.long)]),
+            torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]),
+        )
 
 
 def clean_key_interval(q: RowMeta, geometry: BlockGeometry):
@@ -101,8 +156,26 @@ def clean_key_interval(q: RowMeta, geometry: BlockGeometry):
     return lo, hi
 
 
+def anchored_allowed(q: RowMeta, k: RowMeta, geometry: AnchoredGeometry) -> torch.Tensor:
+    """The DFlash rule: a draft query (anchor a, document start s, position p) sees the draft rows
+    of its own block (same anchor) and the context keys at positions in [s, a), and on a sliding
+    layer only those with position > p - W. Context rows are keys only: they query nothing."""
+    if q.anchor is None or k.anchor is None:
+        raise ValueError("anchored geometry needs rows with anchors (RowMeta.anchored)")
+    draft_q = ~q.is_clean[:, None]
+    same_block = draft_q & (~k.is_clean[None, :]) & (q.anchor[:, None] == k.anchor[None, :])
+    kp = k.position[None, :]
+    context = draft_q & k.is_clean[None, :] & (kp >= q.doc_start[:, None]) & (kp < q.anchor[:, None])
+    if geometry.window is not None:
+        context = context & (kp > q.position[:, None] - geometry.window)
+    return same_block | context
+
+
 def allowed(q: RowMeta, k: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
-    """Bool [q_rows, k_rows]: may query i attend to key j. The single predicate of the project."""
+    """Bool [q_rows, k_rows]: may query i attend to key j. The single predicate of the project
+    (with its anchored DFlash form, `anchored_allowed`, for an `AnchoredGeometry`)."""
+    if isinstance(geometry, AnchoredGeometry):
+        return anchored_allowed(q, k, geometry)
     B = geometry.block_size
     lo, hi = clean_key_interval(q, geometry)
     same_noisy_block = (~q.is_clean[:, None]) & (~k.is_clean[None, :]) & (

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta, clean_key_interval
+from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta, clean_key_interval
 
 _I32 = torch.int32
 
@@ -42,6 +42,16 @@ class QueryRows:
 
     @staticmethod
     def of(meta: RowMeta, geometry: BlockGeometry) -> "QueryRows":
+        if isinstance(geometry, AnchoredGeometry):
+            # DFlash (`masks.anchored_allowed`): a draft row's block is its anchor, its context
+            # interval [doc start, anchor), cut to positions > p - W on sliding layers. Context
+            # rows are keys only: an empty interval, and clean, so they see no draft row either.
+            lo = meta.doc_start
+            if geometry.window is not None:
+                lo = torch.maximum(lo, meta.position - geometry.window + 1)
+            lo = torch.where(meta.is_clean, torch.zeros_like(lo), lo)
+            hi = torch.where(meta.is_clean, torch.zeros_like(meta.anchor), meta.anchor)
+            return QueryRows(meta.anchor.to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
         lo, hi = clean_key_interval(meta, geometry)
         return QueryRows((meta.position // geometry.block_size).to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
 
@@ -69,6 +79,8 @@ class KeyRows:
 
     @staticmethod
     def of(meta: RowMeta, geometry: BlockGeometry) -> "KeyRows":
+        if isinstance(geometry, AnchoredGeometry):  # a draft key's block is its anchor
+            return KeyRows(meta.position.to(_I32), meta.anchor.to(_I32), meta.is_clean.clone())
         return KeyRows(meta.position.to(_I32), (meta.position // geometry.block_size).to(_I32), meta.is_clean.clone())
 
     def __len__(self) -> int:

@@ -94,3 +94,48 @@ def mask_pairs(seq_length: int, block_size: int, clean_attention: str = "block_c
                window: Optional[int] = None) -> int:
     """Allowed pairs of the whole [noisy ; clean] mask (L*(L+B) for full block-causal attention)."""
     return sum(w.sparse_pairs for w in rank_work(seq_length, block_size, 1, 1, "mirrored", clean_attention, window))
+
+
+@dataclass(frozen=True)
+class DrafterRankWork:
+    """One rank's share of a DFlash drafter step (see `megatron_csbp.layout.dflash`)."""
+
+    draft_rows: int  # rows through every drafter layer (blocks x block size, CP padding included)
+    context_rows: int  # projected context rows held (K/V computed here)
+    sparse_pairs: int  # allowed (draft query, key) pairs
+    exchange_rows: int  # context (CSBP) or all (CP) rows received per full-attention layer
+
+
+def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, bp: int,
+                      doc_length: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
+    """Per-rank rows and pairs of a DFlash drafter under single / CP / BP / CSBP, counted from the
+    real `DFlashLayout` with `anchors` anchors spread evenly over documents of `doc_length` tokens
+    (default: one document). Metadata cost O(L + anchors x block_size) per rank."""
+    import torch
+
+    from megatron_csbp.layout.dflash import DFlashLayout
+
+    L, B = seq_length, block_size
+    D = doc_length or L
+    if anchors < 1 or anchors > L - 1:
+        raise ValueError(f"--dflash-max-anchors {anchors} must be in [1, {L - 1}]")
+    a = torch.linspace(1, L - 2, anchors).round().long().unique()
+    starts = (a // D) * D
+    pos_starts = (torch.arange(L) // D) * D
+    layout = DFlashLayout(L, B, cp, bp)
+    owned = layout.owned(a, starts)
+    out = []
+    for r in range(layout.group_size):
+        rows = layout.rows(r, a, starts, pos_starts, owned)
+        draft = int((~rows.is_clean).sum())
+        ctx = len(rows) - draft
+        mine = owned[r]
+        pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
+        if layout.kind == "cp":
+            exchange = (len(rows)) * (layout.group_size - 1)
+        elif layout.kind == "csbp":
+            exchange = ctx * (cp - 1)
+        else:
+            exchange = 0
+        out.append(DrafterRankWork(draft, ctx, pairs, exchange))
+    return tuple(out)

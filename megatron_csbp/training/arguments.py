@@ -15,6 +15,7 @@ from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
 #: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
 ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
 BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
+OBJECTIVES = ("bd3lm", "ar", "fast-dllm-v2", "diffusiongemma-sft", "dflash")
 
 
 def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,11 +25,13 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="ranks sharing one sample by noisy blocks (BP); CSBP when --context-parallel-size > 1 "
                         "too. Must be a multiple of --context-parallel-size.")
     g.add_argument("--block-size", type=int, default=16, help="block diffusion block size; must divide --seq-length")
-    g.add_argument("--objective", choices=("bd3lm", "ar", "fast-dllm-v2", "diffusiongemma-sft"), default="bd3lm",
+    g.add_argument("--objective", choices=OBJECTIVES, default="bd3lm",
                    help="fast-dllm-v2: AR -> BDLM adaptation (complementary masks, token shift), for a converted "
                         "--load checkpoint; diffusiongemma-sft: DiffusionGemma's native SFT (uniform noise, canvas "
                         "of response blocks, AR loss on the clean stream, self-conditioning) for a converted "
-                        "DiffusionGemma / Gemma 4 --load checkpoint and --sft-data-path")
+                        "DiffusionGemma / Gemma 4 --load checkpoint and --sft-data-path; dflash: a DFlash "
+                        "speculative drafter on captured verifier features (the flags of "
+                        "`python -m megatron_csbp.dflash train`, which this hands over to; docs/dflash.md)")
     g.add_argument("--encoder-loss-weight", type=float, default=1.0,
                    help="diffusiongemma-sft: weight of the AR next-token loss on the clean stream")
     g.add_argument("--self-conditioning-prob", type=float, default=0.5,

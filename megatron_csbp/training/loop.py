@@ -421,6 +421,16 @@ def checkpoint_extra(args) -> Dict:
     return {"model_args": {k: getattr(args, k, None) for k in keys}}
 
 
+def objective_of(argv: List[str]) -> Optional[str]:
+    """The value of --objective in argv (either spelling), or None."""
+    for i, a in enumerate(argv):
+        if a == "--objective" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--objective="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> Dict:
     from megatron_csbp.training.arguments import parse_args
 
@@ -430,6 +440,10 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     if demo:
         from megatron_csbp.training.demo import prepare_demo
         argv = prepare_demo(int(os.environ.get("WORLD_SIZE", "1")))
+    if objective_of(argv) == "dflash":
+        # The drafter trains on captured verifier features, not on token datasets: its own loop.
+        from megatron_csbp import dflash
+        return dflash.main(["train"] + argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     args = parse_args(argv)
     init_distributed(args)

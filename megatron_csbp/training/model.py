@@ -160,8 +160,17 @@ def build_objective(a):
                                           encoder_loss_weight=a.encoder_loss_weight,
                                           self_conditioning_prob=a.self_conditioning_prob,
                                           eps_min=a.noise_eps_min, eps_max=a.noise_eps_max)
-    raise ValueError(f"--objective must be one of ('bd3lm', 'ar', 'fast-dllm-v2', 'diffusiongemma-sft'), "
-                     f"got {a.objective!r}")
+    if a.objective == "dflash":
+        from megatron_csbp.objectives.dflash import DFlashObjective
+        if a.mask_token_id is None:
+            raise ValueError("--objective dflash needs --mask-token-id (the verifier's mask token for draft slots)")
+        return DFlashObjective(a.block_size, a.mask_token_id, getattr(a, "dflash_max_anchors", 512),
+                               getattr(a, "dflash_anchor_sampling", "uniform"), getattr(a, "dflash_gamma", 7.0),
+                               getattr(a, "dflash_loss", "ce"), getattr(a, "dflash_dpace_alpha", 0.5),
+                               getattr(a, "dflash_kl_scale", 1.0), getattr(a, "dflash_kl_decay", 1.0),
+                               getattr(a, "dflash_vocab_chunk", 8192), seed=a.seed)
+    from megatron_csbp.training.arguments import OBJECTIVES
+    raise ValueError(f"--objective must be one of {OBJECTIVES}, got {a.objective!r}")
 
 
 def build_converted_gpt(a, finalize_model_grads_func=None):

@@ -1,0 +1,503 @@
+"""`python -m megatron_csbp.dflash {prepare-features,train,export,evaluate}`: DFlash drafters.
+
+- `prepare-features`: runs a verifier (`--hf-path` Hugging Face checkpoint, or `--load` a Megatron
+  checkpoint this project converted or trained) over an indexed dataset (`--data-path PREFIX`,
+  documents packed into `--seq-length` sequences) and writes, per shard of `--shard-size`
+  sequences, memory-mapped `features.npy` [n, L, len(target_layer_ids) * hidden] (the verifier's
+  hidden states after the listed decoder layers, 0-based, concatenated), `tokens.npy`,
+  `loss_mask.npy` and `doc_ids.npy`. The verifier runs each document of a packed sequence on its
+  own, from position 0, as it does when decoding. A shard is written under a temporary name and
+  renamed when complete: rerunning the command resumes after the last complete shard.
+- `train`: trains a `muse_glimmer_assistant` drafter (megatron_csbp.model.dflash) on those
+  features with `--objective dflash` semantics (megatron_csbp.objectives.dflash) under any of
+  single / CP / BP / CSBP (`--context-parallel-size`, `--block-parallel-size`; launch with
+  torchrun, gloo on CPU); the verifier's embeddings and LM head are read from `--verifier`, frozen.
+- `export`: a trained drafter checkpoint -> Hugging Face `MuseGlimmerAssistantModel` directory.
+- `evaluate`: transformers' own DFlash decoding (`generate(..., assistant_model=drafter)`,
+  `speculation_type="dflash"`) against the verifier alone on held-out documents: checks the greedy
+  outputs are identical and reports the mean tokens per verifier step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+META = "meta.json"
+FEATURE_FORMAT = 1
+
+
+# ---- feature capture -----------------------------------------------------------------------------
+
+def load_verifier(hf_path: Optional[str] = None, load: Optional[str] = None, dtype=torch.float32):
+    """A Hugging Face causal LM: from `hf_path`, or exported from the Megatron checkpoint `load`."""
+    from transformers import AutoModelForCausalLM
+
+    if (hf_path is None) == (load is None):
+        raise ValueError("give the verifier as --hf-path (Hugging Face) or --load (Megatron checkpoint), one of them")
+    if load is not None:
+        import tempfile
+
+        from megatron_csbp.conversion.api import megatron_to_hf_checkpoint
+
+        tmp = tempfile.mkdtemp(prefix="verifier_hf_")
+        megatron_to_hf_checkpoint(load, tmp, dtype="float32")
+        hf_path = tmp
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype)
+    return model.eval()
+
+
+def pack_documents(prefix: str, seq_length: int, eod: Optional[int], max_sequences: Optional[int] = None):
+    """Documents of a Megatron indexed dataset packed into [n, L] tokens and [n, L] document ids
+    (the running document index; a document cut by a sequence end continues as a new segment)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    tokens: List[np.ndarray] = []
+    docs: List[np.ndarray] = []
+    for i in range(len(ds)):
+        ids = np.asarray(ds[i], dtype=np.int64)
+        if eod is not None and (len(ids) == 0 or ids[-1] != eod):
+            ids = np.append(ids, eod)
+        tokens.append(ids)
+        docs.append(np.full(len(ids), i, dtype=np.int64))
+        if max_sequences is not None and sum(len(t) for t in tokens) >= (max_sequences + 1) * seq_length:
+            break
+    stream, doc_stream = np.concatenate(tokens), np.concatenate(docs)
+    n = len(stream) // seq_length
+    if max_sequences is not None:
+        n = min(n, max_sequences)
+    if n == 0:
+        raise ValueError(f"--data-path {prefix}: {len(stream)} tokens cannot fill one sequence of --seq-length {seq_length}")
+    return stream[: n * seq_length].reshape(n, seq_length), doc_stream[: n * seq_length].reshape(n, seq_length)
+
+
+@torch.no_grad()
+def capture_sequence(verifier, tokens: np.ndarray, doc_ids: np.ndarray, target_layer_ids: Sequence[int]) -> np.ndarray:
+    """[L, len(ids) * h] hidden states after decoder layers `target_layer_ids`, each document
+    segment run on its own from position 0."""
+    from megatron_csbp.objectives.dflash import document_starts
+
+    L = len(tokens)
+    starts = document_starts(torch.as_tensor(doc_ids)).numpy()
+    bounds = sorted(set(starts.tolist())) + [L]
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        ids = torch.as_tensor(tokens[a:b], dtype=torch.long)[None]
+        out = verifier(input_ids=ids, output_hidden_states=True)
+        # hidden_states[0] is the embedding output; decoder layer i's output is hidden_states[i + 1].
+        parts.append(torch.cat([out.hidden_states[i + 1][0] for i in target_layer_ids], dim=-1).float())
+    return torch.cat(parts).numpy()
+
+
+def prepare_features(a) -> Dict:
+    from tqdm import tqdm
+
+    from megatron_csbp.data.megatron_data import build_tokenizer
+
+    verifier = load_verifier(a.hf_path, a.load)
+    cfg = verifier.config
+    layers = int(cfg.num_hidden_layers)
+    bad = [i for i in a.target_layer_ids if not 0 <= i < layers]
+    if bad:
+        raise ValueError(f"--target-layer-ids {bad} outside the verifier's {layers} decoder layers [0, {layers})")
+    eod = a.eod_token_id
+    if eod is None and a.tokenizer_model is not None:
+        eod = build_tokenizer("SentencePieceTokenizer", a.tokenizer_model, None).eod
+    tokens, doc_ids = pack_documents(a.data_path, a.seq_length, eod, a.max_sequences)
+    n, L = tokens.shape
+    width = len(a.target_layer_ids) * int(cfg.hidden_size)
+    os.makedirs(a.output, exist_ok=True)
+    meta = {"format": FEATURE_FORMAT, "seq_length": L, "hidden_size": int(cfg.hidden_size),
+            "target_layer_ids": list(a.target_layer_ids), "num_sequences": n, "shard_size": a.shard_size,
+            "dtype": a.dtype, "verifier": a.hf_path or a.load, "width": width}
+    meta_path = os.path.join(a.output, META)
+    if os.path.exists(meta_path):
+        old = json.load(open(meta_path))
+        for k in ("seq_length", "target_layer_ids", "num_sequences", "shard_size", "dtype", "width"):
+            if old.get(k) != meta[k]:
+                raise ValueError(f"--output {a.output} holds features with {k}={old.get(k)}, this run asks for "
+                                 f"{meta[k]}: use another --output or the same flags to resume")
+    json.dump(meta, open(meta_path, "w"), indent=2)
+    dtype = np.float16 if a.dtype == "float16" else np.float32
+    shards = range(0, n, a.shard_size)
+    done = 0
+    with tqdm(total=n, desc="features", unit="seq", disable=a.no_progress_bar) as bar:
+        for s, start in enumerate(shards):
+            final = os.path.join(a.output, f"shard_{s:05d}")
+            stop = min(start + a.shard_size, n)
+            if os.path.isdir(final):  # complete from an earlier run
+                bar.update(stop - start)
+                continue
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            feats = np.lib.format.open_memmap(os.path.join(tmp, "features.npy"), mode="w+", dtype=dtype,
+                                              shape=(stop - start, L, width))
+            for i in range(start, stop):
+                feats[i - start] = capture_sequence(verifier, tokens[i], doc_ids[i], a.target_layer_ids)
+                bar.update(1)
+            feats.flush()
+            del feats
+            np.save(os.path.join(tmp, "tokens.npy"), tokens[start:stop].astype(np.int32))
+            np.save(os.path.join(tmp, "loss_mask.npy"), np.ones((stop - start, L), dtype=np.uint8))
+            np.save(os.path.join(tmp, "doc_ids.npy"), doc_ids[start:stop].astype(np.int32))
+            os.replace(tmp, final)
+            done += stop - start
+    return {"sequences": n, "captured_now": done, "output": a.output}
+
+
+class FeatureDataset:
+    """Captured features, memory-mapped: item i -> dict of [L] / [L, width] arrays (read lazily)."""
+
+    def __init__(self, path: str):
+        meta_path = os.path.join(path, META)
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(f"--features-path {path} has no {META}: run prepare-features first")
+        self.meta = json.load(open(meta_path))
+        self.path = path
+        n, size = self.meta["num_sequences"], self.meta["shard_size"]
+        self.shards = []
+        for s in range((n + size - 1) // size):
+            d = os.path.join(path, f"shard_{s:05d}")
+            if not os.path.isdir(d):
+                raise FileNotFoundError(f"--features-path {path}: shard {d} is missing (capture incomplete: rerun "
+                                        "prepare-features with the same flags to resume)")
+            self.shards.append({k: np.load(os.path.join(d, f"{k}.npy"), mmap_mode="r")
+                                for k in ("features", "tokens", "loss_mask", "doc_ids")})
+
+    def __len__(self) -> int:
+        return self.meta["num_sequences"]
+
+    def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
+        s, j = divmod(i, self.meta["shard_size"])
+        return {k: v[j] for k, v in self.shards[s].items()}
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+def verifier_embeddings(hf_path: str):
+    """(input embeddings [V, h], LM head [V, h]) of a Hugging Face causal LM, as float32 tensors."""
+    model = load_verifier(hf_path)
+    return (model.get_input_embeddings().weight.detach().float().clone(),
+            model.get_output_embeddings().weight.detach().float().clone())
+
+
+def drafter_shape_from_args(a, hidden: int) -> "DrafterShape":
+    from megatron_csbp.model.dflash import DrafterShape
+
+    heads = a.num_attention_heads
+    return DrafterShape(hidden_size=hidden, num_layers=a.num_layers, num_attention_heads=heads,
+                        num_query_groups=a.num_query_groups or heads, kv_channels=a.kv_channels or hidden // heads,
+                        ffn_hidden_size=a.ffn_hidden_size or 2 * hidden, target_layer_ids=list(a.target_layer_ids),
+                        block_size=a.block_size, mask_token_id=a.mask_token_id, rotary_base=float(a.rotary_base),
+                        layer_types=[a.layer_type] * a.num_layers, sliding_window=a.sliding_window,
+                        max_position_embeddings=max(a.seq_length, 4096))
+
+
+def train(a) -> Dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.attention.accounting import traffic_counter
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.model.dflash import (DFlashDrafter, DFlashTrainingModel, DrafterShape,
+                                            drafter_transformer_config)
+    from megatron_csbp.training.model import build_objective
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    world = dist.get_world_size()
+    bps.initialize_block_parallel(context_parallel_size=a.context_parallel_size,
+                                  block_parallel_size=a.block_parallel_size)
+    seq = max(a.context_parallel_size, a.block_parallel_size)
+    dp, dp_rank = world // seq, mpu.get_data_parallel_rank(with_context_parallel=False)
+    data = FeatureDataset(a.features_path)
+    L = data.meta["seq_length"]
+    if list(a.target_layer_ids or data.meta["target_layer_ids"]) != data.meta["target_layer_ids"]:
+        raise ValueError(f"--target-layer-ids {a.target_layer_ids} differ from the captured features' "
+                         f"{data.meta['target_layer_ids']}")
+    a.target_layer_ids = data.meta["target_layer_ids"]
+    if a.seq_length not in (None, L):
+        raise ValueError(f"--seq-length {a.seq_length} differs from the captured features' {L}")
+    a.seq_length = L
+    if a.global_batch_size not in (None, a.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {a.global_batch_size} must be --micro-batch-size {a.micro_batch_size} "
+                         f"x data-parallel size {dp}")
+    embedding, head = verifier_embeddings(a.verifier)
+    if a.mask_token_id is None or not 0 <= a.mask_token_id < embedding.shape[0]:
+        raise ValueError(f"--mask-token-id {a.mask_token_id} must be a token of the verifier's vocabulary "
+                         f"[0, {embedding.shape[0]})")
+    shape = drafter_shape_from_args(a, data.meta["hidden_size"])
+    torch.manual_seed(a.seed)
+    drafter = DFlashDrafter(shape, drafter_transformer_config(shape, perform_initialization=True,
+                                                              init_method_std=a.init_method_std))
+    objective = build_objective(a)  # the trainer's objective registry: --objective dflash
+    layout = DFlashLayout(L, a.block_size, a.context_parallel_size, a.block_parallel_size)
+    ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
+    model = DFlashTrainingModel(drafter, embedding, head, objective, layout, seq_rank=mpu.get_context_parallel_rank(),
+                                seq_group=mpu.get_context_parallel_group(), ring_group=ring,
+                                transport=a.attention_transport)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
+    reduce_group = mpu.get_data_parallel_group(with_context_parallel=True)
+    n_train = len(data) - a.eval_sequences
+    if n_train < dp:
+        raise ValueError(f"{len(data)} captured sequences leave {n_train} for training (--eval-sequences "
+                         f"{a.eval_sequences}), fewer than the {dp} data-parallel replicas")
+    history, t0 = [], time.time()
+    rank0 = dist.get_rank() == 0
+    for step in range(a.train_iters):
+        lr = a.lr * min(1.0, (step + 1) / max(1, a.lr_warmup_iters)) if a.lr_warmup_iters else a.lr
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=False)
+        traffic_counter().reset()
+        total, acc = 0.0, 0.0
+        for m in range(a.micro_batch_size):
+            index = ((step * a.micro_batch_size + m) * dp + dp_rank) % n_train
+            item = data[index]
+            out = model(item["features"], torch.from_numpy(item["tokens"].astype(np.int64)),
+                        torch.from_numpy(item["loss_mask"].astype(np.int64)),
+                        torch.from_numpy(item["doc_ids"].astype(np.int64)), sample_index=index)
+            (out.loss / (a.micro_batch_size * dp)).backward()
+            total += float(out.loss.detach())
+            acc += out.metrics["acceptance"]
+        # Gradients and losses: summed over the sequence group (partial losses), averaged over DP.
+        for p in drafter.parameters():
+            dist.all_reduce(p.grad, group=reduce_group)
+        stats = torch.tensor([total / a.micro_batch_size, acc / a.micro_batch_size / seq], dtype=torch.float64)
+        dist.all_reduce(stats, group=reduce_group)
+        loss, acceptance = float(stats[0]) / dp, float(stats[1]) / dp
+        if a.clip_grad:
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), a.clip_grad)
+        opt.step()
+        history.append({"step": step + 1, "loss": loss, "target_prob": acceptance,
+                        "attention_bytes": traffic_counter().total})
+        if rank0 and (step + 1) % a.log_interval == 0:
+            print(f"step {step + 1:5d} | loss {loss:.4f} | mean target prob {acceptance:.3f} | "
+                  f"attention bytes/rank {traffic_counter().total} | {time.time() - t0:.0f}s", flush=True)
+    if a.save and rank0:
+        os.makedirs(a.save, exist_ok=True)
+        torch.save({k: v for k, v in drafter.state_dict().items() if not k.endswith("_extra_state")},
+                   os.path.join(a.save, "drafter.pt"))
+        open(os.path.join(a.save, "megatron_csbp_drafter.json"), "w").write(shape.to_json())
+        json.dump(history, open(os.path.join(a.save, "history.json"), "w"), indent=1)
+    if a.save:
+        dist.barrier()
+    return {"history": history, "shape": shape}
+
+
+def load_drafter(path: str):
+    from megatron_csbp.model.dflash import DFlashDrafter, DrafterShape
+
+    shape = DrafterShape.from_json(open(os.path.join(path, "megatron_csbp_drafter.json")).read())
+    model = DFlashDrafter(shape)
+    state = torch.load(os.path.join(path, "drafter.pt"), map_location="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def export(a) -> str:
+    from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.model.dflash import export_hf_drafter
+
+    with single_process_megatron():
+        model = load_drafter(a.load)
+        export_hf_drafter(model, a.output)
+    return a.output
+
+
+# ---- evaluation with transformers' DFlash decoding -----------------------------------------------
+
+@torch.no_grad()
+def evaluate(verifier, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Dict:
+    """Greedy decoding of each prompt by the verifier alone and with the drafter through
+    transformers' DFlash candidate generator. Returns identical (all outputs equal), and the mean
+    tokens per verifier step (new tokens / verifier forwards, prefill included)."""
+    from transformers import GenerationConfig
+
+    calls = {"n": 0}
+    hook = verifier.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    identical, tokens, steps, plain_steps = True, 0, 0, 0
+    spec = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, speculation_type="dflash",
+                            pad_token_id=None, eos_token_id=None)
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=None, eos_token_id=None)
+    try:
+        for prompt in prompts:
+            ids = torch.as_tensor(prompt, dtype=torch.long)[None]
+            calls["n"] = 0
+            ref = verifier.generate(ids, generation_config=plain)
+            plain_steps += calls["n"]
+            calls["n"] = 0
+            out = verifier.generate(ids, generation_config=spec, assistant_model=drafter)
+            steps += calls["n"]
+            identical &= bool(torch.equal(out, ref))
+            tokens += out.shape[1] - ids.shape[1]
+    finally:
+        hook.remove()
+    return {"identical": identical, "prompts": len(prompts), "new_tokens": tokens, "verifier_steps": steps,
+            "verifier_steps_alone": plain_steps, "tokens_per_step": tokens / max(steps, 1)}
+
+
+def evaluate_cli(a) -> Dict:
+    from transformers import MuseGlimmerAssistantModel
+
+    verifier = load_verifier(a.verifier)
+    drafter = MuseGlimmerAssistantModel.from_pretrained(a.drafter, dtype=torch.float32).eval()
+    prompts = []
+    if a.prompts_data_path:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        docs = IndexedDataset(a.prompts_data_path)
+        for i in range(len(docs) - 1, -1, -1):  # the last documents with a full prompt
+            if len(prompts) == a.eval_sequences:
+                break
+            ids = np.asarray(docs[i], dtype=np.int64)
+            if len(ids) > a.prompt_length:
+                prompts.append(ids[: a.prompt_length].tolist())
+    else:
+        data = FeatureDataset(a.features_path)
+        for i in range(len(data) - a.eval_sequences, len(data)):
+            prompts.append(data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist())
+    result = evaluate(verifier, drafter, prompts, a.max_new_tokens)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+def add_dflash_objective_args(p: argparse.ArgumentParser) -> None:
+    """The objective's flags (also accepted by `python -m megatron_csbp.train --objective dflash`)."""
+    g = p.add_argument_group("dflash objective")
+    g.add_argument("--dflash-loss", choices=("ce", "dpace"), default="ce",
+                   help="ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights and lambda mixing")
+    g.add_argument("--dflash-max-anchors", type=int, default=512, help="draft blocks per sequence (at most)")
+    g.add_argument("--dflash-anchor-sampling", choices=("uniform", "locality"), default="uniform")
+    g.add_argument("--dflash-gamma", type=float, default=7.0, help="slot weight exp(-(k-1)/gamma)")
+    g.add_argument("--dflash-dpace-alpha", type=float, default=0.5)
+    g.add_argument("--dflash-kl-scale", type=float, default=1.0)
+    g.add_argument("--dflash-kl-decay", type=float, default=1.0)
+    g.add_argument("--dflash-vocab-chunk", type=int, default=8192, help="LM-head rows per streamed chunk")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.dflash", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("prepare-features", help="capture verifier hidden states over an indexed dataset")
+    f.add_argument("--hf-path", default=None, help="verifier: Hugging Face checkpoint directory")
+    f.add_argument("--load", default=None, help="verifier: Megatron checkpoint converted or trained here")
+    f.add_argument("--data-path", required=True, help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
+    f.add_argument("--seq-length", type=int, required=True)
+    f.add_argument("--target-layer-ids", type=int, nargs="+", required=True, help="0-based verifier decoder layers")
+    f.add_argument("--output", required=True)
+    f.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
+    f.add_argument("--max-sequences", type=int, default=None)
+    f.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    f.add_argument("--eod-token-id", type=int, default=None, help="appended to documents that lack it")
+    f.add_argument("--tokenizer-model", default=None, help="sentencepiece model whose EOD is appended")
+    f.add_argument("--no-progress-bar", action="store_true")
+
+    t = sub.add_parser("train", help="train a drafter on captured features (torchrun for CP/BP/CSBP)")
+    t.add_argument("--objective", choices=("dflash",), default="dflash",
+                   help="accepted so `python -m megatron_csbp.train --objective dflash ...` hands over here")
+    t.add_argument("--features-path", required=True)
+    t.add_argument("--verifier", required=True, help="Hugging Face verifier (embeddings and LM head, frozen)")
+    t.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: the features'")
+    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--num-attention-heads", type=int, default=4)
+    t.add_argument("--num-query-groups", type=int, default=None)
+    t.add_argument("--kv-channels", type=int, default=None)
+    t.add_argument("--ffn-hidden-size", type=int, default=None)
+    t.add_argument("--rotary-base", type=float, default=10000.0)
+    t.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention")
+    t.add_argument("--sliding-window", type=int, default=2048)
+    t.add_argument("--block-size", type=int, default=8)
+    t.add_argument("--mask-token-id", type=int, required=True)
+    t.add_argument("--context-parallel-size", type=int, default=1)
+    t.add_argument("--block-parallel-size", type=int, default=1)
+    t.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
+    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per step (accumulated)")
+    t.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per step; must be --micro-batch-size x data-parallel size (default: that)")
+    t.add_argument("--seq-length", type=int, default=None, help="must equal the captured features' (default: theirs)")
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--init-method-std", type=float, default=0.02)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--eval-sequences", type=int, default=0, help="the last N captured sequences are held out")
+    t.add_argument("--log-interval", type=int, default=10)
+    t.add_argument("--save", default=None)
+    add_dflash_objective_args(t)
+
+    e = sub.add_parser("export", help="drafter checkpoint -> Hugging Face MuseGlimmerAssistantModel")
+    e.add_argument("--load", required=True)
+    e.add_argument("--output", required=True)
+
+    v = sub.add_parser("evaluate", help="transformers' DFlash decoding vs the verifier alone, held-out prompts")
+    v.add_argument("--verifier", required=True)
+    v.add_argument("--drafter", required=True, help="exported Hugging Face drafter")
+    v.add_argument("--features-path", default=None, help="prompts: the last --eval-sequences captured sequences")
+    v.add_argument("--prompts-data-path", default=None,
+                   help="prompts instead from the last --eval-sequences documents of this indexed dataset")
+    v.add_argument("--eval-sequences", type=int, default=8)
+    v.add_argument("--prompt-length", type=int, default=32)
+    v.add_argument("--max-new-tokens", type=int, default=48)
+    return p
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The parser of `train` (what `python -m megatron_csbp.train --objective dflash` accepts)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def check_args(a) -> None:
+    if a.command == "prepare-features":
+        if a.seq_length <= 0 or a.shard_size <= 0:
+            raise ValueError("--seq-length and --shard-size must be positive")
+    if a.command == "train":
+        if a.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2 for DFlash, got {a.block_size}")
+        if a.micro_batch_size < 1 or a.train_iters < 0:
+            raise ValueError("--micro-batch-size must be >= 1 and --train-iters >= 0")
+    if a.command == "evaluate" and not (a.features_path or a.prompts_data_path):
+        raise ValueError("evaluate needs --features-path or --prompts-data-path (where the prompts come from)")
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        check_args(a)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if a.command == "prepare-features":
+        result = prepare_features(a)
+        print(json.dumps(result))
+        return result
+    if a.command == "train":
+        return train(a)
+    if a.command == "export":
+        print(export(a))
+        return a.output
+    return evaluate_cli(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Where a DFlash drafter's rows live under single, CP, BP and CSBP.
+
+A sequence's rows are its draft blocks (noisy rows: B per anchor, carrying the anchor) and its
+projected context (clean key-only rows: one per position some block needs, i.e. the union of the
+anchors' [document start, anchor)). The one predicate (`masks.anchored_allowed`) decides every
+pair, so the placements below only choose who holds which rows and which K/V move:
+
+- `single`: every block and the whole needed context on one rank.
+- `cp` (baseline, CP = P): context zigzag-sharded over the P ranks, blocks dealt over them; K/V of
+  all rows (context and blocks) exchanged, as Megatron's CP would.
+- `bp` (BP = P, CP = 1): blocks dealt over the P ranks; each rank projects the context its own
+  blocks need (no attention traffic, the projection recomputed where blocks share context).
+- `csbp` (CP = C, BP = k*C): blocks dealt over the BP ranks; the context zigzag-sharded over each
+  ring of C ranks (k rings, each with a full copy); only context K/V move, by the block
+  attention's clean exchange (all-gather, ring, or windowed all-to-all on sliding layers).
+
+Dealing: anchors sorted by context cost (anchor - document start, largest first), paired largest
+with smallest, pairs dealt round-robin over the ranks, so each rank's attention work is close to
+the mean. Everything is a function of (anchors, document starts, sizes): every rank computes the
+same metadata before any collective. Sizes: per rank O(own draft rows + own context rows); the
+needed-context mask is O(L) (at 256K tokens on 16 ranks: 256K bools per rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.attention.block_attention import AttentionPlan
+from megatron_csbp.layout.layout import check_parallel_sizes, zigzag_chunks
+from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
+
+
+def deal_anchors(costs: torch.Tensor, ranks: int) -> List[torch.Tensor]:
+    """Indices of the anchors each rank owns: sorted by cost (largest first), paired largest
+    with smallest, pairs dealt round-robin; each rank's indices in increasing order."""
+    order = torch.sort(costs, descending=True, stable=True).indices.tolist()
+    n = len(order)
+    owned: List[List[int]] = [[] for _ in range(ranks)]
+    for j in range((n + 1) // 2):
+        pair = [order[j]] + ([order[n - 1 - j]] if n - 1 - j != j else [])
+        owned[j % ranks].extend(pair)
+    return [torch.tensor(sorted(o), dtype=torch.long) for o in owned]
+
+
+def needed_context(anchors: torch.Tensor, doc_starts: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """[L] bool: positions inside some anchor's [document start, anchor) (difference array, O(L + A))."""
+    diff = torch.zeros(seq_length + 1, dtype=torch.long)
+    diff.index_add_(0, doc_starts.long(), torch.ones(len(anchors), dtype=torch.long))
+    diff.index_add_(0, anchors.long(), -torch.ones(len(anchors), dtype=torch.long))
+    return torch.cumsum(diff[:-1], 0) > 0
+
+
+@dataclass(frozen=True)
+class DFlashLayout:
+    seq_length: int
+    block_size: int
+    cp_size: int = 1
+    bp_size: int = 1
+
+    def __post_init__(self):
+        check_parallel_sizes(self.cp_size, self.bp_size)
+        if self.kind in ("cp", "csbp") and self.seq_length % (2 * self.cp_size):
+            raise ValueError(f"--seq-length {self.seq_length} must be divisible by 2 x --context-parallel-size "
+                             f"{self.cp_size} (the context is zigzag-sharded into {2 * self.cp_size} chunks)")
+
+    @property
+    def kind(self) -> str:
+        if self.bp_size > 1:
+            return "csbp" if self.cp_size > 1 else "bp"
+        return "cp" if self.cp_size > 1 else "single"
+
+    @property
+    def group_size(self) -> int:
+        return max(self.cp_size, self.bp_size)
+
+    def ring_of(self, rank: int):
+        return divmod(rank, self.cp_size)
+
+    def owned(self, anchors: torch.Tensor, doc_starts: torch.Tensor) -> List[torch.Tensor]:
+        """Per rank of the sequence group: indices of the anchors it owns."""
+        if self.kind == "single":
+            return [torch.arange(len(anchors))]
+        return deal_anchors(anchors - doc_starts, self.group_size)
+
+    def context_positions(self, rank: int, anchors, doc_starts, owned) -> torch.Tensor:
+        L = self.seq_length
+        if self.kind in ("single", "bp"):
+            mine = owned[rank]
+            return needed_context(anchors[mine], doc_starts[mine], L).nonzero().flatten()
+        # cp / csbp: the whole zigzag shard of this ring position (equal row counts on every ring
+        # member, as the all-gather and ring transports need).
+        c = L // (2 * self.cp_size)
+        a, b = zigzag_chunks(self.cp_size, self.ring_of(rank)[1])
+        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+    def padded_blocks(self, owned) -> int:
+        """Draft blocks per rank: under CP (all rows exchanged) every rank holds as many blocks as
+        the busiest one, the rest padding blocks (a distinct negative anchor each: they see only
+        themselves, nobody sees them, they carry no loss)."""
+        return max(len(o) for o in owned) if self.kind == "cp" else 0
+
+    def rows(self, rank: int, anchors, doc_starts, position_doc_starts, owned=None) -> RowMeta:
+        """Local rows of `rank`: [owned draft blocks (+ padding blocks) ; context rows]."""
+        owned = self.owned(anchors, doc_starts) if owned is None else owned
+        mine = owned[rank]
+        ctx = self.context_positions(rank, anchors, doc_starts, owned)
+        pad = self.padded_blocks(owned) - len(mine)
+        a = torch.cat([anchors[mine], -2 - torch.arange(max(pad, 0))])
+        s = torch.cat([doc_starts[mine], torch.zeros(max(pad, 0), dtype=torch.long)])
+        return RowMeta.anchored(a, s, self.block_size, ctx, position_doc_starts[ctx])
+
+    def plan(self, rank: int, anchors, doc_starts, position_doc_starts, group=None, transport: str = "allgather",
+             window: Optional[int] = None) -> AttentionPlan:
+        """The anchored attention plan of `rank`; `group` is the K/V ring (the CP ring under CSBP,
+        the whole sequence group under CP)."""
+        geometry = AnchoredGeometry(self.block_size, window)
+        owned = self.owned(anchors, doc_starts)
+        local = self.rows(rank, anchors, doc_starts, position_doc_starts, owned)
+        kind = self.kind
+        if kind in ("single", "bp"):
+            return AttentionPlan(geometry, local, clean_queries=False)
+        if group is None or dist.get_world_size(group) != self.cp_size:
+            raise ValueError(f"layout {kind!r} needs the K/V ring process group of {self.cp_size} ranks")
+        j, i = self.ring_of(rank)
+        ring = range(j * self.cp_size, (j + 1) * self.cp_size)
+        members = [self.rows(r, anchors, doc_starts, position_doc_starts, owned) for r in ring]
+        if kind == "cp":
+            return AttentionPlan(geometry, local, "all", transport, group, members, members, i, clean_queries=False)
+        n_of = [int((~m.is_clean).sum()) for m in members]
+        peers = [m.select(slice(n, None)) for m, n in zip(members, n_of)]
+        return AttentionPlan(geometry, local, "clean", transport, group, peers, members, i, clean_queries=False)

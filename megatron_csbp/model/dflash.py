@@ -1,0 +1,398 @@
+"""A DFlash speculative drafter in megatron-core, the `muse_glimmer_assistant` architecture of
+transformers 5.24 (`MuseGlimmerAssistantModel`).
+
+The drafter reads the verifier's hidden states at `target_layer_ids`, concatenated per token, and
+projects them once (`encoder.fc`, then RMSNorm) into its width: the *context* rows. A draft block of
+`block_size` rows (the anchor token's verifier embedding, then mask-token embeddings) runs through
+`num_layers` pre-norm layers: q from the block, k/v from [context ; block] with the same k/v
+projections, RMSNorm on q and k per head (QK-norm), rotary at each row's position, SwiGLU MLP, and a
+final RMSNorm. The context is not updated by the layers and never queries. The verifier's LM head
+(frozen, not part of the drafter) turns the block's outputs into logits: slot k predicts the token
+at anchor + k.
+
+Attention goes through the project's block-aware core attention (`BlockDiffusionAttention`) with
+an anchored plan (`layout.masks.AnchoredGeometry`): draft rows are noisy rows carrying their
+anchor, context rows are clean key-only rows, so single, BP, CP and CSBP placements share the one
+predicate and the same transports as the block-diffusion models.
+
+Megatron modules: `ColumnParallelLinear` / `RowParallelLinear` projections, Megatron's `MLP`
+(gated SwiGLU), `WrappedTorchNorm` RMSNorms, Megatron's rotary frequencies and
+`apply_rotary_pos_emb`. Linear layers are tensor-parallel modules; the drafter runs at TP = 1 here
+(the projection over the context is not split).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HF_MODEL_TYPE = "muse_glimmer_assistant"
+SHAPE_FILE = "megatron_csbp_drafter.json"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class DrafterShape:
+    """Everything that defines a drafter (and its Hugging Face config)."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    target_layer_ids: List[int]
+    block_size: int
+    mask_token_id: int
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 500000.0
+    max_position_embeddings: int = 131072
+    #: per layer 'full_attention' or 'sliding_attention' (Hugging Face's default: all sliding)
+    layer_types: Optional[List[str]] = None
+    #: Hugging Face `sliding_window`: a draft row at p sees context positions >= p - sliding_window
+    sliding_window: int = 2048
+    hf_extra: Dict = field(default_factory=dict)  # ids (bos/eos/pad) passed through to the export
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention"] * self.num_layers
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types must list {self.num_layers} entries from {LAYER_TYPES}, got {self.layer_types}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_query_groups}")
+        if not self.target_layer_ids:
+            raise ValueError("--target-layer-ids must name at least one verifier layer")
+
+    @property
+    def context_width(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def window(self, layer: int) -> Optional[int]:
+        """The project's window W (keys k > p - W) of layer `layer` (0-based), or None (full)."""
+        return self.sliding_window + 1 if self.layer_types[layer] == "sliding_attention" else None
+
+    # ---- Hugging Face config ------------------------------------------------------------------
+    @staticmethod
+    def from_hf_config(cfg: Dict) -> "DrafterShape":
+        if cfg.get("model_type") != HF_MODEL_TYPE:
+            raise ValueError(f"not a {HF_MODEL_TYPE} config (model_type {cfg.get('model_type')!r})")
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported for the drafter (default only)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+        heads = int(cfg["num_attention_heads"])
+        return DrafterShape(
+            hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads, num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+            kv_channels=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            ffn_hidden_size=int(cfg["intermediate_size"]), target_layer_ids=list(cfg["target_layer_ids"]),
+            block_size=int(cfg["block_size"]), mask_token_id=int(cfg["mask_token_id"]),
+            norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)), rotary_base=float(rope.get("rope_theta", 500000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+            layer_types=list(cfg["layer_types"]) if cfg.get("layer_types") else None,
+            sliding_window=int(cfg.get("sliding_window") or 2048),
+            hf_extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
+        )
+
+    def hf_config(self):
+        from transformers import MuseGlimmerAssistantConfig
+
+        return MuseGlimmerAssistantConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+            head_dim=self.kv_channels, rms_norm_eps=self.norm_epsilon,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rotary_base},
+            max_position_embeddings=self.max_position_embeddings, sliding_window=self.sliding_window,
+            layer_types=list(self.layer_types), block_size=self.block_size, mask_token_id=self.mask_token_id,
+            target_layer_ids=list(self.target_layer_ids), **self.hf_extra,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @staticmethod
+    def from_json(text: str) -> "DrafterShape":
+        return DrafterShape(**json.loads(text))
+
+
+def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_csbp.model.providers import PORTABLE_CONFIG
+
+    kw = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
+        params_dtype=params_dtype, **PORTABLE_CONFIG,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+class DrafterLayer(torch.nn.Module):
+    """One pre-norm drafter layer: context-conditioned attention, then a SwiGLU MLP."""
+
+    def __init__(self, config, shape: DrafterShape, layer: int):
+        super().__init__()
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.mlp import MLP, MLPSubmodules
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        from megatron_csbp.attention.core_attention import BlockDiffusionAttention
+
+        h, d = shape.hidden_size, shape.kv_channels
+        H, G = shape.num_attention_heads, shape.num_query_groups
+        init = config.init_method
+        self.heads, self.groups, self.head_dim = H, G, d
+        self.input_layernorm = WrappedTorchNorm(config, h, eps=shape.norm_epsilon)
+        self.linear_q = ColumnParallelLinear(h, H * d, config=config, init_method=init, bias=False, gather_output=False)
+        # Megatron's cross-attention layout: per query group [k | v] of d rows each.
+        self.linear_kv = ColumnParallelLinear(h, 2 * G * d, config=config, init_method=init, bias=False,
+                                              gather_output=False)
+        self.q_layernorm = WrappedTorchNorm(config, d, eps=shape.norm_epsilon)
+        self.k_layernorm = WrappedTorchNorm(config, d, eps=shape.norm_epsilon)
+        self.core_attention = BlockDiffusionAttention(config, layer_number=layer + 1)
+        self.core_attention.window = shape.window(layer)
+        self.linear_proj = RowParallelLinear(H * d, h, config=config, init_method=config.output_layer_init_method,
+                                             bias=False, input_is_parallel=True, skip_bias_add=False)
+        self.pre_mlp_layernorm = WrappedTorchNorm(config, h, eps=shape.norm_epsilon)
+        self.mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+        self.config = config
+
+    def forward(self, hidden, context, q_freqs, kv_freqs, mask):
+        """hidden [n, b, h] draft rows, context [c, b, h] projected context rows; freqs of the
+        draft rows and of [draft ; context] rows; `mask` the plan handle."""
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        n, b, _ = hidden.shape
+        x = self.input_layernorm(hidden)
+        q, _ = self.linear_q(x)
+        q = self.q_layernorm(q.view(n, b, self.heads, self.head_dim))
+        kv, _ = self.linear_kv(torch.cat([x, context]))
+        kv = kv.view(kv.shape[0], b, self.groups, 2 * self.head_dim)
+        k, v = kv[..., : self.head_dim], kv[..., self.head_dim :]
+        k = self.k_layernorm(k)
+        q = apply_rotary_pos_emb(q, q_freqs, self.config)
+        k = apply_rotary_pos_emb(k, kv_freqs, self.config)
+        out = self.core_attention(q, k, v.contiguous(), mask)
+        out, _ = self.linear_proj(out)
+        hidden = hidden + out
+        mlp_out, _ = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + mlp_out
+
+
+class DFlashDrafter(torch.nn.Module):
+    """The drafter's trainable weights and forward (no embeddings, no LM head: the verifier's)."""
+
+    def __init__(self, shape: DrafterShape, config=None):
+        super().__init__()
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        self.shape = shape
+        self.config = config = config or drafter_transformer_config(shape)
+        if config.tensor_model_parallel_size != 1:
+            raise ValueError("the DFlash drafter runs at --tensor-model-parallel-size 1")
+        self.encoder = torch.nn.Module()
+        self.encoder.fc = ColumnParallelLinear(shape.context_width, shape.hidden_size, config=config,
+                                               init_method=config.init_method, bias=False, gather_output=True)
+        self.encoder.norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
+        self.layers = torch.nn.ModuleList([DrafterLayer(config, shape, i) for i in range(shape.num_layers)])
+        self.final_norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
+        self.rotary = RotaryEmbedding(shape.kv_channels, rotary_percent=1.0, rotary_base=shape.rotary_base,
+                                      use_cpu_initialization=True)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [c, b, len(target_layer_ids) * h] -> projected context [c, b, h]."""
+        out, _ = self.encoder.fc(features)
+        return self.encoder.norm(out)
+
+    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """Megatron's rotary table indexed by row position: [rows, 1, 1, d]."""
+        inv = self.rotary.inv_freq
+        if inv.device != positions.device:
+            self.rotary.inv_freq = inv = inv.to(positions.device)
+        freqs = torch.outer(positions.to(inv.dtype), inv)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    def forward(self, draft_embeds: torch.Tensor, features: torch.Tensor, plan) -> torch.Tensor:
+        """draft_embeds [n, b, h] (the plan's draft rows, in its order), features [c, b, width] of
+        the plan's context rows; returns the final-normed hidden states of the draft rows [n, b, h]."""
+        from megatron_csbp.attention.core_attention import plan_mask
+
+        n = plan.num_noisy
+        if draft_embeds.shape[0] != n or features.shape[0] != len(plan.local) - n:
+            raise ValueError(f"draft rows {draft_embeds.shape[0]} / context rows {features.shape[0]} do not match "
+                             f"the plan ({n} / {len(plan.local) - n})")
+        context = self.project_context(features)
+        positions = plan.positions(("drafter",), plan.local, draft_embeds.device)
+        kv_freqs = self.freqs(positions)
+        q_freqs = kv_freqs[:n]
+        mask = plan_mask(plan)
+        hidden = draft_embeds
+        for layer in self.layers:
+            hidden = layer(hidden, context, q_freqs, kv_freqs, mask)
+        return self.final_norm(hidden)
+
+
+# ---- Hugging Face <-> Megatron ------------------------------------------------------------------
+
+def hf_to_megatron_state(shape: DrafterShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`MuseGlimmerAssistantModel` state dict -> `DFlashDrafter` state dict."""
+    G, d = shape.num_query_groups, shape.kv_channels
+    out = {"encoder.fc.weight": hf["encoder.fc.weight"], "encoder.norm.weight": hf["encoder.output_norm_enc.weight"],
+           "final_norm.weight": hf["norm.weight"]}
+    for i in range(shape.num_layers):
+        p, m = f"layers.{i}.", f"layers.{i}."
+        k = hf[p + "self_attn.k_proj.weight"].view(G, d, -1)
+        v = hf[p + "self_attn.v_proj.weight"].view(G, d, -1)
+        out.update({
+            m + "input_layernorm.weight": hf[p + "input_layernorm.weight"],
+            m + "linear_q.weight": hf[p + "self_attn.q_proj.weight"],
+            m + "linear_kv.weight": torch.cat([k, v], dim=1).reshape(2 * G * d, -1),
+            m + "q_layernorm.weight": hf[p + "self_attn.q_norm.weight"],
+            m + "k_layernorm.weight": hf[p + "self_attn.k_norm.weight"],
+            m + "linear_proj.weight": hf[p + "self_attn.o_proj.weight"],
+            m + "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
+            m + "mlp.linear_fc1.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
+            m + "mlp.linear_fc2.weight": hf[p + "mlp.down_proj.weight"],
+        })
+    return out
+
+
+def megatron_to_hf_state(shape: DrafterShape, meg: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`DFlashDrafter` state dict -> `MuseGlimmerAssistantModel` state dict (inverse of the above)."""
+    G, d, f = shape.num_query_groups, shape.kv_channels, shape.ffn_hidden_size
+    out = {"encoder.fc.weight": meg["encoder.fc.weight"], "encoder.output_norm_enc.weight": meg["encoder.norm.weight"],
+           "norm.weight": meg["final_norm.weight"]}
+    for i in range(shape.num_layers):
+        p = f"layers.{i}."
+        kv = meg[p + "linear_kv.weight"].view(G, 2 * d, -1)
+        fc1 = meg[p + "mlp.linear_fc1.weight"]
+        out.update({
+            p + "input_layernorm.weight": meg[p + "input_layernorm.weight"],
+            p + "self_attn.q_proj.weight": meg[p + "linear_q.weight"],
+            p + "self_attn.k_proj.weight": kv[:, :d].reshape(G * d, -1),
+            p + "self_attn.v_proj.weight": kv[:, d:].reshape(G * d, -1),
+            p + "self_attn.q_norm.weight": meg[p + "q_layernorm.weight"],
+            p + "self_attn.k_norm.weight": meg[p + "k_layernorm.weight"],
+            p + "self_attn.o_proj.weight": meg[p + "linear_proj.weight"],
+            p + "post_attention_layernorm.weight": meg[p + "pre_mlp_layernorm.weight"],
+            p + "mlp.gate_proj.weight": fc1[:f],
+            p + "mlp.up_proj.weight": fc1[f:],
+            p + "mlp.down_proj.weight": meg[p + "mlp.linear_fc2.weight"],
+        })
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def drafter_state(model: DFlashDrafter) -> Dict[str, torch.Tensor]:
+    """The drafter's weights without Megatron's extra state entries."""
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def load_hf_drafter(model: DFlashDrafter, hf_model) -> None:
+    state = hf_to_megatron_state(model.shape, hf_model.state_dict())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"drafter conversion: missing {missing}, unexpected {unexpected}")
+
+
+def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dtype: torch.dtype = torch.float32):
+    """A `MuseGlimmerAssistantModel` with the drafter's weights (saved to `output_dir` if given)."""
+    from transformers import MuseGlimmerAssistantModel
+
+    hf = MuseGlimmerAssistantModel(model.shape.hf_config()).to(dtype)
+    state = megatron_to_hf_state(model.shape, drafter_state(model))
+    missing, unexpected = hf.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"drafter export: missing {missing}, unexpected {unexpected}")
+    if output_dir is not None:
+        hf.save_pretrained(output_dir)
+    return hf
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+@dataclass
+class DFlashLoss:
+    loss: torch.Tensor  # this rank's partial loss (over the sequence group's weight sum)
+    numerator: torch.Tensor  # detached sum of weighted token losses on this rank
+    metrics: Dict  # weight_sum, acceptance (mean target probability), supervised slots (group-wide)
+
+
+class DFlashTrainingModel(torch.nn.Module):
+    """The drafter plus the verifier's frozen input embeddings and LM head, one sequence per
+    forward, under any `DFlashLayout`. The returned losses sum over the sequence group to the
+    loss of one rank holding everything; gradients likewise."""
+
+    def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, objective, layout,
+                 seq_rank: int = 0, seq_group=None, ring_group=None, transport: str = "allgather"):
+        super().__init__()
+        if embedding.shape[1] != drafter.shape.hidden_size or lm_head.shape[1] != drafter.shape.hidden_size:
+            raise ValueError(f"verifier embeddings {tuple(embedding.shape)} / LM head {tuple(lm_head.shape)} do not "
+                             f"match the drafter's hidden size {drafter.shape.hidden_size}")
+        if objective.block_size != drafter.shape.block_size or layout.block_size != drafter.shape.block_size:
+            raise ValueError(f"--block-size {objective.block_size} differs from the drafter's {drafter.shape.block_size}")
+        self.drafter = drafter
+        self.register_buffer("embedding", embedding.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        self.objective, self.layout = objective, layout
+        self.seq_rank, self.seq_group, self.ring_group, self.transport = seq_rank, seq_group, ring_group, transport
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.group_size == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, group=self.seq_group)
+        return t
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0) -> DFlashLoss:
+        """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
+        rows are read), tokens / loss_mask / doc_ids [L]."""
+        from megatron_csbp.objectives.dflash import document_starts, streamed_cross_entropy
+
+        L = tokens.numel()
+        if L != self.layout.seq_length:
+            raise ValueError(f"sequence of {L} tokens, the layout was built for --seq-length {self.layout.seq_length}")
+        if features.shape[0] != L or features.shape[1] != self.drafter.shape.context_width:
+            raise ValueError(f"features {tuple(features.shape)} must be [{L}, {self.drafter.shape.context_width}] "
+                             f"(len(--target-layer-ids) x hidden)")
+        loss_mask = torch.ones(L, dtype=torch.long) if loss_mask is None else loss_mask
+        doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids
+        sample = self.objective.sample(tokens, loss_mask, doc_ids, sample_index)
+        starts = document_starts(doc_ids.cpu().long())
+        plan = self.layout.plan(self.seq_rank, sample.anchors, sample.doc_starts, starts, self.ring_group,
+                                self.transport)
+        owned = self.layout.owned(sample.anchors, sample.doc_starts)[self.seq_rank]
+        mine = sample.select(owned)
+        device = self.embedding.device
+        B, n = self.objective.block_size, plan.num_noisy
+        draft_tokens = torch.full((n // B, B), self.objective.mask_token_id, dtype=torch.long)
+        draft_tokens[: len(owned)] = mine.draft_tokens
+        draft = self.embedding[draft_tokens.flatten().to(device)][:, None]
+        ctx_pos = plan.local.position[n:]
+        feats = torch.as_tensor(features[ctx_pos.numpy()]).to(device=device, dtype=self.embedding.dtype)[:, None]
+        hidden = self.drafter(draft, feats, plan)[: len(owned) * B, 0]
+        targets = mine.targets.flatten().to(device)
+        sup = targets >= 0
+        idx = sup.nonzero().flatten()
+        ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx],
+                                        self.objective.vocab_chunk)
+        ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
+        num, den, metrics = self.objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
+                                                      sup.view(-1, B), reduce=self._reduce)
+        # A rank without supervised slots still returns a loss attached to every parameter.
+        loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
+        return DFlashLoss(loss, num.detach(), metrics)

@@ -1,0 +1,232 @@
+"""`--objective dflash`: training a DFlash speculative drafter on captured verifier features.
+
+Per sequence (tokens, loss mask, document ids, all [L]):
+
+- valid anchors: positions p with p and p + 1 supervised and in the same document (and p + 1 < L);
+- up to `max_anchors` anchors drawn among them, from a generator keyed by (seed, the sample's
+  global index), so every rank and layout draws the same: `uniform` (a uniformly random subset)
+  or `locality` (a uniformly random cyclic start into the valid positions, then a stride of
+  block_size moved up to the nearest value coprime to their count: distinct anchors, every slot
+  uniform, neighbouring blocks share context);
+- each anchor a opens a draft block of `block_size` slots: slot 0 holds token[a], the rest the
+  mask token, at positions a .. a + B - 1; it sees its own block and the context in
+  [document start, a);
+- slot k >= 1 predicts token[a + k], supervised where that position is supervised, inside the
+  sequence and in the anchor's document; weight exp(-(k - 1) / gamma) (`ce`) or the D-PACE weight.
+
+Losses (both normalised by the sum of the slot weights over the sequence group's anchors):
+- `ce`: sum w_k * CE_k / sum w_k, w_k = exp(-(k-1)/gamma) on supervised slots.
+- `dpace` (DFlash2's D-PACE): with p_k the drafter's probability of the target (no gradient),
+  s_k = (1 - alpha) p_k + alpha on supervised slots (1 elsewhere), P_k = prod_{j<=k} s_j,
+  w_k = sum_{j>=k, supervised} P_j; the token loss is c * CE + (1 - c) * (1 - p_target) with
+  c = kl_scale * exp(-kl_decay * acceptance), acceptance = the mean target probability over the
+  sequence group's supervised slots (no gradient). DFlash2's candidate-selector term is not part
+  of this objective (the `muse_glimmer_assistant` architecture has no selector).
+
+The vocabulary loss streams the frozen LM head in chunks of `vocab_chunk` rows (`streamed_cross_entropy`):
+no [tokens, vocab] logits are ever held, forward or backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_csbp.objectives.base import Objective, sample_generator
+
+ANCHOR_SAMPLING = ("uniform", "locality")
+DFLASH_LOSSES = ("ce", "dpace")
+
+
+@dataclass
+class DFlashSample:
+    """The draft blocks of one sequence (A anchors, B slots)."""
+
+    anchors: torch.Tensor  # [A] int64, sorted
+    doc_starts: torch.Tensor  # [A] int64: document start of each anchor
+    draft_tokens: torch.Tensor  # [A, B] slot 0 the anchor token, the rest the mask token
+    targets: torch.Tensor  # [A, B] target id of each slot, -100 where not supervised
+    position_weights: torch.Tensor  # [A, B] float32 exp(-(k-1)/gamma), 0 on slot 0
+
+    @property
+    def supervised(self) -> torch.Tensor:
+        return self.targets >= 0
+
+    def select(self, index: torch.Tensor) -> "DFlashSample":
+        return DFlashSample(self.anchors[index], self.doc_starts[index], self.draft_tokens[index],
+                            self.targets[index], self.position_weights[index])
+
+
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[L] first position of each position's document segment (a change of id starts one)."""
+    L = doc_ids.numel()
+    pos = torch.arange(L)
+    changed = torch.ones(L, dtype=torch.bool)
+    if L > 1:
+        changed[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.cummax(torch.where(changed, pos, torch.zeros_like(pos)), dim=0).values
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[L] bool: supervised, next position supervised, both in the same document segment."""
+    sup = loss_mask.bool()
+    valid = torch.zeros_like(sup)
+    if sup.numel() > 1:
+        starts = document_starts(doc_ids)
+        valid[:-1] = sup[:-1] & sup[1:] & (starts[:-1] == starts[1:]) & (doc_ids[:-1] >= 0)
+    return valid
+
+
+def sample_anchors(valid: torch.Tensor, max_anchors: int, sampling: str, stride: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Sorted anchor positions among `valid` (at most max_anchors)."""
+    candidates = valid.nonzero().flatten()
+    n = candidates.numel()
+    count = min(max_anchors, n)
+    if count == 0:
+        return candidates
+    if sampling == "uniform":
+        chosen = torch.randperm(n, generator=generator)[:count]
+    elif sampling == "locality":
+        step = max(1, stride)
+        while gcd(step, n) != 1:
+            step += 1
+        start = int(torch.randint(n, (1,), generator=generator))
+        chosen = (start + torch.arange(count) * step) % n
+    else:
+        raise ValueError(f"--dflash-anchor-sampling must be one of {ANCHOR_SAMPLING}, got {sampling!r}")
+    return candidates[chosen].sort().values
+
+
+class DFlashObjective(Objective):
+    name = "dflash"
+    uses_noisy_stream = True
+
+    def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = 512, sampling: str = "uniform",
+                 gamma: float = 7.0, loss: str = "ce", dpace_alpha: float = 0.5, kl_scale: float = 1.0,
+                 kl_decay: float = 1.0, vocab_chunk: int = 8192, seed: int = 1234):
+        if block_size < 2:
+            raise ValueError(f"--block-size must be >= 2 for DFlash (slot 0 is the anchor), got {block_size}")
+        if max_anchors < 1:
+            raise ValueError(f"--dflash-max-anchors must be >= 1, got {max_anchors}")
+        if sampling not in ANCHOR_SAMPLING:
+            raise ValueError(f"--dflash-anchor-sampling must be one of {ANCHOR_SAMPLING}, got {sampling!r}")
+        if loss not in DFLASH_LOSSES:
+            raise ValueError(f"--dflash-loss must be one of {DFLASH_LOSSES}, got {loss!r}")
+        if gamma <= 0:
+            raise ValueError(f"--dflash-gamma must be positive, got {gamma}")
+        if not 0.0 <= dpace_alpha <= 1.0:
+            raise ValueError(f"--dflash-dpace-alpha must be in [0, 1], got {dpace_alpha}")
+        if vocab_chunk < 1:
+            raise ValueError(f"--dflash-vocab-chunk must be >= 1, got {vocab_chunk}")
+        self.block_size, self.mask_token_id, self.max_anchors = block_size, mask_token_id, max_anchors
+        self.sampling, self.gamma, self.loss_kind = sampling, gamma, loss
+        self.dpace_alpha, self.kl_scale, self.kl_decay = dpace_alpha, kl_scale, kl_decay
+        self.vocab_chunk, self.seed = vocab_chunk, seed
+
+    def slot_weights(self) -> torch.Tensor:
+        k = torch.arange(self.block_size, dtype=torch.float32)
+        w = torch.exp(-(k - 1).clamp_min(0) / self.gamma)
+        w[0] = 0.0
+        return w
+
+    def sample(self, tokens: torch.Tensor, loss_mask: torch.Tensor, doc_ids: Optional[torch.Tensor],
+               sample_index: int) -> DFlashSample:
+        """Draft blocks of one sequence ([L] tensors), the same on every rank."""
+        L, B = tokens.numel(), self.block_size
+        if doc_ids is None:
+            doc_ids = torch.zeros(L, dtype=torch.long)
+        tokens, loss_mask, doc_ids = tokens.cpu().long(), loss_mask.cpu(), doc_ids.cpu().long()
+        gen = sample_generator(self.seed, int(sample_index))
+        anchors = sample_anchors(valid_anchor_mask(loss_mask, doc_ids), self.max_anchors, self.sampling, B, gen)
+        starts = document_starts(doc_ids)
+        block_pos = anchors[:, None] + torch.arange(B)
+        safe = block_pos.clamp_max(L - 1)
+        supervised = (block_pos < L) & loss_mask.bool()[safe] & (starts[safe] == starts[anchors][:, None])
+        supervised[:, 0] = False
+        draft = torch.full((len(anchors), B), self.mask_token_id, dtype=torch.long)
+        draft[:, 0] = tokens[anchors]
+        targets = torch.where(supervised, tokens[safe], torch.full_like(safe, -100))
+        weights = self.slot_weights().expand(len(anchors), B) * supervised
+        return DFlashSample(anchors, starts[anchors], draft, targets, weights.float())
+
+    def token_loss(self, ce: torch.Tensor, weights: torch.Tensor, supervised: torch.Tensor, reduce=None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, dict]:
+        """(numerator, denominator, metrics) of the loss over this rank's slots.
+
+        `ce` [A, B] (differentiable, 0 where not supervised), `weights` the position weights,
+        `supervised` [A, B]; `reduce(t)` sums a detached tensor over the sequence group (None: one
+        rank holds every anchor). Slots are whole blocks, so D-PACE's per-block products are local."""
+        reduce = reduce or (lambda t: t)
+        sup = supervised.float()
+        p = torch.exp(-ce.detach()) * sup
+        if self.loss_kind == "ce":
+            w = weights * sup
+            stats = reduce(torch.stack([w.sum(), p.sum(), sup.sum()]).double())
+            num = (ce * w).sum()
+        else:
+            a = self.dpace_alpha
+            s = torch.where(supervised, (1 - a) * p + a, torch.ones_like(p))
+            prefix = torch.cumprod(s.double(), dim=-1)
+            suffix = torch.flip(torch.cumsum(torch.flip(prefix * sup, dims=(-1,)), dim=-1), dims=(-1,))
+            w = (suffix * sup).float()
+            stats = reduce(torch.stack([w.double().sum(), p.double().sum(), sup.double().sum()]))
+            acceptance = stats[1] / stats[2].clamp_min(1.0)
+            c = float(self.kl_scale * torch.exp(-self.kl_decay * acceptance))
+            tv = 1.0 - torch.exp(-ce)
+            num = (c * ce * w).sum() + ((1.0 - c) * tv * w).sum()
+        metrics = {"weight_sum": float(stats[0]), "acceptance": float(stats[1] / stats[2].clamp_min(1.0)),
+                   "supervised": float(stats[2])}
+        return num, stats[0].to(torch.float32), metrics
+
+
+class _StreamedCE(torch.autograd.Function):
+    """CE of hidden @ head.T against targets, the vocabulary in chunks; head frozen."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, targets, chunk):
+        n, V = hidden.shape[0], head.shape[0]
+        h = hidden.float() if hidden.dtype != torch.float64 else hidden
+        lse = torch.full((n,), float("-inf"), dtype=h.dtype, device=h.device)
+        target_logit = torch.zeros(n, dtype=h.dtype, device=h.device)
+        for start in range(0, V, chunk):
+            w = head[start : start + chunk].to(h.dtype)
+            logits = h @ w.T
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+            inside = (targets >= start) & (targets < start + w.shape[0])
+            if inside.any():
+                idx = inside.nonzero().flatten()
+                target_logit[idx] = logits[idx, targets[idx] - start]
+        ctx.save_for_backward(hidden, head, targets, lse)
+        ctx.chunk = chunk
+        return lse - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_ce):
+        hidden, head, targets, lse = ctx.saved_tensors
+        h = hidden.float() if hidden.dtype != torch.float64 else hidden
+        g = grad_ce.to(h.dtype)
+        grad = torch.zeros_like(h)
+        for start in range(0, head.shape[0], ctx.chunk):
+            w = head[start : start + ctx.chunk].to(h.dtype)
+            probs = torch.exp(h @ w.T - lse[:, None])
+            inside = (targets >= start) & (targets < start + w.shape[0])
+            if inside.any():
+                idx = inside.nonzero().flatten()
+                probs[idx, targets[idx] - start] -= 1.0
+            grad += (probs * g[:, None]) @ w
+        return grad.to(hidden.dtype), None, None, None
+
+
+def streamed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
+                           chunk: int = 8192) -> torch.Tensor:
+    """[n] cross entropy of the logits hidden [n, h] @ head[V, h].T at `targets` [n] (valid ids),
+    computed chunk by chunk over the vocabulary (peak extra memory n x chunk). `head` is the frozen
+    LM head: it gets no gradient."""
+    if head.requires_grad:
+        raise ValueError("streamed_cross_entropy takes the frozen LM head (head.requires_grad must be False)")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= head.shape[0]):
+        raise ValueError(f"targets outside the vocabulary [0, {head.shape[0]})")
+    return _StreamedCE.apply(hidden, head, targets.long(), int(chunk))
