@@ -5,9 +5,12 @@ with megatron_csbp installed, exactly like pretrain_gpt.py plus the block-diffus
     cd Megatron-LM
     torchrun --nproc-per-node 8 /path/to/megatron-csbp/examples/megatron_lm/pretrain_bdlm.py \
         <the usual pretrain_gpt.py flags: model, data, optimizer, checkpoints> \
-        --context-parallel-size 4 --block-parallel-size 4 --block-size 16 \
-        --objective bd3lm --mask-token-id <a reserved id of your tokenizer> \
-        --attention-dropout 0 --hidden-dropout 0
+        --context-parallel-size 4 --block-parallel-size 4 --block-size 16 --objective bd3lm \
+        --position-embedding-type rope --attention-dropout 0 --hidden-dropout 0
+
+(the mask id defaults to the first padding id past the tokenizer's vocabulary). Without CUDA it runs
+on CPU ranks with gloo; add --distributed-backend gloo --transformer-impl local
+--no-gradient-accumulation-fusion --use-cpu-initialization (docs/megatron-lm.md lists them all).
 
 No patch to Megatron-LM is needed: pretrain_gpt.py's dataset provider is reused, and
 megatron_csbp.megatron_lm supplies the extra_args_provider, the model provider, the forward step and
