@@ -96,6 +96,8 @@ def test_assets_rebuild_byte_identical(tmp_path):
         assert open(built, "rb").read() == open(shipped, "rb").read()
 
 
+# slow set (suite budget): tests/test_train_default_run.py shows the same model learning in the default suite
+@pytest.mark.slow
 def test_short_demo_learns_from_context(megatron_single_rank, tmp_path):
     """About a minute on one core: the held-out BD3-LM NELBO (an upper bound on the NLL) must end
     well below the unigram entropy, which no context-free model can beat."""

@@ -145,11 +145,23 @@ def test_every_recipe_passes_check(path, capsys):
     r = load_recipe(path)
     nnodes, nproc = launch_sizes(r, None, None)
     assert f"OK for {nnodes * nproc} ranks" in out
-    # every flag is one the trainer takes (the parser refuses the rest)
+    # every flag is one the trainer takes (the parser refuses the rest); `--objective dflash`
+    # hands every flag to `python -m megatron_csbp.dflash train`, whose parser decides
+    from megatron_csbp.dflash import train_parser
     from megatron_csbp.training.arguments import build_parser
 
-    known = {s for a in build_parser()._actions for s in a.option_strings}
+    parser = train_parser() if r["objective"].get("objective") == "dflash" else build_parser()
+    known = {s for a in parser._actions for s in a.option_strings}
     assert {f for f in recipe_flags(r) if f.startswith("--")} <= known
+
+
+def test_check_refuses_a_bad_dflash_recipe(capsys):
+    path = os.path.join(ROOT, "examples", "recipes", "dflash_drafter_512k_csbp.yaml")
+    for overrides, message in [(["parallelism.block_parallel_size=3"], "multiple of --context-parallel-size"),
+                               (["data.block_size=1"], "--block-size must be >= 2"),
+                               (["objective.dflash_loss=mse"], "argument --dflash-loss: invalid choice")]:
+        assert main([path, "--check", *overrides]) == 2, overrides
+        assert message in capsys.readouterr().err, overrides
 
 
 def test_check_names_the_flag_and_the_rule(capsys):

@@ -64,8 +64,14 @@ def _scalars(tb):
 
 def _same_losses(a, b):
     assert sorted(a["log"]) == sorted(b["log"]) == [1, 2, 3]
-    assert a["log"] == b["log"]  # Megatron-LM's own log lines, digit for digit
+    # Across layouts the fp32 sums run in another order: the losses differ by a few fp32 roundings
+    # (measured: 1 unit in the 7th digit of Megatron's printed loss, ~2e-7 relative). The bound,
+    # 1e-5 relative, is 50x that; the printed grad norm has 3 decimals, so it may differ by one
+    # unit of the last printed digit plus that error. Same layout (resume, evaluation) stays exact.
     for i in (1, 2, 3):
+        (loss_a, gn_a), (loss_b, gn_b) = a["log"][i], b["log"][i]  # Megatron-LM's own log lines
+        assert float(loss_b) == pytest.approx(float(loss_a), rel=1e-5, abs=0), (i, loss_a, loss_b)
+        assert abs(float(gn_b) - float(gn_a)) <= 1e-3 + 1e-5 * abs(float(gn_a)), (i, gn_a, gn_b)
         assert b["tb"]["lm loss"][i] == pytest.approx(a["tb"]["lm loss"][i], rel=1e-5, abs=0)
     for r in (a, b):
         assert all(v == v and abs(v) != float("inf") for v in r["tb"]["lm loss"].values())

@@ -57,6 +57,9 @@ def single(converted):
     return run_distributed(train_rank, 1, sft_argv(converted))[0]["history"]
 
 
+# slow set (suite budget): the model-level layout tests (test_diffusiongemma_layouts, fp64) and the
+# recipe --check test cover the default suite
+@pytest.mark.slow
 def test_diffusiongemma_sft_loss_is_the_same_under_every_layout(converted, single):
     _compare_layouts(converted, single, LAYOUTS)
 
@@ -127,6 +130,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "examples", "recipes")
 
 
+# slow set (suite budget): the model-level layout tests (test_diffusiongemma_layouts, fp64) and the
+# recipe --check test cover the default suite
+@pytest.mark.slow
 def test_cpu_diffusiongemma_recipe_runs_and_learns(tmp_path):
     """The CPU-sized DiffusionGemma SFT recipe end to end: make the tiny HF model, convert it with
     the CLI, launch the recipe (CSBP 2+2 with EP 2) for a few iterations."""
