@@ -7,6 +7,16 @@ import torch
 
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch inductor's on-disk kernel cache is not keyed on ATEN_CPU_CAPABILITY: a kernel compiled under
+# avx512 (e.g. Megatron's torch.compile'd `_apply_output_gate`, used by gated attention, qwen3_5) and
+# reused under avx2 gave logits off by 9.7; under `default` the cached build failed to compile. One
+# cache directory per capability (inherited by spawned ranks).
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,12 @@ def _hf_block_logits(model, clean, noisy, s):
                      decoder_input_ids=torch.from_numpy(noisy[:, s : s + B])).logits.numpy()
 
 
+# fp32 logits against transformers (fp32): the error model of tests/test_diffusiongemma.py (LOGIT_TOL:
+# 2 x u32 x sqrt(K) x (layers + head) x logit scale = 1.8e-4 worst; the bound 1e-4). Measured
+# (docs/exactness.md) <= 4.5e-6 under avx512 / avx2 / default.
+LOGIT_TOL = 1e-4
+
+
 def test_diffusion_gemma_converts_scores_like_hf_per_block_and_exports(tmp_path):
     hf, meg, back = str(tmp_path / "hf"), str(tmp_path / "meg"), str(tmp_path / "back")
     model = _save_tiny(hf)
@@ -61,7 +67,7 @@ def test_diffusion_gemma_converts_scores_like_hf_per_block_and_exports(tmp_path)
             ref = _hf_block_logits(model, clean, noisy, s)
             diffs.append(float(np.abs(logits[:, s - prompt : s - prompt + B] - ref).max()))
         print(f"prompt {prompt}: max |logit diff| per block vs HF {['%.1e' % d for d in diffs]}")
-        assert max(diffs) <= 1e-4
+        assert max(diffs) <= LOGIT_TOL
 
     r = convert("megatron-to-hf", "--load", meg, "--output", back)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -115,7 +121,7 @@ def test_gemma4_text_moe_start_converts_scores_and_exports_as_diffusion_gemma(tm
         ref = gemma4(input_ids=torch.from_numpy(clean)).logits.numpy()
     ar_diff = float(np.abs(np.load(tmp_path / "ar.npy") - ref).max())
     print(f"Gemma 4 (K=V {k_eq_v}) next-token logits vs HF: {ar_diff:.1e}")
-    assert ar_diff <= 1e-4
+    assert ar_diff <= LOGIT_TOL
 
     r = convert("megatron-to-hf", "--load", meg, "--output", back)
     if not k_eq_v:
@@ -129,4 +135,4 @@ def test_gemma4_text_moe_start_converts_scores_and_exports_as_diffusion_gemma(tm
     logits = np.load(tmp_path / "bd.npy")
     diffs = [float(np.abs(logits[:, s : s + B] - _hf_block_logits(dg, clean, noisy, s)).max()) for s in range(B, L, B)]
     print(f"Gemma 4 start exported as diffusion_gemma: per-block diff vs HF {['%.1e' % d for d in diffs]}")
-    assert max(diffs) <= 1e-4
+    assert max(diffs) <= LOGIT_TOL

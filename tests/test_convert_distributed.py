@@ -59,6 +59,8 @@ def test_model_parallel_load_and_sharded_save(tmp_path, family, tp, ep):
     for rank, (logits,) in enumerate(results):
         diff = float(np.abs(logits - ref).max())
         print(f"\n[{family} TP={tp} EP={ep} rank {rank}] max |megatron - transformers| = {diff:.3e}")
+        # fp32 vs transformers fp32: the error model of tests/test_convert_equivalence.py (TOLERANCE,
+        # 1e-4); measured <= 1.6e-6 under avx512 / avx2 / default (docs/exactness.md).
         assert logits.shape == ref.shape and diff <= 1e-4
     # the checkpoint written by 2 model-parallel ranks has several shard files
     assert len([f for f in os.listdir(os.path.join(resaved, "release")) if f.endswith(".distcp")]) >= 2

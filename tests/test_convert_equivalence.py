@@ -2,7 +2,8 @@
 
 For each family (Llama with llama3 rope scaling, Qwen2 with qkv bias and tied embeddings, Qwen3
 with QK-norm and head_dim != hidden/heads, Qwen3-MoE and Mixtral with Megatron MoE layers; all GQA):
-- the converted Megatron model's next-token logits equal transformers' (fp32, max abs <= 1e-4);
+- the converted Megatron model's next-token logits equal transformers' (fp32, max abs <= 1e-4,
+  from the error model at TOLERANCE);
 - the AR loss of the converted model (the trainer's `--objective ar` path) equals transformers' loss;
 - hf -> megatron -> hf gives back exactly the same tensors (names, dtypes, values) and config.
 """
@@ -23,7 +24,14 @@ from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
 from megatron_csbp.model.bdlm import BlockDiffusionModel  # noqa: E402
 from megatron_csbp.objectives.ar import AutoregressiveObjective  # noqa: E402
 
+# Error model (fp32 on both sides; transformers also keeps its norms, softmax and rotary in fp32):
+# each logit is a chain of D = 2-4 layers + the LM head of dot products of K <= 64 terms, each
+# rounded at u32 = 6e-8 with random-walk growth sqrt(K) = 8, relative to the logit scale (max |logit|
+# <= 34 here), on each of the two sides: 2 x u32 x 8 x 3 x 34 = 1e-4. Measured (docs/exactness.md):
+# <= 9.4e-6 under avx512 / avx2 / default, so TOLERANCE leaves >= 10x.
 TOLERANCE = 1e-4
+# The AR loss is a mean of logsumexp(logits) - logit[target]: each term moves by <= 2 max |d logit|.
+LOSS_TOLERANCE = 2 * TOLERANCE
 SEQ = 24
 
 
@@ -61,9 +69,9 @@ def test_ar_loss_matches_transformers(converted):
         with torch.no_grad():
             out = bdlm(tokens)
     ours = float(out.loss)
-    print(f"\n[{family}] AR loss megatron {ours:.6f} transformers {ref:.6f}")
+    print(f"\n[{family}] AR loss megatron {ours:.6f} transformers {ref:.6f} |diff| {abs(ours - ref):.3e}")
     assert int(out.num_targets) == tokens.shape[0] * (SEQ - 1)
-    assert abs(ours - ref) <= 1e-5, (family, ours, ref)
+    assert abs(ours - ref) <= LOSS_TOLERANCE, (family, ours, ref)
 
 
 def test_round_trip_returns_identical_tensors(converted, tmp_path):

@@ -20,6 +20,16 @@ from megatron_csbp.model.diffusiongemma import FULL, SLIDING, config_from_hf, di
 from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_model  # noqa: E402
 
 V, L, B, BATCH = 96, 24, 4, 2
+# fp32 on both sides (transformers keeps norms, softmax and rotary in fp32 whatever the dtype), which
+# differ in summation order and kernels. Error model, u32 = 6e-8:
+# - logits: dot products of K <= 10^2 terms with random-walk growth sqrt(K) = 10, D = 4 layers + head,
+#   relative to the logit scale (|logit| <= ~30 with the soft-cap), both sides:
+#   2 x u32 x 10 x 5 x 30 = 1.8e-4 worst; LOGIT_TOL = 1e-4. Measured <= 8.8e-6 (docs/exactness.md).
+# - gradients, worst per tensor max|g - g1| / max|g1|: sums over K <= 10^3 rows / vocab entries
+#   (sqrt(K) = 32), forward + backward through 4 layers (8), both sides (2), and a tensor's
+#   max|g1| / typical|g1| <= 10 (small-gradient tensors: norm and layer scalars):
+#   u32 x 32 x 8 x 2 x 10 = 3e-4 = GRAD_TOL. Measured <= 2.3e-5 (13x).
+LOGIT_TOL, GRAD_TOL = 1e-4, 3e-4
 
 
 def _models(window: int, seed: int = 0):
@@ -77,10 +87,11 @@ def test_noisy_logits_equal_hf_per_block(megatron_single_rank, window):
     no_sc = _per_block_diffs(hf, bdm, clean, noisy)
     with_sc = _per_block_diffs(hf, bdm, clean, noisy, sc)
     masked_sc = _per_block_diffs(hf, bdm, clean, noisy, sc, torch.tensor([True, False]))
-    print(f"window {window}: max |logit diff| per block, no SC {no_sc}, SC {with_sc}, SC masked {masked_sc}")
-    assert max(no_sc + with_sc + masked_sc) < 1e-4
+    print(f"window {window}: max |logit diff| {max(no_sc + with_sc + masked_sc):.3e}; per block, no SC {no_sc}, "
+          f"SC {with_sc}, SC masked {masked_sc}")
+    assert max(no_sc + with_sc + masked_sc) < LOGIT_TOL
     # Self-conditioning changes the logits (the check above is not vacuous).
-    assert max(_per_block_diffs(hf, bdm, clean, noisy, sc)) < 1e-4
+    assert max(_per_block_diffs(hf, bdm, clean, noisy, sc)) < LOGIT_TOL
     with torch.no_grad():
         plain, _ = _megatron_logits(bdm, clean, noisy)
         conditioned, _ = _megatron_logits(bdm, clean, noisy, sc)
@@ -124,7 +135,7 @@ def test_gradients_equal_hf(megatron_single_rank):
         ref = ref_grads[name]
         worst = max(worst, ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item())
     print(f"worst relative gradient difference {worst:.2e}")
-    assert worst < 1e-4
+    assert worst < GRAD_TOL
     emb = gpt.embedding.word_embeddings.weight
     assert emb.grad is not None and emb.grad.abs().sum() > 0
 
@@ -234,7 +245,7 @@ def test_gemma4_text_moe_as_ar_starting_point(megatron_single_rank, k_eq_v):
         ref = hf(input_ids=clean).logits
     diff = (logits - ref[:, rows.position]).abs().max().item()
     print(f"Gemma 4 (K=V {k_eq_v}) AR logits: max |diff| {diff:.2e}")
-    assert diff < 1e-4
+    assert diff < LOGIT_TOL
 
 
 def test_full_recompute_gives_the_same_gradients(megatron_single_rank):
@@ -264,4 +275,5 @@ def test_full_recompute_gives_the_same_gradients(megatron_single_rank):
     assert calls == [1, 2]  # the recomputed model ran layer 2 again in backward
     assert grads[0].keys() == grads[1].keys()
     worst = max(((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max().clamp_min(1e-6)).item() for n in grads[0])
-    assert worst < 1e-6, worst
+    print(f"recompute vs no recompute: worst relative gradient difference {worst:.2e}")
+    assert worst < 1e-6, worst  # the same kernels replayed: measured 0 under avx512 / avx2 / default
