@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
+from megatron_csbp.layout.layout import layout_kind
+
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -56,9 +58,7 @@ class Case:
 
     @property
     def kind(self) -> str:
-        if self.bp > 1:
-            return "csbp" if self.cp > 1 else "bp"
-        return "cp" if self.cp > 1 else "single"
+        return layout_kind(self.cp, self.bp)
 
     @property
     def ring_size(self) -> int:

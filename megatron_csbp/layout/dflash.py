@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.layout.layout import check_parallel_sizes, zigzag_chunks
+from megatron_csbp.layout.layout import check_parallel_sizes, layout_kind, zigzag_chunks
 from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
 
 
@@ -68,9 +68,7 @@ class DFlashLayout:
 
     @property
     def kind(self) -> str:
-        if self.bp_size > 1:
-            return "csbp" if self.cp_size > 1 else "bp"
-        return "cp" if self.cp_size > 1 else "single"
+        return layout_kind(self.cp_size, self.bp_size)
 
     @property
     def group_size(self) -> int:

@@ -37,6 +37,13 @@ def check_parallel_sizes(cp: int, bp: int) -> None:
         )
 
 
+def layout_kind(cp: int, bp: int) -> str:
+    """The layout the two sizes select: 'single', 'cp' (the baseline), 'bp' or 'csbp'."""
+    if bp > 1:
+        return "csbp" if cp > 1 else "bp"
+    return "cp" if cp > 1 else "single"
+
+
 def balanced_block_unit(bp: int, schedule: str) -> int:
     """Noisy-block counts that split equally over `bp` block-parallel ranks are multiples of this:
     mirrored ownership hands out pairs (i, n-1-i), contiguous ownership single blocks."""
@@ -151,9 +158,7 @@ class SequenceLayout:
     # ---- sizes -------------------------------------------------------------------------------
     @property
     def kind(self) -> str:
-        if self.bp_size > 1:
-            return "csbp" if self.cp_size > 1 else "bp"
-        return "cp" if self.cp_size > 1 else "single"
+        return layout_kind(self.cp_size, self.bp_size)
 
     @property
     def group_size(self) -> int:
