@@ -209,6 +209,7 @@ def train(a) -> Dict:
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.layout.sizes import shard_group_size
     from megatron_csbp.model.dflash import (DFlashDrafter, DFlashTrainingModel, DrafterShape,
                                             drafter_transformer_config)
     from megatron_csbp.training.model import build_objective
@@ -218,7 +219,7 @@ def train(a) -> Dict:
     world = dist.get_world_size()
     bps.initialize_block_parallel(context_parallel_size=a.context_parallel_size,
                                   block_parallel_size=a.block_parallel_size)
-    seq = max(a.context_parallel_size, a.block_parallel_size)
+    seq = shard_group_size(a.context_parallel_size, a.block_parallel_size)
     dp, dp_rank = world // seq, mpu.get_data_parallel_rank(with_context_parallel=False)
     data = FeatureDataset(a.features_path)
     L = data.meta["seq_length"]
@@ -243,8 +244,8 @@ def train(a) -> Dict:
     objective = build_objective(a)  # the trainer's objective registry: --objective dflash
     layout = DFlashLayout(L, a.block_size, a.context_parallel_size, a.block_parallel_size)
     ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
-    model = DFlashTrainingModel(drafter, embedding, head, objective, layout, seq_rank=mpu.get_context_parallel_rank(),
-                                seq_group=mpu.get_context_parallel_group(), ring_group=ring,
+    model = DFlashTrainingModel(drafter, embedding, head, objective, layout, shard_rank=mpu.get_context_parallel_rank(),
+                                shard_group=mpu.get_context_parallel_group(), ring_group=ring,
                                 transport=a.attention_transport)
     opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
     reduce_group = mpu.get_data_parallel_group(with_context_parallel=True)
@@ -270,7 +271,7 @@ def train(a) -> Dict:
             (out.loss / (a.micro_batch_size * dp)).backward()
             total += float(out.loss.detach())
             acc += out.metrics["acceptance"]
-        # Gradients and losses: summed over the sequence group (partial losses), averaged over DP.
+        # Gradients and losses: summed over the shard group (partial losses), averaged over DP.
         for p in drafter.parameters():
             dist.all_reduce(p.grad, group=reduce_group)
         stats = torch.tensor([total / a.micro_batch_size, acc / a.micro_batch_size / seq], dtype=torch.float64)

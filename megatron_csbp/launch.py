@@ -218,10 +218,10 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
 
 def _check_dflash_recipe(recipe: Dict, name: str, world: int, fail) -> str:
     """`--objective dflash` hands every flag to `python -m megatron_csbp.dflash train`: its parser,
-    its argument rules and the sequence-group topology, for the recipe's world size (the rules
+    its argument rules and the shard-group topology, for the recipe's world size (the rules
     that read the captured features and the verifier run at launch)."""
     from megatron_csbp.dflash import check_args, train_parser
-    from megatron_csbp.layout.layout import check_parallel_sizes
+    from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 
     parser = train_parser()
     parser.error = fail
@@ -237,7 +237,7 @@ def _check_dflash_recipe(recipe: Dict, name: str, world: int, fail) -> str:
         check_parallel_sizes(cp, bp)
     except ValueError as e:
         fail(str(e))
-    seq = max(cp, bp)
+    seq = shard_group_size(cp, bp)
     if world % seq:
         fail(f"world size {world} is not divisible by max(--context-parallel-size, --block-parallel-size) = {seq}")
     return (f"recipe {name}: OK for {world} ranks: DFlash drafter, CP {cp} / BP {bp} x DP {world // seq}\n"

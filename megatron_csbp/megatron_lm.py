@@ -9,7 +9,7 @@ plugin needs:
   `--bdlm-context-parallel-size` (set by `rewrite_argv`).
 - `rewrite_argv(argv)`: block parallelism lives inside Megatron's CP axis, so Megatron must see
   `--context-parallel-size max(CP, BP)` (its batch, sampler, DDP and checkpoint arithmetic then
-  treat the whole sequence group like CP ranks). The user's CP (the clean ring size) travels as
+  treat the whole shard group like CP ranks). The user's CP (the clean ring size) travels as
   `--bdlm-context-parallel-size`. It also adds `--calculate-per-token-loss` (our losses are sums
   over each rank's own targets; Megatron divides by the token count summed over DP x CP x BP).
 - `install()`: the hooks below, the wheel's prebuilt dataset helpers, and (without CUDA) the CPU
@@ -22,7 +22,7 @@ plugin needs:
 - `model_provider(...)`: Megatron's GPTModel from Megatron-LM's args, any layer spec with the
   core attention swapped, wrapped as a block diffusion model.
 - `forward_step(data_iterator, model)`: Megatron-LM's batch (NOT sliced by CP rank: every rank of
-  the sequence group needs the whole sample); `labels` with `loss_mask` as the clean sequence
+  the shard group needs the whole sample); `labels` with `loss_mask` as the clean sequence
   (`bdlm_batch`); noise keyed by the global sample index, evaluation samples on their own indices.
 
 `examples/megatron_lm/pretrain_bdlm.py` puts these together with `pretrain_gpt.py`'s dataset
@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.training.arguments import add_block_diffusion_args
 
 
@@ -185,11 +186,13 @@ def rewrite_argv(argv: Sequence[str]) -> List[str]:
     argv = list(argv)
     cp = _flag_value(argv, "--context-parallel-size", 1)
     bp = _flag_value(argv, "--block-parallel-size", 1)
-    if bp > 1 and bp % cp:
-        raise SystemExit(f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}")
+    try:
+        check_parallel_sizes(cp, bp)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if "--bdlm-context-parallel-size" not in " ".join(argv):
         argv = _set_flag(argv, "--bdlm-context-parallel-size", cp)
-        argv = _set_flag(argv, "--context-parallel-size", max(cp, bp))
+        argv = _set_flag(argv, "--context-parallel-size", shard_group_size(cp, bp))
     if "--calculate-per-token-loss" not in argv:
         argv.append("--calculate-per-token-loss")
     return argv
@@ -216,7 +219,7 @@ def install_initialize_hook() -> None:
         seq = kwargs.pop("context_parallel_size", 1)
         ep = kwargs.pop("expert_model_parallel_size", 1)
         cp, bp = _true_cp(a), a.block_parallel_size
-        if max(cp, bp) != seq:
+        if shard_group_size(cp, bp) != seq:
             raise ValueError(f"Megatron's --context-parallel-size is {seq}, expected max(CP {cp}, BP {bp}); launch "
                              "through megatron_csbp.megatron_lm.rewrite_argv (examples/megatron_lm/pretrain_bdlm.py)")
         mpu.initialize_model_parallel = original  # initialize_block_parallel calls Megatron's own
@@ -282,7 +285,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if margs.mask_token_id is None and margs.objective != "ar":
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
                          "hook picks the first padding id) or pass --mask-token-id")
-    bdlm = BlockDiffusionModel(gpt, build_objective(margs), build_layout(margs), bps.get_block_parallel_rank(),
+    bdlm = BlockDiffusionModel(gpt, build_objective(margs), build_layout(margs), bps.get_shard_rank(),
                                bps.get_clean_ring_group(), margs.attention_transport)
     return TrainableBDLM(config, bdlm)
 
@@ -347,7 +350,7 @@ def bdlm_batch(batch, mask_token_id: Optional[int]):
 
 
 def forward_step(data_iterator, model):
-    """Megatron-LM forward step: whole samples on every rank of the sequence group."""
+    """Megatron-LM forward step: whole samples on every rank of the shard group."""
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
     from megatron.training.utils import get_batch_on_this_tp_rank

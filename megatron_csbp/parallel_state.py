@@ -3,11 +3,11 @@
 Megatron treats context-parallel ranks like data-parallel replicas for weights (DDP reduces over
 `dp_cp`, the distributed optimizer shards over it, checkpoints take replica ids from it, the
 sampler gives every CP rank the same sample). Block parallelism therefore lives inside Megatron's
-CP axis: Megatron is initialised with context_parallel_size = max(CP, BP) (the *sequence group*),
-and the plugin carves two families of sub-groups out of every sequence group:
+CP axis: Megatron is initialised with context_parallel_size = max(CP, BP) (the *shard group*),
+and the plugin carves two families of sub-groups out of every shard group:
 
 - clean rings: CP consecutive ranks that share one zigzag-sharded clean stream and exchange clean
-  K/V (for the CP baseline, the ring is the whole sequence group);
+  K/V (for the CP baseline, the ring is the whole shard group);
 - clean replicas: the ranks at the same ring position across the k = BP / CP rings (they hold the
   same clean shard).
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as mpu
 
-from megatron_csbp.layout.layout import check_parallel_sizes
+from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class BlockParallelSizes:
         check_parallel_sizes(self.context_parallel_size, self.block_parallel_size)
 
     @property
-    def sequence_parallel_size(self) -> int:
+    def shard_group_size(self) -> int:
         return max(self.context_parallel_size, self.block_parallel_size)
 
 
@@ -50,15 +50,15 @@ def check_topology(world_size: int, tensor_model_parallel_size: int = 1, pipelin
                    expert_model_parallel_size: int = 1) -> BlockParallelSizes:
     """Validate sizes before any collective: a clear error instead of a hang or a wrong answer."""
     sizes = BlockParallelSizes(context_parallel_size, block_parallel_size)
-    if pipeline_model_parallel_size != 1 and sizes.sequence_parallel_size > 1:
+    if pipeline_model_parallel_size != 1 and sizes.shard_group_size > 1:
         raise ValueError("--pipeline-model-parallel-size > 1 is not supported with block or context parallelism "
                          "for block diffusion (the reference rejects it too)")
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * sizes.sequence_parallel_size
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * sizes.shard_group_size
     if world_size % model_parallel != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size "
             f"{tensor_model_parallel_size} x --pipeline-model-parallel-size {pipeline_model_parallel_size} x "
-            f"max(--context-parallel-size, --block-parallel-size) {sizes.sequence_parallel_size}"
+            f"max(--context-parallel-size, --block-parallel-size) {sizes.shard_group_size}"
         )
     dp_cp = world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)
     if expert_model_parallel_size > 1 and dp_cp % expert_model_parallel_size != 0:
@@ -79,7 +79,7 @@ def initialize_block_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
-        context_parallel_size=sizes.sequence_parallel_size,
+        context_parallel_size=sizes.shard_group_size,
         expert_model_parallel_size=expert_model_parallel_size,
         **megatron_kwargs,
     )
@@ -88,7 +88,7 @@ def initialize_block_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     return sizes
 
 
-def _all_sequence_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
+def _all_shard_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
     world = dist.get_world_size()
     generator = mpu.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * seq), pp=pp, cp=seq, order="tp-cp-ep-dp-pp")
     return generator.get_ranks("cp")
@@ -97,11 +97,11 @@ def _all_sequence_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
 def _build_subgroups(sizes: BlockParallelSizes, tp: int, pp: int) -> None:
     global _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS
     me = dist.get_rank()
-    C, S = sizes.context_parallel_size, sizes.sequence_parallel_size
-    seq_groups = _all_sequence_groups(tp, pp, S)
+    C, S = sizes.context_parallel_size, sizes.shard_group_size
+    shard_groups = _all_shard_groups(tp, pp, S)
     mine = mpu.get_context_parallel_global_ranks()
-    assert any(list(g) == list(mine) for g in seq_groups), "rank generator disagrees with Megatron's CP groups"
-    for g in seq_groups:  # same order on every rank
+    assert any(list(g) == list(mine) for g in shard_groups), "rank generator disagrees with Megatron's CP groups"
+    for g in shard_groups:  # same order on every rank
         for j in range(S // C):
             ring = list(g[j * C:(j + 1) * C])
             group = mpu.create_group(ring, group_desc="BLOCK_PARALLEL_CLEAN_RING")
@@ -134,17 +134,17 @@ def get_block_parallel_sizes() -> BlockParallelSizes:
     return _require()
 
 
-def get_block_parallel_group():
-    """The sequence group (Megatron's CP group, of max(CP, BP) ranks) that shares one sample."""
+def get_shard_group():
+    """The shard group (Megatron's CP group, of max(CP, BP) ranks) that shares one sample."""
     _require()
     return mpu.get_context_parallel_group()
 
 
-def get_block_parallel_world_size() -> int:
-    return _require().sequence_parallel_size
+def get_shard_group_size() -> int:
+    return _require().shard_group_size
 
 
-def get_block_parallel_rank() -> int:
+def get_shard_rank() -> int:
     _require()
     return mpu.get_context_parallel_rank()
 

@@ -41,7 +41,7 @@ def held_rows(case) -> torch.Tensor:
     geometry = BlockGeometry(case["L"], case["B"], case["clean_attention"], case["window"])
     layout = SequenceLayout(geometry, case["cp"], case["bp"], case["schedule"])
     holders = torch.zeros(2 * case["L"], dtype=torch.long)
-    for r in range(layout.group_size):
+    for r in range(layout.shard_group_size):
         holders[logical_index(layout.rows(r), case["L"])] += 1
     return holders
 
@@ -76,29 +76,29 @@ def _attention_rank(rank, world, cases):
         bps.initialize_block_parallel(context_parallel_size=case["cp"], block_parallel_size=case["bp"])
         geometry = BlockGeometry(case["L"], case["B"], case["clean_attention"], None)
         layout = SequenceLayout(geometry, case["cp"], case["bp"], case["schedule"])
-        seq_rank = bps.get_block_parallel_rank()
-        plan = plan_for_layout(layout, seq_rank, bps.get_clean_ring_group(), case["transport"])
+        shard_rank = bps.get_shard_rank()
+        plan = plan_for_layout(layout, shard_rank, bps.get_clean_ring_group(), case["transport"])
         L = case["L"]
         q, k, v, do = _inputs(L, case["b"], case["H"], case["G"], case["d"])
         idx = logical_index(plan.local, L)
         # The first holder of each logical row gets its upstream gradient.
         first_holder = {}
-        for r in range(layout.group_size):
+        for r in range(layout.shard_group_size):
             for i in logical_index(layout.rows(r), L).tolist():
                 first_holder.setdefault(i, r)
-        mine = torch.tensor([first_holder[i] == seq_rank for i in idx.tolist()])
+        mine = torch.tensor([first_holder[i] == shard_rank for i in idx.tolist()])
         ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
         traffic_counter().reset()
         out = block_diffusion_attention(ql, kl, vl, plan, softmax_scale=case["d"] ** -0.5,
                                         kernel=math_partial_attention, window=case["window"], layer=1)
         out.backward(do[idx] * mine[:, None, None, None])
-        results.append(dict(idx=idx, out=out.detach(), seq_rank=seq_rank, dq=ql.grad, dk=kl.grad, dv=vl.grad,
+        results.append(dict(idx=idx, out=out.detach(), shard_rank=shard_rank, dq=ql.grad, dk=kl.grad, dv=vl.grad,
                             sent=traffic_counter().total_sent, received=traffic_counter().total_received))
         bps.destroy_block_parallel()
     return results
 
 
-def attention_bytes_formula(case, seq_rank) -> int:
+def attention_bytes_formula(case, shard_rank) -> int:
     """Bytes received per rank per layer, forward + backward (design brief section 2), EXACT_DTYPE."""
     L, G, d, b = case["L"], case["G"], case["d"], case["b"]
     s = torch.tensor([], dtype=EXACT_DTYPE).element_size()
@@ -109,7 +109,7 @@ def attention_bytes_formula(case, seq_rank) -> int:
         # rows it needs, backward receives the gradients of the rows it sent.
         from tests.test_window_exchange import window_plans
 
-        plan = window_plans(case)[seq_rank]
+        plan = window_plans(case)[shard_rank]
         return (sum(plan.recv_counts) + sum(plan.send_counts)) * b * 2 * G * d * s
     P = case["cp"]  # ring size
     rows_moved = 2 * L if case["bp"] == 1 else L  # CP moves all 2L rows, CSBP the L clean rows
@@ -172,7 +172,7 @@ def check_case(case, results):
     for res in results:
         idx = res["idx"]
         torch.testing.assert_close(res["out"].double(), ref_out[idx], **TOL, msg=lambda m: f"{label}: {m}")
-        expected = attention_bytes_formula(case, res["seq_rank"])
+        expected = attention_bytes_formula(case, res["shard_rank"])
         assert res["received"] == expected, (label, res["received"], expected)
         if case["window"] is None:
             assert res["sent"] == res["received"], label

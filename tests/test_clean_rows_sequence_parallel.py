@@ -41,7 +41,7 @@ def _sft_model(gpt, cp, bp, sc=True):
     obj = DiffusionGemmaSFTObjective(B, V, seed=SFT_SEED, encoder_loss_weight=ENC_W,
                                      self_conditioning_prob=0.5 if sc else 0.0)
     seq = cp * bp > 1
-    model = DiffusionGemmaSFTModel(gpt, obj, layout, seq_rank=bps.get_block_parallel_rank() if seq else 0,
+    model = DiffusionGemmaSFTModel(gpt, obj, layout, shard_rank=bps.get_shard_rank() if seq else 0,
                                    ring_group=bps.get_clean_ring_group() if seq else None)
     return model, obj
 
@@ -101,14 +101,14 @@ def _rank(rank, world, path, cases):
                              if not k.endswith("_extra_state")}, strict=False)
         gpt.train()
         loss, starts = _sft_loss(gpt, cp, bp, sc)
-        seq_group = bps.get_block_parallel_group() if cp * bp > 1 else None
-        if seq_group is not None:
-            dist.all_reduce(loss, group=seq_group)
+        shard_group = bps.get_shard_group() if cp * bp > 1 else None
+        if shard_group is not None:
+            dist.all_reduce(loss, group=shard_group)
         pairs = []
         for n, p in gpt.named_parameters():
             g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-            if seq_group is not None:
-                dist.all_reduce(g, group=seq_group)
+            if shard_group is not None:
+                dist.all_reduce(g, group=shard_group)
             if getattr(p, "sequence_parallel", False):  # replicated weight fed by this TP rank's rows only
                 dist.all_reduce(g, group=mpu.get_tensor_model_parallel_group())
             pairs.append((g, _shard(n, ref[sc]["grads"][n], tp_rank)))

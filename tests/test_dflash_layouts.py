@@ -102,7 +102,7 @@ def _data():
     return tokens, loss_mask, doc_ids, features, embedding, head
 
 
-def _run_case(cp, bp, loss_kind, transport, sampling, seq_rank, seq_group, ring_group):
+def _run_case(cp, bp, loss_kind, transport, sampling, shard_rank, shard_group, ring_group):
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, drafter_transformer_config
@@ -118,7 +118,7 @@ def _run_case(cp, bp, loss_kind, transport, sampling, seq_rank, seq_group, ring_
     obj = DFlashObjective(block_size=4, mask_token_id=5, max_anchors=11, sampling=sampling, gamma=3.0, loss=loss_kind,
                           vocab_chunk=16)
     layout = DFlashLayout(L, 4, cp, bp)
-    model = DFlashTrainingModel(drafter, embedding, head, obj, layout, seq_rank=seq_rank, seq_group=seq_group,
+    model = DFlashTrainingModel(drafter, embedding, head, obj, layout, shard_rank=shard_rank, shard_group=shard_group,
                                 ring_group=ring_group, transport=transport)
     traffic_counter().reset()
     out = model(features, tokens, loss_mask, doc_ids, sample_index=5)
@@ -128,7 +128,7 @@ def _run_case(cp, bp, loss_kind, transport, sampling, seq_rank, seq_group, ring_
 
 
 def layouts_rank(rank, world, cp, bp, cases):
-    """Every case on one process group setup: the sequence group holds all `world` ranks; the
+    """Every case on one process group setup: the shard group holds all `world` ranks; the
     one-rank references run on each rank alone (no collective)."""
     import warnings
 
@@ -138,14 +138,14 @@ def layouts_rank(rank, world, cp, bp, cases):
 
     warnings.simplefilter("ignore")
     bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
-    seq_group, seq_rank = mpu.get_context_parallel_group(), mpu.get_context_parallel_rank()
+    shard_group, shard_rank = mpu.get_context_parallel_group(), mpu.get_context_parallel_rank()
     out = {}
     for name, (ccp, cbp, loss_kind, transport, sampling) in cases.items():
         if max(ccp, cbp) == 1:
             out[name] = _run_case(1, 1, loss_kind, transport, sampling, 0, None, None)
             continue
-        ring = bps.get_clean_ring_group() if ccp == cp else seq_group
-        out[name] = _run_case(ccp, cbp, loss_kind, transport, sampling, seq_rank, seq_group, ring)
+        ring = bps.get_clean_ring_group() if ccp == cp else shard_group
+        out[name] = _run_case(ccp, cbp, loss_kind, transport, sampling, shard_rank, shard_group, ring)
     return out
 
 

@@ -8,7 +8,7 @@ the clean rows inside the sliding windows), for two objectives:
   two-pass self-conditioning forward (one sample draws it, the other not).
 
 Each rank computes the single-device reference in-process first, then its layout's partial loss
-(summed over the sequence group) with the same weights. One spawn per world size runs all its
+(summed over the shard group) with the same weights. One spawn per world size runs all its
 layouts: 2 ranks (CP = 2, BP = 2, CSBP CP = BP = 2) and 4 ranks (CSBP CP = 2, BP = 4: two rings;
 CP = 4).
 """
@@ -50,7 +50,7 @@ def _bd3lm_loss(gpt, cp, bp):
     L = L_BD3LM
     layout = SequenceLayout(BlockGeometry(L, B, "token_causal"), cp, bp)
     model = BlockDiffusionModel(gpt, BD3LMObjective(B, mask_token_id=V - 1, seed=3), layout,
-                                bps.get_block_parallel_rank(), bps.get_clean_ring_group())
+                                bps.get_shard_rank(), bps.get_clean_ring_group())
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, V - 1, (BATCH, L), generator=g)
     loss_mask = torch.ones_like(tokens)
@@ -97,7 +97,7 @@ def _sft_loss(gpt, cp, bp):
 
     layout = SequenceLayout(BlockGeometry(L_SFT, B, "token_causal"), cp, bp)
     obj = DiffusionGemmaSFTObjective(B, V, seed=SFT_SEED, encoder_loss_weight=ENC_W)
-    model = DiffusionGemmaSFTModel(gpt, obj, layout, seq_rank=bps.get_block_parallel_rank() if cp * bp > 1 else 0,
+    model = DiffusionGemmaSFTModel(gpt, obj, layout, shard_rank=bps.get_shard_rank() if cp * bp > 1 else 0,
                                    ring_group=bps.get_clean_ring_group() if cp * bp > 1 else None)
     batches = sft_batches()
     denominator = sum(obj.denominator(m) for _, m, _ in batches)
@@ -133,7 +133,7 @@ def _rank(rank, world, cases):
             bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
             gpt = _gpt()
             loss = LOSSES[objective](gpt, cp, bp)
-            group = bps.get_block_parallel_group()
+            group = bps.get_shard_group()
             dist.all_reduce(loss, group=group)
             pairs = []
             for n, p in gpt.named_parameters():

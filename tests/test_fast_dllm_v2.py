@@ -223,13 +223,13 @@ def _layouts_rank(rank, world, meg_dir, cases):
                 assert [getattr(p, a, None) for a in attrs] == [getattr(q, a, None) for a in attrs], n
         layout = SequenceLayout(BlockGeometry(L, B), c["cp"], c["bp"])
         model = BlockDiffusionModel(gpt, FastDLLMv2Objective(B, MASK_ID, seed=1), layout,
-                                    bps.get_block_parallel_rank(), bps.get_clean_ring_group(),
+                                    bps.get_shard_rank(), bps.get_clean_ring_group(),
                                     c.get("transport", "allgather"))
         tokens, loss_mask, index = batch()
         out = model(tokens, loss_mask, index)
         out.loss.backward()
         loss = out.loss.detach().clone()
-        group = bps.get_block_parallel_group()
+        group = bps.get_shard_group()
         dist.all_reduce(loss, group=group)
         grads = {}
         for n, p in gpt.named_parameters():

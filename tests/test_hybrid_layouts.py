@@ -30,7 +30,7 @@ def _run(gpt, cp, bp, schedule):
     from megatron_csbp.model.bdlm import BlockDiffusionModel
 
     layout = SequenceLayout(BlockGeometry(L, B), cp, bp, schedule)
-    model = BlockDiffusionModel(gpt, _objective(), layout, bps.get_block_parallel_rank(), bps.get_clean_ring_group())
+    model = BlockDiffusionModel(gpt, _objective(), layout, bps.get_shard_rank(), bps.get_clean_ring_group())
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB - 1, (BATCH, L), generator=g)
     loss_mask = torch.ones_like(tokens)
@@ -44,7 +44,7 @@ def expected_gdn_forward_bytes(layout, rank, tp, K=4, hk=2, hv=4, dk=8, dv=8, s=
     """Bytes one rank sends in one GDN layer's forward, from the layout alone (fp32)."""
     if layout.ring_size == 1:
         return 0
-    ring = list(range(layout.group_size)) if layout.kind == "cp" else layout.ring_ranks(rank)
+    ring = list(range(layout.shard_group_size)) if layout.kind == "cp" else layout.ring_ranks(rank)
     P = len(ring)
 
     def runs(pos):
@@ -99,13 +99,13 @@ def _rank(rank, world, cases):
         traffic_counter().reset()
         loss, layout, _ = _run(gpt, case["cp"], case["bp"], case["schedule"])
         per_layer = traffic_counter().per_layer()
-        seq_rank = bps.get_block_parallel_rank()
-        seq_group = bps.get_block_parallel_group()
-        dist.all_reduce(loss, group=seq_group)
+        shard_rank = bps.get_shard_rank()
+        shard_group = bps.get_shard_group()
+        dist.all_reduce(loss, group=shard_group)
         errors = {}
         for n, p in gpt.named_parameters():
             g = p.grad.clone()
-            dist.all_reduce(g, group=seq_group)
+            dist.all_reduce(g, group=shard_group)
             if case["sp"] and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(g, group=mpu.get_tensor_model_parallel_group())
             ref = gdn_tp_slice(n, ref_grads[n], p, tp_rank, tp, gdn_of(n))
@@ -113,7 +113,7 @@ def _rank(rank, world, cases):
         gdn_layers = [i + 1 for i, p in enumerate(PATTERN) if p]
         sent = [per_layer.get(i, {}).get("forward_sent", 0) for i in gdn_layers]
         out.append(dict(loss=float(loss), ref_loss=float(ref_loss), errors=errors, gdn_sent=sent,
-                        want_sent=expected_gdn_forward_bytes(layout, seq_rank, tp)))
+                        want_sent=expected_gdn_forward_bytes(layout, shard_rank, tp)))
         bps.destroy_block_parallel()
     return out
 

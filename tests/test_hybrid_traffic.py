@@ -8,7 +8,7 @@ of full layers (half of CP's rows) and, on sliding layers, moves only the clean 
 windows (one all-to-all each way). On the K=V full layer CSBP moves raw k alone (receivers derive
 K and V), half of the K+V bytes; CP keeps moving K and V, as Megatron's CP does. Bytes are what
 the transports record in `traffic_counter()` over one forward + backward on gloo (P = 2 ranks of
-the sequence group).
+the shard group).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _traffic(cp, bp, full_attention: bool):
                 m.window = None  # same weights and head shapes, every layer full attention
     layout = SequenceLayout(BlockGeometry(L, B, "token_causal"), cp, bp)
     model = BlockDiffusionModel(gpt, BD3LMObjective(B, mask_token_id=V - 1, seed=3), layout,
-                                bps.get_block_parallel_rank(), bps.get_clean_ring_group())
+                                bps.get_shard_rank(), bps.get_clean_ring_group())
     tokens = torch.randint(0, V - 1, (1, L), generator=torch.Generator().manual_seed(0))
     counter = traffic_counter()
     counter.reset()

@@ -65,7 +65,7 @@ def _model(gpt, cp, bp, transport):
     if cp * bp == 1:
         return BlockDiffusionModel(gpt, BD3LMObjective(B, mask_token_id=V - 1, seed=3), layout)
     return BlockDiffusionModel(gpt, BD3LMObjective(B, mask_token_id=V - 1, seed=3), layout,
-                               bps.get_block_parallel_rank(), bps.get_clean_ring_group(), transport)
+                               bps.get_shard_rank(), bps.get_clean_ring_group(), transport)
 
 
 def _batch():
@@ -176,9 +176,9 @@ def _run(config, cp, bp, transport, send_source=True):
     if cp * bp > 1:
         from megatron.core import parallel_state as mpu
 
-        dist.all_reduce(loss, group=bps.get_block_parallel_group())
+        dist.all_reduce(loss, group=bps.get_shard_group())
         for n, p in gpt.named_parameters():
-            dist.all_reduce(grads[n], group=bps.get_block_parallel_group())
+            dist.all_reduce(grads[n], group=bps.get_shard_group())
             if config.sequence_parallel and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(grads[n], group=mpu.get_tensor_model_parallel_group())
     expected = {}

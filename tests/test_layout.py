@@ -24,7 +24,7 @@ def test_every_block_owned_exactly_once(cp, bp, schedule):
     lay = layout(L=128, cp=cp, bp=bp, schedule=schedule)
     owned = sorted(b for blocks in lay.block_owners for b in blocks)
     assert owned == list(range(lay.geometry.num_blocks))
-    for r in range(lay.group_size):
+    for r in range(lay.shard_group_size):
         rows = lay.rows(r)
         noisy_blocks = sorted(set((rows.position[~rows.is_clean] // 4).tolist()))
         assert noisy_blocks == lay.block_owners[r]
@@ -68,7 +68,7 @@ def test_exchange_plan_is_symmetric(cp, bp):
     """What rank r expects from ring member i is exactly what member i sends (its clean rows,
     or all rows under CP)."""
     lay = layout(L=64, cp=cp, bp=bp)
-    for r in range(lay.group_size):
+    for r in range(lay.shard_group_size):
         ring = lay.ring_ranks(r)
         peers = lay.ring_clean_rows(r)
         for i, member in enumerate(ring):

@@ -92,7 +92,7 @@ def test_real_megatron_lm_args_initialize_model_forward():
         assert r["dp"] == 1 and r["seq"] == 2 and r["bp"] == 2 and r["kind"] == "bp"
         assert r["grads"] > 0
     # The supervised-token count (loss_mask, less labels equal to the mask id) is counted once per
-    # sample over the sequence group: 32 - 3 masked by loss_mask - 1 more label equal to the mask id.
+    # sample over the shard group: 32 - 3 masked by loss_mask - 1 more label equal to the mask id.
     assert sum(r["num_tokens"] for r in res) == 28
     total = sum(r["report"][0] for r in res) / sum(r["report"][1] for r in res)
     assert torch.isfinite(total) and total > 0

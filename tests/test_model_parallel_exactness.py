@@ -70,7 +70,7 @@ def run_layout(gpt, cp, bp, transport, schedule, clean_attention):
     from megatron_csbp.model.bdlm import BlockDiffusionModel
 
     layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
-    model = BlockDiffusionModel(gpt, objective(), layout, bps.get_block_parallel_rank(),
+    model = BlockDiffusionModel(gpt, objective(), layout, bps.get_shard_rank(),
                                 bps.get_clean_ring_group(), transport)
     tokens, loss_mask, index = batch()
     out = model(tokens, loss_mask, index)
@@ -117,12 +117,12 @@ def _model_rank(rank, world, cases):
             for n, p in gpt.named_parameters():
                 p.copy_(_tp_slice(ref_state[n], p, tp_rank))
         loss = run_layout(gpt, case["cp"], case["bp"], case["transport"], case["schedule"], case["clean_attention"])
-        seq_group = bps.get_block_parallel_group()
-        dist.all_reduce(loss, group=seq_group)  # each rank holds the partial loss of its blocks
+        shard_group = bps.get_shard_group()
+        dist.all_reduce(loss, group=shard_group)  # each rank holds the partial loss of its blocks
         errors = {}
         for n, p in gpt.named_parameters():
             g = p.grad.clone()
-            dist.all_reduce(g, group=seq_group)  # gradients are summed over the sequence group
+            dist.all_reduce(g, group=shard_group)  # gradients are summed over the shard group
             if case["sp"] and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(g, group=mpu.get_tensor_model_parallel_group())
             ref = _tp_slice(ref_grads[n], p, tp_rank)

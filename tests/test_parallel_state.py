@@ -18,9 +18,9 @@ def _groups_rank(rank, world):
     for tp, cp, bp in [(1, 2, 4), (2, 2, 2), (1, 4, 1), (1, 1, 2)]:
         bps.initialize_block_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, block_parallel_size=bp)
         out[(tp, cp, bp)] = dict(
-            seq_size=bps.get_block_parallel_world_size(),
-            seq_rank=bps.get_block_parallel_rank(),
-            seq_ranks=dist.get_process_group_ranks(bps.get_block_parallel_group()),
+            seq_size=bps.get_shard_group_size(),
+            shard_rank=bps.get_shard_rank(),
+            seq_ranks=dist.get_process_group_ranks(bps.get_shard_group()),
             ring=bps.get_clean_ring_global_ranks(),
             replica=bps.get_clean_replica_global_ranks(),
             dp_cp=dist.get_process_group_ranks(mpu.get_data_parallel_group(with_context_parallel=True)),
@@ -52,7 +52,7 @@ def _zero_target_rank():
     gpt = GPTModel(config, with_block_diffusion_attention(get_gpt_layer_local_spec()), vocab_size=32,
                    max_sequence_length=32, position_embedding_type="rope")
     layout = SequenceLayout(BlockGeometry(32, 4), 1, 4)
-    model = BlockDiffusionModel(gpt, BD3LMObjective(4, 31, eps_min=1.0), layout, bps.get_block_parallel_rank())
+    model = BlockDiffusionModel(gpt, BD3LMObjective(4, 31, eps_min=1.0), layout, bps.get_shard_rank())
     tokens = torch.randint(0, 31, (1, 32))
     loss_mask = torch.zeros_like(tokens)
     loss_mask[:, :4] = 1  # only block 0 (owned by seq rank 0) is supervised; eps_min=1 masks it all
@@ -67,13 +67,13 @@ def _zero_target_rank():
 def test_groups_and_zero_target_ranks():
     results = run_distributed(_groups_rank, 4)
     for rank, res in enumerate(results):
-        # CP=2, BP=4: one sequence group of 4, two rings of 2, replicas across rings.
+        # CP=2, BP=4: one shard group of 4, two rings of 2, replicas across rings.
         g = res[(1, 2, 4)]
-        assert g["seq_size"] == 4 and g["seq_ranks"] == [0, 1, 2, 3] and g["seq_rank"] == rank
+        assert g["seq_size"] == 4 and g["seq_ranks"] == [0, 1, 2, 3] and g["shard_rank"] == rank
         assert g["ring"] == ([0, 1] if rank < 2 else [2, 3])
         assert g["replica"] == ([0, 2] if rank % 2 == 0 else [1, 3])
         assert g["dp_cp"] == [0, 1, 2, 3]  # DDP reduces over the block-parallel ranks too
-        # TP=2 innermost: the sequence group joins ranks of equal TP rank.
+        # TP=2 innermost: the shard group joins ranks of equal TP rank.
         g = res[(2, 2, 2)]
         assert g["tp_ranks"] == ([0, 1] if rank < 2 else [2, 3])
         assert g["seq_ranks"] == ([0, 2] if rank % 2 == 0 else [1, 3]) and g["ring"] == g["seq_ranks"]

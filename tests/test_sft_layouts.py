@@ -22,7 +22,7 @@ def test_canvas_rows_cover_canvas_and_clean_once(cp, bp, first):
     lay = base.canvas_layout(first)
     s = lay.canvas_start
     assert s <= first  # only ever moved down (extra blocks carry no target)
-    P = lay.group_size
+    P = lay.shard_group_size
     noisy = torch.cat([lay.rows(r).position[~lay.rows(r).is_clean] for r in range(P)])
     for r in range(P):
         rows = lay.rows(r)

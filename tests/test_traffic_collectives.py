@@ -90,7 +90,7 @@ def _gpt_model(cp, bp, transport):
     from tests.test_model_parallel_exactness import B, L, build_gpt, objective
 
     layout = SequenceLayout(BlockGeometry(L, B, "block_causal"), cp, bp)
-    return BlockDiffusionModel(build_gpt(), objective(), layout, bps.get_block_parallel_rank(),
+    return BlockDiffusionModel(build_gpt(), objective(), layout, bps.get_shard_rank(),
                                bps.get_clean_ring_group(), transport)
 
 

@@ -10,12 +10,12 @@ from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed, logical_
 
 
 def window_plans(case):
-    """The plan of every rank of the sequence group for an attention-test case."""
+    """The plan of every rank of the shard group for an attention-test case."""
     geometry = BlockGeometry(case["L"], case["B"], case["clean_attention"], None)
     layout = SequenceLayout(geometry, case["cp"], case["bp"], case["schedule"])
     windowed = geometry.with_window(case["window"])
     plans = []
-    for r in range(layout.group_size):
+    for r in range(layout.shard_group_size):
         members = [layout.rows(m) for m in layout.ring_ranks(r)]
         plans.append(WindowExchangePlan.build(members, layout.ring_clean_rows(r), windowed, layout.ring_of(r)[1]))
     return plans
@@ -35,7 +35,7 @@ CONFIGS = [(64, 4, 2, 2, 5), (64, 4, 4, 4, 9), (64, 4, 2, 4, 3), (128, 8, 4, 4, 
 def test_plan_covers_exactly_the_needed_rows(L, B, cp, bp, W, clean):
     layout, geometry, plans = setup(L, B, cp, bp, W, clean)
     all_clean = logical_rows(L).select(slice(L, None))
-    for r in range(layout.group_size):
+    for r in range(layout.shard_group_size):
         rows = layout.rows(r)
         local_clean = set(rows.position[rows.is_clean].tolist())
         received = set(RowMeta.cat(plans[r].recv_rows).position.tolist())
@@ -48,7 +48,7 @@ def test_plan_covers_exactly_the_needed_rows(L, B, cp, bp, W, clean):
 def test_plan_is_symmetric(L, B, cp, bp, W):
     """What member i sends to member j is exactly what j expects from i, row for row."""
     layout, _, plans = setup(L, B, cp, bp, W)
-    for r in range(layout.group_size):
+    for r in range(layout.shard_group_size):
         ring = layout.ring_ranks(r)
         me = layout.ring_of(r)[1]
         for j, other in enumerate(ring):

@@ -53,8 +53,8 @@ def bench_rank(rank, world, cp, bp, L, anchors, repeats):
     obj = DFlashObjective(16, 4, max_anchors=anchors, sampling="uniform", gamma=7.0, vocab_chunk=512)
     layout = DFlashLayout(L, 16, cp, bp)
     ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
-    model = DFlashTrainingModel(drafter, emb, head, obj, layout, seq_rank=mpu.get_context_parallel_rank(),
-                                seq_group=mpu.get_context_parallel_group(), ring_group=ring)
+    model = DFlashTrainingModel(drafter, emb, head, obj, layout, shard_rank=mpu.get_context_parallel_rank(),
+                                shard_group=mpu.get_context_parallel_group(), ring_group=ring)
     times, nbytes = [], 0
     for i in range(repeats + 1):
         traffic_counter().reset()

@@ -310,7 +310,7 @@ def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: fl
 
 
 def plan_for_layout(layout, rank: int = 0, group=None, transport: str = "allgather") -> AttentionPlan:
-    """The attention plan of `rank` (in the sequence group) under `layout`.
+    """The attention plan of `rank` (in the shard group) under `layout`.
 
     `group` is the ring that exchanges K/V: the CP ring for CSBP, the whole group for CP.
     """

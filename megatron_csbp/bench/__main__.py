@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--sliding-window", type=int, default=None, help="diffusiongemma-hybrid only")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=None, help="clean tokens L per sample")
     p.add_argument("--sizes", type=int, nargs="+", default=None,
-                   help="sequence-group sizes P (>= 2); --long-context: world sizes to run (1 and/or 2)")
+                   help="shard-group sizes P (>= 2); --long-context: world sizes to run (1 and/or 2)")
     p.add_argument("--layouts", nargs="+", default=None, choices=ALL_LAYOUTS)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--hidden-size", type=int, default=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
-from megatron_csbp.layout.layout import layout_kind
+from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -41,7 +41,7 @@ class BenchModel:
 
 @dataclass(frozen=True)
 class Case:
-    """One layout of a sequence group of `size` ranks."""
+    """One layout of a shard group of `size` ranks."""
 
     name: str
     cp: int
@@ -53,8 +53,8 @@ class Case:
     attention: Optional[str] = None
 
     @property
-    def size(self) -> int:
-        return max(self.cp, self.bp)
+    def shard_group_size(self) -> int:
+        return shard_group_size(self.cp, self.bp)
 
     @property
     def kind(self) -> str:
@@ -79,7 +79,7 @@ ALL_LAYOUTS = ("cp-allgather", "cp-ring", "bp", "csbp-allgather", "csbp-ring", "
 
 
 def cases_for(size: int, layouts=ALL_LAYOUTS) -> List[Case]:
-    """The cases of one sequence-group size. 'csbp-2rings' is CP = P/2, BP = P (two clean rings)."""
+    """The cases of one shard-group size. 'csbp-2rings' is CP = P/2, BP = P (two clean rings)."""
     unknown = set(layouts) - set(ALL_LAYOUTS)
     if unknown:
         raise ValueError(f"--layouts: unknown {sorted(unknown)}; choose from {list(ALL_LAYOUTS)}")
@@ -115,7 +115,7 @@ def formula_bytes_sent(case: Case, model: "AnyModel", seq_length: int) -> Option
     L, G, d = seq_length, model.num_query_groups, model.head_dim
     s = BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
     if case.kind == "cp":
-        P = case.size
+        P = case.shard_group_size
         per_layer = 8 * L * G * d * s * (P - 1) // P
     elif case.kind == "csbp":
         C = case.ring_size
@@ -199,7 +199,7 @@ def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_
         G, d = (model.full_num_query_groups, model.full_kv_channels) if full else (model.num_query_groups,
                                                                                     model.kv_channels)
         if case.kind == "cp":
-            P = case.size
+            P = case.shard_group_size
             out[i] = 8 * L * G * d * s * (P - 1) // P
         elif case.kind == "csbp":
             C = case.ring_size

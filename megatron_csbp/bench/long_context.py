@@ -55,7 +55,7 @@ class LongContextConfig:
     def cases(self, world: int) -> List[Case]:
         table = {"single": Case("single", 1, 1), "cp-allgather": Case("cp-allgather", self.P, 1, "allgather"),
                  "csbp-allgather": Case("csbp-allgather", self.P, self.P, "allgather", "mirrored")}
-        return [table[n] for n in self.layouts if table[n].size == world]
+        return [table[n] for n in self.layouts if table[n].shard_group_size == world]
 
     def lengths(self, kernel: str) -> List[int]:
         return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]
@@ -81,7 +81,7 @@ def _plan_pairs(plan) -> Tuple[int, int, int]:
     return allowed, rect, plan.nbytes()
 
 
-def _attention_time(model, plan, kernel_name: str, seq_group) -> float:
+def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
     """One layer's block attention forward + backward on this rank's plan, random inputs."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
     from megatron_csbp.attention.kernels import get_kernel
@@ -94,12 +94,12 @@ def _attention_time(model, plan, kernel_name: str, seq_group) -> float:
     k = torch.randn(rows, m.micro_batch_size, G, d, generator=gen, requires_grad=True)
     v = torch.randn(rows, m.micro_batch_size, G, d, generator=gen, requires_grad=True)
     kernel = get_kernel(kernel_name, q.device)
-    dist.barrier(group=seq_group)
+    dist.barrier(group=shard_group)
     t0 = time.perf_counter()
     out = block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, layer=1)
     out.sum().backward()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
     return float(dt)
 
 
@@ -113,11 +113,11 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     from megatron_csbp.objectives.bd3lm import BD3LMObjective
 
     m = replace(cfg.model, attention_kernel=kernel_name)
-    seq_rank, seq_group = bps.get_block_parallel_rank(), bps.get_block_parallel_group()
+    shard_rank, shard_group = bps.get_shard_rank(), bps.get_shard_group()
     layout = SequenceLayout(BlockGeometry(L, m.block_size), case.cp, case.bp, case.schedule)
     gpt = build_gpt(m, L, cfg.seed)
     mask_id = m.vocab_size - 1
-    model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout, seq_rank,
+    model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout, shard_rank,
                                 bps.get_clean_ring_group(), case.transport)
     params = [p for p in gpt.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -126,32 +126,32 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     def step(i: int) -> float:
         out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i)
         out.loss.backward()
-        _allreduce_grads(params, seq_group)
+        _allreduce_grads(params, shard_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(out.loss.detach())
 
     def timed(i: int) -> Tuple[float, float]:
-        dist.barrier(group=seq_group)
+        dist.barrier(group=shard_group)
         t0 = time.perf_counter()
         loss = step(i)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
         return float(dt), loss
 
     first_step_s, loss0 = timed(0)  # builds the plan's masks and tile schedules
     step_s = timed(1)[0] if L <= cfg.warm_max_length else first_step_s
     gc.collect()
-    dist.barrier(group=seq_group)
+    dist.barrier(group=shard_group)
     reset_rss_high_water()
     tracker = TensorPeakTracker()
     with tracker:
         step(2)
     peak, static, rss = tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
     allowed, rect, mask_bytes = _plan_pairs(model.plan)
-    attn_s = _attention_time(m, model.plan, kernel_name, seq_group)
-    record = {"case": case.name, "kind": case.kind, "P": case.size, "kernel": kernel_name, "seq_length": L,
-              "seq_rank": seq_rank, "rows": len(model.plan.local), "first_step_s": first_step_s, "step_s": step_s,
+    attn_s = _attention_time(m, model.plan, kernel_name, shard_group)
+    record = {"case": case.name, "kind": case.kind, "P": case.shard_group_size, "kernel": kernel_name, "seq_length": L,
+              "shard_rank": shard_rank, "rows": len(model.plan.local), "first_step_s": first_step_s, "step_s": step_s,
               "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "peak_tensor_bytes": peak,
               "static_tensor_bytes": static, "rss_high_water_bytes": rss, "allowed_pairs": allowed,
               "kernel_rectangle_pairs": rect, "mask_bytes": mask_bytes, "attention_s": attn_s}

@@ -31,7 +31,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads, G = {m['num_query_groups']} KV groups of "
         f"d = {head_dim}, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']}, block size {m['block_size']}, "
         f"micro-batch {m['micro_batch_size']}, {m['dtype']}; BD3-LM objective; AdamW.",
-        f"- step = forward + backward + one all-reduce of parameter gradients over the sequence group + "
+        f"- step = forward + backward + one all-reduce of parameter gradients over the shard group + "
         f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
         "the slowest rank's step.",
         "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
@@ -144,7 +144,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         "- layouts: single rank, CP (all-gather of K and V on every layer; windows only mask) and CSBP with "
         "CP = BP = P (all-gather of the clean rows on full-attention layers, the windowed all-to-all on sliding "
         "layers).",
-        f"- step = forward + backward + one all-reduce of parameter gradients over the sequence group + "
+        f"- step = forward + backward + one all-reduce of parameter gradients over the shard group + "
         f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
         "the slowest rank's step.",
         "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "

@@ -22,8 +22,8 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
         first = records[0]
         case = Case(first["case"], first["cp"], first["bp"], first["transport"], first["schedule"],
                     first.get("attention"))
-        if case.size != len(records):
-            raise RuntimeError(f"case {case.name} of {case.size} ranks came back from {len(records)} ranks")
+        if case.shard_group_size != len(records):
+            raise RuntimeError(f"case {case.name} of {case.shard_group_size} ranks came back from {len(records)} ranks")
         L = first["seq_length"]
         t = first["median_step_s"]  # already the max over ranks, per step
         sent = [r["attn_bytes_sent"] for r in records]
@@ -31,7 +31,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
         rss = [r["rss_high_water_bytes"] for r in records]
         formula = formula_bytes_sent(case, cfg.model, L)
         row = {
-            "case": case.name, "kind": case.kind, "P": case.size, "cp": case.cp, "bp": case.bp,
+            "case": case.name, "kind": case.kind, "P": case.shard_group_size, "cp": case.cp, "bp": case.bp,
             "transport": case.transport, "schedule": case.schedule, "seq_length": L,
             "median_step_s": t, "step_times_s": first["step_times_s"],
             "tokens_per_s": cfg.model.micro_batch_size * L / t,

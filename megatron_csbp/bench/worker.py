@@ -1,7 +1,7 @@
 """One rank of a benchmark world: every (sequence length, layout) case, one after the other.
 
 A training step here is what the trainer does per micro-batch: forward, backward, the sum of
-parameter gradients over the sequence group (one coalesced all-reduce) and an AdamW step. Every
+parameter gradients over the shard group (one coalesced all-reduce) and an AdamW step. Every
 case starts from the same weights (same seed) and sees the same tokens and noise, so the step-0
 loss is the same under every layout: a cheap check that each layout computes the same thing.
 """
@@ -99,8 +99,8 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     from megatron_csbp.objectives.bd3lm import BD3LMObjective
 
     m = cfg.model
-    seq_rank = bps.get_block_parallel_rank()
-    seq_group = bps.get_block_parallel_group()
+    shard_rank = bps.get_shard_rank()
+    shard_group = bps.get_shard_group()
     ring_group = bps.get_clean_ring_group()
     if isinstance(m, DiffusionGemmaBenchModel):
         # DiffusionGemma's clean stream is token-causal
@@ -112,17 +112,17 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         gpt = build_gpt(m, seq_length, cfg.seed)
     mask_id = m.vocab_size - 1
     model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout,
-                                seq_rank, ring_group, case.transport)
+                                shard_rank, ring_group, case.transport)
     params = [p for p in gpt.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(cfg.seed + seq_length)
     tokens = torch.randint(0, mask_id, (m.micro_batch_size, seq_length), generator=gen)
-    rows = len(layout.rows(seq_rank))
+    rows = len(layout.rows(shard_rank))
 
     def step(i: int):
         out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i * m.micro_batch_size)
         out.loss.backward()
-        _allreduce_grads(params, seq_group)
+        _allreduce_grads(params, shard_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out.loss.detach()
@@ -131,16 +131,16 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     times: List[float] = []
     first_loss = None
     for i in range(cfg.warmup + cfg.steps):
-        dist.barrier(group=seq_group)
+        dist.barrier(group=shard_group)
         counter.reset()
         t0 = time.perf_counter()
         loss = step(i)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         # a step lasts as long as its slowest rank
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=seq_group)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
         if i == 0:
             total = loss.clone()
-            dist.all_reduce(total, group=seq_group)
+            dist.all_reduce(total, group=shard_group)
             first_loss = float(total)
         if i >= cfg.warmup:
             times.append(float(dt))
@@ -150,7 +150,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     peak_tensor = rss_peak = None
     if cfg.measure_memory:
         gc.collect()  # models of earlier cases hold reference cycles (hooks): free them before the census
-        dist.barrier(group=seq_group)
+        dist.barrier(group=shard_group)
         reset_rss_high_water()
         tracker = TensorPeakTracker()
         with tracker:
@@ -160,9 +160,9 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     else:
         static = None
     record = {
-        "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.size,
+        "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
         "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
-        "seq_rank": seq_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
+        "shard_rank": shard_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak,

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.layout.layout import check_parallel_sizes, layout_kind, zigzag_chunks
+from megatron_csbp.layout.layout import zigzag_chunks
+from megatron_csbp.layout.sizes import check_parallel_sizes, layout_kind, shard_group_size
 from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
 
 
@@ -71,17 +72,17 @@ class DFlashLayout:
         return layout_kind(self.cp_size, self.bp_size)
 
     @property
-    def group_size(self) -> int:
-        return max(self.cp_size, self.bp_size)
+    def shard_group_size(self) -> int:
+        return shard_group_size(self.cp_size, self.bp_size)
 
     def ring_of(self, rank: int):
         return divmod(rank, self.cp_size)
 
     def owned(self, anchors: torch.Tensor, doc_starts: torch.Tensor) -> List[torch.Tensor]:
-        """Per rank of the sequence group: indices of the anchors it owns."""
+        """Per rank of the shard group: indices of the anchors it owns."""
         if self.kind == "single":
             return [torch.arange(len(anchors))]
-        return deal_anchors(anchors - doc_starts, self.group_size)
+        return deal_anchors(anchors - doc_starts, self.shard_group_size)
 
     def context_positions(self, rank: int, anchors, doc_starts, owned) -> torch.Tensor:
         L = self.seq_length
@@ -113,7 +114,7 @@ class DFlashLayout:
     def plan(self, rank: int, anchors, doc_starts, position_doc_starts, group=None, transport: str = "allgather",
              window: Optional[int] = None) -> AttentionPlan:
         """The anchored attention plan of `rank`; `group` is the K/V ring (the CP ring under CSBP,
-        the whole sequence group under CP)."""
+        the whole shard group under CP)."""
         geometry = AnchoredGeometry(self.block_size, window)
         owned = self.owned(anchors, doc_starts)
         local = self.rows(rank, anchors, doc_starts, position_doc_starts, owned)

@@ -1,4 +1,4 @@
-"""Which rows of the logical [noisy ; clean] input each rank of the sequence group holds.
+"""Which rows of the logical [noisy ; clean] input each rank of the shard group holds.
 
 Four layouts of one objective (design brief section 2), chosen from the two sizes:
 
@@ -22,26 +22,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+from megatron_csbp.layout.sizes import check_parallel_sizes, layout_kind, shard_group_size  # noqa: F401 (re-exported)
 
 OWNERSHIP_SCHEDULES = ("mirrored", "contiguous")
-
-
-def check_parallel_sizes(cp: int, bp: int) -> None:
-    """The rule for the two sizes, shared by layouts and process groups."""
-    if cp < 1 or bp < 1:
-        raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
-    if bp > 1 and bp % cp != 0:
-        raise ValueError(
-            f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
-            "BP = k * CP runs k clean rings of CP ranks"
-        )
-
-
-def layout_kind(cp: int, bp: int) -> str:
-    """The layout the two sizes select: 'single', 'cp' (the baseline), 'bp' or 'csbp'."""
-    if bp > 1:
-        return "csbp" if cp > 1 else "bp"
-    return "cp" if cp > 1 else "single"
 
 
 def balanced_block_unit(bp: int, schedule: str) -> int:
@@ -79,7 +62,7 @@ def zigzag_chunks(num_chunks_half: int, rank: int) -> Tuple[int, int]:
 
 @dataclass(frozen=True)
 class SequenceLayout:
-    """The placement of rows over the `bp_size`-rank sequence group (or `cp_size` for CP only)."""
+    """The placement of rows over the `bp_size`-rank shard group (or `cp_size` for CP only)."""
 
     geometry: BlockGeometry
     cp_size: int = 1
@@ -95,7 +78,7 @@ class SequenceLayout:
         check_parallel_sizes(cp, bp)
         if self.schedule not in OWNERSHIP_SCHEDULES:
             raise ValueError(f"--block-ownership must be one of {OWNERSHIP_SCHEDULES}, got {self.schedule!r}")
-        P = self.group_size
+        P = self.shard_group_size
         if g.seq_length % (2 * P) != 0:
             raise ValueError(
                 f"--seq-length {g.seq_length} must be divisible by 2 x {P} sequence-parallel ranks "
@@ -142,13 +125,13 @@ class SequenceLayout:
             while balanced and s > 0 and (n - s) % unit:
                 s -= 1
         elif self.kind == "cp":
-            while (s * g.block_size) % (2 * self.group_size):
+            while (s * g.block_size) % (2 * self.shard_group_size):
                 s -= 1
         return s
 
     def rows_divide_by(self, multiple: int) -> bool:
         """Every rank's noisy and clean row counts divide by `multiple`."""
-        for rank in range(self.group_size):
+        for rank in range(self.shard_group_size):
             rows = self.rows(rank)
             noisy = int((~rows.is_clean).sum())
             if noisy % multiple or (len(rows) - noisy) % multiple:
@@ -161,9 +144,9 @@ class SequenceLayout:
         return layout_kind(self.cp_size, self.bp_size)
 
     @property
-    def group_size(self) -> int:
-        """Ranks in the sequence group: max(CP, BP) (Megatron's context-parallel axis)."""
-        return max(self.cp_size, self.bp_size)
+    def shard_group_size(self) -> int:
+        """Ranks in the shard group: max(CP, BP) (Megatron's context-parallel axis)."""
+        return shard_group_size(self.cp_size, self.bp_size)
 
     @property
     def ring_size(self) -> int:
@@ -171,14 +154,14 @@ class SequenceLayout:
         return self.cp_size
 
     def ring_of(self, rank: int) -> Tuple[int, int]:
-        """(ring index j, position i in the ring) of a rank of the sequence group."""
+        """(ring index j, position i in the ring) of a rank of the shard group."""
         return divmod(rank, self.cp_size)
 
     # ---- ownership -----------------------------------------------------------------------------
     @cached_property
     def block_owners(self) -> List[List[int]]:
         """owned blocks (sorted) of each rank; every block is owned by exactly one rank."""
-        n, P, s = self.geometry.num_blocks, self.group_size, self.canvas_start
+        n, P, s = self.geometry.num_blocks, self.shard_group_size, self.canvas_start
         if self.kind in ("single", "cp"):
             return [list(range(s, n))] * P  # not owned per rank: CP shards rows, not blocks
         if self.schedule == "contiguous":
@@ -210,9 +193,9 @@ class SequenceLayout:
 
     def rows(self, rank: int) -> RowMeta:
         """Local rows of `rank`, ordered [noisy ; clean]."""
-        L, P = self.geometry.seq_length, self.group_size
+        L, P = self.geometry.seq_length, self.shard_group_size
         if not 0 <= rank < P:
-            raise ValueError(f"rank {rank} outside the sequence group of size {P}")
+            raise ValueError(f"rank {rank} outside the shard group of size {P}")
         kind = self.kind
         start = self.canvas_start * self.geometry.block_size
         if kind == "single":
@@ -248,7 +231,7 @@ class SequenceLayout:
         return int((~self.rows(rank).is_clean).sum())
 
     def clean_loss_positions(self, rank: int) -> torch.Tensor:
-        """Clean positions whose loss `rank` counts: over the sequence group every clean position
+        """Clean positions whose loss `rank` counts: over the shard group every clean position
         is counted exactly once, by a rank that holds it.
 
         single / cp: the rank's own clean rows. bp: clean block c is counted by the owner of

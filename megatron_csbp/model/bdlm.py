@@ -4,21 +4,21 @@ trained as a block diffusion LM.
 Per forward it builds this rank's rows from the layout ([owned noisy ; clean]), feeds them with
 their shared positions, gets logits for the noisy rows only (a pre-hook on the output layer drops
 the clean rows: half the output GEMM, no fp32 logits for them), and returns this rank's partial
-loss over the global denominator. Summing it over the sequence group gives the full loss.
+loss over the global denominator. Summing it over the shard group gives the full loss.
 
 Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses all three):
 - `first_canvas_block`: noisy rows only for blocks from there on (the layout's `canvas_layout`;
   plans are cached per canvas start, at most `CANVAS_PLAN_CACHE` of them besides the model's own,
   least recently used evicted: each holds its masks' row vectors and tile tables);
 - `clean_targets` / `clean_weights` (objective flag `needs_clean_logits`): a loss on clean rows;
-  each clean row is counted by one rank of the sequence group (`SequenceLayout.clean_loss_positions`)
+  each clean row is counted by one rank of the shard group (`SequenceLayout.clean_loss_positions`)
   and only the counted rows that carry a target in the micro-batch reach the output layer (under
   sequence parallelism: each TP shard keeps its noisy chunk and its chosen clean rows, padded to
   one count for the all-gather; see `sequence_parallel_logit_rows`);
 - `self_conditioning` ([b] bool): when any sample draws it, a no-grad first pass gives the noisy
   rows' logits, fed to the second pass as `self_conditioning_logits` (+ the per-sample mask).
 The canvas start and whether the first pass runs follow from the samples alone, so every rank of
-the sequence group (same samples) computes the same; ranks that exchange MoE tokens across
+the shard group (same samples) computes the same; ranks that exchange MoE tokens across
 different samples agree on them (MIN / MAX) before any other collective.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LossOutput:
 
 class BlockDiffusionModel(torch.nn.Module):
     def __init__(self, gpt: torch.nn.Module, objective: Objective, layout: SequenceLayout,
-                 seq_rank: int = 0, ring_group=None, transport: str = "allgather"):
+                 shard_rank: int = 0, ring_group=None, transport: str = "allgather"):
         super().__init__()
         if count_block_attention(gpt) == 0 and count_gated_delta_layers(gpt) == 0:
             raise ValueError("the GPT model has no BlockDiffusionAttention or BlockDiffusionGatedDeltaNet: build it "
@@ -73,12 +73,12 @@ class BlockDiffusionModel(torch.nn.Module):
         if getattr(objective, "needs_clean_logits", False) and not layout.clean_loss:
             layout = replace(layout, clean_loss=True)
         self.gpt, self.objective, self.layout = gpt, objective, layout
-        self.seq_rank, self.ring_group, self.transport = seq_rank, ring_group, transport
+        self.shard_rank, self.ring_group, self.transport = shard_rank, ring_group, transport
         if objective.uses_noisy_stream:
-            self.plan: AttentionPlan = plan_for_layout(layout, seq_rank, ring_group, transport)
+            self.plan: AttentionPlan = plan_for_layout(layout, shard_rank, ring_group, transport)
             self.replication = 1
         else:
-            self.plan, self.replication = autoregressive_plan(layout, seq_rank, ring_group, transport)
+            self.plan, self.replication = autoregressive_plan(layout, shard_rank, ring_group, transport)
         self._num_logit_rows: Optional[int] = None
         self._logit_rows: Optional[torch.Tensor] = None
         self._logit_order: Optional[torch.Tensor] = None  # gathered output rows -> requested order
@@ -123,7 +123,7 @@ class BlockDiffusionModel(torch.nn.Module):
             s = self._canvas_starts[first_block] = layout.canvas_start
         if s not in self._canvas_plans:
             layout = self.layout.canvas_layout(s)
-            plan = plan_for_layout(layout, self.seq_rank, self.ring_group, self.transport)
+            plan = plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport)
             if self._sp_shards > 1:
                 plan.physical_order = shard_major_order(plan.local, self._sp_shards)
             self._canvas_plans[s] = plan
@@ -142,7 +142,7 @@ class BlockDiffusionModel(torch.nn.Module):
     def _counted_clean_rows(self, layout: SequenceLayout, plan: AttentionPlan) -> torch.Tensor:
         """Indices (into this rank's clean rows) of the clean rows whose loss this rank counts."""
         clean_pos = plan.local.position[plan.local.is_clean]
-        counted = layout.clean_loss_positions(self.seq_rank)
+        counted = layout.clean_loss_positions(self.shard_rank)
         return torch.nonzero(torch.isin(clean_pos, counted)).flatten()
 
     def counted_clean_rows(self, plan: AttentionPlan) -> torch.Tensor:
@@ -159,7 +159,7 @@ class BlockDiffusionModel(torch.nn.Module):
         may hold different samples but must issue the same collectives with the same shapes: they
         agree on the earliest canvas block (MIN) and on running the self-conditioning pass (MAX).
         Extra canvas blocks carry no loss and a first pass for a sample without self-conditioning
-        is masked out, so the loss is unchanged. Ranks of one sequence group hold the same samples
+        is masked out, so the loss is unchanged. Ranks of one shard group hold the same samples
         and draw the same values from (seed, sample index): no collective is needed there."""
         if not (dist.is_initialized() and mpu.model_parallel_is_initialized()):
             return first_block, any_sc
@@ -328,7 +328,7 @@ def _exclude_token(logits_f: torch.Tensor, token_id: int) -> torch.Tensor:
     return logits_f
 
 
-def autoregressive_plan(layout: SequenceLayout, seq_rank: int, ring_group, transport: str):
+def autoregressive_plan(layout: SequenceLayout, shard_rank: int, ring_group, transport: str):
     """Clean stream only, token-causal: each ring holds a zigzag copy of the stream (CP ranks), so
     AR runs under every layout. Returns (plan, number of rings that compute the same loss)."""
     g = layout.geometry
@@ -337,11 +337,11 @@ def autoregressive_plan(layout: SequenceLayout, seq_rank: int, ring_group, trans
     if layout.ring_size == 1:
         plan = AttentionPlan(geometry, RowMeta.of(empty, torch.arange(g.seq_length)))
     else:
-        ring_position = layout.ring_of(seq_rank)[1]
+        ring_position = layout.ring_of(shard_rank)[1]
         local = RowMeta.of(empty, layout.clean_shard_positions(ring_position))
-        shards = layout.ring_clean_rows(seq_rank)
+        shards = layout.ring_clean_rows(shard_rank)
         plan = AttentionPlan(geometry, local, "clean", transport, ring_group, shards, shards, ring_position)
-    return plan, layout.group_size // layout.ring_size
+    return plan, layout.shard_group_size // layout.ring_size
 
 
 def shard_major_order(rows: RowMeta, shards: int) -> torch.Tensor:

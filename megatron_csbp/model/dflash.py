@@ -326,18 +326,18 @@ def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dt
 
 @dataclass
 class DFlashLoss:
-    loss: torch.Tensor  # this rank's partial loss (over the sequence group's weight sum)
+    loss: torch.Tensor  # this rank's partial loss (over the shard group's weight sum)
     numerator: torch.Tensor  # detached sum of weighted token losses on this rank
     metrics: Dict  # weight_sum, acceptance (mean target probability), supervised slots (group-wide)
 
 
 class DFlashTrainingModel(torch.nn.Module):
     """The drafter plus the verifier's frozen input embeddings and LM head, one sequence per
-    forward, under any `DFlashLayout`. The returned losses sum over the sequence group to the
+    forward, under any `DFlashLayout`. The returned losses sum over the shard group to the
     loss of one rank holding everything; gradients likewise."""
 
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, objective, layout,
-                 seq_rank: int = 0, seq_group=None, ring_group=None, transport: str = "allgather"):
+                 shard_rank: int = 0, shard_group=None, ring_group=None, transport: str = "allgather"):
         super().__init__()
         if embedding.shape[1] != drafter.shape.hidden_size or lm_head.shape[1] != drafter.shape.hidden_size:
             raise ValueError(f"verifier embeddings {tuple(embedding.shape)} / LM head {tuple(lm_head.shape)} do not "
@@ -348,13 +348,13 @@ class DFlashTrainingModel(torch.nn.Module):
         self.register_buffer("embedding", embedding.detach().clone(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
         self.objective, self.layout = objective, layout
-        self.seq_rank, self.seq_group, self.ring_group, self.transport = seq_rank, seq_group, ring_group, transport
+        self.shard_rank, self.shard_group, self.ring_group, self.transport = shard_rank, shard_group, ring_group, transport
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.layout.group_size == 1:
+        if self.layout.shard_group_size == 1:
             return t
         t = t.clone()
-        dist.all_reduce(t, group=self.seq_group)
+        dist.all_reduce(t, group=self.shard_group)
         return t
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
@@ -373,9 +373,9 @@ class DFlashTrainingModel(torch.nn.Module):
         doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids
         sample = self.objective.sample(tokens, loss_mask, doc_ids, sample_index)
         starts = document_starts(doc_ids.cpu().long())
-        plan = self.layout.plan(self.seq_rank, sample.anchors, sample.doc_starts, starts, self.ring_group,
+        plan = self.layout.plan(self.shard_rank, sample.anchors, sample.doc_starts, starts, self.ring_group,
                                 self.transport)
-        owned = self.layout.owned(sample.anchors, sample.doc_starts)[self.seq_rank]
+        owned = self.layout.owned(sample.anchors, sample.doc_starts)[self.shard_rank]
         mine = sample.select(owned)
         device = self.embedding.device
         B, n = self.objective.block_size, plan.num_noisy

@@ -14,13 +14,13 @@ Per sequence (tokens, loss mask, document ids, all [L]):
 - slot k >= 1 predicts token[a + k], supervised where that position is supervised, inside the
   sequence and in the anchor's document; weight exp(-(k - 1) / gamma) (`ce`) or the D-PACE weight.
 
-Losses (both normalised by the sum of the slot weights over the sequence group's anchors):
+Losses (both normalised by the sum of the slot weights over the shard group's anchors):
 - `ce`: sum w_k * CE_k / sum w_k, w_k = exp(-(k-1)/gamma) on supervised slots.
 - `dpace` (DFlash2's D-PACE): with p_k the drafter's probability of the target (no gradient),
   s_k = (1 - alpha) p_k + alpha on supervised slots (1 elsewhere), P_k = prod_{j<=k} s_j,
   w_k = sum_{j>=k, supervised} P_j; the token loss is c * CE + (1 - c) * (1 - p_target) with
   c = kl_scale * exp(-kl_decay * acceptance), acceptance = the mean target probability over the
-  sequence group's supervised slots (no gradient). DFlash2's candidate-selector term is not part
+  shard group's supervised slots (no gradient). DFlash2's candidate-selector term is not part
   of this objective (the `muse_glimmer_assistant` architecture has no selector).
 
 The vocabulary loss streams the frozen LM head in chunks of `vocab_chunk` rows (`streamed_cross_entropy`):
@@ -157,7 +157,7 @@ class DFlashObjective(Objective):
         """(numerator, denominator, metrics) of the loss over this rank's slots.
 
         `ce` [A, B] (differentiable, 0 where not supervised), `weights` the position weights,
-        `supervised` [A, B]; `reduce(t)` sums a detached tensor over the sequence group (None: one
+        `supervised` [A, B]; `reduce(t)` sums a detached tensor over the shard group (None: one
         rank holds every anchor). Slots are whole blocks, so D-PACE's per-block products are local."""
         reduce = reduce or (lambda t: t)
         sup = supervised.float()

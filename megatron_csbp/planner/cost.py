@@ -1,7 +1,7 @@
 """The cost model: step time and peak memory per rank of one parallel layout.
 
 Every term is written out in docs/planner.md. In short, per micro-batch of one sample of L clean
-tokens, on the slowest rank of the sequence group:
+tokens, on the slowest rank of the shard group:
 
 - GEMMs: 2 * active parameters per row per layer (/TP), on the rank's rows; the output layer on its
   noisy rows only; x3 for forward + backward, +1 forward with full recompute;
@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
 from megatron_csbp.planner.work import RankWork, rank_work
@@ -44,18 +45,16 @@ class Layout:
     distributed_optimizer: bool = True
 
     @property
-    def seq(self) -> int:
-        return max(self.cp, self.bp)
+    def shard_group_size(self) -> int:
+        return shard_group_size(self.cp, self.bp)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.seq * self.dp
+        return self.tp * self.shard_group_size * self.dp
 
     @property
     def kind(self) -> str:
-        if self.bp > 1:
-            return "csbp" if self.cp > 1 else "bp"
-        return "cp" if self.cp > 1 else "single"
+        return layout_kind(self.cp, self.bp)
 
     def label(self) -> str:
         parts = [f"DP{self.dp}"]
@@ -144,7 +143,7 @@ def _clean_partials(lay: Layout, ring: int) -> int:
     """Partials over clean keys (CP: over all keys) a rank runs per layer: one after an all-gather,
     one per ring member when streamed."""
     if lay.kind in ("cp", "csbp") and lay.transport == "ring":
-        return ring if lay.kind == "csbp" else lay.seq
+        return ring if lay.kind == "csbp" else lay.shard_group_size
     return 1
 
 
@@ -191,7 +190,7 @@ def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
 
 
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
-    L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.seq
+    L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12
     h, V = model.hidden_size, model.vocab_size

@@ -238,7 +238,7 @@ def long_context_validation(result: Dict, hw: HardwareProfile) -> List[Dict]:
         kernel = "dense_partials" if r["kernel"] == "math" else "tiled"
         lay = Layout(1, cp, bp, 1, 1, "none", "allgather", "mirrored", distributed_optimizer=False)
         e = estimate(model, lay, Workload(r["seq_length"], m["block_size"], global_batch_size=1),
-                     replace(hw, attention_kernel=kernel, reserved_gib=0.0), gpus_per_node=max(cp, bp))
+                     replace(hw, attention_kernel=kernel, reserved_gib=0.0), gpus_per_node=lay.shard_group_size)
         measured, predicted = r["peak_tensor_bytes"] / 2 ** 20, e.peak_memory_gib * 1024
         rows.append({"kernel": r["kernel"], "case": r["case"], "L": r["seq_length"], "measured_peak_mib": measured,
                      "predicted_peak_mib": predicted, "ratio": predicted / measured})

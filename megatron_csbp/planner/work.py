@@ -54,7 +54,7 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
     layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
     kind = layout.kind
     out = []
-    for r in range(layout.group_size):
+    for r in range(layout.shard_group_size):
         rows = layout.rows(r)
         pos = rows.position.numpy()
         clean = rows.is_clean.numpy()
@@ -125,14 +125,14 @@ def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, b
     layout = DFlashLayout(L, B, cp, bp)
     owned = layout.owned(a, starts)
     out = []
-    for r in range(layout.group_size):
+    for r in range(layout.shard_group_size):
         rows = layout.rows(r, a, starts, pos_starts, owned)
         draft = int((~rows.is_clean).sum())
         ctx = len(rows) - draft
         mine = owned[r]
         pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
         if layout.kind == "cp":
-            exchange = (len(rows)) * (layout.group_size - 1)
+            exchange = (len(rows)) * (layout.shard_group_size - 1)
         elif layout.kind == "csbp":
             exchange = ctx * (cp - 1)
         else:

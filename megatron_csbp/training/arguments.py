@@ -190,9 +190,9 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.context_parallel_size, args.block_parallel_size, args.expert_model_parallel_size)
     args.world_size = world_size
-    seq_group = sizes.sequence_parallel_size
+    shard_group = sizes.shard_group_size
     args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                                             * seq_group)
+                                             * shard_group)
     args.model_shape = None
     if args.load and check_only and ("load" in placeholders or not os.path.exists(args.load)):
         args.shape_unknown = True
@@ -208,9 +208,9 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     if args.seq_length % args.block_size:
         raise ValueError(f"--block-size {args.block_size} does not divide --seq-length {args.seq_length}: "
                          "block diffusion needs whole blocks")
-    if args.seq_length % (2 * seq_group):
+    if args.seq_length % (2 * shard_group):
         raise ValueError(f"--seq-length {args.seq_length} must be divisible by 2 x max(--context-parallel-size, "
-                         f"--block-parallel-size) = {2 * seq_group} (zigzag sharding)")
+                         f"--block-parallel-size) = {2 * shard_group} (zigzag sharding)")
     num_blocks = args.seq_length // args.block_size
     if args.block_parallel_size > 1 and num_blocks < args.block_parallel_size:
         raise ValueError(f"--seq-length / --block-size = {num_blocks} blocks, fewer than --block-parallel-size "

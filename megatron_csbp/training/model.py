@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
+from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model.bdlm import BlockDiffusionModel
 from megatron_csbp.model.spec import with_block_diffusion_attention
 from megatron_csbp.objectives import AutoregressiveObjective, BD3LMObjective
@@ -103,7 +104,7 @@ def attention_backend(a):
 
 
 def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
-    seq = max(a.context_parallel_size, a.block_parallel_size)
+    seq = shard_group_size(a.context_parallel_size, a.block_parallel_size)
     cfg = TransformerConfig(
         num_layers=a.num_layers,
         hidden_size=a.hidden_size,
@@ -186,7 +187,7 @@ def build_converted_gpt(a, finalize_model_grads_func=None):
     config = providers.transformer_config(
         shape, params_dtype=dtype,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
-        context_parallel_size=max(a.context_parallel_size, a.block_parallel_size),
+        context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
         expert_model_parallel_size=a.expert_model_parallel_size,
         sequence_parallel=a.sequence_parallel,
         calculate_per_token_loss=True,
@@ -277,12 +278,12 @@ def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
 
     if device is not None:
         gpt = gpt.to(device)
-    seq_rank = bps.get_block_parallel_rank() if bps.is_initialized() else 0
+    shard_rank = bps.get_shard_rank() if bps.is_initialized() else 0
     ring = bps.get_clean_ring_group() if bps.is_initialized() else None
     cls = BlockDiffusionModel
     if a.objective == "diffusiongemma-sft":
         from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel as cls
-    bdlm = cls(gpt, objective, layout, seq_rank=seq_rank, ring_group=ring, transport=a.attention_transport)
+    bdlm = cls(gpt, objective, layout, shard_rank=shard_rank, ring_group=ring, transport=a.attention_transport)
     return TrainableBDLM(config, bdlm)
 
 

@@ -9,7 +9,7 @@ machinery of `BlockDiffusionModel` driven by the objective's `NoisedBatch`:
   blocks are owned in mirrored pairs (`SequenceLayout.canvas_layout`);
 - the optional self-conditioning first pass (no grad, canvas logits only), then the second pass;
 - one loss over the canvas rows and the clean rows with an AR target, each clean row counted by
-  exactly one rank of the sequence group, over the same denominator.
+  exactly one rank of the shard group, over the same denominator.
 """
 from __future__ import annotations
 

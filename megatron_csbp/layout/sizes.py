@@ -1,0 +1,33 @@
+"""The two block-diffusion parallel sizes and what they select. Torch-free, so the planner can use it.
+
+Vocabulary used throughout the package:
+
+- the *shard group*: the max(CP, BP) ranks that together hold one sequence (Megatron's
+  context-parallel axis; `shard_group_size`). Distinct from Megatron's *sequence parallelism*, which
+  splits activations over the tensor-parallel group.
+- the *clean ring*: the CP ranks inside a shard group that share one clean stream and exchange K/V.
+"""
+from __future__ import annotations
+
+
+def check_parallel_sizes(cp: int, bp: int) -> None:
+    """The rule for the two sizes, shared by layouts, process groups, the planner and the launcher."""
+    if cp < 1 or bp < 1:
+        raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
+    if bp > 1 and bp % cp != 0:
+        raise ValueError(
+            f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
+            "BP = k * CP runs k clean rings of CP ranks"
+        )
+
+
+def shard_group_size(cp: int, bp: int) -> int:
+    """Ranks that hold one sequence between them: max(CP, BP)."""
+    return max(cp, bp)
+
+
+def layout_kind(cp: int, bp: int) -> str:
+    """The layout the two sizes select: 'single', 'cp' (the baseline), 'bp' or 'csbp'."""
+    if bp > 1:
+        return "csbp" if cp > 1 else "bp"
+    return "cp" if cp > 1 else "single"
