@@ -24,7 +24,6 @@ The checkpoint is loaded into TP = CP = BP = 1 on one process, whatever layout w
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask
@@ -197,42 +195,17 @@ class BlockDiffusionSampler:
 
 def load_for_generation(load: str, ckpt_step: Optional[int] = None, kv_cache: bool = True):
     """Build a TP = CP = BP = 1 model from the checkpoint's saved hyper-parameters and load it."""
-    from megatron_csbp import parallel_state as bps
-    from megatron_csbp.compat.cpu import install_cpu_compat
-    from megatron_csbp.training import checkpointing
-    from megatron_csbp.training.model import ModelArgs, build_model
+    from megatron_csbp.training.trainer import load_model
 
-    if not dist.is_initialized():
-        # One process: an in-memory store (no rendezvous, immune to a surrounding torchrun's env).
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
-    install_cpu_compat()
-    if not bps.is_initialized():
-        bps.initialize_block_parallel()
-    step = ckpt_step if ckpt_step is not None else checkpointing.read_tracker(load)
-    if step is None:
-        raise ValueError(f"--load {load}: no {checkpointing.TRACKER} (not a megatron_csbp.train checkpoint dir?)")
-    meta_path = os.path.join(checkpointing.iteration_dir(load, step), "bdlm_meta.json")
-    if not os.path.exists(meta_path):
-        raise ValueError(f"--load {load}: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    margs = dict(meta["model_args"])
-    if margs.get("objective") != "bd3lm":
-        # Fast-dLLM v2 decodes with a token shift, DiffusionGemma from uniform noise with
-        # self-conditioning: neither is this sampler. Checked before building the model.
-        raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler decodes "
-                         "BD3-LM (--objective bd3lm) checkpoints. Export others with `python -m megatron_csbp.convert "
-                         "megatron-to-hf` and generate with their Hugging Face model")
-    fields = ModelArgs.__dataclass_fields__
-    a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
-    # A model converted from Hugging Face is rebuilt from its shape file, like the trainer does.
-    a.model_shape = checkpointing.checkpoint_shape(load, step)
-    model = build_model(a)
-    model.eval()
-    checkpointing.load_checkpoint(load, model, None, None, step)
-    return model, margs, step
+    def decodable(margs) -> None:
+        if margs.get("objective") != "bd3lm":
+            # Fast-dLLM v2 decodes with a token shift, DiffusionGemma from uniform noise with
+            # self-conditioning: neither is this sampler. Checked before building the model.
+            raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler "
+                             "decodes BD3-LM (--objective bd3lm) checkpoints. Export others with `python -m "
+                             "megatron_csbp.convert megatron-to-hf` and generate with their Hugging Face model")
+
+    return load_model(load, ckpt_step, decodable)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:

@@ -30,15 +30,14 @@ def test_resume_exact_and_cross_layout(tmp_path):
 def _atomic(rank, world_size, root):
     from megatron_csbp.training import checkpointing
     from megatron_csbp.training.arguments import parse_args
-    from megatron_csbp.training.loop import build, init_distributed, train_step
+    from megatron_csbp.training.config import TrainerConfig
+    from megatron_csbp.training.trainer import Trainer
 
-    args = parse_args(TINY + ["--train-iters", "3"])
-    init_distributed(args)
-    s = build(args)
-    train_step(s, 0)
+    s = Trainer(TrainerConfig.from_args(parse_args(TINY + ["--train-iters", "3"]))).build()
+    s.train_step(0)
     checkpointing.save_checkpoint(root, 1, s.model, s.optimizer, s.scheduler, 4)
     saved = {n: p.detach().clone() for n, p in s.model.named_parameters()}
-    train_step(s, 4)
+    s.train_step(4)
     crashed = False
     try:
         checkpointing.save_checkpoint(root, 2, s.model, s.optimizer, s.scheduler, 8, _fail_after_write=True)

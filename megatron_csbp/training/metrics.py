@@ -1,0 +1,103 @@
+"""What a training run reports: the log line, JSON lines, TensorBoard scalars, the progress bar, and
+peak memory. The FLOPs model of the block-diffusion mask is `flops_per_sample` (with the
+objective's terms); `Trainer` turns both into the TFLOP/s per GPU it logs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.training.config import BatchConfig, LogConfig
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: kB
+
+
+def allreduce(values: List[float], op=dist.ReduceOp.SUM, group=None) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64,
+                     device=torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Logger:
+    """Rank 0 prints Megatron-LM's log line and appends JSON lines; the last rank (where Megatron-LM
+    writes them too) holds the TensorBoard writer; a tqdm bar on an interactive stderr."""
+
+    def __init__(self, log: LogConfig, batch: BatchConfig, start_iteration: int = 0):
+        self.batch = batch
+        self.rank = dist.get_rank()
+        self.last = dist.get_world_size() - 1
+        self.json_path = log.log_json
+        self.tb = None
+        if log.tensorboard_dir and self.rank == self.last:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=log.tensorboard_dir)
+        self.bar = None
+        if self.rank == 0 and not log.no_progress_bar and sys.stderr.isatty():
+            # tqdm on stderr: iterations done, rate and ETA; log lines are written above it.
+            from tqdm import tqdm
+            self.bar = tqdm(total=batch.train_iters, initial=start_iteration, desc="train", dynamic_ncols=True,
+                            leave=False)
+
+    def write(self, rec: Dict):
+        args = self.batch
+        if self.tb is not None:
+            it = rec["iteration"]
+            for key in ("loss", "grad_norm", "lr", "tokens_per_second", "attn_comm_bytes", "peak_memory_bytes",
+                        "tflops_per_gpu", "eval_loss"):
+                if rec.get(key) is not None:
+                    self.tb.add_scalar(key.replace("loss", "lm loss") if key == "loss" else key, rec[key], it)
+            self.tb.flush()
+        if self.rank != 0:
+            return
+        if self.json_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.json_path)), exist_ok=True)
+            with open(self.json_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if "loss" in rec:
+            line = (f" iteration {rec['iteration']:8d}/{args.train_iters:8d} |"
+                    f" consumed samples: {rec['consumed_samples']:12d} |"
+                    f" elapsed time per iteration (ms): {rec['ms_per_iteration']:.1f} |"
+                    f" throughput per GPU (TFLOP/s/GPU): {rec['tflops_per_gpu']:.4f} |"
+                    f" learning rate: {rec['lr']:.6E} |"
+                    f" global batch size: {args.global_batch_size:5d} |"
+                    f" lm loss: {rec['loss']:.6E} |"
+                    f" grad norm: {rec['grad_norm']:.4f} |"
+                    f" attn comm (MiB): {rec['attn_comm_bytes'] / 2 ** 20:.2f} |"
+                    f" peak mem (MiB): {rec['peak_memory_bytes'] / 2 ** 20:.0f} |"
+                    f" tokens/s: {rec['tokens_per_second']:.0f} |"
+                    f" ETA: {_hms(rec['eta_seconds'])}")
+            if self.bar is not None:
+                self.bar.write(line)
+                self.bar.set_postfix(loss=f"{rec['loss']:.3f}")
+            else:
+                print(line, flush=True)
+        if rec.get("eval_loss") is not None:
+            msg = f" validation loss at iteration {rec['iteration']} | lm loss value: {rec['eval_loss']:.6E}"
+            (self.bar.write if self.bar is not None else print)(msg)
+
+    def step(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,357 @@
+"""`Trainer`: Megatron-core training of a block diffusion LM over one typed config.
+
+    trainer = Trainer(TrainerConfig.from_args(parse_args(argv)))
+    with trainer:                      # build() on entry (process groups too), close() on exit
+        result = trainer.train()       # load -> [train_step, evaluate, save]* -> final save
+
+One iteration: the global batch is split into micro-batches by Megatron-LM's sampler arithmetic
+(global sample indices); the loss denominator is the supervised-token count of the whole global
+batch (summed over micro-batches and data-parallel ranks); Megatron's no-pipelining schedule runs
+forward/backward with `calculate_per_token_loss` (no averaging: each rank's loss is already its
+share of the global mean); Megatron's DDP sums gradients over DP x CP x BP (`dp_cp`, which holds the
+shard group); the Megatron optimizer clips by global norm and steps; the scheduler advances by the
+global batch.
+
+Used by the trainer CLI (`training.loop.main`, the default run included) and, model-only, by
+`generate` (`load_model`). Megatron-LM's own `pretrain()` keeps its loop and shares the
+model build (`training.model.build_model`) through `megatron_lm.model_provider`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp.training.config import TrainerConfig
+from megatron_csbp.training.metrics import Logger, allreduce, peak_memory_bytes
+
+
+def _log0(*a):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed(parallel) -> None:
+    """torch.distributed (nccl with CUDA, else gloo), the CPU compat layer, Megatron's and the plugin's
+    process groups. `parallel`: a `ParallelConfig` (or a namespace with the same fields)."""
+    if not dist.is_initialized():
+        backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    if dist.get_world_size() != parallel.world_size:
+        raise RuntimeError(f"WORLD_SIZE {parallel.world_size} at parse time, {dist.get_world_size()} at init")
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    install_cpu_compat()
+    from megatron_csbp import parallel_state as bps
+    if not bps.is_initialized():
+        bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                      parallel.context_parallel_size, parallel.block_parallel_size,
+                                      parallel.expert_model_parallel_size)
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's loss (its share summed over ranks)
+    grad_norm: float
+    ok: bool  # False when the optimizer skipped the step (non-finite gradients)
+
+
+class Trainer:
+    """Model, DDP, optimizer, scheduler and datasets of one run, and the steps that use them."""
+
+    def __init__(self, config: TrainerConfig):
+        self.config = config
+        self.model = self.ddp = self.optimizer = self.scheduler = None
+        self.train_ds = self.valid_ds = None
+        self.iteration, self.consumed = 0, 0
+
+    # ---- build -------------------------------------------------------------------------------
+    def build(self) -> "Trainer":
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_csbp.training.loop import build_datasets, eval_objective, flops_per_sample
+        from megatron_csbp.training.model import build_model
+
+        c = self.config
+        init_distributed(c.parallel)
+
+        def finalize(model_chunks, num_tokens=None, **kwargs):
+            # Losses are pre-divided by the global denominator: no per-token rescaling here.
+            return finalize_model_grads(model_chunks, None, **kwargs)
+
+        self.model = build_model(c.model, device=device(), finalize_model_grads_func=finalize)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=c.parallel.use_distributed_optimizer)
+        self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model)
+        self.model.config.no_sync_func = self.ddp.no_sync
+        o = c.optim
+        opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                                     adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                                     clip_grad=o.clip_grad, bf16=o.bf16,
+                                     params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
+                                     use_distributed_optimizer=c.parallel.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        G = c.batch.global_batch_size
+        decay_iters = o.lr_decay_iters or c.batch.train_iters
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_iters * G, lr_decay_steps=max(decay_iters * G, o.lr_warmup_iters * G + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=max(decay_iters * G, 1), wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+        self.dp_rank = mpu.get_data_parallel_rank()
+        self.dp_size = mpu.get_data_parallel_world_size()
+        self.dp_group = mpu.get_data_parallel_group()
+        self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+        self.train_ds, self.valid_ds = build_datasets(c.data)
+        self.flops_per_sample = flops_per_sample(c.model)
+        self.eval_objective = eval_objective(c.model, self.model.bdlm.objective)
+        return self
+
+    def describe(self) -> str:
+        c = self.config
+        return (f" > block diffusion training: {c.parallel.describe()}; "
+                f"{sum(p.numel() for p in self.model.parameters())} parameters per rank; objective "
+                f"{c.model.objective}; {c.batch.num_microbatches} micro-batches per iteration")
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _run_batches(self, dataset, consumed: int, forward_only: bool) -> float:
+        """Forward(/backward) of one global batch starting at `consumed`; returns the global loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron_csbp.data.megatron_data import collate, microbatch_indices
+
+        b_cfg = self.config.batch
+        dev = device()
+        batches = []
+        local_den = 0.0
+        objective = self.model.bdlm.objective
+        for j in range(b_cfg.num_microbatches):
+            idx = microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank, self.dp_size)
+            b = collate(dataset, idx, dev)
+            batches.append(b)
+            local_den += float(objective.denominator(b["loss_mask"]))
+        (den,) = allreduce([local_den], group=self.dp_group)
+        if den <= 0:
+            raise RuntimeError(f"global batch at sample {consumed} has no supervised tokens")
+        denominator = torch.tensor(den, dtype=torch.float32, device=dev)
+        partial_losses = []
+
+        def loss_func(out, output_tensor):
+            partial_losses.append(out.loss.detach().float())
+            return output_tensor, out.num_targets.to(torch.int), {}
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator)
+            return out.loss, partial(loss_func, out)
+
+        fb = get_forward_backward_func()
+        fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.ddp],
+           num_microbatches=b_cfg.num_microbatches, seq_length=b_cfg.seq_length,
+           micro_batch_size=b_cfg.micro_batch_size, forward_only=forward_only)
+        local = float(torch.stack(partial_losses).sum()) if partial_losses else 0.0
+        (loss,) = allreduce([local], group=self.dp_cp_group)
+        return loss
+
+    def train_step(self, consumed: int) -> StepResult:
+        """One optimizer step on the global batch that starts at sample `consumed`."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_batches(self.train_ds, consumed, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=self.config.batch.global_batch_size)
+        return StepResult(loss, float(grad_norm) if grad_norm is not None else float("nan"), ok)
+
+    def evaluate(self) -> float:
+        """Mean loss over the first `--eval-iters` global batches of the held-out split, with
+        `eval_objective`. Every evaluation reads the same samples with the same noise (keyed by the
+        held-out sample index), so successive evaluations differ only by the model."""
+        bdlm = self.model.bdlm
+        train_objective = bdlm.objective
+        bdlm.objective = self.eval_objective
+        self.ddp.eval()
+        losses = []
+        try:
+            with torch.no_grad():
+                for k in range(self.config.eval.eval_iters):
+                    losses.append(self._run_batches(self.valid_ds, k * self.config.batch.global_batch_size,
+                                                    forward_only=True))
+        finally:
+            bdlm.objective = train_objective
+            self.ddp.train()
+        return sum(losses) / len(losses)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _shape_files(self) -> Dict:
+        """A converted model's shape file and Hugging Face assets travel into every saved checkpoint."""
+        ck = self.config.checkpoint
+        if ck.model_shape is None:
+            return {}
+        from megatron_csbp.training.checkpointing import ASSETS_DIR
+        return {"shape": ck.model_shape, "assets_from": os.path.join(ck.load, ASSETS_DIR)}
+
+    def save(self, iteration: int, consumed: int) -> None:
+        """Atomic: a crash mid-save leaves the previous checkpoint and tracker intact."""
+        from megatron_csbp.training import checkpointing
+
+        ck = self.config.checkpoint
+        checkpointing.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
+                                      extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
+        _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
+
+    def load(self) -> Tuple[int, int]:
+        """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
+        release: weights only, from iteration 0). Returns (iteration, consumed samples)."""
+        from megatron_csbp.training import checkpointing
+
+        ck = self.config.checkpoint
+        iteration, consumed = 0, 0
+        if ck.load:
+            info = checkpointing.load_checkpoint(ck.load, self.model, self.optimizer, self.scheduler, ck.ckpt_step)
+            if info is None and ck.model_shape is not None:
+                raise RuntimeError(f"--load {ck.load} has a model shape file but no checkpoint to load")
+            if info is not None and info.get("release"):
+                _log0(f" loaded converted model {info['path']} (release: weights only, iteration 0, fresh optimizer)")
+            elif info is not None:
+                iteration, consumed = info["iteration"], info["consumed_samples"]
+                _log0(f" loaded checkpoint {info['path']} (iteration {iteration}, consumed samples {consumed})")
+            else:
+                _log0(f" no checkpoint in --load {ck.load}: starting from scratch")
+        self.iteration, self.consumed = iteration, consumed
+        return iteration, consumed
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self) -> Dict:
+        """load -> [train_step, log, evaluate, save]* -> final save. Returns the logged history."""
+        from megatron_csbp.attention.accounting import traffic_counter
+
+        c = self.config
+        bc, ck = c.batch, c.checkpoint
+        iteration, consumed = self.load()
+        logger = Logger(c.log, bc, iteration)
+        history = []
+        world = dist.get_world_size()
+        tokens_per_iter = bc.global_batch_size * bc.seq_length
+        try:
+            if bc.skip_train:
+                rec = {"iteration": iteration, "eval_loss": self.evaluate()}
+                logger.write(rec)
+                history.append(rec)
+                return {"history": history, "iteration": iteration}
+            if ck.save and ck.save_initial and iteration == 0:
+                self.save(0, 0)
+            acc_time, acc_iters = 0.0, 0
+            stop_at = bc.train_iters if bc.exit_interval is None else min(bc.train_iters, bc.exit_interval)
+            start_iteration, wall_start = iteration, time.perf_counter()
+            train_losses = []  # (iteration, loss) of every step, for plots
+            while iteration < stop_at:
+                traffic_counter().reset()
+                t0 = time.perf_counter()
+                step = self.train_step(consumed)
+                dt = time.perf_counter() - t0
+                iteration += 1
+                consumed += bc.global_batch_size
+                self.iteration, self.consumed = iteration, consumed
+                train_losses.append((iteration, step.loss))
+                acc_time += dt
+                acc_iters += 1
+                logger.step()
+                do_log = iteration % c.log.log_interval == 0 or iteration == stop_at or iteration == 1
+                do_eval = bool(c.eval.eval_interval and c.eval.eval_iters and iteration % c.eval.eval_interval == 0)
+                if do_log or do_eval:
+                    comm, mem, ms = allreduce([float(traffic_counter().total), float(peak_memory_bytes()), acc_time],
+                                              op=dist.ReduceOp.MAX)
+                    per_iter = ms / max(acc_iters, 1)
+                    rec = {"iteration": iteration, "consumed_samples": consumed, "loss": step.loss,
+                           "grad_norm": step.grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                           "ms_per_iteration": 1000.0 * per_iter, "tokens_per_second": tokens_per_iter / per_iter,
+                           "tflops_per_gpu": self.flops_per_sample * bc.global_batch_size / per_iter / world / 1e12,
+                           "attn_comm_bytes": int(comm), "peak_memory_bytes": int(mem), "skipped": not step.ok}
+                    if do_eval:
+                        rec["eval_loss"] = self.evaluate()
+                    # Remaining time at the mean pace so far (training, evaluation and checkpoints included).
+                    pace = (time.perf_counter() - wall_start) / (iteration - start_iteration)
+                    rec["eta_seconds"] = pace * (stop_at - iteration)
+                    logger.write(rec)
+                    history.append(rec)
+                    acc_time, acc_iters = 0.0, 0
+                if ck.save and ck.save_interval and iteration % ck.save_interval == 0:
+                    self.save(iteration, consumed)
+            if ck.save and not (ck.save_interval and iteration % ck.save_interval == 0) and iteration > 0:
+                self.save(iteration, consumed)
+        finally:
+            logger.close()
+        return {"history": history, "iteration": iteration, "consumed_samples": consumed, "train_losses": train_losses}
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tear down the plugin's and torch.distributed's process groups."""
+        from megatron_csbp import parallel_state as bps
+        if bps.is_initialized():
+            bps.destroy_block_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "Trainer":
+        try:
+            return self.build()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Callable[[Dict], None]] = None):
+    """A TP = CP = BP = 1 model rebuilt from a checkpoint's saved hyper-parameters (`bdlm_meta.json`)
+    and loaded, on one process: what `generate` decodes with. `accept(model_meta)` may refuse the
+    checkpoint (raise) before anything is built. Returns (model, model_meta, step)."""
+    import json
+
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.training import checkpointing
+    from megatron_csbp.training.model import ModelArgs, build_model
+
+    if not dist.is_initialized():
+        # One process: an in-memory store (no rendezvous, immune to a surrounding torchrun's env).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
+    install_cpu_compat()
+    if not bps.is_initialized():
+        bps.initialize_block_parallel()
+    step = ckpt_step if ckpt_step is not None else checkpointing.read_tracker(load)
+    if step is None:
+        raise ValueError(f"--load {load}: no {checkpointing.TRACKER} (not a megatron_csbp.train checkpoint dir?)")
+    meta_path = os.path.join(checkpointing.iteration_dir(load, step), "bdlm_meta.json")
+    if not os.path.exists(meta_path):
+        raise ValueError(f"--load {load}: {meta_path} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    margs = dict(meta["model_args"])
+    if accept is not None:
+        accept(margs)
+    fields = ModelArgs.__dataclass_fields__
+    a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
+    # A model converted from Hugging Face is rebuilt from its shape file, like the trainer does.
+    a.model_shape = checkpointing.checkpoint_shape(load, step)
+    model = build_model(a)
+    model.eval()
+    checkpointing.load_checkpoint(load, model, None, None, step)
+    return model, margs, step
