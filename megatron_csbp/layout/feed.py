@@ -32,6 +32,9 @@ from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 
 # Canvas plans kept besides the model's own plan (LRU). Each is linear in the local rows (row
 # vectors, tile tables), so the bound keeps their total at a few plans' worth.
+# (256K tokens on a 16-rank shard group: ~2 x 256K / 16 = 32K rows a rank, ~0.3 MB of int64
+# positions + flags a plan before its tile tables; the start map holds at most one int pair per
+# block, 64K at block size 4.)
 CANVAS_PLAN_CACHE = 4
 
 
