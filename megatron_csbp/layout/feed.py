@@ -62,7 +62,7 @@ class LossRows:
 
     input_ids: torch.Tensor  # [b, rows] in local row order (plan.local)
     num_noisy: int
-    logit_rows: Optional[torch.Tensor]  # local rows that reach the output layer; None: the noisy rows
+    logit_rows: Optional[torch.Tensor]  # rows that reach the output layer; None: the noisy rows (AR: all)
     targets: torch.Tensor  # [b, logit rows]
     weights: torch.Tensor  # [b, logit rows]
 
