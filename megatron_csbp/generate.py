@@ -101,19 +101,12 @@ class BlockDiffusionSampler:
         self.forward_calls = 0
 
     # -- model calls ---------------------------------------------------------------------------
-    def _run(self, ids: torch.Tensor, rows: RowMeta, logits_rows: Optional[int]) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, rows: RowMeta) -> torch.Tensor:
+        """Logits of `rows` (their noisy rows; every row when all are clean) fed with `ids`."""
         from megatron_csbp.attention.block_attention import AttentionPlan
-        from megatron_csbp.attention.core_attention import plan_mask
 
-        pos = rows.position
-        self.gpt.rotary_pos_emb.positions = pos
-        plan = AttentionPlan(self.state.geometry, rows)
-        self.bdlm._num_logit_rows = logits_rows
-        try:
-            self.forward_calls += 1
-            return self.gpt(ids[None], pos[None], attention_mask=plan_mask(plan))[0]
-        finally:
-            self.bdlm._num_logit_rows = None
+        self.forward_calls += 1
+        return self.bdlm.logits(ids[None], AttentionPlan(self.state.geometry, rows))[0]
 
     def _clean_rows(self, tokens: List[int], start: int, end: int) -> None:
         """Append clean positions [start, end) to the KV cache."""
@@ -121,7 +114,7 @@ class BlockDiffusionSampler:
             return
         self.state.mode = "extend"
         self.state.rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
-        self._run(torch.tensor(tokens[start:end]), self.state.rows, None)
+        self._run(torch.tensor(tokens[start:end]), self.state.rows)
 
     def block_logits(self, tokens: List[int], block: int) -> torch.Tensor:
         """Logits [B, V] of the noisy rows of `block` given the clean prefix tokens[: block*B]."""
@@ -131,12 +124,12 @@ class BlockDiffusionSampler:
         if self.kv_cache:
             self.state.mode = "decode"
             self.state.rows = RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long))
-            return self._run(noisy_ids, self.state.rows, B)
+            return self._run(noisy_ids, self.state.rows)
         self.state.mode = "off"
         clean_pos = torch.arange(block * B)
         rows = RowMeta.of(noisy_pos, clean_pos)
         ids = torch.cat([noisy_ids, torch.tensor(tokens[: block * B], dtype=torch.long)])
-        return self._run(ids, rows, B)
+        return self._run(ids, rows)
 
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()

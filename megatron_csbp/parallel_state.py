@@ -12,12 +12,17 @@ and the plugin carves two families of sub-groups out of every shard group:
   same clean shard).
 
 Every rank creates every group in the same order, as torch.distributed requires.
+
+MoE layers exchange tokens with expert-parallel peers, which may hold other samples at other
+places of the layout: `has_expert_parallel_peers` and `agree_with_expert_peers` say what the
+model must agree on with them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as mpu
@@ -169,3 +174,31 @@ def get_clean_replica_group():
 def get_clean_replica_global_ranks() -> List[int]:
     _require()
     return list(_REPLICA_RANKS)
+
+
+# ---- expert-parallel peers (MoE) ---------------------------------------------------------------
+def has_expert_parallel_peers() -> bool:
+    """MoE tokens cross to expert-parallel peers, which may sit at other places of the layout:
+    every rank must then hold as many rows as its peers, so canvases are balanced over the
+    block-parallel ranks. (Expert-TP peers are TP ranks: they hold the same rows already.)"""
+    if not mpu.model_parallel_is_initialized():
+        return False
+    group = mpu.get_expert_model_parallel_group(check_initialized=False)
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def agree_with_expert_peers(first_block: int, any_sc: bool):
+    """Ranks that exchange tokens in MoE layers (the expert tensor-and-model-parallel group)
+    may hold different samples but must issue the same collectives with the same shapes: they
+    agree on the earliest canvas block (MIN) and on running the self-conditioning pass (MAX).
+    Extra canvas blocks carry no loss and a first pass for a sample without self-conditioning
+    is masked out, so the loss is unchanged. Ranks of one shard group hold the same samples
+    and draw the same values from (seed, sample index): no collective is needed there."""
+    if not (dist.is_initialized() and mpu.model_parallel_is_initialized()):
+        return first_block, any_sc
+    group = mpu.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+    if group is None or dist.get_world_size(group) == 1:
+        return first_block, any_sc
+    t = torch.tensor([-first_block, int(any_sc)], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(-t[0]), bool(t[1])

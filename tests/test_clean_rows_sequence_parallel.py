@@ -57,7 +57,7 @@ def _sft_loss(gpt, cp, bp, sc=True):
         out = model(tokens, loss_mask, index, denominator)
         out.loss.backward()
         total = total + out.loss.detach()
-    return total, dict(model._canvas_starts)
+    return total, dict(model.feeder._canvas_starts)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_tp2_sequence_parallel_csbp_and_cp_sft_equal_one_rank(reference):
 def test_sequence_parallel_logit_rows_select_and_order():
     """Simulated shard-major feed, per-shard keep, all-gather, reorder: the requested rows in order."""
     from megatron_csbp.layout.masks import RowMeta
-    from megatron_csbp.model.bdlm import sequence_parallel_logit_rows, shard_major_order
+    from megatron_csbp.layout.feed import sequence_parallel_logit_rows, shard_major_order
 
     for n, c, shards in [(8, 16, 2), (12, 8, 4), (0, 8, 2), (6, 9, 3), (4, 4, 2)]:
         rows = RowMeta.of(torch.arange(n) + 100, torch.arange(c))
@@ -192,7 +192,7 @@ def test_canvas_start_moves_down_until_rows_divide(cp, bp, block):
 def test_sft_batches_exercise_the_padding():
     """The first SFT micro-batch on one sequence rank: 9 chosen clean rows in TP shard 0, 15 in
     shard 1, so shard 0 pads 6 rows (the claim of the module docstring)."""
-    from megatron_csbp.model.bdlm import sequence_parallel_logit_rows
+    from megatron_csbp.layout.feed import sequence_parallel_logit_rows
     from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
     tokens, loss_mask, index = sft_batches()[0]

@@ -62,7 +62,7 @@ def _megatron_logits(bdm, clean, noisy, sc=None, sc_mask=None):
     ids = torch.where(rows.is_clean[None], clean[:, rows.position], noisy[:, rows.position])
     noisy_pos = rows.position[~rows.is_clean]
     with bdm.gpt.self_conditioning_inputs(None if sc is None else sc[:, noisy_pos], sc_mask):
-        return bdm.logits(ids, rows), noisy_pos
+        return bdm.logits(ids), noisy_pos
 
 
 def _per_block_diffs(hf, bdm, clean, noisy, sc=None, sc_mask=None):
@@ -241,7 +241,7 @@ def test_gemma4_text_moe_as_ar_starting_point(megatron_single_rank, k_eq_v):
     clean, _, _ = _tokens()
     with torch.no_grad():
         rows = bdm.plan.local
-        logits = bdm.logits(clean[:, rows.position], rows)
+        logits = bdm.logits(clean[:, rows.position])
         ref = hf(input_ids=clean).logits
     diff = (logits - ref[:, rows.position]).abs().max().item()
     print(f"Gemma 4 (K=V {k_eq_v}) AR logits: max |diff| {diff:.2e}")

@@ -167,7 +167,7 @@ def test_prompt_blocks_get_no_noisy_copy(megatron_single_rank):
 def test_canvas_plans_are_an_lru_cache(megatron_single_rank):
     # One plan per canvas start would grow with the starts seen; the cache keeps the model's own
     # plan and the CANVAS_PLAN_CACHE most recently used ones, each rebuilt equal when needed again.
-    from megatron_csbp.model.bdlm import CANVAS_PLAN_CACHE
+    from megatron_csbp.layout.feed import CANVAS_PLAN_CACHE
     from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
 
     gpt = diffusion_gemma_model(tiny_megatron_config(), V, 256)
@@ -180,8 +180,8 @@ def test_canvas_plans_are_an_lru_cache(megatron_single_rank):
     for s in starts[1:]:
         model.canvas_plan(s)
         model.canvas_plan(starts[1])  # kept in use: never the one evicted
-    assert len(model._canvas_plans) == CANVAS_PLAN_CACHE + 1
-    assert model.plan in model._canvas_plans.values() and starts[1] in model._canvas_plans
-    assert starts[0] not in model._canvas_plans and set(model._counted_clean) <= set(model._canvas_plans)
+    assert len(model.feeder._plans) == CANVAS_PLAN_CACHE + 1
+    assert model.plan in model.feeder._plans.values() and starts[1] in model.feeder._plans
+    assert starts[0] not in model.feeder._plans and set(model.feeder._counted_clean) <= set(model.feeder._plans)
     again = model.canvas_plan(starts[0])
     assert again is not first and torch.equal(again.local.position, first.local.position)

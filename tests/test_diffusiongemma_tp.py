@@ -50,7 +50,7 @@ def _forward(gpt, vocab_slice=slice(None)):
     ids = torch.where(rows.is_clean[None], clean[:, rows.position], noisy[:, rows.position])
     noisy_pos = rows.position[~rows.is_clean]
     with gpt.self_conditioning_inputs(sc[:, noisy_pos][..., vocab_slice], torch.tensor([True, False])):
-        logits = bdm.logits(ids, rows)
+        logits = bdm.logits(ids)
     (logits * weight[:, noisy_pos][..., vocab_slice]).sum().backward()
     return logits.detach()
 

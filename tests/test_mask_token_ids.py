@@ -70,7 +70,7 @@ def check(loss, grad, ref_loss, ref_grad, logits, weights, denominator):
 
 @pytest.mark.parametrize("mask_id", [0, 1, 63])
 def test_loss_and_gradient_equal_reference_for_any_mask_id(megatron_single_rank, mask_id):
-    from megatron_csbp.model.bdlm import weighted_cross_entropy
+    from megatron_csbp.model.loss import weighted_cross_entropy
 
     logits, targets, weights, den = make_case(64, mask_id, seed=mask_id)
     x = logits.clone().requires_grad_(True)
@@ -82,7 +82,7 @@ def test_loss_and_gradient_equal_reference_for_any_mask_id(megatron_single_rank,
 
 
 def test_target_equal_to_the_mask_id_is_refused(megatron_single_rank):
-    from megatron_csbp.model.bdlm import weighted_cross_entropy
+    from megatron_csbp.model.loss import weighted_cross_entropy
 
     logits, targets, weights, den = make_case(64, 0, seed=5)
     targets[1, 1] = 0
@@ -93,7 +93,7 @@ def test_target_equal_to_the_mask_id_is_refused(megatron_single_rank):
 def _tp2_rank(rank, world_size, vocab, mask_ids):
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp.model.bdlm import weighted_cross_entropy
+    from megatron_csbp.model.loss import weighted_cross_entropy
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     shard = vocab // 2

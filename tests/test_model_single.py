@@ -113,7 +113,7 @@ def test_rotary_follows_a_reordered_layout(tiny_gpt):
     # row still gets the angle of its own token position.
     layout = SequenceLayout(BlockGeometry(L, B), cp_size=1, bp_size=2)
     model = _model(tiny_gpt())
-    model.plan = plan_for_layout(layout, 1)
+    model.feeder.plan = plan_for_layout(layout, 1)
     rows = layout.rows(1)
     assert not torch.equal(rows.position[: len(rows) // 2], torch.arange(len(rows) // 2)), "not reordered"
     emb = _capture_rotary(model, torch.randint(0, MASK, (1, L)))

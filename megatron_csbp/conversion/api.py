@@ -126,7 +126,7 @@ class ARScorer:
             raise ValueError(f"tokens have length {tokens.shape[1]}, the scorer was built for {self.seq_length}")
         if self.padded != self.seq_length:  # causal rows never see the padding
             tokens = torch.cat([tokens, tokens[:, -1:]], dim=1)
-        return self.bdlm.logits(tokens, self.bdlm.plan.local)[:, : self.seq_length]
+        return self.bdlm.logits(tokens)[:, : self.seq_length]
 
 
 class BlockDiffusionScorer:
@@ -158,7 +158,7 @@ class BlockDiffusionScorer:
     def __call__(self, clean: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
         rows = self.plan.local
         ids = torch.where(rows.is_clean[None], clean[:, rows.position], noisy[:, rows.position])
-        logits = self.bdlm.logits(ids, rows, plan=self.plan)
+        logits = self.bdlm.logits(ids, self.plan)
         out = torch.empty_like(logits)
         out[:, self.noisy_positions - self.prompt_length] = logits
         return out

@@ -11,6 +11,8 @@ holds (fp32 cos/sin, vectorised over a layout-dependent row count, can differ by
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -19,14 +21,24 @@ class LayoutRotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.base = base
         self.dtype = dtype
-        self.positions = None  # set by BlockDiffusionModel before each forward
+        self.positions = None  # set by `at` (BlockDiffusionModel.logits) around each forward
+
+    @contextlib.contextmanager
+    def at(self, positions: torch.Tensor):
+        """Angles at `positions` [rows] (physical row order) for the forwards run inside the block."""
+        previous, self.positions = self.positions, positions
+        try:
+            yield
+        finally:
+            self.positions = previous
 
     def get_rotary_seq_len(self, *args, **kwargs):
         return self.base.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len=None, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if self.positions is None:
-            raise RuntimeError("LayoutRotaryEmbedding used without positions: run through BlockDiffusionModel")
+            raise RuntimeError("LayoutRotaryEmbedding used without positions: run through BlockDiffusionModel.logits "
+                               "or inside `at(positions)`")
         pos = self.positions
         if self.base.inv_freq.device != pos.device:  # e.g. built on CPU, run on GPU
             self.base.inv_freq = self.base.inv_freq.to(pos.device)

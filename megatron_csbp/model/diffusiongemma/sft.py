@@ -14,7 +14,8 @@ machinery of `BlockDiffusionModel` driven by the objective's `NoisedBatch`:
 from __future__ import annotations
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.model.bdlm import BlockDiffusionModel, LossOutput
+from megatron_csbp.model.bdlm import BlockDiffusionModel
+from megatron_csbp.model.loss import LossOutput
 from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
 
@@ -25,9 +26,6 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
         if objective.block_size != layout.geometry.block_size:
             raise ValueError(f"objective block size {objective.block_size} != layout block size {layout.geometry.block_size}")
         super().__init__(gpt, objective, layout, **kwargs)
-
-    # kept for callers of the single-layout version
-    _agree_with_expert_peers = staticmethod(BlockDiffusionModel.agree_with_expert_peers)
 
     def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None) -> LossOutput:
         if loss_mask is None:

@@ -1,0 +1,254 @@
+"""Feeding this rank's rows of a `SequenceLayout` to the model: `RowFeeder`.
+
+A rank holds its rows of a layout as one attention plan (`plan.local`: [owned noisy ; clean], each
+row with its token position). The feeder owns everything that follows from (layout, shard rank):
+- the plan of the whole layout, or for objectives without a noisy stream (AR) the clean stream
+  alone, token-causal (`autoregressive_plan`; each of the k clean rings then computes the full
+  loss, so each counts 1/k: `replication`);
+- canvas plans: noisy rows only from a block on (`SequenceLayout.canvas_layout`), built once per
+  canvas start and kept in an LRU cache of `CANVAS_PLAN_CACHE` plans besides the own plan;
+- the clean rows whose loss this rank counts (`SequenceLayout.clean_loss_positions`);
+- the rows of a noised batch: input ids in local row order, the rows that reach the output layer
+  (`logit_rows`) and their targets and weights (`RowFeeder.rows`);
+- under Megatron's TP sequence parallelism (`tp_shards` > 1) the physical order the rows are fed
+  in (shard-major: TP shard i = [noisy chunk i | clean chunk i], `shard_major_order`) and which
+  rows each TP shard keeps before the output layer (`sequence_parallel_logit_rows`), with their
+  positions (`RowFeeder.feed`).
+
+Everything here is static metadata of (layout, rank, chosen rows): no collective.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from megatron_csbp.attention.block_attention import AttentionPlan, plan_for_layout
+from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+
+
+# Canvas plans kept besides the model's own plan (LRU). Each is linear in the local rows (row
+# vectors, tile tables), so the bound keeps their total at a few plans' worth.
+# (256K tokens on a 16-rank shard group: ~2 x 256K / 16 = 32K rows a rank, ~0.3 MB of int64
+# positions + flags a plan before its tile tables; the start map holds at most one int pair per
+# block, 64K at block size 4.)
+CANVAS_PLAN_CACHE = 4
+
+
+@dataclass
+class OutputRows:
+    """Which fed rows reach the output layer (read by `BlockDiffusionModel`'s output-layer hooks)."""
+
+    count: Optional[int]  # the first `count` rows of this TP shard (its noisy rows); None: every row
+    keep: Optional[torch.Tensor] = None  # instead of `count`: these rows of this TP shard, in order
+    gathered_order: Optional[torch.Tensor] = None  # sequence parallelism: all-gathered rows -> requested order
+
+
+@dataclass
+class FedRows:
+    """What goes into the GPT model: ids and positions in physical row order."""
+
+    input_ids: torch.Tensor  # [b, rows]
+    positions: torch.Tensor  # [rows]
+    output: OutputRows
+
+
+@dataclass
+class LossRows:
+    """This rank's rows of a noised batch."""
+
+    input_ids: torch.Tensor  # [b, rows] in local row order (plan.local)
+    num_noisy: int
+    logit_rows: Optional[torch.Tensor]  # rows that reach the output layer; None: the noisy rows (AR: all)
+    targets: torch.Tensor  # [b, logit rows]
+    weights: torch.Tensor  # [b, logit rows]
+
+
+class RowFeeder:
+    def __init__(self, layout: SequenceLayout, shard_rank: int = 0, ring_group=None, transport: str = "allgather",
+                 noisy_stream: bool = True, tp_shards: int = 1, tp_rank: int = 0):
+        self.layout, self.shard_rank, self.ring_group, self.transport = layout, shard_rank, ring_group, transport
+        self.noisy_stream, self.tp_shards, self.tp_rank = noisy_stream, tp_shards, tp_rank
+        if noisy_stream:
+            self.plan: AttentionPlan = plan_for_layout(layout, shard_rank, ring_group, transport)
+            self.replication = 1
+        else:
+            self.plan, self.replication = autoregressive_plan(layout, shard_rank, ring_group, transport)
+        if tp_shards > 1:
+            self.plan.physical_order = shard_major_order(self.plan.local, tp_shards)
+        # Canvas start -> plan, least recently used first; the own plan is never evicted.
+        self._plans: "OrderedDict[int, AttentionPlan]" = OrderedDict({layout.canvas_start: self.plan})
+        self._canvas_starts: Dict[int, int] = {}  # first response block -> canvas start (ints, <= blocks)
+        self._counted_clean: Dict[int, torch.Tensor] = {}  # canvas start -> counted rows, same keys
+
+    # ---- canvas plans ----------------------------------------------------------------------------
+    def canvas_plan(self, first_block: int, balanced: bool = False) -> AttentionPlan:
+        """This rank's plan when noisy rows start at block `first_block` (moved down where the
+        layout needs it, see `SequenceLayout.canvas_layout`; `balanced`: as many rows on every
+        block-parallel rank, for expert-parallel peers); built once per start and kept in an
+        LRU cache of `CANVAS_PLAN_CACHE` plans (the own plan always stays)."""
+        first_block = int(first_block)
+        if first_block in self._canvas_starts:
+            s = self._canvas_starts[first_block]
+        else:
+            layout = self.layout.canvas_layout(first_block, balanced=balanced, row_multiple=self.tp_shards)
+            s = self._canvas_starts[first_block] = layout.canvas_start
+        if s not in self._plans:
+            layout = self.layout.canvas_layout(s)
+            plan = plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport)
+            if self.tp_shards > 1:
+                plan.physical_order = shard_major_order(plan.local, self.tp_shards)
+            self._plans[s] = plan
+            self._counted_clean[s] = self._counted_clean_rows(layout, plan)
+            self._evict_canvas_plans()
+        self._plans.move_to_end(s)
+        return self._plans[s]
+
+    def _evict_canvas_plans(self) -> None:
+        own = self.layout.canvas_start
+        while len(self._plans) > CANVAS_PLAN_CACHE + 1:
+            oldest = next(s for s in self._plans if s != own)
+            del self._plans[oldest]
+            self._counted_clean.pop(oldest, None)
+
+    def _counted_clean_rows(self, layout: SequenceLayout, plan: AttentionPlan) -> torch.Tensor:
+        """Indices (into this rank's clean rows) of the clean rows whose loss this rank counts."""
+        clean_pos = plan.local.position[plan.local.is_clean]
+        counted = layout.clean_loss_positions(self.shard_rank)
+        return torch.nonzero(torch.isin(clean_pos, counted)).flatten()
+
+    def counted_clean_rows(self, plan: AttentionPlan) -> torch.Tensor:
+        for s, p in self._plans.items():
+            if p is plan:
+                if s not in self._counted_clean:
+                    self._counted_clean[s] = self._counted_clean_rows(self.layout.canvas_layout(s), plan)
+                return self._counted_clean[s]
+        raise KeyError("plan not built by this feeder")
+
+    # ---- rows of a batch ---------------------------------------------------------------------------
+    def check_sequence_length(self, tokens: torch.Tensor) -> None:
+        L = tokens.shape[1]
+        if L != self.layout.geometry.seq_length:
+            raise ValueError(f"batch has sequence length {L}, the layout was built for --seq-length "
+                             f"{self.layout.geometry.seq_length}")
+
+    def rows(self, plan: AttentionPlan, noised, tokens: torch.Tensor) -> LossRows:
+        """This rank's rows under `plan` of a `NoisedBatch` of `tokens` [b, L]: the ids (clean rows
+        from the clean stream, noisy rows from the noisy one), and the target rows: the noisy
+        rows, or (AR) the clean rows; with clean-row targets one set of rows [noisy rows ;
+        counted clean rows with a target in the batch] (one cross entropy over both: Megatron's
+        vocab-parallel CE works in place on its input, so two calls on slices of the same logits
+        would clash in backward)."""
+        if noised.clean_tokens is not None:
+            tokens = noised.clean_tokens
+        pos = plan.local.position.to(tokens.device)
+        is_clean = plan.local.is_clean.to(tokens.device)
+        input_ids = torch.where(is_clean[None], tokens[:, pos], noised.noisy_tokens[:, pos])
+        n = int((~is_clean).sum())
+        if noised.clean_targets is None:
+            target_pos = pos[~is_clean] if self.noisy_stream else pos
+            return LossRows(input_ids, n, None, noised.targets[:, target_pos], noised.weights[:, target_pos])
+        if not self.noisy_stream:
+            raise ValueError("clean-row targets need an objective with a noisy stream")
+        clean_pos = pos[n:]
+        counted = self.counted_clean_rows(plan).to(pos.device)
+        has_target = (noised.clean_targets[:, clean_pos[counted]] >= 0).any(dim=0)
+        chosen = counted[has_target]
+        logit_rows = torch.cat([torch.arange(n, device=pos.device), n + chosen])
+        noisy_pos, target_clean = pos[:n], clean_pos[chosen]
+        targets = torch.cat([noised.targets[:, noisy_pos], noised.clean_targets[:, target_clean]], dim=1)
+        weights = torch.cat([noised.weights[:, noisy_pos], noised.clean_weights[:, target_clean]], dim=1)
+        return LossRows(input_ids, n, logit_rows, targets, weights)
+
+    def feed(self, plan: AttentionPlan, tokens: torch.Tensor, logit_rows: Optional[torch.Tensor] = None) -> FedRows:
+        """Ids [b, rows] in local row order under `plan` -> what the GPT model gets: ids and
+        positions in physical order (shard-major under sequence parallelism, so that every TP
+        rank drops its clean rows alike before the output layer) and the rows that reach the
+        output layer: the noisy rows (every row when there are none, AR), or `logit_rows` (local
+        row indices: every noisy row in order, then chosen clean rows) in that order."""
+        rows = plan.local
+        num_noisy = int((~rows.is_clean).sum())
+        positions = rows.position.to(tokens.device)
+        keep, gathered_order = logit_rows, None
+        if plan.physical_order is not None:
+            if logit_rows is not None:
+                per_shard, gathered_order = sequence_parallel_logit_rows(
+                    num_noisy, len(rows) - num_noisy, logit_rows, self.tp_shards)
+                keep = per_shard[self.tp_rank]
+            order = plan.physical_order.to(tokens.device)
+            tokens, positions = tokens[:, order], positions[order]
+        count = num_noisy // self.tp_shards if num_noisy else None
+        return FedRows(tokens, positions, OutputRows(count, keep, gathered_order))
+
+
+def autoregressive_plan(layout: SequenceLayout, shard_rank: int, ring_group, transport: str):
+    """Clean stream only, token-causal: each ring holds a zigzag copy of the stream (CP ranks), so
+    AR runs under every layout. Returns (plan, number of rings that compute the same loss)."""
+    g = layout.geometry
+    geometry = BlockGeometry(g.seq_length, g.block_size, "token_causal", g.window)
+    empty = torch.zeros(0, dtype=torch.long)
+    if layout.ring_size == 1:
+        plan = AttentionPlan(geometry, RowMeta.of(empty, torch.arange(g.seq_length)))
+    else:
+        ring_position = layout.ring_of(shard_rank)[1]
+        local = RowMeta.of(empty, layout.clean_shard_positions(ring_position))
+        shards = layout.ring_clean_rows(shard_rank)
+        plan = AttentionPlan(geometry, local, "clean", transport, ring_group, shards, shards, ring_position)
+    return plan, layout.shard_group_size // layout.ring_size
+
+
+def shard_major_order(rows: RowMeta, shards: int) -> torch.Tensor:
+    """Physical order for sequence parallelism: shard i holds [noisy chunk i | clean chunk i]."""
+    n = int((~rows.is_clean).sum())
+    c = len(rows) - n
+    if n % shards or c % shards:
+        raise ValueError(
+            f"--sequence-parallel with --tensor-model-parallel-size {shards} needs this rank's {n} noisy and "
+            f"{c} clean rows to divide by {shards} (choose --seq-length/--block-size accordingly)"
+        )
+    parts = []
+    for i in range(shards):
+        parts.append(torch.arange(i * n // shards, (i + 1) * n // shards))
+        parts.append(n + torch.arange(i * c // shards, (i + 1) * c // shards))
+    return torch.cat(parts)
+
+
+def sequence_parallel_logit_rows(num_noisy: int, num_clean: int, logit_rows: torch.Tensor, shards: int):
+    """The rows each TP shard keeps before the output layer when the rows are fed shard-major
+    (`shard_major_order`) and `logit_rows` = [every noisy row in local order ; chosen clean rows]
+    (local indices) must reach it. Returns (keep, order):
+
+    - keep[i]: indices into shard i's rows: its noisy chunk, then the chosen clean rows of its
+      clean chunk (in the given order), then padding (the shard's first row) up to k = the largest
+      count over shards, at least 1, so that the sequence-parallel all-gather sees equal sizes;
+    - order: indices into the gathered [shards * k] rows giving the logits in `logit_rows` order
+      (padding dropped).
+
+    Static metadata of (row counts, chosen rows): every TP rank computes the same, no collective."""
+    n, c = int(num_noisy), int(num_clean)
+    if n % shards or c % shards:
+        raise ValueError(f"{n} noisy and {c} clean rows do not divide by {shards} sequence-parallel shards")
+    nc, cc = n // shards, c // shards
+    rows = logit_rows.detach().to("cpu", torch.long)
+    if len(rows) < n or not torch.equal(rows[:n], torch.arange(n)):
+        raise ValueError("under sequence parallelism logit_rows must start with every noisy row in local order")
+    clean = rows[n:] - n
+    if len(clean) and (int(clean.min()) < 0 or int(clean.max()) >= c):
+        raise ValueError(f"logit_rows name clean rows outside [0, {c})")
+    if len(torch.unique(clean)) != len(clean):
+        raise ValueError("logit_rows name a clean row twice")
+    shard_of = torch.div(clean, cc, rounding_mode="floor") if cc else clean
+    counts = torch.bincount(shard_of, minlength=shards) if len(clean) else torch.zeros(shards, dtype=torch.long)
+    k = max(nc + int(counts.max()), 1)
+    keep, clean_slot = [], torch.empty(len(clean), dtype=torch.long)
+    for i in range(shards):
+        mine = torch.nonzero(shard_of == i).flatten()
+        pad = torch.zeros(k - nc - len(mine), dtype=torch.long)
+        keep.append(torch.cat([torch.arange(nc), nc + clean[mine] - i * cc, pad]))
+        clean_slot[mine] = i * k + nc + torch.arange(len(mine))
+    noisy = torch.arange(n)
+    noisy_slot = (noisy // nc) * k + noisy % nc if nc else noisy
+    return keep, torch.cat([noisy_slot, clean_slot])
