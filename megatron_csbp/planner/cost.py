@@ -11,6 +11,11 @@ tokens, on the slowest rank of the shard group:
   forward; CSBP: clean K/V only, half (raw k only on K=V layers); sliding layers: the window plan's rows; BP: none), forward
   and backward (and the recompute forward); all-gather transport: overlapped with the noisy
   block-diagonal attention (CSBP) in forward only; ring: overlapped with the attention of that pass;
+- Gated DeltaNet layers (hybrid Qwen3.5-style models): projections as GEMMs; the chunked delta
+  rule's FLOPs (linear in L: per token and head 6 d_k d_v + T (4 d_k + 3 d_v) for chunks of T <= B
+  tokens, plus the transfer-map pass over the clean rows when a ring shares the stream); their
+  traffic as `attention/gated_delta.py` moves it (`work.gdn_bytes_sent`: run tails and transfer
+  maps all-gathered over the ring, boundary states to block owners), exposed; no L^2 term;
 - TP (sequence parallel) all-gathers / reduce-scatters, MoE all-to-all, exposed DP gradient
   reduction and the optimizer step; elementwise work at HBM bandwidth.
 
@@ -27,7 +32,7 @@ from typing import Dict, List, Optional
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
-from megatron_csbp.planner.work import RankWork, rank_work
+from megatron_csbp.planner.work import GDNRankWork, RankWork, gdn_bytes_sent, gdn_rank_work, rank_work
 
 ATTN_FWD_BWD = 3.5  # backward of attention ~2.5x its forward (5 vs 2 matmuls)
 
@@ -139,6 +144,54 @@ def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: 
     return s * (attn + mlp + moe + lse) / tp
 
 
+def _state_bytes(s: int) -> int:
+    """Element size of GDN states and transfer maps: fp32 (fp64 in fp64 runs), whatever the activations."""
+    return 8 if s == 8 else 4
+
+
+def gdn_recurrence_flops(w: GDNRankWork, layer: LayerShape, tp: int, block_size: int) -> float:
+    """Forward FLOPs of one GDN layer's chunked delta rule and short convolution on one rank.
+    Per chunk of T tokens and value head: K S, Q S and K^T U (2 T d_k d_v each), K K^T and Q K^T
+    (2 T^2 d_k each), the unit-triangular solve (T^2 d_v) and (D o QK^T) U (2 T^2 d_v): every term
+    linear in the tokens for T <= B. The clean stream runs once more with values [0 | v] (width
+    d_k + d_v) to build the transfer maps when a ring shares it."""
+    H = max(1, layer.gdn_value_heads // tp)
+    dk, dv = layer.gdn_key_dim, layer.gdn_value_dim
+
+    def rule(tokens, sq, width):
+        return H * (6 * dk * width * tokens + (4 * dk + 3 * width) * sq)
+
+    flops = rule(w.clean_tokens, w.clean_sq, dv) + rule(w.noisy_tokens, w.noisy_tokens * block_size, dv)
+    if w.ring > 1:
+        flops += rule(w.clean_tokens, w.clean_sq, dk + dv)
+    conv = 2 * layer.gdn_conv_kernel * layer.gdn_conv_dim / tp * (w.clean_tokens + w.noisy_tokens)
+    return flops + conv
+
+
+def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows: int, tp: int, s: int,
+                    block_size: int, kernel: str) -> float:
+    """What one GDN layer keeps for backward on one rank: per row the norms' inputs/outputs, the
+    in_proj output (conv channels, gate, beta, alpha), the conv output, fp32 q/k/v features (q, k
+    repeated to the value heads), the fp32 core output and the gated norm; per chunk its fp32 start
+    state (H x d_k x d_v); the boundary states received and the gathered transfer maps. The
+    project's pure-torch rule (CPU kernels) also keeps about five fp32 T x T matrices per chunk and
+    head (decays, A, the solve, Q K^T); a fused GPU kernel (`sparse` profiles) recomputes them."""
+    h = model.hidden_size
+    H = max(1, layer.gdn_value_heads // tp)
+    dk, dv = layer.gdn_key_dim, layer.gdn_value_dim
+    conv = layer.gdn_conv_dim / tp
+    v = H * dv
+    per_row = s * (4 * h / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
+    chunks = -(-w.clean_tokens // block_size) + w.max_runs + w.noisy_tokens // block_size
+    state = 4 * H * dk * dv if s < 8 else 8 * H * dk * dv
+    held = chunks * state + w.boundary_received * state
+    if w.ring > 1:
+        held += w.ring * w.max_runs * H * dk * (dk + dv) * _state_bytes(s) + chunks * H * dk * dk * 4
+    tt = 5 * 4 * H * (w.clean_sq + w.noisy_tokens * block_size) if kernel != "sparse" else 0
+    mlp = (3 if model.gated_mlp else 2) * layer.mlp_ffn * s / tp
+    return rows * (per_row + mlp) + held + tt
+
+
 def _clean_partials(lay: Layout, ring: int) -> int:
     """Partials over clean keys (CP: over all keys) a rank runs per layer: one after an all-gather,
     one per ring member when streamed."""
@@ -202,6 +255,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w) for w in windows}
     base = work[windows[0]]
     ranks = range(len(base))
+    gdn = gdn_rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention) if model.is_hybrid else None
 
     # ---- time of one sample on each rank; the group waits for the slowest ------------------------
     ring = lay.cp if lay.kind in ("cp", "csbp") else 1
@@ -221,44 +275,56 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             if layer.num_experts:
                 moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
                 t["moe_gemm"] += moe_flops * (3 + (1 if recompute else 0)) / (peak * hw.grouped_gemm_efficiency)
-            pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
-            heads_t = max(1, layer.num_heads // tp)
-            attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
-            attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
-            t["attention"] += attn_total
-            # attention traffic (bytes sent by this rank in one pass)
-            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
-            if lay.kind == "csbp" and layer.kv_shared:
-                kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
-            if lay.kind == "cp":
-                per_pass = rows * kv_row * (S - 1)
-                n_coll = 1 if lay.transport == "allgather" else S - 1
-            elif lay.kind == "csbp":
-                if layer.window is not None and wl.window_exchange == "window":
-                    per_pass = w.exchange_rows * kv_row  # one variable all-to-all, received ~ sent
-                    n_coll = 1
-                else:
-                    per_pass = w.clean_rows * kv_row * (ring - 1)
-                    n_coll = 1 if lay.transport == "allgather" else ring - 1
+            if layer.is_gdn:
+                gw = gdn[r]
+                rec = gdn_recurrence_flops(gw, layer, tp, B) / (peak * hw.attention_efficiency)
+                t["linear_attention"] = t.get("linear_attention", 0.0) + rec * (3 + (1 if recompute else 0))
+                fwd_b, bwd_b = gdn_bytes_sent(gw, max(1, layer.gdn_value_heads // tp), layer.gdn_key_dim,
+                                              layer.gdn_value_dim, layer.gdn_conv_dim // tp,
+                                              layer.gdn_conv_kernel, s, _state_bytes(s))
+                sent += passes_fwd * fwd_b + bwd_b
+                if gw.ring > 1:  # two all-gathers and the boundary all-to-all, each waited on at once
+                    n_coll = 2 + (1 if gw.boundary_sent or gw.boundary_received else 0)
+                    t["attn_comm_exposed"] += (passes_fwd * fwd_b + bwd_b) / link + (passes_fwd + 1) * n_coll * lat
             else:
-                per_pass, n_coll = 0, 0
-            n_pass = passes_fwd + 1
-            sent += per_pass * n_pass
-            if per_pass:
-                t_pass = per_pass / link + n_coll * lat
-                if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
-                    # each shift hides behind the attention on the chunk before it
-                    hidden_fwd = attn_fwd * (ring - 1) / ring
-                    exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
+                heads_t = max(1, layer.num_heads // tp)
+                attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+                attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+                t["attention"] += attn_total
+                # attention traffic (bytes sent by this rank in one pass)
+                kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+                if lay.kind == "csbp" and layer.kv_shared:
+                    kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
+                if lay.kind == "cp":
+                    per_pass = rows * kv_row * (S - 1)
+                    n_coll = 1 if lay.transport == "allgather" else S - 1
+                elif lay.kind == "csbp":
+                    if layer.window is not None and wl.window_exchange == "window":
+                        per_pass = w.exchange_rows * kv_row  # one variable all-to-all, received ~ sent
+                        n_coll = 1
+                    else:
+                        per_pass = w.clean_rows * kv_row * (ring - 1)
+                        n_coll = 1 if lay.transport == "allgather" else ring - 1
                 else:
-                    # all-gather: CSBP's clean gather overlaps the noisy block-diagonal part (forward);
-                    # CP's gather must finish before any of its attention; reduce-scatter is exposed
-                    diag = 0.0
-                    if lay.kind == "csbp":
-                        diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim
-                                / (peak * hw.attention_efficiency))
-                    exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
-                t["attn_comm_exposed"] += exposed
+                    per_pass, n_coll = 0, 0
+                n_pass = passes_fwd + 1
+                sent += per_pass * n_pass
+                if per_pass:
+                    t_pass = per_pass / link + n_coll * lat
+                    if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                        # each shift hides behind the attention on the chunk before it
+                        hidden_fwd = attn_fwd * (ring - 1) / ring
+                        exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                    else:
+                        # all-gather: CSBP's clean gather overlaps the noisy block-diagonal part (forward);
+                        # CP's gather must finish before any of its attention; reduce-scatter is exposed
+                        diag = 0.0
+                        if lay.kind == "csbp":
+                            diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim
+                                    / (peak * hw.attention_efficiency))
+                        exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
+                    t["attn_comm_exposed"] += exposed
             if tp > 1:
                 tp_bytes = 4 * rows * h * s * (tp - 1) / tp
                 t["tp_comm"] += (passes_fwd + 1) * (tp_bytes / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9)
@@ -304,6 +370,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         per_layer = []
         for layer in model.layers:
             w = work[layer.window][r]
+            if layer.is_gdn:
+                per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel))
+                continue
             kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
             if lay.kind == "csbp" and layer.window is not None and wl.window_exchange == "window":
                 kv_held = w.exchange_rows * kv_row
@@ -326,8 +395,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)
         if hw.attention_kernel == "tiled":
             # the backward's working set is live only once the loss and logits are freed
-            transient = max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
-                            for layer in model.layers)
+            transient = max([attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                             for layer in model.layers if not layer.is_gdn] or [0.0])
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))

@@ -44,7 +44,8 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
     if L % B:
         raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
     n = L // B
-    heads = [l.num_heads for l in model.layers]
+    heads = [l.num_heads for l in model.layers if not l.is_gdn]
+    heads += [h for l in model.layers if l.is_gdn for h in (l.gdn_key_heads, l.gdn_value_heads)]
     out = []
     for tp in divisors(gpus):
         if tp > gpus_per_node or any(h % tp for h in heads):

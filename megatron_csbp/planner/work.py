@@ -139,3 +139,102 @@ def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, b
             exchange = 0
         out.append(DrafterRankWork(draft, ctx, pairs, exchange))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class GDNRankWork:
+    """One rank's share of a Gated DeltaNet layer under a layout, counted as
+    `attention/gated_delta.py` places it (`build_routes`): the clean stream's runs, the ring that
+    shares it, the boundary states sent to / received from block owners, and the chunk lengths of
+    the chunked delta rule (chunks are cut at block starts and run ends)."""
+
+    ring: int  # ranks sharing the clean stream (1: single / BP, nothing moves)
+    max_runs: int  # most clean runs (segments) of any ring member: the all-gathers' padding
+    boundary_sent: int  # blocks whose boundary state (S at bB and the K-1 pre-conv rows) this rank sends
+    boundary_received: int
+    clean_tokens: int  # rows through the clean recurrence
+    clean_sq: int  # sum of squared chunk lengths of the clean recurrence (the T x T terms)
+    noisy_tokens: int  # rows of the noisy blocks (each block one chunk of B)
+
+
+def _runs(positions: np.ndarray):
+    """[(start, end)) runs of consecutive values of a sorted position array."""
+    if len(positions) == 0:
+        return []
+    cut = np.nonzero(np.diff(positions) != 1)[0] + 1
+    starts = np.concatenate([[0], cut])
+    ends = np.concatenate([cut, [len(positions)]])
+    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends)]
+
+
+@lru_cache(maxsize=64)
+def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
+                  clean_attention: str) -> Tuple[GDNRankWork, ...]:
+    """Per rank of the shard group. Metadata: the runs of each rank (at most 2 per ring member
+    under CP / CSBP, one prefix under BP) and one holder lookup per noisy block: at 256K tokens
+    on 16 ranks with B = 256, 1K blocks, 16 x fewer entries than rows."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+
+    L, B = seq_length, block_size
+    layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
+    P = layout.shard_group_size
+    rows = [layout.rows(r) for r in range(P)]
+    clean = [np.sort(r.position[r.is_clean].numpy()) for r in rows]
+    blocks = [np.unique(r.position[~r.is_clean].numpy() // B) for r in rows]
+    runs = [_runs(c) for c in clean]
+    kind = layout.kind
+    out = []
+    for r in range(P):
+        if kind in ("single", "bp"):
+            ring = [r]
+        elif kind == "cp":
+            ring = list(range(P))  # the CP baseline's clean stream spans the whole shard group
+        else:
+            ring = layout.ring_ranks(r)
+        holder = {}
+        for m in ring:
+            for s, e in runs[m]:
+                holder[(s, e)] = m
+        starts = np.array(sorted(s for s, _ in holder))
+        spans = [holder_key for holder_key in sorted(holder)]
+
+        def who(p: int) -> int:
+            i = int(np.searchsorted(starts, p, side="right")) - 1
+            return holder[spans[i]]
+
+        sent = received = 0
+        if len(ring) > 1:
+            for m in ring:
+                for b in blocks[m].tolist():
+                    if b == 0:
+                        continue
+                    src = who(b * B - 1)
+                    if src == m:
+                        continue
+                    sent += src == r
+                    received += m == r
+        sq = 0
+        for s, e in runs[r]:
+            cuts = [s] + list(range((s // B + 1) * B, e, B)) + [e]
+            sq += sum((c1 - c0) ** 2 for c0, c1 in zip(cuts[:-1], cuts[1:]))
+        out.append(GDNRankWork(len(ring), max(len(runs[m]) for m in ring), sent, received, len(clean[r]), sq,
+                               len(blocks[r]) * B))
+    return tuple(out)
+
+
+def gdn_bytes_sent(w: GDNRankWork, heads: int, d_k: int, d_v: int, conv_dim: int, conv_kernel: int,
+                   act_bytes: int, state_bytes: int, batch: int = 1) -> Tuple[int, int]:
+    """(forward, backward) bytes one rank sends in one GDN layer, as the transports record them in
+    `traffic_counter()` (`heads`, `conv_dim`: this TP rank's share): the ring all-gathers the
+    K-1 pre-conv tail rows of every run (activation dtype) and the runs' transfer maps [M | N]
+    (H x d_k x (d_k + d_v), state dtype: fp32, fp64 in fp64 runs), padded to the ring's most runs;
+    then one all-to-all moves each boundary (H d_k d_v state + (K-1) conv rows, state dtype) to its
+    block's owner. Backward: the gathers' gradients the same size, the all-to-all's gradients back
+    the other way (a rank sends what it received)."""
+    if w.ring == 1:
+        return 0, 0
+    gathers = (w.ring - 1) * w.max_runs * batch * ((conv_kernel - 1) * conv_dim * act_bytes
+                                                   + heads * d_k * (d_k + d_v) * state_bytes)
+    width = batch * (heads * d_k * d_v + (conv_kernel - 1) * conv_dim) * state_bytes
+    return gathers + w.boundary_sent * width, gathers + w.boundary_received * width
