@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tests.distributed import run_distributed
+
 from megatron_csbp.planner.cli import main
 from megatron_csbp.planner.cost import Layout, Workload, estimate
 from megatron_csbp.planner.hardware import PRESETS, load_hardware
@@ -177,3 +179,132 @@ def test_window_plan_matches_the_core():
             plan = WindowExchangePlan.build(members, layout.ring_clean_rows(r), geometry, layout.ring_of(r)[1])
             core.append(int(sum(plan.recv_counts)))
         assert predicted == core
+
+
+# ---- hybrid (Gated DeltaNet) models: issue 16 item 5 ------------------------------------------------
+
+def test_planner_imports_without_torch():
+    """The planner runs on a login node: importing its model, search and CLI must not import torch
+    (layout metadata is read lazily when a plan is computed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_csbp.planner.cost, megatron_csbp.planner.search, megatron_csbp.planner.cli; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+QWEN3_5_TINY = {"model_type": "qwen3_5", "text_config": {
+    "model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 8, "full_attention_interval": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attn_output_gate": True,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4, "intermediate_size": 96, "vocab_size": 128, "tie_word_embeddings": False,
+    "hidden_act": "silu"}}
+
+
+def test_qwen3_5_config_gives_the_hybrid_preset(tmp_path, capsys):
+    """--hf-config on a Qwen3.5 config.json (nested text_config, full_attention_interval): 3 GDN : 1
+    attention layers, and the parameter count of transformers' own Qwen3_5ForCausalLM built from the
+    same config (less its norm weights, which the planner ignores)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    m = from_hf_config(QWEN3_5_TINY)
+    assert [l.is_gdn for l in m.layers] == [True, True, True, False] * 2
+    assert m.layers[3].q_gate and m.layers[0].gdn_conv_dim == 2 * 2 * 8 + 4 * 8
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5_TINY["text_config"]))
+    hf_params = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
+    assert m.total_params == hf_params
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(QWEN3_5_TINY))
+    assert main(["--hf-config", str(p), "--seq-length", "4096", "--block-size", "64", "--gpus", "4",
+                 "--hardware", "h100", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "6 Gated DeltaNet / 2 attention layers" in r["model"]
+    assert any("linear_attention" in l["time_breakdown_s"] for l in r["layouts"])
+    bad = dict(QWEN3_5_TINY["text_config"], linear_num_value_heads=None, layer_types=["linear_attention"] * 8)
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        from_hf_config(bad)
+
+
+def test_gdn_state_bytes_equal_the_layer_accounting():
+    """The planner's per-rank GDN bytes (`gdn_rank_work` + `gdn_bytes_sent`) equal the static
+    formula of tests/test_hybrid_layouts.py (itself checked against `traffic_counter()` under CP, BP,
+    CSBP, BP = k x CP and TP) on every rank, for several layouts and both ownership schedules."""
+    import tests.test_hybrid_layouts as th
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.planner.work import gdn_bytes_sent, gdn_rank_work
+
+    saved = th.L, th.B
+    try:
+        for L, B, cp, bp, sc, tp in ((32, 4, 2, 1, "mirrored", 1), (32, 4, 2, 2, "mirrored", 1),
+                                     (32, 4, 2, 4, "mirrored", 1), (32, 4, 4, 1, "mirrored", 1),
+                                     (32, 4, 2, 2, "contiguous", 2), (64, 4, 4, 8, "mirrored", 1),
+                                     (128, 8, 4, 4, "contiguous", 1), (32, 4, 1, 2, "mirrored", 1)):
+            th.L, th.B = L, B
+            layout = SequenceLayout(BlockGeometry(L, B), cp, bp, sc)
+            got = [gdn_bytes_sent(w, 4 // tp, 8, 8, (2 * 2 * 8 + 4 * 8) // tp, 4, 4, 4, th.BATCH)[0]
+                   for w in gdn_rank_work(L, B, cp, bp, sc, "block_causal")]
+            assert got == [th.expected_gdn_forward_bytes(layout, r, tp) for r in range(layout.shard_group_size)]
+    finally:
+        th.L, th.B = saved
+
+
+HYBRID_L, HYBRID_B, HYBRID_V = 64, 4, 64
+
+
+def _hybrid_traffic_rank(rank, world, cases):
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.attention.accounting import traffic_counter
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.bdlm import BlockDiffusionModel
+    from megatron_csbp.objectives import BD3LMObjective
+    from tests.gdn_helpers import build_hybrid_gpt
+    import torch
+
+    install_cpu_compat()
+    out = []
+    for cp, bp in cases:
+        bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
+        gpt = build_hybrid_gpt((1, 0, 1), HYBRID_V, HYBRID_L)
+        layout = SequenceLayout(BlockGeometry(HYBRID_L, HYBRID_B), cp, bp)
+        model = BlockDiffusionModel(gpt, BD3LMObjective(HYBRID_B, mask_token_id=HYBRID_V - 1, seed=3), layout,
+                                    bps.get_shard_rank(), bps.get_clean_ring_group())
+        tokens = torch.randint(0, HYBRID_V - 1, (1, HYBRID_L), generator=torch.Generator().manual_seed(0))
+        counter = traffic_counter()
+        counter.reset()
+        model(tokens, torch.ones_like(tokens), torch.tensor([0])).loss.backward()
+        out.append(dict(rank=bps.get_shard_rank(), per_layer=counter.per_layer(), sent=counter.total_sent))
+        counter.reset()
+        bps.destroy_block_parallel()
+    return out
+
+
+def test_hybrid_traffic_predicted_exactly_on_two_ranks():
+    """Measurement check: a tiny hybrid (GDN, attention, GDN; the shapes of tests/gdn_helpers.py) runs
+    one forward + backward on 2 gloo ranks under CP and CSBP; per GDN layer the bytes each rank sends
+    (forward and backward, as `traffic_counter()` records them) equal the planner's, and the
+    planner's whole-model attention bytes equal the counter's total."""
+    from megatron_csbp.planner.work import gdn_bytes_sent, gdn_rank_work
+
+    cases = [(2, 1), (2, 2)]
+    results = run_distributed(_hybrid_traffic_rank, 2, cases)
+    layer = LayerShape(4, 2, 8, gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=8, gdn_value_dim=8, gdn_conv_kernel=4,
+                       mlp_ffn=64)
+    attn = LayerShape(4, 2, 8, mlp_ffn=64)
+    model = ModelConfig("tiny-hybrid", 32, HYBRID_V, (layer, attn, layer))
+    hw = PRESETS["h100"].__class__(**{**PRESETS["h100"].to_dict(), "dtype_bytes": 4})
+    for i, (cp, bp) in enumerate(cases):
+        work = gdn_rank_work(HYBRID_L, HYBRID_B, cp, bp, "mirrored", "block_causal")
+        est = estimate(model, Layout(1, cp, bp, 1, 1, "none"), Workload(HYBRID_L, HYBRID_B), hw, 8)
+        for per_rank in results:
+            r = per_rank[i]
+            fwd, bwd = gdn_bytes_sent(work[r["rank"]], 4, 8, 8, 64, 4, 4, 4)
+            assert fwd > 0 and bwd > 0
+            for gdn_layer in (1, 3):
+                got = r["per_layer"][gdn_layer]
+                assert (got["forward_sent"], got["backward_sent"]) == (fwd, bwd), ((cp, bp), r["rank"], got)
+            assert est.attn_bytes_per_gpu == r["sent"], ((cp, bp), r["rank"], est.attn_bytes_per_gpu, r["sent"])
