@@ -32,7 +32,8 @@ from typing import Dict, List, Optional
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
-from megatron_csbp.planner.work import GDNRankWork, RankWork, gdn_bytes_sent, gdn_rank_work, rank_work
+from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
+                                        rank_work)
 
 ATTN_FWD_BWD = 3.5  # backward of attention ~2.5x its forward (5 vs 2 matmuls)
 
@@ -90,6 +91,13 @@ class Workload:
     grad_bytes: int = 4  # main-gradient bytes per parameter (Megatron: fp32; --grad-reduce-in-bf16: 2)
     logits_bytes: int = 6  # per logit element at the loss: bf16 logits + fp32 copy
     loss_chunk_rows: int = 0  # 0: logits of all noisy rows at once (Megatron); N: chunked linear-CE
+    # 'bd3lm' (block diffusion, every objective of this project but the drafter) or 'dflash' (a
+    # DFlash drafter on verifier features: `anchors` draft blocks per sequence, documents of
+    # `doc_length` tokens, the frozen LM head streamed in `vocab_chunk` columns)
+    objective: str = "bd3lm"
+    anchors: int = 512
+    doc_length: Optional[int] = None
+    vocab_chunk: int = 8192
 
     def samples_per_replica(self, dp: int) -> int:
         gb = self.global_batch_size or dp
@@ -242,7 +250,132 @@ def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
     return vectors + tables
 
 
+def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile, gpus_per_node: int,
+                dense_total: float, frozen: float = 0.0):
+    """Gradient reduction, optimizer step and static memory of one layout (shared by both objectives):
+    (t_grad, t_opt, static bytes)."""
+    tp, S = lay.tp, lay.shard_group_size
+    wb, gb, ob = _precision(hw, wl)
+    expert_total = model.expert_params
+    dense_rank = dense_total / tp
+    expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
+    D = lay.dp * S
+    De = max(1, D // lay.ep)
+    grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
+    if lay.distributed_optimizer:
+        grad_bytes = (gb + wb) * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
+        opt_params = dense_rank / D + expert_rank / De
+    else:
+        grad_bytes = 2 * gb * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
+        opt_params = dense_rank + expert_rank
+    t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
+    t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
+    static = (wb + gb) * (dense_rank + expert_rank) + ob * opt_params + wb * frozen / tp
+    return t_grad, t_opt, static
+
+
+def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile,
+                     gpus_per_node: int) -> Estimate:
+    """One DFlash drafter step (`--objective dflash`), per rank from `work.drafter_rank_work`:
+
+    - context rows: the verifier's features of the rank's context positions (`target_layers` x
+      hidden each, read from the feature shards) projected by `fc`, then k/v per layer; draft rows
+      (anchors x block size owned) through every layer; the frozen verifier LM head on the draft
+      rows, streamed in vocabulary chunks (forward and input gradient, no weight gradient);
+    - attention: the anchored mask's pairs (sliding layers: inside the window);
+    - traffic: K/V of the rows each rank receives (CP: all rows of every other rank; CSBP: the
+      ring's context rows, sliding layers only those inside windows; BP: none), forward, backward
+      and the recompute forward;
+    - memory: drafter weights/optimizer, the frozen embeddings and LM head (bf16), the features read,
+      per-layer activations of the draft rows, the context rows' projections and K/V, the K/V
+      received, one vocabulary chunk of logits."""
+    L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
+    s = hw.dtype_bytes
+    peak = hw.peak_tflops * 1e12
+    h, V = model.hidden_size, model.vocab_size
+    recompute = lay.recompute == "full"
+    passes_fwd = 2 if recompute else 1
+    windows = sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
+    work = {w: drafter_rank_work(L, B, wl.anchors, lay.cp, lay.bp, wl.doc_length, w) for w in windows}
+    base = work[windows[0]]
+    ring = lay.cp if lay.kind in ("cp", "csbp") else 1
+    link = hw.link_gbps(_spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)) * 1e9
+    lat = hw.collective_latency_us * 1e-6
+    feat_row = model.target_layers * h
+    per_rank = []
+    for r in range(len(base)):
+        draft, ctx = base[r].draft_rows, base[r].context_rows
+        t = dict(gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, elementwise=0.0, output_layer=0.0)
+        # fc over the context rows: forward and weight gradient (the features need no gradient)
+        t["gemm"] += 2 * feat_row * h / tp * ctx * (2 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
+        sent = 0
+        acts = 0.0
+        for layer in model.layers:
+            w = work[layer.window][r]
+            kv_params = h * layer.num_kv_heads * layer.head_dim * 2
+            flops = 2 * (model.layer_dense_params(layer) - kv_params) / tp * draft + 2 * kv_params / tp * (draft + ctx)
+            t["gemm"] += flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
+            heads_t = max(1, layer.num_heads // tp)
+            attn_fwd = w.sparse_pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+            t["attention"] += attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+            per_pass = w.exchange_rows * kv_row
+            sent += per_pass * (passes_fwd + 1)
+            if per_pass:
+                n_coll = 1 if (lay.transport == "allgather" or (lay.kind == "csbp" and layer.window)) else ring - 1
+                t_pass = per_pass / link + n_coll * lat
+                if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                    hidden_fwd = attn_fwd * (ring - 1) / ring
+                    exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                else:
+                    exposed = (passes_fwd + 1) * t_pass
+                t["attn_comm_exposed"] += exposed
+            if tp > 1:
+                t["tp_comm"] += (passes_fwd + 1) * (4 * (draft + ctx) * h * s * (tp - 1) / tp
+                                                    / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + 4 * lat)
+            t["elementwise"] += ((draft + ctx) * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
+                                 * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
+            # kept for backward: the draft rows' activations, the context rows' K/V (computed here
+            # and received)
+            acts_layer = (draft * activation_bytes_per_row(model, layer, tp, s)
+                          + (ctx + w.exchange_rows) * kv_row)
+            acts = max(acts, acts_layer) if recompute else acts + acts_layer
+        if recompute:
+            acts += (draft + ctx) * h * s / tp * model.num_layers
+        # frozen LM head on the draft rows: forward + input gradient
+        t["output_layer"] = 2 * 2 * draft * h * V / tp / (peak * hw.gemm_efficiency)
+        features = ctx * feat_row * s + ctx * h * s  # features read and their projection
+        logits = draft * min(V, wl.vocab_chunk or V) / tp * (wl.logits_bytes if s < 4 else 2 * s)
+        per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
+    t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
+    micro = wl.samples_per_replica(lay.dp)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, model.dense_params, model.frozen_params)
+    step = micro * t_sample + t_grad + t_opt
+    time = {k: micro * v for k, v in t_parts.items()}
+    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    worst = max(per_rank, key=lambda x: x[3])
+    acts, features, logits = worst[4]
+    peak_bytes = static + worst[3] + hw.reserved_gib * GiB
+    mem = {"weights_grads_optimizer": static / GiB, "activations": acts / GiB, "features": features / GiB,
+           "logits": logits / GiB, "reserved": hw.reserved_gib}
+    feasible = peak_bytes <= hw.memory_gib * GiB
+    return Estimate(
+        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * L / step, peak_memory_gib=peak_bytes / GiB,
+        attn_bytes_per_gpu=int(micro * sent_sample), feasible=feasible, time=time, memory_gib=mem,
+        why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
+    )
+
+
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
+    if wl.objective == "dflash":
+        if not model.is_drafter:
+            raise ValueError(f"--objective dflash needs a drafter model (a muse_glimmer_assistant config with "
+                             f"target_layer_ids, e.g. --model dflash-drafter-muse-glimmer); {model.name} is not one")
+        return estimate_drafter(model, lay, wl, hw, gpus_per_node)
+    if wl.objective != "bd3lm":
+        raise ValueError(f"--objective must be bd3lm or dflash, got {wl.objective!r}")
+    if model.is_drafter:
+        raise ValueError(f"{model.name} is a DFlash drafter: plan it with --objective dflash")
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12

@@ -70,6 +70,19 @@ class ModelConfig:
     tied_embeddings: bool = False
     clean_attention: str = "block_causal"
     notes: str = ""
+    # DFlash drafter (muse_glimmer_assistant configs): the verifier's hidden states of
+    # `target_layers` layers, concatenated, are projected by `fc` into the drafter's width; the
+    # verifier's embeddings and LM head (vocab_size x hidden) are read, frozen. 0 = not a drafter.
+    target_layers: int = 0
+    drafter_block_size: int = 0
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.target_layers > 0
+
+    @property
+    def fc_params(self) -> int:
+        return self.target_layers * self.hidden_size * self.hidden_size
 
     @property
     def num_layers(self) -> int:
@@ -93,7 +106,15 @@ class ModelConfig:
 
     @property
     def dense_params(self) -> int:
+        """Trained dense parameters (a drafter: its layers and `fc`; the verifier's embeddings and
+        LM head are frozen, see `frozen_params`)."""
+        if self.is_drafter:
+            return sum(self.layer_dense_params(l) for l in self.layers) + self.fc_params
         return sum(self.layer_dense_params(l) for l in self.layers) + self.embedding_params
+
+    @property
+    def frozen_params(self) -> int:
+        return self.embedding_params if self.is_drafter else 0
 
     @property
     def expert_params(self) -> int:
@@ -217,11 +238,18 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
         ))
     act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu")
     gated = bool(cfg.get("gated_mlp", act in ("silu", "swiglu", "gelu_pytorch_tanh", "gelu", "geglu")))
+    drafter = cfg.get("model_type") == "muse_glimmer_assistant" or cfg.get("target_layer_ids") is not None
+    if drafter and cfg.get("sliding_window") and cfg.get("model_type") == "muse_glimmer_assistant":
+        # Hugging Face's drafter window: a row at p sees context >= p - sliding_window, i.e. the
+        # project's W = sliding_window + 1 (`DrafterShape.window`)
+        layers = [l if l.window is None else LayerShape(**{**asdict(l), "window": l.window + 1}) for l in layers]
     return ModelConfig(
         name=name or cfg.get("name") or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model",
         hidden_size=hidden, vocab_size=vocab, layers=tuple(layers), gated_mlp=gated,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         clean_attention=cfg.get("clean_attention", "block_causal"), notes=cfg.get("notes", ""),
+        target_layers=len(cfg.get("target_layer_ids") or [1, 13, 25, 37, 49]) if drafter else 0,
+        drafter_block_size=int(cfg.get("block_size") or 16) if drafter else 0,
     )
 
 

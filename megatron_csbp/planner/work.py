@@ -106,11 +106,16 @@ class DrafterRankWork:
     exchange_rows: int  # context (CSBP) or all (CP) rows received per full-attention layer
 
 
+@lru_cache(maxsize=64)
 def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, bp: int,
-                      doc_length: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
+                      doc_length: Optional[int] = None, window: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
     """Per-rank rows and pairs of a DFlash drafter under single / CP / BP / CSBP, counted from the
     real `DFlashLayout` with `anchors` anchors spread evenly over documents of `doc_length` tokens
-    (default: one document). Metadata cost O(L + anchors x block_size) per rank."""
+    (default: one document). `window`: the project's W of a sliding drafter layer (keys k > p - W;
+    `DrafterShape.window`): pairs and, under CSBP, the rows the windowed clean exchange receives
+    (the core's `WindowExchangePlan`) are those of that layer. Metadata cost O(L + anchors x
+    block_size) per rank (at 512K tokens, 512 anchors of 16 on 8 ranks: 64K context rows and 1K
+    draft rows per rank)."""
     import torch
 
     from megatron_csbp.layout.dflash import DFlashLayout
@@ -124,15 +129,30 @@ def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, b
     pos_starts = (torch.arange(L) // D) * D
     layout = DFlashLayout(L, B, cp, bp)
     owned = layout.owned(a, starts)
+    all_rows = [layout.rows(r, a, starts, pos_starts, owned) for r in range(layout.shard_group_size)]
     out = []
     for r in range(layout.shard_group_size):
-        rows = layout.rows(r, a, starts, pos_starts, owned)
+        rows = all_rows[r]
         draft = int((~rows.is_clean).sum())
         ctx = len(rows) - draft
         mine = owned[r]
-        pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
+        if window is None:
+            pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
+        else:  # slot k at p = a + k sees context [max(s, p - W + 1), a)
+            k = torch.arange(B)
+            lo = torch.maximum(starts[mine][:, None], a[mine][:, None] + k[None, :] - window + 1)
+            pairs = int((a[mine][:, None] - lo).clamp_min(0).sum()) + len(mine) * B * B
         if layout.kind == "cp":
             exchange = (len(rows)) * (layout.shard_group_size - 1)
+        elif layout.kind == "csbp" and window is not None:
+            from megatron_csbp.layout.exchange import WindowExchangePlan
+            from megatron_csbp.layout.masks import AnchoredGeometry
+
+            j, i = layout.ring_of(r)
+            members = [all_rows[m] for m in range(j * cp, (j + 1) * cp)]
+            peers = [m.select(slice(int((~m.is_clean).sum()), None)) for m in members]
+            plan = WindowExchangePlan.build(members, peers, AnchoredGeometry(B, window), i)
+            exchange = int(sum(plan.recv_counts))
         elif layout.kind == "csbp":
             exchange = ctx * (cp - 1)
         else:
