@@ -308,3 +308,73 @@ def test_hybrid_traffic_predicted_exactly_on_two_ranks():
                 got = r["per_layer"][gdn_layer]
                 assert (got["forward_sent"], got["backward_sent"]) == (fwd, bwd), ((cp, bp), r["rank"], got)
             assert est.attn_bytes_per_gpu == r["sent"], ((cp, bp), r["rank"], est.attn_bytes_per_gpu, r["sent"])
+
+
+# ---- the DFlash drafter objective: issue 15 item 6 ----------------------------------------------------
+
+def test_drafter_rows_match_the_dflash_layout():
+    """Per rank, the planner's draft rows (anchors x B owned, CP padding included) and context rows
+    (the CP ring's zigzag shard; under BP the rank's own needed context) equal what
+    `layout/dflash.py` assigns, with one document and with documents of 512 tokens."""
+    import torch
+
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.planner.work import drafter_rank_work
+
+    L, B, A = 2048, 16, 48
+    for doc in (None, 512):
+        D = doc or L
+        a = torch.linspace(1, L - 2, A).round().long().unique()
+        starts, pos_starts = (a // D) * D, (torch.arange(L) // D) * D
+        for cp, bp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4), (4, 4)):
+            layout = DFlashLayout(L, B, cp, bp)
+            want = []
+            for r in range(layout.shard_group_size):
+                rows = layout.rows(r, a, starts, pos_starts)
+                draft = int((~rows.is_clean).sum())
+                want.append((draft, len(rows) - draft))
+            got = [(w.draft_rows, w.context_rows) for w in drafter_rank_work(L, B, A, cp, bp, doc)]
+            assert got == want, (doc, cp, bp, got, want)
+            if bp > 1:  # every anchor's block is owned exactly once
+                assert sum(d for d, _ in got) == len(a) * B
+
+
+def test_dflash_objective_errors():
+    hw, wl = PRESETS["h100"], Workload(4096, 16, objective="dflash", anchors=32)
+    with pytest.raises(ValueError, match="drafter model"):
+        estimate(load_preset("nemotron-diffusion-3b"), Layout(), wl, hw, 8)
+    with pytest.raises(ValueError, match="--objective dflash"):
+        estimate(load_preset("dflash-drafter-muse-glimmer"), Layout(), Workload(4096, 16), hw, 8)
+
+
+def test_planner_considers_the_512k_drafter_recipe():
+    """The shipped 8-GPU 512K drafter recipe: the preset has its shape, and the planner's search over
+    the recipe's workload (its L, B, anchors and global batch) evaluates its layout (CP 8 x BP 8,
+    all-gather, no recompute), finds it feasible, and emits the recipe's parallel flags for it."""
+    from megatron_csbp.launch import load_recipe
+    from megatron_csbp.planner.search import find, plan
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    recipe = load_recipe(os.path.join(root, "examples", "recipes", "dflash_drafter_512k_csbp.yaml"))
+    model = load_preset("dflash-drafter-muse-glimmer")
+    m = recipe["model"]
+    layer = model.layers[0]
+    assert (model.num_layers, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.mlp_ffn, layer.window) == (
+        m["num_layers"], m["num_attention_heads"], m["num_query_groups"], m["kv_channels"], m["ffn_hidden_size"],
+        m["sliding_window"] + 1)
+    data, par, obj = recipe["data"], recipe["parallelism"], recipe["objective"]
+    wl = Workload(data["seq_length"], data["block_size"], recipe["training"]["global_batch_size"],
+                  objective="dflash", anchors=obj["dflash_max_anchors"])
+    gpus = recipe["launch"]["nnodes"] * recipe["launch"]["nproc_per_node"]
+    result = plan(model, wl, gpus, recipe["launch"]["nproc_per_node"], PRESETS["h100"])
+    mine = find(result, cp=par["context_parallel_size"], bp=par["block_parallel_size"],
+                transport=par["attention_transport"], recompute="none")
+    assert mine is not None and mine["feasible"]
+    for flag in (f"--context-parallel-size {par['context_parallel_size']}",
+                 f"--block-parallel-size {par['block_parallel_size']}", "--objective dflash",
+                 f"--dflash-max-anchors {obj['dflash_max_anchors']}"):
+        assert flag in mine["flags"]
+    # CSBP receives context rows only (inside the windows), CP every rank's rows: less traffic
+    cp_only = find(result, cp=par["context_parallel_size"], bp=1, transport=par["attention_transport"],
+                   recompute="none")
+    assert mine["attn_bytes_per_gpu"] < cp_only["attn_bytes_per_gpu"]
