@@ -114,8 +114,9 @@ def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, b
     (default: one document). `window`: the project's W of a sliding drafter layer (keys k > p - W;
     `DrafterShape.window`): pairs and, under CSBP, the rows the windowed clean exchange receives
     (the core's `WindowExchangePlan`) are those of that layer. Metadata cost O(L + anchors x
-    block_size) per rank (at 512K tokens, 512 anchors of 16 on 8 ranks: 64K context rows and 1K
-    draft rows per rank)."""
+    block_size) per rank, all ranks' rows held while counting (at 512K tokens, 512 anchors of 16 on
+    8 CSBP ranks: 64K context rows and 1K draft rows per rank; at 256K tokens on 16 ranks 16K + the
+    draft rows; BP ranks hold the context their blocks need, up to L each)."""
     import torch
 
     from megatron_csbp.layout.dflash import DFlashLayout
@@ -190,9 +191,11 @@ def _runs(positions: np.ndarray):
 @lru_cache(maxsize=64)
 def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
                   clean_attention: str) -> Tuple[GDNRankWork, ...]:
-    """Per rank of the shard group. Metadata: the runs of each rank (at most 2 per ring member
-    under CP / CSBP, one prefix under BP) and one holder lookup per noisy block: at 256K tokens
-    on 16 ranks with B = 256, 1K blocks, 16 x fewer entries than rows."""
+    """Per rank of the shard group. Kept: one `GDNRankWork` (7 integers) per rank. Transient while
+    counting: every rank's row metadata (as `rank_work`: 2L positions over CP / CSBP ranks, 32 MiB of
+    int64 at 256K tokens on 16 ranks; BP's replicated prefixes up to 16 x that), the runs of each
+    rank (at most 2 per ring member under CP / CSBP, one prefix under BP) and one holder lookup per
+    noisy block (at 256K tokens, B = 256: 1K blocks)."""
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
 
