@@ -192,8 +192,8 @@ def _runs(positions: np.ndarray):
 def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
                   clean_attention: str) -> Tuple[GDNRankWork, ...]:
     """Per rank of the shard group. Kept: one `GDNRankWork` (7 integers) per rank. Transient while
-    counting: every rank's row metadata (as `rank_work`: 2L positions over CP / CSBP ranks, 32 MiB of
-    int64 at 256K tokens on 16 ranks; BP's replicated prefixes up to 16 x that), the runs of each
+    counting: every rank's row metadata (as `rank_work`: 2L positions over CP / CSBP ranks, 4 MiB of
+    int64 at 256K tokens on 16 ranks; BP's replicated prefixes about 9 x that), the runs of each
     rank (at most 2 per ring member under CP / CSBP, one prefix under BP) and one holder lookup per
     noisy block (at 256K tokens, B = 256: 1K blocks)."""
     from megatron_csbp.layout.layout import SequenceLayout
