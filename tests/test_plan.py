@@ -283,15 +283,28 @@ def _hybrid_traffic_rank(rank, world, cases):
     return out
 
 
-def test_hybrid_traffic_predicted_exactly_on_two_ranks():
+TRAFFIC_CASES = [(2, 1), (2, 2)]  # (CP, BP): the CP baseline and CSBP on 2 gloo ranks
+
+
+def _traffic_rank(rank, world, cases):
+    return {"hybrid": _hybrid_traffic_rank(rank, world, cases), "drafter": _drafter_traffic_rank(rank, world, cases)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_traffic():
+    """One spawn of 2 gloo ranks for both measurement checks (hybrid BDLM and DFlash drafter)."""
+    return run_distributed(_traffic_rank, 2, TRAFFIC_CASES)
+
+
+def test_hybrid_traffic_predicted_exactly_on_two_ranks(two_rank_traffic):
     """Measurement check: a tiny hybrid (GDN, attention, GDN; the shapes of tests/gdn_helpers.py) runs
     one forward + backward on 2 gloo ranks under CP and CSBP; per GDN layer the bytes each rank sends
     (forward and backward, as `traffic_counter()` records them) equal the planner's, and the
     planner's whole-model attention bytes equal the counter's total."""
     from megatron_csbp.planner.work import gdn_bytes_sent, gdn_rank_work
 
-    cases = [(2, 1), (2, 2)]
-    results = run_distributed(_hybrid_traffic_rank, 2, cases)
+    cases = TRAFFIC_CASES
+    results = [r["hybrid"] for r in two_rank_traffic]
     layer = LayerShape(4, 2, 8, gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=8, gdn_value_dim=8, gdn_conv_kernel=4,
                        mlp_ffn=64)
     attn = LayerShape(4, 2, 8, mlp_ffn=64)
@@ -378,3 +391,54 @@ def test_planner_considers_the_512k_drafter_recipe():
     cp_only = find(result, cp=par["context_parallel_size"], bp=1, transport=par["attention_transport"],
                    recompute="none")
     assert mine["attn_bytes_per_gpu"] < cp_only["attn_bytes_per_gpu"]
+
+
+def _drafter_traffic_rank(rank, world, cases):
+    import warnings
+
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.attention.accounting import traffic_counter
+    from tests.test_dflash_layouts import _run_case
+
+    warnings.simplefilter("ignore")
+    out = []
+    for cp, bp in cases:
+        bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
+        shard_group, shard_rank = mpu.get_context_parallel_group(), mpu.get_context_parallel_rank()
+        ring = bps.get_clean_ring_group() if bp > 1 else shard_group
+        _run_case(cp, bp, "ce", "allgather", "uniform", shard_rank, shard_group, ring)
+        out.append((shard_rank, traffic_counter().per_layer()))
+        traffic_counter().reset()
+        bps.destroy_block_parallel()
+    return out
+
+
+def test_drafter_kv_traffic_predicted_exactly_on_two_ranks(two_rank_traffic):
+    """Measurement check of the drafter's K/V traffic: the tiny drafter of tests/test_dflash_layouts.py
+    (a sliding layer, W = 12, and a full layer) on 2 gloo ranks under CP and CSBP; per layer the
+    K/V rows each rank receives in forward (`traffic_counter()`) equal the planner's exchange rows
+    for the anchors the objective sampled, times the K and V bytes of a row."""
+    import torch
+
+    from megatron_csbp.model.dflash import DrafterShape
+    from megatron_csbp.objectives.dflash import DFlashObjective, document_starts
+    from megatron_csbp.planner.work import drafter_work_for
+    from tests.test_dflash_layouts import L as DL, SHAPE, _data
+
+    cases = TRAFFIC_CASES
+    results = [r["drafter"] for r in two_rank_traffic]
+    tokens, loss_mask, doc_ids, *_ = _data()
+    sample = DFlashObjective(block_size=4, mask_token_id=5, max_anchors=11, sampling="uniform", gamma=3.0,
+                             loss="ce", vocab_chunk=16).sample(tokens, loss_mask, doc_ids, 5)
+    shape = DrafterShape(**SHAPE)
+    kv_row = 2 * SHAPE["num_query_groups"] * SHAPE["kv_channels"] * 4
+    for i, (cp, bp) in enumerate(cases):
+        for layer in range(SHAPE["num_layers"]):
+            work = drafter_work_for(DL, 4, sample.anchors, sample.doc_starts, document_starts(doc_ids.long()), cp, bp,
+                                    shape.window(layer))
+            for per_rank in results:
+                rank, per_layer = per_rank[i]
+                got = per_layer[layer + 1]["forward_received"]
+                assert got == work[rank].exchange_rows * kv_row > 0, ((cp, bp), layer, rank, got, work[rank])

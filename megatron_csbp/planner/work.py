@@ -119,15 +119,23 @@ def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, b
     draft rows; BP ranks hold the context their blocks need, up to L each)."""
     import torch
 
-    from megatron_csbp.layout.dflash import DFlashLayout
-
-    L, B = seq_length, block_size
+    L = seq_length
     D = doc_length or L
     if anchors < 1 or anchors > L - 1:
         raise ValueError(f"--dflash-max-anchors {anchors} must be in [1, {L - 1}]")
     a = torch.linspace(1, L - 2, anchors).round().long().unique()
-    starts = (a // D) * D
-    pos_starts = (torch.arange(L) // D) * D
+    return drafter_work_for(L, block_size, a, (a // D) * D, (torch.arange(L) // D) * D, cp, bp, window)
+
+
+def drafter_work_for(seq_length: int, block_size: int, a, starts, pos_starts, cp: int, bp: int,
+                     window: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
+    """`drafter_rank_work` for given anchors `a`, their document starts and every position's
+    document start (tensors, as `DFlashLayout.rows` takes them)."""
+    import torch
+
+    from megatron_csbp.layout.dflash import DFlashLayout
+
+    L, B = seq_length, block_size
     layout = DFlashLayout(L, B, cp, bp)
     owned = layout.owned(a, starts)
     all_rows = [layout.rows(r, a, starts, pos_starts, owned) for r in range(layout.shard_group_size)]
