@@ -474,28 +474,12 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
 
     # ---- per step: micro-batches, gradient reduction, optimizer ---------------------------------
     micro = wl.samples_per_replica(lay.dp)
-    wb, gb, ob = _precision(hw, wl)
-    expert_total = model.expert_params
-    dense_rank = model.dense_params / tp
-    expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
-    D = lay.dp * S
-    De = max(1, D // lay.ep)
-    grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
-    if lay.distributed_optimizer:
-        grad_bytes = (gb + wb) * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
-        opt_params = dense_rank / D + expert_rank / De
-    else:
-        grad_bytes = 2 * gb * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
-        opt_params = dense_rank + expert_rank
-    t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
-    t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, model.dense_params)
     step = micro * t_sample + t_grad + t_opt
     time = {k: micro * v for k, v in t_parts.items()}
     time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
 
     # ---- memory of the largest rank ----------------------------------------------------------------
-    params_rank = dense_rank + expert_rank
-    static = (wb + gb) * params_rank + ob * opt_params
     mems = []
     for r in ranks:
         transient = 0.0
