@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tests.distributed import run_distributed
+
 from megatron_csbp.planner.cli import main
 from megatron_csbp.planner.cost import Layout, Workload, estimate
 from megatron_csbp.planner.hardware import PRESETS, load_hardware
@@ -177,3 +179,266 @@ def test_window_plan_matches_the_core():
             plan = WindowExchangePlan.build(members, layout.ring_clean_rows(r), geometry, layout.ring_of(r)[1])
             core.append(int(sum(plan.recv_counts)))
         assert predicted == core
+
+
+# ---- hybrid (Gated DeltaNet) models: issue 16 item 5 ------------------------------------------------
+
+def test_planner_imports_without_torch():
+    """The planner runs on a login node: importing its model, search and CLI must not import torch
+    (layout metadata is read lazily when a plan is computed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_csbp.planner.cost, megatron_csbp.planner.search, megatron_csbp.planner.cli; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+QWEN3_5_TINY = {"model_type": "qwen3_5", "text_config": {
+    "model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 8, "full_attention_interval": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attn_output_gate": True,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4, "intermediate_size": 96, "vocab_size": 128, "tie_word_embeddings": False,
+    "hidden_act": "silu"}}
+
+
+def test_qwen3_5_config_gives_the_hybrid_preset(tmp_path, capsys):
+    """--hf-config on a Qwen3.5 config.json (nested text_config, full_attention_interval): 3 GDN : 1
+    attention layers, and the parameter count of transformers' own Qwen3_5ForCausalLM built from the
+    same config (less its norm weights, which the planner ignores)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    m = from_hf_config(QWEN3_5_TINY)
+    assert [l.is_gdn for l in m.layers] == [True, True, True, False] * 2
+    assert m.layers[3].q_gate and m.layers[0].gdn_conv_dim == 2 * 2 * 8 + 4 * 8
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5_TINY["text_config"]))
+    hf_params = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
+    assert m.total_params == hf_params
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(QWEN3_5_TINY))
+    assert main(["--hf-config", str(p), "--seq-length", "1024", "--block-size", "64", "--gpus", "2",
+                 "--hardware", "h100", "--recompute", "none", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "6 Gated DeltaNet / 2 attention layers" in r["model"]
+    assert any("linear_attention" in l["time_breakdown_s"] for l in r["layouts"])
+    bad = dict(QWEN3_5_TINY["text_config"], linear_num_value_heads=None, layer_types=["linear_attention"] * 8)
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        from_hf_config(bad)
+
+
+def test_gdn_state_bytes_equal_the_layer_accounting():
+    """The planner's per-rank GDN bytes (`gdn_rank_work` + `gdn_bytes_sent`) equal the static
+    formula of tests/test_hybrid_layouts.py (itself checked against `traffic_counter()` under CP, BP,
+    CSBP, BP = k x CP and TP) on every rank, for several layouts and both ownership schedules."""
+    import tests.test_hybrid_layouts as th
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.planner.work import gdn_bytes_sent, gdn_rank_work
+
+    saved = th.L, th.B
+    try:
+        for L, B, cp, bp, sc, tp in ((32, 4, 2, 1, "mirrored", 1), (32, 4, 2, 2, "mirrored", 1),
+                                     (32, 4, 2, 4, "mirrored", 1), (32, 4, 4, 1, "mirrored", 1),
+                                     (32, 4, 2, 2, "contiguous", 2), (64, 4, 4, 8, "mirrored", 1),
+                                     (128, 8, 4, 4, "contiguous", 1), (32, 4, 1, 2, "mirrored", 1)):
+            th.L, th.B = L, B
+            layout = SequenceLayout(BlockGeometry(L, B), cp, bp, sc)
+            got = [gdn_bytes_sent(w, 4 // tp, 8, 8, (2 * 2 * 8 + 4 * 8) // tp, 4, 4, 4, th.BATCH)[0]
+                   for w in gdn_rank_work(L, B, cp, bp, sc, "block_causal")]
+            assert got == [th.expected_gdn_forward_bytes(layout, r, tp) for r in range(layout.shard_group_size)]
+    finally:
+        th.L, th.B = saved
+
+
+HYBRID_L, HYBRID_B, HYBRID_V = 32, 4, 64
+
+
+def _hybrid_traffic_rank(rank, world, cases):
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.attention.accounting import traffic_counter
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.bdlm import BlockDiffusionModel
+    from megatron_csbp.objectives import BD3LMObjective
+    from tests.gdn_helpers import build_hybrid_gpt
+    import torch
+
+    install_cpu_compat()
+    out = []
+    for cp, bp in cases:
+        bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
+        gpt = build_hybrid_gpt((1, 0, 1), HYBRID_V, HYBRID_L)
+        layout = SequenceLayout(BlockGeometry(HYBRID_L, HYBRID_B), cp, bp)
+        model = BlockDiffusionModel(gpt, BD3LMObjective(HYBRID_B, mask_token_id=HYBRID_V - 1, seed=3), layout,
+                                    bps.get_shard_rank(), bps.get_clean_ring_group())
+        tokens = torch.randint(0, HYBRID_V - 1, (1, HYBRID_L), generator=torch.Generator().manual_seed(0))
+        counter = traffic_counter()
+        counter.reset()
+        model(tokens, torch.ones_like(tokens), torch.tensor([0])).loss.backward()
+        out.append(dict(rank=bps.get_shard_rank(), per_layer=counter.per_layer(), sent=counter.total_sent))
+        counter.reset()
+        bps.destroy_block_parallel()
+    return out
+
+
+TRAFFIC_CASES = [(2, 1), (2, 2)]  # (CP, BP): the CP baseline and CSBP on 2 gloo ranks
+
+
+def _traffic_rank(rank, world, cases):
+    return {"hybrid": _hybrid_traffic_rank(rank, world, cases), "drafter": _drafter_traffic_rank(rank, world, cases)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_traffic():
+    """One spawn of 2 gloo ranks for both measurement checks (hybrid BDLM and DFlash drafter)."""
+    return run_distributed(_traffic_rank, 2, TRAFFIC_CASES)
+
+
+def test_hybrid_traffic_predicted_exactly_on_two_ranks(two_rank_traffic):
+    """Measurement check: a tiny hybrid (GDN, attention, GDN; the shapes of tests/gdn_helpers.py) runs
+    one forward + backward on 2 gloo ranks under CP and CSBP; per GDN layer the bytes each rank sends
+    (forward and backward, as `traffic_counter()` records them) equal the planner's, and the
+    planner's whole-model attention bytes equal the counter's total."""
+    from megatron_csbp.planner.work import gdn_bytes_sent, gdn_rank_work
+
+    cases = TRAFFIC_CASES
+    results = [r["hybrid"] for r in two_rank_traffic]
+    layer = LayerShape(4, 2, 8, gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=8, gdn_value_dim=8, gdn_conv_kernel=4,
+                       mlp_ffn=64)
+    attn = LayerShape(4, 2, 8, mlp_ffn=64)
+    model = ModelConfig("tiny-hybrid", 32, HYBRID_V, (layer, attn, layer))
+    hw = PRESETS["h100"].__class__(**{**PRESETS["h100"].to_dict(), "dtype_bytes": 4})
+    for i, (cp, bp) in enumerate(cases):
+        work = gdn_rank_work(HYBRID_L, HYBRID_B, cp, bp, "mirrored", "block_causal")
+        est = estimate(model, Layout(1, cp, bp, 1, 1, "none"), Workload(HYBRID_L, HYBRID_B), hw, 8)
+        for per_rank in results:
+            r = per_rank[i]
+            fwd, bwd = gdn_bytes_sent(work[r["rank"]], 4, 8, 8, 64, 4, 4, 4)
+            assert fwd > 0 and bwd > 0
+            for gdn_layer in (1, 3):
+                got = r["per_layer"][gdn_layer]
+                assert (got["forward_sent"], got["backward_sent"]) == (fwd, bwd), ((cp, bp), r["rank"], got)
+            assert est.attn_bytes_per_gpu == r["sent"], ((cp, bp), r["rank"], est.attn_bytes_per_gpu, r["sent"])
+
+
+# ---- the DFlash drafter objective: issue 15 item 6 ----------------------------------------------------
+
+def test_drafter_rows_match_the_dflash_layout():
+    """Per rank, the planner's draft rows (anchors x B owned, CP padding included) and context rows
+    (the CP ring's zigzag shard; under BP the rank's own needed context) equal what
+    `layout/dflash.py` assigns, with one document and with documents of 512 tokens."""
+    import torch
+
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.planner.work import drafter_rank_work
+
+    L, B, A = 2048, 16, 48
+    for doc in (None, 512):
+        D = doc or L
+        a = torch.linspace(1, L - 2, A).round().long().unique()
+        starts, pos_starts = (a // D) * D, (torch.arange(L) // D) * D
+        for cp, bp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4), (4, 4)):
+            layout = DFlashLayout(L, B, cp, bp)
+            want = []
+            for r in range(layout.shard_group_size):
+                rows = layout.rows(r, a, starts, pos_starts)
+                draft = int((~rows.is_clean).sum())
+                want.append((draft, len(rows) - draft))
+            got = [(w.draft_rows, w.context_rows) for w in drafter_rank_work(L, B, A, cp, bp, doc)]
+            assert got == want, (doc, cp, bp, got, want)
+            if bp > 1:  # every anchor's block is owned exactly once
+                assert sum(d for d, _ in got) == len(a) * B
+
+
+def test_dflash_objective_errors():
+    hw, wl = PRESETS["h100"], Workload(4096, 16, objective="dflash", anchors=32)
+    with pytest.raises(ValueError, match="drafter model"):
+        estimate(load_preset("nemotron-diffusion-3b"), Layout(), wl, hw, 8)
+    with pytest.raises(ValueError, match="--objective dflash"):
+        estimate(load_preset("dflash-drafter-muse-glimmer"), Layout(), Workload(4096, 16), hw, 8)
+
+
+def test_planner_considers_the_512k_drafter_recipe():
+    """The shipped 8-GPU 512K drafter recipe: the preset has its shape, and the planner's search over
+    the recipe's workload (its L, B, anchors and global batch) evaluates its layout (CP 8 x BP 8,
+    all-gather, no recompute), finds it feasible, and emits the recipe's parallel flags for it."""
+    from megatron_csbp.launch import load_recipe
+    from megatron_csbp.planner.search import find, plan
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    recipe = load_recipe(os.path.join(root, "examples", "recipes", "dflash_drafter_512k_csbp.yaml"))
+    model = load_preset("dflash-drafter-muse-glimmer")
+    m = recipe["model"]
+    layer = model.layers[0]
+    assert (model.num_layers, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.mlp_ffn, layer.window) == (
+        m["num_layers"], m["num_attention_heads"], m["num_query_groups"], m["kv_channels"], m["ffn_hidden_size"],
+        m["sliding_window"] + 1)
+    data, par, obj = recipe["data"], recipe["parallelism"], recipe["objective"]
+    wl = Workload(data["seq_length"], data["block_size"], recipe["training"]["global_batch_size"],
+                  objective="dflash", anchors=obj["dflash_max_anchors"])
+    gpus = recipe["launch"]["nnodes"] * recipe["launch"]["nproc_per_node"]
+    result = plan(model, wl, gpus, recipe["launch"]["nproc_per_node"], PRESETS["h100"])
+    mine = find(result, cp=par["context_parallel_size"], bp=par["block_parallel_size"],
+                transport=par["attention_transport"], recompute="none")
+    assert mine is not None and mine["feasible"]
+    for flag in (f"--context-parallel-size {par['context_parallel_size']}",
+                 f"--block-parallel-size {par['block_parallel_size']}", "--objective dflash",
+                 f"--dflash-max-anchors {obj['dflash_max_anchors']}"):
+        assert flag in mine["flags"]
+    # CSBP receives context rows only (inside the windows), CP every rank's rows: less traffic
+    cp_only = find(result, cp=par["context_parallel_size"], bp=1, transport=par["attention_transport"],
+                   recompute="none")
+    assert mine["attn_bytes_per_gpu"] < cp_only["attn_bytes_per_gpu"]
+
+
+def _drafter_traffic_rank(rank, world, cases):
+    import warnings
+
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.attention.accounting import traffic_counter
+    from tests.test_dflash_layouts import _run_case
+
+    warnings.simplefilter("ignore")
+    out = []
+    for cp, bp in cases:
+        bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)
+        shard_group, shard_rank = mpu.get_context_parallel_group(), mpu.get_context_parallel_rank()
+        ring = bps.get_clean_ring_group() if bp > 1 else shard_group
+        _run_case(cp, bp, "ce", "allgather", "uniform", shard_rank, shard_group, ring)
+        out.append((shard_rank, traffic_counter().per_layer()))
+        traffic_counter().reset()
+        bps.destroy_block_parallel()
+    return out
+
+
+def test_drafter_kv_traffic_predicted_exactly_on_two_ranks(two_rank_traffic):
+    """Measurement check of the drafter's K/V traffic: the tiny drafter of tests/test_dflash_layouts.py
+    (a sliding layer, W = 12, and a full layer) on 2 gloo ranks under CP and CSBP; per layer the
+    K/V rows each rank receives in forward (`traffic_counter()`) equal the planner's exchange rows
+    for the anchors the objective sampled, times the K and V bytes of a row."""
+    import torch
+
+    from megatron_csbp.model.dflash import DrafterShape
+    from megatron_csbp.objectives.dflash import DFlashObjective, document_starts
+    from megatron_csbp.planner.work import drafter_work_for
+    from tests.test_dflash_layouts import L as DL, SHAPE, _data
+
+    cases = TRAFFIC_CASES
+    results = [r["drafter"] for r in two_rank_traffic]
+    tokens, loss_mask, doc_ids, *_ = _data()
+    sample = DFlashObjective(block_size=4, mask_token_id=5, max_anchors=11, sampling="uniform", gamma=3.0,
+                             loss="ce", vocab_chunk=16).sample(tokens, loss_mask, doc_ids, 5)
+    shape = DrafterShape(**SHAPE)
+    kv_row = 2 * SHAPE["num_query_groups"] * SHAPE["kv_channels"] * 4
+    for i, (cp, bp) in enumerate(cases):
+        for layer in range(SHAPE["num_layers"]):
+            work = drafter_work_for(DL, 4, sample.anchors, sample.doc_starts, document_starts(doc_ids.long()), cp, bp,
+                                    shape.window(layer))
+            for per_rank in results:
+                rank, per_layer = per_rank[i]
+                got = per_layer[layer + 1]["forward_received"]
+                assert got == work[rank].exchange_rows * kv_row > 0, ((cp, bp), layer, rank, got, work[rank])

@@ -7,6 +7,8 @@ Examples:
   python -m megatron_csbp.plan --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
       --group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu --vocab-size 131072 \\
       --seq-length 65536 --block-size 32 --gpus 8 --hardware h100
+  python -m megatron_csbp.plan --model dflash-drafter-muse-glimmer --objective dflash --dflash-max-anchors 512 \\
+      --seq-length 524288 --block-size 16 --gpus 8 --hardware h100   # a DFlash drafter workload
   python -m megatron_csbp.plan --profile docs/benchmarks/cpu_profile.json   # measure this machine
 """
 from __future__ import annotations
@@ -46,6 +48,14 @@ def parse_args(argv=None):
                    help="bytes per logit element at the loss (6: bf16 logits + fp32 copy; 2: fused linear-CE)")
     w.add_argument("--loss-chunk-rows", type=int, default=0,
                    help="rows per chunk of a fused/chunked linear cross-entropy (0: all logits at once)")
+    w.add_argument("--objective", choices=["bd3lm", "dflash"], default="bd3lm",
+                   help="bd3lm: block diffusion training (every objective but the drafter); dflash: a DFlash "
+                        "drafter on verifier features (needs a drafter model, e.g. --model dflash-drafter-muse-glimmer)")
+    w.add_argument("--dflash-max-anchors", type=int, default=512, help="dflash: draft blocks (anchors) per sequence")
+    w.add_argument("--dflash-doc-length", type=int, default=None,
+                   help="dflash: document length the anchors' contexts stop at (default: one document per sequence)")
+    w.add_argument("--dflash-vocab-chunk", type=int, default=8192,
+                   help="dflash: vocabulary columns per chunk of the streamed loss")
     w.add_argument("--window-exchange", choices=["window", "all"], default="window",
                    help="CSBP sliding-window layers: exchange only the rows inside windows, or every clean row")
     o = p.add_argument_group("output")
@@ -68,6 +78,7 @@ def model_from_args(args):
 
 def format_table(result, top: int) -> str:
     lines = [f"model: {result['model']}",
+             f"objective {result.get('objective', 'bd3lm')}, "
              f"L = {result['seq_length']}, B = {result['block_size']}, {result['gpus']} GPUs "
              f"({result['gpus_per_node']} per node), hardware {result['hardware']}; "
              f"{result['evaluated']} layouts evaluated, {result['infeasible']} do not fit in memory",
@@ -103,7 +114,10 @@ def main(argv=None) -> int:
         model = model_from_args(args)
         hw = load_hardware(args.hardware)
         wl = Workload(args.seq_length, args.block_size, args.global_batch_size, args.window_exchange,
-                      2 if args.grad_reduce_in_bf16 else 4, args.logits_bytes, args.loss_chunk_rows)
+                      2 if args.grad_reduce_in_bf16 else 4, args.logits_bytes, args.loss_chunk_rows,
+                      args.objective, args.dflash_max_anchors, args.dflash_doc_length, args.dflash_vocab_chunk)
+        if args.objective == "dflash" and not 1 <= args.dflash_max_anchors < args.seq_length:
+            raise ValueError(f"--dflash-max-anchors {args.dflash_max_anchors} must be in [1, --seq-length - 1]")
         result = plan(model, wl, args.gpus, args.gpus_per_node, hw, transports=args.transports,
                       schedules=args.block_ownership, recompute=args.recompute,
                       distributed_optimizer=not args.no_distributed_optimizer)

@@ -11,6 +11,11 @@ tokens, on the slowest rank of the shard group:
   forward; CSBP: clean K/V only, half (raw k only on K=V layers); sliding layers: the window plan's rows; BP: none), forward
   and backward (and the recompute forward); all-gather transport: overlapped with the noisy
   block-diagonal attention (CSBP) in forward only; ring: overlapped with the attention of that pass;
+- Gated DeltaNet layers (hybrid Qwen3.5-style models): projections as GEMMs; the chunked delta
+  rule's FLOPs (linear in L: per token and head 6 d_k d_v + T (4 d_k + 3 d_v) for chunks of T <= B
+  tokens, plus the transfer-map pass over the clean rows when a ring shares the stream); their
+  traffic as `attention/gated_delta.py` moves it (`work.gdn_bytes_sent`: run tails and transfer
+  maps all-gathered over the ring, boundary states to block owners), exposed; no L^2 term;
 - TP (sequence parallel) all-gathers / reduce-scatters, MoE all-to-all, exposed DP gradient
   reduction and the optimizer step; elementwise work at HBM bandwidth.
 
@@ -27,7 +32,8 @@ from typing import Dict, List, Optional
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
-from megatron_csbp.planner.work import RankWork, rank_work
+from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
+                                        rank_work)
 
 ATTN_FWD_BWD = 3.5  # backward of attention ~2.5x its forward (5 vs 2 matmuls)
 
@@ -85,6 +91,13 @@ class Workload:
     grad_bytes: int = 4  # main-gradient bytes per parameter (Megatron: fp32; --grad-reduce-in-bf16: 2)
     logits_bytes: int = 6  # per logit element at the loss: bf16 logits + fp32 copy
     loss_chunk_rows: int = 0  # 0: logits of all noisy rows at once (Megatron); N: chunked linear-CE
+    # 'bd3lm' (block diffusion, every objective of this project but the drafter) or 'dflash' (a
+    # DFlash drafter on verifier features: `anchors` draft blocks per sequence, documents of
+    # `doc_length` tokens, the frozen LM head streamed in `vocab_chunk` columns)
+    objective: str = "bd3lm"
+    anchors: int = 512
+    doc_length: Optional[int] = None
+    vocab_chunk: int = 8192
 
     def samples_per_replica(self, dp: int) -> int:
         gb = self.global_batch_size or dp
@@ -139,6 +152,54 @@ def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: 
     return s * (attn + mlp + moe + lse) / tp
 
 
+def _state_bytes(s: int) -> int:
+    """Element size of GDN states and transfer maps: fp32 (fp64 in fp64 runs), whatever the activations."""
+    return 8 if s == 8 else 4
+
+
+def gdn_recurrence_flops(w: GDNRankWork, layer: LayerShape, tp: int, block_size: int) -> float:
+    """Forward FLOPs of one GDN layer's chunked delta rule and short convolution on one rank.
+    Per chunk of T tokens and value head: K S, Q S and K^T U (2 T d_k d_v each), K K^T and Q K^T
+    (2 T^2 d_k each), the unit-triangular solve (T^2 d_v) and (D o QK^T) U (2 T^2 d_v): every term
+    linear in the tokens for T <= B. The clean stream runs once more with values [0 | v] (width
+    d_k + d_v) to build the transfer maps when a ring shares it."""
+    H = max(1, layer.gdn_value_heads // tp)
+    dk, dv = layer.gdn_key_dim, layer.gdn_value_dim
+
+    def rule(tokens, sq, width):
+        return H * (6 * dk * width * tokens + (4 * dk + 3 * width) * sq)
+
+    flops = rule(w.clean_tokens, w.clean_sq, dv) + rule(w.noisy_tokens, w.noisy_tokens * block_size, dv)
+    if w.ring > 1:
+        flops += rule(w.clean_tokens, w.clean_sq, dk + dv)
+    conv = 2 * layer.gdn_conv_kernel * layer.gdn_conv_dim / tp * (w.clean_tokens + w.noisy_tokens)
+    return flops + conv
+
+
+def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows: int, tp: int, s: int,
+                    block_size: int, kernel: str) -> float:
+    """What one GDN layer keeps for backward on one rank: per row the norms' inputs/outputs, the
+    in_proj output (conv channels, gate, beta, alpha), the conv output, fp32 q/k/v features (q, k
+    repeated to the value heads), the fp32 core output and the gated norm; per chunk its fp32 start
+    state (H x d_k x d_v); the boundary states received and the gathered transfer maps. The
+    project's pure-torch rule (CPU kernels) also keeps about five fp32 T x T matrices per chunk and
+    head (decays, A, the solve, Q K^T); a fused GPU kernel (`sparse` profiles) recomputes them."""
+    h = model.hidden_size
+    H = max(1, layer.gdn_value_heads // tp)
+    dk, dv = layer.gdn_key_dim, layer.gdn_value_dim
+    conv = layer.gdn_conv_dim / tp
+    v = H * dv
+    per_row = s * (4 * h / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
+    chunks = -(-w.clean_tokens // block_size) + w.max_runs + w.noisy_tokens // block_size
+    state = 4 * H * dk * dv if s < 8 else 8 * H * dk * dv
+    held = chunks * state + w.boundary_received * state
+    if w.ring > 1:
+        held += w.ring * w.max_runs * H * dk * (dk + dv) * _state_bytes(s) + chunks * H * dk * dk * 4
+    tt = 5 * 4 * H * (w.clean_sq + w.noisy_tokens * block_size) if kernel != "sparse" else 0
+    mlp = (3 if model.gated_mlp else 2) * layer.mlp_ffn * s / tp
+    return rows * (per_row + mlp) + held + tt
+
+
 def _clean_partials(lay: Layout, ring: int) -> int:
     """Partials over clean keys (CP: over all keys) a rank runs per layer: one after an all-gather,
     one per ring member when streamed."""
@@ -189,7 +250,132 @@ def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
     return vectors + tables
 
 
+def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile, gpus_per_node: int,
+                dense_total: float, frozen: float = 0.0):
+    """Gradient reduction, optimizer step and static memory of one layout (shared by both objectives):
+    (t_grad, t_opt, static bytes)."""
+    tp, S = lay.tp, lay.shard_group_size
+    wb, gb, ob = _precision(hw, wl)
+    expert_total = model.expert_params
+    dense_rank = dense_total / tp
+    expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
+    D = lay.dp * S
+    De = max(1, D // lay.ep)
+    grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
+    if lay.distributed_optimizer:
+        grad_bytes = (gb + wb) * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
+        opt_params = dense_rank / D + expert_rank / De
+    else:
+        grad_bytes = 2 * gb * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
+        opt_params = dense_rank + expert_rank
+    t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
+    t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
+    static = (wb + gb) * (dense_rank + expert_rank) + ob * opt_params + wb * frozen / tp
+    return t_grad, t_opt, static
+
+
+def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile,
+                     gpus_per_node: int) -> Estimate:
+    """One DFlash drafter step (`--objective dflash`), per rank from `work.drafter_rank_work`:
+
+    - context rows: the verifier's features of the rank's context positions (`target_layers` x
+      hidden each, read from the feature shards) projected by `fc`, then k/v per layer; draft rows
+      (anchors x block size owned) through every layer; the frozen verifier LM head on the draft
+      rows, streamed in vocabulary chunks (forward and input gradient, no weight gradient);
+    - attention: the anchored mask's pairs (sliding layers: inside the window);
+    - traffic: K/V of the rows each rank receives (CP: all rows of every other rank; CSBP: the
+      ring's context rows, sliding layers only those inside windows; BP: none), forward, backward
+      and the recompute forward;
+    - memory: drafter weights/optimizer, the frozen embeddings and LM head (bf16), the features read,
+      per-layer activations of the draft rows, the context rows' projections and K/V, the K/V
+      received, one vocabulary chunk of logits."""
+    L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
+    s = hw.dtype_bytes
+    peak = hw.peak_tflops * 1e12
+    h, V = model.hidden_size, model.vocab_size
+    recompute = lay.recompute == "full"
+    passes_fwd = 2 if recompute else 1
+    windows = sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
+    work = {w: drafter_rank_work(L, B, wl.anchors, lay.cp, lay.bp, wl.doc_length, w) for w in windows}
+    base = work[windows[0]]
+    ring = lay.cp if lay.kind in ("cp", "csbp") else 1
+    link = hw.link_gbps(_spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)) * 1e9
+    lat = hw.collective_latency_us * 1e-6
+    feat_row = model.target_layers * h
+    per_rank = []
+    for r in range(len(base)):
+        draft, ctx = base[r].draft_rows, base[r].context_rows
+        t = dict(gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, elementwise=0.0, output_layer=0.0)
+        # fc over the context rows: forward and weight gradient (the features need no gradient)
+        t["gemm"] += 2 * feat_row * h / tp * ctx * (2 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
+        sent = 0
+        acts = 0.0
+        for layer in model.layers:
+            w = work[layer.window][r]
+            kv_params = h * layer.num_kv_heads * layer.head_dim * 2
+            flops = 2 * (model.layer_dense_params(layer) - kv_params) / tp * draft + 2 * kv_params / tp * (draft + ctx)
+            t["gemm"] += flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
+            heads_t = max(1, layer.num_heads // tp)
+            attn_fwd = w.sparse_pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+            t["attention"] += attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+            per_pass = w.exchange_rows * kv_row
+            sent += per_pass * (passes_fwd + 1)
+            if per_pass:
+                n_coll = 1 if (lay.transport == "allgather" or (lay.kind == "csbp" and layer.window)) else ring - 1
+                t_pass = per_pass / link + n_coll * lat
+                if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                    hidden_fwd = attn_fwd * (ring - 1) / ring
+                    exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                else:
+                    exposed = (passes_fwd + 1) * t_pass
+                t["attn_comm_exposed"] += exposed
+            if tp > 1:
+                t["tp_comm"] += (passes_fwd + 1) * (4 * (draft + ctx) * h * s * (tp - 1) / tp
+                                                    / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + 4 * lat)
+            t["elementwise"] += ((draft + ctx) * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
+                                 * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
+            # kept for backward: the draft rows' activations, the context rows' K/V (computed here
+            # and received)
+            acts_layer = (draft * activation_bytes_per_row(model, layer, tp, s)
+                          + (ctx + w.exchange_rows) * kv_row)
+            acts = max(acts, acts_layer) if recompute else acts + acts_layer
+        if recompute:
+            acts += (draft + ctx) * h * s / tp * model.num_layers
+        # frozen LM head on the draft rows: forward + input gradient
+        t["output_layer"] = 2 * 2 * draft * h * V / tp / (peak * hw.gemm_efficiency)
+        features = ctx * feat_row * s + ctx * h * s  # features read and their projection
+        logits = draft * min(V, wl.vocab_chunk or V) / tp * (wl.logits_bytes if s < 4 else 2 * s)
+        per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
+    t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
+    micro = wl.samples_per_replica(lay.dp)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, model.dense_params, model.frozen_params)
+    step = micro * t_sample + t_grad + t_opt
+    time = {k: micro * v for k, v in t_parts.items()}
+    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    worst = max(per_rank, key=lambda x: x[3])
+    acts, features, logits = worst[4]
+    peak_bytes = static + worst[3] + hw.reserved_gib * GiB
+    mem = {"weights_grads_optimizer": static / GiB, "activations": acts / GiB, "features": features / GiB,
+           "logits": logits / GiB, "reserved": hw.reserved_gib}
+    feasible = peak_bytes <= hw.memory_gib * GiB
+    return Estimate(
+        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * L / step, peak_memory_gib=peak_bytes / GiB,
+        attn_bytes_per_gpu=int(micro * sent_sample), feasible=feasible, time=time, memory_gib=mem,
+        why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
+    )
+
+
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
+    if wl.objective == "dflash":
+        if not model.is_drafter:
+            raise ValueError(f"--objective dflash needs a drafter model (a muse_glimmer_assistant config with "
+                             f"target_layer_ids, e.g. --model dflash-drafter-muse-glimmer); {model.name} is not one")
+        return estimate_drafter(model, lay, wl, hw, gpus_per_node)
+    if wl.objective != "bd3lm":
+        raise ValueError(f"--objective must be bd3lm or dflash, got {wl.objective!r}")
+    if model.is_drafter:
+        raise ValueError(f"{model.name} is a DFlash drafter: plan it with --objective dflash")
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12
@@ -202,6 +388,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w) for w in windows}
     base = work[windows[0]]
     ranks = range(len(base))
+    gdn = gdn_rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention) if model.is_hybrid else None
 
     # ---- time of one sample on each rank; the group waits for the slowest ------------------------
     ring = lay.cp if lay.kind in ("cp", "csbp") else 1
@@ -221,44 +408,56 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             if layer.num_experts:
                 moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
                 t["moe_gemm"] += moe_flops * (3 + (1 if recompute else 0)) / (peak * hw.grouped_gemm_efficiency)
-            pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
-            heads_t = max(1, layer.num_heads // tp)
-            attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
-            attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
-            t["attention"] += attn_total
-            # attention traffic (bytes sent by this rank in one pass)
-            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
-            if lay.kind == "csbp" and layer.kv_shared:
-                kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
-            if lay.kind == "cp":
-                per_pass = rows * kv_row * (S - 1)
-                n_coll = 1 if lay.transport == "allgather" else S - 1
-            elif lay.kind == "csbp":
-                if layer.window is not None and wl.window_exchange == "window":
-                    per_pass = w.exchange_rows * kv_row  # one variable all-to-all, received ~ sent
-                    n_coll = 1
-                else:
-                    per_pass = w.clean_rows * kv_row * (ring - 1)
-                    n_coll = 1 if lay.transport == "allgather" else ring - 1
+            if layer.is_gdn:
+                gw = gdn[r]
+                rec = gdn_recurrence_flops(gw, layer, tp, B) / (peak * hw.attention_efficiency)
+                t["linear_attention"] = t.get("linear_attention", 0.0) + rec * (3 + (1 if recompute else 0))
+                fwd_b, bwd_b = gdn_bytes_sent(gw, max(1, layer.gdn_value_heads // tp), layer.gdn_key_dim,
+                                              layer.gdn_value_dim, layer.gdn_conv_dim // tp,
+                                              layer.gdn_conv_kernel, s, _state_bytes(s))
+                sent += passes_fwd * fwd_b + bwd_b
+                if gw.ring > 1:  # two all-gathers and the boundary all-to-all, each waited on at once
+                    n_coll = 2 + (1 if gw.boundary_sent or gw.boundary_received else 0)
+                    t["attn_comm_exposed"] += (passes_fwd * fwd_b + bwd_b) / link + (passes_fwd + 1) * n_coll * lat
             else:
-                per_pass, n_coll = 0, 0
-            n_pass = passes_fwd + 1
-            sent += per_pass * n_pass
-            if per_pass:
-                t_pass = per_pass / link + n_coll * lat
-                if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
-                    # each shift hides behind the attention on the chunk before it
-                    hidden_fwd = attn_fwd * (ring - 1) / ring
-                    exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
+                heads_t = max(1, layer.num_heads // tp)
+                attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+                attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+                t["attention"] += attn_total
+                # attention traffic (bytes sent by this rank in one pass)
+                kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+                if lay.kind == "csbp" and layer.kv_shared:
+                    kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
+                if lay.kind == "cp":
+                    per_pass = rows * kv_row * (S - 1)
+                    n_coll = 1 if lay.transport == "allgather" else S - 1
+                elif lay.kind == "csbp":
+                    if layer.window is not None and wl.window_exchange == "window":
+                        per_pass = w.exchange_rows * kv_row  # one variable all-to-all, received ~ sent
+                        n_coll = 1
+                    else:
+                        per_pass = w.clean_rows * kv_row * (ring - 1)
+                        n_coll = 1 if lay.transport == "allgather" else ring - 1
                 else:
-                    # all-gather: CSBP's clean gather overlaps the noisy block-diagonal part (forward);
-                    # CP's gather must finish before any of its attention; reduce-scatter is exposed
-                    diag = 0.0
-                    if lay.kind == "csbp":
-                        diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim
-                                / (peak * hw.attention_efficiency))
-                    exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
-                t["attn_comm_exposed"] += exposed
+                    per_pass, n_coll = 0, 0
+                n_pass = passes_fwd + 1
+                sent += per_pass * n_pass
+                if per_pass:
+                    t_pass = per_pass / link + n_coll * lat
+                    if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                        # each shift hides behind the attention on the chunk before it
+                        hidden_fwd = attn_fwd * (ring - 1) / ring
+                        exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                    else:
+                        # all-gather: CSBP's clean gather overlaps the noisy block-diagonal part (forward);
+                        # CP's gather must finish before any of its attention; reduce-scatter is exposed
+                        diag = 0.0
+                        if lay.kind == "csbp":
+                            diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim
+                                    / (peak * hw.attention_efficiency))
+                        exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
+                    t["attn_comm_exposed"] += exposed
             if tp > 1:
                 tp_bytes = 4 * rows * h * s * (tp - 1) / tp
                 t["tp_comm"] += (passes_fwd + 1) * (tp_bytes / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9)
@@ -275,28 +474,12 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
 
     # ---- per step: micro-batches, gradient reduction, optimizer ---------------------------------
     micro = wl.samples_per_replica(lay.dp)
-    wb, gb, ob = _precision(hw, wl)
-    expert_total = model.expert_params
-    dense_rank = model.dense_params / tp
-    expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
-    D = lay.dp * S
-    De = max(1, D // lay.ep)
-    grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
-    if lay.distributed_optimizer:
-        grad_bytes = (gb + wb) * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
-        opt_params = dense_rank / D + expert_rank / De
-    else:
-        grad_bytes = 2 * gb * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
-        opt_params = dense_rank + expert_rank
-    t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
-    t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, model.dense_params)
     step = micro * t_sample + t_grad + t_opt
     time = {k: micro * v for k, v in t_parts.items()}
     time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
 
     # ---- memory of the largest rank ----------------------------------------------------------------
-    params_rank = dense_rank + expert_rank
-    static = (wb + gb) * params_rank + ob * opt_params
     mems = []
     for r in ranks:
         transient = 0.0
@@ -304,6 +487,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         per_layer = []
         for layer in model.layers:
             w = work[layer.window][r]
+            if layer.is_gdn:
+                per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel))
+                continue
             kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
             if lay.kind == "csbp" and layer.window is not None and wl.window_exchange == "window":
                 kv_held = w.exchange_rows * kv_row
@@ -326,8 +512,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)
         if hw.attention_kernel == "tiled":
             # the backward's working set is live only once the loss and logits are freed
-            transient = max(attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
-                            for layer in model.layers)
+            transient = max([attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                             for layer in model.layers if not layer.is_gdn] or [0.0])
         logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
         logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))

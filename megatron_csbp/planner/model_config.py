@@ -1,8 +1,11 @@
 """Model shapes for the cost model: from Megatron flags or a Hugging Face config.json.
 
 Only what decides FLOPs, bytes and memory is kept: per layer the attention shape (query heads, KV
-heads, head dim, sliding window), the dense MLP and the experts; plus hidden size, vocabulary and
-whether embeddings are tied. Norm weights and biases are ignored (well under 0.1% of parameters).
+heads, head dim, sliding window, output gate) or, for a Gated DeltaNet (linear attention) layer of
+a Qwen3.5 / Qwen3-Next hybrid, its linear-attention shape (key / value heads and head dims, short
+convolution width); the dense MLP and the experts; plus hidden size, vocabulary and whether
+embeddings are tied. Norm weights and biases are ignored (well under 0.1% of parameters).
+Size: one `LayerShape` per layer (64 for a 27B model), independent of the sequence length.
 """
 from __future__ import annotations
 
@@ -25,9 +28,33 @@ class LayerShape:
     num_experts: int = 0
     topk: int = 0
     expert_ffn: int = 0
+    q_gate: bool = False  # attention output gate (Qwen3.5 / Qwen3-Next `attn_output_gate`): q_proj doubled
+    # Gated DeltaNet layer (linear attention) when gdn_value_heads > 0: the attention fields above
+    # are then unused. Shapes as Qwen3.5's linear_num_key_heads, linear_num_value_heads,
+    # linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim.
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    gdn_conv_kernel: int = 0
+
+    @property
+    def is_gdn(self) -> bool:
+        return self.gdn_value_heads > 0
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v (megatron's conv_dim)."""
+        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
 
     def attn_params(self, hidden: int) -> int:
-        q = hidden * self.num_heads * self.head_dim
+        if self.is_gdn:
+            # megatron's GatedDeltaNet: in_proj -> [q, k, v, z (gate), beta, alpha], depthwise conv
+            # over q, k, v, A_log and dt_bias per value head, out_proj from the value heads
+            v = self.gdn_value_heads * self.gdn_value_dim
+            in_proj = hidden * (self.gdn_conv_dim + v + 2 * self.gdn_value_heads)
+            return in_proj + self.gdn_conv_dim * self.gdn_conv_kernel + 2 * self.gdn_value_heads + v * hidden
+        q = hidden * self.num_heads * self.head_dim * (2 if self.q_gate else 1)
         kv = hidden * self.num_kv_heads * self.head_dim * (1 if self.kv_shared else 2)
         o = self.num_heads * self.head_dim * hidden
         return q + kv + o
@@ -43,6 +70,19 @@ class ModelConfig:
     tied_embeddings: bool = False
     clean_attention: str = "block_causal"
     notes: str = ""
+    # DFlash drafter (muse_glimmer_assistant configs): the verifier's hidden states of
+    # `target_layers` layers, concatenated, are projected by `fc` into the drafter's width; the
+    # verifier's embeddings and LM head (vocab_size x hidden) are read, frozen. 0 = not a drafter.
+    target_layers: int = 0
+    drafter_block_size: int = 0
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.target_layers > 0
+
+    @property
+    def fc_params(self) -> int:
+        return self.target_layers * self.hidden_size * self.hidden_size
 
     @property
     def num_layers(self) -> int:
@@ -66,7 +106,15 @@ class ModelConfig:
 
     @property
     def dense_params(self) -> int:
+        """Trained dense parameters (a drafter: its layers and `fc`; the verifier's embeddings and
+        LM head are frozen, see `frozen_params`)."""
+        if self.is_drafter:
+            return sum(self.layer_dense_params(l) for l in self.layers) + self.fc_params
         return sum(self.layer_dense_params(l) for l in self.layers) + self.embedding_params
+
+    @property
+    def frozen_params(self) -> int:
+        return self.embedding_params if self.is_drafter else 0
 
     @property
     def expert_params(self) -> int:
@@ -88,10 +136,17 @@ class ModelConfig:
     def max_heads(self) -> int:
         return max(l.num_heads for l in self.layers)
 
+    @property
+    def is_hybrid(self) -> bool:
+        return any(l.is_gdn for l in self.layers)
+
     def summary(self) -> str:
         windows = sorted({l.window for l in self.layers if l.window})
         kinds = f", {sum(1 for l in self.layers if l.window)} sliding (W={windows}) / " \
                 f"{sum(1 for l in self.layers if not l.window)} full layers" if windows else ""
+        if self.is_hybrid:
+            kinds += f", {sum(1 for l in self.layers if l.is_gdn)} Gated DeltaNet / " \
+                     f"{sum(1 for l in self.layers if not l.is_gdn)} attention layers"
         moe = ""
         if self.is_moe:
             l0 = next(l for l in self.layers if l.num_experts)
@@ -140,6 +195,18 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
     dense_ffn += shared
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
+    gdn = _gdn_shape(cfg)
+    if layer_types is None and gdn and cfg.get("full_attention_interval"):
+        # Qwen3.5 / Qwen3-Next: layer i is full attention iff (i + 1) % interval == 0
+        # (the rule of `megatron_csbp.model.hybrid.linear_attention_pattern`)
+        interval = int(cfg["full_attention_interval"])
+        if interval < 1:
+            raise ValueError(f"full_attention_interval must be >= 1, got {interval}")
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if layer_types is not None and "linear_attention" in layer_types and not gdn:
+        raise ValueError("layer_types has linear_attention layers but the config lacks linear_num_value_heads "
+                         "(Gated DeltaNet shape: linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, "
+                         "linear_value_head_dim, linear_conv_kernel_dim)")
     if layer_types is None and window:
         pattern = cfg.get("sliding_window_pattern")
         if pattern:  # every pattern-th layer is full (Gemma 2/3)
@@ -154,10 +221,16 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
     full_head_dim = int(cfg.get("global_head_dim") or head_dim)
     full_kv = int(cfg.get("num_global_key_value_heads") or kv)
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    q_gate = bool(cfg.get("attn_output_gate", False))
     layers = []
     for t in layer_types:
         sliding = t in ("sliding_attention", "sliding", "local")
-        layers.append(LayerShape(
+        if t == "linear_attention":
+            layers.append(LayerShape(num_heads=heads, num_kv_heads=kv, head_dim=head_dim, mlp_ffn=dense_ffn,
+                                     num_experts=experts, topk=topk if experts else 0,
+                                     expert_ffn=expert_ffn if experts else 0, **gdn))
+            continue
+        layers.append(LayerShape(q_gate=q_gate,
             num_heads=heads, num_kv_heads=kv if sliding else full_kv,
             head_dim=head_dim if sliding else full_head_dim, window=int(window) if sliding else None,
             kv_shared=(k_eq_v and not sliding), mlp_ffn=dense_ffn, num_experts=experts,
@@ -165,12 +238,35 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
         ))
     act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu")
     gated = bool(cfg.get("gated_mlp", act in ("silu", "swiglu", "gelu_pytorch_tanh", "gelu", "geglu")))
+    drafter = cfg.get("model_type") == "muse_glimmer_assistant" or cfg.get("target_layer_ids") is not None
+    if drafter and cfg.get("sliding_window") and cfg.get("model_type") == "muse_glimmer_assistant":
+        # Hugging Face's drafter window: a row at p sees context >= p - sliding_window, i.e. the
+        # project's W = sliding_window + 1 (`DrafterShape.window`)
+        layers = [l if l.window is None else LayerShape(**{**asdict(l), "window": l.window + 1}) for l in layers]
     return ModelConfig(
         name=name or cfg.get("name") or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model",
         hidden_size=hidden, vocab_size=vocab, layers=tuple(layers), gated_mlp=gated,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         clean_attention=cfg.get("clean_attention", "block_causal"), notes=cfg.get("notes", ""),
+        target_layers=len(cfg.get("target_layer_ids") or [1, 13, 25, 37, 49]) if drafter else 0,
+        drafter_block_size=int(cfg.get("block_size") or 16) if drafter else 0,
     )
+
+
+def _gdn_shape(cfg: Dict) -> Dict:
+    """Gated DeltaNet shape of a Qwen3.5 / Qwen3-Next config (transformers' defaults where a key is
+    absent: 16 key heads, 128-wide heads, kernel 4), or {} when the config has none."""
+    if not cfg.get("linear_num_value_heads"):
+        return {}
+    shape = dict(gdn_key_heads=int(cfg.get("linear_num_key_heads") or 16),
+                 gdn_value_heads=int(cfg["linear_num_value_heads"]),
+                 gdn_key_dim=int(cfg.get("linear_key_head_dim") or 128),
+                 gdn_value_dim=int(cfg.get("linear_value_head_dim") or 128),
+                 gdn_conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4))
+    if shape["gdn_value_heads"] % shape["gdn_key_heads"]:
+        raise ValueError(f"linear_num_value_heads {shape['gdn_value_heads']} must be a multiple of "
+                         f"linear_num_key_heads {shape['gdn_key_heads']}")
+    return shape
 
 
 def load_hf_config(path: str) -> ModelConfig:

@@ -28,6 +28,8 @@ def layout_flags(lay: Layout, wl: Workload) -> List[str]:
         f += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     if lay.distributed_optimizer:
         f.append("--use-distributed-optimizer")
+    if wl.objective == "dflash":
+        f += ["--objective dflash", f"--dflash-max-anchors {wl.anchors}"]
     f += [f"--seq-length {wl.seq_length}", f"--block-size {wl.block_size}", "--micro-batch-size 1",
           f"--global-batch-size {wl.global_batch_size or lay.dp}", "--bf16"]
     if wl.grad_bytes == 2:
@@ -44,10 +46,14 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
     if L % B:
         raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
     n = L // B
-    heads = [l.num_heads for l in model.layers]
+    heads = [l.num_heads for l in model.layers if not l.is_gdn]
+    heads += [h for l in model.layers if l.is_gdn for h in (l.gdn_key_heads, l.gdn_value_heads)]
     out = []
+    dflash = wl.objective == "dflash"
     for tp in divisors(gpus):
         if tp > gpus_per_node or any(h % tp for h in heads):
+            continue
+        if dflash and tp > 1:  # the drafter runs at TP = 1 (model/dflash.py: fc over the context is not split)
             continue
         rest = gpus // tp
         for S in divisors(rest):
@@ -58,7 +64,7 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
                 continue
             pairs = [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]
             for cp, bp in pairs:
-                if bp > 1 and n < bp:
+                if bp > 1 and (wl.anchors if dflash else n) < bp:
                     continue
                 eps = [1]
                 if model.is_moe:
@@ -88,7 +94,8 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
     best = layouts[0] if layouts else None
     baselines = [l for l in layouts if l["bp"] == 1]
     return {
-        "model": model.summary(), "hardware": hw.name, "seq_length": wl.seq_length, "block_size": wl.block_size,
+        "model": model.summary(), "objective": wl.objective, "hardware": hw.name, "seq_length": wl.seq_length,
+        "block_size": wl.block_size,
         "gpus": gpus, "gpus_per_node": gpus_per_node,
         "global_batch_size": wl.global_batch_size or "one sample per data-parallel replica",
         "evaluated": len(estimates), "infeasible": len(estimates) - len(feasible),

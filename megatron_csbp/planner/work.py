@@ -106,36 +106,166 @@ class DrafterRankWork:
     exchange_rows: int  # context (CSBP) or all (CP) rows received per full-attention layer
 
 
+@lru_cache(maxsize=64)
 def drafter_rank_work(seq_length: int, block_size: int, anchors: int, cp: int, bp: int,
-                      doc_length: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
+                      doc_length: Optional[int] = None, window: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
     """Per-rank rows and pairs of a DFlash drafter under single / CP / BP / CSBP, counted from the
     real `DFlashLayout` with `anchors` anchors spread evenly over documents of `doc_length` tokens
-    (default: one document). Metadata cost O(L + anchors x block_size) per rank."""
+    (default: one document). `window`: the project's W of a sliding drafter layer (keys k > p - W;
+    `DrafterShape.window`): pairs and, under CSBP, the rows the windowed clean exchange receives
+    (the core's `WindowExchangePlan`) are those of that layer. Metadata cost O(L + anchors x
+    block_size) per rank, all ranks' rows held while counting (at 512K tokens, 512 anchors of 16 on
+    8 CSBP ranks: 64K context rows and 1K draft rows per rank; at 256K tokens on 16 ranks 16K + the
+    draft rows; BP ranks hold the context their blocks need, up to L each)."""
+    import torch
+
+    L = seq_length
+    D = doc_length or L
+    if anchors < 1 or anchors > L - 1:
+        raise ValueError(f"--dflash-max-anchors {anchors} must be in [1, {L - 1}]")
+    a = torch.linspace(1, L - 2, anchors).round().long().unique()
+    return drafter_work_for(L, block_size, a, (a // D) * D, (torch.arange(L) // D) * D, cp, bp, window)
+
+
+def drafter_work_for(seq_length: int, block_size: int, a, starts, pos_starts, cp: int, bp: int,
+                     window: Optional[int] = None) -> Tuple[DrafterRankWork, ...]:
+    """`drafter_rank_work` for given anchors `a`, their document starts and every position's
+    document start (tensors, as `DFlashLayout.rows` takes them)."""
     import torch
 
     from megatron_csbp.layout.dflash import DFlashLayout
 
     L, B = seq_length, block_size
-    D = doc_length or L
-    if anchors < 1 or anchors > L - 1:
-        raise ValueError(f"--dflash-max-anchors {anchors} must be in [1, {L - 1}]")
-    a = torch.linspace(1, L - 2, anchors).round().long().unique()
-    starts = (a // D) * D
-    pos_starts = (torch.arange(L) // D) * D
     layout = DFlashLayout(L, B, cp, bp)
     owned = layout.owned(a, starts)
+    all_rows = [layout.rows(r, a, starts, pos_starts, owned) for r in range(layout.shard_group_size)]
     out = []
     for r in range(layout.shard_group_size):
-        rows = layout.rows(r, a, starts, pos_starts, owned)
+        rows = all_rows[r]
         draft = int((~rows.is_clean).sum())
         ctx = len(rows) - draft
         mine = owned[r]
-        pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
+        if window is None:
+            pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
+        else:  # slot k at p = a + k sees context [max(s, p - W + 1), a)
+            k = torch.arange(B)
+            lo = torch.maximum(starts[mine][:, None], a[mine][:, None] + k[None, :] - window + 1)
+            pairs = int((a[mine][:, None] - lo).clamp_min(0).sum()) + len(mine) * B * B
         if layout.kind == "cp":
             exchange = (len(rows)) * (layout.shard_group_size - 1)
+        elif layout.kind == "csbp" and window is not None:
+            from megatron_csbp.layout.exchange import WindowExchangePlan
+            from megatron_csbp.layout.masks import AnchoredGeometry
+
+            j, i = layout.ring_of(r)
+            members = [all_rows[m] for m in range(j * cp, (j + 1) * cp)]
+            peers = [m.select(slice(int((~m.is_clean).sum()), None)) for m in members]
+            plan = WindowExchangePlan.build(members, peers, AnchoredGeometry(B, window), i)
+            exchange = int(sum(plan.recv_counts))
         elif layout.kind == "csbp":
             exchange = ctx * (cp - 1)
         else:
             exchange = 0
         out.append(DrafterRankWork(draft, ctx, pairs, exchange))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class GDNRankWork:
+    """One rank's share of a Gated DeltaNet layer under a layout, counted as
+    `attention/gated_delta.py` places it (`build_routes`): the clean stream's runs, the ring that
+    shares it, the boundary states sent to / received from block owners, and the chunk lengths of
+    the chunked delta rule (chunks are cut at block starts and run ends)."""
+
+    ring: int  # ranks sharing the clean stream (1: single / BP, nothing moves)
+    max_runs: int  # most clean runs (segments) of any ring member: the all-gathers' padding
+    boundary_sent: int  # blocks whose boundary state (S at bB and the K-1 pre-conv rows) this rank sends
+    boundary_received: int
+    clean_tokens: int  # rows through the clean recurrence
+    clean_sq: int  # sum of squared chunk lengths of the clean recurrence (the T x T terms)
+    noisy_tokens: int  # rows of the noisy blocks (each block one chunk of B)
+
+
+def _runs(positions: np.ndarray):
+    """[(start, end)) runs of consecutive values of a sorted position array."""
+    if len(positions) == 0:
+        return []
+    cut = np.nonzero(np.diff(positions) != 1)[0] + 1
+    starts = np.concatenate([[0], cut])
+    ends = np.concatenate([cut, [len(positions)]])
+    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends)]
+
+
+@lru_cache(maxsize=64)
+def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
+                  clean_attention: str) -> Tuple[GDNRankWork, ...]:
+    """Per rank of the shard group. Kept: one `GDNRankWork` (7 integers) per rank. Transient while
+    counting: every rank's row metadata (as `rank_work`: 2L positions over CP / CSBP ranks, 4 MiB of
+    int64 at 256K tokens on 16 ranks; BP's replicated prefixes about 9 x that), the runs of each
+    rank (at most 2 per ring member under CP / CSBP, one prefix under BP) and one holder lookup per
+    noisy block (at 256K tokens, B = 256: 1K blocks)."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+
+    L, B = seq_length, block_size
+    layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
+    P = layout.shard_group_size
+    rows = [layout.rows(r) for r in range(P)]
+    clean = [np.sort(r.position[r.is_clean].numpy()) for r in rows]
+    blocks = [np.unique(r.position[~r.is_clean].numpy() // B) for r in rows]
+    runs = [_runs(c) for c in clean]
+    kind = layout.kind
+    out = []
+    for r in range(P):
+        if kind in ("single", "bp"):
+            ring = [r]
+        elif kind == "cp":
+            ring = list(range(P))  # the CP baseline's clean stream spans the whole shard group
+        else:
+            ring = layout.ring_ranks(r)
+        holder = {}
+        for m in ring:
+            for s, e in runs[m]:
+                holder[(s, e)] = m
+        starts = np.array(sorted(s for s, _ in holder))
+        spans = [holder_key for holder_key in sorted(holder)]
+
+        def who(p: int) -> int:
+            i = int(np.searchsorted(starts, p, side="right")) - 1
+            return holder[spans[i]]
+
+        sent = received = 0
+        if len(ring) > 1:
+            for m in ring:
+                for b in blocks[m].tolist():
+                    if b == 0:
+                        continue
+                    src = who(b * B - 1)
+                    if src == m:
+                        continue
+                    sent += src == r
+                    received += m == r
+        sq = 0
+        for s, e in runs[r]:
+            cuts = [s] + list(range((s // B + 1) * B, e, B)) + [e]
+            sq += sum((c1 - c0) ** 2 for c0, c1 in zip(cuts[:-1], cuts[1:]))
+        out.append(GDNRankWork(len(ring), max(len(runs[m]) for m in ring), sent, received, len(clean[r]), sq,
+                               len(blocks[r]) * B))
+    return tuple(out)
+
+
+def gdn_bytes_sent(w: GDNRankWork, heads: int, d_k: int, d_v: int, conv_dim: int, conv_kernel: int,
+                   act_bytes: int, state_bytes: int, batch: int = 1) -> Tuple[int, int]:
+    """(forward, backward) bytes one rank sends in one GDN layer, as the transports record them in
+    `traffic_counter()` (`heads`, `conv_dim`: this TP rank's share): the ring all-gathers the
+    K-1 pre-conv tail rows of every run (activation dtype) and the runs' transfer maps [M | N]
+    (H x d_k x (d_k + d_v), state dtype: fp32, fp64 in fp64 runs), padded to the ring's most runs;
+    then one all-to-all moves each boundary (H d_k d_v state + (K-1) conv rows, state dtype) to its
+    block's owner. Backward: the gathers' gradients the same size, the all-to-all's gradients back
+    the other way (a rank sends what it received)."""
+    if w.ring == 1:
+        return 0, 0
+    gathers = (w.ring - 1) * w.max_runs * batch * ((conv_kernel - 1) * conv_dim * act_bytes
+                                                   + heads * d_k * (d_k + d_v) * state_bytes)
+    width = batch * (heads * d_k * d_v + (conv_kernel - 1) * conv_dim) * state_bytes
+    return gathers + w.boundary_sent * width, gathers + w.boundary_received * width
