@@ -7,7 +7,9 @@
   hidden states after the listed decoder layers, 0-based, concatenated), `tokens.npy`,
   `loss_mask.npy` and `doc_ids.npy`. The verifier runs each document of a packed sequence on its
   own, from position 0, as it does when decoding. A shard is written under a temporary name and
-  renamed when complete: rerunning the command resumes after the last complete shard.
+  renamed when complete: rerunning the command resumes after the last complete shard. Under
+  torchrun the verifier is tensor-parallel over `--tensor-model-parallel-size` ranks (default: all)
+  with transformers' own TP plan; the remaining factor of the ranks captures disjoint shards.
 - `train`: trains a `muse_glimmer_assistant` drafter (megatron_csbp.model.dflash) on those
   features with `--objective dflash` semantics (megatron_csbp.objectives.dflash) under any of
   single / CP / BP / CSBP (`--context-parallel-size`, `--block-parallel-size`; launch with
