@@ -202,7 +202,12 @@ def prepare_features(a) -> Dict:
     meta = {"format": FEATURE_FORMAT, "seq_length": L, "hidden_size": int(cfg.hidden_size),
             "target_layer_ids": list(a.target_layer_ids), "num_sequences": n, "shard_size": a.shard_size,
             "dtype": a.dtype, "verifier": a.hf_path or a.load, "width": width}
-    plan = [_feature_plan(a, meta, n) if rank == 0 else None]
+    plan = [None]
+    if rank == 0:
+        try:
+            plan = [_feature_plan(a, meta, n)]
+        except (OSError, ValueError) as exc:  # an unwritable --output or a corrupt meta.json: told to every rank
+            plan = [{"error": f"--output {a.output}: {exc}"}]
     if group is not None:
         torch.distributed.broadcast_object_list(plan, src=0)
     plan = plan[0]
