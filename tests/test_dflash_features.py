@@ -96,3 +96,123 @@ def test_objective_registry():
         build_objective(ModelArgs(objective="dflash", block_size=8))
     with pytest.raises(ValueError, match="--dflash-loss"):
         DFlashObjective(8, 4, loss="kl")
+
+
+# ---- tensor-parallel verifier (transformers' TP plan) under 2 gloo ranks ----------------------------
+
+TP_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _tp_argv(verifier, prefix, out, tp=None):
+    argv = ["prepare-features", "--hf-path", verifier, "--data-path", prefix, "--seq-length", "32",
+            "--target-layer-ids", "0", "1", "--output", out, "--shard-size", "2", "--eod-token-id", "3",
+            "--no-progress-bar"]
+    return argv + (["--tensor-model-parallel-size", str(tp)] if tp is not None else [])
+
+
+def _tp_worker(rank, world, root):
+    import torch.distributed as dist
+
+    from megatron_csbp.dflash import main
+
+    runs = {}
+    for fam in TP_FAMILIES:  # default --tensor-model-parallel-size: all (2) ranks
+        runs[fam] = main(_tp_argv(f"{root}/{fam}", f"{root}/data", f"{root}/tp_{fam}"))
+    # Data-parallel copies instead (TP 1): each rank captures one of the two shards.
+    runs["dp"] = main(_tp_argv(f"{root}/qwen3", f"{root}/data", f"{root}/dp_qwen3", tp=1))
+    # Resume under TP: a lost shard and a half-written one left by a killed run.
+    out = f"{root}/tp_qwen3"
+    if rank == 0:
+        shutil.rmtree(os.path.join(out, "shard_00001"))
+        os.makedirs(os.path.join(out, "shard_00001.tmp"))
+        open(os.path.join(out, "shard_00001.tmp", "features.npy"), "w").write("partial")
+    dist.barrier()
+    runs["resume"] = main(_tp_argv(f"{root}/qwen3", f"{root}/data", out))
+    # A size that does not divide the ranks is refused by name, on every rank, before any collective.
+    try:
+        main(_tp_argv(f"{root}/qwen3", f"{root}/data", f"{root}/bad", tp=3))
+    except ValueError as exc:
+        runs["bad"] = str(exc)
+    return runs
+
+
+@pytest.mark.exactness
+def test_prepare_features_tensor_parallel_verifier(tmp_path):
+    """2-rank TP (transformers' tp_plan over gloo) writes the features one process writes.
+
+    Error model: TP splits the inner dimension K of the row-parallel projections (o_proj, K = 32:
+    4 heads x 8 or 2 x 16 per rank; down_proj, K = 48) into two partial GEMMs summed by an
+    all-reduce; one process sums all K terms in one GEMM. Both are fp32 sums of the same products
+    in another order, each within K u sum|a_i w_i| of the exact sum (u = 2^-24, worst case) and
+    typically sqrt(K) u |.|. With tiny.py's unit-scale weights sum|a_i w_i| <= sqrt(K) rms(a),
+    so a reduction differs by <= 48^1.5 u rms ~ 2e-5 rms; 2 layers x 2 reductions, each perturbation
+    carried through RMSNorm / softmax / SwiGLU (gain O(10) for these O(1) activations), gives
+    <= 1e-3 x the features' scale worst case; the typical sqrt(K) u estimate gives
+    4 x 10 x 7 u ~ 2e-5. The test bounds |TP - 1 process| by 1e-4 x max(1, max|feature|), between
+    the two; measured 2.6e-7 to 3.0e-7 (docs/dflash.md). Everything else (tokens, doc ids, loss mask, the
+    shard list) must be identical, and TP = 1 data-parallel copies bit-identical."""
+    from megatron_csbp.conversion.tiny import save_tiny_model
+    from megatron_csbp.dflash import FeatureDataset, main
+    from tests.distributed import run_distributed
+
+    root = str(tmp_path)
+    for fam in TP_FAMILIES:
+        save_tiny_model(fam, f"{root}/{fam}")
+    g = np.random.RandomState(0)
+    docs = [list(g.randint(5, 128, size=n)) + [3] for n in (9, 30, 4, 17, 25, 11, 40)]
+    _indexed128(f"{root}/data", docs)
+    runs = run_distributed(_tp_worker, 2, root)
+    assert runs[0] == runs[1]  # every rank returns the same plan and counts
+    runs = runs[0]
+    worst, peak = {}, {}
+    for fam in TP_FAMILIES:
+        one = main(_tp_argv(f"{root}/{fam}", f"{root}/data", f"{root}/one_{fam}"))
+        assert runs[fam] == dict(one, output=f"{root}/tp_{fam}") and one["captured_now"] == 4
+        a, b = FeatureDataset(f"{root}/tp_{fam}"), FeatureDataset(f"{root}/one_{fam}")
+        assert len(a) == len(b) == 4 and len(a.shards) == 2
+        for i in range(4):
+            for k in ("tokens", "doc_ids", "loss_mask"):
+                assert np.array_equal(a[i][k], b[i][k])
+            scale = max(1.0, float(np.abs(b[i]["features"]).max()))
+            dev = float(np.abs(np.asarray(a[i]["features"]) - b[i]["features"]).max())
+            worst[fam] = max(worst.get(fam, 0.0), dev / scale)
+            peak[fam] = max(peak.get(fam, 0.0), scale)
+    print("max |TP - one process| / max(1, max|feature|):", worst, "max|feature|:", peak)
+    assert all(v <= 1e-4 for v in worst.values()), worst
+    assert max(worst.values()) > 0  # the TP reductions really ran (a reordered sum, not a copy)
+    # TP = 1 over 2 ranks: data-parallel copies, bit-identical to one process.
+    assert runs["dp"]["captured_now"] == 4
+    dp, one = FeatureDataset(f"{root}/dp_qwen3"), FeatureDataset(f"{root}/one_qwen3")
+    assert all(np.array_equal(dp[i]["features"], one[i]["features"]) for i in range(4))
+    # Resume: only the lost shard was captured again, the stale .tmp replaced, values as before.
+    assert runs["resume"]["captured_now"] == 2
+    assert sorted(os.listdir(f"{root}/tp_qwen3")) == ["meta.json", "shard_00000", "shard_00001"]
+    assert "--tensor-model-parallel-size 3" in runs["bad"] and "number of ranks (2)" in runs["bad"]
+
+
+def _indexed128(prefix, docs):
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(128))
+    for d in docs:
+        b.add_document(torch.tensor(d, dtype=torch.int64), [len(d)])
+    b.finalize(prefix + ".idx")
+
+
+def test_tensor_parallel_size_refusals(monkeypatch, tmp_path):
+    from megatron_csbp.conversion.tiny import save_tiny_model, tiny_config
+    from megatron_csbp.dflash import check_verifier_tensor_parallel, main
+
+    cfg = tiny_config("qwen3")  # 4 query heads, 2 key/value heads
+    check_verifier_tensor_parallel(2, 4, cfg)
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 4 must divide the verifier's attention heads"):
+        check_verifier_tensor_parallel(4, 4, cfg)
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 3 must be >= 1 and divide the number of ranks"):
+        check_verifier_tensor_parallel(3, 4, cfg)
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 0"):
+        check_verifier_tensor_parallel(0, 1, cfg)
+    # Through the CLI, under a torchrun-like environment: refused before any process group exists.
+    save_tiny_model("qwen3", str(tmp_path / "v"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 8 must divide the verifier's attention heads"):
+        main(_tp_argv(str(tmp_path / "v"), str(tmp_path / "none"), str(tmp_path / "out")))
