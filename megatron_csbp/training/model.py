@@ -9,7 +9,7 @@ padded to a multiple of `--make-vocab-size-divisible-by` (default 128) independe
 divide the padded size. On GPU the model is moved to the device after initialisation.
 
 With `model_shape` (a converted checkpoint's `megatron_csbp_model.json`, read by `--load`), the
-model is `megatron_csbp.model.providers.build_gpt_model(shape, ...)` instead: the checkpoint's
+model is `megatron_csbp.model.builder.build_gpt_model(shape, ...)` (its registered family's) instead: the checkpoint's
 architecture, its exact (unpadded) vocabulary, weights left uninitialised because they are loaded.
 """
 from __future__ import annotations
@@ -24,15 +24,14 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.sizes import shard_group_size
+from megatron_csbp.model import builder
 from megatron_csbp.model.bdlm import BlockDiffusionModel
-from megatron_csbp.model.spec import with_block_diffusion_attention
 from megatron_csbp.objectives import AutoregressiveObjective, BD3LMObjective
 
 
@@ -105,7 +104,7 @@ def attention_backend(a):
 
 def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
     seq = shard_group_size(a.context_parallel_size, a.block_parallel_size)
-    cfg = TransformerConfig(
+    cfg = builder.transformer_config(
         num_layers=a.num_layers,
         hidden_size=a.hidden_size,
         ffn_hidden_size=a.ffn_hidden_size,
@@ -177,14 +176,12 @@ def build_objective(a):
 def build_converted_gpt(a, finalize_model_grads_func=None):
     """`GPTModel` of a converted checkpoint's shape under this run's parallel layout (weights
     uninitialised: they are loaded next)."""
-    from megatron_csbp.model import providers
-
     shape = a.model_shape
     dtype = torch.bfloat16 if a.bf16 else torch.float32
     if shape.vocab_size % a.tensor_model_parallel_size:
         raise ValueError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must divide the checkpoint's "
                          f"vocabulary {shape.vocab_size}")
-    config = providers.transformer_config(
+    config = builder.shape_transformer_config(
         shape, params_dtype=dtype,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
@@ -202,7 +199,7 @@ def build_converted_gpt(a, finalize_model_grads_func=None):
     # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
     # --sequence-parallel (the weights themselves are loaded next).
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-    return config, providers.build_gpt_model(shape, config=config, kernel=a.attention_kernel)
+    return config, builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel)
 
 
 def build_layout(a) -> SequenceLayout:
@@ -253,15 +250,14 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         return _wrap(a, config, gpt, objective, layout, device)
     config = transformer_config(a, finalize_model_grads_func)
     vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
-    spec = with_block_diffusion_attention(get_gpt_layer_local_spec(normalization=a.normalization),
-                                          kernel=a.attention_kernel)
+    spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization)
     # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
     torch.manual_seed(a.seed)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
+    gpt = builder.gpt_model(
+        config,
+        spec,
         vocab_size=vocab,
         max_sequence_length=a.seq_length,
         pre_process=True,
