@@ -33,6 +33,15 @@ PORTABLE_CONFIG = dict(
     use_cpu_initialization=True,
 )
 
+#: The model dimensions a `TransformerConfig` shares by name with `ModelShape`, the trainer's
+#: `ModelArgs` and Megatron configs.
+DIMENSIONS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels")
+
+
+def dimensions(source) -> dict:
+    """{field: source.field} for the `DIMENSIONS`."""
+    return {name: getattr(source, name) for name in DIMENSIONS}
+
 
 def transformer_config(config_class=None, **fields):
     """A megatron-core `TransformerConfig` (or the subclass `config_class`, e.g. DiffusionGemmaConfig)

@@ -57,14 +57,11 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
         raise UnsupportedModelError(f"{cfg.get('model_type')}: {exc}") from exc
     text = text_config_dict(cfg)
     dtype = check_dtype(params_dtype or cfg.get("dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    from megatron_csbp.model.builder import dimensions
+
     return ModelShape(
         family=FAMILY,
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        kv_channels=config.sliding_kv_channels,
+        **dict(dimensions(config), kv_channels=config.sliding_kv_channels),  # the sliding layers' head dim
         vocab_size=int(text["vocab_size"]),
         max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
         norm_epsilon=config.layernorm_epsilon,

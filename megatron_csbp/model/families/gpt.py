@@ -145,15 +145,10 @@ class GPTFamily(Family):
 
     # ---- shape -> Megatron -------------------------------------------------------------------
     def config_fields(self, shape: ModelShape, dtype: torch.dtype) -> Dict[str, Any]:
-        from megatron_csbp.model.builder import PORTABLE_CONFIG
+        from megatron_csbp.model.builder import PORTABLE_CONFIG, dimensions
 
         kwargs = dict(
-            num_layers=shape.num_layers,
-            hidden_size=shape.hidden_size,
-            ffn_hidden_size=shape.ffn_hidden_size,
-            num_attention_heads=shape.num_attention_heads,
-            num_query_groups=shape.num_query_groups,
-            kv_channels=shape.kv_channels,
+            **dimensions(shape),
             normalization="RMSNorm",
             layernorm_epsilon=shape.norm_epsilon,
             gated_linear_unit=True,
