@@ -106,13 +106,9 @@ def init_single_rank() -> None:
 
 def build_gpt(cfg: DemoConfig, vocab_size: int, device: torch.device):
     """A stock megatron-core GPTModel from the local layer spec with block-diffusion attention."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_csbp.model import builder
 
-    from megatron_csbp.model.spec import with_block_diffusion_attention
-
-    config = TransformerConfig(
+    config = builder.transformer_config(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size,
         use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
@@ -121,9 +117,9 @@ def build_gpt(cfg: DemoConfig, vocab_size: int, device: torch.device):
     )
     # Megatron's CUDA RNG tracker is not needed: CPU initialisation draws from torch's default
     # generator (seeded by the caller) and no dropout or sequence parallelism is used.
-    spec = with_block_diffusion_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm))
-    gpt = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=cfg.seq_length,
-                   position_embedding_type="rope", share_embeddings_and_output_weights=True)
+    spec = builder.local_layer_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+    gpt = builder.gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=cfg.seq_length,
+                            position_embedding_type="rope", share_embeddings_and_output_weights=True)
     return gpt.to(device)
 
 

@@ -251,15 +251,13 @@ def _model_args_from_megatron(args):
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config=None, pg_collection=None):
     """Megatron-LM model provider: GPTModel (Megatron-LM's config and spec choice) as a BDLM."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_csbp import parallel_state as bps
+    from megatron_csbp.model import builder
     from megatron_csbp.model.bdlm import BlockDiffusionModel
-    from megatron_csbp.model.spec import with_block_diffusion_attention
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
 
     args = get_args()
@@ -269,18 +267,18 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if not config.calculate_per_token_loss:
         raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
-                                                          args.qk_layernorm)
+        spec = builder.with_block_diffusion(get_gpt_layer_with_transformer_engine_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm), args.attention_kernel)
     else:
-        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+        spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
+                                        moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
                                         normalization=args.normalization)
-    spec = with_block_diffusion_attention(spec, kernel=args.attention_kernel)
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                   max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-                   fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                   share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                   position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                   rotary_base=args.rotary_base)
+    gpt = builder.gpt_model(config, spec, vocab_size=args.padded_vocab_size,
+                            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+                            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                            position_embedding_type=args.position_embedding_type,
+                            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
     margs = _model_args_from_megatron(args)
     if margs.mask_token_id is None and margs.objective != "ar":
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from megatron_csbp.conversion import hf_io  # noqa: E402
 from megatron_csbp.conversion.tiny import save_tiny_model, tiny_config  # noqa: E402
-from megatron_csbp.model.providers import (  # noqa: E402
+from megatron_csbp.model.families import (  # noqa: E402
     SHAPE_FILE, ModelShape, UnsupportedModelError, megatron_flags, shape_from_hf_config,
 )
 

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from megatron_csbp.conversion import hf_io  # noqa: E402
 from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_model  # noqa: E402
-from megatron_csbp.model.providers import SHAPE_FILE, ModelShape  # noqa: E402
+from megatron_csbp.model.families import SHAPE_FILE, ModelShape  # noqa: E402
 from tests.test_convert_cli import convert  # noqa: E402
 
 V, L, B, BATCH = 96, 24, 4, 2

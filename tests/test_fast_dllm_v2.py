@@ -213,7 +213,7 @@ def _layouts_rank(rank, world, meg_dir, cases):
         gpt = gpt.to(EXACT_DTYPE)  # Megatron's torch-norm fallback (no Apex) builds norm weights in fp32
         if c["tp"] > 1:
             # weights built for loading carry the same TP attributes as initialised ones
-            from megatron_csbp.model.providers import build_gpt_model
+            from megatron_csbp.model.builder import build_gpt_model
             from megatron_csbp.conversion.checkpoint import read_shape
 
             init = build_gpt_model(read_shape(meg_dir)[0], perform_initialization=True, params_dtype=EXACT_DTYPE,

@@ -65,7 +65,7 @@ def test_ar_eval_loss_equals_transformers_under_tp2(converted):
 
 def test_fast_dllm_v2_trains_from_the_converted_checkpoint_and_exports(converted):
     from megatron_csbp.conversion import api, hf_io
-    from megatron_csbp.model.providers import SHAPE_FILE
+    from megatron_csbp.model.families import SHAPE_FILE
 
     hf_model, meg, root = converted
     save = str(root / "bdlm")

@@ -162,8 +162,8 @@ def test_paper_diffusiongemma_recipe_validates_against_the_26b_shape(tmp_path):
     from transformers import DiffusionGemmaConfig
 
     from megatron_csbp.launch import load_recipe, recipe_flags
-    from megatron_csbp.model.diffusiongemma.provider import shape_from_hf_config
-    from megatron_csbp.model.providers import SHAPE_FILE
+    from megatron_csbp.model.families.diffusion_gemma import shape_from_hf_config
+    from megatron_csbp.model.families import SHAPE_FILE
     from megatron_csbp.training.arguments import parse_args
 
     text = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,

@@ -21,21 +21,17 @@ from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, 
 
 
 def build_gpt(model: BenchModel, max_seq: int, seed: int):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_csbp.model.spec import with_block_diffusion_attention
+    from megatron_csbp.model import builder
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(
+    cfg = builder.transformer_config(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, use_cpu_initialization=True,
         attention_dropout=0.0, hidden_dropout=0.0,
     )
-    return GPTModel(cfg, with_block_diffusion_attention(get_gpt_layer_local_spec(), kernel=model.attention_kernel),
-                    vocab_size=model.vocab_size, max_sequence_length=max_seq, position_embedding_type="rope")
+    return builder.gpt_model(cfg, builder.local_layer_spec(kernel=model.attention_kernel),
+                             vocab_size=model.vocab_size, max_sequence_length=max_seq, position_embedding_type="rope")
 
 
 def build_diffusion_gemma(model: DiffusionGemmaBenchModel, max_seq: int, seed: int, full_attention: bool):

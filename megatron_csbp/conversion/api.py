@@ -12,8 +12,9 @@ from megatron_csbp.conversion import hf_io
 from megatron_csbp.conversion.checkpoint import (
     ASSETS_DIR, load_gpt_model, load_model_weights, read_shape, save_gpt_model, single_process_megatron,
 )
-from megatron_csbp.conversion.mapping import cast, hf_to_megatron, megatron_to_hf
-from megatron_csbp.model.providers import DTYPES, ModelShape, build_gpt_model, megatron_flags, shape_from_hf_config
+from megatron_csbp.conversion.mapping import cast
+from megatron_csbp.model.builder import build_gpt_model
+from megatron_csbp.model.families import DTYPES, ModelShape, get_family, megatron_flags, shape_from_hf_config
 
 
 #: Hugging Face tensors of a diffusion_gemma checkpoint with no Megatron counterpart (the vision
@@ -22,26 +23,12 @@ from megatron_csbp.model.providers import DTYPES, ModelShape, build_gpt_model, m
 EXTRA_WEIGHTS_FILE = "hf_extra_weights.safetensors"
 
 
-def _to_megatron_state(shape: ModelShape, tensors, cfg):
-    """(Megatron state dict, HF tensors to carry through unchanged) of `shape`'s family."""
-    if shape.family != "diffusion_gemma":
-        return hf_to_megatron(shape, tensors), {}
-    from megatron_csbp.conversion import diffusiongemma as dg
-
-    if shape.diffusion_gemma["source"] == "diffusion_gemma":
-        state, _, rest = dg.hf_to_megatron_state(tensors, cfg)
-        return state, rest
-    # Gemma 4 start: its vision / audio towers have no place in a diffusion_gemma export.
-    state, _, _ = dg.gemma4_to_megatron_state(tensors, cfg)
-    return state, {}
-
-
 def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = None) -> ModelShape:
     """Convert a Hugging Face folder into a Megatron torch_dist release checkpoint."""
     cfg = hf_io.read_config(hf_path)
     shape = shape_from_hf_config(cfg, params_dtype=dtype)  # refuses unsupported models first
     tensors = hf_io.read_tensors(hf_path)
-    state, extra = _to_megatron_state(shape, tensors, cfg)
+    state, extra = get_family(shape.family).hf_to_megatron(shape, tensors, cfg)
     state = cast(state, shape.torch_dtype)
     with single_process_megatron():
         model = build_gpt_model(shape)
@@ -62,20 +49,9 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
     out_dtype = dtype or shape.params_dtype
     if out_dtype not in DTYPES:
         raise ValueError(f"--dtype {out_dtype!r} is not one of {sorted(DTYPES)}")
-    skip_assets: tuple = ()
-    if shape.family == "diffusion_gemma":
-        from megatron_csbp.conversion.diffusiongemma import megatron_to_hf_state
-        from megatron_csbp.model.diffusiongemma.provider import hf_config_for_export, transformer_config
-
-        cfg = hf_config_for_export(shape)  # refuses a model Hugging Face cannot hold, before writing
-        tensors = cast(megatron_to_hf_state(state, transformer_config(shape)), DTYPES[out_dtype])
-        tensors.update(extra or {})
-        if shape.diffusion_gemma["source"] != "diffusion_gemma":
-            # A Gemma 4 start's generation defaults are an AR model's; diffusion_gemma refuses them.
-            skip_assets = ("generation_config.json",)
-    else:
-        cfg = dict(shape.hf_config)
-        tensors = cast(megatron_to_hf(shape, state), DTYPES[out_dtype])
+    cfg, tensors, skip_assets = get_family(shape.family).megatron_to_hf(shape, state)
+    tensors = cast(tensors, DTYPES[out_dtype])
+    tensors.update(extra or {})
     hf_io.write_tensors(output, tensors, max_shard_bytes)
     if assets_from is not None and os.path.isdir(assets_from):
         hf_io.copy_assets(assets_from, output, exclude=skip_assets)
@@ -97,7 +73,7 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
         state = model.state_dict()
     extra = None
     extra_file = os.path.join(load, ASSETS_DIR, EXTRA_WEIGHTS_FILE)
-    if shape.family == "diffusion_gemma" and os.path.isfile(extra_file):
+    if get_family(shape.family).carries_extra_weights and os.path.isfile(extra_file):
         from safetensors.torch import load_file
 
         extra = load_file(extra_file)
@@ -195,10 +171,12 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
         if noisy_tokens.shape != tokens.shape:
             raise ValueError(f"--noisy-tokens has shape {noisy_tokens.shape}; it must be {tokens.shape} (like --tokens) "
                              f"or {(tokens.shape[0], L - P)} (the rows after --prompt-length)")
-        if shape.family == "diffusion_gemma":
-            if clean_attention not in (None, "token_causal"):
-                raise ValueError("DiffusionGemma's clean stream is token-causal: --clean-attention token_causal")
-            clean_attention = "token_causal"
+        forced = get_family(shape.family).clean_attention
+        if forced is not None:
+            if clean_attention not in (None, forced):
+                raise ValueError(f"{shape.family}'s clean stream is {forced.replace('_', '-')}: "
+                                 f"--clean-attention {forced}")
+            clean_attention = forced
     elif block_size is not None or prompt_length:
         raise ValueError("--block-size / --prompt-length score noisy rows: give --noisy-tokens too")
     out = []

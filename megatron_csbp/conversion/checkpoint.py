@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.conversion.cpu_fallback import ensure_cpu_compat
-from megatron_csbp.model.providers import SHAPE_FILE, ModelShape, build_gpt_model
+from megatron_csbp.model.builder import build_gpt_model
+from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"

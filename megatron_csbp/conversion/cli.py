@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from megatron_csbp.model.providers import DTYPES, UnsupportedModelError
+from megatron_csbp.model.families import DTYPES, UnsupportedModelError, get_family
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             source = f" from {shape.diffusion_gemma['source']}" if shape.diffusion_gemma else ""
             print(f"converted {shape.family}{source} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
                   f"vocab {shape.vocab_size}, {shape.params_dtype}) -> {args.output}")
-            if shape.family == "diffusion_gemma":
+            if not get_family(shape.family).has_megatron_lm_flags:
                 print("train it with: python -m megatron_csbp.train --load " + args.output)
             else:
                 print("Megatron flags that rebuild this model:")

@@ -22,14 +22,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megatron_csbp.conversion.mapping import ConversionError
 from megatron_csbp.model.diffusiongemma.config import DiffusionGemmaConfig, config_from_hf
 
 HF_TEXT = "model.decoder."
 HF_ENCODER = "model.encoder.language_model."
-
-
-class ConversionError(ValueError):
-    pass
 
 
 def _layer_map(i: int):
@@ -248,8 +245,3 @@ def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, 
     used = {k for k in hf_state if k.startswith(prefix) and HF_TEXT + k[len(prefix):] in renamed} | {"lm_head.weight"}
     rest = {k: v for k, v in hf_state.items() if k not in used}
     return state, config, rest
-
-
-def is_diffusion_gemma(hf_config: Any) -> bool:
-    mt = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
-    return mt == "diffusion_gemma"

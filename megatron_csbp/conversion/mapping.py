@@ -1,7 +1,8 @@
 """Tensor mapping between Hugging Face checkpoints and Megatron's local-spec `GPTModel` (TP = 1).
 
-The Megatron side is the unsharded (TP = EP = 1) `state_dict` of the model built by
-`megatron_csbp.model.providers.build_gpt_model`; `dist_checkpointing` then shards or reshards it for
+The GPT-style families' weight mapping (`megatron_csbp.model.families.gpt` / `qwen3_5` call it
+with their Hugging Face MoE names). The Megatron side is the unsharded (TP = EP = 1) `state_dict`
+of the model built by `megatron_csbp.model.builder.build_gpt_model`; `dist_checkpointing` then shards or reshards it for
 any layout. The Hugging Face side uses the on-disk names of released checkpoints (per-expert MoE
 weights, `block_sparse_moe` for Mixtral), which is also what transformers 5 writes.
 
@@ -16,11 +17,11 @@ Layouts that are easy to get wrong:
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.model.providers import ModelShape
+from megatron_csbp.model.families import ModelShape, get_family
 
 # Buffers some older Hugging Face checkpoints carry that hold no weights.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -30,11 +31,13 @@ class ConversionError(ValueError):
     pass
 
 
-def _moe_names(shape: ModelShape) -> Tuple[str, str, Tuple[str, str, str]]:
-    """(module prefix, router name, (gate, up, down) expert weight names) of a MoE family."""
-    if shape.family == "mixtral":
-        return "block_sparse_moe", "gate", ("w1", "w3", "w2")
-    return "mlp", "gate", ("gate_proj", "up_proj", "down_proj")
+MoENames = Tuple[str, str, Tuple[str, str, str]]
+
+
+def _moe_names(shape: ModelShape, moe_names: Optional[MoENames]) -> MoENames:
+    """(module prefix, router name, (gate, up, down) expert weight names) of a MoE family: the
+    family's own (`GPTFamily.hf_moe_names`) unless given."""
+    return moe_names if moe_names is not None else get_family(shape.family).hf_moe_names
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
@@ -118,7 +121,8 @@ class _Source:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_HF_SUFFIXES))
 
 
-def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
+                   moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
     """Hugging Face tensors -> the unsharded Megatron state dict. Every Hugging Face tensor must be
     used (an unknown one means an option the model would silently drop)."""
     src = _Source(hf)
@@ -150,7 +154,7 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, 
         if not _is_gdn_layer(shape, i):
             out[m + "self_attention.linear_proj.weight"] = src.take(attn + "o_proj.weight")
         if i in moe_layers:
-            block, router, (gate, up, down) = _moe_names(shape)
+            block, router, (gate, up, down) = _moe_names(shape, moe_names)
             out[m + "mlp.router.weight"] = src.take(f"{h}{block}.{router}.weight")
             for e in range(shape.num_experts):
                 x = f"{h}{block}.experts.{e}."
@@ -178,7 +182,8 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, 
     return out
 
 
-def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
+                   moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
     """The unsharded Megatron state dict -> Hugging Face tensors (on-disk names)."""
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     used = set()
@@ -217,7 +222,7 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, 
         if not _is_gdn_layer(shape, i):
             out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
         if i in moe_layers:
-            block, router, (gate, up, down) = _moe_names(shape)
+            block, router, (gate, up, down) = _moe_names(shape, moe_names)
             out[f"{h}{block}.{router}.weight"] = take(m + "mlp.router.weight")
             for e in range(shape.num_experts):
                 x = f"{h}{block}.experts.{e}."

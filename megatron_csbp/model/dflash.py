@@ -123,9 +123,7 @@ class DrafterShape:
 
 
 def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_csbp.model.providers import PORTABLE_CONFIG
+    from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
 
     kw = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
@@ -135,7 +133,7 @@ def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = 
         params_dtype=params_dtype, **PORTABLE_CONFIG,
     )
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return transformer_config(**kw)
 
 
 class DrafterLayer(torch.nn.Module):

@@ -73,7 +73,7 @@ def checkpoint_shape(root: Optional[str], iteration=None):
     for d in candidates:
         p = os.path.join(d, SHAPE_FILE)
         if os.path.isfile(p):
-            from megatron_csbp.model.providers import ModelShape
+            from megatron_csbp.model.families import ModelShape
 
             with open(p) as f:
                 return ModelShape.from_json(f.read())

@@ -9,7 +9,7 @@ padded to a multiple of `--make-vocab-size-divisible-by` (default 128) independe
 divide the padded size. On GPU the model is moved to the device after initialisation.
 
 With `model_shape` (a converted checkpoint's `megatron_csbp_model.json`, read by `--load`), the
-model is `megatron_csbp.model.providers.build_gpt_model(shape, ...)` instead: the checkpoint's
+model is `megatron_csbp.model.builder.build_gpt_model(shape, ...)` (its registered family's) instead: the checkpoint's
 architecture, its exact (unpadded) vocabulary, weights left uninitialised because they are loaded.
 """
 from __future__ import annotations
@@ -24,15 +24,14 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.sizes import shard_group_size
+from megatron_csbp.model import builder
 from megatron_csbp.model.bdlm import BlockDiffusionModel
-from megatron_csbp.model.spec import with_block_diffusion_attention
 from megatron_csbp.objectives import AutoregressiveObjective, BD3LMObjective
 
 
@@ -103,18 +102,33 @@ def attention_backend(a):
     return AttnBackend[a.attention_backend]
 
 
-def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
-    seq = shard_group_size(a.context_parallel_size, a.block_parallel_size)
-    cfg = TransformerConfig(
-        num_layers=a.num_layers,
-        hidden_size=a.hidden_size,
-        ffn_hidden_size=a.ffn_hidden_size,
-        num_attention_heads=a.num_attention_heads,
-        num_query_groups=a.num_query_groups,
-        kv_channels=a.kv_channels,
+def params_dtype(a) -> torch.dtype:
+    return torch.bfloat16 if a.bf16 else torch.float32
+
+
+def run_options(a) -> dict:
+    """The config fields this run's flags set on every model, flag-built or converted: parallel
+    layout (CP size = the shard group), dropout, attention backend, per-token loss, recompute."""
+    return dict(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
-        context_parallel_size=seq,
+        context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
         sequence_parallel=a.sequence_parallel,
+        hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout,
+        attention_backend=attention_backend(a),
+        pipeline_dtype=params_dtype(a),
+        # The loss is already divided by the global denominator: gradients are SUMMED over
+        # DP x CP x BP (Megatron DDP with per-token loss does not average).
+        calculate_per_token_loss=True,
+        **recompute_options(a),
+    )
+
+
+def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
+    """The config of the flag-built model (weights drawn on CPU from --seed)."""
+    cfg = builder.transformer_config(
+        **builder.dimensions(a),
+        **run_options(a),
         use_cpu_initialization=True,
         perform_initialization=True,
         init_method_std=a.init_method_std,
@@ -122,16 +136,8 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         gated_linear_unit=a.swiglu,
         activation_func=F.silu if a.swiglu else F.gelu,
         add_bias_linear=a.add_bias_linear,
-        hidden_dropout=a.hidden_dropout,
-        attention_dropout=a.attention_dropout,
-        attention_backend=attention_backend(a),
         bf16=a.bf16,
-        params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float32,
-        # The loss is already divided by the global denominator: gradients are SUMMED over
-        # DP x CP x BP (Megatron DDP with per-token loss does not average).
-        calculate_per_token_loss=True,
-        **recompute_options(a),
+        params_dtype=params_dtype(a),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
@@ -177,32 +183,18 @@ def build_objective(a):
 def build_converted_gpt(a, finalize_model_grads_func=None):
     """`GPTModel` of a converted checkpoint's shape under this run's parallel layout (weights
     uninitialised: they are loaded next)."""
-    from megatron_csbp.model import providers
-
     shape = a.model_shape
-    dtype = torch.bfloat16 if a.bf16 else torch.float32
     if shape.vocab_size % a.tensor_model_parallel_size:
         raise ValueError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must divide the checkpoint's "
                          f"vocabulary {shape.vocab_size}")
-    config = providers.transformer_config(
-        shape, params_dtype=dtype,
-        tensor_model_parallel_size=a.tensor_model_parallel_size,
-        context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
-        expert_model_parallel_size=a.expert_model_parallel_size,
-        sequence_parallel=a.sequence_parallel,
-        calculate_per_token_loss=True,
-        pipeline_dtype=dtype,
-        hidden_dropout=a.hidden_dropout,
-        attention_dropout=a.attention_dropout,
-        attention_backend=attention_backend(a),
-        **recompute_options(a),
-    )
+    config = builder.shape_transformer_config(shape, params_dtype=params_dtype(a), **run_options(a),
+                                              expert_model_parallel_size=a.expert_model_parallel_size)
     if finalize_model_grads_func is not None:
         config.finalize_model_grads_func = finalize_model_grads_func
     # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
     # --sequence-parallel (the weights themselves are loaded next).
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-    return config, providers.build_gpt_model(shape, config=config, kernel=a.attention_kernel)
+    return config, builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel)
 
 
 def build_layout(a) -> SequenceLayout:
@@ -253,15 +245,14 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         return _wrap(a, config, gpt, objective, layout, device)
     config = transformer_config(a, finalize_model_grads_func)
     vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
-    spec = with_block_diffusion_attention(get_gpt_layer_local_spec(normalization=a.normalization),
-                                          kernel=a.attention_kernel)
+    spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization)
     # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
     torch.manual_seed(a.seed)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
+    gpt = builder.gpt_model(
+        config,
+        spec,
         vocab_size=vocab,
         max_sequence_length=a.seq_length,
         pre_process=True,

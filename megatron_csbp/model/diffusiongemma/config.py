@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_csbp.model.providers import PORTABLE_CONFIG
+from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -269,4 +269,4 @@ def make_config(**kwargs) -> DiffusionGemmaConfig:
         moe_token_dispatcher_type="allgather",
     )
     base.update(kwargs)
-    return DiffusionGemmaConfig(**base)
+    return transformer_config(DiffusionGemmaConfig, **base)

@@ -1,6 +1,6 @@
-"""DiffusionGemma as a `ModelShape` family, so the converter, `convert score` and the trainer treat
-it like the Llama / Qwen families: `shape_from_hf_config` -> `megatron_csbp_model.json` ->
-`build_model`.
+"""DiffusionGemma as a registered model family, so the converter, `convert score` and the trainer
+treat it like the Llama / Qwen families: `shape_from_hf_config` -> `megatron_csbp_model.json` ->
+`megatron_csbp.model.builder.build_gpt_model`.
 
 The shape keeps the source Hugging Face config (`hf_config`): the `DiffusionGemmaConfig` is always
 re-derived from it with `config_from_hf`, so the JSON file cannot drift from what the weights
@@ -18,8 +18,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_csbp.model.diffusiongemma.config import UnsupportedDiffusionGemmaConfig, config_from_hf, text_config_dict
-from megatron_csbp.model.providers import DTYPES, ModelShape, UnsupportedModelError
+from megatron_csbp.model.families import register_family
+from megatron_csbp.model.families.base import Family, ModelShape, UnsupportedModelError, check_dtype
+
+# The model's modules (megatron_csbp.model.diffusiongemma) are imported where used: importing the
+# registry stays light, and model/diffusiongemma/ never imports the families.
 
 FAMILY = "diffusion_gemma"
 #: Hugging Face model types read as DiffusionGemma
@@ -28,11 +31,9 @@ SOURCE_TYPES = ("diffusion_gemma", "gemma4", "gemma4_text")
 DIFFUSION_GEMMA_SOFTCAP = 30.0
 
 
-def is_source(cfg: Dict[str, Any]) -> bool:
-    return cfg.get("model_type") in SOURCE_TYPES
-
-
 def _options(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    from megatron_csbp.model.diffusiongemma.config import text_config_dict
+
     source = cfg.get("model_type")
     if source == "diffusion_gemma":
         return dict(source=source, k_eq_v_full=True, final_logit_softcapping=DIFFUSION_GEMMA_SOFTCAP)
@@ -47,23 +48,20 @@ def _options(cfg: Dict[str, Any]) -> Dict[str, Any]:
 def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
     """The shape of a `diffusion_gemma` or Gemma 4 text MoE config; refuses what the Megatron model
     cannot reproduce (the message names the option)."""
+    from megatron_csbp.model.diffusiongemma.config import UnsupportedDiffusionGemmaConfig, text_config_dict
+
     options = _options(cfg)
     try:
         config = megatron_config_from(cfg, options, torch.float32)
     except UnsupportedDiffusionGemmaConfig as exc:
         raise UnsupportedModelError(f"{cfg.get('model_type')}: {exc}") from exc
     text = text_config_dict(cfg)
-    dtype = params_dtype or cfg.get("dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    if dtype not in DTYPES:
-        raise UnsupportedModelError(f"dtype {dtype!r} is not supported (one of {sorted(DTYPES)})")
+    dtype = check_dtype(params_dtype or cfg.get("dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    from megatron_csbp.model.builder import dimensions
+
     return ModelShape(
         family=FAMILY,
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        kv_channels=config.sliding_kv_channels,
+        **dict(dimensions(config), kv_channels=config.sliding_kv_channels),  # the sliding layers' head dim
         vocab_size=int(text["vocab_size"]),
         max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
         norm_epsilon=config.layernorm_epsilon,
@@ -81,6 +79,8 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
 
 def megatron_config_from(hf_config: Dict[str, Any], options: Dict[str, Any], params_dtype: torch.dtype,
                          **overrides):
+    from megatron_csbp.model.diffusiongemma.config import config_from_hf
+
     return config_from_hf(hf_config, params_dtype=params_dtype, k_eq_v_full=options["k_eq_v_full"],
                           final_logit_softcapping=options["final_logit_softcapping"], **overrides)
 
@@ -94,20 +94,13 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
     return megatron_config_from(shape.hf_config, shape.diffusion_gemma, dtype, **overrides)
 
 
-def build_model(shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto",
-                **config_overrides):
+def build_model(shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto"):
     """A `DiffusionGemmaModel` of `shape` under the current parallel state (exact vocabulary);
     `kernel`: the block-diffusion attention kernel (--attention-kernel)."""
     from megatron_csbp.model.diffusiongemma.model import diffusion_gemma_model
-    from megatron_csbp.model.providers import mark_tensor_parallel_weights
 
-    if config is None:
-        config = transformer_config(shape, **config_overrides)
-    model = diffusion_gemma_model(config, shape.vocab_size, shape.max_position_embeddings,
-                                  block_diffusion=block_diffusion, kernel=kernel)
-    if not config.perform_initialization:
-        mark_tensor_parallel_weights(model, config)
-    return model
+    return diffusion_gemma_model(config, shape.vocab_size, shape.max_position_embeddings,
+                                 block_diffusion=block_diffusion, kernel=kernel)
 
 
 def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
@@ -129,6 +122,8 @@ def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
         from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig
     except ImportError as exc:  # pragma: no cover - transformers is in the CPU requirements
         raise UnsupportedModelError("exporting a Gemma 4 start as diffusion_gemma needs transformers >= 5.24") from exc
+    from megatron_csbp.model.diffusiongemma.config import text_config_dict
+
     text = text_config_dict(cfg)
     keys = set(DiffusionGemmaTextConfig().to_dict())
     text = {k: v for k, v in text.items() if k in keys and k not in ("model_type", "architectures")}
@@ -137,3 +132,52 @@ def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
     out = DiffusionGemmaConfig(text_config=text, vision_config=vision).to_dict()
     out["architectures"] = ["DiffusionGemmaForBlockDiffusion"]
     return out
+
+
+class DiffusionGemmaFamily(Family):
+    """DiffusionGemma / Gemma 4 text MoE: `DiffusionGemmaConfig` and `DiffusionGemmaModel`, weights
+    mapped by `megatron_csbp.conversion.diffusiongemma`."""
+
+    name = FAMILY
+    model_types = SOURCE_TYPES
+    #: its clean stream is token-causal
+    clean_attention = "token_causal"
+    #: a diffusion_gemma checkpoint's vision tower is carried through conversion unchanged
+    carries_extra_weights = True
+
+    def shape_from_hf_config(self, cfg, params_dtype=None):
+        return shape_from_hf_config(cfg, params_dtype)
+
+    def transformer_config(self, shape, params_dtype=None, **overrides):
+        return transformer_config(shape, params_dtype, **overrides)
+
+    def build_model(self, shape, config, block_diffusion=True, kernel="auto"):
+        return build_model(shape, config, block_diffusion, kernel)
+
+    def megatron_flags(self, shape):
+        raise UnsupportedModelError(
+            "DiffusionGemma has no Megatron-LM flag set (heterogeneous layers, K=V full layers, sandwich norms): "
+            "build it with megatron_csbp.model.builder.build_gpt_model or train it with "
+            "python -m megatron_csbp.train --load CHECKPOINT")
+
+    def hf_to_megatron(self, shape, tensors, cfg):
+        from megatron_csbp.conversion import diffusiongemma as dg
+
+        if shape.diffusion_gemma["source"] == "diffusion_gemma":
+            state, _, rest = dg.hf_to_megatron_state(tensors, cfg)
+            return state, rest
+        # Gemma 4 start: its vision / audio towers have no place in a diffusion_gemma export.
+        state, _, _ = dg.gemma4_to_megatron_state(tensors, cfg)
+        return state, {}
+
+    def megatron_to_hf(self, shape, state):
+        from megatron_csbp.conversion.diffusiongemma import megatron_to_hf_state
+
+        cfg = hf_config_for_export(shape)  # refuses a model Hugging Face cannot hold, before writing
+        tensors = megatron_to_hf_state(state, transformer_config(shape))
+        # A Gemma 4 start's generation defaults are an AR model's; diffusion_gemma refuses them.
+        skip_assets = () if shape.diffusion_gemma["source"] == "diffusion_gemma" else ("generation_config.json",)
+        return cfg, tensors, skip_assets
+
+
+register_family(DiffusionGemmaFamily())

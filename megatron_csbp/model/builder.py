@@ -1,0 +1,134 @@
+"""The one place that constructs megatron-core `TransformerConfig`s and `GPTModel`s.
+
+Two levels:
+
+- `transformer_config(**fields)` and `gpt_model(config, layer_spec, ...)`: the constructors every
+  caller goes through (the trainer's flag-built model, the demo, the benchmark, the Megatron-LM
+  model provider, the DFlash drafter, the model families). Each caller passes its own fields; no
+  defaults are added here, so each keeps exactly the config it had.
+- `shape_transformer_config(shape, ...)` and `build_gpt_model(shape, ...)`: the model of a
+  `ModelShape` (a converted checkpoint), built by the family registered under `shape.family`
+  (`megatron_csbp.model.families`), with the tensor-parallel attributes of loaded weights set.
+
+`PORTABLE_CONFIG` holds what every model the plugin builds from a checkpoint shares.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: What every model the plugin builds from a checkpoint shares: no dropout (the loss must not depend
+#: on the layout), no fused kernels (they need CUDA, TransformerEngine or Apex, and exactness is
+#: checked against unfused math), weights created on CPU.
+PORTABLE_CONFIG = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    use_cpu_initialization=True,
+)
+
+#: The model dimensions a `TransformerConfig` shares by name with `ModelShape`, the trainer's
+#: `ModelArgs` and Megatron configs.
+DIMENSIONS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels")
+
+
+def dimensions(source) -> dict:
+    """{field: source.field} for the `DIMENSIONS`."""
+    return {name: getattr(source, name) for name in DIMENSIONS}
+
+
+def transformer_config(config_class=None, **fields):
+    """A megatron-core `TransformerConfig` (or the subclass `config_class`, e.g. DiffusionGemmaConfig)
+    with exactly `fields`."""
+    if config_class is None:
+        from megatron.core.transformer.transformer_config import TransformerConfig as config_class
+    return config_class(**fields)
+
+
+def local_layer_spec(block_diffusion: bool = True, kernel: str = "auto", **spec_options):
+    """Megatron's local (torch) GPT layer spec (`get_gpt_layer_local_spec(**spec_options)`), with the
+    block-diffusion core attention (attention kernel `kernel`: --attention-kernel) swapped in unless
+    `block_diffusion=False`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(**spec_options)
+    return with_block_diffusion(spec, kernel) if block_diffusion else spec
+
+
+def with_block_diffusion(spec, kernel: str = "auto"):
+    from megatron_csbp.model.spec import with_block_diffusion_attention
+
+    return with_block_diffusion_attention(spec, kernel=kernel)
+
+
+def gpt_model(config, layer_spec, vocab_size: int, max_sequence_length: int, **options):
+    """A megatron-core `GPTModel` (parallel state must be initialised); `options` are GPTModel's
+    keyword arguments (rotary, embedding tying, pre/post process ...)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
+                    max_sequence_length=max_sequence_length, **options)
+
+
+# ---- a ModelShape, through its family ----------------------------------------------------------
+
+def shape_transformer_config(shape, params_dtype: Optional[torch.dtype] = None, **overrides):
+    """The megatron-core config of `shape` (its family's). `overrides` set parallelism and training
+    options (tensor_model_parallel_size, sequence_parallel, recompute, ...); weights are not drawn
+    unless `perform_initialization=True`."""
+    from megatron_csbp.model.families import get_family
+
+    return get_family(shape.family).transformer_config(shape, params_dtype, **overrides)
+
+
+def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: str = "auto", **config_overrides):
+    """The megatron-core model of `shape` (a `GPTModel`, or the family's subclass of it) under the
+    current parallel state. The vocabulary is exactly `shape.vocab_size` (no padding: TP must divide
+    it). `kernel`: the block-diffusion attention kernel (--attention-kernel).
+
+    Weights are not initialised (they are about to be loaded); pass `perform_initialization=True`
+    in `config_overrides` to draw them. Other overrides set parallelism and training options."""
+    from megatron_csbp.model.families import get_family
+
+    family = get_family(shape.family)
+    if config is None:
+        config = family.transformer_config(shape, **config_overrides)
+    model = family.build_model(shape, config, block_diffusion, kernel)
+    if not config.perform_initialization:
+        mark_tensor_parallel_weights(model, config)
+    return model
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module, config) -> int:
+    """Set the tensor-parallel attributes Megatron only sets while initialising weights.
+
+    With `perform_initialization=False` (weights about to be loaded), megatron-core 0.16 leaves
+    `tensor_model_parallel` / `partition_dim` / `partition_stride` unset on the weights of parallel
+    linears and embeddings, so gradient-norm and optimizer code would treat TP-sharded weights as
+    TP duplicates. This sets exactly what initialisation sets: dim 0 for column-parallel layers and
+    the vocabulary embedding, dim 1 for row-parallel layers, stride 2 for SwiGLU `linear_fc1`.
+    Returns the number of weights marked."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    marked = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or getattr(weight, "tensor_model_parallel", False):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            stride = 2 if (name.endswith("linear_fc1") and config.gated_linear_unit) else 1
+            set_tensor_model_parallel_attributes(weight, True, 0, stride)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+        else:
+            continue
+        marked += 1
+    return marked

@@ -1,0 +1,335 @@
+"""Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral: Megatron-core `GPTModel`s (local layer spec) that
+reproduce the Hugging Face decoders exactly.
+
+Supported: Llama (incl. Llama 3.x rope scaling), Qwen2 (q/k/v bias), Qwen3 (QK-norm), Qwen3-MoE and
+Mixtral (Megatron MoE layers, `SequentialMLP` experts), tied or untied embeddings, GQA, rotary base
+and linear / llama3 rope scaling. Anything else is refused with a message that names the option.
+
+Megatron's local (torch) layer spec is used: RMSNorm (`torch.nn.RMSNorm`), SwiGLU
+(`gated_linear_unit`, silu), no linear biases except the optional fused QKV bias.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_csbp.model.families import register_family
+from megatron_csbp.model.families.base import (
+    Family, ModelShape, UnsupportedModelError, check_dtype, refuse_if,
+)
+
+#: (module prefix, router name, (gate, up, down) expert weight names) of Hugging Face MoE layers
+MLP_MOE_NAMES = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+
+
+# ---- Hugging Face config -> shape ----------------------------------------------------------------
+
+def _rope(cfg: Dict[str, Any]):
+    """(theta, scaling) from either the transformers 5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` fields."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("rope_type" in params or "rope_theta" in params):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(params)
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind == "linear":
+        return float(theta), {"type": "linear", "factor": float(scaling["factor"])}
+    if kind == "llama3":
+        # Megatron's RotaryEmbedding(rope_scaling=True) hard-codes the Llama 3.1 constants.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, want in fixed.items():
+            if float(scaling.get(key, want)) != want:
+                raise UnsupportedModelError(
+                    f"rope_scaling llama3 with {key}={scaling.get(key)}: Megatron's rope scaling "
+                    f"supports only {key}={want}"
+                )
+        return float(theta), {"type": "llama3", "factor": float(scaling["factor"])}
+    raise UnsupportedModelError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3); "
+        "block-diffusion rotary embeddings use Megatron's RotaryEmbedding"
+    )
+
+
+class GPTFamily(Family):
+    """A decoder family built as a Megatron `GPTModel` with the local layer spec. The per-family
+    differences are the constructor's options; subclasses add MoE (`_complete`) or other layers."""
+
+    has_megatron_lm_flags = True
+    #: Hugging Face `layer_types` entries accepted
+    layer_types: Tuple[str, ...] = ("full_attention",)
+    #: a partial_rotary_factor below 1 is reproduced (Megatron's rotary_percent)
+    partial_rotary: bool = False
+
+    def __init__(self, name: str, model_type: str, architecture: str, *, qkv_bias: bool = False,
+                 qk_layernorm: bool = False, attention_bias_has_o_proj: bool = False,
+                 refuse_use_sliding_window: bool = False, refuse_sliding_window: bool = False,
+                 hf_moe_names=MLP_MOE_NAMES):
+        self.name, self.model_types, self.architectures = name, (model_type,), (architecture,)
+        #: q/k/v projections always carry a bias (Qwen2)
+        self.qkv_bias = qkv_bias
+        self.qk_layernorm = qk_layernorm
+        #: `attention_bias=True` also puts a bias on o_proj (Llama, Mixtral): refused
+        self.attention_bias_has_o_proj = attention_bias_has_o_proj
+        self.refuse_use_sliding_window = refuse_use_sliding_window
+        self.refuse_sliding_window = refuse_sliding_window
+        self.hf_moe_names = hf_moe_names
+
+    # ---- Hugging Face config -> shape --------------------------------------------------------
+    def shape_from_hf_config(self, cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
+        family = self.name
+        for arch in cfg.get("architectures") or []:
+            if arch not in self.architectures:
+                raise UnsupportedModelError(
+                    f"architecture {arch!r} is not supported (only causal LMs: {sorted(self.architectures)})"
+                )
+        act = cfg.get("hidden_act", "silu")
+        refuse_if(act != "silu", f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+        refuse_if(cfg.get("attention_bias", False) and self.attention_bias_has_o_proj,
+                  "attention_bias=True (bias on o_proj too) is not supported: Megatron adds q/k/v bias only")
+        refuse_if(cfg.get("mlp_bias", False), "mlp_bias=True is not supported (add_bias_linear=False)")
+        refuse_if(float(cfg.get("attention_dropout", 0.0) or 0.0) != 0.0,
+                  f"attention_dropout={cfg.get('attention_dropout')} is not supported with block diffusion")
+        if self.refuse_use_sliding_window:
+            refuse_if(bool(cfg.get("use_sliding_window", False)),
+                      "use_sliding_window=True (sliding-window layers of Qwen) is not supported by the converter")
+        if self.refuse_sliding_window:
+            refuse_if(cfg.get("sliding_window") is not None,
+                      f"sliding_window={cfg.get('sliding_window')} (Mistral sliding-window attention) is not supported")
+        allowed_layers = set(self.layer_types)
+        refuse_if(cfg.get("layer_types") is not None and any(t not in allowed_layers for t in cfg["layer_types"]),
+                  f"layer_types {sorted(set(cfg.get('layer_types') or []))}: only {sorted(allowed_layers)} layers "
+                  f"are supported for {family}")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        groups = int(cfg.get("num_key_value_heads") or heads)
+        refuse_if(heads % groups != 0, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        theta, scaling = _rope(cfg)
+        partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+        refuse_if(partial not in (None, 1.0) and not self.partial_rotary, f"partial_rotary_factor={partial} is not supported")
+        dtype = check_dtype(params_dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+        shape = ModelShape(
+            family=family,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=int(head_dim),
+            vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+            rotary_base=theta,
+            rope_scaling=scaling,
+            add_qkv_bias=self.qkv_bias or bool(cfg.get("attention_bias", False)),
+            qk_layernorm=self.qk_layernorm,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            params_dtype=dtype,
+            hf_config=dict(cfg),
+        )
+        self._complete(shape, cfg, partial)
+        if shape.is_moe:
+            refuse_if(shape.moe_router_topk > shape.num_experts,
+                      f"num_experts_per_tok {shape.moe_router_topk} > number of experts {shape.num_experts}")
+        return shape
+
+    def _complete(self, shape: ModelShape, cfg: Dict[str, Any], partial_rotary) -> None:
+        """Fill in the family's own fields (MoE, hybrid layers) from `cfg`."""
+
+    # ---- shape -> Megatron -------------------------------------------------------------------
+    def config_fields(self, shape: ModelShape, dtype: torch.dtype) -> Dict[str, Any]:
+        from megatron_csbp.model.builder import PORTABLE_CONFIG, dimensions
+
+        kwargs = dict(
+            **dimensions(shape),
+            normalization="RMSNorm",
+            layernorm_epsilon=shape.norm_epsilon,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=shape.add_qkv_bias,
+            qk_layernorm=shape.qk_layernorm,
+            **PORTABLE_CONFIG,
+            # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
+            perform_initialization=False,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+        )
+        if shape.is_moe:
+            kwargs.update(
+                num_moe_experts=shape.num_experts,
+                moe_router_topk=shape.moe_router_topk,
+                moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                moe_router_pre_softmax=shape.moe_router_pre_softmax,
+                moe_router_score_function="softmax",
+                moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0,
+                moe_grouped_gemm=False,
+                # allgather runs on CPU without streams; any dispatcher reads the same checkpoint
+                moe_token_dispatcher_type="allgather",
+                moe_layer_freq=shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
+                moe_input_jitter_eps=shape.moe_input_jitter_eps,
+            )
+        return kwargs
+
+    def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
+        from megatron_csbp.model import builder
+
+        kwargs = self.config_fields(shape, params_dtype or shape.torch_dtype)
+        kwargs.update(overrides)
+        return builder.transformer_config(**kwargs)
+
+    def layer_spec(self, shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto"):
+        """Megatron local layer spec of `shape` (a decoder block spec when dense and MoE layers mix),
+        with the block-diffusion core attention (attention kernel `kernel`: --attention-kernel) swapped
+        in unless `block_diffusion=False`."""
+        from megatron_csbp.model import builder
+
+        if shape.is_moe and shape.moe_layer_pattern is not None:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            if config is None:
+                raise ValueError("a mixed dense/MoE layer pattern needs the TransformerConfig")
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+            return builder.with_block_diffusion(spec, kernel) if block_diffusion else spec
+        return builder.local_layer_spec(block_diffusion, kernel,
+                                        num_experts=shape.num_experts if shape.is_moe else None,
+                                        moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm,
+                                        normalization="RMSNorm")
+
+    def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto"):
+        from megatron_csbp.model import builder
+
+        return builder.gpt_model(
+            config, self.layer_spec(shape, config, block_diffusion, kernel=kernel),
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            **rotary_kwargs(shape),
+        )
+
+    # ---- weights -----------------------------------------------------------------------------
+    def hf_to_megatron(self, shape, tensors, cfg):
+        from megatron_csbp.conversion.mapping import hf_to_megatron
+
+        return hf_to_megatron(shape, tensors, self.hf_moe_names), {}
+
+    def megatron_to_hf(self, shape, state):
+        from megatron_csbp.conversion.mapping import megatron_to_hf
+
+        return dict(shape.hf_config), megatron_to_hf(shape, state, self.hf_moe_names), ()
+
+    def megatron_flags(self, shape: ModelShape) -> List[str]:
+        """Megatron-LM command-line flags that rebuild the same model (local spec)."""
+        flags = [
+            f"--num-layers {shape.num_layers}",
+            f"--hidden-size {shape.hidden_size}",
+            f"--ffn-hidden-size {shape.ffn_hidden_size}",
+            f"--num-attention-heads {shape.num_attention_heads}",
+            f"--kv-channels {shape.kv_channels}",
+            f"--max-position-embeddings {shape.max_position_embeddings}",
+            "--position-embedding-type rope",
+            f"--rotary-base {int(shape.rotary_base)}",
+            "--rotary-percent 1.0",
+            "--normalization RMSNorm",
+            f"--norm-epsilon {shape.norm_epsilon}",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--attention-dropout 0.0",
+            "--hidden-dropout 0.0",
+            f"--vocab-size {shape.vocab_size}",
+            "--make-vocab-size-divisible-by 1",
+            "--transformer-impl local",
+            "--no-masked-softmax-fusion",
+            "--no-bias-swiglu-fusion",
+            "--no-rope-fusion",
+        ]
+        if shape.num_query_groups != shape.num_attention_heads:
+            flags += ["--group-query-attention", f"--num-query-groups {shape.num_query_groups}"]
+        if shape.add_qkv_bias:
+            flags.append("--add-qkv-bias")
+        if shape.qk_layernorm:
+            flags.append("--qk-layernorm")
+        if not shape.tie_word_embeddings:
+            flags.append("--untie-embeddings-and-output-weights")
+        if shape.rope_scaling is not None:
+            if shape.rope_scaling["type"] == "llama3":
+                flags += ["--use-rope-scaling", f"--rope-scaling-factor {shape.rope_scaling['factor']}"]
+            else:
+                flags.append(f"--rotary-seq-len-interpolation-factor {shape.rope_scaling['factor']}")
+        if shape.is_moe:
+            flags += [
+                f"--num-experts {shape.num_experts}",
+                f"--moe-router-topk {shape.moe_router_topk}",
+                f"--moe-ffn-hidden-size {shape.moe_ffn_hidden_size}",
+                "--moe-router-score-function softmax",
+                "--moe-router-load-balancing-type none",
+            ]
+            if shape.moe_router_pre_softmax:
+                flags.append("--moe-router-pre-softmax")
+            if shape.moe_layer_pattern is not None:
+                flags.append(f"--moe-layer-freq \"([{','.join(map(str, shape.moe_layer_pattern))}])\"")
+            if shape.moe_input_jitter_eps:
+                flags.append(f"--moe-input-jitter-eps {shape.moe_input_jitter_eps}")
+        flags.append("--bf16" if shape.params_dtype == "bfloat16" else "--fp16" if shape.params_dtype == "float16" else "")
+        return [f for f in flags if f]
+
+
+class Qwen3MoeFamily(GPTFamily):
+    def _complete(self, shape, cfg, partial_rotary):
+        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+        step = int(cfg.get("decoder_sparse_step", 1))
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        pattern = [int(i not in mlp_only and experts > 0 and (i + 1) % step == 0) for i in range(shape.num_layers)]
+        shape.num_experts = experts
+        shape.moe_router_topk = int(cfg["num_experts_per_tok"])
+        shape.moe_ffn_hidden_size = int(cfg["moe_intermediate_size"])
+        # softmax over all experts then top-k; renormalising the top-k (norm_topk_prob) is the same
+        # as top-k of the logits followed by a softmax over them.
+        shape.moe_router_pre_softmax = not bool(cfg.get("norm_topk_prob", False))
+        shape.moe_layer_pattern = None if all(pattern) else pattern
+        refuse_if(not any(pattern), "Qwen3-MoE config without any MoE layer: convert it as qwen3")
+
+
+class MixtralFamily(GPTFamily):
+    def _complete(self, shape, cfg, partial_rotary):
+        shape.num_experts = int(cfg["num_local_experts"])
+        shape.moe_router_topk = int(cfg["num_experts_per_tok"])
+        shape.moe_ffn_hidden_size = int(cfg["intermediate_size"])
+        shape.moe_router_pre_softmax = False  # top-k of the logits, softmax over the k
+        jitter = float(cfg.get("router_jitter_noise", 0.0) or 0.0)
+        shape.moe_input_jitter_eps = jitter or None
+
+
+def rotary_kwargs(shape: ModelShape) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = dict(position_embedding_type="rope", rotary_percent=shape.rotary_percent,
+                                  rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer()
+                                  else shape.rotary_base)
+    if shape.rope_scaling is not None:
+        if shape.rope_scaling["type"] == "llama3":
+            kwargs.update(rope_scaling=True, rope_scaling_factor=shape.rope_scaling["factor"])
+        elif shape.rope_scaling["type"] == "linear":
+            kwargs.update(seq_len_interpolation_factor=shape.rope_scaling["factor"])
+        else:  # guarded by shape_from_hf_config; a hand-edited file lands here
+            raise UnsupportedModelError(f"rope scaling {shape.rope_scaling} is not supported")
+    return kwargs
+
+
+register_family(GPTFamily("llama", "llama", "LlamaForCausalLM", attention_bias_has_o_proj=True))
+register_family(GPTFamily("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, refuse_use_sliding_window=True))
+register_family(GPTFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qk_layernorm=True, refuse_use_sliding_window=True))
+register_family(Qwen3MoeFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_layernorm=True,
+                               refuse_use_sliding_window=True))
+register_family(MixtralFamily("mixtral", "mixtral", "MixtralForCausalLM", attention_bias_has_o_proj=True,
+                              refuse_sliding_window=True,
+                              hf_moe_names=("block_sparse_moe", "gate", ("w1", "w3", "w2"))))
