@@ -105,7 +105,7 @@ class BlockDiffusionSampler:
     # -- model calls ---------------------------------------------------------------------------
     def _run(self, ids: torch.Tensor, rows: RowMeta, logits_rows: Optional[int]) -> torch.Tensor:
         from megatron_csbp.attention.block_attention import AttentionPlan
-        from megatron_csbp.attention.core_attention import plan_mask
+        from megatron_csbp.attention.plan_handles import plan_mask
 
         pos = rows.position
         self.gpt.rotary_pos_emb.positions = pos

@@ -285,7 +285,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
                 inference_params=None, **kwargs):
-        from megatron_csbp.attention.core_attention import plan_from_mask
+        from megatron_csbp.attention.plan_handles import plan_from_mask
 
         if inference_context is not None or inference_params is not None:
             raise ValueError("Gated DeltaNet block-diffusion layers do not support inference contexts")

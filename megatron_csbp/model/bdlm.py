@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megatron_csbp.attention.block_attention import AttentionPlan, plan_for_layout
-from megatron_csbp.attention.core_attention import plan_mask
+from megatron_csbp.attention.plan_handles import plan_mask
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.model.rotary import LayoutRotaryEmbedding
