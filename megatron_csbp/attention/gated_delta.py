@@ -222,7 +222,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def __init__(self, *args, cp_comm_type=None, **kwargs):
         # cp_comm_type: Megatron passes it to every attention module when its CP size > 1; the
         # block layout, not Megatron's CP, decides what this layer exchanges.
-        from megatron_csbp.compat.cpu import torch_view_for_module
+        from megatron_csbp.compat.device import torch_view_for_module
 
         saved = _mc_gdn.HAVE_FLA, _mc_gdn.torch
         _mc_gdn.HAVE_FLA = True  # the guard only; nothing of FLA is used here

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.conversion.cpu_fallback import ensure_cpu_compat
+from megatron_csbp.compat.cpu import install_cpu_compat
 from megatron_csbp.model.providers import SHAPE_FILE, ModelShape, build_gpt_model
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -39,7 +39,7 @@ def single_process_megatron():
     set them up; torn down afterwards if created here."""
     from megatron.core import parallel_state as mpu
 
-    ensure_cpu_compat()
+    install_cpu_compat()  # a no-op with CUDA
     created_pg = created_mpu = False
     tmp = None
     if not dist.is_initialized():
