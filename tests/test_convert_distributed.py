@@ -23,9 +23,9 @@ def _rank(rank, world, cases):
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.conversion.api import ARScorer
     from megatron_csbp.conversion.checkpoint import load_gpt_model, save_gpt_model
-    from megatron_csbp.conversion.cpu_fallback import ensure_cpu_compat
+    from megatron_csbp.compat.cpu import install_cpu_compat
 
-    ensure_cpu_compat()
+    install_cpu_compat()
     out = []
     for c in cases:
         bps.initialize_block_parallel(tensor_model_parallel_size=c["tp"], expert_model_parallel_size=c["ep"])

@@ -197,12 +197,12 @@ def _layouts_rank(rank, world, meg_dir, cases):
 
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.conversion.checkpoint import load_gpt_model
-    from megatron_csbp.conversion.cpu_fallback import ensure_cpu_compat
+    from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
 
-    ensure_cpu_compat()
+    install_cpu_compat()
     results = []
     for c in cases:
         bps.initialize_block_parallel(tensor_model_parallel_size=c["tp"], context_parallel_size=c["cp"],

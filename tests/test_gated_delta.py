@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_csbp.attention.block_attention import plan_for_layout
-from megatron_csbp.attention.core_attention import plan_mask
+from megatron_csbp.attention.plan_handles import plan_mask
 from megatron_csbp.attention.gated_delta import chunk_rule, recurrent_rule
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry

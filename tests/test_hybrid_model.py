@@ -3,7 +3,7 @@ the BD3-LM loss and its parameter gradients against the per-block brute force.""
 import torch
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.attention.core_attention import plan_from_mask, plan_mask
+from megatron_csbp.attention.plan_handles import plan_from_mask, plan_mask
 from megatron_csbp.attention.gated_delta import BlockDiffusionGatedDeltaNet
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta

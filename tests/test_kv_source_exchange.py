@@ -80,7 +80,8 @@ def _batch():
 
 def _captured_calls(gpt, model):
     """(layer, key, value, source) of every core attention call of one forward."""
-    from megatron_csbp.attention.core_attention import BlockDiffusionAttention, kv_source_of
+    from megatron_csbp.attention.core_attention import BlockDiffusionAttention
+    from megatron_csbp.attention.plan_handles import kv_source_of
 
     calls = []
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.attention.core_attention import BlockDiffusionAttention, plan_from_mask, plan_mask
+from megatron_csbp.attention.core_attention import BlockDiffusionAttention
+from megatron_csbp.attention.plan_handles import plan_from_mask, plan_mask
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta, dense_reference_mask
 from megatron_csbp.model.bdlm import BlockDiffusionModel

@@ -13,6 +13,10 @@ moves that tensor alone (half the bytes of K and V when it has K's width) and ea
 derives K and V of the rows it got at their layout positions; its own rows keep the K and V it
 was given. The CP baseline keeps moving K and V: it stands for Megatron's CP, which has no such
 notion.
+
+The branches of exchange x transport x window x K/V source are `attention.strategies`: one
+small class per exchange and transport, chosen when the plan is built; `block_diffusion_attention`
+only puts the rows in local order and dispatches.
 """
 from __future__ import annotations
 
@@ -23,8 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.attention.kernels import PartialMerge, merge_partials
-from megatron_csbp.attention.transports import PendingAllToAll, PendingGather, pack_kv, ring_chunks, unpack_kv
+from megatron_csbp.attention.strategies import AttentionCall, ExchangeStrategy, select_strategy
 from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask
@@ -75,6 +78,13 @@ class AttentionPlan:
             assert bool(self.local.is_clean[self.num_noisy :].all()), "local rows must be [noisy ; clean]"
         if not self.clean_queries:
             assert self.physical_order is None, "key-only clean rows are not supported with sequence parallelism"
+        # The exchange strategy of full-attention and of sliding-window layers, chosen once.
+        self.strategy: ExchangeStrategy = select_strategy(self.exchange, self.transport, windowed=False)
+        self.window_strategy: ExchangeStrategy = select_strategy(self.exchange, self.transport, windowed=True)
+
+    def strategy_for(self, window: Optional[int]) -> ExchangeStrategy:
+        """The exchange strategy of a layer with sliding window `window` (None: full attention)."""
+        return self.strategy if window is None else self.window_strategy
 
     @property
     def num_query_rows(self) -> int:
@@ -147,166 +157,28 @@ def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: fl
                               kv_source: Optional[KVSource] = None):
     """q [sq, b, H, d], k/v [sq, b, G, d] for this rank's local rows; returns [sq, b, H, d].
 
+    Dispatches to the plan's exchange strategy for this layer (`plan.strategy_for(window)`, see
+    `attention.strategies`) after putting the rows in the plan's local order.
     `kv_source`: optional `KVSource` of the same rows; the clean exchange (CSBP) then moves its
     raw rows instead of K and V. Ignored by the other exchanges."""
     if kv_source is not None and kv_source.raw.shape[:2] != k.shape[:2]:
         raise ValueError(f"K/V source has rows {tuple(kv_source.raw.shape[:2])}, k has {tuple(k.shape[:2])}")
-    if plan.exchange != "clean":
-        kv_source = None
-    if plan.physical_order is not None:
-        to_local = torch.argsort(plan.physical_order).to(q.device)
-        if kv_source is not None:
-            kv_source = replace(kv_source, raw=kv_source.raw[to_local])
-        out = _block_diffusion_attention(q[to_local], k[to_local], v[to_local], plan, softmax_scale=softmax_scale,
-                                         kernel=kernel, window=window, layer=layer, kv_source=kv_source)
-        return out[plan.physical_order.to(q.device)]
-    return _block_diffusion_attention(q, k, v, plan, softmax_scale=softmax_scale, kernel=kernel, window=window,
-                                      layer=layer, kv_source=kv_source)
-
-
-def _block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0,
-                               kv_source: Optional[KVSource] = None):
-    geometry = plan.geometry.with_window(window) if window != plan.geometry.window else plan.geometry
-    device = q.device
-    local = plan.local
     if q.shape[0] != plan.num_query_rows:
         raise RuntimeError(f"q has {q.shape[0]} rows, the plan expects {plan.num_query_rows}")
-    # Query metadata: every local row, or the noisy rows alone when clean rows are keys only.
-    queries = local if plan.clean_queries else local.select(slice(0, plan.num_noisy))
-
-    # Chunks that arrived over the network but have no allowed pair are skipped; they stay tied
-    # to the output with a zero so that every rank runs the same backward collectives.
-    anchors = []
-
-    def partial(tag, q_rows, k_rows, q_, k_, v_):
-        m, cols = plan.mask(tag, q_rows, k_rows, geometry, device)
-        if m.shape[1] == 0:
-            if k_.requires_grad:
-                anchors.append(k_.sum() + v_.sum())
-            return None
-        if cols is not None:
-            k_, v_ = k_.index_select(0, cols), v_.index_select(0, cols)
-        return kernel(q_, k_, v_, m, softmax_scale)
-
-    def tie(out):
-        for a in anchors:
-            out = out + 0.0 * a
-        return out
-
-    if plan.exchange == "all":
-        # CP baseline: every row's K/V crosses ranks.
-        kv = pack_kv(k, v)
-        parts = PartialMerge()  # ring chunks merge as they arrive: one accumulator in flight
-        if plan.transport == "allgather":
-            gathered = PendingGather(kv, plan.group, layer).result()
-            gk, gv = unpack_kv(gathered)
-            part = partial(("all",), queries, RowMeta.cat(plan.peers), q, gk, gv)
-            if part is not None:
-                parts.add(*part)
-        else:
-            for src, chunk in ring_chunks(kv, plan.group, layer):
-                ck, cv = unpack_kv(chunk)
-                part = partial(("ring", src), queries, plan.peers[src], q, ck, cv)
-                if part is not None:
-                    parts.add(*part)
-        return tie(parts.result()[0] if parts.count else q * 0.0)
-
-    n = plan.num_noisy
-    noisy_rows, clean_rows = local.select(slice(0, n)), local.select(slice(n, None))
-    # What the clean exchange moves: this rank's clean K and V, or their source rows alone.
-    outgoing = None
-    if plan.exchange == "clean":
-        outgoing = pack_kv(k[n:], v[n:]) if kv_source is None else kv_source.raw[n:]
-
-    def arrived(tag, rows: RowMeta, received: torch.Tensor):
-        """K and V of rows received from other ring members."""
-        if kv_source is None:
-            return unpack_kv(received)
-        return kv_source.derive(received, plan.positions(tag, rows, device))
-
-    pending = windowed = None
-    if plan.exchange == "clean" and geometry.window is not None:
-        # Sliding-window layer: only the clean rows inside the windows move (one all-to-all).
-        windowed = plan.window_exchange(geometry)
-        pending = PendingAllToAll(outgoing, windowed.send_index, windowed.recv_counts, plan.group, layer)
-    elif plan.exchange == "clean" and plan.transport == "allgather":
-        # Start moving clean K/V now; the block-diagonal noisy attention below overlaps it.
-        pending = PendingGather(outgoing, plan.group, layer)
-
-    if not n:
-        noisy_part = None
-    elif plan.noisy_rows_are_whole_blocks:
-        noisy_part = block_diagonal_attention(q[:n], k[:n], v[:n], geometry.block_size, kernel, softmax_scale,
-                                              plan.block_diagonal_mask(device))
-    else:
-        noisy_part = partial(("noisy",), noisy_rows, noisy_rows, q[:n], k[:n], v[:n])
-
-    clean_parts = PartialMerge()  # streamed: ring chunks merge as they arrive
-
-    def add_clean(part):
-        if part is not None:
-            clean_parts.add(*part)
-
-    if plan.exchange == "none":
-        add_clean(partial(("clean",), queries, clean_rows, q, k[n:], v[n:]))
-    elif windowed is not None:
-        recv_rows = RowMeta.cat(windowed.recv_rows)
-        # Derived even when nothing arrived: the empty result keeps the all-to-all's backward
-        # (which this rank's sent rows need) in the graph.
-        rk, rv = arrived(("window", geometry.window), recv_rows, pending.result())
-        keys = RowMeta.cat([clean_rows, recv_rows])
-        add_clean(partial(("window",), queries, keys, q, torch.cat([k[n:], rk]), torch.cat([v[n:], rv])))
-    elif plan.transport == "allgather":
-        if kv_source is None:
-            gk, gv = unpack_kv(pending.result())
-        else:
-            # The own shard in the gathered rows is replaced by this rank's K and V.
-            me, sizes = plan.ring_index, [len(p) for p in plan.peers]
-            start, stop = sum(sizes[:me]), sum(sizes[: me + 1])
-            gathered = pending.result()
-            others = torch.cat([gathered[:start], gathered[stop:]])
-            ok, ov = arrived(("gathered",), RowMeta.cat(plan.peers[:me] + plan.peers[me + 1 :]), others)
-            gk = torch.cat([ok[:start], k[n:], ok[start:]])
-            gv = torch.cat([ov[:start], v[n:], ov[start:]])
-        add_clean(partial(("clean",), queries, RowMeta.cat(plan.peers), q, gk, gv))
-    else:
-        for src, chunk in ring_chunks(outgoing, plan.group, layer):
-            if kv_source is not None and src == plan.ring_index:
-                ck, cv = k[n:], v[n:]
-            else:
-                ck, cv = arrived(("ring", src), plan.peers[src], chunk)
-            add_clean(partial(("ring", src), queries, plan.peers[src], q, ck, cv))
-    if not clean_parts.count:
-        # Only possible when no query sees a clean key (block 0 alone): noisy part is everything.
-        # With no query rows at all (a DFlash rank that owns no block) the output is empty.
-        return tie(noisy_part[0] if noisy_part is not None else q * 0.0)
-    clean_out, clean_lse = clean_parts.result()
-    if noisy_part is None:
-        return tie(clean_out)
-    # Noisy queries merge their in-block part with their clean-prefix part; clean queries have
-    # only the clean part.
-    noisy_out, _ = merge_partials([noisy_part, (clean_out[:n], clean_lse[..., :n])])
-    return tie(torch.cat([noisy_out, clean_out[n:]], dim=0))
-
-
-def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float,
-                             mask: Optional[PartialMask] = None):
-    """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
-    batch: nb dense B x B problems instead of one (nb*B)^2 masked one. `mask`: the all-allowed
-    `PartialMask.block_diagonal(B)` (a plan passes its cached one, so kernels cache what they
-    derive from it once)."""
-    n, b, H, d = q.shape
-    nb, B = n // block_size, block_size
-
-    def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
-        return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
-
-    if mask is None:
-        mask = PartialMask.block_diagonal(B, q.device)
-    out, lse = kernel(fold(q), fold(k), fold(v), mask, softmax_scale)
-    out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
-    lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
-    return out, lse
+    strategy = plan.strategy_for(window)
+    if not strategy.moves_kv_source:
+        kv_source = None
+    geometry = plan.geometry.with_window(window) if window != plan.geometry.window else plan.geometry
+    to_local = None
+    if plan.physical_order is not None:
+        to_local = torch.argsort(plan.physical_order).to(q.device)
+        q, k, v = q[to_local], k[to_local], v[to_local]
+        if kv_source is not None:
+            kv_source = replace(kv_source, raw=kv_source.raw[to_local])
+    call = AttentionCall(plan, q, k, v, geometry=geometry, kernel=kernel, softmax_scale=softmax_scale, layer=layer,
+                         kv_source=kv_source)
+    out = strategy.attend(call)
+    return out if to_local is None else out[plan.physical_order.to(q.device)]
 
 
 def plan_for_layout(layout, rank: int = 0, group=None, transport: str = "allgather") -> AttentionPlan:

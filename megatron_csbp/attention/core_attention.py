@@ -2,85 +2,28 @@
 
 Megatron calls core attention with (query, key, value, attention_mask, ...). The block-diffusion
 model passes, as `attention_mask`, a one-element tensor holding the id of this rank's
-`AttentionPlan` (see `plan_mask`). A tensor travels through every Megatron path, including
-full-layer activation recompute, which saves, detaches and replays the layer's inputs: the
-recompute then finds the same plan and replays the same collectives.
+`AttentionPlan` (see `plan_handles.plan_mask`). A tensor travels through every Megatron path,
+including full-layer activation recompute, which saves, detaches and replays the layer's inputs:
+the recompute then finds the same plan and replays the same collectives.
 
 A K/V source (see `block_attention.KVSource`) reaches the core attention the same way, on a
-tensor of the call: the attention module attaches it to the `value` it returns (`with_kv_source`).
-It lives and dies with that one call's value tensor, so nothing carries over between calls, and a
+tensor of the call: the attention module attaches it to the `value` it returns
+(`plan_handles.with_kv_source`). It lives and dies with that one call's value tensor, so nothing carries over between calls, and a
 recompute replays whatever the replayed attention attaches. Inputs that Megatron detaches before
 calling core attention (selective core-attention recompute) carry none: those calls move K and V.
 """
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from typing import Optional
 
 import torch
 
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_csbp.attention.block_attention import AttentionPlan, KVSource, block_diffusion_attention
+from megatron_csbp.attention.block_attention import block_diffusion_attention
 from megatron_csbp.attention.kernels import get_kernel
-
-# Plans are found by an id stored in the mask tensor's value: the value survives everything
-# Megatron does to layer inputs (detach in recompute, save_for_backward, device moves).
-_PLANS: "weakref.WeakValueDictionary[int, AttentionPlan]" = weakref.WeakValueDictionary()
-_NEXT_ID = itertools.count(1)
-
-
-def plan_mask(plan: AttentionPlan) -> torch.Tensor:
-    """A 1-element tensor for Megatron's `attention_mask` argument that identifies `plan`."""
-    handle = getattr(plan, "_mask_handle", None)
-    if handle is None:
-        plan_id = next(_NEXT_ID)
-        _PLANS[plan_id] = plan
-        handle = torch.tensor([plan_id], dtype=torch.long)
-        handle.block_diffusion_plan = plan  # keeps the plan alive as long as the mask is
-        plan._mask_handle = handle
-    return handle
-
-
-_KV_SOURCE = "block_diffusion_kv_source"
-
-
-def with_kv_source(value: torch.Tensor, source: KVSource) -> torch.Tensor:
-    """`value` carrying the K/V source of its rows to `BlockDiffusionAttention` (returns it)."""
-    if source.raw.shape[:2] != value.shape[:2]:
-        raise ValueError(f"K/V source rows {tuple(source.raw.shape[:2])} do not match value {tuple(value.shape[:2])}")
-    setattr(value, _KV_SOURCE, source)
-    return value
-
-
-def kv_source_of(value) -> Optional[KVSource]:
-    """The K/V source attached to `value` by `with_kv_source`, or None."""
-    return getattr(value, _KV_SOURCE, None)
-
-
-def plan_from_mask(attention_mask) -> AttentionPlan:
-    plan = None
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.long and attention_mask.numel() == 1:
-        plan = _PLANS.get(int(attention_mask.item()))
-    if plan is None:
-        raise RuntimeError(
-            "BlockDiffusionAttention got an ordinary attention mask. Run the model through "
-            "megatron_csbp.model.BlockDiffusionModel, which passes the block layout as the mask."
-        )
-    return plan
-
-
-def layer_window(config, layer_number: int) -> Optional[int]:
-    """Sliding window W (keys q-W < k <= q) of this layer from Megatron's window settings."""
-    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-        return None
-    left, right = config.window_size
-    if right not in (0, -1) and right is not None:
-        raise ValueError(f"--window-size right side must be 0 for block diffusion, got {config.window_size}")
-    return None if left is None or left < 0 else left + 1
+from megatron_csbp.attention.plan_handles import kv_source_of, layer_window, plan_from_mask
 
 
 class BlockDiffusionAttention(MegatronModule):

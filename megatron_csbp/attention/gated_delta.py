@@ -222,7 +222,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def __init__(self, *args, cp_comm_type=None, **kwargs):
         # cp_comm_type: Megatron passes it to every attention module when its CP size > 1; the
         # block layout, not Megatron's CP, decides what this layer exchanges.
-        from megatron_csbp.compat.cpu import torch_view_for_module
+        from megatron_csbp.compat.device import torch_view_for_module
 
         saved = _mc_gdn.HAVE_FLA, _mc_gdn.torch
         _mc_gdn.HAVE_FLA = True  # the guard only; nothing of FLA is used here
@@ -285,7 +285,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
                 inference_params=None, **kwargs):
-        from megatron_csbp.attention.core_attention import plan_from_mask
+        from megatron_csbp.attention.plan_handles import plan_from_mask
 
         if inference_context is not None or inference_params is not None:
             raise ValueError("Gated DeltaNet block-diffusion layers do not support inference contexts")

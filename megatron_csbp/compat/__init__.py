@@ -1,0 +1,41 @@
+"""Running megatron-core (and Megatron-LM's training loop) on CPU gloo ranks, one module per mechanism.
+
+Entry points (each a no-op when CUDA is available): `compat.cpu.install_cpu_compat()` for
+megatron-core, `compat.megatron_lm.install_megatron_lm_cpu_compat()` for Megatron-LM on top of it.
+`install_cpu_compat` installs, in this order:
+
+1. `compat.device`: megatron modules that name CUDA see a `torch` whose CUDA is the CPU.
+2. `compat.rng`: Megatron's RNG tracker and recompute RNG get/set on the CPU generator.
+3. `compat.optimizer`: CUDA type-name checks, the DP-zero gather, torch Adam state fixes.
+4. `compat.moe`: MoE without TransformerEngine over gloo.
+5. `compat.norms`: torch norms under TP sequence parallelism.
+
+Which patches change numerics (each claim checked against the patch; docs/compat.md has the same list):
+
+Only relocate devices or lift CUDA-only checks (numerics unchanged):
+- device proxy: CUDA `device=` factories and `current_device()` give the CPU; streams and events
+  are no-ops (CPU work is synchronous); `synchronize` / `empty_cache` do nothing.
+- optimizer: CPU tensors report `torch.cuda.*` type names inside `clip_grad_by_total_norm_fp32`
+  and the optimizers' constructors (same fp32 math); the DP-zero state gather takes its gloo
+  branch (same gathers); the fully-reshardable load copies the keys present (no KeyError);
+  `state_dict` before the first step creates the zero state torch Adam creates at its first step.
+- MoE: `te_general_gemm = None` selects megatron-core's own non-TE router GEMM; all-to-all split
+  sizes become lists (same sizes); the dispatcher's side stream is the no-op stream.
+- Megatron-LM (`compat.megatron_lm`): `allow_no_cuda`, one device (`device_count() == 1`,
+  `set_device` no-op), no fused-kernel build, architecture version 0, `.cuda()` is the identity.
+
+Change numbers, or decide which numbers are drawn:
+- RNG: random draws (dropout, anything drawn under the tracker) come from the CPU generator's
+  stream for the given seeds, not CUDA's: reproducible and replayed exactly under recompute, but
+  not a GPU run's numbers. `model_parallel_cuda_manual_seed` calls `torch.cuda.manual_seed(seed)`,
+  which through the proxy reseeds the CPU default generator (on GPU the CUDA one). The
+  objectives' noise comes from their own `torch.Generator`s, untouched.
+- optimizer: `DistributedOptimizer.load_state_dict` with torch Adam gives each parameter its own
+  `step` tensor. Unpatched, one shared tensor is incremented once per parameter and a resumed run
+  silently uses wrong bias corrections; patched, it matches an uninterrupted run.
+- norms: torch norms under `--sequence-parallel` (unpatched: refused) get their gradients
+  all-reduced over TP, as TE norms do: the numerics of the GPU path.
+- memory statistics read 0: logged numbers only, never the model's.
+- Megatron-LM's `_warmup_jit_function` runs under `torch.random.fork_rng`: this one prevents a
+  change (its CPU draws would otherwise shift the initial weights with the CP size).
+"""

@@ -2,8 +2,10 @@
 
 `install_megatron_lm_cpu_compat()` is a no-op when `torch.cuda.is_available()`. Without CUDA it
 first installs megatron-core's shim (`megatron_csbp.compat.cpu`), then patches the Megatron-LM call
-sites below. As there, nothing changes numerics: each patch replaces a CUDA-only device, stream or
-query by its CPU equivalent, or takes Megatron-LM's own no-CUDA branch.
+sites below. Each replaces a CUDA-only device, stream or query by its CPU equivalent, or takes
+Megatron-LM's own no-CUDA branch; none changes numerics (the `_warmup_jit_function` patch keeps
+the initial weights independent of CP; what the core shim changes: the `megatron_csbp.compat`
+package docstring).
 
 | call site (Megatron-LM core_v0.16.1) | what breaks on CPU | what the shim does |
 |---|---|---|
@@ -12,7 +14,7 @@ query by its CPU equivalent, or takes Megatron-LM's own no-CUDA branch.
 | `_warmup_jit_function` (`set_jit_fusion_options`, in `pretrain()` before the model is built) | draws `torch.rand(..., device="cuda")` tensors shaped by --seq-length / CP: on GPU from the CUDA generator, on CPU from the CPU generator that --use-cpu-initialization weights come from, so the initial weights would depend on the CP size | runs with the CPU generator state saved and restored (`torch.random.fork_rng`), as the CUDA generator leaves it on GPU |
 | `megatron.legacy.fused_kernels.load` (`_compile_dependencies`) | reads the CUDA toolkit's `nvcc -V` (`CUDA_HOME` is None) | nothing to build without CUDA: a no-op |
 | `get_device_arch_version()` (validate_args) | reads the GPU's compute capability | 0: no GPU architecture (so Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 rule for TP/CP > 1 applies, as before Blackwell) |
-| `training.py`, `utils.py`, `checkpointing.py`, ... (every module that names CUDA) | `device='cuda'` factories, `torch.cuda.current_device()`, streams, `empty_cache`, memory statistics | the module's `torch` becomes compat/cpu.py's proxy (CUDA devices are the CPU, streams no-ops, memory statistics 0) |
+| `training.py`, `utils.py`, `checkpointing.py`, ... (every module that names CUDA) | `device='cuda'` factories, `torch.cuda.current_device()`, streams, `empty_cache`, memory statistics | the module's `torch` becomes compat/device.py's proxy (CUDA devices are the CPU, streams no-ops, memory statistics 0) |
 | `get_model()` (`model_module.cuda(...)`), `evaluate()` and `get_batch_on_this_tp_rank` (`tensor.cuda()`) | `.cuda()` raises without CUDA | `torch.Tensor.cuda` and `torch.nn.Module.cuda` return the object unchanged on the CPU (without CUDA they can only raise, so nothing that worked changes) |
 
 Call it after importing Megatron-LM's training package (`megatron.training`) and before `pretrain()`.
@@ -21,11 +23,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 
 import torch
 
-from megatron_csbp.compat import cpu as core_compat
+from megatron_csbp.compat import cpu as core_compat, device as device_view
 
 _INSTALLED = False
 _PREFIXES = ("megatron.training", "megatron.legacy", "megatron.post_training", "megatron.rl")
@@ -42,7 +43,7 @@ _EAGER_MODULES = (
 )
 
 
-class _TrainingCuda(core_compat._CpuCuda):
+class _TrainingCuda(device_view.CpuCuda):
     """`torch.cuda` as Megatron-LM's training package sees it on CPU: one device, the CPU."""
 
     @staticmethod
@@ -54,7 +55,7 @@ class _TrainingCuda(core_compat._CpuCuda):
         pass
 
 
-class _TrainingTorchProxy(core_compat._TorchProxy):
+class _TrainingTorchProxy(device_view.TorchProxy):
     def __getattr__(self, name):
         if name == "cuda":
             return _TRAINING_CUDA
@@ -66,14 +67,7 @@ _TRAINING_TORCH_PROXY = _TrainingTorchProxy()
 
 
 def _proxy_training_modules() -> None:
-    for name, module in list(sys.modules.items()):
-        if module is None or name in core_compat._PROXIED:
-            continue
-        if not (name.startswith(_PREFIXES) or name in _SCRIPTS):
-            continue
-        if getattr(module, "torch", None) is torch and core_compat._mentions_cuda(module):
-            module.torch = _TRAINING_TORCH_PROXY
-        core_compat._PROXIED.add(name)
+    device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
 
 
 def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
@@ -116,7 +110,7 @@ def _patch_initialize() -> None:
 def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
     """Install the Megatron-LM CPU shim when CUDA is absent (or `force`). Returns whether it is active."""
     global _INSTALLED
-    if not force and not core_compat.cuda_absent():
+    if not force and not device_view.cuda_absent():
         return False
     core_compat.install_cpu_compat(force=force)
     for name in _EAGER_MODULES:

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.conversion.cpu_fallback import ensure_cpu_compat
+from megatron_csbp.compat.cpu import install_cpu_compat
 from megatron_csbp.model.builder import build_gpt_model
 from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 
@@ -40,7 +40,7 @@ def single_process_megatron():
     set them up; torn down afterwards if created here."""
     from megatron.core import parallel_state as mpu
 
-    ensure_cpu_compat()
+    install_cpu_compat()  # a no-op with CUDA
     created_pg = created_mpu = False
     tmp = None
     if not dist.is_initialized():

@@ -36,7 +36,7 @@ import torch
 from megatron.core import parallel_state as mpu
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.attention.core_attention import plan_mask
+from megatron_csbp.attention.plan_handles import plan_mask
 from megatron_csbp.layout.feed import OutputRows, RowFeeder
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.model.hybrid import count_gated_delta_layers

@@ -226,7 +226,7 @@ class DFlashDrafter(torch.nn.Module):
     def forward(self, draft_embeds: torch.Tensor, features: torch.Tensor, plan) -> torch.Tensor:
         """draft_embeds [n, b, h] (the plan's draft rows, in its order), features [c, b, width] of
         the plan's context rows; returns the final-normed hidden states of the draft rows [n, b, h]."""
-        from megatron_csbp.attention.core_attention import plan_mask
+        from megatron_csbp.attention.plan_handles import plan_mask
 
         n = plan.num_noisy
         if draft_embeds.shape[0] != n or features.shape[0] != len(plan.local) - n:

@@ -28,7 +28,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_csbp.attention.block_attention import KVSource
-from megatron_csbp.attention.core_attention import with_kv_source
+from megatron_csbp.attention.plan_handles import with_kv_source
 from megatron_csbp.model.diffusiongemma.norms import WeightlessRMSNorm
 from megatron_csbp.model.diffusiongemma.rotary import layer_rotary_angles, select_table
 from megatron_csbp.utils.precision import compute_dtype

@@ -20,7 +20,6 @@ from typing import Union
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -34,44 +33,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-from megatron_csbp.attention.core_attention import plan_from_mask
+from megatron_csbp.attention.plan_handles import local_is_clean
 from megatron_csbp.model.diffusiongemma.attention import DiffusionGemmaSelfAttention
 from megatron_csbp.model.diffusiongemma.moe import (DiffusionGemmaMoELayer, DiffusionGemmaMoESubmodules,
                                                     DiffusionGemmaRouter)
 from megatron_csbp.model.diffusiongemma.norms import GemmaRMSNorm
-
-
-
-def plan_or_none(attention_mask):
-    """The block-diffusion plan carried by `attention_mask`, or None for an ordinary mask."""
-    if attention_mask is None:
-        return None
-    try:
-        return plan_from_mask(attention_mask)
-    except RuntimeError:
-        return None
-
-
-def local_is_clean(attention_mask, num_rows: int, sequence_parallel: bool):
-    """Bool [num_rows] of this rank's rows (after sequence-parallel scattering), or None when the
-    mask carries no block-diffusion plan (every row clean)."""
-    plan = plan_or_none(attention_mask)
-    if plan is None:
-        return None
-    is_clean = physical_is_clean(plan)
-    if sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        is_clean = is_clean[rank * num_rows : (rank + 1) * num_rows]
-    if is_clean.numel() != num_rows:
-        raise RuntimeError(f"block-diffusion plan has {is_clean.numel()} rows, the layer got {num_rows}")
-    return is_clean
-
-
-def physical_is_clean(plan):
-    """is_clean of the rows in the order they are fed (sequence parallelism may feed them
-    shard-major, `plan.physical_order`); noisy rows keep their relative plan order either way."""
-    order = getattr(plan, "physical_order", None)
-    return plan.local.is_clean if order is None else plan.local.is_clean[order]
 
 
 def _sandwich_add(norm):

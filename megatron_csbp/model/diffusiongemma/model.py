@@ -34,7 +34,8 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_csbp.model.diffusiongemma.layer import diffusion_gemma_block_spec, local_is_clean, physical_is_clean, plan_or_none
+from megatron_csbp.attention.plan_handles import local_is_clean, physical_is_clean, plan_or_none
+from megatron_csbp.model.diffusiongemma.layer import diffusion_gemma_block_spec
 from megatron_csbp.model.diffusiongemma.norms import GemmaRMSNorm, rms_normalize
 from megatron_csbp.model.diffusiongemma.rotary import GemmaRotaryTables
 from megatron_csbp.utils.precision import at_least_fp32

@@ -1,0 +1,345 @@
+"""Exchange strategies: how one rank's core attention gets the keys its queries see.
+
+One small class per exchange and transport, registered under (exchange, transport, sliding-window
+layer) and chosen once, when the `AttentionPlan` is built (`plan.strategy`, `plan.window_strategy`):
+
+| strategy        | exchange | transport          | layers          | what moves                          |
+|-----------------|----------|--------------------|-----------------|-------------------------------------|
+| NoExchange      | none     | any                | all             | nothing (single, BP)                |
+| CleanAllGather  | clean    | allgather          | full attention  | every ring member's clean K/V       |
+| CleanRing       | clean    | ring               | full attention  | clean K/V, one ring shift per step  |
+| CleanWindowed   | clean    | allgather and ring | sliding window  | clean rows inside windows (all-to-all) |
+| FullAllGather   | all      | allgather          | all             | K/V of every row (CP baseline)      |
+| FullRing        | all      | ring               | all             | K/V of every row, ring-streamed     |
+
+What they share lives in `AttentionCall`: the kernel call on a cached `PartialMask` (`partial`),
+the zero ties of chunks nobody attends, the noisy block-diagonal part, and the log-sum-exp merge
+(`PartialMerge` / `merge_partials`). The clean strategies share one skeleton
+(`NoisyThenClean.attend`): start the transport, attend the noisy blocks locally while it is in
+flight, merge the clean partials as they arrive, merge noisy queries' two parts.
+
+How clean K/V travel is the call's `kv` codec, not a strategy: `PackedKV` moves K and V packed,
+`SourceKV` moves a `KVSource`'s raw rows and derives K and V of the rows that arrived (see
+`block_attention.KVSource`). Strategies that declare `moves_kv_source = False` (the CP baseline,
+which stands for Megatron's CP) are never given a source.
+
+Adding a strategy: one subclass of `ExchangeStrategy` (or `NoisyThenClean`) and one
+`@register(...)` line. The transports (autograd functions with byte accounting) are
+`attention.transports`.
+"""
+from __future__ import annotations
+
+from itertools import product
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron_csbp.attention.kernels import PartialMerge, merge_partials
+from megatron_csbp.attention.transports import (TRANSPORTS, PendingAllToAll, PendingGather, pack_kv, ring_chunks,
+                                                unpack_kv)
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+from megatron_csbp.layout.rows import PartialMask
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_csbp.attention.block_attention import AttentionPlan, KVSource
+
+Partial = Tuple[torch.Tensor, torch.Tensor]  # (out [sq, b, H, d], lse [b, H, sq])
+
+
+# --- how clean K/V travel ------------------------------------------------------------------------
+
+class PackedKV:
+    """Clean K and V travel as they are, packed [rows, b, 2G, d] (one collective per step)."""
+
+    def outgoing(self, call: "AttentionCall") -> torch.Tensor:
+        return pack_kv(call.k[call.n:], call.v[call.n:])
+
+    def arrived(self, call: "AttentionCall", tag: Tuple, rows: RowMeta, received: torch.Tensor):
+        return unpack_kv(received)
+
+    def gathered(self, call: "AttentionCall", gathered: torch.Tensor):
+        return unpack_kv(gathered)
+
+    def ring_chunk(self, call: "AttentionCall", src: int, chunk: torch.Tensor):
+        return unpack_kv(chunk)
+
+
+class SourceKV:
+    """Clean rows travel as their K/V source's raw rows; receivers derive K and V of the rows they
+    got at their layout positions, and keep their own rows' K and V as given."""
+
+    def __init__(self, source: "KVSource"):
+        self.source = source
+
+    def outgoing(self, call: "AttentionCall") -> torch.Tensor:
+        return self.source.raw[call.n:]
+
+    def arrived(self, call: "AttentionCall", tag: Tuple, rows: RowMeta, received: torch.Tensor):
+        return self.source.derive(received, call.plan.positions(tag, rows, call.device))
+
+    def gathered(self, call: "AttentionCall", gathered: torch.Tensor):
+        # The own shard in the gathered rows is replaced by this rank's K and V.
+        plan, n = call.plan, call.n
+        me, sizes = plan.ring_index, [len(p) for p in plan.peers]
+        start, stop = sum(sizes[:me]), sum(sizes[: me + 1])
+        others = torch.cat([gathered[:start], gathered[stop:]])
+        ok, ov = self.arrived(call, ("gathered",), RowMeta.cat(plan.peers[:me] + plan.peers[me + 1 :]), others)
+        return torch.cat([ok[:start], call.k[n:], ok[start:]]), torch.cat([ov[:start], call.v[n:], ov[start:]])
+
+    def ring_chunk(self, call: "AttentionCall", src: int, chunk: torch.Tensor):
+        if src == call.plan.ring_index:
+            return call.k[call.n:], call.v[call.n:]
+        return self.arrived(call, ("ring", src), call.plan.peers[src], chunk)
+
+
+# --- what every strategy shares ------------------------------------------------------------------
+
+class AttentionCall:
+    """One core-attention call on this rank's local rows: q [sq, b, H, d], k/v [sq, b, G, d] in
+    the plan's local order ([noisy ; clean]); the kernel, the masks and the merge."""
+
+    def __init__(self, plan: "AttentionPlan", q, k, v, *, geometry: BlockGeometry, kernel, softmax_scale: float,
+                 layer: int, kv_source: Optional["KVSource"] = None):
+        self.plan, self.q, self.k, self.v = plan, q, k, v
+        self.geometry, self.kernel, self.softmax_scale, self.layer = geometry, kernel, softmax_scale, layer
+        self.device = q.device
+        self.n = plan.num_noisy
+        local = plan.local
+        # Query metadata: every local row, or the noisy rows alone when clean rows are keys only.
+        self.queries = local if plan.clean_queries else local.select(slice(0, self.n))
+        self.noisy_rows, self.clean_rows = local.select(slice(0, self.n)), local.select(slice(self.n, None))
+        self.kv = PackedKV() if kv_source is None else SourceKV(kv_source)
+        # Chunks that arrived over the network but have no allowed pair are skipped; they stay
+        # tied to the output with a zero so that every rank runs the same backward collectives.
+        self.anchors: List[torch.Tensor] = []
+
+    def partial(self, tag: Tuple, q_rows: RowMeta, k_rows: RowMeta, q, k, v) -> Optional[Partial]:
+        """The kernel on (q_rows, k_rows) under the plan's cached mask for `tag`, keys no query
+        sees dropped first; None (and a zero tie) when no pair is allowed."""
+        m, cols = self.plan.mask(tag, q_rows, k_rows, self.geometry, self.device)
+        if m.shape[1] == 0:
+            if k.requires_grad:
+                self.anchors.append(k.sum() + v.sum())
+            return None
+        if cols is not None:
+            k, v = k.index_select(0, cols), v.index_select(0, cols)
+        return self.kernel(q, k, v, m, self.softmax_scale)
+
+    def noisy_part(self) -> Optional[Partial]:
+        """Noisy queries on their own block's keys: never moves; dense B x B batches when the
+        noisy rows are whole blocks."""
+        n, q, k, v = self.n, self.q, self.k, self.v
+        if not n:
+            return None
+        if self.plan.noisy_rows_are_whole_blocks:
+            return block_diagonal_attention(q[:n], k[:n], v[:n], self.geometry.block_size, self.kernel,
+                                            self.softmax_scale, self.plan.block_diagonal_mask(self.device))
+        return self.partial(("noisy",), self.noisy_rows, self.noisy_rows, q[:n], k[:n], v[:n])
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        for a in self.anchors:
+            out = out + 0.0 * a
+        return out
+
+    def combine(self, noisy: Optional[Partial], clean: PartialMerge) -> torch.Tensor:
+        """Noisy queries merge their in-block part with their clean-prefix part; clean queries
+        have only the clean part."""
+        if not clean.count:
+            # Only possible when no query sees a clean key (block 0 alone): noisy part is everything.
+            # With no query rows at all (a DFlash rank that owns no block) the output is empty.
+            return self.finish(noisy[0] if noisy is not None else self.q * 0.0)
+        clean_out, clean_lse = clean.result()
+        if noisy is None:
+            return self.finish(clean_out)
+        n = self.n
+        noisy_out, _ = merge_partials([noisy, (clean_out[:n], clean_lse[..., :n])])
+        return self.finish(torch.cat([noisy_out, clean_out[n:]], dim=0))
+
+
+def merged(parts: Iterable[Optional[Partial]]) -> PartialMerge:
+    """The running merge of `parts` (None: a chunk nobody attends), one accumulator in flight:
+    ring chunks merge as they arrive."""
+    merge = PartialMerge()
+    for part in parts:
+        if part is not None:
+            merge.add(*part)
+    return merge
+
+
+# --- the registry --------------------------------------------------------------------------------
+
+class ExchangeStrategy:
+    """How a rank gets the keys its queries see, and attends them: `attend(call) -> out`."""
+
+    name = "?"
+    #: whether the strategy moves a `KVSource`'s raw rows when the layer offers one
+    moves_kv_source = False
+
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+_STRATEGIES: Dict[Tuple[str, str, bool], ExchangeStrategy] = {}
+
+
+def register(exchange: str, transports: Iterable[str] = TRANSPORTS, windowed: Iterable[bool] = (False, True)):
+    """Class decorator: one instance of the strategy serves `exchange` over each of `transports`
+    on the layer kinds in `windowed` (False: full-attention layers, True: sliding-window layers)."""
+
+    def add(cls):
+        instance = cls()
+        for key in product([exchange], transports, windowed):
+            if key in _STRATEGIES:
+                raise ValueError(f"{key} already served by {_STRATEGIES[key]!r}")
+            _STRATEGIES[key] = instance
+        return cls
+
+    return add
+
+
+def select_strategy(exchange: str, transport: str, windowed: bool) -> ExchangeStrategy:
+    """The registered strategy of `exchange` over `transport` on a (sliding-window) layer."""
+    try:
+        return _STRATEGIES[(exchange, transport, bool(windowed))]
+    except KeyError:
+        raise ValueError(f"no attention strategy for exchange {exchange!r} over transport {transport!r}: "
+                         f"--attention-transport must be one of {TRANSPORTS}") from None
+
+
+# --- single, BP and CSBP: noisy blocks local, clean keys local or exchanged ------------------------
+
+class NoisyThenClean(ExchangeStrategy):
+    """Local rows are [noisy ; clean]. The transport starts first (`start`), the block-diagonal
+    noisy attention overlaps it, then the clean partials (`clean_parts`) merge as they arrive."""
+
+    def start(self, call: AttentionCall):
+        return None
+
+    def clean_parts(self, call: AttentionCall, pending) -> Iterator[Optional[Partial]]:
+        raise NotImplementedError
+
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        pending = self.start(call)
+        noisy = call.noisy_part()
+        return call.combine(noisy, merged(self.clean_parts(call, pending)))
+
+
+@register("none")
+class NoExchange(NoisyThenClean):
+    """Single rank and BP: every clean key a query sees is on this rank."""
+
+    name = "none"
+
+    def clean_parts(self, call, pending):
+        n = call.n
+        yield call.partial(("clean",), call.queries, call.clean_rows, call.q, call.k[n:], call.v[n:])
+
+
+@register("clean", ["allgather"], [False])
+class CleanAllGather(NoisyThenClean):
+    """CSBP: every ring member's clean rows, all-gathered while the noisy part runs."""
+
+    name = "clean all-gather"
+    moves_kv_source = True
+
+    def start(self, call):
+        return PendingGather(call.kv.outgoing(call), call.plan.group, call.layer)
+
+    def clean_parts(self, call, pending):
+        gk, gv = call.kv.gathered(call, pending.result())
+        yield call.partial(("clean",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)
+
+
+@register("clean", ["ring"], [False])
+class CleanRing(NoisyThenClean):
+    """CSBP: the clean shards stream around the ring, each attended as it arrives."""
+
+    name = "clean ring"
+    moves_kv_source = True
+
+    def clean_parts(self, call, pending):
+        plan = call.plan
+        for src, chunk in ring_chunks(call.kv.outgoing(call), plan.group, call.layer):
+            ck, cv = call.kv.ring_chunk(call, src, chunk)
+            yield call.partial(("ring", src), call.queries, plan.peers[src], call.q, ck, cv)
+
+
+@register("clean", windowed=[True])
+class CleanWindowed(NoisyThenClean):
+    """CSBP on a sliding-window layer (either transport): only the clean rows inside some local
+    query's window move, by one all-to-all (`layout.exchange.WindowExchangePlan`)."""
+
+    name = "clean windowed"
+    moves_kv_source = True
+
+    def start(self, call):
+        windowed = call.plan.window_exchange(call.geometry)
+        return windowed, PendingAllToAll(call.kv.outgoing(call), windowed.send_index, windowed.recv_counts,
+                                         call.plan.group, call.layer)
+
+    def clean_parts(self, call, pending):
+        windowed, transfer = pending
+        n = call.n
+        recv_rows = RowMeta.cat(windowed.recv_rows)
+        # Derived even when nothing arrived: the empty result keeps the all-to-all's backward
+        # (which this rank's sent rows need) in the graph.
+        rk, rv = call.kv.arrived(call, ("window", call.geometry.window), recv_rows, transfer.result())
+        keys = RowMeta.cat([call.clean_rows, recv_rows])
+        yield call.partial(("window",), call.queries, keys, call.q, torch.cat([call.k[n:], rk]),
+                           torch.cat([call.v[n:], rv]))
+
+
+# --- the CP baseline: K/V of every row cross ranks -----------------------------------------------
+
+class FullExchange(ExchangeStrategy):
+    """CP baseline: K/V of all local rows are exchanged (packed; never a K/V source, as Megatron's
+    CP has none) and every query attends every chunk under the same predicate."""
+
+    def parts(self, call: AttentionCall, kv: torch.Tensor) -> Iterator[Optional[Partial]]:
+        raise NotImplementedError
+
+    def attend(self, call: AttentionCall) -> torch.Tensor:
+        parts = merged(self.parts(call, pack_kv(call.k, call.v)))
+        return call.finish(parts.result()[0] if parts.count else call.q * 0.0)
+
+
+@register("all", ["allgather"])
+class FullAllGather(FullExchange):
+    name = "full all-gather"
+
+    def parts(self, call, kv):
+        gk, gv = unpack_kv(PendingGather(kv, call.plan.group, call.layer).result())
+        yield call.partial(("all",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)
+
+
+@register("all", ["ring"])
+class FullRing(FullExchange):
+    name = "full ring"
+
+    def parts(self, call, kv):
+        for src, chunk in ring_chunks(kv, call.plan.group, call.layer):
+            ck, cv = unpack_kv(chunk)
+            yield call.partial(("ring", src), call.queries, call.plan.peers[src], call.q, ck, cv)
+
+
+def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float,
+                             mask: Optional[PartialMask] = None):
+    """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
+    batch: nb dense B x B problems instead of one (nb*B)^2 masked one. `mask`: the all-allowed
+    `PartialMask.block_diagonal(B)` (a plan passes its cached one, so kernels cache what they
+    derive from it once)."""
+    n, b, H, d = q.shape
+    nb, B = n // block_size, block_size
+
+    def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
+        return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
+
+    if mask is None:
+        mask = PartialMask.block_diagonal(B, q.device)
+    out, lse = kernel(fold(q), fold(k), fold(v), mask, softmax_scale)
+    out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
+    lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
+    return out, lse

@@ -1,0 +1,225 @@
+"""Device relocation: megatron-core modules see a `torch` whose CUDA is the CPU.
+
+Relocates only, numerics unchanged: factory calls with a CUDA `device` (an int, "cuda...",
+`torch.device("cuda")`) build on the CPU; `torch.cuda.current_device()` is the CPU; streams and
+events are no-op objects (CPU work is synchronous, so waits and records have nothing to order);
+`synchronize` / `empty_cache` do nothing. Two things here are not pure relocation:
+- memory statistics (`memory_allocated`, ...) read 0: logged numbers, not model numerics;
+- `torch.cuda.get/set_rng_state`, `manual_seed(_all)` act on the CPU generator. Megatron's
+  `model_parallel_cuda_manual_seed` calls `torch.cuda.manual_seed(seed)`, which therefore reseeds
+  the CPU default generator (on GPU it seeds the CUDA one): random draws on the default
+  generator after it are those of the seed (see `compat.rng`).
+
+A module is proxied by replacing its global `torch` (`proxy_modules`), so only modules that
+name CUDA and are loaded when the shim runs are affected; `torch_view_for_module()` gives the
+view to code that builds megatron modules outside that list. `PROXIED` holds one name per
+module visited (a few hundred at most, whatever the sequence length).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+from typing import Callable
+
+import torch
+
+PROXIED: set = set()
+
+
+def cuda_absent() -> bool:
+    return not torch.cuda.is_available()
+
+
+
+def _to_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream / current_stream / default_stream."""
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NoOpEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_STREAM = _NoOpStream()
+
+
+class _NoOpEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class CpuCuda(types.ModuleType):
+    """`torch.cuda` as seen by a proxied megatron module."""
+
+    def __init__(self):
+        super().__init__("torch.cuda(cpu-compat)")
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*a, **k):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+    @staticmethod
+    def Stream(*a, **k):  # noqa: N802 - mirrors torch.cuda.Stream
+        return _STREAM
+
+    Event = _NoOpEvent
+
+    @staticmethod
+    def current_stream(*a, **k):
+        return _STREAM
+
+    @staticmethod
+    def default_stream(*a, **k):
+        return _STREAM
+
+    @staticmethod
+    def stream(*a, **k):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def memory_allocated(*a, **k):
+        return 0
+
+    max_memory_allocated = memory_allocated
+    memory_reserved = memory_allocated
+    max_memory_reserved = memory_allocated
+
+    @staticmethod
+    def reset_peak_memory_stats(*a, **k):
+        pass
+
+    @staticmethod
+    def get_rng_state(*a, **k):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, *a, **k):
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed):
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed):
+        torch.manual_seed(seed)
+
+
+_CPU_CUDA = CpuCuda()
+
+
+def _remap_device_kwarg(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class TorchProxy(types.ModuleType):
+    """`torch` as seen by a proxied megatron module: CUDA devices become CPU."""
+
+    def __init__(self):
+        super().__init__("torch(cpu-compat)")
+        self.__dict__["_wrapped"] = {}
+
+    def __getattr__(self, name):
+        if name == "cuda":
+            return _CPU_CUDA
+        value = getattr(torch, name)
+        if isinstance(value, (types.BuiltinFunctionType, types.FunctionType)):
+            cache = self.__dict__["_wrapped"]
+            if name not in cache:
+                cache[name] = _remap_device_kwarg(value)
+            return cache[name]
+        return value
+
+
+TORCH_PROXY = TorchProxy()
+
+
+def torch_view_for_module():
+    """What a megatron module should see as `torch` here: the CPU view when CUDA is absent (device
+    factories and `torch.cuda.current_device()` give CPU), plain torch otherwise. For modules built
+    outside the shim's list, e.g. megatron's GatedDeltaNet while constructing it."""
+    return TORCH_PROXY if cuda_absent() else torch
+
+
+def mentions_cuda(module) -> bool:
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "cuda" in f.read()
+    except OSError:
+        return False
+
+
+def proxy_modules(select: Callable[[str], bool], proxy: types.ModuleType = None) -> None:
+    """Every loaded module whose name `select` accepts, that names CUDA and sees plain `torch`,
+    gets `proxy` (default: the megatron-core view) as its global `torch`. Each module once."""
+    proxy = TORCH_PROXY if proxy is None else proxy
+    for name, module in list(sys.modules.items()):
+        if module is None or name in PROXIED or not select(name):
+            continue
+        if getattr(module, "torch", None) is torch and mentions_cuda(module):
+            module.torch = proxy
+        PROXIED.add(name)
+
+
+def proxy_loaded_modules() -> None:
+    """The CPU view for every megatron-core module loaded so far."""
+    proxy_modules(lambda name: name.startswith("megatron.core"))

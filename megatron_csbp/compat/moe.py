@@ -1,0 +1,41 @@
+"""megatron-core MoE without TransformerEngine, over gloo.
+
+- `moe_utils.te_general_gemm` is referenced but only defined with TE: defined as None, which
+  selects the code's own non-TE router GEMM (unchanged numerics: the path megatron-core runs
+  whenever TE is absent).
+- `_AllToAll` (token dispatcher): split sizes arrive as tensors/arrays, which gloo's
+  `all_to_all_single` rejects; converted to lists of ints (the same sizes, unchanged numerics).
+The dispatcher's `torch.cuda.Stream()` side stream is the device proxy's no-op stream
+(`compat.device`).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+
+def _as_split_list(sizes):
+    if sizes is None or isinstance(sizes, list):
+        return sizes
+    if isinstance(sizes, torch.Tensor):
+        return [int(x) for x in sizes.tolist()]
+    return [int(x) for x in sizes]
+
+
+def patch_moe() -> None:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if "te_general_gemm" not in moe_utils.__dict__:
+        moe_utils.te_general_gemm = None
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    a2a = mappings._AllToAll
+    if getattr(a2a.forward, "__cpu_compat__", False):
+        return
+    orig_forward = a2a.forward
+
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        return orig_forward(ctx, group, input, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes))
+
+    forward.__cpu_compat__ = True
+    a2a.forward = staticmethod(forward)
+

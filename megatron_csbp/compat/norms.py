@@ -1,0 +1,35 @@
+"""megatron-core's torch norms (no TE) with TP sequence parallelism.
+
+`WrappedTorchNorm` asserts "sequence parallel not supported by torch LayerNorm". The patch
+builds the norm without the assert and tags its parameters `sequence_parallel=True`: each TP rank
+sees a sequence shard, so `finalize_model_grads` all-reduces these gradients over TP, exactly as
+for TE norms. Numerics: those of a TE norm under sequence parallelism (the gradient is the sum
+over the shards); unpatched, the configuration cannot run at all.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+
+
+def patch_torch_norm() -> None:
+    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls.__new__, "__cpu_compat__", False):
+        return
+    orig_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return orig_new(klass, config, hidden_size, eps, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = orig_new(klass, plain, hidden_size, eps, *args, **kwargs)
+        for p in norm.parameters():
+            # Replicated over TP but fed sequence shards: finalize_model_grads all-reduces these.
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+    __new__.__cpu_compat__ = True
+    cls.__new__ = staticmethod(__new__)
+
