@@ -76,17 +76,15 @@ def check_noise_flags(args) -> None:
 
 def check_mask_token_id(mask_token_id: Optional[int], vocab_size: Optional[int] = None,
                         needed_by: Optional[str] = None, vocabulary: str = "vocabulary") -> None:
-    """A mask id is a row of the embedding: in [0, vocab_size) (only >= 0 while the vocabulary is
-    unknown). `needed_by` ("--objective NAME needs --mask-token-id (why)"): the message when it is unset;
-    None: an unset id passes."""
+    """A mask id is a row of the embedding: in [0, vocab_size) (checked once the vocabulary is
+    known). `needed_by` ("--objective NAME needs --mask-token-id (why)"): the message when it is
+    unset; None: an unset id passes."""
     if mask_token_id is None:
         if needed_by is not None:
             raise ValueError(needed_by)
         return
-    mask_token_id = int(mask_token_id)
-    if mask_token_id < 0 or (vocab_size is not None and mask_token_id >= vocab_size):
-        bound = vocab_size if vocab_size is not None else "vocab"
-        raise ValueError(f"--mask-token-id {mask_token_id} is outside the {vocabulary} [0, {bound})")
+    if vocab_size is not None and not 0 <= int(mask_token_id) < vocab_size:
+        raise ValueError(f"--mask-token-id {int(mask_token_id)} is outside the {vocabulary} [0, {vocab_size})")
 
 
 def check_choice(flag: Flag, value, choices) -> None:
