@@ -109,6 +109,11 @@ class Objective:
     def noise(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> NoisedBatch:
         raise NotImplementedError
 
+    def num_blocks(self, seq_length: int) -> int:
+        """Blocks of `self.block_size` in a sequence; partial blocks are refused (BlockGeometry's rule)."""
+        from megatron_csbp.layout.masks import BlockGeometry
+        return BlockGeometry(seq_length, self.block_size).num_blocks
+
     def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (summed over the global batch)."""
         return loss_mask.sum().to(torch.float32)

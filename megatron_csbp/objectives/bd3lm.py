@@ -65,7 +65,7 @@ class BD3LMObjective(Objective):
     def times_and_draws(self, tokens, sample_index):
         """Per token: its block's time t and one uniform draw, both [b, L], from (seed, sample)."""
         b, L = tokens.shape
-        n = L // self.block_size
+        n = self.num_blocks(L)  # whole blocks only
         t_rows, draw_rows = [], []
         for i in range(b):
             g = sample_generator(self.seed, int(sample_index[i]))
@@ -74,9 +74,6 @@ class BD3LMObjective(Objective):
         return torch.stack(t_rows).to(tokens.device), torch.stack(draw_rows).to(tokens.device)
 
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
-        b, L = tokens.shape
-        if L % self.block_size:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
         t, draws = self.times_and_draws(tokens, sample_index)
         # A data token equal to the mask id is never noised and never a target: the mask column is
         # excluded from the softmax, so its probability is 0 (an infinite loss). Its draw is still

@@ -109,8 +109,7 @@ class DiffusionGemmaSFTObjective(Objective):
         """[b, n] bool: blocks holding supervised tokens. Refuses responses that start mid-block."""
         b, L = loss_mask.shape
         B = self.block_size
-        if L % B:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
+        self.num_blocks(L)  # whole blocks only
         sup = loss_mask.bool()
         has = sup.any(dim=1)
         first = torch.where(has, sup.float().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))

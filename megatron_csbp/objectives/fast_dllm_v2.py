@@ -29,8 +29,8 @@ import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective
 from megatron_csbp.objectives.bd3lm import BD3LMObjective
-from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_noise_flags,
-                                            check_noise_interval)
+from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_mask_token_id,
+                                            check_noise_flags, check_noise_interval)
 from megatron_csbp.objectives.registry import register_objective
 
 
@@ -64,9 +64,6 @@ class FastDLLMv2Objective(Objective):
 
     def masks(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
         """The first view's mask m [b, L] (bool): supervised tokens drawn with their block's t."""
-        b, L = tokens.shape
-        if L % self.block_size:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
         t, draws = self.times_and_draws(tokens, sample_index)
         return (draws < t) & loss_mask.bool()
 
@@ -98,9 +95,11 @@ def resolve_mask_token(value: Union[int, str], tokenizer_path: Optional[str] = N
         token_id = int(value)
     else:
         token_id = _lookup_token(str(value), tokenizer_path)
-    if vocab_size is not None and not 0 <= token_id < vocab_size:
-        raise ValueError(f"mask token id {token_id} is outside the model's vocabulary [0, {vocab_size}); "
-                         "Fast-dLLM v2 reuses an existing (reserved) token and does not resize the embedding")
+    try:
+        check_mask_token_id(token_id, vocab_size, vocabulary="model's vocabulary")
+    except ValueError as exc:
+        raise ValueError(f"{exc}; Fast-dLLM v2 reuses an existing (reserved) token and does not resize the "
+                         "embedding") from None
     return token_id
 
 
