@@ -79,9 +79,10 @@ def validate_megatron_args(args) -> None:
         value = getattr(args, attr, allowed[0])
         if value not in allowed:
             raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
-    refusal = objective_class(args.objective).megatron_lm_refusal
-    if refusal is not None:
-        raise ValueError(f"--objective {args.objective} {refusal}")
+    objective = objective_class(args.objective)
+    if objective.megatron_lm_refusal is not None:
+        raise ValueError(f"--objective {args.objective} {objective.megatron_lm_refusal}")
+    objective.validate(args)  # its flags' rules (noise schedule, ...), before any process group
     if args.mask_token is not None:
         raise ValueError("--mask-token (a string of a converted checkpoint's tokenizer) is for python -m "
                          "megatron_csbp.train; with Megatron-LM pass --mask-token-id or leave it unset (default: "
@@ -244,10 +245,9 @@ def _model_args_from_megatron(args):
         seq_length=args.seq_length, vocab_size=args.padded_vocab_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=_true_cp(args), block_parallel_size=args.block_parallel_size,
         block_size=args.block_size, objective=args.objective, mask_token_id=args.mask_token_id,
-        clean_attention=args.clean_attention or "block_causal", noise_eps_min=args.noise_eps_min, noise_eps_max=args.noise_eps_max,
-        loss_weighting=args.loss_weighting, attention_transport=args.attention_transport,
+        clean_attention=args.clean_attention or "block_causal", attention_transport=args.attention_transport,
         block_ownership=args.block_ownership, seed=args.seed, attention_kernel=args.attention_kernel)
-    for dest, value in objective_options(args).items():  # the objective's own flags ride along
+    for dest, value in objective_options(args).items():  # the objective's flags (noise schedule, ...)
         setattr(margs, dest, value)
     return margs
 
