@@ -313,7 +313,7 @@ def train(a) -> Dict:
     from megatron_csbp.layout.sizes import shard_group_size
     from megatron_csbp.model.dflash import (DFlashDrafter, DFlashTrainingModel, DrafterShape,
                                             drafter_transformer_config)
-    from megatron_csbp.training.model import build_objective
+    from megatron_csbp.objectives import build_objective, objective_class
 
     if not dist.is_initialized():
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
@@ -322,7 +322,7 @@ def train(a) -> Dict:
                                   block_parallel_size=a.block_parallel_size)
     seq = shard_group_size(a.context_parallel_size, a.block_parallel_size)
     dp, dp_rank = world // seq, mpu.get_data_parallel_rank(with_context_parallel=False)
-    data = FeatureDataset(a.features_path)
+    data, _ = objective_class(a.objective).build_datasets(a)  # the captured features
     L = data.meta["seq_length"]
     if list(a.target_layer_ids or data.meta["target_layer_ids"]) != data.meta["target_layer_ids"]:
         raise ValueError(f"--target-layer-ids {a.target_layer_ids} differ from the captured features' "
@@ -335,14 +335,12 @@ def train(a) -> Dict:
         raise ValueError(f"--global-batch-size {a.global_batch_size} must be --micro-batch-size {a.micro_batch_size} "
                          f"x data-parallel size {dp}")
     embedding, head = verifier_embeddings(a.verifier)
-    if a.mask_token_id is None or not 0 <= a.mask_token_id < embedding.shape[0]:
-        raise ValueError(f"--mask-token-id {a.mask_token_id} must be a token of the verifier's vocabulary "
-                         f"[0, {embedding.shape[0]})")
+    # the objective registry's --objective dflash; its mask token a row of the verifier's embedding
+    objective = build_objective(a, vocab_size=embedding.shape[0])
     shape = drafter_shape_from_args(a, data.meta["hidden_size"])
     torch.manual_seed(a.seed)
     drafter = DFlashDrafter(shape, drafter_transformer_config(shape, perform_initialization=True,
                                                               init_method_std=a.init_method_std))
-    objective = build_objective(a)  # the trainer's objective registry: --objective dflash
     layout = DFlashLayout(L, a.block_size, a.context_parallel_size, a.block_parallel_size)
     ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
     model = DFlashTrainingModel(drafter, embedding, head, objective, layout, shard_rank=mpu.get_context_parallel_rank(),
@@ -480,17 +478,11 @@ def evaluate_cli(a) -> Dict:
 # ---- command line --------------------------------------------------------------------------------
 
 def add_dflash_objective_args(p: argparse.ArgumentParser) -> None:
-    """The objective's flags (also accepted by `python -m megatron_csbp.train --objective dflash`)."""
-    g = p.add_argument_group("dflash objective")
-    g.add_argument("--dflash-loss", choices=("ce", "dpace"), default="ce",
-                   help="ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights and lambda mixing")
-    g.add_argument("--dflash-max-anchors", type=int, default=512, help="draft blocks per sequence (at most)")
-    g.add_argument("--dflash-anchor-sampling", choices=("uniform", "locality"), default="uniform")
-    g.add_argument("--dflash-gamma", type=float, default=7.0, help="slot weight exp(-(k-1)/gamma)")
-    g.add_argument("--dflash-dpace-alpha", type=float, default=0.5)
-    g.add_argument("--dflash-kl-scale", type=float, default=1.0)
-    g.add_argument("--dflash-kl-decay", type=float, default=1.0)
-    g.add_argument("--dflash-vocab-chunk", type=int, default=8192, help="LM-head rows per streamed chunk")
+    """The objective's flags (also accepted by `python -m megatron_csbp.train --objective dflash`),
+    declared by the objective (`DFlashObjective.flags`)."""
+    from megatron_csbp.objectives.dflash import DFlashObjective
+
+    DFlashObjective.add_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -578,8 +570,9 @@ def check_args(a) -> None:
         if a.seq_length <= 0 or a.shard_size <= 0:
             raise ValueError("--seq-length and --shard-size must be positive")
     if a.command == "train":
-        if a.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2 for DFlash, got {a.block_size}")
+        from megatron_csbp.objectives.dflash import DFlashObjective
+
+        DFlashObjective.validate(a)  # the objective's rules (block size, anchors, loss options)
         if a.micro_batch_size < 1 or a.train_iters < 0:
             raise ValueError("--micro-batch-size must be >= 1 and --train-iters >= 0")
     if a.command == "evaluate" and not (a.features_path or a.prompts_data_path):

@@ -185,8 +185,11 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
     def fail(message):
         raise RecipeError(f"recipe {name} ({nnodes} node(s) x {nproc}): {message}")
 
-    if recipe.get("objective", {}).get("objective") == "dflash":
-        return _check_dflash_recipe(recipe, name, world, fail)
+    from megatron_csbp.objectives.registry import registered_objectives
+
+    objective = registered_objectives().get(recipe.get("objective", {}).get("objective") or "")
+    if objective is not None and objective.own_trainer is not None:
+        return _check_own_trainer_recipe(recipe, name, world, fail, objective)
     parser = build_parser()
     parser.error = fail  # argparse's messages name the flag ("argument --objective: invalid choice ...")
     actions = {opt: a for a in parser._actions for opt in a.option_strings}
@@ -216,32 +219,22 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
     return "\n".join(lines)
 
 
-def _check_dflash_recipe(recipe: Dict, name: str, world: int, fail) -> str:
-    """`--objective dflash` hands every flag to `python -m megatron_csbp.dflash train`: its parser,
-    its argument rules and the shard-group topology, for the recipe's world size (the rules
-    that read the captured features and the verifier run at launch)."""
-    from megatron_csbp.dflash import check_args, train_parser
-    from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
-
-    parser = train_parser()
+def _check_own_trainer_recipe(recipe: Dict, name: str, world: int, fail, objective) -> str:
+    """An objective with a trainer of its own (`--objective dflash`: `python -m megatron_csbp.dflash
+    train`) gets every flag: that trainer's parser, its argument rules and topology for the recipe's
+    world size (`Objective.check_trainer_args`; the rules that read files run at launch)."""
+    parser = objective.trainer_parser()
     parser.error = fail
     known = {opt for a in parser._actions for opt in a.option_strings}
     unknown = [flag for flag, _ in recipe_flag_groups(recipe) if flag not in known]
     if unknown:
-        fail(f"flags that python -m megatron_csbp.dflash train does not take: {' '.join(unknown)}")
+        fail(f"flags that {objective.own_trainer} does not take: {' '.join(unknown)}")
     args = parser.parse_args(recipe_flags(recipe))
-    args.command = "train"
-    cp, bp = args.context_parallel_size, args.block_parallel_size
     try:
-        check_args(args)
-        check_parallel_sizes(cp, bp)
+        report = objective.check_trainer_args(args, world)
     except ValueError as e:
         fail(str(e))
-    seq = shard_group_size(cp, bp)
-    if world % seq:
-        fail(f"world size {world} is not divisible by max(--context-parallel-size, --block-parallel-size) = {seq}")
-    return (f"recipe {name}: OK for {world} ranks: DFlash drafter, CP {cp} / BP {bp} x DP {world // seq}\n"
-            f"  not checked here: --features-path and --verifier contents (read at launch)")
+    return f"recipe {name}: OK for {world} ranks: {report}"
 
 
 def launch_sizes(recipe: Dict, nnodes: Optional[int], nproc: Optional[int]) -> Tuple[int, int]:

@@ -37,6 +37,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
+from megatron_csbp.objectives.flags import check_mask_token_id
+from megatron_csbp.objectives.registry import objective_class, objective_options
 from megatron_csbp.training.arguments import add_block_diffusion_args
 
 
@@ -77,9 +79,10 @@ def validate_megatron_args(args) -> None:
         value = getattr(args, attr, allowed[0])
         if value not in allowed:
             raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
-    if args.objective == "diffusiongemma-sft":
-        raise ValueError("--objective diffusiongemma-sft runs in python -m megatron_csbp.train (DiffusionGemma is "
-                         "built from a converted checkpoint, not from Megatron-LM flags)")
+    objective = objective_class(args.objective)
+    if objective.megatron_lm_refusal is not None:
+        raise ValueError(f"--objective {args.objective} {objective.megatron_lm_refusal}")
+    objective.validate(args)  # its flags' rules (noise schedule, ...), before any process group
     if args.mask_token is not None:
         raise ValueError("--mask-token (a string of a converted checkpoint's tokenizer) is for python -m "
                          "megatron_csbp.train; with Megatron-LM pass --mask-token-id or leave it unset (default: "
@@ -105,7 +108,7 @@ def resolve_mask_token_id(args, tokenizer) -> Optional[int]:
     past the tokenizer's (Megatron pads the vocabulary to --make-vocab-size-divisible-by x TP: those
     ids exist in the embedding but no tokenizer output uses them). Given: it must be an embedding
     row, and an id the tokenizer can produce (other than its mask token) needs --allow-mask-token-in-vocab."""
-    if args.objective == "ar":
+    if objective_class(args.objective).mask_token_needed is None:
         return args.mask_token_id
     vocab, padded = int(tokenizer.vocab_size), int(args.padded_vocab_size)
     own = _tokenizer_mask_id(tokenizer)
@@ -119,8 +122,7 @@ def resolve_mask_token_id(args, tokenizer) -> Optional[int]:
                              f"tokenizer's {vocab}: pass --mask-token-id, or raise --make-vocab-size-divisible-by")
         return args.mask_token_id
     mid = int(args.mask_token_id)
-    if not 0 <= mid < padded:
-        raise ValueError(f"--mask-token-id {mid} is outside the padded vocabulary [0, {padded})")
+    check_mask_token_id(mid, padded, vocabulary="padded vocabulary")
     if mid < vocab and mid != own and not args.allow_mask_token_in_vocab:
         raise ValueError(f"--mask-token-id {mid} is an id the tokenizer can produce (its vocabulary is [0, {vocab})): "
                          f"data tokens equal to it would be read as masks. Leave --mask-token-id unset (default "
@@ -237,15 +239,17 @@ def install_initialize_hook() -> None:
 def _model_args_from_megatron(args):
     from megatron_csbp.training.model import ModelArgs
 
-    return ModelArgs(
+    margs = ModelArgs(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         seq_length=args.seq_length, vocab_size=args.padded_vocab_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=_true_cp(args), block_parallel_size=args.block_parallel_size,
         block_size=args.block_size, objective=args.objective, mask_token_id=args.mask_token_id,
-        clean_attention=args.clean_attention or "block_causal", noise_eps_min=args.noise_eps_min, noise_eps_max=args.noise_eps_max,
-        loss_weighting=args.loss_weighting, attention_transport=args.attention_transport,
+        clean_attention=args.clean_attention or "block_causal", attention_transport=args.attention_transport,
         block_ownership=args.block_ownership, seed=args.seed, attention_kernel=args.attention_kernel)
+    for dest, value in objective_options(args).items():  # the objective's flags (noise schedule, ...)
+        setattr(margs, dest, value)
+    return margs
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
@@ -257,7 +261,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.model import builder
-    from megatron_csbp.model.bdlm import BlockDiffusionModel
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
 
     args = get_args()
@@ -280,11 +283,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                             position_embedding_type=args.position_embedding_type,
                             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
     margs = _model_args_from_megatron(args)
-    if margs.mask_token_id is None and margs.objective != "ar":
+    if margs.mask_token_id is None and objective_class(margs.objective).mask_token_needed is not None:
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
                          "hook picks the first padding id) or pass --mask-token-id")
-    bdlm = BlockDiffusionModel(gpt, build_objective(margs), build_layout(margs), bps.get_shard_rank(),
-                               bps.get_clean_ring_group(), margs.attention_transport)
+    objective = build_objective(margs)
+    bdlm = objective.model_class()(gpt, objective, build_layout(margs), bps.get_shard_rank(),
+                                   bps.get_clean_ring_group(), margs.attention_transport)
     return TrainableBDLM(config, bdlm)
 
 

@@ -81,8 +81,9 @@ class SequenceLayout:
         P = self.shard_group_size
         if g.seq_length % (2 * P) != 0:
             raise ValueError(
-                f"--seq-length {g.seq_length} must be divisible by 2 x {P} sequence-parallel ranks "
-                f"(zigzag sharding cuts the stream into {2 * P} equal chunks)"
+                f"--seq-length {g.seq_length} must be divisible by 2 x max(--context-parallel-size, "
+                f"--block-parallel-size) = {2 * P} (zigzag sharding cuts the stream into {2 * P} equal chunks: "
+                f"divisible by 2 x {P} shard-group ranks)"
             )
         if self.kind in ("bp", "csbp") and g.num_blocks < bp:
             raise ValueError(

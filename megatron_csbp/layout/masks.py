@@ -31,8 +31,9 @@ class BlockGeometry:
             )
         if self.seq_length % self.block_size != 0:
             raise ValueError(
-                f"--seq-length {self.seq_length} is not a multiple of --block-size {self.block_size}: "
-                "block diffusion needs whole blocks (no silent round-down)"
+                f"--block-size {self.block_size} does not divide --seq-length {self.seq_length} (--seq-length "
+                f"{self.seq_length} is not a multiple of --block-size {self.block_size}): block diffusion needs "
+                "whole blocks (no silent round-down)"
             )
         if self.clean_attention not in CLEAN_ATTENTION_VARIANTS:
             raise ValueError(

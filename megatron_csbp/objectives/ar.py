@@ -8,11 +8,21 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective
+from megatron_csbp.objectives.registry import register_objective
 
 
+@register_objective("ar")
 class AutoregressiveObjective(Objective):
-    name = "ar"
     uses_noisy_stream = False
+
+    @classmethod
+    def from_args(cls, args) -> "AutoregressiveObjective":
+        return cls()
+
+    @classmethod
+    def attention_pairs(cls, seq_length: int, block_size: int, clean_attention: str) -> int:
+        """Token-causal pairs of the clean stream: L (L + 1) / 2."""
+        return seq_length * (seq_length + 1) // 2
 
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
         targets = torch.full_like(tokens, -100)

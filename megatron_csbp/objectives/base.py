@@ -6,10 +6,12 @@ same noise for the same sample, so the loss does not depend on the parallel layo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Set, Tuple
 
 import numpy as np
 import torch
+
+from megatron_csbp.objectives.flags import Flag, add_flags, check_mask_token_id
 
 
 @dataclass
@@ -38,27 +40,133 @@ def sample_generator(seed: int, sample_index: int) -> torch.Generator:
 
 
 class Objective:
-    """Base class. Subclasses set `name` and implement `noise`."""
+    """Base class. A subclass is registered by name (`registry.register_objective`) and owns
+    everything the trainer needs to know about it:
+
+    - its flags (`flags`: `flags.Flag`s, shared ones declared once in `objectives/flags.py`) and
+      their rules (`validate(args)`, before the tokenizer is known; the constructor applies the
+      same rule functions), construction from the parsed flags (`from_args`);
+    - the rows it gives the model (`uses_noisy_stream`, `views`, `rows_per_sample`), its mask
+      token needs (`mask_token_needed`, `mask_from_tokenizer`, `check_mask`), the model wrapper it
+      trains (`model_class`) and what evaluation uses (`for_evaluation`);
+    - its data (`build_datasets`: mock / pretraining tokens / SFT pairs, or its own, e.g. DFlash
+      features) and FLOPs terms (`attention_pairs`, `rows_per_sample`);
+    - where it trains: `python -m megatron_csbp.train` (default), or its own trainer
+      (`own_trainer`, `trainer_parser`, `check_trainer_args`, `run_trainer`), and whether the
+      Megatron-LM hooks can train it (`megatron_lm_refusal`).
+
+    Subclasses implement `noise` (and `from_args`)."""
 
     name = "base"
+    #: this objective's entry in `--objective`'s help (None: none)
+    summary: Optional[str] = None
+    #: the flags it reads (`flags.Flag`), in the order they appear in --help
+    flags: Tuple[Flag, ...] = ()
     #: False for plain next-token training: the model sees the clean stream only
     uses_noisy_stream = True
+    #: batch rows the objective makes of one sample (Fast-dLLM v2's two complementary views: 2)
+    views = 1
     #: exclude the mask token's logit from the softmax (absorbing-state MDLM losses)
     exclude_mask_from_softmax = False
     mask_token_id = None
     #: the loss has terms on clean rows (`NoisedBatch.clean_targets`); layouts then assign every
     #: clean row's term to one rank (`SequenceLayout.clean_loss`)
     needs_clean_logits = False
+    #: "--mask-token-id (why)": the objective needs a mask id (None: it uses none)
+    mask_token_needed: Optional[str] = None
+    #: an unset --mask-token-id takes the tokenizer's <mask>
+    mask_from_tokenizer = False
+    #: the command of the objective's own trainer (None: `python -m megatron_csbp.train` trains it)
+    own_trainer: Optional[str] = None
+    #: why the Megatron-LM hooks cannot train it (None: they can)
+    megatron_lm_refusal: Optional[str] = None
 
+    # ---- flags and rules ------------------------------------------------------------------------
+    @classmethod
+    def add_args(cls, parser, added: Optional[Set[str]] = None) -> None:
+        """Add this objective's flags to `parser` (an argument group), skipping names in `added`."""
+        add_flags(parser, cls.flags, added)
+
+    @classmethod
+    def validate(cls, args) -> None:
+        """The rules on this objective's flags that need no tokenizer (ValueError naming the flag)."""
+
+    @classmethod
+    def from_args(cls, args) -> "Objective":
+        raise NotImplementedError
+
+    @classmethod
+    def check_mask(cls, mask_token_id: Optional[int], vocab_size: Optional[int] = None,
+                   vocabulary: str = "vocabulary") -> None:
+        """A given mask id lies in the vocabulary; an objective that needs one refuses None."""
+        needed = f"--objective {cls.name} needs {cls.mask_token_needed}" if cls.mask_token_needed else None
+        check_mask_token_id(mask_token_id, vocab_size, needed, vocabulary)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        self.check_mask(self.mask_token_id, vocab_size)
+
+    # ---- what the model and the trainer get ---------------------------------------------------
     def noise(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> NoisedBatch:
         raise NotImplementedError
+
+    def num_blocks(self, seq_length: int) -> int:
+        """Blocks of `self.block_size` in a sequence; partial blocks are refused (BlockGeometry's rule)."""
+        from megatron_csbp.layout.masks import BlockGeometry
+        return BlockGeometry(seq_length, self.block_size).num_blocks
 
     def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (summed over the global batch)."""
         return loss_mask.sum().to(torch.float32)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < vocab_size:
-            raise ValueError(
-                f"--mask-token-id {self.mask_token_id} is outside the vocabulary [0, {vocab_size})"
-            )
+    def model_class(self):
+        """The `BlockDiffusionModel` (sub)class this objective trains."""
+        from megatron_csbp.model.bdlm import BlockDiffusionModel
+        return BlockDiffusionModel
+
+    def for_evaluation(self) -> "Objective":
+        """The objective held-out losses use (default: this one)."""
+        return self
+
+    @classmethod
+    def build_datasets(cls, args):
+        """(train, valid) datasets: --mock-data, --sft-data-path (prompt/response pairs) or
+        --data-path (pretraining tokens)."""
+        from megatron_csbp.objectives import data
+
+        if args.mock_data:
+            return data.mock_datasets(args)
+        if args.sft_data_path:
+            return data.sft_datasets(args)
+        return data.token_datasets(args)
+
+    # ---- FLOPs terms ----------------------------------------------------------------------------
+    @classmethod
+    def rows_per_sample(cls, seq_length: int) -> int:
+        """Model rows of one sample: views x [noisy ; clean] (2L) or the clean stream only (L)."""
+        return cls.views * (2 if cls.uses_noisy_stream else 1) * seq_length
+
+    @classmethod
+    def attention_pairs(cls, seq_length: int, block_size: int, clean_attention: str) -> int:
+        """Allowed query-key pairs of one view of one sample: L*(L+B) for block-causal BD3-LM
+        (each noisy query sees the clean prefix before its block and its own block)."""
+        from megatron_csbp.layout.masks import BlockGeometry, clean_key_interval, logical_rows
+
+        g = BlockGeometry(seq_length, block_size, clean_attention)
+        lo, hi = clean_key_interval(logical_rows(seq_length), g)
+        clean = int((hi - lo).clamp_min(0).sum())
+        noisy_in_block = seq_length * block_size  # each noisy query sees its own block
+        return clean + noisy_in_block
+
+    # ---- an objective with a trainer of its own ------------------------------------------------
+    @classmethod
+    def trainer_parser(cls):
+        raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
+
+    @classmethod
+    def check_trainer_args(cls, args, world_size: int) -> str:
+        """Rules of the own trainer's parsed flags for `world_size` ranks; returns a summary line."""
+        raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
+
+    @classmethod
+    def run_trainer(cls, argv: List[str]):
+        raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")

@@ -15,24 +15,47 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag,
+                                            check_choice, check_noise_interval)
+from megatron_csbp.objectives.registry import register_objective
 
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
+LOSS_WEIGHTING = Flag("--loss-weighting", dict(choices=LOSS_WEIGHTINGS, default="inverse_t"))
 
 
+@register_objective("bd3lm")
 class BD3LMObjective(Objective):
-    name = "bd3lm"
     exclude_mask_from_softmax = True
+    flags = MASK_TOKEN_FLAGS + NOISE_FLAGS + (LOSS_WEIGHTING,)
+    mask_token_needed = "--mask-token-id (a token id the data never uses; the tokenizer has no <mask>)"
+    mask_from_tokenizer = True
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
                  eps_min: float = 1e-3, eps_max: float = 1.0, loss_weighting: str = "inverse_t"):
-        if not 0.0 < eps_min <= eps_max <= 1.0:
-            raise ValueError(
-                f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got {eps_min}, {eps_max}"
-            )
-        if loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"--loss-weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
+        self.check_options(eps_min, eps_max, loss_weighting)
+        self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.seed = block_size, int(mask_token_id), seed
         self.eps_min, self.eps_max, self.loss_weighting = eps_min, eps_max, loss_weighting
+
+    @staticmethod
+    def check_options(eps_min: float, eps_max: float, loss_weighting: str) -> None:
+        check_noise_interval(eps_min, eps_max)
+        check_choice(LOSS_WEIGHTING, loss_weighting, LOSS_WEIGHTINGS)
+
+    @classmethod
+    def validate(cls, args) -> None:
+        cls.check_options(NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args), LOSS_WEIGHTING.value(args))
+
+    @classmethod
+    def from_args(cls, args) -> "BD3LMObjective":
+        return cls(args.block_size, args.mask_token_id, seed=args.seed, eps_min=NOISE_EPS_MIN.value(args),
+                   eps_max=NOISE_EPS_MAX.value(args), loss_weighting=LOSS_WEIGHTING.value(args))
+
+    def for_evaluation(self) -> "BD3LMObjective":
+        """Always the NELBO (t ~ U[1e-3, 1], 1/t weights), an upper bound on the model's NLL in
+        nats/token, whatever schedule training draws from (`--noise-eps-min/max`,
+        `--loss-weighting`): so held-out losses of runs with different training schedules compare."""
+        return BD3LMObjective(self.block_size, self.mask_token_id, seed=self.seed)
 
     def block_times(self, num_blocks: int, generator: torch.Generator) -> torch.Tensor:
         u = torch.rand(1, generator=generator, dtype=torch.float64)
@@ -42,7 +65,7 @@ class BD3LMObjective(Objective):
     def times_and_draws(self, tokens, sample_index):
         """Per token: its block's time t and one uniform draw, both [b, L], from (seed, sample)."""
         b, L = tokens.shape
-        n = L // self.block_size
+        n = self.num_blocks(L)  # whole blocks only
         t_rows, draw_rows = [], []
         for i in range(b):
             g = sample_generator(self.seed, int(sample_index[i]))
@@ -51,9 +74,6 @@ class BD3LMObjective(Objective):
         return torch.stack(t_rows).to(tokens.device), torch.stack(draw_rows).to(tokens.device)
 
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
-        b, L = tokens.shape
-        if L % self.block_size:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
         t, draws = self.times_and_draws(tokens, sample_index)
         # A data token equal to the mask id is never noised and never a target: the mask column is
         # excluded from the softmax, so its probability is 0 (an infinite loss). Its draw is still

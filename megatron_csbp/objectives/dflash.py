@@ -35,6 +35,8 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_csbp.objectives.base import Objective, sample_generator
+from megatron_csbp.objectives.flags import Flag, add_flags, check_choice
+from megatron_csbp.objectives.registry import register_objective
 
 ANCHOR_SAMPLING = ("uniform", "locality")
 DFLASH_LOSSES = ("ce", "dpace")
@@ -96,35 +98,110 @@ def sample_anchors(valid: torch.Tensor, max_anchors: int, sampling: str, stride:
         start = int(torch.randint(n, (1,), generator=generator))
         chosen = (start + torch.arange(count) * step) % n
     else:
-        raise ValueError(f"--dflash-anchor-sampling must be one of {ANCHOR_SAMPLING}, got {sampling!r}")
+        check_choice(ANCHOR_SAMPLING_FLAG, sampling, ANCHOR_SAMPLING)
     return candidates[chosen].sort().values
 
 
+DFLASH_LOSS = Flag("--dflash-loss", dict(
+    choices=DFLASH_LOSSES, default="ce",
+    help="ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights and lambda mixing"))
+MAX_ANCHORS = Flag("--dflash-max-anchors", dict(type=int, default=512, help="draft blocks per sequence (at most)"))
+ANCHOR_SAMPLING_FLAG = Flag("--dflash-anchor-sampling", dict(choices=ANCHOR_SAMPLING, default="uniform"))
+GAMMA = Flag("--dflash-gamma", dict(type=float, default=7.0, help="slot weight exp(-(k-1)/gamma)"))
+DPACE_ALPHA = Flag("--dflash-dpace-alpha", dict(type=float, default=0.5))
+KL_SCALE = Flag("--dflash-kl-scale", dict(type=float, default=1.0))
+KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0))
+VOCAB_CHUNK = Flag("--dflash-vocab-chunk", dict(type=int, default=8192, help="LM-head rows per streamed chunk"))
+
+
+@register_objective("dflash")
 class DFlashObjective(Objective):
-    name = "dflash"
+    summary = ("a DFlash speculative drafter on captured verifier features (the flags of "
+               "`python -m megatron_csbp.dflash train`, which this hands over to; docs/dflash.md)")
     uses_noisy_stream = True
+    flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK)
+    mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
+    own_trainer = "python -m megatron_csbp.dflash train"
+    megatron_lm_refusal = ("runs in python -m megatron_csbp.dflash train (a drafter trained on captured verifier "
+                           "features, not a GPT built from Megatron-LM flags)")
 
     def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = 512, sampling: str = "uniform",
                  gamma: float = 7.0, loss: str = "ce", dpace_alpha: float = 0.5, kl_scale: float = 1.0,
                  kl_decay: float = 1.0, vocab_chunk: int = 8192, seed: int = 1234):
+        self.check_options(block_size, max_anchors, sampling, gamma, loss, dpace_alpha, vocab_chunk)
+        self.check_mask(mask_token_id)
+        self.block_size, self.mask_token_id, self.max_anchors = block_size, mask_token_id, max_anchors
+        self.sampling, self.gamma, self.loss_kind = sampling, gamma, loss
+        self.dpace_alpha, self.kl_scale, self.kl_decay = dpace_alpha, kl_scale, kl_decay
+        self.vocab_chunk, self.seed = vocab_chunk, seed
+
+    @staticmethod
+    def check_options(block_size: int, max_anchors: int, sampling: str, gamma: float, loss: str,
+                      dpace_alpha: float, vocab_chunk: int) -> None:
         if block_size < 2:
             raise ValueError(f"--block-size must be >= 2 for DFlash (slot 0 is the anchor), got {block_size}")
         if max_anchors < 1:
             raise ValueError(f"--dflash-max-anchors must be >= 1, got {max_anchors}")
-        if sampling not in ANCHOR_SAMPLING:
-            raise ValueError(f"--dflash-anchor-sampling must be one of {ANCHOR_SAMPLING}, got {sampling!r}")
-        if loss not in DFLASH_LOSSES:
-            raise ValueError(f"--dflash-loss must be one of {DFLASH_LOSSES}, got {loss!r}")
+        check_choice(ANCHOR_SAMPLING_FLAG, sampling, ANCHOR_SAMPLING)
+        check_choice(DFLASH_LOSS, loss, DFLASH_LOSSES)
         if gamma <= 0:
             raise ValueError(f"--dflash-gamma must be positive, got {gamma}")
         if not 0.0 <= dpace_alpha <= 1.0:
             raise ValueError(f"--dflash-dpace-alpha must be in [0, 1], got {dpace_alpha}")
         if vocab_chunk < 1:
             raise ValueError(f"--dflash-vocab-chunk must be >= 1, got {vocab_chunk}")
-        self.block_size, self.mask_token_id, self.max_anchors = block_size, mask_token_id, max_anchors
-        self.sampling, self.gamma, self.loss_kind = sampling, gamma, loss
-        self.dpace_alpha, self.kl_scale, self.kl_decay = dpace_alpha, kl_scale, kl_decay
-        self.vocab_chunk, self.seed = vocab_chunk, seed
+
+    @classmethod
+    def add_args(cls, parser, added=None) -> None:
+        add_flags(parser.add_argument_group("dflash objective"), cls.flags, added)
+
+    @classmethod
+    def validate(cls, args) -> None:
+        cls.check_options(args.block_size, MAX_ANCHORS.value(args), ANCHOR_SAMPLING_FLAG.value(args),
+                          GAMMA.value(args), DFLASH_LOSS.value(args), DPACE_ALPHA.value(args), VOCAB_CHUNK.value(args))
+
+    @classmethod
+    def from_args(cls, args) -> "DFlashObjective":
+        return cls(args.block_size, args.mask_token_id, MAX_ANCHORS.value(args), ANCHOR_SAMPLING_FLAG.value(args),
+                   GAMMA.value(args), DFLASH_LOSS.value(args), DPACE_ALPHA.value(args), KL_SCALE.value(args),
+                   KL_DECAY.value(args), VOCAB_CHUNK.value(args), seed=args.seed)
+
+    @classmethod
+    def build_datasets(cls, args):
+        """The captured verifier features (`python -m megatron_csbp.dflash prepare-features`); the
+        trainer holds out the last --eval-sequences of them."""
+        from megatron_csbp.dflash import FeatureDataset
+        data = FeatureDataset(args.features_path)
+        return data, data
+
+    # ---- its own trainer ------------------------------------------------------------------------
+    @classmethod
+    def trainer_parser(cls):
+        from megatron_csbp.dflash import train_parser
+        return train_parser()
+
+    @classmethod
+    def check_trainer_args(cls, args, world_size: int) -> str:
+        """The trainer's argument rules and the shard-group topology (the rules that read the
+        captured features and the verifier run at launch)."""
+        from megatron_csbp.dflash import check_args
+        from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
+
+        args.command = "train"
+        cp, bp = args.context_parallel_size, args.block_parallel_size
+        check_args(args)
+        check_parallel_sizes(cp, bp)
+        seq = shard_group_size(cp, bp)
+        if world_size % seq:
+            raise ValueError(f"world size {world_size} is not divisible by max(--context-parallel-size, "
+                             f"--block-parallel-size) = {seq}")
+        return (f"DFlash drafter, CP {cp} / BP {bp} x DP {world_size // seq}\n"
+                f"  not checked here: --features-path and --verifier contents (read at launch)")
+
+    @classmethod
+    def run_trainer(cls, argv):
+        from megatron_csbp import dflash
+        return dflash.main(["train"] + list(argv))
 
     def slot_weights(self) -> torch.Tensor:
         k = torch.arange(self.block_size, dtype=torch.float32)

@@ -4,7 +4,8 @@ Per sample (tokens [L], loss_mask [L] = 1 on response tokens):
 - blocks of B tokens; the response must start on a block boundary (pad the prompt to a multiple of
   --block-size; this is what makes canvas b start at s_b = prompt length + b * B as in Hugging
   Face). Response blocks are the blocks holding supervised tokens; only they are canvases;
-- uniform-state noise with one time per block: t ~ U(eps_min, eps_max), each supervised token of
+- uniform-state noise with one time per block: t ~ U(eps_min, eps_max) (0 < eps_min <= eps_max <= 1,
+  `flags.check_noise_interval`, the rule of every objective), each supervised token of
   the block is replaced by a uniform random vocabulary id with probability t;
 - diffusion loss on every supervised token of every response block (noised or not): mean over the
   block's tokens, then over the sample's response blocks;
@@ -28,29 +29,77 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+from megatron_csbp.objectives.flags import NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag, check_noise_interval
+from megatron_csbp.objectives.registry import register_objective
 
 
 #: the fields (clean targets/weights, self-conditioning draws, first canvas block) live on NoisedBatch
 DiffusionGemmaNoisedBatch = NoisedBatch
 
 
+ENCODER_LOSS_WEIGHT = Flag("--encoder-loss-weight", dict(
+    type=float, default=1.0, help="diffusiongemma-sft: weight of the AR next-token loss on the clean stream"))
+SELF_CONDITIONING_PROB = Flag("--self-conditioning-prob", dict(
+    type=float, default=0.5, help="diffusiongemma-sft: probability that a sample gets the self-conditioning pass"))
+
+
+@register_objective("diffusiongemma-sft")
 class DiffusionGemmaSFTObjective(Objective):
-    name = "diffusiongemma-sft"
+    summary = ("DiffusionGemma's native SFT (uniform noise, canvas of response blocks, AR loss on the clean "
+               "stream, self-conditioning) for a converted DiffusionGemma / Gemma 4 --load checkpoint and "
+               "--sft-data-path")
+    flags = (ENCODER_LOSS_WEIGHT, SELF_CONDITIONING_PROB) + NOISE_FLAGS
     #: the model must also return logits for the clean rows (AR loss)
     needs_clean_logits = True
+    megatron_lm_refusal = ("runs in python -m megatron_csbp.train (DiffusionGemma is built from a converted "
+                           "checkpoint, not from Megatron-LM flags)")
 
     def __init__(self, block_size: int, vocab_size: int, seed: int = 1234, encoder_loss_weight: float = 1.0,
                  self_conditioning_prob: float = 0.5, eps_min: float = 1e-3, eps_max: float = 1.0):
-        if not 0.0 <= eps_min <= eps_max <= 1.0:
-            raise ValueError(f"noise times must satisfy 0 <= min <= max <= 1, got {eps_min}, {eps_max}")
-        if not 0.0 <= self_conditioning_prob <= 1.0:
-            raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {self_conditioning_prob}")
-        if encoder_loss_weight < 0:
-            raise ValueError(f"--encoder-loss-weight must be >= 0, got {encoder_loss_weight}")
+        self.check_options(encoder_loss_weight, self_conditioning_prob, eps_min, eps_max)
         self.block_size, self.vocab_size, self.seed = int(block_size), int(vocab_size), seed
         self.encoder_loss_weight = float(encoder_loss_weight)
         self.self_conditioning_prob = float(self_conditioning_prob)
         self.eps_min, self.eps_max = eps_min, eps_max
+
+    @staticmethod
+    def check_options(encoder_loss_weight: float, self_conditioning_prob: float, eps_min: float,
+                      eps_max: float) -> None:
+        check_noise_interval(eps_min, eps_max)
+        if not 0.0 <= self_conditioning_prob <= 1.0:
+            raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {self_conditioning_prob}")
+        if encoder_loss_weight < 0:
+            raise ValueError(f"--encoder-loss-weight must be >= 0, got {encoder_loss_weight}")
+
+    @classmethod
+    def validate(cls, args) -> None:
+        """DiffusionGemma's SFT trains a DiffusionGemma (a converted checkpoint's shape; skipped
+        by `launch --check` without the checkpoint) on SFT data."""
+        shape = getattr(args, "model_shape", None)
+        is_dg = shape is not None and shape.family == "diffusion_gemma"
+        if not is_dg and not getattr(args, "shape_unknown", False):
+            raise ValueError("--objective diffusiongemma-sft trains a DiffusionGemma: --load a checkpoint converted "
+                             "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
+        if not args.sft_data_path:
+            raise ValueError("--objective diffusiongemma-sft needs --sft-data-path (prompt/response data with loss masks)")
+        cls.check_options(ENCODER_LOSS_WEIGHT.value(args), SELF_CONDITIONING_PROB.value(args),
+                          NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args))
+
+    @classmethod
+    def from_args(cls, args) -> "DiffusionGemmaSFTObjective":
+        return cls(args.block_size, args.vocab_size, seed=args.seed, encoder_loss_weight=ENCODER_LOSS_WEIGHT.value(args),
+                   self_conditioning_prob=SELF_CONDITIONING_PROB.value(args), eps_min=NOISE_EPS_MIN.value(args),
+                   eps_max=NOISE_EPS_MAX.value(args))
+
+    def model_class(self):
+        from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
+        return DiffusionGemmaSFTModel
+
+    @classmethod
+    def build_datasets(cls, args):
+        """SFT pairs, prompts padded so that every response starts on a block boundary."""
+        from megatron_csbp.objectives.data import sft_datasets
+        return sft_datasets(args, align_response_to=args.block_size)
 
     def check_vocab(self, vocab_size: int) -> None:
         if vocab_size != self.vocab_size:
@@ -60,8 +109,7 @@ class DiffusionGemmaSFTObjective(Objective):
         """[b, n] bool: blocks holding supervised tokens. Refuses responses that start mid-block."""
         b, L = loss_mask.shape
         B = self.block_size
-        if L % B:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
+        self.num_blocks(L)  # whole blocks only
         sup = loss_mask.bool()
         has = sup.any(dim=1)
         first = torch.where(has, sup.float().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))

@@ -29,22 +29,34 @@ import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective
 from megatron_csbp.objectives.bd3lm import BD3LMObjective
+from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_mask_token_id,
+                                            check_noise_flags, check_noise_interval)
+from megatron_csbp.objectives.registry import register_objective
 
 
+@register_objective("fast-dllm-v2")
 class FastDLLMv2Objective(Objective):
-    name = "fast-dllm-v2"
+    summary = "AR -> BDLM adaptation (complementary masks, token shift), for a converted --load checkpoint"
     exclude_mask_from_softmax = False
+    flags = MASK_TOKEN_FLAGS + NOISE_FLAGS
+    views = 2  # the complementary pair m, 1 - m
+    mask_token_needed = "--mask-token-id or --mask-token (an existing reserved mask token the data never uses)"
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
                  eps_min: float = 1e-3, eps_max: float = 1.0):
-        if not 0.0 < eps_min <= eps_max <= 1.0:
-            raise ValueError(
-                f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got {eps_min}, {eps_max}"
-            )
-        if mask_token_id is None or int(mask_token_id) < 0:
-            raise ValueError("--objective fast-dllm-v2 needs a mask token (--mask-token-id or --mask-token)")
+        check_noise_interval(eps_min, eps_max)
+        self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
         self.eps_min, self.eps_max = eps_min, eps_max
+
+    @classmethod
+    def validate(cls, args) -> None:
+        check_noise_flags(args)
+
+    @classmethod
+    def from_args(cls, args) -> "FastDLLMv2Objective":
+        return cls(args.block_size, args.mask_token_id, seed=args.seed, eps_min=NOISE_EPS_MIN.value(args),
+                   eps_max=NOISE_EPS_MAX.value(args))
 
     # the same antithetic per-block times and per-token draws as BD3-LM
     block_times = BD3LMObjective.block_times
@@ -52,9 +64,6 @@ class FastDLLMv2Objective(Objective):
 
     def masks(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
         """The first view's mask m [b, L] (bool): supervised tokens drawn with their block's t."""
-        b, L = tokens.shape
-        if L % self.block_size:
-            raise ValueError(f"--seq-length {L} is not a multiple of --block-size {self.block_size}")
         t, draws = self.times_and_draws(tokens, sample_index)
         return (draws < t) & loss_mask.bool()
 
@@ -86,9 +95,11 @@ def resolve_mask_token(value: Union[int, str], tokenizer_path: Optional[str] = N
         token_id = int(value)
     else:
         token_id = _lookup_token(str(value), tokenizer_path)
-    if vocab_size is not None and not 0 <= token_id < vocab_size:
-        raise ValueError(f"mask token id {token_id} is outside the model's vocabulary [0, {vocab_size}); "
-                         "Fast-dLLM v2 reuses an existing (reserved) token and does not resize the embedding")
+    try:
+        check_mask_token_id(token_id, vocab_size, vocabulary="model's vocabulary")
+    except ValueError as exc:
+        raise ValueError(f"{exc}; Fast-dLLM v2 reuses an existing (reserved) token and does not resize the "
+                         "embedding") from None
     return token_id
 
 

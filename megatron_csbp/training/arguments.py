@@ -11,11 +11,18 @@ import os
 from typing import List, Optional, Sequence
 
 from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
+from megatron_csbp.objectives.registry import (add_objective_args, build_objective, objective_class, objective_help,
+                                               objective_names, objective_options)
 
 #: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
 ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
 BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
-OBJECTIVES = ("bd3lm", "ar", "fast-dllm-v2", "diffusiongemma-sft", "dflash")
+
+
+def __getattr__(name):
+    if name == "OBJECTIVES":  # `--objective`'s choices: the objective registry's names, in its order
+        return objective_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -25,28 +32,10 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="ranks sharing one sample by noisy blocks (BP); CSBP when --context-parallel-size > 1 "
                         "too. Must be a multiple of --context-parallel-size.")
     g.add_argument("--block-size", type=int, default=16, help="block diffusion block size; must divide --seq-length")
-    g.add_argument("--objective", choices=OBJECTIVES, default="bd3lm",
-                   help="fast-dllm-v2: AR -> BDLM adaptation (complementary masks, token shift), for a converted "
-                        "--load checkpoint; diffusiongemma-sft: DiffusionGemma's native SFT (uniform noise, canvas "
-                        "of response blocks, AR loss on the clean stream, self-conditioning) for a converted "
-                        "DiffusionGemma / Gemma 4 --load checkpoint and --sft-data-path; dflash: a DFlash "
-                        "speculative drafter on captured verifier features (the flags of "
-                        "`python -m megatron_csbp.dflash train`, which this hands over to; docs/dflash.md)")
-    g.add_argument("--encoder-loss-weight", type=float, default=1.0,
-                   help="diffusiongemma-sft: weight of the AR next-token loss on the clean stream")
-    g.add_argument("--self-conditioning-prob", type=float, default=0.5,
-                   help="diffusiongemma-sft: probability that a sample gets the self-conditioning pass")
-    g.add_argument("--mask-token-id", type=int, default=None,
-                   help="absorbing mask token, any id in [0, vocab) (default: the tokenizer's <mask>); data tokens "
-                        "equal to it are never targets")
-    g.add_argument("--mask-token", type=str, default=None,
-                   help="mask token as a string of the converted checkpoint's tokenizer (--load DIR/hf_assets/"
-                        "tokenizer.json), e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id")
+    g.add_argument("--objective", choices=objective_names(), default="bd3lm", help=objective_help())
+    add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
     g.add_argument("--clean-attention", choices=CLEAN_ATTENTION_VARIANTS, default=None,
                    help="clean stream mask (default: token_causal for DiffusionGemma models, block_causal otherwise)")
-    g.add_argument("--noise-eps-min", type=float, default=1e-3)
-    g.add_argument("--noise-eps-max", type=float, default=1.0)
-    g.add_argument("--loss-weighting", choices=("inverse_t", "unit"), default="inverse_t")
     g.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
     g.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
     g.add_argument("--attention-kernel", choices=("auto", "tiled", "math", "flex", "flash"), default="auto",
@@ -181,6 +170,8 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     the run's files): a --load checkpoint or tokenizer that is not here, and flags whose values are
     placeholders (`args.placeholders`, a set of dests), skip the rules that need them; every other
     rule runs. What was skipped is appended to `args.check_notes`."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.parallel_state import check_topology
 
     placeholders = set(getattr(args, "placeholders", ()))
@@ -203,18 +194,11 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         args.model_shape = checkpoint_shape(args.load, args.ckpt_step)
     if args.model_shape is not None:
         apply_model_shape(args, args.model_shape)
-    if args.seq_length <= 0 or args.block_size <= 0:
-        raise ValueError(f"--seq-length ({args.seq_length}) and --block-size ({args.block_size}) must be positive")
-    if args.seq_length % args.block_size:
-        raise ValueError(f"--block-size {args.block_size} does not divide --seq-length {args.seq_length}: "
-                         "block diffusion needs whole blocks")
-    if args.seq_length % (2 * shard_group):
-        raise ValueError(f"--seq-length {args.seq_length} must be divisible by 2 x max(--context-parallel-size, "
-                         f"--block-parallel-size) = {2 * shard_group} (zigzag sharding)")
-    num_blocks = args.seq_length // args.block_size
-    if args.block_parallel_size > 1 and num_blocks < args.block_parallel_size:
-        raise ValueError(f"--seq-length / --block-size = {num_blocks} blocks, fewer than --block-parallel-size "
-                         f"{args.block_parallel_size}: every block-parallel rank must own a block")
+    check_clean_attention(args)
+    # The block geometry and the layout of the shard group, as the model will build them: their
+    # own rules (whole blocks, zigzag chunks, a block for every block-parallel rank) run here.
+    SequenceLayout(BlockGeometry(args.seq_length, args.block_size, args.clean_attention),
+                   args.context_parallel_size, args.block_parallel_size, args.block_ownership)
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.num_attention_heads % args.num_query_groups:
@@ -251,9 +235,6 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without --tokenizer-model) needs --vocab-size")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
-    if not 0.0 < args.noise_eps_min <= args.noise_eps_max <= 1.0:
-        raise ValueError(f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got "
-                         f"{args.noise_eps_min}, {args.noise_eps_max}")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ValueError("--save-interval must be positive")
     if args.save_interval and not args.save:
@@ -302,7 +283,7 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
                                                     vocab_size=args.vocab_size)
         except FileNotFoundError as exc:
             raise ValueError(f"--mask-token: {exc}") from None
-    if args.mask_token_id is None and args.objective == "bd3lm":
+    if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
         args.mask_token_id = tok.mask_token_id
     check_vocab(args, args.vocab_size)
     return args
@@ -390,13 +371,22 @@ def check_model_options(args, check_only: bool = False) -> None:
         raise ValueError(f"--add-bias-linear: the model shape comes from the checkpoint --load {args.load}")
 
 
+def check_clean_attention(args) -> None:
+    """Fills the --clean-attention default; DiffusionGemma's clean stream is token-causal."""
+    shape = args.model_shape
+    is_dg = shape is not None and shape.family == "diffusion_gemma"
+    if args.clean_attention is None:
+        args.clean_attention = "token_causal" if is_dg else "block_causal"
+    if is_dg and args.clean_attention != "token_causal":
+        raise ValueError(f"--clean-attention {args.clean_attention}: DiffusionGemma's clean stream is token_causal")
+
+
 def check_experts_and_objective(args) -> None:
-    """Expert parallelism needs an MoE model; DiffusionGemma's SFT needs DiffusionGemma, SFT data and
-    its token-causal clean stream. Fills the --clean-attention default."""
+    """Expert parallelism needs an MoE model; the objective's own rules (`Objective.validate`, e.g.
+    DiffusionGemma's SFT needs DiffusionGemma and SFT data)."""
     shape = args.model_shape
     # launch --check without the checkpoint: the rules that need its shape are skipped
     unknown = getattr(args, "shape_unknown", False)
-    is_dg = shape is not None and shape.family == "diffusion_gemma"
     ep = args.expert_model_parallel_size
     if shape is not None and shape.is_moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} on an MoE model needs "
@@ -423,39 +413,28 @@ def check_experts_and_objective(args) -> None:
                              f"--seq-length / --block-size = {blocks} blocks must be a multiple of {unit} so every "
                              f"block-parallel rank owns as many noisy blocks ({args.block_ownership} ownership); the "
                              "MoE token dispatcher needs equal row counts across expert ranks")
-    if args.clean_attention is None:
-        args.clean_attention = "token_causal" if is_dg else "block_causal"
-    if is_dg and args.clean_attention != "token_causal":
-        raise ValueError(f"--clean-attention {args.clean_attention}: DiffusionGemma's clean stream is token_causal")
-    if args.objective == "diffusiongemma-sft":
-        if not is_dg and not unknown:
-            raise ValueError("--objective diffusiongemma-sft trains a DiffusionGemma: --load a checkpoint converted "
-                             "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
-        if not args.sft_data_path:
-            raise ValueError("--objective diffusiongemma-sft needs --sft-data-path (prompt/response data with loss masks)")
-        if not 0.0 <= args.self_conditioning_prob <= 1.0:
-            raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {args.self_conditioning_prob}")
-        if args.encoder_loss_weight < 0:
-            raise ValueError(f"--encoder-loss-weight must be >= 0, got {args.encoder_loss_weight}")
+    cls = objective_class(args.objective)
+    if cls.own_trainer is not None:
+        raise ValueError(f"--objective {args.objective} trains in {cls.own_trainer} (python -m megatron_csbp.train "
+                         "hands its flags over before parsing them)")
+    cls.validate(args)
 
 
 def check_vocab(args, vocab_size: int) -> None:
-    """After the tokenizer is known: the mask token must be a real id."""
-    if args.objective == "fast-dllm-v2" and args.mask_token_id is None:
-        raise ValueError("--objective fast-dllm-v2 needs --mask-token-id or --mask-token (an existing reserved token "
-                         "the data never uses)")
-    if args.objective in ("bd3lm", "fast-dllm-v2"):
-        if args.mask_token_id is None:
-            raise ValueError("--objective bd3lm needs --mask-token-id (the tokenizer has no <mask>)")
-        if not 0 <= args.mask_token_id < vocab_size:
-            raise ValueError(f"--mask-token-id {args.mask_token_id} is outside the vocabulary [0, {vocab_size})")
+    """After the tokenizer is known: the objective, built from the flags as the model will build it
+    (its mask token a real id of the vocabulary)."""
+    build_objective(args, vocab_size)
 
 
 def model_args(args):
+    """ModelArgs of the flags, carrying the objective's own flags along (ModelArgs need not name them)."""
     from megatron_csbp.training.model import ModelArgs
 
     fields = ModelArgs.__dataclass_fields__
-    return ModelArgs(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    margs = ModelArgs(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    for dest, value in objective_options(args).items():
+        setattr(margs, dest, value)
+    return margs
 
 
 DEMO_ARGV: List[str] = []  # filled in by megatron_csbp.training.demo

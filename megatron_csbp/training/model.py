@@ -21,7 +21,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
@@ -32,7 +31,7 @@ from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
 from megatron_csbp.model.bdlm import BlockDiffusionModel
-from megatron_csbp.objectives import AutoregressiveObjective, BD3LMObjective
+from megatron_csbp import objectives
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -150,34 +149,9 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
 
 
 def build_objective(a):
-    if a.objective == "bd3lm":
-        if a.mask_token_id is None:
-            raise ValueError("--objective bd3lm needs --mask-token-id (a token id the data never uses)")
-        return BD3LMObjective(a.block_size, a.mask_token_id, seed=a.seed, eps_min=a.noise_eps_min,
-                              eps_max=a.noise_eps_max, loss_weighting=a.loss_weighting)
-    if a.objective == "ar":
-        return AutoregressiveObjective()
-    if a.objective == "fast-dllm-v2":
-        from megatron_csbp.objectives.fast_dllm_v2 import FastDLLMv2Objective
-        return FastDLLMv2Objective(a.block_size, a.mask_token_id, seed=a.seed, eps_min=a.noise_eps_min,
-                                   eps_max=a.noise_eps_max)
-    if a.objective == "diffusiongemma-sft":
-        from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
-        return DiffusionGemmaSFTObjective(a.block_size, a.vocab_size, seed=a.seed,
-                                          encoder_loss_weight=a.encoder_loss_weight,
-                                          self_conditioning_prob=a.self_conditioning_prob,
-                                          eps_min=a.noise_eps_min, eps_max=a.noise_eps_max)
-    if a.objective == "dflash":
-        from megatron_csbp.objectives.dflash import DFlashObjective
-        if a.mask_token_id is None:
-            raise ValueError("--objective dflash needs --mask-token-id (the verifier's mask token for draft slots)")
-        return DFlashObjective(a.block_size, a.mask_token_id, getattr(a, "dflash_max_anchors", 512),
-                               getattr(a, "dflash_anchor_sampling", "uniform"), getattr(a, "dflash_gamma", 7.0),
-                               getattr(a, "dflash_loss", "ce"), getattr(a, "dflash_dpace_alpha", 0.5),
-                               getattr(a, "dflash_kl_scale", 1.0), getattr(a, "dflash_kl_decay", 1.0),
-                               getattr(a, "dflash_vocab_chunk", 8192), seed=a.seed)
-    from megatron_csbp.training.arguments import OBJECTIVES
-    raise ValueError(f"--objective must be one of {OBJECTIVES}, got {a.objective!r}")
+    """The objective `a.objective` names, from the objective registry (megatron_csbp/objectives/);
+    its mask token checked against `a.vocab_size`."""
+    return objectives.build_objective(a)
 
 
 def build_converted_gpt(a, finalize_model_grads_func=None):
@@ -234,12 +208,8 @@ class TrainableBDLM(MegatronModule):
 
 def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_func=None) -> TrainableBDLM:
     """Build on CPU with a fixed seed (layout-independent weights), then move to `device`."""
-    from megatron_csbp import parallel_state as bps
-
     objective = build_objective(a)
     layout = build_layout(a)
-    if a.mask_token_id is not None and not 0 <= a.mask_token_id < a.vocab_size:
-        raise ValueError(f"--mask-token-id {a.mask_token_id} is outside the vocabulary [0, {a.vocab_size})")
     if a.model_shape is not None:
         config, gpt = build_converted_gpt(a, finalize_model_grads_func)
         return _wrap(a, config, gpt, objective, layout, device)
@@ -271,9 +241,7 @@ def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
         gpt = gpt.to(device)
     shard_rank = bps.get_shard_rank() if bps.is_initialized() else 0
     ring = bps.get_clean_ring_group() if bps.is_initialized() else None
-    cls = BlockDiffusionModel
-    if a.objective == "diffusiongemma-sft":
-        from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel as cls
+    cls = objective.model_class()
     bdlm = cls(gpt, objective, layout, shard_rank=shard_rank, ring_group=ring, transport=a.attention_transport)
     return TrainableBDLM(config, bdlm)
 

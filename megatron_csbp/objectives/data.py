@@ -1,0 +1,38 @@
+"""The datasets an objective trains on (`Objective.build_datasets` picks): mock tokens, pretraining
+tokens (Megatron's indexed datasets, --data-path) or prompt/response pairs (--sft-data-path).
+Each returns (train, valid)."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def mock_datasets(args):
+    from megatron_csbp.data.megatron_data import MockDataset
+
+    num_ids = args.vocab_size - 2  # below the mask and EOD ids
+    return (MockDataset(args.seq_length, num_ids, args.seed, "train"),
+            MockDataset(args.seq_length, num_ids, args.seed, "valid"))
+
+
+def sft_datasets(args, align_response_to: Optional[int] = None):
+    """One SFT dataset serves both splits. `align_response_to`: pad prompts so that responses start
+    on a multiple of it (DiffusionGemma's canvases start on block boundaries)."""
+    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.sft import SFTDataset
+
+    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to)
+    return ds, ds
+
+
+def token_datasets(args):
+    from megatron_csbp.data.megatron_data import build_gpt_datasets, build_tokenizer
+
+    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    G = args.global_batch_size
+    n_eval = args.eval_iters * G  # every evaluation reads the same held-out batches
+    train, valid, _ = build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, tok,
+                                         [args.train_iters * G, max(n_eval, 1), 1], args.data_cache_path)
+    if train is None:
+        raise ValueError(f"--split {args.split} leaves no training documents")
+    return train, valid if valid is not None else train
