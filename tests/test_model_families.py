@@ -94,3 +94,29 @@ def test_a_new_family_is_one_registration(monkeypatch):
     assert all(torch.equal(back[k], tensors[k]) for k in back)
     with pytest.raises(UnsupportedModelError, match="architecture 'LlamaForCausalLM'"):
         shape_from_hf_config(dict(cfg, architectures=["LlamaForCausalLM"]))
+
+
+def test_trainer_family_rules_come_from_the_family(tmp_path):
+    """The trainer's model-family rules read the family's attributes: a converted MoE checkpoint of a
+    family the trainer does not train (qwen3_moe) is refused naming the family and the families it
+    does train; a family that fixes the clean-stream mask (DiffusionGemma) sets the default."""
+    import argparse
+
+    from megatron_csbp.conversion import api
+    from megatron_csbp.conversion.tiny import save_tiny_model
+    from megatron_csbp.training.arguments import apply_model_shape, build_parser, check_clean_attention
+    from megatron_csbp.training.checkpointing import checkpoint_shape
+
+    save_tiny_model("qwen3_moe", str(tmp_path / "hf"), seed=1)
+    api.hf_to_megatron_checkpoint(str(tmp_path / "hf"), str(tmp_path / "megatron"))
+    shape = checkpoint_shape(str(tmp_path / "megatron"), None)
+    args = build_parser().parse_args(["--mock-data", "--load", str(tmp_path / "megatron")])
+    with pytest.raises(ValueError, match=r"holds a qwen3_moe MoE model .*\['diffusion_gemma'\]"):
+        apply_model_shape(args, shape)
+    for family, expected in (("diffusion_gemma", "token_causal"), ("llama", "block_causal")):
+        ns = argparse.Namespace(model_shape=argparse.Namespace(family=family), clean_attention=None)
+        check_clean_attention(ns)
+        assert ns.clean_attention == expected
+    with pytest.raises(ValueError, match="clean stream is token_causal"):
+        check_clean_attention(argparse.Namespace(model_shape=argparse.Namespace(family="diffusion_gemma"),
+                                                 clean_attention="block_causal"))

@@ -322,9 +322,12 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         flag = "--" + dest.replace("_", "-")
         raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
-    if shape.is_moe and shape.family != "diffusion_gemma":
+    from megatron_csbp.model.families import family_names, get_family
+
+    if shape.is_moe and not get_family(shape.family).trainer_trains_moe:
+        trained = [f for f in family_names() if get_family(f).trainer_trains_moe]
         raise ValueError(f"--load {args.load} holds a {shape.family} MoE model ({shape.num_experts} experts): "
-                         "python -m megatron_csbp.train trains dense converted models and DiffusionGemma only "
+                         f"python -m megatron_csbp.train trains dense converted models and the MoE of {trained} only "
                          "(train other MoE models through the Megatron-LM hooks)")
     tp = args.tensor_model_parallel_size
     if shape.vocab_size % tp:
@@ -372,13 +375,16 @@ def check_model_options(args, check_only: bool = False) -> None:
 
 
 def check_clean_attention(args) -> None:
-    """Fills the --clean-attention default; DiffusionGemma's clean stream is token-causal."""
+    """Fills the --clean-attention default; a family may fix it (DiffusionGemma's clean stream is
+    token-causal: `Family.clean_attention`)."""
+    from megatron_csbp.model.families import get_family
+
     shape = args.model_shape
-    is_dg = shape is not None and shape.family == "diffusion_gemma"
+    fixed = get_family(shape.family).clean_attention if shape is not None else None
     if args.clean_attention is None:
-        args.clean_attention = "token_causal" if is_dg else "block_causal"
-    if is_dg and args.clean_attention != "token_causal":
-        raise ValueError(f"--clean-attention {args.clean_attention}: DiffusionGemma's clean stream is token_causal")
+        args.clean_attention = fixed or "block_causal"
+    if fixed is not None and args.clean_attention != fixed:
+        raise ValueError(f"--clean-attention {args.clean_attention}: a {shape.family} model's clean stream is {fixed}")
 
 
 def check_experts_and_objective(args) -> None:

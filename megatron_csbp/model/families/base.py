@@ -135,6 +135,8 @@ class Family:
     carries_extra_weights: bool = False
     #: Megatron-LM has a flag set that rebuilds this family's models (`megatron_flags`)
     has_megatron_lm_flags: bool = False
+    #: `python -m megatron_csbp.train` trains this family's MoE checkpoints (others: through Megatron-LM)
+    trainer_trains_moe: bool = False
 
     # ---- Hugging Face config -> shape --------------------------------------------------------
     def shape_from_hf_config(self, cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:

@@ -144,6 +144,7 @@ class DiffusionGemmaFamily(Family):
     clean_attention = "token_causal"
     #: a diffusion_gemma checkpoint's vision tower is carried through conversion unchanged
     carries_extra_weights = True
+    trainer_trains_moe = True
 
     def shape_from_hf_config(self, cfg, params_dtype=None):
         return shape_from_hf_config(cfg, params_dtype)
