@@ -1,7 +1,7 @@
 """`python -m megatron_csbp.train`: the trainer CLI. Parses and validates the flags, builds the typed
 `TrainerConfig`, and runs a `Trainer` (training/trainer.py) under torch.distributed; with no flags it
-runs the embedded default (training/demo.py). Also here: what the objective decides about a run that
-is not the model (its datasets, its evaluation objective, the FLOPs model of its mask).
+runs the embedded default (training/demo.py). An objective that trains in a loop of its own
+(dflash) is handed over to that loop.
 """
 from __future__ import annotations
 
@@ -11,52 +11,6 @@ import time
 from typing import Dict, List, Optional
 
 import torch
-
-
-# ----------------------------------------------------------------------------------------------
-# FLOPs on the block-diffusion mask's real work
-# ----------------------------------------------------------------------------------------------
-def attention_pairs(seq_length: int, block_size: int, clean_attention: str, objective: str) -> int:
-    """Allowed query-key pairs of one sample (one view): the objective's FLOPs term
-    (`Objective.attention_pairs`), e.g. L*(L+B) for block-causal BD3-LM."""
-    from megatron_csbp.objectives import objective_class
-
-    return objective_class(objective).attention_pairs(seq_length, block_size, clean_attention)
-
-
-def flops_per_sample(args) -> float:
-    """Forward + backward FLOPs of one sample, counting the logical (not replicated) work. A dense
-    estimate: MoE models (DiffusionGemma) count their dense MLP only; the rows and attention pairs
-    are the objective's (`Objective.rows_per_sample`, `views`, `attention_pairs`): diffusiongemma-sft
-    counts a canvas over the whole sequence (an upper bound: prompt blocks have no canvas)."""
-    from megatron_csbp.objectives import objective_class
-
-    objective = objective_class(args.objective)
-    L, h, ffn, layers = args.seq_length, args.hidden_size, args.ffn_hidden_size, args.num_layers
-    heads, groups = args.num_attention_heads, args.num_query_groups
-    d = getattr(args, "kv_channels", None) or h // heads
-    views = objective.views  # fast-dllm-v2 doubles the batch (two complementary views), each view 2L rows
-    rows = objective.rows_per_sample(L)
-    per_row = 2 * h * (heads * d + 2 * groups * d) + 2 * heads * d * h
-    per_row += (6 if args.swiglu else 4) * h * ffn
-    linear = rows * per_row * layers
-    attn = 4 * views * attention_pairs(L, args.block_size, args.clean_attention, args.objective) * heads * d * layers
-    logits = 2 * views * L * h * args.vocab_size
-    return 3.0 * (linear + attn + logits)
-
-
-def eval_objective(args, train_objective):
-    """The objective evaluation uses: `train_objective.for_evaluation()` (BD3-LM: always the NELBO,
-    t ~ U[1e-3, 1] with 1/t weights, whatever schedule training draws from, so held-out losses of
-    runs with different training schedules compare; other objectives: the training objective)."""
-    return train_objective.for_evaluation()
-
-
-def build_datasets(args):
-    """(train, valid) datasets of the objective's kind (`Objective.build_datasets`)."""
-    from megatron_csbp.objectives import objective_class
-
-    return objective_class(args.objective).build_datasets(args)
 
 
 def objective_of(argv: List[str]) -> Optional[str]:

@@ -1,6 +1,6 @@
-"""What a training run reports: the log line, JSON lines, TensorBoard scalars, the progress bar, and
-peak memory. The FLOPs model of the block-diffusion mask is `flops_per_sample` (with the
-objective's terms); `Trainer` turns both into the TFLOP/s per GPU it logs.
+"""What a training run reports: the log line, JSON lines, TensorBoard scalars, the progress bar, peak
+memory, and the FLOPs model of the block-diffusion mask (`flops_per_sample`, with the objective's
+terms), which `Trainer` turns into the TFLOP/s per GPU it logs.
 """
 from __future__ import annotations
 
@@ -14,6 +14,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.training.config import BatchConfig, LogConfig
+
+
+def flops_per_sample(args) -> float:
+    """Forward + backward FLOPs of one sample, counting the logical (not replicated) work. A dense
+    estimate: MoE models (DiffusionGemma) count their dense MLP only; the rows and attention pairs
+    are the objective's (`Objective.rows_per_sample`, `views`, `attention_pairs`): diffusiongemma-sft
+    counts a canvas over the whole sequence (an upper bound: prompt blocks have no canvas)."""
+    from megatron_csbp.objectives import objective_class
+
+    objective = objective_class(args.objective)
+    L, h, ffn, layers = args.seq_length, args.hidden_size, args.ffn_hidden_size, args.num_layers
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    d = getattr(args, "kv_channels", None) or h // heads
+    views = objective.views  # fast-dllm-v2 doubles the batch (two complementary views), each view 2L rows
+    rows = objective.rows_per_sample(L)
+    per_row = 2 * h * (heads * d + 2 * groups * d) + 2 * heads * d * h
+    per_row += (6 if args.swiglu else 4) * h * ffn
+    linear = rows * per_row * layers
+    # allowed query-key pairs of one view, e.g. L*(L+B) for block-causal BD3-LM
+    pairs = objective.attention_pairs(L, args.block_size, args.clean_attention)
+    attn = 4 * views * pairs * heads * d * layers
+    logits = 2 * views * L * h * args.vocab_size
+    return 3.0 * (linear + attn + logits)
 
 
 def peak_memory_bytes() -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.training.config import TrainerConfig
-from megatron_csbp.training.metrics import Logger, allreduce, peak_memory_bytes
+from megatron_csbp.training.metrics import Logger, allreduce, flops_per_sample, peak_memory_bytes
 
 
 def _log0(*a):
@@ -83,7 +83,7 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.training.loop import build_datasets, eval_objective, flops_per_sample
+        from megatron_csbp.objectives import objective_class
         from megatron_csbp.training.model import build_model
 
         c = self.config
@@ -117,9 +117,10 @@ class Trainer:
         self.dp_size = mpu.get_data_parallel_world_size()
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
-        self.train_ds, self.valid_ds = build_datasets(c.data)
+        self.train_ds, self.valid_ds = objective_class(c.data.objective).build_datasets(c.data)
         self.flops_per_sample = flops_per_sample(c.model)
-        self.eval_objective = eval_objective(c.model, self.model.bdlm.objective)
+        # BD3-LM evaluates the NELBO whatever schedule training draws from; others their own objective
+        self.eval_objective = self.model.bdlm.objective.for_evaluation()
         return self
 
     def describe(self) -> str:
