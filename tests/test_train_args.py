@@ -31,8 +31,16 @@ def test_refused_with_named_flag(flags, world, needle, capsys):
     assert needle in _err(TINY + flags, world, capsys)
 
 
-def test_sentencepiece_defaults_and_good_args():
-    a = parse_args(["--data-path", "x", "--seq-length", "64", "--block-size", "16"], world_size=1)
+def test_sentencepiece_defaults_and_good_args(tmp_path):
+    import json
+
+    from megatron_csbp.data.corpus import load_documents
+    from megatron_csbp.data.preprocess import main as preprocess_main
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in load_documents()[:3]))
+    prefix = preprocess_main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "d"),
+                              "--append-eod"])
+    a = parse_args(["--data-path", prefix, "--seq-length", "64", "--block-size", "16"], world_size=1)
     from megatron_csbp.data.tokenizer import SentencePieceTokenizer
     tok = SentencePieceTokenizer()
     assert a.vocab_size == tok.vocab_size and a.mask_token_id == tok.mask_token_id and a.eod_token_id == tok.eod

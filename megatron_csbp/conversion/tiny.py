@@ -82,3 +82,20 @@ def save_tiny_model(family: str, path: str, seed: int = 0, **overrides: Any):
     model = tiny_model(family, seed, **overrides)
     model.save_pretrained(path)
     return model
+
+
+def save_tiny_tokenizer(path: str, vocab_size: int = 384, mask_token: str = "<|mask|>"):
+    """A Qwen2/Qwen3 byte-level BPE tokenizer (transformers' `Qwen2Tokenizer`, which Qwen3 uses) with
+    `vocab_size` pieces trained locally on the shipped corpus, plus `mask_token` as a special token
+    (Qwen3's own has none; a BDLM needs one). Saved as `tokenizer.json` + `tokenizer_config.json`
+    beside a tiny model, so `convert hf-to-megatron` carries it into the checkpoint's hf_assets.
+    Its EOS (the EOD id) is `<|endoftext|>`. A tiny model needs `vocab_size` >= len(tokenizer)."""
+    from transformers import Qwen2Tokenizer
+
+    from megatron_csbp.data.corpus import load_documents
+
+    tok = Qwen2Tokenizer().train_new_from_iterator(load_documents(), vocab_size=vocab_size)
+    if mask_token:
+        tok.add_special_tokens({"mask_token": mask_token})
+    tok.save_pretrained(path)
+    return tok

@@ -16,6 +16,7 @@ arithmetic as Megatron-LM's `MegatronPretrainingSampler` (consumed samples, micr
 from __future__ import annotations
 
 import os
+import re
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -54,7 +55,12 @@ class MegatronTokenizerAdapter:
         return self.tokenizer.detokenize(list(ids))
 
 
+#: Megatron-LM's `--tokenizer-type` names this project reads (the trainer, data.preprocess, generate).
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int]):
+    """The one tokenizer factory: the trainer, `data.preprocess` and `generate` all build theirs here."""
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         from megatron_csbp.data.tokenizer import DEFAULT_MODEL, SentencePieceTokenizer
 
@@ -62,11 +68,18 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_s
         if not os.path.exists(path):
             raise ValueError(f"--tokenizer-model {path} does not exist")
         return MegatronTokenizerAdapter(SentencePieceTokenizer(path))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from megatron_csbp.data.tokenizer import HuggingFaceTokenizer
+
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a local tokenizer "
+                             "folder, e.g. a converted checkpoint's hf_assets)")
+        return MegatronTokenizerAdapter(HuggingFaceTokenizer(tokenizer_model))
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return MegatronTokenizerAdapter(None, vocab_size=vocab_size)
-    raise ValueError(f"--tokenizer-type must be SentencePieceTokenizer or NullTokenizer, got {tokenizer_type!r}")
+    raise ValueError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {tokenizer_type!r}")
 
 
 class MockDataset(torch.utils.data.Dataset):
@@ -120,22 +133,23 @@ class _GPTSampleView(torch.utils.data.Dataset):
         return {"tokens": tokens, "loss_mask": torch.ones(tokens.shape[0], dtype=torch.float32)}
 
 
-def parse_data_path(data_path: Sequence[str]):
-    """Megatron's blend syntax: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`; a clear error otherwise."""
+def _blend(data_path: Sequence[str]):
+    """Megatron's blend syntax: `PREFIX ...` or `W1 PREFIX1 W2 PREFIX2 ...` -> (prefixes, weights)."""
     from megatron.core.datasets.utils import get_blend_from_list
 
-    if len(data_path) > 1 and len(data_path) % 2 == 0:
-        try:
-            [float(w) for w in data_path[::2]]
-        except ValueError:
-            pass
-        else:
-            for prefix in data_path[1::2]:
-                _check_prefix(prefix)
-            return get_blend_from_list(list(data_path))
-    for item in data_path:
-        _check_prefix(item)
     return get_blend_from_list(list(data_path))
+
+
+def missing_prefixes(data_path: Sequence[str]) -> List[str]:
+    """The `--data-path` prefixes whose `.bin` or `.idx` file is not here."""
+    return [p for p in _blend(data_path)[0] if not all(os.path.exists(p + ext) for ext in (".bin", ".idx"))]
+
+
+def parse_data_path(data_path: Sequence[str]):
+    """Megatron's blend syntax: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`; a clear error otherwise."""
+    for prefix in _blend(data_path)[0]:
+        _check_prefix(prefix)
+    return _blend(data_path)
 
 
 def _check_prefix(prefix: str) -> None:
@@ -145,14 +159,91 @@ def _check_prefix(prefix: str) -> None:
                              "python -m megatron_csbp.data.preprocess)")
 
 
+SPLIT_NAMES = ("training", "validation", "test")
+#: splits tried, in order, when a --split leaves a split the run reads without documents
+_SUGGESTED_SPLITS = ("98,2,0", "95,5,0", "90,10,0", "80,20,0", "50,50,0")
+
+
+def _split_matrix(split: str):
+    """Megatron's split matrix of `--split` (1 to 3 weights; missing ones are 0, as in Megatron)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                        parse_and_normalize_split)
+
+    try:
+        weights = [float(w) for w in re.findall(r"[.0-9]+", split or "")]
+    except ValueError:
+        weights = []
+    if not re.fullmatch(r"\s*[.0-9]+(\s*[, /]\s*[.0-9]+){0,2}\s*", split or "") or not sum(weights) > 0:
+        raise ValueError(f"--split {split!r} must be up to three non-negative weights train,valid,test with a "
+                         "positive sum (e.g. 969,30,1)")
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def _split_documents(bookends, num_documents: int):
+    """Documents [begin, end) of one split of a prefix: Megatron's own rounding
+    (`BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`)."""
+    if bookends is None:
+        return 0, 0
+    return int(round(bookends[0] * float(num_documents))), int(round(bookends[1] * float(num_documents)))
+
+
+def _empty_splits(matrix, lengths: np.ndarray, read: Sequence[bool]) -> List[int]:
+    """The splits the run reads that get no document (or no token) of a prefix with these document lengths."""
+    empty = []
+    for i, needed in enumerate(read):
+        begin, end = _split_documents(matrix[i], len(lengths))
+        if needed and (end <= begin or int(lengths[begin:end].sum()) == 0):
+            empty.append(i)
+    return empty
+
+
+def checked_split_matrix(data_path: Sequence[str], split: str, read: Sequence[bool] = (True, True, False)):
+    """Megatron's split matrix of `--split` for `--data-path`, checked before any dataset is built.
+
+    `read[i]`: whether the run reads split i (training always; validation when it evaluates; the
+    test split never). Every split it reads must get at least one document (and token) of every
+    prefix: megatron-core's `GPTDataset` loops forever computing the epochs of a split that has
+    samples requested but no tokens. The splits it does not read are set to None, so Megatron
+    does not build them (their boundaries, and so the other splits' documents, are unchanged).
+    Reads only the `.idx` files' document lengths: O(documents) per prefix."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefixes, _ = parse_data_path(data_path)
+    matrix = _split_matrix(split)
+    lengths = {}
+    for prefix in prefixes:
+        index = IndexedDataset(prefix, multimodal=False, mmap=True)
+        lengths[prefix] = np.array(index.sequence_lengths, dtype=np.int64)  # a copy: the mmap closes with `index`
+        del index
+    for prefix, doc_lengths in lengths.items():
+        empty = _empty_splits(matrix, doc_lengths, read)
+        if not empty:
+            continue
+        n = len(doc_lengths)
+        name = SPLIT_NAMES[empty[0]]
+        smallest = min(lengths.values(), key=len)
+        fallback = (f"{len(smallest) - 1},1,0",) if len(smallest) > 1 else ()
+        works = [c for c in _SUGGESTED_SPLITS + fallback
+                 if all(not _empty_splits(_split_matrix(c), l, read) for l in lengths.values())]
+        fix = (f"e.g. --split {works[0]} gives every split it reads a document" if works else
+               f"{len(smallest)} document(s) cannot make a {name} split: add documents"
+               + (" or set --eval-iters 0" if empty[0] == 1 else ""))
+        raise ValueError(f"--split {split} gives the {name} split none of the {n} documents of --data-path {prefix} "
+                         f"(split boundaries are round(fraction x {n})), and the run reads that split; {fix}")
+    return [m if needed else None for m, needed in zip(matrix, read)]
+
+
 def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: int, tokenizer,
-                       num_samples: Sequence[int], cache_dir: Optional[str] = None):
-    """(train, valid, test) through Megatron's BlendedMegatronDatasetBuilder and GPTDataset."""
+                       num_samples: Sequence[int], cache_dir: Optional[str] = None,
+                       read: Sequence[bool] = (True, True, True)):
+    """(train, valid, test) through Megatron's BlendedMegatronDatasetBuilder and GPTDataset; a split
+    with `read[i]` False is not built (None)."""
     import torch.distributed as dist
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     blend = parse_data_path(data_path)
+    matrix = checked_split_matrix(data_path, split, read)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -167,6 +258,7 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
         add_extra_token_to_sequence=False,
         mid_level_dataset_surplus=0.005,
     )
+    config.split_matrix = matrix  # Megatron's own boundaries, the splits not read dropped
     # Rank 0 builds the index caches first, then everybody reads them (Megatron-LM's pattern).
     rank = dist.get_rank() if dist.is_initialized() else 0
 

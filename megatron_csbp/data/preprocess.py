@@ -7,6 +7,12 @@
 writes `data/corpus_text_document.bin/.idx` (one document per jsonl line, field `--json-keys`,
 default `text`), readable by `megatron.core.datasets.indexed_dataset.IndexedDataset` and usable as
 `--data-path data/corpus_text_document`. `--input` may also be the shipped corpus (`shipped`).
+
+For a converted Hugging Face model, tokenize with its own tokenizer (transformers' AutoTokenizer from
+the folder `convert hf-to-megatron` copies beside the checkpoint):
+
+    python -m megatron_csbp.data.preprocess --input shipped --output-prefix data/qwen --append-eod \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model ckpt/qwen3/hf_assets
 """
 from __future__ import annotations
 
@@ -63,16 +69,20 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
 
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.data.preprocess", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="jsonl(.gz) file, or 'shipped' for the shipped corpus")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"))
-    p.add_argument("--tokenizer-model", default=None, help="default: the shipped sentencepiece model")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
+    p.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model (default: the shipped one), or for HuggingFaceTokenizer a local "
+                        "tokenizer folder (e.g. a converted checkpoint's hf_assets)")
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility")
@@ -82,11 +92,14 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         a.input = DEFAULT_CORPUS
     if not os.path.exists(a.input):
         p.error(f"--input {a.input} does not exist")
-    tok = build_tokenizer(a.tokenizer_type, a.tokenizer_model, a.vocab_size)
     out = None
-    for key in a.json_keys:
-        out = preprocess(a.input, a.output_prefix, tok, key, a.append_eod)
-        print(f"wrote {out}.bin and {out}.idx")
+    try:
+        tok = build_tokenizer(a.tokenizer_type, a.tokenizer_model, a.vocab_size)
+        for key in a.json_keys:
+            out = preprocess(a.input, a.output_prefix, tok, key, a.append_eod)
+            print(f"wrote {out}.bin and {out}.idx")
+    except ValueError as exc:
+        p.error(str(exc))
     return out
 
 

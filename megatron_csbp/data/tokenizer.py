@@ -1,4 +1,6 @@
-"""A thin sentencepiece tokenizer, and the command that rebuilds the shipped data assets.
+"""The text tokenizers behind Megatron's `--tokenizer-type` names (`SentencePieceTokenizer`: a thin
+sentencepiece wrapper; `HuggingFaceTokenizer`: transformers' `AutoTokenizer` from a local folder),
+and the command that rebuilds the shipped data assets. `megatron_data.build_tokenizer` picks one.
 
 The shipped model (`assets/pydoc_topics_unigram1024.model`) is a 1024-piece unigram model trained
 on the shipped corpus (`megatron_csbp.data.corpus`). Its reserved ids:
@@ -99,6 +101,66 @@ class SentencePieceTokenizer:
         return self.sp.id_to_piece(int(token_id))
 
 
+class HuggingFaceTokenizer:
+    """The same interface around transformers' `AutoTokenizer` loaded from a local folder (Megatron's
+    `--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`), e.g. the `hf_assets/` folder that
+    `convert hf-to-megatron` copies beside the checkpoint.
+
+    Text is tokenized without the tokenizer's special tokens (no BOS): documents are packed with the
+    EOD id between them, as with sentencepiece. EOD is the tokenizer's EOS token; the mask token is
+    its `mask_token` if it has one (None otherwise: the absorbing-mask objectives then ask for
+    --mask-token-id / --mask-token). `vocab_size` is `len(tokenizer)` (added tokens included), as in
+    Megatron-LM; a converted model's embedding may be larger."""
+
+    def __init__(self, path: str):
+        if not path or not os.path.isdir(path):
+            raise ValueError(f"--tokenizer-model {path}: HuggingFaceTokenizer needs a local folder holding "
+                             "tokenizer.json / tokenizer_config.json (e.g. a converted checkpoint's hf_assets)")
+        from transformers import AutoTokenizer
+
+        self.model_path = path
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"--tokenizer-model {path}: transformers cannot load a tokenizer from it ({first})") from None
+        if self.tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer-model {path}: the tokenizer has no EOS token to end documents with (EOD)")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    @property
+    def eod(self) -> int:
+        return int(self.tok.eos_token_id)
+
+    @property
+    def mask_token_id(self) -> Optional[int]:
+        i = self.tok.mask_token_id
+        return None if i is None else int(i)
+
+    @property
+    def pad(self) -> int:
+        i = self.tok.pad_token_id
+        return self.eod if i is None else int(i)
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of `text` (no special tokens added)."""
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    ids = tokenize
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [list(x) for x in self.tok(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def piece(self, token_id: int) -> str:
+        return self.tok.convert_ids_to_tokens(int(token_id))
+
+
 def train_sentencepiece(texts: Sequence[str], vocab_size: int = 1024) -> bytes:
     """Serialized unigram sentencepiece model trained on `texts` (one document per item)."""
     import sentencepiece as spm
@@ -149,6 +211,9 @@ def build_assets(out_dir: Optional[str] = None, vocab_size: int = 1024) -> Dict[
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     parser = argparse.ArgumentParser(prog="python -m megatron_csbp.data.tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)

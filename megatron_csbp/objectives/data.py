@@ -25,14 +25,34 @@ def sft_datasets(args, align_response_to: Optional[int] = None):
     return ds, ds
 
 
+def token_splits_read(args):
+    """Which of Megatron's (train, valid, test) splits of --data-path a run reads: training; the
+    validation split when it evaluates (--eval-iters > 0); never the test split."""
+    return (True, bool(args.eval_iters), False)
+
+
+def check_token_data(args, files_elsewhere: bool = False) -> Optional[str]:
+    """--data-path and --split before any process group: every prefix is here, and every split the
+    run reads gets a document (megatron-core hangs on one that does not). `files_elsewhere`
+    (`launch --check`): prefixes that are not here are a note, not an error."""
+    from megatron_csbp.data.megatron_data import checked_split_matrix, missing_prefixes
+
+    if files_elsewhere and missing_prefixes(args.data_path):
+        return (f"--data-path {' '.join(missing_prefixes(args.data_path))} is not here: the --split rule runs "
+                "at launch")
+    checked_split_matrix(args.data_path, args.split, token_splits_read(args))
+    return None
+
+
 def token_datasets(args):
     from megatron_csbp.data.megatron_data import build_gpt_datasets, build_tokenizer
 
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     G = args.global_batch_size
+    read = token_splits_read(args)
     n_eval = args.eval_iters * G  # every evaluation reads the same held-out batches
     train, valid, _ = build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, tok,
-                                         [args.train_iters * G, max(n_eval, 1), 1], args.data_cache_path)
+                                         [args.train_iters * G, n_eval, 0], args.data_cache_path, read)
     if train is None:
         raise ValueError(f"--split {args.split} leaves no training documents")
     return train, valid if valid is not None else train

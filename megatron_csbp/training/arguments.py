@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import List, Optional, Sequence
 
+from megatron_csbp.data.megatron_data import TOKENIZER_TYPES
 from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
 from megatron_csbp.objectives.registry import (add_objective_args, build_objective, objective_class, objective_help,
                                                objective_names, objective_options)
@@ -141,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--split", type=str, default="969,30,1")
     d.add_argument("--data-cache-path", type=str, default=None)
     d.add_argument("--sft-data-path", type=str, default=None, help="jsonl of conversations or prompt/response pairs")
-    d.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"),
-                   default=None)
-    d.add_argument("--tokenizer-model", type=str, default=None)
+    d.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    d.add_argument("--tokenizer-model", type=str, default=None,
+                   help="sentencepiece .model, or a local Hugging Face tokenizer folder (default with --load and "
+                        "HuggingFaceTokenizer: the checkpoint's hf_assets)")
     d.add_argument("--vocab-size", type=int, default=None)
     d.add_argument("--mock-data", action="store_true")
 
@@ -228,6 +230,11 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         raise ValueError("give one of --mock-data, --data-path or --sft-data-path")
     if sum(sources) > 1:
         raise ValueError("--mock-data, --data-path and --sft-data-path are mutually exclusive")
+    if args.data_path and "data_path" not in placeholders:
+        from megatron_csbp.objectives.data import check_token_data
+        note = check_token_data(args, files_elsewhere=check_only)
+        if note:
+            args.check_notes.append(note)
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None) else \
             "SentencePieceTokenizer"
@@ -277,7 +284,8 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         if args.mask_token_id is not None:
             raise ValueError("give --mask-token-id or --mask-token, not both")
         from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
-        assets = os.path.join(args.load, "hf_assets") if args.load else None
+        assets = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else \
+            os.path.join(args.load, "hf_assets") if args.load else None
         try:
             args.mask_token_id = resolve_mask_token(args.mask_token, tokenizer_path=assets,
                                                     vocab_size=args.vocab_size)
@@ -335,6 +343,8 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
                          f"{shape.vocab_size} (converted models are not padded)")
     if args.tokenizer_type is None and not args.tokenizer_model:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        args.tokenizer_model = os.path.join(args.load, "hf_assets")  # the tokenizer that came with the model
 
 
 def check_model_options(args, check_only: bool = False) -> None:
