@@ -93,16 +93,13 @@ class ARScorer:
         from megatron_csbp.objectives.ar import AutoregressiveObjective
 
         self.seq_length = seq_length
-        self.padded = seq_length + seq_length % 2  # the layout needs an even length
-        layout = SequenceLayout(BlockGeometry(self.padded, self.padded))
+        layout = SequenceLayout(BlockGeometry(seq_length, seq_length))  # one rank: any length
         self.bdlm = BlockDiffusionModel(model, AutoregressiveObjective(), layout)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.seq_length:
             raise ValueError(f"tokens have length {tokens.shape[1]}, the scorer was built for {self.seq_length}")
-        if self.padded != self.seq_length:  # causal rows never see the padding
-            tokens = torch.cat([tokens, tokens[:, -1:]], dim=1)
-        return self.bdlm.logits(tokens)[:, : self.seq_length]
+        return self.bdlm.logits(tokens)
 
 
 class BlockDiffusionScorer:
