@@ -321,12 +321,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> DemoConfig:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import warnings
+    from megatron_csbp.utils.cli import filter_warnings
 
-    # megatron-core announces on import that TransformerEngine/apex are absent (CPU runs).
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (is|are) not installed.*")
-    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    filter_warnings()  # hide the library warnings a user cannot act on
     cfg = parse_args(argv)
     try:
         run(cfg, log=lambda s: print(s, flush=True))

@@ -580,6 +580,9 @@ def check_args(a) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None):
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     parser = build_parser()
     a = parser.parse_args(argv)
     try:

@@ -202,6 +202,9 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None, kv_cache: bo
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)

@@ -276,6 +276,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     args = parse_args(argv)
     try:
         recipe = apply_overrides(load_recipe(args.recipe), args.overrides)

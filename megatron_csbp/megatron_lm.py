@@ -408,6 +408,9 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable)."""
     import sys
 
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 

@@ -121,6 +121,9 @@ def check_export(trained: str, exported: str) -> float:
 
 
 def main() -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="/tmp/ar_to_bdlm")
     p.add_argument("--steps", type=int, default=60)

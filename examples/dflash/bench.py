@@ -72,6 +72,9 @@ def bench_rank(rank, world, cp, bp, L, anchors, repeats):
 
 
 def main(argv=None):
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     from megatron_csbp.utils.spawn import spawn
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -124,6 +124,9 @@ def regenerate(verifier_path: str, prefix: str, out_prefix: str, prompt_length: 
 
 
 def main(argv=None):
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/dflash")
     p.add_argument("--verifier-steps", type=int, default=300)

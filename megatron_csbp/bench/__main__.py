@@ -107,6 +107,9 @@ def config_from_args(args) -> BenchConfig:
 
 
 def main(argv=None) -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.long_context:

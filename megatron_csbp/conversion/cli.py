@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     args = _parser().parse_args(argv)
     from megatron_csbp.conversion import api
 

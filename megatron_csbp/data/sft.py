@@ -154,6 +154,9 @@ def default_sft_path() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """`python -m megatron_csbp.data.sft [--output FILE]`: (re)build the shipped SFT set."""
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.data.sft", description=main.__doc__)

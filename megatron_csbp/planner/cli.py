@@ -100,6 +100,9 @@ def format_table(result, top: int) -> str:
 
 
 def main(argv=None) -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     args = parse_args(argv)
     try:
         if args.profile:

@@ -263,6 +263,9 @@ def long_context_markdown(rows: List[Dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.planner.validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", action="store_true")

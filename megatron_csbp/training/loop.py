@@ -34,6 +34,9 @@ def own_trainer(argv: List[str]):
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer, _log0

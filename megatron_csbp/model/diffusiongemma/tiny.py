@@ -78,6 +78,9 @@ def main(argv=None) -> int:
     """`python -m megatron_csbp.model.diffusiongemma.tiny --output DIR`: write a tiny random-weight
     Hugging Face `diffusion_gemma` folder (sliding and full layers, 4 experts), e.g. for the CPU
     DiffusionGemma SFT recipe: convert it with `python -m megatron_csbp.convert hf-to-megatron`."""
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.model.diffusiongemma.tiny", description=main.__doc__)
