@@ -380,6 +380,16 @@ def check_model_options(args, check_only: bool = False) -> None:
         if not torch.cuda.is_available():
             raise ValueError("--attention-kernel flex (or --attention-backend flash/fused) trains on CUDA only: "
                              "FlexAttention has no backward on CPU; use tiled (--attention-backend local) here")
+    if args.attention_kernel == "flash" and not check_only:
+        import torch
+        from megatron_csbp.attention.flash import require_flash_attn
+        if not torch.cuda.is_available():
+            raise ValueError("--attention-kernel flash runs on CUDA only (flash-attn's kernels); use tiled "
+                             "(--attention-backend local) here")
+        try:
+            require_flash_attn()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
     if args.model_shape is not None and args.add_bias_linear:
         raise ValueError(f"--add-bias-linear: the model shape comes from the checkpoint --load {args.load}")
 
