@@ -9,8 +9,9 @@ Steps (each one is what you would run on a real checkpoint, see docs/conversion.
    `<|mask|>` token) -> `python -m megatron_csbp.convert hf-to-megatron`.
 2. Fast-dLLM v2 training (complementary masks, token shift, mask token looked up by string).
    Choice: this example drives training with a short explicit loop over `BlockDiffusionModel` and
-   torch AdamW, because `python -m megatron_csbp.train` does not yet build its model from a
-   converted checkpoint nor know `--objective fast-dllm-v2` (see docs/conversion.md, "Trainer").
+   torch AdamW, to show what one step is made of; the trainer runs the same objective on the
+   converted checkpoint (`python -m megatron_csbp.train --load WORKDIR/megatron_ar --objective
+   fast-dllm-v2 --mask-token "<|mask|>" ...`, see README.md here and docs/training.md).
 3. The trained model is saved as a torch_dist checkpoint (the trainer's format) and exported with
    `python -m megatron_csbp.convert megatron-to-hf`; the exported model is reloaded with
    transformers and its logits are checked against the trained Megatron model's.
