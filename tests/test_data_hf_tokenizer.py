@@ -79,11 +79,24 @@ def test_trainer_args_take_the_checkpoint_tokenizer(qwen3):
     assert args.vocab_size == 512  # the model's embedding, larger than the tokenizer's 385
 
 
-def test_train_on_the_preprocessed_corpus(qwen3):
-    """BD3-LM from the converted Qwen3 on its own tokens (default --split 969,30,1, with evaluation)."""
+def test_train_on_the_preprocessed_corpus_and_generate(qwen3):
+    """BD3-LM from the converted Qwen3 on its own tokens (default --split 969,30,1, with evaluation),
+    then `generate` on the trained checkpoint: its tokenizer is the checkpoint's HuggingFaceTokenizer."""
+    import os
+    import subprocess
+    import sys
+
+    save = str(qwen3["root"] / "bdlm")
     argv = RUN + ["--load", qwen3["meg"], "--data-path", qwen3["prefix"], "--tokenizer-type", "HuggingFaceTokenizer",
-                  "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
+                  "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1", "--save", save]
     r = run_distributed(train_rank, 1, argv)[0]
     print(f"losses {r['losses']}, eval {r['history'][-1]['eval_loss']}")
     assert r["iteration"] == 3 and len(r["losses"]) == 3
     assert all(0 < loss < 50 for loss in r["losses"] + [r["history"][-1]["eval_loss"]])
+    prompt = "The for statement"
+    g = subprocess.run([sys.executable, "-m", "megatron_csbp.generate", "--load", save, "--prompt", prompt,
+                        "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert g.returncode == 0, g.stderr[-3000:]
+    print(g.stdout)
+    assert g.stdout.strip().splitlines()[-1].startswith(prompt)  # decoded by the Qwen3 tokenizer
