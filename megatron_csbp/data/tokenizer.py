@@ -113,7 +113,8 @@ class HuggingFaceTokenizer:
     Megatron-LM; a converted model's embedding may be larger."""
 
     def __init__(self, path: str):
-        if not path or not os.path.isdir(path):
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not path or not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in files):
             raise ValueError(f"--tokenizer-model {path}: HuggingFaceTokenizer needs a local folder holding "
                              "tokenizer.json / tokenizer_config.json (e.g. a converted checkpoint's hf_assets)")
         from transformers import AutoTokenizer
