@@ -63,6 +63,9 @@ def init_distributed(parallel) -> None:
         if "RANK" not in os.environ and "MASTER_ADDR" not in os.environ:
             # `python -m megatron_csbp.train` without torchrun: one process, an in-memory store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        elif _restarted_under_torchrun():
+            dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
         else:
             dist.init_process_group(backend)
     if dist.get_world_size() != parallel.world_size:
@@ -74,6 +77,22 @@ def init_distributed(parallel) -> None:
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
                                       parallel.expert_model_parallel_size)
+
+
+def _restarted_under_torchrun() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _attempt_store():
+    """torchrun (`--max-restarts`) keeps its agent's store across restarts and hands the workers the
+    bare store, so a restarted gloo group read the peer addresses of the failed attempt ("Connection
+    refused"). Each attempt gets keys of its own."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"megatron_csbp/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 @dataclass
