@@ -52,17 +52,24 @@ def rank() -> Optional[int]:
     return int(r) if r is not None and r.isdigit() else None
 
 
-def fail(message: str, code: int = 2, agreed: bool = True) -> NoReturn:
-    """Print `error: message` once and exit with `code` (SystemExit, so `finally` blocks run)."""
+def report(message: str, agreed: bool = True) -> bool:
+    """Print `error: message` as one line on stderr, if this rank is the one to say it (True then)."""
     r = rank()
     if agreed and r not in (None, 0):
-        # Rank 0 says it and carries the status. Under torchrun a rank that exits nonzero makes the
-        # agent kill the others at once, possibly before rank 0 printed: the other ranks exit 0.
-        sys.exit(0 if "TORCHELASTIC_RUN_ID" in os.environ else code)
+        return False
     prefix = "error: " if agreed or r is None else f"error (rank {r}): "
     line = prefix + " ".join(part.strip() for part in str(message).strip().splitlines())
     print(line, file=sys.stderr, flush=True)
     _tell_torchrun(line)
+    return True
+
+
+def fail(message: str, code: int = 2, agreed: bool = True) -> NoReturn:
+    """`report` the line and exit with `code` (SystemExit, so `finally` blocks run)."""
+    if not report(message, agreed):
+        # Rank 0 says it and carries the status. Under torchrun a rank that exits nonzero makes the
+        # agent kill the others at once, possibly before rank 0 printed: the other ranks exit 0.
+        sys.exit(0 if "TORCHELASTIC_RUN_ID" in os.environ else code)
     sys.exit(code)
 
 
