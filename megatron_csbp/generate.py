@@ -34,6 +34,7 @@ import torch
 
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.utils.cli import ArgumentParser, run
 
 
 @dataclass
@@ -202,7 +203,7 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None, kv_cache: bo
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.generate", description=__doc__,
+    p = ArgumentParser(prog="python -m megatron_csbp.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)
     p.add_argument("--ckpt-step", type=int, default=None)
@@ -239,4 +240,4 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -406,7 +406,7 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     install_cpu_compat()
     if not bps.is_initialized():
         bps.initialize_block_parallel()
-    step = ckpt_step if ckpt_step is not None else checkpointing.read_tracker(load)
+    step = checkpointing.checkpoint_to_load(load, ckpt_step)  # a missing --ckpt-step lists the saved ones
     if step is None:
         raise ValueError(f"--load {load}: no {checkpointing.TRACKER} (not a megatron_csbp.train checkpoint dir?)")
     meta_path = os.path.join(checkpointing.iteration_dir(load, step), "bdlm_meta.json")
