@@ -176,6 +176,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
 
 
 def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
+    """Fill derived values and refuse bad input with a message naming the flag and the rule
+    (`check_flags`); then what the --load checkpoint must be: one at all when the run starts from
+    pretrained weights, and trained with the same model flags (its `bdlm_meta.json`)."""
+    check_flags(args, world_size, check_only)
+    check_pretrained(args)
+    if args.load_step is not None:
+        from megatron_csbp.training.checkpointing import check_model_flags
+        check_model_flags(args, args.load, args.load_step)
+    return args
+
+
+def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
     """Fill derived values and refuse bad input with a message naming the flag and the rule.
 
     `check_only` (`python -m megatron_csbp.launch RECIPE --check`, on a machine that need not hold
@@ -206,10 +218,7 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     elif args.load or args.ckpt_step is not None:
         from megatron_csbp.training.checkpointing import checkpoint_shape, checkpoint_to_load
         args.load_step = checkpoint_to_load(args.load, args.ckpt_step)
-        check_pretrained(args)
         args.model_shape = checkpoint_shape(args.load, args.load_step)
-    else:
-        check_pretrained(args)
     if args.model_shape is not None:
         apply_model_shape(args, args.model_shape)
     check_clean_attention(args)
@@ -300,9 +309,6 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
         args.mask_token_id = tok.mask_token_id
     check_vocab(args, args.vocab_size)
-    if getattr(args, "load_step", None) is not None:
-        from megatron_csbp.training.checkpointing import check_model_flags
-        check_model_flags(args, args.load, args.load_step)
     return args
 
 
@@ -330,7 +336,7 @@ def check_pretrained(args) -> None:
     needs = objective_class(args.objective).needs_pretrained if args.objective in objective_names() else None
     why = f"--objective {args.objective} {needs}" if needs else \
         ("--finetune starts from the weights of --load" if getattr(args, "finetune", False) else None)
-    if why is None or getattr(args, "load_step", None) is not None:
+    if why is None or args.load_step is not None or args.shape_unknown:  # (launch --check: --load not here)
         return
     if not args.load:
         raise ValueError(f"{why}: give --load DIR (a checkpoint, e.g. from python -m megatron_csbp.convert "
