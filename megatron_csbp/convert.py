@@ -6,6 +6,7 @@ that re-import `__main__`.
 import sys
 
 from megatron_csbp.conversion.cli import main
+from megatron_csbp.utils.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

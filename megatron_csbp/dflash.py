@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_csbp.utils.cli import ArgumentParser, run
+
 META = "meta.json"
 FEATURE_FORMAT = 1
 
@@ -486,7 +488,7 @@ def add_dflash_objective_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.dflash", description=__doc__,
+    p = ArgumentParser(prog="python -m megatron_csbp.dflash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -602,4 +604,4 @@ def main(argv: Optional[Sequence[str]] = None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

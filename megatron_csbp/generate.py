@@ -34,6 +34,7 @@ import torch
 
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.utils.cli import ArgumentParser, run
 
 
 @dataclass
@@ -205,8 +206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     from megatron_csbp.utils.cli import filter_warnings
 
     filter_warnings()  # hide the library warnings a user cannot act on
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m megatron_csbp.generate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)
     p.add_argument("--ckpt-step", type=int, default=None)
     p.add_argument("--prompt", required=True)
@@ -242,4 +243,4 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

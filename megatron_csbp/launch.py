@@ -29,6 +29,8 @@ import shlex
 import sys
 from typing import Dict, List, Optional, Tuple
 
+from megatron_csbp.utils.cli import ArgumentParser, run
+
 SECTIONS = ("model", "parallelism", "data", "objective", "training")
 LAUNCH_KEYS = ("nnodes", "nproc_per_node", "master_port", "env", "slurm")
 SLURM_KEYS = ("job_name", "partition", "account", "time", "cpus_per_task", "output", "container_image",
@@ -261,7 +263,7 @@ def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] =
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
+    p = ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe (examples/recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE or SECTION.KEY=VALUE")
@@ -314,4 +316,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -175,6 +175,7 @@ def test_check_names_the_flag_and_the_rule(capsys):
         (["training.attention_backend=flash", "parallelism.attention_kernel=math"], "--attention-backend flash"),
         (["model.attention_dropout=0.1"], "--attention-dropout must be 0"),
         (["training.global_batch_size=3"], "--global-batch-size 3 must be a multiple"),
+        (["training.micro_batch_size=0"], "--micro-batch-size must be positive, got 0"),  # was ZeroDivisionError
     ]
     for overrides, message in cases:
         assert main([path, "--check", *overrides]) == 2, overrides

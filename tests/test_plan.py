@@ -442,3 +442,21 @@ def test_drafter_kv_traffic_predicted_exactly_on_two_ranks(two_rank_traffic):
                 rank, per_layer = per_rank[i]
                 got = per_layer[layer + 1]["forward_received"]
                 assert got == work[rank].exchange_rows * kv_row > 0, ((cp, bp), layer, rank, got, work[rank])
+
+
+def test_cli_model_folder_and_no_fit_exit_nonzero(tmp_path, capsys):
+    """`--hf-config DIR` reads DIR/config.json (before: IsADirectoryError); a missing file is one line;
+    "no layout fits" exits 1 with one line (before: a table saying so, exit 0)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_TINY))
+    common = ["--seq-length", "1024", "--block-size", "64", "--gpus", "2", "--hardware", "h100", "--json"]
+    assert main(["--hf-config", str(tmp_path)] + common) == 0
+    assert "6 Gated DeltaNet / 2 attention layers" in json.loads(capsys.readouterr().out)["model"]
+    assert main(["--hf-config", str(tmp_path / "nope")] + common) == 2
+    assert capsys.readouterr().err == (f"error: --hf-config {tmp_path / 'nope'}: no such file (give a config.json "
+                                       "or the folder that holds it)\n")
+    assert main(["--model", "nemotron-diffusion-14b", "--seq-length", "2097152", "--block-size", "256", "--gpus", "1",
+                 "--recompute", "none"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "error: no layout fits in memory (1 layouts evaluated for 1 GPUs, --seq-length 2097152): more GPUs, "
+        "--recompute full, or a shorter sequence\n")

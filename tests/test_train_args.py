@@ -1,11 +1,10 @@
 """Bad flags are refused before any process group exists, with the flag and the rule named."""
 import subprocess
-import sys
 
 import pytest
 
 from megatron_csbp.training.arguments import parse_args
-from tests.train_helpers import TINY
+from tests.train_helpers import TINY, error_lines, train_command
 
 
 def _err(argv, world, capsys):
@@ -49,7 +48,14 @@ def test_sentencepiece_defaults_and_good_args(tmp_path):
 
 
 def test_cli_exit_message():
-    out = subprocess.run([sys.executable, "-m", "megatron_csbp.train"] + TINY + ["--block-size", "5"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    assert "--block-size 5 does not divide --seq-length 32" in out.stderr
+    """Under torchrun an argument error is one line, once (rank 0), with no usage dump and no rank
+    traceback (before: the 80-line usage once per rank plus the tracebacks); torchrun exits nonzero
+    and its failure summary carries the line."""
+    out = subprocess.run(train_command(TINY + ["--block-size", "5"], nproc=2), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    line = "error: --block-size 5 does not divide --seq-length 32"
+    assert [x[:len(line)] for x in error_lines(text)] == [line], text[-3000:]
+    assert "usage:" not in text and "megatron_csbp/training" not in text  # no usage, no rank traceback
+    assert f"traceback : {line}" in text  # torchrun's summary names the cause

@@ -8,10 +8,11 @@ from typing import List, Optional
 import numpy as np
 
 from megatron_csbp.model.families import DTYPES, UnsupportedModelError, get_family
+from megatron_csbp.utils.cli import ArgumentParser
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.convert",
+    p = ArgumentParser(prog="python -m megatron_csbp.convert",
                                 description="Hugging Face <-> Megatron torch_dist checkpoint conversion")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron torch_dist release checkpoint")

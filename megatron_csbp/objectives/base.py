@@ -80,6 +80,8 @@ class Objective:
     own_trainer: Optional[str] = None
     #: why the Megatron-LM hooks cannot train it (None: they can)
     megatron_lm_refusal: Optional[str] = None
+    #: "adapts ... (why)": it needs a --load checkpoint to start from (None: it trains from scratch too)
+    needs_pretrained: Optional[str] = None
 
     # ---- flags and rules ------------------------------------------------------------------------
     @classmethod

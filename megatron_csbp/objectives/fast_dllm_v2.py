@@ -41,6 +41,7 @@ class FastDLLMv2Objective(Objective):
     flags = MASK_TOKEN_FLAGS + NOISE_FLAGS
     views = 2  # the complementary pair m, 1 - m
     mask_token_needed = "--mask-token-id or --mask-token (an existing reserved mask token the data never uses)"
+    needs_pretrained = "adapts a pretrained autoregressive model"
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
                  eps_min: float = 1e-3, eps_max: float = 1.0):

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from megatron_csbp.planner.cost import Workload
 from megatron_csbp.planner.hardware import load_hardware, save_hardware
 from megatron_csbp.planner.model_config import (add_megatron_model_args, from_megatron_args, load_hf_config,
                                                 load_preset, presets)
 from megatron_csbp.planner.search import plan
+from megatron_csbp.utils.cli import ArgumentParser, report
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.plan", description=__doc__,
+    p = ArgumentParser(prog="python -m megatron_csbp.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model source (one of)")
-    src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json")
+    src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json (or the model folder holding it)")
     src.add_argument("--model", metavar="PRESET", help=f"a built-in config: {', '.join(presets())}")
     add_megatron_model_args(p)
     w = p.add_argument_group("workload and cluster")
@@ -125,10 +125,14 @@ def main(argv=None) -> int:
                       schedules=args.block_ownership, recompute=args.recompute,
                       distributed_optimizer=not args.no_distributed_optimizer)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report(str(e))
         return 2
     if args.json:
         print(json.dumps(result, indent=1))
-    else:
+    elif result["layouts"]:
         print(format_table(result, args.top))
+    if not result["layouts"]:  # nothing to run: a script must not go on as if a layout had been found
+        report(f"no layout fits in memory ({result['evaluated']} layouts evaluated for {args.gpus} GPUs, "
+               f"--seq-length {args.seq_length}): more GPUs, --recompute full, or a shorter sequence")
+        return 1
     return 0

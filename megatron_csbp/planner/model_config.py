@@ -270,8 +270,16 @@ def _gdn_shape(cfg: Dict) -> Dict:
 
 
 def load_hf_config(path: str) -> ModelConfig:
-    with open(path) as f:
-        cfg = json.load(f)
+    """A Hugging Face config.json, or a model folder holding one (ValueError naming --hf-config otherwise)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--hf-config {path}: no such file (give a config.json or the folder that holds it)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--hf-config {path}: not a readable JSON config ({exc})") from None
     return from_hf_config(cfg, cfg.get("name") or os.path.basename(os.path.dirname(os.path.abspath(path))))
 
 

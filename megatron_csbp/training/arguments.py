@@ -51,7 +51,9 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.train",
+    from megatron_csbp.utils.cli import ArgumentParser  # an argument error is one line, not the usage
+
+    p = ArgumentParser(prog="python -m megatron_csbp.train",
                                 description="Train a block diffusion LM with Megatron-core (launch with torchrun). "
                                             "With no flags at all: the embedded CSBP demo.")
     m = p.add_argument_group("model (Megatron-LM names)")
@@ -111,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clip-grad", type=float, default=1.0)
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--use-distributed-optimizer", action="store_true")
+    t.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help="stop the run, naming the iteration, when the loss or the gradient norm is "
+                                      "NaN or infinite (the default, as in Megatron-LM)")
+    t.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="train on through non-finite losses (a checkpoint is still never saved "
+                                              "with non-finite weights)")
 
     par = p.add_argument_group("parallelism (Megatron-LM names)")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -131,10 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     c.add_argument("--log-interval", type=int, default=10)
     c.add_argument("--eval-interval", type=int, default=None)
-    c.add_argument("--eval-iters", type=int, default=0)
+    c.add_argument("--eval-iters", type=int, default=None,
+                   help="global batches per evaluation (default: Megatron-LM's 100 when --eval-interval or "
+                        "--skip-train asks for evaluations, else 0)")
     c.add_argument("--skip-train", action="store_true")
     c.add_argument("--tensorboard-dir", type=str, default=None)
     c.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration (for tests/resume)")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save a checkpoint (with --save) and exit (Megatron-LM's)")
     c.add_argument("--no-progress-bar", action="store_true")
 
     d = p.add_argument_group("data (Megatron-LM names)")
@@ -166,6 +178,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
 
 
 def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
+    """Fill derived values and refuse bad input with a message naming the flag and the rule
+    (`check_flags`); then what the --load checkpoint must be: one at all when the run starts from
+    pretrained weights, and trained with the same model flags (its `bdlm_meta.json`)."""
+    check_flags(args, world_size, check_only)
+    check_pretrained(args)
+    if args.load_step is not None:
+        from megatron_csbp.training.checkpointing import check_model_flags
+        check_model_flags(args, args.load, args.load_step)
+    return args
+
+
+def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
     """Fill derived values and refuse bad input with a message naming the flag and the rule.
 
     `check_only` (`python -m megatron_csbp.launch RECIPE --check`, on a machine that need not hold
@@ -179,6 +203,8 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     placeholders = set(getattr(args, "placeholders", ()))
     args.check_notes = []
     args.shape_unknown = False
+    args.load_step = None  # what --load [--ckpt-step] loads: an iteration, "release", or None
+    check_counts(args)
 
     sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.context_parallel_size, args.block_parallel_size, args.expert_model_parallel_size)
@@ -191,9 +217,10 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         args.shape_unknown = True
         args.check_notes.append(f"--load {args.load} is not here: the model-shape rules (flags vs the checkpoint's "
                                 "shape, MoE and DiffusionGemma requirements) run at launch")
-    elif args.load:
-        from megatron_csbp.training.checkpointing import checkpoint_shape
-        args.model_shape = checkpoint_shape(args.load, args.ckpt_step)
+    elif args.load or args.ckpt_step is not None:
+        from megatron_csbp.training.checkpointing import checkpoint_shape, checkpoint_to_load
+        args.load_step = checkpoint_to_load(args.load, args.ckpt_step)
+        args.model_shape = checkpoint_shape(args.load, args.load_step)
     if args.model_shape is not None:
         apply_model_shape(args, args.model_shape)
     check_clean_attention(args)
@@ -242,14 +269,10 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without --tokenizer-model) needs --vocab-size")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
-    if args.save_interval is not None and args.save_interval <= 0:
-        raise ValueError("--save-interval must be positive")
     if args.save_interval and not args.save:
         raise ValueError("--save-interval needs --save DIR")
     if args.save_initial and not args.save:
         raise ValueError("--save-initial needs --save DIR")
-    if args.eval_interval is not None and args.eval_interval <= 0:
-        raise ValueError("--eval-interval must be positive")
     if args.skip_train and not args.eval_iters:
         raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
     if args.pipeline_model_parallel_size != 1:
@@ -295,6 +318,39 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         args.mask_token_id = tok.mask_token_id
     check_vocab(args, args.vocab_size)
     return args
+
+
+#: integer flags that count something (dest -> smallest allowed value)
+COUNTS = {"micro_batch_size": 1, "global_batch_size": 1, "train_iters": 0, "seq_length": 1, "block_size": 1,
+          "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "log_interval": 1, "eval_iters": 0,
+          "exit_interval": 1, "save_interval": 1, "eval_interval": 1}
+
+
+def check_counts(args) -> None:
+    """Sizes, counts and intervals are positive (`--micro-batch-size 0` would divide by zero later);
+    an unset --eval-iters takes Megatron-LM's 100 when evaluations are asked for."""
+    for dest, least in COUNTS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag} must be {'positive' if least == 1 else 'at least 0'}, got {value}")
+    if args.eval_iters is None:
+        args.eval_iters = 100 if (args.eval_interval or args.skip_train) else 0
+
+
+def check_pretrained(args) -> None:
+    """An objective that adapts a pretrained model (fast-dllm-v2) and Megatron's --finetune start from
+    weights: a --load that holds no checkpoint (a typo) must not start a random model."""
+    needs = objective_class(args.objective).needs_pretrained if args.objective in objective_names() else None
+    why = f"--objective {args.objective} {needs}" if needs else \
+        ("--finetune starts from the weights of --load" if getattr(args, "finetune", False) else None)
+    if why is None or args.load_step is not None or args.shape_unknown:  # (launch --check: --load not here)
+        return
+    if not args.load:
+        raise ValueError(f"{why}: give --load DIR (a checkpoint, e.g. from python -m megatron_csbp.convert "
+                         "hf-to-megatron)")
+    raise ValueError(f"{why}: --load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
+                     f"{'' if os.path.isdir(args.load) else '; the folder does not exist'})")
 
 
 # Flag (dest) -> what the converted checkpoint's shape says. A flag left at its default takes the

@@ -20,6 +20,14 @@ and `DIR/release/` holds the model only; it is loaded as weights (iteration 0, n
 scheduler state). The model shape comes from `megatron_csbp_model.json` (`checkpoint_shape`), and
 every checkpoint saved from such a model carries that file (in `iter_N/` and the root) and the
 root's `hf_assets/`, so `convert megatron-to-hf` / `score` read trained checkpoints.
+
+Refusals (`CheckpointError`, one line naming the flag or file): `--ckpt-step` that was not saved
+(the saved ones listed), a tracker pointing at a missing folder, model flags that disagree with the
+checkpoint's `bdlm_meta.json` (`check_model_flags`, at parse time, before megatron-core reads
+anything), and files that are missing or shorter than the checkpoint's `.metadata` says
+(`verify_files`, run by rank 0 before every load and agreed by all ranks); a read that still fails
+names the checkpoint folder. A save refuses non-finite weights (`check_finite`), so a run whose loss
+diverged never replaces its last good checkpoint.
 """
 from __future__ import annotations
 
@@ -27,10 +35,17 @@ import json
 import os
 import shutil
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_csbp.utils.cli import CliError
+
+
+class CheckpointError(CliError, ValueError):
+    """A checkpoint that cannot be loaded or saved, with the flag or file that says why (a
+    ValueError too: at parse time it is bad input, refused like any flag)."""
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -59,6 +74,121 @@ def read_tracker(root: str):
 
 def checkpoint_path(root: str, iteration) -> str:
     return os.path.join(root, RELEASE) if iteration == RELEASE else iteration_dir(root, iteration)
+
+
+def saved_iterations(root: str) -> List[int]:
+    """The complete `iter_N` folders under `root` (saves in progress excluded), ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()
+                  and os.path.isdir(os.path.join(root, n)))
+
+
+def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
+    """What `--load root [--ckpt-step N]` loads: an iteration, `RELEASE`, or None (nothing saved
+    there yet: a fresh run, as Megatron-LM starts when its --load holds no checkpoint). Refuses a
+    `--ckpt-step` that was not saved and a tracker whose folder is gone, naming what is there."""
+    if ckpt_step is not None and not root:
+        raise CheckpointError(f"--ckpt-step {ckpt_step} needs --load DIR")
+    if not root:
+        return None
+    step = ckpt_step if ckpt_step is not None else read_tracker(root)
+    if step is None:
+        return None
+    if not os.path.isdir(checkpoint_path(root, step)):
+        saved = saved_iterations(root)
+        have = f"it holds iterations {', '.join(map(str, saved))}" if saved else "it holds no iter_N checkpoint"
+        what = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER} (iteration {step})"
+        raise CheckpointError(f"{what}: --load {root} has no {os.path.basename(checkpoint_path(root, step))} ({have})")
+    return step
+
+
+def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
+    """The model flags the checkpoint was trained with (`bdlm_meta.json` "model_args"), or None
+    (a converted release has none: its shape file is the reference)."""
+    path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
+    if step == RELEASE or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return dict(json.load(f).get("model_args") or {})
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
+
+
+#: model flags (dests) that fix the shapes of the saved tensors: a resume must give the same values
+SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "vocab_size", "make_vocab_size_divisible_by", "untie_embeddings_and_output_weights",
+               "normalization", "swiglu")
+
+
+def check_model_flags(args, root: str, step) -> None:
+    """Refuse flags that build another model than the checkpoint's (its `bdlm_meta.json`), naming the
+    first flag that differs, before megatron-core reads a tensor (its shape error names neither)."""
+    saved = saved_model_args(root, step)
+    if not saved:
+        return
+    for dest in SHAPE_FLAGS:
+        if dest not in saved or saved[dest] is None or not hasattr(args, dest):
+            continue
+        given = getattr(args, dest)
+        if given != saved[dest]:
+            flag = "--" + dest.replace("_", "-")
+            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} (--load {root}, "
+                                  f"{os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json): resume with the "
+                                  "model flags it was trained with")
+
+
+def verify_files(path: str) -> Optional[str]:
+    """Why the torch_dist checkpoint folder `path` cannot be read (a missing or unreadable
+    `.metadata`, a data file missing or shorter than `.metadata` says), or None when every file is
+    whole. Reads only the metadata and the file sizes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        return f"{meta_file} is missing (not a torch_dist checkpoint, or an interrupted copy)"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # pickle, EOF, ...: the file is damaged
+        return f"{meta_file} is corrupt or truncated ({type(exc).__name__}: {exc})"
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(needed.items()):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            return f"{f} is missing"
+        have = os.path.getsize(f)
+        if have < size:
+            return f"{f} is truncated ({have} bytes; .metadata says at least {size})"
+    return None
+
+
+def _agreed_file_check(path: str) -> None:
+    """`verify_files` on rank 0, its verdict broadcast, so every rank refuses together."""
+    verdict = [verify_files(path) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(f"cannot load checkpoint {path}: {verdict[0]}")
+
+
+def check_finite(model, iteration: int) -> None:
+    """Collective: refuse to save weights with a NaN or infinity on any rank (the previous
+    checkpoint stays the latest)."""
+    bad = 0.0
+    for p in model.parameters():
+        if not torch.isfinite(p.detach()).all():
+            bad = 1.0
+            break
+    flag = torch.tensor([bad], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise CheckpointError(f"iteration {iteration}: the weights hold NaN or infinite values; not saving a "
+                              "checkpoint (the last one saved stays the latest)")
 
 
 def checkpoint_shape(root: Optional[str], iteration=None):
@@ -106,6 +236,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     `root`; `assets_from` (an `hf_assets/` folder): copied to `root/hf_assets` if absent there."""
     from megatron.core import dist_checkpointing
 
+    check_finite(model, iteration)
     rank = dist.get_rank()
     final = iteration_dir(root, iteration)
     nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
@@ -168,21 +299,19 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
     fresh optimizer and scheduler."""
     from megatron.core import dist_checkpointing
 
+    iteration = checkpoint_to_load(root, iteration)
     if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            return None
+        return None
     path = checkpoint_path(root, iteration)
-    if not os.path.isdir(path):
-        raise ValueError(f"--load {root}: checkpoint directory {path} is missing")
+    _agreed_file_check(path)
     if iteration == RELEASE:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        loaded = _read(dist_checkpointing, {"model": model.sharded_state_dict()}, path)
         _load_model_state(model, loaded["model"], path)
         if optimizer is not None:  # mixed-precision main params were copied from unloaded weights
             optimizer.reload_model_params()
         return {"iteration": 0, "consumed_samples": 0, "extra": {}, "path": path, "release": True}
     state = _sharded_state(model, optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(state, path)
+    loaded = _read(dist_checkpointing, state, path)
     _load_model_state(model, loaded["model"], path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -192,11 +321,23 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
             "extra": loaded.get("extra", {}), "path": path}
 
 
+def _read(dist_checkpointing, state, path: str):
+    """dist_checkpointing.load, with a failure to read named by the checkpoint folder (only this
+    rank may have failed: not agreed)."""
+    try:
+        return dist_checkpointing.load(state, path)
+    except (EOFError, OSError, RuntimeError, ValueError, KeyError) as exc:
+        if isinstance(exc, CliError):
+            raise
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}".strip(),
+                              agreed=False) from exc
+
+
 def _load_model_state(model, state, path: str) -> None:
     missing, unexpected = model.gpt.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
-        raise RuntimeError(f"checkpoint {path} lacks model keys {missing[:5]}")
+        raise CheckpointError(f"checkpoint {path} lacks model keys {missing[:5]}")
 
 
 def load_model_only(root: str, model) -> Dict[str, Any]:

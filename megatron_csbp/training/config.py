@@ -59,6 +59,7 @@ class BatchConfig:
     train_iters: int
     exit_interval: Optional[int]
     skip_train: bool
+    exit_signal_handler: bool  # on SIGTERM: finish the iteration, save, exit (Megatron-LM's)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class OptimConfig:
     lr_warmup_iters: int
     lr_decay_iters: Optional[int]
     lr_decay_style: str
+    check_for_nan_in_loss_and_grad: bool  # a non-finite loss or gradient norm stops the run
 
 
 @dataclass(frozen=True)

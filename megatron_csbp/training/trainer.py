@@ -12,14 +12,22 @@ share of the global mean); Megatron's DDP sums gradients over DP x CP x BP (`dp_
 shard group); the Megatron optimizer clips by global norm and steps; the scheduler advances by the
 global batch.
 
+Failing loudly: with `--check-for-nan-in-loss-and-grad` (the default, Megatron-LM's flag) a
+non-finite global loss stops the run before the optimizer step and a non-finite gradient norm after
+it, with `TrainingStopped` naming the iteration; both values are reduced over all ranks first, so
+every rank stops together. A save never writes non-finite weights (`checkpointing.check_finite`).
+`--exit-signal-handler` saves and exits on SIGTERM (training/signals.py).
+
 Used by the trainer CLI (`training.loop.main`, the default run included) and, model-only, by
 `generate` (`load_model`). Megatron-LM's own `pretrain()` keeps its loop and shares the
 model build (`training.model.build_model`) through `megatron_lm.model_provider`.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Optional, Tuple
@@ -29,6 +37,11 @@ import torch.distributed as dist
 
 from megatron_csbp.training.config import TrainerConfig
 from megatron_csbp.training.metrics import Logger, allreduce, flops_per_sample, peak_memory_bytes
+from megatron_csbp.utils.cli import CliError
+
+
+class TrainingStopped(CliError):
+    """The run cannot go on (a non-finite loss or gradient norm); the message names the iteration."""
 
 
 def _log0(*a):
@@ -47,7 +60,14 @@ def init_distributed(parallel) -> None:
         backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        if "RANK" not in os.environ and "MASTER_ADDR" not in os.environ:
+            # `python -m megatron_csbp.train` without torchrun: one process, an in-memory store
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        elif _restarted_under_torchrun():
+            dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            dist.init_process_group(backend)
     if dist.get_world_size() != parallel.world_size:
         raise RuntimeError(f"WORLD_SIZE {parallel.world_size} at parse time, {dist.get_world_size()} at init")
     from megatron_csbp.compat.cpu import install_cpu_compat
@@ -57,6 +77,22 @@ def init_distributed(parallel) -> None:
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
                                       parallel.expert_model_parallel_size)
+
+
+def _restarted_under_torchrun() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _attempt_store():
+    """torchrun (`--max-restarts`) keeps its agent's store across restarts and hands the workers the
+    bare store, so a restarted gloo group read the peer addresses of the failed attempt ("Connection
+    refused"). Each attempt gets keys of its own."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"megatron_csbp/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 @dataclass
@@ -74,6 +110,7 @@ class Trainer:
         self.model = self.ddp = self.optimizer = self.scheduler = None
         self.train_ds = self.valid_ds = None
         self.iteration, self.consumed = 0, 0
+        self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
 
     # ---- build -------------------------------------------------------------------------------
     def build(self) -> "Trainer":
@@ -172,10 +209,26 @@ class Trainer:
         """One optimizer step on the global batch that starts at sample `consumed`."""
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        check = self.config.optim.check_for_nan_in_loss_and_grad
         loss = self._run_batches(self.train_ds, consumed, forward_only=False)
+        if check and not math.isfinite(loss):  # the global loss: every rank stops here together
+            self._stop(consumed, f"the loss is {loss}", "before the optimizer step")
         ok, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None and ok:  # --clip-grad 0: the optimizer computed no norm; log (and check) it
+            grad_norm = self.optimizer.get_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if check and ok and not math.isfinite(grad_norm):
+            self._stop(consumed, f"the gradient norm is {grad_norm}", "without saving the stepped weights")
         self.scheduler.step(increment=self.config.batch.global_batch_size)
-        return StepResult(loss, float(grad_norm) if grad_norm is not None else float("nan"), ok)
+        return StepResult(loss, grad_norm, ok)
+
+    def _stop(self, consumed: int, what: str, when: str) -> None:
+        iteration = consumed // self.config.batch.global_batch_size + 1
+        ck = self.config.checkpoint
+        last = (f"the latest checkpoint is iteration {self.last_saved} in {ck.save or ck.load}"
+                if self.last_saved is not None else "no checkpoint was saved")
+        raise TrainingStopped(f"iteration {iteration}: {what}; stopped {when} (--check-for-nan-in-loss-and-grad; "
+                              f"{last}; try a lower --lr or --clip-grad > 0)")
 
     def evaluate(self) -> float:
         """Mean loss over the first `--eval-iters` global batches of the held-out split, with
@@ -212,6 +265,7 @@ class Trainer:
         ck = self.config.checkpoint
         checkpointing.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
                                       extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
+        self.last_saved = iteration
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
 
     def load(self) -> Tuple[int, int]:
@@ -224,11 +278,12 @@ class Trainer:
         if ck.load:
             info = checkpointing.load_checkpoint(ck.load, self.model, self.optimizer, self.scheduler, ck.ckpt_step)
             if info is None and ck.model_shape is not None:
-                raise RuntimeError(f"--load {ck.load} has a model shape file but no checkpoint to load")
+                raise checkpointing.CheckpointError(f"--load {ck.load} has a model shape file but no checkpoint to load")
             if info is not None and info.get("release"):
                 _log0(f" loaded converted model {info['path']} (release: weights only, iteration 0, fresh optimizer)")
             elif info is not None:
                 iteration, consumed = info["iteration"], info["consumed_samples"]
+                self.last_saved = iteration
                 _log0(f" loaded checkpoint {info['path']} (iteration {iteration}, consumed samples {consumed})")
             else:
                 _log0(f" no checkpoint in --load {ck.load}: starting from scratch")
@@ -237,7 +292,14 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> Dict:
-        """load -> [train_step, log, evaluate, save]* -> final save. Returns the logged history."""
+        """load -> [train_step, log, evaluate, save]* -> final save. Returns the logged history.
+        With --exit-signal-handler, SIGTERM ends the loop after the current iteration, with a save."""
+        from megatron_csbp.training.signals import ExitSignal
+
+        with ExitSignal() if self.config.batch.exit_signal_handler else nullcontext() as exit_signal:
+            return self._train(exit_signal)
+
+    def _train(self, exit_signal) -> Dict:
         from megatron_csbp.attention.accounting import traffic_counter
 
         c = self.config
@@ -292,7 +354,14 @@ class Trainer:
                     acc_time, acc_iters = 0.0, 0
                 if ck.save and ck.save_interval and iteration % ck.save_interval == 0:
                     self.save(iteration, consumed)
-            if ck.save and not (ck.save_interval and iteration % ck.save_interval == 0) and iteration > 0:
+                if exit_signal is not None and exit_signal.received():
+                    if ck.save and self.last_saved != iteration:
+                        self.save(iteration, consumed)
+                    _log0(f" received {exit_signal.name} (--exit-signal-handler): exiting after iteration {iteration}"
+                          + (f"; resume with --load {ck.save}" if ck.save else " (no --save: nothing saved)"))
+                    return {"history": history, "iteration": iteration, "consumed_samples": consumed,
+                            "train_losses": train_losses, "exit_signal": exit_signal.name}
+            if ck.save and self.last_saved != iteration and iteration > 0:
                 self.save(iteration, consumed)
         finally:
             logger.close()
@@ -337,7 +406,7 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     install_cpu_compat()
     if not bps.is_initialized():
         bps.initialize_block_parallel()
-    step = ckpt_step if ckpt_step is not None else checkpointing.read_tracker(load)
+    step = checkpointing.checkpoint_to_load(load, ckpt_step)  # a missing --ckpt-step lists the saved ones
     if step is None:
         raise ValueError(f"--load {load}: no {checkpointing.TRACKER} (not a megatron_csbp.train checkpoint dir?)")
     meta_path = os.path.join(checkpointing.iteration_dir(load, step), "bdlm_meta.json")

@@ -1,5 +1,27 @@
-"""What every `python -m megatron_csbp.*` command does first: hide the warnings a user cannot act on.
+"""What every `python -m megatron_csbp.*` command shares: one-line errors and quiet library warnings.
 
+## One-line errors (train, convert, generate, plan, launch, dflash)
+
+Bad input, a checkpoint that cannot be read or a run that cannot go on is news of one line,
+
+    error: --micro-batch-size must be positive, got 0
+
+printed once (by rank 0 when every rank fails the same way, as argument errors do under torchrun),
+with exit status 2 (bad input) or 1 (a run that stopped), and no usage dump or traceback. Under
+torchrun rank 0 exits with that status and the other ranks with 0 (a nonzero rank would make
+torchrun kill rank 0 before it printed); torchrun then reports rank 0's status as the failure (with
+a summary and a traceback of its own launcher) and exits nonzero.
+
+- `ArgumentParser`: argparse's parser whose `error` prints the one line (argparse prints the whole
+  usage first; the trainer's is 80 lines, once per rank).
+- `CliError`: raise it (or a subclass) for a failure the user can act on. `agreed=False` when only
+  some ranks see it (a file one rank failed to read): every failing rank then prints it, prefixed by
+  its rank, since rank 0 may be stuck in a collective and killed before it could say anything.
+- `run(main, argv)`: the `__main__` wrapper; turns `CliError` and `ValueError` (this code base's
+  bad-input exception, whose messages name the flag) into the line and the exit status.
+  `MEGATRON_CSBP_TRACEBACK=1` re-raises instead (for debugging).
+
+## Warnings
 `filter_warnings()` is called at the top of each command's `main()` (before megatron-core is
 imported: these warnings fire at import time). It hides, and only hides:
 
@@ -17,7 +39,97 @@ library (`import megatron_csbp...`) nothing is filtered: only the commands call 
 """
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 import warnings
+from typing import Callable, NoReturn, Optional, Sequence
+
+
+class CliError(Exception):
+    """A failure with a message a user can act on (it names the flag, file or iteration)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, agreed: bool = True):
+        super().__init__(message)
+        self.agreed = agreed
+
+
+class UsageError(CliError):
+    """Bad input (a flag or its value): exit status 2, as argparse's."""
+
+    exit_code = 2
+
+
+def rank() -> Optional[int]:
+    """This process's global rank: torch.distributed's once initialized, else torchrun's RANK, else None."""
+    dist = sys.modules.get("torch.distributed")  # not imported by torch-free entry points (plan)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    r = os.environ.get("RANK")
+    return int(r) if r is not None and r.isdigit() else None
+
+
+def report(message: str, agreed: bool = True) -> bool:
+    """Print `error: message` as one line on stderr, if this rank is the one to say it (True then)."""
+    r = rank()
+    if agreed and r not in (None, 0):
+        return False
+    prefix = "error: " if agreed or r is None else f"error (rank {r}): "
+    line = prefix + " ".join(part.strip() for part in str(message).strip().splitlines())
+    print(line, file=sys.stderr, flush=True)
+    _tell_torchrun(line)
+    return True
+
+
+def fail(message: str, code: int = 2, agreed: bool = True) -> NoReturn:
+    """`report` the line and exit with `code` (SystemExit, so `finally` blocks run)."""
+    if not report(message, agreed):
+        # Rank 0 says it and carries the status. Under torchrun a rank that exits nonzero makes the
+        # agent kill the others at once, possibly before rank 0 printed: the other ranks exit 0.
+        sys.exit(0 if "TORCHELASTIC_RUN_ID" in os.environ else code)
+    sys.exit(code)
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, the line goes into the worker's error file too: torchrun's failure summary
+    then shows it (instead of "To enable traceback see ...")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse without the usage dump: an argument error is one line (`fail`), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see {self.prog} --help)" if message.startswith(("unrecognized arguments",
+                                                                          "the following arguments"))
+             else message, 2)
+
+
+def run(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
+    """Call `main(argv)`; its int result is the exit status (anything else means 0). A `CliError` or
+    `ValueError` becomes the one line."""
+    try:
+        result = main(argv) if argv is not None else main()
+    except (CliError, ValueError) as exc:
+        if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
+            raise
+        code = exc.exit_code if isinstance(exc, CliError) else 2
+        fail(str(exc), code, getattr(exc, "agreed", True))
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
 
 #: (action, message regex, category, module regex) as `warnings.filterwarnings` takes them
 FILTERS = (

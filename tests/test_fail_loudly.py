@@ -1,0 +1,150 @@
+"""Failing loudly (issue 20): a diverged run stops naming the iteration and never saves non-finite
+weights; bad flags, a missing step, flags that disagree with the checkpoint, a checkpoint an
+objective needs but --load does not hold, and damaged checkpoint files are each one line naming
+the flag or file; `python -m megatron_csbp.train` without torchrun runs one process."""
+import os
+import re
+import shutil
+
+import pytest
+
+from megatron_csbp.training import checkpointing
+from megatron_csbp.training.arguments import build_parser, parse_args, validate_args
+from tests.train_helpers import TINY, error_lines, run_train
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint folder the trainer wrote (iteration 2), by `python -m megatron_csbp.train`
+    without torchrun."""
+    save = str(tmp_path_factory.mktemp("failloud") / "ckpt")
+    return save, run_train(TINY + ["--train-iters", "2", "--save", save])
+
+
+def test_train_without_torchrun_runs_one_process(saved):
+    save, out = saved
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world 1 = TP 1" in out.stdout
+    assert checkpointing.read_tracker(save) == 2
+
+
+def _one_line(argv, capsys, world=1):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "usage:" not in err, err  # one line, no usage dump
+    return err.strip()
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--micro-batch-size", "0"], "error: --micro-batch-size must be positive, got 0"),
+    (["--global-batch-size", "-4"], "error: --global-batch-size must be positive, got -4"),
+    (["--train-iters", "-1"], "error: --train-iters must be at least 0, got -1"),
+    (["--ckpt-step", "2"], "error: --ckpt-step 2 needs --load DIR"),
+    (["--bogus-flag"], "error: unrecognized arguments: --bogus-flag (see python -m megatron_csbp.train --help)"),
+    (["--objective", "fast-dllm-v2", "--mask-token-id", "5"],
+     "error: --objective fast-dllm-v2 adapts a pretrained autoregressive model: give --load DIR (a checkpoint, "
+     "e.g. from python -m megatron_csbp.convert hf-to-megatron)"),
+])
+def test_bad_flags_one_line(flags, line, capsys):
+    assert _one_line(TINY + flags, capsys) == line
+
+
+def test_checkpoint_refusals_name_the_flag(saved, tmp_path, capsys):
+    save, out = saved
+    assert out.returncode == 0
+    # a step that was not saved: the saved ones are listed
+    assert _one_line(TINY + ["--load", save, "--ckpt-step", "99"], capsys) == \
+        f"error: --ckpt-step 99: --load {save} has no iter_0000099 (it holds iterations 2)"
+    # another model than the checkpoint's: the first differing flag, before megatron-core reads anything
+    for flags, line in ((["--hidden-size", "64"], "--hidden-size 64 differs from the checkpoint's 32"),
+                        (["--num-layers", "3"], "--num-layers 3 differs from the checkpoint's 2"),
+                        (["--num-query-groups", "4"], "--num-query-groups 4 differs from the checkpoint's 2"),
+                        (["--untie-embeddings-and-output-weights"],
+                         "--untie-embeddings-and-output-weights True differs from the checkpoint's False")):
+        assert _one_line(TINY + ["--load", save] + flags, capsys) == \
+            f"error: {line} (--load {save}, iter_0000002/bdlm_meta.json): resume with the model flags it was trained with"
+    parse_args(TINY + ["--load", save], world_size=1)  # the same flags resume
+    # a mistyped --load with an objective that adapts a pretrained model
+    typo = str(tmp_path / "no_such_ckpt")
+    assert _one_line(TINY + ["--load", typo, "--objective", "fast-dllm-v2", "--mask-token-id", "5"], capsys) == \
+        (f"error: --objective fast-dllm-v2 adapts a pretrained autoregressive model: --load {typo} holds no "
+         "checkpoint (no latest_checkpointed_iteration.txt; the folder does not exist)")
+    # Megatron's --finetune (whichever parser declares it) starts from --load's weights too
+    args = build_parser().parse_args(TINY + ["--load", typo])
+    args.finetune = True
+    with pytest.raises(ValueError, match=re.escape(f"--finetune starts from the weights of --load: --load {typo} "
+                                                   "holds no checkpoint")):
+        validate_args(args, 1)
+
+
+def test_eval_iters_defaults_to_megatron_100_when_evaluating():
+    assert parse_args(TINY + ["--eval-interval", "2"], world_size=1).eval_iters == 100
+    assert parse_args(TINY + ["--skip-train"], world_size=1).eval_iters == 100
+    assert parse_args(TINY, world_size=1).eval_iters == 0  # no evaluation asked for: no held-out batches
+
+
+def test_damaged_checkpoint_files_are_named(saved, tmp_path):
+    save, out = saved
+    assert out.returncode == 0
+    src = checkpointing.iteration_dir(save, 2)
+    assert checkpointing.verify_files(src) is None
+    cases = {}
+    for name, damage in (("truncated", lambda d: os.truncate(os.path.join(d, "__0_0.distcp"), 1000)),
+                         ("missing", lambda d: os.remove(os.path.join(d, "__0_1.distcp"))),
+                         ("metadata", lambda d: os.truncate(os.path.join(d, ".metadata"), 100))):
+        d = str(tmp_path / name)
+        shutil.copytree(src, d)
+        damage(d)
+        cases[name] = checkpointing.verify_files(d)
+    assert re.fullmatch(r".*/truncated/__0_0\.distcp is truncated \(1000 bytes; \.metadata says at least \d+\)",
+                        cases["truncated"])
+    assert cases["missing"].endswith("/missing/__0_1.distcp is missing")
+    assert cases["metadata"].startswith(str(tmp_path / "metadata" / ".metadata") + " is corrupt or truncated")
+
+
+def test_truncated_checkpoint_resume_names_the_file(saved, tmp_path):
+    """Before: a bare EOFError traceback from torch's reader."""
+    save, out = saved
+    assert out.returncode == 0
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(save, copy)
+    distcp = os.path.join(checkpointing.iteration_dir(copy, 2), "__0_0.distcp")
+    os.truncate(distcp, os.path.getsize(distcp) // 2)
+    r = run_train(TINY + ["--train-iters", "3", "--load", copy])
+    assert r.returncode == 1
+    (line,) = error_lines(r.stderr)
+    assert line.startswith(f"error: cannot load checkpoint {checkpointing.iteration_dir(copy, 2)}: {distcp} is "
+                           "truncated"), line
+    assert "Traceback" not in r.stderr
+
+
+def test_non_finite_loss_or_grad_stops_the_run(tmp_path):
+    """Before: `--lr 1e6 --clip-grad 0` trained on, logged skipped false, saved NaN weights, exit 0."""
+    save = str(tmp_path / "ckpt")
+    r = run_train(TINY + ["--lr", "1e6", "--clip-grad", "0", "--train-iters", "8", "--save", save,
+                          "--save-interval", "1"])
+    assert r.returncode == 1, r.stderr[-3000:]
+    (line,) = error_lines(r.stderr)
+    m = re.fullmatch(r"error: iteration (\d+): the (loss|gradient norm) is (nan|inf|-inf); stopped .*"
+                     r"\(--check-for-nan-in-loss-and-grad; the latest checkpoint is iteration (\d+) in (.*); "
+                     r"try a lower --lr or --clip-grad > 0\)", line)
+    assert m, line
+    stopped, latest = int(m.group(1)), int(m.group(4))
+    assert latest == stopped - 1 and m.group(5) == save and stopped < 8
+    assert checkpointing.read_tracker(save) == latest
+    assert checkpointing.saved_iterations(save) == list(range(1, stopped))
+    assert "Traceback" not in r.stderr
+
+
+def test_unchecked_divergence_never_saves_non_finite_weights(tmp_path):
+    save = str(tmp_path / "ckpt")
+    r = run_train(TINY + ["--lr", "1e6", "--clip-grad", "0", "--train-iters", "8", "--save", save,
+                          "--save-interval", "1", "--no-check-for-nan-in-loss-and-grad"])
+    assert r.returncode == 1, r.stderr[-3000:]
+    (line,) = error_lines(r.stderr)
+    m = re.fullmatch(r"error: iteration (\d+): the weights hold NaN or infinite values; not saving a checkpoint "
+                     r"\(the last one saved stays the latest\)", line)
+    assert m, line
+    assert checkpointing.read_tracker(save) == int(m.group(1)) - 1
