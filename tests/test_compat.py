@@ -97,16 +97,8 @@ def _tp_model_rank(rank, world_size, tp, sp, tmpdir):
     for name, p in model.named_parameters():
         t = p.detach()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            torch.distributed.all_gather(parts, t.contiguous(), group=mpu.get_tensor_model_parallel_group())
-            stride = getattr(p, "partition_stride", 1)
-            dim = p.partition_dim
-            if stride > 1:
-                chunks = [c for part in parts for c in torch.chunk(part, stride, dim=dim)]
-                order = [chunks[r * stride + s] for s in range(stride) for r in range(tp)]
-                t = torch.cat(order, dim=dim)
-            else:
-                t = torch.cat(parts, dim=dim)
+            from tests.gradients import gather_tensor_parallel
+            t = gather_tensor_parallel(t, p, mpu.get_tensor_model_parallel_group())
         full[name] = t.clone()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
