@@ -13,7 +13,9 @@ flag. Overrides: `training.train_iters=5` or, when the key exists in exactly one
 
 `--check` validates the recipe without starting anything: the trainer's own argument parser and
 rules for the recipe's world size (exit 0, or 2 with the flag and the rule); values holding
-REPLACE_ME are site-specific placeholders, listed and filled before launch.
+REPLACE_ME are site-specific placeholders, listed by `--check`, warned by name with `--slurm` /
+`--dry-run`, and refused by a local launch. Relative paths in a recipe are relative to the recipe
+file (overrides: to the current directory). RECIPE may be a shipped recipe's bare name.
 
 Examples:
   python -m megatron_csbp.launch examples/recipes/qwen3_27b_256k_csbp.yaml --check
