@@ -34,8 +34,8 @@ def _run():
     try:
         import nemo_run as run
     except ImportError as e:  # pragma: no cover - requirements/cpu.txt installs it
-        raise RecipeError("launching recipes needs NeMo-Run: pip install nemo-run 'leptonai<0.27' "
-                          "(requirements/cpu.txt)") from e
+        raise RecipeError("launching recipes needs NeMo-Run: pip install 'megatron-csbp[launch]' (nemo-run and "
+                          f"leptonai<0.27; requirements/cpu.txt has them): {e}") from e
     return run
 
 
