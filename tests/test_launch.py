@@ -292,3 +292,12 @@ def test_check_names_the_flag_and_the_rule(capsys):
     proc = subprocess.run([sys.executable, "-m", "megatron_csbp.launch", path, "--check", "data.block_size=300"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--block-size 300" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_without_nemo_run_the_launcher_names_the_extra(tmp_path, monkeypatch, capsys):
+    """`pip install megatron-csbp` without the launch extra: one error line naming it, no traceback;
+    --check and --dry-run (no NeMo-Run needed) still work."""
+    monkeypatch.setitem(sys.modules, "nemo_run", None)  # `import nemo_run` raises ImportError
+    assert main([CPU_DEMO, "--slurm", str(tmp_path / "x.sbatch")]) == 2
+    assert "launching recipes needs NeMo-Run: pip install 'megatron-csbp[launch]'" in capsys.readouterr().err
+    assert main([CPU_DEMO, "--dry-run"]) == 0
