@@ -3,6 +3,13 @@ from setuptools import find_packages, setup
 
 # CPU pins live in requirements/cpu.txt (one place); install_requires stays a range so that
 # GPU clusters keep the torch/megatron-core they already run (0.16 through 0.19 supported).
+# install_requires is everything the package imports at run time: transformers is required, not an
+# extra, because conversion (`convert`), Hugging Face tokenizers, the model families' HF configs and
+# the DFlash verifier all import it (DiffusionGemma and DFlash classes need transformers >= 5.24).
+# Extras: `launch` (NeMo-Run for `python -m megatron_csbp.launch`; nemo-run 0.11 imports with
+# leptonai < 0.27), `gpu` (TransformerEngine, flash-attn), `test` (pytest and what the tests and
+# plots use), `megatron-lm` (what Megatron-LM's training package imports beside megatron-core,
+# docs/megatron-lm.md), `dflash-tp` (accelerate, for transformers' tensor parallelism).
 setup(
     name="megatron-csbp",
     version="0.1.0",
@@ -19,9 +26,14 @@ setup(
         "packaging",
         "psutil",
         "tqdm",
+        "pyyaml",
+        "transformers>=5.24,<6",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "matplotlib", "tensorboard", "pyyaml"],
+        "test": ["pytest", "pytest-timeout", "matplotlib", "tensorboard"],
+        "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.27"],
+        "megatron-lm": ["six", "flask-restful", "tiktoken", "einops", "triton"],
+        "dflash-tp": ["accelerate"],
         # NVIDIA apex is a from-source build (see docs/install.md); the PyPI "apex" is unrelated.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },

@@ -13,7 +13,9 @@ flag. Overrides: `training.train_iters=5` or, when the key exists in exactly one
 
 `--check` validates the recipe without starting anything: the trainer's own argument parser and
 rules for the recipe's world size (exit 0, or 2 with the flag and the rule); values holding
-REPLACE_ME are site-specific placeholders, listed and filled before launch.
+REPLACE_ME are site-specific placeholders, listed by `--check`, warned by name with `--slurm` /
+`--dry-run`, and refused by a local launch. Relative paths in a recipe are relative to the recipe
+file (overrides: to the current directory). RECIPE may be a shipped recipe's bare name.
 
 Examples:
   python -m megatron_csbp.launch examples/recipes/qwen3_27b_256k_csbp.yaml --check
@@ -49,9 +51,61 @@ def _yaml():
     return yaml
 
 
+#: the shipped recipes (in a source checkout); `launch NAME` accepts their bare names
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+
+#: flags whose value is a filesystem path: a relative one in a recipe is relative to the recipe's own
+#: directory (so `launch RECIPE --check` means the same from any directory); command-line overrides
+#: stay relative to the current directory, like any command-line path
+PATH_FLAGS = ("data_path", "data_cache_path", "sft_data_path", "train_data_path", "valid_data_path",
+              "test_data_path", "load", "save", "pretrained_checkpoint", "tensorboard_dir", "wandb_save_dir",
+              "features_path")
+#: flags that take a path or a Hugging Face hub name: resolved like PATH_FLAGS only when that path exists
+PATH_OR_NAME_FLAGS = ("tokenizer_model", "verifier")
+
+
+def shipped_recipes() -> List[str]:
+    """Names of the recipes under examples/recipes/ (empty when the package is installed without them)."""
+    if not os.path.isdir(RECIPE_DIR):
+        return []
+    return sorted(os.path.splitext(f)[0] for f in os.listdir(RECIPE_DIR) if f.endswith(".yaml"))
+
+
+def find_recipe(path: str) -> str:
+    """A recipe file, or a shipped recipe's bare name (`cpu_demo`); otherwise an error listing them."""
+    if os.path.isfile(path):
+        return path
+    shipped = shipped_recipes()
+    name = os.path.splitext(os.path.basename(path))[0]
+    if os.sep not in path and name in shipped:
+        return os.path.join(RECIPE_DIR, name + ".yaml")
+    listing = f"shipped recipes (in {RECIPE_DIR}): {', '.join(shipped)}" if shipped else "no shipped recipes here"
+    raise RecipeError(f"recipe {path!r} does not exist; {listing}")
+
+
+def _resolve_paths(recipe: Dict, base: str) -> None:
+    def resolve(value, must_exist):
+        if not isinstance(value, str) or value == "" or os.path.isabs(value) or PLACEHOLDER in value:
+            return value
+        try:
+            float(value)  # a --data-path blend weight
+            return value
+        except ValueError:
+            pass
+        path = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+        return value if must_exist and not os.path.exists(path) else path
+
+    for s in SECTIONS:
+        for key, value in recipe[s].items():
+            k = _norm(str(key))
+            if k in PATH_FLAGS or k in PATH_OR_NAME_FLAGS:
+                must = k in PATH_OR_NAME_FLAGS
+                recipe[s][key] = ([resolve(v, must) for v in value] if isinstance(value, list)
+                                  else resolve(value, must))
+
+
 def load_recipe(path: str) -> Dict:
-    if not os.path.exists(path):
-        raise RecipeError(f"recipe {path!r} does not exist")
+    path = find_recipe(path)
     with open(path) as f:
         recipe = _yaml().safe_load(f) or {}
     if not isinstance(recipe, dict):
@@ -71,7 +125,27 @@ def load_recipe(path: str) -> Dict:
     if bad:
         raise RecipeError(f"recipe {path}: unknown launch.slurm keys {sorted(bad)}; expected {list(SLURM_KEYS)}")
     recipe.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    _resolve_paths(recipe, os.path.dirname(os.path.abspath(path)))
     return recipe
+
+
+def placeholders(recipe: Dict) -> List[str]:
+    """The recipe keys (`data.data_path`, `launch.slurm.account`) whose value still holds PLACEHOLDER."""
+    found = []
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(node, (list, tuple)):
+            if any(PLACEHOLDER in str(v) for v in node):
+                found.append(prefix)
+        elif PLACEHOLDER in str(node):
+            found.append(prefix)
+
+    for s in SECTIONS + ("launch",):
+        walk(s, recipe.get(s) or {})
+    return found
 
 
 def _norm(key: str) -> str:
@@ -257,15 +331,15 @@ def torchrun_command(recipe: Dict, nnodes: int, nproc: int, python: str = sys.ex
 
 def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
     """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch_nemo)."""
-    from megatron_csbp.launch_nemo import slurm_script as nemo_slurm_script
+    from megatron_csbp.launch_nemo import slurm_job
 
-    return nemo_slurm_script(recipe, nnodes, nproc, job_dir)
+    return slurm_job(recipe, nnodes, nproc, job_dir).script
 
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="YAML recipe (examples/recipes/*.yaml)")
+    p.add_argument("recipe", help="YAML recipe file, or a shipped recipe's name (examples/recipes/NAME.yaml)")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE or SECTION.KEY=VALUE")
     p.add_argument("--dry-run", action="store_true", help="print the command (or script) and exit")
     p.add_argument("--check", action="store_true",
@@ -284,31 +358,47 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         recipe = apply_overrides(load_recipe(args.recipe), args.overrides)
+        _resolve_paths(recipe, os.getcwd())  # paths given as overrides: relative to this directory
         nnodes, nproc = launch_sizes(recipe, args.nnodes, args.nproc_per_node)
         if args.check:
             print(check_recipe(recipe, nnodes, nproc))
             return 0
         check_world(recipe, nnodes, nproc)
+        todo = placeholders(recipe)
         if args.slurm:
-            job_dir = os.path.join(os.path.dirname(os.path.abspath(args.slurm)), "nemo_run_jobs")
-            script = slurm_script(recipe, nnodes, nproc, job_dir)
+            from megatron_csbp.launch_nemo import slurm_job
+
+            # NeMo-Run's job directory (the sbatch and per-rank logs, the job's working directory)
+            # beside the script, named after it: run.sbatch -> run_slurm/
+            script_path = os.path.abspath(args.slurm)
+            job_dir = os.path.splitext(script_path)[0] + "_slurm"
+            job = slurm_job(recipe, nnodes, nproc, job_dir)
             if args.dry_run:
-                print(script)
-                return 0
-            os.makedirs(os.path.dirname(os.path.abspath(args.slurm)), exist_ok=True)
-            with open(args.slurm, "w") as f:
-                f.write(script)
-            print(f"wrote {args.slurm}; submit with: sbatch {args.slurm}")
+                print(job.script)
+            else:
+                for d in (os.path.dirname(script_path), job.log_dir, job.work_dir):
+                    os.makedirs(d, exist_ok=True)  # SLURM writes --output only into an existing directory
+                with open(script_path, "w") as f:
+                    f.write(job.script)
+                print(f"wrote {args.slurm} (logs in {job.log_dir}); submit with: sbatch {args.slurm}")
+            if todo:
+                print(f"warning: {args.slurm} holds {PLACEHOLDER} placeholders: fill {', '.join(todo)} "
+                      f"(as KEY=VALUE overrides or in the recipe) before sbatch", file=sys.stderr)
             return 0
         if nnodes > 1:
             raise RecipeError(f"--nnodes {nnodes}: a multi-node run needs a scheduler; use --slurm FILE "
                               "(or run this command on every node with --rdzv-endpoint)")
+        if todo and not args.dry_run:
+            raise RecipeError(f"recipe {recipe['name']}: fill the {PLACEHOLDER} placeholders "
+                              f"{', '.join(todo)} (KEY=VALUE overrides or in the recipe) before launch")
         cmd = torchrun_command(recipe, nnodes, nproc)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
     if args.dry_run:
+        if todo:
+            print(f"warning: placeholders to fill before launch: {', '.join(todo)}", file=sys.stderr)
         return 0
     from megatron_csbp.launch_nemo import run_local
 

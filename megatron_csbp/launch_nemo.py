@@ -10,8 +10,8 @@ and either runs with
 
 - `local_executor(recipe, nproc)`: `run.LocalExecutor(launcher="torchrun")` on this machine, or
 - `slurm_executor(recipe, nnodes, nproc, job_dir)`: `run.SlurmExecutor` (torchrun per node, one
-  task per node, `gpus_per_node = nproc`), whose sbatch script `slurm_script(...)` returns from a
-  NeMo-Run dry run (nothing is submitted).
+  task per node, `gpus_per_node = nproc`), whose sbatch script `slurm_job(...)` returns from a
+  NeMo-Run dry run (nothing is submitted), with the log and work directories it names.
 
 `python -m megatron_csbp.launch RECIPE` runs recipes through these (its options unchanged).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 from megatron_csbp.launch import RecipeError, recipe_flags
 
@@ -34,8 +34,8 @@ def _run():
     try:
         import nemo_run as run
     except ImportError as e:  # pragma: no cover - requirements/cpu.txt installs it
-        raise RecipeError("launching recipes needs NeMo-Run: pip install nemo-run 'leptonai<0.27' "
-                          "(requirements/cpu.txt)") from e
+        raise RecipeError("launching recipes needs NeMo-Run: pip install 'megatron-csbp[launch]' (nemo-run and "
+                          f"leptonai<0.27; requirements/cpu.txt has them): {e}") from e
     return run
 
 
@@ -90,11 +90,29 @@ def slurm_executor(recipe: Dict, nnodes: int, nproc: int, job_dir: str):
         tunnel=run.LocalTunnel(job_dir=job_dir))
 
 
-def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
-    """The sbatch script NeMo-Run's SlurmExecutor would submit (a dry run: nothing is submitted)."""
+class SlurmJob(NamedTuple):
+    script: str  #: the sbatch script
+    log_dir: str  #: where SLURM writes `#SBATCH --output` and srun's per-node logs
+    work_dir: str  #: srun's `--chdir` (NeMo-Run's `code` directory of the job)
+
+
+def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> SlurmJob:
+    """The sbatch script NeMo-Run's SlurmExecutor would submit (a dry run: nothing is submitted or
+    created), with the directories it names. The job is named `launch.slurm.job_name` (else the
+    recipe's name) exactly: NeMo-Run would otherwise prefix it with `<account>-<account suffix>.`."""
     run = _run()
-    job_dir = os.path.abspath(job_dir or os.path.join(os.getcwd(), "nemo_run_jobs"))
+    from nemo_run.config import RUNDIR_NAME
+    from nemo_run.core.execution.slurm import SlurmJobDetails
+
+    job_dir = os.path.abspath(job_dir or os.path.join(os.getcwd(), "slurm_jobs"))
+    if f"/{RUNDIR_NAME}" in job_dir:
+        # NeMo-Run (0.11) rewrites every "/nemo_run" in a container-less script to the job directory
+        raise RecipeError(f"SLURM job directory {job_dir}: NeMo-Run rewrites the text '/{RUNDIR_NAME}' in "
+                          "the script; write the script under a path without it")
+    sl = recipe["launch"].get("slurm") or {}
+    name = str(sl.get("job_name") or recipe["name"])
     executor = slurm_executor(recipe, nnodes, nproc, job_dir)
+    executor.job_details = SlurmJobDetails(job_name=name)
     # NeMo-Run's LocalTunnel runs its shell commands through invoke, which mirrors stdin: a dry run
     # reads nothing, so give it an empty one (a closed or captured stdin would make it fail).
     stdin = sys.stdin
@@ -102,12 +120,15 @@ def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] =
         sys.stdin = devnull
         try:
             with run.Experiment(recipe["name"], executor=executor, log_level="ERROR") as exp:
-                sl = recipe["launch"].get("slurm") or {}
-                exp.add(recipe_script(recipe, python="python"), name=sl.get("job_name") or recipe["name"])
+                exp.add(recipe_script(recipe, python="python"), name=name)
                 exp.dryrun(log=False)
-                return exp.jobs[0]._dryrun_info.request.materialize()
+                script = exp.jobs[0]._dryrun_info.request.materialize()
+                task_executor = exp.jobs[0].executor
         finally:
             sys.stdin = stdin
+    # the directory NeMo-Run's script names for this task: <job_dir>/<experiment>/<experiment id>/<task>
+    task_dir = os.path.join(task_executor.tunnel.job_dir, os.path.basename(task_executor.job_dir))
+    return SlurmJob(script, str(task_executor.job_details.folder), os.path.join(task_dir, "code"))
 
 
 def run_local(recipe: Dict, nproc: int) -> int:

@@ -17,8 +17,9 @@ plugin needs:
   - `install_initialize_hook()`: wraps `megatron.core.parallel_state.initialize_model_parallel` so
     Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
   - `install_validation_hook()`: after Megatron-LM's `validate_args`, refuse the flags the plugin
-    cannot honour (`validate_megatron_args`, the flag named); after its tokenizer is built, pick
-    or check the mask id (`resolve_mask_token_id`).
+    cannot honour (`validate_megatron_args`, the flag named) and give an unset `--eval-interval`
+    its documented meaning (`default_eval_interval`: Megatron-LM 0.16.1 would fail on it); after
+    its tokenizer is built, pick or check the mask id (`resolve_mask_token_id`).
 - `model_provider(...)`: Megatron's GPTModel from Megatron-LM's args, any layer spec with the
   core attention swapped, wrapped as a block diffusion model.
 - `forward_step(data_iterator, model)`: Megatron-LM's batch (NOT sliced by CP rank: every rank of
@@ -73,8 +74,28 @@ _REFUSED_MEGATRON_FLAGS = (
 )
 
 
+def default_eval_interval(args) -> None:
+    """`--eval-interval` unset means "no evaluation during training" (Megatron-LM's ValidationConfig),
+    but Megatron-LM 0.16.1 itself then fails after its argument dump: its
+    `get_train_valid_test_num_samples` computes `train_iters // eval_interval` (TypeError on None).
+    Give it that meaning: `--train-iters + 1` (no iteration 1..train_iters is a multiple of it, and
+    the validation dataset holds the `--eval-iters` batches of the evaluation after training).
+    With `--train-samples` (no `--train-iters`) the flag is demanded."""
+    if getattr(args, "eval_interval", 0) is not None or getattr(args, "skip_train", False):
+        return
+    if not args.train_iters:
+        raise ValueError("--eval-interval is unset: Megatron-LM 0.16.1 divides --train-iters by it when sizing the "
+                         "validation set (and fails after its argument dump); pass --eval-interval N "
+                         "(with --eval-iters 0 for no evaluation)")
+    args.eval_interval = args.train_iters + 1
+    if getattr(args, "rank", 0) == 0:
+        print(f"> block diffusion: --eval-interval unset: set to {args.eval_interval} (--train-iters + 1: no "
+              "evaluation during training; Megatron-LM 0.16.1 fails on an unset --eval-interval)", flush=True)
+
+
 def validate_megatron_args(args) -> None:
     """Refuse, at Megatron-LM's argument validation, what the plugin cannot honour (the flag named)."""
+    default_eval_interval(args)
     for attr, flag, allowed, why in _REFUSED_MEGATRON_FLAGS:
         value = getattr(args, attr, allowed[0])
         if value not in allowed:

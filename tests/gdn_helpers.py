@@ -2,7 +2,26 @@
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.attention.gated_delta import l2norm, recurrent_rule
+
+
+def l2norm_oracle(x, eps=1e-6):
+    """flash-linear-attention's l2norm (fla.modules.l2norm: x / sqrt(sum x^2 + eps), eps = 1e-6; the
+    norm megatron-core's GatedDeltaNet imports from FLA), written here, not the plugin's."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_oracle(q, k, v, g, beta, state):
+    """The gated delta rule by its definition, token by token (Yang et al., Gated Delta Networks,
+    eq. 10): S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T, o_t = S_t^T q_t.
+    q, k [N, H, T, d_k], v [N, H, T, d_v], g (log decay) and beta [N, H, T], S [N, H, d_k, d_v].
+    Written here (einsum), independently of the plugin's recurrent and chunked rules."""
+    outs = []
+    for t in range(q.shape[-2]):
+        decayed = torch.exp(g[..., t])[..., None, None] * state
+        err = v[..., t, :] - torch.einsum("nhkv,nhk->nhv", decayed, k[..., t, :])
+        state = decayed + beta[..., t, None, None] * torch.einsum("nhk,nhv->nhkv", k[..., t, :], err)
+        outs.append(torch.einsum("nhkv,nhk->nhv", state, q[..., t, :]))
+    return torch.stack(outs, dim=-2), state
 
 
 def gdn_config(num_layers=1, hidden=32, dtype=torch.float32, **overrides):
@@ -46,8 +65,8 @@ def reference_gdn(layer, x):
                     groups=mixed.shape[-1])[..., :T]
     conv = F.silu(conv).permute(0, 2, 1)  # [b, T, conv]
     q, k, v = torch.split(conv, [layer.qk_dim, layer.qk_dim, layer.v_dim], dim=-1)
-    q = l2norm(q.reshape(b, T, -1, layer.key_head_dim))
-    k = l2norm(k.reshape(b, T, -1, layer.key_head_dim))
+    q = l2norm_oracle(q.reshape(b, T, -1, layer.key_head_dim))
+    k = l2norm_oracle(k.reshape(b, T, -1, layer.key_head_dim))
     v = v.reshape(b, T, -1, layer.value_head_dim)
     rep = layer.num_value_heads // layer.num_key_heads
     q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
@@ -55,7 +74,7 @@ def reference_gdn(layer, x):
     g = -layer.A_log.exp() * F.softplus(alpha.transpose(0, 1) + layer.dt_bias)
     bt = beta.transpose(0, 1).sigmoid()
     H, dk, dv = layer.num_value_heads, layer.key_head_dim, layer.value_head_dim
-    o, _ = recurrent_rule(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
+    o, _ = delta_rule_oracle(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
                           bt.transpose(1, 2), torch.zeros(b, H, dk, dv, dtype=x.dtype))
     o = o.transpose(1, 2)  # [b, T, H, dv]
     var = o.pow(2).mean(-1, keepdim=True)

@@ -48,3 +48,19 @@ def check_close(loss, ref_loss, worst, rel_norm, tol, what=""):
     assert loss_err <= tol["loss"], (what, "loss", loss, ref_loss, loss_err)
     assert rel_norm <= tol["rel_norm"], (what, "rel_norm", rel_norm)
     assert worst <= tol["worst"], (what, "worst", worst)
+
+
+def gather_tensor_parallel(t, param, group):
+    """The full (TP = 1) tensor of a TP-sharded parameter's value or gradient `t`: the shards of
+    every TP rank concatenated along `param.partition_dim`, interleaved per `partition_stride` (a
+    SwiGLU fc1 holds [gate_r; up_r] on rank r: stride 2 gives [gate_0; gate_1; up_0; up_1])."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    if stride > 1:
+        chunks = [c for part in parts for c in torch.chunk(part, stride, dim=dim)]
+        parts = [chunks[r * stride + s] for s in range(stride) for r in range(tp)]
+    return torch.cat(parts, dim=dim)

@@ -105,12 +105,17 @@ def attention_bytes_formula(case, shard_rank) -> int:
     if case["cp"] == 1:
         return 0  # single or BP: nothing moves
     if case["bp"] > 1 and case["window"] is not None:
-        # Sliding window under CSBP: exactly the rows of the static plan: forward receives the
-        # rows it needs, backward receives the gradients of the rows it sent.
-        from tests.test_window_exchange import window_plans
+        # Sliding window under CSBP: forward receives K and V of the clean rows its rows may attend
+        # to and does not hold, backward the gradients of the rows it sent: counted from the mask
+        # predicate and row ownership (tests/test_window_exchange.window_rows_oracle), not the plan.
+        from megatron_csbp.layout.layout import SequenceLayout
+        from megatron_csbp.layout.masks import BlockGeometry
+        from tests.test_window_exchange import window_rows_oracle
 
-        plan = window_plans(case)[shard_rank]
-        return (sum(plan.recv_counts) + sum(plan.send_counts)) * b * 2 * G * d * s
+        layout = SequenceLayout(BlockGeometry(L, case["B"], case["clean_attention"], None), case["cp"], case["bp"],
+                                case["schedule"])
+        recv, send = window_rows_oracle(layout, layout.geometry.with_window(case["window"]), shard_rank)
+        return (recv + send) * b * 2 * G * d * s
     P = case["cp"]  # ring size
     rows_moved = 2 * L if case["bp"] == 1 else L  # CP moves all 2L rows, CSBP the L clean rows
     # forward K and V of the other members' rows, backward their gradients

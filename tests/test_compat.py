@@ -97,16 +97,8 @@ def _tp_model_rank(rank, world_size, tp, sp, tmpdir):
     for name, p in model.named_parameters():
         t = p.detach()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            torch.distributed.all_gather(parts, t.contiguous(), group=mpu.get_tensor_model_parallel_group())
-            stride = getattr(p, "partition_stride", 1)
-            dim = p.partition_dim
-            if stride > 1:
-                chunks = [c for part in parts for c in torch.chunk(part, stride, dim=dim)]
-                order = [chunks[r * stride + s] for s in range(stride) for r in range(tp)]
-                t = torch.cat(order, dim=dim)
-            else:
-                t = torch.cat(parts, dim=dim)
+            from tests.gradients import gather_tensor_parallel
+            t = gather_tensor_parallel(t, p, mpu.get_tensor_model_parallel_group())
         full[name] = t.clone()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
@@ -181,6 +173,14 @@ def test_tp2_init_ddp_distopt_clip_checkpoint(tmp_path):
     for name in ref["full"]:
         assert torch.equal(ref["full"][name], tp2[0]["full"][name]), name
     # Training steps through DDP + distributed optimizer + grad clipping agree with TP = 1.
+    # Error model (fp32, u = 2^-24 ~ 6e-8): TP = 2 only reorders sums: the row-parallel linears
+    # (attention output over h = 32, fc2 over ffn = 64) become two half sums plus an all-reduce, and
+    # the vocab-parallel cross entropy takes max / sum-exp over two halves. A reordered n-term sum
+    # moves by <= n u sum|terms| (Higham), <= 64 u ~ 4e-6 of its magnitude, and the gradient norm
+    # (a sum of squares of such values) likewise. Adam turns a relative gradient error e into an
+    # update error lr * e (lr = 1e-2) where |g| >> eps, more where m / sqrt(v) nearly cancels.
+    # Bounds: loss 1e-5 relative, grad norm 1e-4, norm weights (~1) 1e-5 relative + 1e-6; measured
+    # (this machine, avx2): losses identical, grad norm 4e-8 relative, norm weights 8.3e-7 absolute.
     for r in tp2:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
@@ -188,7 +188,9 @@ def test_tp2_init_ddp_distopt_clip_checkpoint(tmp_path):
     for n, p in ref["norm_params"].items():
         assert torch.allclose(tp2[0]["norm_params"][n], p, rtol=1e-5, atol=1e-6), n
     # Sequence-parallel torch norms (Megatron's plain GPT): tagged, and their gradients summed over
-    # the sequence shards, so both TP ranks hold the TP = 1 gradient.
+    # the sequence shards, so both TP ranks hold the TP = 1 gradient. A norm weight's gradient is a
+    # sum over the 16 positions, split 8 + 8 by SP: <= 16 u ~ 1e-6 of its magnitude moves; bound
+    # 1e-4 relative + 1e-6 (the loss itself is a 16-token sum: 1e-5); measured 2.8e-7 of the largest.
     assert ref["sp"]["tags"] and all(r["sp"]["tags"] for r in tp2)
     for r in tp2:
         assert r["sp"]["loss"] == pytest.approx(ref["sp"]["loss"], rel=1e-5)
@@ -208,26 +210,92 @@ def _moe_rank(rank, world_size, ep):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     mpu.initialize_model_parallel(expert_model_parallel_size=ep)
-    tensor_parallel.model_parallel_cuda_manual_seed(3)
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
-                            moe_router_topk=2, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep,
-                            use_cpu_initialization=True, add_bias_linear=False, moe_ffn_hidden_size=32,
-                            ffn_hidden_size=32, gated_linear_unit=True, activation_func=F.silu,
-                            moe_router_load_balancing_type="none")
-    spec = get_gpt_layer_local_spec(num_experts=4).submodules.mlp.submodules
-    torch.manual_seed(0)
-    layer = MoELayer(cfg, spec)
-    x = torch.randn(6, 1, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
-    out, _ = layer(x)
-    out.sum().backward()
-    return dict(out=out.detach(), grad=x.grad.clone(), finite=bool(torch.isfinite(out).all()))
+    results = {}
+    for dispatcher in ("alltoall", "allgather"):  # one process start for both (the costly part)
+        tensor_parallel.model_parallel_cuda_manual_seed(3)
+        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                                moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+                                expert_model_parallel_size=ep, use_cpu_initialization=True, add_bias_linear=False,
+                                moe_ffn_hidden_size=32, ffn_hidden_size=32, gated_linear_unit=True,
+                                activation_func=F.silu, moe_router_load_balancing_type="none")
+        spec = get_gpt_layer_local_spec(num_experts=4).submodules.mlp.submodules
+        torch.manual_seed(0)
+        layer = MoELayer(cfg, spec)
+        # every rank's weights, keyed by the global expert index, for the float64 brute force
+        local = layer.experts.local_experts
+        first = rank * len(local)  # EP rank r holds experts [r * 4 / EP, (r + 1) * 4 / EP)
+        experts = {first + i: (e.linear_fc1.weight.detach().clone(), e.linear_fc2.weight.detach().clone())
+                   for i, e in enumerate(local)}
+        x = torch.randn(6, 1, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        out, _ = layer(x)
+        out.sum().backward()
+        results[dispatcher] = dict(out=out.detach(), grad=x.grad.clone(), x=x.detach(),
+                                   router=layer.router.weight.detach().clone(), experts=experts)
+    return results
 
 
-def test_moe_alltoall_dispatcher_ep2():
-    """Router on the CPU device, te_general_gemm defined, all-to-all with list split sizes on gloo."""
-    res = run_distributed(_moe_rank, 2, 2)
-    assert all(r["finite"] for r in res)
-    assert all(r["grad"].abs().sum() > 0 for r in res)
+def _moe_brute_force(x, router, experts, topk, xmag=None):
+    """Megatron's MoE layer written out in float64 (an oracle independent of its dispatchers):
+    top-k of the router logits, softmax over the chosen k (moe_router_pre_softmax off), each token
+    through its experts' SwiGLU MLP (fc1 = [gate; up]), summed with those probabilities.
+
+    Also returns the magnitudes that scale the rounding bounds: `mag`, the same formula on absolute
+    values with the same routing, p |W2| ((|W1g| xmag) * (|W1u| xmag)) with xmag = |x| (the sum of
+    |terms|, since |silu(g)| <= |g|); its gradient w.r.t. xmag bounds the |terms| of the expert path
+    of the input gradient; `rmag` bounds those of the router path: d out / d logit_j = p_j (v_j - sum
+    p v) with v the expert outputs, so |.| <= 2 max_j |v_j| per chosen expert, times |W_router[j]|."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    xmag = x.detach().abs() if xmag is None else xmag.reshape(x.shape)
+    logits = x @ router.double().t()
+    top, idx = logits.topk(topk, dim=-1)
+    p = torch.softmax(top, dim=-1)
+    out, mag, rmag = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        vmag = []
+        for j in range(topk):
+            w1, w2 = (w.double() for w in experts[int(idx[t, j])])
+            gate, up = (w1 @ x[t]).chunk(2)
+            out[t] += p[t, j] * (w2 @ (torch.nn.functional.silu(gate) * up))
+            g_abs, u_abs = (w1.abs() @ xmag[t]).chunk(2)
+            v = w2.abs() @ (g_abs * u_abs)
+            mag[t] += p[t, j].detach() * v
+            vmag.append(float(v.detach().sum()))
+        for j in range(topk):
+            rmag[t] += 2 * max(vmag) * router[int(idx[t, j])].double().abs()
+    return out, mag, rmag
+
+
+def test_moe_dispatchers_ep2_equal_float64_brute_force():
+    """Megatron's MoE layer at EP = 2 on gloo (router on the CPU device, te_general_gemm defined,
+    all-to-all with list split sizes, and the allgather dispatcher) gives each rank's tokens the
+    output and input gradient of a float64 brute force over all four experts (gathered from both
+    ranks): wrong routing, a lost token or a wrong expert would move them by O(|out|).
+
+    Error model (fp32, u = 2^-24 ~ 6e-8): an output is a p-weighted sum of a length-32 dot (fc2) of
+    products of two length-16 dots (fc1), after a length-16 router dot and a 2-way softmax; with
+    Higham's n u sum|terms| per dot, the chain is within (16 + 16 + 32 + 16 + 2) u ~ 5e-6 of `mag`
+    (the sum of |terms|). Backward runs the same dots transposed (same lengths), bounded by its own
+    term magnitudes (gmag, rmag). The bounds used, 1e-4 of those magnitudes, are 20x the model."""
+    both = run_distributed(_moe_rank, 2, 2)
+    for dispatcher in ("alltoall", "allgather"):
+        _check_moe_ranks([r[dispatcher] for r in both])
+
+
+def _check_moe_ranks(res):
+    experts = {**res[0]["experts"], **res[1]["experts"]}
+    assert sorted(experts) == [0, 1, 2, 3]
+    assert torch.equal(res[0]["router"], res[1]["router"])
+    for r in res:
+        x = r["x"].double().requires_grad_(True)
+        ref, mag, rmag = _moe_brute_force(x, r["router"], experts, topk=2)
+        ref.sum().backward()
+        assert ((r["out"].reshape(ref.shape).double() - ref).abs() <= 1e-4 * mag).all()
+        assert (mag > 0).all() and ref.abs().max() > 1e-3 * mag.max()  # not vacuous
+        gmag = torch.autograd.functional.vjp(
+            lambda m: _moe_brute_force(r["x"], r["router"], experts, 2, xmag=m)[1],
+            x.detach().abs().reshape(ref.shape), torch.ones_like(ref))[1]
+        err = (r["grad"].reshape(ref.shape).double() - x.grad.reshape(ref.shape)).abs()
+        assert (err <= 1e-4 * (gmag + rmag)).all(), err.max()
 
 
 def _recompute_rank(rank, world_size):

@@ -46,26 +46,32 @@ def _rank(rank, world, cases):
     return out
 
 
-@pytest.mark.parametrize("family,tp,ep", [("llama", 2, 1), pytest.param("qwen3_moe", 1, 2, marks=pytest.mark.slow)])
-def test_model_parallel_load_and_sharded_save(tmp_path, family, tp, ep):
-    hf, meg, resaved, back = (str(tmp_path / n) for n in ("hf", "meg", "resaved", "back"))
-    model = save_tiny_model(family, hf, seed=9)
-    api.hf_to_megatron_checkpoint(hf, meg)
-    tokens = np.random.RandomState(1).randint(0, 128, size=(2, SEQ)).astype(np.int64)
-    case = dict(tp=tp, ep=ep, load=meg, save=resaved, tokens=tokens)
-    results = run_distributed(_rank, 2, [case])
-    with torch.no_grad():
-        ref = model(torch.from_numpy(tokens)).logits.numpy()
-    for rank, (logits,) in enumerate(results):
-        diff = float(np.abs(logits - ref).max())
-        print(f"\n[{family} TP={tp} EP={ep} rank {rank}] max |megatron - transformers| = {diff:.3e}")
-        # fp32 vs transformers fp32: the error model of tests/test_convert_equivalence.py (TOLERANCE,
-        # 1e-4); measured <= 1.6e-6 under avx512 / avx2 / default (docs/exactness.md).
-        assert logits.shape == ref.shape and diff <= 1e-4
-    # the checkpoint written by 2 model-parallel ranks has several shard files
-    assert len([f for f in os.listdir(os.path.join(resaved, "release")) if f.endswith(".distcp")]) >= 2
-    api.megatron_to_hf_checkpoint(resaved, back)
-    src, out = hf_io.read_tensors(hf), hf_io.read_tensors(back)
-    assert sorted(src) == sorted(out)
-    for k in src:
-        assert torch.equal(src[k], out[k]), k
+def test_model_parallel_load_and_sharded_save(tmp_path):
+    """Llama at TP = 2 and Qwen3-MoE at EP = 2 (the experts resharded over the EP ranks), in one
+    2-rank world (one process start for both: the EP case costs a model build, not a launch)."""
+    cases, models = [], {}
+    for family, tp, ep in (("llama", 2, 1), ("qwen3_moe", 1, 2)):
+        hf, meg, resaved, back = (str(tmp_path / family / n) for n in ("hf", "meg", "resaved", "back"))
+        models[family] = (save_tiny_model(family, hf, seed=9), hf, resaved, back)
+        api.hf_to_megatron_checkpoint(hf, meg)
+        tokens = np.random.RandomState(1).randint(0, 128, size=(2, SEQ)).astype(np.int64)
+        cases.append(dict(family=family, tp=tp, ep=ep, load=meg, save=resaved, tokens=tokens))
+    results = run_distributed(_rank, 2, cases)
+    for i, c in enumerate(cases):
+        model, hf, resaved, back = models[c["family"]]
+        with torch.no_grad():
+            ref = model(torch.from_numpy(c["tokens"])).logits.numpy()
+        for rank, per_rank in enumerate(results):
+            logits = per_rank[i]
+            diff = float(np.abs(logits - ref).max())
+            print(f"\n[{c['family']} TP={c['tp']} EP={c['ep']} rank {rank}] max |megatron - transformers| = {diff:.3e}")
+            # fp32 vs transformers fp32: the error model of tests/test_convert_equivalence.py (TOLERANCE,
+            # 1e-4); measured <= 1.6e-6 under avx512 / avx2 / default (docs/exactness.md).
+            assert logits.shape == ref.shape and diff <= 1e-4
+        # the checkpoint written by 2 model-parallel ranks has several shard files
+        assert len([f for f in os.listdir(os.path.join(resaved, "release")) if f.endswith(".distcp")]) >= 2
+        api.megatron_to_hf_checkpoint(resaved, back)
+        src, out = hf_io.read_tensors(hf), hf_io.read_tensors(back)
+        assert sorted(src) == sorted(out)
+        for k in src:
+            assert torch.equal(src[k], out[k]), (c["family"], k)

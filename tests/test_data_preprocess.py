@@ -60,6 +60,39 @@ def _blend_and_split(rank, world_size, tmp_path):
     # Packing: documents are concatenated with EOD between them.
     eods = sum(int((train[i]["tokens"] == tok.eod).sum()) for i in range(50))
     assert eods > 0
+    # The blend and the split, measured on the tokens (not on Megatron's index arrays): "90,8,2" of
+    # 40 documents per dataset gives Megatron's split bounds round(40 x [0, .9, .98, 1]) = documents
+    # [0, 36) train, [36, 39) valid, [39, 40) test. Every 8 consecutive tokens of a sample (within one
+    # document, i.e. between EODs) must come from one dataset's documents of that split; the blend's
+    # greedy error-minimising order (Megatron's build_blending_indices) then gives dataset a
+    # round(0.3 N) +- 1 of the first N samples.
+    bounds = {"train": (0, 36), "valid": (36, 39), "test": (39, 40)}
+    grams = {}
+    for name, part in (("a", docs[:40]), ("b", docs[40:80])):
+        for split_name, (lo, hi) in bounds.items():
+            ids = [t for text in part[lo:hi] for t in tok.tokenize(text) + [tok.eod]]
+            grams[name, split_name] = {tuple(ids[i:i + 8]) for i in range(len(ids) - 7)}
+
+    def source(sample, split_name):
+        ids = sample["tokens"].tolist()
+        pieces, cur = [], []
+        for t in ids:
+            cur.append(t)
+            if t == tok.eod:
+                pieces.append(cur)
+                cur = []
+        pieces.append(cur)
+        own = {tuple(p[i:i + 8]) for p in pieces for i in range(len(p) - 7)}
+        assert own, "a 64-token sample has a run of >= 8 tokens in one document"
+        found = [name for name in ("a", "b") if own <= grams[name, split_name]]
+        assert found, f"a {split_name} sample is not made of its split's documents"
+        return found
+
+    for split_name, ds, n in (("train", train, 50), ("valid", valid, 10), ("test", test, 1)):
+        srcs = [source(ds[i], split_name) for i in range(n)]
+        assert all(len(f) == 1 for f in srcs), "each sample is one dataset's (8-grams told them apart)"
+        from_a = sum(f == ["a"] for f in srcs)
+        assert abs(from_a - 0.3 * n) <= 1, (split_name, from_a, n)
     # Deterministic from the seed.
     train2, _, _ = build_gpt_datasets(blend, "90,8,2", 64, 5, tok, [50, 10, 1], str(tmp_path / "cache"))
     assert all(torch.equal(train[i]["tokens"], train2[i]["tokens"]) for i in range(10))

@@ -233,10 +233,13 @@ def _layouts_rank(rank, world, meg_dir, cases):
         dist.all_reduce(loss, group=group)
         grads = {}
         for n, p in gpt.named_parameters():
-            if c["tp"] > 1 and getattr(p, "tensor_model_parallel", False):
-                continue  # sharded over TP: compared through the loss
             g = p.grad.clone()
             dist.all_reduce(g, group=group)
+            if c["tp"] > 1 and getattr(p, "tensor_model_parallel", False):
+                # sharded over TP: the full gradient, gathered (vocab rows past the one-rank
+                # model's padded vocabulary, if TP pads further, are cut off and must be zero)
+                from tests.gradients import gather_tensor_parallel
+                g = gather_tensor_parallel(g, p, mpu.get_tensor_model_parallel_group())
             if c["tp"] > 1 and ("q_layernorm" in n or "k_layernorm" in n):
                 # QK-norm sees this rank's heads only: Megatron's finalize_model_grads sums over TP
                 dist.all_reduce(g, group=mpu.get_tensor_model_parallel_group())
@@ -254,6 +257,12 @@ def _check_layouts(meg_dir, world, cases):
         for rank, per_rank in enumerate(results):
             r = per_rank[i]
             assert r["grads"], c
+            assert r["grads"].keys() == ref_grads.keys(), c  # every parameter, TP-sharded ones included
+            for n, g in list(r["grads"].items()):
+                if g.shape != ref_grads[n].shape:  # vocabulary padded further under TP
+                    rows = ref_grads[n].shape[0]
+                    assert g.shape[1:] == ref_grads[n].shape[1:] and not g[rows:].any(), (c, n)
+                    r["grads"][n] = g[:rows]
             worst = max(float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12))
                         for n, g in r["grads"].items())
             loss_err = abs(r["loss"] - float(ref.loss)) / abs(float(ref.loss))

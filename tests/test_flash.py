@@ -67,6 +67,49 @@ def test_what_flash_takes():
     assert block_causal.fallback_q.numel() > L  # nested per-block prefixes: flash would copy K per block
 
 
+def varlen_keep(nq, nk, causal=False, window_size=(-1, -1)):
+    """[nq, nk] keep-mask of one varlen sequence: causal aligned bottom-right, window (left, right)
+    keeps keys in [i + nk - nq - left, i + nk - nq + right] (negative: unbounded)."""
+    qi, ki = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    ok = torch.ones(nq, nk, dtype=torch.bool)
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= 0:
+        ok &= ki >= qi + nk - nq - left
+    if right >= 0:
+        ok &= ki <= qi + nk - nq + right
+    return ok
+
+
+def test_varlen_reference_follows_flash_attn_documented_masks():
+    """The emulation's masks against flash-attn's own documentation (the docstring of
+    flash_attn_varlen_func / README, flash-attn >= 2.1), quoted verbatim, so a misread convention
+    fails here; the real kernel is checked against dense fp64 attention by tests/gpu/check_kernels.py
+    (the GPU tier, where a flash-attn that fails to import or run is a failure)."""
+    # "If seqlen_q = 2 and seqlen_k = 5, the causal mask (1 = keep, 0 = masked out) is:
+    #      1 1 1 1 0
+    #      1 1 1 1 1
+    #  If seqlen_q = 5 and seqlen_k = 2, the causal mask is:
+    #      0 0
+    #      0 0
+    #      0 0
+    #      1 0
+    #      1 1
+    #  If the row of the mask is all zero, the output will be zero."
+    assert varlen_keep(2, 5, causal=True).int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert varlen_keep(5, 2, causal=True).int().tolist() == [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]]
+    # "If window_size != (-1, -1), implements sliding window local attention. Query at position i
+    #  will only attend to keys between [i + seqlen_k - seqlen_q - window_size[0],
+    #  i + seqlen_k - seqlen_q + window_size[1]] inclusive."
+    for nq, nk, w in ((4, 6, (1, 0)), (6, 6, (2, 1)), (3, 7, (0, 2))):
+        want = [[int(i + nk - nq - w[0] <= j <= i + nk - nq + w[1]) for j in range(nk)] for i in range(nq)]
+        assert varlen_keep(nq, nk, window_size=w).int().tolist() == want, (nq, nk, w)
+    # causal with a window: window_size[1] is 0 (flash-attn sets it when causal)
+    assert varlen_keep(4, 4, causal=True, window_size=(1, -1)).int().tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+
+
 def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), return_attn_probs=False):
     """flash_attn_varlen_func's documented semantics in fp64, differentiable in its output like
@@ -83,15 +126,7 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         vs = v[int(cu_seqlens_k[i]):int(cu_seqlens_k[i + 1])].double().repeat_interleave(H // G, 1)
         assert qs.shape[0] <= max_seqlen_q and ks.shape[0] <= max_seqlen_k
         nq, nk = qs.shape[0], ks.shape[0]
-        qi, ki = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
-        ok = torch.ones(nq, nk, dtype=torch.bool)
-        left, right = window_size
-        if causal:
-            right = 0
-        if left >= 0:
-            ok &= ki >= qi + nk - nq - left
-        if right >= 0:
-            ok &= ki <= qi + nk - nq + right
+        ok = varlen_keep(nq, nk, causal, window_size)
         s = torch.einsum("qhd,khd->hqk", qs, ks) * softmax_scale
         s = s.masked_fill(~ok, float("-inf"))
         lse = torch.logsumexp(s, -1)

@@ -8,7 +8,7 @@ from megatron_csbp.attention.plan_handles import plan_mask
 from megatron_csbp.attention.gated_delta import chunk_rule, recurrent_rule
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
-from tests.gdn_helpers import gdn_config, per_block_oracle, randomize_gdn, reference_gdn
+from tests.gdn_helpers import delta_rule_oracle, gdn_config, per_block_oracle, randomize_gdn, reference_gdn
 
 
 @pytest.mark.parametrize("T", [1, 5, 16])
@@ -23,7 +23,9 @@ def test_chunk_rule_equals_token_recurrence_float64(T):
     s0 = torch.randn(N, H, dk, dv, generator=g, dtype=torch.float64)
     o1, s1 = chunk_rule(q, k, v, logdecay, beta, s0)
     o2, s2 = recurrent_rule(q, k, v, logdecay, beta, s0)
-    assert (o1 - o2).abs().max() < 1e-12 and (s1 - s2).abs().max() < 1e-12
+    o3, s3 = delta_rule_oracle(q, k, v, logdecay, beta, s0)  # the rule's definition, written in the test
+    for o, s in ((o1, s1), (o2, s2)):
+        assert (o - o3).abs().max() < 1e-12 and (s - s3).abs().max() < 1e-12
 
 
 def _layer(dtype, seed=0, **overrides):
@@ -58,15 +60,17 @@ def test_layer_equals_per_block_brute_force_float64(megatron_single_rank, canvas
 
 
 def test_clean_rows_match_megatron_gated_delta_net_forward(megatron_single_rank, monkeypatch):
-    """megatron-core's own GatedDeltaNet.forward (deterministic mode: its torch chunked rule, fp32;
-    FLA's l2norm replaced by the same formula) on the clean sequence gives the clean rows."""
+    """megatron-core's own GatedDeltaNet.forward (deterministic mode: its torch chunked rule, fp32)
+    on the clean sequence gives the clean rows. FLA (CUDA-only) is not installed, so the l2norm that
+    megatron-core imports from it is transformers' FLA-aligned torch copy (Qwen3-Next's `l2norm`),
+    not the plugin's."""
     from megatron.core.ssm import gated_delta_net as mc
 
-    from megatron_csbp.attention.gated_delta import l2norm
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
     L, B = 16, 4
     layer = _layer(torch.float32, deterministic_mode=True)
-    monkeypatch.setattr(mc, "l2norm", l2norm, raising=False)
+    monkeypatch.setattr(mc, "l2norm", qwen3_next.l2norm, raising=False)
     plan = plan_for_layout(SequenceLayout(BlockGeometry(L, B)))
     x = torch.randn(len(plan.local), 1, 32, generator=torch.Generator().manual_seed(3))
     got, _ = layer(x, plan_mask(plan))

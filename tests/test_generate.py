@@ -56,17 +56,45 @@ def _compare(rank, world_size, save):
 def test_kv_cache_matches_recompute(checkpoint):
     r = run_distributed(_compare, 1, checkpoint)[0]
     assert r["step"] == 2
+    # fp32 (u = 2^-24 ~ 6e-8). The cached clean K/V were computed in an earlier forward over other
+    # row counts, so CPU matmul kernels may block the same dot products differently: each logit is
+    # dots of length <= 64 (hidden 32, ffn) through 2 layers and the LM head, each moving by <= K u
+    # sum|terms| ~ 4e-6 of the magnitudes (|logits| < 10 here), i.e. ~1e-5 relative over the 3 stages.
+    # Bounds rtol 1e-4 + atol 1e-5 leave 10x (measured: 1.2e-7); a stale or misplaced cache entry
+    # moves logits by O(1).
+    diff = (r["logits"][True] - r["logits"][False]).abs().max()
+    print(f"KV cache vs recompute: max |logit diff| {float(diff):.2e}")
     assert torch.allclose(r["logits"][True], r["logits"][False], rtol=1e-4, atol=1e-5)
     assert r["out"][True] == r["out"][False]
     assert 0 < len(r["out"][True]) <= 20
 
 
+def _api_text(rank, world_size, save, prompt_text):
+    """The generation of the Python API (BlockDiffusionSampler, whose decoding the tests above pin)
+    with the settings the CLI test passes explicitly."""
+    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.generate import BlockDiffusionSampler, load_for_generation
+
+    model, margs, _ = load_for_generation(save)
+    tok = build_tokenizer("SentencePieceTokenizer", None, None)
+    s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod, margs["block_size"])
+    prompt = tok.tokenize(prompt_text)
+    out = s.generate(prompt, 16, None, 0.0, 0, max_length=margs["seq_length"], order="confidence")
+    return tok.detokenize(prompt + out)
+
+
 def test_cli(checkpoint):
+    """The CLI prints the checkpoint it loaded and the API's generation for the same settings."""
     res = subprocess.run([sys.executable, "-m", "megatron_csbp.generate", "--load", checkpoint, "--prompt",
-                          "The if statement", "--max-new-tokens", "16"], capture_output=True, text=True, timeout=300,
+                          "The if statement", "--max-new-tokens", "16", "--temperature", "0", "--seed", "0",
+                          "--unmask-order", "confidence"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "iteration 2" in res.stdout and "The if statement" in res.stdout
+    lines = res.stdout.rstrip("\n").split("\n")
+    assert lines[0].startswith(f"[checkpoint {checkpoint} iteration 2; ")
+    expected = run_distributed(_api_text, 1, checkpoint, "The if statement")[0]
+    assert expected.startswith("The if statement")
+    assert "\n".join(lines[1:]) == expected
 
 
 def _generate_ids(rank, world_size, save):

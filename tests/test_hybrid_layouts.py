@@ -123,8 +123,9 @@ def case(cp=1, bp=1, tp=1, schedule="mirrored", sp=False, recompute=False):
 
 
 WORLD_CASES = {
-    "2": (2, [case(cp=2), case(bp=2), case(cp=2, bp=2)]),
-    "2-slow": (2, [case(cp=2, bp=2, schedule="contiguous"), case(cp=2, bp=2, recompute=True)]),
+    # default: CP, BP, CSBP, TP with sequence parallelism, CSBP under full recompute (one 2-rank world)
+    "2": (2, [case(cp=2), case(bp=2), case(cp=2, bp=2), case(tp=2, sp=True), case(cp=2, bp=2, recompute=True)]),
+    "2-slow": (2, [case(cp=2, bp=2, schedule="contiguous")]),
     "4-slow": (4, [case(cp=2, bp=4), case(cp=4), case(tp=2, cp=2, bp=2), case(tp=2, cp=2, bp=2, sp=True)]),
 }
 

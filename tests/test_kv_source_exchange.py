@@ -144,18 +144,25 @@ def test_no_source_without_k_eq_v_or_under_selective_recompute(megatron_single_r
 
 # ---- 2 ranks: CSBP with the source equals one rank; bytes are half ------------------------------
 
-def _expected_bytes(plan, config, attention, value_width: int) -> int:
+def _expected_bytes(cp, bp, rank, config, attention, value_width: int) -> int:
     """Bytes one rank records for one layer over forward + backward when each moved row has
-    `value_width` values per KV group (d for raw k, 2d for packed K and V)."""
+    `value_width` values per KV group (d for raw k, 2d for packed K and V), from the layout sizes
+    and the mask predicate (not the exchange plan)."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from tests.test_window_exchange import window_rows_oracle
+
     G = attention.num_query_groups_per_partition
     per_row = BATCH * G * value_width * torch.tensor([], dtype=config.params_dtype).element_size()
     window = attention.core_attention.window
-    if window is not None and plan.exchange == "clean":  # windowed all-to-all: what is sent and received, both ways
-        wp = plan.window_exchange(plan.geometry.with_window(window))
-        return 2 * (sum(wp.send_counts) + sum(wp.recv_counts)) * per_row
-    P, shard = len(plan.peers), len(plan.peers[0])  # CP: every member's rows; CSBP: clean shards
-    # all-gather + reduce-scatter, or P-1 ring shifts each way: (P-1) shards sent and received, twice
-    return 4 * (P - 1) * shard * per_row
+    layout = SequenceLayout(BlockGeometry(L, B, "token_causal"), cp, bp)
+    if window is not None and bp > 1:  # CSBP's windowed all-to-all: what is sent and received, both ways
+        recv, send = window_rows_oracle(layout, layout.geometry.with_window(window), rank)
+        return 2 * (recv + send) * per_row
+    # CP moves every member's 2L / P rows, CSBP the clean shards (L / P rows): all-gather +
+    # reduce-scatter, or P-1 ring shifts each way: (P-1) shards sent and received, twice
+    shard = (2 * L if bp == 1 else L) // cp
+    return 4 * (cp - 1) * shard * per_row
 
 
 def _run(config, cp, bp, transport, send_source=True):
@@ -187,8 +194,8 @@ def _run(config, cp, bp, transport, send_source=True):
         for a in _attentions(gpt):
             d = a.hidden_size_per_attention_head
             expected[a.layer_number] = dict(k_eq_v=a.k_eq_v,
-                                             raw=_expected_bytes(model.plan, config, a, d),
-                                             kv=_expected_bytes(model.plan, config, a, 2 * d))
+                                             raw=_expected_bytes(cp, bp, bps.get_shard_rank(), config, a, d),
+                                             kv=_expected_bytes(cp, bp, bps.get_shard_rank(), config, a, 2 * d))
     return dict(loss=float(loss), grads=grads, per_layer=per_layer, expected=expected)
 
 

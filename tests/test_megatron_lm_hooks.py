@@ -130,6 +130,20 @@ def _validation_rank(rank, world_size):
             initialize.validate_args(args, {})  # Megatron-LM's validate_args, then the plugin's checks
         except ValueError as e:
             refusals[drop or add[0]] = str(e)
+    # --eval-interval unset (ARGV has none): Megatron-LM 0.16.1's own sample arithmetic divides by it
+    from megatron.training.global_vars import set_args
+    from megatron.training.training import get_train_valid_test_num_samples
+
+    args = parsed([])
+    initialize.validate_args(args, {})
+    set_args(args)
+    eval_interval = (args.eval_interval, get_train_valid_test_num_samples())
+    args = parsed([])
+    args.train_iters, args.train_samples = None, 64
+    try:
+        megatron_lm.default_eval_interval(args)
+    except ValueError as e:
+        eval_interval += (str(e),)
     masks = {}
     for name, extra in [("default", []), ("in_vocab", ["--mask-token-id", "5"]),
                         ("allowed", ["--mask-token-id", "5", "--allow-mask-token-in-vocab"]),
@@ -141,12 +155,16 @@ def _validation_rank(rank, world_size):
             masks[name] = megatron_lm.resolve_mask_token_id(args, tokenizer)
         except ValueError as e:
             masks[name] = str(e)
-    return refusals, masks
+    return refusals, masks, eval_interval
 
 
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
-def test_unsupported_flags_and_mask_id_refused_at_validation():
-    refusals, masks = run_distributed(_validation_rank, 1)[0]
+def test_unsupported_flags_eval_interval_and_mask_id_at_validation():
+    refusals, masks, eval_interval = run_distributed(_validation_rank, 1)[0]
+    # unset --eval-interval: --train-iters 1 + 1, so Megatron-LM sizes train 1 x 2 samples and
+    # validation/test --eval-iters (default 100) x 2 (its formula: (train_iters // interval + 1) x 100 x 2)
+    assert eval_interval[:2] == (2, (2, 200, 200))
+    assert "--eval-interval is unset: Megatron-LM 0.16.1 divides --train-iters by it" in eval_interval[2]
     assert "--position-embedding-type learned_absolute is not supported" in refusals["rope"]
     assert "--attention-dropout 0.1 is not supported" in refusals["--attention-dropout"]
     assert "--hidden-dropout 0.1 is not supported" in refusals["--hidden-dropout"]

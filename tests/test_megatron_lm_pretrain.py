@@ -3,7 +3,8 @@
 
 Runs when MEGATRON_LM_PATH names a Megatron-LM checkout (.ci/run sets it to the cache directory of
 docs/megatron-lm.md when that holds one). The default test launches three runs:
-  A. 1 rank, 3 iterations, no evaluation, a torch_dist checkpoint at iteration 2;
+  A. 1 rank, 3 iterations, no evaluation (--eval-interval unset: the plugin's default), a torch_dist
+     checkpoint at iteration 2;
   B. CSBP (CP 2 + BP 2: Megatron sees --context-parallel-size 2, i.e. 2 ranks), 3 iterations, an
      evaluation after iteration 2;
   C. 1 rank, --load A's iteration-2 checkpoint, iteration 3.
@@ -35,6 +36,8 @@ ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
         "--no-bias-dropout-fusion --no-rope-fusion").split()
 CSBP = ["--context-parallel-size", "2", "--block-parallel-size", "2"]
 NO_EVAL = ["--eval-iters", "0", "--eval-interval", "1000"]
+# Run A leaves --eval-interval unset (Megatron-LM 0.16.1 alone fails on that; the plugin sets it)
+NO_EVAL_UNSET_INTERVAL = ["--eval-iters", "0"]
 EVAL_AT_2 = ["--eval-iters", "1", "--eval-interval", "2"]
 LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
@@ -79,8 +82,10 @@ def _same_losses(a, b):
 
 def test_pretrain_one_rank_vs_csbp_with_eval_and_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
-    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL + ["--save", str(ckpt), "--save-interval", "2"], 29631)
+    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL_UNSET_INTERVAL + ["--save", str(ckpt), "--save-interval", "2"],
+                 29631)
     assert "> block diffusion: --objective bd3lm, mask token id 65" in a["out"]  # NullTokenizer: 64 + EOD
+    assert "> block diffusion: --eval-interval unset: set to 4 (--train-iters + 1" in a["out"]
     assert (ckpt / "iter_0000002").is_dir()
     b = pretrain(tmp_path, "csbp_eval", 2, CSBP + EVAL_AT_2, 29632)
     assert re.search(r"validation loss at iteration 2 \| lm loss value: \S+", b["out"])

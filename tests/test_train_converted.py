@@ -84,6 +84,19 @@ def test_fast_dllm_v2_trains_from_the_converted_checkpoint_and_exports(converted
     source = hf_io.read_tensors(str(root / "hf"))
     assert sorted(trained) == sorted(source)
     assert any(not torch.equal(trained[k], source[k]) for k in source)  # the weights moved
+    # The export holds the trained weights: transformers' own model read from it gives the AR loss
+    # that the trainer's model gives on the trained checkpoint (iteration 2), on the same tokens; the
+    # untrained source model does not (the bound, as in test_ar_eval_loss_equals_transformers: fp32
+    # on both sides, ~u32 x sqrt(K) x depth, 1e-5 relative).
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    ref = hf_eval_loss(exported, exported.config.vocab_size)
+    ev = run_distributed(train_rank, 1, COMMON + ["--load", save, "--objective", "ar", "--skip-train",
+                                                  "--eval-iters", "1"])[0]["history"][0]["eval_loss"]
+    print(f"trained checkpoint: trainer AR eval loss {ev!r}, transformers on the export {ref!r}")
+    assert abs(ev - ref) <= 1e-5 * abs(ref), (ev, ref)
+    assert abs(hf_eval_loss(hf_model, hf_model.config.vocab_size) - ref) > 1e-4 * abs(ref)  # training moved it
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -21,6 +21,30 @@ def window_plans(case):
     return plans
 
 
+def window_rows_oracle(layout, windowed, rank):
+    """(rows received, rows sent) by `rank` in the windowed clean exchange of one forward, from the
+    mask predicate and row ownership alone (no exchange plan): it receives every clean row that one
+    of its rows may attend to and that it does not hold; it sends each member of its ring the rows
+    of its own clean shard that the member needs and does not hold. The byte tests of the windowed
+    exchange (tests/test_block_attention_distributed.py, tests/test_kv_source_exchange.py) count
+    against this; `test_plan_covers_exactly_the_needed_rows` holds the plan to the same rule."""
+    L = layout.geometry.seq_length
+    all_clean = logical_rows(L).select(slice(L, None))
+
+    def needed(r):
+        return set(all_clean.position[allowed(layout.rows(r), all_clean, windowed).any(0)].tolist())
+
+    def held(r):
+        rows = layout.rows(r)
+        return set(rows.position[rows.is_clean].tolist())
+
+    ring, me = layout.ring_ranks(rank), layout.ring_of(rank)[1]
+    shards = [set(s.position.tolist()) for s in layout.ring_clean_rows(rank)]
+    recv = sum(len((needed(rank) - held(rank)) & shards[j]) for j in range(len(ring)) if j != me)
+    send = sum(len((needed(other) - held(other)) & shards[me]) for j, other in enumerate(ring) if j != me)
+    return recv, send
+
+
 def setup(L, B, cp, bp, W, clean="block_causal", schedule="mirrored"):
     case = dict(L=L, B=B, cp=cp, bp=bp, window=W, clean_attention=clean, schedule=schedule)
     layout = SequenceLayout(BlockGeometry(L, B, clean), cp, bp, schedule)
@@ -42,6 +66,7 @@ def test_plan_covers_exactly_the_needed_rows(L, B, cp, bp, W, clean):
         needed = set(all_clean.position[allowed(rows, all_clean, geometry).any(0)].tolist())
         assert needed <= local_clean | received  # coverage
         assert received <= needed and not (received & local_clean)  # nothing extra moves
+        assert (sum(plans[r].recv_counts), sum(plans[r].send_counts)) == window_rows_oracle(layout, geometry, r)
 
 
 @pytest.mark.parametrize("L,B,cp,bp,W", CONFIGS)
