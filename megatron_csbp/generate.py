@@ -85,7 +85,7 @@ def _prompt_ids(p: argparse.ArgumentParser, a, tok=None, null_tokenizer: bool = 
             p.error(f"--prompt-ids must be an integer array [batch, prompt], got {ids.dtype} {ids.shape}")
         return ids.astype(np.int64)
     if tok is None:
-        p.error("--prompt needs a tokenizer: give --tokenizer-model, or pass ids with --prompt-ids")
+        p.error("--prompt needs a tokenizer: give --tokenizer-model (SentencePiece), or pass ids with --prompt-ids")
     if null_tokenizer:
         try:
             ids = [int(t) for t in a.prompt.split()]
@@ -137,7 +137,7 @@ def run_diffusion_gemma(p, a, shape, ckpt: str) -> np.ndarray:
     if a.max_new_tokens is not None and a.max_new_tokens <= 0:
         p.error(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
     tok = None
-    if a.prompt is not None and a.tokenizer_model:
+    if a.tokenizer_model:
         from megatron_csbp.data.megatron_data import build_tokenizer
 
         tok = build_tokenizer("SentencePieceTokenizer", a.tokenizer_model, shape.vocab_size)
