@@ -337,10 +337,16 @@ def train(a) -> Dict:
     embedding, head = verifier_embeddings(a.verifier)
     # the objective registry's --objective dflash; its mask token a row of the verifier's embedding
     objective = build_objective(a, vocab_size=embedding.shape[0])
-    shape = drafter_shape_from_args(a, data.meta["hidden_size"])
+    shape = getattr(a, "loaded_shape", None) or drafter_shape_from_args(a, data.meta["hidden_size"])
+    if shape.hidden_size != data.meta["hidden_size"]:
+        raise ValueError(f"--load {a.load}: the drafter's hidden size {shape.hidden_size} differs from the verifier's "
+                         f"{data.meta['hidden_size']} (the captured features')")
     torch.manual_seed(a.seed)
     drafter = DFlashDrafter(shape, drafter_transformer_config(shape, perform_initialization=True,
                                                               init_method_std=a.init_method_std))
+    if getattr(a, "load", None):
+        loaded = load_drafter(a.load).state_dict()
+        drafter.load_state_dict(loaded, strict=False)
     layout = DFlashLayout(L, a.block_size, a.context_parallel_size, a.block_parallel_size)
     ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
     model = DFlashTrainingModel(drafter, embedding, head, objective, layout, shard_rank=mpu.get_context_parallel_rank(),
@@ -522,8 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rotary-base", type=float, default=10000.0)
     t.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention")
     t.add_argument("--sliding-window", type=int, default=2048)
-    t.add_argument("--block-size", type=int, default=8)
-    t.add_argument("--mask-token-id", type=int, required=True)
+    t.add_argument("--block-size", type=int, default=None, help="default 8 (with --load: the drafter's)")
+    t.add_argument("--mask-token-id", type=int, default=None, help="required unless --load gives it")
+    t.add_argument("--load", default=None,
+                   help="continue training a drafter: a `convert hf-to-megatron` import of a muse_glimmer_assistant "
+                        "folder or a `--save` of this command; its shape replaces the architecture flags (a flag "
+                        "given with another value is refused)")
     t.add_argument("--context-parallel-size", type=int, default=1)
     t.add_argument("--block-parallel-size", type=int, default=1)
     t.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
@@ -565,12 +575,48 @@ def train_parser() -> argparse.ArgumentParser:
     return sub.choices["train"]
 
 
+#: train flags that the loaded drafter's shape decides: (flag attribute, DrafterShape field)
+LOADED_FIELDS = (("block_size", "block_size"), ("mask_token_id", "mask_token_id"),
+                 ("target_layer_ids", "target_layer_ids"), ("num_layers", "num_layers"),
+                 ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
+                 ("kv_channels", "kv_channels"), ("ffn_hidden_size", "ffn_hidden_size"),
+                 ("rotary_base", "rotary_base"), ("sliding_window", "sliding_window"))
+
+
+def resolve_load(a) -> None:
+    """`train --load`: the drafter's shape fills the architecture flags; a flag given with a
+    different value is an error naming it. Without --load: --block-size defaults to 8."""
+    if getattr(a, "load", None) is None:
+        if a.block_size is None:
+            a.block_size = 8
+        return
+    from megatron_csbp.model.dflash import SHAPE_FILE, DrafterShape
+
+    path = os.path.join(a.load, SHAPE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"--load {a.load}: no {SHAPE_FILE} (import a drafter with `python -m megatron_csbp.convert "
+                         "hf-to-megatron`, or give a `dflash train --save` folder)")
+    shape = DrafterShape.from_json(open(path).read())
+    defaults = train_parser().parse_args(["--features-path", "x", "--verifier", "x"])
+    for attr, name in LOADED_FIELDS:
+        given, value = getattr(a, attr), getattr(shape, name)
+        if given is not None and given != getattr(defaults, attr) and given != value:
+            raise ValueError(f"--{attr.replace('_', '-')} {given} differs from the loaded drafter's {name} {value}")
+        setattr(a, attr, value)
+    a.layer_type = None  # per layer, from the shape
+    a.loaded_shape = shape
+
+
 def check_args(a) -> None:
     if a.command == "prepare-features":
         if a.seq_length <= 0 or a.shard_size <= 0:
             raise ValueError("--seq-length and --shard-size must be positive")
     if a.command == "train":
         from megatron_csbp.objectives.dflash import DFlashObjective
+
+        resolve_load(a)
+        if a.mask_token_id is None:
+            raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
 
         DFlashObjective.validate(a)  # the objective's rules (block size, anchors, loss options)
         if a.micro_batch_size < 1 or a.train_iters < 0:
