@@ -360,6 +360,27 @@ def train(a) -> Dict:
                          f"{a.eval_sequences}), fewer than the {dp} data-parallel replicas")
     history, t0 = [], time.time()
     rank0 = dist.get_rank() == 0
+    writer = None
+    if rank0 and getattr(a, "tensorboard_dir", None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(a.tensorboard_dir)
+
+    def evaluate_now(step: int) -> None:
+        if a.eval_sequences <= 0:
+            return
+        acc, tau = training_acceptance(model, data, n_train, mpu.get_context_parallel_group())
+        entry = {"step": step, "eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
+        history.append(entry)
+        if rank0:
+            print(f"eval  {step:5d} | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected acceptance "
+                  f"length {tau:.3f} ({a.eval_sequences} held-out sequences)", flush=True)
+            if writer is not None:
+                writer.add_scalar("eval/expected_acceptance_length", tau, step)
+                for k, x in enumerate(acc, start=1):
+                    writer.add_scalar(f"eval/acceptance_offset_{k}", x, step)
+                writer.flush()
+
     for step in range(a.train_iters):
         lr = a.lr * min(1.0, (step + 1) / max(1, a.lr_warmup_iters)) if a.lr_warmup_iters else a.lr
         for g in opt.param_groups:
@@ -390,6 +411,13 @@ def train(a) -> Dict:
         if rank0 and (step + 1) % a.log_interval == 0:
             print(f"step {step + 1:5d} | loss {loss:.4f} | mean target prob {acceptance:.3f} | "
                   f"attention bytes/rank {traffic_counter().total} | {time.time() - t0:.0f}s", flush=True)
+            if writer is not None:
+                writer.add_scalar("train/loss", loss, step + 1)
+        if a.eval_interval and (step + 1) % a.eval_interval == 0 and step + 1 < a.train_iters:
+            evaluate_now(step + 1)
+    evaluate_now(a.train_iters)
+    if writer is not None:
+        writer.close()
     if a.save and rank0:
         os.makedirs(a.save, exist_ok=True)
         torch.save({k: v for k, v in drafter.state_dict().items() if not k.endswith("_extra_state")},
@@ -399,6 +427,29 @@ def train(a) -> Dict:
     if a.save:
         dist.barrier()
     return {"history": history, "shape": shape}
+
+
+@torch.no_grad()
+def training_acceptance(model, data, first: int, shard_group=None):
+    """The drafter's training-time acceptance on the held-out sequences data[first:]: per-offset
+    accuracy and expected acceptance length (`objectives.dflash.acceptance_from_counts`) over the
+    objective's anchors of each sequence (the training forward, this layout; counts summed over the
+    shard group; every data-parallel replica evaluates all of them)."""
+    import torch.distributed as dist
+
+    from megatron_csbp.objectives.dflash import acceptance_from_counts
+
+    counts = None
+    for index in range(first, len(data)):
+        item = data[index]
+        out = model(item["features"], torch.from_numpy(item["tokens"].astype(np.int64)),
+                    torch.from_numpy(item["loss_mask"].astype(np.int64)),
+                    torch.from_numpy(item["doc_ids"].astype(np.int64)), sample_index=index, with_acceptance=True)
+        c = out.metrics["acceptance_counts"]
+        counts = c if counts is None else counts + c
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(counts, group=shard_group)
+    return acceptance_from_counts(counts)
 
 
 def load_drafter(path: str):
@@ -477,8 +528,34 @@ def evaluate_cli(a) -> Dict:
         for i in range(len(data) - a.eval_sequences, len(data)):
             prompts.append(data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist())
     result = evaluate(verifier, drafter, prompts, a.max_new_tokens)
+    if a.features_path:  # the training-time estimate on the same held-out sequences
+        result.update(training_estimate(a, verifier, drafter))
     print(json.dumps(result, indent=1))
     return result
+
+
+def training_estimate(a, verifier, hf_drafter) -> Dict:
+    """The training-time per-offset accuracy and expected acceptance length of the Hugging Face
+    drafter on the held-out captured sequences (the last --eval-sequences): imported into the
+    Megatron drafter and run by the training forward (one rank), the objective's anchors, the
+    data's tokens as targets (see docs/dflash.md for why it differs from the measured length)."""
+    from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, load_hf_drafter
+    from megatron_csbp.objectives.dflash import DFlashObjective
+
+    data = FeatureDataset(a.features_path)
+    shape = DrafterShape.from_hf_config(hf_drafter.config.to_dict())
+    with single_process_megatron():
+        drafter = DFlashDrafter(shape)
+        load_hf_drafter(drafter, hf_drafter)
+        objective = DFlashObjective(shape.block_size, shape.mask_token_id)
+        L = data.meta["seq_length"]
+        model = DFlashTrainingModel(drafter, verifier.get_input_embeddings().weight.detach().float(),
+                                    verifier.get_output_embeddings().weight.detach().float(), objective,
+                                    DFlashLayout(L, shape.block_size))
+        acc, tau = training_acceptance(model, data, len(data) - a.eval_sequences)
+    return {"training_acceptance_per_offset": acc, "training_expected_acceptance_length": tau}
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -550,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--eval-sequences", type=int, default=0, help="the last N captured sequences are held out")
     t.add_argument("--log-interval", type=int, default=10)
+    t.add_argument("--eval-interval", type=int, default=None,
+                   help="also evaluate the held-out sequences every N steps (always after the last step)")
+    t.add_argument("--tensorboard-dir", default=None, help="TensorBoard events: train/loss, eval/* acceptance")
     t.add_argument("--save", default=None)
     add_dflash_objective_args(t)
 

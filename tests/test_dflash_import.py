@@ -125,11 +125,15 @@ def test_imported_drafter_trains_under_csbp_and_decodes_with_transformers(import
 
     a, b = (torch.load(os.path.join(d, WEIGHTS_FILE)) for d in (str(root / "meg"), str(tmp_path / "same")))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    same = json.load(open(tmp_path / "same" / "history.json"))[-1]
+    assert len(same["eval_acceptance_per_offset"]) == 3 and 1.0 <= same["eval_expected_acceptance_length"] <= 4.0
     # CSBP (CP 2 x BP 2 on 2 ranks), 3 steps
     hist = run_distributed(_train, 2, base + ["--train-iters", "3", "--lr", "3e-3", "--context-parallel-size", "2",
                                               "--block-parallel-size", "2", "--save", save])[0]
-    print("losses", [h["loss"] for h in hist])
-    assert len(hist) == 3 and all(np.isfinite(h["loss"]) for h in hist)
+    print("losses", [h["loss"] for h in hist if "loss" in h], "eval", hist[-1])
+    losses = [h for h in hist if "loss" in h]
+    assert len(losses) == 3 and all(np.isfinite(h["loss"]) for h in losses)
+    assert "eval_expected_acceptance_length" in hist[-1]
     trained = torch.load(os.path.join(save, WEIGHTS_FILE))
     assert any(not torch.equal(a[k], trained[k]) for k in a)
     # flags that contradict the drafter are refused by name
@@ -141,3 +145,6 @@ def test_imported_drafter_trains_under_csbp_and_decodes_with_transformers(import
     result = main(["evaluate", "--verifier", verifier, "--drafter", str(tmp_path / "export"), "--features-path", feats,
                    "--eval-sequences", "2", "--prompt-length", "8", "--max-new-tokens", "12"])
     assert result["identical"] is True and result["tokens_per_step"] >= 1.0
+    # the training-time estimate beside it, on the same held-out sequences
+    assert 1.0 <= result["training_expected_acceptance_length"] <= 4.0
+    print("measured", result["tokens_per_step"], "training-time estimate", result["training_expected_acceptance_length"])

@@ -382,7 +382,8 @@ class DFlashTrainingModel(torch.nn.Module):
         return t
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0) -> DFlashLoss:
+                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0,
+                with_acceptance: bool = False) -> DFlashLoss:
         """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
         rows are read), tokens / loss_mask / doc_ids [L]."""
         from megatron_csbp.objectives.dflash import document_starts, streamed_cross_entropy
@@ -417,6 +418,15 @@ class DFlashTrainingModel(torch.nn.Module):
         ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
         num, den, metrics = self.objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
                                                       sup.view(-1, B), reduce=self._reduce)
+        if with_acceptance:  # this rank's blocks: metrics["acceptance_counts"], summed over blocks
+            from megatron_csbp.objectives.dflash import acceptance_counts, streamed_argmax
+
+            pred = torch.full_like(targets, -1)
+            if len(idx):
+                pred[idx] = streamed_argmax(hidden.index_select(0, idx).detach(), self.lm_head,
+                                            self.objective.vocab_chunk)
+            metrics = dict(metrics, acceptance_counts=acceptance_counts((pred == targets).view(-1, B).cpu(),
+                                                                         sup.view(-1, B).cpu()))
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)
