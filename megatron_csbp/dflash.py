@@ -339,10 +339,16 @@ def train(a) -> Dict:
     embedding, head = verifier_embeddings(a.verifier)
     # the objective registry's --objective dflash; its mask token a row of the verifier's embedding
     objective = build_objective(a, vocab_size=embedding.shape[0])
-    shape = drafter_shape_from_args(a, data.meta["hidden_size"])
+    shape = getattr(a, "loaded_shape", None) or drafter_shape_from_args(a, data.meta["hidden_size"])
+    if shape.hidden_size != data.meta["hidden_size"]:
+        raise ValueError(f"--load {a.load}: the drafter's hidden size {shape.hidden_size} differs from the verifier's "
+                         f"{data.meta['hidden_size']} (the captured features')")
     torch.manual_seed(a.seed)
     drafter = DFlashDrafter(shape, drafter_transformer_config(shape, perform_initialization=True,
                                                               init_method_std=a.init_method_std))
+    if getattr(a, "load", None):
+        loaded = load_drafter(a.load).state_dict()
+        drafter.load_state_dict(loaded, strict=False)
     layout = DFlashLayout(L, a.block_size, a.context_parallel_size, a.block_parallel_size)
     ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
     model = DFlashTrainingModel(drafter, embedding, head, objective, layout, shard_rank=mpu.get_context_parallel_rank(),
@@ -356,6 +362,27 @@ def train(a) -> Dict:
                          f"{a.eval_sequences}), fewer than the {dp} data-parallel replicas")
     history, t0 = [], time.time()
     rank0 = dist.get_rank() == 0
+    writer = None
+    if rank0 and getattr(a, "tensorboard_dir", None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(a.tensorboard_dir)
+
+    def evaluate_now(step: int) -> None:
+        if a.eval_sequences <= 0:
+            return
+        acc, tau = training_acceptance(model, data, n_train, mpu.get_context_parallel_group())
+        entry = {"step": step, "eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
+        history.append(entry)
+        if rank0:
+            print(f"eval  {step:5d} | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected acceptance "
+                  f"length {tau:.3f} ({a.eval_sequences} held-out sequences)", flush=True)
+            if writer is not None:
+                writer.add_scalar("eval/expected_acceptance_length", tau, step)
+                for k, x in enumerate(acc, start=1):
+                    writer.add_scalar(f"eval/acceptance_offset_{k}", x, step)
+                writer.flush()
+
     for step in range(a.train_iters):
         lr = a.lr * min(1.0, (step + 1) / max(1, a.lr_warmup_iters)) if a.lr_warmup_iters else a.lr
         for g in opt.param_groups:
@@ -386,6 +413,13 @@ def train(a) -> Dict:
         if rank0 and (step + 1) % a.log_interval == 0:
             print(f"step {step + 1:5d} | loss {loss:.4f} | mean target prob {acceptance:.3f} | "
                   f"attention bytes/rank {traffic_counter().total} | {time.time() - t0:.0f}s", flush=True)
+            if writer is not None:
+                writer.add_scalar("train/loss", loss, step + 1)
+        if a.eval_interval and (step + 1) % a.eval_interval == 0 and step + 1 < a.train_iters:
+            evaluate_now(step + 1)
+    evaluate_now(a.train_iters)
+    if writer is not None:
+        writer.close()
     if a.save and rank0:
         os.makedirs(a.save, exist_ok=True)
         torch.save({k: v for k, v in drafter.state_dict().items() if not k.endswith("_extra_state")},
@@ -395,6 +429,29 @@ def train(a) -> Dict:
     if a.save:
         dist.barrier()
     return {"history": history, "shape": shape}
+
+
+@torch.no_grad()
+def training_acceptance(model, data, first: int, shard_group=None):
+    """The drafter's training-time acceptance on the held-out sequences data[first:]: per-offset
+    accuracy and expected acceptance length (`objectives.dflash.acceptance_from_counts`) over the
+    objective's anchors of each sequence (the training forward, this layout; counts summed over the
+    shard group; every data-parallel replica evaluates all of them)."""
+    import torch.distributed as dist
+
+    from megatron_csbp.objectives.dflash import acceptance_from_counts
+
+    counts = None
+    for index in range(first, len(data)):
+        item = data[index]
+        out = model(item["features"], torch.from_numpy(item["tokens"].astype(np.int64)),
+                    torch.from_numpy(item["loss_mask"].astype(np.int64)),
+                    torch.from_numpy(item["doc_ids"].astype(np.int64)), sample_index=index, with_acceptance=True)
+        c = out.metrics["acceptance_counts"]
+        counts = c if counts is None else counts + c
+    if shard_group is not None and dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(counts, group=shard_group)
+    return acceptance_from_counts(counts)
 
 
 def load_drafter(path: str):
@@ -473,8 +530,34 @@ def evaluate_cli(a) -> Dict:
         for i in range(len(data) - a.eval_sequences, len(data)):
             prompts.append(data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist())
     result = evaluate(verifier, drafter, prompts, a.max_new_tokens)
+    if a.features_path:  # the training-time estimate on the same held-out sequences
+        result.update(training_estimate(a, verifier, drafter))
     print(json.dumps(result, indent=1))
     return result
+
+
+def training_estimate(a, verifier, hf_drafter) -> Dict:
+    """The training-time per-offset accuracy and expected acceptance length of the Hugging Face
+    drafter on the held-out captured sequences (the last --eval-sequences): imported into the
+    Megatron drafter and run by the training forward (one rank), the objective's anchors, the
+    data's tokens as targets (see docs/dflash.md for why it differs from the measured length)."""
+    from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, load_hf_drafter
+    from megatron_csbp.objectives.dflash import DFlashObjective
+
+    data = FeatureDataset(a.features_path)
+    shape = DrafterShape.from_hf_config(hf_drafter.config.to_dict())
+    with single_process_megatron():
+        drafter = DFlashDrafter(shape)
+        load_hf_drafter(drafter, hf_drafter)
+        objective = DFlashObjective(shape.block_size, shape.mask_token_id)
+        L = data.meta["seq_length"]
+        model = DFlashTrainingModel(drafter, verifier.get_input_embeddings().weight.detach().float(),
+                                    verifier.get_output_embeddings().weight.detach().float(), objective,
+                                    DFlashLayout(L, shape.block_size))
+        acc, tau = training_acceptance(model, data, len(data) - a.eval_sequences)
+    return {"training_acceptance_per_offset": acc, "training_expected_acceptance_length": tau}
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -524,8 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rotary-base", type=float, default=10000.0)
     t.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention")
     t.add_argument("--sliding-window", type=int, default=2048)
-    t.add_argument("--block-size", type=int, default=8)
-    t.add_argument("--mask-token-id", type=int, required=True)
+    t.add_argument("--block-size", type=int, default=None, help="default 8 (with --load: the drafter's)")
+    t.add_argument("--mask-token-id", type=int, default=None, help="required unless --load gives it")
+    t.add_argument("--load", default=None,
+                   help="continue training a drafter: a `convert hf-to-megatron` import of a muse_glimmer_assistant "
+                        "folder or a `--save` of this command; its shape replaces the architecture flags (a flag "
+                        "given with another value is refused)")
     t.add_argument("--context-parallel-size", type=int, default=1)
     t.add_argument("--block-parallel-size", type=int, default=1)
     t.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
@@ -542,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--eval-sequences", type=int, default=0, help="the last N captured sequences are held out")
     t.add_argument("--log-interval", type=int, default=10)
+    t.add_argument("--eval-interval", type=int, default=None,
+                   help="also evaluate the held-out sequences every N steps (always after the last step)")
+    t.add_argument("--tensorboard-dir", default=None, help="TensorBoard events: train/loss, eval/* acceptance")
     t.add_argument("--save", default=None)
     add_dflash_objective_args(t)
 
@@ -567,12 +657,48 @@ def train_parser() -> argparse.ArgumentParser:
     return sub.choices["train"]
 
 
+#: train flags that the loaded drafter's shape decides: (flag attribute, DrafterShape field)
+LOADED_FIELDS = (("block_size", "block_size"), ("mask_token_id", "mask_token_id"),
+                 ("target_layer_ids", "target_layer_ids"), ("num_layers", "num_layers"),
+                 ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
+                 ("kv_channels", "kv_channels"), ("ffn_hidden_size", "ffn_hidden_size"),
+                 ("rotary_base", "rotary_base"), ("sliding_window", "sliding_window"))
+
+
+def resolve_load(a) -> None:
+    """`train --load`: the drafter's shape fills the architecture flags; a flag given with a
+    different value is an error naming it. Without --load: --block-size defaults to 8."""
+    if getattr(a, "load", None) is None:
+        if a.block_size is None:
+            a.block_size = 8
+        return
+    from megatron_csbp.model.dflash import SHAPE_FILE, DrafterShape
+
+    path = os.path.join(a.load, SHAPE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"--load {a.load}: no {SHAPE_FILE} (import a drafter with `python -m megatron_csbp.convert "
+                         "hf-to-megatron`, or give a `dflash train --save` folder)")
+    shape = DrafterShape.from_json(open(path).read())
+    defaults = train_parser().parse_args(["--features-path", "x", "--verifier", "x"])
+    for attr, name in LOADED_FIELDS:
+        given, value = getattr(a, attr), getattr(shape, name)
+        if given is not None and given != getattr(defaults, attr) and given != value:
+            raise ValueError(f"--{attr.replace('_', '-')} {given} differs from the loaded drafter's {name} {value}")
+        setattr(a, attr, value)
+    a.layer_type = None  # per layer, from the shape
+    a.loaded_shape = shape
+
+
 def check_args(a) -> None:
     if a.command == "prepare-features":
         if a.seq_length <= 0 or a.shard_size <= 0:
             raise ValueError("--seq-length and --shard-size must be positive")
     if a.command == "train":
         from megatron_csbp.objectives.dflash import DFlashObjective
+
+        resolve_load(a)
+        if a.mask_token_id is None:
+            raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
 
         DFlashObjective.validate(a)  # the objective's rules (block size, anchors, loss options)
         if a.micro_batch_size < 1 or a.train_iters < 0:

@@ -1,245 +1,216 @@
-"""Block-diffusion decoding from a checkpoint written by `python -m megatron_csbp.train`:
+"""Decoding from a checkpoint on one process (TP = CP = BP = EP = 1, whatever layout saved it):
 
     python -m megatron_csbp.generate --load runs/default/checkpoints --prompt "The for statement"
+    python -m megatron_csbp.generate --load DIR --prompt-ids PROMPT.npy --max-new-tokens N --seed S --output OUT.npy
 
-Decoding goes block by block, left to right. The prompt fills the first positions; every later
-position starts as the mask token. For the current block the model sees the block's noisy rows
-(known tokens and masks) and the clean prefix before it; at each of `--steps-per-block` steps the
-masked positions with the most confident predictions (largest softmax probability, mask token
-excluded) are fixed (`--unmask-order random`: positions drawn uniformly instead, MDLM's ancestral
-order, which keeps small models from filling blocks with their most frequent piece), until the
-block has no mask left. The finished block becomes clean context.
-Decoding stops after the block in which EOD appears (the text is cut at EOD) or at
-`--max-new-tokens`.
+Two samplers, chosen by the checkpoint:
 
-Clean-prefix KV reuse: clean rows attend only to clean rows at or before their block, so their keys
-and values never change once a block is final. Each layer's core attention is wrapped: a finished
-block is run once as clean rows, its K/V appended to a per-layer cache; denoising steps run only
-the B noisy rows and attend to [cached clean K/V ; the block's own K/V] under the same mask
-predicate as training. `--no-kv-cache` recomputes the clean prefix every step through the
-training code path (same logits up to float rounding; a test checks it).
+- BD3-LM checkpoints of `python -m megatron_csbp.train` (`--objective bd3lm`, flag-built or from a
+  converted model): `megatron_csbp.generation.bd3lm` (blocks left to right, clean-prefix KV cache,
+  `--steps-per-block` with `--unmask-order`, or Fast-dLLM's `--threshold`). Defaults: temperature
+  0.8, random unmasking order (at temperature 0 the small shipped model fills blocks with its most
+  frequent piece, a space);
+- DiffusionGemma checkpoints (converted, or trained here under any TP/CP/BP/EP layout):
+  `megatron_csbp.generation.diffusion_gemma`, transformers' sampler (random canvas, entropy-bound
+  acceptance, linear temperature schedule, stable-and-confident stopping) with the checkpoint's
+  `generation_config.json` and transformers' defaults; a flag per knob. The draws come from torch's
+  global generator seeded with `--seed`, as `torch.manual_seed(S)` before transformers' `generate`.
 
-The checkpoint is loaded into TP = CP = BP = 1 on one process, whatever layout wrote it.
+Ids in and out without a tokenizer: `--prompt-ids` reads an int array [batch, prompt] (.npy),
+`--output` writes [batch, prompt + N] (int64 .npy; BD3-LM rows stopped at EOD are filled with EOD
+after it). `--prompt` takes text through the checkpoint's tokenizer (space-separated ids for a
+NullTokenizer checkpoint).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta
-from megatron_csbp.layout.rows import PartialMask
-from megatron_csbp.utils.cli import ArgumentParser, run
+from megatron_csbp.generation.bd3lm import ORDERS, BlockDiffusionSampler, load_for_generation  # noqa: F401
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, run
+
+BD3LM_DEFAULT_NEW_TOKENS = 64
 
 
-@dataclass
-class _CacheState:
-    mode: str = "off"  # 'off' (training path) | 'extend' (clean rows -> cache) | 'decode' (noisy rows)
-    rows: Optional[RowMeta] = None
-    geometry: Optional[BlockGeometry] = None
-    kv: Dict[int, tuple] = field(default_factory=dict)  # layer -> (k, v, RowMeta of cached clean rows)
-
-
-class CachedBlockAttention(torch.nn.Module):
-    """Wraps a BlockDiffusionAttention: passes through in 'off' mode, uses the clean K/V cache otherwise."""
-
-    def __init__(self, inner, state: _CacheState):
-        super().__init__()
-        self.inner, self.state = inner, state
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        st = self.state
-        if st.mode == "off":
-            return self.inner(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        from megatron_csbp.attention.kernels import get_kernel
-
-        layer = self.inner.layer_number
-        geometry = st.geometry.with_window(self.inner.window)
-        cached = st.kv.get(layer)
-        if cached is not None:
-            k_all = torch.cat([cached[0], key], 0)
-            v_all = torch.cat([cached[1], value], 0)
-            k_meta = RowMeta.cat([cached[2], st.rows])
-        else:
-            k_all, v_all, k_meta = key, value, st.rows
-        # Row vectors of this call's queries and cached + new keys; the layer's kernel (tiled on
-        # CPU) never builds a [queries x keys] mask.
-        mask = PartialMask.of(st.rows, k_meta, geometry).to(query.device)
-        kernel = get_kernel(self.inner.kernel_name, query.device)
-        out, _ = kernel(query, k_all, v_all, mask, self.inner.softmax_scale)
-        if st.mode == "extend":
-            st.kv[layer] = (k_all.detach(), v_all.detach(), k_meta)
-        sq, b, H, d = out.shape
-        return out.reshape(sq, b, H * d)
-
-
-def _install_cache(gpt, state: _CacheState) -> int:
-    from megatron_csbp.attention.core_attention import BlockDiffusionAttention
-
-    n = 0
-    for module in gpt.modules():
-        ca = getattr(module, "core_attention", None)
-        if isinstance(ca, BlockDiffusionAttention):
-            module.core_attention = CachedBlockAttention(ca, state)
-            n += 1
-    return n
-
-
-class BlockDiffusionSampler:
-    def __init__(self, bdlm, vocab_size: int, mask_token_id: int, eod: int, block_size: int,
-                 kv_cache: bool = True):
-        self.bdlm, self.gpt = bdlm, bdlm.gpt
-        self.V, self.mask_id, self.eod, self.B = vocab_size, mask_token_id, eod, block_size
-        self.kv_cache = kv_cache
-        self.state = _CacheState()
-        _install_cache(self.gpt, self.state)
-        self.forward_calls = 0
-
-    # -- model calls ---------------------------------------------------------------------------
-    def _run(self, ids: torch.Tensor, rows: RowMeta) -> torch.Tensor:
-        """Logits of `rows` (their noisy rows; every row when all are clean) fed with `ids`."""
-        from megatron_csbp.attention.block_attention import AttentionPlan
-
-        self.forward_calls += 1
-        return self.bdlm.logits(ids[None], AttentionPlan(self.state.geometry, rows))[0]
-
-    def _clean_rows(self, tokens: List[int], start: int, end: int) -> None:
-        """Append clean positions [start, end) to the KV cache."""
-        if end <= start:
-            return
-        self.state.mode = "extend"
-        self.state.rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
-        self._run(torch.tensor(tokens[start:end]), self.state.rows)
-
-    def block_logits(self, tokens: List[int], block: int) -> torch.Tensor:
-        """Logits [B, V] of the noisy rows of `block` given the clean prefix tokens[: block*B]."""
-        B = self.B
-        noisy_pos = torch.arange(block * B, (block + 1) * B)
-        noisy_ids = torch.tensor(tokens[block * B:(block + 1) * B])
-        if self.kv_cache:
-            self.state.mode = "decode"
-            self.state.rows = RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long))
-            return self._run(noisy_ids, self.state.rows)
-        self.state.mode = "off"
-        clean_pos = torch.arange(block * B)
-        rows = RowMeta.of(noisy_pos, clean_pos)
-        ids = torch.cat([noisy_ids, torch.tensor(tokens[: block * B], dtype=torch.long)])
-        return self._run(ids, rows)
-
-    # -- decoding ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, prompt: List[int], max_new_tokens: int, steps_per_block: Optional[int] = None,
-                 temperature: float = 0.0, seed: int = 0, max_length: Optional[int] = None,
-                 order: str = "confidence") -> List[int]:
-        B = self.B
-        total = len(prompt) + max_new_tokens
-        if max_length is not None:
-            total = min(total, max_length)
-        if total <= len(prompt):
-            return []
-        n_blocks = math.ceil(total / B)
-        length = n_blocks * B
-        self.state.geometry = BlockGeometry(length, B, self.bdlm.layout.geometry.clean_attention)
-        self.state.kv.clear()
-        tokens = list(prompt) + [self.mask_id] * (length - len(prompt))
-        steps = steps_per_block or B
-        g = torch.Generator().manual_seed(seed)
-        first = len(prompt) // B
-        if self.kv_cache:
-            self._clean_rows(tokens, 0, first * B)
-        generated_end = length
-        for block in range(first, n_blocks):
-            lo = block * B
-            for step in range(steps):
-                masked = [p for p in range(lo, lo + B) if tokens[p] == self.mask_id and p >= len(prompt)]
-                if not masked:
-                    break
-                logits = self.block_logits(tokens, block).float()[:, : self.V]
-                logits[:, self.mask_id] = float("-inf")
-                idx = torch.tensor([p - lo for p in masked])
-                probs = torch.softmax(logits[idx] / max(temperature, 1e-6), -1) if temperature > 0 else \
-                    torch.softmax(logits[idx], -1)
-                if temperature > 0:
-                    pred = torch.multinomial(probs, 1, generator=g)[:, 0]
-                else:
-                    pred = probs.argmax(-1)
-                k = math.ceil(len(masked) / (steps - step))
-                if order == "random":  # MDLM's ancestral order: any masked position is equally likely
-                    chosen = torch.randperm(len(masked), generator=g)[:k].tolist()
-                else:
-                    chosen = torch.topk(probs.gather(1, pred[:, None])[:, 0], k).indices.tolist()
-                for j in chosen:
-                    tokens[masked[j]] = int(pred[j])
-            block_tokens = tokens[lo:lo + B]
-            new = [t for p, t in zip(range(lo, lo + B), block_tokens) if p >= len(prompt)]
-            if self.eod in new:
-                generated_end = lo + block_tokens.index(self.eod, max(0, len(prompt) - lo))
-                break
-            if self.kv_cache:
-                self._clean_rows(tokens, lo, lo + B)
-        self.state.mode = "off"
-        return tokens[len(prompt):min(generated_end, total)]
-
-
-def load_for_generation(load: str, ckpt_step: Optional[int] = None, kv_cache: bool = True):
-    """Build a TP = CP = BP = 1 model from the checkpoint's saved hyper-parameters and load it."""
-    from megatron_csbp.training.trainer import load_model
-
-    def decodable(margs) -> None:
-        if margs.get("objective") != "bd3lm":
-            # Fast-dLLM v2 decodes with a token shift, DiffusionGemma from uniform noise with
-            # self-conditioning: neither is this sampler. Checked before building the model.
-            raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler "
-                             "decodes BD3-LM (--objective bd3lm) checkpoints. Export others with `python -m "
-                             "megatron_csbp.convert megatron-to-hf` and generate with their Hugging Face model")
-
-    return load_model(load, ckpt_step, decodable)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> str:
-    from megatron_csbp.utils.cli import filter_warnings
-
-    filter_warnings()  # hide the library warnings a user cannot act on
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m megatron_csbp.generate", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)
-    p.add_argument("--ckpt-step", type=int, default=None)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--steps-per-block", type=int, default=None, help="default: the block size")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ckpt-step", type=int, default=None, help="default: the latest iteration")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text (space-separated ids for a NullTokenizer checkpoint)")
+    src.add_argument("--prompt-ids", help="int array [batch, prompt] in a .npy file")
+    p.add_argument("--output", default=None, help="write the ids [batch, prompt + N] to this .npy file")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"N; default {BD3LM_DEFAULT_NEW_TOKENS} (BD3-LM), the generation config's (DiffusionGemma: 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-model", default=None, help="default: the one saved with the checkpoint")
-    p.add_argument("--no-kv-cache", action="store_true")
-    p.add_argument("--unmask-order", choices=("confidence", "random"), default="confidence",
+    b = p.add_argument_group("BD3-LM")
+    b.add_argument("--temperature", type=float, default=0.8, help="0: argmax")
+    b.add_argument("--unmask-order", choices=ORDERS, default="random",
                    help="which masked positions a step fixes: the most confident, or uniformly drawn ones")
-    a = p.parse_args(argv)
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    b.add_argument("--steps-per-block", type=int, default=None, help="default: the block size")
+    b.add_argument("--threshold", type=float, default=None,
+                   help="Fast-dLLM parallel decoding: fix every masked position whose token has probability >= this "
+                        "(at least the most confident one per step); replaces --steps-per-block/--unmask-order")
+    b.add_argument("--no-kv-cache", action="store_true", help="recompute the clean prefix at every step")
+    d = p.add_argument_group("DiffusionGemma (transformers' DiffusionGemmaGenerationConfig fields)")
+    d.add_argument("--max-denoising-steps", type=int, default=None, help="default 48")
+    d.add_argument("--entropy-bound", type=float, default=None, help="EntropyBoundSamplerConfig; default 0.1")
+    d.add_argument("--t-min", type=float, default=None, help="final temperature; default 0.4")
+    d.add_argument("--t-max", type=float, default=None, help="initial temperature; default 0.8")
+    d.add_argument("--stability-threshold", type=int, default=None, help="default 1")
+    d.add_argument("--confidence-threshold", type=float, default=None, help="default 0.005")
+    d.add_argument("--eos-token-id", type=int, nargs="+", default=None, help="default: the generation config's")
+    d.add_argument("--pad-token-id", type=int, default=None, help="default: the generation config's")
+    d.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                   help="parameters and compute (transformers compares at the same dtype)")
+    return p
+
+
+def _prompt_ids(p: argparse.ArgumentParser, a, tok=None, null_tokenizer: bool = False) -> np.ndarray:
+    """[batch, prompt] int64 from --prompt-ids or --prompt (ids for a NullTokenizer)."""
+    if a.prompt_ids is not None:
+        try:
+            ids = np.load(a.prompt_ids)
+        except (OSError, ValueError) as exc:
+            p.error(f"--prompt-ids {a.prompt_ids}: not a .npy array ({exc})")
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            p.error(f"--prompt-ids must be an integer array [batch, prompt], got {ids.dtype} {ids.shape}")
+        return ids.astype(np.int64)
+    if tok is None:
+        p.error("--prompt needs a tokenizer: give --tokenizer-model (SentencePiece), or pass ids with --prompt-ids")
+    if null_tokenizer:
+        try:
+            ids = [int(t) for t in a.prompt.split()]
+        except ValueError:
+            p.error(f"--prompt {a.prompt!r}: this checkpoint has a NullTokenizer (no vocabulary); give token ids "
+                    "separated by spaces (--prompt '5 17 42') or --prompt-ids PROMPT.npy")
+        return np.asarray([ids], dtype=np.int64)
+    return np.asarray([tok.tokenize(a.prompt)], dtype=np.int64)
+
+
+def _check_range(p, ids: np.ndarray, vocab_size: int) -> None:
+    if ids.shape[1] == 0:
+        p.error("--prompt / --prompt-ids: the prompt is empty")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        p.error(f"--prompt-ids: token ids must lie in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+
+
+def _diffusion_gemma_shape(load: str, step: Optional[int]):
+    """(shape, checkpoint dir) when `load` holds a DiffusionGemma, else None."""
+    from megatron_csbp.conversion.checkpoint import find_shape_file, resolve_checkpoint_dir
+    from megatron_csbp.model.families import ModelShape
+
     try:
-        model, margs, step = load_for_generation(a.load, a.ckpt_step, not a.no_kv_cache)
+        ckpt = resolve_checkpoint_dir(load)
+        if step is not None:
+            from megatron_csbp.training.checkpointing import iteration_dir
+
+            ckpt = iteration_dir(load, step)
+        with open(find_shape_file(load, ckpt)) as f:
+            shape = ModelShape.from_json(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+    return (shape, ckpt) if shape.family == "diffusion_gemma" else None
+
+
+def run_diffusion_gemma(p, a, shape, ckpt: str) -> np.ndarray:
+    from megatron_csbp.conversion.checkpoint import load_gpt_model, single_process_megatron
+    from megatron_csbp.generation import diffusion_gemma as dg
+
+    try:
+        config = dg.generation_config(
+            dg.assets_dir(a.load), max_denoising_steps=a.max_denoising_steps, entropy_bound=a.entropy_bound,
+            t_min=a.t_min, t_max=a.t_max, stability_threshold=a.stability_threshold,
+            confidence_threshold=a.confidence_threshold,
+            eos_token_id=a.eos_token_id if a.eos_token_id is None or len(a.eos_token_id) > 1 else a.eos_token_id[0],
+            pad_token_id=a.pad_token_id)
+    except ValueError as exc:
+        p.error(f"DiffusionGemma generation settings: {exc}")
+    if a.max_new_tokens is not None and a.max_new_tokens <= 0:
+        p.error(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
+    tok = None
+    if a.tokenizer_model:
+        from megatron_csbp.data.megatron_data import build_tokenizer
+
+        tok = build_tokenizer("SentencePieceTokenizer", a.tokenizer_model, shape.vocab_size)
+    ids = _prompt_ids(p, a, tok)
+    _check_range(p, ids, shape.vocab_size)
+    dtype = getattr(torch, a.dtype)
+    with single_process_megatron():
+        model, _ = load_gpt_model(ckpt, params_dtype=dtype)
+        model.eval()
+        sampler = dg.DiffusionGemmaSampler(model, dg.canvas_length(shape))
+        torch.manual_seed(a.seed)
+        out = sampler.generate(torch.from_numpy(ids), config, a.max_new_tokens)
+    new = a.max_new_tokens if a.max_new_tokens is not None else out.shape[1] - ids.shape[1]
+    out = out[:, : ids.shape[1] + new].numpy()
+    print(f"[checkpoint {ckpt}; DiffusionGemma, canvas {sampler.C}, {sampler.forward_calls} forward calls, "
+          f"denoising steps per row {sampler.denoising_steps.tolist()}]")
+    if tok is not None:
+        for row in out:
+            print(tok.detokenize(row.tolist()))
+    elif a.output is None:
+        print(out.tolist())
+    return out
+
+
+def run_bd3lm(p, a) -> np.ndarray:
+    try:
+        model, margs, step = load_for_generation(a.load, a.ckpt_step)
     except ValueError as exc:
         p.error(str(exc))
     from megatron_csbp.data.megatron_data import build_tokenizer
 
-    tok = build_tokenizer(margs.get("tokenizer_type") or "SentencePieceTokenizer",
-                          a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
+    tokenizer_type = margs.get("tokenizer_type") or "SentencePieceTokenizer"
+    tok = build_tokenizer(tokenizer_type, a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
+    ids = _prompt_ids(p, a, tok, null_tokenizer=tokenizer_type == "NullTokenizer")
+    _check_range(p, ids, margs["vocab_size"])
+    if ids.shape[1] >= margs["seq_length"]:
+        p.error(f"--prompt has {ids.shape[1]} tokens; the model was trained on --seq-length {margs['seq_length']}")
+    if a.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {a.temperature}")
+    new = BD3LM_DEFAULT_NEW_TOKENS if a.max_new_tokens is None else a.max_new_tokens
     sampler = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod,
-                                    margs["block_size"], kv_cache=not a.no_kv_cache)
-    prompt = tok.tokenize(a.prompt)
-    if len(prompt) >= margs["seq_length"]:
-        p.error(f"--prompt has {len(prompt)} tokens; the model was trained on --seq-length {margs['seq_length']}")
-    out = sampler.generate(prompt, a.max_new_tokens, a.steps_per_block, a.temperature, a.seed,
-                           max_length=margs["seq_length"], order=a.unmask_order)
-    text = tok.detokenize(out)
+                                    margs["block_size"], use_cache=not a.no_kv_cache)
+    rows: List[List[int]] = []
+    try:
+        for prompt in ids.tolist():
+            rows.append(prompt + sampler.generate(prompt, new, a.steps_per_block, a.temperature, a.seed,
+                                                  max_length=margs["seq_length"], order=a.unmask_order,
+                                                  threshold=a.threshold))
+    except ValueError as exc:
+        p.error(str(exc))
     print(f"[checkpoint {a.load} iteration {step}; {sampler.forward_calls} forward calls]")
-    print(tok.detokenize(prompt + out))  # decoded together: the word boundary at the prompt's end stays
-    return text
+    if a.output is None or a.prompt is not None:
+        for row in rows:
+            print(tok.detokenize(row))  # decoded together: the word boundary at the prompt's end stays
+    width = max(len(r) for r in rows)
+    return np.asarray([r + [tok.eod] * (width - len(r)) for r in rows], dtype=np.int64)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = build_parser()
+    a = p.parse_args(argv)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if a.output is not None and not os.path.isdir(os.path.dirname(os.path.abspath(a.output))):
+        p.error(f"--output {a.output}: its folder does not exist")
+    dg = _diffusion_gemma_shape(a.load, a.ckpt_step)
+    out = run_diffusion_gemma(p, a, *dg) if dg is not None else run_bd3lm(p, a)
+    if a.output is not None:
+        np.save(a.output, out)
+        print(f"wrote {out.shape[0]} x {out.shape[1]} ids -> {a.output}")
+    sys.stdout.flush()
+    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Generation from a real checkpoint: KV-cached decoding equals the recompute path, runs end to end."""
+"""Generation from a real checkpoint: KV-cached decoding equals the recompute path (step-wise and
+Fast-dLLM threshold decoding), runs end to end, prints text by default, takes ids on NullTokenizer
+checkpoints."""
 import os
 import subprocess
 import sys
@@ -29,16 +31,16 @@ def checkpoint(tmp_path_factory):
 
 def _compare(rank, world_size, save):
     from megatron_csbp.data.megatron_data import build_tokenizer
-    from megatron_csbp.generate import BlockDiffusionSampler, load_for_generation
+    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
     model, margs, step = load_for_generation(save)
     tok = build_tokenizer("SentencePieceTokenizer", None, None)
     prompt = tok.tokenize("The for statement is used to iterate")
-    out = {}
-    logits = {}
+    out, logits = {}, {}
     for cache in (True, False):
         s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod,
-                                  margs["block_size"], kv_cache=cache)
+                                  margs["block_size"], use_cache=cache)
         out[cache] = s.generate(prompt, 20, max_length=32)
+        out[cache, "threshold"] = s.generate(prompt, 20, max_length=32, threshold=0.05)
         # Logits of one denoising step of block 1 with the first 10 tokens clean.
         toks = (prompt * 3)[:8] + [margs["mask_token_id"]] * 8
         from megatron_csbp.layout.masks import BlockGeometry
@@ -67,6 +69,8 @@ def test_kv_cache_matches_recompute(checkpoint):
     assert torch.allclose(r["logits"][True], r["logits"][False], rtol=1e-4, atol=1e-5)
     assert r["out"][True] == r["out"][False]
     assert 0 < len(r["out"][True]) <= 20
+    # Fast-dLLM's threshold: the same tokens with and without the cache
+    assert r["out"][True, "threshold"] == r["out"][False, "threshold"] and len(r["out"][True, "threshold"]) > 0
 
 
 def _api_text(rank, world_size, save, prompt_text):
@@ -95,16 +99,20 @@ def test_cli(checkpoint):
     expected = run_distributed(_api_text, 1, checkpoint, "The if statement")[0]
     assert expected.startswith("The if statement")
     assert "\n".join(lines[1:]) == expected
+    bad = subprocess.run([sys.executable, "-m", "megatron_csbp.generate", "--load", checkpoint, "--prompt", "x",
+                          "--threshold", "1.5"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert bad.returncode == 2 and "--threshold must be in (0, 1], got 1.5" in bad.stderr
 
 
 def _generate_ids(rank, world_size, save):
-    from megatron_csbp.generate import BlockDiffusionSampler, load_for_generation
+    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
 
     model, margs, step = load_for_generation(save)
     out = {}
     for cache in (True, False):
         s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], margs["eod_token_id"],
-                                  margs["block_size"], kv_cache=cache)
+                                  margs["block_size"], use_cache=cache)
         out[cache] = s.generate([5, 6, 7, 8, 9], 12, max_length=32)
         for m in model.modules():  # unwrap for the next sampler
             if hasattr(m, "core_attention") and hasattr(m.core_attention, "inner"):
@@ -132,13 +140,25 @@ def test_converted_model_trained_as_bd3lm_generates_and_other_objectives_are_ref
     assert r["out"][True] == r["out"][False] and 0 < len(r["out"][True]) <= 12
     assert r["qk_norm"]  # Qwen3's QK-norm: the model came from the shape file, not from flags
     assert "checkpoint objective is 'ar'" in r["refusal"]
+    # --mock-data trains with a NullTokenizer: --prompt takes ids, and says so when given words
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megatron_csbp.generate", "--load", save]
+    bad = subprocess.run(cmd + ["--prompt", "hello"], capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 2 and "this checkpoint has a NullTokenizer" in bad.stderr and "--prompt '5 17 42'" in bad.stderr
+    ok = subprocess.run(cmd + ["--prompt", "5 6 7", "--max-new-tokens", "8", "--output", str(tmp_path / "ids.npy")],
+                        capture_output=True, text=True, timeout=300, env=env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    import numpy as np
+
+    ids = np.load(tmp_path / "ids.npy")
+    assert ids.shape[0] == 1 and 3 < ids.shape[1] <= 11 and ids[0, :3].tolist() == [5, 6, 7]
 
 
 def _train_generate_refuse(rank, world_size, base, save, ar):
     import torch.distributed as dist
 
     from megatron_csbp import parallel_state as bps
-    from megatron_csbp.generate import load_for_generation
+    from megatron_csbp.generation.bd3lm import load_for_generation
 
     train_rank(rank, world_size, base + ["--train-iters", "1", "--mask-token-id", "127", "--save", save])
     out = _generate_ids(rank, world_size, save)

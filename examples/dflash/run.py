@@ -17,7 +17,9 @@ transformers' own DFlash decoding.
 6. `python -m megatron_csbp.dflash evaluate`: prompts from the last --eval-sequences corpus
    documents (held out from the drafter's data) decoded greedily by the verifier
    alone and with `generate(..., assistant_model=drafter)` (speculation_type "dflash"); prints
-   whether the outputs are identical and the mean tokens per verifier step.
+   whether the outputs are identical and the mean tokens per verifier step, beside the training-time
+   estimate (expected acceptance length) on the last --eval-sequences captured sequences, which
+   the drafter's training held out.
 """
 from __future__ import annotations
 
@@ -166,13 +168,14 @@ def main(argv=None):
         "--ffn-hidden-size", "192", "--block-size", "8", "--mask-token-id", "4",
         "--context-parallel-size", "2", "--block-parallel-size", "2", "--train-iters", str(a.drafter_steps),
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "20", "--dflash-max-anchors", "64",
-        "--log-interval", "10", "--save", drafter, world=2)
+        "--log-interval", "10", "--eval-sequences", str(a.eval_sequences), "--save", drafter, world=2)
     hf_drafter = os.path.join(w, "drafter_hf")
     run("megatron_csbp.dflash", "export", "--load", drafter, "--output", hf_drafter)
     out = os.path.join(w, "evaluate.json")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "megatron_csbp.dflash", "evaluate", "--verifier", verifier, "--drafter", hf_drafter,
-           "--prompts-data-path", prefix, "--eval-sequences", str(a.eval_sequences), "--prompt-length",
+           "--prompts-data-path", prefix, "--features-path", features, "--eval-sequences", str(a.eval_sequences),
+           "--prompt-length",
            str(a.prompt_length), "--max-new-tokens",
            str(a.max_new_tokens)]
     print("$", " ".join(cmd[1:]), flush=True)

@@ -53,8 +53,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from megatron_csbp.conversion import api
 
+    from megatron_csbp.conversion import drafter
+
     try:
-        if args.command == "hf-to-megatron":
+        if args.command == "hf-to-megatron" and drafter.is_hf_drafter(args.hf_path):
+            d = drafter.hf_to_megatron_drafter(args.hf_path, args.output, args.dtype)
+            print(f"converted a DFlash drafter ({drafter.HF_MODEL_TYPE}: {d.num_layers} layers, hidden {d.hidden_size}, "
+                  f"block {d.block_size}, target layers {d.target_layer_ids}) -> {args.output}")
+            print("train it with: python -m megatron_csbp.dflash train --load " + args.output + " --features-path ...")
+        elif args.command == "megatron-to-hf" and drafter.is_drafter_checkpoint(args.load):
+            drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype)
+            print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
+        elif args.command == "hf-to-megatron":
             shape = api.hf_to_megatron_checkpoint(args.hf_path, args.output, args.dtype)
             source = f" from {shape.diffusion_gemma['source']}" if shape.diffusion_gemma else ""
             print(f"converted {shape.family}{source} ({shape.num_layers} layers, hidden {shape.hidden_size}, "

@@ -57,6 +57,9 @@ class DrafterShape:
     #: Hugging Face `sliding_window`: a draft row at p sees context positions >= p - sliding_window
     sliding_window: int = 2048
     hf_extra: Dict = field(default_factory=dict)  # ids (bos/eos/pad) passed through to the export
+    #: Hugging Face `rope_parameters` of a scaled rotary (rope_type linear / llama3 / ...), verbatim;
+    #: empty: the default rotary with `rotary_base`
+    rope_parameters: Dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -68,6 +71,27 @@ class DrafterShape:
                              f"num_key_value_heads {self.num_query_groups}")
         if not self.target_layer_ids:
             raise ValueError("--target-layer-ids must name at least one verifier layer")
+        if self.rope_parameters.get("rope_type", "default") != "default":
+            self.scaled_inv_freq()  # refuses what the drafter cannot reproduce, before any weight moves
+
+    def scaled_inv_freq(self) -> Optional[torch.Tensor]:
+        """The rotary inverse frequencies of a scaled `rope_type`, from transformers' own
+        `ROPE_INIT_FUNCTIONS` (None for the default rotary). Refused: types whose frequencies
+        change with the sequence length (`dynamic`) or that scale attention (YaRN / LongRoPE with
+        an attention factor other than 1), which the drafter's rotary does not apply."""
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            return None
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not supported for the drafter (default, "
+                             "linear, llama3, or another static scaling without attention factor)")
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config(), None)
+        if float(attention_factor) != 1.0:
+            raise ValueError(f"rope_parameters.rope_type {rope_type!r} scales attention by {float(attention_factor)}: "
+                             "not supported for the drafter (attention factor 1 only)")
+        return inv_freq.float()
 
     @property
     def context_width(self) -> int:
@@ -82,9 +106,7 @@ class DrafterShape:
     def from_hf_config(cfg: Dict) -> "DrafterShape":
         if cfg.get("model_type") != HF_MODEL_TYPE:
             raise ValueError(f"not a {HF_MODEL_TYPE} config (model_type {cfg.get('model_type')!r})")
-        rope = cfg.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported for the drafter (default only)")
+        rope = dict(cfg.get("rope_parameters") or {})
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
         heads = int(cfg["num_attention_heads"])
@@ -99,6 +121,7 @@ class DrafterShape:
             layer_types=list(cfg["layer_types"]) if cfg.get("layer_types") else None,
             sliding_window=int(cfg.get("sliding_window") or 2048),
             hf_extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
+            rope_parameters=rope if rope.get("rope_type", "default") != "default" else {},
         )
 
     def hf_config(self):
@@ -108,7 +131,7 @@ class DrafterShape:
             hidden_size=self.hidden_size, intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
             head_dim=self.kv_channels, rms_norm_eps=self.norm_epsilon,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rotary_base},
+            rope_parameters=dict(self.rope_parameters) or {"rope_type": "default", "rope_theta": self.rotary_base},
             max_position_embeddings=self.max_position_embeddings, sliding_window=self.sliding_window,
             layer_types=list(self.layer_types), block_size=self.block_size, mask_token_id=self.mask_token_id,
             target_layer_ids=list(self.target_layer_ids), **self.hf_extra,
@@ -209,6 +232,9 @@ class DFlashDrafter(torch.nn.Module):
         self.final_norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
         self.rotary = RotaryEmbedding(shape.kv_channels, rotary_percent=1.0, rotary_base=shape.rotary_base,
                                       use_cpu_initialization=True)
+        scaled = shape.scaled_inv_freq()
+        if scaled is not None:  # a scaled rope_type: transformers' frequencies in Megatron's table
+            self.rotary.inv_freq = scaled.to(self.rotary.inv_freq.device)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """features [c, b, len(target_layer_ids) * h] -> projected context [c, b, h]."""
@@ -356,7 +382,8 @@ class DFlashTrainingModel(torch.nn.Module):
         return t
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0) -> DFlashLoss:
+                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0,
+                with_acceptance: bool = False) -> DFlashLoss:
         """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
         rows are read), tokens / loss_mask / doc_ids [L]."""
         from megatron_csbp.objectives.dflash import document_starts, streamed_cross_entropy
@@ -391,6 +418,15 @@ class DFlashTrainingModel(torch.nn.Module):
         ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
         num, den, metrics = self.objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
                                                       sup.view(-1, B), reduce=self._reduce)
+        if with_acceptance:  # this rank's blocks: metrics["acceptance_counts"], summed over blocks
+            from megatron_csbp.objectives.dflash import acceptance_counts, streamed_argmax
+
+            pred = torch.full_like(targets, -1)
+            if len(idx):
+                pred[idx] = streamed_argmax(hidden.index_select(0, idx).detach(), self.lm_head,
+                                            self.objective.vocab_chunk)
+            metrics = dict(metrics, acceptance_counts=acceptance_counts((pred == targets).view(-1, B).cpu(),
+                                                                         sup.view(-1, B).cpu()))
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)

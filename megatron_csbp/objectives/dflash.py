@@ -307,3 +307,42 @@ def streamed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: to
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= head.shape[0]):
         raise ValueError(f"targets outside the vocabulary [0, {head.shape[0]})")
     return _StreamedCE.apply(hidden, head, targets.long(), int(chunk))
+
+
+# ---- training-time acceptance ----------------------------------------------------------------------
+
+def streamed_argmax(hidden: torch.Tensor, head: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """[n] argmax over the vocabulary of hidden [n, h] @ head[V, h].T, chunk by chunk (peak extra
+    memory n x chunk; ties go to the lowest id, as torch.argmax)."""
+    best = torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
+    arg = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for lo in range(0, head.shape[0], chunk):
+        logits = (hidden @ head[lo:lo + chunk].T).float()
+        v, i = logits.max(dim=1)
+        better = v > best
+        best, arg = torch.where(better, v, best), torch.where(better, i + lo, arg)
+    return arg
+
+
+def acceptance_counts(correct: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
+    """float64 [2, B - 1] of draft blocks (rows of `correct` / `supervised`, bool [A, B]; slot 0
+    is the anchor): row 0, for offset k = 1..B-1, the blocks whose slots 1..k are all supervised
+    and right; row 1, the blocks whose slots 1..k-1 are right and whose slot k is supervised.
+    Sums over blocks, ranks and sequences, so they are reduced by addition."""
+    ok = (correct & supervised)[:, 1:].long()
+    prefix = ok.cumprod(dim=1)  # slots 1..k all right
+    before = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=1)  # slots 1..k-1 right
+    return torch.stack([prefix.sum(0), (before * supervised[:, 1:].long()).sum(0)]).double()
+
+
+def acceptance_from_counts(counts: torch.Tensor) -> Tuple[list, float]:
+    """(per-offset accuracy a_k = P(slot k right | slots 1..k-1 right), the expected acceptance
+    length tau = 1 + sum_k prod_{j <= k} a_j) from summed `acceptance_counts`.
+
+    tau is what one verifier step yields under greedy verification if every step drafted from an
+    anchor drawn like the evaluated ones and the verifier's token equalled the data's: the accepted
+    prefix length (slot k is accepted when slots 1..k are right) plus the verifier's own token.
+    An offset no block reaches has a_k = 0."""
+    num, den = counts[0], counts[1]
+    acc = torch.where(den > 0, num / den.clamp_min(1), torch.zeros_like(num))
+    return acc.tolist(), float(1.0 + torch.cumprod(acc, 0).sum())

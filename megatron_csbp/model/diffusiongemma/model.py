@@ -87,6 +87,9 @@ class DiffusionGemmaModel(GPTModel):
         )
         self.rotary_pos_emb = GemmaRotaryTables(config, cp_group=self.pg_collection.cp)
         self._pending_sc = None
+        #: None: soft-cap in at least fp32 (training); a dtype: cast the logits to it, then cap, in
+        #: Hugging Face's order (decoding an fp64 model reproduces transformers' fp32 logits)
+        self.softcap_dtype: Optional[torch.dtype] = None
         if pre_process and config.self_conditioning:
             self.self_conditioning_norm = GemmaRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
             self.self_conditioning_mlp = MLP(
@@ -99,7 +102,10 @@ class DiffusionGemmaModel(GPTModel):
     # ---- logits ----------------------------------------------------------------------------------
     def _softcap_hook(self, module, args, output):
         logits, bias = output
-        return _SoftCap.apply(logits, float(self.config.final_logit_softcapping)), bias
+        cap = float(self.config.final_logit_softcapping)
+        if self.softcap_dtype is not None:
+            return torch.tanh(logits.to(self.softcap_dtype) / cap) * cap, bias
+        return _SoftCap.apply(logits, cap), bias
 
     # ---- embedding -------------------------------------------------------------------------------
     @property

@@ -1,0 +1,87 @@
+"""DFlash drafters (`muse_glimmer_assistant`, transformers' `MuseGlimmerAssistantModel`) both ways:
+
+    python -m megatron_csbp.convert hf-to-megatron --hf-path DRAFTER_HF --output DRAFTER
+    python -m megatron_csbp.convert megatron-to-hf --load DRAFTER --output DRAFTER_HF
+
+A drafter is not a GPT model of the family registry: the Megatron side is `model.dflash.DFlashDrafter`
+and its checkpoint is the one `python -m megatron_csbp.dflash train --save` writes
+(`drafter.pt`: the drafter's state dict; `megatron_csbp_drafter.json`: its `DrafterShape`), so an
+imported drafter continues training with `dflash train --load DRAFTER`. Every config field maps
+(`DrafterShape.from_hf_config` / `hf_config`): sizes, `target_layer_ids`, `block_size`,
+`mask_token_id`, `sliding_window`, `layer_types`, `rms_norm_eps`, `rope_parameters` (scaled types
+through transformers' `ROPE_INIT_FUNCTIONS`), `max_position_embeddings`, bos/eos/pad ids; QK-norm is
+part of the architecture (no flag). Weights map one to one except k/v (Megatron's fused [k | v] per
+query group) and gate/up (`linear_fc1`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megatron_csbp.model.dflash import HF_MODEL_TYPE, SHAPE_FILE, DrafterShape
+
+WEIGHTS_FILE = "drafter.pt"
+
+
+def is_hf_drafter(hf_path: str) -> bool:
+    path = os.path.join(hf_path, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("model_type") == HF_MODEL_TYPE
+
+
+def is_drafter_checkpoint(load: str) -> bool:
+    return os.path.isfile(os.path.join(load, SHAPE_FILE))
+
+
+def save_drafter(state, shape: DrafterShape, output: str) -> None:
+    """Write a drafter checkpoint (atomically: a temporary file renamed)."""
+    os.makedirs(output, exist_ok=True)
+    if os.path.exists(os.path.join(output, WEIGHTS_FILE)):
+        raise FileExistsError(f"{output} already holds a drafter: choose a new --output")
+    tmp = os.path.join(output, WEIGHTS_FILE + ".tmp")
+    torch.save({k: v.contiguous().clone() for k, v in state.items()}, tmp)
+    with open(os.path.join(output, SHAPE_FILE), "w") as f:
+        f.write(shape.to_json())
+    os.replace(tmp, os.path.join(output, WEIGHTS_FILE))
+
+
+def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShape:
+    """A `MuseGlimmerAssistantModel` folder -> a drafter checkpoint `dflash train --load` reads."""
+    from megatron_csbp.conversion import hf_io
+    from megatron_csbp.model.dflash import hf_to_megatron_state
+
+    cfg = hf_io.read_config(hf_path)
+    shape = DrafterShape.from_hf_config(cfg)
+    tensors = hf_io.read_tensors(hf_path)
+    state = hf_to_megatron_state(shape, tensors)
+    used = {"encoder.fc.weight", "encoder.output_norm_enc.weight", "norm.weight"} | {
+        f"layers.{i}.{n}" for i in range(shape.num_layers) for n in (
+            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"{hf_path}: tensors the drafter has no place for: {unused[:8]}")
+    if dtype is not None:
+        from megatron_csbp.model.families import DTYPES
+
+        state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+    save_drafter(state, shape, output)
+    return shape
+
+
+def megatron_to_hf_drafter(load: str, output: str, dtype=None) -> DrafterShape:
+    """A drafter checkpoint (imported, or saved by `dflash train`) -> a `MuseGlimmerAssistantModel` folder."""
+    from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.dflash import load_drafter
+    from megatron_csbp.model.dflash import export_hf_drafter
+    from megatron_csbp.model.families import DTYPES
+
+    with single_process_megatron():
+        model = load_drafter(load)
+        export_hf_drafter(model, output, DTYPES[dtype] if dtype else torch.float32)
+    return model.shape

@@ -1,0 +1,149 @@
+"""BD3-LM decoding from a checkpoint written by `python -m megatron_csbp.train`.
+
+Block by block, left to right. The prompt fills the first positions; every later position starts
+as the mask token. For the current block the model sees the block's noisy rows (known tokens and
+masks) and the clean prefix before it. Each step draws a token for every masked position (argmax at
+temperature 0, else a sample at `temperature`; the mask token is excluded) and fixes some of them:
+
+- `steps_per_block` S (default B): ceil(masked / steps left) positions per step, the most
+  confident (`order="confidence"`: largest probability of the drawn token) or uniformly drawn ones
+  (`order="random"`: MDLM's ancestral order);
+- `threshold` tau (Fast-dLLM's confidence-aware parallel decoding): every masked position whose
+  drawn token has probability >= tau, and the single most confident one when none has; a block
+  then takes as many steps as it needs (at most B) and `steps_per_block` / `order` are unused.
+
+A block is final when it has no mask left; it becomes clean context. Decoding stops after the
+block in which EOD appears (the text is cut at EOD) or at `max_new_tokens`.
+
+With `kv_cache` (default) the clean prefix runs once (`generation.kv_cache`): a step is one forward
+of the B noisy rows of the current block against cached clean K/V. Without it every step runs the
+training forward over [block's noisy rows ; whole clean prefix] (same logits up to float rounding;
+tests/test_generate.py checks the tokens are the same).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+
+from megatron_csbp.generation import kv_cache
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+
+ORDERS = ("confidence", "random")
+
+
+class BlockDiffusionSampler:
+    def __init__(self, bdlm, vocab_size: int, mask_token_id: int, eod: int, block_size: int,
+                 use_cache: bool = True):
+        self.bdlm, self.gpt = bdlm, bdlm.gpt
+        self.V, self.mask_id, self.eod, self.B = vocab_size, mask_token_id, eod, block_size
+        self.kv_cache = use_cache
+        self.state = kv_cache.CacheState()
+        kv_cache.install(self.gpt, self.state)
+        self.forward_calls = 0
+
+    # -- model calls ---------------------------------------------------------------------------
+    def _run(self, ids: torch.Tensor, rows: RowMeta) -> torch.Tensor:
+        """Logits of `rows` (their noisy rows; every row when all are clean) fed with `ids`."""
+        from megatron_csbp.attention.block_attention import AttentionPlan
+
+        self.forward_calls += 1
+        return self.bdlm.logits(ids[None], AttentionPlan(self.state.geometry, rows))[0]
+
+    def _clean_rows(self, tokens: List[int], start: int, end: int) -> None:
+        """Append clean positions [start, end) to the KV cache."""
+        if end <= start:
+            return
+        self.state.mode = "extend"
+        self.state.rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
+        self._run(torch.tensor(tokens[start:end]), self.state.rows)
+
+    def block_logits(self, tokens: List[int], block: int) -> torch.Tensor:
+        """Logits [B, V] of the noisy rows of `block` given the clean prefix tokens[: block*B]."""
+        B = self.B
+        noisy_pos = torch.arange(block * B, (block + 1) * B)
+        noisy_ids = torch.tensor(tokens[block * B:(block + 1) * B])
+        if self.kv_cache:
+            self.state.mode = "decode"
+            self.state.rows = RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long))
+            return self._run(noisy_ids, self.state.rows)
+        self.state.mode = "off"
+        clean_pos = torch.arange(block * B)
+        rows = RowMeta.of(noisy_pos, clean_pos)
+        ids = torch.cat([noisy_ids, torch.tensor(tokens[: block * B], dtype=torch.long)])
+        return self._run(ids, rows)
+
+    # -- decoding ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt: List[int], max_new_tokens: int, steps_per_block: Optional[int] = None,
+                 temperature: float = 0.0, seed: int = 0, max_length: Optional[int] = None,
+                 order: str = "confidence", threshold: Optional[float] = None) -> List[int]:
+        if order not in ORDERS:
+            raise ValueError(f"--unmask-order must be one of {ORDERS}, got {order!r}")
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"--threshold must be in (0, 1], got {threshold}")
+        B = self.B
+        total = len(prompt) + max_new_tokens
+        if max_length is not None:
+            total = min(total, max_length)
+        if total <= len(prompt):
+            return []
+        n_blocks = math.ceil(total / B)
+        length = n_blocks * B
+        self.state.reset(BlockGeometry(length, B, self.bdlm.layout.geometry.clean_attention))
+        tokens = list(prompt) + [self.mask_id] * (length - len(prompt))
+        steps = B if threshold is not None else (steps_per_block or B)
+        g = torch.Generator().manual_seed(seed)
+        first = len(prompt) // B
+        if self.kv_cache:
+            self._clean_rows(tokens, 0, first * B)
+        generated_end = length
+        for block in range(first, n_blocks):
+            lo = block * B
+            for step in range(steps):
+                masked = [p for p in range(lo, lo + B) if tokens[p] == self.mask_id and p >= len(prompt)]
+                if not masked:
+                    break
+                logits = self.block_logits(tokens, block).float()[:, : self.V]
+                logits[:, self.mask_id] = float("-inf")
+                idx = torch.tensor([p - lo for p in masked])
+                probs = torch.softmax(logits[idx] / temperature, -1) if temperature > 0 else \
+                    torch.softmax(logits[idx], -1)
+                if temperature > 0:
+                    pred = torch.multinomial(probs, 1, generator=g)[:, 0]
+                else:
+                    pred = probs.argmax(-1)
+                confidence = probs.gather(1, pred[:, None])[:, 0]
+                if threshold is not None:  # Fast-dLLM: all confident positions, at least the best one
+                    chosen = torch.nonzero(confidence >= threshold)[:, 0].tolist() or [int(confidence.argmax())]
+                elif order == "random":  # MDLM's ancestral order: any masked position is equally likely
+                    chosen = torch.randperm(len(masked), generator=g)[:math.ceil(len(masked) / (steps - step))].tolist()
+                else:
+                    chosen = torch.topk(confidence, math.ceil(len(masked) / (steps - step))).indices.tolist()
+                for j in chosen:
+                    tokens[masked[j]] = int(pred[j])
+            block_tokens = tokens[lo:lo + B]
+            new = [t for p, t in zip(range(lo, lo + B), block_tokens) if p >= len(prompt)]
+            if self.eod in new:
+                generated_end = lo + block_tokens.index(self.eod, max(0, len(prompt) - lo))
+                break
+            if self.kv_cache:
+                self._clean_rows(tokens, lo, lo + B)
+        self.state.mode = "off"
+        return tokens[len(prompt):min(generated_end, total)]
+
+
+def load_for_generation(load: str, ckpt_step: Optional[int] = None):
+    """Build a TP = CP = BP = 1 model from the checkpoint's saved hyper-parameters and load it."""
+    from megatron_csbp.training.trainer import load_model
+
+    def decodable(margs) -> None:
+        if margs.get("objective") != "bd3lm":
+            # Fast-dLLM v2 decodes with a token shift: not this sampler. Checked before building the model.
+            raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler "
+                             "decodes BD3-LM (--objective bd3lm) checkpoints and DiffusionGemma models. Export others "
+                             "with `python -m megatron_csbp.convert megatron-to-hf` and generate with their Hugging "
+                             "Face model")
+
+    return load_model(load, ckpt_step, decodable)

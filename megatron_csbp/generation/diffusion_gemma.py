@@ -1,0 +1,226 @@
+"""DiffusionGemma decoding with transformers' own sampler, on the project's Megatron model.
+
+`DiffusionGemmaSampler.generate` is the loop of transformers 5.24's
+`DiffusionGemmaForBlockDiffusion.generate` (`models/diffusion_gemma/generation_diffusion_gemma.py`),
+with the model forward replaced by the Megatron `DiffusionGemmaModel` and its clean-prefix KV cache
+(`generation.kv_cache`). The sampler's parts are transformers' classes, not copies:
+`DiffusionGemmaGenerationConfig` (defaults: `max_new_tokens` 256, `max_denoising_steps` 48,
+`EntropyBoundSamplerConfig(entropy_bound=0.1)`, `t_min` 0.4, `t_max` 0.8, `stability_threshold`
+1, `confidence_threshold` 0.005; a checkpoint's `generation_config.json` overrides them, flags
+override both), `EntropyBoundSampler` (random canvas, entropy-bound acceptance, uniform re-noising),
+`LinearTemperatureScheduleLogitsProcessor`, `StableAndConfidentStoppingCriteria`,
+`EosTokenCriteria` / `MaxLengthCriteria`. Per canvas of C = `canvas_length` tokens:
+
+1. the tokens not yet cached (the prompt, then the previous canvas) run once as clean rows
+   (Hugging Face's encoder stream: token-causal, sliding window on sliding layers);
+2. canvas = C uniform random ids; for step n = N .. 1 (N = max_denoising_steps): the canvas rows
+   (at positions s .. s + C - 1, s = tokens so far) attend to the cached clean rows and to the
+   whole canvas, with the previous step's temperature-scaled logits as self-conditioning; logits
+   / T(n) (T(n) = t_min + (t_max - t_min) n / N, n as an int32 tensor as transformers has it);
+   a token per position is drawn from the softmax (`torch.multinomial`); positions are accepted
+   lowest entropy first while sum(entropy) - max(entropy) <= entropy_bound; the rest are re-drawn
+   uniformly; a row stops once its argmax canvas is unchanged for `stability_threshold` steps and
+   its mean entropy is below `confidence_threshold`;
+3. the argmax canvas of the last step is appended; rows that produced EOS stop (tokens after it,
+   and later canvases, become `pad_token_id` when it is set).
+
+The random draws are transformers' draws in transformers' order, from torch's global generator:
+after `torch.manual_seed(S)` the same weights, prompt and settings give the same tokens as
+transformers' `generate` after `torch.manual_seed(S)` (tests/test_generate_diffusiongemma.py),
+up to decisions closer than float rounding of the logits (none seen).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Optional
+
+import torch
+
+from megatron_csbp.generation import kv_cache
+from megatron_csbp.layout.masks import BlockGeometry, RowMeta
+
+#: the DiffusionGemmaGenerationConfig fields the CLI sets (flag = field name with dashes)
+KNOBS = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+
+
+def _hf():
+    try:
+        from transformers.models.diffusion_gemma import generation_diffusion_gemma as g
+    except ImportError as exc:  # pragma: no cover - transformers is in the CPU requirements
+        raise ImportError("DiffusionGemma decoding uses transformers' sampler: pip install 'transformers>=5.24'") from exc
+    return g
+
+
+def generation_config(assets_dir: Optional[str] = None, **overrides):
+    """transformers' resolution: the checkpoint's `generation_config.json` (in `assets_dir`), then
+    the global defaults for what it leaves unset, then `overrides` (None = not given)."""
+    g = _hf()
+    path = os.path.join(assets_dir, "generation_config.json") if assets_dir else None
+    base = g.DiffusionGemmaGenerationConfig.from_pretrained(assets_dir) if path and os.path.isfile(path) \
+        else g.DiffusionGemmaGenerationConfig()
+    cfg = copy.deepcopy(base)
+    cfg.update(**cfg._get_default_generation_params(), defaults_only=True)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "entropy_bound" in given:
+        given["sampler_config"] = g.EntropyBoundSamplerConfig(entropy_bound=float(given.pop("entropy_bound")))
+    unused = cfg.update(**given)
+    if unused:
+        raise ValueError(f"unknown DiffusionGemma generation settings {sorted(unused)}")
+    cfg.validate()
+    return cfg
+
+
+class DiffusionGemmaSampler:
+    """Decodes with a Megatron `DiffusionGemmaModel` (TP = CP = EP = 1, eval mode)."""
+
+    def __init__(self, gpt, canvas_length: int):
+        from megatron_csbp.layout.layout import SequenceLayout
+        from megatron_csbp.model.bdlm import BlockDiffusionModel
+        from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
+
+        self.gpt, self.C, self.V = gpt, int(canvas_length), int(gpt.vocab_size)
+        # Logits only: the objective's noise and loss are never used here.
+        layout = SequenceLayout(BlockGeometry(self.C, self.C, "token_causal"))
+        self.bdlm = BlockDiffusionModel(gpt, DiffusionGemmaSFTObjective(self.C, self.V), layout)
+        self.state = kv_cache.CacheState()
+        if getattr(gpt.config, "final_logit_softcapping", None):
+            gpt.softcap_dtype = torch.float32  # transformers: logits.to(float32), then the cap
+        if kv_cache.install(gpt, self.state) == 0:
+            raise ValueError("the model has no block-diffusion attention to decode with")
+        self.forward_calls = 0
+        self._shift = 0
+
+    # -- model calls ---------------------------------------------------------------------------
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, clean: bool, sc_logits=None) -> Optional[torch.Tensor]:
+        from megatron_csbp.attention.block_attention import AttentionPlan
+
+        empty = torch.zeros(0, dtype=torch.long)
+        rows = RowMeta.of(empty, positions) if clean else RowMeta.of(positions, empty)
+        self.state.mode = "extend" if clean else "decode"
+        self.state.rows = RowMeta(rows.is_clean, rows.position + self._shift)
+        self.forward_calls += 1
+        plan = AttentionPlan(self.state.geometry, rows)
+        with self.gpt.self_conditioning_inputs(sc_logits):
+            # clean rows: no logits wanted (an empty selection skips the output layer's rows)
+            out = self.bdlm.logits(ids, plan, logit_rows=empty if clean else None)
+        return None if clean else out
+
+    def extend(self, ids: torch.Tensor, start: int) -> None:
+        """Run tokens [b, n] at positions start .. start + n - 1 as clean rows into the cache."""
+        if ids.shape[1]:
+            self._run(ids, torch.arange(start, start + ids.shape[1]), clean=True)
+
+    def canvas_logits(self, canvas: torch.Tensor, start: int, sc_logits: Optional[torch.Tensor]) -> torch.Tensor:
+        """fp32 logits [b, C, V] of the canvas at positions start .. start + C - 1 (Hugging Face
+        casts the output layer's logits to fp32, then soft-caps)."""
+        return self._run(canvas, torch.arange(start, start + self.C), clean=False, sc_logits=sc_logits).float()
+
+    # -- decoding ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, config, max_new_tokens: Optional[int] = None) -> torch.Tensor:
+        """[b, P] prompt ids -> [b, P + canvases x C] (transformers' `sequences`); draws from torch's
+        global generator. `config`: a resolved `DiffusionGemmaGenerationConfig` (`generation_config`)."""
+        g = _hf()
+        from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+        input_ids = input_ids.long()
+        b, P = input_ids.shape
+        if P == 0:
+            raise ValueError("--prompt-ids: the prompt must hold at least one token (DiffusionGemma decodes after a "
+                             "clean prefix)")
+        C, N = self.C, config.max_denoising_steps
+        # transformers' _prepare_generated_length: max_new_tokens wins unless it is the default
+        # and max_length is set
+        new = max_new_tokens if max_new_tokens is not None else config.max_new_tokens
+        if max_new_tokens is None and config.max_length and new == 256:
+            new = config.max_length - P
+        canvases = math.ceil(new / C)
+        self._shift = (-P) % C  # canvases on block boundaries of the mask's positions
+        self.state.reset(BlockGeometry(self._shift + P + canvases * C, C, "token_causal"))
+        self.forward_calls = 0
+
+        sampler = g.EntropyBoundSampler(config.sampler_config, C, self.V, N)
+        processors = []
+        if config.t_min is not None and config.t_max is not None:
+            processors.append(g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N))
+        stopping = StoppingCriteriaList()
+        if config.max_length is not None:
+            stopping.append(MaxLengthCriteria(config.max_length))
+        if config.eos_token_id is not None:
+            stopping.append(EosTokenCriteria(config.eos_token_id))
+        adaptive = None
+        if config.stability_threshold is not None and config.confidence_threshold is not None:
+            adaptive = g.StableAndConfidentStoppingCriteria(config.stability_threshold, config.confidence_threshold)
+        eos = torch.tensor(config.eos_token_id) if config.eos_token_id is not None else None
+        emb_dtype = self.gpt.embedding.word_embeddings.weight.dtype
+
+        finished = torch.zeros(b, dtype=torch.bool)
+        self.denoising_steps = torch.zeros(b, dtype=torch.int)
+        cached = 0
+        for _ in range(canvases):
+            self.extend(input_ids[:, cached:], cached)  # 1.a: the new clean tokens
+            cached = s = input_ids.shape[1]
+            canvas = sampler.initialize_canvas(b, input_ids.device)  # 1.b
+            argmax, sc = canvas, None
+            done = torch.zeros(b, dtype=torch.bool)
+            if adaptive is not None:
+                adaptive.reset()
+            for cur in reversed(range(1, N + 1)):  # 1.c
+                self.denoising_steps += ~(done | finished)
+                step = torch.tensor(cur, dtype=torch.int32)
+                logits = self.canvas_logits(canvas, s, sc)
+                for proc in processors:
+                    logits = proc(input_ids, logits, cur_step=step)
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+                drawn = torch.multinomial(probs.view(-1, self.V), num_samples=1).view(b, C)
+                new_argmax = torch.argmax(logits, dim=-1)
+                accepted = sampler.accept_canvas(canvas, drawn, logits, step)
+                new_canvas = sampler.renoise_canvas(accepted, step)
+                if adaptive is not None:
+                    if done.any():
+                        new_argmax = torch.where(done[:, None], argmax, new_argmax)
+                        new_canvas = torch.where(done[:, None], canvas, new_canvas)
+                        logits = torch.where(done[:, None, None], sc, logits)
+                    done |= adaptive(new_argmax, logits)
+                canvas, argmax, sc = new_canvas, new_argmax, logits.to(emb_dtype)
+                if bool(done.all()):
+                    break
+            input_ids = torch.cat([input_ids, argmax], dim=-1)  # 1.d
+            # 1.e: transformers' _finalize_canvas
+            this = stopping(input_ids, None, new_token_length=C)
+            previously = finished
+            finished = previously | this
+            if config.pad_token_id is not None and bool(finished.any()):
+                input_ids[previously, -C:] = config.pad_token_id
+                if eos is not None and bool(this.any()):
+                    tail = input_ids[:, -C:]
+                    is_eos = torch.isin(tail, eos)
+                    count = is_eos.cumsum(dim=-1)
+                    tail[(count > 0) & ~((count == 1) & is_eos)] = config.pad_token_id
+            if bool(finished.all()):
+                break
+        self.state.mode = "off"
+        return input_ids
+
+
+def assets_dir(load: str) -> Optional[str]:
+    """The `hf_assets/` folder saved with a converted (or trained) checkpoint, if any."""
+    from megatron_csbp.conversion.checkpoint import ASSETS_DIR, resolve_checkpoint_dir
+
+    for d in (load, resolve_checkpoint_dir(load)):
+        p = os.path.join(d, ASSETS_DIR)
+        if os.path.isdir(p):
+            return p
+    return None
+
+
+def canvas_length(shape) -> int:
+    """The checkpoint's Hugging Face `canvas_length` (transformers' default when absent)."""
+    value = shape.hf_config.get("canvas_length")
+    if value is None:
+        from transformers import DiffusionGemmaConfig
+
+        value = DiffusionGemmaConfig().canvas_length
+    return int(value)
