@@ -21,7 +21,7 @@ piece's share of the merged softmax, the ring-attention identity). The partial's
 gradient of its own: dS = P * (dP - D + dlse) with D = rowsum(dO * O). The CPU backward computes
 D itself from the `out` it is given, so it is given out' with rowsum(dO * out') = D - dlse: per
 row, out' = out - (dlse / dO_j) e_j at j = argmax |dO| (exact up to one rounding of dlse; with
-dlse from a merge, |dlse / dO_j| <= 2 d max|v|). Rows where that is undefined (dO row zero or the
+dlse from a merge, |dlse / dO_j| <= 2 d max|v|), made per piece for the piece's rows only. Rows where that is undefined (dO row zero or the
 ratio overflowing, only when the lse is used other than by a merge) are taken out of the flash
 pieces and recomputed by the tiled backward, which takes dlse directly.
 
@@ -44,6 +44,11 @@ from megatron_csbp.utils.precision import compute_dtype
 
 Rows = Union[slice, torch.Tensor]
 
+# A sequence whose keys lie in at most this many contiguous ranges of key rows runs as one call
+# per range (views, merged by lse) instead of gathering its keys: gathered or ring-received
+# clean keys of P ranks come in <= 2P ranges of positions (mirrored ownership).
+FREE_RUNS = 16
+
 _fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -54,6 +59,15 @@ def _rows(index: torch.Tensor) -> Rows:
     if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index[1:] - index[:-1] == 1).all()):
         return slice(int(index[0]), int(index[0]) + n)
     return index
+
+
+def _runs(index: torch.Tensor) -> List[slice]:
+    """`index` as ranges of consecutive rows, in order."""
+    if not index.numel():
+        return []
+    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0] + cut + [index.numel()]
+    return [slice(int(index[a]), int(index[a]) + (b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _count(rows: Rows) -> int:
@@ -98,7 +112,7 @@ class CpuFlashPlan:
 
     @staticmethod
     def of(mask: PartialMask) -> "CpuFlashPlan":
-        fp = FlashPlan.of(mask, contiguous_free=True)
+        fp = FlashPlan.of(mask, free_runs=FREE_RUNS)
         pieces: List[Union[FlashPiece, TiledPiece]] = []
         calls = ([fp.noisy] if fp.noisy is not None else []) + list(fp.clean)
         for call in calls:
@@ -131,13 +145,15 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
     seqs = [(call.q_index[cq[i]:cq[i + 1]], call.k_index[ck[i]:ck[i + 1]]) for i in range(len(cq) - 1)]
     out: List[Union[FlashPiece, TiledPiece]] = []
     if not call.causal:
-        # Keys one contiguous range: a view (queries gathered if they are not). Otherwise the
-        # sequence is gathered, and gathered sequences of one shape go in one call.
+        # Keys in few contiguous ranges: a call per range on views (queries gathered if they are
+        # not contiguous). Otherwise the sequence is gathered, and gathered sequences of one
+        # shape go in one call.
         by_shape = {}
         for qs, ks in seqs:
-            qr, kr = _rows(qs), _rows(ks)
-            if isinstance(kr, slice):
-                out.append(FlashPiece(qr, kr, 1, False))
+            runs = _runs(ks)
+            if len(runs) <= FREE_RUNS:
+                qr = _rows(qs)
+                out += [FlashPiece(qr, kr, 1, False) for kr in runs]
             else:
                 by_shape.setdefault((qs.numel(), ks.numel()), []).append((qs, ks))
         for group in by_shape.values():
@@ -148,9 +164,12 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
             out.append(TiledPiece(_rows(qs), _rows(ks), _sub_mask(mask, qs, ks)))
             continue
+        qr = _rows(qs)
         if nk > nq:  # bottom-right causal = the rectangle before the diagonal + a top-left causal square
-            out.append(FlashPiece(_rows(qs), _rows(ks[:nk - nq]), 1, False))
-        out.append(FlashPiece(_rows(qs), _rows(ks[nk - nq:]), 1, True))
+            rect = _runs(ks[:nk - nq])
+            out += [FlashPiece(qr, kr, 1, False) for kr in rect] if len(rect) <= FREE_RUNS else \
+                [FlashPiece(qr, ks[:nk - nq], 1, False)]
+        out.append(FlashPiece(qr, _rows(ks[nk - nq:]), 1, True))
     return out
 
 
@@ -228,25 +247,31 @@ def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
 def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlashPlan, scale: float):
     b, H, sq, d = qc.shape
     dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
-    out_f, do_f, dlse_f = out, dout, dlse  # what the pieces read (D from out_f)
+    do_f, dlse_f = dout, dlse  # what the pieces read
+    fix = None  # (column j [b, H, sq, 1], -dlse / dO_j [b, H, sq, 1]): out' = out + fix at column j
     rare = None
     if dlse is not None and bool((dlse != 0).any()):
-        j = dout.abs().argmax(-1, keepdim=True)
-        dmax = dout.gather(-1, j).squeeze(-1)
+        # j = argmax |dO| per row, from argmax and argmin (no |dO| copy)
+        hi, lo = dout.argmax(-1, keepdim=True), dout.argmin(-1, keepdim=True)
+        vhi, vlo = dout.gather(-1, hi), dout.gather(-1, lo)
+        j = torch.where(vhi.abs() >= vlo.abs(), hi, lo)
+        dmax = torch.where(vhi.abs() >= vlo.abs(), vhi, vlo).squeeze(-1)
         ratio = dlse / torch.where(dmax == 0, torch.ones_like(dmax), dmax)
         bad = (dlse != 0) & ((dmax == 0) | ~torch.isfinite(ratio))
-        ratio = torch.where(bad, torch.zeros_like(ratio), ratio)
-        out_f = out.scatter_add(-1, j, -ratio.unsqueeze(-1))
+        fix = (j, -torch.where(bad, torch.zeros_like(ratio), ratio).unsqueeze(-1))
         if bool(bad.any()):  # these rows leave the pieces and go through the tiled backward whole
             rare = bad.flatten(0, 1).any(0).nonzero().flatten()
-            keep = torch.ones(sq, dtype=out.dtype, device=out.device)
+            keep = torch.ones(sq, dtype=dout.dtype, device=dout.device)
             keep[rare] = 0
-            do_f, dlse_f, out_f = dout * keep[:, None], dlse * keep, out_f * keep[:, None]
+            do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
         if isinstance(p, FlashPiece):
+            out_p = _batched(out, p.q, p.seqs)
+            if fix is not None:  # the piece's rows of out' (a copy of those rows only)
+                out_p = out_p.scatter_add(-1, _batched(fix[0], p.q, p.seqs), _batched(fix[1], p.q, p.seqs))
             gq, gk, gv = _fa_bwd(_batched(do_f, p.q, p.seqs), _batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs),
-                                 _batched(vc, p.k, p.seqs), _batched(out_f, p.q, p.seqs),
-                                 _unbatched_lse(lse, p, b), 0.0, p.causal, scale=scale)
+                                 _batched(vc, p.k, p.seqs), out_p, _unbatched_lse(lse, p, b), 0.0, p.causal,
+                                 scale=scale)
             _add(dq, p.q, _unbatched(gq, b, p.seqs))
             _add(dk, p.k, _unbatched(gk, b, p.seqs))
             _add(dv, p.k, _unbatched(gv, b, p.seqs))

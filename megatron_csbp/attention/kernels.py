@@ -119,6 +119,12 @@ def cpu_flash_partial_attention(q, k, v, mask, softmax_scale):
     return kernel(q, k, v, mask, softmax_scale)
 
 
+# It takes a rank's local rows as one partial without loss (whole noisy blocks and clean prefixes
+# are flash calls on slices of its own plan): `strategies.NoisyThenClean` then runs no separate
+# noisy part and no noisy/clean merge.
+cpu_flash_partial_attention.one_local_partial = True
+
+
 KERNELS = {"math": math_partial_attention, "tiled": tiled_partial_attention, "flex": flex_partial_attention,
            "flash": flash_partial_attention, "cpu_flash": cpu_flash_partial_attention}
 
