@@ -148,3 +148,21 @@ def test_no_rows_by_keys_tensor_and_plan_linear_in_the_rows():
         (out.sum() + lse.sum()).backward()
     assert probe.largest <= 2 * L * H * d < (2 * L) ** 2 // 16, probe.largest  # q itself is the largest
     assert mask.derived_nbytes() <= 64 * 2 * L
+
+
+def test_kernel_rate_benchmark_counts_the_whole_mask(tmp_path):
+    """The rate benchmark (a benchmark, not a timed test): both kernels and SDPA on the one-rank
+    mask, pairs = L (L + B)."""
+    import torch as _torch
+
+    from megatron_csbp.bench.kernel_rate import kernel_rates, main
+
+    threads = _torch.get_num_threads()
+    try:
+        rows = kernel_rates((128,), block_size=16, repeats=1)
+        main(["--seq-lengths", "64", "--block-size", "16", "--repeats", "1", "--markdown", str(tmp_path / "r.md")])
+    finally:
+        _torch.set_num_threads(threads)
+    assert {r["kernel"] for r in rows} == {"tiled", "cpu_flash"}
+    assert all(r["allowed_pairs"] == 128 * (128 + 16) and r["rate_vs_sdpa"] > 0 for r in rows)
+    assert "python -m megatron_csbp.bench.kernel_rate" in (tmp_path / "r.md").read_text()

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import sys
 import time
 from typing import Dict, List, Sequence
 
@@ -99,12 +102,28 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--markdown", metavar="FILE", help="also write a report: the command, the conditions, the table")
     a = p.parse_args(argv)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = kernel_rates(a.seq_lengths, a.kernels, a.block_size, repeats=a.repeats)
-    print(render(rows))
+    table = render(rows)
+    print(table)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if a.markdown:
+        command = "python -m megatron_csbp.bench.kernel_rate " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+        with open(a.markdown, "w") as f:
+            f.write("# CPU kernel rate against SDPA\n\nMade by:\n\n```\n" + command + "\n```\n\n"
+                    "One thread, fp32, H = 4 query heads, G = 2 K/V groups, d = 64, micro-batch 1; the mask: one "
+                    "rank's whole BD3-LM mask (2L rows [noisy ; clean] against themselves, block-causal clean "
+                    f"stream, block {a.block_size}); forward + backward (loss sum(out) + 1e-3 sum(lse), so the lse "
+                    "gradient path runs) per allowed pair and query head. SDPA: torch's scaled_dot_product_attention "
+                    "(its CPU flash kernel) on a causal mask over the same 2L rows (2L(2L+1)/2 pairs), in the same "
+                    f"run, alternating with the kernels; best of {a.repeats} by thread CPU time. Machine: "
+                    f"{os.cpu_count()} CPUs shared with other developers' jobs (load average {load:.1f} at the "
+                    f"start); torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+                    + table + "\n")
 
 
 if __name__ == "__main__":
