@@ -17,7 +17,7 @@ import torch
 
 from megatron_csbp.attention.accounting import traffic_counter
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.kernels import math_partial_attention
+from megatron_csbp.attention.kernels import get_kernel
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, dense_reference_mask
 from tests.distributed import run_distributed
@@ -90,7 +90,8 @@ def _attention_rank(rank, world, cases):
         ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
         traffic_counter().reset()
         out = block_diffusion_attention(ql, kl, vl, plan, softmax_scale=case["d"] ** -0.5,
-                                        kernel=math_partial_attention, window=case["window"], layer=1)
+                                        kernel=get_kernel(case.get("kernel", "math"), q.device),
+                                        window=case["window"], layer=1)
         out.backward(do[idx] * mine[:, None, None, None])
         results.append(dict(idx=idx, out=out.detach(), shard_rank=shard_rank, dq=ql.grad, dk=kl.grad, dv=vl.grad,
                             sent=traffic_counter().total_sent, received=traffic_counter().total_received))
@@ -153,9 +154,10 @@ WORLD_CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])  # cpu_flash: one local partial (strategies)
 @pytest.mark.parametrize("world", sorted(WORLD_CASES))
-def test_distributed_attention_matches_dense(world):
-    cases = WORLD_CASES[world]
+def test_distributed_attention_matches_dense(world, kernel):
+    cases = [dict(case, kernel=kernel) for case in WORLD_CASES[world]]
     for rank_results_of_case, case in zip(zip(*run_distributed(_attention_rank, world, cases)), cases):
         check_case(case, list(rank_results_of_case))
 

@@ -177,8 +177,8 @@ def test_no_rows_by_keys_tensor_in_forward_or_backward():
 
 
 @pytest.mark.parametrize("L,B,variant,window", [(32, 8, "block_causal", None), (24, 6, "token_causal", 4)])
-def test_auto_kernel_is_tiled_on_cpu_and_matches_dense_reference(L, B, variant, window):
-    kernel = get_kernel("auto", torch.device("cpu"))
+def test_tiled_through_block_attention_matches_dense_reference(L, B, variant, window):
+    kernel = get_kernel("tiled", torch.device("cpu"))  # the CPU default is cpu_flash (test_cpu_flash.py)
     assert kernel is tiled_partial_attention
     plan = plan_for_layout(SequenceLayout(BlockGeometry(L, B, variant)), 0)
     q, k, v = _inputs(2 * L, 2 * L, 2, 4, 2, 8, torch.float64, seed=L)

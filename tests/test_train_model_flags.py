@@ -70,7 +70,7 @@ class CountingKernel:
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "dg"])
-@pytest.mark.parametrize("flags,kernel", [(["--attention-kernel", "flex"], "flex"),
+@pytest.mark.parametrize("flags,kernel", [(["--attention-kernel", "flex"], "flex"), (["--attention-kernel", "cpu_flash"], "cpu_flash"),
                                           (["--attention-backend", "local"], "tiled"), (["--attention-backend", "unfused"], "math")])
 def test_attention_kernel_reaches_every_model_family(megatron_single_rank, converted, monkeypatch, family, flags,
                                                      kernel):

@@ -21,14 +21,25 @@ class TrafficCounter:
 
     sent: Dict[Tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     received: Dict[Tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
+    # Seconds this rank's compute stood waiting for a collective (the exposed communication):
+    # the time inside wait() of a collective started earlier, and the whole time of a blocking one.
+    waited_s: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
 
     def record(self, layer: int, phase: str, sent: int, received: int) -> None:
         self.sent[(layer, phase)] += int(sent)
         self.received[(layer, phase)] += int(received)
 
+    def record_wait(self, layer: int, phase: str, seconds: float) -> None:
+        self.waited_s[(layer, phase)] += float(seconds)
+
     def reset(self) -> None:
         self.sent.clear()
         self.received.clear()
+        self.waited_s.clear()
+
+    @property
+    def total_waited_s(self) -> float:
+        return sum(self.waited_s.values())
 
     @property
     def total_sent(self) -> int:

@@ -152,7 +152,10 @@ class FlashPlan:
     fallback_mask: Optional[PartialMask]
 
     @staticmethod
-    def of(mask: PartialMask, key_copy_budget: float = KEY_COPY_BUDGET) -> "FlashPlan":
+    def of(mask: PartialMask, key_copy_budget: float = KEY_COPY_BUDGET, free_runs: int = 0) -> "FlashPlan":
+        """`free_runs`: a group whose clean keys lie in at most this many contiguous ranges of key
+        rows costs no key copies (an executor that slices instead of packing, one call per range:
+        `attention/cpu_flash.py`)."""
         m = mask.to("cpu")
         q, k = m.q, m.k
         # Noisy layer: block-diagonal after gathering by block.
@@ -205,6 +208,9 @@ class FlashPlan:
             for grp in torch.split(dense_rows, cnt.tolist()):
                 a, b = int(full_s[grp[0]]), int(full_e[grp[0]])
                 cands.append((b - a, "dense", grp, a, b, -1))
+        if free_runs and cands:  # clean_keys[k0:k1] in few runs of consecutive rows: sliced, not copied
+            run = torch.cat([torch.zeros(1, dtype=torch.long), (clean_keys[1:] != clean_keys[:-1] + 1).long().cumsum(0)])
+            cands = [(0 if run[c[4] - 1] - run[c[3]] < free_runs else c[0],) + c[1:] for c in cands]
         # Cheapest first (keys gathered per query), within the copy budget.
         cands.sort(key=lambda c: (c[0] / c[2].numel(), c[3]))
         budget, taken, fallback = key_copy_budget * max(1, pos.numel()), [], []

@@ -11,7 +11,9 @@ Shapes follow Megatron's core attention: q [sq, b, H, d], k/v [sk, b, G, d] with
 outputs [sq, b, H, d] and lse [b, H, sq] in fp32 (fp64 for fp64 inputs). A query with no
 allowed key gets output 0 and lse = MASKED_SCORE.
 
-- "tiled" (`attention.tiled`, the default on CPU): block-sparse tiles, online softmax, memory
+- "cpu_flash" (`attention.cpu_flash`, the default on CPU): the GPU flash decomposition on torch's
+  CPU flash attention, the tiled kernel for the pieces it cannot express.
+- "tiled" (`attention.tiled`): block-sparse tiles, online softmax, memory
   linear in the rows, work following the allowed pairs.
 - "flex": FlexAttention (the default on CUDA).
 - "math": explicit attention over the whole rectangle, the small-case reference (it builds the
@@ -110,14 +112,28 @@ def flash_partial_attention(q, k, v, mask, softmax_scale):
     return flash_attention_partial(q, k, v, mask, softmax_scale)
 
 
+def cpu_flash_partial_attention(q, k, v, mask, softmax_scale):
+    """The flash decomposition on torch's CPU flash attention, tiled for the rest (`attention/cpu_flash.py`)."""
+    from megatron_csbp.attention.cpu_flash import cpu_flash_partial_attention as kernel
+
+    return kernel(q, k, v, mask, softmax_scale)
+
+
+# It takes a rank's local rows as one partial without loss (whole noisy blocks and clean prefixes
+# are flash calls on slices of its own plan): `strategies.NoisyThenClean` then runs no separate
+# noisy part and no noisy/clean merge.
+cpu_flash_partial_attention.one_local_partial = True
+
+
 KERNELS = {"math": math_partial_attention, "tiled": tiled_partial_attention, "flex": flex_partial_attention,
-           "flash": flash_partial_attention}
+           "flash": flash_partial_attention, "cpu_flash": cpu_flash_partial_attention}
 
 
 def get_kernel(name: str, device: torch.device):
-    """'auto' picks FlexAttention on CUDA and the tiled kernel elsewhere."""
+    """'auto' picks FlexAttention on CUDA and the flash pieces on CPU (`cpu_flash`, 2.3-2.5x the
+    tiled kernel's rate on the one-rank mask: docs/benchmarks/kernel_rate.md)."""
     if name == "auto":
-        name = "flex" if device.type == "cuda" else "tiled"
+        name = "flex" if device.type == "cuda" else "cpu_flash"
     if name not in KERNELS:
         raise ValueError(f"--attention-kernel must be one of {sorted(KERNELS) + ['auto']}, got {name!r}")
     if name == "flash":  # fail at selection, with the flag's name, not inside the first forward

@@ -52,7 +52,7 @@ class PackedKV:
     """Clean K and V travel as they are, packed [rows, b, 2G, d] (one collective per step)."""
 
     def outgoing(self, call: "AttentionCall") -> torch.Tensor:
-        return pack_kv(call.k[call.n:], call.v[call.n:])
+        return pack_kv(call.k_clean, call.v_clean)
 
     def arrived(self, call: "AttentionCall", tag: Tuple, rows: RowMeta, received: torch.Tensor):
         return unpack_kv(received)
@@ -84,11 +84,11 @@ class SourceKV:
         start, stop = sum(sizes[:me]), sum(sizes[: me + 1])
         others = torch.cat([gathered[:start], gathered[stop:]])
         ok, ov = self.arrived(call, ("gathered",), RowMeta.cat(plan.peers[:me] + plan.peers[me + 1 :]), others)
-        return torch.cat([ok[:start], call.k[n:], ok[start:]]), torch.cat([ov[:start], call.v[n:], ov[start:]])
+        return torch.cat([ok[:start], call.k_clean, ok[start:]]), torch.cat([ov[:start], call.v_clean, ov[start:]])
 
     def ring_chunk(self, call: "AttentionCall", src: int, chunk: torch.Tensor):
         if src == call.plan.ring_index:
-            return call.k[call.n:], call.v[call.n:]
+            return call.k_clean, call.v_clean
         return self.arrived(call, ("ring", src), call.plan.peers[src], chunk)
 
 
@@ -109,6 +109,13 @@ class AttentionCall:
         self.queries = local if plan.clean_queries else local.select(slice(0, self.n))
         self.noisy_rows, self.clean_rows = local.select(slice(0, self.n)), local.select(slice(self.n, None))
         self.kv = PackedKV() if kv_source is None else SourceKV(kv_source)
+        # The noisy and clean rows of q, k, v as one split each, not two slices: a slice's
+        # backward allocates a zero gradient of the whole tensor (two per tensor, then their sum);
+        # a split's backward concatenates its parts once.
+        sq = q.shape[0]
+        self.q_noisy, self.q_clean = q.split([self.n, sq - self.n])
+        self.k_noisy, self.k_clean = k.split([self.n, k.shape[0] - self.n])
+        self.v_noisy, self.v_clean = v.split([self.n, v.shape[0] - self.n])
         # Chunks that arrived over the network but have no allowed pair are skipped; they stay
         # tied to the output with a zero so that every rank runs the same backward collectives.
         self.anchors: List[torch.Tensor] = []
@@ -128,13 +135,12 @@ class AttentionCall:
     def noisy_part(self) -> Optional[Partial]:
         """Noisy queries on their own block's keys: never moves; dense B x B batches when the
         noisy rows are whole blocks."""
-        n, q, k, v = self.n, self.q, self.k, self.v
-        if not n:
+        if not self.n:
             return None
         if self.plan.noisy_rows_are_whole_blocks:
-            return block_diagonal_attention(q[:n], k[:n], v[:n], self.geometry.block_size, self.kernel,
-                                            self.softmax_scale, self.plan.block_diagonal_mask(self.device))
-        return self.partial(("noisy",), self.noisy_rows, self.noisy_rows, q[:n], k[:n], v[:n])
+            return block_diagonal_attention(self.q_noisy, self.k_noisy, self.v_noisy, self.geometry.block_size,
+                                            self.kernel, self.softmax_scale, self.plan.block_diagonal_mask(self.device))
+        return self.partial(("noisy",), self.noisy_rows, self.noisy_rows, self.q_noisy, self.k_noisy, self.v_noisy)
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         for a in self.anchors:
@@ -152,8 +158,9 @@ class AttentionCall:
         if noisy is None:
             return self.finish(clean_out)
         n = self.n
-        noisy_out, _ = merge_partials([noisy, (clean_out[:n], clean_lse[..., :n])])
-        return self.finish(torch.cat([noisy_out, clean_out[n:]], dim=0))
+        out_noisy, out_clean = clean_out.split([n, clean_out.shape[0] - n])
+        noisy_out, _ = merge_partials([noisy, (out_noisy, clean_lse[..., :n])])
+        return self.finish(torch.cat([noisy_out, out_clean], dim=0))
 
 
 def merged(parts: Iterable[Optional[Partial]]) -> PartialMerge:
@@ -213,16 +220,25 @@ def select_strategy(exchange: str, transport: str, windowed: bool) -> ExchangeSt
 
 class NoisyThenClean(ExchangeStrategy):
     """Local rows are [noisy ; clean]. The transport starts first (`start`), the block-diagonal
-    noisy attention overlaps it, then the clean partials (`clean_parts`) merge as they arrive."""
+    noisy attention overlaps it, then the clean partials (`clean_parts`) merge as they arrive.
+
+    A kernel that takes a rank's local rows in one partial without loss (`one_local_partial`:
+    whole noisy blocks and clean prefixes are pieces of its own plan) gets the local noisy keys
+    in the partial that holds the local clean keys (`with_noisy`): no separate noisy output, no
+    noisy/clean merge and concatenation, so CSBP keeps no more per layer than one partial per
+    key set, as CP does."""
 
     def start(self, call: AttentionCall):
         return None
 
-    def clean_parts(self, call: AttentionCall, pending) -> Iterator[Optional[Partial]]:
+    def clean_parts(self, call: AttentionCall, pending, with_noisy: bool = False) -> Iterator[Optional[Partial]]:
         raise NotImplementedError
 
     def attend(self, call: AttentionCall) -> torch.Tensor:
         pending = self.start(call)
+        if getattr(call.kernel, "one_local_partial", False):
+            parts = merged(self.clean_parts(call, pending, with_noisy=True))
+            return call.finish(parts.result()[0] if parts.count else call.q * 0.0)
         noisy = call.noisy_part()
         return call.combine(noisy, merged(self.clean_parts(call, pending)))
 
@@ -233,9 +249,11 @@ class NoExchange(NoisyThenClean):
 
     name = "none"
 
-    def clean_parts(self, call, pending):
-        n = call.n
-        yield call.partial(("clean",), call.queries, call.clean_rows, call.q, call.k[n:], call.v[n:])
+    def clean_parts(self, call, pending, with_noisy=False):
+        if with_noisy:
+            yield call.partial(("local",), call.queries, call.plan.local, call.q, call.k, call.v)
+            return
+        yield call.partial(("clean",), call.queries, call.clean_rows, call.q, call.k_clean, call.v_clean)
 
 
 @register("clean", ["allgather"], [False])
@@ -248,8 +266,13 @@ class CleanAllGather(NoisyThenClean):
     def start(self, call):
         return PendingGather(call.kv.outgoing(call), call.plan.group, call.layer)
 
-    def clean_parts(self, call, pending):
+    def clean_parts(self, call, pending, with_noisy=False):
         gk, gv = call.kv.gathered(call, pending.result())
+        if with_noisy:  # [local noisy ; gathered clean]: one partial (the copy replaces the gathered rows)
+            keys = RowMeta.cat([call.noisy_rows] + list(call.plan.peers))
+            yield call.partial(("noisy+gathered",), call.queries, keys, call.q, torch.cat([call.k_noisy, gk]),
+                               torch.cat([call.v_noisy, gv]))
+            return
         yield call.partial(("clean",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)
 
 
@@ -260,9 +283,12 @@ class CleanRing(NoisyThenClean):
     name = "clean ring"
     moves_kv_source = True
 
-    def clean_parts(self, call, pending):
+    def clean_parts(self, call, pending, with_noisy=False):
         plan = call.plan
         for src, chunk in ring_chunks(call.kv.outgoing(call), plan.group, call.layer):
+            if with_noisy and src == plan.ring_index:  # the own chunk with the local noisy rows: all local rows
+                yield call.partial(("local",), call.queries, plan.local, call.q, call.k, call.v)
+                continue
             ck, cv = call.kv.ring_chunk(call, src, chunk)
             yield call.partial(("ring", src), call.queries, plan.peers[src], call.q, ck, cv)
 
@@ -280,16 +306,19 @@ class CleanWindowed(NoisyThenClean):
         return windowed, PendingAllToAll(call.kv.outgoing(call), windowed.send_index, windowed.recv_counts,
                                          call.plan.group, call.layer)
 
-    def clean_parts(self, call, pending):
+    def clean_parts(self, call, pending, with_noisy=False):
         windowed, transfer = pending
-        n = call.n
         recv_rows = RowMeta.cat(windowed.recv_rows)
         # Derived even when nothing arrived: the empty result keeps the all-to-all's backward
         # (which this rank's sent rows need) in the graph.
         rk, rv = call.kv.arrived(call, ("window", call.geometry.window), recv_rows, transfer.result())
+        if with_noisy:  # [all local rows ; received]
+            yield call.partial(("window+local",), call.queries, RowMeta.cat([call.plan.local, recv_rows]), call.q,
+                               torch.cat([call.k, rk]), torch.cat([call.v, rv]))
+            return
         keys = RowMeta.cat([call.clean_rows, recv_rows])
-        yield call.partial(("window",), call.queries, keys, call.q, torch.cat([call.k[n:], rk]),
-                           torch.cat([call.v[n:], rv]))
+        yield call.partial(("window",), call.queries, keys, call.q, torch.cat([call.k_clean, rk]),
+                           torch.cat([call.v_clean, rv]))
 
 
 # --- the CP baseline: K/V of every row cross ranks -----------------------------------------------

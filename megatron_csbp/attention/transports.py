@@ -2,8 +2,11 @@
 
 - all-gather: forward gathers every member's shard (started asynchronously so local work overlaps
   it); backward reduce-scatters the gradient so each shard's owner gets the sum of all uses.
-- ring: P-1 point-to-point shifts; each step's chunk is attended as it arrives; backward sends the
-  gradients the opposite way around the ring.
+- ring: P-1 point-to-point shifts; each shift is started before the chunk in hand is attended
+  (the next chunk travels while this one is computed) and waited for after it; backward sends
+  the gradients the opposite way around the ring.
+
+Every wait is timed into the traffic counter (`record_wait`): the communication left exposed.
 
 K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective; layers whose
 K and V derive from one tensor (K=V layers) send that tensor alone, half the bytes (see
@@ -11,6 +14,7 @@ K and V derive from one tensor (K=V layers) send that tensor alone, half the byt
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -62,55 +66,83 @@ class PendingGather:
 class _FinishGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, pending: PendingGather):
+        t0 = time.perf_counter()
         pending.work.wait()
+        traffic_counter().record_wait(pending.layer, "forward", time.perf_counter() - t0)
         ctx.group, ctx.layer = pending.group, pending.layer
         return pending.buffer
 
     @staticmethod
     def backward(ctx, grad_full):
+        t0 = time.perf_counter()
         grad_local = reduce_scatter_rows(grad_full, ctx.group)
+        traffic_counter().record_wait(ctx.layer, "backward", time.perf_counter() - t0)
         P = dist.get_world_size(ctx.group)
         traffic_counter().record(ctx.layer, "backward", (P - 1) * _nbytes(grad_local), (P - 1) * _nbytes(grad_local))
         return grad_local, None
 
 
-def _ring_exchange(tensor: torch.Tensor, send_to: int, recv_from: int, group) -> torch.Tensor:
+def _start_exchange(tensor: torch.Tensor, send_to: int, recv_from: int, group):
+    """Post a send to `send_to` and a receive from `recv_from`; (requests, receive buffer)."""
     tensor = tensor.contiguous()  # a view (e.g. raw k out of the fused projection) or its gradient
     received = torch.empty_like(tensor)
     ops = [
         dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group),
         dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group),
     ]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return received
+    return dist.batch_isend_irecv(ops), received
 
 
-class _RingShift(torch.autograd.Function):
-    """Send to the next ring member, receive from the previous; backward goes the other way."""
+class PendingShift:
+    """A ring shift in flight (send to the next member, receive from the previous); `result()`
+    waits and returns the received chunk, differentiably."""
+
+    def __init__(self, chunk: torch.Tensor, group, layer: int):
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+        self.chunk, self.group, self.layer = chunk, group, layer
+        traffic_counter().record(layer, "forward", _nbytes(chunk), _nbytes(chunk))
+        self.requests, self.buffer = _start_exchange(chunk.detach(), (r + 1) % P, (r - 1) % P, group)
+
+    def result(self) -> torch.Tensor:
+        return _FinishShift.apply(self.chunk, self)
+
+
+class _FinishShift(torch.autograd.Function):
+    """Waits for the shift; backward sends the gradient back the other way (blocking: the
+    gradient of this chunk is complete only once every use of it has run)."""
 
     @staticmethod
-    def forward(ctx, chunk, group, layer: int):
-        P, r = dist.get_world_size(group), dist.get_rank(group)
-        ctx.group, ctx.layer = group, layer
-        traffic_counter().record(layer, "forward", _nbytes(chunk), _nbytes(chunk))
-        return _ring_exchange(chunk, (r + 1) % P, (r - 1) % P, group)
+    def forward(ctx, chunk, pending: PendingShift):
+        t0 = time.perf_counter()
+        for req in pending.requests:
+            req.wait()
+        traffic_counter().record_wait(pending.layer, "forward", time.perf_counter() - t0)
+        ctx.group, ctx.layer = pending.group, pending.layer
+        return pending.buffer
 
     @staticmethod
     def backward(ctx, grad):
         P, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         traffic_counter().record(ctx.layer, "backward", _nbytes(grad), _nbytes(grad))
-        return _ring_exchange(grad, (r - 1) % P, (r + 1) % P, ctx.group), None, None
+        t0 = time.perf_counter()
+        requests, received = _start_exchange(grad, (r - 1) % P, (r + 1) % P, ctx.group)
+        for req in requests:
+            req.wait()
+        traffic_counter().record_wait(ctx.layer, "backward", time.perf_counter() - t0)
+        return received, None
 
 
 def ring_chunks(local: torch.Tensor, group, layer: int):
-    """Yield (source ring index, chunk) for every member's chunk, the local one first."""
+    """Yield (source ring index, chunk) for every member's chunk, the local one first. The shift
+    that brings the next chunk is started before a chunk is yielded (attended) and waited for
+    after: communication overlaps the previous chunk's compute."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     chunk = local
     for step in range(P):
+        pending = PendingShift(chunk, group, layer) if step < P - 1 else None
         yield (r - step) % P, chunk
-        if step < P - 1:
-            chunk = _RingShift.apply(chunk, group, layer)
+        if pending is not None:
+            chunk = pending.result()
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,10 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         "rank. The process RSS high-water mark (after `/proc/self/clear_refs`) is in the JSON file; it is "
         "dominated by the ~0.4 GiB of libraries and is not compared.",
         "- ratios are to CP over the same ranks with the same transport (BP: to CP all-gather).",
+        "- exposed comm: the slowest rank's median seconds per step spent waiting on attention collectives "
+        "(inside the wait of a collective started earlier, or the whole of a blocking one: "
+        "`TrafficCounter.waited_s`); the rest of the transfer overlapped compute. The ring starts each shift "
+        "before attending the chunk in hand.",
         f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
         f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread per "
         f"rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s. "
@@ -56,13 +60,14 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         by_p.setdefault(r["P"], []).append(r)
     for P in sorted(by_p):
         out += [f"## P = {P}" if P > 1 else "## Single rank", ""]
-        out += ["| L | layout | CP | BP | step ms | tok/s | time vs CP | attn logical MiB sent/rank | vs CP | formula MiB "
-                "| measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["| L | layout | CP | BP | step ms | exposed comm ms | tok/s | time vs CP | attn logical MiB sent/rank "
+                "| vs CP | formula MiB | measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(by_p[P], key=lambda r: (r["seq_length"],)):
             mf = (r["attn_bytes_sent"] / r["formula_bytes_sent"]) if r["formula_bytes_sent"] else None
             out.append(
                 f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | "
+                f"{_fmt(r['exposed_comm_s'] * 1e3 if r.get('exposed_comm_s') is not None else None, '.1f')} | "
                 f"{r['tokens_per_s']:.0f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | "
                 f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | "
                 f"{'–' if mf is None else f'{mf:.3f}'} | "

@@ -47,6 +47,9 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
             "rss_high_water_bytes_per_rank": rss,
             "rss_high_water_bytes": max(rss) if all(x is not None for x in rss) else None,
             "baseline": case.baseline_name(),
+            # the slowest rank's median seconds waiting on attention collectives per step
+            "exposed_comm_s": (max(r["exposed_comm_s"] for r in records)
+                               if all("exposed_comm_s" in r for r in records) else None),
         }
         if case.attention is not None:
             row["attention"] = case.attention

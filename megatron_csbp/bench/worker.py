@@ -125,6 +125,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
 
     counter = traffic_counter()
     times: List[float] = []
+    waited: List[float] = []  # seconds this rank waited on attention collectives, per timed step
     first_loss = None
     for i in range(cfg.warmup + cfg.steps):
         dist.barrier(group=shard_group)
@@ -140,6 +141,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             first_loss = float(total)
         if i >= cfg.warmup:
             times.append(float(dt))
+            waited.append(counter.total_waited_s)
     sent, received = counter.total_sent, counter.total_received
     per_layer = counter.per_layer()
 
@@ -161,7 +163,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "shard_rank": shard_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
-        "rss_high_water_bytes": rss_peak,
+        "rss_high_water_bytes": rss_peak, "exposed_comm_s": statistics.median(waited),
     }
     if case.attention is not None:
         record["attention"] = case.attention

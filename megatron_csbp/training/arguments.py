@@ -39,9 +39,11 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="clean stream mask (default: token_causal for DiffusionGemma models, block_causal otherwise)")
     g.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
     g.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
-    g.add_argument("--attention-kernel", choices=("auto", "tiled", "math", "flex", "flash"), default="auto",
+    g.add_argument("--attention-kernel", choices=("auto", "cpu_flash", "tiled", "math", "flex", "flash"),
+                   default="auto",
                    help="kernel of the block-diffusion core attention, for every model family (flag-built GPT, "
-                        "converted models, DiffusionGemma): auto = flex on CUDA, tiled elsewhere; tiled = "
+                        "converted models, DiffusionGemma): auto = flex on CUDA, cpu_flash elsewhere; cpu_flash = "
+                        "the flash decomposition on torch's CPU flash attention (CPU only); tiled = "
                         "block-sparse tiles with memory linear in the rows (any device); math = dense reference "
                         "for small cases; flex = FlexAttention from row vectors; flash = flash-attn varlen for the "
                         "noisy block-diagonal and token-causal clean pieces, flex for the rest (needs flash-attn); "

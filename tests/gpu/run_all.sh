@@ -4,7 +4,8 @@
 # forward and backward, then each kernel's TFLOP/s on the mask's allowed pairs against torch SDPA
 # flash causal at the same length: one JSON file, $OUT/gpu_kernels.json (tests/gpu/check_kernels.py
 # states the tolerances and their error model). Then the end-to-end bf16 check of
-# block_diffusion_attention (tests/gpu/test_gpu_equivalence.py) with the time left.
+# block_diffusion_attention (tests/gpu/test_gpu_equivalence.py) with the time left; then the CPU
+# default kernel (cpu_flash) against SDPA on the host's CPU ($OUT/cpu_kernel_rate.json).
 #
 #   bash tests/gpu/run_all.sh                 (needs CUDA; writes under ${OUT:-gpu_report})
 #   bash tests/gpu/run_all.sh --cpu-dry-run   (the same script at tiny L on CPU, no timings: CI)
@@ -42,6 +43,15 @@ if [ "$left" -gt 30 ]; then
   eq_rc=${PIPESTATUS[0]}
 else
   echo "test_gpu_equivalence.py skipped: ${left}s left" | tee -a "$OUT_DIR/gpu_check.log"
+fi
+# 3. the CPU kernel (cpu_flash, the CPU default) against SDPA's CPU flash kernel on this machine's
+# unshared cores, with what is left of 8 minutes (tiled / cpu_flash / SDPA per allowed pair, L = 2K, 4K)
+left=$(( 470 - ($(date +%s) - start) ))
+if [ "$left" -gt 20 ]; then
+  timeout "$(( left < 60 ? left : 60 ))" python -m megatron_csbp.bench.kernel_rate --seq-lengths 2048 4096 \
+    --json "$OUT_DIR/cpu_kernel_rate.json" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+else
+  echo "cpu kernel rate skipped: ${left}s left" | tee -a "$OUT_DIR/gpu_check.log"
 fi
 echo "kernels exit $kernels_rc, end-to-end exit $eq_rc, total $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/gpu_check.log"
 [ "$kernels_rc" -eq 0 ] && [ "$eq_rc" -eq 0 ]

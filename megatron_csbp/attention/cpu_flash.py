@@ -1,0 +1,340 @@
+"""The GPU `flash` decomposition run on CPU with torch's CPU flash attention
+(`--attention-kernel cpu_flash`, the default on CPU).
+
+`attention/flash.py`'s `FlashPlan` splits a partial's allowed pairs into flash-attn varlen calls
+(whole noisy blocks; clean queries with identical key runs [s, e): clean prefixes; token-causal
+clean runs) and a remainder. Here the same plan is executed on CPU:
+
+- every sequence of a varlen call is one call of
+  `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp; its
+  backward takes it), on *views* of q/k/v when the sequence's rows are one contiguous range (the
+  plan is built with `contiguous_free`, so prefixes of contiguous clean keys cost no copy and none
+  falls back for the copy budget); sequences of equal shape that need gathering (the noisy blocks)
+  are batched into one call;
+- a bottom-right causal sequence with more keys than queries is a full rectangle plus a top-left
+  causal square (the CPU op aligns top-left); windowed causal runs and the plan's fallback
+  queries run on the tiled kernel (`attention/tiled.py`) over their own sub-mask;
+- the pieces are merged by log-sum-exp into the partial's (out, lse) inside one autograd function.
+
+Backward: each piece's backward runs with the *merged* out and lse (p = exp(s - lse) is then the
+piece's share of the merged softmax, the ring-attention identity). The partial's lse has a
+gradient of its own: dS = P * (dP - D + dlse) with D = rowsum(dO * O). The CPU backward computes
+D itself from the `out` it is given, so it is given out' with rowsum(dO * out') = D - dlse: per
+row, out' = out - (dlse / dO_j) e_j at j = argmax |dO| (exact up to one rounding of dlse; with
+dlse from a merge, |dlse / dO_j| <= 2 d max|v|), made per piece for the piece's rows only. Rows where that is undefined (dO row zero or the
+ratio overflowing, only when the lse is used other than by a merge) are taken out of the flash
+pieces and recomputed by the tiled backward, which takes dlse directly.
+
+Memory: saved tensors are q, k, v, out, lse (as the tiled kernel); the plan (cached on the
+PartialMask) is FlashPlan's index vectors plus one (slice or index) per sequence: at 256K tokens
+on 16 ranks (32K queries x 256K clean keys, block 64) <= 9 MiB + 1K sequences x ~100 B.
+Temporaries: one piece's gathered rows; the merge accumulators are [b, H, sq, d] in fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from megatron_csbp.attention.flash import FlashPlan, VarlenCall
+from megatron_csbp.attention.tiled import MASKED_SCORE, _backward as tiled_backward, _forward as tiled_forward, tile_schedule
+from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.utils.precision import compute_dtype
+
+Rows = Union[slice, torch.Tensor]
+
+# A sequence whose keys lie in at most this many contiguous ranges of key rows runs as one call
+# per range (views, merged by lse) instead of gathering its keys: gathered or ring-received
+# clean keys of P ranks come in <= 2P ranges of positions (mirrored ownership).
+FREE_RUNS = 16
+
+_fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_fa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _rows(index: torch.Tensor) -> Rows:
+    """A slice when `index` is one increasing run of consecutive rows (a view), else the index."""
+    n = index.numel()
+    if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index[1:] - index[:-1] == 1).all()):
+        return slice(int(index[0]), int(index[0]) + n)
+    return index
+
+
+def _runs(index: torch.Tensor) -> List[slice]:
+    """`index` as ranges of consecutive rows, in order."""
+    if not index.numel():
+        return []
+    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0] + cut + [index.numel()]
+    return [slice(int(index[a]), int(index[a]) + (b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _count(rows: Rows) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows])."""
+    return x[:, :, rows] if isinstance(rows, slice) else x.index_select(2, rows)
+
+
+def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        x[:, :, rows] += value
+    else:
+        x.index_add_(2, rows, value)
+
+
+@dataclass(frozen=True)
+class FlashPiece:
+    """One CPU flash call: `seqs` sequences of nq queries x nk keys; q/k rows in sequence order
+    (a slice when seqs == 1 and the rows are contiguous). `causal`: top-left, square."""
+
+    q: Rows
+    k: Rows
+    seqs: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class TiledPiece:
+    """Queries `q` x keys `k` on the tiled kernel under their own sub-mask."""
+
+    q: Rows
+    k: Rows
+    mask: PartialMask
+
+
+@dataclass(frozen=True)
+class CpuFlashPlan:
+    pieces: Tuple[Union[FlashPiece, TiledPiece], ...]
+
+    @staticmethod
+    def of(mask: PartialMask) -> "CpuFlashPlan":
+        fp = FlashPlan.of(mask, free_runs=FREE_RUNS)
+        pieces: List[Union[FlashPiece, TiledPiece]] = []
+        calls = ([fp.noisy] if fp.noisy is not None else []) + list(fp.clean)
+        for call in calls:
+            pieces += _pieces_of(call, mask)
+        if fp.fallback_mask is not None:
+            pieces.append(TiledPiece(_rows(fp.fallback_q), _rows(fp.clean_keys), fp.fallback_mask))
+        return CpuFlashPlan(tuple(pieces))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index vectors and sub-masks (slices cost nothing)."""
+        total = 0
+        for p in self.pieces:
+            total += sum(r.numel() * r.element_size() for r in (p.q, p.k) if isinstance(r, torch.Tensor))
+            if isinstance(p, TiledPiece):
+                total += p.mask.nbytes + p.mask.derived_nbytes()
+        return total
+
+    @property
+    def flash_calls(self) -> int:
+        return sum(isinstance(p, FlashPiece) for p in self.pieces)
+
+
+def _sub_mask(mask: PartialMask, q: torch.Tensor, k: torch.Tensor) -> PartialMask:
+    return PartialMask(mask.q.select(q), mask.k.select(k))
+
+
+def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, TiledPiece]]:
+    cq, ck = call.cu_q.long().tolist(), call.cu_k.long().tolist()
+    seqs = [(call.q_index[cq[i]:cq[i + 1]], call.k_index[ck[i]:ck[i + 1]]) for i in range(len(cq) - 1)]
+    out: List[Union[FlashPiece, TiledPiece]] = []
+    if not call.causal:
+        # Keys in few contiguous ranges: a call per range on views (queries gathered if they are
+        # not contiguous). Otherwise the sequence is gathered, and gathered sequences of one
+        # shape go in one call.
+        by_shape = {}
+        for qs, ks in seqs:
+            runs = _runs(ks)
+            if len(runs) <= FREE_RUNS:
+                qr = _rows(qs)
+                out += [FlashPiece(qr, kr, 1, False) for kr in runs]
+            else:
+                by_shape.setdefault((qs.numel(), ks.numel()), []).append((qs, ks))
+        for group in by_shape.values():
+            out.append(FlashPiece(torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group]), len(group), False))
+        return out
+    for qs, ks in seqs:
+        nq, nk = qs.numel(), ks.numel()
+        if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
+            out.append(TiledPiece(_rows(qs), _rows(ks), _sub_mask(mask, qs, ks)))
+            continue
+        qr = _rows(qs)
+        if nk > nq:  # bottom-right causal = the rectangle before the diagonal + a top-left causal square
+            rect = _runs(ks[:nk - nq])
+            out += [FlashPiece(qr, kr, 1, False) for kr in rect] if len(rect) <= FREE_RUNS else \
+                [FlashPiece(qr, ks[:nk - nq], 1, False)]
+        out.append(FlashPiece(qr, _rows(ks[nk - nq:]), 1, True))
+    return out
+
+
+def cpu_flash_plan(mask: PartialMask) -> CpuFlashPlan:
+    return mask.derived("cpu_flash", lambda: CpuFlashPlan.of(mask.to("cpu")))
+
+
+def _batched(x: torch.Tensor, rows: Rows, seqs: int) -> torch.Tensor:
+    """[b, h, rows, d] -> the piece's [b * seqs, h, n, d]."""
+    t = _take(x, rows)
+    if seqs == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h, seqs, n // seqs, d).transpose(1, 2).reshape(b * seqs, h, n // seqs, d)
+
+
+def _unbatched(x: torch.Tensor, b: int, seqs: int) -> torch.Tensor:
+    """[b * seqs, h, n, (d)] -> [b, h, seqs * n, (d)]."""
+    if seqs == 1:
+        return x
+    tail = x.shape[3:]
+    return x.view(b, seqs, *x.shape[1:]).transpose(1, 2).reshape(b, x.shape[1], seqs * x.shape[2], *tail)
+
+
+def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
+    b, H, n, d = x.shape
+    return x.view(b, G, H // G, n, d)
+
+
+class _Merge:
+    """Running log-sum-exp merge of pieces into [b, H, sq, d] / [b, H, sq] accumulators."""
+
+    def __init__(self, b, H, sq, d, dtype, device):
+        self.out = torch.zeros(b, H, sq, d, dtype=dtype, device=device)
+        self.lse = torch.full((b, H, sq), MASKED_SCORE, dtype=dtype, device=device)
+        self.seen = torch.zeros(sq, dtype=torch.bool)
+
+    def add(self, rows: Rows, out: torch.Tensor, lse: torch.Tensor) -> None:
+        first = not bool(self.seen[rows].any())
+        self.seen[rows] = True
+        if first:  # no earlier piece on these rows: copy
+            if isinstance(rows, slice):
+                self.out[:, :, rows], self.lse[:, :, rows] = out, lse
+            else:
+                self.out.index_copy_(2, rows, out)
+                self.lse.index_copy_(2, rows, lse)
+            return
+        old_l, old_o = _take(self.lse, rows), _take(self.out, rows)
+        new = torch.logaddexp(old_l, lse)
+        merged = old_o * torch.exp(old_l - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)
+        if isinstance(rows, slice):
+            self.out[:, :, rows], self.lse[:, :, rows] = merged, new
+        else:
+            self.out.index_copy_(2, rows, merged)
+            self.lse.index_copy_(2, rows, new)
+
+
+def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
+    b, H, sq, d = qc.shape
+    G = kc.shape[1]
+    merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
+    for p in plan.pieces:
+        if isinstance(p, FlashPiece):
+            o, lse = _fa(_batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs), _batched(vc, p.k, p.seqs), 0.0, p.causal,
+                         scale=scale)
+            merge.add(p.q, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs))
+        else:
+            sched = tile_schedule(p.mask)
+            o, lse = tiled_forward(_grouped(_take(qc, p.q), G), _take(kc, p.k), _take(vc, p.k), p.mask, sched, scale)
+            n = _count(p.q)
+            merge.add(p.q, o.view(b, H, n, d), lse.view(b, H, n))
+    return merge.out, merge.lse.clamp_min(MASKED_SCORE)
+
+
+def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlashPlan, scale: float):
+    b, H, sq, d = qc.shape
+    dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+    do_f, dlse_f = dout, dlse  # what the pieces read
+    fix = None  # (column j [b, H, sq, 1], -dlse / dO_j [b, H, sq, 1]): out' = out + fix at column j
+    rare = None
+    if dlse is not None and bool((dlse != 0).any()):
+        # j = argmax |dO| per row, from argmax and argmin (no |dO| copy)
+        hi, lo = dout.argmax(-1, keepdim=True), dout.argmin(-1, keepdim=True)
+        vhi, vlo = dout.gather(-1, hi), dout.gather(-1, lo)
+        j = torch.where(vhi.abs() >= vlo.abs(), hi, lo)
+        dmax = torch.where(vhi.abs() >= vlo.abs(), vhi, vlo).squeeze(-1)
+        ratio = dlse / torch.where(dmax == 0, torch.ones_like(dmax), dmax)
+        bad = (dlse != 0) & ((dmax == 0) | ~torch.isfinite(ratio))
+        fix = (j, -torch.where(bad, torch.zeros_like(ratio), ratio).unsqueeze(-1))
+        if bool(bad.any()):  # these rows leave the pieces and go through the tiled backward whole
+            rare = bad.flatten(0, 1).any(0).nonzero().flatten()
+            keep = torch.ones(sq, dtype=dout.dtype, device=dout.device)
+            keep[rare] = 0
+            do_f, dlse_f = dout * keep[:, None], dlse * keep
+    for p in plan.pieces:
+        if isinstance(p, FlashPiece):
+            out_p = _batched(out, p.q, p.seqs)
+            if fix is not None:  # the piece's rows of out' (a copy of those rows only)
+                out_p = out_p.scatter_add(-1, _batched(fix[0], p.q, p.seqs), _batched(fix[1], p.q, p.seqs))
+            gq, gk, gv = _fa_bwd(_batched(do_f, p.q, p.seqs), _batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs),
+                                 _batched(vc, p.k, p.seqs), out_p, _unbatched_lse(lse, p, b), 0.0, p.causal,
+                                 scale=scale)
+            _add(dq, p.q, _unbatched(gq, b, p.seqs))
+            _add(dk, p.k, _unbatched(gk, b, p.seqs))
+            _add(dv, p.k, _unbatched(gv, b, p.seqs))
+        else:
+            _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, p.q, p.k, p.mask, scale, dq, dk, dv)
+    if rare is not None:
+        rows = _rows(rare)
+        sub = PartialMask(mask.q.select(rare.to(mask.q.block.device)), mask.k)
+        _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, rows, slice(0, kc.shape[2]), sub, scale, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _unbatched_lse(lse: torch.Tensor, p: FlashPiece, b: int) -> torch.Tensor:
+    """The merged lse [b, H, sq] at a piece's rows, as the piece's [b * seqs, H, n]."""
+    return _batched(lse.unsqueeze(-1), p.q, p.seqs).squeeze(-1)
+
+
+def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask, scale, dq, dk, dv):
+    b, H, sq, d = qc.shape
+    G = kc.shape[1]
+    n = _count(q_rows)
+    g = lambda x: _grouped(_take(x, q_rows), G)  # noqa: E731
+    gl = _take(lse, q_rows).view(b, G, H // G, n)
+    gdl = None if dlse is None else _take(dlse, q_rows).view(b, G, H // G, n)
+    gq, gk, gv = tiled_backward(g(qc), _take(kc, k_rows), _take(vc, k_rows), g(out), gl, g(dout), gdl, mask,
+                                tile_schedule(mask), scale)
+    _add(dq, q_rows, gq.view(b, H, n, d))
+    _add(dk, k_rows, gk)
+    _add(dv, k_rows, gv)
+
+
+class _CpuFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, plan, scale):
+        sq, b, H, d = q.shape
+        cdt = compute_dtype(q.dtype)
+        qc, kc, vc = (x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in (q, k, v))
+        out, lse = _forward(qc, kc, vc, plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.plan, ctx.scale = mask, plan, scale
+        return out.permute(2, 0, 1, 3).to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        cdt = out.dtype
+        qc, kc, vc = (x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in (q, k, v))
+        do = torch.zeros_like(out) if dout is None else dout.to(cdt).permute(1, 2, 0, 3).contiguous()
+        dl = None if dlse is None else dlse.to(cdt)
+        dq, dk, dv = _backward(qc, kc, vc, out, lse, do, dl, ctx.mask, ctx.plan, ctx.scale)
+        back = lambda g, x: g.permute(2, 0, 1, 3).to(x.dtype)  # noqa: E731
+        return back(dq, q), back(dk, k), back(dv, v), None, None, None
+
+
+def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask,
+                                softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [sq, b, H, d], k/v [sk, b, G, d] (G | H) under `mask`; returns (out [sq, b, H, d],
+    lse [b, H, sq] in fp32, fp64 for fp64 inputs). CPU tensors."""
+    sq, sk = q.shape[0], k.shape[0]
+    if mask.shape != (sq, sk):
+        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(sq, sk)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
+    if q.device.type != "cpu":
+        raise ValueError(f"--attention-kernel cpu_flash runs on CPU, got {q.device}")
+    return _CpuFlashAttention.apply(q, k, v, mask, cpu_flash_plan(mask), softmax_scale)
