@@ -1,5 +1,6 @@
-"""Every `--attention-kernel` choice of the trainer's parser, run by the trainer on CPU: auto, tiled
-and math train (auto is tiled without CUDA, so all three give the same losses); flex evaluates
+"""Every `--attention-kernel` choice of the trainer's parser, run by the trainer on CPU: auto,
+cpu_flash, tiled and math train (auto is cpu_flash without CUDA; all four give the same losses within
+an fp32 reordering bound); flex evaluates
 (FlexAttention has no CPU backward, so training it is refused by flag) and equals math; flash is
 refused by flag before any process group (flash-attn is CUDA-only) instead of a traceback from
 inside the model build."""
@@ -33,23 +34,24 @@ def test_every_attention_kernel_choice_runs_on_cpu(capsys):
     from megatron_csbp.training.arguments import parse_args
 
     choices = kernel_choices()
-    assert set(choices) == {"auto", "tiled", "math", "flex", "flash"}  # a new choice needs a line below
+    assert set(choices) == {"auto", "cpu_flash", "tiled", "math", "flex", "flash"}  # a new choice needs a line below
     train = ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"]
     evaluate = ["--skip-train", "--eval-iters", "1"]
-    runs = {k: TINY + train + ["--attention-kernel", k] for k in ("auto", "tiled", "math")}
+    runs = {k: TINY + train + ["--attention-kernel", k] for k in ("auto", "cpu_flash", "tiled", "math")}
     runs.update({"flex-eval": TINY + evaluate + ["--attention-kernel", "flex"],
                  "math-eval": TINY + evaluate + ["--attention-kernel", "math"]})
     results = dict(zip(runs, run_distributed(_runs, 1, list(runs.values()))[0]))
     print({k: v for k, v in results.items()})
-    for k in ("auto", "tiled", "math"):
+    for k in ("auto", "cpu_flash", "tiled", "math"):
         assert len(results[k]["losses"]) == 2 and len(results[k]["eval"]) == 1
         assert all(torch.isfinite(torch.tensor(results[k]["losses"] + results[k]["eval"])))
-    assert results["auto"] == results["tiled"]  # the same kernel on CPU
-    # tiled vs math, fp32: the same sums in another order (tiles of <= 32 keys, merged by LSE), a few
-    # ulps (6e-8) per value carried through 2 layers, 2 steps: far inside 1e-5
-    for a, b in zip(results["tiled"]["losses"] + results["tiled"]["eval"],
-                    results["math"]["losses"] + results["math"]["eval"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+    assert results["auto"] == results["cpu_flash"]  # the same kernel on CPU
+    # tiled / cpu_flash vs math, fp32: the same sums in another order (tiles or flash pieces merged by
+    # LSE), a few ulps (6e-8) per value carried through 2 layers, 2 steps: far inside 1e-5
+    for k in ("tiled", "cpu_flash"):
+        for a, b in zip(results[k]["losses"] + results[k]["eval"],
+                        results["math"]["losses"] + results["math"]["eval"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (k, a, b)
     (flex,), (math,) = results["flex-eval"]["eval"], results["math-eval"]["eval"]
     assert abs(flex - math) <= 1e-5 * abs(math), (flex, math)
     # flex cannot train on CPU, flash cannot run: one argument error each, naming the flag
