@@ -121,6 +121,7 @@ class RowFeeder:
         return torch.nonzero(torch.isin(clean_pos, counted)).flatten()
 
     def counted_clean_rows(self, plan: AttentionPlan) -> torch.Tensor:
+        plan = plan.base or plan  # a packed sample's plan counts the rows of the plan it came from
         for s, p in self._plans.items():
             if p is plan:
                 if s not in self._counted_clean:
@@ -171,7 +172,7 @@ class RowFeeder:
         row indices: every noisy row in order, then chosen clean rows) in that order."""
         rows = plan.local
         num_noisy = int((~rows.is_clean).sum())
-        positions = rows.position.to(tokens.device)
+        positions = plan.model_positions(rows.position).to(tokens.device)
         keep, gathered_order = logit_rows, None
         if plan.physical_order is not None:
             if logit_rows is not None:

@@ -1,0 +1,62 @@
+"""Megatron's packed-document flags, applied to one micro-batch: `Packing`.
+
+`--reset-attention-mask`: attention stays inside each document (`layout.masks.Documents`, read
+from the clean tokens: an EOD token ends the document it belongs to); `--reset-position-ids`:
+positions restart at each document; `--eod-mask-loss`: EOD tokens are no targets (Megatron's
+meaning: they leave the loss mask, so they also leave the denominator, the number of supervised
+tokens of the global batch). What a packed sample changes is its plan
+(`AttentionPlan.for_documents`) and its loss mask; rows, layout and noise are untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_csbp.layout.masks import Documents
+
+PACKING_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+
+
+@dataclass(frozen=True)
+class Packing:
+    eod_token_id: Optional[int] = None
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+
+    def __post_init__(self):
+        if (self.reset_attention_mask or self.reset_position_ids or self.eod_mask_loss) and self.eod_token_id is None:
+            raise ValueError("--reset-attention-mask, --reset-position-ids and --eod-mask-loss need the EOD token id "
+                             "(the tokenizer's EOD, or --eod-token-id)")
+
+    @staticmethod
+    def of(args) -> Optional["Packing"]:
+        """From a namespace or ModelArgs with Megatron's flag names; None when no flag is set."""
+        flags = {f: bool(getattr(args, f, False)) for f in PACKING_FLAGS}
+        if not any(flags.values()):
+            return None
+        return Packing(getattr(args, "eod_token_id", None), **flags)
+
+    @property
+    def splits_documents(self) -> bool:
+        """Whether a sample's plan depends on its documents."""
+        return self.reset_attention_mask or self.reset_position_ids
+
+    def documents(self, tokens: torch.Tensor) -> Documents:
+        """The documents of one sample's clean tokens [L]."""
+        return Documents.of_eod(tokens.detach().cpu(), self.eod_token_id)
+
+    def plan(self, plan, tokens: torch.Tensor):
+        """`plan` for one sample of clean tokens [L]."""
+        if not self.splits_documents:
+            return plan
+        return plan.for_documents(self.documents(tokens), mask=self.reset_attention_mask,
+                                  reset_position_ids=self.reset_position_ids)
+
+    def loss_mask(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """`loss_mask` with EOD tokens removed under --eod-mask-loss (idempotent)."""
+        if not self.eod_mask_loss:
+            return loss_mask
+        return loss_mask * (tokens != self.eod_token_id).to(loss_mask.dtype)
