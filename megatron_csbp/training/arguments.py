@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer-model", type=str, default=None)
     d.add_argument("--vocab-size", type=int, default=None)
     d.add_argument("--mock-data", action="store_true")
+    # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
+    d.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart at 0 after every EOD token (each document's own positions)")
+    d.add_argument("--reset-attention-mask", action="store_true",
+                   help="attention stays inside each EOD-delimited document (the EOD belongs to the document it "
+                        "ends); a block cut by a boundary is one block per document")
+    d.add_argument("--eod-mask-loss", action="store_true", help="EOD tokens are no loss targets")
 
     add_block_diffusion_args(p)
     return p
