@@ -187,3 +187,21 @@ def test_flash_pieces_cover_every_packed_pair_once(variant, window):
     rows = logical_rows(L)
     m = PartialMask.of(rows, rows, BlockGeometry(L, B, variant, window, Documents(PACKS["mixed"], L)))
     assert torch.equal(_covered(FlashPlan.of(m), m.shape), m.dense().long())
+
+
+def test_megatron_lm_batch_applies_eod_mask_loss_to_the_diffused_labels():
+    """Megatron's GPTDataset masks the target after an EOD input (loss_mask[text[:-1] == EOD] = 0);
+    the plugin diffuses labels = text[1:], so its mask must be 0 where the label itself is EOD."""
+    from megatron_csbp.layout.packing import Packing
+    from megatron_csbp.megatron_lm import bdlm_batch
+
+    eod = 9
+    text = torch.tensor([[1, 2, 9, 3, 4, 9, 9, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 1]])
+    tokens, labels = text[:, :-1], text[:, 1:]
+    megatron_mask = (tokens != eod).float()
+    megatron_mask[1] = 0  # a padding sample Megatron masks whole stays masked
+    clean, supervised = bdlm_batch(dict(tokens=tokens, labels=labels, loss_mask=megatron_mask), None,
+                                   Packing(eod, eod_mask_loss=True))
+    assert torch.equal(clean, labels)
+    assert supervised[0].tolist() == (labels[0] != eod).float().tolist()
+    assert supervised[1].sum() == 0
