@@ -133,11 +133,17 @@ def short_documents(tmp_path) -> str:
 
 def test_pretrain_packed_documents_one_rank_vs_csbp(tmp_path):
     """Megatron's own packed-document flags (refused before issue 22) on a corpus of short
-    documents: CSBP's losses equal one rank's, and they differ from the unpacked run (documents no
-    longer attend each other, EOD labels leave the loss)."""
+    documents: CSBP's losses equal one rank's (that they differ from the unpacked run, documents no
+    longer attending each other: the slow test below, measured 5.43 unpacked vs packed differing)."""
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
     a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data, 29661)
     b = pretrain(tmp_path, "packed_csbp", 2, CSBP + NO_EVAL + PACKED + data, 29662)
     _same_losses(a, b)
-    plain = pretrain(tmp_path, "plain_one_rank", 1, NO_EVAL + data, 29663)
+
+
+@pytest.mark.slow
+def test_pretrain_packed_documents_differ_from_unpacked(tmp_path):
+    data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
+    a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data, 29664)
+    plain = pretrain(tmp_path, "plain_one_rank", 1, NO_EVAL + data, 29665)
     assert plain["tb"]["lm loss"][1] != pytest.approx(a["tb"]["lm loss"][1], rel=1e-4)

@@ -44,15 +44,17 @@ class Packing:
         """Whether a sample's plan depends on its documents."""
         return self.reset_attention_mask or self.reset_position_ids
 
-    def documents(self, tokens: torch.Tensor) -> Documents:
-        """The documents of one sample's clean tokens [L]."""
+    def documents(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> Documents:
+        """The documents of one sample: given as ids [L] (packed SFT), else from its clean tokens [L]."""
+        if document_ids is not None:
+            return Documents.of_ids(document_ids.detach().cpu())
         return Documents.of_eod(tokens.detach().cpu(), self.eod_token_id)
 
-    def plan(self, plan, tokens: torch.Tensor):
-        """`plan` for one sample of clean tokens [L]."""
+    def plan(self, plan, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None):
+        """`plan` for one sample of clean tokens [L] (and its document ids, when given)."""
         if not self.splits_documents:
             return plan
-        return plan.for_documents(self.documents(tokens), mask=self.reset_attention_mask,
+        return plan.for_documents(self.documents(tokens, document_ids), mask=self.reset_attention_mask,
                                   reset_position_ids=self.reset_position_ids)
 
     def loss_mask(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

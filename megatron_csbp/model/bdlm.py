@@ -92,7 +92,8 @@ class BlockDiffusionModel(torch.nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 sample_index: Optional[torch.Tensor] = None,
-                denominator: Optional[torch.Tensor] = None) -> LossOutput:
+                denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> LossOutput:
+        """`document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
         self.feeder.check_sequence_length(tokens)
         if loss_mask is None:
             loss_mask = torch.ones_like(tokens)
@@ -102,18 +103,20 @@ class BlockDiffusionModel(torch.nn.Module):
         if denominator is None:
             denominator = self.objective.denominator(loss_mask)
         if self.packing is not None and self.packing.splits_documents and tokens.shape[0] > 1:
-            docs = [self.packing.documents(t) for t in tokens]
+            ids = [None] * tokens.shape[0] if document_ids is None else list(document_ids)
+            docs = [self.packing.documents(t, i) for t, i in zip(tokens, ids)]
             if any(d != docs[0] for d in docs[1:]):
                 # Each packed sample has its own documents, hence its own plan: one forward per
                 # sample. The loss is a sum over target rows divided by the global denominator,
                 # and noise is keyed by the sample index, so the sum is the micro-batch's loss.
-                outs = [self.forward(tokens[i:i + 1], loss_mask[i:i + 1], sample_index[i:i + 1], denominator)
+                outs = [self.forward(tokens[i:i + 1], loss_mask[i:i + 1], sample_index[i:i + 1], denominator,
+                                     None if document_ids is None else document_ids[i:i + 1])
                         for i in range(tokens.shape[0])]
                 return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
         noised = self.objective.noise(tokens, loss_mask, sample_index)
         plan, any_sc = self._plan_of(noised)
         if self.packing is not None:
-            plan = self.packing.plan(plan, tokens[0])
+            plan = self.packing.plan(plan, tokens[0], None if document_ids is None else document_ids[0])
         rows = self.feeder.rows(plan, noised, tokens)
         model_kwargs = {}
         if any_sc and rows.num_noisy:

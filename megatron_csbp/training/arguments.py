@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention stays inside each EOD-delimited document (the EOD belongs to the document it "
                         "ends); a block cut by a boundary is one block per document")
     d.add_argument("--eod-mask-loss", action="store_true", help="EOD tokens are no loss targets")
+    d.add_argument("--pack-sequences", action="store_true",
+                   help="with --sft-data-path: first-fit packing of conversations into --seq-length, each its own "
+                        "document (--reset-attention-mask / --reset-position-ids then use the conversations)")
 
     add_block_diffusion_args(p)
     return p
@@ -235,6 +238,8 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         raise ValueError("give one of --mock-data, --data-path or --sft-data-path")
     if sum(sources) > 1:
         raise ValueError("--mock-data, --data-path and --sft-data-path are mutually exclusive")
+    if args.pack_sequences and not args.sft_data_path:
+        raise ValueError("--pack-sequences packs conversations: it needs --sft-data-path")
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None) else \
             "SentencePieceTokenizer"

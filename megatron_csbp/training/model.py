@@ -202,8 +202,10 @@ class TrainableBDLM(MegatronModule):
         `.module` until it finds the attribute. A property, so no second state-dict entry."""
         return self.bdlm.gpt
 
-    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None):
-        return self.bdlm(tokens, loss_mask, sample_index, denominator)
+    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None):
+        if document_ids is None:
+            return self.bdlm(tokens, loss_mask, sample_index, denominator)
+        return self.bdlm(tokens, loss_mask, sample_index, denominator, document_ids=document_ids)
 
     def set_input_tensor(self, input_tensor):
         self.bdlm.gpt.set_input_tensor(input_tensor)

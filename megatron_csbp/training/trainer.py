@@ -158,7 +158,7 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
-            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator)
+            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"))
             return out.loss, partial(loss_func, out)
 
         fb = get_forward_backward_func()
