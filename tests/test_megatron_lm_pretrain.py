@@ -134,7 +134,7 @@ def short_documents(tmp_path) -> str:
 def test_pretrain_packed_documents_one_rank_vs_csbp(tmp_path):
     """Megatron's own packed-document flags (refused before issue 22) on a corpus of short
     documents: CSBP's losses equal one rank's (that they differ from the unpacked run, documents no
-    longer attending each other: the slow test below, measured 5.43 unpacked vs packed differing)."""
+    longer attending each other: the slow test below)."""
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
     a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data, 29661)
     b = pretrain(tmp_path, "packed_csbp", 2, CSBP + NO_EVAL + PACKED + data, 29662)
