@@ -342,7 +342,7 @@ def loss_func(out, denominator_share, output_tensor):
     return output_tensor, denominator_share.to(torch.int), {"lm loss": report}
 
 
-def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] = None):
+def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] = None, target_shift: int = 0):
     """(clean sequence, supervised-token mask) from Megatron-LM's GPT batch.
 
     Megatron's `loss_mask` is defined on `labels` (text[1:], the next-token targets): it is 0 at EOD
@@ -364,7 +364,7 @@ def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] =
         kept = (supervised.sum(dim=1, keepdim=True) > 0).to(supervised.dtype)
         shifted_only = (batch["tokens"] == packing.eod_token_id) & (clean != packing.eod_token_id)
         supervised = torch.where(shifted_only, kept.expand_as(supervised), supervised)
-        supervised = packing.loss_mask(clean, supervised)
+        supervised = packing.loss_mask(clean, supervised, target_shift)
     if mask_token_id is not None:
         supervised = supervised * (clean != mask_token_id)
     return clean, supervised
@@ -383,7 +383,8 @@ def forward_step(data_iterator, model):
     inner = model
     while not isinstance(inner, TrainableBDLM):
         inner = inner.module
-    tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id, inner.bdlm.packing)
+    tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id, inner.bdlm.packing,
+                                   inner.bdlm.objective.target_shift)
     sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training)
     # Sum of w * CE over this rank's own targets (denominator 1); Megatron divides the gradients by
     # the token count summed over DP x CP x BP: count each sample's supervised tokens once.

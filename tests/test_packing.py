@@ -205,3 +205,18 @@ def test_megatron_lm_batch_applies_eod_mask_loss_to_the_diffused_labels():
     assert torch.equal(clean, labels)
     assert supervised[0].tolist() == (labels[0] != eod).float().tolist()
     assert supervised[1].sum() == 0
+
+
+def test_eod_mask_loss_is_megatrons_rule_for_each_target_shift():
+    """No target for a row that reads an EOD: block diffusion's row p predicts token p (the EOD
+    itself leaves the mask); AR / Fast-dLLM v2 rows predict p + 1 (the token after the EOD)."""
+    from megatron_csbp.layout.packing import Packing
+
+    tokens = torch.tensor([[4, 9, 5, 6, 9, 7]])
+    ones = torch.ones_like(tokens, dtype=torch.float32)
+    pk = Packing(9, eod_mask_loss=True)
+    assert pk.loss_mask(tokens, ones).tolist() == [[1, 0, 1, 1, 0, 1]]
+    assert pk.loss_mask(tokens, ones, target_shift=1).tolist() == [[1, 1, 0, 1, 1, 0]]
+    assert Packing(9).loss_mask(tokens, ones).tolist() == ones.tolist()
+    with pytest.raises(ValueError, match="need the EOD token id"):
+        Packing(None, reset_attention_mask=True)

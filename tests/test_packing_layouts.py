@@ -2,7 +2,8 @@
 and ring, mirrored and contiguous), TP x CSBP with sequence parallelism and full recompute equal
 one rank's, in float64 (tests/gradients.py FP64_TOL), with --reset-attention-mask
 --reset-position-ids --eod-mask-loss on a micro-batch of two samples whose EOD-delimited documents
-differ (boundaries inside blocks, a one-token document, one ending on a block edge)."""
+differ (boundaries inside blocks, a one-token document, one ending on a block edge); BD3-LM, and the
+shifted AR and Fast-dLLM v2 objectives under CSBP."""
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,12 @@ def run_layout(gpt, c):
     from megatron_csbp.layout.packing import Packing
     from megatron_csbp.model.bdlm import BlockDiffusionModel
 
+    from megatron_csbp.objectives import AutoregressiveObjective, FastDLLMv2Objective
+
     layout = SequenceLayout(BlockGeometry(L, B, c["clean_attention"]), c["cp"], c["bp"], c["schedule"])
-    model = BlockDiffusionModel(gpt, objective(), layout, bps.get_shard_rank(), bps.get_clean_ring_group(),
+    obj = {"ar": AutoregressiveObjective, "fast-dllm-v2": lambda: FastDLLMv2Objective(B, VOCAB - 1, seed=3)}.get(
+        c.get("objective"), objective)()
+    model = BlockDiffusionModel(gpt, obj, layout, bps.get_shard_rank(), bps.get_clean_ring_group(),
                                 c["transport"], packing=Packing(EOD, True, True, True))
     out = model(*packed_batch())
     out.loss.backward()
@@ -54,7 +59,7 @@ def _rank(rank, world, cases):
     for c in cases:
         bps.initialize_block_parallel()
         ref_gpt = build_gpt()
-        ref_loss = run_layout(ref_gpt, case(clean_attention=c["clean_attention"]))
+        ref_loss = run_layout(ref_gpt, dict(case(clean_attention=c["clean_attention"]), objective=c.get("objective")))
         ref_state = {n: p.detach().clone() for n, p in ref_gpt.named_parameters()}
         ref_grads = {n: p.grad.clone() for n, p in ref_gpt.named_parameters()}
         bps.destroy_block_parallel()
@@ -83,7 +88,8 @@ def _rank(rank, world, cases):
 
 CASES = {
     2: [case(cp=2), case(bp=2), case(cp=2, bp=2), case(cp=2, bp=2, transport="ring", clean_attention="token_causal"),
-        case(bp=2, schedule="contiguous")],
+        case(bp=2, schedule="contiguous"), dict(case(cp=2, bp=2), objective="ar"),
+        dict(case(cp=2, bp=2), objective="fast-dllm-v2")],
     4: [case(cp=2, bp=4), case(tp=2, cp=2, bp=2, sp=True, recompute=True)],
 }
 

@@ -2,9 +2,11 @@
 
 `--reset-attention-mask`: attention stays inside each document (`layout.masks.Documents`, read
 from the clean tokens: an EOD token ends the document it belongs to); `--reset-position-ids`:
-positions restart at each document; `--eod-mask-loss`: EOD tokens are no targets (Megatron's
-meaning: they leave the loss mask, so they also leave the denominator, the number of supervised
-tokens of the global batch). What a packed sample changes is its plan
+positions restart at each document; `--eod-mask-loss`: a row that reads an EOD has no target (Megatron's
+`loss_mask[data == eod] = 0`: for block diffusion the EOD itself, for the shifted AR and
+Fast-dLLM v2 objectives the next document's first token); the mask also sets the denominator
+(supervised targets of the global batch), so normalisation is Megatron's: over the batch's targets,
+not per document. What a packed sample changes is its plan
 (`AttentionPlan.for_documents`) and its loss mask; rows, layout and noise are untouched.
 """
 from __future__ import annotations
@@ -57,8 +59,17 @@ class Packing:
         return plan.for_documents(self.documents(tokens, document_ids), mask=self.reset_attention_mask,
                                   reset_position_ids=self.reset_position_ids)
 
-    def loss_mask(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """`loss_mask` with EOD tokens removed under --eod-mask-loss (idempotent)."""
+    def loss_mask(self, tokens: torch.Tensor, loss_mask: torch.Tensor, target_shift: int = 0) -> torch.Tensor:
+        """`loss_mask` (indexed by target token) under --eod-mask-loss: Megatron's rule, no target
+        for a row that reads an EOD (`loss_mask[data == eod] = 0` per row). The row at p reads
+        token p and predicts token p + `target_shift` (`Objective.target_shift`): for block
+        diffusion (0) the EOD itself is no target; for AR and Fast-dLLM v2 (1) the token after an
+        EOD, the next document's first, is none. Idempotent."""
         if not self.eod_mask_loss:
             return loss_mask
-        return loss_mask * (tokens != self.eod_token_id).to(loss_mask.dtype)
+        reads_eod = (tokens != self.eod_token_id).to(loss_mask.dtype)
+        if target_shift == 0:
+            return loss_mask * reads_eod
+        out = loss_mask.clone()
+        out[..., target_shift:] = out[..., target_shift:] * reads_eod[..., :-target_shift]
+        return out

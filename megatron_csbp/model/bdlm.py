@@ -130,9 +130,10 @@ class BlockDiffusionModel(torch.nn.Module):
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
 
     def supervised(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """The loss mask this model trains on: `loss_mask` less EOD tokens under --eod-mask-loss
-        (what the trainer's denominator counts too)."""
-        return loss_mask if self.packing is None else self.packing.loss_mask(tokens, loss_mask)
+        """The loss mask this model trains on: under --eod-mask-loss less the targets of rows that
+        read an EOD (`Packing.loss_mask`; what the trainer's denominator counts too)."""
+        return loss_mask if self.packing is None else \
+            self.packing.loss_mask(tokens, loss_mask, self.objective.target_shift)
 
     def _plan_of(self, noised: NoisedBatch):
         """(plan, whether the self-conditioning first pass runs) of a noised batch; the canvas
