@@ -220,3 +220,30 @@ def test_eod_mask_loss_is_megatrons_rule_for_each_target_shift():
     assert Packing(9).loss_mask(tokens, ones).tolist() == ones.tolist()
     with pytest.raises(ValueError, match="need the EOD token id"):
         Packing(None, reset_attention_mask=True)
+
+
+def test_bp_ownership_balances_packed_cost():
+    """Under BP a packed sample's blocks go to ranks by their in-document cost (`block_costs`):
+    every rank keeps its block count, the cost is each piece's n x (n + in-document prefix), and
+    the spread of allowed pairs over ranks drops (docs/benchmarks/packing.md)."""
+    from dataclasses import replace
+
+    from megatron_csbp.bench.packing import pack_documents, summary
+    from megatron_csbp.layout.layout import balanced_owners
+    from megatron_csbp.layout.packing import block_costs
+
+    L, B = 64, 4
+    docs = Documents((0, 6, 7, 24, 40), L)
+    costs = block_costs(docs, B, L)
+    # Block 1 = positions 4..7: piece [4, 6) of doc 0 (prefix 4), [6, 7) alone, [7, 8) of doc [7, 24).
+    assert costs[1] == 2 * (2 + 4) + 1 * 1 + 1 * 1
+    assert sum(costs) == PartialMask.of(logical_rows(L).select(slice(0, L)), logical_rows(L),
+                                        BlockGeometry(L, B, documents=docs)).allowed_pairs()
+    parts = balanced_owners(list(range(16)), costs, [4, 4, 4, 4])
+    assert sorted(b for p in parts for b in p) == list(range(16)) and all(len(p) == 4 for p in parts)
+    layout = SequenceLayout(BlockGeometry(L, B), 1, 4)
+    assert replace(layout, block_costs=costs).block_owners == [sorted(p) for p in parts]
+    hist = pack_documents(1024, histogram={16: 5, 64: 3, 300: 1}, seed=1)
+    s = summary(1024, 16, 1, 4, hist)
+    assert s["balanced_pairs_spread"] < s["packed_pairs_spread"]
+    assert s["balanced_pairs_spread"] < 1.05

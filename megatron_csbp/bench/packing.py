@@ -11,7 +11,9 @@ sequence is full, the last one cut, as Megatron's GPTDataset packs them) and a l
   query of the same document may see); these are exactly the rows the transports count (the
   byte-accounting test is tests/test_packing_distributed.py);
 - attention work: allowed (query, key) pairs of the rank's queries (`PartialMask.allowed_pairs`),
-  unpacked and packed, and their spread over the shard group (max / mean).
+  unpacked, packed under the layout's ownership, and packed under the per-sample cost-balanced
+  ownership the trainer uses (`RowFeeder.packed_plan`), and their spread over the shard group
+  (max / mean).
 
 Metadata only, linear in the rows (row vectors, difference arrays, searchsorted): at 256K tokens
 on 16 ranks each plan is built from 32K local rows against 16 shards of 16K clean rows.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -27,6 +30,7 @@ import torch
 from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, Documents, logical_rows
+from megatron_csbp.layout.packing import block_costs
 from megatron_csbp.layout.rows import PartialMask
 
 
@@ -70,25 +74,33 @@ def pack_documents(seq_length: int, doc_length: Optional[int] = None, histogram:
     return Documents(tuple(starts), seq_length)
 
 
+def _received(layout: SequenceLayout, geometry: BlockGeometry, r: int) -> int:
+    members = [layout.rows(m) for m in layout.ring_ranks(r)]
+    return sum(WindowExchangePlan.build(members, layout.ring_clean_rows(r), geometry, layout.ring_of(r)[1]).recv_counts)
+
+
 def rank_numbers(layout: SequenceLayout, documents: Optional[Documents]) -> List[dict]:
-    """Per shard rank: forward rows received (CP, CSBP unpacked, CSBP packed) and allowed pairs."""
+    """Per shard rank: forward rows received (CP, CSBP unpacked, CSBP packed under the layout's
+    ownership and under the trainer's per-sample cost-balanced ownership) and allowed pairs."""
     g = layout.geometry
     packed_g = g.with_documents(documents)
+    balanced = layout
+    if documents is not None and layout.kind in ("bp", "csbp"):
+        balanced = replace(layout, block_costs=block_costs(documents, g.block_size, g.seq_length))
     keys = logical_rows(g.seq_length)
     L, P = g.seq_length, layout.ring_size
     out = []
     for r in range(layout.shard_group_size):
         local = layout.rows(r)
         row = dict(rank=r, pairs=PartialMask.of(local, keys, g).allowed_pairs(),
-                   packed_pairs=PartialMask.of(local, keys, packed_g).allowed_pairs())
+                   packed_pairs=PartialMask.of(local, keys, packed_g).allowed_pairs(),
+                   balanced_pairs=PartialMask.of(balanced.rows(r), keys, packed_g).allowed_pairs())
         if P > 1 and layout.kind == "csbp":
-            members = [layout.rows(m) for m in layout.ring_ranks(r)]
-            shards = layout.ring_clean_rows(r)
-            me = layout.ring_of(r)[1]
             S = layout.shard_group_size  # the CP baseline on the same ranks: K/V of all 2L rows over S
             row["cp_rows"] = 2 * L * (S - 1) // S
-            row["csbp_rows"] = sum(len(s) for i, s in enumerate(shards) if i != me)
-            row["csbp_packed_rows"] = sum(WindowExchangePlan.build(members, shards, packed_g, me).recv_counts)
+            row["csbp_rows"] = L * (P - 1) // P
+            row["csbp_packed_rows"] = _received(layout, packed_g, r)
+            row["csbp_balanced_rows"] = _received(balanced, packed_g, r)
         out.append(row)
     return out
 
@@ -98,30 +110,28 @@ def summary(seq_length, block_size, cp, bp, documents, schedule="mirrored") -> d
     rows = rank_numbers(layout, documents)
     res = dict(seq_length=seq_length, block_size=block_size, cp=cp, bp=bp, schedule=schedule,
                documents=len(documents) if documents is not None else 1)
-    for key in ("pairs", "packed_pairs", "cp_rows", "csbp_rows", "csbp_packed_rows"):
+    for key in ("pairs", "packed_pairs", "balanced_pairs", "cp_rows", "csbp_rows", "csbp_packed_rows",
+                "csbp_balanced_rows"):
         vals = [r[key] for r in rows if key in r]
         if vals:
             res[key] = sum(vals) / len(vals)
             res[key + "_max"] = max(vals)
-    for key in ("pairs", "packed_pairs"):
+    for key in ("pairs", "packed_pairs", "balanced_pairs"):
         res[key + "_spread"] = res[key + "_max"] / res[key] if res[key] else 1.0
     return res
 
 
 def markdown(results: Sequence[dict], kv_bytes_per_row: int) -> str:
-    head = ("| L | B | CP x BP | schedule | docs | CP rows/rank | CSBP rows/rank | CSBP packed rows/rank | "
-            "packed / unpacked | packed / CP | CSBP packed MiB/layer (fwd) | pairs spread unpacked | "
-            "pairs spread packed |\n|" + "---|" * 13)
+    head = ("| L | B | CP x BP | docs | CP rows/rank | CSBP rows/rank | CSBP packed rows/rank (owned as unpacked) | "
+            "CSBP packed rows/rank (cost-balanced) | balanced / unpacked | balanced / CP | balanced MiB/layer (fwd) | "
+            "pairs spread unpacked | pairs spread packed | pairs spread packed, cost-balanced |\n|" + "---|" * 14)
     lines = [head]
     for r in results:
-        if "cp_rows" not in r:
-            continue
-        lines.append(
-            f"| {r['seq_length']} | {r['block_size']} | {r['cp']} x {r['bp']} | {r['schedule']} | {r['documents']} | "
-            f"{r['cp_rows']:.0f} | {r['csbp_rows']:.0f} | {r['csbp_packed_rows']:.0f} | "
-            f"{r['csbp_packed_rows'] / r['csbp_rows']:.3f} | {r['csbp_packed_rows'] / r['cp_rows']:.3f} | "
-            f"{r['csbp_packed_rows'] * kv_bytes_per_row / 2**20:.1f} | {r['pairs_spread']:.3f} | "
-            f"{r['packed_pairs_spread']:.3f} |")
+        cs = (f"{r['cp_rows']:.0f} | {r['csbp_rows']:.0f} | {r['csbp_packed_rows']:.0f} | {r['csbp_balanced_rows']:.0f} | "
+              f"{r['csbp_balanced_rows'] / r['csbp_rows']:.3f} | {r['csbp_balanced_rows'] / r['cp_rows']:.3f} | "
+              f"{r['csbp_balanced_rows'] * kv_bytes_per_row / 2**20:.1f}") if "cp_rows" in r else "- | - | - | - | - | - | -"
+        lines.append(f"| {r['seq_length']} | {r['block_size']} | {r['cp']} x {r['bp']} | {r['documents']} | {cs} | "
+                     f"{r['pairs_spread']:.3f} | {r['packed_pairs_spread']:.3f} | {r['balanced_pairs_spread']:.3f} |")
     return "\n".join(lines)
 
 

@@ -12,13 +12,27 @@ not per document. What a packed sample changes is its plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from megatron_csbp.layout.masks import Documents
 
 PACKING_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+
+
+def block_costs(documents: Documents, block_size: int, seq_length: int) -> Tuple[int, ...]:
+    """Attention cost of each block's noisy queries under `documents`: per piece of n rows whose
+    block starts c rows after its document's start, n x (n + c) allowed pairs (its own piece and
+    its document's clean prefix). One int per block (16K at 256K tokens, B = 16)."""
+    B = block_size
+    pos = torch.arange(seq_length)
+    start = documents.start_of(pos)
+    piece = torch.maximum((pos // B) * B, start)  # the piece id of each position (masks.noisy_block_id)
+    n = torch.bincount(piece, minlength=seq_length)[piece]  # rows of each position's piece
+    prefix = piece - start  # clean rows of its document before the piece
+    per_row = n + prefix  # keys one noisy query of the piece sees
+    return tuple(torch.zeros(seq_length // B, dtype=torch.long).index_add_(0, pos // B, per_row).tolist())
 
 
 @dataclass(frozen=True)

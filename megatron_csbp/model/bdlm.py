@@ -116,7 +116,8 @@ class BlockDiffusionModel(torch.nn.Module):
         noised = self.objective.noise(tokens, loss_mask, sample_index)
         plan, any_sc = self._plan_of(noised)
         if self.packing is not None:
-            plan = self.packing.plan(plan, tokens[0], None if document_ids is None else document_ids[0])
+            plan = self.feeder.packed_plan(plan, self.packing, tokens[0],
+                                           None if document_ids is None else document_ids[0])
         rows = self.feeder.rows(plan, noised, tokens)
         model_kwargs = {}
         if any_sc and rows.num_noisy:
