@@ -51,6 +51,7 @@ def test_packed_pair_scores_as_each_alone(checkpoint):
     assert np.abs(got - want).max() <= TOL
 
 
+@pytest.mark.slow  # a subprocess per call; the scoring itself is the default test above
 def test_cli_flags(checkpoint):
     meg, tmp = str(checkpoint / "meg"), checkpoint
     a, b = _docs()
