@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id
 from megatron_csbp.objectives.registry import objective_class, objective_options
@@ -65,10 +66,6 @@ _REFUSED_MEGATRON_FLAGS = (
      "masks for the same row). Pass --attention-dropout 0"),
     ("hidden_dropout", "--hidden-dropout", (0.0,),
      "dropout masks are drawn per rank, so the loss would depend on the layout. Pass --hidden-dropout 0"),
-    ("reset_attention_mask", "--reset-attention-mask", (False,),
-     "block-diffusion attention masks are built from the block layout, not from document boundaries"),
-    ("reset_position_ids", "--reset-position-ids", (False,),
-     "positions come from the block layout (one position per token of the sample)"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", (1,),
      "block diffusion does not support pipeline parallelism"),
 )
@@ -257,6 +254,15 @@ def install_initialize_hook() -> None:
     mpu.initialize_model_parallel = initialize_model_parallel
 
 
+def _eod_token_id(args) -> Optional[int]:
+    """The tokenizer's EOD (Megatron-LM's packed-document flags read documents from it)."""
+    if not (args.reset_attention_mask or args.reset_position_ids or args.eod_mask_loss):
+        return None
+    from megatron.training import get_tokenizer
+
+    return int(get_tokenizer().eod)
+
+
 def _model_args_from_megatron(args):
     from megatron_csbp.training.model import ModelArgs
 
@@ -267,7 +273,9 @@ def _model_args_from_megatron(args):
         context_parallel_size=_true_cp(args), block_parallel_size=args.block_parallel_size,
         block_size=args.block_size, objective=args.objective, mask_token_id=args.mask_token_id,
         clean_attention=args.clean_attention or "block_causal", attention_transport=args.attention_transport,
-        block_ownership=args.block_ownership, seed=args.seed, attention_kernel=args.attention_kernel)
+        block_ownership=args.block_ownership, seed=args.seed, attention_kernel=args.attention_kernel,
+        reset_attention_mask=args.reset_attention_mask, reset_position_ids=args.reset_position_ids,
+        eod_mask_loss=args.eod_mask_loss, eod_token_id=_eod_token_id(args))
     for dest, value in objective_options(args).items():  # the objective's flags (noise schedule, ...)
         setattr(margs, dest, value)
     return margs
@@ -309,7 +317,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                          "hook picks the first padding id) or pass --mask-token-id")
     objective = build_objective(margs)
     bdlm = objective.model_class()(gpt, objective, build_layout(margs), bps.get_shard_rank(),
-                                   bps.get_clean_ring_group(), margs.attention_transport)
+                                   bps.get_clean_ring_group(), margs.attention_transport,
+                                   packing=Packing.of(margs))
     return TrainableBDLM(config, bdlm)
 
 
@@ -354,7 +363,7 @@ def loss_func(out, denominator_share, output_tensor):
     return output_tensor, denominator_share.to(torch.int), {"lm loss": report}
 
 
-def bdlm_batch(batch, mask_token_id: Optional[int]):
+def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] = None, target_shift: int = 0):
     """(clean sequence, supervised-token mask) from Megatron-LM's GPT batch.
 
     Megatron's `loss_mask` is defined on `labels` (text[1:], the next-token targets): it is 0 at EOD
@@ -367,6 +376,16 @@ def bdlm_batch(batch, mask_token_id: Optional[int]):
     denominator is the number of supervised tokens in the global batch."""
     clean = batch["labels"]
     supervised = batch["loss_mask"].to(torch.float32)
+    if packing is not None and packing.eod_mask_loss:
+        # Megatron's --eod-mask-loss zeroes loss_mask where its *input* token (text[:-1]) is EOD:
+        # there its target is the next document's first token. Here position i reads and
+        # predicts labels[i] itself, so the rule applied to the sequence the model reads is
+        # "labels[i] is EOD" (`Packing.loss_mask`, as in the plugin's trainer). Positions Megatron
+        # masked only for the shifted rule get their mask back, unless the sample is masked whole.
+        kept = (supervised.sum(dim=1, keepdim=True) > 0).to(supervised.dtype)
+        shifted_only = (batch["tokens"] == packing.eod_token_id) & (clean != packing.eod_token_id)
+        supervised = torch.where(shifted_only, kept.expand_as(supervised), supervised)
+        supervised = packing.loss_mask(clean, supervised, target_shift)
     if mask_token_id is not None:
         supervised = supervised * (clean != mask_token_id)
     return clean, supervised
@@ -385,7 +404,8 @@ def forward_step(data_iterator, model):
     inner = model
     while not isinstance(inner, TrainableBDLM):
         inner = inner.module
-    tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id)
+    tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id, inner.bdlm.packing,
+                                   inner.bdlm.objective.target_shift)
     sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training)
     # Sum of w * CE over this rank's own targets (denominator 1); Megatron divides the gradients by
     # the token count summed over DP x CP x BP: count each sample's supervised tokens once.

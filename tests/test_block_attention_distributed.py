@@ -19,7 +19,7 @@ from megatron_csbp.attention.accounting import traffic_counter
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
 from megatron_csbp.attention.kernels import get_kernel
 from megatron_csbp.layout.layout import SequenceLayout
-from megatron_csbp.layout.masks import BlockGeometry, dense_reference_mask
+from megatron_csbp.layout.masks import BlockGeometry, Documents, dense_reference_mask
 from tests.distributed import run_distributed
 from tests.gradients import EXACT_DTYPE
 
@@ -54,13 +54,23 @@ def dense_reference(case, held):
     q, k, v, do = (t.double() for t in _inputs(L, case["b"], H, G, d))
     do = do * (held > 0).double()[:, None, None, None]
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    mask = dense_reference_mask(L, B, case["clean_attention"], case["window"])
+    docs = _documents(case)
+    mask = dense_reference_mask(L, B, case["clean_attention"], case["window"],
+                                document_ids=None if docs is None else docs.ids().tolist())
     kk, vv = k.repeat_interleave(H // G, 2), v.repeat_interleave(H // G, 2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / d**0.5
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    # nan_to_num: under packing a query may see no key at all (the first piece of a document
+    # that starts inside a block has no clean prefix); its output is 0, as the kernels give
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
     out = torch.einsum("bhqk,kbhd->qbhd", probs, vv)
     out.backward(do)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def _documents(case):
+    """The case's packed documents (`documents`: their start positions) or None."""
+    starts = case.get("documents")
+    return None if starts is None else Documents(tuple(starts), case["L"])
 
 
 def logical_index(rows, L):
@@ -78,6 +88,7 @@ def _attention_rank(rank, world, cases):
         layout = SequenceLayout(geometry, case["cp"], case["bp"], case["schedule"])
         shard_rank = bps.get_shard_rank()
         plan = plan_for_layout(layout, shard_rank, bps.get_clean_ring_group(), case["transport"])
+        plan = plan.for_documents(_documents(case))
         L = case["L"]
         q, k, v, do = _inputs(L, case["b"], case["H"], case["G"], case["d"])
         idx = logical_index(plan.local, L)
@@ -89,9 +100,9 @@ def _attention_rank(rank, world, cases):
         mine = torch.tensor([first_holder[i] == shard_rank for i in idx.tolist()])
         ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
         traffic_counter().reset()
+        kernel = get_kernel(case.get("kernel", "tiled" if case.get("tiled") else "math"), q.device)
         out = block_diffusion_attention(ql, kl, vl, plan, softmax_scale=case["d"] ** -0.5,
-                                        kernel=get_kernel(case.get("kernel", "math"), q.device),
-                                        window=case["window"], layer=1)
+                                        kernel=kernel, window=case["window"], layer=1)
         out.backward(do[idx] * mine[:, None, None, None])
         results.append(dict(idx=idx, out=out.detach(), shard_rank=shard_rank, dq=ql.grad, dk=kl.grad, dv=vl.grad,
                             sent=traffic_counter().total_sent, received=traffic_counter().total_received))
@@ -105,17 +116,21 @@ def attention_bytes_formula(case, shard_rank) -> int:
     s = torch.tensor([], dtype=EXACT_DTYPE).element_size()
     if case["cp"] == 1:
         return 0  # single or BP: nothing moves
-    if case["bp"] > 1 and case["window"] is not None:
-        # Sliding window under CSBP: forward receives K and V of the clean rows its rows may attend
-        # to and does not hold, backward the gradients of the rows it sent: counted from the mask
-        # predicate and row ownership (tests/test_window_exchange.window_rows_oracle), not the plan.
+    if case["bp"] > 1 and (case["window"] is not None or case.get("documents") is not None):
+        # Sliding window or packed documents under CSBP: forward receives K and V of the clean rows its
+        # rows may attend to and does not hold, backward the gradients of the rows it sent: counted from
+        # the mask predicate (documents included) and row ownership
+        # (tests/test_window_exchange.window_rows_oracle), not the plan.
         from megatron_csbp.layout.layout import SequenceLayout
         from megatron_csbp.layout.masks import BlockGeometry
         from tests.test_window_exchange import window_rows_oracle
 
         layout = SequenceLayout(BlockGeometry(L, case["B"], case["clean_attention"], None), case["cp"], case["bp"],
                                 case["schedule"])
-        recv, send = window_rows_oracle(layout, layout.geometry.with_window(case["window"]), shard_rank)
+        windowed = layout.geometry.with_window(case["window"])
+        if case.get("documents") is not None:
+            windowed = windowed.with_documents(_documents(case))
+        recv, send = window_rows_oracle(layout, windowed, shard_rank)
         return (recv + send) * b * 2 * G * d * s
     P = case["cp"]  # ring size
     rows_moved = 2 * L if case["bp"] == 1 else L  # CP moves all 2L rows, CSBP the L clean rows
@@ -167,6 +182,10 @@ def check_case(case, results):
     held = held_rows(case)
     L, B = case["L"], case["B"]
     unheld = (held == 0).nonzero().flatten()
+    if case.get("documents") is not None and case["cp"] > 1 and case["bp"] > 1 and case["window"] is None:
+        # packed CSBP moves fewer rows than the unpacked all-gather
+        unpacked = attention_bytes_formula(dict(case, documents=None), 0)
+        assert all(res["received"] < unpacked for res in results), label
     if case["bp"] > 1 and case["cp"] == 1:
         # BP recomputes only the clean prefix noisy blocks need: the last clean block is unused.
         assert unheld.tolist() == list(range(2 * L - B, 2 * L)), label
@@ -181,7 +200,7 @@ def check_case(case, results):
         torch.testing.assert_close(res["out"].double(), ref_out[idx], **TOL, msg=lambda m: f"{label}: {m}")
         expected = attention_bytes_formula(case, res["shard_rank"])
         assert res["received"] == expected, (label, res["received"], expected)
-        if case["window"] is None:
+        if case["window"] is None and case.get("documents") is None:
             assert res["sent"] == res["received"], label
         holders[idx] += 1
         for n in sums:

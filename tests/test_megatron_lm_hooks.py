@@ -118,9 +118,11 @@ def _validation_rank(rank, world_size):
         return parse_args(megatron_lm.extra_args_provider)
 
     refusals = {}
-    # Megatron-LM's defaults (learned_absolute, dropout 0.1) and flags the plugin cannot honour.
+    # Megatron-LM's defaults (learned_absolute, dropout 0.1), which the plugin cannot honour, and the
+    # packed-document flags, which it now accepts.
     for drop, add in [("rope", []), ("--attention-dropout", []), ("--hidden-dropout", []),
-                      (None, ["--reset-attention-mask"]), (None, ["--reset-position-ids"])]:
+                      (None, ["--reset-attention-mask"]), (None, ["--reset-position-ids"]),
+                      (None, ["--eod-mask-loss"])]:
         argv = list(base)
         if drop:
             argv = _without(argv, "--position-embedding-type" if drop == "rope" else drop)
@@ -168,8 +170,8 @@ def test_unsupported_flags_eval_interval_and_mask_id_at_validation():
     assert "--position-embedding-type learned_absolute is not supported" in refusals["rope"]
     assert "--attention-dropout 0.1 is not supported" in refusals["--attention-dropout"]
     assert "--hidden-dropout 0.1 is not supported" in refusals["--hidden-dropout"]
-    assert "--reset-attention-mask True" in refusals["--reset-attention-mask"]
-    assert "--reset-position-ids True" in refusals["--reset-position-ids"]
+    # Megatron's packed-document flags are honoured (issue 22: docs/semantics.md "Packed documents")
+    assert not {"--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"} & set(refusals)
     # NullTokenizer(64) produces ids 0..64 (64 = EOD); Megatron pads the vocabulary to 128.
     assert masks["default"] == 65
     assert "--mask-token-id 5 is an id the tokenizer can produce" in masks["in_vocab"]

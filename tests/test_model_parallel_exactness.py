@@ -63,27 +63,36 @@ def objective():
     return BD3LMObjective(B, mask_token_id=VOCAB - 1, seed=3)
 
 
-def run_layout(gpt, cp, bp, transport, schedule, clean_attention):
+def run_layout(gpt, c):
+    """Loss of `batch()` under case `c`'s layout (backward run); `c` may name a `run` of its own
+    (module:function, the same signature; tests/test_packing_layouts.py)."""
+    if c.get("run"):
+        import importlib
+
+        module, fn = c["run"].split(":")
+        return getattr(importlib.import_module(module), fn)(gpt, c)
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
 
-    layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
+    layout = SequenceLayout(BlockGeometry(L, B, c["clean_attention"]), c["cp"], c["bp"], c["schedule"])
     model = BlockDiffusionModel(gpt, objective(), layout, bps.get_shard_rank(),
-                                bps.get_clean_ring_group(), transport)
+                                bps.get_clean_ring_group(), c["transport"])
     tokens, loss_mask, index = batch()
     out = model(tokens, loss_mask, index)
     out.loss.backward()
     return out.loss.detach()
 
 
-def _reference(clean_attention):
+def _reference(c):
+    """One rank's loss, weights and gradients of case `c`'s run (its objective, its data)."""
     from megatron_csbp import parallel_state as bps
 
     bps.initialize_block_parallel()
     gpt = build_gpt()
-    loss = run_layout(gpt, 1, 1, "allgather", "mirrored", clean_attention)
+    loss = run_layout(gpt, dict(c, cp=1, bp=1, tp=1, sp=False, recompute=False, transport="allgather",
+                                schedule="mirrored"))
     state = {n: p.detach().clone() for n, p in gpt.named_parameters()}
     grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
     bps.destroy_block_parallel()
@@ -108,7 +117,7 @@ def _model_rank(rank, world, cases):
 
     out = []
     for case in cases:
-        ref_loss, ref_state, ref_grads = _reference(case["clean_attention"])
+        ref_loss, ref_state, ref_grads = _reference(case)
         bps.initialize_block_parallel(tensor_model_parallel_size=case["tp"], context_parallel_size=case["cp"],
                                       block_parallel_size=case["bp"])
         gpt = build_gpt(sequence_parallel=case["sp"], recompute=case["recompute"], tp=case["tp"])
@@ -116,7 +125,7 @@ def _model_rank(rank, world, cases):
         with torch.no_grad():
             for n, p in gpt.named_parameters():
                 p.copy_(_tp_slice(ref_state[n], p, tp_rank))
-        loss = run_layout(gpt, case["cp"], case["bp"], case["transport"], case["schedule"], case["clean_attention"])
+        loss = run_layout(gpt, case)
         shard_group = bps.get_shard_group()
         dist.all_reduce(loss, group=shard_group)  # each rank holds the partial loss of its blocks
         errors = {}
@@ -160,7 +169,11 @@ WORLD_CASES = {
 
 @pytest.mark.parametrize("world", sorted(WORLD_CASES))
 def test_model_loss_and_grads_match_single_rank(world):
-    cases = WORLD_CASES[world]
+    check_against_single_rank(WORLD_CASES[world], world)
+
+
+def check_against_single_rank(cases, world):
+    """Run `cases` on `world` ranks; each rank's loss and gradients against one rank's (FP64_TOL)."""
     results = run_distributed(_model_rank, world, cases)
     for i, c in enumerate(cases):
         for rank, per_rank in enumerate(results):

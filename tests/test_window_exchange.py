@@ -6,7 +6,7 @@ import torch
 
 from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.layout import SequenceLayout
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed, logical_rows
+from megatron_csbp.layout.masks import BlockGeometry, Documents, RowMeta, allowed, logical_rows
 
 
 def window_plans(case):
@@ -14,6 +14,8 @@ def window_plans(case):
     geometry = BlockGeometry(case["L"], case["B"], case["clean_attention"], None)
     layout = SequenceLayout(geometry, case["cp"], case["bp"], case["schedule"])
     windowed = geometry.with_window(case["window"])
+    if case.get("documents") is not None:  # packed (tests/test_packing_distributed.py)
+        windowed = windowed.with_documents(Documents(tuple(case["documents"]), case["L"]))
     plans = []
     for r in range(layout.shard_group_size):
         members = [layout.rows(m) for m in layout.ring_ranks(r)]

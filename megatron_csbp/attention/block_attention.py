@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_csbp.attention.strategies import AttentionCall, ExchangeStrategy, select_strategy
 from megatron_csbp.layout.exchange import WindowExchangePlan
-from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta
+from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, Documents, RowMeta
 from megatron_csbp.layout.rows import PartialMask
 
 
@@ -64,6 +64,11 @@ class AttentionPlan:
     physical_order: Optional[torch.Tensor] = None
     # False: clean rows are keys only (DFlash context): q and the output hold the noisy rows alone.
     clean_queries: bool = True
+    # Packed documents (`for_documents`): positions fed to the model restart at every document
+    # (Megatron's --reset-position-ids); the mask's documents live on `geometry`.
+    position_documents: Optional[Documents] = None
+    # The plan this one was derived from by `for_documents` (the layout's own or a canvas plan).
+    base: Optional["AttentionPlan"] = field(default=None, repr=False)
     # Masks (row vectors, with what kernels derive from them) and window plans: static, owned
     # by the plan and freed with it. Bounded: one entry per (part, window, device), parts being
     # the plan's few partials (noisy, clean, one per ring member).
@@ -83,8 +88,32 @@ class AttentionPlan:
         self.window_strategy: ExchangeStrategy = select_strategy(self.exchange, self.transport, windowed=True)
 
     def strategy_for(self, window: Optional[int]) -> ExchangeStrategy:
-        """The exchange strategy of a layer with sliding window `window` (None: full attention)."""
-        return self.strategy if window is None else self.window_strategy
+        """The exchange strategy of a layer with sliding window `window` (None: full attention).
+        With packed documents every layer takes the windowed strategy: its exchange moves only
+        the clean rows inside some local query's interval, and a document cuts the intervals
+        (other documents' clean rows never move)."""
+        if window is None and self.geometry.documents is None:
+            return self.strategy
+        return self.window_strategy
+
+    def for_documents(self, documents: Optional[Documents], *, mask: bool = True,
+                      reset_position_ids: bool = False) -> "AttentionPlan":
+        """This plan for one packed sample: attention kept inside `documents` (`mask`, Megatron's
+        --reset-attention-mask) and/or model positions restarting at each document
+        (`reset_position_ids`). A new plan with its own mask cache (the rows, ring and strategy
+        are this plan's); `self` when nothing changes."""
+        if documents is None or (not mask and not reset_position_ids):
+            return self
+        geometry = self.geometry.with_documents(documents) if mask else self.geometry
+        return replace(self, geometry=geometry, position_documents=documents if reset_position_ids else None,
+                       base=self.base or self, _cache={})
+
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions the model (rotary, position ids) sees for rows at layout `positions`:
+        the same, or with --reset-position-ids the offset inside the row's document."""
+        if self.position_documents is None:
+            return positions
+        return positions - self.position_documents.start_of(positions)
 
     @property
     def num_query_rows(self) -> int:
@@ -135,7 +164,7 @@ class AttentionPlan:
         """`rows.position` on `device`, cached under `key` (static, as the masks are)."""
         cache_key = ("positions",) + key + (str(device),)
         if cache_key not in self._cache:
-            self._cache[cache_key] = rows.position.to(device)
+            self._cache[cache_key] = self.model_positions(rows.position).to(device)
         return self._cache[cache_key]
 
     @cached_property
@@ -150,7 +179,11 @@ class AttentionPlan:
             anchor = self.local.anchor[: self.num_noisy].view(-1, B)
             return bool((anchor == anchor[:, :1]).all() and (pos.view(-1, B) - anchor == torch.arange(B)).all())
         starts = pos.view(-1, B)
-        return bool((starts % B == torch.arange(B)).all() and (starts // B == starts[:, :1] // B).all())
+        whole = bool((starts % B == torch.arange(B)).all() and (starts // B == starts[:, :1] // B).all())
+        docs = self.geometry.documents
+        if whole and docs is not None:  # a block split by a document boundary is not one B x B problem
+            whole = bool((docs.start_of(starts[:, 0]) == docs.start_of(starts[:, -1])).all())
+        return whole
 
 
 def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: float, kernel, window=None, layer: int = 0,

@@ -86,7 +86,7 @@ class ARScorer:
     objective's clean, token-causal stream through the block-diffusion wrapper (the same path the
     trainer's `--objective ar` takes)."""
 
-    def __init__(self, model, seq_length: int):
+    def __init__(self, model, seq_length: int, packing=None):
         from megatron_csbp.layout.layout import SequenceLayout
         from megatron_csbp.layout.masks import BlockGeometry
         from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -94,12 +94,12 @@ class ARScorer:
 
         self.seq_length = seq_length
         layout = SequenceLayout(BlockGeometry(seq_length, seq_length))  # one rank: any length
-        self.bdlm = BlockDiffusionModel(model, AutoregressiveObjective(), layout)
+        self.bdlm = BlockDiffusionModel(model, AutoregressiveObjective(), layout, packing=packing)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.seq_length:
             raise ValueError(f"tokens have length {tokens.shape[1]}, the scorer was built for {self.seq_length}")
-        return self.bdlm.logits(tokens)
+        return packed_logits(self.bdlm, tokens, self.bdlm.plan, tokens)
 
 
 class BlockDiffusionScorer:
@@ -108,7 +108,7 @@ class BlockDiffusionScorer:
     own block (bidirectionally). Prompt blocks get no noisy copy (as in DiffusionGemma SFT)."""
 
     def __init__(self, model, seq_length: int, block_size: int, prompt_length: int = 0,
-                 clean_attention: str = "block_causal"):
+                 clean_attention: str = "block_causal", packing=None):
         from megatron_csbp.layout.layout import SequenceLayout
         from megatron_csbp.layout.masks import BlockGeometry
         from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -122,7 +122,7 @@ class BlockDiffusionScorer:
         self.seq_length, self.prompt_length = seq_length, prompt_length
         layout = SequenceLayout(BlockGeometry(seq_length, block_size, clean_attention))
         # Logits only: the objective's noise and loss are never used here.
-        self.bdlm = BlockDiffusionModel(model, BD3LMObjective(block_size, mask_token_id=0), layout)
+        self.bdlm = BlockDiffusionModel(model, BD3LMObjective(block_size, mask_token_id=0), layout, packing=packing)
         self.plan = self.bdlm.canvas_plan(prompt_length // block_size)
         rows = self.plan.local
         self.noisy_positions = rows.position[~rows.is_clean]
@@ -131,10 +131,18 @@ class BlockDiffusionScorer:
     def __call__(self, clean: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
         rows = self.plan.local
         ids = torch.where(rows.is_clean[None], clean[:, rows.position], noisy[:, rows.position])
-        logits = self.bdlm.logits(ids, self.plan)
+        logits = packed_logits(self.bdlm, ids, self.plan, clean)
         out = torch.empty_like(logits)
         out[:, self.noisy_positions - self.prompt_length] = logits
         return out
+
+
+def packed_logits(bdlm, ids: torch.Tensor, plan, clean: torch.Tensor) -> torch.Tensor:
+    """`bdlm.logits(ids, plan)`, or with the model's packing each sequence under its own
+    documents (read from its clean tokens `clean` [b, L])."""
+    if bdlm.packing is None or not bdlm.packing.splits_documents:
+        return bdlm.logits(ids, plan)
+    return torch.cat([bdlm.logits(ids[i:i + 1], bdlm.packing.plan(plan, clean[i])) for i in range(ids.shape[0])])
 
 
 def _check_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
@@ -146,14 +154,16 @@ def _check_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
 
 def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Optional[np.ndarray] = None,
           block_size: Optional[int] = None, prompt_length: int = 0,
-          clean_attention: Optional[str] = None) -> np.ndarray:
+          clean_attention: Optional[str] = None, packing=None) -> np.ndarray:
     """float32 logits of the checkpoint for int token ids [batch, seq].
 
     Without `noisy_tokens`: next-token logits [batch, seq, vocab] (the clean, token-causal stream).
     With `noisy_tokens` ([batch, seq], or [batch, seq - P]) and `block_size`: the block-diffusion
     logits of the noisy rows after the prompt, [batch, seq - P, vocab]. The clean stream is
     token-causal for DiffusionGemma, `clean_attention` (default block_causal, the trainer's
-    default) otherwise."""
+    default) otherwise. `packing` (`layout.packing.Packing`: --reset-attention-mask,
+    --reset-position-ids with --eod-token-id): each sequence's EOD-delimited documents are scored
+    apart, as in training."""
     tokens = np.asarray(tokens)
     shape, _ = read_shape(load)
     _check_ids("--tokens", tokens, shape.vocab_size)
@@ -181,10 +191,10 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
         model, shape = load_gpt_model(load, params_dtype=torch.float32)
         model.eval()
         if noisy_tokens is None:
-            scorer = ARScorer(model, tokens.shape[1])
+            scorer = ARScorer(model, tokens.shape[1], packing)
         else:
             scorer = BlockDiffusionScorer(model, tokens.shape[1], block_size, prompt_length,
-                                          clean_attention or "block_causal")
+                                          clean_attention or "block_causal", packing)
         with torch.no_grad():
             for start in range(0, tokens.shape[0], batch_size):
                 chunk = torch.from_numpy(tokens[start:start + batch_size].astype(np.int64))

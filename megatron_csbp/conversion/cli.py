@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="P: the first P tokens are prompt, with no noisy copy (a multiple of --block-size)")
     c.add_argument("--clean-attention", choices=("block_causal", "token_causal"), default=None,
                    help="clean stream mask (default: token_causal for DiffusionGemma, block_causal otherwise)")
+    c.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed sequences: attention stays inside each document (ended by --eod-token-id)")
+    c.add_argument("--reset-position-ids", action="store_true", help="positions restart at each document")
+    c.add_argument("--eod-token-id", type=int, default=None, help="the EOD id that ends a document")
     d = sub.add_parser("flags", help="print the Megatron-LM flags that rebuild a checkpoint's model")
     d.add_argument("--load", required=True)
     return p
@@ -52,6 +56,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     args = _parser().parse_args(argv)
     from megatron_csbp.conversion import api
+    from megatron_csbp.layout.packing import Packing
 
     from megatron_csbp.conversion import drafter
 
@@ -80,8 +85,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"exported {shape.family} -> {args.output}")
         elif args.command == "score":
             noisy = None if args.noisy_tokens is None else np.load(args.noisy_tokens)
+            packing = None
+            if args.reset_attention_mask or args.reset_position_ids:
+                if args.eod_token_id is None:
+                    raise ValueError("--reset-attention-mask / --reset-position-ids need --eod-token-id N (the id "
+                                     "that ends a document)")
+                packing = Packing(args.eod_token_id, args.reset_attention_mask, args.reset_position_ids)
+            elif args.eod_token_id is not None:
+                raise ValueError("--eod-token-id is read only with --reset-attention-mask / --reset-position-ids")
             logits = api.score(args.load, np.load(args.tokens), args.batch_size, noisy, args.block_size,
-                               args.prompt_length, args.clean_attention)
+                               args.prompt_length, args.clean_attention, packing)
             np.save(args.output, logits.astype(np.float32))
             print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
         elif args.command == "flags":

@@ -289,6 +289,8 @@ def collate(dataset, indices: Sequence[int], device=None) -> Dict[str, torch.Ten
         "loss_mask": torch.stack([s["loss_mask"] for s in samples]),
         "sample_index": torch.tensor(list(indices), dtype=torch.long),
     }
+    if "document_ids" in samples[0]:  # packed SFT (--pack-sequences)
+        batch["document_ids"] = torch.stack([s["document_ids"] for s in samples])
     if device is not None:
         batch = {k: v.to(device) for k, v in batch.items()}
     return batch

@@ -12,6 +12,14 @@ content tokens and the EOD that ends them, 0 on everything else (system/user tur
 headers). The BD3-LM objective only ever masks (noises) supervised tokens, so prompts stay clean in
 the noisy stream too. Samples are truncated or padded to `--seq-length`; padding is EOD with loss
 mask 0 (it stays clean: the model sees where the answer stopped).
+
+`pack=True` (`--pack-sequences`): conversations go first-fit into sequences of `--seq-length`
+(each into the first sequence with room, in file order; one longer than a sequence is cut and
+fills one alone), each keeps its own loss mask (prompt 0: clean; response 1: noised) and gets a
+document id; the rest of a sequence is EOD padding (mask 0), a document of its own. With
+`--reset-attention-mask` / `--reset-position-ids` those ids are the documents (a multi-turn
+conversation holds several EODs but is one document). `packing_efficiency`: conversation tokens
+over sequence tokens.
 """
 from __future__ import annotations
 
@@ -79,12 +87,30 @@ def align_response(ids: List[int], mask: List[int], multiple: int, pad_id: int) 
     return [pad_id] * pad + ids, [0] * pad + mask
 
 
+def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
+    """Bins (lists of item indices, in order) of first-fit packing: each item into the first bin
+    with room for it, else a new bin. O(items x bins); lengths must be <= capacity."""
+    bins: List[List[int]] = []
+    room: List[int] = []
+    for i, n in enumerate(lengths):
+        for b, r in enumerate(room):
+            if n <= r:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """`align_response_to=B` left-pads each sample (with `pad_id`, default the tokenizer's pad or
-    EOD) so its response starts on a block boundary (`--objective diffusiongemma-sft`)."""
+    EOD) so its response starts on a block boundary (`--objective diffusiongemma-sft`). `pack`:
+    first-fit packing of conversations (module docstring); samples then carry `document_ids`."""
 
     def __init__(self, path: str, tokenizer, seq_length: int, align_response_to: Optional[int] = None,
-                 pad_id: Optional[int] = None):
+                 pad_id: Optional[int] = None, pack: bool = False):
         if pad_id is None:
             pad_id = getattr(tokenizer, "pad", None)
             pad_id = tokenizer.eod if pad_id is None or pad_id < 0 else pad_id
@@ -101,7 +127,16 @@ class SFTDataset(torch.utils.data.Dataset):
                 ids, mask = render(record, tokenizer, f"--sft-data-path {path}:{n}")
                 if align_response_to:
                     ids, mask = align_response(ids, mask, align_response_to, pad_id)
+                    if pack:  # packed: every conversation starts on a block edge, so its response does too
+                        tail = (-len(ids)) % align_response_to
+                        ids, mask = ids + [pad_id] * tail, mask + [0] * tail
                 ids, mask = ids[:seq_length], mask[:seq_length]
+                if pack:
+                    if not any(mask):
+                        raise ValueError(f"--sft-data-path {path}:{n}: the response starts after --seq-length "
+                                         f"{seq_length} tokens (nothing supervised)")
+                    self.samples.append((ids, mask))
+                    continue
                 pad = seq_length - len(ids)
                 ids += [tokenizer.eod] * pad
                 mask += [0] * pad
@@ -111,13 +146,41 @@ class SFTDataset(torch.utils.data.Dataset):
                 self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32)))
         if not self.samples:
             raise ValueError(f"--sft-data-path {path} holds no records")
+        self.packing_efficiency = None
+        if pack:
+            self._pack(tokenizer.eod, seq_length)
+
+    def _pack(self, eod: int, seq_length: int) -> None:
+        convs = self.samples
+        bins = first_fit([len(ids) for ids, _ in convs], seq_length)
+        self.samples = []
+        for members in bins:
+            ids, mask, doc = [], [], []
+            for d, i in enumerate(members):
+                ids += convs[i][0]
+                mask += convs[i][1]
+                doc += [d] * len(convs[i][0])
+            pad = seq_length - len(ids)
+            ids, mask, doc = ids + [eod] * pad, mask + [0] * pad, doc + [len(members)] * pad
+            self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
+                                 torch.tensor(doc, dtype=torch.long)))
+        self.conversations = len(convs)
+        self.packing_efficiency = sum(len(ids) for ids, _ in convs) / (len(bins) * seq_length)
+
+    def describe_packing(self) -> str:
+        return (f" > SFT packing: {self.conversations} conversations into {len(self.samples)} sequences of "
+                f"{self.samples[0][0].numel()} tokens (first fit), packing efficiency "
+                f"{100 * self.packing_efficiency:.1f}% (conversation tokens / sequence tokens)")
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, idx):
-        tokens, mask = self.samples[int(idx) % len(self.samples)]
-        return {"tokens": tokens.clone(), "loss_mask": mask.clone()}
+        sample = self.samples[int(idx) % len(self.samples)]
+        out = {"tokens": sample[0].clone(), "loss_mask": sample[1].clone()}
+        if len(sample) == 3:
+            out["document_ids"] = sample[2].clone()
+        return out
 
 
 # ---- a small real SFT set from the shipped corpus -----------------------------------------------

@@ -55,6 +55,20 @@ def mirrored_order(num_blocks: int) -> List[int]:
     return order
 
 
+def balanced_owners(blocks: List[int], costs, counts: List[int]) -> List[List[int]]:
+    """Blocks to ranks by cost, rank i getting exactly counts[i] blocks: blocks in decreasing cost
+    each to the rank with the least cost so far among those with room (longest processing time
+    first, capacity-bounded). Ties broken by block and rank index, so every rank computes the same.
+    O(blocks x ranks)."""
+    order = sorted(blocks, key=lambda b: (-int(costs[b]), b))
+    load, parts = [0] * len(counts), [[] for _ in counts]
+    for b in order:
+        r = min((i for i in range(len(counts)) if len(parts[i]) < counts[i]), key=lambda i: (load[i], i))
+        parts[r].append(b)
+        load[r] += int(costs[b])
+    return parts
+
+
 def zigzag_chunks(num_chunks_half: int, rank: int) -> Tuple[int, int]:
     """Chunk indices held by `rank` when a stream is cut into 2P chunks: r and 2P-1-r."""
     return rank, 2 * num_chunks_half - 1 - rank
@@ -72,6 +86,9 @@ class SequenceLayout:
     canvas_start: int = 0
     #: clean rows carry a loss term (each counted by one rank, see `clean_loss_positions`)
     clean_loss: bool = False
+    #: packed samples (BP / CSBP): the attention cost of every block (`layout.packing.block_costs`);
+    #: noisy blocks then go to ranks by cost (`balanced_owners`), each rank keeping its block count
+    block_costs: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         cp, bp, g = self.cp_size, self.bp_size, self.geometry
@@ -165,7 +182,10 @@ class SequenceLayout:
         n, P, s = self.geometry.num_blocks, self.shard_group_size, self.canvas_start
         if self.kind in ("single", "cp"):
             return [list(range(s, n))] * P  # not owned per rank: CP shards rows, not blocks
-        if self.schedule == "contiguous":
+        if self.block_costs is not None:
+            counts = [len(p) for p in split_evenly(list(range(s, n)), self.bp_size)]
+            parts = balanced_owners(list(range(s, n)), self.block_costs, counts)
+        elif self.schedule == "contiguous":
             parts = split_evenly(list(range(s, n)), self.bp_size)
         else:
             # Mirrored order split first over ring positions (so, when blocks divide evenly, a rank's

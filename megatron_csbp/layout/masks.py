@@ -8,7 +8,8 @@ chunk). A dense 2L x 2L matrix is only ever built by `dense_reference_mask`, the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from functools import cached_property
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -16,13 +17,90 @@ CLEAN_ATTENTION_VARIANTS = ("block_causal", "token_causal")
 
 
 @dataclass(frozen=True)
+class Documents:
+    """Document boundaries of a packed sequence of `seq_length` positions: `starts`, the first
+    position of every document, ascending, starting with 0 (Megatron's `--reset-attention-mask`
+    documents: an EOD token belongs to the document it ends, the next position starts a new one).
+
+    O(documents) integers, at most one per position: at 256K tokens the worst case (one-token
+    documents) is 256K ints (2 MiB as int64), the same on every rank of a 16-rank shard group;
+    per-row lookups (`start_of`, `end_of`, `index_of`) are searchsorted over them, nothing
+    quadratic. Hashable (a tuple), so a geometry carrying documents stays a value."""
+
+    starts: Tuple[int, ...]
+    seq_length: int
+
+    def __post_init__(self):
+        starts = tuple(int(s) for s in self.starts)
+        object.__setattr__(self, "starts", starts)
+        if not starts or starts[0] != 0:
+            raise ValueError(f"document starts must begin with 0, got {starts[:4]}")
+        if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= self.seq_length:
+            raise ValueError(f"document starts must increase strictly inside [0, {self.seq_length})")
+
+    @staticmethod
+    def of_ids(ids: Sequence[int]) -> "Documents":
+        """From one document id per position: a document is a run of equal ids; an id that comes
+        back after another one is refused (it would join two stretches into one document)."""
+        ids = torch.as_tensor(ids).flatten().long()
+        if ids.numel() == 0:
+            raise ValueError("document ids of an empty sequence")
+        change = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+        starts = [0] + change.tolist()
+        if len(torch.unique(ids)) != len(starts):
+            raise ValueError("document ids must be contiguous runs (an id reappears after another document)")
+        return Documents(tuple(starts), ids.numel())
+
+    @staticmethod
+    def of_eod(tokens: torch.Tensor, eod_token_id: int) -> "Documents":
+        """From the clean tokens [L] of one sample: a document ends with (and includes) each EOD
+        token, as Megatron's `get_ltor_masks_and_position_ids(reset_attention_mask=True)`."""
+        tokens = tokens.flatten()
+        ends = torch.nonzero(tokens[:-1] == eod_token_id).flatten() + 1
+        return Documents(tuple([0] + ends.tolist()), tokens.numel())
+
+    @cached_property
+    def _starts(self) -> torch.Tensor:
+        return torch.tensor(self.starts, dtype=torch.long)
+
+    @cached_property
+    def _ends(self) -> torch.Tensor:
+        return torch.tensor(self.starts[1:] + (self.seq_length,), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def index_of(self, position: torch.Tensor) -> torch.Tensor:
+        """The document index (0, 1, ...) of each position."""
+        starts = self._starts.to(position.device)
+        return torch.searchsorted(starts, position.long(), right=True) - 1
+
+    def start_of(self, position: torch.Tensor) -> torch.Tensor:
+        return self._starts.to(position.device)[self.index_of(position)]
+
+    def end_of(self, position: torch.Tensor) -> torch.Tensor:
+        """One past the last position of each position's document."""
+        return self._ends.to(position.device)[self.index_of(position)]
+
+    @property
+    def lengths(self) -> Tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.starts, self.starts[1:] + (self.seq_length,)))
+
+    def ids(self) -> torch.Tensor:
+        """Document index per position [L] (for oracles and tests)."""
+        return self.index_of(torch.arange(self.seq_length))
+
+
+@dataclass(frozen=True)
 class BlockGeometry:
-    """What the mask depends on: sequence length, block size, clean variant, sliding window."""
+    """What the mask depends on: sequence length, block size, clean variant, sliding window and,
+    for packed sequences, the document boundaries (`Documents`; None: one document)."""
 
     seq_length: int
     block_size: int
     clean_attention: str = "block_causal"
     window: Optional[int] = None
+    documents: Optional[Documents] = None
 
     def __post_init__(self):
         if self.block_size <= 0 or self.seq_length <= 0:
@@ -41,13 +119,20 @@ class BlockGeometry:
             )
         if self.window is not None and self.window <= 0:
             raise ValueError(f"sliding window must be positive, got {self.window}")
+        if self.documents is not None and self.documents.seq_length != self.seq_length:
+            raise ValueError(f"documents cover {self.documents.seq_length} positions, --seq-length is {self.seq_length}")
 
     @property
     def num_blocks(self) -> int:
         return self.seq_length // self.block_size
 
     def with_window(self, window: Optional[int]) -> "BlockGeometry":
-        return BlockGeometry(self.seq_length, self.block_size, self.clean_attention, window)
+        return BlockGeometry(self.seq_length, self.block_size, self.clean_attention, window, self.documents)
+
+    def with_documents(self, documents: Optional[Documents]) -> "BlockGeometry":
+        if documents is not None and len(documents) == 1:
+            documents = None  # one document: the unpacked geometry, same masks and fast paths
+        return BlockGeometry(self.seq_length, self.block_size, self.clean_attention, self.window, documents)
 
 
 @dataclass(frozen=True)
@@ -139,8 +224,20 @@ class RowMeta:
         )
 
 
+def noisy_block_id(position: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:
+    """The id of a noisy row's block: noisy rows attend each other iff their ids are equal. The
+    block index `p // B`; with documents the piece of the block inside the row's document, named
+    by its first position `max(block start, document start)` (the global block grid split at
+    document boundaries)."""
+    block = position // geometry.block_size
+    if geometry.documents is None:
+        return block
+    return torch.maximum(block * geometry.block_size, geometry.documents.start_of(position))
+
+
 def clean_key_interval(q: RowMeta, geometry: BlockGeometry):
-    """Per query, the half-open interval [lo, hi) of clean key positions it may attend to."""
+    """Per query, the half-open interval [lo, hi) of clean key positions it may attend to; with
+    documents cut to the query's document [start, end) (then possibly empty, lo == hi)."""
     B, W = geometry.block_size, geometry.window
     block_start = (q.position // B) * B
     if geometry.clean_attention == "block_causal":
@@ -154,6 +251,10 @@ def clean_key_interval(q: RowMeta, geometry: BlockGeometry):
     else:
         # Clean query: the last W positions including itself; noisy: the W-1 before its block.
         lo = torch.where(q.is_clean, q.position - W + 1, block_start - (W - 1)).clamp_min(0)
+    if geometry.documents is not None:
+        docs = geometry.documents
+        hi = torch.minimum(hi, docs.end_of(q.position))
+        lo = torch.minimum(torch.maximum(lo, docs.start_of(q.position)), hi)
     return lo, hi
 
 
@@ -177,10 +278,9 @@ def allowed(q: RowMeta, k: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
     (with its anchored DFlash form, `anchored_allowed`, for an `AnchoredGeometry`)."""
     if isinstance(geometry, AnchoredGeometry):
         return anchored_allowed(q, k, geometry)
-    B = geometry.block_size
     lo, hi = clean_key_interval(q, geometry)
     same_noisy_block = (~q.is_clean[:, None]) & (~k.is_clean[None, :]) & (
-        (q.position // B)[:, None] == (k.position // B)[None, :]
+        noisy_block_id(q.position, geometry)[:, None] == noisy_block_id(k.position, geometry)[None, :]
     )
     kp = k.position[None, :]
     clean_in_interval = k.is_clean[None, :] & (lo[:, None] <= kp) & (kp < hi[:, None])
@@ -188,13 +288,17 @@ def allowed(q: RowMeta, k: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
 
 
 def dense_reference_mask(
-    seq_len: int, block_size: int, clean_attention: str = "block_causal", window: Optional[int] = None
+    seq_len: int, block_size: int, clean_attention: str = "block_causal", window: Optional[int] = None,
+    document_ids: Optional[Sequence[int]] = None,
 ) -> torch.BoolTensor:
     """The [2L, 2L] mask in logical order [noisy ; clean], True = may attend. Test oracle only.
 
     Written straight from the rule table of the design brief, independently of `allowed`.
+    `document_ids` (one per position): a pair is allowed only inside one document, on top of
+    the table (packed sequences, docs/semantics.md "Packed documents").
     """
     geometry = BlockGeometry(seq_len, block_size, clean_attention, window)
+    doc = [0] * seq_len if document_ids is None else [int(d) for d in document_ids]
     L, B = seq_len, block_size
     mask = torch.zeros(2 * L, 2 * L, dtype=torch.bool)
     for i in range(2 * L):
@@ -212,7 +316,7 @@ def dense_reference_mask(
                 ok = ok and (window is None or kp > qp - window)
             else:
                 ok = False
-            mask[i, j] = ok
+            mask[i, j] = ok and doc[qp] == doc[kp]
     return mask
 
 

@@ -3,7 +3,8 @@
 `layout.masks.allowed` decides every (query, key) pair from two numbers per row. A kernel needs
 the same decision without ever holding a [queries x keys] tensor, so a partial is described by
 
-- its queries (`QueryRows`): block id, is_clean and the clean-key interval [lo, hi) of
+- its queries (`QueryRows`): block id (`masks.noisy_block_id`: with packed documents the id of
+  the block's piece inside the row's document, so documents cost no extra bytes here), is_clean and the clean-key interval [lo, hi) of
   `clean_key_interval` (int32, int32, int32, bool: 13 bytes a row), and
 - its keys (`KeyRows`): position, block id, is_clean (int32, int32, bool: 9 bytes a row).
 
@@ -26,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta, clean_key_interval
+from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta, clean_key_interval, noisy_block_id
 
 _I32 = torch.int32
 
@@ -53,7 +54,8 @@ class QueryRows:
             hi = torch.where(meta.is_clean, torch.zeros_like(meta.anchor), meta.anchor)
             return QueryRows(meta.anchor.to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
         lo, hi = clean_key_interval(meta, geometry)
-        return QueryRows((meta.position // geometry.block_size).to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
+        return QueryRows(noisy_block_id(meta.position, geometry).to(_I32), meta.is_clean.clone(), lo.to(_I32),
+                         hi.to(_I32))
 
     def __len__(self) -> int:
         return self.block.numel()
@@ -81,7 +83,7 @@ class KeyRows:
     def of(meta: RowMeta, geometry: BlockGeometry) -> "KeyRows":
         if isinstance(geometry, AnchoredGeometry):  # a draft key's block is its anchor
             return KeyRows(meta.position.to(_I32), meta.anchor.to(_I32), meta.is_clean.clone())
-        return KeyRows(meta.position.to(_I32), (meta.position // geometry.block_size).to(_I32), meta.is_clean.clone())
+        return KeyRows(meta.position.to(_I32), noisy_block_id(meta.position, geometry).to(_I32), meta.is_clean.clone())
 
     def __len__(self) -> int:
         return self.position.numel()

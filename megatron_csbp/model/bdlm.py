@@ -39,6 +39,7 @@ from megatron_csbp.attention.block_attention import AttentionPlan
 from megatron_csbp.attention.plan_handles import plan_mask
 from megatron_csbp.layout.feed import OutputRows, RowFeeder
 from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.packing import Packing
 from megatron_csbp.model.hybrid import count_gated_delta_layers
 from megatron_csbp.model.loss import LossOutput, weighted_cross_entropy
 from megatron_csbp.model.rotary import LayoutRotaryEmbedding
@@ -50,7 +51,8 @@ from megatron_csbp.utils.precision import compute_dtype
 
 class BlockDiffusionModel(torch.nn.Module):
     def __init__(self, gpt: torch.nn.Module, objective: Objective, layout: SequenceLayout,
-                 shard_rank: int = 0, ring_group=None, transport: str = "allgather"):
+                 shard_rank: int = 0, ring_group=None, transport: str = "allgather",
+                 packing: Optional[Packing] = None):
         super().__init__()
         if count_block_attention(gpt) == 0 and count_gated_delta_layers(gpt) == 0:
             raise ValueError("the GPT model has no BlockDiffusionAttention or BlockDiffusionGatedDeltaNet: build it "
@@ -63,6 +65,10 @@ class BlockDiffusionModel(torch.nn.Module):
         elif gpt.position_embedding_type != "none":
             raise ValueError(f"--position-embedding-type {gpt.position_embedding_type} is not supported (use rope or none)")
         objective.check_vocab(gpt.vocab_size)
+        if packing is not None and packing.reset_attention_mask and count_gated_delta_layers(gpt):
+            raise ValueError("--reset-attention-mask is not supported with Gated DeltaNet layers (their recurrence "
+                             "would carry state across documents)")
+        self.packing = packing
         if getattr(objective, "needs_clean_logits", False) and not layout.clean_loss:
             layout = replace(layout, clean_loss=True)
         self.gpt, self.objective, self.layout = gpt, objective, layout
@@ -86,16 +92,32 @@ class BlockDiffusionModel(torch.nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 sample_index: Optional[torch.Tensor] = None,
-                denominator: Optional[torch.Tensor] = None) -> LossOutput:
+                denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> LossOutput:
+        """`document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
         self.feeder.check_sequence_length(tokens)
         if loss_mask is None:
             loss_mask = torch.ones_like(tokens)
         if sample_index is None:
             sample_index = torch.arange(tokens.shape[0])
+        loss_mask = self.supervised(tokens, loss_mask)
         if denominator is None:
             denominator = self.objective.denominator(loss_mask)
+        if self.packing is not None and self.packing.splits_documents and tokens.shape[0] > 1:
+            ids = [None] * tokens.shape[0] if document_ids is None else list(document_ids)
+            docs = [self.packing.documents(t, i) for t, i in zip(tokens, ids)]
+            if any(d != docs[0] for d in docs[1:]):
+                # Each packed sample has its own documents, hence its own plan: one forward per
+                # sample. The loss is a sum over target rows divided by the global denominator,
+                # and noise is keyed by the sample index, so the sum is the micro-batch's loss.
+                outs = [self.forward(tokens[i:i + 1], loss_mask[i:i + 1], sample_index[i:i + 1], denominator,
+                                     None if document_ids is None else document_ids[i:i + 1])
+                        for i in range(tokens.shape[0])]
+                return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
         noised = self.objective.noise(tokens, loss_mask, sample_index)
         plan, any_sc = self._plan_of(noised)
+        if self.packing is not None:
+            plan = self.feeder.packed_plan(plan, self.packing, tokens[0],
+                                           None if document_ids is None else document_ids[0])
         rows = self.feeder.rows(plan, noised, tokens)
         model_kwargs = {}
         if any_sc and rows.num_noisy:
@@ -107,6 +129,12 @@ class BlockDiffusionModel(torch.nn.Module):
         logits = self.logits(rows.input_ids, plan, rows.logit_rows, **model_kwargs)
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
+
+    def supervised(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The loss mask this model trains on: under --eod-mask-loss less the targets of rows that
+        read an EOD (`Packing.loss_mask`; what the trainer's denominator counts too)."""
+        return loss_mask if self.packing is None else \
+            self.packing.loss_mask(tokens, loss_mask, self.objective.target_shift)
 
     def _plan_of(self, noised: NoisedBatch):
         """(plan, whether the self-conditioning first pass runs) of a noised batch; the canvas

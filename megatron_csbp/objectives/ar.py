@@ -14,6 +14,7 @@ from megatron_csbp.objectives.registry import register_objective
 @register_objective("ar")
 class AutoregressiveObjective(Objective):
     uses_noisy_stream = False
+    target_shift = 1
 
     @classmethod
     def from_args(cls, args) -> "AutoregressiveObjective":

@@ -66,6 +66,10 @@ class Objective:
     uses_noisy_stream = True
     #: batch rows the objective makes of one sample (Fast-dLLM v2's two complementary views: 2)
     views = 1
+    #: the row at position p predicts token p + target_shift (AR, Fast-dLLM v2: 1); the loss mask
+    #: is indexed by target token. --eod-mask-loss drops the targets of rows that read an EOD
+    #: (Megatron's rule, `layout.packing.Packing.loss_mask`)
+    target_shift = 0
     #: exclude the mask token's logit from the softmax (absorbing-state MDLM losses)
     exclude_mask_from_softmax = False
     mask_token_id = None

@@ -21,8 +21,17 @@ def sft_datasets(args, align_response_to: Optional[int] = None):
     from megatron_csbp.data.sft import SFTDataset
 
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to)
+    ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to,
+                    pack=bool(getattr(args, "pack_sequences", False)))
+    if ds.packing_efficiency is not None and _first_rank():
+        print(ds.describe_packing(), flush=True)
     return ds, ds
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def token_splits_read(args):

@@ -40,6 +40,7 @@ class FastDLLMv2Objective(Objective):
     exclude_mask_from_softmax = False
     flags = MASK_TOKEN_FLAGS + NOISE_FLAGS
     views = 2  # the complementary pair m, 1 - m
+    target_shift = 1  # token shift: row i predicts token i + 1
     mask_token_needed = "--mask-token-id or --mask-token (an existing reserved mask token the data never uses)"
     needs_pretrained = "adapts a pretrained autoregressive model"
 

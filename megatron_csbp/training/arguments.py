@@ -162,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "HuggingFaceTokenizer: the checkpoint's hf_assets)")
     d.add_argument("--vocab-size", type=int, default=None)
     d.add_argument("--mock-data", action="store_true")
+    # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
+    d.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart at 0 after every EOD token (each document's own positions)")
+    d.add_argument("--reset-attention-mask", action="store_true",
+                   help="attention stays inside each EOD-delimited document (the EOD belongs to the document it "
+                        "ends); a block cut by a boundary is one block per document")
+    d.add_argument("--eod-mask-loss", action="store_true", help="EOD tokens are no loss targets")
+    d.add_argument("--pack-sequences", action="store_true",
+                   help="with --sft-data-path: first-fit packing of conversations into --seq-length, each its own "
+                        "document (--reset-attention-mask / --reset-position-ids then use the conversations)")
 
     add_block_diffusion_args(p)
     return p
@@ -264,6 +274,8 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         note = check_token_data(args, files_elsewhere=check_only)
         if note:
             args.check_notes.append(note)
+    if args.pack_sequences and not args.sft_data_path:
+        raise ValueError("--pack-sequences packs conversations: it needs --sft-data-path")
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None) else \
             "SentencePieceTokenizer"

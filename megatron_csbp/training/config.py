@@ -96,6 +96,7 @@ class DataConfig:
     global_batch_size: int
     train_iters: int
     eval_iters: int
+    pack_sequences: bool = False
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
+from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
 from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -84,6 +85,11 @@ class ModelArgs:
     expert_model_parallel_size: int = 1
     encoder_loss_weight: float = 1.0
     self_conditioning_prob: float = 0.5
+    # Megatron's packed-document flags (layout/packing.py); the EOD id is the tokenizer's
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    eod_token_id: Optional[int] = None
     #: a converted checkpoint's ModelShape (None: the model is built from the flags above)
     model_shape: Optional[Any] = None
 
@@ -196,8 +202,10 @@ class TrainableBDLM(MegatronModule):
         `.module` until it finds the attribute. A property, so no second state-dict entry."""
         return self.bdlm.gpt
 
-    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None):
-        return self.bdlm(tokens, loss_mask, sample_index, denominator)
+    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None):
+        if document_ids is None:
+            return self.bdlm(tokens, loss_mask, sample_index, denominator)
+        return self.bdlm(tokens, loss_mask, sample_index, denominator, document_ids=document_ids)
 
     def set_input_tensor(self, input_tensor):
         self.bdlm.gpt.set_input_tensor(input_tensor)
@@ -242,7 +250,8 @@ def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
     shard_rank = bps.get_shard_rank() if bps.is_initialized() else 0
     ring = bps.get_clean_ring_group() if bps.is_initialized() else None
     cls = objective.model_class()
-    bdlm = cls(gpt, objective, layout, shard_rank=shard_rank, ring_group=ring, transport=a.attention_transport)
+    bdlm = cls(gpt, objective, layout, shard_rank=shard_rank, ring_group=ring, transport=a.attention_transport,
+               packing=Packing.of(a))
     return TrainableBDLM(config, bdlm)
 
 

@@ -180,6 +180,7 @@ class Trainer:
         for j in range(b_cfg.num_microbatches):
             idx = microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank, self.dp_size)
             b = collate(dataset, idx, dev)
+            b["loss_mask"] = self.model.bdlm.supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
             batches.append(b)
             local_den += float(objective.denominator(b["loss_mask"]))
         (den,) = allreduce([local_den], group=self.dp_group)
@@ -194,7 +195,7 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
-            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator)
+            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"))
             return out.loss, partial(loss_func, out)
 
         fb = get_forward_backward_func()
