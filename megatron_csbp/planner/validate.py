@@ -49,10 +49,11 @@ def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), 
     return min(ests, key=lambda e: e.peak_memory_gib)
 
 
-def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours") -> Dict:
+def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
+                     paper_rows=PAPER) -> Dict:
     wl_kwargs = wl_kwargs or {}
     rows = []
-    for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in PAPER:
+    for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in paper_rows:
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs)
         bm = baseline_for(baseline, preset)
@@ -114,12 +115,14 @@ def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
              "paper_gap_s": r["paper_step_s"][0] - r["paper_step_s"][1]}
             for r in v["rows"]]
     for L, paper in ((65536, 1.25), (131072, 1.44), (524288, PAPER_GEMMA_512K)):
+        if L not in extra.get("gemma_by_length", {}):
+            continue
         s = extra["gemma_by_length"][L]
         recs.append({"model": "diffusiongemma-26b-a4b", "row": "DP1/EP2/CP8 -> +BP8", "seq_length": L,
                      "baseline": baseline, "paper_speedup": paper, "predicted_speedup": s[0],
                      "fits": [s[3], s[4]]})
     for L, paper in PAPER_DFLASH.items():
-        d = extra["dflash"].get(L)
+        d = extra.get("dflash", {}).get(L)
         if d is None:
             continue
         recs.append({"model": "dflash-drafter-muse-glimmer", "row": "8 x H100, best CP vs best CSBP",
