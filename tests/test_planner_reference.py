@@ -161,3 +161,16 @@ def test_gpu_reference_kernel_check_skips_with_its_reason_without_cuda(tmp_path)
     report = json.loads(out.read_text())
     assert report["skipped"].startswith("no CUDA device")
     assert report["fitted"] == {"FLEX_FORWARD_RATE_128": R.FLEX_FORWARD_RATE_128, "FLEX_RATE_256": R.FLEX_RATE_256}
+
+
+def test_plan_takes_the_baseline():
+    """`python -m megatron_csbp.plan --baseline reference`: CP layouts slower, CSBP / BP the same."""
+    from megatron_csbp.planner.search import plan
+
+    m, wl, hw = load_preset("nemotron-diffusion-3b"), Workload(8192, 256), load_hardware("h200")
+    ours = {l["label"]: l for l in plan(m, wl, 16, 8, hw)["layouts"]}
+    ref = {l["label"]: l for l in plan(m, wl, 16, 8, hw, baseline="reference")["layouts"]}
+    cp = [k for k in ours if "/CP" in k and "/BP" not in k and "recompute" not in k and k in ref]
+    assert cp and all(ref[k]["step_time_s"] > ours[k]["step_time_s"] for k in cp)
+    bp = [k for k in ours if "/BP" in k and "/CP" not in k and k in ref]
+    assert bp and all(ref[k]["step_time_s"] == ours[k]["step_time_s"] for k in bp)
