@@ -1,183 +1,268 @@
-"""`python -m megatron_csbp.explain`: what one layout does per rank, drawn and printed.
+"""Explain a layout: per rank, the rows it holds, the mask's tiles its queries compute, and who
+sends it which K/V, from the layout metadata alone (static; no process group, one process for a
+P-rank layout).
 
-Takes the trainer's layout flags (`--seq-length`, `--block-size`, `--context-parallel-size`,
-`--block-parallel-size`, `--block-ownership`, `--attention-transport`, `--clean-attention`) plus
-the K/V shape (`--num-query-groups`, `--kv-channels`, bytes per element) and, from the static
-layout metadata alone (no process group, no model):
+  python -m megatron_csbp.explain --seq-length 256 --block-size 32 --context-parallel-size 4 \\
+      --block-parallel-size 4 [--num-query-groups 8 --kv-channels 128] [--out DIR]
+  python -m megatron_csbp.explain --recipe examples/recipes/nemotron_diffusion_14b_256k_csbp.yaml --out DIR
 
-- per rank, the mask over the 2L logical rows [noisy ; clean] at tile granularity: tiles of the
-  rank's query rows x every key, classified exactly (`PartialMask.tiles`) as computed full,
-  computed partial or skipped (no allowed pair); the rows the rank holds are marked;
-- the send/receive graph: bytes of K/V (forward) and of their gradients (backward) each rank sends
-  to each other rank per layer (CP: K/V of every row; CSBP: clean rows within the ring; BP and a
-  single rank: nothing);
-- per rank: rows held, allowed pairs, bytes sent per layer, and the K/V bytes resident during one
-  layer's attention (local rows + what arrives).
+Takes the trainer's flags (others are ignored) or a recipe. Prints, per rank: rows held (noisy
+blocks, clean ranges), allowed (query, key) pairs, K/V bytes sent and received per layer and pass
+(full-attention layers), K/V held from other ranks per layer; writes `explain.txt` and, with
+matplotlib, `explain.png` (per rank: the tiles of its queries x the 2L logical keys [noisy ; clean],
+computed full / computed partial / skipped, and the keys it holds; beside them the send/receive
+graph with bytes per layer).
 
-Text to stdout (and `--text FILE`), a PNG with `--png FILE`. Sizes: one [q tiles x k tiles] table
-per rank (at 256K tokens, 16 ranks and 1024-row tiles: 32 x 512 tiles a rank, 16 x 16 KiB).
+Where the numbers come from: rows from `layout.SequenceLayout.rows`; tiles and pairs from
+`layout.rows.PartialMask` (the tile table the kernels use); bytes from the exchange each layout
+runs (`attention/strategies.py`): CP all-gathers every rank's rows, CSBP a ring's clean rows, BP
+nothing; K/V per row 2 x G x d x s (tests/test_explain.py checks them against the planner's
+`planner/work.py` and a dense brute force). Sizes: per rank O(rows + tiles); at 256K tokens on 16
+ranks, with the default of at most 64 key tiles, 32K rows and 64 x 4 tiles per rank.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List
-
-import torch
-
-from megatron_csbp.layout.layout import SequenceLayout
-from megatron_csbp.layout.masks import BlockGeometry, RowMeta, logical_rows
-from megatron_csbp.layout.rows import PartialMask
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 
-def _logical(rows: RowMeta, L: int) -> torch.Tensor:
-    return rows.position + L * rows.is_clean.long()
+@dataclass
+class RankView:
+    rank: int
+    noisy_blocks: List[int]
+    clean_ranges: List[Tuple[int, int]]
+    rows: int
+    noisy_rows: int
+    clean_rows: int
+    allowed_pairs: int
+    tiles: Optional[object] = None  # TileTable of the rank's rows x the 2L logical keys
+    held_keys: Optional[object] = None  # bool [2L]: logical keys this rank holds
+    sends: Dict[int, int] = field(default_factory=dict)  # dst rank -> bytes per layer per pass
+    recv: Dict[int, int] = field(default_factory=dict)
+    kv_row_bytes: int = 0
+
+    @property
+    def kv_held_bytes(self) -> int:
+        """K/V one layer keeps for backward: the rank's own rows and what it received."""
+        return self.rows * self.kv_row_bytes + self.bytes_received
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(self.sends.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(self.recv.values())
 
 
-def explain(L: int, B: int, cp: int, bp: int, ownership: str = "mirrored", transport: str = "allgather",
-            clean_attention: str = "block_causal", groups: int = 8, head_dim: int = 128, elem_bytes: int = 2,
-            tile: int = 0) -> Dict:
+def _ranges(positions) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for p in sorted(int(x) for x in positions):
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
+def explain(seq_length: int, block_size: int, cp: int, bp: int, schedule: str = "mirrored",
+            clean_attention: str = "block_causal", kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int = 2,
+            tile: Optional[int] = None) -> List[RankView]:
+    """Per-rank view of a layout (see the module docstring)."""
+    import torch
+
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry, logical_rows
+    from megatron_csbp.layout.rows import PartialMask
+
+    L, B = seq_length, block_size
     geometry = BlockGeometry(L, B, clean_attention)
-    layout = SequenceLayout(geometry, cp, bp, ownership)
+    layout = SequenceLayout(geometry, cp, bp, schedule)
     P = layout.shard_group_size
-    tile = tile or max(B, (2 * L) // 64)
+    tile = tile or max(1, -(-2 * L // 64))
     keys = logical_rows(L)
-    row_bytes = 2 * groups * head_dim * elem_bytes  # K and V of one row
-    ranks = []
-    send = [[0] * P for _ in range(P)]  # bytes per layer, forward + backward, src -> dst
+    kv_row = 2 * kv_heads * head_dim * dtype_bytes
+    views = []
     for r in range(P):
         rows = layout.rows(r)
-        order = torch.argsort(_logical(rows, L))
-        q = rows.select(order)
-        mask = PartialMask.of(q, keys, geometry)
-        table = mask.tiles(tile, tile)
-        state = table.full.long() * 2 + (table.occupied & ~table.full).long()  # 0 skip, 1 partial, 2 full
+        clean = rows.is_clean
+        mask = PartialMask.of(rows, keys, geometry)
         held = torch.zeros(2 * L, dtype=torch.bool)
-        held[_logical(rows, L)] = True
-        ranks.append({"rank": r, "rows": len(rows), "noisy_rows": int((~rows.is_clean).sum()),
-                      "allowed_pairs": mask.allowed_pairs(), "tiles": state, "held": held,
-                      "q_logical": _logical(q, L)})
-    kind = layout.kind
-    for r in range(P):
-        if kind == "cp":
-            peers = [p for p in range(P) if p != r]
-            moved = len(layout.rows(r))
-        elif kind == "csbp":
-            peers = [p for p in layout.ring_ranks(r) if p != r]
-            moved = len(layout.ring_clean_rows(r)[layout.ring_of(r)[1]])
+        held[torch.where(clean, rows.position + L, rows.position)] = True
+        views.append(RankView(
+            rank=r, noisy_blocks=sorted({int(p) // B for p in rows.position[~clean]}),
+            clean_ranges=_ranges(rows.position[clean]), rows=len(rows), noisy_rows=int((~clean).sum()),
+            clean_rows=int(clean.sum()), allowed_pairs=int(mask.allowed_pairs()), tiles=mask.tiles(tile, tile),
+            held_keys=held, kv_row_bytes=kv_row))
+    # the exchange each layout runs on a full-attention layer, one pass
+    for v in views:
+        if layout.kind == "cp":
+            dsts, rows_sent = [d for d in range(P) if d != v.rank], v.rows
+        elif layout.kind == "csbp":
+            dsts, rows_sent = [d for d in layout.ring_ranks(v.rank) if d != v.rank], v.clean_rows
         else:
-            peers, moved = [], 0
-        if transport == "ring" and peers:
-            # P-1 shifts of one chunk to the next member; gradients the other way around
-            ring = layout.ring_ranks(r) if kind == "csbp" else list(range(P))
-            i = ring.index(r)
-            send[r][ring[(i + 1) % len(ring)]] += len(peers) * moved * row_bytes
-            send[r][ring[(i - 1) % len(ring)]] += len(peers) * moved * row_bytes
-            continue
-        for p in peers:
-            # forward: this rank's K/V rows to p; backward: p's gradients of them come back (p sends)
-            send[r][p] += moved * row_bytes
-            send[p][r] += moved * row_bytes
-    for r in range(P):
-        received = sum(send[p][r] for p in range(P)) // 2  # forward K/V that arrive
-        ranks[r].update(sent_per_layer=sum(send[r]), kv_resident_bytes=ranks[r]["rows"] * row_bytes + received)
-    return {"seq_length": L, "block_size": B, "cp": cp, "bp": bp, "kind": kind, "ownership": ownership,
-            "transport": transport, "tile": tile, "row_bytes": row_bytes, "ranks": ranks, "send": send}
+            dsts, rows_sent = [], 0
+        for d in dsts:
+            v.sends[d] = rows_sent * kv_row
+            views[d].recv[v.rank] = rows_sent * kv_row
+    return views
 
 
-def render_text(e: Dict) -> str:
-    MiB = 2 ** 20
-    out = [f"layout {e['kind']} (CP {e['cp']}, BP {e['bp']}, {e['ownership']} ownership, {e['transport']}), "
-           f"L = {e['seq_length']}, block {e['block_size']}, K+V {e['row_bytes']} bytes a row",
-           "", "| rank | rows held | noisy rows | allowed pairs (M) | sent / layer (MiB, fwd+bwd) | K/V resident (MiB) "
-           "| tiles full / partial / skipped |", "|---|---|---|---|---|---|---|"]
-    for r in e["ranks"]:
-        t = r["tiles"]
-        out.append(f"| {r['rank']} | {r['rows']} | {r['noisy_rows']} | {r['allowed_pairs'] / 1e6:.2f} | "
-                   f"{r['sent_per_layer'] / MiB:.2f} | {r['kv_resident_bytes'] / MiB:.2f} | "
-                   f"{int((t == 2).sum())} / {int((t == 1).sum())} / {int((t == 0).sum())} |")
-    out += ["", "send graph, MiB per layer (row: from, column: to; forward K/V + backward gradients)", ""]
-    P = len(e["send"])
-    out.append("| from \\ to | " + " | ".join(str(p) for p in range(P)) + " |")
-    out.append("|---" * (P + 1) + "|")
-    for r in range(P):
-        out.append(f"| {r} | " + " | ".join(f"{e['send'][r][p] / MiB:.2f}" for p in range(P)) + " |")
+def text_report(views: List[RankView], title: str) -> str:
+    mib = 2 ** 20
+    out = [title, "",
+           "rank  rows (noisy + clean)      noisy blocks         clean rows held           allowed pairs  "
+           "K/V sent/layer  received/layer  K/V held/layer (own + received)"]
+    for v in views:
+        blocks = " ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in _ranges(v.noisy_blocks))
+        clean = " ".join(f"[{a},{b})" for a, b in v.clean_ranges)
+        out.append(f"{v.rank:4d}  {v.rows} ({v.noisy_rows} + {v.clean_rows})".ljust(28)
+                   + f"{blocks:<20} {clean:<25} {v.allowed_pairs:>13d}  {v.bytes_sent / mib:>10.2f} MiB"
+                   + f"  {v.bytes_received / mib:>10.2f} MiB  {v.kv_held_bytes / mib:>10.2f} MiB")
+    out += ["", "send/receive graph (bytes per full-attention layer, one pass; forward, backward and a recompute "
+                "forward each move this much):"]
+    edges = [(v.rank, d, b) for v in views for d, b in sorted(v.sends.items())]
+    if not edges:
+        out.append("  none (every rank holds the keys its queries need)")
+    for s, d, b in edges:
+        out.append(f"  {s} -> {d}: {b} B")
+    out.append(f"total allowed pairs {sum(v.allowed_pairs for v in views)}, "
+               f"total K/V moved per layer per pass {sum(b for _, _, b in edges)} B")
     return "\n".join(out)
 
 
-def render_png(explained: List[Dict], path: str) -> None:
+def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
     from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
-    cmap = ListedColormap(["#f2f2f2", "#f4a261", "#2a9d8f"])  # skipped, partial, full
-    cols = max(len(e["ranks"]) for e in explained)
-    fig, axes = plt.subplots(len(explained), cols, figsize=(2.6 * cols, 2.9 * len(explained)), squeeze=False)
-    for i, e in enumerate(explained):
-        L, T = e["seq_length"], e["tile"]
-        for j in range(cols):
-            ax = axes[i][j]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if j >= len(e["ranks"]):
-                ax.axis("off")
-                continue
-            r = e["ranks"][j]
-            ax.imshow(r["tiles"].numpy(), cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
-            ax.axvline(L / T - 0.5, color="k", lw=0.5)  # noisy | clean keys
-            sent = e["ranks"][j]["sent_per_layer"] / 2 ** 20
-            ax.set_title(f"{e['kind'].upper()} rank {j}: {r['rows']} rows\n{r['allowed_pairs'] / 1e6:.2f}M pairs, "
-                         f"{sent:.1f} MiB sent/layer", fontsize=7)
-            if j == 0:
-                ax.set_ylabel(f"{e['kind'].upper()} (CP {e['cp']}, BP {e['bp']})\nquery rows held", fontsize=7)
-            ax.set_xlabel("keys: noisy | clean", fontsize=6)
-    fig.suptitle("tiles of each rank's query rows x all keys: green computed full, orange computed partial, "
-                 "grey skipped", fontsize=8)
-    fig.tight_layout()
+    P, L = len(views), seq_length
+    fig = plt.figure(figsize=(3.0 * P + 4.2, 4.6))
+    grid = fig.add_gridspec(2, P + 1, height_ratios=[12, 1], width_ratios=[3] * P + [4.2], hspace=0.08)
+    cmap = ListedColormap(["#f2f2f2", "#f4a582", "#2166ac"])  # skipped, partial, full
+    for v in views:
+        t = v.tiles
+        img = t.occupied.int().numpy() + t.full.int().numpy() * t.occupied.int().numpy()
+        ax = fig.add_subplot(grid[0, v.rank])
+        ax.imshow(img, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+        ax.axvline(L / t.k_tile - 0.5, color="k", lw=0.8)  # noisy keys | clean keys
+        ax.axhline(v.noisy_rows / t.q_tile - 0.5, color="k", lw=0.8, ls=":")
+        ax.set_title(f"rank {v.rank}: {v.noisy_rows} noisy + {v.clean_rows} clean rows\n"
+                     f"{v.allowed_pairs} pairs, sends {v.bytes_sent / 1024:.0f} KiB/layer", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if v.rank == 0:
+            ax.set_ylabel("this rank's query rows [noisy ; clean]", fontsize=7)
+        hx = fig.add_subplot(grid[1, v.rank])
+        held = v.held_keys.numpy().reshape(1, -1).astype(int)
+        hx.imshow(held, cmap=ListedColormap(["white", "#1b7837"]), aspect="auto", vmin=0, vmax=1,
+                  interpolation="nearest")
+        hx.set_xticks([0, L, 2 * L - 1], ["0", "L", "2L"], fontsize=6)
+        hx.set_yticks([0], ["held"], fontsize=6)
+        hx.set_xlabel("keys: noisy [0, L) | clean [L, 2L)", fontsize=7, labelpad=1)
+    gx = fig.add_subplot(grid[:, P])
+    angles = np.linspace(np.pi / 2, np.pi / 2 - 2 * np.pi, P, endpoint=False)
+    xy = np.stack([np.cos(angles), np.sin(angles)], 1)
+    for v in views:
+        for d, b in v.sends.items():
+            (x0, y0), (x1, y1) = xy[v.rank], xy[d]
+            gx.annotate("", xy=(x1 * 0.82, y1 * 0.82), xytext=(x0 * 0.82, y0 * 0.82),
+                        arrowprops=dict(arrowstyle="-|>", lw=0.8, color="#555", shrinkA=6, shrinkB=6,
+                                        connectionstyle="arc3,rad=0.12"))
+    for v in views:
+        gx.scatter(*xy[v.rank], s=500, color="#2166ac", zorder=3)
+        gx.text(*xy[v.rank], str(v.rank), color="white", ha="center", va="center", fontsize=10, zorder=4)
+    sent = {b for v in views for b in v.sends.values()}
+    total = sum(v.bytes_sent for v in views)
+    label = ("no K/V moves" if not sent else
+             f"each arrow: {', '.join(f'{b / 1024:.0f} KiB' for b in sorted(sent))} per layer per pass\n"
+             f"total {total / 2 ** 20:.2f} MiB per layer per pass")
+    gx.set_title("K/V sent (full-attention layer)\n" + label, fontsize=8)
+    gx.set_xlim(-1.3, 1.3)
+    gx.set_ylim(-1.3, 1.3)
+    gx.set_aspect("equal")
+    gx.axis("off")
+    fig.legend(handles=[Patch(color="#2166ac", label="computed, full tile"),
+                        Patch(color="#f4a582", label="computed, partial tile"),
+                        Patch(color="#f2f2f2", label="skipped"),
+                        Patch(color="#1b7837", label="key held by this rank")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.subplots_adjust(left=0.03, right=0.99, top=0.82, bottom=0.17)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.explain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--recipe", default=None, help="a recipe (examples/recipes/*.yaml): its trainer flags")
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--block-size", type=int)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--block-parallel-size", type=int, default=1)
     p.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
-    p.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
-    p.add_argument("--clean-attention", choices=("block_causal", "token_causal"), default="block_causal")
-    p.add_argument("--num-query-groups", type=int, default=8)
-    p.add_argument("--kv-channels", type=int, default=128)
-    p.add_argument("--bytes-per-element", type=int, default=2)
-    p.add_argument("--tile", type=int, default=0, help="rows per drawn tile (default max(B, 2L/64))")
-    p.add_argument("--compare", action="store_true",
-                   help="draw CP, BP and CSBP of the same size side by side (size: max of the two parallel sizes)")
-    p.add_argument("--png", default=None)
-    p.add_argument("--text", default=None)
-    a = p.parse_args(argv)
-    common = dict(ownership=a.block_ownership, transport=a.attention_transport, clean_attention=a.clean_attention,
-                  groups=a.num_query_groups, head_dim=a.kv_channels, elem_bytes=a.bytes_per_element, tile=a.tile)
+    p.add_argument("--clean-attention", default="block_causal")
+    p.add_argument("--num-attention-heads", type=int, default=None)
+    p.add_argument("--num-query-groups", type=int, default=None)
+    p.add_argument("--kv-channels", type=int, default=None)
+    p.add_argument("--hidden-size", type=int, default=None)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--fp32", action="store_true", help="4-byte K/V (default: bf16, 2 bytes)")
+    p.add_argument("--tile", type=int, default=None, help="tile rows/keys of the picture (default: 2L / 64)")
+    p.add_argument("--out", default=None, help="folder for explain.txt and explain.png")
+    p.add_argument("--title", default=None)
+    args, _ignored = p.parse_known_args(argv)  # the trainer's other flags do not change the layout
+    if args.recipe:
+        from megatron_csbp.launch import load_recipe, recipe_flags
+
+        flags = recipe_flags(load_recipe(args.recipe))
+        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
+        args, _ = p.parse_known_args(flags + [a for a in rest])
+    if not args.seq_length or not args.block_size:
+        p.error("--seq-length and --block-size are required (or --recipe FILE)")
+    return args
+
+
+def main(argv=None) -> int:
+    from megatron_csbp.layout.sizes import layout_kind
+    from megatron_csbp.utils.cli import filter_warnings
+
+    filter_warnings()
+    args = parse_args(argv)
+    heads = args.num_attention_heads
+    groups = args.num_query_groups or heads or 8
+    head_dim = args.kv_channels or (args.hidden_size // heads if args.hidden_size and heads else 128)
+    tp = args.tensor_model_parallel_size
     try:
-        if a.compare:
-            P = max(a.context_parallel_size, a.block_parallel_size)
-            sizes = [(P, 1), (1, P), (P, P)]
-        else:
-            sizes = [(a.context_parallel_size, a.block_parallel_size)]
-        explained = [explain(a.seq_length, a.block_size, cp, bp, **common) for cp, bp in sizes]
-    except ValueError as exc:  # the layout's own rule, naming the flag
-        p.error(str(exc))
-    text = "\n\n".join(render_text(e) for e in explained)
-    print(text)
-    if a.text:
-        with open(a.text, "w") as f:
-            f.write(text + "\n")
-    if a.png:
-        render_png(explained, a.png)
-        print(f"wrote {a.png}")
+        views = explain(args.seq_length, args.block_size, args.context_parallel_size, args.block_parallel_size,
+                        args.block_ownership, args.clean_attention, max(1, groups // tp), head_dim,
+                        4 if args.fp32 else 2, args.tile)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kind = layout_kind(args.context_parallel_size, args.block_parallel_size).upper()
+    title = args.title or (f"{kind}: CP {args.context_parallel_size} x BP {args.block_parallel_size}, "
+                           f"L = {args.seq_length}, B = {args.block_size}, K/V {groups // tp} x {head_dim} per rank")
+    report = text_report(views, title)
+    print(report)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "explain.txt"), "w") as f:
+            f.write(report + "\n")
+        try:
+            draw(views, title, os.path.join(args.out, "explain.png"), args.seq_length)
+        except ImportError:
+            print("matplotlib not installed: explain.png not drawn", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,35 +1,61 @@
-"""`python -m megatron_csbp.explain`: per-rank tiles, rows, pairs and the send graph of CP, BP and
-CSBP from layout metadata; CSBP sends half of CP's bytes, BP none; every rank's allowed pairs sum
-to the whole mask's; a PNG and the text are written."""
+"""`python -m megatron_csbp.explain`: its per-rank allowed pairs equal a dense brute-force count,
+its bytes equal the planner's formula (`planner/work.py`, `planner/cost.py`), and the CLI writes
+its text and picture."""
 import pytest
 
 from megatron_csbp.explain import explain, main
+from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.masks import BlockGeometry, dense_reference_mask
+from megatron_csbp.planner.work import rank_work
+
+CASES = [(64, 8, 2, 1), (64, 8, 1, 2), (64, 8, 2, 2), (96, 8, 4, 1), (96, 8, 1, 4), (96, 8, 4, 4), (96, 8, 2, 4)]
 
 
-@pytest.mark.parametrize("transport", ["allgather", "ring"])
-def test_three_layouts_pairs_and_traffic(transport):
-    L, B, P = 256, 16, 4
-    cp, bp, csbp = (explain(L, B, c, b, transport=transport, groups=2, head_dim=8) for c, b in [(P, 1), (1, P), (P, P)])
-    whole = L * (L + B)  # the block-causal mask's allowed pairs
-    assert sum(r["allowed_pairs"] for r in cp["ranks"]) == whole
-    assert sum(r["allowed_pairs"] for r in csbp["ranks"]) == whole
-    assert sum(r["allowed_pairs"] for r in bp["ranks"]) > whole  # BP recomputes clean prefixes
-    row = 2 * 2 * 8 * 2
-    for r in range(P):  # CP: K/V of 2L/P rows to P-1 ranks and back; CSBP: the L/P clean rows
-        assert cp["ranks"][r]["sent_per_layer"] == 2 * (P - 1) * (2 * L // P) * row
-        assert csbp["ranks"][r]["sent_per_layer"] * 2 == cp["ranks"][r]["sent_per_layer"]
-        assert bp["ranks"][r]["sent_per_layer"] == 0
-    assert all(sum(r["held"]) == r["rows"] for r in csbp["ranks"])
+@pytest.mark.parametrize("L,B,cp,bp", CASES)
+def test_allowed_pairs_equal_dense_brute_force(L, B, cp, bp):
+    dense = dense_reference_mask(L, B)
+    layout = SequenceLayout(BlockGeometry(L, B), cp, bp)
+    for v in explain(L, B, cp, bp, kv_heads=2, head_dim=4, tile=16):
+        rows = layout.rows(v.rank)
+        logical = rows.position + L * rows.is_clean.long()
+        assert v.allowed_pairs == int(dense[logical].sum())
+        t = v.tiles  # the tile picture brackets the count: full tiles <= pairs <= occupied tiles
+        if v.rows % 16 == 0:  # (a short last tile's padding rows count as allowed in `full`)
+            assert int(t.full.sum()) * 16 * 16 <= v.allowed_pairs
+        assert v.allowed_pairs <= int(t.occupied.sum()) * 16 * 16
+        assert int(v.held_keys.sum()) == v.rows
+
+
+@pytest.mark.parametrize("L,B,cp,bp", CASES)
+def test_bytes_equal_the_planners_formula(L, B, cp, bp):
+    G, d, s = 2, 4, 2
+    kv_row = 2 * G * d * s
+    works = rank_work(L, B, cp, bp, "mirrored", "block_causal", None)
+    views = explain(L, B, cp, bp, kv_heads=G, head_dim=d, dtype_bytes=s, tile=16)
+    S = len(views)
+    for v, w in zip(views, works):
+        assert (v.rows, v.noisy_rows, v.clean_rows, v.allowed_pairs) == (w.rows, w.noisy_rows, w.clean_rows,
+                                                                          w.sparse_pairs)
+        # cost.estimate's per-pass bytes: CP all rows to S-1 ranks, CSBP clean rows to the ring, BP none
+        want = {"cp": w.rows * kv_row * (S - 1), "csbp": w.clean_rows * kv_row * (cp - 1)}.get(
+            "cp" if bp == 1 else "csbp" if cp > 1 else "bp", 0)
+        assert v.bytes_sent == want
+        assert v.bytes_received == w.kv_rows_gathered * kv_row
+        assert v.kv_held_bytes == (w.rows + w.kv_rows_gathered) * kv_row
+    assert sum(v.bytes_sent for v in views) == sum(v.bytes_received for v in views)
 
 
 def test_cli_writes_text_and_png(tmp_path, capsys):
-    png, txt = tmp_path / "e.png", tmp_path / "e.txt"
-    main(["--seq-length", "256", "--block-size", "16", "--context-parallel-size", "2", "--block-parallel-size", "2",
-          "--compare", "--png", str(png), "--text", str(txt)])
-    assert png.stat().st_size > 1000 and "layout csbp" in txt.read_text() and "layout cp" in txt.read_text()
+    assert main(["--seq-length", "96", "--block-size", "8", "--context-parallel-size", "2",
+                 "--block-parallel-size", "2", "--num-query-groups", "2", "--kv-channels", "4",
+                 "--micro-batch-size", "1", "--out", str(tmp_path)]) == 0  # a trainer flag is ignored
+    out = capsys.readouterr().out
+    assert out.startswith("CSBP: CP 2 x BP 2") and "0 -> 1: 1536 B" in out
+    assert (tmp_path / "explain.txt").read_text().startswith("CSBP")
+    assert (tmp_path / "explain.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bad_layout_names_the_flag(capsys):
-    with pytest.raises(SystemExit):
-        main(["--seq-length", "100", "--block-size", "16", "--block-parallel-size", "2"])
-    assert "--seq-length" in capsys.readouterr().err
+def test_bad_layout_is_one_line(capsys):
+    assert main(["--seq-length", "100", "--block-size", "10", "--context-parallel-size", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --seq-length 100 must be divisible by 2 x")

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     w.add_argument("--gpus-per-node", type=int, default=8)
     w.add_argument("--hardware", default="h200", help="h100, h200, measured, or a profile FILE")
     w.add_argument("--transports", nargs="+", default=["allgather", "ring"], choices=["allgather", "ring"])
+    w.add_argument("--baseline", default="ours", choices=["ours", "reference"],
+                   help="how CP layouts are charged: this project's CP (default) or the paper's reference CP path "
+                        "(docs/planner.md, 'The paper explained')")
     w.add_argument("--block-ownership", nargs="+", default=["mirrored"], choices=["mirrored", "contiguous"])
     w.add_argument("--recompute", nargs="+", default=["none", "full"], choices=["none", "full"])
     w.add_argument("--no-distributed-optimizer", action="store_true")
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
                       args.objective, args.dflash_max_anchors, args.dflash_doc_length, args.dflash_vocab_chunk)
         if args.objective == "dflash" and not 1 <= args.dflash_max_anchors < args.seq_length:
             raise ValueError(f"--dflash-max-anchors {args.dflash_max_anchors} must be in [1, --seq-length - 1]")
-        result = plan(model, wl, args.gpus, args.gpus_per_node, hw, transports=args.transports,
+        result = plan(model, wl, args.gpus, args.gpus_per_node, hw, baseline=args.baseline, transports=args.transports,
                       schedules=args.block_ownership, recompute=args.recompute,
                       distributed_optimizer=not args.no_distributed_optimizer)
     except ValueError as e:

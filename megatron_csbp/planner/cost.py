@@ -32,6 +32,8 @@ from typing import Dict, List, Optional
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+from megatron_csbp.planner.reference import (OURS, Baseline, contiguous_clean_imbalance,
+                                             contiguous_range_factor)
 from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
                                         rank_work)
 
@@ -275,7 +277,7 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
 
 
 def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile,
-                     gpus_per_node: int) -> Estimate:
+                     gpus_per_node: int, baseline: Baseline = OURS) -> Estimate:
     """One DFlash drafter step (`--objective dflash`), per rank from `work.drafter_rank_work`:
 
     - context rows: the verifier's features of the rank's context positions (`target_layers` x
@@ -299,12 +301,17 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     work = {w: drafter_rank_work(L, B, wl.anchors, lay.cp, lay.bp, wl.doc_length, w) for w in windows}
     base = work[windows[0]]
     ring = lay.cp if lay.kind in ("cp", "csbp") else 1
-    link = hw.link_gbps(_spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)) * 1e9
+    link = hw.link_gbps(_spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)
+                        or (baseline.cp_across_nodes and ring > 1 and lay.gpus > gpus_per_node)) * 1e9
     lat = hw.collective_latency_us * 1e-6
+    # the reference CP path (`reference.py` (d)): every CP rank drafts every anchor
+    replicated = baseline.replicated_anchors and lay.kind == "cp"
     feat_row = model.target_layers * h
     per_rank = []
     for r in range(len(base)):
         draft, ctx = base[r].draft_rows, base[r].context_rows
+        if replicated:
+            draft = sum(x.draft_rows for x in base)
         t = dict(gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, elementwise=0.0, output_layer=0.0)
         # fc over the context rows: forward and weight gradient (the features need no gradient)
         t["gemm"] += 2 * feat_row * h / tp * ctx * (2 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
@@ -312,11 +319,12 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
         acts = 0.0
         for layer in model.layers:
             w = work[layer.window][r]
+            pairs = sum(x.sparse_pairs for x in work[layer.window]) if replicated else w.sparse_pairs
             kv_params = h * layer.num_kv_heads * layer.head_dim * 2
             flops = 2 * (model.layer_dense_params(layer) - kv_params) / tp * draft + 2 * kv_params / tp * (draft + ctx)
             t["gemm"] += flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
             heads_t = max(1, layer.num_heads // tp)
-            attn_fwd = w.sparse_pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+            attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
             t["attention"] += attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
             kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
             per_pass = w.exchange_rows * kv_row
@@ -324,7 +332,8 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
             if per_pass:
                 n_coll = 1 if (lay.transport == "allgather" or (lay.kind == "csbp" and layer.window)) else ring - 1
                 t_pass = per_pass / link + n_coll * lat
-                if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                if (lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp")
+                        and not (lay.kind == "cp" and baseline.cp_exposed_allgather)):
                     hidden_fwd = attn_fwd * (ring - 1) / ring
                     exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
                 else:
@@ -366,12 +375,15 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     )
 
 
-def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
+def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int,
+             baseline: Baseline = OURS) -> Estimate:
+    """Step time and peak memory of `lay`. `baseline`: how a CP layout is charged (`reference.py`:
+    this project's CP, the default, or the paper's reference CP path)."""
     if wl.objective == "dflash":
         if not model.is_drafter:
             raise ValueError(f"--objective dflash needs a drafter model (a muse_glimmer_assistant config with "
                              f"target_layer_ids, e.g. --model dflash-drafter-muse-glimmer); {model.name} is not one")
-        return estimate_drafter(model, lay, wl, hw, gpus_per_node)
+        return estimate_drafter(model, lay, wl, hw, gpus_per_node, baseline)
     if wl.objective != "bd3lm":
         raise ValueError(f"--objective must be bd3lm or dflash, got {wl.objective!r}")
     if model.is_drafter:
@@ -393,7 +405,10 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     # ---- time of one sample on each rank; the group waits for the slowest ------------------------
     ring = lay.cp if lay.kind in ("cp", "csbp") else 1
     ring_span_nodes = _spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)
+    # the reference recipes stripe each CP / CP x BP group across nodes (`inter_node_cp`)
+    ring_span_nodes = ring_span_nodes or (baseline.cp_across_nodes and ring > 1 and lay.gpus > gpus_per_node)
     link = hw.link_gbps(ring_span_nodes) * 1e9
+    ref_cp = lay.kind == "cp" and not baseline.is_ours
     lat = hw.collective_latency_us * 1e-6
     per_rank = []
     for r in ranks:
@@ -415,6 +430,14 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 fwd_b, bwd_b = gdn_bytes_sent(gw, max(1, layer.gdn_value_heads // tp), layer.gdn_key_dim,
                                               layer.gdn_value_dim, layer.gdn_conv_dim // tp,
                                               layer.gdn_conv_kernel, s, _state_bytes(s))
+                if ref_cp and baseline.gdn_all_rows:
+                    # reference (c): the layer all-to-alls its in-projections (q, k, v and the value
+                    # gate) of every row there and the core outputs back, instead of boundaries
+                    width = (layer.gdn_conv_dim + layer.gdn_value_heads * layer.gdn_value_dim) // tp
+                    fwd_b = bwd_b = int(rows * width * s * (S - 1) / S)
+                    sent += passes_fwd * fwd_b + bwd_b
+                    t["attn_comm_exposed"] += (passes_fwd * fwd_b + bwd_b) / link + (passes_fwd + 1) * 2 * lat
+                    continue
                 sent += passes_fwd * fwd_b + bwd_b
                 if gw.ring > 1:  # two all-gathers and the boundary all-to-all, each waited on at once
                     n_coll = 2 + (1 if gw.boundary_sent or gw.boundary_received else 0)
@@ -423,7 +446,16 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
                 heads_t = max(1, layer.num_heads // tp)
                 attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
-                attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+                if ref_cp:
+                    # reference (a) per-path kernel rates / (c) the busiest contiguous clean slice
+                    fr, br, wf = baseline.cp_rates(layer.head_dim)
+                    if wf is None:
+                        wf = contiguous_range_factor(L, B, layer.window)
+                    if baseline.contiguous_clean:
+                        wf *= contiguous_clean_imbalance(L, B, S)
+                    attn_total = attn_fwd * wf * ((1 + (1 if recompute else 0)) / fr + (ATTN_FWD_BWD - 1) / br)
+                else:
+                    attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
                 t["attention"] += attn_total
                 # attention traffic (bytes sent by this rank in one pass)
                 kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
@@ -445,7 +477,11 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 sent += per_pass * n_pass
                 if per_pass:
                     t_pass = per_pass / link + n_coll * lat
-                    if lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                    if ref_cp and baseline.cp_exposed_allgather:
+                        # reference (b): one all-gather of all rows, waited on before any attention;
+                        # the dK/dV reduce-scatter waited on
+                        exposed = (passes_fwd + 1) * (per_pass / link + lat)
+                    elif lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
                         # each shift hides behind the attention on the chunk before it
                         hidden_fwd = attn_fwd * (ring - 1) / ring
                         exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)

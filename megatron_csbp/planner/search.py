@@ -79,12 +79,17 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
 
 
 def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: HardwareProfile,
-         **options) -> Dict:
+         baseline: str = "ours", **options) -> Dict:
+    """Every candidate layout, fastest first. `baseline`: how CP layouts are charged ('ours', or the
+    paper's 'reference' CP path, `planner/reference.py`)."""
+    from megatron_csbp.planner.reference import baseline_for
+
+    bm = baseline_for(baseline, model.name)
     if gpus < 1 or gpus_per_node < 1:
         raise ValueError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}")
-    estimates: List[Estimate] = [estimate(model, lay, wl, hw, gpus_per_node)
+    estimates: List[Estimate] = [estimate(model, lay, wl, hw, gpus_per_node, bm)
                                  for lay in candidate_layouts(model, wl, gpus, gpus_per_node, **options)]
     # fastest first; on equal throughput, less memory, then less traffic (CSBP over CP when the
     # ring transport hides CP's traffic completely)

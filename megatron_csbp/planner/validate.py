@@ -1,6 +1,6 @@
 """Validation of the cost model: (a) the paper's table, (b) the CPU benchmark.
 
-  python -m megatron_csbp.planner.validate --paper [--hardware h200]
+  python -m megatron_csbp.planner.validate --paper [--hardware h200] [--baseline ours|reference] [--json FILE]
   python -m megatron_csbp.planner.validate --bench docs/benchmarks/cpu.json --hardware FILE
   python -m megatron_csbp.planner.validate --long-context docs/benchmarks/long_context.json --hardware FILE
 
@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile, load_hardware
 from megatron_csbp.planner.model_config import load_preset
+from megatron_csbp.planner.reference import BASELINES, OURS, Baseline, baseline_for
 
 # design brief section 4: (model preset, paper baseline label, CSBP label, baseline tok/s, CSBP tok/s,
 # speedup, peak GiB baseline, peak GiB CSBP, Megatron sizes (tp, cp, ep, dp))
@@ -37,9 +38,10 @@ PAPER_L, PAPER_B, PAPER_GPUS, PAPER_GPN = 262144, 256, 16, 8
 
 
 def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), transports=("allgather", "ring"),
-            schedule="mirrored") -> Estimate:
+            schedule="mirrored", baseline: Baseline = OURS) -> Estimate:
     """The fastest feasible (recompute, transport) choice of one layout, else the smallest."""
-    ests = [estimate(model, Layout(tp, cp, bp, ep, dp, rc, tr if cp > 1 else "allgather", schedule), wl, hw, gpn)
+    ests = [estimate(model, Layout(tp, cp, bp, ep, dp, rc, tr if cp > 1 else "allgather", schedule), wl, hw, gpn,
+                     baseline)
             for rc in recompute for tr in (transports if cp > 1 else ("allgather",))]
     ok = [e for e in ests if e.feasible]
     if ok:
@@ -47,15 +49,17 @@ def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), 
     return min(ests, key=lambda e: e.peak_memory_gib)
 
 
-def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None) -> Dict:
+def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
+                     paper_rows=PAPER) -> Dict:
     wl_kwargs = wl_kwargs or {}
     rows = []
-    for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in PAPER:
+    for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in paper_rows:
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs)
-        base = best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN)
+        bm = baseline_for(baseline, preset)
+        base = best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm)
         # CSBP must use the baseline's recompute choice when comparing like with like
-        cs = best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,))
+        cs = best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=bm)
         rows.append({
             "model": preset, "paper_baseline": bl, "paper_csbp": cl, "paper_speedup": speed,
             "paper_baseline_tok_s": btok, "paper_csbp_tok_s": ctok, "paper_peak_gib": (bmem, cmem),
@@ -72,18 +76,85 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None) -> D
         # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
         saved = (base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu)
         rows[-1]["explaining_gbps"] = saved / max(1e-9, rows[-1]["paper_step_s"][0] - rows[-1]["paper_step_s"][1]) / 1e9
-    return {"hardware": hw.name, "rows": rows}
+    return {"hardware": hw.name, "baseline": baseline, "rows": rows}
 
 
-def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None) -> Dict:
+# the paper's rows beyond its 256K table: DiffusionGemma at 512K (16 H200) and the DFlash2 drafter at
+# 512K and 1M (8 H100, "memory freed lets more data-parallel replicas fit")
+PAPER_GEMMA_512K = 1.61
+PAPER_DFLASH = {524288: 2.48, 1048576: 7.59}
+
+
+def dflash_comparison(L: int, baseline: str, hw_name: str = "h100", gpus: int = 8) -> Dict:
+    """Best CSBP layout (bp > 1) vs best CP-only layout of the drafter on `gpus` H100s at L, one
+    sample per data-parallel replica (the planner's choice of DP, CP, BP and recompute)."""
+    from megatron_csbp.planner.search import candidate_layouts
+
+    model = load_preset("dflash-drafter-muse-glimmer")
+    hw = load_hardware(hw_name)
+    wl = Workload(L, 16, objective="dflash", anchors=512)
+    bm = baseline_for(baseline, model.name)
+    ests = [estimate(model, lay, wl, hw, gpus, bm) for lay in candidate_layouts(model, wl, gpus, gpus)]
+    ok = [e for e in ests if e.feasible]
+    cs = max((e for e in ok if e.layout.bp > 1), key=lambda e: e.tokens_per_s, default=None)
+    cpo = max((e for e in ok if e.layout.bp == 1), key=lambda e: e.tokens_per_s, default=None)
+    return {"csbp": cs, "baseline": cpo,
+            "speedup": cs.tokens_per_s / cpo.tokens_per_s if cs and cpo else None}
+
+
+def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
+    """One record per paper row (the `--json` output): model, seq_length, paper_speedup,
+    predicted_speedup, the layouts compared and the baseline charged."""
+    recs = [{"model": r["model"], "row": r["paper_baseline"], "seq_length": PAPER_L, "baseline": baseline,
+             "paper_speedup": r["paper_speedup"], "predicted_speedup": r["pred_speedup"],
+             "predicted_layouts": [r["pred_baseline"], r["pred_csbp"]], "fits": list(r["feasible"]),
+             "predicted_step_s": list(r["step_s"]), "paper_step_s": list(r["paper_step_s"]),
+             # the step-time gap in seconds: where the model's absolute step is off (MoE terms), the
+             # gap can match while the ratio does not
+             "predicted_gap_s": r["step_s"][0] - r["step_s"][1],
+             "paper_gap_s": r["paper_step_s"][0] - r["paper_step_s"][1]}
+            for r in v["rows"]]
+    for L, paper in ((65536, 1.25), (131072, 1.44), (524288, PAPER_GEMMA_512K)):
+        if L not in extra.get("gemma_by_length", {}):
+            continue
+        s = extra["gemma_by_length"][L]
+        recs.append({"model": "diffusiongemma-26b-a4b", "row": "DP1/EP2/CP8 -> +BP8", "seq_length": L,
+                     "baseline": baseline, "paper_speedup": paper, "predicted_speedup": s[0],
+                     "fits": [s[3], s[4]]})
+    for L, paper in PAPER_DFLASH.items():
+        d = extra.get("dflash", {}).get(L)
+        if d is None:
+            continue
+        recs.append({"model": "dflash-drafter-muse-glimmer", "row": "8 x H100, best CP vs best CSBP",
+                     "seq_length": L, "baseline": baseline, "paper_speedup": paper,
+                     "predicted_speedup": d["speedup"],
+                     "predicted_layouts": [d["baseline"].layout.label() if d["baseline"] else None,
+                                           d["csbp"].layout.label() if d["csbp"] else None]})
+    return recs
+
+
+def records_markdown(recs: List[Dict]) -> str:
+    out = ["| model | row | L | paper speedup | predicted speedup | predicted / paper | predicted layouts |",
+           "|---|---|---|---|---|---|---|"]
+    for r in recs:
+        p = r["predicted_speedup"]
+        out.append(f"| {r['model']} | {r['row']} | {r['seq_length']} | {r['paper_speedup']:.2f}x | "
+                   f"{'-' if p is None else format(p, '.3f') + 'x'} | "
+                   f"{'-' if p is None else format(p / r['paper_speedup'], '.2f')} | "
+                   f"{' -> '.join(str(x) for x in r.get('predicted_layouts', []))} |")
+    return "\n".join(out)
+
+
+def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours") -> Dict:
     wl_kwargs = wl_kwargs or {}
     out = {}
     gemma = load_preset("diffusiongemma-26b-a4b")
+    gb = baseline_for(baseline, gemma.name)
     sp = {}
     for L in (65536, 131072, 262144, 524288):
         wl = Workload(L, PAPER_B, **wl_kwargs)
-        base = best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN)
-        cs = best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,))
+        base = best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN, baseline=gb)
+        cs = best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=gb)
         sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
                  base.feasible, cs.feasible)
     out["gemma_by_length"] = sp
@@ -113,6 +184,8 @@ def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None) -> Dict:
     b26 = estimate(gemma, Layout(1, 8, 1, 2, 2, "full"), wl, hw, PAPER_GPN)
     c26 = estimate(gemma, Layout(1, 8, 8, 2, 2, "full"), wl, hw, PAPER_GPN)
     out["traffic_gemma_gib"] = (b26.attn_bytes_per_gpu / 2 ** 30, c26.attn_bytes_per_gpu / 2 ** 30)
+    if baseline != "ours":  # (the `ours` output stays as it was)
+        out["dflash"] = {L: dflash_comparison(L, baseline) for L in (524288,)}
     return out
 
 
@@ -276,7 +349,14 @@ def main(argv=None) -> int:
     p.add_argument("--grad-reduce-in-bf16", action="store_true")
     p.add_argument("--logits-bytes", type=int, default=6)
     p.add_argument("--loss-chunk-rows", type=int, default=0)
+    p.add_argument("--baseline", default="ours", choices=BASELINES,
+                   help="the CP baseline charged: this project's (ours, default) or the paper's reference code's")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="with --paper: write one record per paper row (model, seq_length, paper_speedup, "
+                        "predicted_speedup, ...) to FILE")
     args = p.parse_args(argv)
+    if args.json and not args.paper:
+        p.error("--json FILE needs --paper")
     if not (args.paper or args.bench or args.long_context):
         p.error("give --paper, --bench JSON and/or --long-context JSON")
     try:
@@ -284,7 +364,17 @@ def main(argv=None) -> int:
                      "loss_chunk_rows": args.loss_chunk_rows}
         if args.paper:
             hw = load_hardware(args.hardware or "h200")
-            print(paper_markdown(paper_validation(hw, wl_kwargs), extra_checks(hw, wl_kwargs)))
+            v = paper_validation(hw, wl_kwargs, args.baseline)
+            extra = extra_checks(hw, wl_kwargs, args.baseline)
+            print(paper_markdown(v, extra))
+            if args.baseline != "ours" or args.json:
+                recs = paper_records(v, extra, args.baseline)
+                if args.baseline != "ours":
+                    print(f"Baseline `{args.baseline}`: predicted vs paper speedup per row", "", records_markdown(recs),
+                          "", sep="\n")
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump({"baseline": args.baseline, "hardware": hw.name, "records": recs}, f, indent=1)
         if args.bench:
             hw = load_hardware(args.hardware or "measured")
             with open(args.bench) as f:

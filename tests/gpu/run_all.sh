@@ -35,6 +35,9 @@ fi
 timeout 330 python tests/gpu/check_kernels.py --time-budget 300 --out "$OUT_DIR/gpu_kernels.json" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 kernels_rc=${PIPESTATUS[0]}
 
+# 1b. the planner's fitted reference-baseline kernel rates: compiled Flex vs flash-attn (planner/reference.py)
+timeout 90 python tests/gpu/check_reference_kernels.py --out "$OUT_DIR/reference_kernels.json" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+
 # 2. end to end: block_diffusion_attention in bf16 vs the dense reference, with what is left of 7.5 min
 left=$(( 450 - ($(date +%s) - start) ))
 eq_rc=0
