@@ -152,7 +152,9 @@ class DiffusionGemmaFamily(Family):
     def transformer_config(self, shape, params_dtype=None, **overrides):
         return transformer_config(shape, params_dtype, **overrides)
 
-    def build_model(self, shape, config, block_diffusion=True, kernel="auto"):
+    def build_model(self, shape, config, block_diffusion=True, kernel="auto", stage=None):
+        if stage is not None:
+            stage.refuse("DiffusionGemma")
         return build_model(shape, config, block_diffusion, kernel)
 
     def megatron_flags(self, shape):
