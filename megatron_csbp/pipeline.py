@@ -89,6 +89,9 @@ def check_pipeline_args(args) -> None:
                              f"of a pipeline stage (--num-layers {L} / --pipeline-model-parallel-size {P})")
         vstages = (L // P) // per_vstage
     V = vstages if vstages and vstages > 1 else None
+    if not uneven and L % P:
+        raise ValueError(f"--num-layers {L} must be divisible by --pipeline-model-parallel-size {P} (or set "
+                         "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)")
     # Layers per stage (megatron-core's TransformerConfig rules, with the flags named).
     middle_layers, middle_stages = L, P
     for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
