@@ -68,8 +68,12 @@ _REFUSED_MEGATRON_FLAGS = (
      "block-diffusion attention masks are built from the block layout, not from document boundaries"),
     ("reset_position_ids", "--reset-position-ids", (False,),
      "positions come from the block layout (one position per token of the sample)"),
-    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", (1,),
-     "block diffusion does not support pipeline parallelism"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", (None,),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", (False,),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", (False,),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
 )
 
 
@@ -263,9 +267,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron_csbp.model import builder
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
 
+    from megatron_csbp import pipeline
+
     args = get_args()
-    if not (pre_process and post_process):
-        raise ValueError("block diffusion does not support pipeline parallelism (--pipeline-model-parallel-size 1)")
+    stage = pipeline.Stage(pre_process, post_process, vp_stage)
     config = config or core_transformer_config_from_args(args)
     if not config.calculate_per_token_loss:
         raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
@@ -276,12 +281,25 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
                                         moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
                                         normalization=args.normalization)
-    gpt = builder.gpt_model(config, spec, vocab_size=args.padded_vocab_size,
-                            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-                            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                            position_embedding_type=args.position_embedding_type,
-                            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+    build = partial(builder.gpt_model, config, spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, **stage.kwargs(),
+                    fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+    if stage.whole:
+        gpt = build()
+    else:
+        # Megatron-LM seeds each stage with --seed + 100 x PP rank: build from --seed instead,
+        # replaying one rank's draws before the chunk (the trainer's weights), and leave
+        # Megatron-LM's generator state as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            offset = pipeline.first_layer(config, vp_stage)
+            if offset or not pre_process:
+                pipeline.replay_earlier_draws(config, spec, args.padded_vocab_size, args.max_position_embeddings,
+                                              offset, not pre_process, args.position_embedding_type)
+            gpt = build()
     margs = _model_args_from_megatron(args)
     if margs.mask_token_id is None and objective_class(margs.objective).mask_token_needed is not None:
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
@@ -289,6 +307,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     objective = build_objective(margs)
     bdlm = objective.model_class()(gpt, objective, build_layout(margs), bps.get_shard_rank(),
                                    bps.get_clean_ring_group(), margs.attention_transport)
+    if config.pipeline_model_parallel_size > 1:
+        # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
+        # rank's rows cross the stage boundary (megatron_csbp/pipeline.py).
+        args.decoder_seq_length = pipeline.p2p_seq_length(bdlm)
+        config.variable_seq_lengths = pipeline.variable_rows(objective)
     return TrainableBDLM(config, bdlm)
 
 

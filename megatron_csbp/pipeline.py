@@ -212,6 +212,19 @@ def replay_earlier_draws(config, layer_spec, vocab_size: int, max_sequence_lengt
                      vp_stage=0 if config.virtual_pipeline_model_parallel_size else None)
 
 
+def stage_block_spec(spec, config, stage: Stage):
+    """A decoder block spec listing every layer of the model (a layer-type pattern: GDN hybrids)
+    cut to this chunk's layers; other specs (one layer spec, or already cut by megatron-core)
+    unchanged. Layers keep their global numbers, so the pattern splits across stages as written."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if stage.whole or not isinstance(spec, TransformerBlockSubmodules) or len(spec.layer_specs) != config.num_layers:
+        return spec
+    offset = first_layer(config, stage.vp_stage)
+    n = get_num_layers_to_build(config, vp_stage=stage.vp_stage)
+    return TransformerBlockSubmodules(layer_specs=spec.layer_specs[offset:offset + n], layer_norm=spec.layer_norm)
+
+
 def build_chunks(build_chunk: Callable, replay: Optional[Callable] = None) -> list:
     """One model chunk per virtual stage of this rank: `build_chunk(pre_process, post_process,
     vp_stage)`. `replay(vp_stage, pre_process)`, if given, runs first for every chunk (the

@@ -108,3 +108,14 @@ def test_pretrain_csbp_resume_bit_for_bit(tmp_path):
     c = pretrain(tmp_path, "csbp_resume", 2, CSBP + NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"], 29652)
     assert c["tb"]["lm loss"][3] == a["tb"]["lm loss"][3]
     assert c["tb"]["grad-norm"][3] == a["tb"]["grad-norm"][3]
+
+
+@pytest.mark.slow
+def test_pretrain_pipeline_csbp_matches_one_rank(tmp_path):
+    """PP 2 x CSBP (CP 2 + BP 2) in Megatron-LM's own loop: 4 ranks, 4 micro-batches per iteration
+    (more than the 2 stages), tied embeddings synced by megatron-core; the same losses as one rank
+    (which the trainer's tests/test_train_pipeline.py matches too)."""
+    batch = ["--global-batch-size", "4"]
+    a = pretrain(tmp_path, "one_rank_gb4", 1, NO_EVAL + batch, 29661)
+    b = pretrain(tmp_path, "pp2_csbp", 4, NO_EVAL + batch + CSBP + ["--pipeline-model-parallel-size", "2"], 29662)
+    _same_losses(a, b)
