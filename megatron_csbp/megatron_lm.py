@@ -328,19 +328,20 @@ class _SampleCounter:
     data-parallel rank r then holds samples consumed + m * mbs * DP + r * mbs .. + mbs. Training and
     evaluation keep separate micro-batch positions (the model's train()/eval() mode says which), so
     an evaluation never moves the training noise: training losses do not depend on whether or how
-    often evaluation runs. State: two (consumed, micro) pairs."""
+    often evaluation runs. Under interleaved pipelining each model chunk reads every micro-batch
+    once, so the positions are kept per chunk (`chunk`). State: two (consumed, micro) pairs per chunk."""
 
     def __init__(self):
-        self.state = {True: (None, 0), False: (None, 0)}
+        self.state = {}
 
-    def indices(self, args, micro_batch_size: int, training: bool = True):
+    def indices(self, args, micro_batch_size: int, training: bool = True, chunk: int = 0):
         from megatron.core import parallel_state as mpu
 
         consumed = args.consumed_train_samples if training else args.consumed_valid_samples
-        seen, micro = self.state[training]
+        seen, micro = self.state.get((training, chunk), (None, 0))
         if seen != consumed:
             micro = 0
-        self.state[training] = (consumed, micro + 1)
+        self.state[(training, chunk)] = (consumed, micro + 1)
         dp, r = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         start = consumed + micro * micro_batch_size * dp + r * micro_batch_size
         if not training:
@@ -374,8 +375,24 @@ def bdlm_batch(batch, mask_token_id: Optional[int]):
     return clean, supervised
 
 
+def batch_on_every_stage(data_iterator):
+    """Under pipeline parallelism Megatron-LM's `get_batch_on_this_tp_rank` gives the first stage
+    `tokens` and the last `labels` / `loss_mask`; every stage of a BDLM needs the clean sequence
+    (`labels`) and `loss_mask` (noise, rows and targets are rebuilt from them on each stage). TP rank 0
+    of every stage reads its own iterator (`pretrain_bdlm` builds the datasets on every stage) and
+    broadcasts them over TP."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    data = next(data_iterator) if mpu.get_tensor_model_parallel_rank() == 0 else None
+    batch = tensor_parallel.broadcast_data(["labels"], data, torch.int64)
+    batch.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
+    return batch
+
+
 def forward_step(data_iterator, model):
-    """Megatron-LM forward step: whole samples on every rank of the shard group."""
+    """Megatron-LM forward step: whole samples on every rank of the shard group (and every pipeline
+    stage; a stage before the last returns its hidden states, megatron_csbp/pipeline.py)."""
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
     from megatron.training.utils import get_batch_on_this_tp_rank
@@ -383,18 +400,24 @@ def forward_step(data_iterator, model):
     from megatron_csbp.training.model import TrainableBDLM
 
     args = get_args()
-    batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        batch = batch_on_every_stage(data_iterator)
+    else:
+        batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
     inner = model
     while not isinstance(inner, TrainableBDLM):
         inner = inner.module
     tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id)
-    sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training)
+    sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training,
+                                    chunk=inner.gpt.vp_stage or 0)
     # Sum of w * CE over this rank's own targets (denominator 1); Megatron divides the gradients by
     # the token count summed over DP x CP x BP: count each sample's supervised tokens once.
     share = inner.bdlm.objective.denominator(loss_mask)
     if mpu.get_context_parallel_rank() != 0:
         share = torch.zeros_like(share)
     out = model(tokens, loss_mask, sample_index, torch.ones((), device=tokens.device))
+    if isinstance(out, torch.Tensor):  # a pipeline stage before the last
+        return out, None
     return out.loss, partial(loss_func, out, share.to(tokens.device))
 
 
@@ -427,6 +450,12 @@ def install() -> None:
     use_prebuilt_dataset_helpers()
 
 
+def _dataset_on_every_stage(vp_stage=None) -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_rank() == 0
+
+
 def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable)."""
     import sys
@@ -439,6 +468,8 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = [sys.argv[0]] + rewrite_argv(sys.argv[1:] if argv is None else argv)
     install()
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    # every pipeline stage reads the samples (Megatron-LM: the first and last only)
+    pretrain_gpt.is_dataset_built_on_rank = _dataset_on_every_stage
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, extra_args_provider=extra_args_provider,
              args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
