@@ -35,6 +35,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+
 # ---- flags and their rules ---------------------------------------------------------------------
 def add_pipeline_args(group) -> None:
     """Megatron-LM's pipeline flags beside `--pipeline-model-parallel-size` (same names, meanings)."""
@@ -58,25 +59,23 @@ def check_pipeline_args(args) -> None:
     last = getattr(args, "decoder_last_pipeline_num_layers", None)
     per_vstage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     vstages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    given = {"--decoder-first-pipeline-num-layers": first, "--decoder-last-pipeline-num-layers": last,
+             "--num-layers-per-virtual-pipeline-stage": per_vstage,
+             "--num-virtual-stages-per-pipeline-rank": vstages}
     args.virtual_pipeline_model_parallel_size = None
     if P < 1:
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {P}")
+    for flag, v in given.items():
+        if v is not None and P == 1:
+            raise ValueError(f"{flag} needs --pipeline-model-parallel-size > 1")
+        if v is not None and v <= 0:
+            raise ValueError(f"{flag} must be positive, got {v}")
     if P == 1:
-        for flag, v in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last),
-                        ("--num-layers-per-virtual-pipeline-stage", per_vstage),
-                        ("--num-virtual-stages-per-pipeline-rank", vstages)):
-            if v is not None:
-                raise ValueError(f"{flag} needs --pipeline-model-parallel-size > 1")
         return
     L = args.num_layers
     if per_vstage is not None and vstages is not None:
         raise ValueError("give --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank, "
                          "not both")
-    for flag, v in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last),
-                    ("--num-layers-per-virtual-pipeline-stage", per_vstage),
-                    ("--num-virtual-stages-per-pipeline-rank", vstages)):
-        if v is not None and v <= 0:
-            raise ValueError(f"{flag} must be positive, got {v}")
     uneven = first is not None or last is not None
     if per_vstage is not None:
         if uneven:
@@ -164,10 +163,6 @@ class Stage:
 
     def kwargs(self) -> dict:
         return dict(pre_process=self.pre_process, post_process=self.post_process, vp_stage=self.vp_stage)
-
-    def refuse(self, what: str) -> None:
-        if not self.whole:
-            raise ValueError(f"{what} does not support --pipeline-model-parallel-size > 1")
 
 
 WHOLE = Stage()

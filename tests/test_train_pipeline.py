@@ -16,6 +16,9 @@ VP2 = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
 CSBP = ["--context-parallel-size", "2", "--block-parallel-size", "2"]
 
 
+EVAL = ["--eval-interval", "2", "--eval-iters", "1"]
+
+
 def _train(world, flags, tmp_path=None, name=None, **kw):
     argv = BASE + ["--train-iters", "4"] + flags
     if name:
@@ -30,14 +33,20 @@ def _same(got, ref):
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
-    return root, _train(1, [], root, "one")[0]["losses"]
+    r = _train(1, EVAL, root, "one")[0]
+    return root, r["losses"], _eval_losses(r)
+
+
+def _eval_losses(r):
+    return [h["eval_loss"] for h in r["history"] if "eval_loss" in h]
 
 
 def test_interleaved_pp2_matches_one_rank_and_resumes_under_pp1(one_rank, tmp_path):
-    root, ref = one_rank
-    assert len(ref) == 4 and ref[-1] < ref[0]
-    for r in _train(2, VP2, tmp_path, "vp"):
+    root, ref, ref_eval = one_rank
+    assert len(ref) == 4 and ref[-1] < ref[0] and len(ref_eval) == 2
+    for r in _train(2, VP2 + EVAL, tmp_path, "vp"):
         _same(r["losses"], ref)
+        _same(_eval_losses(r), ref_eval)  # evaluation (forward only) through the interleaved schedule
     # PP 2 x VP 2 checkpoint -> one rank, PP 1: the same curve from iteration 2 on.
     resumed = _train(1, ["--load", str(tmp_path / "vp"), "--ckpt-step", "2"])[0]
     assert resumed["iteration"] == 4
@@ -46,7 +55,7 @@ def test_interleaved_pp2_matches_one_rank_and_resumes_under_pp1(one_rank, tmp_pa
 
 @pytest.mark.slow
 def test_pp2_csbp_matches_one_rank_and_resumes_across_layouts(one_rank, tmp_path):
-    root, ref = one_rank
+    root, ref, _ = one_rank
     for r in _train(4, PP2 + CSBP, tmp_path, "pp_csbp"):
         _same(r["losses"], ref)
     # PP 2 x CSBP -> PP 1 x CP 2 ...
