@@ -85,10 +85,13 @@ def _reference(a):
 
 
 def _tp_slice(full, param, tp_rank):
+    """This TP rank's shard of a full weight as Megatron holds it (SwiGLU's linear_fc1: stride 2,
+    the rank's slice of each of [gate ; up])."""
     if full.shape == param.shape:
         return full
-    size = param.shape[param.partition_dim]
-    return full.narrow(param.partition_dim, tp_rank * size, size)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    size = param.shape[dim] // stride
+    return torch.cat([part.narrow(dim, tp_rank * size, size) for part in full.chunk(stride, dim)], dim)
 
 
 def _pipelined(a, ref_grads, ref_state):
