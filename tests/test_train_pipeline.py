@@ -8,6 +8,7 @@ import pytest
 
 from megatron_csbp.training.arguments import parse_args
 from tests.distributed import run_distributed
+from tests.test_train_args import _err  # parse_args must exit 2; returns stderr
 from tests.train_helpers import TINY, train_rank
 
 BASE = TINY + ["--micro-batch-size", "1", "--num-layers", "4", "--use-distributed-optimizer"]
@@ -76,13 +77,6 @@ def test_pp2_csbp_matches_one_rank_and_resumes_across_layouts(one_rank, tmp_path
 def test_more_pipeline_layouts(one_rank, flags, world):
     for r in _train(world, flags):
         _same(r["losses"], one_rank[1])
-
-
-def _err(argv, world, capsys):
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=world)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,world,needle", [
