@@ -286,8 +286,11 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
         validate_args(args, world, check_only=True)
     except ValueError as e:
         fail(str(e))
+    pp = args.pipeline_model_parallel_size
+    pp = f" x PP {pp}" + (f" (VP {args.virtual_pipeline_model_parallel_size})"
+                          if args.virtual_pipeline_model_parallel_size else "") if pp > 1 else ""
     lines = [f"recipe {name}: OK for {world} ranks ({nnodes} node(s) x {nproc}): TP {args.tensor_model_parallel_size}"
-             f" x CP {args.context_parallel_size} / BP {args.block_parallel_size} x DP {args.data_parallel_size}"
+             f"{pp} x CP {args.context_parallel_size} / BP {args.block_parallel_size} x DP {args.data_parallel_size}"
              f" (EP {args.expert_model_parallel_size}), {args.num_microbatches} micro-batch(es) per iteration"]
     if placeholders:
         lines.append(f"  placeholders to fill before launch: {' '.join(placeholders)}")

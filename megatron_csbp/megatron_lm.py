@@ -66,8 +66,12 @@ _REFUSED_MEGATRON_FLAGS = (
      "masks for the same row). Pass --attention-dropout 0"),
     ("hidden_dropout", "--hidden-dropout", (0.0,),
      "dropout masks are drawn per rank, so the loss would depend on the layout. Pass --hidden-dropout 0"),
-    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", (1,),
-     "block diffusion does not support pipeline parallelism"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", (None,),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", (False,),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", (False,),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
 )
 
 
@@ -292,9 +296,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron_csbp.model import builder
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
 
+    from megatron_csbp import pipeline
+
     args = get_args()
-    if not (pre_process and post_process):
-        raise ValueError("block diffusion does not support pipeline parallelism (--pipeline-model-parallel-size 1)")
+    stage = pipeline.Stage(pre_process, post_process, vp_stage)
     config = config or core_transformer_config_from_args(args)
     if not config.calculate_per_token_loss:
         raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
@@ -305,12 +310,25 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
                                         moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
                                         normalization=args.normalization)
-    gpt = builder.gpt_model(config, spec, vocab_size=args.padded_vocab_size,
-                            max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-                            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                            position_embedding_type=args.position_embedding_type,
-                            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+    build = partial(builder.gpt_model, config, spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, **stage.kwargs(),
+                    fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+    if stage.whole:
+        gpt = build()
+    else:
+        # Megatron-LM seeds each stage with --seed + 100 x PP rank: build from --seed instead,
+        # replaying one rank's draws before the chunk (the trainer's weights), and leave
+        # Megatron-LM's generator state as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            offset = pipeline.first_layer(config, vp_stage)
+            if offset or not pre_process:
+                pipeline.replay_earlier_draws(config, spec, args.padded_vocab_size, args.max_position_embeddings,
+                                              offset, not pre_process, args.position_embedding_type)
+            gpt = build()
     margs = _model_args_from_megatron(args)
     if margs.mask_token_id is None and objective_class(margs.objective).mask_token_needed is not None:
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
@@ -319,6 +337,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     bdlm = objective.model_class()(gpt, objective, build_layout(margs), bps.get_shard_rank(),
                                    bps.get_clean_ring_group(), margs.attention_transport,
                                    packing=Packing.of(margs))
+    if config.pipeline_model_parallel_size > 1:
+        # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
+        # rank's rows cross the stage boundary (megatron_csbp/pipeline.py).
+        args.decoder_seq_length = pipeline.p2p_seq_length(bdlm)
+        config.variable_seq_lengths = pipeline.variable_rows(objective)
     return TrainableBDLM(config, bdlm)
 
 
@@ -335,19 +358,20 @@ class _SampleCounter:
     data-parallel rank r then holds samples consumed + m * mbs * DP + r * mbs .. + mbs. Training and
     evaluation keep separate micro-batch positions (the model's train()/eval() mode says which), so
     an evaluation never moves the training noise: training losses do not depend on whether or how
-    often evaluation runs. State: two (consumed, micro) pairs."""
+    often evaluation runs. Under interleaved pipelining each model chunk reads every micro-batch
+    once, so the positions are kept per chunk (`chunk`). State: two (consumed, micro) pairs per chunk."""
 
     def __init__(self):
-        self.state = {True: (None, 0), False: (None, 0)}
+        self.state = {}
 
-    def indices(self, args, micro_batch_size: int, training: bool = True):
+    def indices(self, args, micro_batch_size: int, training: bool = True, chunk: int = 0):
         from megatron.core import parallel_state as mpu
 
         consumed = args.consumed_train_samples if training else args.consumed_valid_samples
-        seen, micro = self.state[training]
+        seen, micro = self.state.get((training, chunk), (None, 0))
         if seen != consumed:
             micro = 0
-        self.state[training] = (consumed, micro + 1)
+        self.state[(training, chunk)] = (consumed, micro + 1)
         dp, r = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         start = consumed + micro * micro_batch_size * dp + r * micro_batch_size
         if not training:
@@ -391,8 +415,24 @@ def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] =
     return clean, supervised
 
 
+def batch_on_every_stage(data_iterator):
+    """Under pipeline parallelism Megatron-LM's `get_batch_on_this_tp_rank` gives the first stage
+    `tokens` and the last `labels` / `loss_mask`; every stage of a BDLM needs the clean sequence
+    (`labels`) and `loss_mask` (noise, rows and targets are rebuilt from them on each stage). TP rank 0
+    of every stage reads its own iterator (`pretrain_bdlm` builds the datasets on every stage) and
+    broadcasts them over TP."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    data = next(data_iterator) if mpu.get_tensor_model_parallel_rank() == 0 else None
+    batch = tensor_parallel.broadcast_data(["labels"], data, torch.int64)
+    batch.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
+    return batch
+
+
 def forward_step(data_iterator, model):
-    """Megatron-LM forward step: whole samples on every rank of the shard group."""
+    """Megatron-LM forward step: whole samples on every rank of the shard group (and every pipeline
+    stage; a stage before the last returns its hidden states, megatron_csbp/pipeline.py)."""
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
     from megatron.training.utils import get_batch_on_this_tp_rank
@@ -400,19 +440,25 @@ def forward_step(data_iterator, model):
     from megatron_csbp.training.model import TrainableBDLM
 
     args = get_args()
-    batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        batch = batch_on_every_stage(data_iterator)
+    else:
+        batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
     inner = model
     while not isinstance(inner, TrainableBDLM):
         inner = inner.module
     tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id, inner.bdlm.packing,
                                    inner.bdlm.objective.target_shift)
-    sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training)
+    sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training,
+                                    chunk=inner.gpt.vp_stage or 0)
     # Sum of w * CE over this rank's own targets (denominator 1); Megatron divides the gradients by
     # the token count summed over DP x CP x BP: count each sample's supervised tokens once.
     share = inner.bdlm.objective.denominator(loss_mask)
     if mpu.get_context_parallel_rank() != 0:
         share = torch.zeros_like(share)
     out = model(tokens, loss_mask, sample_index, torch.ones((), device=tokens.device))
+    if isinstance(out, torch.Tensor):  # a pipeline stage before the last
+        return out, None
     return out.loss, partial(loss_func, out, share.to(tokens.device))
 
 
@@ -445,6 +491,12 @@ def install() -> None:
     use_prebuilt_dataset_helpers()
 
 
+def _dataset_on_every_stage(vp_stage=None) -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_rank() == 0
+
+
 def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable)."""
     import sys
@@ -460,6 +512,8 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = [sys.argv[0]] + rewrite_argv(sys.argv[1:] if argv is None else argv)
     install()
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    # every pipeline stage reads the samples (Megatron-LM: the first and last only)
+    pretrain_gpt.is_dataset_built_on_rank = _dataset_on_every_stage
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, extra_args_provider=extra_args_provider,
              args_defaults={"tokenizer_type": "GPT2BPETokenizer"})

@@ -55,9 +55,8 @@ def check_topology(world_size: int, tensor_model_parallel_size: int = 1, pipelin
                    expert_model_parallel_size: int = 1) -> BlockParallelSizes:
     """Validate sizes before any collective: a clear error instead of a hang or a wrong answer."""
     sizes = BlockParallelSizes(context_parallel_size, block_parallel_size)
-    if pipeline_model_parallel_size != 1 and sizes.shard_group_size > 1:
-        raise ValueError("--pipeline-model-parallel-size > 1 is not supported with block or context parallelism "
-                         "for block diffusion (the reference rejects it too)")
+    if pipeline_model_parallel_size < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}")
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * sizes.shard_group_size
     if world_size % model_parallel != 0:
         raise ValueError(

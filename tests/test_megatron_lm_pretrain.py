@@ -152,3 +152,14 @@ def test_pretrain_packed_documents_differ_from_unpacked(tmp_path):
     a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data, 29664)
     plain = pretrain(tmp_path, "plain_one_rank", 1, NO_EVAL + data, 29665)
     assert plain["tb"]["lm loss"][1] != pytest.approx(a["tb"]["lm loss"][1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_pretrain_pipeline_csbp_matches_one_rank(tmp_path):
+    """PP 2 x CSBP (CP 2 + BP 2) in Megatron-LM's own loop: 4 ranks, 4 micro-batches per iteration
+    (more than the 2 stages), tied embeddings synced by megatron-core; the same losses as one rank
+    (which the trainer's tests/test_train_pipeline.py matches too)."""
+    batch = ["--global-batch-size", "4"]
+    a = pretrain(tmp_path, "one_rank_gb4", 1, NO_EVAL + batch, 29667)
+    b = pretrain(tmp_path, "pp2_csbp", 4, NO_EVAL + batch + CSBP + ["--pipeline-model-parallel-size", "2"], 29668)
+    _same_losses(a, b)

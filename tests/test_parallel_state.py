@@ -96,7 +96,7 @@ def test_groups_and_zero_target_ranks():
         (dict(world_size=4, context_parallel_size=2, block_parallel_size=3), "multiple of --context-parallel-size"),
         (dict(world_size=6, block_parallel_size=4), "not divisible by"),
         (dict(world_size=8, tensor_model_parallel_size=2, block_parallel_size=8), "not divisible by"),
-        (dict(world_size=4, pipeline_model_parallel_size=2, block_parallel_size=2), "pipeline"),
+        (dict(world_size=4, pipeline_model_parallel_size=0, block_parallel_size=2), "--pipeline-model-parallel-size must be >= 1"),
         (dict(world_size=4, block_parallel_size=4, expert_model_parallel_size=3), "expert-model-parallel"),
         (dict(world_size=4, block_parallel_size=0), "must be >= 1"),
     ],

@@ -142,7 +142,7 @@ def test_cli_json_schema(capsys):
     for l in r["layouts"]:
         assert {"tp", "cp", "bp", "ep", "dp", "recompute", "step_time_s", "peak_memory_gib", "attn_bytes_per_gpu",
                 "flags"} <= set(l)
-        assert l["tp"] * max(l["cp"], l["bp"]) * l["dp"] == 8
+        assert l["tp"] * l["pp"] * max(l["cp"], l["bp"]) * l["dp"] == 8
         assert l["peak_memory_gib"] <= PRESETS["h100"].memory_gib
     assert r["best"] == r["layouts"][0]
     assert r["best"]["tokens_per_s"] == pytest.approx(max(l["tokens_per_s"] for l in r["layouts"]), rel=1e-6)

@@ -9,12 +9,16 @@ megatron-core, `compat.megatron_lm.install_megatron_lm_cpu_compat()` for Megatro
 3. `compat.optimizer`: CUDA type-name checks, the DP-zero gather, torch Adam state fixes.
 4. `compat.moe`: MoE without TransformerEngine over gloo.
 5. `compat.norms`: torch norms under TP sequence parallelism.
+6. `compat.pipeline`: the tied-embedding copy under pipeline parallelism.
 
 Which patches change numerics (each claim checked against the patch; docs/compat.md has the same list):
 
 Only relocate devices or lift CUDA-only checks (numerics unchanged):
 - device proxy: CUDA `device=` factories and `current_device()` give the CPU; streams and events
-  are no-ops (CPU work is synchronous); `synchronize` / `empty_cache` do nothing.
+  are no-ops (CPU work is synchronous); `synchronize` / `empty_cache` do nothing (also in
+  megatron-core's pipeline P2P, `pipeline_parallel.p2p_communication`).
+- pipeline (`compat.pipeline`): the tied-embedding copy of the last pipeline stage is all-reduced
+  where it is (the CPU) instead of moved to CUDA first: the same all-reduce of the same values.
 - optimizer: CPU tensors report `torch.cuda.*` type names inside `clip_grad_by_total_norm_fp32`
   and the optimizers' constructors (same fp32 math); the DP-zero state gather takes its gloo
   branch (same gathers); the fully-reshardable load copies the keys present (no KeyError);

@@ -20,6 +20,7 @@ modules imported since the first call.
 | `DistributedOptimizer.get_parameter_state_dp_zero` (checkpointing, `fully_reshardable`) | non-gloo branch calls `send_tensor.cuda()` | always the gloo branch (on CPU the data-parallel group is gloo anyway) |
 | `transformer.moe.moe_utils` without TransformerEngine | `te_general_gemm` is never defined: NameError in the router GEMM | defined as `None` (the code's own non-TE path) |
 | MoE all-to-all dispatcher | `torch.cuda.Stream()` side stream; split sizes passed as tensors/arrays, which gloo's `all_to_all_single` rejects | streams through the proxy (one no-op stream, so no side-stream bookkeeping); `_AllToAll` converts split sizes to lists |
+| `LanguageModule.setup_embeddings_and_output_layer` (PP > 1, tied embeddings) | `weight.data.cuda()` before the embedding group's all-reduce | runs with `Tensor.cuda` the identity (`compat.pipeline`; same all-reduce) |
 | `WrappedTorchNorm` with `--sequence-parallel` | asserts "sequence parallel not supported by torch LayerNorm" | builds the norm without the assert and tags its parameters `sequence_parallel=True`, so `finalize_model_grads` all-reduces their gradients over TP exactly as for TE norms |
 
 Proxied modules are those already imported when the shim runs (it imports the ones training,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from megatron_csbp.compat import device, moe, norms, optimizer, rng
+from megatron_csbp.compat import device, moe, norms, optimizer, pipeline, rng
 from megatron_csbp.compat.device import cuda_absent
 
 _INSTALLED = False
@@ -62,6 +63,8 @@ _EAGER_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.models.common.language_module.language_module",
     "megatron.core.dist_checkpointing",
     "megatron.core.dist_checkpointing.core",
     "megatron.core.dist_checkpointing.mapping",
@@ -91,6 +94,7 @@ def install_cpu_compat(force: bool = False) -> bool:
         optimizer.patch_optimizers()
         moe.patch_moe()
         norms.patch_torch_norm()
+        pipeline.patch_embedding_tie()
         _INSTALLED = True
     return True
 

@@ -7,7 +7,9 @@ gives this rank's rows ([owned noisy ; clean]) with their shared positions and t
 a target; `logits` runs the GPT model and keeps only the rows that reach the output layer (a
 pre-hook on the output layer drops the clean rows: half the output GEMM, no fp32 logits for them);
 `loss` (model/loss.py) returns this rank's partial loss over the global denominator. Summing it
-over the shard group gives the full loss.
+over the shard group gives the full loss. Under pipeline parallelism every stage runs the same
+noise -> plan -> rows (keyed by the sample index; megatron_csbp/pipeline.py); a stage before the
+last returns its hidden states of this rank's rows for the next stage instead of a loss.
 
 Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses all three):
 - `first_canvas_block`: noisy rows only for blocks from there on (the layout's `canvas_layout`;
@@ -77,8 +79,16 @@ class BlockDiffusionModel(torch.nn.Module):
         self.feeder = RowFeeder(layout, shard_rank, ring_group, transport, objective.uses_noisy_stream, tp_shards,
                                 mpu.get_tensor_model_parallel_rank() if tp_shards > 1 else 0)
         self._output: Optional[OutputRows] = None  # set by `logits` for its forward only
-        gpt.output_layer.register_forward_pre_hook(self._keep_logit_rows)
-        gpt.output_layer.register_forward_hook(self._order_logit_rows)
+        # Pipeline parallelism (megatron_csbp/pipeline.py): only the last stage has the output layer.
+        self.last_stage = getattr(gpt, "post_process", True)
+        if self.last_stage:
+            gpt.output_layer.register_forward_pre_hook(self._keep_logit_rows)
+            gpt.output_layer.register_forward_hook(self._order_logit_rows)
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether this is the whole model (no pipeline stage before or after it)."""
+        return self.last_stage and getattr(self.gpt, "pre_process", True)
 
     @property
     def plan(self) -> AttentionPlan:
@@ -120,6 +130,9 @@ class BlockDiffusionModel(torch.nn.Module):
                                            None if document_ids is None else document_ids[0])
         rows = self.feeder.rows(plan, noised, tokens)
         model_kwargs = {}
+        if any_sc and rows.num_noisy and not self.whole_model:
+            raise ValueError("self-conditioning needs the whole model on one stage: --self-conditioning-prob 0 with "
+                             "--pipeline-model-parallel-size > 1")
         if any_sc and rows.num_noisy:
             # Self-conditioning: a detached first pass gives the noisy rows' logits.
             with torch.no_grad():
@@ -127,6 +140,8 @@ class BlockDiffusionModel(torch.nn.Module):
             model_kwargs = dict(self_conditioning_logits=first_logits.detach(),
                                 self_conditioning_mask=noised.self_conditioning)
         logits = self.logits(rows.input_ids, plan, rows.logit_rows, **model_kwargs)
+        if not self.last_stage:
+            return logits  # pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
 

@@ -87,19 +87,22 @@ def shape_transformer_config(shape, params_dtype: Optional[torch.dtype] = None, 
     return get_family(shape.family).transformer_config(shape, params_dtype, **overrides)
 
 
-def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: str = "auto", **config_overrides):
+def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: str = "auto", stage=None,
+                    **config_overrides):
     """The megatron-core model of `shape` (a `GPTModel`, or the family's subclass of it) under the
     current parallel state. The vocabulary is exactly `shape.vocab_size` (no padding: TP must divide
     it). `kernel`: the block-diffusion attention kernel (--attention-kernel).
 
     Weights are not initialised (they are about to be loaded); pass `perform_initialization=True`
-    in `config_overrides` to draw them. Other overrides set parallelism and training options."""
+    in `config_overrides` to draw them. Other overrides set parallelism and training options.
+    `stage`: the pipeline chunk (`megatron_csbp.pipeline.Stage`; default the whole model)."""
+    from megatron_csbp.pipeline import WHOLE
     from megatron_csbp.model.families import get_family
 
     family = get_family(shape.family)
     if config is None:
         config = family.transformer_config(shape, **config_overrides)
-    model = family.build_model(shape, config, block_diffusion, kernel)
+    model = family.build_model(shape, config, block_diffusion, kernel, stage=stage or WHOLE)
     if not config.perform_initialization:
         mark_tensor_parallel_weights(model, config)
     return model

@@ -76,6 +76,9 @@ class Objective:
     #: the loss has terms on clean rows (`NoisedBatch.clean_targets`); layouts then assign every
     #: clean row's term to one rank (`SequenceLayout.clean_loss`)
     needs_clean_logits = False
+    #: the rows of a micro-batch are fixed by the layout (False: canvas plans vary them; pipeline
+    #: P2P then exchanges shapes first, megatron_csbp/pipeline.py)
+    fixed_rows = True
     #: "--mask-token-id (why)": the objective needs a mask id (None: it uses none)
     mask_token_needed: Optional[str] = None
     #: an unset --mask-token-id takes the tokenizer's <mask>

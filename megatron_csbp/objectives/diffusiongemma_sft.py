@@ -45,6 +45,7 @@ SELF_CONDITIONING_PROB = Flag("--self-conditioning-prob", dict(
 
 @register_objective("diffusiongemma-sft")
 class DiffusionGemmaSFTObjective(Objective):
+    fixed_rows = False  # canvases of response blocks
     summary = ("DiffusionGemma's native SFT (uniform noise, canvas of response blocks, AR loss on the clean "
                "stream, self-conditioning) for a converted DiffusionGemma / Gemma 4 --load checkpoint and "
                "--sft-data-path")

@@ -51,6 +51,7 @@ class Layout:
     transport: str = "allgather"
     schedule: str = "mirrored"
     distributed_optimizer: bool = True
+    pp: int = 1  # pipeline stages (planner/pipeline.py)
 
     @property
     def shard_group_size(self) -> int:
@@ -58,7 +59,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.shard_group_size * self.dp
+        return self.tp * self.shard_group_size * self.dp * self.pp
 
     @property
     def kind(self) -> str:
@@ -66,6 +67,8 @@ class Layout:
 
     def label(self) -> str:
         parts = [f"DP{self.dp}"]
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
         if self.tp > 1:
             parts.append(f"TP{self.tp}")
         if self.ep > 1:
@@ -119,16 +122,18 @@ class Estimate:
     time: Dict[str, float] = field(default_factory=dict)
     memory_gib: Dict[str, float] = field(default_factory=dict)
     why_infeasible: str = ""
+    pipeline: Dict = field(default_factory=dict)  # PP > 1: schedule, bubble, stage peaks, P2P bytes
 
     def to_dict(self, flags: List[str]) -> Dict:
         lay = self.layout
         return {
-            "tp": lay.tp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
+            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
             "transport": lay.transport, "schedule": lay.schedule, "label": lay.label(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "peak_memory_gib": self.peak_memory_gib, "attn_bytes_per_gpu": self.attn_bytes_per_gpu,
             "feasible": self.feasible, "why_infeasible": self.why_infeasible,
             "time_breakdown_s": self.time, "memory_breakdown_gib": self.memory_gib, "flags": flags,
+            **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
 
 
@@ -388,6 +393,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         raise ValueError(f"--objective must be bd3lm or dflash, got {wl.objective!r}")
     if model.is_drafter:
         raise ValueError(f"{model.name} is a DFlash drafter: plan it with --objective dflash")
+    if lay.pp > 1:
+        from megatron_csbp.planner.pipeline import estimate_pipelined
+        return estimate_pipelined(model, lay, wl, hw, gpus_per_node)
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12

@@ -14,7 +14,7 @@ def divisors(n: int) -> List[int]:
 
 def layout_flags(lay: Layout, wl: Workload) -> List[str]:
     """Megatron(-LM) flags plus the plugin's, as `python -m megatron_csbp.train` takes them."""
-    f = [f"--tensor-model-parallel-size {lay.tp}", "--pipeline-model-parallel-size 1",
+    f = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}",
          f"--context-parallel-size {lay.cp}", f"--block-parallel-size {lay.bp}"]
     if lay.ep > 1:
         f.append(f"--expert-model-parallel-size {lay.ep}")
@@ -41,11 +41,12 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
                       transports: Iterable[str] = ("allgather", "ring"),
                       schedules: Iterable[str] = ("mirrored",),
                       recompute: Iterable[str] = ("none", "full"),
-                      distributed_optimizer: bool = True) -> List[Layout]:
-    L, B = wl.seq_length, wl.block_size
-    if L % B:
-        raise ValueError(f"--seq-length {L} is not a multiple of --block-size {B}")
-    n = L // B
+                      distributed_optimizer: bool = True,
+                      pipelines: Iterable[int] = (1, 2, 4, 8)) -> List[Layout]:
+    """Every layout of `gpus`: TP x PP x (CP, BP) x DP (x EP), with the recompute, transport and
+    ownership options. PP sizes from `pipelines` that divide the layers (the drafter: PP 1)."""
+    if wl.seq_length % wl.block_size:
+        raise ValueError(f"--seq-length {wl.seq_length} is not a multiple of --block-size {wl.block_size}")
     heads = [l.num_heads for l in model.layers if not l.is_gdn]
     heads += [h for l in model.layers if l.is_gdn for h in (l.gdn_key_heads, l.gdn_value_heads)]
     out = []
@@ -55,26 +56,40 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
             continue
         if dflash and tp > 1:  # the drafter runs at TP = 1 (model/dflash.py: fc over the context is not split)
             continue
-        rest = gpus // tp
-        for S in divisors(rest):
-            dp = rest // S
-            if wl.global_batch_size and wl.global_batch_size % dp:
+        for pp in pipelines:
+            if (gpus // tp) % pp or model.num_layers % pp or (dflash and pp > 1):
                 continue
-            if L % (2 * S):
+            out += _shard_layouts(model, wl, tp, pp, gpus // (tp * pp), gpus_per_node, transports, schedules,
+                                  recompute, distributed_optimizer)
+    return out
+
+
+def _shard_layouts(model, wl, tp, pp, rest, gpus_per_node, transports, schedules, recompute,
+                   distributed_optimizer) -> List[Layout]:
+    """The (CP, BP) x DP (x EP) layouts of the `rest` = gpus / (TP x PP) ranks of one stage."""
+    L, B = wl.seq_length, wl.block_size
+    n = L // B
+    dflash = wl.objective == "dflash"
+    out = []
+    for S in divisors(rest):
+        dp = rest // S
+        if wl.global_batch_size and wl.global_batch_size % dp:
+            continue
+        if L % (2 * S):
+            continue
+        pairs = [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]
+        for cp, bp in pairs:
+            if bp > 1 and (wl.anchors if dflash else n) < bp:
                 continue
-            pairs = [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]
-            for cp, bp in pairs:
-                if bp > 1 and (wl.anchors if dflash else n) < bp:
-                    continue
-                eps = [1]
-                if model.is_moe:
-                    experts = max(l.num_experts for l in model.layers)
-                    eps = [e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
-                for ep in eps:
-                    for rc in recompute:
-                        for tr in (transports if cp > 1 else ("allgather",)):
-                            for sc in (schedules if bp > 1 else ("mirrored",)):
-                                out.append(Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer))
+            eps = [1]
+            if model.is_moe:
+                experts = max(l.num_experts for l in model.layers)
+                eps = [e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
+            for ep in eps:
+                for rc in recompute:
+                    for tr in (transports if cp > 1 else ("allgather",)):
+                        for sc in (schedules if bp > 1 else ("mirrored",)):
+                            out.append(Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer, pp))
     return out
 
 

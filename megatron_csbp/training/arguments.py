@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism (Megatron-LM names)")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    from megatron_csbp.pipeline import add_pipeline_args
+    add_pipeline_args(par)
     par.add_argument("--context-parallel-size", type=int, default=1)
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
     par.add_argument("--sequence-parallel", action="store_true")
@@ -289,8 +291,8 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError("--save-initial needs --save DIR")
     if args.skip_train and not args.eval_iters:
         raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
-    if args.pipeline_model_parallel_size != 1:
-        raise ValueError("--pipeline-model-parallel-size must be 1 for block diffusion")
+    from megatron_csbp.pipeline import check_pipeline_args
+    check_pipeline_args(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.

@@ -211,7 +211,9 @@ def checkpoint_shape(root: Optional[str], iteration=None):
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
-    state = {"model": model.sharded_state_dict()}
+    from megatron_csbp.pipeline import sharded_state
+
+    state = sharded_state(model)  # {"model": ...}; interleaved pipeline chunks: {"model0": ..., "model1": ...}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
@@ -305,14 +307,16 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
     path = checkpoint_path(root, iteration)
     _agreed_file_check(path)
     if iteration == RELEASE:
-        loaded = _read(dist_checkpointing, {"model": model.sharded_state_dict()}, path)
-        _load_model_state(model, loaded["model"], path)
+        from megatron_csbp.pipeline import sharded_state
+
+        loaded = _read(dist_checkpointing, sharded_state(model), path)
+        _load_model_state(model, loaded, path)
         if optimizer is not None:  # mixed-precision main params were copied from unloaded weights
             optimizer.reload_model_params()
         return {"iteration": 0, "consumed_samples": 0, "extra": {}, "path": path, "release": True}
     state = _sharded_state(model, optimizer, is_loading=True)
     loaded = _read(dist_checkpointing, state, path)
-    _load_model_state(model, loaded["model"], path)
+    _load_model_state(model, loaded, path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
@@ -333,11 +337,16 @@ def _read(dist_checkpointing, state, path: str):
                               agreed=False) from exc
 
 
-def _load_model_state(model, state, path: str) -> None:
-    missing, unexpected = model.gpt.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks model keys {missing[:5]}")
+def _load_model_state(model, loaded, path: str) -> None:
+    from megatron_csbp.pipeline import chunks_of
+
+    chunks = chunks_of(model)
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = chunk.gpt.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
+                                                        strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks model keys {missing[:5]}")
 
 
 def load_model_only(root: str, model) -> Dict[str, Any]:

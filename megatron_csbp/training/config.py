@@ -35,6 +35,7 @@ class ParallelConfig:
     sequence_parallel: bool  # Megatron's TP sequence parallelism (activations split over TP ranks)
     use_distributed_optimizer: bool
     distributed_backend: Optional[str]
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B (megatron_csbp/pipeline.py)
 
     @property
     def shard_group_size(self) -> int:
@@ -46,7 +47,11 @@ class ParallelConfig:
         return layout_kind(self.context_parallel_size, self.block_parallel_size)
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = TP {self.tensor_model_parallel_size} x CP {self.context_parallel_size} / "
+        pp = ""
+        if self.pipeline_model_parallel_size > 1:
+            vp = self.virtual_pipeline_model_parallel_size
+            pp = f" x PP {self.pipeline_model_parallel_size}" + (f" (VP {vp})" if vp else "")
+        return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {self.context_parallel_size} / "
                 f"BP {self.block_parallel_size} (layout {self.layout}) x DP {self.data_parallel_size}")
 
 

@@ -32,7 +32,7 @@ from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
 from megatron_csbp.model.bdlm import BlockDiffusionModel
-from megatron_csbp import objectives
+from megatron_csbp import objectives, pipeline
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -83,6 +83,11 @@ class ModelArgs:
     rotary_base: int = 10000
     attention_kernel: str = "auto"
     expert_model_parallel_size: int = 1
+    # pipeline parallelism (megatron_csbp/pipeline.py; Megatron-LM's flags)
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
     encoder_loss_weight: float = 1.0
     self_conditioning_prob: float = 0.5
     # Megatron's packed-document flags (layout/packing.py); the EOD id is the tokenizer's
@@ -126,6 +131,7 @@ def run_options(a) -> dict:
         # DP x CP x BP (Megatron DDP with per-token loss does not average).
         calculate_per_token_loss=True,
         **recompute_options(a),
+        **pipeline.config_fields(a),
     )
 
 
@@ -160,7 +166,8 @@ def build_objective(a):
     return objectives.build_objective(a)
 
 
-def build_converted_gpt(a, finalize_model_grads_func=None):
+def build_converted_gpt(a, finalize_model_grads_func=None, pre_process: bool = True, post_process: bool = True,
+                        vp_stage: Optional[int] = None):
     """`GPTModel` of a converted checkpoint's shape under this run's parallel layout (weights
     uninitialised: they are loaded next)."""
     shape = a.model_shape
@@ -174,7 +181,8 @@ def build_converted_gpt(a, finalize_model_grads_func=None):
     # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
     # --sequence-parallel (the weights themselves are loaded next).
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-    return config, builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel)
+    return config, builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel,
+                                           stage=pipeline.Stage(pre_process, post_process, vp_stage))
 
 
 def build_layout(a) -> SequenceLayout:
@@ -214,12 +222,20 @@ class TrainableBDLM(MegatronModule):
         return self.bdlm.gpt.sharded_state_dict(prefix, sharded_offsets, metadata)
 
 
-def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_func=None) -> TrainableBDLM:
-    """Build on CPU with a fixed seed (layout-independent weights), then move to `device`."""
+def build_model_chunks(a, device: Optional[torch.device] = None, finalize_model_grads_func=None) -> list:
+    """This rank's model chunks, one `TrainableBDLM` per virtual pipeline stage (one chunk without
+    interleaving; the whole model without pipeline parallelism)."""
+    return pipeline.build_chunks(lambda pre, post, vp: build_model(a, device, finalize_model_grads_func, pre, post, vp))
+
+
+def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_func=None,
+                pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> TrainableBDLM:
+    """Build on CPU with a fixed seed (layout-independent weights), then move to `device`.
+    `pre_process` / `post_process` / `vp_stage`: the pipeline chunk (megatron_csbp/pipeline.py)."""
     objective = build_objective(a)
     layout = build_layout(a)
     if a.model_shape is not None:
-        config, gpt = build_converted_gpt(a, finalize_model_grads_func)
+        config, gpt = build_converted_gpt(a, finalize_model_grads_func, pre_process, post_process, vp_stage)
         return _wrap(a, config, gpt, objective, layout, device)
     config = transformer_config(a, finalize_model_grads_func)
     vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
@@ -228,16 +244,22 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
     torch.manual_seed(a.seed)
+    # A pipeline chunk after the start first replays one rank's draws before its first layer.
+    offset = pipeline.first_layer(config, vp_stage)
+    if offset or not pre_process:
+        pipeline.replay_earlier_draws(config, spec, vocab, a.seq_length, offset, with_embedding=not pre_process,
+                                      position_embedding_type=a.position_embedding_type)
     gpt = builder.gpt_model(
         config,
         spec,
         vocab_size=vocab,
         max_sequence_length=a.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
         position_embedding_type=a.position_embedding_type,
         rotary_base=a.rotary_base,
+        vp_stage=vp_stage,
     )
     return _wrap(a, config, gpt, objective, layout, device)
 

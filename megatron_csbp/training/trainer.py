@@ -76,7 +76,9 @@ def init_distributed(parallel) -> None:
     if not bps.is_initialized():
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
-                                      parallel.expert_model_parallel_size)
+                                      parallel.expert_model_parallel_size,
+                                      virtual_pipeline_model_parallel_size=getattr(
+                                          parallel, "virtual_pipeline_model_parallel_size", None))
 
 
 def _restarted_under_torchrun() -> bool:
@@ -108,6 +110,7 @@ class Trainer:
     def __init__(self, config: TrainerConfig):
         self.config = config
         self.model = self.ddp = self.optimizer = self.scheduler = None
+        self.chunks, self.ddps = [], []  # one per virtual pipeline stage (one without interleaving)
         self.train_ds = self.valid_ds = None
         self.iteration, self.consumed = 0, 0
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
@@ -121,7 +124,8 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_csbp.objectives import objective_class
-        from megatron_csbp.training.model import build_model
+        from megatron_csbp import pipeline
+        from megatron_csbp.training.model import build_model_chunks
 
         c = self.config
         init_distributed(c.parallel)
@@ -130,18 +134,26 @@ class Trainer:
             # Losses are pre-divided by the global denominator: no per-token rescaling here.
             return finalize_model_grads(model_chunks, None, **kwargs)
 
-        self.model = build_model(c.model, device=device(), finalize_model_grads_func=finalize)
+        # Pipeline parallelism: this rank's chunks (megatron_csbp/pipeline.py), one DDP each (Megatron-LM's
+        # bucketing rule: only the first chunk is bucketed).
+        self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
+        self.model = self.chunks[0] if len(self.chunks) == 1 else pipeline.ModelChunks(self.chunks)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=c.parallel.use_distributed_optimizer)
-        self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model)
-        self.model.config.no_sync_func = self.ddp.no_sync
+        self.ddps = [DistributedDataParallel(ch.config, ddp_config, ch, disable_bucketing=i > 0)
+                     for i, ch in enumerate(self.chunks)]
+        self.ddp = self.ddps[0]
+        no_sync = self.ddp.no_sync if len(self.ddps) == 1 else [d.no_sync for d in self.ddps]
+        for ch in self.chunks:
+            ch.config.no_sync_func = no_sync
+            ch.config.variable_seq_lengths = pipeline.variable_rows(ch.bdlm.objective)
         o = c.optim
         opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                      adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                                      clip_grad=o.clip_grad, bf16=o.bf16,
                                      params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
                                      use_distributed_optimizer=c.parallel.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
         G = c.batch.global_batch_size
         decay_iters = o.lr_decay_iters or c.batch.train_iters
         self.scheduler = OptimizerParamScheduler(
@@ -154,10 +166,12 @@ class Trainer:
         self.dp_size = mpu.get_data_parallel_world_size()
         self.dp_group = mpu.get_data_parallel_group()
         self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
+        self.pp_group = mpu.get_pipeline_model_parallel_group() if mpu.get_pipeline_model_parallel_world_size() > 1 \
+            else None
         self.train_ds, self.valid_ds = objective_class(c.data.objective).build_datasets(c.data)
         self.flops_per_sample = flops_per_sample(c.model)
         # BD3-LM evaluates the NELBO whatever schedule training draws from; others their own objective
-        self.eval_objective = self.model.bdlm.objective.for_evaluation()
+        self.eval_objective = self.chunks[0].bdlm.objective.for_evaluation()
         return self
 
     def describe(self) -> str:
@@ -176,7 +190,7 @@ class Trainer:
         dev = device()
         batches = []
         local_den = 0.0
-        objective = self.model.bdlm.objective
+        objective = self.chunks[0].bdlm.objective
         for j in range(b_cfg.num_microbatches):
             idx = microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank, self.dp_size)
             b = collate(dataset, idx, dev)
@@ -196,19 +210,30 @@ class Trainer:
         def forward_step(data_iterator, model):
             b = next(data_iterator)
             out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"))
+            if isinstance(out, torch.Tensor):  # a pipeline stage before the last: hidden states
+                return out, None
             return out.loss, partial(loss_func, out)
 
+        from megatron_csbp import pipeline
+
         fb = get_forward_backward_func()
-        fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.ddp],
-           num_microbatches=b_cfg.num_microbatches, seq_length=b_cfg.seq_length,
+        # Under pipeline parallelism P2P moves this rank's rows ([rows, b, h]): the schedule's
+        # seq_length is the rank's row count x CP (it divides by CP, and by TP under SP).
+        seq_length = pipeline.p2p_seq_length(self.chunks[0].bdlm) if self.pp_group is not None else b_cfg.seq_length
+        data = iter(batches) if len(self.ddps) == 1 else [iter(batches) for _ in self.ddps]
+        fb(forward_step_func=forward_step, data_iterator=data, model=self.ddps,
+           num_microbatches=b_cfg.num_microbatches, seq_length=seq_length,
            micro_batch_size=b_cfg.micro_batch_size, forward_only=forward_only)
         local = float(torch.stack(partial_losses).sum()) if partial_losses else 0.0
         (loss,) = allreduce([local], group=self.dp_cp_group)
+        if self.pp_group is not None:  # the loss lives on the last stage
+            (loss,) = allreduce([loss], group=self.pp_group)
         return loss
 
     def train_step(self, consumed: int) -> StepResult:
         """One optimizer step on the global batch that starts at sample `consumed`."""
-        self.ddp.zero_grad_buffer()
+        for d in self.ddps:
+            d.zero_grad_buffer()
         self.optimizer.zero_grad()
         check = self.config.optim.check_for_nan_in_loss_and_grad
         loss = self._run_batches(self.train_ds, consumed, forward_only=False)
@@ -235,10 +260,12 @@ class Trainer:
         """Mean loss over the first `--eval-iters` global batches of the held-out split, with
         `eval_objective`. Every evaluation reads the same samples with the same noise (keyed by the
         held-out sample index), so successive evaluations differ only by the model."""
-        bdlm = self.model.bdlm
-        train_objective = bdlm.objective
-        bdlm.objective = self.eval_objective
-        self.ddp.eval()
+        bdlms = [ch.bdlm for ch in self.chunks]
+        train_objective = bdlms[0].objective
+        for bdlm in bdlms:
+            bdlm.objective = self.eval_objective
+        for d in self.ddps:
+            d.eval()
         losses = []
         try:
             with torch.no_grad():
@@ -246,8 +273,10 @@ class Trainer:
                     losses.append(self._run_batches(self.valid_ds, k * self.config.batch.global_batch_size,
                                                     forward_only=True))
         finally:
-            bdlm.objective = train_objective
-            self.ddp.train()
+            for bdlm in bdlms:
+                bdlm.objective = train_objective
+            for d in self.ddps:
+                d.train()
         return sum(losses) / len(losses)
 
     # ---- checkpoints -------------------------------------------------------------------------

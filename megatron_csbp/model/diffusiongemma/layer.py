@@ -135,11 +135,13 @@ def diffusion_gemma_layer_spec(kernel_core_attention=DotProductAttention) -> Mod
     )
 
 
-def diffusion_gemma_block_spec(config, block_diffusion: bool = True, kernel: str = "auto"):
-    """Decoder block spec: every layer `diffusion_gemma_layer_spec()`, Gemma RMSNorm as the final
-    norm; with the block-diffusion core attention swapped in unless `block_diffusion=False`."""
+def diffusion_gemma_block_spec(config, block_diffusion: bool = True, kernel: str = "auto", vp_stage=None):
+    """Decoder block spec of this pipeline stage (`vp_stage`: its virtual stage): every layer
+    `diffusion_gemma_layer_spec()`, Gemma RMSNorm as the final norm; with the block-diffusion core
+    attention swapped in unless `block_diffusion=False`."""
     layer = diffusion_gemma_layer_spec()
-    spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=GemmaRMSNorm)
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=GemmaRMSNorm)
     if block_diffusion:
         from megatron_csbp.model.spec import with_block_diffusion_attention
 

@@ -192,9 +192,14 @@ class DiffusionGemmaModel(GPTModel):
 
 
 def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, block_diffusion: bool = True,
-                          kernel: str = "auto", parallel_output: bool = True) -> DiffusionGemmaModel:
-    """Model provider (parallel state must be initialised; pipeline parallelism is not supported)."""
-    if config.pipeline_model_parallel_size != 1:
-        raise ValueError("DiffusionGemma with block diffusion does not support pipeline parallelism")
-    spec = diffusion_gemma_block_spec(config, block_diffusion=block_diffusion, kernel=kernel)
-    return DiffusionGemmaModel(config, spec, vocab_size, max_sequence_length, parallel_output=parallel_output)
+                          kernel: str = "auto", parallel_output: bool = True, stage=None) -> DiffusionGemmaModel:
+    """Model provider (parallel state must be initialised). `stage`: the pipeline chunk
+    (`megatron_csbp.pipeline.Stage`; None: the whole model): the embedding and self-conditioning
+    MLP on the first stage, the soft-capped tied output layer on the last; layers keep their global
+    numbers, so the sliding/full pattern and K=V rule follow the layer wherever it sits."""
+    from megatron_csbp.pipeline import WHOLE
+
+    stage = stage or WHOLE
+    spec = diffusion_gemma_block_spec(config, block_diffusion=block_diffusion, kernel=kernel, vp_stage=stage.vp_stage)
+    return DiffusionGemmaModel(config, spec, vocab_size, max_sequence_length, parallel_output=parallel_output,
+                               **stage.kwargs())

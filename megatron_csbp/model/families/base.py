@@ -147,8 +147,9 @@ class Family:
         """The megatron-core config of `shape`; `overrides` set parallelism and training options."""
         raise NotImplementedError
 
-    def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto"):
-        """The megatron-core model of `shape` under the current parallel state (`config` given)."""
+    def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
+        """The megatron-core model of `shape` under the current parallel state (`config` given);
+        `stage`: its pipeline chunk (`megatron_csbp.pipeline.Stage`; None: the whole model)."""
         raise NotImplementedError
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:

@@ -94,13 +94,13 @@ def transformer_config(shape: ModelShape, params_dtype: Optional[torch.dtype] = 
     return megatron_config_from(shape.hf_config, shape.diffusion_gemma, dtype, **overrides)
 
 
-def build_model(shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto"):
+def build_model(shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
     """A `DiffusionGemmaModel` of `shape` under the current parallel state (exact vocabulary);
-    `kernel`: the block-diffusion attention kernel (--attention-kernel)."""
+    `kernel`: the block-diffusion attention kernel (--attention-kernel); `stage`: its pipeline chunk."""
     from megatron_csbp.model.diffusiongemma.model import diffusion_gemma_model
 
     return diffusion_gemma_model(config, shape.vocab_size, shape.max_position_embeddings,
-                                 block_diffusion=block_diffusion, kernel=kernel)
+                                 block_diffusion=block_diffusion, kernel=kernel, stage=stage)
 
 
 def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
@@ -152,8 +152,8 @@ class DiffusionGemmaFamily(Family):
     def transformer_config(self, shape, params_dtype=None, **overrides):
         return transformer_config(shape, params_dtype, **overrides)
 
-    def build_model(self, shape, config, block_diffusion=True, kernel="auto"):
-        return build_model(shape, config, block_diffusion, kernel)
+    def build_model(self, shape, config, block_diffusion=True, kernel="auto", stage=None):
+        return build_model(shape, config, block_diffusion, kernel, stage)
 
     def megatron_flags(self, shape):
         raise UnsupportedModelError(

@@ -205,15 +205,16 @@ class GPTFamily(Family):
                                         moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm,
                                         normalization="RMSNorm")
 
-    def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto"):
+    def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
         from megatron_csbp.model import builder
+        from megatron_csbp.pipeline import WHOLE, stage_block_spec
 
+        stage = stage or WHOLE
         return builder.gpt_model(
-            config, self.layer_spec(shape, config, block_diffusion, kernel=kernel),
+            config, stage_block_spec(self.layer_spec(shape, config, block_diffusion, kernel=kernel), config, stage),
             vocab_size=shape.vocab_size,
             max_sequence_length=shape.max_position_embeddings,
-            pre_process=True,
-            post_process=True,
+            **stage.kwargs(),
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
             **rotary_kwargs(shape),
         )
