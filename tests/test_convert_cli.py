@@ -129,7 +129,7 @@ def test_rope_and_embedding_options_reach_the_model_and_flags():
 
 
 def test_unknown_hf_tensor_is_refused(tmp_path):
-    from megatron_csbp.conversion.mapping import ConversionError, hf_to_megatron
+    from megatron_csbp.model.families.gpt_weights import ConversionError, hf_to_megatron
 
     hf = str(tmp_path / "hf")
     save_tiny_model("llama", hf)

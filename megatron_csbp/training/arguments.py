@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-size", type=int, default=None)
     d.add_argument("--mock-data", action="store_true")
 
+    from megatron_csbp.training.megatron_flags import add_model_flags
+
+    add_model_flags(p)
     add_block_diffusion_args(p)
     return p
 
@@ -305,6 +308,15 @@ def _shape_values(shape):
         "swiglu": True,
         "max_position_embeddings": shape.max_position_embeddings,
         "vocab_size": shape.vocab_size,
+        "qk_layernorm": shape.qk_layernorm,
+        "norm_epsilon": shape.norm_epsilon,
+        "rotary_percent": shape.rotary_percent,
+        "add_qkv_bias": shape.add_qkv_bias,
+        "use_rope_scaling": (shape.rope_scaling or {}).get("type") == "llama3",
+        "rope_scaling_factor": (shape.rope_scaling or {}).get("factor", 8.0)
+        if (shape.rope_scaling or {}).get("type") == "llama3" else 8.0,
+        "rotary_seq_len_interpolation_factor": (shape.rope_scaling or {}).get("factor")
+        if (shape.rope_scaling or {}).get("type") == "linear" else None,
     }
 
 
@@ -340,6 +352,9 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
 def check_model_options(args, check_only: bool = False) -> None:
     """Megatron model flags with rules of their own: head size, dropout, recomputation, and the
     attention kernel named by --attention-backend."""
+    from megatron_csbp.training.megatron_flags import check_model_flags
+
+    check_model_flags(args)
     if args.kv_channels is not None and args.kv_channels <= 0:
         raise ValueError(f"--kv-channels must be positive, got {args.kv_channels}")
     if args.attention_dropout:

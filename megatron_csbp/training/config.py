@@ -128,7 +128,25 @@ CHECKPOINT_MODEL_KEYS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
     "vocab_size", "make_vocab_size_divisible_by", "block_size", "objective", "mask_token_id", "clean_attention",
     "normalization", "swiglu", "untie_embeddings_and_output_weights", "rotary_base", "tokenizer_type",
-    "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std")
+    "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std",
+    # added with the export of flag-built models (model.families.gpt.hf_config_of_flags); older
+    # checkpoints lack them and take the defaults of their time (model.families.gpt.FLAG_DEFAULTS)
+    "kv_channels", "add_bias_linear", "position_embedding_type", "max_position_embeddings", "qk_layernorm",
+    "norm_epsilon", "rotary_percent", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor")
+
+
+def model_meta(args: argparse.Namespace) -> Dict[str, Any]:
+    """`bdlm_meta.json` "model_args": the saved flags, plus what they derive that a reader needs
+    (the padded vocabulary of a flag-built model, which depends on TP; the weights' dtype)."""
+    from megatron_csbp.model.builder import padded_vocab_size
+
+    meta = {k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}
+    meta["params_dtype"] = "bfloat16" if getattr(args, "bf16", False) else "float32"
+    if getattr(args, "model_shape", None) is None and getattr(args, "vocab_size", None):
+        meta["padded_vocab_size"] = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                      args.tensor_model_parallel_size)
+    return meta
 
 
 @dataclass(frozen=True)
@@ -155,6 +173,6 @@ class TrainerConfig:
             data=_take(DataConfig, args),
             eval=_take(EvalConfig, args),
             checkpoint=_take(CheckpointConfig, args, model_shape=getattr(args, "model_shape", None),
-                             model_meta={k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}),
+                             model_meta=model_meta(args)),
             log=_take(LogConfig, args),
         )

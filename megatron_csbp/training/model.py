@@ -14,7 +14,6 @@ architecture, its exact (unpadded) vocabulary, weights left uninitialised becaus
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,15 +29,10 @@ from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
+from megatron_csbp.model.builder import padded_vocab_size  # noqa: F401  (re-exported)
 from megatron_csbp.model.bdlm import BlockDiffusionModel
+from megatron_csbp.training.megatron_flags import rope_scaling
 from megatron_csbp import objectives
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by
-    if multiple % tp:
-        multiple = multiple * tp // math.gcd(multiple, tp)
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 @dataclass
@@ -84,6 +78,14 @@ class ModelArgs:
     expert_model_parallel_size: int = 1
     encoder_loss_weight: float = 1.0
     self_conditioning_prob: float = 0.5
+    # more Megatron model flags (training/megatron_flags.py)
+    qk_layernorm: bool = False
+    norm_epsilon: float = 1e-5
+    rotary_percent: float = 1.0
+    add_qkv_bias: bool = False
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rotary_seq_len_interpolation_factor: Optional[int] = None
     #: a converted checkpoint's ModelShape (None: the model is built from the flags above)
     model_shape: Optional[Any] = None
 
@@ -132,6 +134,9 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         perform_initialization=True,
         init_method_std=a.init_method_std,
         normalization=a.normalization,
+        layernorm_epsilon=a.norm_epsilon,
+        qk_layernorm=a.qk_layernorm,
+        add_qkv_bias=a.add_qkv_bias,
         gated_linear_unit=a.swiglu,
         activation_func=F.silu if a.swiglu else F.gelu,
         add_bias_linear=a.add_bias_linear,
@@ -215,7 +220,8 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         return _wrap(a, config, gpt, objective, layout, device)
     config = transformer_config(a, finalize_model_grads_func)
     vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
-    spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization)
+    spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization,
+                                    qk_layernorm=a.qk_layernorm)
     # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
@@ -230,6 +236,7 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
         position_embedding_type=a.position_embedding_type,
         rotary_base=a.rotary_base,
+        **rope_scaling(a),
     )
     return _wrap(a, config, gpt, objective, layout, device)
 

@@ -322,13 +322,23 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     """A TP = CP = BP = 1 model rebuilt from a checkpoint's saved hyper-parameters (`bdlm_meta.json`)
     and loaded, on one process: what `generate` decodes with. `accept(model_meta)` may refuse the
     checkpoint (raise) before anything is built. Returns (model, model_meta, step)."""
-    import json
-
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.training import checkpointing
+    from megatron_csbp.model.checkpoint import read_checkpoint_model
     from megatron_csbp.training.model import ModelArgs, build_model
 
+    # The one checkpoint reader convert / score share: step, saved flags, a converted model's shape.
+    try:
+        info = read_checkpoint_model(load, ckpt_step)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    step = info.iteration
+    if not info.model_args:
+        raise ValueError(f"--load {load}: {info.path} has no bdlm_meta.json (not a megatron_csbp.train checkpoint)")
+    margs = info.model_args
+    if accept is not None:
+        accept(margs)
     if not dist.is_initialized():
         # One process: an in-memory store (no rendezvous, immune to a surrounding torchrun's env).
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -337,21 +347,10 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     install_cpu_compat()
     if not bps.is_initialized():
         bps.initialize_block_parallel()
-    step = ckpt_step if ckpt_step is not None else checkpointing.read_tracker(load)
-    if step is None:
-        raise ValueError(f"--load {load}: no {checkpointing.TRACKER} (not a megatron_csbp.train checkpoint dir?)")
-    meta_path = os.path.join(checkpointing.iteration_dir(load, step), "bdlm_meta.json")
-    if not os.path.exists(meta_path):
-        raise ValueError(f"--load {load}: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    margs = dict(meta["model_args"])
-    if accept is not None:
-        accept(margs)
     fields = ModelArgs.__dataclass_fields__
     a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
     # A model converted from Hugging Face is rebuilt from its shape file, like the trainer does.
-    a.model_shape = checkpointing.checkpoint_shape(load, step)
+    a.model_shape = info.file_shape
     model = build_model(a)
     model.eval()
     checkpointing.load_checkpoint(load, model, None, None, step)
