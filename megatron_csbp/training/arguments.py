@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (Megatron-LM names)")
     t.add_argument("--micro-batch-size", type=int, default=2)
     t.add_argument("--global-batch-size", type=int, default=None)
-    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--train-iters", type=int, default=None, help="default 100 (or --train-samples)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--min-lr", type=float, default=3e-4)
     t.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -147,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-size", type=int, default=None)
     d.add_argument("--mock-data", action="store_true")
 
-    from megatron_csbp.training.megatron_flags import add_model_flags
+    from megatron_csbp.training.megatron_flags import add_model_flags, add_run_flags
 
     add_model_flags(p)
+    add_run_flags(p)
     add_block_diffusion_args(p)
     return p
 
@@ -224,6 +225,9 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
+    from megatron_csbp.training.megatron_flags import check_run_flags
+
+    check_run_flags(args)
     check_experts_and_objective(args)
     # Data and tokenizer.
     sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path)]

@@ -136,6 +136,19 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     return final
 
 
+def drop_unretained(root: str, previous, iteration: int, retain_interval: int) -> Optional[str]:
+    """Megatron-LM's --save-retain-interval, after the save of `iteration` (rank 0): the previous
+    checkpoint (the tracker's before that save) is deleted unless it is at a multiple of
+    `retain_interval` (or is a release, or a symbolic link). Returns the deleted folder, or None."""
+    if not isinstance(previous, int) or previous <= 0 or previous == iteration or previous % retain_interval == 0:
+        return None
+    path = iteration_dir(root, previous)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return None
+    shutil.rmtree(path)
+    return path
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[int] = None) -> Optional[Dict[str, Any]]:
     """Collective. Loads the tracker's checkpoint (or `iteration`); None when there is none.
     A `release` checkpoint (converted model) loads the model only: iteration 0, consumed samples 0,

@@ -10,7 +10,7 @@ section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `opt
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Dict, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -18,7 +18,8 @@ from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 def _take(cls, args: argparse.Namespace, **overrides):
     """`cls` with every field copied from the namespace attribute of the same name."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in overrides}
+    values = {f.name: getattr(args, f.name) for f in fields(cls)
+              if f.name not in overrides and (hasattr(args, f.name) or f.default is MISSING)}
     values.update(overrides)
     return cls(**values)
 
@@ -35,6 +36,8 @@ class ParallelConfig:
     sequence_parallel: bool  # Megatron's TP sequence parallelism (activations split over TP ranks)
     use_distributed_optimizer: bool
     distributed_backend: Optional[str]
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     @property
     def shard_group_size(self) -> int:
@@ -74,6 +77,8 @@ class OptimConfig:
     lr_warmup_iters: int
     lr_decay_iters: Optional[int]
     lr_decay_style: str
+    #: warmup over this fraction of the decay steps (Megatron's --lr-warmup-fraction), else lr_warmup_iters
+    lr_warmup_fraction: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,11 @@ class CheckpointConfig:
     model_shape: Optional[Any]
     #: hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
     model_meta: Dict[str, Any]
+    #: load weights only and start at iteration 0 (--finetune); skip optimizer + scheduler state (--no-load-optim)
+    finetune: bool = False
+    no_load_optim: bool = False
+    #: keep only checkpoints at multiples of this (and the latest)
+    save_retain_interval: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,11 @@ class LogConfig:
     log_json: Optional[str]
     tensorboard_dir: Optional[str]
     no_progress_bar: bool
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    #: the run's flags, logged as the wandb run's config (Megatron logs vars(args))
+    flags: Optional[Dict[str, Any]] = None
 
 
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"); format unchanged
@@ -174,5 +189,6 @@ class TrainerConfig:
             eval=_take(EvalConfig, args),
             checkpoint=_take(CheckpointConfig, args, model_shape=getattr(args, "model_shape", None),
                              model_meta=model_meta(args)),
-            log=_take(LogConfig, args),
+            log=_take(LogConfig, args, flags={k: v for k, v in vars(args).items()
+                                               if isinstance(v, (int, float, str, bool, type(None)))}),
         )

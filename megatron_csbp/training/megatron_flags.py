@@ -16,6 +16,7 @@ that list and this parser in agreement: tests/test_megatron_flags.py).
 from __future__ import annotations
 
 import argparse
+import os
 
 #: fusion switches (flag, dest): accepted, the trainer runs unfused whatever they say
 FUSION_FLAGS = (("--no-masked-softmax-fusion", "masked_softmax_fusion"),
@@ -70,3 +71,86 @@ def rope_scaling(args) -> dict:
     if args.rotary_seq_len_interpolation_factor is not None:
         out.update(seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor)
     return out
+
+
+# ---- training, checkpoint and logging flags ------------------------------------------------------
+
+#: Megatron-LM's --ckpt-format choices; the trainer writes torch_dist only
+CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    t = parser.add_argument_group("more training, checkpoint and logging flags (Megatron-LM names)")
+    t.add_argument("--train-samples", type=int, default=None,
+                   help="train for this many samples instead of --train-iters (a multiple of --global-batch-size)")
+    t.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm the learning rate up over this fraction of the decay steps (instead of "
+                        "--lr-warmup-iters)")
+    t.add_argument("--finetune", action="store_true",
+                   help="load the --load checkpoint's weights only: iteration and consumed samples start at 0, "
+                        "no optimizer, scheduler or RNG state")
+    t.add_argument("--no-load-optim", action="store_true",
+                   help="do not load the optimizer and learning-rate scheduler state of the --load checkpoint")
+    t.add_argument("--no-load-rng", action="store_true",
+                   help="accepted: the trainer's checkpoints hold no RNG state (training noise is keyed by "
+                        "(--seed, sample index))")
+    t.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap DDP's gradient reduce-scatter/all-reduce with the backward pass")
+    t.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with the next forward "
+                        "(needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    t.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help="torch_dist only (dist_checkpointing: reshards across every layout)")
+    t.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep only the checkpoints at multiples of this (and the latest); a multiple of "
+                        "--save-interval")
+    t.add_argument("--wandb-project", type=str, default=None, help="Weights & Biases project (enables wandb logging)")
+    t.add_argument("--wandb-exp-name", type=str, default=None, help="Weights & Biases run name")
+    t.add_argument("--wandb-save-dir", type=str, default=None, help="wandb's folder (default: --save/wandb)")
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Rules of the flags above; fills --train-iters from --train-samples. Runs after
+    --global-batch-size is known."""
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ValueError("give --train-iters or --train-samples, not both")
+        if args.train_samples <= 0 or args.train_samples % args.global_batch_size:
+            raise ValueError(f"--train-samples {args.train_samples} must be a positive multiple of "
+                             f"--global-batch-size {args.global_batch_size}")
+        args.train_iters = args.train_samples // args.global_batch_size
+    elif args.train_iters is None:
+        args.train_iters = 100
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ValueError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(f"--ckpt-format {args.ckpt_format}: the trainer writes and reads torch_dist checkpoints only "
+                         "(dist_checkpointing, which reshards across TP / CP / BP / EP layouts)")
+    if (args.finetune or args.no_load_optim) and not args.load:
+        flag = "--finetune" if args.finetune else "--no-load-optim"
+        raise ValueError(f"{flag} needs --load CHECKPOINT")
+    if args.overlap_param_gather:
+        if not args.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (Megatron's rule)")
+        if not args.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
+    if args.save_retain_interval is not None:
+        if not args.save_interval:
+            raise ValueError("--save-retain-interval needs --save-interval")
+        if args.save_retain_interval <= 0 or args.save_retain_interval % args.save_interval:
+            raise ValueError(f"--save-retain-interval {args.save_retain_interval} must be a positive multiple of "
+                             f"--save-interval {args.save_interval}")
+    if args.wandb_project:
+        if not args.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name (Megatron's rule)")
+        if not (args.wandb_save_dir or args.save):
+            raise ValueError("--wandb-project needs --wandb-save-dir or --save (wandb writes to --save/wandb)")
+        args.wandb_save_dir = args.wandb_save_dir or os.path.join(args.save, "wandb")
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb-project needs the wandb package (pip install wandb; WANDB_MODE=offline "
+                             "logs without an account)")

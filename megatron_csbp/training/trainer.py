@@ -94,7 +94,9 @@ class Trainer:
             return finalize_model_grads(model_chunks, None, **kwargs)
 
         self.model = build_model(c.model, device=device(), finalize_model_grads_func=finalize)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=c.parallel.overlap_grad_reduce,
+                                                   overlap_param_gather=c.parallel.overlap_param_gather,
                                                    use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model)
         self.model.config.no_sync_func = self.ddp.no_sync
@@ -107,9 +109,11 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         G = c.batch.global_batch_size
         decay_iters = o.lr_decay_iters or c.batch.train_iters
+        # Megatron's --lr-warmup-fraction: that fraction of the decay steps (samples), else --lr-warmup-iters
+        warmup = o.lr_warmup_fraction * decay_iters * G if o.lr_warmup_fraction is not None else o.lr_warmup_iters * G
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_iters * G, lr_decay_steps=max(decay_iters * G, o.lr_warmup_iters * G + 1),
+            self.optimizer, init_lr=0.0 if warmup else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=max(decay_iters * G, warmup + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(decay_iters * G, 1), wd_incr_style="constant",
             use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
@@ -210,9 +214,22 @@ class Trainer:
         from megatron_csbp.training import checkpointing
 
         ck = self.config.checkpoint
+        previous = checkpointing.read_tracker(ck.save) if ck.save_retain_interval and os.path.isdir(ck.save) else None
+        self._sync_params()
         checkpointing.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
                                       extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
+        if ck.save_retain_interval and dist.get_rank() == 0:
+            dropped = checkpointing.drop_unretained(ck.save, previous, iteration, ck.save_retain_interval)
+            if dropped:
+                _log0(f" deleted checkpoint {dropped} (--save-retain-interval {ck.save_retain_interval})")
+
+    def _sync_params(self) -> None:
+        """With --overlap-param-gather the distributed optimizer's all-gather of the updated weights
+        waits for the next forward's pre-hooks: gather them now (Megatron-LM's `force_param_sync`
+        before a save)."""
+        if self.config.parallel.overlap_param_gather:
+            self.ddp.start_param_sync(force_sync=True)
 
     def load(self) -> Tuple[int, int]:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
@@ -222,7 +239,15 @@ class Trainer:
         ck = self.config.checkpoint
         iteration, consumed = 0, 0
         if ck.load:
-            info = checkpointing.load_checkpoint(ck.load, self.model, self.optimizer, self.scheduler, ck.ckpt_step)
+            # --finetune / --no-load-optim: the weights only (Megatron's: no optimizer or scheduler state)
+            weights_only = ck.finetune or ck.no_load_optim
+            info = checkpointing.load_checkpoint(ck.load, self.model, None if weights_only else self.optimizer,
+                                                 None if weights_only else self.scheduler, ck.ckpt_step)
+            if weights_only and info is not None:
+                self.optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+            if ck.finetune and info is not None and not info.get("release"):
+                _log0(f" --finetune: loaded the weights of {info['path']}; iteration and consumed samples start at 0")
+                info = dict(info, iteration=0, consumed_samples=0)
             if info is None and ck.model_shape is not None:
                 raise RuntimeError(f"--load {ck.load} has a model shape file but no checkpoint to load")
             if info is not None and info.get("release"):
