@@ -147,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-size", type=int, default=None)
     d.add_argument("--mock-data", action="store_true")
 
-    from megatron_csbp.training.megatron_flags import add_model_flags, add_run_flags
+    from megatron_csbp.training.megatron_flags import add_model_flags, add_moe_flags, add_run_flags
 
     add_model_flags(p)
+    add_moe_flags(p)
     add_run_flags(p)
     add_block_diffusion_args(p)
     return p
@@ -321,6 +322,12 @@ def _shape_values(shape):
         if (shape.rope_scaling or {}).get("type") == "llama3" else 8.0,
         "rotary_seq_len_interpolation_factor": (shape.rope_scaling or {}).get("factor")
         if (shape.rope_scaling or {}).get("type") == "linear" else None,
+        "num_experts": shape.num_experts,
+        "moe_router_topk": shape.moe_router_topk if shape.is_moe else 2,
+        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe else None,
+        "moe_router_pre_softmax": shape.moe_router_pre_softmax,
+        "moe_input_jitter_eps": shape.moe_input_jitter_eps,
+        "moe_layer_freq": shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
     }
 
 
@@ -409,19 +416,25 @@ def check_clean_attention(args) -> None:
 def check_experts_and_objective(args) -> None:
     """Expert parallelism needs an MoE model; the objective's own rules (`Objective.validate`, e.g.
     DiffusionGemma's SFT needs DiffusionGemma and SFT data)."""
+    from megatron_csbp.training.megatron_flags import check_moe_flags
+
+    check_moe_flags(args)
     shape = args.model_shape
     # launch --check without the checkpoint: the rules that need its shape are skipped
     unknown = getattr(args, "shape_unknown", False)
     ep = args.expert_model_parallel_size
-    if shape is not None and shape.is_moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+    # the experts: a converted model's (its shape), else the flags' (--num-experts)
+    experts = shape.num_experts if shape is not None and shape.is_moe else (
+        args.num_experts if shape is None else None)
+    if experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} on an MoE model needs "
                          "--sequence-parallel (Megatron's rule for MoE layers under tensor parallelism)")
     if ep != 1:
-        if not unknown and not (shape is not None and shape.is_moe):
-            raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --load a converted DiffusionGemma "
-                             "/ Gemma 4 MoE checkpoint (the flag-built GPT is dense)")
-        if not unknown and shape.num_experts % ep:
-            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts")
+        if not unknown and not experts:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --num-experts, or --load a "
+                             "converted MoE checkpoint (DiffusionGemma / Gemma 4, Qwen3-MoE, Mixtral)")
+        if not unknown and experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {experts} experts")
         if args.block_parallel_size > 1 and args.context_parallel_size == 1:
             # BP ranks hold different numbers of rows (each recomputes the clean prefix it needs);
             # Megatron's allgather token dispatcher needs equal token counts across expert ranks.

@@ -148,7 +148,8 @@ CHECKPOINT_MODEL_KEYS = (
     # checkpoints lack them and take the defaults of their time (model.families.gpt.FLAG_DEFAULTS)
     "kv_channels", "add_bias_linear", "position_embedding_type", "max_position_embeddings", "qk_layernorm",
     "norm_epsilon", "rotary_percent", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor")
+    "rotary_seq_len_interpolation_factor", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_input_jitter_eps")
 
 
 def model_meta(args: argparse.Namespace) -> Dict[str, Any]:

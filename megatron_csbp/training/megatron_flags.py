@@ -154,3 +154,93 @@ def check_run_flags(args: argparse.Namespace) -> None:
         if importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs the wandb package (pip install wandb; WANDB_MODE=offline "
                              "logs without an account)")
+
+
+# ---- MoE -----------------------------------------------------------------------------------------
+
+#: Megatron's load-balancing types; the trainer takes those whose loss does not depend on how the
+#: sequence is split over ranks (see check_moe_flags)
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def moe_freq_type(x):
+    """Megatron's --moe-layer-freq: an int N (one MoE layer every N), or a Python list expression of
+    0/1 per layer such as "([1]*3+[0]*1)*3"."""
+    if "[" in str(x):
+        pattern = eval(str(x), {"__builtins__": {}})  # Megatron-LM evaluates the same expression
+        if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
+            raise argparse.ArgumentTypeError(f"--moe-layer-freq {x!r} must give a list of 0/1 per layer")
+        return pattern
+    return int(x)
+
+
+def add_moe_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts (Megatron-LM names)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert FFN size (default --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="one MoE layer every N layers, or a 0/1 pattern per layer such as \"([1]*3+[0]*1)*3\"")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before top-k (default: top-k logits, then softmax over them)")
+    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING, default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None, help="router input jitter (Mixtral)")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="grouped GEMM experts (CUDA)")
+
+
+def moe_pattern(args):
+    """1 where layer i is MoE (Megatron's moe_layer_freq as a list)."""
+    freq = args.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
+
+
+def check_moe_flags(args: argparse.Namespace) -> None:
+    """Rules of the MoE flags of a flag-built model."""
+    if args.num_experts is None:
+        return
+    if args.model_shape is not None:
+        return  # a converted model's MoE comes from its shape (apply_model_shape compares the flags)
+    if args.num_experts < 1:
+        raise ValueError(f"--num-experts must be positive, got {args.num_experts}")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
+                         f"{args.num_experts}")
+    pattern = moe_pattern(args)
+    if len(pattern) != args.num_layers or not any(pattern):
+        raise ValueError(f"--moe-layer-freq {args.moe_layer_freq}: {len(pattern)} entries for --num-layers "
+                         f"{args.num_layers}, at least one MoE layer")
+    if args.moe_token_dispatcher_type == "flex":
+        raise ValueError("--moe-token-dispatcher-type flex needs DeepEP (CUDA): use allgather or alltoall")
+    if args.moe_grouped_gemm:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--moe-grouped-gemm needs CUDA (grouped GEMM kernels); on CPU leave it off "
+                             "(SequentialMLP experts, the same weights)")
+    if args.moe_aux_loss_coeff and args.moe_router_load_balancing_type not in ("none",):
+        # Megatron's load-balancing losses are computed from the tokens each rank routes: under CP /
+        # BP / CSBP a rank routes its rows (noisy and clean copies, a layout-dependent subset), so the
+        # loss would depend on the layout. Refused rather than silently layout-dependent.
+        raise ValueError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} with --moe-router-load-balancing-type "
+                         f"{args.moe_router_load_balancing_type}: the load-balancing loss is computed per rank from "
+                         "its rows, which block/context parallelism splits differently; train with "
+                         "--moe-aux-loss-coeff 0 (the default) or --moe-router-load-balancing-type none")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+
+
+def moe_config(a) -> dict:
+    """TransformerConfig fields of the MoE flags (ModelArgs `a`; {} for a dense model)."""
+    if not a.num_experts:
+        return {}
+    return dict(num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+                moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_layer_freq=a.moe_layer_freq,
+                moe_router_score_function=a.moe_router_score_function,
+                moe_router_pre_softmax=a.moe_router_pre_softmax,
+                moe_router_load_balancing_type=a.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=a.moe_aux_loss_coeff, moe_input_jitter_eps=a.moe_input_jitter_eps,
+                moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_grouped_gemm=a.moe_grouped_gemm,
+                expert_model_parallel_size=a.expert_model_parallel_size)

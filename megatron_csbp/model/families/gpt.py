@@ -286,6 +286,8 @@ class GPTFamily(Family):
 
 
 class Qwen3MoeFamily(GPTFamily):
+    trainer_trains_moe = True
+
     def _complete(self, shape, cfg, partial_rotary):
         experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
         step = int(cfg.get("decoder_sparse_step", 1))
@@ -302,6 +304,8 @@ class Qwen3MoeFamily(GPTFamily):
 
 
 class MixtralFamily(GPTFamily):
+    trainer_trains_moe = True
+
     def _complete(self, shape, cfg, partial_rotary):
         shape.num_experts = int(cfg["num_local_experts"])
         shape.moe_router_topk = int(cfg["num_experts_per_tok"])
@@ -343,7 +347,8 @@ FLAG_DEFAULTS = dict(kv_channels=None, add_bias_linear=False, position_embedding
                      norm_epsilon=1e-5, qk_layernorm=False, add_qkv_bias=False, use_rope_scaling=False,
                      rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None, params_dtype="float32",
                      max_position_embeddings=None, padded_vocab_size=None, make_vocab_size_divisible_by=128,
-                     num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None)
+                     num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=1,
+                     moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_input_jitter_eps=None)
 
 #: Hugging Face model type of a flag-built model: (MoE, --qk-layernorm, --add-qkv-bias) -> model_type
 _FLAG_MODEL_TYPES = {(False, False, False): "llama", (False, True, False): "qwen3", (False, False, True): "qwen2",
@@ -369,7 +374,9 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
             ("--qk-layernorm with --add-qkv-bias", not (a["qk_layernorm"] and a["add_qkv_bias"]),
              "Qwen3 has no q/k/v bias, Qwen2 no QK-norm"),
             ("--add-qkv-bias with --num-experts", not (a["add_qkv_bias"] and a["num_experts"]),
-             "Mixtral and Qwen3-MoE have no q/k/v bias")):
+             "Mixtral and Qwen3-MoE have no q/k/v bias"),
+            (f"--moe-router-score-function {a['moe_router_score_function']}",
+             a["moe_router_score_function"] == "softmax", "their routers use softmax")):
         if not ok:
             raise UnsupportedModelError(f"the checkpoint's model was built with {flag}: it has no Hugging Face class "
                                         f"(LlamaForCausalLM, Qwen2/Qwen3ForCausalLM, Mixtral, Qwen3-MoE: {why})")
@@ -410,11 +417,25 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     if moe:
         cfg["num_experts_per_tok"] = int(a["moe_router_topk"])
         ffn = int(a["moe_ffn_hidden_size"] or a["ffn_hidden_size"])
-        if model_type == "qwen3_moe":  # norm_topk_prob: softmax over the top-k logits, Megatron's default router
-            cfg.update(num_experts=int(a["num_experts"]), moe_intermediate_size=ffn, norm_topk_prob=True,
-                       decoder_sparse_step=1, mlp_only_layers=[])
+        freq = a["moe_layer_freq"]
+        pattern = list(freq) if isinstance(freq, list) else [int(i % int(freq) == 0) for i in range(cfg["num_hidden_layers"])]
+        if model_type == "qwen3_moe":
+            # norm_topk_prob=True: softmax over the top-k logits (Megatron without --moe-router-pre-softmax)
+            if a["moe_input_jitter_eps"]:
+                raise UnsupportedModelError("the checkpoint's model was built with --moe-input-jitter-eps and "
+                                            "--qk-layernorm: Qwen3-MoE has no router jitter")
+            cfg.update(num_experts=int(a["num_experts"]), moe_intermediate_size=ffn,
+                       norm_topk_prob=not a["moe_router_pre_softmax"], decoder_sparse_step=1,
+                       mlp_only_layers=[i for i, m in enumerate(pattern) if not m])
         else:
-            cfg.update(num_local_experts=int(a["num_experts"]), intermediate_size=ffn, router_jitter_noise=0.0)
+            for flag, ok in (("--moe-router-pre-softmax", not a["moe_router_pre_softmax"]),
+                             (f"--moe-layer-freq {freq}", all(pattern))):
+                if not ok:
+                    raise UnsupportedModelError(f"the checkpoint's model was built with {flag}: MixtralForCausalLM "
+                                                "has every layer MoE with top-k-then-softmax routing (add "
+                                                "--qk-layernorm for a Qwen3-MoE, which holds it)")
+            cfg.update(num_local_experts=int(a["num_experts"]), intermediate_size=ffn,
+                       router_jitter_noise=float(a["moe_input_jitter_eps"] or 0.0))
     return cfg
 
 
