@@ -266,7 +266,8 @@ class GPTFamily(Family):
             if shape.rope_scaling["type"] == "llama3":
                 flags += ["--use-rope-scaling", f"--rope-scaling-factor {shape.rope_scaling['factor']}"]
             else:
-                flags.append(f"--rotary-seq-len-interpolation-factor {shape.rope_scaling['factor']}")
+                factor = shape.rope_scaling["factor"]  # Megatron-LM's flag is an int
+                flags.append(f"--rotary-seq-len-interpolation-factor {int(factor) if float(factor).is_integer() else factor}")
         if shape.is_moe:
             flags += [
                 f"--num-experts {shape.num_experts}",
