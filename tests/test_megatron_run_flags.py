@@ -21,6 +21,7 @@ def parse(argv, world_size=1):
     (["--train-samples", "8", "--train-iters", "2"], "--train-iters or --train-samples"),
     (["--train-samples", "6"], "--train-samples 6 must be a positive multiple of --global-batch-size 4"),
     (["--lr-warmup-fraction", "0.1"], "--lr-warmup-iters or --lr-warmup-fraction"),  # TINY has --lr-warmup-iters 1
+    (["--num-workers", "-1"], "--num-workers must be >= 0"),
     (["--ckpt-format", "torch"], "--ckpt-format torch: the trainer writes and reads torch_dist"),
     (["--finetune"], "--finetune needs --load"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "--overlap-param-gather needs --use-distributed-optimizer"),
@@ -79,6 +80,14 @@ def test_overlap_flags_give_the_same_losses(tmp_path):
                                                      "--save", save])[0]["losses"]
     assert overlap == plain, (overlap, plain)
     assert os.path.isdir(os.path.join(save, "iter_0000003"))
+
+
+def test_num_workers_read_the_same_batches():
+    """--num-workers 2: DataLoader workers read the micro-batches ahead, in the sampler's order; the
+    losses are those of reading them in the training process (identical inputs, identical math)."""
+    argv = TINY + ["--train-iters", "3"]
+    assert run_distributed(train_rank, 1, argv + ["--num-workers", "2"])[0]["losses"] == \
+        run_distributed(train_rank, 1, argv)[0]["losses"]
 
 
 def test_wandb_offline_logs_megatron_names(tmp_path, monkeypatch):

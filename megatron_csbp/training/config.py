@@ -99,6 +99,8 @@ class DataConfig:
     global_batch_size: int
     train_iters: int
     eval_iters: int
+    #: DataLoader worker processes reading training samples ahead (Megatron-LM's --num-workers)
+    num_workers: int = 0
 
 
 @dataclass(frozen=True)

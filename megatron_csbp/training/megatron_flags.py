@@ -99,6 +99,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--overlap-param-gather", action="store_true",
                    help="overlap the distributed optimizer's parameter all-gather with the next forward "
                         "(needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    t.add_argument("--num-workers", type=int, default=0,
+                   help="DataLoader worker processes reading training samples ahead (default 0 here: in the "
+                        "training process; Megatron-LM's default is 2)")
     t.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
                    help="torch_dist only (dist_checkpointing: reshards across every layout)")
     t.add_argument("--save-retain-interval", type=int, default=None,
@@ -126,6 +129,8 @@ def check_run_flags(args: argparse.Namespace) -> None:
             raise ValueError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
     if args.ckpt_format != "torch_dist":
         raise ValueError(f"--ckpt-format {args.ckpt_format}: the trainer writes and reads torch_dist checkpoints only "
                          "(dist_checkpointing, which reshards across TP / CP / BP / EP layouts)")

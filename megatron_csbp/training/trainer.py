@@ -74,6 +74,7 @@ class Trainer:
         self.model = self.ddp = self.optimizer = self.scheduler = None
         self.train_ds = self.valid_ds = None
         self.iteration, self.consumed = 0, 0
+        self._batches, self._batches_at = None, None  # --num-workers: training micro-batches read ahead
 
     # ---- build -------------------------------------------------------------------------------
     def build(self) -> "Trainer":
@@ -144,11 +145,17 @@ class Trainer:
         batches = []
         local_den = 0.0
         objective = self.model.bdlm.objective
+        prefetched = dataset is self.train_ds and self._batches is not None and self._batches_at == consumed
         for j in range(b_cfg.num_microbatches):
-            idx = microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank, self.dp_size)
-            b = collate(dataset, idx, dev)
+            if prefetched:  # --num-workers: the DataLoader's next micro-batch is this one
+                b = {k: v.to(dev) for k, v in next(self._batches).items()}
+            else:
+                b = collate(dataset, microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank,
+                                                        self.dp_size), dev)
             batches.append(b)
             local_den += float(objective.denominator(b["loss_mask"]))
+        if prefetched:
+            self._batches_at += b_cfg.global_batch_size
         (den,) = allreduce([local_den], group=self.dp_group)
         if den <= 0:
             raise RuntimeError(f"global batch at sample {consumed} has no supervised tokens")
@@ -268,6 +275,12 @@ class Trainer:
         c = self.config
         bc, ck = c.batch, c.checkpoint
         iteration, consumed = self.load()
+        if c.data.num_workers and not bc.skip_train:
+            from megatron_csbp.data.megatron_data import MicroBatchSampler, train_batches
+
+            sampler = MicroBatchSampler(consumed, bc.train_iters * bc.global_batch_size, bc.num_microbatches,
+                                        bc.micro_batch_size, self.dp_rank, self.dp_size)
+            self._batches, self._batches_at = train_batches(self.train_ds, sampler, c.data.num_workers), consumed
         logger = Logger(c.log, bc, iteration)
         history = []
         world = dist.get_world_size()
@@ -321,6 +334,7 @@ class Trainer:
                 self.save(iteration, consumed)
         finally:
             logger.close()
+            self._batches = None  # ends the DataLoader's workers
         return {"history": history, "iteration": iteration, "consumed_samples": consumed, "train_losses": train_losses}
 
     # ---- lifetime ----------------------------------------------------------------------------
