@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_csbp.compat.cpu import install_cpu_compat
 from megatron_csbp.model.checkpoint import ASSETS_DIR, MODEL_KEY, RELEASE, TRACKER as TRACKER_FILE
-from megatron_csbp.model.checkpoint import load_checkpoint_model
+from megatron_csbp.model.checkpoint import load_checkpoint_model, load_model_weights  # noqa: F401  (re-exported)
 from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 
 CHECKPOINT_VERSION = 3.0
@@ -57,15 +57,6 @@ def single_process_megatron():
             dist.destroy_process_group()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_model_weights(model: torch.nn.Module, state: dict) -> None:
-    """`load_state_dict` that ignores Megatron's (None) `_extra_state` entries but nothing else."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
 
 
 def save_gpt_model(model, shape: ModelShape, output: str, assets_from: Optional[str] = None) -> str:

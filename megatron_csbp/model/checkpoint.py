@@ -150,10 +150,17 @@ def load_checkpoint_model(checkpoint: Union[str, CheckpointModel], params_dtype=
     model = build_gpt_model(shape, block_diffusion=block_diffusion,
                             **dict(dict(params_dtype=params_dtype or shape.torch_dtype), **config_overrides))
     state = dist_checkpointing.load({MODEL_KEY: model.sharded_state_dict()}, info.path)
-    missing, unexpected = model.load_state_dict(state[MODEL_KEY], strict=False)
+    try:
+        load_model_weights(model, state[MODEL_KEY])
+    except ValueError as exc:
+        raise ValueError(f"--load {info.root}: the {shape.family} model of {info.path}: {exc}") from None
+    return model, info
+
+
+def load_model_weights(model, state: dict) -> None:
+    """`load_state_dict` that ignores Megatron's (None) `_extra_state` entries but nothing else."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ValueError(f"--load {info.root}: the weights in {info.path} do not fit its {shape.family} model: "
-                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
-    return model, info
+        raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
