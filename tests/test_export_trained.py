@@ -4,7 +4,8 @@ Hugging Face and score through the one checkpoint reader (`megatron_csbp.model.c
 - the README's default run (its exact flags, 2 ranks, CSBP CP = BP = 2, shipped corpus; a few
   iterations) -> `convert megatron-to-hf` -> transformers' `LlamaForCausalLM` gives the logits
   `convert score` gives on the Megatron checkpoint;
-- a TP = 2 run with --qk-layernorm exports as `Qwen3ForCausalLM`, equal the same way;
+- a TP = 2 run with --qk-layernorm exports as `Qwen3ForCausalLM`, and an EP = 2 MoE run as
+  `MixtralForCausalLM`, equal the same way;
 - `convert flags` prints flags for them; a model no Hugging Face class holds is refused by flag.
 """
 import contextlib
@@ -118,6 +119,18 @@ def test_tp2_qk_layernorm_run_exports_to_qwen3(tmp_path):
     cfg, _, flags = export_and_compare(save, tmp_path, 64, "Qwen3ForCausalLM", layers=2, width=96)
     assert cfg["head_dim"] == 16 and cfg["rms_norm_eps"] == 1e-6 and cfg["tie_word_embeddings"] is False
     assert "--qk-layernorm" in flags and "--norm-epsilon 1e-06" in flags
+
+
+def test_ep2_moe_run_exports_to_mixtral(tmp_path):
+    """A flag-built MoE trained with its experts split over 2 ranks (EP 2) exports as Mixtral
+    (Megatron's top-k-then-softmax router is Mixtral's softmax-then-renormalised top-k)."""
+    save = str(tmp_path / "ckpt")
+    argv = TINY + ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                   "--train-iters", "2", "--save", save]
+    run_distributed(train_rank, 2, argv)
+    cfg, _, flags = export_and_compare(save, tmp_path, 64, "MixtralForCausalLM", layers=2, width=96)
+    assert cfg["num_local_experts"] == 4 and cfg["num_experts_per_tok"] == 2
+    assert "--num-experts 4" in flags
 
 
 @pytest.mark.parametrize("change,named", [

@@ -1,6 +1,6 @@
 """MoE in the trainer: a flag-built MoE (--num-experts and Megatron's MoE flags) and converted
-Qwen3-MoE / Mixtral checkpoints train under expert parallelism x CSBP with the losses of one rank,
-and a flag-built MoE checkpoint exports to Hugging Face (MixtralForCausalLM).
+Qwen3-MoE / Mixtral checkpoints train under expert parallelism x CSBP with the losses of one rank
+(the export of a flag-built MoE: tests/test_export_trained.py).
 
 Tolerance: fp32 throughout. The layouts reorder sums (attention partials merged by LSE, the loss
 and gradient all-reduces over ranks, the expert outputs gathered back): each loss term carries
@@ -32,8 +32,13 @@ def compare(argv, layouts):
     return one
 
 
-def test_flag_built_moe_trains_under_ep_x_csbp_like_one_rank(tmp_path):
-    compare(TINY + MOE, LAYOUTS)
+def test_flag_built_moe_trains_under_ep_x_csbp_like_one_rank():
+    compare(TINY + MOE, {"CSBP 2+2, EP 2": LAYOUTS["CSBP 2+2, EP 2"]})
+
+
+@pytest.mark.slow
+def test_flag_built_moe_trains_under_ep_x_dp_like_one_rank():
+    compare(TINY + MOE, {"DP 2, EP 2": LAYOUTS["DP 2, EP 2"]})
 
 
 @pytest.fixture(scope="module")
