@@ -113,7 +113,7 @@ def test_rope_and_embedding_options_reach_the_model_and_flags():
     old.update(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
     s = shape_from_hf_config(old)
     assert s.rotary_base == 5e5 and s.rope_scaling == {"type": "linear", "factor": 2.0}
-    assert "--rotary-seq-len-interpolation-factor 2.0" in megatron_flags(s)
+    assert "--rotary-seq-len-interpolation-factor 2" in megatron_flags(s)  # an int, as Megatron-LM parses it
     qwen2 = shape_from_hf_config(_cfg("qwen2"))
     assert qwen2.add_qkv_bias and qwen2.tie_word_embeddings and "--add-qkv-bias" in megatron_flags(qwen2)
     moe = shape_from_hf_config(_cfg("qwen3_moe", norm_topk_prob=False, decoder_sparse_step=2))
@@ -129,7 +129,7 @@ def test_rope_and_embedding_options_reach_the_model_and_flags():
 
 
 def test_unknown_hf_tensor_is_refused(tmp_path):
-    from megatron_csbp.conversion.mapping import ConversionError, hf_to_megatron
+    from megatron_csbp.model.families.gpt_weights import ConversionError, hf_to_megatron
 
     hf = str(tmp_path / "hf")
     save_tiny_model("llama", hf)

@@ -12,7 +12,7 @@ import torch
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
 
-from megatron_csbp.conversion.diffusiongemma import (ConversionError, hf_to_megatron_state,  # noqa: E402
+from megatron_csbp.model.families.diffusion_gemma_weights import (ConversionError, hf_to_megatron_state,  # noqa: E402
                                                      megatron_to_hf_state)
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
@@ -225,7 +225,7 @@ def test_gemma4_text_moe_as_ar_starting_point(megatron_single_rank, k_eq_v):
     """A Gemma 4 text MoE checkpoint converts to the same Megatron model; its clean stream (AR,
     token-causal, sliding windows) reproduces Gemma4ForCausalLM's logits, and the new
     self-conditioning block starts as a no-op."""
-    from megatron_csbp.conversion.diffusiongemma import gemma4_to_megatron_state
+    from megatron_csbp.model.families.diffusion_gemma_weights import gemma4_to_megatron_state
     from megatron_csbp.model.bdlm import BlockDiffusionModel
     from megatron_csbp.objectives import AutoregressiveObjective
 

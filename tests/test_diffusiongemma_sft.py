@@ -16,7 +16,7 @@ import torch.nn.functional as F
 torch.set_num_threads(1)
 pytest.importorskip("transformers")
 
-from megatron_csbp.conversion.diffusiongemma import hf_to_megatron_state  # noqa: E402
+from megatron_csbp.model.families.diffusion_gemma_weights import hf_to_megatron_state  # noqa: E402
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
 from megatron_csbp.model.diffusiongemma import diffusion_gemma_model  # noqa: E402

@@ -214,9 +214,9 @@ def _layouts_rank(rank, world, meg_dir, cases):
         if c["tp"] > 1:
             # weights built for loading carry the same TP attributes as initialised ones
             from megatron_csbp.model.builder import build_gpt_model
-            from megatron_csbp.conversion.checkpoint import read_shape
+            from megatron_csbp.model.checkpoint import read_checkpoint_model
 
-            init = build_gpt_model(read_shape(meg_dir)[0], perform_initialization=True, params_dtype=EXACT_DTYPE,
+            init = build_gpt_model(read_checkpoint_model(meg_dir).shape, perform_initialization=True, params_dtype=EXACT_DTYPE,
                                    tensor_model_parallel_size=c["tp"])
             attrs = ("tensor_model_parallel", "partition_dim", "partition_stride")
             for (n, p), (_, q) in zip(gpt.named_parameters(), init.named_parameters()):

@@ -96,10 +96,11 @@ def test_a_new_family_is_one_registration(monkeypatch):
         shape_from_hf_config(dict(cfg, architectures=["LlamaForCausalLM"]))
 
 
-def test_trainer_family_rules_come_from_the_family(tmp_path):
+def test_trainer_family_rules_come_from_the_family(tmp_path, monkeypatch):
     """The trainer's model-family rules read the family's attributes: a converted MoE checkpoint of a
-    family the trainer does not train (qwen3_moe) is refused naming the family and the families it
-    does train; a family that fixes the clean-stream mask (DiffusionGemma) sets the default."""
+    family the trainer does not train (qwen3_moe with `trainer_trains_moe` switched off here; every
+    registered MoE family trains) is refused naming the family and the families it does train; a
+    family that fixes the clean-stream mask (DiffusionGemma) sets the default."""
     import argparse
 
     from megatron_csbp.conversion import api
@@ -111,7 +112,13 @@ def test_trainer_family_rules_come_from_the_family(tmp_path):
     api.hf_to_megatron_checkpoint(str(tmp_path / "hf"), str(tmp_path / "megatron"))
     shape = checkpoint_shape(str(tmp_path / "megatron"), None)
     args = build_parser().parse_args(["--mock-data", "--load", str(tmp_path / "megatron")])
-    with pytest.raises(ValueError, match=r"holds a qwen3_moe MoE model .*\['diffusion_gemma'\]"):
+    apply_model_shape(args, shape)  # trained by the trainer (tests/test_train_moe.py)
+    assert args.num_experts == shape.num_experts
+    from megatron_csbp.model.families import get_family
+
+    monkeypatch.setattr(get_family("qwen3_moe"), "trainer_trains_moe", False)
+    args = build_parser().parse_args(["--mock-data", "--load", str(tmp_path / "megatron")])
+    with pytest.raises(ValueError, match=r"holds a qwen3_moe MoE model .*'diffusion_gemma'.*'mixtral'"):
         apply_model_shape(args, shape)
     for family, expected in (("diffusion_gemma", "token_causal"), ("llama", "block_causal")):
         ns = argparse.Namespace(model_shape=argparse.Namespace(family=family), clean_attention=None)

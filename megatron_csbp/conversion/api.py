@@ -9,11 +9,10 @@ import numpy as np
 import torch
 
 from megatron_csbp.conversion import hf_io
-from megatron_csbp.conversion.checkpoint import (
-    ASSETS_DIR, load_gpt_model, load_model_weights, read_shape, save_gpt_model, single_process_megatron,
-)
-from megatron_csbp.conversion.mapping import cast
+from megatron_csbp.conversion.checkpoint import ASSETS_DIR, load_model_weights, save_gpt_model, single_process_megatron
 from megatron_csbp.model.builder import build_gpt_model
+from megatron_csbp.model.checkpoint import load_checkpoint_model, read_checkpoint_model
+from megatron_csbp.model.families.gpt_weights import cast
 from megatron_csbp.model.families import DTYPES, ModelShape, get_family, megatron_flags, shape_from_hf_config
 
 
@@ -66,18 +65,20 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
                               max_shard_bytes: int = 5 << 30) -> ModelShape:
-    """Export a Megatron checkpoint (converted or trained, saved under any layout) to Hugging Face."""
-    shape, _ = read_shape(load)
+    """Export a Megatron checkpoint (converted or trained, flag-built or not, saved under any
+    layout) to Hugging Face."""
+    info = read_checkpoint_model(load)  # refuses a model with no Hugging Face class before any work
     with single_process_megatron():
-        model, shape = load_gpt_model(load)
+        model, _ = load_checkpoint_model(info)
         state = model.state_dict()
+    shape = info.shape
     extra = None
-    extra_file = os.path.join(load, ASSETS_DIR, EXTRA_WEIGHTS_FILE)
+    extra_file = os.path.join(info.assets_dir, EXTRA_WEIGHTS_FILE)
     if get_family(shape.family).carries_extra_weights and os.path.isfile(extra_file):
         from safetensors.torch import load_file
 
         extra = load_file(extra_file)
-    megatron_state_to_hf(shape, state, output, dtype, os.path.join(load, ASSETS_DIR), max_shard_bytes, extra)
+    megatron_state_to_hf(shape, state, output, dtype, info.assets_dir, max_shard_bytes, extra)
     return shape
 
 
@@ -165,7 +166,8 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
     --reset-position-ids with --eod-token-id): each sequence's EOD-delimited documents are scored
     apart, as in training."""
     tokens = np.asarray(tokens)
-    shape, _ = read_shape(load)
+    info = read_checkpoint_model(load)
+    shape = info.shape
     _check_ids("--tokens", tokens, shape.vocab_size)
     if noisy_tokens is not None:
         noisy_tokens = np.asarray(noisy_tokens)
@@ -188,7 +190,7 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
         raise ValueError("--block-size / --prompt-length score noisy rows: give --noisy-tokens too")
     out = []
     with single_process_megatron():
-        model, shape = load_gpt_model(load, params_dtype=torch.float32)
+        model, _ = load_checkpoint_model(info, params_dtype=torch.float32)
         model.eval()
         if noisy_tokens is None:
             scorer = ARScorer(model, tokens.shape[1], packing)

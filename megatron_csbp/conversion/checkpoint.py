@@ -10,7 +10,8 @@
 
 The sharded state dict of the unsharded (TP = PP = EP = 1) model is saved; dist_checkpointing
 reshards it on load, so the trainer loads it under any TP / CP / BP / EP layout, and
-`load_gpt_model` reads back a checkpoint the trainer saved under any layout.
+`load_gpt_model` reads back a checkpoint the trainer saved under any layout (a flag-built one too:
+`megatron_csbp.model.checkpoint` derives its shape from the saved flags).
 """
 from __future__ import annotations
 
@@ -18,20 +19,17 @@ import contextlib
 import os
 import shutil
 import tempfile
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_csbp.compat.cpu import install_cpu_compat
-from megatron_csbp.model.builder import build_gpt_model
+from megatron_csbp.model.checkpoint import ASSETS_DIR, MODEL_KEY, RELEASE, TRACKER as TRACKER_FILE
+from megatron_csbp.model.checkpoint import load_checkpoint_model, load_model_weights  # noqa: F401  (re-exported)
 from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-RELEASE = "release"
-ASSETS_DIR = "hf_assets"
 CHECKPOINT_VERSION = 3.0
-MODEL_KEY = "model"
 
 
 @contextlib.contextmanager
@@ -59,48 +57,6 @@ def single_process_megatron():
             dist.destroy_process_group()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_model_weights(model: torch.nn.Module, state: dict) -> None:
-    """`load_state_dict` that ignores Megatron's (None) `_extra_state` entries but nothing else."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
-
-
-def resolve_checkpoint_dir(path: str) -> str:
-    """The folder holding the torch_dist files: `path` itself, or the iteration that
-    `latest_checkpointed_iteration.txt` names (Megatron-LM's layout)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--load {path}: no such folder")
-    tracker = os.path.join(path, TRACKER_FILE)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            marker = f.read().strip()
-        sub = RELEASE if marker == RELEASE else f"iter_{int(marker):07d}"
-        path = os.path.join(path, sub)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise FileNotFoundError(f"{path} is not a dist_checkpointing checkpoint (no metadata.json)")
-    return path
-
-
-def find_shape_file(load: str, ckpt_dir: str) -> str:
-    for d in (ckpt_dir, load, os.path.dirname(os.path.abspath(ckpt_dir))):
-        p = os.path.join(d, SHAPE_FILE)
-        if os.path.isfile(p):
-            return p
-    raise FileNotFoundError(
-        f"no {SHAPE_FILE} in {ckpt_dir} or {load}: the model shape of a Megatron checkpoint comes from "
-        "that file (written by `convert hf-to-megatron`; the trainer copies it into its checkpoints)"
-    )
-
-
-def read_shape(load: str) -> Tuple[ModelShape, str]:
-    ckpt_dir = resolve_checkpoint_dir(load)
-    with open(find_shape_file(load, ckpt_dir)) as f:
-        return ModelShape.from_json(f.read()), ckpt_dir
 
 
 def save_gpt_model(model, shape: ModelShape, output: str, assets_from: Optional[str] = None) -> str:
@@ -135,13 +91,8 @@ def save_gpt_model(model, shape: ModelShape, output: str, assets_from: Optional[
 
 def load_gpt_model(load: str, params_dtype: Optional[torch.dtype] = None, block_diffusion: bool = True,
                    **config_overrides):
-    """Build the model described by the checkpoint's shape file under the current parallel state
-    and load its weights (dist_checkpointing reshards). Returns (model, shape)."""
-    from megatron.core import dist_checkpointing
-
-    shape, ckpt_dir = read_shape(load)
-    model = build_gpt_model(shape, block_diffusion=block_diffusion,
-                            **dict(dict(params_dtype=params_dtype or shape.torch_dtype), **config_overrides))
-    state = dist_checkpointing.load({MODEL_KEY: model.sharded_state_dict()}, ckpt_dir)
-    load_model_weights(model, state[MODEL_KEY])
-    return model, shape
+    """The checkpoint's model (converted or trainer-written, any layout) built under the current
+    parallel state with its weights: `megatron_csbp.model.checkpoint.load_checkpoint_model`.
+    Returns (model, shape)."""
+    model, info = load_checkpoint_model(load, params_dtype, block_diffusion, **config_overrides)
+    return model, info.shape

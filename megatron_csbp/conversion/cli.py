@@ -98,10 +98,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             np.save(args.output, logits.astype(np.float32))
             print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
         elif args.command == "flags":
-            from megatron_csbp.conversion.checkpoint import read_shape
+            from megatron_csbp.model.checkpoint import read_checkpoint_model
 
-            shape, _ = read_shape(args.load)
-            print(api.flags_text(shape))
+            print(api.flags_text(read_checkpoint_model(args.load).shape))
     except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -294,3 +294,50 @@ def collate(dataset, indices: Sequence[int], device=None) -> Dict[str, torch.Ten
     if device is not None:
         batch = {k: v.to(device) for k, v in batch.items()}
     return batch
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """`dataset[i]` together with its global index (what `collate` needs)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return i, self.dataset[i]
+
+
+def _collate_indexed(items):
+    batch = {"tokens": torch.stack([s["tokens"] for _, s in items]),
+             "loss_mask": torch.stack([s["loss_mask"] for _, s in items]),
+             "sample_index": torch.tensor([i for i, _ in items], dtype=torch.long)}
+    return batch
+
+
+class MicroBatchSampler(torch.utils.data.Sampler):
+    """This rank's micro-batches (lists of global sample indices) of the global batches from sample
+    `start` up to `end`, in training order (`microbatch_indices`: Megatron-LM's pretraining sampler)."""
+
+    def __init__(self, start: int, end: int, num_microbatches: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int):
+        self.start, self.end, self.num_microbatches = start, end, num_microbatches
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.global_batch = num_microbatches * micro_batch_size * dp_size
+
+    def __len__(self):
+        return max(0, (self.end - self.start) // self.global_batch) * self.num_microbatches
+
+    def __iter__(self):
+        for consumed in range(self.start, self.end - self.global_batch + 1, self.global_batch):
+            for j in range(self.num_microbatches):
+                yield microbatch_indices(consumed, j, self.micro_batch_size, self.dp_rank, self.dp_size)
+
+
+def train_batches(dataset, sampler: MicroBatchSampler, num_workers: int):
+    """Micro-batches in training order, read by `num_workers` DataLoader worker processes
+    (Megatron-LM's --num-workers; 0: in this process). Memory: at most 2 x num_workers micro-batches
+    prefetched (DataLoader's default prefetch factor)."""
+    return iter(torch.utils.data.DataLoader(_Indexed(dataset), batch_sampler=sampler, num_workers=num_workers,
+                                            collate_fn=_collate_indexed, persistent_workers=False))

@@ -14,6 +14,7 @@ Two levels:
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -36,6 +37,15 @@ PORTABLE_CONFIG = dict(
 #: The model dimensions a `TransformerConfig` shares by name with `ModelShape`, the trainer's
 #: `ModelArgs` and Megatron configs.
 DIMENSIONS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padded vocabulary of a flag-built model: a multiple of
+    lcm(--make-vocab-size-divisible-by, TP)."""
+    multiple = divisible_by
+    if multiple % tp:
+        multiple = multiple * tp // math.gcd(multiple, tp)
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def dimensions(source) -> dict:

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (Megatron-LM names)")
     t.add_argument("--micro-batch-size", type=int, default=2)
     t.add_argument("--global-batch-size", type=int, default=None)
-    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--train-iters", type=int, default=None, help="default 100 (or --train-samples)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--min-lr", type=float, default=3e-4)
     t.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --sft-data-path: first-fit packing of conversations into --seq-length, each its own "
                         "document (--reset-attention-mask / --reset-position-ids then use the conversations)")
 
+    from megatron_csbp.training.megatron_flags import add_model_flags, add_moe_flags, add_run_flags
+
+    add_model_flags(p)
+    add_moe_flags(p)
+    add_run_flags(p)
     add_block_diffusion_args(p)
     return p
 
@@ -264,6 +269,9 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
+    from megatron_csbp.training.megatron_flags import check_run_flags
+
+    check_run_flags(args)
     check_experts_and_objective(args)
     # Data and tokenizer.
     sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path)]
@@ -385,6 +393,21 @@ def _shape_values(shape):
         "swiglu": True,
         "max_position_embeddings": shape.max_position_embeddings,
         "vocab_size": shape.vocab_size,
+        "qk_layernorm": shape.qk_layernorm,
+        "norm_epsilon": shape.norm_epsilon,
+        "rotary_percent": shape.rotary_percent,
+        "add_qkv_bias": shape.add_qkv_bias,
+        "use_rope_scaling": (shape.rope_scaling or {}).get("type") == "llama3",
+        "rope_scaling_factor": (shape.rope_scaling or {}).get("factor", 8.0)
+        if (shape.rope_scaling or {}).get("type") == "llama3" else 8.0,
+        "rotary_seq_len_interpolation_factor": (shape.rope_scaling or {}).get("factor")
+        if (shape.rope_scaling or {}).get("type") == "linear" else None,
+        "num_experts": shape.num_experts,
+        "moe_router_topk": shape.moe_router_topk if shape.is_moe else 2,
+        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe else None,
+        "moe_router_pre_softmax": shape.moe_router_pre_softmax,
+        "moe_input_jitter_eps": shape.moe_input_jitter_eps,
+        "moe_layer_freq": shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
     }
 
 
@@ -422,6 +445,9 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
 def check_model_options(args, check_only: bool = False) -> None:
     """Megatron model flags with rules of their own: head size, dropout, recomputation, and the
     attention kernel named by --attention-backend."""
+    from megatron_csbp.training.megatron_flags import check_model_flags
+
+    check_model_flags(args)
     if args.kv_channels is not None and args.kv_channels <= 0:
         raise ValueError(f"--kv-channels must be positive, got {args.kv_channels}")
     if args.attention_dropout:
@@ -482,19 +508,25 @@ def check_clean_attention(args) -> None:
 def check_experts_and_objective(args) -> None:
     """Expert parallelism needs an MoE model; the objective's own rules (`Objective.validate`, e.g.
     DiffusionGemma's SFT needs DiffusionGemma and SFT data)."""
+    from megatron_csbp.training.megatron_flags import check_moe_flags
+
+    check_moe_flags(args)
     shape = args.model_shape
     # launch --check without the checkpoint: the rules that need its shape are skipped
     unknown = getattr(args, "shape_unknown", False)
     ep = args.expert_model_parallel_size
-    if shape is not None and shape.is_moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+    # the experts: a converted model's (its shape), else the flags' (--num-experts)
+    experts = shape.num_experts if shape is not None and shape.is_moe else (
+        args.num_experts if shape is None else None)
+    if experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} on an MoE model needs "
                          "--sequence-parallel (Megatron's rule for MoE layers under tensor parallelism)")
     if ep != 1:
-        if not unknown and not (shape is not None and shape.is_moe):
-            raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --load a converted DiffusionGemma "
-                             "/ Gemma 4 MoE checkpoint (the flag-built GPT is dense)")
-        if not unknown and shape.num_experts % ep:
-            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts")
+        if not unknown and not experts:
+            raise ValueError(f"--expert-model-parallel-size {ep} needs an MoE model: --num-experts, or --load a "
+                             "converted MoE checkpoint (DiffusionGemma / Gemma 4, Qwen3-MoE, Mixtral)")
+        if not unknown and experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {experts} experts")
         if args.block_parallel_size > 1 and args.context_parallel_size == 1:
             # BP ranks hold different numbers of rows (each recomputes the clean prefix it needs);
             # Megatron's allgather token dispatcher needs equal token counts across expert ranks.

@@ -40,40 +40,18 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_csbp.model.checkpoint import (  # noqa: F401  (the format's names, re-exported)
+    ASSETS_DIR, META_FILE, RELEASE, SHAPE_FILE, TRACKER, checkpoint_path, iteration_dir, read_checkpoint_model,
+    read_tracker,
+)
 from megatron_csbp.utils.cli import CliError
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointError(CliError, ValueError):
     """A checkpoint that cannot be loaded or saved, with the flag or file that says why (a
     ValueError too: at parse time it is bad input, refused like any flag)."""
-
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"
-SHAPE_FILE = "megatron_csbp_model.json"
-ASSETS_DIR = "hf_assets"
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str):
-    """The tracker's iteration (int), `RELEASE` for a converted checkpoint, or None."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        text = f.read().strip()
-    if text == RELEASE:
-        return RELEASE
-    if not text.isdigit():
-        raise ValueError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number or 'release'")
-    return int(text)
-
-
-def checkpoint_path(root: str, iteration) -> str:
-    return os.path.join(root, RELEASE) if iteration == RELEASE else iteration_dir(root, iteration)
 
 
 def saved_iterations(root: str) -> List[int]:
@@ -192,22 +170,17 @@ def check_finite(model, iteration: int) -> None:
 
 
 def checkpoint_shape(root: Optional[str], iteration=None):
-    """The `ModelShape` of the checkpoint `--load root` would load (its `megatron_csbp_model.json`,
-    looked up in the checkpoint folder, then `root`), or None (no checkpoint or no shape file:
-    the model is built from the flags)."""
+    """The `ModelShape` of a converted model's checkpoint `--load root` would load (its
+    `megatron_csbp_model.json`), or None (no checkpoint, or a flag-built one: the model is built
+    from the flags). `megatron_csbp.model.checkpoint.read_checkpoint_model` reads it."""
     if not root or not os.path.isdir(root):
         return None
-    if iteration is None:
-        iteration = read_tracker(root)
-    candidates = [root] if iteration is None else [checkpoint_path(root, iteration), root]
-    for d in candidates:
-        p = os.path.join(d, SHAPE_FILE)
-        if os.path.isfile(p):
-            from megatron_csbp.model.families import ModelShape
-
-            with open(p) as f:
-                return ModelShape.from_json(f.read())
-    return None
+    if iteration is None and read_tracker(root) is None:
+        return None  # nothing saved yet
+    try:
+        return read_checkpoint_model(root, iteration).file_shape
+    except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
+        raise ValueError(str(exc)) from None
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
@@ -261,7 +234,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     if _fail_after_write:
         raise RuntimeError("simulated crash during checkpoint save")
     if rank == 0:
-        with open(os.path.join(tmp, "bdlm_meta.json"), "w") as f:
+        with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, f, indent=1)
         if shape is not None:
             with open(os.path.join(tmp, SHAPE_FILE), "w") as f:
@@ -293,6 +266,19 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         _fsync_dir(root)
     dist.barrier()
     return final
+
+
+def drop_unretained(root: str, previous, iteration: int, retain_interval: int) -> Optional[str]:
+    """Megatron-LM's --save-retain-interval, after the save of `iteration` (rank 0): the previous
+    checkpoint (the tracker's before that save) is deleted unless it is at a multiple of
+    `retain_interval` (or is a release, or a symbolic link). Returns the deleted folder, or None."""
+    if not isinstance(previous, int) or previous <= 0 or previous == iteration or previous % retain_interval == 0:
+        return None
+    path = iteration_dir(root, previous)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return None
+    shutil.rmtree(path)
+    return path
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[int] = None) -> Optional[Dict[str, Any]]:

@@ -10,7 +10,7 @@ section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `opt
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Dict, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -18,7 +18,8 @@ from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 def _take(cls, args: argparse.Namespace, **overrides):
     """`cls` with every field copied from the namespace attribute of the same name."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in overrides}
+    values = {f.name: getattr(args, f.name) for f in fields(cls)
+              if f.name not in overrides and (hasattr(args, f.name) or f.default is MISSING)}
     values.update(overrides)
     return cls(**values)
 
@@ -36,6 +37,8 @@ class ParallelConfig:
     use_distributed_optimizer: bool
     distributed_backend: Optional[str]
     virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B (megatron_csbp/pipeline.py)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     @property
     def shard_group_size(self) -> int:
@@ -81,6 +84,8 @@ class OptimConfig:
     lr_decay_iters: Optional[int]
     lr_decay_style: str
     check_for_nan_in_loss_and_grad: bool  # a non-finite loss or gradient norm stops the run
+    #: warmup over this fraction of the decay steps (Megatron's --lr-warmup-fraction), else lr_warmup_iters
+    lr_warmup_fraction: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class DataConfig:
     train_iters: int
     eval_iters: int
     pack_sequences: bool = False
+    #: DataLoader worker processes reading training samples ahead (Megatron-LM's --num-workers)
+    num_workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,11 @@ class CheckpointConfig:
     model_shape: Optional[Any]
     #: hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
     model_meta: Dict[str, Any]
+    #: load weights only and start at iteration 0 (--finetune); skip optimizer + scheduler state (--no-load-optim)
+    finetune: bool = False
+    no_load_optim: bool = False
+    #: keep only checkpoints at multiples of this (and the latest)
+    save_retain_interval: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,11 @@ class LogConfig:
     log_json: Optional[str]
     tensorboard_dir: Optional[str]
     no_progress_bar: bool
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    #: the run's flags, logged as the wandb run's config (Megatron logs vars(args))
+    flags: Optional[Dict[str, Any]] = None
 
 
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"); format unchanged
@@ -136,7 +153,26 @@ CHECKPOINT_MODEL_KEYS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
     "vocab_size", "make_vocab_size_divisible_by", "block_size", "objective", "mask_token_id", "clean_attention",
     "normalization", "swiglu", "untie_embeddings_and_output_weights", "rotary_base", "tokenizer_type",
-    "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std")
+    "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std",
+    # added with the export of flag-built models (model.families.gpt.hf_config_of_flags); older
+    # checkpoints lack them and take the defaults of their time (model.families.gpt.FLAG_DEFAULTS)
+    "kv_channels", "add_bias_linear", "position_embedding_type", "max_position_embeddings", "qk_layernorm",
+    "norm_epsilon", "rotary_percent", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_input_jitter_eps")
+
+
+def model_meta(args: argparse.Namespace) -> Dict[str, Any]:
+    """`bdlm_meta.json` "model_args": the saved flags, plus what they derive that a reader needs
+    (the padded vocabulary of a flag-built model, which depends on TP; the weights' dtype)."""
+    from megatron_csbp.model.builder import padded_vocab_size
+
+    meta = {k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}
+    meta["params_dtype"] = "bfloat16" if getattr(args, "bf16", False) else "float32"
+    if getattr(args, "model_shape", None) is None and getattr(args, "vocab_size", None):
+        meta["padded_vocab_size"] = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                      args.tensor_model_parallel_size)
+    return meta
 
 
 @dataclass(frozen=True)
@@ -163,6 +199,7 @@ class TrainerConfig:
             data=_take(DataConfig, args),
             eval=_take(EvalConfig, args),
             checkpoint=_take(CheckpointConfig, args, model_shape=getattr(args, "model_shape", None),
-                             model_meta={k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}),
-            log=_take(LogConfig, args),
+                             model_meta=model_meta(args)),
+            log=_take(LogConfig, args, flags={k: v for k, v in vars(args).items()
+                                               if isinstance(v, (int, float, str, bool, type(None)))}),
         )

@@ -60,7 +60,8 @@ def _hms(seconds: float) -> str:
 
 class Logger:
     """Rank 0 prints Megatron-LM's log line and appends JSON lines; the last rank (where Megatron-LM
-    writes them too) holds the TensorBoard writer; a tqdm bar on an interactive stderr."""
+    writes them too) holds the TensorBoard writer and the wandb run (--wandb-project; WANDB_MODE=offline
+    logs without an account); a tqdm bar on an interactive stderr."""
 
     def __init__(self, log: LogConfig, batch: BatchConfig, start_iteration: int = 0):
         self.batch = batch
@@ -71,6 +72,13 @@ class Logger:
         if log.tensorboard_dir and self.rank == self.last:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(log_dir=log.tensorboard_dir)
+        self.wandb = None
+        if log.wandb_project and self.rank == self.last:  # Megatron-LM's wandb writer rank
+            import wandb
+
+            os.makedirs(log.wandb_save_dir, exist_ok=True)
+            self.wandb = wandb.init(dir=log.wandb_save_dir, name=log.wandb_exp_name, project=log.wandb_project,
+                                    config=dict(log.flags or {}))
         self.bar = None
         if self.rank == 0 and not log.no_progress_bar and sys.stderr.isatty():
             # tqdm on stderr: iterations done, rate and ETA; log lines are written above it.
@@ -87,6 +95,11 @@ class Logger:
                 if rec.get(key) is not None:
                     self.tb.add_scalar(key.replace("loss", "lm loss") if key == "loss" else key, rec[key], it)
             self.tb.flush()
+        if self.wandb is not None:  # Megatron-LM's names ("lm loss", "grad-norm", "learning-rate", ...)
+            names = {"loss": "lm loss", "grad_norm": "grad-norm", "lr": "learning-rate", "eval_loss": "lm loss validation",
+                     "tokens_per_second": "tokens-per-second", "tflops_per_gpu": "throughput", "consumed_samples":
+                     "consumed-samples", "ms_per_iteration": "iteration-time-ms"}
+            self.wandb.log({names[k]: rec[k] for k in names if rec.get(k) is not None}, step=rec["iteration"])
         if self.rank != 0:
             return
         if self.json_path:
@@ -124,3 +137,5 @@ class Logger:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

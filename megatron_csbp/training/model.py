@@ -8,13 +8,16 @@ logical weights (GLU weights use Megatron's stride-2 split, so they match too). 
 padded to a multiple of `--make-vocab-size-divisible-by` (default 128) independent of TP; TP must
 divide the padded size. On GPU the model is moved to the device after initialisation.
 
+A flag-built MoE (--num-experts) has its weights drawn again by global name
+(`redraw_weights_by_global_name`): Megatron's CPU initialisation draws only the local experts, which
+would make every later weight depend on the expert-parallel size.
+
 With `model_shape` (a converted checkpoint's `megatron_csbp_model.json`, read by `--load`), the
 model is `megatron_csbp.model.builder.build_gpt_model(shape, ...)` (its registered family's) instead: the checkpoint's
 architecture, its exact (unpadded) vocabulary, weights left uninitialised because they are loaded.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,15 +34,10 @@ from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
+from megatron_csbp.model.builder import padded_vocab_size  # noqa: F401  (re-exported)
 from megatron_csbp.model.bdlm import BlockDiffusionModel
 from megatron_csbp import objectives, pipeline
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by
-    if multiple % tp:
-        multiple = multiple * tp // math.gcd(multiple, tp)
-    return int(math.ceil(vocab_size / multiple) * multiple)
+from megatron_csbp.training.megatron_flags import moe_config, rope_scaling
 
 
 @dataclass
@@ -95,6 +93,26 @@ class ModelArgs:
     reset_position_ids: bool = False
     eod_mask_loss: bool = False
     eod_token_id: Optional[int] = None
+    # more Megatron model flags (training/megatron_flags.py)
+    qk_layernorm: bool = False
+    norm_epsilon: float = 1e-5
+    rotary_percent: float = 1.0
+    add_qkv_bias: bool = False
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rotary_seq_len_interpolation_factor: Optional[int] = None
+    # MoE (training/megatron_flags.py; num_experts None: dense)
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_layer_freq: Any = 1
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
     #: a converted checkpoint's ModelShape (None: the model is built from the flags above)
     model_shape: Optional[Any] = None
 
@@ -144,6 +162,9 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         perform_initialization=True,
         init_method_std=a.init_method_std,
         normalization=a.normalization,
+        layernorm_epsilon=a.norm_epsilon,
+        qk_layernorm=a.qk_layernorm,
+        add_qkv_bias=a.add_qkv_bias,
         gated_linear_unit=a.swiglu,
         activation_func=F.silu if a.swiglu else F.gelu,
         add_bias_linear=a.add_bias_linear,
@@ -154,6 +175,7 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
+        **moe_config(a),
     )
     if finalize_model_grads_func is not None:
         cfg.finalize_model_grads_func = finalize_model_grads_func
@@ -239,7 +261,17 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         return _wrap(a, config, gpt, objective, layout, device)
     config = transformer_config(a, finalize_model_grads_func)
     vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
-    spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization)
+    if a.num_experts and isinstance(a.moe_layer_freq, list) and not all(a.moe_layer_freq):
+        # dense and MoE layers mixed: Megatron's decoder block spec reads the pattern from the config
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = builder.with_block_diffusion(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                                       normalization=a.normalization),
+                                            a.attention_kernel)
+    else:
+        spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization,
+                                        qk_layernorm=a.qk_layernorm, num_experts=a.num_experts,
+                                        moe_grouped_gemm=a.moe_grouped_gemm)
     # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
@@ -260,8 +292,63 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         position_embedding_type=a.position_embedding_type,
         rotary_base=a.rotary_base,
         vp_stage=vp_stage,
+        **rope_scaling(a),
     )
+    if a.num_experts:
+        redraw_weights_by_global_name(gpt, config, a.seed)
     return _wrap(a, config, gpt, objective, layout, device)
+
+
+def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
+    """Layout-independent initial weights of a flag-built MoE. Megatron draws each rank's local
+    experts from the one CPU generator, so under expert parallelism a rank draws fewer experts and
+    every weight built after the first MoE layer comes from another point of the stream. Here every
+    randomly initialised weight (linear layers, embeddings, routers) is drawn again, in full, from a
+    generator seeded by (--seed, its name with the *global* expert index), with Megatron's init
+    method for it, and this rank's tensor-parallel slice is taken as Megatron's CPU initialisation
+    takes it (stride-aware). Returns the number of weights drawn. Size: one full weight at a time."""
+    import zlib
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.transformer.moe.router import Router
+
+    n_local = config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
+    first_expert = mpu.get_expert_model_parallel_rank() * n_local
+    drawn = 0
+    for name, module in gpt.named_modules():
+        if isinstance(module, RowParallelLinear):
+            init = config.output_layer_init_method
+        elif isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding, Router)):
+            init = config.init_method
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter):
+            continue
+        parts = name.split(".")
+        expert = "local_experts" in parts
+        if expert:  # local expert i of this EP rank -> global expert first_expert + i
+            k = parts.index("local_experts") + 1
+            parts[k] = str(first_expert + int(parts[k]))
+        if getattr(weight, "tensor_model_parallel", False):
+            dim, stride = weight.partition_dim, weight.partition_stride
+            rank, world = ((mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
+                           if expert else (mpu.get_tensor_model_parallel_rank(),
+                                           mpu.get_tensor_model_parallel_world_size()))
+        else:
+            dim, stride, rank, world = 0, 1, 0, 1
+        full = list(weight.shape)
+        full[dim] *= world
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(".".join(parts).encode()))
+            master = torch.empty(full, dtype=torch.float32)
+            init(master)
+        pieces = torch.split(master, weight.shape[dim] // stride, dim=dim)
+        with torch.no_grad():
+            weight.copy_(torch.cat(pieces[rank::world], dim=dim).to(weight.dtype))
+        drawn += 1
+    return drawn
 
 
 def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:

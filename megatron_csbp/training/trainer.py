@@ -114,6 +114,7 @@ class Trainer:
         self.train_ds = self.valid_ds = None
         self.iteration, self.consumed = 0, 0
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
+        self._batches, self._batches_at = None, None  # --num-workers: training micro-batches read ahead
 
     # ---- build -------------------------------------------------------------------------------
     def build(self) -> "Trainer":
@@ -138,7 +139,9 @@ class Trainer:
         # bucketing rule: only the first chunk is bucketed).
         self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
         self.model = self.chunks[0] if len(self.chunks) == 1 else pipeline.ModelChunks(self.chunks)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=c.parallel.overlap_grad_reduce,
+                                                   overlap_param_gather=c.parallel.overlap_param_gather,
                                                    use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.ddps = [DistributedDataParallel(ch.config, ddp_config, ch, disable_bucketing=i > 0)
                      for i, ch in enumerate(self.chunks)]
@@ -156,9 +159,11 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
         G = c.batch.global_batch_size
         decay_iters = o.lr_decay_iters or c.batch.train_iters
+        # Megatron's --lr-warmup-fraction: that fraction of the decay steps (samples), else --lr-warmup-iters
+        warmup = o.lr_warmup_fraction * decay_iters * G if o.lr_warmup_fraction is not None else o.lr_warmup_iters * G
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_iters * G, lr_decay_steps=max(decay_iters * G, o.lr_warmup_iters * G + 1),
+            self.optimizer, init_lr=0.0 if warmup else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=max(decay_iters * G, warmup + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(decay_iters * G, 1), wd_incr_style="constant",
             use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
@@ -191,12 +196,18 @@ class Trainer:
         batches = []
         local_den = 0.0
         objective = self.chunks[0].bdlm.objective
+        prefetched = dataset is self.train_ds and self._batches is not None and self._batches_at == consumed
         for j in range(b_cfg.num_microbatches):
-            idx = microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank, self.dp_size)
-            b = collate(dataset, idx, dev)
+            if prefetched:  # --num-workers: the DataLoader's next micro-batch is this one
+                b = {k: v.to(dev) for k, v in next(self._batches).items()}
+            else:
+                b = collate(dataset, microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank,
+                                                        self.dp_size), dev)
             b["loss_mask"] = self.model.bdlm.supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
             batches.append(b)
             local_den += float(objective.denominator(b["loss_mask"]))
+        if prefetched:
+            self._batches_at += b_cfg.global_batch_size
         (den,) = allreduce([local_den], group=self.dp_group)
         if den <= 0:
             raise RuntimeError(f"global batch at sample {consumed} has no supervised tokens")
@@ -293,10 +304,23 @@ class Trainer:
         from megatron_csbp.training import checkpointing
 
         ck = self.config.checkpoint
+        previous = checkpointing.read_tracker(ck.save) if ck.save_retain_interval and os.path.isdir(ck.save) else None
+        self._sync_params()
         checkpointing.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
                                       extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
         self.last_saved = iteration
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
+        if ck.save_retain_interval and dist.get_rank() == 0:
+            dropped = checkpointing.drop_unretained(ck.save, previous, iteration, ck.save_retain_interval)
+            if dropped:
+                _log0(f" deleted checkpoint {dropped} (--save-retain-interval {ck.save_retain_interval})")
+
+    def _sync_params(self) -> None:
+        """With --overlap-param-gather the distributed optimizer's all-gather of the updated weights
+        waits for the next forward's pre-hooks: gather them now (Megatron-LM's `force_param_sync`
+        before a save)."""
+        if self.config.parallel.overlap_param_gather:
+            self.ddp.start_param_sync(force_sync=True)
 
     def load(self) -> Tuple[int, int]:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
@@ -306,7 +330,15 @@ class Trainer:
         ck = self.config.checkpoint
         iteration, consumed = 0, 0
         if ck.load:
-            info = checkpointing.load_checkpoint(ck.load, self.model, self.optimizer, self.scheduler, ck.ckpt_step)
+            # --finetune / --no-load-optim: the weights only (Megatron's: no optimizer or scheduler state)
+            weights_only = ck.finetune or ck.no_load_optim
+            info = checkpointing.load_checkpoint(ck.load, self.model, None if weights_only else self.optimizer,
+                                                 None if weights_only else self.scheduler, ck.ckpt_step)
+            if weights_only and info is not None:
+                self.optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+            if ck.finetune and info is not None and not info.get("release"):
+                _log0(f" --finetune: loaded the weights of {info['path']}; iteration and consumed samples start at 0")
+                info = dict(info, iteration=0, consumed_samples=0)
             if info is None and ck.model_shape is not None:
                 raise checkpointing.CheckpointError(f"--load {ck.load} has a model shape file but no checkpoint to load")
             if info is not None and info.get("release"):
@@ -335,6 +367,12 @@ class Trainer:
         c = self.config
         bc, ck = c.batch, c.checkpoint
         iteration, consumed = self.load()
+        if c.data.num_workers and not bc.skip_train:
+            from megatron_csbp.data.megatron_data import MicroBatchSampler, train_batches
+
+            sampler = MicroBatchSampler(consumed, bc.train_iters * bc.global_batch_size, bc.num_microbatches,
+                                        bc.micro_batch_size, self.dp_rank, self.dp_size)
+            self._batches, self._batches_at = train_batches(self.train_ds, sampler, c.data.num_workers), consumed
         logger = Logger(c.log, bc, iteration)
         history = []
         world = dist.get_world_size()
@@ -395,6 +433,7 @@ class Trainer:
                 self.save(iteration, consumed)
         finally:
             logger.close()
+            self._batches = None  # ends the DataLoader's workers
         return {"history": history, "iteration": iteration, "consumed_samples": consumed, "train_losses": train_losses}
 
     # ---- lifetime ----------------------------------------------------------------------------
@@ -421,13 +460,24 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     """A TP = CP = BP = 1 model rebuilt from a checkpoint's saved hyper-parameters (`bdlm_meta.json`)
     and loaded, on one process: what `generate` decodes with. `accept(model_meta)` may refuse the
     checkpoint (raise) before anything is built. Returns (model, model_meta, step)."""
-    import json
-
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.training import checkpointing
+    from megatron_csbp.model.checkpoint import read_checkpoint_model
     from megatron_csbp.training.model import ModelArgs, build_model
 
+    # The one checkpoint reader convert / score share: step, saved flags, a converted model's shape.
+    step = checkpointing.checkpoint_to_load(load, ckpt_step)  # a missing --ckpt-step lists the saved ones
+    try:
+        info = read_checkpoint_model(load, step)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    step = info.iteration
+    if not info.model_args:
+        raise ValueError(f"--load {load}: {info.path} has no bdlm_meta.json (not a megatron_csbp.train checkpoint)")
+    margs = info.model_args
+    if accept is not None:
+        accept(margs)
     if not dist.is_initialized():
         # One process: an in-memory store (no rendezvous, immune to a surrounding torchrun's env).
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -436,21 +486,10 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     install_cpu_compat()
     if not bps.is_initialized():
         bps.initialize_block_parallel()
-    step = checkpointing.checkpoint_to_load(load, ckpt_step)  # a missing --ckpt-step lists the saved ones
-    if step is None:
-        raise ValueError(f"--load {load}: no {checkpointing.TRACKER} (not a megatron_csbp.train checkpoint dir?)")
-    meta_path = os.path.join(checkpointing.iteration_dir(load, step), "bdlm_meta.json")
-    if not os.path.exists(meta_path):
-        raise ValueError(f"--load {load}: {meta_path} is missing")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    margs = dict(meta["model_args"])
-    if accept is not None:
-        accept(margs)
     fields = ModelArgs.__dataclass_fields__
     a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
     # A model converted from Hugging Face is rebuilt from its shape file, like the trainer does.
-    a.model_shape = checkpointing.checkpoint_shape(load, step)
+    a.model_shape = info.file_shape
     model = build_model(a)
     model.eval()
     checkpointing.load_checkpoint(load, model, None, None, step)

@@ -136,7 +136,7 @@ def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
 
 class DiffusionGemmaFamily(Family):
     """DiffusionGemma / Gemma 4 text MoE: `DiffusionGemmaConfig` and `DiffusionGemmaModel`, weights
-    mapped by `megatron_csbp.conversion.diffusiongemma`."""
+    mapped by `megatron_csbp.model.families.diffusion_gemma_weights`."""
 
     name = FAMILY
     model_types = SOURCE_TYPES
@@ -162,7 +162,7 @@ class DiffusionGemmaFamily(Family):
             "python -m megatron_csbp.train --load CHECKPOINT")
 
     def hf_to_megatron(self, shape, tensors, cfg):
-        from megatron_csbp.conversion import diffusiongemma as dg
+        from megatron_csbp.model.families import diffusion_gemma_weights as dg
 
         if shape.diffusion_gemma["source"] == "diffusion_gemma":
             state, _, rest = dg.hf_to_megatron_state(tensors, cfg)
@@ -172,7 +172,7 @@ class DiffusionGemmaFamily(Family):
         return state, {}
 
     def megatron_to_hf(self, shape, state):
-        from megatron_csbp.conversion.diffusiongemma import megatron_to_hf_state
+        from megatron_csbp.model.families.diffusion_gemma_weights import megatron_to_hf_state
 
         cfg = hf_config_for_export(shape)  # refuses a model Hugging Face cannot hold, before writing
         tensors = megatron_to_hf_state(state, transformer_config(shape))

@@ -221,12 +221,12 @@ class GPTFamily(Family):
 
     # ---- weights -----------------------------------------------------------------------------
     def hf_to_megatron(self, shape, tensors, cfg):
-        from megatron_csbp.conversion.mapping import hf_to_megatron
+        from megatron_csbp.model.families.gpt_weights import hf_to_megatron
 
         return hf_to_megatron(shape, tensors, self.hf_moe_names), {}
 
     def megatron_to_hf(self, shape, state):
-        from megatron_csbp.conversion.mapping import megatron_to_hf
+        from megatron_csbp.model.families.gpt_weights import megatron_to_hf
 
         return dict(shape.hf_config), megatron_to_hf(shape, state, self.hf_moe_names), ()
 
@@ -267,7 +267,8 @@ class GPTFamily(Family):
             if shape.rope_scaling["type"] == "llama3":
                 flags += ["--use-rope-scaling", f"--rope-scaling-factor {shape.rope_scaling['factor']}"]
             else:
-                flags.append(f"--rotary-seq-len-interpolation-factor {shape.rope_scaling['factor']}")
+                factor = shape.rope_scaling["factor"]  # Megatron-LM's flag is an int
+                flags.append(f"--rotary-seq-len-interpolation-factor {int(factor) if float(factor).is_integer() else factor}")
         if shape.is_moe:
             flags += [
                 f"--num-experts {shape.num_experts}",
@@ -287,6 +288,8 @@ class GPTFamily(Family):
 
 
 class Qwen3MoeFamily(GPTFamily):
+    trainer_trains_moe = True
+
     def _complete(self, shape, cfg, partial_rotary):
         experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
         step = int(cfg.get("decoder_sparse_step", 1))
@@ -303,6 +306,8 @@ class Qwen3MoeFamily(GPTFamily):
 
 
 class MixtralFamily(GPTFamily):
+    trainer_trains_moe = True
+
     def _complete(self, shape, cfg, partial_rotary):
         shape.num_experts = int(cfg["num_local_experts"])
         shape.moe_router_topk = int(cfg["num_experts_per_tok"])
@@ -334,3 +339,111 @@ register_family(Qwen3MoeFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", 
 register_family(MixtralFamily("mixtral", "mixtral", "MixtralForCausalLM", attention_bias_has_o_proj=True,
                               refuse_sliding_window=True,
                               hf_moe_names=("block_sparse_moe", "gate", ("w1", "w3", "w2"))))
+
+
+# ---- a flag-built model (python -m megatron_csbp.train without --load of a converted model) -----
+
+#: Defaults of the `bdlm_meta.json` "model_args" keys older checkpoints lack (the trainer's flag
+#: defaults when those checkpoints were written).
+FLAG_DEFAULTS = dict(kv_channels=None, add_bias_linear=False, position_embedding_type="rope", rotary_percent=1.0,
+                     norm_epsilon=1e-5, qk_layernorm=False, add_qkv_bias=False, use_rope_scaling=False,
+                     rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None, params_dtype="float32",
+                     max_position_embeddings=None, padded_vocab_size=None, make_vocab_size_divisible_by=128,
+                     num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=1,
+                     moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_input_jitter_eps=None)
+
+#: Hugging Face model type of a flag-built model: (MoE, --qk-layernorm, --add-qkv-bias) -> model_type
+_FLAG_MODEL_TYPES = {(False, False, False): "llama", (False, True, False): "qwen3", (False, False, True): "qwen2",
+                     (True, True, False): "qwen3_moe", (True, False, False): "mixtral"}
+
+
+def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
+    """The Hugging Face `config.json` of the trainer's flag-built GPT (`model_args`: the saved
+    `bdlm_meta.json` "model_args", the trainer's model flags by dest name): `LlamaForCausalLM`;
+    `Qwen3ForCausalLM` with --qk-layernorm; `Qwen2ForCausalLM` with --add-qkv-bias; with
+    --num-experts `MixtralForCausalLM` / `Qwen3MoeForCausalLM` (--qk-layernorm). Refuses, naming the
+    flag, what none of them holds. The vocabulary is the trainer's padded one (the embedding's rows)."""
+    from megatron_csbp.model.builder import padded_vocab_size
+
+    a = dict(FLAG_DEFAULTS, **{k: v for k, v in model_args.items() if v is not None})
+    for flag, ok, why in (
+            ("--normalization LayerNorm", a["normalization"] == "RMSNorm", "they use RMSNorm"),
+            ("--no-swiglu", a["swiglu"], "they use SwiGLU"),
+            ("--add-bias-linear", not a["add_bias_linear"], "none has biases on o_proj and the MLP"),
+            (f"--position-embedding-type {a['position_embedding_type']}", a["position_embedding_type"] == "rope",
+             "they use rotary embeddings"),
+            (f"--rotary-percent {a['rotary_percent']}", a["rotary_percent"] == 1.0, "they rotate every head dimension"),
+            ("--qk-layernorm with --add-qkv-bias", not (a["qk_layernorm"] and a["add_qkv_bias"]),
+             "Qwen3 has no q/k/v bias, Qwen2 no QK-norm"),
+            ("--add-qkv-bias with --num-experts", not (a["add_qkv_bias"] and a["num_experts"]),
+             "Mixtral and Qwen3-MoE have no q/k/v bias"),
+            (f"--moe-router-score-function {a['moe_router_score_function']}",
+             a["moe_router_score_function"] == "softmax", "their routers use softmax")):
+        if not ok:
+            raise UnsupportedModelError(f"the checkpoint's model was built with {flag}: it has no Hugging Face class "
+                                        f"(LlamaForCausalLM, Qwen2/Qwen3ForCausalLM, Mixtral, Qwen3-MoE: {why})")
+    moe = bool(a["num_experts"])
+    model_type = _FLAG_MODEL_TYPES[(moe, bool(a["qk_layernorm"]), bool(a["add_qkv_bias"]))]
+    heads = int(a["num_attention_heads"])
+    vocab = a["padded_vocab_size"] or padded_vocab_size(int(a["vocab_size"]), int(a["make_vocab_size_divisible_by"]), 1)
+    rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(a["rotary_base"])}
+    if a["use_rope_scaling"]:  # Megatron's fixed Llama 3.1 constants
+        rope.update(rope_type="llama3", factor=float(a["rope_scaling_factor"]), low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+    elif a["rotary_seq_len_interpolation_factor"]:
+        rope.update(rope_type="linear", factor=float(a["rotary_seq_len_interpolation_factor"]))
+    cfg: Dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2":
+                           "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]],
+        "vocab_size": int(vocab),
+        "hidden_size": int(a["hidden_size"]),
+        "intermediate_size": int(a["ffn_hidden_size"]),
+        "num_hidden_layers": int(a["num_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(a.get("num_query_groups") or heads),
+        "head_dim": int(a["kv_channels"] or int(a["hidden_size"]) // heads),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(a["max_position_embeddings"] or a["seq_length"]),
+        "rms_norm_eps": float(a["norm_epsilon"]),
+        "rope_parameters": rope,
+        "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
+        "attention_bias": bool(a["add_qkv_bias"]),  # Qwen2 reads it as q/k/v bias (o_proj has none)
+        "attention_dropout": 0.0,
+        "dtype": a["params_dtype"],
+    }
+    if model_type == "llama":
+        cfg["mlp_bias"] = False
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        cfg["use_sliding_window"] = False
+    if moe:
+        cfg["num_experts_per_tok"] = int(a["moe_router_topk"])
+        ffn = int(a["moe_ffn_hidden_size"] or a["ffn_hidden_size"])
+        freq = a["moe_layer_freq"]
+        pattern = list(freq) if isinstance(freq, list) else [int(i % int(freq) == 0) for i in range(cfg["num_hidden_layers"])]
+        if model_type == "qwen3_moe":
+            # norm_topk_prob=True: softmax over the top-k logits (Megatron without --moe-router-pre-softmax)
+            if a["moe_input_jitter_eps"]:
+                raise UnsupportedModelError("the checkpoint's model was built with --moe-input-jitter-eps and "
+                                            "--qk-layernorm: Qwen3-MoE has no router jitter")
+            cfg.update(num_experts=int(a["num_experts"]), moe_intermediate_size=ffn,
+                       norm_topk_prob=not a["moe_router_pre_softmax"], decoder_sparse_step=1,
+                       mlp_only_layers=[i for i, m in enumerate(pattern) if not m])
+        else:
+            for flag, ok in (("--moe-router-pre-softmax", not a["moe_router_pre_softmax"]),
+                             (f"--moe-layer-freq {freq}", all(pattern))):
+                if not ok:
+                    raise UnsupportedModelError(f"the checkpoint's model was built with {flag}: MixtralForCausalLM "
+                                                "has every layer MoE with top-k-then-softmax routing (add "
+                                                "--qk-layernorm for a Qwen3-MoE, which holds it)")
+            cfg.update(num_local_experts=int(a["num_experts"]), intermediate_size=ffn,
+                       router_jitter_noise=float(a["moe_input_jitter_eps"] or 0.0))
+    return cfg
+
+
+def shape_of_flags(model_args: Dict[str, Any]) -> ModelShape:
+    """The `ModelShape` of the trainer's flag-built GPT: its Hugging Face config read by the family
+    that owns it, so the converter's rules and refusals apply unchanged."""
+    from megatron_csbp.model.families import shape_from_hf_config
+
+    return shape_from_hf_config(hf_config_of_flags(model_args))

@@ -2,7 +2,7 @@
 layers (`megatron_csbp.model.hybrid`), with partial rotary embeddings and (1 + w) RMSNorms.
 
 Text positions are the same on the three M-RoPE axes, so M-RoPE is plain RoPE here. The weight
-mapping is the GPT one (`conversion/mapping.py`), which reads the shape's `gated_delta` pattern and
+mapping is the GPT one (`model/families/gpt_weights.py`), which reads the shape's `gated_delta` pattern and
 `attention_output_gate`.
 """
 from __future__ import annotations

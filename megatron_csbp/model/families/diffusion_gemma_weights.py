@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_csbp.conversion.mapping import ConversionError
+from megatron_csbp.model.families.gpt_weights import ConversionError
 from megatron_csbp.model.diffusiongemma.config import DiffusionGemmaConfig, config_from_hf
 
 HF_TEXT = "model.decoder."
