@@ -203,7 +203,7 @@ class Trainer:
             else:
                 b = collate(dataset, microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank,
                                                         self.dp_size), dev)
-            b["loss_mask"] = self.model.bdlm.supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
+            b["loss_mask"] = self.chunks[0].bdlm.supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
             batches.append(b)
             local_den += float(objective.denominator(b["loss_mask"]))
         if prefetched:
