@@ -38,6 +38,7 @@ def tiny_shape(family, **change):
     ("qwen3_moe", dict(norm_topk_prob=False, decoder_sparse_step=2)),  # --moe-router-pre-softmax, --moe-layer-freq
     ("mixtral", dict(router_jitter_noise=0.1)),                         # --moe-input-jitter-eps
     ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}, dtype="bfloat16")),
+    ("qwen3", dict(dtype="float16")),                                   # --fp16
 ])
 def test_printed_flags_rebuild_the_same_model_in_the_trainer(family, change):
     from megatron_csbp.model.families.gpt import shape_of_flags

@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rotary-base", type=int, default=10000)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--bf16", action="store_true")
+    # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
+    # loss scale (dynamic unless --loss-scale is given); a step whose gradients overflow is skipped.
+    m.add_argument("--fp16", action="store_true")
+    m.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic, with --fp16)")
+    m.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    m.add_argument("--min-loss-scale", type=float, default=1.0)
+    m.add_argument("--loss-scale-window", type=float, default=1000)
+    m.add_argument("--hysteresis", type=int, default=2)
     m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="activation recomputation (Megatron's TransformerConfig.recompute_granularity)")
     m.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
@@ -284,6 +292,10 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         note = check_token_data(args, files_elsewhere=check_only)
         if note:
             args.check_notes.append(note)
+    if args.fp16 and args.bf16:
+        raise ValueError("give --bf16 or --fp16, not both")
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        raise ValueError(f"--loss-scale must be positive, got {args.loss_scale}")
     if args.pack_sequences and not args.sft_data_path:
         raise ValueError("--pack-sequences packs conversations: it needs --sft-data-path")
     if args.tokenizer_type is None:

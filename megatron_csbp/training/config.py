@@ -80,6 +80,12 @@ class OptimConfig:
     adam_eps: float
     clip_grad: float
     bf16: bool
+    fp16: bool
+    loss_scale: Optional[float]
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: float
+    hysteresis: int
     lr_warmup_iters: int
     lr_decay_iters: Optional[int]
     lr_decay_style: str
@@ -168,7 +174,8 @@ def model_meta(args: argparse.Namespace) -> Dict[str, Any]:
     from megatron_csbp.model.builder import padded_vocab_size
 
     meta = {k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}
-    meta["params_dtype"] = "bfloat16" if getattr(args, "bf16", False) else "float32"
+    meta["params_dtype"] = ("bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False)
+                            else "float32")
     if getattr(args, "model_shape", None) is None and getattr(args, "vocab_size", None):
         meta["padded_vocab_size"] = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                       args.tensor_model_parallel_size)

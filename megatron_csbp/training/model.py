@@ -74,6 +74,7 @@ class ModelArgs:
     block_ownership: str = "mirrored"
     seed: int = 1234
     bf16: bool = False
+    fp16: bool = False
     swiglu: bool = True
     normalization: str = "RMSNorm"
     untie_embeddings_and_output_weights: bool = False
@@ -131,7 +132,7 @@ def attention_backend(a):
 
 
 def params_dtype(a) -> torch.dtype:
-    return torch.bfloat16 if a.bf16 else torch.float32
+    return torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 
 
 def run_options(a) -> dict:
@@ -169,6 +170,7 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         activation_func=F.silu if a.swiglu else F.gelu,
         add_bias_linear=a.add_bias_linear,
         bf16=a.bf16,
+        fp16=a.fp16,
         params_dtype=params_dtype(a),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,

@@ -153,10 +153,16 @@ class Trainer:
         o = c.optim
         opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                      adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                     clip_grad=o.clip_grad, bf16=o.bf16,
-                                     params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
+                                     clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16,
+                                     params_dtype=torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32,
+                                     loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
+                                     min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
+                                     hysteresis=o.hysteresis,
                                      use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
+        if o.fp16:  # megatron-core's schedules scale the loss before backward (Megatron-LM sets the same)
+            for ch in self.chunks:
+                ch.config.grad_scale_func = self.optimizer.scale_loss
         G = c.batch.global_batch_size
         decay_iters = o.lr_decay_iters or c.batch.train_iters
         # Megatron's --lr-warmup-fraction: that fraction of the decay steps (samples), else --lr-warmup-iters
