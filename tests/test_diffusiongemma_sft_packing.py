@@ -18,17 +18,13 @@ import torch.nn.functional as F
 torch.set_num_threads(1)
 pytest.importorskip("transformers")
 
-from megatron_csbp.conversion.diffusiongemma import hf_to_megatron_state  # noqa: E402
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
 from megatron_csbp.layout.packing import Packing  # noqa: E402
-from megatron_csbp.model.diffusiongemma import diffusion_gemma_model  # noqa: E402
 from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel  # noqa: E402
-from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_model  # noqa: E402
-from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective  # noqa: E402
-from tests.test_diffusiongemma_sft import ENC_W, GRAD_TOL, LOSS_TOL  # noqa: E402  (fp32 error model there)
+from tests.test_diffusiongemma_sft import (LOSS_TOL, B, V, assert_loss_and_gradients_equal,  # noqa: E402
+                                          tiny_models)
 
-V, B = 96, 4
 DOCS = ((0, 12), (12, 24))  # [start, end): two conversations, each a multiple of B
 L = 24
 EOD = V - 1
@@ -70,12 +66,7 @@ def _alone_terms(hf, obj, tokens, loss_mask, nb):
 
 @pytest.mark.parametrize("self_conditioning", [True, False])
 def test_packed_sft_sample_equals_its_documents_alone(megatron_single_rank, self_conditioning):
-    hf = tiny_hf_model(seed=2, vocab_size=V, sliding_window=3).train()
-    state, config, _ = hf_to_megatron_state(hf.state_dict(), hf.config)
-    gpt = diffusion_gemma_model(config, V, 256)
-    gpt.load_state_dict(state, strict=False)
-    gpt.train()
-    obj = DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=ENC_W)
+    hf, gpt, obj = tiny_models()
     layout = SequenceLayout(BlockGeometry(L, B, "token_causal"))
     packing = Packing(EOD, reset_attention_mask=True, reset_position_ids=True)
     model = DiffusionGemmaSFTModel(gpt, obj, layout, packing=packing)
@@ -91,27 +82,7 @@ def test_packed_sft_sample_equals_its_documents_alone(megatron_single_rank, self
     block_ce, ar_sum, ar_n = _alone_terms(hf, obj, tokens, loss_mask, nb)
     assert len(block_ce) == 3 and ar_n == 6 + 4  # no AR target crosses the documents (12 is a prompt)
     ref = block_ce.mean() + obj.encoder_loss_weight * ar_sum / ar_n
-    ref.backward()
-    print(f"SC {self_conditioning}: packed {out.loss.item():.6f}, documents alone {ref.item():.6f}, "
-          f"|diff| {abs(out.loss.item() - ref.item()):.3e}")
-    assert abs(out.loss.item() - ref.item()) < LOSS_TOL
-
-    hf_grads = {}
-    for key, value in hf.state_dict().items():
-        if key.endswith("layer_scalar"):
-            hf_grads[key] = torch.zeros_like(value)
-            continue
-        p = hf.get_parameter(key)
-        hf_grads[key] = p.grad if p.grad is not None else torch.zeros_like(p)
-    ref_grads, _, _ = hf_to_megatron_state(hf_grads, hf.config)
-
-    def grad(p):
-        return torch.zeros_like(p) if p.grad is None else p.grad
-
-    worst = max(((grad(p) - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-6)).item()
-                for k, p in gpt.named_parameters())
-    print(f"worst relative gradient difference {worst:.2e}")
-    assert worst < GRAD_TOL
+    assert_loss_and_gradients_equal(out.loss, ref, gpt, hf)
 
     # The same sample unpacked attends across the documents: a different loss.
     with torch.no_grad():

@@ -4,12 +4,15 @@ and CSBP's packed clean exchange equal the static plans' (bench/packing.py: `Par
 the layout's own) and a brute-force count on
 the dense mask with document ids; the CLI plans a packed 256K sample and prints the packing flags."""
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 
 from megatron_csbp.bench.packing import rank_numbers
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, Documents, dense_reference_mask
+from megatron_csbp.layout.packing import block_costs
 from megatron_csbp.planner.cli import main
 from megatron_csbp.planner.cost import Layout, Workload, estimate
 from megatron_csbp.planner.hardware import PRESETS
@@ -58,13 +61,10 @@ def test_packed_pairs_brute_force_on_the_dense_mask():
     L, B = 96, 8
     for clean_attention in ("block_causal", "token_causal"):
         starts = pack_starts(L, histogram={3: 1.0, 11: 1.0, 30: 1.0}, seed=2)
-        ids = Documents(starts, L).index_of(__import__("torch").arange(L)).tolist()
+        ids = Documents(starts, L).index_of(torch.arange(L)).tolist()
         mask = dense_reference_mask(L, B, clean_attention, document_ids=ids)
         for cp, bp in ((1, 1), (2, 2), (1, 4)):
             got = rank_work(L, B, cp, bp, "mirrored", clean_attention, None, starts)
-            from dataclasses import replace
-
-            from megatron_csbp.layout.packing import block_costs
             layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp)
             if layout.kind == "bp":
                 layout = replace(layout, block_costs=block_costs(Documents(starts, L), B, L))
