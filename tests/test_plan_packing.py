@@ -104,3 +104,19 @@ def test_cli_packed_256k_recipe(capsys):
                                                                             "--reset-position-ids"]
     assert main(args + ["--doc-length", "4096"]) == 2
     assert "give one of --doc-length or --doc-length-histogram, not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--doc-length-histogram", "/nonexistent/h.txt"], "--doc-length-histogram /nonexistent/h.txt: cannot read it"),
+    (["--doc-length", "0"], "--doc-length must be positive, got 0"),
+    (["--doc-length-histogram", "docs/benchmarks/sft_doc_lengths.txt", "--doc-length-seed", "-1"],
+     "--doc-length-seed must be >= 0"),
+    (["--doc-length", "512", "--model", "qwen3.5-27b-like"], "has Gated DeltaNet layers"),
+])
+def test_cli_packing_bad_input(capsys, extra, line):
+    args = ["--seq-length", "4096", "--block-size", "64", "--gpus", "4"] + extra
+    if "--model" not in extra:
+        args += ["--model", "qwen3-27b-like"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert line in err and len(err.strip().splitlines()) == 1, err

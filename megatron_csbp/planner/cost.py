@@ -400,6 +400,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         raise ValueError(f"--objective must be bd3lm or dflash, got {wl.objective!r}")
     if model.is_drafter:
         raise ValueError(f"{model.name} is a DFlash drafter: plan it with --objective dflash")
+    if wl.packed and model.is_hybrid:  # as the trainer (model/bdlm.py) refuses it
+        raise ValueError(f"--doc-length / --doc-length-histogram: {model.name} has Gated DeltaNet layers, which "
+                         "--reset-attention-mask does not support (their recurrence would carry state across documents)")
     if lay.pp > 1:
         from megatron_csbp.planner.pipeline import estimate_pipelined
         return estimate_pipelined(model, lay, wl, hw, gpus_per_node)

@@ -20,21 +20,38 @@ import numpy as np
 
 def read_histogram(path: str) -> Dict[int, float]:
     """Document-length histogram: JSON {"length": count, ...} or lines "length count" ('#' comments)."""
-    with open(path) as f:
-        text = f.read()
+    flag = f"--doc-length-histogram {path}"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read it ({e.strerror})") from None
     try:
         raw = json.loads(text)
-        hist = {int(k): float(v) for k, v in raw.items()}
     except json.JSONDecodeError:
-        hist = {}
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                parts = line.split()
-                if len(parts) != 2:
-                    raise ValueError(f"--doc-length-histogram {path}:{n}: expected 'length count', got {line!r}")
-                hist[int(parts[0])] = float(parts[1])
+        raw = None
+    try:
+        if raw is not None:
+            if not isinstance(raw, dict):
+                raise ValueError(f"{flag}: JSON must be an object {{length: count}}")
+            hist = {int(k): float(v) for k, v in raw.items()}
+        else:
+            hist = {}
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip() and not line.lstrip().startswith("#"):
+                    parts = line.split()
+                    if len(parts) != 2:
+                        raise ValueError(f"{flag}:{n}: expected 'length count', got {line!r}")
+                    try:
+                        hist[int(parts[0])] = float(parts[1])
+                    except ValueError:
+                        raise ValueError(f"{flag}:{n}: expected an integer length and a number, got {line!r}") from None
+    except (TypeError, ValueError) as e:
+        if str(e).startswith(flag):
+            raise
+        raise ValueError(f"{flag}: lengths must be integers and counts numbers ({e})") from None
     if not hist or any(k <= 0 or v < 0 for k, v in hist.items()) or sum(hist.values()) <= 0:
-        raise ValueError(f"--doc-length-histogram {path}: lengths must be positive and counts non-negative, not all 0")
+        raise ValueError(f"{flag}: lengths must be positive and counts non-negative, not all 0")
     return hist
 
 
@@ -48,6 +65,8 @@ def pack_starts(seq_length: int, doc_length: Optional[int] = None, histogram: Op
         if doc_length <= 0:
             raise ValueError(f"--doc-length must be positive, got {doc_length}")
         return tuple(range(0, seq_length, doc_length))
+    if seed < 0:
+        raise ValueError(f"--doc-length-seed must be >= 0, got {seed}")
     lengths = np.array(sorted(histogram), dtype=np.int64)
     weights = np.array([histogram[int(k)] for k in lengths], dtype=np.float64)
     rng = np.random.default_rng(seed)
