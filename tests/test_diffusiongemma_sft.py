@@ -114,14 +114,49 @@ def _brute_force_loss(hf, obj, tokens, loss_mask, nb):
     return torch.stack(per_sample).mean()
 
 
-@pytest.mark.parametrize("want_sc", [(True, False), (False, False)])
-def test_sft_loss_and_gradients_equal_brute_force(megatron_single_rank, want_sc):
+def _grad(p):  # without self-conditioning the SC block is skipped (its gradient is exactly 0)
+    return torch.zeros_like(p) if p.grad is None else p.grad
+
+
+def tiny_models():
+    """(HF model, the Megatron model converted from it, the objective) of these tests."""
     hf = tiny_hf_model(seed=2, vocab_size=V, sliding_window=3).train()
     state, config, _ = hf_to_megatron_state(hf.state_dict(), hf.config)
     gpt = diffusion_gemma_model(config, V, 256)
     gpt.load_state_dict(state, strict=False)
     gpt.train()
-    obj = DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=ENC_W)
+    return hf, gpt, DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=ENC_W)
+
+
+def assert_loss_and_gradients_equal(loss, ref, gpt, hf):
+    """Backward the brute-force `ref` (the Megatron loss is backwarded already) and compare the loss
+    and every parameter gradient within the error model above."""
+    ref.backward()
+    print(f"megatron loss {loss.item():.6f}, brute force {ref.item():.6f}, |diff| {abs(loss.item() - ref.item()):.3e}")
+    assert abs(loss.item() - ref.item()) < LOSS_TOL
+    worst = worst_gradient_difference(gpt, hf)
+    print(f"worst relative gradient difference {worst:.2e}")
+    assert worst < GRAD_TOL
+
+
+def worst_gradient_difference(gpt, hf) -> float:
+    """Worst per-tensor relative difference of the Megatron model's gradients from the HF model's
+    (converted to Megatron's names)."""
+    hf_grads = {}
+    for key, value in hf.state_dict().items():
+        if key.endswith("layer_scalar"):
+            hf_grads[key] = torch.zeros_like(value)
+            continue
+        p = hf.get_parameter(key)
+        hf_grads[key] = p.grad if p.grad is not None else torch.zeros_like(p)
+    ref_grads, _, _ = hf_to_megatron_state(hf_grads, hf.config)
+    return max(((_grad(p) - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-6)).item()
+               for k, p in gpt.named_parameters())
+
+
+@pytest.mark.parametrize("want_sc", [(True, False), (False, False)])
+def test_sft_loss_and_gradients_equal_brute_force(megatron_single_rank, want_sc):
+    hf, gpt, obj = tiny_models()
     model = DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
     tokens, loss_mask = _batch()
     index = _sample_indices(obj, want_sc)
@@ -131,27 +166,8 @@ def test_sft_loss_and_gradients_equal_brute_force(megatron_single_rank, want_sc)
     out = model(tokens, loss_mask, index)
     out.loss.backward()
     ref = _brute_force_loss(hf, obj, tokens, loss_mask, nb)
-    ref.backward()
-    print(f"SC {want_sc}: megatron loss {out.loss.item():.6f}, brute force {ref.item():.6f}, "
-          f"|diff| {abs(out.loss.item() - ref.item()):.3e}")
-    assert abs(out.loss.item() - ref.item()) < LOSS_TOL
-
-    hf_grads = {}
-    for key, value in hf.state_dict().items():
-        if key.endswith("layer_scalar"):
-            hf_grads[key] = torch.zeros_like(value)
-            continue
-        p = hf.get_parameter(key)
-        hf_grads[key] = p.grad if p.grad is not None else torch.zeros_like(p)
-    ref_grads, _, _ = hf_to_megatron_state(hf_grads, hf.config)
-    def grad(p):  # without self-conditioning the SC block is skipped (its gradient is exactly 0)
-        return torch.zeros_like(p) if p.grad is None else p.grad
-
-    worst = max(((grad(p) - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-6)).item()
-                for k, p in gpt.named_parameters())
-    print(f"worst relative gradient difference {worst:.2e}")
-    assert worst < GRAD_TOL
-    assert bool(grad(gpt.self_conditioning_mlp.linear_fc1.weight).abs().sum() > 0) == want_sc[0]
+    assert_loss_and_gradients_equal(out.loss, ref, gpt, hf)
+    assert bool(_grad(gpt.self_conditioning_mlp.linear_fc1.weight).abs().sum() > 0) == want_sc[0]
 
 
 def test_prompt_blocks_get_no_noisy_copy(megatron_single_rank):

@@ -2,7 +2,8 @@
 from the static plans alone (`python -m megatron_csbp.bench.packing`).
 
 For one packed sample (documents of a fixed length, or drawn from a length histogram until the
-sequence is full, the last one cut, as Megatron's GPTDataset packs them) and a layout, per rank:
+sequence is full, the last one cut, as Megatron's GPTDataset packs them: `planner.packing`, the
+planner's own rule) and a layout, per rank:
 
 - rows received per layer in forward (backward sends as many gradients back): CP baseline (K/V of
   every other rank's rows, as Megatron's CP: it has no notion of documents), CSBP unpacked (every
@@ -25,53 +26,18 @@ import json
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
 from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, Documents, logical_rows
 from megatron_csbp.layout.packing import block_costs
 from megatron_csbp.layout.rows import PartialMask
-
-
-def read_histogram(path: str) -> Dict[int, float]:
-    """Document-length histogram: JSON {"length": count, ...} or lines "length count"."""
-    with open(path) as f:
-        text = f.read()
-    try:
-        raw = json.loads(text)
-        hist = {int(k): float(v) for k, v in raw.items()}
-    except json.JSONDecodeError:
-        hist = {}
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                parts = line.split()
-                if len(parts) != 2:
-                    raise ValueError(f"--doc-length-histogram {path}:{n}: expected 'length count', got {line!r}")
-                hist[int(parts[0])] = float(parts[1])
-    if not hist or any(k <= 0 or v < 0 for k, v in hist.items()) or sum(hist.values()) <= 0:
-        raise ValueError(f"--doc-length-histogram {path}: lengths must be positive and counts non-negative, not all 0")
-    return hist
+from megatron_csbp.planner.packing import pack_starts, read_histogram
 
 
 def pack_documents(seq_length: int, doc_length: Optional[int] = None, histogram: Optional[Dict[int, float]] = None,
                    seed: int = 0) -> Documents:
-    """One packed sample: documents of `doc_length`, or drawn from `histogram`, the last one cut."""
-    if (doc_length is None) == (histogram is None):
-        raise ValueError("give one of --doc-length or --doc-length-histogram")
-    starts, p = [], 0
-    if doc_length is not None:
-        if doc_length <= 0:
-            raise ValueError(f"--doc-length must be positive, got {doc_length}")
-        starts = list(range(0, seq_length, doc_length))
-    else:
-        lengths = torch.tensor(sorted(histogram), dtype=torch.long)
-        weights = torch.tensor([histogram[int(k)] for k in lengths], dtype=torch.float64)
-        g = torch.Generator().manual_seed(seed)
-        while p < seq_length:
-            starts.append(p)
-            p += int(lengths[torch.multinomial(weights, 1, generator=g)])
-    return Documents(tuple(starts), seq_length)
+    """One packed sample, by the planner's packing rule (`planner.packing.pack_starts`)."""
+    return Documents(pack_starts(seq_length, doc_length, histogram, seed), seq_length)
 
 
 def _received(layout: SequenceLayout, geometry: BlockGeometry, r: int) -> int:

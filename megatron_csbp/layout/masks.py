@@ -151,6 +151,10 @@ class AnchoredGeometry:
             raise ValueError(f"sliding window {self.window} is smaller than --block-size {self.block_size}: "
                              "a draft block must see itself whole")
 
+    #: no geometry-level documents: an anchored row carries its own (`RowMeta.doc_start`); kept so
+    #: code reading `geometry.documents` treats both geometries alike
+    documents = None
+
     def with_window(self, window: Optional[int]) -> "AnchoredGeometry":
         return AnchoredGeometry(self.block_size, window)
 

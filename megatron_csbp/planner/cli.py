@@ -9,6 +9,8 @@ Examples:
       --seq-length 65536 --block-size 32 --gpus 8 --hardware h100
   python -m megatron_csbp.plan --model dflash-drafter-muse-glimmer --objective dflash --dflash-max-anchors 512 \\
       --seq-length 524288 --block-size 16 --gpus 8 --hardware h100   # a DFlash drafter workload
+  python -m megatron_csbp.plan --model qwen3-27b-like --seq-length 262144 --block-size 256 --gpus 16 \
+      --doc-length-histogram docs/benchmarks/sft_doc_lengths.txt   # packed SFT (docs/planner.md)
   python -m megatron_csbp.plan --profile docs/benchmarks/cpu_profile.json   # measure this machine
 """
 from __future__ import annotations
@@ -59,6 +61,12 @@ def parse_args(argv=None):
                    help="dflash: document length the anchors' contexts stop at (default: one document per sequence)")
     w.add_argument("--dflash-vocab-chunk", type=int, default=8192,
                    help="dflash: vocabulary columns per chunk of the streamed loss")
+    w.add_argument("--doc-length", type=int, default=None,
+                   help="packed samples: documents of N tokens (the last one cut at --seq-length)")
+    w.add_argument("--doc-length-histogram", metavar="FILE", default=None,
+                   help="packed samples: document lengths drawn from FILE (JSON {length: count} or "
+                        "'length count' lines) until --seq-length is full (docs/planner.md, 'Packed documents')")
+    w.add_argument("--doc-length-seed", type=int, default=0, help="seed of the --doc-length-histogram draw")
     w.add_argument("--window-exchange", choices=["window", "all"], default="window",
                    help="CSBP sliding-window layers: exchange only the rows inside windows, or every clean row")
     o = p.add_argument_group("output")
@@ -79,12 +87,35 @@ def model_from_args(args):
     return from_megatron_args(args)
 
 
+def _packing(args):
+    """(document starts, summary) of the packed sample the planner counts; (None, None) unpacked."""
+    from megatron_csbp.planner.packing import pack_starts, read_histogram
+
+    if args.doc_length is None and args.doc_length_histogram is None:
+        return None, None
+    if args.doc_length is not None and args.doc_length_histogram is not None:
+        raise ValueError("give one of --doc-length or --doc-length-histogram, not both")
+    if args.objective == "dflash":
+        raise ValueError("--objective dflash: give the drafter's documents with --dflash-doc-length, "
+                         "not --doc-length / --doc-length-histogram")
+    hist = read_histogram(args.doc_length_histogram) if args.doc_length_histogram else None
+    starts = pack_starts(args.seq_length, args.doc_length, hist, args.doc_length_seed)
+    lengths = [b - a for a, b in zip(starts, starts[1:] + (args.seq_length,))]
+    source = (f"--doc-length {args.doc_length}" if hist is None else
+              f"--doc-length-histogram {args.doc_length_histogram}, seed {args.doc_length_seed}")
+    return starts, {"documents": len(starts), "source": source, "longest": max(lengths),
+                    "mean_length": sum(lengths) / len(lengths)}
+
+
 def format_table(result, top: int) -> str:
+    packing = result.get("packing")
+    packed = (f"; packed: {packing['documents']} documents ({packing['source']}), "
+              f"longest {packing['longest']}" if packing else "")
     lines = [f"model: {result['model']}",
              f"objective {result.get('objective', 'bd3lm')}, "
              f"L = {result['seq_length']}, B = {result['block_size']}, {result['gpus']} GPUs "
              f"({result['gpus_per_node']} per node), hardware {result['hardware']}; "
-             f"{result['evaluated']} layouts evaluated, {result['infeasible']} do not fit in memory",
+             f"{result['evaluated']} layouts evaluated, {result['infeasible']} do not fit in memory{packed}",
              "",
              f"{'rank':>4}  {'layout':<44} {'step s':>9} {'tok/s':>9} {'peak GiB':>9} {'attn GiB/GPU':>12}"]
     for i, l in enumerate(result["layouts"][:top]):
@@ -119,14 +150,18 @@ def main(argv=None) -> int:
             raise ValueError(f"missing {', '.join(missing)}")
         model = model_from_args(args)
         hw = load_hardware(args.hardware)
+        documents, packing = _packing(args)
         wl = Workload(args.seq_length, args.block_size, args.global_batch_size, args.window_exchange,
                       2 if args.grad_reduce_in_bf16 else 4, args.logits_bytes, args.loss_chunk_rows,
-                      args.objective, args.dflash_max_anchors, args.dflash_doc_length, args.dflash_vocab_chunk)
+                      args.objective, args.dflash_max_anchors, args.dflash_doc_length, args.dflash_vocab_chunk,
+                      documents)
         if args.objective == "dflash" and not 1 <= args.dflash_max_anchors < args.seq_length:
             raise ValueError(f"--dflash-max-anchors {args.dflash_max_anchors} must be in [1, --seq-length - 1]")
         result = plan(model, wl, args.gpus, args.gpus_per_node, hw, baseline=args.baseline, transports=args.transports,
                       schedules=args.block_ownership, recompute=args.recompute,
                       distributed_optimizer=not args.no_distributed_optimizer)
+        if packing:
+            result["packing"] = packing
     except ValueError as e:
         report(str(e))
         return 2

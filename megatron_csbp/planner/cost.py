@@ -27,7 +27,7 @@ and a reserve.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
@@ -103,6 +103,13 @@ class Workload:
     anchors: int = 512
     doc_length: Optional[int] = None
     vocab_chunk: int = 8192
+    # packed samples (bd3lm): the first position of every document of the sample the planner
+    # counts (`planner.packing.pack_starts`); None: one document per sample
+    documents: Optional[Tuple[int, ...]] = None
+
+    @property
+    def packed(self) -> bool:
+        return self.documents is not None and len(self.documents) > 1
 
     def samples_per_replica(self, dp: int) -> int:
         gb = self.global_batch_size or dp
@@ -393,6 +400,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         raise ValueError(f"--objective must be bd3lm or dflash, got {wl.objective!r}")
     if model.is_drafter:
         raise ValueError(f"{model.name} is a DFlash drafter: plan it with --objective dflash")
+    if wl.packed and model.is_hybrid:  # as the trainer (model/bdlm.py) refuses it
+        raise ValueError(f"--doc-length / --doc-length-histogram: {model.name} has Gated DeltaNet layers, which "
+                         "--reset-attention-mask does not support (their recurrence would carry state across documents)")
     if lay.pp > 1:
         from megatron_csbp.planner.pipeline import estimate_pipelined
         return estimate_pipelined(model, lay, wl, hw, gpus_per_node)
@@ -405,7 +415,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
 
     # ---- per-rank work of the real mask, for each distinct attention window ------------------
     windows = sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
-    work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w) for w in windows}
+    work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w, wl.documents)
+            for w in windows}
     base = work[windows[0]]
     ranks = range(len(base))
     gdn = gdn_rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention) if model.is_hybrid else None
@@ -473,8 +484,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                     per_pass = rows * kv_row * (S - 1)
                     n_coll = 1 if lay.transport == "allgather" else S - 1
                 elif lay.kind == "csbp":
-                    if layer.window is not None and wl.window_exchange == "window":
-                        per_pass = w.exchange_rows * kv_row  # one variable all-to-all, received ~ sent
+                    if (layer.window is not None and wl.window_exchange == "window") or wl.packed:
+                        # one variable all-to-all (the window / packed plan), received ~ sent
+                        per_pass = w.exchange_rows * kv_row
                         n_coll = 1
                     else:
                         per_pass = w.clean_rows * kv_row * (ring - 1)
@@ -489,7 +501,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                         # reference (b): one all-gather of all rows, waited on before any attention;
                         # the dK/dV reduce-scatter waited on
                         exposed = (passes_fwd + 1) * (per_pass / link + lat)
-                    elif lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp"):
+                    elif lay.transport == "ring" and not (lay.kind == "csbp" and (layer.window is not None
+                                                                                   or wl.packed)):
+                        # (CSBP sliding or packed layers take the windowed strategy, one all-to-all)
                         # each shift hides behind the attention on the chunk before it
                         hidden_fwd = attn_fwd * (ring - 1) / ring
                         exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
@@ -535,7 +549,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel))
                 continue
             kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
-            if lay.kind == "csbp" and layer.window is not None and wl.window_exchange == "window":
+            if lay.kind == "csbp" and ((layer.window is not None and wl.window_exchange == "window") or wl.packed):
                 kv_held = w.exchange_rows * kv_row
             else:
                 kv_held = w.kv_rows_gathered * kv_row

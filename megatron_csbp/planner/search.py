@@ -34,6 +34,8 @@ def layout_flags(lay: Layout, wl: Workload) -> List[str]:
           f"--global-batch-size {wl.global_batch_size or lay.dp}", "--bf16"]
     if wl.grad_bytes == 2:
         f.append("--grad-reduce-in-bf16")
+    if wl.packed:  # Megatron's packed-document flags (attention and positions stay inside documents)
+        f += ["--reset-attention-mask", "--reset-position-ids"]
     return f
 
 

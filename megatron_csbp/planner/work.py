@@ -11,6 +11,15 @@ intervals, so the counts are those of the real block-diffusion mask, not an appr
   that no local query sees dropped): what the CPU math kernel computes, masking afterwards;
 - `exchange_rows`: clean rows this rank must receive from its ring in one sliding-window layer
   (the static window plan), vs all other shards of the ring for a full layer.
+
+Packed samples (`documents`: the first position of every document, `planner.packing`): the mask
+is cut to documents as `layout.masks` cuts it (a noisy query sees the piece of its block inside
+its document and its document's clean prefix; clean intervals stop at document edges), BP blocks
+go to ranks by their packed cost as the trainer places them (`layout.packing.block_costs`,
+`RowFeeder.packed_plan`; CSBP keeps the layout's ownership, as the trainer does), and CSBP's clean exchange on every layer moves only the clean rows some
+local query of the same document may see (`layout.exchange.WindowExchangePlan` under documents:
+the union of the local queries' clean intervals less the local clean rows). CP (Megatron's) has no
+notion of documents: it still gathers every other rank's K/V.
 """
 from __future__ import annotations
 
@@ -32,8 +41,15 @@ class RankWork:
     kv_rows_gathered: int  # rows of K/V this rank holds from others after the exchange
 
 
+def _doc_bounds(position: np.ndarray, starts: np.ndarray, L: int) -> Tuple[np.ndarray, np.ndarray]:
+    """[start, end) of each position's document."""
+    i = np.searchsorted(starts, position, side="right") - 1
+    ends = np.append(starts[1:], L)
+    return starts[i], ends[i]
+
+
 def _intervals(position: np.ndarray, is_clean: np.ndarray, B: int, clean_attention: str,
-               window: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+               window: Optional[int], docs=None) -> Tuple[np.ndarray, np.ndarray]:
     block_start = (position // B) * B
     clean_hi = block_start + B if clean_attention == "block_causal" else position + 1
     hi = np.where(is_clean, clean_hi, block_start)
@@ -41,18 +57,38 @@ def _intervals(position: np.ndarray, is_clean: np.ndarray, B: int, clean_attenti
         lo = np.zeros_like(hi)
     else:
         lo = np.maximum(np.where(is_clean, position - window + 1, block_start - (window - 1)), 0)
+    if docs is not None:  # cut to the query's document (masks.clean_key_interval)
+        d_start, d_end = docs
+        hi = np.minimum(hi, d_end)
+        lo = np.minimum(np.maximum(lo, d_start), hi)
     return lo, np.maximum(hi, lo)
 
 
 @lru_cache(maxsize=256)
 def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str, clean_attention: str,
-              window: Optional[int]) -> Tuple[RankWork, ...]:
+              window: Optional[int], documents: Optional[Tuple[int, ...]] = None) -> Tuple[RankWork, ...]:
+    """Per rank of the shard group. `documents`: a packed sample's document starts (None or one
+    document: unpacked). Transient: the rank's row metadata and a length-L difference array
+    (at 256K tokens on 16 CSBP ranks 32K rows and 2 MiB of int64 per rank); with documents also
+    the per-block costs (1K ints at B = 256) and the document starts."""
+    from dataclasses import replace
+
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
 
     L, B = seq_length, block_size
     layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
     kind = layout.kind
+    starts = None
+    if documents is not None and len(documents) > 1:
+        from megatron_csbp.layout.masks import Documents
+        from megatron_csbp.layout.packing import block_costs
+
+        Documents(documents, L)  # validates the starts
+        starts = np.asarray(documents, dtype=np.int64)
+        if kind == "bp":  # the trainer's per-sample cost-balanced ownership (not under CSBP:
+            # moving blocks off their documents' clean shard multiplies the exchange)
+            layout = replace(layout, block_costs=block_costs(Documents(documents, L), B, L))
     out = []
     for r in range(layout.shard_group_size):
         rows = layout.rows(r)
@@ -60,8 +96,14 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
         clean = rows.is_clean.numpy()
         n_noisy = int((~clean).sum())
         n_clean = len(pos) - n_noisy
-        lo, hi = _intervals(pos, clean, B, clean_attention, window)
-        sparse = int((hi - lo).sum()) + B * n_noisy
+        docs = None if starts is None else _doc_bounds(pos, starts, L)
+        lo, hi = _intervals(pos, clean, B, clean_attention, window, docs)
+        if docs is None:
+            sparse = int((hi - lo).sum()) + B * n_noisy
+        else:  # a noisy query sees the piece of its block inside its document
+            bs = (pos[~clean] // B) * B
+            piece = np.minimum(bs + B, docs[1][~clean]) - np.maximum(bs, docs[0][~clean])
+            sparse = int((hi - lo).sum()) + int(piece.sum())
         # clean positions any local query may see (their union): the keys a partial keeps
         diff = np.zeros(L + 1, dtype=np.int64)
         np.add.at(diff, lo, 1)
@@ -79,11 +121,13 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
             dense = n_noisy * B + len(pos) * used_clean
             if kind == "csbp":
                 gathered = L - n_clean
-                if window is None:
+                if window is None and starts is None:
                     exchange = gathered
                 else:
                     need[pos[clean]] = False
                     exchange = int(need.sum())
+                    if starts is not None:
+                        gathered = exchange  # the packed plan's rows are all a rank holds
             else:  # single, bp: every clean key the rank needs is local
                 gathered = exchange = 0
         out.append(RankWork(len(pos), n_noisy, n_clean, sparse, dense, exchange, gathered))
