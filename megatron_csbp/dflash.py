@@ -601,6 +601,7 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     embedding = verifier.get_input_embeddings().weight.detach().float()
     head = verifier.get_output_embeddings().weight.detach().float()
     counts, steps, drafting, cut, uncertain, min_margin = None, 0, 0, [], 0, float("inf")
+    sure_tokens, sure_steps, left = 0, 0, []
     with single_process_megatron():
         drafter, shape = _import_drafter(hf_drafter)
         B = shape.block_size
@@ -632,9 +633,17 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
                 deciding = (slot[None, :] <= runs[v, None] + 1) & blocks["supervised"][v][:, 1:]
                 eps = logit_tolerance * blocks["scale"][v][:, 1:].clamp_min(1.0)
                 margin = blocks["margin"][v][:, 1:]
+                risky = (deciding & (margin <= 2 * eps)).any(dim=1)
                 uncertain += int((deciding & (margin <= 2 * eps)).sum())
                 if deciding.any():
                     min_margin = min(min_margin, float((margin / eps)[deciding].min()))
+                # the blocks up to the first one with an uncertain slot are serving's for sure; from it on,
+                # R = the tokens left go in d drafting steps (T_u in {R - 1, R} tokens, ceil((R - 1) / B) <= d <= R)
+                j = int(risky.nonzero()[0]) if risky.any() else len(v)
+                sure_tokens += sum(replay["tokens"][:j])
+                sure_steps += j
+                if j < len(v):
+                    left.append(replay["left"][j])
             steps += replay["verifier_steps"]
             drafting += replay["drafting_steps"]
             cut += replay["cut"]
@@ -642,8 +651,9 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
         return {"serving_estimate_drafting_blocks": 0}
     acc, tau = acceptance_from_counts(counts)
     D, C = drafting, len(cut)
-    if uncertain:
-        bound = [1.0, float(B)]
+    if uncertain:  # a relaxation over the tokens left after each prompt's first uncertain block
+        bound = [(sure_tokens + sum(r - 1 for r in left)) / (sure_steps + sum(left)),
+                 min(float(B), (sure_tokens + sum(left)) / (sure_steps + sum(-(-(r - 1) // B) for r in left)))]
     else:
         bound = [tau - (C + sum(B - 1 - r for r in cut)) / D, tau - C / D]
     return {"serving_acceptance_per_offset": acc, "serving_expected_acceptance_length": tau,

@@ -368,10 +368,10 @@ def serving_replay(runs, prompt_length: int, new_tokens: int, block_size: int) -
     and adds its own token, cut to r: min(run + 1, r) tokens. A block is cut (censored) when
     run >= r (then run == r, r <= B - 1: its later slots lie past y and were never compared).
 
-    Returns the visited anchors (indices i), the verifier steps, drafting steps and the cut blocks'
-    r. O(N) ints per prompt."""
+    Returns the visited anchors (indices i), the verifier steps, drafting steps, the cut blocks'
+    r, and per visited block its tokens and the tokens left before it (r). O(N) ints per prompt."""
     end = prompt_length + new_tokens
-    length, steps, visited, cut = prompt_length + 1, 1, [], []
+    length, steps, visited, cut, tokens, left = prompt_length + 1, 1, [], [], [], []
     while length < end:
         steps += 1
         r = end - length
@@ -383,7 +383,10 @@ def serving_replay(runs, prompt_length: int, new_tokens: int, block_size: int) -
         if run > min(block_size - 1, r):
             raise ValueError(f"run {run} at anchor {i} exceeds the block's compared slots")
         visited.append(i)
+        left.append(r)
         if run >= r:
             cut.append(r)
-        length += min(run + 1, r)
-    return {"visited": visited, "verifier_steps": steps, "drafting_steps": len(visited), "cut": cut}
+        tokens.append(min(run + 1, r))
+        length += tokens[-1]
+    return {"visited": visited, "verifier_steps": steps, "drafting_steps": len(visited), "cut": cut,
+            "tokens": tokens, "left": left}
