@@ -652,7 +652,7 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     acc, tau = acceptance_from_counts(counts)
     D, C = drafting, len(cut)
     if uncertain:  # a relaxation over the tokens left after each prompt's first uncertain block
-        bound = [(sure_tokens + sum(r - 1 for r in left)) / (sure_steps + sum(left)),
+        bound = [max(1.0, (sure_tokens + sum(r - 1 for r in left)) / (sure_steps + sum(left))),
                  min(float(B), (sure_tokens + sum(left)) / (sure_steps + sum(-(-(r - 1) // B) for r in left)))]
     else:
         bound = [tau - (C + sum(B - 1 - r for r in cut)) / D, tau - C / D]
