@@ -82,3 +82,35 @@ def test_censored_estimate_bound_by_hand():
     assert lo - 1e-12 <= measured <= hi + 1e-12, (lo, measured, hi)
     # Kaplan-Meier's tau: a = [3/4, 3/3, 1/2 (the cut block leaves the risk set), 1/1]: 1 + 3/4 + 3/4 + 3/8 + 3/8
     assert math.isclose(tau, 3.25) and math.isclose(measured, 2.75)
+
+
+def test_evaluate_measured_acceptance_within_the_estimate_bound(tmp_path):
+    """`dflash evaluate` on a tiny verifier (vocabulary 8, so a random drafter is sometimes right)
+    and a random muse_glimmer_assistant drafter: transformers' greedy DFlash decoding measured,
+    the training-time estimator on the same outputs at serving's anchors; no slot within the
+    logit tolerance, so the bound is the point tau - C / D = tau (no cut block here) and the
+    replay predicts the verifier and drafter calls exactly."""
+    import numpy as np
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from megatron_csbp.dflash import main
+    from tests.test_dflash_features import _indexed
+    from tests.test_dflash_import import _save_drafter
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+    Qwen3ForCausalLM(cfg).save_pretrained(str(tmp_path / "v"))
+    _save_drafter(str(tmp_path / "d"), seed=0)  # block 4, mask 4, target layers 0 and 2
+    g = np.random.RandomState(0)
+    _indexed(str(tmp_path / "data"), [list(g.randint(0, 8, size=12)) for _ in range(6)])
+    r = main(["evaluate", "--verifier", str(tmp_path / "v"), "--drafter", str(tmp_path / "d"), "--prompts-data-path",
+              str(tmp_path / "data"), "--eval-sequences", "6", "--prompt-length", "6", "--max-new-tokens", "21"])
+    print({k: v for k, v in r.items() if k != "outputs"})
+    assert r["identical"] is True and r["uncertain_slots"] == 0
+    assert r["serving_estimate_verifier_steps"] == r["verifier_steps"]
+    assert r["serving_estimate_drafting_blocks"] == r["drafting_steps"] > 0
+    lo, hi = r["measured_acceptance_length_bound"]
+    # the bound is exact up to the float rounding of tau's product of ratios (a few ulps)
+    assert lo - 1e-12 <= r["measured_acceptance_length"] <= hi + 1e-12
+    assert r["serving_expected_acceptance_length"] > 1.0  # some drafts accepted: the check is not vacuous
