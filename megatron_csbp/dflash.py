@@ -593,7 +593,8 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     [tau - (C + sum_c (B - 1 - r_c)) / D, tau - C / D] (D drafting blocks, C of them cut at r_c
     tokens by --max-new-tokens), valid when no deciding slot has a top-2 logit margin within
     2 eps, eps = logit_tolerance x max(1, max |logit|) (the numeric gap between this forward and
-    serving's); otherwise [1, B]."""
+    serving's); otherwise a relaxation over the tokens left after each prompt's first uncertain
+    block (docs/dflash.md)."""
     from megatron_csbp.conversion.checkpoint import single_process_megatron
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashTrainingModel
@@ -610,6 +611,9 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
         for prompt, y in zip(prompts, outputs):
             P, L = len(prompt), len(y)
             N = L - P
+            if N < 2:  # the prefill step alone: nothing drafted
+                steps += N
+                continue
             tokens = torch.as_tensor(y, dtype=torch.long)
             feats = capture_sequence(verifier, np.asarray(y), np.zeros(L, dtype=np.int64), shape.target_layer_ids)
             # every position of the continuation is an anchor (max_anchors >= L: all valid ones drawn)
@@ -618,9 +622,6 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
             loss_mask = (torch.arange(L) >= P).long()
             blocks = model(torch.from_numpy(feats), tokens, loss_mask, with_acceptance=True
                            ).metrics["acceptance_blocks"]
-            if N < 2:  # prefill and at most one step: nothing drafted
-                steps += min(N, 2)
-                continue
             if blocks["anchors"].tolist() != list(range(P, L - 1)):
                 raise RuntimeError(f"expected a block at every anchor {P}..{L - 2}, got {blocks['anchors'].tolist()}")
             right = blocks["right"][:, 1:].long()
