@@ -24,3 +24,7 @@ def test_dflash_example_end_to_end(tmp_path):
     # every verifier step yields at least its own token; drafted tokens only add to that
     assert ev["tokens_per_step"] >= 1.0 and ev["verifier_steps"] <= ev["verifier_steps_alone"]
     assert report["drafter_history"]["step"] == 20
+    # the measured acceptance length within the bound derived from the estimator on the same
+    # documents at serving's anchors (docs/dflash.md)
+    lo, hi = ev["measured_acceptance_length_bound"]
+    assert lo - 1e-12 <= ev["measured_acceptance_length"] <= hi + 1e-12

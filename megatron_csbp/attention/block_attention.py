@@ -92,7 +92,8 @@ class AttentionPlan:
         With packed documents every layer takes the windowed strategy: its exchange moves only
         the clean rows inside some local query's interval, and a document cuts the intervals
         (other documents' clean rows never move)."""
-        if window is None and self.geometry.documents is None:
+        # (DFlash's AnchoredGeometry has no documents: its blocks carry their own document starts)
+        if window is None and getattr(self.geometry, "documents", None) is None:
             return self.strategy
         return self.window_strategy
 

@@ -419,14 +419,21 @@ class DFlashTrainingModel(torch.nn.Module):
         num, den, metrics = self.objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
                                                       sup.view(-1, B), reduce=self._reduce)
         if with_acceptance:  # this rank's blocks: metrics["acceptance_counts"], summed over blocks
-            from megatron_csbp.objectives.dflash import acceptance_counts, streamed_argmax
+            # and, per block of this rank, metrics["acceptance_blocks"]: anchors [A], right / supervised
+            # [A, B] and the top-2 logit margin and logit scale [A, B] of each slot (0 where unsupervised)
+            from megatron_csbp.objectives.dflash import acceptance_counts, streamed_top2
 
             pred = torch.full_like(targets, -1)
+            margin = torch.zeros(len(targets), dtype=torch.float32, device=device)
+            scale = torch.zeros_like(margin)
             if len(idx):
-                pred[idx] = streamed_argmax(hidden.index_select(0, idx).detach(), self.lm_head,
-                                            self.objective.vocab_chunk)
-            metrics = dict(metrics, acceptance_counts=acceptance_counts((pred == targets).view(-1, B).cpu(),
-                                                                         sup.view(-1, B).cpu()))
+                pred[idx], margin[idx], scale[idx] = streamed_top2(hidden.index_select(0, idx).detach(), self.lm_head,
+                                                                   self.objective.vocab_chunk)
+            right = (pred == targets).view(-1, B).cpu()
+            metrics = dict(metrics, acceptance_counts=acceptance_counts(right, sup.view(-1, B).cpu()),
+                           acceptance_blocks={"anchors": mine.anchors.cpu(), "right": right & sup.view(-1, B).cpu(),
+                                              "supervised": sup.view(-1, B).cpu(),
+                                              "margin": margin.view(-1, B).cpu(), "scale": scale.view(-1, B).cpu()})
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)

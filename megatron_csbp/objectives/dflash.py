@@ -311,19 +311,6 @@ def streamed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: to
 
 # ---- training-time acceptance ----------------------------------------------------------------------
 
-def streamed_argmax(hidden: torch.Tensor, head: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """[n] argmax over the vocabulary of hidden [n, h] @ head[V, h].T, chunk by chunk (peak extra
-    memory n x chunk; ties go to the lowest id, as torch.argmax)."""
-    best = torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
-    arg = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
-    for lo in range(0, head.shape[0], chunk):
-        logits = (hidden @ head[lo:lo + chunk].T).float()
-        v, i = logits.max(dim=1)
-        better = v > best
-        best, arg = torch.where(better, v, best), torch.where(better, i + lo, arg)
-    return arg
-
-
 def acceptance_counts(correct: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
     """float64 [2, B - 1] of draft blocks (rows of `correct` / `supervised`, bool [A, B]; slot 0
     is the anchor): row 0, for offset k = 1..B-1, the blocks whose slots 1..k are all supervised
@@ -346,3 +333,60 @@ def acceptance_from_counts(counts: torch.Tensor) -> Tuple[list, float]:
     num, den = counts[0], counts[1]
     acc = torch.where(den > 0, num / den.clamp_min(1), torch.zeros_like(num))
     return acc.tolist(), float(1.0 + torch.cumprod(acc, 0).sum())
+
+
+def streamed_top2(hidden: torch.Tensor, head: torch.Tensor, chunk: int = 8192):
+    """(argmax [n], margin [n], scale [n]) of the logits hidden [n, h] @ head[V, h].T, chunk by chunk:
+    the margin is the top logit minus the runner-up (how far a numeric perturbation of the logits
+    must go to flip the argmax: more than margin / 2 on some logit), the scale max_v |logit_v|.
+    Peak extra memory n x chunk."""
+    n = hidden.shape[0]
+    top = torch.full((n, 2), float("-inf"), dtype=torch.float32, device=hidden.device)
+    ids = torch.zeros((n, 2), dtype=torch.long, device=hidden.device)
+    scale = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    for lo in range(0, head.shape[0], chunk):
+        logits = (hidden @ head[lo:lo + chunk].T).float()
+        scale = torch.maximum(scale, logits.abs().max(dim=1).values)
+        v, i = logits.topk(min(2, logits.shape[1]), dim=1)
+        v, i = torch.cat([top, v], dim=1), torch.cat([ids, i + lo], dim=1)
+        # stable sort by value (descending): among equal logits the earlier (lower) id stays first, as argmax
+        order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :2]
+        top, ids = v.gather(1, order), i.gather(1, order)
+    return ids[:, 0], top[:, 0] - top[:, 1], scale
+
+
+def serving_replay(runs, prompt_length: int, new_tokens: int, block_size: int) -> dict:
+    """Greedy DFlash decoding as transformers 5.24 runs it (`_assisted_decoding` with
+    `DFlashTokenCandidateGenerator`), replayed from the drafter's right runs on the final output.
+
+    The output y (prompt P tokens + N new) is the verifier's greedy continuation (verification is
+    exact); `runs[i]` is the number of leading draft slots (1, 2, ...) of the block anchored at
+    position P + i that equal y (i = 0 .. N - 2; slots past y are not compared). Serving: the
+    prefill step yields y[P]; then, with `length` tokens so far and r = P + N - length left: if
+    r == 1 the verifier steps alone (the generator drafts nothing when max_length - length - 1 <= 0),
+    else the drafter drafts the block anchored at length - 1, the verifier accepts the right run
+    and adds its own token, cut to r: min(run + 1, r) tokens. A block is cut (censored) when
+    run >= r (then run == r, r <= B - 1: its later slots lie past y and were never compared).
+
+    Returns the visited anchors (indices i), the verifier steps, drafting steps, the cut blocks'
+    r, and per visited block its tokens and the tokens left before it (r). O(N) ints per prompt."""
+    end = prompt_length + new_tokens
+    length, steps, visited, cut, tokens, left = prompt_length + 1, 1, [], [], [], []
+    while length < end:
+        steps += 1
+        r = end - length
+        if r == 1:
+            length += 1
+            continue
+        i = length - 1 - prompt_length
+        run = int(runs[i])
+        if run > min(block_size - 1, r):
+            raise ValueError(f"run {run} at anchor {i} exceeds the block's compared slots")
+        visited.append(i)
+        left.append(r)
+        if run >= r:
+            cut.append(r)
+        tokens.append(min(run + 1, r))
+        length += tokens[-1]
+    return {"visited": visited, "verifier_steps": steps, "drafting_steps": len(visited), "cut": cut,
+            "tokens": tokens, "left": left}
