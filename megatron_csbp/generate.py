@@ -105,24 +105,19 @@ def _check_range(p, ids: np.ndarray, vocab_size: int) -> None:
 
 
 def _diffusion_gemma_shape(load: str, step: Optional[int]):
-    """(shape, checkpoint dir) when `load` holds a DiffusionGemma, else None."""
-    from megatron_csbp.conversion.checkpoint import find_shape_file, resolve_checkpoint_dir
-    from megatron_csbp.model.families import ModelShape
+    """(checkpoint, its folder) when `load` holds a DiffusionGemma, else None (the one checkpoint
+    reader, `model.checkpoint.read_checkpoint_model`, decides what the folder holds)."""
+    from megatron_csbp.model.checkpoint import read_checkpoint_model
 
     try:
-        ckpt = resolve_checkpoint_dir(load)
-        if step is not None:
-            from megatron_csbp.training.checkpointing import iteration_dir
-
-            ckpt = iteration_dir(load, step)
-        with open(find_shape_file(load, ckpt)) as f:
-            shape = ModelShape.from_json(f.read())
+        info = read_checkpoint_model(load, step)
+        shape = info.shape
     except (FileNotFoundError, ValueError):
         return None
-    return (shape, ckpt) if shape.family == "diffusion_gemma" else None
+    return (shape, info) if shape.family == "diffusion_gemma" else None
 
 
-def run_diffusion_gemma(p, a, shape, ckpt: str) -> np.ndarray:
+def run_diffusion_gemma(p, a, shape, info) -> np.ndarray:
     from megatron_csbp.conversion.checkpoint import load_gpt_model, single_process_megatron
     from megatron_csbp.generation import diffusion_gemma as dg
 
@@ -146,14 +141,14 @@ def run_diffusion_gemma(p, a, shape, ckpt: str) -> np.ndarray:
     _check_range(p, ids, shape.vocab_size)
     dtype = getattr(torch, a.dtype)
     with single_process_megatron():
-        model, _ = load_gpt_model(ckpt, params_dtype=dtype)
+        model, _ = load_gpt_model(info, params_dtype=dtype)
         model.eval()
         sampler = dg.DiffusionGemmaSampler(model, dg.canvas_length(shape))
         torch.manual_seed(a.seed)
         out = sampler.generate(torch.from_numpy(ids), config, a.max_new_tokens)
     new = a.max_new_tokens if a.max_new_tokens is not None else out.shape[1] - ids.shape[1]
     out = out[:, : ids.shape[1] + new].numpy()
-    print(f"[checkpoint {ckpt}; DiffusionGemma, canvas {sampler.C}, {sampler.forward_calls} forward calls, "
+    print(f"[checkpoint {info.path}; DiffusionGemma, canvas {sampler.C}, {sampler.forward_calls} forward calls, "
           f"denoising steps per row {sampler.denoising_steps.tolist()}]")
     if tok is not None:
         for row in out:

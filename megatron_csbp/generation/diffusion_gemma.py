@@ -207,9 +207,9 @@ class DiffusionGemmaSampler:
 
 def assets_dir(load: str) -> Optional[str]:
     """The `hf_assets/` folder saved with a converted (or trained) checkpoint, if any."""
-    from megatron_csbp.conversion.checkpoint import ASSETS_DIR, resolve_checkpoint_dir
+    from megatron_csbp.model.checkpoint import ASSETS_DIR, read_checkpoint_model
 
-    for d in (load, resolve_checkpoint_dir(load)):
+    for d in (load, read_checkpoint_model(load).path):
         p = os.path.join(d, ASSETS_DIR)
         if os.path.isdir(p):
             return p
