@@ -34,6 +34,8 @@ setup(
         "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.27"],
         "megatron-lm": ["six", "flask-restful", "tiktoken", "einops", "triton"],
         "dflash-tp": ["accelerate"],
+        # Megatron's --wandb-project / --wandb-exp-name logging (imported only when asked for)
+        "wandb": ["wandb"],
         # NVIDIA apex is a from-source build (see docs/install.md); the PyPI "apex" is unrelated.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },

@@ -156,14 +156,14 @@ def test_slurm_job_name_and_refused_job_dir(tmp_path, capsys):
 
 def test_placeholders_named_and_refused_for_a_local_launch(capsys):
     path = os.path.join(ROOT, "examples", "recipes", "qwen3_27b_256k_csbp.yaml")
-    assert placeholders(load_recipe(path)) == ["data.data_path", "objective.mask_token_id",
+    assert placeholders(load_recipe(path)) == ["data.data_path", "objective.mask_token_id", "training.load",
                                                "launch.slurm.partition", "launch.slurm.account"]
     assert placeholders(load_recipe(CPU_DEMO)) == []
     # a local launch (one node) with placeholders starts nothing and names them
     one_node = ["--nnodes", "1", "context_parallel_size=4", "block_parallel_size=4"]  # TP 2 x CP 4 = 8
     assert main([path, *one_node]) == 2
     err = capsys.readouterr().err
-    assert ("fill the REPLACE_ME placeholders data.data_path, objective.mask_token_id, "
+    assert ("fill the REPLACE_ME placeholders data.data_path, objective.mask_token_id, training.load, "
             "launch.slurm.partition, launch.slurm.account") in err
     assert main([path, *one_node, "--dry-run"]) == 0  # prints the command, warns by name
     assert "placeholders to fill before launch: data.data_path" in capsys.readouterr().err

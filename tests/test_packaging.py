@@ -14,7 +14,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 #: modules that are imported only where their feature is used, and the extra that installs them
 EXTRA_OF = {"nemo_run": "launch", "flash_attn": "gpu", "transformer_engine": "gpu", "matplotlib": "test",
-            "accelerate": "dflash-tp"}
+            "accelerate": "dflash-tp", "wandb": "wandb"}
 #: Megatron-LM's training package (not on a registry: docs/megatron-lm.md) and its scripts
 NOT_ON_A_REGISTRY = {"pretrain_gpt", "megatron.training", "gpt_builders", "model_provider"}
 #: import name -> distribution name where they differ and packages_distributions() may not know

@@ -176,7 +176,15 @@ def checkpoint_shape(root: Optional[str], iteration=None):
     if not root or not os.path.isdir(root):
         return None
     if iteration is None and read_tracker(root) is None:
-        return None  # nothing saved yet
+        # Nothing saved yet. A shape file alone in `root` still names the model to build (a recipe
+        # validated against a released model's shape; a run that starts from that architecture).
+        p = os.path.join(root, SHAPE_FILE)
+        if not os.path.isfile(p):
+            return None
+        from megatron_csbp.model.families import ModelShape
+
+        with open(p) as f:
+            return ModelShape.from_json(f.read())
     try:
         return read_checkpoint_model(root, iteration).file_shape
     except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
