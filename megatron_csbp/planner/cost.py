@@ -405,7 +405,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                          "--reset-attention-mask does not support (their recurrence would carry state across documents)")
     if lay.pp > 1:
         from megatron_csbp.planner.pipeline import estimate_pipelined
-        return estimate_pipelined(model, lay, wl, hw, gpus_per_node)
+        return estimate_pipelined(model, lay, wl, hw, gpus_per_node, baseline)
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12

@@ -42,7 +42,9 @@ def boundary_bytes(model: ModelConfig, lay, wl, hw: HardwareProfile) -> int:
     return int(rows * model.hidden_size * hw.dtype_bytes / lay.tp)
 
 
-def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_per_node: int):
+def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_per_node: int, baseline=None):
+    """A PP layout's step: each stage's layers estimated as a PP-1 layout (charged by `baseline`,
+    `cost.estimate`'s), plus the 1F1B bubble, in-flight activations and P2P."""
     from megatron_csbp.planner.cost import Estimate, Workload, _step_terms, _spans_nodes, estimate
 
     pp = lay.pp
@@ -57,7 +59,7 @@ def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_pe
     for s, layers in enumerate(stage_layers(model, pp)):
         first, last = s == 0, s == pp - 1
         stage_model = replace(model, layers=layers)
-        e = estimate(stage_model, flat, one, hw, gpus_per_node)
+        e = estimate(stage_model, flat, one, hw, gpus_per_node, *([baseline] if baseline is not None else []))
         t = {k: v for k, v in e.time.items() if k not in ("grad_reduce_exposed", "optimizer")}
         if not last:
             t["output_layer"] = 0.0
