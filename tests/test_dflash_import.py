@@ -106,6 +106,7 @@ def _train(rank, world, argv):
     return main(argv)["history"]
 
 
+@pytest.mark.slow  # suite budget: the import round trip and parity test stays default
 def test_imported_drafter_trains_under_csbp_and_decodes_with_transformers(imported, tmp_path):
     from megatron_csbp.dflash import main
 

@@ -111,6 +111,7 @@ def test_default_run_exports_to_llama_and_scores_the_same(corpus, tmp_path):
     assert "--qk-layernorm" not in flags
 
 
+@pytest.mark.slow  # suite budget: the default-run export (Llama) stays default
 def test_tp2_qk_layernorm_run_exports_to_qwen3(tmp_path):
     save = str(tmp_path / "ckpt")
     argv = TINY + ["--tensor-model-parallel-size", "2", "--qk-layernorm", "--norm-epsilon", "1e-6", "--kv-channels",
@@ -121,6 +122,7 @@ def test_tp2_qk_layernorm_run_exports_to_qwen3(tmp_path):
     assert "--qk-layernorm" in flags and "--norm-epsilon 1e-06" in flags
 
 
+@pytest.mark.slow  # suite budget: the default-run export (Llama) stays default
 def test_ep2_moe_run_exports_to_mixtral(tmp_path):
     """A flag-built MoE trained with its experts split over 2 ranks (EP 2) exports as Mixtral
     (Megatron's top-k-then-softmax router is Mixtral's softmax-then-renormalised top-k)."""

@@ -135,6 +135,7 @@ def _kill_a_rank_and_restart(tmp_path, nproc, extra, reference_losses):
     assert second == {i: reference_losses[i] for i in second}, "the restarted run must continue the curve exactly"
 
 
+@pytest.mark.slow  # suite budget: the SIGTERM resume stays default; the 2-rank kill test is slow too
 def test_killed_rank_restarts_from_last_checkpoint_one_rank(reference, tmp_path):
     _kill_a_rank_and_restart(tmp_path, 1, [], reference)
 

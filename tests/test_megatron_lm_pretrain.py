@@ -136,6 +136,7 @@ def short_documents(tmp_path) -> str:
     return prefix
 
 
+@pytest.mark.slow  # suite budget: test_megatron_lm_hooks checks the flags are accepted and reach the model by default
 def test_pretrain_packed_documents_one_rank_vs_csbp(tmp_path):
     """Megatron's own packed-document flags (refused before issue 22) on a corpus of short
     documents: CSBP's losses equal one rank's (that they differ from the unpacked run, documents no

@@ -70,6 +70,7 @@ def test_warmup_fraction_finetune_no_load_optim_and_retention(tmp_path):
     assert fine["losses"][0] == pytest.approx(fresh["losses"][0], rel=0.5)  # same data, trained weights
 
 
+@pytest.mark.slow  # suite budget (4-rank DP run)
 def test_overlap_flags_give_the_same_losses(tmp_path):
     """DP = 2 with the distributed optimizer: overlapping the gradient reduce-scatter and the
     parameter all-gather changes when collectives run, not what they sum (two addends per element:
@@ -83,6 +84,7 @@ def test_overlap_flags_give_the_same_losses(tmp_path):
     assert os.path.isdir(os.path.join(save, "iter_0000003"))
 
 
+@pytest.mark.slow  # suite budget
 def test_num_workers_read_the_same_batches():
     """--num-workers 2: DataLoader workers read the micro-batches ahead, in the sampler's order; the
     losses are those of reading them in the training process (identical inputs, identical math)."""

@@ -28,6 +28,7 @@ def argv(tmp_path_factory):
     return ARGS.format(prefix=prefix, cache=tmp / "cache").split()
 
 
+@pytest.mark.slow  # suite budget: tests/test_packing_model.py and test_packing_layouts.py cover the layouts by default
 def test_packed_training_is_layout_invariant_and_differs_from_unpacked(argv):
     one = run_distributed(train_rank, 1, argv + PACKED)[0]["losses"]
     csbp = run_distributed(train_rank, 2, argv + PACKED + ["--context-parallel-size", "2", "--block-parallel-size", "2"])

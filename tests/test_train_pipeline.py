@@ -42,6 +42,7 @@ def _eval_losses(r):
     return [h["eval_loss"] for h in r["history"] if "eval_loss" in h]
 
 
+@pytest.mark.slow  # suite budget: tests/test_pipeline_exactness.py runs PP2 x VP2 by default
 def test_interleaved_pp2_matches_one_rank_and_resumes_under_pp1(one_rank, tmp_path):
     root, ref, ref_eval = one_rank
     assert len(ref) == 4 and ref[-1] < ref[0] and len(ref_eval) == 2
