@@ -220,6 +220,7 @@ def dg_quick_result(tmp_path_factory):
     return result, save(result, str(out), "diffusiongemma_quick", command)
 
 
+@pytest.mark.slow  # suite budget (37 s): test_quick_bench_bytes_match_formulas runs the bench by default
 def test_diffusiongemma_quick_cases_and_losses(dg_quick_result):
     rows = dg_quick_result[0]["rows"]
     assert sorted(r["case"] for r in rows) == sorted(

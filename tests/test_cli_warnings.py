@@ -49,6 +49,7 @@ def _train(argv, cwd):
     return r
 
 
+@pytest.mark.slow  # suite budget (29 s): every command installing the filters is checked by default
 def test_a_short_run_and_its_resume_print_none_of_them(tmp_path):
     for argv in (["--train-iters", "2"], ["--train-iters", "3", "--load", "ckpt"]):  # the resume loads a checkpoint
         r = _train(argv, tmp_path)
