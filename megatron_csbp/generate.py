@@ -123,7 +123,7 @@ def run_diffusion_gemma(p, a, shape, info) -> np.ndarray:
 
     try:
         config = dg.generation_config(
-            dg.assets_dir(a.load), max_denoising_steps=a.max_denoising_steps, entropy_bound=a.entropy_bound,
+            dg.assets_dir(info), max_denoising_steps=a.max_denoising_steps, entropy_bound=a.entropy_bound,
             t_min=a.t_min, t_max=a.t_max, stability_threshold=a.stability_threshold,
             confidence_threshold=a.confidence_threshold,
             eos_token_id=a.eos_token_id if a.eos_token_id is None or len(a.eos_token_id) > 1 else a.eos_token_id[0],

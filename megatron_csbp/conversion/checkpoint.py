@@ -19,13 +19,13 @@ import contextlib
 import os
 import shutil
 import tempfile
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_csbp.compat.cpu import install_cpu_compat
-from megatron_csbp.model.checkpoint import ASSETS_DIR, MODEL_KEY, RELEASE, TRACKER as TRACKER_FILE
+from megatron_csbp.model.checkpoint import ASSETS_DIR, MODEL_KEY, RELEASE, TRACKER as TRACKER_FILE, CheckpointModel
 from megatron_csbp.model.checkpoint import load_checkpoint_model, load_model_weights  # noqa: F401  (re-exported)
 from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 
@@ -89,7 +89,8 @@ def save_gpt_model(model, shape: ModelShape, output: str, assets_from: Optional[
     return ckpt_dir
 
 
-def load_gpt_model(load: str, params_dtype: Optional[torch.dtype] = None, block_diffusion: bool = True,
+def load_gpt_model(load: Union[str, CheckpointModel], params_dtype: Optional[torch.dtype] = None,
+                   block_diffusion: bool = True,
                    **config_overrides):
     """The checkpoint's model (converted or trainer-written, any layout) built under the current
     parallel state with its weights: `megatron_csbp.model.checkpoint.load_checkpoint_model`.

@@ -205,11 +205,12 @@ class DiffusionGemmaSampler:
         return input_ids
 
 
-def assets_dir(load: str) -> Optional[str]:
-    """The `hf_assets/` folder saved with a converted (or trained) checkpoint, if any."""
-    from megatron_csbp.model.checkpoint import ASSETS_DIR, read_checkpoint_model
+def assets_dir(info) -> Optional[str]:
+    """The `hf_assets/` folder saved with a converted (or trained) checkpoint, if any (`info`: the
+    checkpoint `model.checkpoint.read_checkpoint_model` already read)."""
+    from megatron_csbp.model.checkpoint import ASSETS_DIR
 
-    for d in (load, read_checkpoint_model(load).path):
+    for d in (info.root, info.path):
         p = os.path.join(d, ASSETS_DIR)
         if os.path.isdir(p):
             return p
