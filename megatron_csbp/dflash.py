@@ -34,10 +34,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_csbp.data.features import FEATURE_FORMAT, META, FeatureDataset  # noqa: F401 (FeatureDataset: this CLI's API)
 from megatron_csbp.utils.cli import ArgumentParser, run
 
-META = "meta.json"
-FEATURE_FORMAT = 1
 
 
 # ---- feature capture -----------------------------------------------------------------------------
@@ -257,33 +256,6 @@ def prepare_features(a) -> Dict:
         torch.distributed.all_reduce(count)
         done = int(count.item())
     return {"sequences": n, "captured_now": done, "output": a.output}
-
-
-class FeatureDataset:
-    """Captured features, memory-mapped: item i -> dict of [L] / [L, width] arrays (read lazily)."""
-
-    def __init__(self, path: str):
-        meta_path = os.path.join(path, META)
-        if not os.path.exists(meta_path):
-            raise FileNotFoundError(f"--features-path {path} has no {META}: run prepare-features first")
-        self.meta = json.load(open(meta_path))
-        self.path = path
-        n, size = self.meta["num_sequences"], self.meta["shard_size"]
-        self.shards = []
-        for s in range((n + size - 1) // size):
-            d = os.path.join(path, f"shard_{s:05d}")
-            if not os.path.isdir(d):
-                raise FileNotFoundError(f"--features-path {path}: shard {d} is missing (capture incomplete: rerun "
-                                        "prepare-features with the same flags to resume)")
-            self.shards.append({k: np.load(os.path.join(d, f"{k}.npy"), mmap_mode="r")
-                                for k in ("features", "tokens", "loss_mask", "doc_ids")})
-
-    def __len__(self) -> int:
-        return self.meta["num_sequences"]
-
-    def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
-        s, j = divmod(i, self.meta["shard_size"])
-        return {k: v[j] for k, v in self.shards[s].items()}
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -819,6 +791,29 @@ def check_args(a) -> None:
         raise ValueError(f"--logit-tolerance must be > 0, got {a.logit_tolerance}")
     if a.command == "evaluate" and a.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+
+
+def check_trainer_args(args, world_size: int) -> str:
+    """`train`'s argument rules and the shard-group topology for `world_size` ranks (what `launch
+    --check` and `python -m megatron_csbp.train --objective dflash` run; the rules that read the
+    captured features and the verifier run at launch). Returns a summary line."""
+    from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
+
+    args.command = "train"
+    cp, bp = args.context_parallel_size, args.block_parallel_size
+    check_args(args)
+    check_parallel_sizes(cp, bp)
+    seq = shard_group_size(cp, bp)
+    if world_size % seq:
+        raise ValueError(f"world size {world_size} is not divisible by max(--context-parallel-size, "
+                         f"--block-parallel-size) = {seq}")
+    return (f"DFlash drafter, CP {cp} / BP {bp} x DP {world_size // seq}\n"
+            f"  not checked here: --features-path and --verifier contents (read at launch)")
+
+
+def run_trainer(argv: Sequence[str]):
+    """The `train` subcommand (the entry point `python -m megatron_csbp.train --objective dflash` hands over to)."""
+    return main(["train"] + list(argv))
 
 
 def main(argv: Optional[Sequence[str]] = None):

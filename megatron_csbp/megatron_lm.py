@@ -302,6 +302,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.model import builder
+    from megatron_csbp.model.bdlm import wrapper_class
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
 
     from megatron_csbp import pipeline
@@ -342,9 +343,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
                          "hook picks the first padding id) or pass --mask-token-id")
     objective = build_objective(margs)
-    bdlm = objective.model_class()(gpt, objective, build_layout(margs), bps.get_shard_rank(),
-                                   bps.get_clean_ring_group(), margs.attention_transport,
-                                   packing=Packing.of(margs))
+    bdlm = wrapper_class(objective)(gpt, objective, build_layout(margs), bps.get_shard_rank(),
+                                      bps.get_clean_ring_group(), margs.attention_transport,
+                                      packing=Packing.of(margs))
     if config.pipeline_model_parallel_size > 1:
         # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
         # rank's rows cross the stage boundary (megatron_csbp/pipeline.py).

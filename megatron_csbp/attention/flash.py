@@ -41,6 +41,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatron_csbp.attention.flex import derived, flex_attention_partial, lse_dtype
+from megatron_csbp.attention.merge import merge_partials
+from megatron_csbp.attention.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import PartialMask
 
 KEY_COPY_BUDGET = 2.0  # gathered clean keys per call, at most this many x the partial's clean keys
@@ -294,8 +296,6 @@ def flash_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     """One partial: flash-attn varlen calls of the mask's FlashPlan plus `fallback` (FlexAttention)
     for the queries flash cannot take within the key-copy budget, merged by log-sum-exp.
     `flash_fn` defaults to flash_attn.flash_attn_varlen_func."""
-    from megatron_csbp.attention.kernels import MASKED_SCORE, merge_partials
-
     fa = flash_fn if flash_fn is not None else require_flash_attn()
     if flash_fn is None and (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)):
         raise ValueError(f"--attention-kernel flash runs fp16/bf16 on CUDA, got {q.dtype} on {q.device}")

@@ -42,6 +42,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_csbp.attention.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import KeyRows, PartialMask, QueryRows, pair_allowed
 
 FLEX_BLOCK = 128  # flex's default sparse block: tiles of 128 queries x 128 keys
@@ -195,8 +196,6 @@ def flex_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                            softmax_scale: float, *, compile: Optional[str] = "auto"):
     """One partial with FlexAttention. `compile`: 'auto' (inductor on CUDA, eager elsewhere), a
     torch.compile backend name, None for eager flex, or a compiled flex_attention callable."""
-    from megatron_csbp.attention.kernels import MASKED_SCORE  # kernels imports this module lazily
-
     sq, b, H, d = q.shape
     sk, G = k.shape[0], k.shape[2]
     if mask.shape != (sq, sk):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from megatron_csbp.attention.kernels import PartialMerge, merge_partials
+from megatron_csbp.attention.merge import PartialMerge, merge_partials
 from megatron_csbp.attention.transports import (TRANSPORTS, PendingAllToAll, PendingGather, pack_kv, ring_chunks,
                                                 unpack_kv)
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta

@@ -210,3 +210,17 @@ class BlockDiffusionModel(torch.nn.Module):
         """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
         exclude = self.objective.mask_token_id if self.objective.exclude_mask_from_softmax else None
         return weighted_cross_entropy(logits, targets, weights, denominator, exclude_token=exclude)
+
+
+def wrapper_class(objective: Objective) -> type:
+    """The `BlockDiffusionModel` (sub)class `objective` trains: its `model_wrapper` ("module:Class"),
+    else `BlockDiffusionModel`. The objective names it so that `objectives/` never imports `model/`."""
+    if objective.model_wrapper is None:
+        return BlockDiffusionModel
+    import importlib
+
+    module, _, name = objective.model_wrapper.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, BlockDiffusionModel)):
+        raise TypeError(f"--objective {objective.name}: model_wrapper {objective.model_wrapper} is not a BlockDiffusionModel")
+    return cls

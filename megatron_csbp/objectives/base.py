@@ -48,11 +48,11 @@ class Objective:
       same rule functions), construction from the parsed flags (`from_args`);
     - the rows it gives the model (`uses_noisy_stream`, `views`, `rows_per_sample`), its mask
       token needs (`mask_token_needed`, `mask_from_tokenizer`, `check_mask`), the model wrapper it
-      trains (`model_class`) and what evaluation uses (`for_evaluation`);
+      trains (`model_wrapper`) and what evaluation uses (`for_evaluation`);
     - its data (`build_datasets`: mock / pretraining tokens / SFT pairs, or its own, e.g. DFlash
       features) and FLOPs terms (`attention_pairs`, `rows_per_sample`);
     - where it trains: `python -m megatron_csbp.train` (default), or its own trainer
-      (`own_trainer`, `trainer_parser`, `check_trainer_args`, `run_trainer`), and whether the
+      (`own_trainer`, `trainer_module`: its `trainer_parser`, `check_trainer_args`, `run_trainer`), and whether the
       Megatron-LM hooks can train it (`megatron_lm_refusal`).
 
     Subclasses implement `noise` (and `from_args`)."""
@@ -85,6 +85,11 @@ class Objective:
     mask_from_tokenizer = False
     #: the command of the objective's own trainer (None: `python -m megatron_csbp.train` trains it)
     own_trainer: Optional[str] = None
+    #: the module that trainer lives in (`trainer_parser` / `check_trainer_args` / `run_trainer` below)
+    trainer_module: Optional[str] = None
+    #: the model wrapper this objective trains, as "module:Class" (None: `model.bdlm.BlockDiffusionModel`);
+    #: named, not imported, so that objectives never import the model package (`model.bdlm.wrapper_class`)
+    model_wrapper: Optional[str] = None
     #: why the Megatron-LM hooks cannot train it (None: they can)
     megatron_lm_refusal: Optional[str] = None
     #: "adapts ... (why)": it needs a --load checkpoint to start from (None: it trains from scratch too)
@@ -127,11 +132,6 @@ class Objective:
         """This micro-batch's share of the loss denominator (summed over the global batch)."""
         return loss_mask.sum().to(torch.float32)
 
-    def model_class(self):
-        """The `BlockDiffusionModel` (sub)class this objective trains."""
-        from megatron_csbp.model.bdlm import BlockDiffusionModel
-        return BlockDiffusionModel
-
     def for_evaluation(self) -> "Objective":
         """The objective held-out losses use (default: this one)."""
         return self
@@ -167,15 +167,25 @@ class Objective:
         return clean + noisy_in_block
 
     # ---- an objective with a trainer of its own ------------------------------------------------
+    # `trainer_module` names a module with `train_parser()`, `check_trainer_args(args, world_size)
+    # -> str` and `run_trainer(argv)`: named, not imported, so objectives never import a CLI.
+    @classmethod
+    def _trainer(cls):
+        if cls.trainer_module is None:
+            raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
+        import importlib
+
+        return importlib.import_module(cls.trainer_module)
+
     @classmethod
     def trainer_parser(cls):
-        raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
+        return cls._trainer().train_parser()
 
     @classmethod
     def check_trainer_args(cls, args, world_size: int) -> str:
         """Rules of the own trainer's parsed flags for `world_size` ranks; returns a summary line."""
-        raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
+        return cls._trainer().check_trainer_args(args, world_size)
 
     @classmethod
     def run_trainer(cls, argv: List[str]):
-        raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
+        return cls._trainer().run_trainer(argv)

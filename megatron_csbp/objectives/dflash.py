@@ -122,6 +122,7 @@ class DFlashObjective(Objective):
     flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK)
     mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
     own_trainer = "python -m megatron_csbp.dflash train"
+    trainer_module = "megatron_csbp.dflash"
     megatron_lm_refusal = ("runs in python -m megatron_csbp.dflash train (a drafter trained on captured verifier "
                            "features, not a GPT built from Megatron-LM flags)")
 
@@ -170,38 +171,10 @@ class DFlashObjective(Objective):
     def build_datasets(cls, args):
         """The captured verifier features (`python -m megatron_csbp.dflash prepare-features`); the
         trainer holds out the last --eval-sequences of them."""
-        from megatron_csbp.dflash import FeatureDataset
+        from megatron_csbp.data.features import FeatureDataset
+
         data = FeatureDataset(args.features_path)
         return data, data
-
-    # ---- its own trainer ------------------------------------------------------------------------
-    @classmethod
-    def trainer_parser(cls):
-        from megatron_csbp.dflash import train_parser
-        return train_parser()
-
-    @classmethod
-    def check_trainer_args(cls, args, world_size: int) -> str:
-        """The trainer's argument rules and the shard-group topology (the rules that read the
-        captured features and the verifier run at launch)."""
-        from megatron_csbp.dflash import check_args
-        from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
-
-        args.command = "train"
-        cp, bp = args.context_parallel_size, args.block_parallel_size
-        check_args(args)
-        check_parallel_sizes(cp, bp)
-        seq = shard_group_size(cp, bp)
-        if world_size % seq:
-            raise ValueError(f"world size {world_size} is not divisible by max(--context-parallel-size, "
-                             f"--block-parallel-size) = {seq}")
-        return (f"DFlash drafter, CP {cp} / BP {bp} x DP {world_size // seq}\n"
-                f"  not checked here: --features-path and --verifier contents (read at launch)")
-
-    @classmethod
-    def run_trainer(cls, argv):
-        from megatron_csbp import dflash
-        return dflash.main(["train"] + list(argv))
 
     def slot_weights(self) -> torch.Tensor:
         k = torch.arange(self.block_size, dtype=torch.float32)

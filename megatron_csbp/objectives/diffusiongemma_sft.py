@@ -52,6 +52,7 @@ class DiffusionGemmaSFTObjective(Objective):
     flags = (ENCODER_LOSS_WEIGHT, SELF_CONDITIONING_PROB) + NOISE_FLAGS
     #: the model must also return logits for the clean rows (AR loss)
     needs_clean_logits = True
+    model_wrapper = "megatron_csbp.model.diffusiongemma.sft:DiffusionGemmaSFTModel"
     megatron_lm_refusal = ("runs in python -m megatron_csbp.train (DiffusionGemma is built from a converted "
                            "checkpoint, not from Megatron-LM flags)")
 
@@ -91,10 +92,6 @@ class DiffusionGemmaSFTObjective(Objective):
         return cls(args.block_size, args.vocab_size, seed=args.seed, encoder_loss_weight=ENCODER_LOSS_WEIGHT.value(args),
                    self_conditioning_prob=SELF_CONDITIONING_PROB.value(args), eps_min=NOISE_EPS_MIN.value(args),
                    eps_max=NOISE_EPS_MAX.value(args))
-
-    def model_class(self):
-        from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
-        return DiffusionGemmaSFTModel
 
     @classmethod
     def build_datasets(cls, args):

@@ -360,7 +360,9 @@ def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
         gpt = gpt.to(device)
     shard_rank = bps.get_shard_rank() if bps.is_initialized() else 0
     ring = bps.get_clean_ring_group() if bps.is_initialized() else None
-    cls = objective.model_class()
+    from megatron_csbp.model.bdlm import wrapper_class
+
+    cls = wrapper_class(objective)
     bdlm = cls(gpt, objective, layout, shard_rank=shard_rank, ring_group=ring, transport=a.attention_transport,
                packing=Packing.of(a))
     return TrainableBDLM(config, bdlm)
