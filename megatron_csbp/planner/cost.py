@@ -52,6 +52,7 @@ class Layout:
     schedule: str = "mirrored"
     distributed_optimizer: bool = True
     pp: int = 1  # pipeline stages (planner/pipeline.py)
+    vp: int = 1  # virtual stages (model chunks) per pipeline rank: interleaved 1F1B when > 1
 
     @property
     def shard_group_size(self) -> int:
@@ -68,7 +69,7 @@ class Layout:
     def label(self) -> str:
         parts = [f"DP{self.dp}"]
         if self.pp > 1:
-            parts.append(f"PP{self.pp}")
+            parts.append(f"PP{self.pp}" + (f"xVP{self.vp}" if self.vp > 1 else ""))
         if self.tp > 1:
             parts.append(f"TP{self.tp}")
         if self.ep > 1:
@@ -134,7 +135,7 @@ class Estimate:
     def to_dict(self, flags: List[str]) -> Dict:
         lay = self.layout
         return {
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
+            "tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
             "transport": lay.transport, "schedule": lay.schedule, "label": lay.label(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "peak_memory_gib": self.peak_memory_gib, "attn_bytes_per_gpu": self.attn_bytes_per_gpu,
