@@ -47,3 +47,94 @@ def test_search_offers_pp_and_emits_flags():
     args = parse_args(flags + ["--mock-data", "--vocab-size", "64", "--num-layers", str(model.num_layers)],
                       world_size=8)
     assert args.pipeline_model_parallel_size == 2 and args.num_microbatches == 4 // args.data_parallel_size
+
+
+# ---- interleaved 1F1B (virtual stages) ----------------------------------------------------------
+
+@pytest.mark.parametrize("P,V,m", [(2, 2, 4), (2, 4, 8), (4, 2, 8), (4, 5, 4)])
+def test_interleaved_bubble_closed_form(P, V, m):
+    """Megatron's interleaved schedule: bubble (P - 1) / (V m) of the ideal time, V x the P2P hops,
+    first-rank activations P (1 + (P - 1) / (P V)) micro-batches' worth (its memory penalty)."""
+    from megatron_csbp.planner.pipeline import in_flight_chunks
+
+    model, hw = load_preset("llama-70b-like"), PRESETS["h200"]  # 80 identical layers
+    wl = Workload(8192, 64, global_batch_size=m)
+    one = estimate(model, Layout(8, 1, 1, 1, 1, "full", pp=P), wl, hw, 8)
+    vp = estimate(model, Layout(8, 1, 1, 1, 1, "full", pp=P, vp=V), wl, hw, 8)
+    rest = one.time["grad_reduce_exposed"] + one.time["optimizer"]
+    assert vp.time["grad_reduce_exposed"] + vp.time["optimizer"] == pytest.approx(rest, rel=1e-12)
+    # 1F1B: (m + P - 1) slots of the slowest rank's micro-batch time t1 (p2p: 2 hops a micro-batch)
+    t1 = (one.step_time_s - rest) / (m + P - 1)
+    hop = one.time["p2p_exposed"] / (m + P - 1)
+    # same layers per rank (identical layers; embedding on rank 0, output layer on rank P-1):
+    # only the P2P differs, V times the hops
+    tV = t1 - hop + V * hop
+    ideal = m * tV
+    assert vp.step_time_s - rest == pytest.approx(ideal * (1 + (P - 1) / (V * m)), rel=1e-9)
+    assert vp.time["pipeline_bubble"] == pytest.approx(ideal * (P - 1) / (V * m), rel=1e-9)
+    assert vp.pipeline["bubble_fraction"] == pytest.approx((P - 1) / V / (m + (P - 1) / V), rel=1e-12)
+    assert vp.pipeline["schedule"] == "interleaved 1F1B" and vp.pipeline["virtual_stages"] == V
+    flights = vp.pipeline["in_flight_micro_batches"]
+    assert flights[0] == pytest.approx(min(P * (1 + (P - 1) / (P * V)), m))  # Megatron's penalty
+    assert flights[-1] == pytest.approx(min(((V - 1) * P + 1) / V, m))
+    assert in_flight_chunks(0, m, P, V) <= m * V
+    assert vp.attn_bytes_per_gpu == one.attn_bytes_per_gpu
+
+
+def test_interleaving_rules_named():
+    model, hw = load_preset("llama-70b-like"), PRESETS["h200"]
+    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size 4"):
+        estimate(model, Layout(8, 1, 1, 1, 1, "full", pp=4, vp=2), Workload(8192, 64, global_batch_size=6), hw, 8)
+    with pytest.raises(ValueError, match="--num-virtual-stages-per-pipeline-rank 3 must divide the 40 layers"):
+        estimate(model, Layout(8, 1, 1, 1, 1, "full", pp=2, vp=3), Workload(8192, 64, global_batch_size=4), hw, 8)
+
+
+def test_search_chooses_interleaving_where_the_bubble_costs_more_than_its_hops():
+    from megatron_csbp.planner.search import plan
+
+    model = load_preset("llama-70b-like")  # 80 layers: PP 2 x VP 2 / 4 admissible
+    r = plan(model, Workload(32768, 256, global_batch_size=8), 16, 8, PRESETS["h200"], pipelines=(2,),
+             transports=("ring",), recompute=("full",))
+    best = r["best"]
+    assert best["pp"] == 2 and best["vp"] == 4 and "PP2xVP4" in best["label"]
+    flat = next(l for l in r["layouts"] if l["vp"] == 1 and l["tp"] == best["tp"] and l["cp"] == best["cp"]
+                and l["bp"] == best["bp"])
+    assert best["step_time_s"] < flat["step_time_s"]
+    assert "--num-layers-per-virtual-pipeline-stage 10" in " ".join(best["flags"])
+    # at 3 micro-batches (not a multiple of PP 2) the trainer refuses interleaving: none offered
+    r3 = plan(model, Workload(32768, 256, global_batch_size=3), 16, 8, PRESETS["h200"], pipelines=(2,),
+              transports=("ring",), recompute=("full",))
+    assert r3["evaluated"] and all(l["vp"] == 1 for l in r3["layouts"])
+
+
+def test_search_keeps_plain_1f1b_where_the_extra_hops_cost_more():
+    """A tiny model: a micro-batch's compute is microseconds, each extra P2P hop 2 x 20 us of latency."""
+    from dataclasses import replace
+
+    from megatron_csbp.planner.search import plan
+
+    tiny = load_preset("cpu-bench-tiny")
+    model = replace(tiny, layers=tiny.layers * 4)  # 8 layers: PP 2 x VP 2 / 4 admissible
+    r = plan(model, Workload(256, 16, global_batch_size=8), 8, 8, PRESETS["h200"], pipelines=(2,))
+    assert any(l["vp"] > 1 for l in r["layouts"])  # offered ...
+    assert r["best"]["pp"] == 2 and r["best"]["vp"] == 1  # ... not chosen
+    assert "--num-layers-per-virtual-pipeline-stage" not in " ".join(r["best"]["flags"])
+
+
+def test_interleaved_flags_pass_the_trainers_parser():
+    from dataclasses import replace
+
+    from megatron_csbp.training.arguments import parse_args
+
+    tiny = load_preset("cpu-bench-tiny")
+    model = replace(tiny, layers=tiny.layers * 4)
+    wl = Workload(256, 16, global_batch_size=8)
+    lay = next(l for l in candidate_layouts(model, wl, 8, 8) if l.pp == 2 and l.vp == 2 and l.cp == 2 and l.bp == 2)
+    with pytest.raises(ValueError, match="layer count"):
+        layout_flags(lay, wl)
+    flags = " ".join(layout_flags(lay, wl, model.num_layers)).replace("--bf16", "").split()
+    assert flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1] == "2"
+    args = parse_args(flags + ["--mock-data", "--vocab-size", "64", "--num-layers", str(model.num_layers)],
+                      world_size=8)
+    assert args.pipeline_model_parallel_size == 2 and args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_microbatches % 2 == 0

@@ -174,3 +174,36 @@ def test_plan_takes_the_baseline():
     assert cp and all(ref[k]["step_time_s"] > ours[k]["step_time_s"] for k in cp)
     bp = [k for k in ours if "/BP" in k and "/CP" not in k and k in ref]
     assert bp and all(ref[k]["step_time_s"] == ours[k]["step_time_s"] for k in bp)
+
+
+def test_recipe_workload_self_conditioning_and_encoder_loss_are_the_closed_formulas():
+    """The paper's DiffusionGemma recipe (`reference.recipe_workload`): a detached forward of the
+    noisy rows (GEMMs, the noisy queries' half of the pairs, logits + soft embedding over the
+    vocabulary) with probability 1 - (1 - p)^EP per sample, and the clean rows' AR loss."""
+    from megatron_csbp.planner.work import rank_work
+
+    assert R.recipe_workload("diffusiongemma-26b-a4b") == {"self_conditioning_prob": 0.5, "encoder_ar_loss": True}
+    assert R.recipe_workload("nemotron-diffusion-3b") == {}
+    m, hw = load_preset("nemotron-diffusion-3b"), load_hardware("h200")  # dense, every layer full
+    L, B = 16384, 64
+    lay = Layout(1, 4, 4, 1, 2, "full", "allgather")  # CSBP: the detached pass moves nothing
+    plain = estimate(m, lay, Workload(L, B), hw, 8)
+    p = estimate(m, lay, Workload(L, B, self_conditioning_prob=0.5, encoder_ar_loss=True), hw, 8)
+    w = max(rank_work(L, B, 4, 4, "mirrored", m.clean_attention, None), key=lambda x: x.sparse_pairs)
+    peak = hw.peak_tflops * 1e12
+    layer = m.layers[0]
+    gemm = m.num_layers * 2 * m.layer_dense_params(layer) * w.noisy_rows / (peak * hw.gemm_efficiency)
+    attn = m.num_layers * 0.5 * w.sparse_pairs * 4 * layer.num_heads * layer.head_dim / (
+        peak * hw.attention_efficiency)
+    vocab = 4 * w.noisy_rows * m.hidden_size * m.vocab_size / (peak * hw.gemm_efficiency)
+    assert p.time["self_conditioning"] == pytest.approx(0.5 * (gemm + attn + vocab), rel=1e-6)
+    enc = 6 * w.clean_rows * m.hidden_size * m.vocab_size / (peak * hw.gemm_efficiency)
+    assert p.time["output_layer"] - plain.time["output_layer"] == pytest.approx(enc, rel=1e-6)
+    # two EP ranks run it when either of their samples draws it: 1 - (1 - p)^2
+    g = load_preset("diffusiongemma-26b-a4b")
+    e1 = estimate(g, Layout(1, 8, 8, 1, 2, "full"), Workload(L, B, self_conditioning_prob=0.5), hw, 8)
+    e2 = estimate(g, Layout(1, 8, 8, 1, 2, "full"), Workload(L, B, self_conditioning_prob=0.75), hw, 8)
+    assert e2.time["self_conditioning"] / e1.time["self_conditioning"] == pytest.approx(0.75 / 0.5, rel=1e-9)
+    ep2 = estimate(g, Layout(1, 8, 8, 2, 2, "full"), Workload(L, B, self_conditioning_prob=0.5), hw, 8)
+    assert ep2.time["self_conditioning"] > 0 and "self_conditioning" not in estimate(
+        g, Layout(1, 8, 8, 2, 2, "full"), Workload(L, B), hw, 8).time

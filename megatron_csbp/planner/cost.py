@@ -52,6 +52,7 @@ class Layout:
     schedule: str = "mirrored"
     distributed_optimizer: bool = True
     pp: int = 1  # pipeline stages (planner/pipeline.py)
+    vp: int = 1  # virtual stages (model chunks) per pipeline rank: interleaved 1F1B when > 1
 
     @property
     def shard_group_size(self) -> int:
@@ -68,7 +69,7 @@ class Layout:
     def label(self) -> str:
         parts = [f"DP{self.dp}"]
         if self.pp > 1:
-            parts.append(f"PP{self.pp}")
+            parts.append(f"PP{self.pp}" + (f"xVP{self.vp}" if self.vp > 1 else ""))
         if self.tp > 1:
             parts.append(f"TP{self.tp}")
         if self.ep > 1:
@@ -106,6 +107,13 @@ class Workload:
     # packed samples (bd3lm): the first position of every document of the sample the planner
     # counts (`planner.packing.pack_starts`); None: one document per sample
     documents: Optional[Tuple[int, ...]] = None
+    # a DiffusionGemma-native-SFT-style objective (the paper's recipe, `reference.recipe_workload`):
+    # with this probability per sample a detached (no-grad) forward of the noisy rows, whose
+    # logits make soft input embeddings, runs before the trained pass; the EP ranks run it when any
+    # of their samples needs it. 0: none (this project's objectives)
+    self_conditioning_prob: float = 0.0
+    # the clean rows' own autoregressive loss through the output layer (forward and backward)
+    encoder_ar_loss: bool = False
 
     @property
     def packed(self) -> bool:
@@ -134,7 +142,7 @@ class Estimate:
     def to_dict(self, flags: List[str]) -> Dict:
         lay = self.layout
         return {
-            "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
+            "tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
             "transport": lay.transport, "schedule": lay.schedule, "label": lay.label(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "peak_memory_gib": self.peak_memory_gib, "attn_bytes_per_gpu": self.attn_bytes_per_gpu,
@@ -429,14 +437,23 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     link = hw.link_gbps(ring_span_nodes) * 1e9
     ref_cp = lay.kind == "cp" and not baseline.is_ours
     lat = hw.collective_latency_us * 1e-6
+    # expected detached self-conditioning passes per sample: the EP ranks (each its own sample)
+    # run it when any of them draws it (the reference's max over the EP group)
+    self_cond = 1.0 - (1.0 - wl.self_conditioning_prob) ** lay.ep if wl.self_conditioning_prob else 0.0
     per_rank = []
     for r in ranks:
         rows, noisy = base[r].rows, base[r].noisy_rows
         t = dict(gemm=0.0, moe_gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, moe_comm=0.0,
                  elementwise=0.0, output_layer=0.0)
         sent = 0
+        sc = 0.0  # one detached self-conditioning forward of this rank's noisy rows (below)
         for layer in model.layers:
             w = work[layer.window][r]
+            if self_cond:  # its GEMMs: the noisy rows' forward
+                sc += 2 * model.layer_dense_params(layer) / tp * noisy / (peak * hw.gemm_efficiency)
+                if layer.num_experts:
+                    sc += 2 * layer.topk * model.layer_expert_params(layer) / tp * noisy / (
+                        peak * hw.grouped_gemm_efficiency)
             dense_flops = 2 * model.layer_dense_params(layer) / tp * rows
             t["gemm"] += dense_flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
             if layer.num_experts:
@@ -473,9 +490,15 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                     if baseline.contiguous_clean:
                         wf *= contiguous_clean_imbalance(L, B, S)
                     attn_total = attn_fwd * wf * ((1 + (1 if recompute else 0)) / fr + (ATTN_FWD_BWD - 1) / br)
+                    sc_attn = attn_fwd * wf / fr
                 else:
                     attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+                    sc_attn = attn_fwd
                 t["attention"] += attn_total
+                if self_cond:
+                    # the noisy queries' half of the pairs (noisy and clean queries each see
+                    # L (L + B) / 2 pairs of the mask; the layouts balance both over the ranks)
+                    sc += 0.5 * sc_attn
                 # attention traffic (bytes sent by this rank in one pass)
                 kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
                 if lay.kind == "csbp" and layer.kv_shared:
@@ -516,17 +539,35 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                                     / (peak * hw.attention_efficiency))
                         exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
                     t["attn_comm_exposed"] += exposed
+                if self_cond and lay.kind == "cp":
+                    # CP splits every block over its ranks: the detached pass gathers the new noisy
+                    # K/V again (the clean K/V of the trained pass are reused), forward only; the
+                    # reference CP path waits on it, a ring hides it as in a forward pass
+                    sc_pass = noisy * kv_row * (S - 1) / link + lat
+                    if ref_cp and baseline.cp_exposed_allgather or lay.transport != "ring":
+                        sc += sc_pass
+                    else:
+                        sc += max(0.0, sc_pass - 0.5 * attn_fwd * (ring - 1) / ring)
             if tp > 1:
                 tp_bytes = 4 * rows * h * s * (tp - 1) / tp
                 t["tp_comm"] += (passes_fwd + 1) * (tp_bytes / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9)
                                                     + 4 * lat)
             if layer.num_experts and lay.ep > 1:
                 a2a = 2 * rows / tp * layer.topk * h * s * (lay.ep - 1) / lay.ep
-                t["moe_comm"] += (passes_fwd + 1) * (
-                    a2a / (hw.link_gbps(_spans_nodes(tp * lay.ep, gpus_per_node)) * 1e9) + 2 * lat)
+                moe_link = hw.link_gbps(_spans_nodes(tp * lay.ep, gpus_per_node)) * 1e9
+                t["moe_comm"] += (passes_fwd + 1) * (a2a / moe_link + 2 * lat)
+                if self_cond:
+                    sc += a2a * noisy / rows / moe_link + 2 * lat
             t["elementwise"] += (rows * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
                                  * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
         t["output_layer"] = 3 * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
+        if wl.encoder_ar_loss:  # the clean rows' AR loss: the output layer forward and backward
+            t["output_layer"] += 3 * 2 * (rows - noisy) * h * V / tp / (peak * hw.gemm_efficiency)
+        if self_cond:
+            # the detached pass's vocabulary work: logits of the noisy rows and their soft
+            # embedding (probabilities x the tied embedding), each 2 x rows x h x V
+            sc += 2 * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
+            t["self_conditioning"] = self_cond * sc
         per_rank.append((sum(t.values()), t, sent))
     t_sample, t_parts, sent_sample = max(per_rank, key=lambda x: x[0])
 

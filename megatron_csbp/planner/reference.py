@@ -25,6 +25,10 @@ is listed in docs/planner.md):
 (d) DFlash: every CP rank runs every anchor's draft block (draft work replicated), only the context
     is split.
 
+Beside the baseline, the paper's *workload* as its benchmark recipes run it (`recipe_workload`,
+applied by `validate --paper --baseline reference` to CP and CSBP alike): DiffusionGemma's native SFT
+objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss.
+
 Torch-free; every function here is a closed formula (tests/test_planner_reference.py checks them).
 """
 from __future__ import annotations
@@ -71,6 +75,26 @@ class Baseline:
         if head_dim <= 256:
             return FLEX_RATE_256, FLEX_RATE_256, 1.0
         return 1.0, 1.0, None  # head 512: the contiguous-range work factor, from the mask
+
+
+# ---- the workload of the paper's runs, read from its benchmark recipes (not a baseline property:
+# CP and CSBP both run it; `validate --paper --baseline reference` applies it) -------------------
+# benchmarks/recipes/diffusiongemma_26b_sft_256k.yaml: objective `diffusiongemma_native_sft` with
+# `self_conditioning_probability: 0.5` and `encoder_loss_weight: 1.0`. objectives/diffusiongemma.py
+# and objectives/training.py: each sample draws self-conditioning with that probability; the
+# detached decoder pass runs for the EP group's max count (`_synchronize_self_conditioning_
+# execution_count`, a MAX all-reduce over EP), on the decoder (noisy) rows, reusing the clean
+# stream's detached K/V (`_DiffusionGemmaCleanStream.detached`), with the vocabulary logits
+# streamed into soft embeddings (work counts `detached_decoder_rows`, `self_conditioning_
+# vocabulary_rows`); the clean encoder rows carry their own AR loss (`encoder_ar_vocabulary_rows`).
+RECIPE_WORKLOADS = {
+    "diffusiongemma-26b-a4b": {"self_conditioning_prob": 0.5, "encoder_ar_loss": True},
+}
+
+
+def recipe_workload(model_name: str) -> dict:
+    """`Workload` fields of the paper's recipe for the model preset `model_name` ({} if none)."""
+    return dict(RECIPE_WORKLOADS.get(model_name, {}))
 
 
 OURS = Baseline()

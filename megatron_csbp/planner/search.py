@@ -1,6 +1,7 @@
 """Enumerate the layouts a cluster admits and rank them by predicted throughput."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Iterable, List, Optional
 
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
@@ -12,10 +13,15 @@ def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_flags(lay: Layout, wl: Workload) -> List[str]:
-    """Megatron(-LM) flags plus the plugin's, as `python -m megatron_csbp.train` takes them."""
-    f = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}",
-         f"--context-parallel-size {lay.cp}", f"--block-parallel-size {lay.bp}"]
+def layout_flags(lay: Layout, wl: Workload, model_layers: Optional[int] = None) -> List[str]:
+    """Megatron(-LM) flags plus the plugin's, as `python -m megatron_csbp.train` takes them
+    (`model_layers`: the model's layers, needed when the layout interleaves, `lay.vp` > 1)."""
+    if lay.vp > 1 and not model_layers:
+        raise ValueError("an interleaved layout's flags need the model's layer count")
+    f = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
+    if lay.vp > 1:  # Megatron's interleaved 1F1B: layers per model chunk
+        f.append(f"--num-layers-per-virtual-pipeline-stage {model_layers // (lay.pp * lay.vp)}")
+    f += [f"--context-parallel-size {lay.cp}", f"--block-parallel-size {lay.bp}"]
     if lay.ep > 1:
         f.append(f"--expert-model-parallel-size {lay.ep}")
     if lay.tp > 1:
@@ -44,9 +50,12 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
                       schedules: Iterable[str] = ("mirrored",),
                       recompute: Iterable[str] = ("none", "full"),
                       distributed_optimizer: bool = True,
-                      pipelines: Iterable[int] = (1, 2, 4, 8)) -> List[Layout]:
-    """Every layout of `gpus`: TP x PP x (CP, BP) x DP (x EP), with the recompute, transport and
-    ownership options. PP sizes from `pipelines` that divide the layers (the drafter: PP 1)."""
+                      pipelines: Iterable[int] = (1, 2, 4, 8),
+                      virtual_stages: Iterable[int] = (1, 2, 4)) -> List[Layout]:
+    """Every layout of `gpus`: TP x PP (x VP) x (CP, BP) x DP (x EP), with the recompute, transport
+    and ownership options. PP sizes from `pipelines` that divide the layers (the drafter: PP 1);
+    with PP > 1, interleaved 1F1B with V from `virtual_stages` where the trainer admits it: V
+    divides the layers of a stage and the micro-batches per replica are a multiple of PP."""
     if wl.seq_length % wl.block_size:
         raise ValueError(f"--seq-length {wl.seq_length} is not a multiple of --block-size {wl.block_size}")
     heads = [l.num_heads for l in model.layers if not l.is_gdn]
@@ -61,8 +70,14 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
         for pp in pipelines:
             if (gpus // tp) % pp or model.num_layers % pp or (dflash and pp > 1):
                 continue
-            out += _shard_layouts(model, wl, tp, pp, gpus // (tp * pp), gpus_per_node, transports, schedules,
-                                  recompute, distributed_optimizer)
+            for lay in _shard_layouts(model, wl, tp, pp, gpus // (tp * pp), gpus_per_node, transports, schedules,
+                                      recompute, distributed_optimizer):
+                out.append(lay)
+                if pp == 1:
+                    continue
+                micro = wl.samples_per_replica(lay.dp)
+                out += [replace(lay, vp=v) for v in virtual_stages
+                        if v > 1 and (model.num_layers // pp) % v == 0 and micro % pp == 0]
     return out
 
 
@@ -112,7 +127,7 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
     # ring transport hides CP's traffic completely)
     feasible = sorted((e for e in estimates if e.feasible),
                       key=lambda e: (-round(e.tokens_per_s, 3), round(e.peak_memory_gib, 3), e.attn_bytes_per_gpu))
-    layouts = [e.to_dict(layout_flags(e.layout, wl)) for e in feasible]
+    layouts = [e.to_dict(layout_flags(e.layout, wl, model.num_layers)) for e in feasible]
     best = layouts[0] if layouts else None
     baselines = [l for l in layouts if l["bp"] == 1]
     return {

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile, load_hardware
 from megatron_csbp.planner.model_config import load_preset
-from megatron_csbp.planner.reference import BASELINES, OURS, Baseline, baseline_for
+from megatron_csbp.planner.reference import BASELINES, OURS, Baseline, baseline_for, recipe_workload
 
 # design brief section 4: (model preset, paper baseline label, CSBP label, baseline tok/s, CSBP tok/s,
 # speedup, peak GiB baseline, peak GiB CSBP, Megatron sizes (tp, cp, ep, dp))
@@ -49,13 +49,19 @@ def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), 
     return min(ests, key=lambda e: e.peak_memory_gib)
 
 
+def _paper_workload(baseline: str, preset: str) -> Dict:
+    """The paper's recipe workload (`reference.recipe_workload`) for `--baseline reference`; this
+    project's objective (no extra terms) for `ours`."""
+    return recipe_workload(preset) if baseline == "reference" else {}
+
+
 def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
                      paper_rows=PAPER) -> Dict:
     wl_kwargs = wl_kwargs or {}
     rows = []
     for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in paper_rows:
         model = load_preset(preset)
-        wl = Workload(PAPER_L, PAPER_B, **wl_kwargs)
+        wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
         bm = baseline_for(baseline, preset)
         base = best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm)
         # CSBP must use the baseline's recompute choice when comparing like with like
@@ -152,7 +158,7 @@ def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline
     gb = baseline_for(baseline, gemma.name)
     sp = {}
     for L in (65536, 131072, 262144, 524288):
-        wl = Workload(L, PAPER_B, **wl_kwargs)
+        wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
         base = best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN, baseline=gb)
         cs = best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=gb)
         sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
