@@ -27,6 +27,9 @@ give each rank several model chunks, every chunk a `TrainableBDLM` of its layers
 Initial weights do not depend on PP either: a chunk that does not start the model first replays the
 CPU generator draws of everything before it (the embedding and the earlier layers, built and
 dropped one at a time), so its layers draw what one rank draws (`build_chunks`).
+
+Self-conditioning (DiffusionGemma SFT) runs its first pass through the stages before each step's
+schedule: megatron_csbp/pipeline_self_conditioning.py.
 """
 from __future__ import annotations
 

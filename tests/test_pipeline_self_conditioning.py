@@ -169,7 +169,7 @@ def _rank(rank, world, cases):
 
         def forward_step(it, m):
             b = next(it)
-            sc = {"self_conditioning": b["self_conditioning"]} if "self_conditioning" in b else {}
+            sc = {"self_conditioning": b.pop("self_conditioning")} if "self_conditioning" in b else {}
             out = m(b["tokens"], b["loss_mask"], b["sample_index"], den, **sc)
             if isinstance(out, torch.Tensor):
                 return out, None

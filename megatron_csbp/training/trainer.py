@@ -229,7 +229,8 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
-            sc = {"self_conditioning": b["self_conditioning"]} if "self_conditioning" in b else {}
+            # the first stage's self-conditioning input (pipeline_self_conditioning), dropped once used
+            sc = {"self_conditioning": b.pop("self_conditioning")} if "self_conditioning" in b else {}
             out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"), **sc)
             if isinstance(out, torch.Tensor):  # a pipeline stage before the last: hidden states
                 return out, None
