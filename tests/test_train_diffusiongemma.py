@@ -85,7 +85,7 @@ def _compare_layouts(converted, single, layouts):
 PP = {
     "PP 2 x CP 2": ("--pipeline-model-parallel-size 2 --context-parallel-size 2", 4),
     "PP 2 x BP 2": ("--pipeline-model-parallel-size 2 --block-parallel-size 2", 4),
-    "PP 2 x CSBP 2+2": ("--pipeline-model-parallel-size 2 --context-parallel-size 2 --block-parallel-size 2", 8),
+    "PP 2 x CSBP 2+2": ("--pipeline-model-parallel-size 2 --context-parallel-size 2 --block-parallel-size 2", 4),
 }
 
 
