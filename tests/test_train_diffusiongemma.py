@@ -106,7 +106,7 @@ def single_pp_batch(converted):
 # the fp32 sums of the attention merges and of the all-reduced losses and gradients (~10^3 terms a
 # sum, each reorder <= K u32 = 10^3 x 6e-8 relative in the worst case, ~sqrt(K) u32 = 2e-6 typically),
 # as under the PP 1 layouts above: the same 2e-5 (loss) / 1e-5 (first gradient norm) bound, with
-# --adam-eps 1e-3 keeping later iterations comparable (module docstring). Measured (PP 2 x CP 2):
+# --adam-eps 1e-3 keeping later iterations comparable (module docstring). Measured:
 # loss <= 1.4e-7 relative, first gradient norm <= 2.0e-6 (every case here, and PP 2 x TP 2 + SP, PP 2 x VP 2).
 @pytest.mark.slow  # ~40 s a layout on the shared 2-core machine
 @pytest.mark.parametrize("name,sc", PP_CASES)
