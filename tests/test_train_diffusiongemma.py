@@ -97,9 +97,12 @@ PP_CASES = [(name, "0.5") for name in PP] + [("PP 2 x CSBP 2+2", "0")]
 @pytest.fixture(scope="module")
 def single_pp_batch(converted):
     """One rank, 4 micro-batches, self-conditioning 0.5 (the objective's default) and 0."""
-    return {sc: run_distributed(train_rank, 1, sft_argv(converted, "--global-batch-size", "8",
-                                                        "--self-conditioning-prob", sc))[0]["history"]
+    return {sc: run_distributed(train_rank, 1, sft_argv(converted, *PP_FLAGS, "--self-conditioning-prob", sc))[0]["history"]
             for sc in ("0.5", "0")}
+
+
+# evaluation (forward only) runs self-conditioning's first pass through the stages too
+PP_FLAGS = ("--global-batch-size", "8", "--eval-interval", "2", "--eval-iters", "1")
 
 
 # Bound: the model is fp32 and PP moves no arithmetic between ranks; the CP / BP shard group reorders
@@ -115,13 +118,14 @@ def test_diffusiongemma_sft_under_pipeline_parallelism_matches_one_rank(converte
     self-conditioning (its first pass through the stages, pipeline_self_conditioning) and without."""
     flags, world = PP[name]
     ref = single_pp_batch[sc]
-    hist = run_distributed(train_rank, world, sft_argv(converted, "--global-batch-size", "8",
-                                                       "--self-conditioning-prob", sc, *flags.split()))[0]["history"]
+    hist = run_distributed(train_rank, world, sft_argv(converted, *PP_FLAGS, "--self-conditioning-prob", sc,
+                                                       *flags.split()))[0]["history"]
     print(f"{name}, sc {sc}: losses {[h['loss'] for h in hist]} vs {[h['loss'] for h in ref]}, grad norms "
           f"{[h['grad_norm'] for h in hist]} vs {[h['grad_norm'] for h in ref]}")
     for it in range(3):
         assert abs(hist[it]["loss"] - ref[it]["loss"]) <= 2e-5 * ref[it]["loss"], (name, it)
     assert abs(hist[0]["grad_norm"] - ref[0]["grad_norm"]) <= 1e-5 * ref[0]["grad_norm"], name
+    assert abs(hist[1]["eval_loss"] - ref[1]["eval_loss"]) <= 2e-5 * ref[1]["eval_loss"], name
 
 
 @pytest.mark.parametrize("flags, world, needle", [
