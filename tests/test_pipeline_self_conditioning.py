@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import EXACT_DTYPE, MOE_TOL, check_close, gradient_error
+from tests.gradients import (EXACT_DTYPE, MOE_TOL, check_close, gradient_error, one_rank_reference,
+                             pipeline_forward_step)
 
 pytestmark = pytest.mark.exactness
 
@@ -118,12 +119,7 @@ def _rank(rank, world, cases):
         state = {k: v.clone() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
         model = _model(gpt, prob)
         den = sum(model.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
-        ref_loss = 0.0
-        for b in data:
-            out = model(b["tokens"], b["loss_mask"], b["sample_index"], den)
-            out.loss.backward()
-            ref_loss += float(out.loss.detach())
-        ref_grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in gpt.named_parameters()}
+        ref_loss, ref_grads = one_rank_reference(model, gpt, data, den)
         bps.destroy_block_parallel()
 
         # PP 2 (x CP / BP, x VP)
@@ -166,21 +162,8 @@ def _rank(rank, world, cases):
                      * MBS * last.gpt.config.hidden_size * 8
                      for j, b in enumerate(data) if j in (range(M) if prob == 1.0 or vp else _drawing()))
         losses = []
-
-        def forward_step(it, m):
-            b = next(it)
-            sc = {"self_conditioning": b.pop("self_conditioning")} if "self_conditioning" in b else {}
-            out = m(b["tokens"], b["loss_mask"], b["sample_index"], den, **sc)
-            if isinstance(out, torch.Tensor):
-                return out, None
-
-            def loss_func(t):
-                losses.append(float(out.loss.detach()))
-                return t, out.num_targets.to(torch.int), {}
-            return out.loss, loss_func
-
         its = iter(data) if len(ddps) == 1 else [iter(data) for _ in ddps]
-        fb(forward_step_func=forward_step, data_iterator=its, model=ddps, num_microbatches=M,
+        fb(forward_step_func=pipeline_forward_step(den, losses), data_iterator=its, model=ddps, num_microbatches=M,
            seq_length=seq_length, micro_batch_size=MBS, forward_only=False)
         loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)
         dist.all_reduce(loss, group=bps.get_shard_group())
