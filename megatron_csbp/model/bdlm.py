@@ -126,9 +126,6 @@ class BlockDiffusionModel(torch.nn.Module):
             ids = [None] * tokens.shape[0] if document_ids is None else list(document_ids)
             docs = [self.packing.documents(t, i) for t, i in zip(tokens, ids)]
             if any(d != docs[0] for d in docs[1:]):
-                if not self.whole_model:
-                    raise ValueError("packed samples with different documents in one micro-batch need "
-                                     "--micro-batch-size 1 with --pipeline-model-parallel-size > 1")
                 # Each packed sample has its own documents, hence its own plan: one forward per
                 # sample. The loss is a sum over target rows divided by the global denominator,
                 # and noise is keyed by the sample index, so the sum is the micro-batch's loss.
@@ -145,7 +142,11 @@ class BlockDiffusionModel(torch.nn.Module):
                 self._captured = []
                 try:
                     self.logits(rows.input_ids, plan)
-                    return self._captured[0]
+                    if self._captured:
+                        return self._captured[0]
+                    # no noisy rows here (a micro-batch that pads an interleaved first pass)
+                    w = self.gpt.shared_embedding_or_output_weight()
+                    return w.new_zeros((0, tokens.shape[0], w.shape[1]))
                 finally:
                     self._captured = None
         model_kwargs = {}
@@ -158,7 +159,7 @@ class BlockDiffusionModel(torch.nn.Module):
         elif any_sc and rows.num_noisy and getattr(self.gpt, "pre_process", True):
             if self_conditioning is None:
                 raise ValueError("self-conditioning under --pipeline-model-parallel-size > 1: the first stage got no "
-                                 "soft embeddings from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
+                                 "hidden states from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
             model_kwargs = dict(self_conditioning_hidden=self_conditioning,
                                 self_conditioning_mask=noised.self_conditioning)
         logits = self.logits(rows.input_ids, plan, rows.logit_rows, **model_kwargs)
