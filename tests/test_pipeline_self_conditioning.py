@@ -1,8 +1,11 @@
 """DiffusionGemma's native SFT with self-conditioning under pipeline parallelism
 (megatron_csbp/pipeline_self_conditioning.py): the first pass through megatron-core's forward-only
-schedule, soft embeddings [noisy rows, b, h] sent from the last stage to the first, then the 1F1B
-training schedule give the loss and every parameter gradient of one rank (float64; MOE_TOL for the
-fp32 router softmax, tests/gradients.py), with 4 micro-batches (more than the 2 stages).
+schedule, the last stage's hidden states of the noisy rows [noisy rows, b, h] sent to the first
+stage (which makes the logits and soft embeddings with its tied embeddings), then the 1F1B training
+schedule give the loss and every parameter gradient of one rank, the tied embeddings' gradient
+through the soft embeddings included (float64; MOE_TOL for the fp32 router softmax,
+tests/gradients.py), with 4 micro-batches (more than the 2 stages). Before this, PP refused
+self-conditioning; sending the soft embeddings instead lost ~10% of the gradient norm.
 
 Self-conditioning probability 0.5: the sample indices are chosen so that micro-batch 0 has one
 sample that draws it and one that does not (the per-sample mask, also micro-batch 3), micro-batch 1
