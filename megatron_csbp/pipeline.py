@@ -27,6 +27,9 @@ give each rank several model chunks, every chunk a `TrainableBDLM` of its layers
 Initial weights do not depend on PP either: a chunk that does not start the model first replays the
 CPU generator draws of everything before it (the embedding and the earlier layers, built and
 dropped one at a time), so its layers draw what one rank draws (`build_chunks`).
+
+Self-conditioning (DiffusionGemma SFT) runs its first pass through the stages before each step's
+schedule: megatron_csbp/pipeline_self_conditioning.py.
 """
 from __future__ import annotations
 
@@ -118,18 +121,6 @@ def check_pipeline_args(args) -> None:
                              f"--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple of "
                              f"--pipeline-model-parallel-size {P}")
     args.virtual_pipeline_model_parallel_size = V
-    sc = getattr(args, "self_conditioning_prob", 0.0) or 0.0
-    if sc > 0 and "self_conditioning_prob" in _objective_flags(args):
-        raise ValueError(f"--self-conditioning-prob {sc} runs a second forward through every stage inside one "
-                         "micro-batch: give 0 with --pipeline-model-parallel-size > 1")
-
-
-def _objective_flags(args) -> set:
-    """The dests of the flags the run's objective reads (its class's `flags`)."""
-    from megatron_csbp.objectives.registry import objective_class
-
-    objective = getattr(args, "objective", None)
-    return {f.dest for f in objective_class(objective).flags} if objective else set()
 
 
 def config_fields(a) -> dict:

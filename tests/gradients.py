@@ -42,6 +42,38 @@ def gradient_error(pairs):
     return worst, (diff2 / ref2) ** 0.5
 
 
+def one_rank_reference(model, gpt, batches, denominator):
+    """The reference of the pipeline tests: `model` (a whole `BlockDiffusionModel` of `gpt`) over
+    `batches` (dicts: tokens, loss_mask, sample_index) one after the other, gradients accumulated;
+    (summed loss, {parameter name: gradient}, zeros where a parameter got none)."""
+    loss = 0.0
+    for b in batches:
+        out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator)
+        out.loss.backward()
+        loss += float(out.loss.detach())
+    grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in gpt.named_parameters()}
+    return loss, grads
+
+
+def pipeline_forward_step(denominator, losses: list):
+    """megatron-core's `forward_step_func` for the pipeline tests: a chunk's forward on the next
+    micro-batch (with the first stage's self-conditioning input when the batch carries one); the
+    last stage appends its partial loss to `losses`."""
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        sc = {"self_conditioning": b.pop("self_conditioning")} if "self_conditioning" in b else {}
+        out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, **sc)
+        if isinstance(out, torch.Tensor):
+            return out, None
+
+        def loss_func(output_tensor):
+            losses.append(float(out.loss.detach()))
+            return output_tensor, out.num_targets.to(torch.int), {}
+        return out.loss, loss_func
+    return forward_step
+
+
 def check_close(loss, ref_loss, worst, rel_norm, tol, what=""):
     """Assert one layout's loss and gradient errors are within `tol` (FP64_TOL or MOE_TOL)."""
     loss_err = abs(loss - ref_loss) / max(1.0, abs(ref_loss))

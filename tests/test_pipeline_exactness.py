@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import EXACT_DTYPE, FP64_TOL, check_close, gradient_error
+from tests.gradients import EXACT_DTYPE, FP64_TOL, check_close, gradient_error, pipeline_forward_step
 
 pytestmark = pytest.mark.exactness
 
@@ -129,20 +129,8 @@ def _pipelined(a, ref_grads, ref_state):
     data = batches()
     den = sum(chunks[0].bdlm.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
     losses = []
-
-    def forward_step(it, model):
-        b = next(it)
-        out = model(b["tokens"], b["loss_mask"], b["sample_index"], den)
-        if isinstance(out, torch.Tensor):
-            return out, None
-
-        def loss_func(output_tensor):
-            losses.append(float(out.loss.detach()))
-            return output_tensor, out.num_targets.to(torch.int), {}
-        return out.loss, loss_func
-
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[iter(data) for _ in ddps] if len(ddps) > 1 else iter(data),
+        forward_step_func=pipeline_forward_step(den, losses), data_iterator=[iter(data) for _ in ddps] if len(ddps) > 1 else iter(data),
         model=ddps, num_microbatches=M, seq_length=pipeline.p2p_seq_length(chunks[0].bdlm),
         micro_batch_size=MBS, forward_only=False)
     loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)

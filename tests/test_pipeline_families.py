@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error
+from tests.gradients import (EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, one_rank_reference,
+                             pipeline_forward_step)
 
 pytestmark = pytest.mark.exactness
 
@@ -135,12 +136,7 @@ def _rank(rank, world, family):
     model = _bdlm(gpt, kind, L)
     data = _batches(L)
     den = sum(model.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
-    ref_loss = 0.0
-    for b in data:
-        out = model(b["tokens"], b["loss_mask"], b["sample_index"], den)
-        out.loss.backward()
-        ref_loss += float(out.loss.detach())
-    ref_grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in gpt.named_parameters()}
+    ref_loss, ref_grads = one_rank_reference(model, gpt, data, den)
     bps.destroy_block_parallel()
 
     # PP 2 x CSBP (EP 2 over the shard group for the MoE family)
@@ -164,19 +160,7 @@ def _rank(rank, world, family):
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), chunk)
     config.no_sync_func = ddp.no_sync
     losses = []
-
-    def forward_step(it, m):
-        b = next(it)
-        out = m(b["tokens"], b["loss_mask"], b["sample_index"], den)
-        if isinstance(out, torch.Tensor):
-            return out, None
-
-        def loss_func(t):
-            losses.append(float(out.loss.detach()))
-            return t, out.num_targets.to(torch.int), {}
-        return out.loss, loss_func
-
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(data), model=[ddp],
+    get_forward_backward_func()(forward_step_func=pipeline_forward_step(den, losses), data_iterator=iter(data), model=[ddp],
                                 num_microbatches=M, seq_length=pipeline.p2p_seq_length(chunk.bdlm),
                                 micro_batch_size=MBS, forward_only=False)
     loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)

@@ -129,20 +129,3 @@ def test_converted_checkpoint_trains_under_pp2_and_exports_to_hf(tmp_path):
     assert sorted(one) == sorted(pp2)
     for k in one:
         assert torch.allclose(pp2[k].double(), one[k].double(), rtol=1e-5, atol=1e-6), k
-
-
-def test_self_conditioning_refused_under_pp():
-    """diffusiongemma-sft's self-conditioning pass would run through every stage inside one
-    micro-batch: refused with the flag named; allowed at probability 0 and for objectives without it."""
-    from argparse import Namespace
-
-    from megatron_csbp.pipeline import check_pipeline_args
-
-    def ns(objective, prob):
-        return Namespace(pipeline_model_parallel_size=2, num_layers=4, num_microbatches=4, objective=objective,
-                         self_conditioning_prob=prob)
-
-    with pytest.raises(ValueError, match="--self-conditioning-prob 0.5 runs a second forward through every stage"):
-        check_pipeline_args(ns("diffusiongemma-sft", 0.5))
-    check_pipeline_args(ns("diffusiongemma-sft", 0.0))
-    check_pipeline_args(ns("bd3lm", 0.5))  # the flag's default, unused by bd3lm

@@ -79,6 +79,9 @@ class BlockDiffusionModel(torch.nn.Module):
         self.feeder = RowFeeder(layout, shard_rank, ring_group, transport, objective.uses_noisy_stream, tp_shards,
                                 mpu.get_tensor_model_parallel_rank() if tp_shards > 1 else 0)
         self._output: Optional[OutputRows] = None  # set by `logits` for its forward only
+        # self-conditioning's first pass on the last pipeline stage: the output layer's input is
+        # kept here and the output layer gets no rows (forward(first_pass=True))
+        self._captured: Optional[list] = None
         # Pipeline parallelism (megatron_csbp/pipeline.py): only the last stage has the output layer.
         self.last_stage = getattr(gpt, "post_process", True)
         if self.last_stage:
@@ -102,8 +105,15 @@ class BlockDiffusionModel(torch.nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 sample_index: Optional[torch.Tensor] = None,
-                denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> LossOutput:
-        """`document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
+                denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                self_conditioning: Optional[torch.Tensor] = None, first_pass: bool = False) -> LossOutput:
+        """`document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens.
+
+        Under pipeline parallelism self-conditioning runs in two schedules
+        (megatron_csbp/pipeline_self_conditioning.py): `first_pass=True` is its no-grad first pass
+        (a stage before the last returns hidden states, the last its output-layer input for the
+        noisy rows, [noisy rows (/TP under SP), b, h], never the logits); then the first stage's
+        training forward gets that as `self_conditioning`."""
         self.feeder.check_sequence_length(tokens)
         if loss_mask is None:
             loss_mask = torch.ones_like(tokens)
@@ -123,27 +133,56 @@ class BlockDiffusionModel(torch.nn.Module):
                                      None if document_ids is None else document_ids[i:i + 1])
                         for i in range(tokens.shape[0])]
                 return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
-        noised = self.objective.noise(tokens, loss_mask, sample_index)
-        plan, any_sc = self._plan_of(noised)
-        if self.packing is not None:
-            plan = self.feeder.packed_plan(plan, self.packing, tokens[0],
-                                           None if document_ids is None else document_ids[0])
-        rows = self.feeder.rows(plan, noised, tokens)
+        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+        if first_pass:
+            # Pipeline stage of self-conditioning's first pass (no grad; see the docstring).
+            with torch.no_grad():
+                if not self.last_stage:
+                    return self.logits(rows.input_ids, plan)
+                self._captured = []
+                try:
+                    self.logits(rows.input_ids, plan)
+                    if self._captured:
+                        return self._captured[0]
+                    # no noisy rows here (a micro-batch that pads an interleaved first pass)
+                    w = self.gpt.shared_embedding_or_output_weight()
+                    return w.new_zeros((0, tokens.shape[0], w.shape[1]))
+                finally:
+                    self._captured = None
         model_kwargs = {}
-        if any_sc and rows.num_noisy and not self.whole_model:
-            raise ValueError("self-conditioning needs the whole model on one stage: --self-conditioning-prob 0 with "
-                             "--pipeline-model-parallel-size > 1")
-        if any_sc and rows.num_noisy:
+        if any_sc and rows.num_noisy and self.whole_model:
             # Self-conditioning: a detached first pass gives the noisy rows' logits.
             with torch.no_grad():
                 first_logits = self.logits(rows.input_ids, plan)
             model_kwargs = dict(self_conditioning_logits=first_logits.detach(),
+                                self_conditioning_mask=noised.self_conditioning)
+        elif any_sc and rows.num_noisy and getattr(self.gpt, "pre_process", True):
+            if self_conditioning is None:
+                raise ValueError("self-conditioning under --pipeline-model-parallel-size > 1: the first stage got no "
+                                 "hidden states from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
+            model_kwargs = dict(self_conditioning_hidden=self_conditioning,
                                 self_conditioning_mask=noised.self_conditioning)
         logits = self.logits(rows.input_ids, plan, rows.logit_rows, **model_kwargs)
         if not self.last_stage:
             return logits  # pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
+
+    def _rows_of(self, tokens, loss_mask, sample_index, document_ids):
+        """(noised batch, plan, whether the self-conditioning first pass runs, this rank's rows)."""
+        noised = self.objective.noise(tokens, loss_mask, sample_index)
+        plan, any_sc = self._plan_of(noised)
+        if self.packing is not None:
+            plan = self.feeder.packed_plan(plan, self.packing, tokens[0],
+                                           None if document_ids is None else document_ids[0])
+        return noised, plan, any_sc, self.feeder.rows(plan, noised, tokens)
+
+    def draws_self_conditioning(self, tokens, loss_mask, sample_index, document_ids=None) -> bool:
+        """Whether a micro-batch (its loss mask already `supervised`) runs the self-conditioning
+        first pass on this rank: every stage of a pipeline answers the same (same samples, same
+        draws, same rows); expert-parallel peers agree (`_plan_of`)."""
+        _, _, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+        return bool(any_sc and rows.num_noisy)
 
     def supervised(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """The loss mask this model trains on: under --eod-mask-loss less the targets of rows that
@@ -195,6 +234,9 @@ class BlockDiffusionModel(torch.nn.Module):
             hidden = args[0][: out.count]
         else:
             return None
+        if self._captured is not None:
+            self._captured.append(hidden)
+            hidden = hidden[:0]
         return (hidden,) + tuple(args[1:])
 
     def _order_logit_rows(self, module, args, output):

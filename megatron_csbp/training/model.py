@@ -234,10 +234,11 @@ class TrainableBDLM(MegatronModule):
         `.module` until it finds the attribute. A property, so no second state-dict entry."""
         return self.bdlm.gpt
 
-    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None):
+    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None, **kwargs):
+        """`kwargs`: self-conditioning under pipeline parallelism (`BlockDiffusionModel.forward`)."""
         if document_ids is None:
-            return self.bdlm(tokens, loss_mask, sample_index, denominator)
-        return self.bdlm(tokens, loss_mask, sample_index, denominator, document_ids=document_ids)
+            return self.bdlm(tokens, loss_mask, sample_index, denominator, **kwargs)
+        return self.bdlm(tokens, loss_mask, sample_index, denominator, document_ids=document_ids, **kwargs)
 
     def set_input_tensor(self, input_tensor):
         self.bdlm.gpt.set_input_tensor(input_tensor)

@@ -111,6 +111,7 @@ class Trainer:
         self.config = config
         self.model = self.ddp = self.optimizer = self.scheduler = None
         self.chunks, self.ddps = [], []  # one per virtual pipeline stage (one without interleaving)
+        self.sc_relay = None  # self-conditioning's first pass under pipeline parallelism
         self.train_ds = self.valid_ds = None
         self.iteration, self.consumed = 0, 0
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
@@ -126,6 +127,7 @@ class Trainer:
 
         from megatron_csbp.objectives import objective_class
         from megatron_csbp import pipeline
+        from megatron_csbp.pipeline_self_conditioning import relay_for
         from megatron_csbp.training.model import build_model_chunks
 
         c = self.config
@@ -179,6 +181,7 @@ class Trainer:
         self.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
         self.pp_group = mpu.get_pipeline_model_parallel_group() if mpu.get_pipeline_model_parallel_world_size() > 1 \
             else None
+        self.sc_relay = relay_for(self.chunks, self.ddps)
         self.train_ds, self.valid_ds = objective_class(c.data.objective).build_datasets(c.data)
         self.flops_per_sample = flops_per_sample(c.model)
         # BD3-LM evaluates the NELBO whatever schedule training draws from; others their own objective
@@ -226,7 +229,9 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
-            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"))
+            # the first stage's self-conditioning input (pipeline_self_conditioning), dropped once used
+            sc = {"self_conditioning": b.pop("self_conditioning")} if "self_conditioning" in b else {}
+            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"), **sc)
             if isinstance(out, torch.Tensor):  # a pipeline stage before the last: hidden states
                 return out, None
             return out.loss, partial(loss_func, out)
@@ -237,6 +242,8 @@ class Trainer:
         # Under pipeline parallelism P2P moves this rank's rows ([rows, b, h]): the schedule's
         # seq_length is the rank's row count x CP (it divides by CP, and by TP under SP).
         seq_length = pipeline.p2p_seq_length(self.chunks[0].bdlm) if self.pp_group is not None else b_cfg.seq_length
+        if self.sc_relay is not None:  # self-conditioning's first pass through the stages (pipeline_self_conditioning)
+            self.sc_relay.run(fb, batches, seq_length, b_cfg.micro_batch_size)
         data = iter(batches) if len(self.ddps) == 1 else [iter(batches) for _ in self.ddps]
         fb(forward_step_func=forward_step, data_iterator=data, model=self.ddps,
            num_microbatches=b_cfg.num_microbatches, seq_length=seq_length,

@@ -19,7 +19,10 @@ mask: clean rows are the Hugging Face encoder stream, noisy rows the decoder (ca
 Self-conditioning logits are passed as `self_conditioning_logits` [b, noisy rows, vocab / TP] (the
 local noisy rows in plan order, detached logits of a first pass) with an optional per-example
 `self_conditioning_mask` [b]; callers that cannot pass keywords (BlockDiffusionModel.logits) use
-`with model.self_conditioning_inputs(logits, mask): ...`.
+`with model.self_conditioning_inputs(logits, mask): ...`. Under pipeline parallelism the first stage
+gets instead `self_conditioning_hidden`: the last stage's output-layer input for those rows
+[noisy rows (/TP under sequence parallelism), b, h], and computes the logits itself with its tied
+embeddings (`self_conditioning_logits_of`; megatron_csbp/pipeline_self_conditioning.py).
 """
 from __future__ import annotations
 
@@ -135,6 +138,20 @@ class DiffusionGemmaModel(GPTModel):
             soft = soft * sc_mask.to(soft.dtype)[:, None, None]
         return soft.transpose(0, 1)
 
+    def self_conditioning_logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Detached logits [b, rows, V/TP] of the output-layer input `hidden` [rows (/TP under
+        sequence parallelism), b, h] with this stage's tied word embeddings: the output layer's own
+        computation (all-gather under SP, matmul with E^T, soft-cap), for the first pipeline stage,
+        which has no output layer. E is the same tensor as the last stage's copy (megatron-core
+        keeps the two in sync), so these are the logits one stage computes."""
+        with torch.no_grad():
+            if self.config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            logits = torch.matmul(hidden, self.shared_embedding_or_output_weight().t())
+            if self.config.final_logit_softcapping:
+                logits, _ = self._softcap_hook(None, None, (logits, None))
+            return logits.transpose(0, 1).contiguous()
+
     def embed(self, input_ids, position_ids, attention_mask, sc_logits=None, sc_mask=None) -> torch.Tensor:
         """[s (/TP with sequence parallelism), b, h] input of the transformer block."""
         emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h], SP-scattered
@@ -177,9 +194,11 @@ class DiffusionGemmaModel(GPTModel):
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None,
-                self_conditioning_logits=None, self_conditioning_mask=None):
+                self_conditioning_logits=None, self_conditioning_mask=None, self_conditioning_hidden=None):
         if self_conditioning_logits is None and self._pending_sc is not None:
             self_conditioning_logits, self_conditioning_mask = self._pending_sc
+        if self_conditioning_hidden is not None and self.pre_process:
+            self_conditioning_logits = self.self_conditioning_logits_of(self_conditioning_hidden)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embed(input_ids, position_ids, attention_mask,
                                        self_conditioning_logits, self_conditioning_mask)

@@ -27,10 +27,12 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
             raise ValueError(f"objective block size {objective.block_size} != layout block size {layout.geometry.block_size}")
         super().__init__(gpt, objective, layout, **kwargs)
 
-    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None) -> LossOutput:
+    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None,
+                **pipeline_kwargs) -> LossOutput:
+        """`pipeline_kwargs`: self-conditioning under pipeline parallelism (`BlockDiffusionModel.forward`)."""
         if loss_mask is None:
             raise ValueError("diffusiongemma-sft needs a loss mask (1 on response tokens)")
-        return super().forward(tokens, loss_mask, sample_index, denominator, document_ids)
+        return super().forward(tokens, loss_mask, sample_index, denominator, document_ids, **pipeline_kwargs)
 
 
 __all__ = ["DiffusionGemmaSFTModel", "AttentionPlan"]
