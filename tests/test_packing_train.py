@@ -36,3 +36,15 @@ def test_packed_training_is_layout_invariant_and_differs_from_unpacked(argv):
         assert r["losses"] == pytest.approx(one, rel=1e-5, abs=0)
     plain = run_distributed(train_rank, 1, argv)[0]["losses"]
     assert abs(plain[0] - one[0]) > 1e-4 * abs(one[0])
+
+
+@pytest.mark.slow
+def test_packed_training_under_pipeline_stages_equals_one_rank(argv):
+    """Packed documents under PP 2 (and PP 2 x CSBP), two samples with different documents per
+    micro-batch (they run one by one: a stage sends their hidden states side by side and the next
+    gives each its slice), 4 micro-batches per iteration: one rank's loss curve."""
+    flags = argv + PACKED + ["--global-batch-size", "8", "--num-layers", "4"]
+    one = run_distributed(train_rank, 1, flags)[0]["losses"]
+    for world, extra in ((2, []), (4, ["--context-parallel-size", "2", "--block-parallel-size", "2"])):
+        for r in run_distributed(train_rank, world, flags + ["--pipeline-model-parallel-size", "2"] + extra):
+            assert r["losses"] == pytest.approx(one, rel=1e-5, abs=0)

@@ -138,6 +138,8 @@ def test_diffusiongemma_sft_under_pipeline_parallelism_matches_one_rank(converte
      "6 blocks must be a multiple of 4"),
     ("--clean-attention block_causal", 1, "clean stream is token_causal"),
     ("--tensor-model-parallel-size 2", 2, "on an MoE model needs --sequence-parallel"),
+    # packed samples have their own canvas rows: a stage could not send two side by side
+    ("--pipeline-model-parallel-size 2 --reset-attention-mask", 2, "use --micro-batch-size 1"),
 ])
 def test_diffusiongemma_refusals_name_the_rule(converted, flags, world, needle, capsys):
     from megatron_csbp.training.arguments import parse_args

@@ -129,10 +129,7 @@ class BlockDiffusionModel(torch.nn.Module):
                 # Each packed sample has its own documents, hence its own plan: one forward per
                 # sample. The loss is a sum over target rows divided by the global denominator,
                 # and noise is keyed by the sample index, so the sum is the micro-batch's loss.
-                outs = [self.forward(tokens[i:i + 1], loss_mask[i:i + 1], sample_index[i:i + 1], denominator,
-                                     None if document_ids is None else document_ids[i:i + 1])
-                        for i in range(tokens.shape[0])]
-                return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
+                return self._sample_by_sample(tokens, loss_mask, sample_index, denominator, document_ids)
         noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
         if first_pass:
             # Pipeline stage of self-conditioning's first pass (no grad; see the docstring).
@@ -167,6 +164,31 @@ class BlockDiffusionModel(torch.nn.Module):
             return logits  # pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
+
+    def _sample_by_sample(self, tokens, loss_mask, sample_index, denominator, document_ids):
+        """One forward per sample of a micro-batch whose samples have different documents. The last
+        stage sums the samples' losses (each over the global denominator); a pipeline stage before
+        the last concatenates their hidden states along the batch ([rows, b, h], what megatron-core
+        sends), and a stage after the first gives each sample its slice of the received tensor."""
+        decoder = getattr(self.gpt, "decoder", None)
+        received = getattr(decoder, "input_tensor", None) if not getattr(self.gpt, "pre_process", True) else None
+        outs = []
+        try:
+            for i in range(tokens.shape[0]):
+                if received is not None:
+                    decoder.set_input_tensor(received[:, i:i + 1])
+                outs.append(self.forward(tokens[i:i + 1], loss_mask[i:i + 1], sample_index[i:i + 1], denominator,
+                                         None if document_ids is None else document_ids[i:i + 1]))
+        finally:
+            if received is not None:
+                decoder.set_input_tensor(received)
+        if not self.last_stage:
+            if any(o.shape[0] != outs[0].shape[0] for o in outs):
+                raise ValueError("packed documents (--reset-attention-mask / --reset-position-ids) under "
+                                 "--pipeline-model-parallel-size > 1 with samples whose rows differ (--objective "
+                                 f"{self.objective.name}): use --micro-batch-size 1")
+            return torch.cat(outs, dim=1)
+        return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
 
     def _rows_of(self, tokens, loss_mask, sample_index, document_ids):
         """(noised batch, plan, whether the self-conditioning first pass runs, this rank's rows)."""

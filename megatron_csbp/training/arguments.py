@@ -313,6 +313,16 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
     from megatron_csbp.pipeline import check_pipeline_args
     check_pipeline_args(args)
+    from megatron_csbp.objectives.registry import objective_class
+
+    if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
+            and not objective_class(args.objective).fixed_rows
+            and (args.reset_attention_mask or args.reset_position_ids)):
+        # Samples with different documents run one by one and a stage sends their hidden states
+        # side by side ([rows, b, h]): that needs the same rows in every sample.
+        raise ValueError(f"--objective {args.objective} gives each packed sample its own rows: under "
+                         "--pipeline-model-parallel-size > 1 with --reset-attention-mask / --reset-position-ids "
+                         "use --micro-batch-size 1")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.
