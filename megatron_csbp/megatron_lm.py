@@ -111,14 +111,6 @@ def validate_megatron_args(args) -> None:
                          "the first padding id of the vocabulary)")
     if not args.calculate_per_token_loss:
         raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        # It runs (install_schedule_hook sizes the interleaved schedule's P2P tensors), but from the
-        # second iteration on its losses leave the one-rank run's (tests/test_megatron_lm_pretrain.py,
-        # slow): refused until that is found. The plugin's trainer runs interleaved 1F1B exactly.
-        raise ValueError("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
-                         "interleaved pipelining in Megatron-LM's pretrain() does not yet reproduce the one-rank "
-                         "losses with block diffusion; use the plugin's trainer (python -m megatron_csbp.train, "
-                         "docs/pipeline.md) or plain 1F1B (--pipeline-model-parallel-size without virtual stages)")
 
 
 def _tokenizer_mask_id(tokenizer) -> Optional[int]:

@@ -311,3 +311,38 @@ def test_full_recompute_matches_plain():
     from tests.train_helpers import TINY, train_rank
     ref = run_distributed(train_rank, 1, TINY + ["--train-iters", "2"])[0]["losses"]
     assert run_distributed(_recompute_rank, 1)[0] == pytest.approx(ref, rel=1e-6)
+
+
+def _send_then_deallocate_rank(rank, world_size, patched):
+    """Rank 0 posts an async send of a stage output and pseudo-deallocates it at once (Megatron-LM's
+    `deallocate_pipeline_outputs`, the interleaved schedule with overlapped P2P), then fills fresh
+    tensors of the same size (the allocator hands out what was freed); rank 1 posts its receive
+    later. What rank 1 receives must be what was sent. Without the patch rank 0's send reads freed
+    memory: rank 1 receives the filler, or the run crashes (the 16 MiB were returned to the OS)."""
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_csbp.compat import cpu
+    cpu.install_cpu_compat()
+    deallocate = schedules.deallocate_output_tensor if patched else schedules.deallocate_output_tensor.__wrapped__
+    n = 1 << 22  # 16 MiB of float32: more than a loopback socket buffers, so the send is still in flight
+    sent = torch.arange(n, dtype=torch.float32)
+    if rank == 0:
+        out = sent.clone().requires_grad_(True) * 1.0  # a stage output: not a view, has a grad_fn
+        work = dist.isend(out, dst=1)
+        deallocate(out, True)
+        assert out.numel() == 1  # the schedule's backward (custom_backward) relies on it
+        filler = [torch.full((n,), -1.0) for _ in range(4)]
+        work.wait()
+        del filler
+        return True
+    time.sleep(1.0)
+    got = torch.empty(n)
+    dist.recv(got, src=0)
+    return bool(torch.equal(got, sent))
+
+
+def test_async_send_survives_output_deallocation():
+    assert run_distributed(_send_then_deallocate_rank, 2, True) == [True, True]

@@ -20,14 +20,19 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import EXACT_DTYPE, FP64_TOL, check_close, gradient_error, pipeline_forward_step
+from tests.gradients import EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step
 
 pytestmark = pytest.mark.exactness
 
 L, B, VOCAB, MBS, M = 32, 8, 64, 2, 4  # M micro-batches of MBS samples per iteration (M > PP)
 
 
-def model_args(num_layers=2, tp=1, cp=1, bp=1, sp=False, pp=1, vp=None, first=None, last=None, tied=True):
+# A flag-built MoE with dense and MoE layers mixed (--moe-layer-freq "([1,0,1,0])"): under PP each
+# chunk builds its layers' entries of the pattern and draws its weights by their global names.
+MIXED_MOE = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=[1, 0, 1, 0])
+
+
+def model_args(num_layers=2, tp=1, cp=1, bp=1, sp=False, pp=1, vp=None, first=None, last=None, tied=True, moe=False):
     from megatron_csbp.training.model import ModelArgs
 
     return ModelArgs(num_layers=num_layers, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -35,7 +40,8 @@ def model_args(num_layers=2, tp=1, cp=1, bp=1, sp=False, pp=1, vp=None, first=No
                      tensor_model_parallel_size=tp, context_parallel_size=cp, block_parallel_size=bp,
                      sequence_parallel=sp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
                      decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-                     untie_embeddings_and_output_weights=not tied, attention_kernel="tiled")
+                     untie_embeddings_and_output_weights=not tied, attention_kernel="tiled",
+                     **(MIXED_MOE if moe else {}))
 
 
 def batches():
@@ -156,7 +162,8 @@ def _rank(rank, world, cases):
     out = []
     for kw in cases:
         a = model_args(**kw)
-        ref_loss, ref_grads, ref_state = _reference(model_args(num_layers=a.num_layers, tied=kw.get("tied", True)))
+        ref_loss, ref_grads, ref_state = _reference(model_args(num_layers=a.num_layers, tied=kw.get("tied", True),
+                                                               moe=kw.get("moe", False)))
         loss, worst, rel_norm, init_err = _pipelined(a, ref_grads, ref_state)
         out.append(dict(case=kw, loss=loss, ref_loss=ref_loss, worst=worst, rel_norm=rel_norm, init_err=init_err))
     return out
@@ -167,11 +174,14 @@ def _check(world, cases):
         for r in per_rank:
             print(r)
             assert r["init_err"] == 0.0, r  # the same draws, cast the same way
-            check_close(r["loss"], r["ref_loss"], r["worst"], r["rel_norm"], FP64_TOL, r["case"])
+            tol = MOE_TOL if r["case"].get("moe") else FP64_TOL  # the router's fp32 softmax (tests/gradients.py)
+            check_close(r["loss"], r["ref_loss"], r["worst"], r["rel_norm"], tol, r["case"])
 
 
 def test_pp2_interleaved_and_uneven_match_one_rank():
-    _check(2, [dict(pp=2), dict(pp=2, num_layers=4, vp=2, tied=False), dict(pp=2, num_layers=3, first=2)])
+    # the mixed dense/MoE case also checks the last stage's tied copy is drawn as the embedding (init_err 0)
+    _check(2, [dict(pp=2), dict(pp=2, num_layers=4, vp=2, tied=False), dict(pp=2, num_layers=3, first=2),
+               dict(pp=2, num_layers=4, vp=2, moe=True)])
 
 
 def test_pp2_csbp_matches_one_rank():

@@ -80,6 +80,33 @@ def test_more_pipeline_layouts(one_rank, flags, world):
         _same(r["losses"], one_rank[1])
 
 
+# A flag-built MoE with dense and MoE layers mixed (Megatron's --moe-layer-freq list): each chunk
+# must build the pattern entries of the layers it holds (layers 0 and 2 MoE). 8 micro-batches of 1
+# sample, so with EP 2 (data-parallel 2) each pipeline still runs 4 > 2 stages.
+MIXED_MOE = (TINY + ["--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "4", "--train-iters", "3",
+                     "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([1,0,1,0])",
+                     "--adam-eps", "1e-3"])
+
+
+@pytest.mark.slow  # suite budget: tests/test_pipeline_exactness.py runs this pattern under PP 2 x VP 2 by default
+def test_mixed_dense_moe_interleaved_pp2_matches_one_rank():
+    """PP 2 x VP 2 on a dense/MoE pattern: one rank's loss curve (tests/test_train_moe.py's bound,
+    REL = 1e-5 relative in fp32: the layouts reorder fp32 sums; measured 0 for PP 2 x VP 2, whose
+    sums run in one rank's order, and 6e-8 with EP 2, which adds the data-parallel all-reduce).
+    Before: building a chunk failed (megatron-core's decoder block spec asserts without the
+    chunk's vp_stage), and a MoE chunk after the first drew its weights by its local layer names."""
+    from tests.test_train_moe import compare
+
+    compare(MIXED_MOE, {"PP 2 x VP 2": (VP2, 2)})
+
+
+@pytest.mark.slow
+def test_mixed_dense_moe_interleaved_pp2_ep2_matches_one_rank():
+    from tests.test_train_moe import compare
+
+    compare(MIXED_MOE, {"PP 2 x VP 2 x EP 2": (VP2 + ["--expert-model-parallel-size", "2"], 4)})
+
+
 @pytest.mark.parametrize("flags,world,needle", [
     (PP2 + ["--num-layers", "3"], 2, "--num-layers 3 must be divisible by --pipeline-model-parallel-size 2"),
     (PP2 + ["--num-layers-per-virtual-pipeline-stage", "3"], 2, "--num-layers-per-virtual-pipeline-stage 3 must "

@@ -9,7 +9,8 @@ megatron-core, `compat.megatron_lm.install_megatron_lm_cpu_compat()` for Megatro
 3. `compat.optimizer`: CUDA type-name checks, the DP-zero gather, torch Adam state fixes.
 4. `compat.moe`: MoE without TransformerEngine over gloo.
 5. `compat.norms`: torch norms under TP sequence parallelism.
-6. `compat.pipeline`: the tied-embedding copy under pipeline parallelism.
+6. `compat.pipeline`: the tied-embedding copy under pipeline parallelism; sent stage outputs kept
+   alive until gloo has sent them.
 
 Which patches change numerics (each claim checked against the patch; docs/compat.md has the same list):
 
@@ -42,4 +43,8 @@ Change numbers, or decide which numbers are drawn:
 - memory statistics read 0: logged numbers only, never the model's.
 - Megatron-LM's `_warmup_jit_function` runs under `torch.random.fork_rng`: this one prevents a
   change (its CPU draws would otherwise shift the initial weights with the CP size).
+- pipeline: a stage output pseudo-deallocated after its send (Megatron-LM's
+  `deallocate_pipeline_outputs`) keeps its old storage until its backward: this one prevents a
+  change too (unpatched, the interleaved schedule's asynchronous gloo send read freed memory and
+  Megatron-LM's PP x VP losses changed from run to run).
 """

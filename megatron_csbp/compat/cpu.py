@@ -21,6 +21,7 @@ modules imported since the first call.
 | `transformer.moe.moe_utils` without TransformerEngine | `te_general_gemm` is never defined: NameError in the router GEMM | defined as `None` (the code's own non-TE path) |
 | MoE all-to-all dispatcher | `torch.cuda.Stream()` side stream; split sizes passed as tensors/arrays, which gloo's `all_to_all_single` rejects | streams through the proxy (one no-op stream, so no side-stream bookkeeping); `_AllToAll` converts split sizes to lists |
 | `LanguageModule.setup_embeddings_and_output_layer` (PP > 1, tied embeddings) | `weight.data.cuda()` before the embedding group's all-reduce | runs with `Tensor.cuda` the identity (`compat.pipeline`; same all-reduce) |
+| `pipeline_parallel.schedules.deallocate_output_tensor` (Megatron-LM sets `deallocate_pipeline_outputs`) | the interleaved schedule's overlapped P2P posts a gloo `isend` and swaps the output's `.data` at once: the send reads freed storage (the next stage receives other numbers, run to run) | still swaps `.data`, but keeps the old storage referenced from the output until its backward (`compat.pipeline`) |
 | `WrappedTorchNorm` with `--sequence-parallel` | asserts "sequence parallel not supported by torch LayerNorm" | builds the norm without the assert and tags its parameters `sequence_parallel=True`, so `finalize_model_grads` all-reduces their gradients over TP exactly as for TE norms |
 
 Proxied modules are those already imported when the shim runs (it imports the ones training,
@@ -95,6 +96,7 @@ def install_cpu_compat(force: bool = False) -> bool:
         moe.patch_moe()
         norms.patch_torch_norm()
         pipeline.patch_embedding_tie()
+        pipeline.patch_output_deallocation()
         _INSTALLED = True
     return True
 

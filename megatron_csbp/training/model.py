@@ -268,8 +268,10 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         # dense and MoE layers mixed: Megatron's decoder block spec reads the pattern from the config
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+        # (cut to this chunk's layers: the pattern entries of the layers it holds, by global index)
         spec = builder.with_block_diffusion(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                                       normalization=a.normalization),
+                                                                       normalization=a.normalization,
+                                                                       vp_stage=vp_stage),
                                             a.attention_kernel)
     else:
         spec = builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization,
@@ -279,9 +281,10 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
     torch.manual_seed(a.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
     torch.manual_seed(a.seed)
-    # A pipeline chunk after the start first replays one rank's draws before its first layer.
+    # A pipeline chunk after the start first replays one rank's draws before its first layer (a
+    # flag-built MoE instead draws every weight again by its global name below).
     offset = pipeline.first_layer(config, vp_stage)
-    if offset or not pre_process:
+    if (offset or not pre_process) and not a.num_experts:
         pipeline.replay_earlier_draws(config, spec, vocab, a.seq_length, offset, with_embedding=not pre_process,
                                       position_embedding_type=a.position_embedding_type)
     gpt = builder.gpt_model(
@@ -309,7 +312,11 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
     randomly initialised weight (linear layers, embeddings, routers) is drawn again, in full, from a
     generator seeded by (--seed, its name with the *global* expert index), with Megatron's init
     method for it, and this rank's tensor-parallel slice is taken as Megatron's CPU initialisation
-    takes it (stride-aware). Returns the number of weights drawn. Size: one full weight at a time."""
+    takes it (stride-aware). Under pipeline parallelism the name carries the *global* layer index
+    (a chunk's `decoder.layers.i` is layer offset + i) and the last stage's copy of tied embeddings
+    is drawn as `embedding.word_embeddings` (the first stage's weight, same init method), so
+    every chunk holds one rank's weights. Returns the number of weights drawn. Size: one full weight
+    at a time."""
     import zlib
 
     from megatron.core import parallel_state as mpu
@@ -318,6 +325,7 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
 
     n_local = config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
     first_expert = mpu.get_expert_model_parallel_rank() * n_local
+    layer_offset = pipeline.first_layer(config, getattr(gpt, "vp_stage", None))
     drawn = 0
     for name, module in gpt.named_modules():
         if isinstance(module, RowParallelLinear):
@@ -330,6 +338,10 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
         if not isinstance(weight, torch.nn.Parameter):
             continue
         parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:  # this chunk's layer i -> global layer offset + i
+            parts[2] = str(layer_offset + int(parts[2]))
+        if getattr(weight, "shared_embedding", False) and parts == ["output_layer"]:
+            parts = ["embedding", "word_embeddings"]  # the tied copy: the embedding's draw
         expert = "local_experts" in parts
         if expert:  # local expert i of this EP rank -> global expert first_expert + i
             k = parts.index("local_experts") + 1
