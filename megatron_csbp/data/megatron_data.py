@@ -5,9 +5,15 @@
   loss curves go down and are identical under every layout.
 - `build_gpt_datasets`: `--data-path` (blends: `W1 P1 W2 P2 ...`) and `--split` through Megatron's
   `BlendedMegatronDatasetBuilder` + `GPTDataset` (packing documents to `--seq-length`, EOD between
-  documents as written by the preprocessing step). Samples have exactly `--seq-length` tokens
-  (`add_extra_token_to_sequence=False`: the block-diffusion objectives predict positions in place;
-  `--objective ar` shifts inside the objective). The loss mask is all ones.
+  documents as written by the preprocessing step). The dataset is configured as Megatron-LM's
+  `pretrain_gpt.py` configures it (`add_extra_token_to_sequence=True`: each sample is the
+  `--seq-length + 1` tokens text[kL : (k+1)L + 1]), and a sample's sequence is its `labels`
+  (text[1:], `--seq-length` tokens; the block-diffusion objectives predict positions in place,
+  `--objective ar` shifts inside the objective) with Megatron's loss mask (ones but at padding):
+  exactly the clean sequence `megatron_csbp.megatron_lm.bdlm_batch` takes from Megatron-LM's batch,
+  so the trainer and Megatron-LM's `pretrain()` read the same tokens (consecutive samples tile the
+  corpus without overlap; the epoch and shuffle arithmetic counts `--seq-length + 1`-token samples
+  in both).
 - `SFTDataset` (see `megatron_csbp.data.sft`): conversations or prompt/response pairs with loss masks.
 
 `microbatch_indices` gives the global sample indices of (iteration, micro-batch, DP rank): the same
@@ -119,7 +125,7 @@ class MockDataset(torch.utils.data.Dataset):
 
 
 class _GPTSampleView(torch.utils.data.Dataset):
-    """Megatron's GPT/Blended dataset sample -> {tokens, loss_mask of ones}."""
+    """Megatron's GPT/Blended dataset sample -> {tokens: its labels (text[1:]), loss_mask: Megatron's}."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -129,8 +135,7 @@ class _GPTSampleView(torch.utils.data.Dataset):
 
     def __getitem__(self, idx):
         sample = self.dataset[int(idx) % len(self.dataset)]
-        tokens = sample["tokens"].long()
-        return {"tokens": tokens, "loss_mask": torch.ones(tokens.shape[0], dtype=torch.float32)}
+        return {"tokens": sample["labels"].long(), "loss_mask": sample["loss_mask"].to(torch.float32)}
 
 
 def _blend(data_path: Sequence[str]):
@@ -255,7 +260,7 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        add_extra_token_to_sequence=False,
+        add_extra_token_to_sequence=True,  # Megatron-LM's (pretrain_gpt.py); the sample is its labels
         mid_level_dataset_surplus=0.005,
     )
     config.split_matrix = matrix  # Megatron's own boundaries, the splits not read dropped

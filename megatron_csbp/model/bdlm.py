@@ -208,9 +208,14 @@ class BlockDiffusionModel(torch.nn.Module):
 
     def supervised(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """The loss mask this model trains on: under --eod-mask-loss less the targets of rows that
-        read an EOD (`Packing.loss_mask`; what the trainer's denominator counts too)."""
-        return loss_mask if self.packing is None else \
-            self.packing.loss_mask(tokens, loss_mask, self.objective.target_shift)
+        read an EOD (`Packing.loss_mask`), and less data tokens equal to the mask id (never a
+        target: the mask column is out of the softmax). What the trainer's denominator counts, and
+        the rule `megatron_lm.bdlm_batch` applies to Megatron-LM's batch, so both count the same
+        supervised tokens."""
+        if self.packing is not None:
+            loss_mask = self.packing.loss_mask(tokens, loss_mask, self.objective.target_shift)
+        mask_id = self.objective.mask_token_id
+        return loss_mask if mask_id is None else loss_mask * (tokens != mask_id).to(loss_mask.dtype)
 
     def _plan_of(self, noised: NoisedBatch):
         """(plan, whether the self-conditioning first pass runs) of a noised batch; the canvas

@@ -77,7 +77,8 @@ class BD3LMObjective(Objective):
         t, draws = self.times_and_draws(tokens, sample_index)
         # A data token equal to the mask id is never noised and never a target: the mask column is
         # excluded from the softmax, so its probability is 0 (an infinite loss). Its draw is still
-        # consumed, so every other token's noise is unchanged; it stays in the denominator.
+        # consumed, so every other token's noise is unchanged. It is no supervised token either
+        # (`BlockDiffusionModel.supervised` drops it from the loss mask the denominator counts).
         supervised = loss_mask.bool() & (tokens != self.mask_token_id)
         masked = (draws < t) & supervised
         noisy = torch.where(masked, torch.full_like(tokens, self.mask_token_id), tokens)
