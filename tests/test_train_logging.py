@@ -34,7 +34,7 @@ def test_log_json_tensorboard_eval_and_skip_train(tmp_path):
     log, tb, ckpt = str(tmp_path / "log.jsonl"), str(tmp_path / "tb"), str(tmp_path / "ckpt")
     run_distributed(train_rank, 2, TINY + ["--context-parallel-size", "2", "--block-parallel-size", "2",
                                            "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
-                                           "--log-json", log, "--tensorboard-dir", tb, "--save", ckpt])
+                                           "--lr-decay-style", "cosine", "--log-json", log, "--tensorboard-dir", tb, "--save", ckpt])
     recs = [json.loads(line) for line in open(log)]
     assert [r["iteration"] for r in recs] == [1, 2, 3]
     for r in recs:

@@ -44,6 +44,7 @@ def demo_argv(world_size: int, prefix: str) -> List[str]:
         "--noise-eps-min", "0.3", "--noise-eps-max", "0.8",
         "--micro-batch-size", "8", "--global-batch-size", "8",
         "--train-iters", str(TRAIN_ITERS), "--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20",
+        "--lr-decay-style", "cosine", "--adam-beta2", "0.95",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
         "--context-parallel-size", str(seq), "--block-parallel-size", str(seq),
         "--save", os.path.join(RUN_DIR, "checkpoints"), "--save-interval", str(TRAIN_ITERS), "--save-initial",
