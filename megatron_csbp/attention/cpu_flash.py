@@ -42,7 +42,9 @@ from megatron_csbp.attention.tiled import MASKED_SCORE, _backward as tiled_backw
 from megatron_csbp.layout.rows import PartialMask
 from megatron_csbp.utils.precision import compute_dtype
 
-Rows = Union[slice, torch.Tensor]
+# Rows of a piece: one contiguous range (a view), a few ranges (gathered by concatenating views:
+# no index vector kept in the plan) or an index vector.
+Rows = Union[slice, Tuple[slice, ...], torch.Tensor]
 
 # A sequence whose keys lie in at most this many contiguous ranges of key rows runs as one call
 # per range (views, merged by lse) instead of gathering its keys: gathered or ring-received
@@ -54,10 +56,14 @@ _fa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _rows(index: torch.Tensor) -> Rows:
-    """A slice when `index` is one increasing run of consecutive rows (a view), else the index."""
+    """A slice when `index` is one increasing run of consecutive rows (a view), its runs when it
+    has at most FREE_RUNS of them (a query group of a noisy block and the clean block sharing its
+    keys is two), else the index."""
     n = index.numel()
     if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index[1:] - index[:-1] == 1).all()):
         return slice(int(index[0]), int(index[0]) + n)
+    if n and bool(((index[1:] != index[:-1] + 1).sum() < FREE_RUNS)):
+        return tuple(_runs(index))
     return index
 
 
@@ -71,16 +77,28 @@ def _runs(index: torch.Tensor) -> List[slice]:
 
 
 def _count(rows: Rows) -> int:
+    if isinstance(rows, tuple):
+        return sum(_count(r) for r in rows)
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def _parts(rows: Tuple[slice, ...], value: torch.Tensor):
+    """(run, the run's rows of `value` along dim 2) for each run."""
+    return zip(rows, value.split([_count(r) for r in rows], dim=2))
 
 
 def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows])."""
+    if isinstance(rows, tuple):
+        return torch.cat([x[:, :, r] for r in rows], dim=2)
     return x[:, :, rows] if isinstance(rows, slice) else x.index_select(2, rows)
 
 
 def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
+    if isinstance(rows, tuple):
+        for r, part in _parts(rows, value):
+            x[:, :, r] += part
+    elif isinstance(rows, slice):
         x[:, :, rows] += value
     else:
         x.index_add_(2, rows, value)
@@ -208,6 +226,10 @@ class _Merge:
         self.seen = torch.zeros(sq, dtype=torch.bool)
 
     def add(self, rows: Rows, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if isinstance(rows, tuple):
+            for (r, o), (_, l) in zip(_parts(rows, out), _parts(rows, lse)):
+                self.add(r, o, l)
+            return
         first = not bool(self.seen[rows].any())
         self.seen[rows] = True
         if first:  # no earlier piece on these rows: copy

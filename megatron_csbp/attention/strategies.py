@@ -94,12 +94,27 @@ class SourceKV:
 
 # --- what every strategy shares ------------------------------------------------------------------
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` when it is all of its storage, else a compact copy of it (same values).
+
+    Megatron's q, k and v are views of one fused QKV projection output ([rows, b, G, (H/G+2)*d]);
+    RoPE gives q and k storages of their own, but v stays a view. A kernel that saves v for
+    backward (the local partials of single, BP and CSBP's ring; CP and the all-gather paths save
+    copies: packed, gathered or concatenated K/V) would keep the whole projection output alive
+    until backward: (H/G+2)x v's bytes per layer instead of 1x, 4x in the benchmark model (H = 4,
+    G = 2), which made CSBP's ring peak 1.04-1.07x CP's. The copy is v's own size."""
+    if t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class AttentionCall:
     """One core-attention call on this rank's local rows: q [sq, b, H, d], k/v [sq, b, G, d] in
     the plan's local order ([noisy ; clean]); the kernel, the masks and the merge."""
 
     def __init__(self, plan: "AttentionPlan", q, k, v, *, geometry: BlockGeometry, kernel, softmax_scale: float,
                  layer: int, kv_source: Optional["KVSource"] = None):
+        q, k, v = own_storage(q), own_storage(k), own_storage(v)
         self.plan, self.q, self.k, self.v = plan, q, k, v
         self.geometry, self.kernel, self.softmax_scale, self.layer = geometry, kernel, softmax_scale, layer
         self.device = q.device
