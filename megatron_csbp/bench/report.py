@@ -237,12 +237,17 @@ def _hidden_summary(rows: List[Dict]) -> List[str]:
         if not sel:
             continue
         shares = sorted(r["hidden_comm_share"] for r in sel)
-        inflight = sum(r["in_flight_comm_s"] for r in sel)
-        exposed = sum(r["exposed_comm_s"] for r in sel)
+        inflight = sum(t["in_flight_comm_s"] for r in sel for t in r["timing_per_rank"])
+        exposed = sum(t["exposed_comm_s"] for r in sel for t in r["timing_per_rank"])
+        fwd = [t for r in sel for t in r["timing_per_rank"] if "forward_in_flight_comm_s" in t]
+        fwd_in = sum(t["forward_in_flight_comm_s"] for t in fwd)
+        fwd_share = (f"; forward collectives alone (backward ones block): "
+                     f"{100 * (1 - sum(t['forward_exposed_comm_s'] for t in fwd) / fwd_in):.0f}%") if fwd_in else ""
         out.append(f"Hidden communication, {transport} transport (CP and CSBP cases): of the time attention "
-                   f"collectives were in flight, {100 * (1 - exposed / inflight):.0f}% overall was covered by compute "
+                   f"collectives were in flight (all ranks, all cases), {100 * (1 - exposed / inflight):.0f}% was "
+                   "covered by compute "
                    f"(per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
-                   f"{100 * shares[len(shares) // 2]:.0f}%).")
+                   f"{100 * shares[len(shares) // 2]:.0f}%){fwd_share}.")
     return out + [""] if out else []
 
 

@@ -16,7 +16,8 @@ from megatron_csbp.bench.worker import world_main
 
 
 #: what each rank measures of its steps' time beside the wall time (`bench.worker`), kept per rank
-TIMING_KEYS = ("exposed_comm_s", "in_flight_comm_s", "thread_cpu_s", "process_cpu_s", "transfers")
+TIMING_KEYS = ("exposed_comm_s", "in_flight_comm_s", "thread_cpu_s", "process_cpu_s", "transfers",
+               "forward_in_flight_comm_s", "forward_exposed_comm_s")
 
 
 def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:

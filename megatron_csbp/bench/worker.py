@@ -127,6 +127,8 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     times: List[float] = []
     waited: List[float] = []  # seconds this rank waited on attention collectives, per timed step
     in_flight: List[float] = []  # seconds its attention collectives were in flight (posted to waited for)
+    fwd_in_flight: List[float] = []  # the same for the forward collectives alone (the ones that can overlap)
+    fwd_waited: List[float] = []
     thread_cpu: List[float] = []  # CPU seconds of this rank's main thread in the step
     process_cpu: List[float] = []  # CPU seconds of the whole rank process (gloo's threads included)
     transfers = 0
@@ -148,6 +150,8 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             times.append(float(dt))
             waited.append(counter.total_waited_s)
             in_flight.append(counter.total_in_flight_s)
+            fwd_in_flight.append(sum(v for (_, phase), v in counter.in_flight_s.items() if phase == "forward"))
+            fwd_waited.append(sum(v for (_, phase), v in counter.waited_s.items() if phase == "forward"))
             thread_cpu.append(dc)
             process_cpu.append(dp)
             transfers += counter.transfers
@@ -175,6 +179,8 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "rss_high_water_bytes": rss_peak, "exposed_comm_s": statistics.median(waited),
         "in_flight_comm_s": statistics.median(in_flight), "thread_cpu_s": statistics.median(thread_cpu),
         "process_cpu_s": statistics.median(process_cpu), "transfers": transfers,
+        "forward_in_flight_comm_s": statistics.median(fwd_in_flight),
+        "forward_exposed_comm_s": statistics.median(fwd_waited),
     }
     if case.attention is not None:
         record["attention"] = case.attention
