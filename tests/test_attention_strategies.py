@@ -98,3 +98,30 @@ def test_csbp_plan_keeps_one_copy_of_the_ring_rows():
     two_rings = SequenceLayout(BlockGeometry(256, 8), 2, 4)
     member, shard = two_rings.rows(0), two_rings.ring_clean_rows(0)[1]
     assert _clean_tail(member, shard) is shard
+
+
+def test_gathered_clean_rows_are_attended_in_position_order():
+    """CSBP's all-gathered clean rows come shard by shard; `plan.gathered_runs` puts them in position
+    order (at most 2 runs per ring member, slices only), so every clean prefix is one run of keys
+    and the cpu_flash kernel makes as many calls on every rank (in ring order the rank holding the
+    last blocks made 86 calls per layer at L = 1024, P = 4, the one holding the middle 33)."""
+    from megatron_csbp.attention.cpu_flash import cpu_flash_plan
+    from megatron_csbp.layout.rows import PartialMask
+
+    L, B, P = 1024, 16, 4
+    geometry = BlockGeometry(L, B)
+    layout = SequenceLayout(geometry, P, P)
+    calls = []
+    for r in range(P):
+        local = layout.rows(r)
+        plan = AttentionPlan(geometry, local, "clean", "allgather", object(), layout.ring_clean_rows(r),
+                             [layout.rows(i) for i in range(P)], r)
+        runs = plan.gathered_runs()
+        gathered = RowMeta.cat(plan.peers)
+        ordered = torch.cat([gathered.position[s] for s in runs])
+        assert all(isinstance(s, slice) for s in runs) and len(runs) <= 2 * P
+        assert torch.equal(ordered, torch.arange(L))  # every clean row once, in position order
+        n = plan.num_noisy
+        keys = RowMeta.cat([local.select(slice(0, n))] + [gathered.select(s) for s in runs])
+        calls.append(len(cpu_flash_plan(PartialMask.of(local, keys, geometry)).pieces))
+    assert max(calls) - min(calls) <= 1, calls

@@ -145,6 +145,20 @@ class AttentionPlan:
                 self._cache[cache_key] = (m.select_keys(cols).to(device), cols.to(device))
         return self._cache[cache_key]
 
+    def gathered_runs(self) -> List[slice]:
+        """Runs of the all-gathered clean rows (every ring member's shard, in ring order) that put
+        them in position order when concatenated: in ring order a clean prefix lies in up to 2C
+        runs (mirrored shards) and the kernel makes a call per run, so the rank holding the last
+        blocks made 2-3x the calls of the one holding the middle ones. Cached (static); slices
+        only, at most 2 per ring member."""
+        if "gathered_runs" not in self._cache:
+            order = torch.argsort(RowMeta.cat(self.peers).position, stable=True)
+            cut = ((order[1:] != order[:-1] + 1).nonzero().flatten() + 1).tolist()
+            bounds = [0] + cut + [order.numel()]
+            self._cache["gathered_runs"] = [slice(int(order[a]), int(order[a]) + b - a)
+                                            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return self._cache["gathered_runs"]
+
     def block_diagonal_mask(self, device) -> PartialMask:
         """The B x B all-allowed mask of the folded block-diagonal noisy attention (row vectors)."""
         cache_key = ("block_diagonal", str(device))

@@ -283,12 +283,18 @@ class CleanAllGather(NoisyThenClean):
 
     def clean_parts(self, call, pending, with_noisy=False):
         gk, gv = call.kv.gathered(call, pending.result())
+        # the gathered clean rows in position order (`plan.gathered_runs`): every clean prefix one run of keys
+        runs = call.plan.gathered_runs()
+        rows = RowMeta.cat(call.plan.peers)
+        rows = RowMeta.cat([rows.select(r) for r in runs])
         if with_noisy:  # [local noisy ; gathered clean]: one partial (the copy replaces the gathered rows)
-            keys = RowMeta.cat([call.noisy_rows] + list(call.plan.peers))
-            yield call.partial(("noisy+gathered",), call.queries, keys, call.q, torch.cat([call.k_noisy, gk]),
-                               torch.cat([call.v_noisy, gv]))
+            keys = RowMeta.cat([call.noisy_rows, rows])
+            yield call.partial(("noisy+gathered",), call.queries, keys, call.q,
+                               torch.cat([call.k_noisy] + [gk[r] for r in runs]),
+                               torch.cat([call.v_noisy] + [gv[r] for r in runs]))
             return
-        yield call.partial(("clean",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)
+        yield call.partial(("clean",), call.queries, rows, call.q, torch.cat([gk[r] for r in runs]),
+                           torch.cat([gv[r] for r in runs]))
 
 
 @register("clean", ["ring"], [False])
