@@ -224,7 +224,7 @@ def block_diffusion_attention(q, k, v, plan: AttentionPlan, *, softmax_scale: fl
         if kv_source is not None:
             kv_source = replace(kv_source, raw=kv_source.raw[to_local])
     call = AttentionCall(plan, q, k, v, geometry=geometry, kernel=kernel, softmax_scale=softmax_scale, layer=layer,
-                         kv_source=kv_source)
+                         kv_source=kv_source, own_kv=strategy.saves_local_kv)
     out = strategy.attend(call)
     return out if to_local is None else out[plan.physical_order.to(q.device)]
 

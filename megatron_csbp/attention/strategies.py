@@ -113,8 +113,12 @@ class AttentionCall:
     the plan's local order ([noisy ; clean]); the kernel, the masks and the merge."""
 
     def __init__(self, plan: "AttentionPlan", q, k, v, *, geometry: BlockGeometry, kernel, softmax_scale: float,
-                 layer: int, kv_source: Optional["KVSource"] = None):
-        q, k, v = own_storage(q), own_storage(k), own_storage(v)
+                 layer: int, kv_source: Optional["KVSource"] = None, own_kv: bool = True):
+        # q is saved by every partial; k and v as given only by strategies that attend the local
+        # rows in place (`ExchangeStrategy.saves_local_kv`; the others copy them first)
+        q = own_storage(q)
+        if own_kv:
+            k, v = own_storage(k), own_storage(v)
         self.plan, self.q, self.k, self.v = plan, q, k, v
         self.geometry, self.kernel, self.softmax_scale, self.layer = geometry, kernel, softmax_scale, layer
         self.device = q.device
@@ -196,6 +200,9 @@ class ExchangeStrategy:
     name = "?"
     #: whether the strategy moves a `KVSource`'s raw rows when the layer offers one
     moves_kv_source = False
+    #: whether a kernel is handed the call's own k and v (not a copy): they must not be views of a
+    #: larger storage then (`own_storage`)
+    saves_local_kv = False
 
     def attend(self, call: AttentionCall) -> torch.Tensor:
         raise NotImplementedError
@@ -263,6 +270,7 @@ class NoExchange(NoisyThenClean):
     """Single rank and BP: every clean key a query sees is on this rank."""
 
     name = "none"
+    saves_local_kv = True
 
     def clean_parts(self, call, pending, with_noisy=False):
         if with_noisy:
@@ -303,6 +311,7 @@ class CleanRing(NoisyThenClean):
 
     name = "clean ring"
     moves_kv_source = True
+    saves_local_kv = True
 
     def clean_parts(self, call, pending, with_noisy=False):
         plan = call.plan
