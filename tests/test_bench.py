@@ -99,6 +99,14 @@ def test_quick_bench_measures_memory_and_time(quick_result):
         # CP and CSBP hold 2L/P rows on every rank
         if r["kind"] in ("cp", "csbp"):
             assert r["rows_per_rank"] == [2 * r["seq_length"] // r["P"]] * r["P"]
+        # CPU time of each rank's step beside wall time; collectives' time in flight covers their waits
+        assert all(t["thread_cpu_s"] > 0 and t["process_cpu_s"] > 0 for t in r["timing_per_rank"])
+        assert r["thread_cpu_s"] == max(t["thread_cpu_s"] for t in r["timing_per_rank"])
+        assert all(t["in_flight_comm_s"] >= t["exposed_comm_s"] >= 0 for t in r["timing_per_rank"])
+        if r["kind"] in ("cp", "csbp"):  # forward and backward collectives of every layer, every rank
+            assert r["transfers"] >= 2 * r["P"] and 0 <= r["hidden_comm_share"] <= 1
+        else:
+            assert r["transfers"] == 0 and r["in_flight_comm_s"] == 0 and r["hidden_comm_share"] is None
 
 
 def test_quick_bench_report_files(quick_result):
@@ -130,7 +138,8 @@ def _measured(row, rank):
     per_layer = row["attn_bytes_per_layer_rank0"] if rank == 0 else {}
     if "attn_bytes_sent_per_layer_per_rank" in row:
         per_layer = {k: {"forward_sent": v} for k, v in row["attn_bytes_sent_per_layer_per_rank"][rank].items()}
-    return dict(case=row["case"], cp=row["cp"], bp=row["bp"], transport=row["transport"], schedule=row["schedule"],
+    timing = row["timing_per_rank"][rank] if "timing_per_rank" in row else {}
+    return dict(**timing, case=row["case"], cp=row["cp"], bp=row["bp"], transport=row["transport"], schedule=row["schedule"],
                 attention=row.get("attention"), seq_length=row["seq_length"], median_step_s=row["median_step_s"],
                 step_times_s=row["step_times_s"], loss_step0=row["loss_step0"], rows=row["rows_per_rank"][rank],
                 attn_bytes_sent=row["attn_bytes_sent_per_rank"][rank], attn_bytes_received=row["attn_bytes_received"],
@@ -164,7 +173,7 @@ def rerender_saved(name, out_dir):
     return markdown(result, saved["command"], plots(result, str(out_dir), name)), result
 
 
-@pytest.mark.parametrize("name", ["cpu", "diffusiongemma"])
+@pytest.mark.parametrize("name", ["cpu", "diffusiongemma", "cpu_1k_8k"])
 def test_saved_report_is_what_the_code_renders(name, tmp_path):
     """The committed reports (docs/benchmarks/NAME.md) equal what the code renders from the
     measurements: a change to the formulas, the ratios or the report shows up as a diff here
@@ -174,10 +183,15 @@ def test_saved_report_is_what_the_code_renders(name, tmp_path):
     committed = open(os.path.join(SAVED, f"{name}.md")).read()
     assert md.splitlines() == committed.splitlines()
     rows = result["rows"]
-    if name == "cpu":  # measured = formula everywhere; CSBP with CP = BP = P moves half of CP or less
+    if name.startswith("cpu"):  # measured = formula everywhere; CSBP with CP = BP = P moves half of CP or less
         assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows)
         csbp = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"]]
         assert csbp and all(r["traffic_vs_cp"] <= 0.5 for r in csbp)
+        if name == "cpu_1k_8k":  # the issue's memory claim: CSBP's peak <= CP's, same transport, from L = 2K
+            from megatron_csbp.bench.report import memory_vs_cp
+
+            cmp = memory_vs_cp(rows)
+            assert len(cmp) == 18 and all(c["ratio"] <= 1.0 for c in cmp)
     else:  # >= 10x ratio of ratios at every L; measured = formula wherever there is one
         assert result["headline"] and all(h["bytes_ratio_of_ratios"] >= 10 for h in result["headline"])
         assert all(r["attn_bytes_sent"] == r["formula_bytes_sent"] for r in rows if r["formula_bytes_sent"] is not None)

@@ -31,6 +31,10 @@ def test_run_all_cpu_dry_run(tmp_path):
     # the bf16 error model: out rounded to bf16 (u/2 ~ 2e-3 relative), far from a wrong mask (O(1))
     assert 1e-4 < cells["flex"]["fwd"]["out_rel"] < 1e-2
     assert "FAILED" not in proc.stdout
+    # the TE-spec step's script ran its CPU part (local spec bf16 vs fp32) and says TE did not run
+    te = json.load(open(tmp_path / "te_spec.json"))
+    assert te["ok"] and te["device"] == "cpu" and te["te"].startswith("not run")
+    assert 0 < te["loss_err_local"] < 8 * te["u_bf16"] and 0 < te["grad_err_local"] < 8 * te["u_bf16"]
 
 
 def test_a_kernel_that_fails_to_import_or_run_is_a_failure(tmp_path, monkeypatch):

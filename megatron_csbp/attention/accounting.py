@@ -24,6 +24,12 @@ class TrafficCounter:
     # Seconds this rank's compute stood waiting for a collective (the exposed communication):
     # the time inside wait() of a collective started earlier, and the whole time of a blocking one.
     waited_s: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
+    # Seconds collectives were in flight: from posting to the end of their wait (an asynchronous
+    # one overlaps the compute in between), the whole time of a blocking one. in flight - waited
+    # is the communication hidden behind compute (an upper bound: a transfer may end before its
+    # wait starts, and gloo's requests do not say when they did).
+    in_flight_s: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
+    transfers: int = 0
 
     def record(self, layer: int, phase: str, sent: int, received: int) -> None:
         self.sent[(layer, phase)] += int(sent)
@@ -32,10 +38,23 @@ class TrafficCounter:
     def record_wait(self, layer: int, phase: str, seconds: float) -> None:
         self.waited_s[(layer, phase)] += float(seconds)
 
+    def record_transfer(self, layer: int, phase: str, posted: float, wait_start: float, wait_end: float) -> None:
+        """One collective: posted at `posted`, waited for from `wait_start` to `wait_end`
+        (`time.perf_counter()` seconds; a blocking one has posted == wait_start)."""
+        self.record_wait(layer, phase, wait_end - wait_start)
+        self.in_flight_s[(layer, phase)] += float(wait_end - posted)
+        self.transfers += 1
+
     def reset(self) -> None:
         self.sent.clear()
         self.received.clear()
         self.waited_s.clear()
+        self.in_flight_s.clear()
+        self.transfers = 0
+
+    @property
+    def total_in_flight_s(self) -> float:
+        return sum(self.in_flight_s.values())
 
     @property
     def total_waited_s(self) -> float:

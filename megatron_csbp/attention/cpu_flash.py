@@ -42,7 +42,9 @@ from megatron_csbp.attention.tiled import MASKED_SCORE, _backward as tiled_backw
 from megatron_csbp.layout.rows import PartialMask
 from megatron_csbp.utils.precision import compute_dtype
 
-Rows = Union[slice, torch.Tensor]
+# Rows of a piece: one contiguous range (a view), a few ranges (gathered by concatenating views:
+# no index vector kept in the plan) or an index vector.
+Rows = Union[slice, Tuple[slice, ...], torch.Tensor]
 
 # A sequence whose keys lie in at most this many contiguous ranges of key rows runs as one call
 # per range (views, merged by lse) instead of gathering its keys: gathered or ring-received
@@ -54,10 +56,14 @@ _fa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _rows(index: torch.Tensor) -> Rows:
-    """A slice when `index` is one increasing run of consecutive rows (a view), else the index."""
+    """A slice when `index` is one increasing run of consecutive rows (a view), its runs when it
+    has at most FREE_RUNS of them (a query group of a noisy block and the clean block sharing its
+    keys is two), else the index."""
     n = index.numel()
     if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index[1:] - index[:-1] == 1).all()):
         return slice(int(index[0]), int(index[0]) + n)
+    if n and bool(((index[1:] != index[:-1] + 1).sum() < FREE_RUNS)):
+        return tuple(_runs(index))
     return index
 
 
@@ -71,15 +77,25 @@ def _runs(index: torch.Tensor) -> List[slice]:
 
 
 def _count(rows: Rows) -> int:
+    if isinstance(rows, tuple):
+        return sum(_count(r) for r in rows)
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
-def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+def _live(rows: Rows) -> Union[slice, torch.Tensor]:
+    """A piece's rows for one call: runs become an index vector for the call's duration (one
+    gather / scatter per use instead of one per run; the plan keeps only the runs)."""
+    if isinstance(rows, tuple):
+        return torch.cat([torch.arange(r.start, r.stop) for r in rows])
+    return rows
+
+
+def _take(x: torch.Tensor, rows: Union[slice, torch.Tensor]) -> torch.Tensor:
     """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows])."""
     return x[:, :, rows] if isinstance(rows, slice) else x.index_select(2, rows)
 
 
-def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
+def _add(x: torch.Tensor, rows: Union[slice, torch.Tensor], value: torch.Tensor) -> None:
     if isinstance(rows, slice):
         x[:, :, rows] += value
     else:
@@ -109,6 +125,9 @@ class TiledPiece:
 @dataclass(frozen=True)
 class CpuFlashPlan:
     pieces: Tuple[Union[FlashPiece, TiledPiece], ...]
+    # per piece: whether no earlier piece covers any of its rows (static: the forward merge copies
+    # such a piece instead of merging it, with no per-call bookkeeping of the rows seen)
+    firsts: Tuple[bool, ...] = ()
 
     @staticmethod
     def of(mask: PartialMask) -> "CpuFlashPlan":
@@ -119,7 +138,12 @@ class CpuFlashPlan:
             pieces += _pieces_of(call, mask)
         if fp.fallback_mask is not None:
             pieces.append(TiledPiece(_rows(fp.fallback_q), _rows(fp.clean_keys), fp.fallback_mask))
-        return CpuFlashPlan(tuple(pieces))
+        seen, firsts = torch.zeros(mask.shape[0], dtype=torch.bool), []
+        for p in pieces:
+            rows = torch.cat([torch.arange(r.start, r.stop) for r in p.q]) if isinstance(p.q, tuple) else p.q
+            firsts.append(not bool(seen[rows].any()))
+            seen[rows] = True
+        return CpuFlashPlan(tuple(pieces), tuple(firsts))
 
     @property
     def nbytes(self) -> int:
@@ -205,42 +229,37 @@ class _Merge:
     def __init__(self, b, H, sq, d, dtype, device):
         self.out = torch.zeros(b, H, sq, d, dtype=dtype, device=device)
         self.lse = torch.full((b, H, sq), MASKED_SCORE, dtype=dtype, device=device)
-        self.seen = torch.zeros(sq, dtype=torch.bool)
 
-    def add(self, rows: Rows, out: torch.Tensor, lse: torch.Tensor) -> None:
-        first = not bool(self.seen[rows].any())
-        self.seen[rows] = True
-        if first:  # no earlier piece on these rows: copy
-            if isinstance(rows, slice):
-                self.out[:, :, rows], self.lse[:, :, rows] = out, lse
-            else:
-                self.out.index_copy_(2, rows, out)
-                self.lse.index_copy_(2, rows, lse)
-            return
-        old_l, old_o = _take(self.lse, rows), _take(self.out, rows)
-        new = torch.logaddexp(old_l, lse)
-        merged = old_o * torch.exp(old_l - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)
+    def add(self, rows: Rows, out: torch.Tensor, lse: torch.Tensor, first: bool) -> None:
+        """Merge a piece's (out, lse) on `rows`; `first`: no earlier piece covered them (copy)."""
+        if not first:
+            old_l, old_o = _take(self.lse, rows), _take(self.out, rows)
+            new = torch.logaddexp(old_l, lse)
+            out = old_o * torch.exp(old_l - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)
+            lse = new
         if isinstance(rows, slice):
-            self.out[:, :, rows], self.lse[:, :, rows] = merged, new
+            self.out[:, :, rows], self.lse[:, :, rows] = out, lse
         else:
-            self.out.index_copy_(2, rows, merged)
-            self.lse.index_copy_(2, rows, new)
+            self.out.index_copy_(2, rows, out)
+            self.lse.index_copy_(2, rows, lse)
 
 
 def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
     b, H, sq, d = qc.shape
     G = kc.shape[1]
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
-    for p in plan.pieces:
+    for p, first in zip(plan.pieces, plan.firsts):
+        q_rows, k_rows = _live(p.q), _live(p.k)
         if isinstance(p, FlashPiece):
-            o, lse = _fa(_batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs), _batched(vc, p.k, p.seqs), 0.0, p.causal,
-                         scale=scale)
-            merge.add(p.q, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs))
+            o, lse = _fa(_batched(qc, q_rows, p.seqs), _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), 0.0,
+                         p.causal, scale=scale)
+            merge.add(q_rows, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
         else:
             sched = tile_schedule(p.mask)
-            o, lse = tiled_forward(_grouped(_take(qc, p.q), G), _take(kc, p.k), _take(vc, p.k), p.mask, sched, scale)
+            o, lse = tiled_forward(_grouped(_take(qc, q_rows), G), _take(kc, k_rows), _take(vc, k_rows), p.mask, sched,
+                                   scale)
             n = _count(p.q)
-            merge.add(p.q, o.view(b, H, n, d), lse.view(b, H, n))
+            merge.add(q_rows, o.view(b, H, n, d), lse.view(b, H, n), first)
     return merge.out, merge.lse.clamp_min(MASKED_SCORE)
 
 
@@ -265,28 +284,24 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             keep[rare] = 0
             do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
+        q_rows, k_rows = _live(p.q), _live(p.k)
         if isinstance(p, FlashPiece):
-            out_p = _batched(out, p.q, p.seqs)
+            out_p = _batched(out, q_rows, p.seqs)
             if fix is not None:  # the piece's rows of out' (a copy of those rows only)
-                out_p = out_p.scatter_add(-1, _batched(fix[0], p.q, p.seqs), _batched(fix[1], p.q, p.seqs))
-            gq, gk, gv = _fa_bwd(_batched(do_f, p.q, p.seqs), _batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs),
-                                 _batched(vc, p.k, p.seqs), out_p, _unbatched_lse(lse, p, b), 0.0, p.causal,
-                                 scale=scale)
-            _add(dq, p.q, _unbatched(gq, b, p.seqs))
-            _add(dk, p.k, _unbatched(gk, b, p.seqs))
-            _add(dv, p.k, _unbatched(gv, b, p.seqs))
+                out_p = out_p.scatter_add(-1, _batched(fix[0], q_rows, p.seqs), _batched(fix[1], q_rows, p.seqs))
+            gq, gk, gv = _fa_bwd(_batched(do_f, q_rows, p.seqs), _batched(qc, q_rows, p.seqs),
+                                 _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), out_p,
+                                 _batched(lse.unsqueeze(-1), q_rows, p.seqs).squeeze(-1), 0.0, p.causal, scale=scale)
+            _add(dq, q_rows, _unbatched(gq, b, p.seqs))
+            _add(dk, k_rows, _unbatched(gk, b, p.seqs))
+            _add(dv, k_rows, _unbatched(gv, b, p.seqs))
         else:
-            _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, p.q, p.k, p.mask, scale, dq, dk, dv)
+            _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, q_rows, k_rows, p.mask, scale, dq, dk, dv)
     if rare is not None:
-        rows = _rows(rare)
+        rows = _live(_rows(rare))
         sub = PartialMask(mask.q.select(rare.to(mask.q.block.device)), mask.k)
         _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, rows, slice(0, kc.shape[2]), sub, scale, dq, dk, dv)
     return dq, dk, dv
-
-
-def _unbatched_lse(lse: torch.Tensor, p: FlashPiece, b: int) -> torch.Tensor:
-    """The merged lse [b, H, sq] at a piece's rows, as the piece's [b * seqs, H, n]."""
-    return _batched(lse.unsqueeze(-1), p.q, p.seqs).squeeze(-1)
 
 
 def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask, scale, dq, dk, dv):

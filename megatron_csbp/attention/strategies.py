@@ -94,12 +94,31 @@ class SourceKV:
 
 # --- what every strategy shares ------------------------------------------------------------------
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` when it is all of its storage, else a compact copy of it (same values).
+
+    Megatron's q, k and v are views of one fused QKV projection output ([rows, b, G, (H/G+2)*d]);
+    RoPE gives q and k storages of their own, but v stays a view. A kernel that saves v for
+    backward (the local partials of single, BP and CSBP's ring; CP and the all-gather paths save
+    copies: packed, gathered or concatenated K/V) would keep the whole projection output alive
+    until backward: (H/G+2)x v's bytes per layer instead of 1x, 4x in the benchmark model (H = 4,
+    G = 2), which made CSBP's ring peak 1.04-1.07x CP's. The copy is v's own size."""
+    if t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class AttentionCall:
     """One core-attention call on this rank's local rows: q [sq, b, H, d], k/v [sq, b, G, d] in
     the plan's local order ([noisy ; clean]); the kernel, the masks and the merge."""
 
     def __init__(self, plan: "AttentionPlan", q, k, v, *, geometry: BlockGeometry, kernel, softmax_scale: float,
-                 layer: int, kv_source: Optional["KVSource"] = None):
+                 layer: int, kv_source: Optional["KVSource"] = None, own_kv: bool = True):
+        # q is saved by every partial; k and v as given only by strategies that attend the local
+        # rows in place (`ExchangeStrategy.saves_local_kv`; the others copy them first)
+        q = own_storage(q)
+        if own_kv:
+            k, v = own_storage(k), own_storage(v)
         self.plan, self.q, self.k, self.v = plan, q, k, v
         self.geometry, self.kernel, self.softmax_scale, self.layer = geometry, kernel, softmax_scale, layer
         self.device = q.device
@@ -181,6 +200,9 @@ class ExchangeStrategy:
     name = "?"
     #: whether the strategy moves a `KVSource`'s raw rows when the layer offers one
     moves_kv_source = False
+    #: whether a kernel is handed the call's own k and v (not a copy): they must not be views of a
+    #: larger storage then (`own_storage`)
+    saves_local_kv = False
 
     def attend(self, call: AttentionCall) -> torch.Tensor:
         raise NotImplementedError
@@ -248,6 +270,7 @@ class NoExchange(NoisyThenClean):
     """Single rank and BP: every clean key a query sees is on this rank."""
 
     name = "none"
+    saves_local_kv = True
 
     def clean_parts(self, call, pending, with_noisy=False):
         if with_noisy:
@@ -268,12 +291,18 @@ class CleanAllGather(NoisyThenClean):
 
     def clean_parts(self, call, pending, with_noisy=False):
         gk, gv = call.kv.gathered(call, pending.result())
+        # the gathered clean rows in position order (`plan.gathered_runs`): every clean prefix one run of keys
+        runs = call.plan.gathered_runs()
+        rows = RowMeta.cat(call.plan.peers)
+        rows = RowMeta.cat([rows.select(r) for r in runs])
         if with_noisy:  # [local noisy ; gathered clean]: one partial (the copy replaces the gathered rows)
-            keys = RowMeta.cat([call.noisy_rows] + list(call.plan.peers))
-            yield call.partial(("noisy+gathered",), call.queries, keys, call.q, torch.cat([call.k_noisy, gk]),
-                               torch.cat([call.v_noisy, gv]))
+            keys = RowMeta.cat([call.noisy_rows, rows])
+            yield call.partial(("noisy+gathered",), call.queries, keys, call.q,
+                               torch.cat([call.k_noisy] + [gk[r] for r in runs]),
+                               torch.cat([call.v_noisy] + [gv[r] for r in runs]))
             return
-        yield call.partial(("clean",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)
+        yield call.partial(("clean",), call.queries, rows, call.q, torch.cat([gk[r] for r in runs]),
+                           torch.cat([gv[r] for r in runs]))
 
 
 @register("clean", ["ring"], [False])
@@ -282,6 +311,7 @@ class CleanRing(NoisyThenClean):
 
     name = "clean ring"
     moves_kv_source = True
+    saves_local_kv = True
 
     def clean_parts(self, call, pending, with_noisy=False):
         plan = call.plan

@@ -6,7 +6,9 @@
   (the next chunk travels while this one is computed) and waited for after it; backward sends
   the gradients the opposite way around the ring.
 
-Every wait is timed into the traffic counter (`record_wait`): the communication left exposed.
+Every transfer is timed into the traffic counter (`record_transfer`): from posting to the end of
+its wait (in flight) and the wait itself (the communication left exposed); the difference was
+hidden behind compute.
 
 K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective; layers whose
 K and V derive from one tensor (K=V layers) send that tensor alone, half the bytes (see
@@ -55,6 +57,7 @@ class PendingGather:
     def __init__(self, local: torch.Tensor, group, layer: int):
         self.local, self.group, self.layer = local, group, layer
         P = dist.get_world_size(group)
+        self.posted = time.perf_counter()
         self.buffer = torch.empty((P * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
         self.work = dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group, async_op=True)
         traffic_counter().record(layer, "forward", (P - 1) * _nbytes(local), (P - 1) * _nbytes(local))
@@ -68,7 +71,7 @@ class _FinishGather(torch.autograd.Function):
     def forward(ctx, local, pending: PendingGather):
         t0 = time.perf_counter()
         pending.work.wait()
-        traffic_counter().record_wait(pending.layer, "forward", time.perf_counter() - t0)
+        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, time.perf_counter())
         ctx.group, ctx.layer = pending.group, pending.layer
         return pending.buffer
 
@@ -76,7 +79,7 @@ class _FinishGather(torch.autograd.Function):
     def backward(ctx, grad_full):
         t0 = time.perf_counter()
         grad_local = reduce_scatter_rows(grad_full, ctx.group)
-        traffic_counter().record_wait(ctx.layer, "backward", time.perf_counter() - t0)
+        traffic_counter().record_transfer(ctx.layer, "backward", t0, t0, time.perf_counter())
         P = dist.get_world_size(ctx.group)
         traffic_counter().record(ctx.layer, "backward", (P - 1) * _nbytes(grad_local), (P - 1) * _nbytes(grad_local))
         return grad_local, None
@@ -101,6 +104,7 @@ class PendingShift:
         P, r = dist.get_world_size(group), dist.get_rank(group)
         self.chunk, self.group, self.layer = chunk, group, layer
         traffic_counter().record(layer, "forward", _nbytes(chunk), _nbytes(chunk))
+        self.posted = time.perf_counter()
         self.requests, self.buffer = _start_exchange(chunk.detach(), (r + 1) % P, (r - 1) % P, group)
 
     def result(self) -> torch.Tensor:
@@ -116,7 +120,7 @@ class _FinishShift(torch.autograd.Function):
         t0 = time.perf_counter()
         for req in pending.requests:
             req.wait()
-        traffic_counter().record_wait(pending.layer, "forward", time.perf_counter() - t0)
+        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, time.perf_counter())
         ctx.group, ctx.layer = pending.group, pending.layer
         return pending.buffer
 
@@ -128,7 +132,7 @@ class _FinishShift(torch.autograd.Function):
         requests, received = _start_exchange(grad, (r - 1) % P, (r + 1) % P, ctx.group)
         for req in requests:
             req.wait()
-        traffic_counter().record_wait(ctx.layer, "backward", time.perf_counter() - t0)
+        traffic_counter().record_transfer(ctx.layer, "backward", t0, t0, time.perf_counter())
         return received, None
 
 

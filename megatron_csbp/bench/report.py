@@ -47,8 +47,14 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         "- ratios are to CP over the same ranks with the same transport (BP: to CP all-gather).",
         "- exposed comm: the slowest rank's median seconds per step spent waiting on attention collectives "
         "(inside the wait of a collective started earlier, or the whole of a blocking one: "
-        "`TrafficCounter.waited_s`); the rest of the transfer overlapped compute. The ring starts each shift "
-        "before attending the chunk in hand.",
+        "`TrafficCounter.waited_s`). in flight: the slowest rank's median seconds per step from posting each "
+        "attention collective to the end of its wait (the whole time of a blocking one); hidden = in flight - "
+        "exposed, the share hidden is 1 - (sum of exposed) / (sum of in flight) over the ranks. The ring starts "
+        "each shift before attending the chunk in hand; its backward shifts and the all-gather's reduce-scatter "
+        "block (nothing hidden).",
+        "- CPU ms: the CPU time of a rank's main thread in the step (`time.thread_time()`, median over the timed "
+        "steps, largest rank). Other jobs on the shared cores stretch wall time but not CPU time; a rank blocked "
+        "in a wait uses none. CPU vs CP compares it with CP over the same ranks and transport.",
         f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
         f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread per "
         f"rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s. "
@@ -60,14 +66,20 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         by_p.setdefault(r["P"], []).append(r)
     for P in sorted(by_p):
         out += [f"## P = {P}" if P > 1 else "## Single rank", ""]
-        out += ["| L | layout | CP | BP | step ms | exposed comm ms | tok/s | time vs CP | attn logical MiB sent/rank "
+        out += ["| L | layout | CP | BP | step ms | CPU ms | CPU vs CP | comm in flight ms | exposed comm ms "
+                "| hidden | tok/s | time vs CP | attn logical MiB sent/rank "
                 "| vs CP | formula MiB | measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(by_p[P], key=lambda r: (r["seq_length"],)):
             mf = (r["attn_bytes_sent"] / r["formula_bytes_sent"]) if r["formula_bytes_sent"] else None
+            hidden = r.get("hidden_comm_share")
             out.append(
                 f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | "
+                f"{_fmt(r['thread_cpu_s'] * 1e3 if r.get('thread_cpu_s') is not None else None, '.1f')} | "
+                f"{_ratio(r.get('cpu_vs_cp'))} | "
+                f"{_fmt(r['in_flight_comm_s'] * 1e3 if r.get('in_flight_comm_s') is not None else None, '.1f')} | "
                 f"{_fmt(r['exposed_comm_s'] * 1e3 if r.get('exposed_comm_s') is not None else None, '.1f')} | "
+                f"{'–' if hidden is None else f'{100 * hidden:.0f}%'} | "
                 f"{r['tokens_per_s']:.0f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | "
                 f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | "
                 f"{'–' if mf is None else f'{mf:.3f}'} | "
@@ -83,6 +95,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     if dev is not None:
         out += [f"Step-0 loss of every layout vs the single-rank loss at the same L (same weights, tokens and "
                 f"noise): largest relative difference {dev:.1e}.", ""]
+    out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows)
     mem = _memory_table(rows)
     if mem:
         out += mem
@@ -213,6 +226,79 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         out += [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()]
         out.append("")
     return "\n".join(out)
+
+
+def _hidden_summary(rows: List[Dict]) -> List[str]:
+    """One sentence per transport: how much of the attention communication compute hid."""
+    out = []
+    for transport in ("ring", "allgather"):
+        sel = [r for r in rows if r["P"] > 1 and r["transport"] == transport and r["kind"] in ("cp", "csbp")
+               and r.get("hidden_comm_share") is not None]
+        if not sel:
+            continue
+        shares = sorted(r["hidden_comm_share"] for r in sel)
+        inflight = sum(t["in_flight_comm_s"] for r in sel for t in r["timing_per_rank"])
+        exposed = sum(t["exposed_comm_s"] for r in sel for t in r["timing_per_rank"])
+        fwd = [t for r in sel for t in r["timing_per_rank"] if "forward_in_flight_comm_s" in t]
+        fwd_in = sum(t["forward_in_flight_comm_s"] for t in fwd)
+        fwd_share = (f"; forward collectives alone (backward ones block): "
+                     f"{100 * (1 - sum(t['forward_exposed_comm_s'] for t in fwd) / fwd_in):.0f}%") if fwd_in else ""
+        out.append(f"Hidden communication, {transport} transport (CP and CSBP cases): of the time attention "
+                   f"collectives were in flight (all ranks, all cases), {100 * (1 - exposed / inflight):.0f}% was "
+                   "covered by compute "
+                   f"(per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
+                   f"{100 * shares[len(shares) // 2]:.0f}%){fwd_share}.")
+    return out + [""] if out else []
+
+
+def _cpu_summary(rows: List[Dict]) -> List[str]:
+    """CSBP vs CP in CPU time per step at the shortest L, per P and transport."""
+    out = []
+    Lmin = min((r["seq_length"] for r in rows), default=None)
+    for r in sorted(rows, key=lambda r: (r["P"], r["case"])):
+        if r["seq_length"] != Lmin or r["kind"] != "csbp" or r["cp"] != r["P"] or r.get("cpu_vs_cp") is None:
+            continue
+        out.append(f"- L = {Lmin}, P = {r['P']}, {r['case']}: CPU time per step {r['thread_cpu_s'] * 1e3:.1f} ms, "
+                   f"{r['cpu_vs_cp']:.2f}x CP's ({'not slower' if r['cpu_vs_cp'] <= 1.0 else 'SLOWER'}); wall "
+                   f"{_ratio(r['time_vs_cp'])}.")
+    return ([f"CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared machine's "
+             "load):", ""] + out + [""]) if out else []
+
+
+def memory_vs_cp(rows: List[Dict], min_length: int = 2048) -> List[Dict]:
+    """CSBP (CP = BP = P) peak tensor memory per rank against CP with the same transport, every case
+    from `min_length` on: the issue's claim (CSBP <= CP)."""
+    index = {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+    out = []
+    for r in sorted(rows, key=lambda r: (r["P"], r["seq_length"], r["case"])):
+        if r["kind"] != "csbp" or r["cp"] != r["P"] or r["seq_length"] < min_length or not r.get("peak_tensor_bytes"):
+            continue
+        cp = index.get((r["P"], r["seq_length"], r["baseline"]))
+        if cp is None or not cp.get("peak_tensor_bytes"):
+            continue
+        out.append({"P": r["P"], "seq_length": r["seq_length"], "case": r["case"], "transport": r["transport"],
+                    "cp_bytes": cp["peak_tensor_bytes"], "csbp_bytes": r["peak_tensor_bytes"],
+                    "ratio": r["peak_tensor_bytes"] / cp["peak_tensor_bytes"]})
+    return out
+
+
+def _memory_vs_cp(rows: List[Dict]) -> List[str]:
+    cmp = memory_vs_cp(rows)
+    if not cmp:
+        return []
+    out = ["## CSBP peak memory vs CP, same transport (L >= 2048)", "",
+           "| P | L | CSBP layout | transport | CP MiB | CSBP MiB | CSBP / CP | CSBP - CP KiB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in cmp:
+        out.append(f"| {c['P']} | {c['seq_length']} | {c['case']} | {c['transport']} | {c['cp_bytes'] / MiB:.2f} | "
+                   f"{c['csbp_bytes'] / MiB:.2f} | {c['ratio']:.4f} | {(c['csbp_bytes'] - c['cp_bytes']) / 1024:+.0f} |")
+    worst = max(cmp, key=lambda c: c["ratio"])
+    above = sum(c["ratio"] > 1.0 for c in cmp)
+    verdict = ("CSBP at or below CP in every case above" if not above
+               else f"CSBP ABOVE CP in {above} of the {len(cmp)} cases above")
+    out += ["", f"Largest CSBP / CP: {worst['ratio']:.4f} ({worst['case']}, P = {worst['P']}, L = {worst['seq_length']}): "
+            f"{verdict}.", ""]
+    return out
 
 
 def _memory_table(rows: List[Dict]) -> List[str]:

@@ -15,6 +15,11 @@ from megatron_csbp.utils.spawn import spawn
 from megatron_csbp.bench.worker import world_main
 
 
+#: what each rank measures of its steps' time beside the wall time (`bench.worker`), kept per rank
+TIMING_KEYS = ("exposed_comm_s", "in_flight_comm_s", "thread_cpu_s", "process_cpu_s", "transfers",
+               "forward_in_flight_comm_s", "forward_exposed_comm_s")
+
+
 def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
     """per_rank[r] is rank r's list of case records (same order on every rank)."""
     rows = []
@@ -51,6 +56,18 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
             "exposed_comm_s": (max(r["exposed_comm_s"] for r in records)
                                if all("exposed_comm_s" in r for r in records) else None),
         }
+        if all("in_flight_comm_s" in r for r in records):
+            inflight = [r["in_flight_comm_s"] for r in records]
+            exposed = [r["exposed_comm_s"] for r in records]
+            row.update(
+                timing_per_rank=[{k: r[k] for k in TIMING_KEYS} for r in records],
+                in_flight_comm_s=max(inflight),
+                # over all ranks: the share of the time transfers were in flight that compute covered
+                hidden_comm_share=(1.0 - sum(exposed) / sum(inflight)) if sum(inflight) > 0 else None,
+                transfers=sum(r["transfers"] for r in records),
+                # CPU seconds of a rank's step (robust to other jobs sharing the cores): the largest rank
+                thread_cpu_s=max(r["thread_cpu_s"] for r in records),
+                process_cpu_s=max(r["process_cpu_s"] for r in records))
         if case.attention is not None:
             row["attention"] = case.attention
             row["formula_bytes_per_layer"] = {str(k): v for k, v in
@@ -67,7 +84,8 @@ def add_ratios(rows: List[Dict]) -> None:
     for r in rows:
         base = index.get((r["P"], r["seq_length"], r["baseline"])) if r["baseline"] else None
         for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
-                         ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp")):
+                         ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp"),
+                         ("thread_cpu_s", "cpu_vs_cp")):
             if base is None or not base.get(key) or r.get(key) is None:
                 r[out] = None
             else:

@@ -126,13 +126,20 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     counter = traffic_counter()
     times: List[float] = []
     waited: List[float] = []  # seconds this rank waited on attention collectives, per timed step
+    in_flight: List[float] = []  # seconds its attention collectives were in flight (posted to waited for)
+    fwd_in_flight: List[float] = []  # the same for the forward collectives alone (the ones that can overlap)
+    fwd_waited: List[float] = []
+    thread_cpu: List[float] = []  # CPU seconds of this rank's main thread in the step
+    process_cpu: List[float] = []  # CPU seconds of the whole rank process (gloo's threads included)
+    transfers = 0
     first_loss = None
     for i in range(cfg.warmup + cfg.steps):
         dist.barrier(group=shard_group)
         counter.reset()
-        t0 = time.perf_counter()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         loss = step(i)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dc, dp = time.thread_time() - c0, time.process_time() - p0
         # a step lasts as long as its slowest rank
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
         if i == 0:
@@ -142,6 +149,12 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         if i >= cfg.warmup:
             times.append(float(dt))
             waited.append(counter.total_waited_s)
+            in_flight.append(counter.total_in_flight_s)
+            fwd_in_flight.append(sum(v for (_, phase), v in counter.in_flight_s.items() if phase == "forward"))
+            fwd_waited.append(sum(v for (_, phase), v in counter.waited_s.items() if phase == "forward"))
+            thread_cpu.append(dc)
+            process_cpu.append(dp)
+            transfers += counter.transfers
     sent, received = counter.total_sent, counter.total_received
     per_layer = counter.per_layer()
 
@@ -164,6 +177,10 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "exposed_comm_s": statistics.median(waited),
+        "in_flight_comm_s": statistics.median(in_flight), "thread_cpu_s": statistics.median(thread_cpu),
+        "process_cpu_s": statistics.median(process_cpu), "transfers": transfers,
+        "forward_in_flight_comm_s": statistics.median(fwd_in_flight),
+        "forward_exposed_comm_s": statistics.median(fwd_waited),
     }
     if case.attention is not None:
         record["attention"] = case.attention

@@ -4,7 +4,8 @@
 # forward and backward, then each kernel's TFLOP/s on the mask's allowed pairs against torch SDPA
 # flash causal at the same length: one JSON file, $OUT/gpu_kernels.json (tests/gpu/check_kernels.py
 # states the tolerances and their error model). Then the end-to-end bf16 check of
-# block_diffusion_attention (tests/gpu/test_gpu_equivalence.py) with the time left; then the CPU
+# block_diffusion_attention (tests/gpu/test_gpu_equivalence.py) with the time left (before it, the
+# TE-spec model path: tests/gpu/check_te_spec.py, $OUT/te_spec.json); then the CPU
 # default kernel (cpu_flash) against SDPA on the host's CPU ($OUT/cpu_kernel_rate.json).
 #
 #   bash tests/gpu/run_all.sh                 (needs CUDA; writes under ${OUT:-gpu_report})
@@ -17,8 +18,10 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 start=$(date +%s)
 
 if [ "${1:-}" = "--cpu-dry-run" ]; then
-  exec python tests/gpu/check_kernels.py --device cpu --lengths 256 --block-size 16 --heads 4 --groups 2 \
-    --head-dim 32 --math-max-rows 256 --no-timing --out "$OUT_DIR/gpu_kernels.json"
+  python tests/gpu/check_kernels.py --device cpu --lengths 256 --block-size 16 --heads 4 --groups 2 \
+    --head-dim 32 --math-max-rows 256 --no-timing --out "$OUT_DIR/gpu_kernels.json" || exit $?
+  # the TE-spec step's script at tiny size: local spec bf16 vs fp32 only (no TE on CPU)
+  exec python tests/gpu/check_te_spec.py --device cpu --seq-length 64 --hidden-size 64 --out "$OUT_DIR/te_spec.json"
 fi
 
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -38,6 +41,11 @@ kernels_rc=${PIPESTATUS[0]}
 # 1b. the planner's fitted reference-baseline kernel rates: compiled Flex vs flash-attn (planner/reference.py)
 timeout 90 python tests/gpu/check_reference_kernels.py --out "$OUT_DIR/reference_kernels.json" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
 
+# 1c. the TE-spec model path: TE layer spec + block-diffusion core attention, forward + backward in
+# bf16 against the local spec on the same weights (bound from bf16 rounding: tests/gpu/check_te_spec.py)
+timeout 120 python tests/gpu/check_te_spec.py --out "$OUT_DIR/te_spec.json" 2>&1 | tail -5 | tee -a "$OUT_DIR/gpu_check.log"
+te_rc=${PIPESTATUS[0]}
+
 # 2. end to end: block_diffusion_attention in bf16 vs the dense reference, with what is left of 7.5 min
 left=$(( 450 - ($(date +%s) - start) ))
 eq_rc=0
@@ -56,5 +64,5 @@ if [ "$left" -gt 20 ]; then
 else
   echo "cpu kernel rate skipped: ${left}s left" | tee -a "$OUT_DIR/gpu_check.log"
 fi
-echo "kernels exit $kernels_rc, end-to-end exit $eq_rc, total $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/gpu_check.log"
-[ "$kernels_rc" -eq 0 ] && [ "$eq_rc" -eq 0 ]
+echo "kernels exit $kernels_rc, TE spec exit $te_rc, end-to-end exit $eq_rc, total $(( $(date +%s) - start )) s" | tee -a "$OUT_DIR/gpu_check.log"
+[ "$kernels_rc" -eq 0 ] && [ "$te_rc" -eq 0 ] && [ "$eq_rc" -eq 0 ]
