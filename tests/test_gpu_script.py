@@ -31,6 +31,9 @@ def test_run_all_cpu_dry_run(tmp_path):
     # the bf16 error model: out rounded to bf16 (u/2 ~ 2e-3 relative), far from a wrong mask (O(1))
     assert 1e-4 < cells["flex"]["fwd"]["out_rel"] < 1e-2
     assert "FAILED" not in proc.stdout
+    # the MoE-rate step's script ran its CPU part: torch's grouped GEMM equals the per-expert loop
+    moe = json.load(open(tmp_path / "reference_moe.json"))
+    assert moe["ok"] and moe["device"] == "cpu" and moe["grouped_vs_loop_rel"] <= 2 ** -6 and "routed" not in moe
     # the TE-spec step's script ran its CPU part (local spec bf16 vs fp32) and says TE did not run
     te = json.load(open(tmp_path / "te_spec.json"))
     assert te["ok"] and te["device"] == "cpu" and te["te"].startswith("not run")

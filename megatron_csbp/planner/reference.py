@@ -27,14 +27,17 @@ is listed in docs/planner.md):
 
 Beside the baseline, the paper's *workload* as its benchmark recipes run it (`recipe_workload`,
 applied by `validate --paper --baseline reference` to CP and CSBP alike): DiffusionGemma's native SFT
-objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss.
+objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss;
+and the rate of its MoE layer (`recipe_hardware`, FITTED `REFERENCE_MOE_EFFICIENCY`), also for both.
 
 Torch-free; every function here is a closed formula (tests/test_planner_reference.py checks them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
+
+from megatron_csbp.planner.hardware import HardwareProfile
 
 # ---- FITTED constants (docs/planner.md names them; a GPU measurement in
 # tests/gpu/check_reference_kernels.py would replace them) ----------------------------------------
@@ -47,6 +50,19 @@ FLEX_FORWARD_RATE_128 = 0.68
 # inter-node all-gather, the contiguous-slice imbalance and the GDN all-to-all); the DiffusionGemma
 # rows hardly depend on it (its head-256 layers are sliding).
 FLEX_RATE_256 = 1.0
+# Achieved rate of the paper's MoE layer as a fraction of the profile's dense peak, for the
+# expert FLOPs (2 x top-k x expert parameters per row) of CP and CSBP alike: the reference runs
+# each rank's experts through DeepEP dispatch / combine, a sort of the routes by expert, torch's
+# `F.grouped_mm` over its 64 local experts of 704 and a weighted scatter-add back
+# (`backbones/diffusiongemma/expert_parallel.py`), and this one rate stands for all of that work.
+# FITTED to the paper's two DiffusionGemma 256K step times (DP1/EP2/CP8 49.66 s, +BP8 34.14 s):
+# the least-squares value of a time shared by both steps, mean((paper - predicted without MoE time)
+# over the two steps) = expert FLOP-seconds at full peak / rate, gives 0.0734 (step times 50.8 ->
+# 33.0 s). It replaces the hardware profile's `grouped_gemm_efficiency` (0.30, an assumption) only
+# where `validate --paper --baseline reference` charges the paper's runs (`recipe_hardware`); a
+# GPU measurement in tests/gpu/check_reference_moe.py (grouped GEMM of this expert shape at the
+# recipe's 8192 tokens per expert, and the routed layer around it) would replace it.
+REFERENCE_MOE_EFFICIENCY = 0.073
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,13 @@ RECIPE_WORKLOADS = {
 def recipe_workload(model_name: str) -> dict:
     """`Workload` fields of the paper's recipe for the model preset `model_name` ({} if none)."""
     return dict(RECIPE_WORKLOADS.get(model_name, {}))
+
+
+def recipe_hardware(hw: HardwareProfile) -> HardwareProfile:
+    """`hw` as the paper's runs use it, CP and CSBP alike: its MoE layer at the FITTED
+    `REFERENCE_MOE_EFFICIENCY` of the dense peak instead of the profile's `grouped_gemm_efficiency`
+    (only MoE layers change; `validate --paper --baseline reference` applies it)."""
+    return replace(hw, grouped_gemm_efficiency=REFERENCE_MOE_EFFICIENCY)
 
 
 OURS = Baseline()

@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile, load_hardware
 from megatron_csbp.planner.model_config import load_preset
-from megatron_csbp.planner.reference import BASELINES, OURS, Baseline, baseline_for, recipe_workload
+from megatron_csbp.planner.reference import (BASELINES, OURS, Baseline, baseline_for, recipe_hardware,
+                                             recipe_workload)
 
 # design brief section 4: (model preset, paper baseline label, CSBP label, baseline tok/s, CSBP tok/s,
 # speedup, peak GiB baseline, peak GiB CSBP, Megatron sizes (tp, cp, ep, dp))
@@ -55,9 +56,16 @@ def _paper_workload(baseline: str, preset: str) -> Dict:
     return recipe_workload(preset) if baseline == "reference" else {}
 
 
+def _paper_hardware(baseline: str, hw: HardwareProfile) -> HardwareProfile:
+    """`hw` at the paper's MoE rate (`reference.recipe_hardware`, FITTED) for `--baseline
+    reference`; unchanged for `ours`."""
+    return recipe_hardware(hw) if baseline == "reference" else hw
+
+
 def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
                      paper_rows=PAPER) -> Dict:
     wl_kwargs = wl_kwargs or {}
+    name, hw = hw.name, _paper_hardware(baseline, hw)
     rows = []
     for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in paper_rows:
         model = load_preset(preset)
@@ -82,7 +90,7 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
         # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
         saved = (base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu)
         rows[-1]["explaining_gbps"] = saved / max(1e-9, rows[-1]["paper_step_s"][0] - rows[-1]["paper_step_s"][1]) / 1e9
-    return {"hardware": hw.name, "baseline": baseline, "rows": rows}
+    return {"hardware": name, "baseline": baseline, "rows": rows}
 
 
 # the paper's rows beyond its 256K table: DiffusionGemma at 512K (16 H200) and the DFlash2 drafter at
@@ -156,11 +164,12 @@ def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline
     out = {}
     gemma = load_preset("diffusiongemma-26b-a4b")
     gb = baseline_for(baseline, gemma.name)
+    ghw = _paper_hardware(baseline, hw)
     sp = {}
     for L in (65536, 131072, 262144, 524288):
         wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
-        base = best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN, baseline=gb)
-        cs = best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=gb)
+        base = best_of(gemma, 1, 8, 1, 2, 2, wl, ghw, PAPER_GPN, baseline=gb)
+        cs = best_of(gemma, 1, 8, 8, 2, 2, wl, ghw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=gb)
         sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
                  base.feasible, cs.feasible)
     out["gemma_by_length"] = sp
