@@ -31,9 +31,12 @@ def test_run_all_cpu_dry_run(tmp_path):
     # the bf16 error model: out rounded to bf16 (u/2 ~ 2e-3 relative), far from a wrong mask (O(1))
     assert 1e-4 < cells["flex"]["fwd"]["out_rel"] < 1e-2
     assert "FAILED" not in proc.stdout
-    # the MoE-rate step's script ran its CPU part: torch's grouped GEMM equals the per-expert loop
+    # the MoE-rate step's script ran its CPU part: torch's grouped GEMM equals the per-expert loop;
+    # the MoE rate that would hold the planner's fitted fixed time is far below the assumed 0.30
+    # (0.0734: docs/planner.md, row (f))
     moe = json.load(open(tmp_path / "reference_moe.json"))
     assert moe["ok"] and moe["device"] == "cpu" and moe["grouped_vs_loop_rel"] <= 2 ** -6 and "routed" not in moe
+    assert 0.07 < moe["rate_if_moe_were_the_fixed_time"] < 0.08 < moe["assumed_grouped_gemm_efficiency"]
     # the TE-spec step's script ran its CPU part (local spec bf16 vs fp32) and says TE did not run
     te = json.load(open(tmp_path / "te_spec.json"))
     assert te["ok"] and te["device"] == "cpu" and te["te"].startswith("not run")

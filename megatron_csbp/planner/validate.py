@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Dict, List, Optional
 
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile, load_hardware
 from megatron_csbp.planner.model_config import load_preset
-from megatron_csbp.planner.reference import (BASELINES, OURS, Baseline, baseline_for, recipe_hardware,
+from megatron_csbp.planner.reference import (BASELINES, OURS, Baseline, baseline_for, recipe_fixed_step_s,
                                              recipe_workload)
 
 # design brief section 4: (model preset, paper baseline label, CSBP label, baseline tok/s, CSBP tok/s,
@@ -56,24 +57,30 @@ def _paper_workload(baseline: str, preset: str) -> Dict:
     return recipe_workload(preset) if baseline == "reference" else {}
 
 
-def _paper_hardware(baseline: str, hw: HardwareProfile) -> HardwareProfile:
-    """`hw` at the paper's MoE rate (`reference.recipe_hardware`, FITTED) for `--baseline
-    reference`; unchanged for `ours`."""
-    return recipe_hardware(hw) if baseline == "reference" else hw
+def _paper_step(baseline: str, preset: str, est: Estimate) -> Estimate:
+    """`est` with the paper's FITTED unexplained time per step (`reference.recipe_fixed_step_s`)
+    added for `--baseline reference` (CP and CSBP alike; the same tokens in a longer step); `est`
+    itself for `ours`. Adding one constant to every candidate keeps `best_of`'s choice."""
+    extra = recipe_fixed_step_s(preset) if baseline == "reference" else 0.0
+    if not extra:
+        return est
+    step = est.step_time_s + extra
+    return replace(est, step_time_s=step, tokens_per_s=est.tokens_per_s * est.step_time_s / step,
+                   time={**est.time, "recipe_fixed": extra})
 
 
 def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
                      paper_rows=PAPER) -> Dict:
     wl_kwargs = wl_kwargs or {}
-    name, hw = hw.name, _paper_hardware(baseline, hw)
     rows = []
     for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in paper_rows:
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
         bm = baseline_for(baseline, preset)
-        base = best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm)
+        base = _paper_step(baseline, preset, best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm))
         # CSBP must use the baseline's recompute choice when comparing like with like
-        cs = best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=bm)
+        cs = _paper_step(baseline, preset, best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN,
+                                                   recompute=(base.layout.recompute,), baseline=bm))
         rows.append({
             "model": preset, "paper_baseline": bl, "paper_csbp": cl, "paper_speedup": speed,
             "paper_baseline_tok_s": btok, "paper_csbp_tok_s": ctok, "paper_peak_gib": (bmem, cmem),
@@ -90,7 +97,7 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
         # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
         saved = (base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu)
         rows[-1]["explaining_gbps"] = saved / max(1e-9, rows[-1]["paper_step_s"][0] - rows[-1]["paper_step_s"][1]) / 1e9
-    return {"hardware": name, "baseline": baseline, "rows": rows}
+    return {"hardware": hw.name, "baseline": baseline, "rows": rows}
 
 
 # the paper's rows beyond its 256K table: DiffusionGemma at 512K (16 H200) and the DFlash2 drafter at
@@ -159,20 +166,29 @@ def records_markdown(recs: List[Dict]) -> str:
     return "\n".join(out)
 
 
+def gemma_by_length(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
+                    lengths=(65536, 131072, 262144, 524288)) -> Dict:
+    """DiffusionGemma DP2(EP2)/CP8 vs +BP8 at each L of `lengths` (the paper's 64K-512K rows): L ->
+    (speedup, attn GiB/GPU CP, CSBP, CP fits, CSBP fits)."""
+    wl_kwargs = wl_kwargs or {}
+    gemma = load_preset("diffusiongemma-26b-a4b")
+    gb = baseline_for(baseline, gemma.name)
+    sp = {}
+    for L in lengths:
+        wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
+        base = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN, baseline=gb))
+        cs = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN,
+                                                       recompute=(base.layout.recompute,), baseline=gb))
+        sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
+                 base.feasible, cs.feasible)
+    return sp
+
+
 def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours") -> Dict:
     wl_kwargs = wl_kwargs or {}
     out = {}
     gemma = load_preset("diffusiongemma-26b-a4b")
-    gb = baseline_for(baseline, gemma.name)
-    ghw = _paper_hardware(baseline, hw)
-    sp = {}
-    for L in (65536, 131072, 262144, 524288):
-        wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
-        base = best_of(gemma, 1, 8, 1, 2, 2, wl, ghw, PAPER_GPN, baseline=gb)
-        cs = best_of(gemma, 1, 8, 8, 2, 2, wl, ghw, PAPER_GPN, recompute=(base.layout.recompute,), baseline=gb)
-        sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
-                 base.feasible, cs.feasible)
-    out["gemma_by_length"] = sp
+    out["gemma_by_length"] = gemma_by_length(hw, wl_kwargs, baseline)
     # pure BP at 128K on 16 GPUs (BP16 and DP2 x BP8), every model, best recompute choice
     bp = {}
     for preset in ("nemotron-diffusion-3b", "nemotron-diffusion-8b", "nemotron-diffusion-14b", "qwen3-27b-like",
