@@ -130,8 +130,8 @@ def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
              "paper_speedup": r["paper_speedup"], "predicted_speedup": r["pred_speedup"],
              "predicted_layouts": [r["pred_baseline"], r["pred_csbp"]], "fits": list(r["feasible"]),
              "predicted_step_s": list(r["step_s"]), "paper_step_s": list(r["paper_step_s"]),
-             # the step-time gap in seconds: where the model's absolute step is off (MoE terms), the
-             # gap can match while the ratio does not
+             # the step-time gap in seconds: where the model's absolute step is off (time both steps
+             # share), the gap can match while the ratio does not
              "predicted_gap_s": r["step_s"][0] - r["step_s"][1],
              "paper_gap_s": r["paper_step_s"][0] - r["paper_step_s"][1]}
             for r in v["rows"]]
