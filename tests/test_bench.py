@@ -247,6 +247,7 @@ def test_diffusiongemma_quick_cases_and_losses(dg_quick_result):
         assert all(p > s > 0 for p, s in zip(r["peak_tensor_bytes_per_rank"], r["static_tensor_bytes_per_rank"]))
 
 
+@pytest.mark.slow  # suite budget: the committed DiffusionGemma run re-renders by default (test_saved_report_is_what_the_code_renders) and tests/test_kv_source_exchange.py counts the K=V layer's bytes
 def test_diffusiongemma_quick_bytes(dg_quick_result):
     rows = {r["case"]: r for r in dg_quick_result[0]["rows"]}
     for name, r in rows.items():
@@ -269,6 +270,7 @@ def test_diffusiongemma_quick_bytes(dg_quick_result):
     assert all(r["bp"] == 1 or r["traffic_vs_cp"] < 0.5 for r in rows.values() if r["P"] > 1)
 
 
+@pytest.mark.slow  # suite budget: the committed DiffusionGemma run re-renders by default (test_saved_report_is_what_the_code_renders) and tests/test_kv_source_exchange.py counts the K=V layer's bytes
 def test_diffusiongemma_quick_report(dg_quick_result, tmp_path):
     _, files = dg_quick_result
     for key in ("markdown", "json", "traffic vs sequence length", "time vs sequence length", "peak memory per rank"):

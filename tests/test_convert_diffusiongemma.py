@@ -80,21 +80,26 @@ def test_diffusion_gemma_converts_scores_like_hf_per_block_and_exports(tmp_path)
     assert r.returncode == 2 and "DiffusionGemma has no Megatron-LM flag set" in r.stderr
 
 
-def test_score_refuses_bad_block_arguments(tmp_path):
+def test_score_refuses_bad_block_arguments(tmp_path, capsys):
+    """`convert score`'s block rules, each one line and exit 2 (in process, through the CLI's own
+    `run(main)`; the subprocess CLI is exercised by the tests above and tests/test_convert_cli.py)."""
+    from megatron_csbp.conversion import api
+    from megatron_csbp.conversion.cli import main
+    from megatron_csbp.utils.cli import run
+
     hf, meg = str(tmp_path / "hf"), str(tmp_path / "meg")
     _save_tiny(hf)
-    assert convert("hf-to-megatron", "--hf-path", hf, "--output", meg).returncode == 0
+    api.hf_to_megatron_checkpoint(hf, meg)
     _ids(tmp_path)
     base = ["score", "--load", meg, "--tokens", str(tmp_path / "clean.npy"), "--output", str(tmp_path / "o.npy")]
-    r = convert(*base, "--noisy-tokens", str(tmp_path / "noisy.npy"), "--block-size", "5")
-    assert r.returncode == 2 and "--block-size 5 must divide the sequence length 24" in r.stderr
-    r = convert(*base, "--noisy-tokens", str(tmp_path / "noisy.npy"), "--block-size", "4", "--prompt-length", "6")
-    assert r.returncode == 2 and "--prompt-length 6 must be a multiple of --block-size 4" in r.stderr
-    r = convert(*base, "--noisy-tokens", str(tmp_path / "noisy.npy"))
-    assert r.returncode == 2 and "--noisy-tokens needs --block-size" in r.stderr
-    r = convert(*base, "--noisy-tokens", str(tmp_path / "noisy.npy"), "--block-size", "4",
-                "--clean-attention", "block_causal")
-    assert r.returncode == 2 and "token-causal" in r.stderr
+    noisy = ["--noisy-tokens", str(tmp_path / "noisy.npy")]
+    for extra, needle in ((noisy + ["--block-size", "5"], "--block-size 5 must divide the sequence length 24"),
+                          (noisy + ["--block-size", "4", "--prompt-length", "6"],
+                           "--prompt-length 6 must be a multiple of --block-size 4"),
+                          (noisy, "--noisy-tokens needs --block-size"),
+                          (noisy + ["--block-size", "4", "--clean-attention", "block_causal"], "token-causal")):
+        assert run(main, base + extra) == 2  # `python -m megatron_csbp.convert` exits with it
+        assert needle in capsys.readouterr().err, needle
 
 
 # K=V off (parity of that model is in tests/test_diffusiongemma.py; here the refused export) is slow.
