@@ -163,6 +163,7 @@ def test_layouts_equal_single_rank():
     _check(run_distributed(_rank, 2, cases))
 
 
+@pytest.mark.slow  # suite budget: DiffusionGemma under CSBP 2 + 2 (test_layouts_equal_single_rank) and GPT under two clean rings (tests/test_block_attention_distributed.py, test_model_parallel_exactness.py) stay default
 def test_four_rank_layouts_equal_single_rank():
     _check(run_distributed(_rank, 4, [("bd3lm", (2, 4)), ("sft", (2, 4))]))
 
