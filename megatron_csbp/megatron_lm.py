@@ -410,10 +410,9 @@ def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] =
         kept = (supervised.sum(dim=1, keepdim=True) > 0).to(supervised.dtype)
         shifted_only = (batch["tokens"] == packing.eod_token_id) & (clean != packing.eod_token_id)
         supervised = torch.where(shifted_only, kept.expand_as(supervised), supervised)
-        supervised = packing.loss_mask(clean, supervised, target_shift)
-    if mask_token_id is not None:
-        supervised = supervised * (clean != mask_token_id)
-    return clean, supervised
+    from megatron_csbp.model.bdlm import supervised_mask
+
+    return clean, supervised_mask(clean, supervised, packing, mask_token_id, target_shift)
 
 
 def batch_on_every_stage(data_iterator):

@@ -212,10 +212,8 @@ class BlockDiffusionModel(torch.nn.Module):
         target: the mask column is out of the softmax). What the trainer's denominator counts, and
         the rule `megatron_lm.bdlm_batch` applies to Megatron-LM's batch, so both count the same
         supervised tokens."""
-        if self.packing is not None:
-            loss_mask = self.packing.loss_mask(tokens, loss_mask, self.objective.target_shift)
-        mask_id = self.objective.mask_token_id
-        return loss_mask if mask_id is None else loss_mask * (tokens != mask_id).to(loss_mask.dtype)
+        return supervised_mask(tokens, loss_mask, self.packing, self.objective.mask_token_id,
+                               self.objective.target_shift)
 
     def _plan_of(self, noised: NoisedBatch):
         """(plan, whether the self-conditioning first pass runs) of a noised batch; the canvas
@@ -279,6 +277,17 @@ class BlockDiffusionModel(torch.nn.Module):
         """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
         exclude = self.objective.mask_token_id if self.objective.exclude_mask_from_softmax else None
         return weighted_cross_entropy(logits, targets, weights, denominator, exclude_token=exclude)
+
+
+def supervised_mask(tokens: torch.Tensor, loss_mask: torch.Tensor, packing: Optional[Packing],
+                    mask_token_id: Optional[int], target_shift: int = 0) -> torch.Tensor:
+    """The supervised tokens of a sequence: `loss_mask` less, under --eod-mask-loss, the targets
+    of rows that read an EOD (`Packing.loss_mask`), and less data tokens equal to the mask id (the
+    mask column is out of the softmax). Idempotent. The one rule of the trainer
+    (`BlockDiffusionModel.supervised`) and of Megatron-LM's batches (`megatron_lm.bdlm_batch`)."""
+    if packing is not None:
+        loss_mask = packing.loss_mask(tokens, loss_mask, target_shift)
+    return loss_mask if mask_token_id is None else loss_mask * (tokens != mask_token_id).to(loss_mask.dtype)
 
 
 def wrapper_class(objective: Objective) -> type:
