@@ -141,6 +141,17 @@ def test_validate_paper_reference_json(tmp_path, capsys):
                 ("diffusiongemma-26b-a4b", 65536), ("diffusiongemma-26b-a4b", 131072),
                 ("diffusiongemma-26b-a4b", 262144), ("diffusiongemma-26b-a4b", 524288)]:
         assert within[key], key
+    # the DFlash rows (docs/planner.md "DFlash at 512K and 1M"): each side's DP picked among the
+    # layouts that fit the recipe's trainer memory; not within 15 % of the paper's
+    d = {r["seq_length"]: r for r in recs if r["model"] == "dflash-drafter-muse-glimmer"}
+    assert set(d) == {524288, 1048576}
+    assert d[524288]["predicted_layouts"] == ["DP2/CP4 (allgather)", "DP2/CP4/BP4 (allgather)"]
+    assert round(d[524288]["predicted_speedup"], 3) == 1.482 and d[524288]["cp_at_csbp_dp"]["fits"]
+    assert d[1048576]["predicted_layouts"] == ["DP1/CP8 (allgather)", "DP2/CP4/BP4 (allgather)"]
+    assert round(d[1048576]["predicted_speedup"], 3) == 1.800
+    assert d[1048576]["cp_at_csbp_dp"]["layout"] == "DP2/CP4 (allgather)"
+    assert not d[1048576]["cp_at_csbp_dp"]["fits"] and round(d[1048576]["cp_at_csbp_dp"]["speedup"], 3) == 1.321
+    assert not within[("dflash-drafter-muse-glimmer", 524288)] and not within[("dflash-drafter-muse-glimmer", 1048576)]
 
 
 def test_gpu_reference_kernel_check_skips_with_its_reason_without_cuda(tmp_path):
@@ -279,3 +290,55 @@ def test_recipe_fixed_step_gives_the_512k_row_within_15_percent():
     ref = gemma_by_length(hw, baseline="reference", lengths=(524288,))[524288][0]
     assert abs(ref / PAPER_GEMMA_512K - 1) <= 0.15
     assert round(gemma_by_length(hw, baseline="ours", lengths=(524288,))[524288][0], 3) == 1.024
+
+
+# ---- the paper's DFlash recipe trainer (reference.py: RECIPE_WORKLOADS / RECIPE_LAYOUT_OPTIONS) --
+
+def _drafter_terms(L, lay, wl):
+    m = load_preset("dflash-drafter-muse-glimmer")
+    return m, estimate(m, lay, wl, load_hardware("h100"), 8, R.baseline_for("reference", m.name))
+
+
+def test_dflash_recipe_trainer_memory_is_the_closed_formula():
+    """The reference's DFlash trainer (docs/planner.md row (g)): bf16 drafter with a replicated
+    torch fused AdamW (2 + 2 + 4 bytes per trained parameter, frozen embeddings / LM head 2, on
+    every rank) and two device buffers of the rank's CP shard of the features; this project's
+    trainer on the same layout: Megatron's distributed optimizer and one buffer."""
+    from dataclasses import replace
+
+    from megatron_csbp.planner.hardware import GiB
+
+    name = "dflash-drafter-muse-glimmer"
+    assert R.recipe_workload(name) == {"grad_bytes": 2, "optimizer_state_bytes": 4, "feature_buffers": 2}
+    assert R.recipe_layout_options(name) == {"recompute": ("none",), "distributed_optimizer": False}
+    assert R.recipe_layout_options("nemotron-diffusion-3b") == {}
+    L, cp = 65536, 4
+    lay = Layout(1, cp, cp, 1, 2, distributed_optimizer=False)  # the recipe's CP 4 x BP 4, DP 2
+    m, rec = _drafter_terms(L, lay, Workload(L, 16, objective="dflash", anchors=512, **R.recipe_workload(name)))
+    h, feat_row, ctx = m.hidden_size, m.target_layers * m.hidden_size, L // cp  # each rank: its CP shard
+    assert rec.memory_gib["weights_grads_optimizer"] * GiB == pytest.approx(
+        8 * m.dense_params + 2 * m.frozen_params, rel=1e-12)
+    assert rec.memory_gib["features"] * GiB == pytest.approx(2 * ctx * feat_row * 2 + ctx * h * 2, rel=1e-12)
+    _, ours = _drafter_terms(L, replace(lay, distributed_optimizer=True),
+                             Workload(L, 16, objective="dflash", anchors=512))
+    D = lay.dp * lay.shard_group_size  # Megatron shards the fp32 master + Adam state over DP x CP
+    assert ours.memory_gib["weights_grads_optimizer"] * GiB == pytest.approx(
+        (2 + 4) * m.dense_params + 12 * m.dense_params / D + 2 * m.frozen_params, rel=1e-12)
+    assert ours.memory_gib["features"] * GiB == pytest.approx(ctx * feat_row * 2 + ctx * h * 2, rel=1e-12)
+    # the rest of the step's memory is the same
+    assert rec.memory_gib["activations"] == ours.memory_gib["activations"]
+
+
+def test_dflash_recipe_memory_costs_cp_its_replica_at_1m():
+    """Why the CP side of the 1M row runs DP 1 (`validate.dflash_comparison`): under CP every rank
+    keeps all 512 anchors' draft rows, so with the recipe's trainer memory CP 4 at DP 2 does not fit
+    in 80 GB while the recipe's CP 4 x BP 4 at DP 2 and CP 8 at DP 1 do; with this project's trainer
+    (distributed optimizer, one feature buffer) CP 4 at DP 2 fits."""
+    L, name = 1048576, "dflash-drafter-muse-glimmer"
+    rec = Workload(L, 16, objective="dflash", anchors=512, **R.recipe_workload(name))
+    fits = {lay.label(): _drafter_terms(L, lay, rec)[1].feasible
+            for lay in (Layout(1, 4, 1, 1, 2, distributed_optimizer=False),
+                        Layout(1, 8, 1, 1, 1, distributed_optimizer=False),
+                        Layout(1, 4, 4, 1, 2, distributed_optimizer=False))}
+    assert fits == {"DP2/CP4 (allgather)": False, "DP1/CP8 (allgather)": True, "DP2/CP4/BP4 (allgather)": True}
+    assert _drafter_terms(L, Layout(1, 4, 1, 1, 2), Workload(L, 16, objective="dflash", anchors=512))[1].feasible

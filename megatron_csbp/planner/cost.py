@@ -114,6 +114,14 @@ class Workload:
     self_conditioning_prob: float = 0.0
     # the clean rows' own autoregressive loss through the output layer (forward and backward)
     encoder_ar_loss: bool = False
+    # optimizer-state bytes per trained parameter (None: fp32 master weights + Adam m and v, 12).
+    # The paper's DFlash recipe (`reference.recipe_workload`): torch's fused AdamW on bf16
+    # parameters keeps m and v in bf16, 4 (with `Layout.distributed_optimizer` False: not sharded)
+    optimizer_state_bytes: Optional[int] = None
+    # device copies of a DFlash rank's verifier features during a step: 1 (this project's reader);
+    # the paper's offline feature reader copies the next sample's features to the device while
+    # the step runs, 2 (`reference.recipe_workload`)
+    feature_buffers: int = 1
 
     @property
     def packed(self) -> bool:
@@ -160,7 +168,8 @@ def _precision(hw: HardwareProfile, wl: "Workload"):
     """(weight, grad, optimizer-state) bytes per parameter."""
     if hw.dtype_bytes >= 4:
         return 4, 4, 8  # fp32 training: weights, grads, Adam m and v
-    return 2, wl.grad_bytes, 12  # bf16 weights, main grads, fp32 master + m + v
+    opt = 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
+    return 2, wl.grad_bytes, opt  # bf16 weights, main grads, fp32 master + m + v (or as the workload says)
 
 
 def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: int) -> float:
@@ -373,7 +382,8 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
             acts += (draft + ctx) * h * s / tp * model.num_layers
         # frozen LM head on the draft rows: forward + input gradient
         t["output_layer"] = 2 * 2 * draft * h * V / tp / (peak * hw.gemm_efficiency)
-        features = ctx * feat_row * s + ctx * h * s  # features read and their projection
+        # features read (`feature_buffers` device copies of them) and their projection
+        features = wl.feature_buffers * ctx * feat_row * s + ctx * h * s
         logits = draft * min(V, wl.vocab_chunk or V) / tp * (wl.logits_bytes if s < 4 else 2 * s)
         per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
     t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])

@@ -28,6 +28,9 @@ is listed in docs/planner.md):
 Beside the baseline, the paper's *workload* as its benchmark recipes run it (`recipe_workload`,
 applied by `validate --paper --baseline reference` to CP and CSBP alike): DiffusionGemma's native SFT
 objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss;
+the DFlash recipe's trainer keeps a replicated bf16 AdamW and two feature buffers, without
+activation checkpointing (`recipe_layout_options`), so a layout that fits this project's trainer
+may not fit the paper's;
 and a time per step its runs spend that the cost model does not count (`recipe_fixed_step_s`,
 FITTED `REFERENCE_DG_FIXED_STEP_S`), also for both.
 
@@ -104,14 +107,40 @@ class Baseline:
 # stream's detached K/V (`_DiffusionGemmaCleanStream.detached`), with the vocabulary logits
 # streamed into soft embeddings (work counts `detached_decoder_rows`, `self_conditioning_
 # vocabulary_rows`); the clean encoder rows carry their own AR loss (`encoder_ar_vocabulary_rows`).
+#
+# benchmarks/recipes/dflash2_muse_glimmer_30b_1m.yaml (8 H100, the paper's DFlash2 rows): `dtype:
+# bf16`, `optimizer.backend: torch_fused_adamw`, `activation_checkpointing: false`,
+# `target_features: offline`. What the trainer then holds per GPU, for CP and CSBP alike (read in
+# the reference, docs/planner.md "DFlash at 512K and 1M"):
+#   - `DFlashBackboneExecutor.build_model` (backbones/dflash/executor.py) casts the whole drafter to
+#     the recipe dtype (`model.to(device=device, dtype=dtype)`): bf16 parameters and gradients;
+#   - `build_optimizer` (core/optim/zero.py) makes `torch_fused_adamw` a plain
+#     `torch.optim.AdamW(..., fused=True)`: no ZeRO / FSDP sharding, m and v in the parameters'
+#     dtype (bf16) on every rank: 2 + 2 + 4 = 8 bytes per trained parameter, replicated;
+#   - `DFlashFeatureDataRuntime.next_batch` / `_advance_prefetch` (backbones/dflash/data.py): as
+#     soon as a step takes its sample's features (the rank's CP intervals, `_target_intervals`), the
+#     next sample's are copied to the device on a side stream: two feature buffers per step.
 RECIPE_WORKLOADS = {
     "diffusiongemma-26b-a4b": {"self_conditioning_prob": 0.5, "encoder_ar_loss": True},
+    "dflash-drafter-muse-glimmer": {"grad_bytes": 2, "optimizer_state_bytes": 4, "feature_buffers": 2},
+}
+# the layout options the recipe fixes: no activation checkpointing (`benchmarks/profile_parallel_
+# modes.sh` changes only the CP and BP sizes between its `cp` and `fused` runs), and the replicated
+# optimizer (not Megatron's distributed one)
+RECIPE_LAYOUT_OPTIONS = {
+    "dflash-drafter-muse-glimmer": {"recompute": ("none",), "distributed_optimizer": False},
 }
 
 
 def recipe_workload(model_name: str) -> dict:
     """`Workload` fields of the paper's recipe for the model preset `model_name` ({} if none)."""
     return dict(RECIPE_WORKLOADS.get(model_name, {}))
+
+
+def recipe_layout_options(model_name: str) -> dict:
+    """`search.candidate_layouts` keyword arguments the paper's recipe fixes for `model_name`
+    ({} if none): its recompute choice and whether the optimizer state is sharded."""
+    return dict(RECIPE_LAYOUT_OPTIONS.get(model_name, {}))
 
 
 # the FITTED unexplained time per step of each model's paper runs (docs/planner.md, row (f))

@@ -18,7 +18,7 @@ from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile, load_hardware
 from megatron_csbp.planner.model_config import load_preset
 from megatron_csbp.planner.reference import (BASELINES, OURS, Baseline, baseline_for, recipe_fixed_step_s,
-                                             recipe_workload)
+                                             recipe_layout_options, recipe_workload)
 
 # design brief section 4: (model preset, paper baseline label, CSBP label, baseline tok/s, CSBP tok/s,
 # speedup, peak GiB baseline, peak GiB CSBP, Megatron sizes (tp, cp, ep, dp))
@@ -108,18 +108,30 @@ PAPER_DFLASH = {524288: 2.48, 1048576: 7.59}
 
 def dflash_comparison(L: int, baseline: str, hw_name: str = "h100", gpus: int = 8) -> Dict:
     """Best CSBP layout (bp > 1) vs best CP-only layout of the drafter on `gpus` H100s at L, one
-    sample per data-parallel replica (the planner's choice of DP, CP, BP and recompute)."""
+    sample per data-parallel replica: the planner picks DP, CP, BP (and recompute) for each side
+    separately among the layouts that fit, as "memory freed lets more data-parallel replicas fit"
+    says. Under `reference` the paper's recipe fixes the trainer (`reference.recipe_workload`:
+    replicated bf16 AdamW, two feature buffers; `recipe_layout_options`: no recompute), for both
+    sides. `cp_at_csbp_dp`: the CP-only layout with the chosen CSBP layout's DP and CP (e.g.
+    DP2/CP4 beside DP2/CP4/BP4), feasible or not: the comparison at equal data parallelism."""
     from megatron_csbp.planner.search import candidate_layouts
 
     model = load_preset("dflash-drafter-muse-glimmer")
     hw = load_hardware(hw_name)
-    wl = Workload(L, 16, objective="dflash", anchors=512)
+    recipe = baseline == "reference"
+    wl = Workload(L, 16, objective="dflash", anchors=512, **(recipe_workload(model.name) if recipe else {}))
     bm = baseline_for(baseline, model.name)
-    ests = [estimate(model, lay, wl, hw, gpus, bm) for lay in candidate_layouts(model, wl, gpus, gpus)]
+    options = recipe_layout_options(model.name) if recipe else {}
+    ests = [estimate(model, lay, wl, hw, gpus, bm) for lay in candidate_layouts(model, wl, gpus, gpus, **options)]
     ok = [e for e in ests if e.feasible]
     cs = max((e for e in ok if e.layout.bp > 1), key=lambda e: e.tokens_per_s, default=None)
     cpo = max((e for e in ok if e.layout.bp == 1), key=lambda e: e.tokens_per_s, default=None)
-    return {"csbp": cs, "baseline": cpo,
+    same = None
+    if cs is not None:
+        same = max((e for e in ests if e.layout.bp == 1 and e.layout.dp == cs.layout.dp
+                    and e.layout.cp == cs.layout.cp and e.layout.recompute == cs.layout.recompute),
+                   key=lambda e: e.tokens_per_s, default=None)
+    return {"csbp": cs, "baseline": cpo, "cp_at_csbp_dp": same,
             "speedup": cs.tokens_per_s / cpo.tokens_per_s if cs and cpo else None}
 
 
@@ -146,11 +158,19 @@ def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
         d = extra.get("dflash", {}).get(L)
         if d is None:
             continue
+        same = d.get("cp_at_csbp_dp")
         recs.append({"model": "dflash-drafter-muse-glimmer", "row": "8 x H100, best CP vs best CSBP",
                      "seq_length": L, "baseline": baseline, "paper_speedup": paper,
                      "predicted_speedup": d["speedup"],
                      "predicted_layouts": [d["baseline"].layout.label() if d["baseline"] else None,
-                                           d["csbp"].layout.label() if d["csbp"] else None]})
+                                           d["csbp"].layout.label() if d["csbp"] else None],
+                     "predicted_step_s": [e.step_time_s if e else None for e in (d["baseline"], d["csbp"])],
+                     "predicted_peak_gib": [e.peak_memory_gib if e else None for e in (d["baseline"], d["csbp"])],
+                     # CP at the chosen CSBP layout's DP and CP: the equal-DP comparison, and why
+                     # the CP side ran with fewer replicas when it does not fit
+                     "cp_at_csbp_dp": None if same is None else {
+                         "layout": same.layout.label(), "peak_gib": same.peak_memory_gib, "fits": same.feasible,
+                         "speedup": d["csbp"].tokens_per_s / same.tokens_per_s}})
     return recs
 
 
@@ -216,7 +236,7 @@ def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline
     c26 = estimate(gemma, Layout(1, 8, 8, 2, 2, "full"), wl, hw, PAPER_GPN)
     out["traffic_gemma_gib"] = (b26.attn_bytes_per_gpu / 2 ** 30, c26.attn_bytes_per_gpu / 2 ** 30)
     if baseline != "ours":  # (the `ours` output stays as it was)
-        out["dflash"] = {L: dflash_comparison(L, baseline) for L in (524288,)}
+        out["dflash"] = {L: dflash_comparison(L, baseline) for L in PAPER_DFLASH}
     return out
 
 
