@@ -337,7 +337,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     if (args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size
             and args.model_shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
-    args.vocab_size = tok.vocab_size
+    args.vocab_size = tok.vocab_size  # from here on the tokenizer's vocabulary (NullTokenizer: --vocab-size + 1)
     args.eod_token_id = tok.eod
     if args.model_shape is not None:
         if tok.vocab_size > args.model_shape.vocab_size:
@@ -361,7 +361,12 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         except FileNotFoundError as exc:
             raise ValueError(f"--mask-token: {exc}") from None
     if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
-        args.mask_token_id = tok.mask_token_id
+        from megatron_csbp.model.builder import padded_vocab_size
+        from megatron_csbp.objectives.flags import default_mask_token_id
+
+        padded = args.vocab_size if args.model_shape is not None else \
+            padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+        args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, padded)
     check_vocab(args, args.vocab_size)
     return args
 
@@ -437,7 +442,13 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
     """The model comes from the checkpoint's megatron_csbp_model.json: fill the shape flags from it
     and refuse flags that contradict it."""
     defaults = build_parser()
+    if args.tokenizer_type is None and not args.tokenizer_model:
+        args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     for dest, value in _shape_values(shape).items():
+        if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
+            from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
+
+            value = null_tokenizer_vocab_flag(value)  # ids 0..V-1 plus EOD V: the checkpoint's V + 1 rows
         given = getattr(args, dest)
         if given == defaults.get_default(dest) or given == value:
             setattr(args, dest, value)
@@ -445,6 +456,11 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         if dest == "vocab_size" and args.tokenizer_type not in (None, "NullTokenizer"):
             continue  # a tokenizer's vocabulary may be smaller than the model's: checked later
         flag = "--" + dest.replace("_", "-")
+        if dest == "vocab_size":  # (NullTokenizer)
+            from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE
+
+            raise ValueError(f"--vocab-size {given} contradicts the checkpoint --load {args.load}: its vocabulary of "
+                             f"{shape.vocab_size} ids is --vocab-size {value} ({NULL_TOKENIZER_RULE}); drop the flag")
         raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
     from megatron_csbp.model.families import family_names, get_family
@@ -458,8 +474,6 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
     if shape.vocab_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the checkpoint's vocabulary "
                          f"{shape.vocab_size} (converted models are not padded)")
-    if args.tokenizer_type is None and not args.tokenizer_model:
-        args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         args.tokenizer_model = os.path.join(args.load, "hf_assets")  # the tokenizer that came with the model
 
