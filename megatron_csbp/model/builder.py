@@ -48,6 +48,15 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def embedding_rows(a) -> int:
+    """The embedding's rows of the trainer's model (`a`: its flags or ModelArgs; `a.vocab_size` the
+    tokenizer's vocabulary): a converted checkpoint's exact vocabulary (`a.model_shape`), else the
+    padded vocabulary of the flags. Mask ids are checked against it."""
+    if getattr(a, "model_shape", None) is not None:
+        return int(a.model_shape.vocab_size)
+    return padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+
+
 def dimensions(source) -> dict:
     """{field: source.field} for the `DIMENSIONS`."""
     return {name: getattr(source, name) for name in DIMENSIONS}

@@ -360,14 +360,14 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
                                                     vocab_size=args.vocab_size)
         except FileNotFoundError as exc:
             raise ValueError(f"--mask-token: {exc}") from None
+    from megatron_csbp.model.builder import embedding_rows
+
+    rows = embedding_rows(args)
     if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
-        from megatron_csbp.model.builder import padded_vocab_size
         from megatron_csbp.objectives.flags import default_mask_token_id
 
-        padded = args.vocab_size if args.model_shape is not None else \
-            padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-        args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, padded)
-    check_vocab(args, args.vocab_size)
+        args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
+    check_vocab(args, rows)
     return args
 
 
