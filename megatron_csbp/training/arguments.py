@@ -170,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer-model", type=str, default=None,
                    help="sentencepiece .model, or a local Hugging Face tokenizer folder (default with --load and "
                         "HuggingFaceTokenizer: the checkpoint's hf_assets)")
-    d.add_argument("--vocab-size", type=int, default=None)
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer (Megatron-LM's): ids 0..V-1 plus EOD V; the model pads V + 1 to "
+                        "--make-vocab-size-divisible-by and the default mask id is V + 1, the first padding id")
     d.add_argument("--mock-data", action="store_true")
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
     d.add_argument("--reset-position-ids", action="store_true",
