@@ -3,10 +3,8 @@
 vocabulary that padded to --make-vocab-size-divisible-by, and the default mask id the Megatron-LM
 hooks' (the first padding id, V + 1). A checkpoint saved when the trainer read V as "V ids, EOD
 V - 1, mask V - 2" is refused with one line naming --vocab-size and the rule, and rebuilt with its
-own tokenizer by the readers of checkpoints."""
+own tokenizer by the readers of checkpoints (tests/test_fail_loudly.py, on its trained checkpoint)."""
 import argparse
-import json
-import os
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 from megatron_csbp.data.megatron_data import build_tokenizer, saved_tokenizer
 from megatron_csbp.model.builder import embedding_rows
 from megatron_csbp.training.arguments import parse_args
-from tests.train_helpers import TINY, run_train
+from tests.train_helpers import TINY
 
 
 def test_null_tokenizer_is_megatron_lms():
@@ -53,39 +51,3 @@ def test_mock_data_draws_only_the_real_ids():
     train, valid = mock_datasets(a)
     ids = torch.cat([ds[i]["tokens"] for ds in (train, valid) for i in range(200)])
     assert int(ids.min()) == 0 and int(ids.max()) == 63  # ids 0..V-1: never the EOD 64 nor the mask id 65
-
-
-def test_old_meaning_checkpoint_is_refused_naming_vocab_size(tmp_path, capsys):
-    save = str(tmp_path / "ckpt")
-    out = run_train(TINY + ["--train-iters", "1", "--save", save])
-    assert out.returncode == 0, out.stderr[-3000:]
-    meta_path = os.path.join(save, "iter_0000001", "bdlm_meta.json")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    m = meta["model_args"]
-    assert (m["vocab_size"], m["eod_token_id"], m["mask_token_id"], m["padded_vocab_size"]) == (65, 64, 65, 128)
-    # What the trainer saved for the same flags before NullTokenizer took Megatron-LM's meaning
-    # (--vocab-size 64: 64 ids, EOD 63, mask 62; the same 128 embedding rows, so same tensors).
-    m.update(vocab_size=64, eod_token_id=63, mask_token_id=62)
-    with open(meta_path, "w") as f:
-        json.dump(meta, f)
-    where = f"--load {save}, iter_0000001/bdlm_meta.json"
-
-    def refusal(argv):
-        with pytest.raises(SystemExit) as exc:
-            parse_args(argv, world_size=1)
-        assert exc.value.code == 2
-        return capsys.readouterr().err.strip()
-
-    # the old command: refused, naming the flag and the rule
-    assert refusal(TINY + ["--load", save]) == (
-        f"error: --vocab-size 64 gives 65 token ids, the checkpoint's NullTokenizer has 64 ({where}; --tokenizer-type "
-        "NullTokenizer --vocab-size V is Megatron-LM's: ids 0..V-1 plus EOD V (V + 1 ids)): resume with --vocab-size 63")
-    # the same vocabulary, but the default mask id moved: refused too
-    vocab63 = TINY[:1] + ["--vocab-size", "63"] + TINY[3:] + ["--load", save]
-    assert refusal(vocab63) == (f"error: --mask-token-id 64 differs from the checkpoint's 62 ({where}): the model was "
-                                "trained to fill that id; resume with --mask-token-id 62")
-    # both given: the checkpoint's tokenizer exactly (EOD 63), and its readers rebuild the same one
-    a = parse_args(vocab63 + ["--mask-token-id", "62"], world_size=1)
-    assert (a.vocab_size, a.eod_token_id, a.mask_token_id, embedding_rows(a)) == (64, 63, 62, 128)
-    assert saved_tokenizer(m["tokenizer_type"], None, m["vocab_size"]).eod == 63
