@@ -40,8 +40,9 @@ DIMENSIONS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padded vocabulary of a flag-built model: a multiple of
-    lcm(--make-vocab-size-divisible-by, TP)."""
+    """The padded vocabulary of a flag-built model: a multiple of lcm(--make-vocab-size-divisible-by,
+    TP), so that TP never changes the model (Megatron-LM pads to a multiple of the flag x TP: the
+    same at TP 1; docs/megatron-lm.md)."""
     multiple = divisible_by
     if multiple % tp:
         multiple = multiple * tp // math.gcd(multiple, tp)
