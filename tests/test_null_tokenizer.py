@@ -51,3 +51,22 @@ def test_mock_data_draws_only_the_real_ids():
     train, valid = mock_datasets(a)
     ids = torch.cat([ds[i]["tokens"] for ds in (train, valid) for i in range(200)])
     assert int(ids.min()) == 0 and int(ids.max()) == 63  # ids 0..V-1: never the EOD 64 nor the mask id 65
+
+
+def test_preprocess_appends_megatron_lms_eod(tmp_path):
+    """`data.preprocess --tokenizer-type NullTokenizer --vocab-size 64 --append-eod`: documents end
+    with 64, the EOD the trainer (and Megatron-LM's pretrain()) reads for packed documents."""
+    import json
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_csbp.data.preprocess import main as preprocess_main
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ("5 17 42", "0 63")))
+    prefix = preprocess_main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "d"),
+                              "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--append-eod"])
+    ds = IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(len(ds))] == [[5, 17, 42, 64], [0, 63, 64]]
+    assert parse_args(TINY[3:] + ["--data-path", prefix, "--tokenizer-type", "NullTokenizer",
+                                  "--vocab-size", "64", "--split", "100,0,0"],
+                      world_size=1).eod_token_id == 64
