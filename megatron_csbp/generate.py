@@ -163,10 +163,10 @@ def run_bd3lm(p, a) -> np.ndarray:
         model, margs, step = load_for_generation(a.load, a.ckpt_step)
     except ValueError as exc:
         p.error(str(exc))
-    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.megatron_data import saved_tokenizer
 
     tokenizer_type = margs.get("tokenizer_type") or "SentencePieceTokenizer"
-    tok = build_tokenizer(tokenizer_type, a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
+    tok = saved_tokenizer(tokenizer_type, a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
     ids = _prompt_ids(p, a, tok, null_tokenizer=tokenizer_type == "NullTokenizer")
     _check_range(p, ids, margs["vocab_size"])
     if ids.shape[1] >= margs["seq_length"]:

@@ -39,7 +39,7 @@ import torch
 
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
-from megatron_csbp.objectives.flags import check_mask_token_id
+from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
 from megatron_csbp.objectives.registry import objective_class, objective_options
 from megatron_csbp.training.arguments import add_block_diffusion_args
 
@@ -126,20 +126,16 @@ def _tokenizer_mask_id(tokenizer) -> Optional[int]:
 def resolve_mask_token_id(args, tokenizer) -> Optional[int]:
     """The mask id, chosen so that it cannot collide with data (sets args.mask_token_id).
 
-    Unset: the tokenizer's own mask token if it has one, else the first id of the padded vocabulary
-    past the tokenizer's (Megatron pads the vocabulary to --make-vocab-size-divisible-by x TP: those
-    ids exist in the embedding but no tokenizer output uses them). Given: it must be an embedding
+    Unset: `objectives.flags.default_mask_token_id` (the tokenizer's own mask token, else the first
+    padding id; the trainer's rule too) over Megatron's padded vocabulary. Given: it must be an embedding
     row, and an id the tokenizer can produce (other than its mask token) needs --allow-mask-token-in-vocab."""
     if objective_class(args.objective).mask_token_needed is None:
         return args.mask_token_id
     vocab, padded = int(tokenizer.vocab_size), int(args.padded_vocab_size)
     own = _tokenizer_mask_id(tokenizer)
     if args.mask_token_id is None:
-        if own is not None:
-            args.mask_token_id = own
-        elif padded > vocab:
-            args.mask_token_id = vocab
-        else:
+        args.mask_token_id = default_mask_token_id(own, vocab, padded)
+        if args.mask_token_id is None:
             raise ValueError(f"--mask-token-id is unset and the padded vocabulary ({padded}) has no id past the "
                              f"tokenizer's {vocab}: pass --mask-token-id, or raise --make-vocab-size-divisible-by")
         return args.mask_token_id

@@ -148,3 +148,40 @@ def test_unchecked_divergence_never_saves_non_finite_weights(tmp_path):
                      r"\(the last one saved stays the latest\)", line)
     assert m, line
     assert checkpointing.read_tracker(save) == int(m.group(1)) - 1
+
+
+def test_old_null_tokenizer_checkpoint_is_refused_naming_vocab_size(saved, tmp_path, capsys):
+    """A checkpoint saved when the trainer read NullTokenizer's --vocab-size V as V ids (EOD V - 1,
+    mask V - 2) does not resume as another vocabulary (tests/test_null_tokenizer.py: the meaning)."""
+    import json
+
+    from megatron_csbp.data.megatron_data import saved_tokenizer
+    from megatron_csbp.model.builder import embedding_rows
+
+    assert saved[1].returncode == 0
+    save = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], save)
+    meta_path = os.path.join(save, "iter_0000002", "bdlm_meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    m = meta["model_args"]
+    assert (m["vocab_size"], m["eod_token_id"], m["mask_token_id"], m["padded_vocab_size"]) == (65, 64, 65, 128)
+    # What the trainer saved for the same flags before NullTokenizer took Megatron-LM's meaning
+    # (--vocab-size 64: 64 ids, EOD 63, mask 62; the same 128 embedding rows, so same tensors).
+    m.update(vocab_size=64, eod_token_id=63, mask_token_id=62)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    where = f"--load {save}, iter_0000002/bdlm_meta.json"
+
+    # the old command: refused, naming the flag and the rule
+    assert _one_line(TINY + ["--load", save], capsys) == (
+        f"error: --vocab-size 64 gives 65 token ids, the checkpoint's NullTokenizer has 64 ({where}; --tokenizer-type "
+        "NullTokenizer --vocab-size V is Megatron-LM's: ids 0..V-1 plus EOD V (V + 1 ids)): resume with --vocab-size 63")
+    # the same vocabulary, but the default mask id moved: refused too
+    vocab63 = TINY[:1] + ["--vocab-size", "63"] + TINY[3:] + ["--load", save]
+    assert _one_line(vocab63, capsys) == (f"error: --mask-token-id 64 differs from the checkpoint's 62 ({where}): the model was "
+                                "trained to fill that id; resume with --mask-token-id 62")
+    # both given: the checkpoint's tokenizer exactly (EOD 63), and its readers rebuild the same one
+    a = parse_args(vocab63 + ["--mask-token-id", "62"], world_size=1)
+    assert (a.vocab_size, a.eod_token_id, a.mask_token_id, embedding_rows(a)) == (64, 63, 62, 128)
+    assert saved_tokenizer(m["tokenizer_type"], None, m["vocab_size"]).eod == 63

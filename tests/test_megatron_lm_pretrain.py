@@ -185,13 +185,11 @@ def test_pretrain_interleaved_pipeline_matches_one_rank(tmp_path):
 # model flags whose trainer defaults are not Megatron-LM's (--swiglu is on in the trainer, and its
 # --ffn-hidden-size is 8h/3 rounded up to 16 where Megatron-LM rounds 4h*2/3 down to 64: 0 here).
 # The optimizer and schedule flags are left to their defaults, which are Megatron-LM's in both
-# (--min-lr 0, --lr-decay-style linear, --adam-beta2 0.999, ...). Given to pretrain() only: the mask
-# id. NullTokenizer(--vocab-size 64) is ids 0..63 plus EOD 64 in Megatron-LM (the mask id defaults
-# to the padding id 65), but ids 0..63 with EOD 63 and mask 62 in the trainer; --mask-token-id 62
-# --allow-mask-token-in-vocab makes the mask the same token (the packed-document flags, which read
-# the EOD, stay out of this check).
+# (--min-lr 0, --lr-decay-style linear, --adam-beta2 0.999, ...). NullTokenizer(--vocab-size 64) is
+# Megatron-LM's in both (ids 0..63 plus EOD 64, padded to 128, mask id the padding id 65): before the
+# trainer took that meaning (EOD 63, mask 62) pretrain() needed --mask-token-id 62
+# --allow-mask-token-in-vocab here, and the packed-document flags, which read the EOD, disagreed.
 SAME_RUN = ["--swiglu", "--ffn-hidden-size", "64"]
-PRETRAIN_MASK = ["--mask-token-id", "62", "--allow-mask-token-in-vocab"]
 
 
 def _trainer_argv(tmp_path, name, extra):
@@ -199,6 +197,12 @@ def _trainer_argv(tmp_path, name, extra):
     no --use-cpu-initialization flag) and logs through --log-json (each iteration's fp32 loss)."""
     argv = [a for a in ARGV if a not in ("--mock-data", "--use-cpu-initialization")]
     return argv + ["--no-progress-bar", "--data-cache-path", str(tmp_path / f"cache_{name}")] + extra
+
+
+def _mask_id_of_trainer(tmp_path):
+    from megatron_csbp.training.arguments import parse_args
+
+    return parse_args(_trainer_argv(tmp_path, "args", NO_EVAL + SAME_RUN + ["--mock-data"]), world_size=1).mask_token_id
 
 
 def _trainer_equals_pretrain(trainer, run):
@@ -223,11 +227,28 @@ def test_trainer_and_pretrain_give_the_same_losses(tmp_path):
     from tests.train_helpers import train_rank
 
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    one = pretrain(tmp_path, "xc_one_rank", 1, NO_EVAL + data + SAME_RUN + PRETRAIN_MASK, 29671)
+    one = pretrain(tmp_path, "xc_one_rank", 1, NO_EVAL + data + SAME_RUN, 29671)
     trainer_one = run_distributed(train_rank, 1, _trainer_argv(tmp_path, "one", NO_EVAL + data + SAME_RUN))
     _trainer_equals_pretrain(trainer_one, one)
 
+    assert "> block diffusion: --objective bd3lm, mask token id 65" in one["out"]
+    assert trainer_one[0]["history"] and _mask_id_of_trainer(tmp_path) == 65
+
     pp = ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2"] + CSBP
-    pp_run = pretrain(tmp_path, "xc_pp2_csbp", 4, NO_EVAL + data + SAME_RUN + PRETRAIN_MASK + pp, 29672)
+    pp_run = pretrain(tmp_path, "xc_pp2_csbp", 4, NO_EVAL + data + SAME_RUN + pp, 29672)
     trainer_pp = run_distributed(train_rank, 4, _trainer_argv(tmp_path, "pp", NO_EVAL + data + SAME_RUN + pp))
     _trainer_equals_pretrain(trainer_pp, pp_run)
+
+
+@pytest.mark.slow  # ~1 min: one pretrain() run and one trainer run, one rank
+def test_trainer_and_pretrain_agree_on_packed_documents(tmp_path):
+    """The packed-document flags read the EOD: with NullTokenizer's EOD the same id (64) in both, the
+    trainer's losses and gradient norms under --reset-attention-mask --reset-position-ids
+    --eod-mask-loss are pretrain()'s (before: the trainer's EOD was 63, so it packed other documents)."""
+    from tests.distributed import run_distributed
+    from tests.train_helpers import train_rank
+
+    data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
+    run = pretrain(tmp_path, "xc_packed", 1, NO_EVAL + data + SAME_RUN + PACKED, 29673)
+    trainer = run_distributed(train_rank, 1, _trainer_argv(tmp_path, "packed", NO_EVAL + data + SAME_RUN + PACKED))
+    _trainer_equals_pretrain(trainer, run)

@@ -15,7 +15,7 @@ from megatron_csbp.objectives.registry import objective_class, objective_names, 
 from megatron_csbp.training.arguments import build_parser, model_args, parse_args
 from tests.train_helpers import TINY
 
-V = 64  # TINY's --vocab-size
+V = 128  # the embedding rows of TINY (--vocab-size 64: ids 0..63 plus EOD 64, padded to 128): the mask-id bound
 
 TOY_RATE = Flag("--toy-rate", dict(type=float, default=0.5, help="toy: share of supervised tokens masked"))
 

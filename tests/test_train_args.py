@@ -17,7 +17,7 @@ def _err(argv, world, capsys):
 @pytest.mark.parametrize("flags,world,needle", [
     (["--block-size", "12"], 1, "--block-size 12 does not divide --seq-length 32"),
     (["--context-parallel-size", "2", "--block-parallel-size", "3"], 6, "--block-parallel-size 3 must be a multiple of --context-parallel-size 2"),
-    (["--mask-token-id", "64"], 1, "--mask-token-id 64 is outside the vocabulary [0, 64)"),
+    (["--mask-token-id", "128"], 1, "--mask-token-id 128 is outside the vocabulary [0, 128)"),  # padded 65 ids
     (["--mask-token-id", "-1"], 1, "--mask-token-id -1 is outside"),
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
     (["--context-parallel-size", "2", "--block-parallel-size", "2"], 3, "world size 3 is not divisible"),

@@ -25,7 +25,8 @@ def converted(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train_converted")
     hf = save_tiny_model("llama", str(root / "hf"), seed=3)
-    # a reserved token above the ids the mock data uses (< vocab - 2), looked up by --mask-token
+    # a reserved token, looked up by --mask-token (the mock data draws ids 0..126, below the EOD 127 of the
+    # NullTokenizer covering the 128-id vocabulary: it includes 126, and tokens equal to the mask are never targets)
     with open(root / "hf" / "tokenizer.json", "w") as f:
         json.dump({"added_tokens": [{"id": 126, "content": "<|mask|>", "special": True}], "model": {"vocab": {}}}, f)
     api.hf_to_megatron_checkpoint(str(root / "hf"), str(root / "megatron"))
@@ -33,10 +34,11 @@ def converted(tmp_path_factory):
 
 
 def hf_eval_loss(hf_model, vocab):
-    """transformers' mean next-token loss on the trainer's first validation batch (mock data)."""
+    """transformers' mean next-token loss on the trainer's first validation batch (mock data: the ids of
+    the NullTokenizer covering the checkpoint's vocabulary, those below its EOD vocab - 1)."""
     from megatron_csbp.data.megatron_data import MockDataset
 
-    ds = MockDataset(SEQ, vocab - 2, 1234, "valid")
+    ds = MockDataset(SEQ, vocab - 1, 1234, "valid")
     tokens = torch.stack([ds[i]["tokens"] for i in range(MBS)])
     with torch.no_grad():
         logits = hf_model(tokens).logits.double()

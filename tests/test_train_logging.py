@@ -22,12 +22,13 @@ def megatron_lr(it, lr=1e-2, min_lr=1e-3, warmup=1, decay=3):
 
 # FLOPs of one TINY sample under BD3-LM, written out (forward + backward = 3 x forward):
 # L = 32, B = 8, h = 32, 4 heads of d = 8, 2 query groups, SwiGLU ffn 96 (the trainer's default
-# 3 h), vocab 64, 2 layers. Rows: 2L = 64 (noisy + clean). Per row and layer: QKV 2 h (4 d + 2 * 2 d)
+# 3 h), 128 logits (--vocab-size 64: 65 ids padded to 128), 2 layers. Rows: 2L = 64 (noisy + clean). Per row and layer: QKV 2 h (4 d + 2 * 2 d)
 # = 4096, attention output 2 h h = 2048, SwiGLU 3 matmuls 6 h ffn = 18432. Attention: 4 d per
 # allowed query-key pair per head (QK^T and PV, 2 FLOPs each); BD3-LM's pairs are L (L + B) = 1280
 # (noisy block i sees its own block and the i clean blocks before it, clean block i sees blocks
-# 0..i: B^2 (n + n^2) for n = L / B blocks). Logits: 2 L h V on the L noisy rows.
-TINY_BD3LM_FLOPS = 3 * (2 * 32 * (4096 + 2048 + 18432) * 2 + 4 * 32 * (32 + 8) * 4 * 8 * 2 + 2 * 32 * 32 * 64)
+# 0..i: B^2 (n + n^2) for n = L / B blocks). Logits: 2 L h V on the L noisy rows, V the padded
+# vocabulary (the output layer's columns; Megatron-LM counts it too).
+TINY_BD3LM_FLOPS = 3 * (2 * 32 * (4096 + 2048 + 18432) * 2 + 4 * 32 * (32 + 8) * 4 * 8 * 2 + 2 * 32 * 32 * 128)
 
 
 def test_log_json_tensorboard_eval_and_skip_train(tmp_path):
@@ -64,11 +65,11 @@ def test_log_json_tensorboard_eval_and_skip_train(tmp_path):
 
 
 def test_flops_per_sample_closed_formula():
-    """The trainer's FLOPs model for TINY equals the formula above (10,813,440 FLOPs per sample)."""
+    """The trainer's FLOPs model for TINY equals the formula above (11,206,656 FLOPs per sample)."""
     from megatron_csbp.training.arguments import build_parser, validate_args
     from megatron_csbp.training.metrics import flops_per_sample
 
     args = build_parser().parse_args(TINY + ["--train-iters", "3"])
     validate_args(args, 1, check_only=True)
-    assert TINY_BD3LM_FLOPS == 10_813_440
+    assert TINY_BD3LM_FLOPS == 11_206_656
     assert flops_per_sample(args) == TINY_BD3LM_FLOPS

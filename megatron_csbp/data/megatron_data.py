@@ -32,18 +32,14 @@ from megatron_csbp.objectives.base import sample_generator
 
 
 class MegatronTokenizerAdapter:
-    """The attributes Megatron's datasets use (`vocab_size`, `eod`, `pad`), plus text helpers."""
+    """The attributes Megatron's datasets use (`vocab_size`, `eod`, `pad`), plus text helpers and
+    the tokenizer's own mask token (`mask_token_id`, None when it has none)."""
 
-    def __init__(self, tokenizer=None, vocab_size: Optional[int] = None, eod: Optional[int] = None):
-        self.tokenizer = tokenizer
-        if tokenizer is not None:
-            self.vocab_size = tokenizer.vocab_size
-            self.eod = tokenizer.eod
-            self.mask_token_id = tokenizer.mask_token_id
-        else:  # NullTokenizer: ids only, the last id is EOD, the one before is the mask token
-            self.vocab_size = vocab_size
-            self.eod = vocab_size - 1 if eod is None else eod
-            self.mask_token_id = vocab_size - 2
+    def __init__(self, tokenizer, null: bool = False):
+        self.tokenizer, self.null = tokenizer, null  # null: megatron-core's NullTokenizer (ids as text)
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.eod = int(tokenizer.eod)
+        self.mask_token_id = None if self.null else tokenizer.mask_token_id  # Megatron's NullTokenizer: mask -1
         self.pad = -1
         # Megatron's dataset cache keys hash this (its MegatronTokenizer has the same attribute).
         model = getattr(tokenizer, "model_path", None) or getattr(tokenizer, "path", None)
@@ -51,22 +47,30 @@ class MegatronTokenizerAdapter:
                                    "vocab_size": self.vocab_size, "eod": self.eod}
 
     def tokenize(self, text: str) -> List[int]:
-        if self.tokenizer is None:
+        if self.null:
             return [int(t) for t in text.split()]
         return self.tokenizer.tokenize(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(int(i)) for i in ids)
+        if self.null:
+            return self.tokenizer.ids_to_text([int(i) for i in ids])
         return self.tokenizer.detokenize(list(ids))
 
 
 #: Megatron-LM's `--tokenizer-type` names this project reads (the trainer, data.preprocess, generate).
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
+#: `--tokenizer-type NullTokenizer --vocab-size V`, Megatron-LM's meaning (its class, used here):
+#: ids 0..V-1 plus the EOD V, so the tokenizer's vocabulary is V + 1; the model pads it to
+#: `--make-vocab-size-divisible-by` and the default mask id is the first padding id
+#: (`objectives.flags.default_mask_token_id`).
+NULL_TOKENIZER_RULE = ("--tokenizer-type NullTokenizer --vocab-size V is Megatron-LM's: ids 0..V-1 plus EOD V "
+                       "(V + 1 ids)")
+
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int]):
-    """The one tokenizer factory: the trainer, `data.preprocess` and `generate` all build theirs here."""
+    """The one tokenizer factory: the trainer, `data.preprocess` and `generate` all build theirs here.
+    `vocab_size` is the `--vocab-size` flag (read by NullTokenizer only)."""
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         from megatron_csbp.data.tokenizer import DEFAULT_MODEL, SentencePieceTokenizer
 
@@ -82,10 +86,27 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_s
                              "folder, e.g. a converted checkpoint's hf_assets)")
         return MegatronTokenizerAdapter(HuggingFaceTokenizer(tokenizer_model))
     if tokenizer_type == "NullTokenizer":
-        if not vocab_size:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return MegatronTokenizerAdapter(None, vocab_size=vocab_size)
+        if not vocab_size or vocab_size < 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size V >= 1 ({NULL_TOKENIZER_RULE})")
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+        return MegatronTokenizerAdapter(NullTokenizer(int(vocab_size)), null=True)
     raise ValueError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {tokenizer_type!r}")
+
+
+def null_tokenizer_vocab_flag(vocab_size: int) -> int:
+    """The `--vocab-size` whose NullTokenizer has `vocab_size` ids (EOD `vocab_size - 1`): the inverse
+    of `build_tokenizer("NullTokenizer", None, V).vocab_size == V + 1`."""
+    return int(vocab_size) - 1
+
+
+def saved_tokenizer(tokenizer_type: Optional[str], tokenizer_model: Optional[str], vocab_size: Optional[int]):
+    """The tokenizer of a run whose tokenizer vocabulary (EOD included; the trainer's validated
+    `args.vocab_size`, a checkpoint's `bdlm_meta.json` "vocab_size") is `vocab_size`: a NullTokenizer
+    is rebuilt from its `--vocab-size` (`null_tokenizer_vocab_flag`), the others from their files."""
+    tokenizer_type = tokenizer_type or "SentencePieceTokenizer"
+    flag = null_tokenizer_vocab_flag(vocab_size) if tokenizer_type == "NullTokenizer" and vocab_size else vocab_size
+    return build_tokenizer(tokenizer_type, tokenizer_model, flag)
 
 
 class MockDataset(torch.utils.data.Dataset):

@@ -30,11 +30,10 @@ REPEATS = 2
 
 
 def run(load: str, max_new_tokens: int, temperature: float, seed: int):
-    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.megatron_data import saved_tokenizer
 
     model, margs, step = load_for_generation(load)
-    tok = build_tokenizer(margs.get("tokenizer_type") or "SentencePieceTokenizer", margs.get("tokenizer_model"),
-                          margs.get("vocab_size"))
+    tok = saved_tokenizer(margs.get("tokenizer_type"), margs.get("tokenizer_model"), margs.get("vocab_size"))
     rows = []
     for name, kw, mode_temperature in MODES:
         t = temperature if mode_temperature is None else mode_temperature

@@ -40,12 +40,22 @@ DIMENSIONS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padded vocabulary of a flag-built model: a multiple of
-    lcm(--make-vocab-size-divisible-by, TP)."""
+    """The padded vocabulary of a flag-built model: a multiple of lcm(--make-vocab-size-divisible-by,
+    TP), so that TP never changes the model (Megatron-LM pads to a multiple of the flag x TP: the
+    same at TP 1; docs/megatron-lm.md)."""
     multiple = divisible_by
     if multiple % tp:
         multiple = multiple * tp // math.gcd(multiple, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def embedding_rows(a) -> int:
+    """The embedding's rows of the trainer's model (`a`: its flags or ModelArgs; `a.vocab_size` the
+    tokenizer's vocabulary): a converted checkpoint's exact vocabulary (`a.model_shape`), else the
+    padded vocabulary of the flags. Mask ids are checked against it."""
+    if getattr(a, "model_shape", None) is not None:
+        return int(a.model_shape.vocab_size)
+    return padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
 
 
 def dimensions(source) -> dict:

@@ -7,9 +7,12 @@ from typing import Optional
 
 
 def mock_datasets(args):
-    from megatron_csbp.data.megatron_data import MockDataset
+    from megatron_csbp.data.megatron_data import MockDataset, null_tokenizer_vocab_flag
 
-    num_ids = args.vocab_size - 2  # below the mask and EOD ids
+    # Only ids the tokenizer produces as text: a NullTokenizer's (--vocab-size V) are 0..V-1, below its
+    # EOD V (its mask id defaults to a padding id above); another tokenizer's stay below its last two ids.
+    num_ids = null_tokenizer_vocab_flag(args.vocab_size) if args.tokenizer_type == "NullTokenizer" else \
+        args.vocab_size - 2
     return (MockDataset(args.seq_length, num_ids, args.seed, "train"),
             MockDataset(args.seq_length, num_ids, args.seed, "valid"))
 
@@ -17,10 +20,10 @@ def mock_datasets(args):
 def sft_datasets(args, align_response_to: Optional[int] = None):
     """One SFT dataset serves both splits. `align_response_to`: pad prompts so that responses start
     on a multiple of it (DiffusionGemma's canvases start on block boundaries)."""
-    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.megatron_data import saved_tokenizer
     from megatron_csbp.data.sft import SFTDataset
 
-    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    tok = saved_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to,
                     pack=bool(getattr(args, "pack_sequences", False)))
     if ds.packing_efficiency is not None and _first_rank():
@@ -54,9 +57,9 @@ def check_token_data(args, files_elsewhere: bool = False) -> Optional[str]:
 
 
 def token_datasets(args):
-    from megatron_csbp.data.megatron_data import build_gpt_datasets, build_tokenizer
+    from megatron_csbp.data.megatron_data import build_gpt_datasets, saved_tokenizer
 
-    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    tok = saved_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     G = args.global_batch_size
     read = token_splits_read(args)
     n_eval = args.eval_iters * G  # every evaluation reads the same held-out batches

@@ -87,6 +87,18 @@ def check_mask_token_id(mask_token_id: Optional[int], vocab_size: Optional[int] 
         raise ValueError(f"--mask-token-id {int(mask_token_id)} is outside the {vocabulary} [0, {vocab_size})")
 
 
+def default_mask_token_id(own: Optional[int], tokenizer_vocab: int, padded_vocab: int) -> Optional[int]:
+    """The mask id when --mask-token-id is unset, chosen so that it cannot collide with data: the
+    tokenizer's own mask token (`own`) if it has one, else the first id of the padded vocabulary past
+    the tokenizer's (Megatron pads the vocabulary to --make-vocab-size-divisible-by: those rows exist
+    in the embedding but no tokenizer output uses them), else None (no padding id is free). The
+    Megatron-LM hooks and the trainer both take it from here; e.g. NullTokenizer(--vocab-size 64):
+    ids 0..64 (EOD 64), padded to 128, mask id 65."""
+    if own is not None:
+        return int(own)
+    return int(tokenizer_vocab) if padded_vocab > tokenizer_vocab else None
+
+
 def check_choice(flag: Flag, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{flag.name} must be one of {tuple(choices)}, got {value!r}")

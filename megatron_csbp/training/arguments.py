@@ -170,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer-model", type=str, default=None,
                    help="sentencepiece .model, or a local Hugging Face tokenizer folder (default with --load and "
                         "HuggingFaceTokenizer: the checkpoint's hf_assets)")
-    d.add_argument("--vocab-size", type=int, default=None)
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer (Megatron-LM's): ids 0..V-1 plus EOD V; the model pads V + 1 to "
+                        "--make-vocab-size-divisible-by and the default mask id is V + 1, the first padding id")
     d.add_argument("--mock-data", action="store_true")
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
     d.add_argument("--reset-position-ids", action="store_true",
@@ -337,7 +339,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     if (args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size
             and args.model_shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
-    args.vocab_size = tok.vocab_size
+    args.vocab_size = tok.vocab_size  # from here on the tokenizer's vocabulary (NullTokenizer: --vocab-size + 1)
     args.eod_token_id = tok.eod
     if args.model_shape is not None:
         if tok.vocab_size > args.model_shape.vocab_size:
@@ -360,9 +362,14 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
                                                     vocab_size=args.vocab_size)
         except FileNotFoundError as exc:
             raise ValueError(f"--mask-token: {exc}") from None
+    from megatron_csbp.model.builder import embedding_rows
+
+    rows = embedding_rows(args)
     if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
-        args.mask_token_id = tok.mask_token_id
-    check_vocab(args, args.vocab_size)
+        from megatron_csbp.objectives.flags import default_mask_token_id
+
+        args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
+    check_vocab(args, rows)
     return args
 
 
@@ -437,7 +444,13 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
     """The model comes from the checkpoint's megatron_csbp_model.json: fill the shape flags from it
     and refuse flags that contradict it."""
     defaults = build_parser()
+    if args.tokenizer_type is None and not args.tokenizer_model:
+        args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     for dest, value in _shape_values(shape).items():
+        if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
+            from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
+
+            value = null_tokenizer_vocab_flag(value)  # ids 0..V-1 plus EOD V: the checkpoint's V + 1 rows
         given = getattr(args, dest)
         if given == defaults.get_default(dest) or given == value:
             setattr(args, dest, value)
@@ -445,6 +458,11 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         if dest == "vocab_size" and args.tokenizer_type not in (None, "NullTokenizer"):
             continue  # a tokenizer's vocabulary may be smaller than the model's: checked later
         flag = "--" + dest.replace("_", "-")
+        if dest == "vocab_size":  # (NullTokenizer)
+            from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE
+
+            raise ValueError(f"--vocab-size {given} contradicts the checkpoint --load {args.load}: its vocabulary of "
+                             f"{shape.vocab_size} ids is --vocab-size {value} ({NULL_TOKENIZER_RULE}); drop the flag")
         raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
     from megatron_csbp.model.families import family_names, get_family
@@ -458,8 +476,6 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
     if shape.vocab_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the checkpoint's vocabulary "
                          f"{shape.vocab_size} (converted models are not padded)")
-    if args.tokenizer_type is None and not args.tokenizer_model:
-        args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         args.tokenizer_model = os.path.join(args.load, "hf_assets")  # the tokenizer that came with the model
 

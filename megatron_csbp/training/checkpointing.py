@@ -111,10 +111,25 @@ def check_model_flags(args, root: str, step) -> None:
             continue
         given = getattr(args, dest)
         if given != saved[dest]:
+            where = f"--load {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
+            if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
+                from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE, null_tokenizer_vocab_flag
+
+                # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
+                raise CheckpointError(
+                    f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
+                    f"NullTokenizer has {saved[dest]} ({where}; {NULL_TOKENIZER_RULE}): resume with --vocab-size "
+                    f"{null_tokenizer_vocab_flag(saved[dest])}")
             flag = "--" + dest.replace("_", "-")
-            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} (--load {root}, "
-                                  f"{os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json): resume with the "
-                                  "model flags it was trained with")
+            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} ({where}): resume "
+                                  "with the model flags it was trained with")
+    mask, saved_mask = getattr(args, "mask_token_id", None), saved.get("mask_token_id")
+    if (saved_mask is not None and mask != saved_mask and saved.get("objective") == getattr(args, "objective", None)
+            and not getattr(args, "finetune", False)):
+        # e.g. a NullTokenizer checkpoint from before the default mask id became the first padding id
+        raise CheckpointError(f"--mask-token-id {mask} differs from the checkpoint's {saved_mask} (--load {root}, "
+                              f"{os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json): the model was "
+                              f"trained to fill that id; resume with --mask-token-id {saved_mask}")
 
 
 def verify_files(path: str) -> Optional[str]:

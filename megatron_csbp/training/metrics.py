@@ -21,6 +21,7 @@ def flops_per_sample(args) -> float:
     estimate: MoE models (DiffusionGemma) count their dense MLP only; the rows and attention pairs
     are the objective's (`Objective.rows_per_sample`, `views`, `attention_pairs`): diffusiongemma-sft
     counts a canvas over the whole sequence (an upper bound: prompt blocks have no canvas)."""
+    from megatron_csbp.model.builder import embedding_rows
     from megatron_csbp.objectives import objective_class
 
     objective = objective_class(args.objective)
@@ -35,7 +36,8 @@ def flops_per_sample(args) -> float:
     # allowed query-key pairs of one view, e.g. L*(L+B) for block-causal BD3-LM
     pairs = objective.attention_pairs(L, args.block_size, args.clean_attention)
     attn = 4 * views * pairs * heads * d * layers
-    logits = 2 * views * L * h * args.vocab_size
+    # the output layer computes every embedding row's logit: the padded vocabulary (as Megatron-LM counts)
+    logits = 2 * views * L * h * embedding_rows(args)
     return 3.0 * (linear + attn + logits)
 
 

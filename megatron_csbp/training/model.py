@@ -186,8 +186,8 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
 
 def build_objective(a):
     """The objective `a.objective` names, from the objective registry (megatron_csbp/objectives/);
-    its mask token checked against `a.vocab_size`."""
-    return objectives.build_objective(a)
+    its mask token checked against the embedding's rows (`builder.embedding_rows`)."""
+    return objectives.build_objective(a, builder.embedding_rows(a))
 
 
 def build_converted_gpt(a, finalize_model_grads_func=None, pre_process: bool = True, post_process: bool = True,
@@ -263,7 +263,7 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         config, gpt = build_converted_gpt(a, finalize_model_grads_func, pre_process, post_process, vp_stage)
         return _wrap(a, config, gpt, objective, layout, device)
     config = transformer_config(a, finalize_model_grads_func)
-    vocab = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    vocab = builder.embedding_rows(a)
     if a.num_experts and isinstance(a.moe_layer_freq, list) and not all(a.moe_layer_freq):
         # dense and MoE layers mixed: Megatron's decoder block spec reads the pattern from the config
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec

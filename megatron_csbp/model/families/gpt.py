@@ -248,7 +248,9 @@ class GPTFamily(Family):
             "--disable-bias-linear",
             "--attention-dropout 0.0",
             "--hidden-dropout 0.0",
-            f"--vocab-size {shape.vocab_size}",
+            # NullTokenizer (Megatron-LM's, the default for pre-tokenized data): ids 0..V-1 plus EOD V,
+            # so V = vocabulary - 1 gives the model's rows exactly (no padding)
+            f"--vocab-size {shape.vocab_size - 1}",
             "--make-vocab-size-divisible-by 1",
             "--transformer-impl local",
             "--no-masked-softmax-fusion",
