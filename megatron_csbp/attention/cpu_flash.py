@@ -51,6 +51,11 @@ Rows = Union[slice, Tuple[slice, ...], torch.Tensor]
 # clean keys of P ranks come in <= 2P ranges of positions (mirrored ownership).
 FREE_RUNS = 16
 
+# Adjacent same-shape sequences on views (whole noisy blocks) run as one batched call of at most
+# this many query rows (`_stacked`); its copies of q, k, v and out are bounded by it: 8 MiB at
+# 32 heads x d 128 in fp32 (the same at 256K tokens on 16 ranks as here).
+STACK_ROWS = 512
+
 _fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -182,7 +187,7 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
                 by_shape.setdefault((qs.numel(), ks.numel()), []).append((qs, ks))
         for group in by_shape.values():
             out.append(FlashPiece(torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group]), len(group), False))
-        return out
+        return _stacked(out)
     for qs, ks in seqs:
         nq, nk = qs.numel(), ks.numel()
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
@@ -195,6 +200,30 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
                 [FlashPiece(qr, ks[:nk - nq], 1, False)]
         out.append(FlashPiece(qr, _rows(ks[nk - nq:]), 1, True))
     return out
+
+
+def _stacked(pieces: List[FlashPiece]) -> List[FlashPiece]:
+    """Consecutive single-sequence pieces of one shape on adjacent views (q rows [a, a + n),
+    [a + n, a + 2n), ... against keys [c, c + m), [c + m, c + 2m), ...: the whole noisy blocks of
+    a rank) as one batched call, up to STACK_ROWS query rows: a CPU flash call costs a fixed
+    ~50-100 us forward + backward beyond its pairs, which made the per-block calls most of a
+    short sequence's attention time (L = 1024, block 16: 16 of a rank's ~35-50 calls per layer).
+    The batched call copies its rows (`_batched`): at most STACK_ROWS rows of q, k, v and out."""
+    out: List[FlashPiece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if (last is not None and _stackable(p) and _stackable(last) and p.q.start == last.q.stop
+                and p.k.start == last.k.stop and p.q.stop - p.q.start == (last.q.stop - last.q.start) // last.seqs
+                and p.k.stop - p.k.start == (last.k.stop - last.k.start) // last.seqs
+                and last.q.stop - last.q.start + p.q.stop - p.q.start <= STACK_ROWS):
+            out[-1] = FlashPiece(slice(last.q.start, p.q.stop), slice(last.k.start, p.k.stop), last.seqs + 1, False)
+        else:
+            out.append(p)
+    return out
+
+
+def _stackable(p: FlashPiece) -> bool:
+    return isinstance(p.q, slice) and isinstance(p.k, slice) and not p.causal
 
 
 def cpu_flash_plan(mask: PartialMask) -> CpuFlashPlan:
