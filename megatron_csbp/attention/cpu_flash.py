@@ -87,24 +87,44 @@ def _count(rows: Rows) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
-def _live(rows: Rows) -> Union[slice, torch.Tensor]:
-    """A piece's rows for one call: runs become an index vector for the call's duration (one
-    gather / scatter per use instead of one per run; the plan keeps only the runs)."""
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows]): a view of a slice, one
+    concatenation of the views of a few runs (no index vector: building one and gathering by it
+    cost twice the concatenation for CSBP's query runs), an index gather otherwise."""
+    if isinstance(rows, slice):
+        return x[:, :, rows]
     if isinstance(rows, tuple):
-        return torch.cat([torch.arange(r.start, r.stop) for r in rows])
-    return rows
+        return torch.cat([x[:, :, r] for r in rows], dim=2)
+    return x.index_select(2, rows)
 
 
-def _take(x: torch.Tensor, rows: Union[slice, torch.Tensor]) -> torch.Tensor:
-    """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows])."""
-    return x[:, :, rows] if isinstance(rows, slice) else x.index_select(2, rows)
+def _by_run(rows: Tuple[slice, ...]):
+    """(run, slice of the gathered rows it occupies) for each run of a tuple of runs."""
+    at = 0
+    for r in rows:
+        n = r.stop - r.start
+        yield r, slice(at, at + n)
+        at += n
 
 
-def _add(x: torch.Tensor, rows: Union[slice, torch.Tensor], value: torch.Tensor) -> None:
+def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
     if isinstance(rows, slice):
         x[:, :, rows] += value
+    elif isinstance(rows, tuple):
+        for r, part in _by_run(rows):
+            x[:, :, r] += value[:, :, part]
     else:
         x.index_add_(2, rows, value)
+
+
+def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        x[:, :, rows] = value
+    elif isinstance(rows, tuple):
+        for r, part in _by_run(rows):
+            x[:, :, r] = value[:, :, part]
+    else:
+        x.index_copy_(2, rows, value)
 
 
 @dataclass(frozen=True)
@@ -138,7 +158,10 @@ class CpuFlashPlan:
     def of(mask: PartialMask) -> "CpuFlashPlan":
         fp = FlashPlan.of(mask, free_runs=FREE_RUNS)
         pieces: List[Union[FlashPiece, TiledPiece]] = []
-        calls = ([fp.noisy] if fp.noisy is not None else []) + list(fp.clean)
+        # The noisy call last: its (stacked) pieces then merge once into the rows the clean
+        # prefixes reached first, instead of each prefix piece merging into its noisy block's
+        # rows (CSBP's own chunk: one merge over the noisy rows instead of one per block).
+        calls = list(fp.clean) + ([fp.noisy] if fp.noisy is not None else [])
         for call in calls:
             pieces += _pieces_of(call, mask)
         if fp.fallback_mask is not None:
@@ -266,11 +289,8 @@ class _Merge:
             new = torch.logaddexp(old_l, lse)
             out = old_o * torch.exp(old_l - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)
             lse = new
-        if isinstance(rows, slice):
-            self.out[:, :, rows], self.lse[:, :, rows] = out, lse
-        else:
-            self.out.index_copy_(2, rows, out)
-            self.lse.index_copy_(2, rows, lse)
+        _put(self.out, rows, out)
+        _put(self.lse, rows, lse)
 
 
 def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
@@ -278,7 +298,7 @@ def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
     G = kc.shape[1]
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
     for p, first in zip(plan.pieces, plan.firsts):
-        q_rows, k_rows = _live(p.q), _live(p.k)
+        q_rows, k_rows = p.q, p.k
         if isinstance(p, FlashPiece):
             o, lse = _fa(_batched(qc, q_rows, p.seqs), _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), 0.0,
                          p.causal, scale=scale)
@@ -313,7 +333,7 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             keep[rare] = 0
             do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
-        q_rows, k_rows = _live(p.q), _live(p.k)
+        q_rows, k_rows = p.q, p.k
         if isinstance(p, FlashPiece):
             out_p = _batched(out, q_rows, p.seqs)
             if fix is not None:  # the piece's rows of out' (a copy of those rows only)
@@ -327,7 +347,7 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
         else:
             _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, q_rows, k_rows, p.mask, scale, dq, dk, dv)
     if rare is not None:
-        rows = _live(_rows(rare))
+        rows = _rows(rare)
         sub = PartialMask(mask.q.select(rare.to(mask.q.block.device)), mask.k)
         _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, rows, slice(0, kc.shape[2]), sub, scale, dq, dk, dv)
     return dq, dk, dv
