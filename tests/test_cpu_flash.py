@@ -155,6 +155,29 @@ def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("variant", ["block_causal", "token_causal"])
+def test_one_rank_mask_merges_once_and_gathers_by_views(variant):
+    """The per-piece costs of CSBP's own chunk (whole noisy blocks with their clean prefixes, the
+    clean blocks sharing them): the noisy blocks merge once into the rows their prefixes reached
+    (the noisy call runs last; it merged block by block), and query runs are concatenated views,
+    scattered by slices: no index vector is built, gathered or scattered by, in forward or backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    L, B = 256, 16
+    meta = logical_rows(L)
+    mask = PartialMask.of(meta, meta, BlockGeometry(L, B, variant))
+    plan = cpu_flash_plan(mask)
+    assert sum(not first for first in plan.firsts) == 1
+    q, k, v = _inputs(2 * L, 2 * L, 1, 4, 2, 8, torch.float32, seed=7)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out, lse = cpu_flash_partial_attention(q, k, v, mask, 0.3)
+        (out.sum() + lse.sum()).backward()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::logaddexp") == 1
+    assert not any(calls.get(op) for op in ("aten::arange", "aten::index_select", "aten::index_copy_", "aten::index_add_"))
+    assert calls["aten::_scaled_dot_product_flash_attention_for_cpu"] == len(plan.pieces) == plan.flash_calls
+
+
 def test_selected_on_cpu_by_default():
     assert get_kernel("auto", torch.device("cpu")) is get_kernel("cpu_flash", torch.device("cpu"))
 
