@@ -325,3 +325,24 @@ def test_alternate_bad_flags(argv, line, capsys):
         alternate_main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(line)
+
+
+def test_saved_alternate_run_is_what_the_code_renders():
+    """docs/benchmarks/cpu_1024_p4.md holds the alternate run's tables as the code renders them
+    from the saved measurements (docs/benchmarks/cpu_1024_p4_alternate.json), and the claims made
+    from it hold on those numbers: op counts the same in every pair (deterministic), CSBP's ring
+    makes fewer aten calls per step than CP's, and the medians quoted are the saved pairs' medians."""
+    from megatron_csbp.bench.alternate import render, summary
+
+    saved = json.load(open(os.path.join(SAVED, "cpu_1024_p4_alternate.json")))
+    a, b = saved["layouts"]
+    assert (a, b, saved["P"], saved["seq_length"]) == ("cp-ring", "csbp-ring", 4, 1024) and saved["pairs"] >= 6
+    assert summary(saved["runs"], a, b) == saved["summary"]
+    md = open(os.path.join(SAVED, "cpu_1024_p4.md")).read()
+    for line in render(saved, saved["command"]).splitlines():
+        assert line in md.splitlines(), line
+    for name in (a, b):
+        counts = [r["op_counts"] for r in saved["runs"] if r["layout"] == name]
+        assert all(c == counts[0] for c in counts)
+    ops = {r["layout"]: sum(r["op_counts"].values()) for r in saved["runs"]}
+    assert ops[b] < ops[a]

@@ -9,8 +9,11 @@ clean runs) and a remainder. Here the same plan is executed on CPU:
   `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp; its
   backward takes it), on *views* of q/k/v when the sequence's rows are one contiguous range (the
   plan is built with `contiguous_free`, so prefixes of contiguous clean keys cost no copy and none
-  falls back for the copy budget); sequences of equal shape that need gathering (the noisy blocks)
-  are batched into one call;
+  falls back for the copy budget); queries in a few runs are concatenated from views; sequences
+  of equal shape that need gathering are batched into one call, and so are adjacent sequences of
+  one shape on views (a rank's whole noisy blocks, `_stacked`, up to STACK_ROWS query rows);
+  the noisy call's pieces run after the clean ones, so they merge once into the rows the clean
+  prefixes reached;
 - a bottom-right causal sequence with more keys than queries is a full rectangle plus a top-left
   causal square (the CPU op aligns top-left); windowed causal runs and the plan's fallback
   queries run on the tiled kernel (`attention/tiled.py`) over their own sub-mask;
@@ -52,8 +55,8 @@ Rows = Union[slice, Tuple[slice, ...], torch.Tensor]
 FREE_RUNS = 16
 
 # Adjacent same-shape sequences on views (whole noisy blocks) run as one batched call of at most
-# this many query rows (`_stacked`); its copies of q, k, v and out are bounded by it: 8 MiB at
-# 32 heads x d 128 in fp32 (the same at 256K tokens on 16 ranks as here).
+# this many query rows (`_stacked`); its copies of q, k, v and out are bounded by it: at most 8 MiB
+# each at 32 heads x d 128 in fp32, whatever the length (the same at 256K tokens on 16 ranks).
 STACK_ROWS = 512
 
 _fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -229,7 +232,7 @@ def _stacked(pieces: List[FlashPiece]) -> List[FlashPiece]:
     """Consecutive single-sequence pieces of one shape on adjacent views (q rows [a, a + n),
     [a + n, a + 2n), ... against keys [c, c + m), [c + m, c + 2m), ...: the whole noisy blocks of
     a rank) as one batched call, up to STACK_ROWS query rows: a CPU flash call costs a fixed
-    ~50-100 us forward + backward beyond its pairs, which made the per-block calls most of a
+    ~60 us forward + backward beyond its pairs, which made the per-block calls most of a
     short sequence's attention time (L = 1024, block 16: 16 of a rank's ~35-50 calls per layer).
     The batched call copies its rows (`_batched`): at most STACK_ROWS rows of q, k, v and out."""
     out: List[FlashPiece] = []
