@@ -284,3 +284,65 @@ def test_diffusiongemma_quick_report(dg_quick_result, tmp_path):
     again = (tmp_path / "diffusiongemma_quick.md").read_text().split("## Plots")[0].rstrip()
     assert again == md.split("## Plots")[0].rstrip()
 
+
+
+def test_alternate_pairs_ratios_and_op_counts():
+    """`bench.alternate`: the two layouts run A B, B A in one world; the op counter is the same in
+    every pair (deterministic, unlike time), the step-0 loss the same under both layouts, and the
+    summary's ratios are B / A of the recorded CPU times."""
+    from dataclasses import replace
+
+    from megatron_csbp.bench.alternate import alternate, render
+
+    cfg = replace(quick_config(), seq_lengths=(64,), sizes=(2,), layouts=("cp-ring", "csbp-ring"), warmup=0, steps=1,
+                  measure_memory=False, count_ops=True)
+    result = alternate(cfg, ["cp-ring", "csbp-ring"], 2, log=lambda *a: None)
+    runs = result["runs"]
+    assert [r["layout"] for r in runs] == ["cp-ring", "csbp-ring", "csbp-ring", "cp-ring"]
+    for name in ("cp-ring", "csbp-ring"):
+        a, b = [r for r in runs if r["layout"] == name]
+        assert a["op_counts"] == b["op_counts"] and sum(a["ops_per_step"]) == sum(a["op_counts"].values()) > 0
+    assert abs(runs[0]["loss_step0"] - runs[1]["loss_step0"]) < 1e-5 * abs(runs[0]["loss_step0"])
+    get = {(r["pair"], r["layout"]): r for r in runs}
+    s = result["summary"]
+    for p in (0, 1):
+        assert s["ratio_sum"]["per_pair"][p] == sum(get[p, "csbp-ring"]["thread_cpu_s"]) / sum(get[p, "cp-ring"]["thread_cpu_s"])
+        assert s["ratio_max"]["per_pair"][p] == max(get[p, "csbp-ring"]["thread_cpu_s"]) / max(get[p, "cp-ring"]["thread_cpu_s"])
+    md = render(result, "python -m megatron_csbp.bench.alternate --pairs 2")
+    assert "python -m megatron_csbp.bench.alternate --pairs 2" in md and "aten op calls per step" in md
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--pairs", "0"], "--pairs must be >= 1, got 0"),
+    (["--layouts", "cp-ring", "cp-ring"], "--layouts must name two different layouts, got cp-ring twice"),
+    (["--seq-length", "100"], "--seq-length 100 must be a multiple of 2 x --size x block size = 128 "
+                              "(zigzag chunks and balanced mirrored block pairs)"),
+])
+def test_alternate_bad_flags(argv, line, capsys):
+    from megatron_csbp.bench.alternate import main as alternate_main
+
+    with pytest.raises(SystemExit) as e:
+        alternate_main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(line)
+
+
+def test_saved_alternate_run_is_what_the_code_renders():
+    """docs/benchmarks/cpu_1024_p4.md holds the alternate run's tables as the code renders them
+    from the saved measurements (docs/benchmarks/cpu_1024_p4_alternate.json), and the claims made
+    from it hold on those numbers: op counts the same in every pair (deterministic), CSBP's ring
+    makes fewer aten calls per step than CP's, and the medians quoted are the saved pairs' medians."""
+    from megatron_csbp.bench.alternate import render, summary
+
+    saved = json.load(open(os.path.join(SAVED, "cpu_1024_p4_alternate.json")))
+    a, b = saved["layouts"]
+    assert (a, b, saved["P"], saved["seq_length"]) == ("cp-ring", "csbp-ring", 4, 1024) and saved["pairs"] >= 6
+    assert summary(saved["runs"], a, b) == saved["summary"]
+    md = open(os.path.join(SAVED, "cpu_1024_p4.md")).read()
+    for line in render(saved, saved["command"]).splitlines():
+        assert line in md.splitlines(), line
+    for name in (a, b):
+        counts = [r["op_counts"] for r in saved["runs"] if r["layout"] == name]
+        assert all(c == counts[0] for c in counts)
+    ops = {r["layout"]: sum(r["op_counts"].values()) for r in saved["runs"]}
+    assert ops[b] < ops[a]

@@ -115,8 +115,11 @@ def test_one_rank_mask_runs_on_flash_calls_only(variant):
     assert torch.equal(_piece_pairs(mask, plan), mask.dense().long())
     # keys always a slice of the key rows (no copy); queries too but for the groups that join
     # noisy block c + 1 and clean block c (same clean prefix, rows in two places)
-    assert all(isinstance(p.k, slice) and p.seqs == 1 for p in plan.pieces)
-    assert sum(isinstance(p.q, slice) for p in plan.pieces) >= L // B
+    assert all(isinstance(p.k, slice) for p in plan.pieces)
+    # the L / B whole noisy blocks (adjacent views of one shape) are one batched call, not a call each
+    stacked = [p for p in plan.pieces if p.seqs > 1]
+    assert [(p.q, p.k, p.seqs) for p in stacked] == [(slice(0, L), slice(0, L), L // B)]
+    assert sum(isinstance(p.q, slice) for p in plan.pieces) >= 1 + (variant == "token_causal")
     assert sum(p.causal for p in plan.pieces) == (variant == "token_causal")  # one L x L causal call
     # the joined groups are two runs of rows, gathered from views: the plan keeps no index vector
     # (it kept 8 bytes per joined query row, the excess of CSBP's peak memory over CP's)
@@ -124,6 +127,55 @@ def test_one_rank_mask_runs_on_flash_calls_only(variant):
     assert all(isinstance(q, tuple) and len(q) == 2 for q in joined)
     assert bool(joined) == (variant == "block_causal")  # token-causal clean rows have no shared prefix
     assert plan.nbytes == 0
+
+
+@pytest.mark.parametrize("stack_rows", [16, 48, 512])
+def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
+    """Whole noisy blocks batched into calls of at most STACK_ROWS query rows (one block per call,
+    three, all sixteen): outputs, lse and gradients equal dense fp64 attention."""
+    import megatron_csbp.attention.cpu_flash as cf
+
+    monkeypatch.setattr(cf, "STACK_ROWS", stack_rows)
+    L, B, H, G = 256, 16, 4, 2
+    meta = logical_rows(L)
+    mask = PartialMask.of(meta, meta, BlockGeometry(L, B))
+    dense = mask.dense()
+    plan = cf.CpuFlashPlan.of(mask)
+    noisy = [p for p in plan.pieces if isinstance(p.k, slice) and p.k.stop <= L]  # keys: rows [0, L)
+    per_call = min(stack_rows // B, L // B)
+    assert [p.seqs for p in noisy] == [per_call] * (L // B // per_call) + ([L // B % per_call] if L // B % per_call else [])
+    assert torch.equal(_piece_pairs(mask, plan), dense.long())
+    q, k, v = _inputs(2 * L, 2 * L, 1, H, G, 8, torch.float64, seed=5)
+    out, lse = cf._CpuFlashAttention.apply(q, k, v, mask, plan, 0.4)
+    out_d, lse_d = dense_fp64(q, k, v, dense, 0.4)
+    torch.testing.assert_close(out, out_d, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, lse_d, rtol=0, atol=1e-12)
+    has = dense.any(1)[None, None, :].expand(1, H, -1)
+    for a, b in zip(_grads(out, lse, has, (q, k, v), seed=3), _grads(out_d, lse_d, has, (q, k, v), seed=3)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("variant", ["block_causal", "token_causal"])
+def test_one_rank_mask_merges_once_and_gathers_by_views(variant):
+    """The per-piece costs of CSBP's own chunk (whole noisy blocks with their clean prefixes, the
+    clean blocks sharing them): the noisy blocks merge once into the rows their prefixes reached
+    (the noisy call runs last; it merged block by block), and query runs are concatenated views,
+    scattered by slices: no index vector is built, gathered or scattered by, in forward or backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    L, B = 256, 16
+    meta = logical_rows(L)
+    mask = PartialMask.of(meta, meta, BlockGeometry(L, B, variant))
+    plan = cpu_flash_plan(mask)
+    assert sum(not first for first in plan.firsts) == 1
+    q, k, v = _inputs(2 * L, 2 * L, 1, 4, 2, 8, torch.float32, seed=7)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out, lse = cpu_flash_partial_attention(q, k, v, mask, 0.3)
+        (out.sum() + lse.sum()).backward()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::logaddexp") == 1
+    assert not any(calls.get(op) for op in ("aten::arange", "aten::index_select", "aten::index_copy_", "aten::index_add_"))
+    assert calls["aten::_scaled_dot_product_flash_attention_for_cpu"] == len(plan.pieces) == plan.flash_calls
 
 
 def test_selected_on_cpu_by_default():

@@ -9,8 +9,11 @@ clean runs) and a remainder. Here the same plan is executed on CPU:
   `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp; its
   backward takes it), on *views* of q/k/v when the sequence's rows are one contiguous range (the
   plan is built with `contiguous_free`, so prefixes of contiguous clean keys cost no copy and none
-  falls back for the copy budget); sequences of equal shape that need gathering (the noisy blocks)
-  are batched into one call;
+  falls back for the copy budget); queries in a few runs are concatenated from views; sequences
+  of equal shape that need gathering are batched into one call, and so are adjacent sequences of
+  one shape on views (a rank's whole noisy blocks, `_stacked`, up to STACK_ROWS query rows);
+  the noisy call's pieces run after the clean ones, so they merge once into the rows the clean
+  prefixes reached;
 - a bottom-right causal sequence with more keys than queries is a full rectangle plus a top-left
   causal square (the CPU op aligns top-left); windowed causal runs and the plan's fallback
   queries run on the tiled kernel (`attention/tiled.py`) over their own sub-mask;
@@ -51,6 +54,11 @@ Rows = Union[slice, Tuple[slice, ...], torch.Tensor]
 # clean keys of P ranks come in <= 2P ranges of positions (mirrored ownership).
 FREE_RUNS = 16
 
+# Adjacent same-shape sequences on views (whole noisy blocks) run as one batched call of at most
+# this many query rows (`_stacked`); its copies of q, k, v and out are bounded by it: at most 8 MiB
+# each at 32 heads x d 128 in fp32, whatever the length (the same at 256K tokens on 16 ranks).
+STACK_ROWS = 512
+
 _fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -82,24 +90,44 @@ def _count(rows: Rows) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
-def _live(rows: Rows) -> Union[slice, torch.Tensor]:
-    """A piece's rows for one call: runs become an index vector for the call's duration (one
-    gather / scatter per use instead of one per run; the plan keeps only the runs)."""
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows]): a view of a slice, one
+    concatenation of the views of a few runs (no index vector: building one and gathering by it
+    cost twice the concatenation for CSBP's query runs), an index gather otherwise."""
+    if isinstance(rows, slice):
+        return x[:, :, rows]
     if isinstance(rows, tuple):
-        return torch.cat([torch.arange(r.start, r.stop) for r in rows])
-    return rows
+        return torch.cat([x[:, :, r] for r in rows], dim=2)
+    return x.index_select(2, rows)
 
 
-def _take(x: torch.Tensor, rows: Union[slice, torch.Tensor]) -> torch.Tensor:
-    """Rows along dim 2 of [b, heads, rows, d] (or [b, heads, rows])."""
-    return x[:, :, rows] if isinstance(rows, slice) else x.index_select(2, rows)
+def _by_run(rows: Tuple[slice, ...]):
+    """(run, slice of the gathered rows it occupies) for each run of a tuple of runs."""
+    at = 0
+    for r in rows:
+        n = r.stop - r.start
+        yield r, slice(at, at + n)
+        at += n
 
 
-def _add(x: torch.Tensor, rows: Union[slice, torch.Tensor], value: torch.Tensor) -> None:
+def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
     if isinstance(rows, slice):
         x[:, :, rows] += value
+    elif isinstance(rows, tuple):
+        for r, part in _by_run(rows):
+            x[:, :, r] += value[:, :, part]
     else:
         x.index_add_(2, rows, value)
+
+
+def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        x[:, :, rows] = value
+    elif isinstance(rows, tuple):
+        for r, part in _by_run(rows):
+            x[:, :, r] = value[:, :, part]
+    else:
+        x.index_copy_(2, rows, value)
 
 
 @dataclass(frozen=True)
@@ -133,7 +161,10 @@ class CpuFlashPlan:
     def of(mask: PartialMask) -> "CpuFlashPlan":
         fp = FlashPlan.of(mask, free_runs=FREE_RUNS)
         pieces: List[Union[FlashPiece, TiledPiece]] = []
-        calls = ([fp.noisy] if fp.noisy is not None else []) + list(fp.clean)
+        # The noisy call last: its (stacked) pieces then merge once into the rows the clean
+        # prefixes reached first, instead of each prefix piece merging into its noisy block's
+        # rows (CSBP's own chunk: one merge over the noisy rows instead of one per block).
+        calls = list(fp.clean) + ([fp.noisy] if fp.noisy is not None else [])
         for call in calls:
             pieces += _pieces_of(call, mask)
         if fp.fallback_mask is not None:
@@ -182,7 +213,7 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
                 by_shape.setdefault((qs.numel(), ks.numel()), []).append((qs, ks))
         for group in by_shape.values():
             out.append(FlashPiece(torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group]), len(group), False))
-        return out
+        return _stacked(out)
     for qs, ks in seqs:
         nq, nk = qs.numel(), ks.numel()
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
@@ -195,6 +226,30 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
                 [FlashPiece(qr, ks[:nk - nq], 1, False)]
         out.append(FlashPiece(qr, _rows(ks[nk - nq:]), 1, True))
     return out
+
+
+def _stacked(pieces: List[FlashPiece]) -> List[FlashPiece]:
+    """Consecutive single-sequence pieces of one shape on adjacent views (q rows [a, a + n),
+    [a + n, a + 2n), ... against keys [c, c + m), [c + m, c + 2m), ...: the whole noisy blocks of
+    a rank) as one batched call, up to STACK_ROWS query rows: a CPU flash call costs a fixed
+    ~60 us forward + backward beyond its pairs, which made the per-block calls most of a
+    short sequence's attention time (L = 1024, block 16: 16 of a rank's ~35-50 calls per layer).
+    The batched call copies its rows (`_batched`): at most STACK_ROWS rows of q, k, v and out."""
+    out: List[FlashPiece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if (last is not None and _stackable(p) and _stackable(last) and p.q.start == last.q.stop
+                and p.k.start == last.k.stop and p.q.stop - p.q.start == (last.q.stop - last.q.start) // last.seqs
+                and p.k.stop - p.k.start == (last.k.stop - last.k.start) // last.seqs
+                and last.q.stop - last.q.start + p.q.stop - p.q.start <= STACK_ROWS):
+            out[-1] = FlashPiece(slice(last.q.start, p.q.stop), slice(last.k.start, p.k.stop), last.seqs + 1, False)
+        else:
+            out.append(p)
+    return out
+
+
+def _stackable(p: FlashPiece) -> bool:
+    return isinstance(p.q, slice) and isinstance(p.k, slice) and not p.causal
 
 
 def cpu_flash_plan(mask: PartialMask) -> CpuFlashPlan:
@@ -237,11 +292,8 @@ class _Merge:
             new = torch.logaddexp(old_l, lse)
             out = old_o * torch.exp(old_l - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)
             lse = new
-        if isinstance(rows, slice):
-            self.out[:, :, rows], self.lse[:, :, rows] = out, lse
-        else:
-            self.out.index_copy_(2, rows, out)
-            self.lse.index_copy_(2, rows, lse)
+        _put(self.out, rows, out)
+        _put(self.lse, rows, lse)
 
 
 def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
@@ -249,7 +301,7 @@ def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
     G = kc.shape[1]
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
     for p, first in zip(plan.pieces, plan.firsts):
-        q_rows, k_rows = _live(p.q), _live(p.k)
+        q_rows, k_rows = p.q, p.k
         if isinstance(p, FlashPiece):
             o, lse = _fa(_batched(qc, q_rows, p.seqs), _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), 0.0,
                          p.causal, scale=scale)
@@ -284,7 +336,7 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             keep[rare] = 0
             do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
-        q_rows, k_rows = _live(p.q), _live(p.k)
+        q_rows, k_rows = p.q, p.k
         if isinstance(p, FlashPiece):
             out_p = _batched(out, q_rows, p.seqs)
             if fix is not None:  # the piece's rows of out' (a copy of those rows only)
@@ -298,7 +350,7 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
         else:
             _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, q_rows, k_rows, p.mask, scale, dq, dk, dv)
     if rare is not None:
-        rows = _live(_rows(rare))
+        rows = _rows(rare)
         sub = PartialMask(mask.q.select(rare.to(mask.q.block.device)), mask.k)
         _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, rows, slice(0, kc.shape[2]), sub, scale, dq, dk, dv)
     return dq, dk, dv

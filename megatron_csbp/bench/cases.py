@@ -230,6 +230,8 @@ class BenchConfig:
     steps: int = 5
     seed: int = 1234
     measure_memory: bool = True
+    # one more step under torch.profiler: aten op calls per step (`bench.alternate --count-ops`)
+    count_ops: bool = False
 
     def check(self) -> None:
         self.model.check()

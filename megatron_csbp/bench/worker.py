@@ -182,9 +182,21 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "forward_in_flight_comm_s": statistics.median(fwd_in_flight),
         "forward_exposed_comm_s": statistics.median(fwd_waited),
     }
+    if cfg.count_ops:
+        record["op_counts"] = count_ops(lambda: step(cfg.warmup + cfg.steps + 1))
     if case.attention is not None:
         record["attention"] = case.attention
     return record
+
+
+def count_ops(run) -> Dict[str, int]:
+    """Calls of each aten op (and autograd function) in `run()`, by torch.profiler: a count that
+    other jobs on the machine cannot change, unlike its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return {e.key: e.count for e in prof.key_averages()}
 
 
 def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) -> List[Dict]:
