@@ -137,6 +137,7 @@ def test_tp2_sequence_parallel_sft_equals_one_rank(reference):
 
 
 @pytest.mark.exactness
+@pytest.mark.slow  # suite budget (docs/testing.md)
 def test_tp2_sequence_parallel_csbp_and_cp_sft_equal_one_rank(reference):
     # CP 2: start 1 leaves rank 0 with 15 noisy and 15 clean rows, odd for TP 2: moved down to 0.
     # CSBP 2+2: starts kept (TP shards divide the rows; no expert parallelism, nothing to balance).

@@ -121,6 +121,7 @@ def _generate_ids(rank, world_size, save):
     return dict(out=out, qk_norm=qk_norm)
 
 
+@pytest.mark.slow  # suite budget (docs/testing.md)
 def test_converted_model_trained_as_bd3lm_generates_and_other_objectives_are_refused(tmp_path):
     """A Hugging Face model converted, trained with BD3-LM and saved is rebuilt from its shape file
     for decoding; checkpoints of objectives this sampler does not decode are refused by name."""

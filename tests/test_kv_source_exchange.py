@@ -275,6 +275,7 @@ def _tp_rank(rank, world):
 
 
 @pytest.mark.exactness
+@pytest.mark.slow  # suite budget (docs/testing.md)
 def test_tp2_sequence_parallel_csbp_source_equals_k_and_v():
     results = run_distributed(_tp_rank, 4)
     for res in results[0]:

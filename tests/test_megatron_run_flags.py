@@ -40,6 +40,7 @@ def test_train_samples_sets_the_iterations():
     assert parse(TINY).train_iters == 100
 
 
+@pytest.mark.slow  # suite budget (docs/testing.md)
 def test_warmup_fraction_finetune_no_load_optim_and_retention(tmp_path):
     save = str(tmp_path / "ckpt")
     i = TINY.index("--lr-warmup-iters")

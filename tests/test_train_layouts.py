@@ -28,6 +28,7 @@ def test_csbp_two_ranks(reference):
                                                           "--block-parallel-size", "2"]), reference)
 
 
+@pytest.mark.slow  # suite budget (docs/testing.md)
 def test_tp2_csbp2_four_ranks_distributed_optimizer(reference):
     _check(run_distributed(train_rank, 4, TINY + ITERS + ["--tensor-model-parallel-size", "2",
                                                           "--context-parallel-size", "2", "--block-parallel-size", "2",

@@ -62,6 +62,7 @@ CONVERTED = ["--mock-data", "--seq-length", "32", "--block-size", "8", "--micro-
              "--log-interval", "1", "--no-progress-bar", "--mask-token-id", "126"]
 
 
+@pytest.mark.slow  # suite budget (docs/testing.md)
 def test_converted_qwen3_moe_trains_under_ep_x_csbp_like_one_rank(converted):
     compare(CONVERTED + ["--load", converted["qwen3_moe"]], {"CSBP 2+2, EP 2": LAYOUTS["CSBP 2+2, EP 2"]})
 
