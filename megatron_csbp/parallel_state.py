@@ -45,6 +45,7 @@ class BlockParallelSizes:
 
 _SIZES: Optional[BlockParallelSizes] = None
 _RING_GROUP = None
+_OWNED_GROUPS: List = []  # the process groups initialize_block_parallel created (destroyed with it)
 _RING_RANKS: Optional[List[int]] = None
 _REPLICA_GROUP = None
 _REPLICA_RANKS: Optional[List[int]] = None
@@ -77,9 +78,10 @@ def initialize_block_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               context_parallel_size: int = 1, block_parallel_size: int = 1,
                               expert_model_parallel_size: int = 1, **megatron_kwargs) -> BlockParallelSizes:
     """Initialise Megatron's groups with CP = max(CP, BP), then the plugin's sub-groups."""
-    global _SIZES
+    global _SIZES, _OWNED_GROUPS
     sizes = check_topology(dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size,
                            context_parallel_size, block_parallel_size, expert_model_parallel_size)
+    before = set(_process_groups())
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -88,8 +90,14 @@ def initialize_block_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         **megatron_kwargs,
     )
     _build_subgroups(sizes, tensor_model_parallel_size, pipeline_model_parallel_size)
+    _OWNED_GROUPS = [pg for pg in _process_groups() if pg not in before]
     _SIZES = sizes
     return sizes
+
+
+def _process_groups() -> List:
+    """Every process group torch.distributed holds (the default one included)."""
+    return list(dist.distributed_c10d._world.pg_map)
 
 
 def _all_shard_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
@@ -129,9 +137,19 @@ def _require():
 
 
 def destroy_block_parallel() -> None:
-    global _SIZES, _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS
+    """Forget the groups and destroy them. megatron-core's destroy_model_parallel only drops its
+    references: each gloo group keeps its threads (two run loops and a TCP loop), so a process that
+    initialises layout after layout (the benchmark, the tests) grew by ~57 threads per layout, hundreds
+    after a few pairs, and its CPU time with them. The groups created by initialize_block_parallel
+    (Megatron's and this module's, nothing made before it) are destroyed here."""
+    global _SIZES, _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS, _OWNED_GROUPS
     _SIZES = _RING_GROUP = _RING_RANKS = _REPLICA_GROUP = _REPLICA_RANKS = None
     mpu.destroy_model_parallel()
+    owned, _OWNED_GROUPS = _OWNED_GROUPS, []
+    live = set(_process_groups())
+    for pg in owned:
+        if pg in live:
+            dist.destroy_process_group(pg)
 
 
 def get_block_parallel_sizes() -> BlockParallelSizes:
