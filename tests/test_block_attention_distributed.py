@@ -169,9 +169,9 @@ WORLD_CASES = {
 }
 
 
-# cpu_flash: one local partial (strategies); math: separate partials. The 4-rank math world is in
-# the slow set (suite budget); its 2-rank world and both cpu_flash worlds run by default.
-@pytest.mark.parametrize("world,kernel", [pytest.param(w, k, marks=pytest.mark.slow) if (w, k) == (4, "math") else (w, k)
+# cpu_flash: one local partial (strategies); math: separate partials. The 4-rank worlds are in
+# the slow set (suite budget, docs/testing.md); both kernels' 2-rank worlds run by default.
+@pytest.mark.parametrize("world,kernel", [pytest.param(w, k, marks=pytest.mark.slow) if w == 4 else (w, k)
                                           for w in sorted(WORLD_CASES) for k in ("math", "cpu_flash")])
 def test_distributed_attention_matches_dense(world, kernel):
     cases = [dict(case, kernel=kernel) for case in WORLD_CASES[world]]

@@ -137,6 +137,7 @@ def _tp_worker(rank, world, root):
 
 
 @pytest.mark.exactness
+@pytest.mark.slow  # suite budget (docs/testing.md): the one-rank verifier's features stay default
 def test_prepare_features_tensor_parallel_verifier(tmp_path):
     """2-rank TP (transformers' tp_plan over gloo) writes the features one process writes.
 

@@ -87,6 +87,7 @@ def _api_text(rank, world_size, save, prompt_text):
     return tok.detokenize(prompt + out)
 
 
+@pytest.mark.slow  # suite budget (docs/testing.md): generate's CLI also runs in test_data_hf_tokenizer's train-and-generate
 def test_cli(checkpoint):
     """The CLI prints the checkpoint it loaded and the API's generation for the same settings."""
     res = subprocess.run([sys.executable, "-m", "megatron_csbp.generate", "--load", checkpoint, "--prompt",

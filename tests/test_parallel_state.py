@@ -107,7 +107,7 @@ def test_impossible_topologies_are_refused_before_any_collective(kwargs, message
 
 
 def _reinit_rank(rank, world):
-    """Initialise and destroy three layouts in one process: the groups and their gloo threads go."""
+    """Initialise and destroy two layouts in one process: the groups and their gloo threads go."""
     import torch.distributed as dist
 
     from megatron_csbp import parallel_state as bps
@@ -118,7 +118,7 @@ def _reinit_rank(rank, world):
 
     groups0, threads0 = len(dist.distributed_c10d._world.pg_map), threads()
     out = []
-    for cp, bp in ((2, 1), (2, 2), (1, 2)):
+    for cp, bp in ((2, 2), (1, 2)):
         bps.initialize_block_parallel(1, 1, cp, bp, 1)
         made = len(dist.distributed_c10d._world.pg_map) - groups0
         bps.destroy_block_parallel()
