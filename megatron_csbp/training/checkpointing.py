@@ -106,12 +106,12 @@ def check_model_flags(args, root: str, step) -> None:
     saved = saved_model_args(root, step)
     if not saved:
         return
+    where = f"--load {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
     for dest in SHAPE_FLAGS:
         if dest not in saved or saved[dest] is None or not hasattr(args, dest):
             continue
         given = getattr(args, dest)
         if given != saved[dest]:
-            where = f"--load {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
             if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
                 from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE, null_tokenizer_vocab_flag
 
@@ -127,9 +127,8 @@ def check_model_flags(args, root: str, step) -> None:
     if (saved_mask is not None and mask != saved_mask and saved.get("objective") == getattr(args, "objective", None)
             and not getattr(args, "finetune", False)):
         # e.g. a NullTokenizer checkpoint from before the default mask id became the first padding id
-        raise CheckpointError(f"--mask-token-id {mask} differs from the checkpoint's {saved_mask} (--load {root}, "
-                              f"{os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json): the model was "
-                              f"trained to fill that id; resume with --mask-token-id {saved_mask}")
+        raise CheckpointError(f"--mask-token-id {mask} differs from the checkpoint's {saved_mask} ({where}): the model "
+                              f"was trained to fill that id; resume with --mask-token-id {saved_mask}")
 
 
 def verify_files(path: str) -> Optional[str]:
