@@ -15,6 +15,7 @@ load cannot change (the same in every pair).
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import os
 import shlex
@@ -64,11 +65,7 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
 
 
 def _summed(counts: List[Dict[str, int]]) -> Dict[str, int]:
-    total: Dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return total
+    return dict(sum((Counter(c) for c in counts), Counter()))
 
 
 def summary(runs: List[Dict], a: str, b: str) -> Dict:
