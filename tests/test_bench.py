@@ -308,8 +308,27 @@ def test_alternate_pairs_ratios_and_op_counts():
     for p in (0, 1):
         assert s["ratio_sum"]["per_pair"][p] == sum(get[p, "csbp-ring"]["thread_cpu_s"]) / sum(get[p, "cp-ring"]["thread_cpu_s"])
         assert s["ratio_max"]["per_pair"][p] == max(get[p, "csbp-ring"]["thread_cpu_s"]) / max(get[p, "cp-ring"]["thread_cpu_s"])
+        fast = {name: get[p, name]["thread_cpu_min_s"] for name in ("cp-ring", "csbp-ring")}
+        assert s["ratio_sum_min"]["per_pair"][p] == sum(fast["csbp-ring"]) / sum(fast["cp-ring"])
+        assert s["ratio_max_min"]["per_pair"][p] == max(fast["csbp-ring"]) / max(fast["cp-ring"])
     md = render(result, "python -m megatron_csbp.bench.alternate --pairs 2")
     assert "python -m megatron_csbp.bench.alternate --pairs 2" in md and "aten op calls per step" in md
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    """The 95 % interval of a median over n pairs: ranks k and n + 1 - k with
+    P(Binomial(n, 1/2) <= k - 1) <= 2.5 %, checked against the textbook ranks (n = 6: 1 and 6,
+    n = 10: 2 and 9, n = 20: 6 and 15, n = 30: 10 and 21) and against the tail sums themselves."""
+    import math
+
+    from megatron_csbp.bench.alternate import median_ci
+
+    for n, k in ((6, 1), (10, 2), (20, 6), (30, 10)):
+        x = [float(i) for i in range(n, 0, -1)]  # unsorted on purpose
+        assert median_ci(x) == [float(k), float(n + 1 - k)]
+        tail = lambda j: sum(math.comb(n, i) for i in range(j)) / 2 ** n  # noqa: E731  P(B <= j - 1)
+        assert tail(k) <= 0.025 < tail(k + 1)
+    assert median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # no 95 % interval from 5 pairs
 
 
 @pytest.mark.parametrize("argv,line", [

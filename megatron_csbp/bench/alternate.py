@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 import json
+import math
 import os
 import shlex
 import statistics
@@ -52,6 +53,8 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
     for i, case in enumerate(order):
         records = [per_rank[r][i] for r in range(P)]
         run = {"layout": case.name, "pair": i // 2, "thread_cpu_s": [x["thread_cpu_s"] for x in records],
+               # per rank, its fastest timed step: other jobs and cache sharing only ever add time
+               "thread_cpu_min_s": [min(x["thread_cpu_steps_s"]) for x in records],
                "median_step_s": records[0]["median_step_s"], "loss_step0": records[0]["loss_step0"]}
         if cfg.count_ops:
             run["ops_per_step"] = [sum(x["op_counts"].values()) for x in records]
@@ -68,33 +71,65 @@ def _summed(counts: List[Dict[str, int]]) -> Dict[str, int]:
     return dict(sum((Counter(c) for c in counts), Counter()))
 
 
+def median_ci(x: Sequence[float], level: float = 0.95):
+    """Distribution-free confidence interval of the median of `x` (the pairs are independent
+    draws): order statistics x_(k) and x_(n+1-k) with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
+    None when n is too small for `level` (n < 6 at 95 %)."""
+    n, xs = len(x), sorted(x)
+    tail, k = 0.0, 0
+    while True:  # the largest k whose lower tail P(B <= k - 1) stays within (1 - level) / 2
+        nxt = tail + math.comb(n, k) / 2 ** n
+        if nxt > (1 - level) / 2:
+            break
+        tail, k = nxt, k + 1
+    return None if k == 0 else [xs[k - 1], xs[n - k]]
+
+
 def summary(runs: List[Dict], a: str, b: str) -> Dict:
-    """Per pair, B / A of the CPU time summed over ranks and of the largest rank; median, range."""
+    """Per pair, B / A of the CPU time summed over ranks and of the largest rank; median, range,
+    the median's 95 % interval. `*_min`: the same of each rank's fastest step (when recorded)."""
     pairs = sorted({r["pair"] for r in runs})
     get = {(r["pair"], r["layout"]): r for r in runs}
-    ratio_sum = [sum(get[p, b]["thread_cpu_s"]) / sum(get[p, a]["thread_cpu_s"]) for p in pairs]
-    ratio_max = [max(get[p, b]["thread_cpu_s"]) / max(get[p, a]["thread_cpu_s"]) for p in pairs]
-    stats = lambda x: {"median": statistics.median(x), "min": min(x), "max": max(x), "per_pair": x}  # noqa: E731
-    return {"ratio_sum": stats(ratio_sum), "ratio_max": stats(ratio_max)}
+    stats = lambda x: {"median": statistics.median(x), "min": min(x), "max": max(x), "per_pair": x,  # noqa: E731
+                       "median_ci95": median_ci(x)}
+    out = {}
+    for key, suffix in (("thread_cpu_s", ""), ("thread_cpu_min_s", "_min")):
+        if not all(key in r for r in runs):
+            continue
+        out["ratio_sum" + suffix] = stats([sum(get[p, b][key]) / sum(get[p, a][key]) for p in pairs])
+        out["ratio_max" + suffix] = stats([max(get[p, b][key]) / max(get[p, a][key]) for p in pairs])
+    return out
 
 
 def render(result: Dict, command: str, top: int = 12) -> str:
     a, b = result["layouts"]
     runs, s = result["runs"], result["summary"]
     get = {(r["pair"], r["layout"]): r for r in runs}
+    fastest = "ratio_sum_min" in s  # each rank's fastest step recorded too
     lines = ["```", command, "```", "",
              f"| pair | order | {a} CPU ms (sum over ranks) | {b} CPU ms (sum) | {b} / {a} (sum) "
-             f"| {a} largest rank ms | {b} largest rank ms | {b} / {a} (largest rank) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| {a} largest rank ms | {b} largest rank ms | {b} / {a} (largest rank) |"
+             + (" fastest steps: sum | largest rank |" if fastest else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if fastest else "")]
     for p, (rs, rm) in enumerate(zip(s["ratio_sum"]["per_pair"], s["ratio_max"]["per_pair"])):
         ca, cb = get[p, a]["thread_cpu_s"], get[p, b]["thread_cpu_s"]
         order = f"{a}, {b}" if p % 2 == 0 else f"{b}, {a}"
         lines.append(f"| {p} | {order} | {sum(ca) * 1e3:.1f} | {sum(cb) * 1e3:.1f} | {rs:.3f} | {max(ca) * 1e3:.1f} "
-                     f"| {max(cb) * 1e3:.1f} | {rm:.3f} |")
-    lines += ["", f"Median over {len(s['ratio_sum']['per_pair'])} pairs: summed over ranks "
-              f"**{s['ratio_sum']['median']:.3f}** (range {s['ratio_sum']['min']:.3f}-{s['ratio_sum']['max']:.3f}); "
-              f"largest rank **{s['ratio_max']['median']:.3f}** (range {s['ratio_max']['min']:.3f}-"
-              f"{s['ratio_max']['max']:.3f})."]
+                     f"| {max(cb) * 1e3:.1f} | {rm:.3f} |"
+                     + (f" {s['ratio_sum_min']['per_pair'][p]:.3f} | {s['ratio_max_min']['per_pair'][p]:.3f} |"
+                        if fastest else ""))
+
+    def stat(key):
+        st = s[key]
+        ci = st.get("median_ci95")
+        return (f"**{st['median']:.3f}** (range {st['min']:.3f}-{st['max']:.3f}"
+                + (f"; 95 % interval of the median {ci[0]:.3f}-{ci[1]:.3f}" if ci else "") + ")")
+
+    lines += ["", f"Median over {len(s['ratio_sum']['per_pair'])} pairs of {b} / {a}, each rank's median step: "
+              f"summed over ranks {stat('ratio_sum')}; largest rank {stat('ratio_max')}."]
+    if fastest:
+        lines.append(f"Each rank's fastest step: summed over ranks {stat('ratio_sum_min')}; "
+                     f"largest rank {stat('ratio_max_min')}.")
     if "op_counts" in runs[0]:
         ca, cb = get[0, a]["op_counts"], get[0, b]["op_counts"]
         lines += ["", f"aten op calls per step, summed over ranks: {a} {sum(ca.values())}, {b} {sum(cb.values())} "

@@ -178,6 +178,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "exposed_comm_s": statistics.median(waited),
         "in_flight_comm_s": statistics.median(in_flight), "thread_cpu_s": statistics.median(thread_cpu),
+        "thread_cpu_steps_s": thread_cpu,
         "process_cpu_s": statistics.median(process_cpu), "transfers": transfers,
         "forward_in_flight_comm_s": statistics.median(fwd_in_flight),
         "forward_exposed_comm_s": statistics.median(fwd_waited),
