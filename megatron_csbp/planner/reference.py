@@ -29,8 +29,9 @@ Beside the baseline, the paper's *workload* as its benchmark recipes run it (`re
 applied by `validate --paper --baseline reference` to CP and CSBP alike): DiffusionGemma's native SFT
 objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss;
 the DFlash recipe's trainer keeps a replicated bf16 AdamW and two feature buffers, without
-activation checkpointing (`recipe_layout_options`), so a layout that fits this project's trainer
-may not fit the paper's;
+activation checkpointing (`recipe_layout_options`), and trains the DFlash2 drafter
+(`DFlash2Drafter`: convolutions, candidate selector, a vocabulary objective with a whole-vocabulary
+fp32 workspace), so a layout that fits this project's trainer may not fit the paper's;
 and a time per step its runs spend that the cost model does not count (`recipe_fixed_step_s`,
 FITTED `REFERENCE_DG_FIXED_STEP_S`), also for both.
 
