@@ -154,6 +154,7 @@ def test_validate_paper_reference_json(tmp_path, capsys):
     assert d[1048576]["predicted_layouts"] == [None, "DP1/CP8/BP8 (allgather)"]
     assert d[1048576]["cp_smallest"]["layout"] == "DP1/CP8 (allgather)"
     assert round(d[1048576]["cp_smallest"]["peak_gib"], 1) == 92.9
+    assert "| 7.59x | - | - | no layout fits -> DP1/CP8/BP8 (allgather) |" in capsys.readouterr().out
 
 
 def test_gpu_reference_kernel_check_skips_with_its_reason_without_cuda(tmp_path):

@@ -190,7 +190,7 @@ def records_markdown(recs: List[Dict]) -> str:
         out.append(f"| {r['model']} | {r['row']} | {r['seq_length']} | {r['paper_speedup']:.2f}x | "
                    f"{'-' if p is None else format(p, '.3f') + 'x'} | "
                    f"{'-' if p is None else format(p / r['paper_speedup'], '.2f')} | "
-                   f"{' -> '.join(str(x) for x in r.get('predicted_layouts', []))} |")
+                   f"{' -> '.join('no layout fits' if x is None else str(x) for x in r.get('predicted_layouts', []))} |")
     return "\n".join(out)
 
 
