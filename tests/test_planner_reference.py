@@ -387,6 +387,9 @@ def test_dflash2_terms_are_the_closed_formulas():
     assert d2.objective_workspace_bytes(1920, h, V, s) == 20 * 1920 * V
     with pytest.raises(ValueError, match="conv_group_size 16 must divide hidden size 100"):
         d2.groups(100)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size must be 1 for the DFlash2 drafter"):
+        _drafter_terms(65536, Layout(2, 4, 4, 1, 1, distributed_optimizer=False),
+                       Workload(65536, 16, objective="dflash", anchors=512, **R.recipe_workload(name)))
 
 
 def test_dflash_recipe_memory_at_512k_and_1m():
@@ -404,7 +407,8 @@ def test_dflash_recipe_memory_at_512k_and_1m():
 
     cp4, cp8 = Layout(1, 4, 1, 1, 2, distributed_optimizer=False), Layout(1, 8, 1, 1, 1, distributed_optimizer=False)
     cp8_rc = Layout(1, 8, 1, 1, 1, "full", distributed_optimizer=False)
-    csbp4, csbp8 = Layout(1, 4, 4, 1, 2, distributed_optimizer=False), Layout(1, 8, 8, 1, 1, distributed_optimizer=False)
+    csbp4 = Layout(1, 4, 4, 1, 2, distributed_optimizer=False)
+    csbp8 = Layout(1, 8, 8, 1, 1, distributed_optimizer=False)
     assert fits(524288, (cp4, cp8, csbp4)) == {"DP2/CP4 (allgather)": False, "DP1/CP8 (allgather)": True,
                                                "DP2/CP4/BP4 (allgather)": True}
     assert fits(1048576, (cp4, cp8, cp8_rc, csbp4, csbp8)) == {

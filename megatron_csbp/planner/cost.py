@@ -347,7 +347,8 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     feat_row = model.target_layers * h
     d2 = wl.dflash2
     if d2 is not None and tp > 1:
-        raise ValueError("the DFlash2 drafter runs at --tensor-model-parallel-size 1 (the reference's DFlash has no TP)")
+        raise ValueError("--tensor-model-parallel-size must be 1 for the DFlash2 drafter "
+                         "(the reference's DFlash has no tensor parallelism)")
     trained = model.dense_params + (d2.extra_params(h, model.num_layers, V) if d2 is not None else 0)
     per_rank = []
     for r in range(len(base)):

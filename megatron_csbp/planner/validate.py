@@ -113,8 +113,8 @@ def dflash_comparison(L: int, baseline: str, hw_name: str = "h100", gpus: int = 
     says. Under `reference` the paper's recipe fixes the trainer (`reference.recipe_workload`:
     replicated bf16 AdamW, two feature buffers; `recipe_layout_options`: no recompute), for both
     sides. `cp_at_csbp_dp`: the CP-only layout with the chosen CSBP layout's DP and CP (e.g.
-    DP2/CP4 beside DP2/CP4/BP4), feasible or not: the comparison at equal data parallelism. `cp_smallest`: when no CP-only
-    layout fits (speedup None), the one with the smallest peak."""
+    DP2/CP4 beside DP2/CP4/BP4), feasible or not: the comparison at equal data parallelism.
+    `cp_smallest`: when no CP-only layout fits (speedup None), the one with the smallest peak."""
     from megatron_csbp.planner.search import candidate_layouts
 
     model = load_preset("dflash-drafter-muse-glimmer")
@@ -190,7 +190,8 @@ def records_markdown(recs: List[Dict]) -> str:
         out.append(f"| {r['model']} | {r['row']} | {r['seq_length']} | {r['paper_speedup']:.2f}x | "
                    f"{'-' if p is None else format(p, '.3f') + 'x'} | "
                    f"{'-' if p is None else format(p / r['paper_speedup'], '.2f')} | "
-                   f"{' -> '.join('no layout fits' if x is None else str(x) for x in r.get('predicted_layouts', []))} |")
+                   f"{' -> '.join('no layout fits' if x is None else str(x) for x in r.get('predicted_layouts', []))}"
+                   " |")
     return "\n".join(out)
 
 
