@@ -142,16 +142,19 @@ def test_validate_paper_reference_json(tmp_path, capsys):
                 ("diffusiongemma-26b-a4b", 262144), ("diffusiongemma-26b-a4b", 524288)]:
         assert within[key], key
     # the DFlash rows (docs/planner.md "DFlash at 512K and 1M"): each side's DP picked among the
-    # layouts that fit the recipe's trainer memory; not within 15 % of the paper's
+    # layouts that fit the recipe's trainer memory with the DFlash2 drafter; 512K within 15 % of
+    # the paper's, 1M: no CP-only layout fits (no prediction)
     d = {r["seq_length"]: r for r in recs if r["model"] == "dflash-drafter-muse-glimmer"}
     assert set(d) == {524288, 1048576}
-    assert d[524288]["predicted_layouts"] == ["DP2/CP4 (allgather)", "DP2/CP4/BP4 (allgather)"]
-    assert round(d[524288]["predicted_speedup"], 3) == 1.482 and d[524288]["cp_at_csbp_dp"]["fits"]
-    assert d[1048576]["predicted_layouts"] == ["DP1/CP8 (allgather)", "DP2/CP4/BP4 (allgather)"]
-    assert round(d[1048576]["predicted_speedup"], 3) == 1.800
-    assert d[1048576]["cp_at_csbp_dp"]["layout"] == "DP2/CP4 (allgather)"
-    assert not d[1048576]["cp_at_csbp_dp"]["fits"] and round(d[1048576]["cp_at_csbp_dp"]["speedup"], 3) == 1.321
-    assert not within[("dflash-drafter-muse-glimmer", 524288)] and not within[("dflash-drafter-muse-glimmer", 1048576)]
+    assert d[524288]["predicted_layouts"] == ["DP1/CP8 (allgather)", "DP2/CP4/BP4 (allgather)"]
+    assert round(d[524288]["predicted_speedup"], 3) == 2.409 and within[("dflash-drafter-muse-glimmer", 524288)]
+    assert d[524288]["cp_at_csbp_dp"]["layout"] == "DP2/CP4 (allgather)" and not d[524288]["cp_at_csbp_dp"]["fits"]
+    assert round(d[524288]["cp_at_csbp_dp"]["speedup"], 3) == 1.566
+    assert d[1048576]["predicted_speedup"] is None
+    assert d[1048576]["predicted_layouts"] == [None, "DP1/CP8/BP8 (allgather)"]
+    assert d[1048576]["cp_smallest"]["layout"] == "DP1/CP8 (allgather)"
+    assert round(d[1048576]["cp_smallest"]["peak_gib"], 1) == 92.9
+    assert "| 7.59x | - | - | no layout fits -> DP1/CP8/BP8 (allgather) |" in capsys.readouterr().out
 
 
 def test_gpu_reference_kernel_check_skips_with_its_reason_without_cuda(tmp_path):
@@ -309,36 +312,107 @@ def test_dflash_recipe_trainer_memory_is_the_closed_formula():
     from megatron_csbp.planner.hardware import GiB
 
     name = "dflash-drafter-muse-glimmer"
-    assert R.recipe_workload(name) == {"grad_bytes": 2, "optimizer_state_bytes": 4, "feature_buffers": 2}
+    assert R.recipe_workload(name) == {"grad_bytes": 2, "optimizer_state_bytes": 4, "feature_buffers": 2,
+                                       "dflash2": R.DFLASH2_MUSE_GLIMMER}
     assert R.recipe_layout_options(name) == {"recompute": ("none",), "distributed_optimizer": False}
     assert R.recipe_layout_options("nemotron-diffusion-3b") == {}
     L, cp = 65536, 4
     lay = Layout(1, cp, cp, 1, 2, distributed_optimizer=False)  # the recipe's CP 4 x BP 4, DP 2
     m, rec = _drafter_terms(L, lay, Workload(L, 16, objective="dflash", anchors=512, **R.recipe_workload(name)))
     h, feat_row, ctx = m.hidden_size, m.target_layers * m.hidden_size, L // cp  # each rank: its CP shard
+    extra = R.DFLASH2_MUSE_GLIMMER.extra_params(m.hidden_size, m.num_layers, m.vocab_size)
     assert rec.memory_gib["weights_grads_optimizer"] * GiB == pytest.approx(
-        8 * m.dense_params + 2 * m.frozen_params, rel=1e-12)
+        8 * (m.dense_params + extra) + 2 * m.frozen_params, rel=1e-12)
     assert rec.memory_gib["features"] * GiB == pytest.approx(2 * ctx * feat_row * 2 + ctx * h * 2, rel=1e-12)
     _, ours = _drafter_terms(L, replace(lay, distributed_optimizer=True),
                              Workload(L, 16, objective="dflash", anchors=512))
+    _, plain = _drafter_terms(L, lay, Workload(L, 16, objective="dflash", anchors=512,
+                                               **{**R.recipe_workload(name), "dflash2": None}))
     D = lay.dp * lay.shard_group_size  # Megatron shards the fp32 master + Adam state over DP x CP
     assert ours.memory_gib["weights_grads_optimizer"] * GiB == pytest.approx(
         (2 + 4) * m.dense_params + 12 * m.dense_params / D + 2 * m.frozen_params, rel=1e-12)
     assert ours.memory_gib["features"] * GiB == pytest.approx(ctx * feat_row * 2 + ctx * h * 2, rel=1e-12)
-    # the rest of the step's memory is the same
-    assert rec.memory_gib["activations"] == ours.memory_gib["activations"]
+    # the rest of the step's memory is the same (the DFlash2 terms aside: the next test)
+    assert plain.memory_gib["activations"] == ours.memory_gib["activations"]
 
 
-def test_dflash_recipe_memory_costs_cp_its_replica_at_1m():
-    """Why the CP side of the 1M row runs DP 1 (`validate.dflash_comparison`): under CP every rank
-    keeps all 512 anchors' draft rows, so with the recipe's trainer memory CP 4 at DP 2 does not fit
-    in 80 GB while the recipe's CP 4 x BP 4 at DP 2 and CP 8 at DP 1 do; with this project's trainer
-    (distributed optimizer, one feature buffer) CP 4 at DP 2 fits."""
-    L, name = 1048576, "dflash-drafter-muse-glimmer"
-    rec = Workload(L, 16, objective="dflash", anchors=512, **R.recipe_workload(name))
-    fits = {lay.label(): _drafter_terms(L, lay, rec)[1].feasible
-            for lay in (Layout(1, 4, 1, 1, 2, distributed_optimizer=False),
-                        Layout(1, 8, 1, 1, 1, distributed_optimizer=False),
-                        Layout(1, 4, 4, 1, 2, distributed_optimizer=False))}
-    assert fits == {"DP2/CP4 (allgather)": False, "DP1/CP8 (allgather)": True, "DP2/CP4/BP4 (allgather)": True}
+def test_dflash2_terms_are_the_closed_formulas():
+    """What the paper's DFlash2 drafter adds (reference.DFlash2Drafter, docs/planner.md row (g)
+    "DFlash2"), written out here from the sizes read (conv_kernel_size 2, conv_group_size 16,
+    selector_rank 256, selector_top_k 16, final_logit_softcapping set) against the same workload
+    without it: trained parameters, per draft row and layer 4 h + 4 taps G kept elements, the
+    objective on the (B - 1) / B supervised rows (three vocabulary GEMMs, the kept state per row,
+    the fp32 workspace of one row block over the whole vocabulary: 5 fp32 tensors in the soft-capped
+    forward, 4 + 4 + 2 bytes per element and an fp32 gradient in backward, the larger counts)."""
+    from megatron_csbp.planner.hardware import GiB
+
+    name = "dflash-drafter-muse-glimmer"
+    d2 = R.DFLASH2_MUSE_GLIMMER
+    assert (d2.conv_kernel_size, d2.conv_group_size, d2.selector_rank, d2.selector_top_k, d2.logit_softcap,
+            d2.objective_row_block) == (2, 16, 256, 16, True, 4096)
+    m = load_preset(name)
+    h, V, n, s = m.hidden_size, m.vocab_size, m.num_layers, 2
+    k, G, r, top = 2, h // 16, 256, 16
+    extra = n * 2 * (2 * k * h + h * 2 * k * G) + 2 * V * r + h * r
+    assert d2.extra_params(h, n, V) == extra == 216_174_592
+    # the published checkpoint of the recipe's revision: 5,544,328,424 bytes of bf16 tensors; the
+    # planner's trained parameters plus these leave only the norm vectors (n (2 h + 2 d) + 2 h)
+    norms = n * (2 * h + 2 * 128) + 2 * h
+    assert 2 * (m.dense_params + extra + norms) == pytest.approx(5_544_328_424, abs=2 * 4_468)
+    hw = load_hardware("h100")
+    peak = hw.peak_tflops * 1e12
+    for L, lay in ((524288, Layout(1, 8, 1, 1, 1, distributed_optimizer=False)),
+                   (524288, Layout(1, 4, 4, 1, 2, distributed_optimizer=False))):
+        rec = Workload(L, 16, objective="dflash", anchors=512, **R.recipe_workload(name))
+        _, e2 = _drafter_terms(L, lay, rec)
+        _, e1 = _drafter_terms(L, lay, Workload(L, 16, objective="dflash", anchors=512,
+                                                **{**R.recipe_workload(name), "dflash2": None}))
+        draft = 512 * 16 if lay.kind == "cp" else 512 * 16 // lay.bp  # CP replicates every anchor
+        sup = draft * 15 // 16
+        assert (e2.memory_gib["weights_grads_optimizer"] - e1.memory_gib["weights_grads_optimizer"]) * GiB == \
+            pytest.approx(8 * extra, rel=1e-9)
+        assert (e2.memory_gib["activations"] - e1.memory_gib["activations"]) * GiB == pytest.approx(
+            draft * n * (4 * h + 4 * k * G) * s, rel=1e-9)
+        block = min(4096, sup)
+        workspace = max(5 * 4 * block * V, (4 + 4 + s) * block * V + 4 * sup * h)
+        per_row = s * h + 8 + top * 12 + s * (3 * r + top * r) + 4 * top
+        assert per_row < 24 * 1024  # the selector scores top_k candidates, not the vocabulary
+        assert e2.memory_gib["logits"] * GiB == pytest.approx(sup * per_row + workspace, rel=1e-9)
+        assert e2.time["output_layer"] == pytest.approx(3 * 2 * sup * h * V / (peak * hw.gemm_efficiency), rel=1e-9)
+        assert e2.peak_memory_gib > e1.peak_memory_gib and e2.step_time_s > e1.step_time_s
+    # the soft-capped forward holds 5 fp32 [block, V] tensors; without the cap the backward's
+    # 10 bytes per element (and its fp32 gradient) is the peak
+    from dataclasses import replace
+    assert replace(d2, logit_softcap=False).objective_workspace_bytes(7680, h, V, s) == 10 * 4096 * V + 4 * 7680 * h
+    assert d2.objective_workspace_bytes(1920, h, V, s) == 20 * 1920 * V
+    with pytest.raises(ValueError, match="conv_group_size 16 must divide hidden size 100"):
+        d2.groups(100)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size must be 1 for the DFlash2 drafter"):
+        _drafter_terms(65536, Layout(2, 4, 4, 1, 1, distributed_optimizer=False),
+                       Workload(65536, 16, objective="dflash", anchors=512, **R.recipe_workload(name)))
+
+
+def test_dflash_recipe_memory_at_512k_and_1m():
+    """Why `validate.dflash_comparison` picks what it picks (docs/planner.md "DFlash at 512K and
+    1M"): with the recipe's trainer and the DFlash2 objective, CP's DP2/CP4 no longer fits at 512K
+    (CP runs DP1/CP8) while the recipe's CP 4 x BP 4 at DP 2 does; at 1M no CP-only layout fits,
+    not even with full recompute, and of the CSBP layouts only DP1/CP8/BP8 does (the recipe's own
+    CP 4 x BP 4 at DP 2 does not: the model holds more than the paper's run did). With this
+    project's trainer (distributed optimizer, one buffer, plain DFlash) CP 4 at DP 2 fits at 1M."""
+    name = "dflash-drafter-muse-glimmer"
+
+    def fits(L, layouts):
+        rec = Workload(L, 16, objective="dflash", anchors=512, **R.recipe_workload(name))
+        return {lay.label(): _drafter_terms(L, lay, rec)[1].feasible for lay in layouts}
+
+    cp4, cp8 = Layout(1, 4, 1, 1, 2, distributed_optimizer=False), Layout(1, 8, 1, 1, 1, distributed_optimizer=False)
+    cp8_rc = Layout(1, 8, 1, 1, 1, "full", distributed_optimizer=False)
+    csbp4 = Layout(1, 4, 4, 1, 2, distributed_optimizer=False)
+    csbp8 = Layout(1, 8, 8, 1, 1, distributed_optimizer=False)
+    assert fits(524288, (cp4, cp8, csbp4)) == {"DP2/CP4 (allgather)": False, "DP1/CP8 (allgather)": True,
+                                               "DP2/CP4/BP4 (allgather)": True}
+    assert fits(1048576, (cp4, cp8, cp8_rc, csbp4, csbp8)) == {
+        "DP2/CP4 (allgather)": False, "DP1/CP8 (allgather)": False, "DP1/CP8 (recompute, allgather)": False,
+        "DP2/CP4/BP4 (allgather)": False, "DP1/CP8/BP8 (allgather)": True}
+    L = 1048576
     assert _drafter_terms(L, Layout(1, 4, 1, 1, 2), Workload(L, 16, objective="dflash", anchors=512))[1].feasible

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
-from megatron_csbp.planner.reference import (OURS, Baseline, contiguous_clean_imbalance,
+from megatron_csbp.planner.reference import (OURS, Baseline, DFlash2Drafter, contiguous_clean_imbalance,
                                              contiguous_range_factor)
 from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
                                         rank_work)
@@ -122,6 +122,10 @@ class Workload:
     # the paper's offline feature reader copies the next sample's features to the device while
     # the step runs, 2 (`reference.recipe_workload`)
     feature_buffers: int = 1
+    # the DFlash2 variant of the drafter (`reference.DFlash2Drafter`: block-local dynamic
+    # convolutions, the candidate selector, the native vocabulary objective), as the paper's recipe
+    # trains it (`reference.recipe_workload`); None: the plain DFlash drafter (this project's)
+    dflash2: Optional[DFlash2Drafter] = None
 
     @property
     def packed(self) -> bool:
@@ -319,7 +323,12 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
       and the recompute forward;
     - memory: drafter weights/optimizer, the frozen embeddings and LM head (bf16), the features read,
       per-layer activations of the draft rows, the context rows' projections and K/V, the K/V
-      received, one vocabulary chunk of logits."""
+      received, one vocabulary chunk of logits;
+    - DFlash2 (`wl.dflash2`, the paper's recipe): its convolution and selector parameters, the
+      convolutions' kept tensors per draft row and layer and their kernel-projection GEMMs, and
+      the native vocabulary objective on the supervised rows (B - 1 of every B draft rows) in place
+      of the streamed chunk: three vocabulary GEMMs, the kept per-row state and the whole-vocabulary
+      fp32 workspace of one row block (`reference.DFlash2Drafter`)."""
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12
@@ -336,6 +345,11 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     # the reference CP path (`reference.py` (d)): every CP rank drafts every anchor
     replicated = baseline.replicated_anchors and lay.kind == "cp"
     feat_row = model.target_layers * h
+    d2 = wl.dflash2
+    if d2 is not None and tp > 1:
+        raise ValueError("--tensor-model-parallel-size must be 1 for the DFlash2 drafter "
+                         "(the reference's DFlash has no tensor parallelism)")
+    trained = model.dense_params + (d2.extra_params(h, model.num_layers, V) if d2 is not None else 0)
     per_rank = []
     for r in range(len(base)):
         draft, ctx = base[r].draft_rows, base[r].context_rows
@@ -377,18 +391,31 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
             # and received)
             acts_layer = (draft * activation_bytes_per_row(model, layer, tp, s)
                           + (ctx + w.exchange_rows) * kv_row)
+            if d2 is not None:
+                acts_layer += draft * d2.conv_elements_per_draft_row(h) * s
+                t["gemm"] += (draft * d2.conv_flops_per_draft_row(h) * (3 + (1 if recompute else 0))
+                              / (peak * hw.gemm_efficiency))
             acts = max(acts, acts_layer) if recompute else acts + acts_layer
         if recompute:
             acts += (draft + ctx) * h * s / tp * model.num_layers
-        # frozen LM head on the draft rows: forward + input gradient
-        t["output_layer"] = 2 * 2 * draft * h * V / tp / (peak * hw.gemm_efficiency)
         # features read (`feature_buffers` device copies of them) and their projection
         features = wl.feature_buffers * ctx * feat_row * s + ctx * h * s
-        logits = draft * min(V, wl.vocab_chunk or V) / tp * (wl.logits_bytes if s < 4 else 2 * s)
+        if d2 is None:
+            # frozen LM head on the draft rows: forward + input gradient
+            t["output_layer"] = 2 * 2 * draft * h * V / tp / (peak * hw.gemm_efficiency)
+            logits = draft * min(V, wl.vocab_chunk or V) / tp * (wl.logits_bytes if s < 4 else 2 * s)
+        else:
+            # the native objective on the supervised rows: logits forward, recomputed in backward,
+            # input gradient (three GEMMs); kept state per row and the row block's workspace
+            supervised = draft * (B - 1) // B
+            t["output_layer"] = 3 * 2 * supervised * h * V / (peak * hw.gemm_efficiency)
+            t["elementwise"] += d2.objective_hbm_bytes(supervised, V, s) / (hw.hbm_gbps * 1e9)
+            logits = (supervised * d2.objective_bytes_per_row(h, s)
+                      + d2.objective_workspace_bytes(supervised, h, V, s))
         per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
     t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
     micro = wl.samples_per_replica(lay.dp)
-    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, model.dense_params, model.frozen_params)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, model.frozen_params)
     step = micro * t_sample + t_grad + t_opt
     time = {k: micro * v for k, v in t_parts.items()}
     time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)

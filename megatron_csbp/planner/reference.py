@@ -29,8 +29,9 @@ Beside the baseline, the paper's *workload* as its benchmark recipes run it (`re
 applied by `validate --paper --baseline reference` to CP and CSBP alike): DiffusionGemma's native SFT
 objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss;
 the DFlash recipe's trainer keeps a replicated bf16 AdamW and two feature buffers, without
-activation checkpointing (`recipe_layout_options`), so a layout that fits this project's trainer
-may not fit the paper's;
+activation checkpointing (`recipe_layout_options`), and trains the DFlash2 drafter
+(`DFlash2Drafter`: convolutions, candidate selector, a vocabulary objective with a whole-vocabulary
+fp32 workspace), so a layout that fits this project's trainer may not fit the paper's;
 and a time per step its runs spend that the cost model does not count (`recipe_fixed_step_s`,
 FITTED `REFERENCE_DG_FIXED_STEP_S`), also for both.
 
@@ -120,9 +121,114 @@ class Baseline:
 #   - `DFlashFeatureDataRuntime.next_batch` / `_advance_prefetch` (backbones/dflash/data.py): as
 #     soon as a step takes its sample's features (the rank's CP intervals, `_target_intervals`), the
 #     next sample's are copied to the device on a side stream: two feature buffers per step.
+
+
+@dataclass(frozen=True)
+class DFlash2Drafter:
+    """What the paper's DFlash2 drafter adds to a plain DFlash drafter of the same shape, per rank,
+    counted from the reference code (docs/planner.md, row (g) "DFlash2"):
+
+    - `DFlashGroupedConv` (`backbones/dflash/dflash2.py`), two per layer (around attention and
+      around the MLP): a `kernel_projection` h -> 2 x taps x G (G = h / conv_group_size groups) and
+      a learned `base_kernel` (2, taps, h); `prepare` convolves the normed input inside each draft
+      block (taps taps, block-local), `finish` convolves the sublayer's output with the other half
+      of the coefficients. Kept for backward per draft row and layer, beyond the plain layer's
+      (`cost.activation_bytes_per_row`: norm inputs/outputs, q/k/v, core output, gate/up, the MLP
+      product): the two `prepare` outputs (the inputs of the packed q/k/v and gate/up
+      projections), the two sublayer outputs `finish` convolves (o_proj's and down_proj's
+      outputs), and each conv's coefficient tensor (2 x taps x G): 4 h + 4 taps G elements. The
+      convolution itself is a compiled pointwise graph whose backward needs only its inputs
+      (the normed input is kept by `kernel_projection` anyway, the coefficients are counted).
+    - `CandidateSelector` (`dflash2.py`): codebooks V x rank twice and a projection h -> rank,
+      trained. It rescores only the `selector_top_k` candidates of each supervised row
+      (`score_candidates`: predecessor and projection rank each, successor top_k x rank, fp32
+      top-k logits), not the vocabulary: a few KiB per row.
+    - the vocabulary objective (`kernels/dflash_linear_topk.py` -> `dflash_frozen_ce_topk_
+      {forward,backward}_cuda` in `csrc/fused_linear_ce/fused_linear_ce_cuda.cu`) runs on the
+      supervised rows (slots 1..B-1 of each draft block, `index_select`ed: a copy of their final
+      hidden states kept for backward, with fp32 lse and probability and int64 top-k ids). Its
+      workspace is fp32 logits of a block of min(`objective_row_block`, rows) rows over the *whole*
+      vocabulary (`_ROW_BLOCK_SIZE = 4096`): forward, the raw logits and, with a logit soft-cap,
+      the four temporaries of `tanh(raw * m / cap) * cap` alive at once before `topk` (5 fp32
+      [block, V] tensors); backward, the recomputed raw logits, fp32 gradient logits and their
+      bf16 copy for the GEMM (4 + 4 + 2 bytes per element) and an fp32 [rows, h] gradient. The
+      peak is the larger of the two, on top of every activation (the loss is the last forward op
+      and the first backward one). Backward recomputes the logits: three vocabulary GEMMs, and
+      the kernels between them read and write every logit element several times
+      (`objective_hbm_bytes`).
+
+    Sizes: `DFLASH2_MUSE_GLIMMER` below. Torch-free; every method a closed formula."""
+
+    conv_kernel_size: int  # taps
+    conv_group_size: int  # channels per dynamic-kernel group
+    selector_rank: int
+    selector_top_k: int
+    logit_softcap: bool  # final_logit_softcapping set: the soft-cap branch of the top-k forward
+    objective_row_block: int = 4096  # `_NativeFrozenLinearCETopK._ROW_BLOCK_SIZE`
+
+    def groups(self, hidden: int) -> int:
+        if hidden % self.conv_group_size:
+            raise ValueError(f"DFlash2 conv_group_size {self.conv_group_size} must divide hidden size {hidden}")
+        return hidden // self.conv_group_size
+
+    def extra_params(self, hidden: int, num_layers: int, vocab: int) -> int:
+        """Trained parameters beyond the plain drafter: per layer two convs (base kernel 2 x taps x
+        h, projection h x 2 taps G), and the selector (two V x rank codebooks, h x rank)."""
+        k, G = self.conv_kernel_size, self.groups(hidden)
+        conv = 2 * k * hidden + hidden * 2 * k * G
+        return num_layers * 2 * conv + 2 * vocab * self.selector_rank + hidden * self.selector_rank
+
+    def conv_elements_per_draft_row(self, hidden: int) -> int:
+        """Elements one draft row keeps per layer for the two convolutions: 4 h + 4 taps G."""
+        return 4 * hidden + 2 * 2 * self.conv_kernel_size * self.groups(hidden)
+
+    def conv_flops_per_draft_row(self, hidden: int) -> int:
+        """Forward FLOPs per draft row and layer of the two kernel projections (h -> 2 taps G)."""
+        return 2 * 2 * hidden * 2 * self.conv_kernel_size * self.groups(hidden)
+
+    def objective_bytes_per_row(self, hidden: int, s: int) -> int:
+        """Bytes one supervised row keeps for backward in the objective: the hidden copy (s h),
+        lse and probability (fp32), top-k ids (int64) and values (fp32); the selector's
+        predecessor, projection and context (rank each), successor (top_k x rank) and its fp32
+        logits (top_k)."""
+        k, r = self.selector_top_k, self.selector_rank
+        return s * hidden + 2 * 4 + k * (8 + 4) + s * (3 * r + k * r) + 4 * k
+
+    def objective_hbm_bytes(self, rows: int, vocab: int, s: int) -> int:
+        """HBM bytes the objective's elementwise kernels move over the rows x V logits, per
+        element: forward, the GEMM's fp32 write (4), the statistics kernel's two reads (max, then
+        sum: 8), the soft-cap expression's four ops (read + write 4 each: 32), `topk` (one read
+        counted: 4); backward, the recomputing GEMM's write (4), the gradient kernel (read +
+        write: 8), the bf16 cast (read 4, write s), the input-gradient GEMM's read (s)."""
+        per_element = 4 + 8 + (32 if self.logit_softcap else 0) + 4 + 4 + 8 + 4 + s + s
+        return rows * vocab * per_element
+
+    def objective_workspace_bytes(self, rows: int, hidden: int, vocab: int, s: int) -> int:
+        """Peak transient bytes of the vocabulary objective over `rows` supervised rows."""
+        if rows <= 0:
+            return 0
+        block = min(self.objective_row_block, rows)
+        forward = block * vocab * 4 * (5 if self.logit_softcap else 1)
+        backward = block * vocab * (4 + 4 + s) + rows * hidden * 4
+        return max(forward, backward)
+
+
+# The paper's drafter: the recipe's `model.id: incoai/Muse-Glimmer-30B-DFlash2` (revision 8336acb8)
+# with `target_layer_ids: [2, 14, 26, 38, 50]`. Its `dflash_config` (public copies of
+# z-lab/Muse-Glimmer-30B-DFlash2's config.json, docs/planner.md): conv_kernel_size 2,
+# conv_group_size 16, selector_rank 256, selector_top_k 16, final_logit_softcapping 20.0, block 16,
+# target_layer_ids [1, 13, 25, 37, 49] (the reference adds 1 to a native checkpoint's ids:
+# `dflash_target_layer_ids`, which gives the recipe's list), hidden 6656, 5 sliding layers, 32 / 8
+# heads of 128, intermediate 19968, vocab 202048: the `dflash-drafter-muse-glimmer` preset's shape
+# plus these additions (its 2,772,159,744 parameters are within 4,468 of the 81-tensor,
+# 5,544,328,424-byte bf16 payload published for the recipe's revision).
+DFLASH2_MUSE_GLIMMER = DFlash2Drafter(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
+                                      logit_softcap=True)
+
 RECIPE_WORKLOADS = {
     "diffusiongemma-26b-a4b": {"self_conditioning_prob": 0.5, "encoder_ar_loss": True},
-    "dflash-drafter-muse-glimmer": {"grad_bytes": 2, "optimizer_state_bytes": 4, "feature_buffers": 2},
+    "dflash-drafter-muse-glimmer": {"grad_bytes": 2, "optimizer_state_bytes": 4, "feature_buffers": 2,
+                                    "dflash2": DFLASH2_MUSE_GLIMMER},
 }
 # the layout options the recipe fixes: no activation checkpointing (`benchmarks/profile_parallel_
 # modes.sh` changes only the CP and BP sizes between its `cp` and `fused` runs), and the replicated

@@ -113,7 +113,8 @@ def dflash_comparison(L: int, baseline: str, hw_name: str = "h100", gpus: int = 
     says. Under `reference` the paper's recipe fixes the trainer (`reference.recipe_workload`:
     replicated bf16 AdamW, two feature buffers; `recipe_layout_options`: no recompute), for both
     sides. `cp_at_csbp_dp`: the CP-only layout with the chosen CSBP layout's DP and CP (e.g.
-    DP2/CP4 beside DP2/CP4/BP4), feasible or not: the comparison at equal data parallelism."""
+    DP2/CP4 beside DP2/CP4/BP4), feasible or not: the comparison at equal data parallelism.
+    `cp_smallest`: when no CP-only layout fits (speedup None), the one with the smallest peak."""
     from megatron_csbp.planner.search import candidate_layouts
 
     model = load_preset("dflash-drafter-muse-glimmer")
@@ -126,12 +127,15 @@ def dflash_comparison(L: int, baseline: str, hw_name: str = "h100", gpus: int = 
     ok = [e for e in ests if e.feasible]
     cs = max((e for e in ok if e.layout.bp > 1), key=lambda e: e.tokens_per_s, default=None)
     cpo = max((e for e in ok if e.layout.bp == 1), key=lambda e: e.tokens_per_s, default=None)
+    # when no CP-only layout fits: the one that comes closest (what the CP side would need)
+    smallest = None if cpo is not None else min((e for e in ests if e.layout.bp == 1),
+                                                key=lambda e: e.peak_memory_gib, default=None)
     same = None
     if cs is not None:
         same = max((e for e in ests if e.layout.bp == 1 and e.layout.dp == cs.layout.dp
                     and e.layout.cp == cs.layout.cp and e.layout.recompute == cs.layout.recompute),
                    key=lambda e: e.tokens_per_s, default=None)
-    return {"csbp": cs, "baseline": cpo, "cp_at_csbp_dp": same,
+    return {"csbp": cs, "baseline": cpo, "cp_at_csbp_dp": same, "cp_smallest": smallest,
             "speedup": cs.tokens_per_s / cpo.tokens_per_s if cs and cpo else None}
 
 
@@ -166,6 +170,10 @@ def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
                                            d["csbp"].layout.label() if d["csbp"] else None],
                      "predicted_step_s": [e.step_time_s if e else None for e in (d["baseline"], d["csbp"])],
                      "predicted_peak_gib": [e.peak_memory_gib if e else None for e in (d["baseline"], d["csbp"])],
+                     "predicted_memory_gib": [e.memory_gib if e else None for e in (d["baseline"], d["csbp"])],
+                     # no CP-only layout fits: the closest one, and what it needs
+                     "cp_smallest": None if d.get("cp_smallest") is None else {
+                         "layout": d["cp_smallest"].layout.label(), "peak_gib": d["cp_smallest"].peak_memory_gib},
                      # CP at the chosen CSBP layout's DP and CP: the equal-DP comparison, and why
                      # the CP side ran with fewer replicas when it does not fit
                      "cp_at_csbp_dp": None if same is None else {
@@ -182,7 +190,8 @@ def records_markdown(recs: List[Dict]) -> str:
         out.append(f"| {r['model']} | {r['row']} | {r['seq_length']} | {r['paper_speedup']:.2f}x | "
                    f"{'-' if p is None else format(p, '.3f') + 'x'} | "
                    f"{'-' if p is None else format(p / r['paper_speedup'], '.2f')} | "
-                   f"{' -> '.join(str(x) for x in r.get('predicted_layouts', []))} |")
+                   f"{' -> '.join('no layout fits' if x is None else str(x) for x in r.get('predicted_layouts', []))}"
+                   " |")
     return "\n".join(out)
 
 
