@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.cpu_flash import FlashPiece, TiledPiece, cpu_flash_partial_attention, cpu_flash_plan
+from megatron_csbp.attention.cpu_flash import FlashPiece, RunGroup, TiledPiece, cpu_flash_partial_attention, cpu_flash_plan
 from megatron_csbp.attention.kernels import get_kernel, tiled_partial_attention
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, allowed, logical_rows
@@ -33,7 +33,7 @@ def _piece_pairs(mask, plan):
     """Count of times each (query, key) pair is computed by the plan's pieces: [sq, sk] int."""
     sq, sk = mask.shape
     count = torch.zeros(sq, sk, dtype=torch.long)
-    for p in plan.pieces:
+    for p in plan.calls:
         q, k = _idx(p.q, sq), _idx(p.k, sk)
         if isinstance(p, TiledPiece):
             count[q[:, None], k[None, :]] += p.mask.dense().long()
@@ -111,25 +111,29 @@ def test_one_rank_mask_runs_on_flash_calls_only(variant):
     meta = logical_rows(L)
     mask = PartialMask.of(meta, meta, BlockGeometry(L, B, variant))
     plan = cpu_flash_plan(mask)
-    assert all(isinstance(p, FlashPiece) for p in plan.pieces)
+    calls = plan.calls
+    assert all(isinstance(p, FlashPiece) for p in calls)
     assert torch.equal(_piece_pairs(mask, plan), mask.dense().long())
     # keys always a slice of the key rows (no copy); queries too but for the groups that join
     # noisy block c + 1 and clean block c (same clean prefix, rows in two places)
-    assert all(isinstance(p.k, slice) for p in plan.pieces)
+    assert all(isinstance(p.k, slice) for p in calls)
     # the L / B whole noisy blocks (adjacent views of one shape) are one batched call, not a call each
-    stacked = [p for p in plan.pieces if p.seqs > 1]
+    stacked = [p for p in calls if p.seqs > 1]
     assert [(p.q, p.k, p.seqs) for p in stacked] == [(slice(0, L), slice(0, L), L // B)]
-    assert sum(isinstance(p.q, slice) for p in plan.pieces) >= 1 + (variant == "token_causal")
-    assert sum(p.causal for p in plan.pieces) == (variant == "token_causal")  # one L x L causal call
-    # the joined groups are two runs of rows, gathered from views: the plan keeps no index vector
-    # (it kept 8 bytes per joined query row, the excess of CSBP's peak memory over CP's)
-    joined = [p.q for p in plan.pieces if not isinstance(p.q, slice)]
+    assert sum(isinstance(p.q, slice) for p in calls) >= 1 + (variant == "token_causal")
+    assert sum(p.causal for p in calls) == (variant == "token_causal")  # one L x L causal call
+    # the joined queries are two runs of rows; consecutive joined pieces gather their rows once as a
+    # group (L / B - 1 of them, 2B rows each: one group at L = 256, B = 16); the plan keeps no index
+    # vector (it kept 8 bytes per joined query row, the excess of CSBP's peak memory over CP's)
+    joined = [p.q for p in calls if not isinstance(p.q, slice)]
     assert all(isinstance(q, tuple) and len(q) == 2 for q in joined)
     assert bool(joined) == (variant == "block_causal")  # token-causal clean rows have no shared prefix
+    groups = [p for p in plan.pieces if isinstance(p, RunGroup)]
+    assert [len(g.members) for g in groups] == ([L // B - 1] if variant == "block_causal" else [])
     assert plan.nbytes == 0
 
 
-@pytest.mark.parametrize("stack_rows", [16, 48, 512])
+@pytest.mark.parametrize("stack_rows", [16, 48, 96, 512])
 def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
     """Whole noisy blocks batched into calls of at most STACK_ROWS query rows (one block per call,
     three, all sixteen): outputs, lse and gradients equal dense fp64 attention."""
@@ -141,7 +145,7 @@ def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
     mask = PartialMask.of(meta, meta, BlockGeometry(L, B))
     dense = mask.dense()
     plan = cf.CpuFlashPlan.of(mask)
-    noisy = [p for p in plan.pieces if isinstance(p.k, slice) and p.k.stop <= L]  # keys: rows [0, L)
+    noisy = [p for p in plan.calls if isinstance(p.k, slice) and p.k.stop <= L]  # keys: rows [0, L)
     per_call = min(stack_rows // B, L // B)
     assert [p.seqs for p in noisy] == [per_call] * (L // B // per_call) + ([L // B % per_call] if L // B % per_call else [])
     assert torch.equal(_piece_pairs(mask, plan), dense.long())
@@ -156,11 +160,12 @@ def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["block_causal", "token_causal"])
-def test_one_rank_mask_merges_once_and_gathers_by_views(variant):
+def test_one_rank_mask_merges_once_and_gathers_once_per_group(variant):
     """The per-piece costs of CSBP's own chunk (whole noisy blocks with their clean prefixes, the
     clean blocks sharing them): the noisy blocks merge once into the rows their prefixes reached
-    (the noisy call runs last; it merged block by block), and query runs are concatenated views,
-    scattered by slices: no index vector is built, gathered or scattered by, in forward or backward."""
+    (the noisy call runs last; it merged block by block), and the pieces whose queries lie in two
+    runs gather their rows once per group and direction (q in forward; dO, q, out, lse and the lse
+    fix in backward) and scatter once (out, lse; dq): no concatenation or slice write per piece."""
     from torch.profiler import ProfilerActivity, profile
 
     L, B = 256, 16
@@ -168,14 +173,24 @@ def test_one_rank_mask_merges_once_and_gathers_by_views(variant):
     mask = PartialMask.of(meta, meta, BlockGeometry(L, B, variant))
     plan = cpu_flash_plan(mask)
     assert sum(not first for first in plan.firsts) == 1
+    groups = sum(isinstance(p, RunGroup) for p in plan.pieces)
+    assert groups == (variant == "block_causal")
     q, k, v = _inputs(2 * L, 2 * L, 1, 4, 2, 8, torch.float32, seed=7)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         out, lse = cpu_flash_partial_attention(q, k, v, mask, 0.3)
         (out.sum() + lse.sum()).backward()
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls.get("aten::logaddexp") == 1
-    assert not any(calls.get(op) for op in ("aten::arange", "aten::index_select", "aten::index_copy_", "aten::index_add_"))
-    assert calls["aten::_scaled_dot_product_flash_attention_for_cpu"] == len(plan.pieces) == plan.flash_calls
+    # per group: an index built per direction (arange + repeat_interleave, which gathers once and
+    # builds its own range), 1 + 5 gathers, 2 + 1 scatters; nothing else
+    assert calls.get("aten::repeat_interleave", 0) == 4 * groups
+    assert calls.get("aten::arange", 0) == 4 * groups
+    assert calls.get("aten::index_select", 0) == (6 + 2) * groups
+    assert calls.get("aten::index_copy_", 0) == 2 * groups
+    assert calls.get("aten::index_add_", 0) == groups
+    # concatenations: a group's outputs (out, lse) and its dq, the only ones
+    assert calls.get("aten::cat", 0) == 3 * groups
+    assert calls["aten::_scaled_dot_product_flash_attention_for_cpu"] == len(plan.calls) == plan.flash_calls
 
 
 def test_selected_on_cpu_by_default():

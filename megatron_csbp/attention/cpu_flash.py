@@ -156,8 +156,41 @@ class TiledPiece:
 
 
 @dataclass(frozen=True)
+class RunGroup:
+    """Consecutive flash pieces whose queries lie in a few runs each (a noisy block and the clean
+    block sharing its clean prefix), no row covered twice nor by an earlier piece: their query
+    rows are gathered once per direction for the whole group (one gather of q, dO, out, lse; one
+    scatter of out, lse and dq), and each member reads a view of the gathered rows (`members`:
+    FlashPieces whose q is a slice of them). Per member that replaces a concatenation of each
+    tensor and a slice write per run: CSBP's own chunk has one such piece per clean block. At
+    most STACK_ROWS rows per group (its gathered copies are bounded like a stacked call's). The
+    plan keeps the runs (no index vector); the index is built per call, ~5 small ops."""
+
+    q: Tuple[slice, ...]  # every member's query runs, in member order
+    members: Tuple[FlashPiece, ...]
+
+    def calls(self) -> Tuple[FlashPiece, ...]:
+        """The members with their query runs in the partial's rows (what the group replaces)."""
+        runs, out = list(self.q), []
+        for m in self.members:
+            need, rows = m.q.stop - m.q.start, []
+            while need:
+                r = runs.pop(0)
+                rows.append(r)
+                need -= r.stop - r.start
+            out.append(FlashPiece(tuple(rows), m.k, 1, m.causal))
+        return tuple(out)
+
+    def index(self, device) -> torch.Tensor:
+        starts = torch.tensor([r.start for r in self.q], device=device)
+        lens = torch.tensor([r.stop - r.start for r in self.q], device=device)
+        shift = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
+        return torch.arange(shift.numel(), device=device) + shift
+
+
+@dataclass(frozen=True)
 class CpuFlashPlan:
-    pieces: Tuple[Union[FlashPiece, TiledPiece], ...]
+    pieces: Tuple[Union[FlashPiece, TiledPiece, RunGroup], ...]
     # per piece: whether no earlier piece covers any of its rows (static: the forward merge copies
     # such a piece instead of merging it, with no per-call bookkeeping of the rows seen)
     firsts: Tuple[bool, ...] = ()
@@ -179,21 +212,59 @@ class CpuFlashPlan:
             rows = torch.cat([torch.arange(r.start, r.stop) for r in p.q]) if isinstance(p.q, tuple) else p.q
             firsts.append(not bool(seen[rows].any()))
             seen[rows] = True
-        return CpuFlashPlan(tuple(pieces), tuple(firsts))
+        return CpuFlashPlan(*_grouped_runs(pieces, firsts))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the index vectors and sub-masks (slices cost nothing)."""
         total = 0
-        for p in self.pieces:
+        for p in self.calls:
             total += sum(r.numel() * r.element_size() for r in (p.q, p.k) if isinstance(r, torch.Tensor))
             if isinstance(p, TiledPiece):
                 total += p.mask.nbytes + p.mask.derived_nbytes()
         return total
 
     @property
+    def calls(self) -> Tuple[Union[FlashPiece, TiledPiece], ...]:
+        """Every kernel call in order, a group's members in the partial's rows."""
+        return tuple(c for p in self.pieces for c in (p.calls() if isinstance(p, RunGroup) else (p,)))
+
+    @property
     def flash_calls(self) -> int:
-        return sum(isinstance(p, FlashPiece) for p in self.pieces)
+        return sum(isinstance(p, FlashPiece) for p in self.calls)
+
+
+def _grouped_runs(pieces, firsts):
+    """`pieces` with each stretch of consecutive first-covering single-sequence flash pieces whose
+    queries are runs (`Tuple` rows) as one RunGroup of at most STACK_ROWS rows."""
+    out, out_firsts, group = [], [], []
+
+    def close():
+        if len(group) == 1:
+            out.append(group[0])
+        elif group:
+            runs, members, at = [], [], 0
+            for p in group:
+                n = _count(p.q)
+                runs += list(p.q)
+                members.append(FlashPiece(slice(at, at + n), p.k, 1, p.causal))
+                at += n
+            out.append(RunGroup(tuple(runs), tuple(members)))
+        if group:
+            out_firsts.append(True)
+        group.clear()
+
+    for p, first in zip(pieces, firsts):
+        if isinstance(p, FlashPiece) and isinstance(p.q, tuple) and p.seqs == 1 and first:
+            if sum(_count(g.q) for g in group) + _count(p.q) > STACK_ROWS:
+                close()
+            group.append(p)
+            continue
+        close()
+        out.append(p)
+        out_firsts.append(first)
+    close()
+    return tuple(out), tuple(out_firsts)
 
 
 def _sub_mask(mask: PartialMask, q: torch.Tensor, k: torch.Tensor) -> PartialMask:
@@ -306,17 +377,21 @@ def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
     G = kc.shape[1]
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
     for p, first in zip(plan.pieces, plan.firsts):
-        q_rows, k_rows = p.q, p.k
         if isinstance(p, FlashPiece):
+            q_rows, k_rows = p.q, p.k
             o, lse = _fa(_batched(qc, q_rows, p.seqs), _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), 0.0,
                          p.causal, scale=scale)
             merge.add(q_rows, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
+        elif isinstance(p, RunGroup):  # first by construction: written, not merged
+            idx = p.index(qc.device)
+            qg = qc.index_select(2, idx)
+            parts = [_fa(qg[:, :, m.q], _take(kc, m.k), _take(vc, m.k), 0.0, m.causal, scale=scale) for m in p.members]
+            merge.add(idx, torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2), True)
         else:
             sched = tile_schedule(p.mask)
-            o, lse = tiled_forward(_grouped(_take(qc, q_rows), G), _take(kc, k_rows), _take(vc, k_rows), p.mask, sched,
-                                   scale)
+            o, lse = tiled_forward(_grouped(_take(qc, p.q), G), _take(kc, p.k), _take(vc, p.k), p.mask, sched, scale)
             n = _count(p.q)
-            merge.add(q_rows, o.view(b, H, n, d), lse.view(b, H, n), first)
+            merge.add(p.q, o.view(b, H, n, d), lse.view(b, H, n), first)
     return merge.out, merge.lse.clamp_min(MASKED_SCORE)
 
 
@@ -339,8 +414,8 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             keep[rare] = 0
             do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
-        q_rows, k_rows = p.q, p.k
         if isinstance(p, FlashPiece):
+            q_rows, k_rows = p.q, p.k
             out_p, do_p = _batched(out, q_rows, p.seqs), _batched(do_f, q_rows, p.seqs)
             if fix is not None:  # the piece's rows of out' (a copy of those rows only)
                 out_p = torch.addcmul(out_p, _batched(fix, q_rows, p.seqs), do_p, value=-1)
@@ -350,8 +425,21 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             _add(dq, q_rows, _unbatched(gq, b, p.seqs))
             _add(dk, k_rows, _unbatched(gk, b, p.seqs))
             _add(dv, k_rows, _unbatched(gv, b, p.seqs))
+        elif isinstance(p, RunGroup):
+            idx = p.index(qc.device)
+            do_g, q_g, out_g, lse_g = (x.index_select(2, idx) for x in (do_f, qc, out, lse))
+            if fix is not None:
+                out_g.addcmul_(fix.index_select(2, idx), do_g, value=-1)
+            gqs = []
+            for m in p.members:
+                gq, gk, gv = _fa_bwd(do_g[:, :, m.q], q_g[:, :, m.q], _take(kc, m.k), _take(vc, m.k), out_g[:, :, m.q],
+                                     lse_g[:, :, m.q], 0.0, m.causal, scale=scale)
+                gqs.append(gq)
+                _add(dk, m.k, gk)
+                _add(dv, m.k, gv)
+            dq.index_add_(2, idx, torch.cat(gqs, 2))
         else:
-            _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, q_rows, k_rows, p.mask, scale, dq, dk, dv)
+            _tiled_piece_backward(qc, kc, vc, out, lse, do_f, dlse_f, p.q, p.k, p.mask, scale, dq, dk, dv)
     if rare is not None:
         rows = _rows(rare)
         sub = PartialMask(mask.q.select(rare.to(mask.q.block.device)), mask.k)
