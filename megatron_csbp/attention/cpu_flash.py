@@ -9,8 +9,9 @@ clean runs) and a remainder. Here the same plan is executed on CPU:
   `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp; its
   backward takes it), on *views* of q/k/v when the sequence's rows are one contiguous range (the
   plan is built with `contiguous_free`, so prefixes of contiguous clean keys cost no copy and none
-  falls back for the copy budget); queries in a few runs are concatenated from views; sequences
-  of equal shape that need gathering are batched into one call, and so are adjacent sequences of
+  falls back for the copy budget); queries in a few runs are concatenated from views, and
+  consecutive such pieces gather their rows once as a group (`RunGroup`); sequences of equal
+  shape that need gathering are batched into one call, and so are adjacent sequences of
   one shape on views (a rank's whole noisy blocks, `_stacked`, up to STACK_ROWS query rows);
   the noisy call's pieces run after the clean ones, so they merge once into the rows the clean
   prefixes reached;
@@ -106,6 +107,15 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     return x.index_select(2, rows)
 
 
+def _run_index(runs: Tuple[slice, ...], device=None) -> torch.Tensor:
+    """The rows of `runs` as one index vector, built in a fixed handful of ops whatever the number
+    of runs (no arange per run)."""
+    starts = torch.tensor([r.start for r in runs], device=device)
+    lens = torch.tensor([r.stop - r.start for r in runs], device=device)
+    shift = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
+    return torch.arange(shift.numel(), device=device) + shift
+
+
 def _by_run(rows: Tuple[slice, ...]):
     """(run, slice of the gathered rows it occupies) for each run of a tuple of runs."""
     at = 0
@@ -184,10 +194,7 @@ class RunGroup:
         return tuple(out)
 
     def index(self, device) -> torch.Tensor:
-        starts = torch.tensor([r.start for r in self.q], device=device)
-        lens = torch.tensor([r.stop - r.start for r in self.q], device=device)
-        shift = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
-        return torch.arange(shift.numel(), device=device) + shift
+        return _run_index(self.q, device)
 
 
 @dataclass(frozen=True)
@@ -211,7 +218,7 @@ class CpuFlashPlan:
             pieces.append(TiledPiece(_rows(fp.fallback_q), _rows(fp.clean_keys), fp.fallback_mask))
         seen, firsts = torch.zeros(mask.shape[0], dtype=torch.bool), []
         for p in pieces:
-            rows = torch.cat([torch.arange(r.start, r.stop) for r in p.q]) if isinstance(p.q, tuple) else p.q
+            rows = _run_index(p.q) if isinstance(p.q, tuple) else p.q
             firsts.append(not bool(seen[rows].any()))
             seen[rows] = True
         return CpuFlashPlan(*_grouped_runs(pieces, firsts))

@@ -126,7 +126,7 @@ class Baseline:
 @dataclass(frozen=True)
 class DFlash2Drafter:
     """What the paper's DFlash2 drafter adds to a plain DFlash drafter of the same shape, per rank,
-    counted from the reference code (docs/planner.md, row (g) "DFlash2"):
+    counted from the reference code (docs/planner.md, row (h)):
 
     - `DFlashGroupedConv` (`backbones/dflash/dflash2.py`), two per layer (around attention and
       around the MLP): a `kernel_projection` h -> 2 x taps x G (G = h / conv_group_size groups) and
