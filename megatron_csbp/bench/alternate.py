@@ -8,7 +8,8 @@ One world of `--size` gloo ranks runs the two layouts `--pairs` times, in the or
 benchmark's step (`bench.worker`: forward, backward, gradient all-reduce, AdamW) on its model; a
 rank's cost is the median over `--steps` timed steps of its main thread's CPU time
 (`time.thread_time()`: the time it waits is not counted). Per pair: B / A summed over the ranks
-and for the largest rank; the report gives the median and the range over the pairs. `--count-ops`
+and for the largest rank; the report gives the median, the range and the median's 95 % interval
+over the pairs (`median_ci`), of each rank's median step and of its fastest step. `--count-ops`
 adds one step under torch.profiler per run: aten op calls per step, a counter that the machine's
 load cannot change (the same in every pair).
 """
