@@ -33,7 +33,11 @@ activation checkpointing (`recipe_layout_options`), and trains the DFlash2 draft
 (`DFlash2Drafter`: convolutions, candidate selector, a vocabulary objective with a whole-vocabulary
 fp32 workspace), so a layout that fits this project's trainer may not fit the paper's;
 and a time per step its runs spend that the cost model does not count (`recipe_fixed_step_s`,
-FITTED `REFERENCE_DG_FIXED_STEP_S`), also for both.
+FITTED `REFERENCE_DG_FIXED_STEP_S`), also for both. On the block-diffusion runs (Nemotron,
+DiffusionGemma, Qwen) the trainer's memory is the paper's too (issue 34): DeepSpeed ZeRO-2 over the
+DP x CP/BP ranks (`zero2_static_bytes`) and the native linear cross entropy in 1024-row blocks
+(`native_ce_workspace_bytes`) instead of Megatron's fp32 main gradients and full logits, with the
+recipe's full checkpointing and all-gather transport (`recipe_layout_options`).
 
 Torch-free; every function here is a closed formula (tests/test_planner_reference.py checks them).
 """
@@ -46,7 +50,8 @@ from typing import Optional
 # tests/gpu/check_reference_kernels.py would replace them) ----------------------------------------
 # Rate of the compiled FlexAttention forward on the block-diffusion mask relative to the sparse FA4
 # kernel CSBP runs, head dim 128 (backward runs FA4 there, rate 1). Fitted to the three Nemotron rows
-# (predicted 1.23 / 1.20 / 1.21x against the paper's 1.19 / 1.18 / 1.18x).
+# (predicted 1.21 / 1.20 / 1.21x against the paper's 1.19 / 1.18 / 1.18x; 1.23x for the 3B row when
+# the planner picked the ring for its CSBP side, before the recipe's all-gather transport was modelled).
 FLEX_FORWARD_RATE_128 = 0.68
 # Rate of the compiled-Flex fallback (forward and backward) relative to FA4 at head dim 256. Fitted
 # to the two hybrid Qwen rows, which need no kernel penalty at all (1.0: their gap is the exposed
