@@ -33,7 +33,8 @@ from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
 from megatron_csbp.planner.reference import (OURS, Baseline, DFlash2Drafter, contiguous_clean_imbalance,
-                                             contiguous_range_factor)
+                                             contiguous_range_factor, native_ce_kept_bytes,
+                                             native_ce_workspace_bytes, zero2_static_bytes)
 from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
                                         rank_work)
 
@@ -126,6 +127,21 @@ class Workload:
     # convolutions, the candidate selector, the native vocabulary objective), as the paper's recipe
     # trains it (`reference.recipe_workload`); None: the plain DFlash drafter (this project's)
     dflash2: Optional[DFlash2Drafter] = None
+    # what holds the optimizer state: 'megatron' (this project's trainer: bf16 weights, main
+    # gradients of `grad_bytes` for every parameter, fp32 master + Adam sharded over DP x CP with
+    # the distributed optimizer) or 'zero2' (the paper's trainer on its block-diffusion runs:
+    # DeepSpeed ZeRO-2 over the DP x CP/BP ranks of one TP and EP rank, `reference.zero2_static_bytes`)
+    optimizer: str = "megatron"
+    # how the loss meets the vocabulary: 'logits' (Megatron: the logits of every loss row,
+    # `logits_bytes` each, or `loss_chunk_rows` at a time) or 'native_ce' (the paper's trainer: the
+    # native linear cross entropy in 1024-row blocks, `reference.native_ce_workspace_bytes`)
+    loss_kernel: str = "logits"
+
+    def __post_init__(self):
+        if self.optimizer not in ("megatron", "zero2"):
+            raise ValueError(f"Workload.optimizer must be megatron or zero2, got {self.optimizer!r}")
+        if self.loss_kernel not in ("logits", "native_ce"):
+            raise ValueError(f"Workload.loss_kernel must be logits or native_ce, got {self.loss_kernel!r}")
 
     @property
     def packed(self) -> bool:
@@ -305,6 +321,14 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
         opt_params = dense_rank + expert_rank
     t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
     t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
+    if wl.optimizer == "zero2":
+        # the paper's trainer (`reference.zero2_static_bytes`): partitioned over the ranks of one
+        # TP, EP and PP rank (DP x S / EP); buckets of the largest tensor, the embedding / output
+        # layer (V h / TP): two with contiguous gradients and overlap, one when EP > 1 turns
+        # contiguous gradients off. (The time terms stay the ones above.)
+        static = zero2_static_bytes(dense_rank + expert_rank, max(1, D // lay.ep),
+                                    model.vocab_size * model.hidden_size / tp, wb, 1 if lay.ep > 1 else 2)
+        return t_grad, t_opt, static + wb * frozen / tp
     static = (wb + gb) * (dense_rank + expert_rank) + ob * opt_params + wb * frozen / tp
     return t_grad, t_opt, static
 
@@ -650,8 +674,15 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             # the backward's working set is live only once the loss and logits are freed
             transient = max([attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
                              for layer in model.layers if not layer.is_gdn] or [0.0])
-        logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
-        logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
+        if wl.loss_kernel == "native_ce":
+            # the paper's trainer: kept state of every loss row, and one call's workspace (the
+            # noisy rows'; with the encoder's AR loss, also the clean rows' call), V / TP columns
+            calls = [noisy] + ([rows - noisy] if wl.encoder_ar_loss else [])
+            logits = (sum(native_ce_kept_bytes(n, h, s) for n in calls)
+                      + max(native_ce_workspace_bytes(n, h, V / tp, s) for n in calls))
+        else:
+            logit_rows = min(noisy, wl.loss_chunk_rows) if wl.loss_chunk_rows else noisy
+            logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))
     act_total, act, logits = max(mems, key=lambda m: m[0])
     reserved = hw.reserved_gib * GiB

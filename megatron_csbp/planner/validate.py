@@ -57,6 +57,16 @@ def _paper_workload(baseline: str, preset: str) -> Dict:
     return recipe_workload(preset) if baseline == "reference" else {}
 
 
+def _paper_options(baseline: str, preset: str) -> Dict:
+    """The recompute and transport choices `best_of` may pick for the paper's row of `preset`: the
+    recipe's own (`reference.recipe_layout_options`: full activation checkpointing and the
+    collective (all-gather) transport on the block-diffusion runs) for `--baseline reference`;
+    every choice for `ours`."""
+    opts = recipe_layout_options(preset) if baseline == "reference" else {}
+    return {"recompute": tuple(opts.get("recompute", ("none", "full"))),
+            "transports": tuple(opts.get("transports", ("allgather", "ring")))}
+
+
 def _paper_step(baseline: str, preset: str, est: Estimate) -> Estimate:
     """`est` with the paper's FITTED unexplained time per step (`reference.recipe_fixed_step_s`)
     added for `--baseline reference` (CP and CSBP alike; the same tokens in a longer step); `est`
@@ -77,10 +87,12 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
         bm = baseline_for(baseline, preset)
-        base = _paper_step(baseline, preset, best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm))
+        base = _paper_step(baseline, preset, best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN,
+                                                     baseline=bm, **_paper_options(baseline, preset)))
         # CSBP must use the baseline's recompute choice when comparing like with like
         cs = _paper_step(baseline, preset, best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN,
-                                                   recompute=(base.layout.recompute,), baseline=bm))
+                                                   **{**_paper_options(baseline, preset),
+                                                      "recompute": (base.layout.recompute,)}, baseline=bm))
         rows.append({
             "model": preset, "paper_baseline": bl, "paper_csbp": cl, "paper_speedup": speed,
             "paper_baseline_tok_s": btok, "paper_csbp_tok_s": ctok, "paper_peak_gib": (bmem, cmem),
@@ -205,9 +217,11 @@ def gemma_by_length(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, basel
     sp = {}
     for L in lengths:
         wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
-        base = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN, baseline=gb))
+        base = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN,
+                                                         baseline=gb, **_paper_options(baseline, gemma.name)))
         cs = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN,
-                                                       recompute=(base.layout.recompute,), baseline=gb))
+                                                       **{**_paper_options(baseline, gemma.name),
+                                                          "recompute": (base.layout.recompute,)}, baseline=gb))
         sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
                  base.feasible, cs.feasible)
     return sp
