@@ -12,6 +12,8 @@ requirements the image meets: 5.25 needs huggingface-hub >= 2.4 and `kernels`).
                                                        DIR is met by the image's versions or by DIR)
     python tests/gpu/gpu_env.py runtime --out J.json  (run_all.sh: the same requirements checked in
                                                        the running interpreter; what is installed)
+    python tests/gpu/gpu_env.py summary --out-dir D   (run_all.sh: D/steps.tsv and the steps' JSON
+                                                       -> D/gpu_results.json and one summary line)
 
 Exit status 1 when a requirement is not met (the lines say which), 0 otherwise.
 """
@@ -147,6 +149,66 @@ def runtime(out: str, wheel_dir: str) -> dict:
     return report
 
 
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def summary(out_dir: str, mode: str, seconds: int) -> dict:
+    """One JSON of results from run_all.sh's steps.tsv (name, exit status, seconds, limit, JSON
+    file) and the steps' JSON files. A step passes only on exit status 0; 124 is a step that ran out
+    of its time limit: a failure. Checks that could not run for want of a package (a step
+    `not_run` "not installed: ...", flash-attn inside the kernel check, TE inside the GPT check)
+    are listed under not_installed, never counted as passed."""
+    steps, not_installed, not_applicable = [], [], []
+    with open(os.path.join(out_dir, "steps.tsv")) as f:
+        rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+    for name, rc, secs, limit, extra in rows:
+        if rc == "not_run":
+            (not_installed if extra.startswith("not installed") else not_applicable).append(f"{name}: {extra}")
+            steps.append({"name": name, "status": "not installed" if extra.startswith("not installed") else "not applicable",
+                          "why": extra})
+            continue
+        rc = int(rc)
+        step = {"name": name, "status": "passed" if rc == 0 else "failed", "exit": rc, "seconds": int(secs),
+                "limit_s": int(limit)}
+        if rc == 124:
+            step["why"] = f"ran out of its {limit} s limit (a failure, not a skip)"
+        if extra:
+            step["json"] = extra
+            data = _load(os.path.join(out_dir, extra))
+            if data is None:
+                step["status"], step["why"] = "failed", step.get("why", f"exit {rc}") + f"; {extra} missing or unreadable"
+            else:
+                step["result"] = data
+                for line in data.get("not_installed") or []:
+                    not_installed.append(f"{name}: {line}")
+                te = data.get("te")
+                if isinstance(te, str) and te.startswith("not installed"):
+                    not_installed.append(f"{name}: TransformerEngine spec: {te}")
+                for line in data.get("not_applicable") or []:
+                    not_applicable.append(f"{name}: {line}")
+        steps.append(step)
+    failed = [s["name"] for s in steps if s["status"] == "failed"]
+    passed = [s["name"] for s in steps if s["status"] == "passed"]
+    report = {"mode": mode, "seconds": seconds, "steps": steps, "passed": passed, "failed": failed,
+              "not_installed": not_installed, "not_applicable": not_applicable, "ok": bool(passed) and not failed}
+    with open(os.path.join(out_dir, "gpu_results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    for s in steps:
+        if s["status"] == "failed":
+            print(f"FAILED {s['name']}: exit {s.get('exit')}" + (f" ({s['why']})" if "why" in s else ""))
+    for line in not_installed:
+        print(f"not installed (not run, not passed): {line}")
+    print(f"run_all summary ({mode}): {len(passed)} passed [{' '.join(passed)}], {len(failed)} failed "
+          f"[{' '.join(failed)}], {len(not_installed)} not installed, {len(not_applicable)} not applicable; "
+          f"{seconds} s; {os.path.join(out_dir, 'gpu_results.json')}")
+    return report
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -155,7 +217,13 @@ def main(argv=None) -> int:
     r = sub.add_parser("runtime")
     r.add_argument("--out", required=True)
     r.add_argument("--wheel-dir", default="")
+    m = sub.add_parser("summary")
+    m.add_argument("--out-dir", required=True)
+    m.add_argument("--mode", default="gpu")
+    m.add_argument("--seconds", type=int, default=0)
     a = p.parse_args(argv)
+    if a.cmd == "summary":
+        return 0 if summary(a.out_dir, a.mode, a.seconds)["ok"] else 1
     if a.cmd == "static":
         problems = static(a.wheel_dir)
         for line in problems:
