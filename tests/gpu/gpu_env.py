@@ -126,11 +126,15 @@ def runtime(out: str, wheel_dir: str) -> dict:
               "flash_attn": _version("flash-attn") or "not installed",
               "transformer_engine": _version("transformer-engine") or _version("transformer-engine-torch") or "not installed",
               "apex": _version("apex") or "not installed", "problems": []}
-    import megatron.core
-    import transformers
+    # where they import from, found without importing them (megatron.core's import is the slow part
+    # of every later step; they import it themselves)
+    import importlib.util
 
-    report["megatron_core_from"] = os.path.dirname(megatron.core.__file__)
-    report["transformers_from"] = os.path.dirname(transformers.__file__)
+    for module in ("megatron.core", "transformers"):
+        spec = importlib.util.find_spec(module)
+        report[module.replace(".", "_") + "_from"] = os.path.dirname(spec.origin) if spec and spec.origin else None
+        if spec is None:
+            report["problems"].append(f"{module} does not import here")
     env = dict(MARKERS, python_version="%d.%d" % sys.version_info[:2], python_full_version=platform.python_version())
     for p in sorted(glob.glob(os.path.join(wheel_dir, "*.whl"))) if wheel_dir else []:
         name, version, reqs = wheel_metadata(p)
