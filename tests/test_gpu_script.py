@@ -20,7 +20,7 @@ def test_run_all_cpu_dry_run(tmp_path):
                CSBP_GPU_WHEELS=str(tmp_path / "no-wheels"),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run_all.sh"), "--cpu-dry-run"], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=590)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.load(open(tmp_path / "gpu_results.json"))
     assert results["ok"] and results["mode"] == "cpu-dry-run" and results["failed"] == []

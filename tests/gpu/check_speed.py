@@ -6,7 +6,8 @@ entry point the core attention calls; plan of `SequenceLayout(BlockGeometry(T, B
 in bf16, against torch's SDPA, flash backend, causal over the same T tokens (what an autoregressive
 model of that length pays), K/V repeated to H heads. FLOPs are counted on the allowed pairs (the
 block-diffusion mask's `allowed_pairs()`; T(T+1)/2 for causal), 4 H d a pair forward, 2.5x that
-backward. Time: median of `--reps` CUDA-event timings after one warm call; memory:
+backward. Time: median of `--reps` CUDA-event timings after one warm call (forward timed on inputs
+that require gradients, as in training; the graph it builds is dropped); memory:
 `torch.cuda.max_memory_allocated` over one forward + backward, from a reset, inputs included.
 
     python tests/gpu/check_speed.py --out speed.json                         (CUDA)
@@ -77,9 +78,10 @@ def measure(T: int, B: int, H: int, G: int, d: int, kernel_name: str, reps: int,
     scale = d ** -0.5
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
+    # the forward is timed with the same inputs as the forward + backward (requires_grad): compiled
+    # Flex then runs the one compiled graph for both, instead of compiling a no-grad variant too
     def bd_fwd():
-        with torch.no_grad():
-            block_diffusion_attention(q, k, v, plan, softmax_scale=scale, kernel=kernel)
+        block_diffusion_attention(qg, kg, vg, plan, softmax_scale=scale, kernel=kernel)
 
     def bd_fwd_bwd():
         block_diffusion_attention(qg, kg, vg, plan, softmax_scale=scale, kernel=kernel).backward(g)
@@ -93,7 +95,7 @@ def measure(T: int, B: int, H: int, G: int, d: int, kernel_name: str, reps: int,
         [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.MATH]
 
     def sdpa_fwd():
-        with torch.no_grad(), torch.nn.attention.sdpa_kernel(backends):
+        with torch.nn.attention.sdpa_kernel(backends):
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
 
     def sdpa_fwd_bwd():
