@@ -8,7 +8,7 @@
 #   bash tests/gpu/prepare.sh [DIR]      (default tests/gpu/wheels: git-ignored, carried to the
 #                                         machine by the device tool's `carry`, docs/gpu.md)
 #
-# tests/gpu/run_all.sh installs them with `pip install --no-index --no-deps --target DIR/site`.
+# tests/gpu/run_all.sh installs them with `pip install --no-index --no-deps --target $OUT/site`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR="${1:-tests/gpu/wheels}"
@@ -16,7 +16,6 @@ LIMIT_MIB=60
 PY="${PYTHON:-python3}"
 mkdir -p "$DIR"
 rm -f "$DIR"/*.whl
-rm -rf "$DIR/site"
 # pip matches each manylinux tag exactly: the tags a CPython 3.12 x86_64 wheel of these may carry
 platforms=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \

@@ -6,7 +6,7 @@
 #
 #   install  the wheels of tests/gpu/prepare.sh (megatron-core 0.19.2, transformers 5.24.0), when
 #            $CSBP_GPU_WHEELS (default tests/gpu/wheels) holds any: `pip install --no-index
-#            --no-deps --target DIR/site`, then DIR/site on PYTHONPATH
+#            --no-deps --target $OUT/site`, then $OUT/site on PYTHONPATH
 #   env      tests/gpu/gpu_env.py runtime: versions, flash-attn / TE installed or not, every
 #            requirement of the installed wheels met here                        ($OUT/env.json)
 #   kernels  tests/gpu/check_kernels.py: Flex forward and backward, with the lse, against dense
@@ -73,10 +73,13 @@ WHEELS="${CSBP_GPU_WHEELS:-tests/gpu/wheels}"
 WHEELS_ABS=""
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
   WHEELS_ABS="$(cd "$WHEELS" && pwd)"
-  rm -rf "$WHEELS_ABS/site"
+  # installed under the output folder, not beside the wheels: the unpacked packages (~70 MB) must not
+  # travel with the next device call that carries tests/gpu/wheels (64 MiB at most)
+  SITE="$OUT_DIR/site"
+  rm -rf "$SITE"
   step install 40 "" "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
-    --target "$WHEELS_ABS/site" "$WHEELS_ABS"/*.whl
-  export PYTHONPATH="$PWD:$WHEELS_ABS/site:${PYTHONPATH:-}"
+    --target "$SITE" "$WHEELS_ABS"/*.whl
+  export PYTHONPATH="$PWD:$SITE:${PYTHONPATH:-}"
 else
   echo "no wheels in $WHEELS: this environment's own megatron-core and transformers" | tee -a "$LOG"
   export PYTHONPATH="$PWD:${PYTHONPATH:-}"
