@@ -10,6 +10,18 @@ from setuptools import find_packages, setup
 # leptonai < 0.27), `gpu` (TransformerEngine, flash-attn), `test` (pytest and what the tests and
 # plots use), `megatron-lm` (what Megatron-LM's training package imports beside megatron-core,
 # docs/megatron-lm.md), `dflash-tp` (accelerate, for transformers' tensor parallelism).
+#
+# Floors and pins that say the truth (tests/test_packaging.py checks them):
+# - torch >= 2.9: FlexAttention, the default block-attention kernel on CUDA, asks for the lse with
+#   `return_aux=AuxRequest(lse=True)` (attention/flex.py), which torch has from 2.9 on (2.5-2.8
+#   spell it `return_lse`). The floor is raised rather than the Flex path guarded: Flex is the CUDA
+#   default, and megatron-core itself needs torch >= 2.6.
+# - `gpu`: transformer-engine inside the range megatron-core declares: 0.16.1's `dev` extra declares
+#   TE >= 2.9.0a0, < 2.12.0; 0.19.2's `te` extra declares TE with no bound, so the intersection of the
+#   supported megatron-core releases is 0.16.1's range. flash-attn 2.x (3.x is another API,
+#   flash_attn_interface) from 2.8.3: the code needs >= 2.3 (window_size, attention/flash.py), but
+#   releases before 2.8.3 publish no wheel for a torch >= 2.8 and predate torch 2.9. Both build
+#   against the installed torch: `pip install --no-build-isolation` (docs/install.md).
 setup(
     name="megatron-csbp",
     version="0.1.0",
@@ -18,7 +30,7 @@ setup(
     package_data={"megatron_csbp": ["data/assets/*"]},
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.9",
         "megatron-core>=0.16.1,<0.20",
         "numpy",
         "sentencepiece",
@@ -37,6 +49,6 @@ setup(
         # Megatron's --wandb-project / --wandb-exp-name logging (imported only when asked for)
         "wandb": ["wandb"],
         # NVIDIA apex is a from-source build (see docs/install.md); the PyPI "apex" is unrelated.
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.8.3,<3"],
     },
 )

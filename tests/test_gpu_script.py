@@ -1,25 +1,38 @@
-"""The CPU part of tests/gpu/run_all.sh: the same kernel check at tiny L on CPU, no timings
-(`--cpu-dry-run`). Kernels with a CPU path must pass the bf16 tolerances against dense fp64;
-flash-attn (CUDA only) is reported "not_applicable" by name on CPU. A kernel that fails to import
-or to run is a failure (report not ok, exit 1), never left out of the verdict."""
+"""The CPU part of tests/gpu/run_all.sh (`--cpu-dry-run`): every step's script at tiny size on CPU,
+no timings, and the one JSON of results. Kernels with a CPU path must pass the bf16 tolerances
+against dense fp64; flash-attn (CUDA only) is reported "not_applicable" by name on CPU. A kernel
+that fails to import or to run is a failure (report not ok, exit 1), never left out of the verdict;
+a step that runs out of its time limit is a failure; a check whose package is missing is "not
+installed", never a pass. prepare.sh's requirement check against the test machine's image."""
 import json
 import os
 import subprocess
 import sys
+import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 
 def test_run_all_cpu_dry_run(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1",
+    # no carried wheels here: the environment's own megatron-core and transformers
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHON=sys.executable,
+               CSBP_GPU_WHEELS=str(tmp_path / "no-wheels"),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run_all.sh"), "--cpu-dry-run"], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=590)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.load(open(tmp_path / "gpu_results.json"))
+    assert results["ok"] and results["mode"] == "cpu-dry-run" and results["failed"] == []
+    assert results["passed"] == ["env", "kernels", "gpt", "resume", "speed", "moe"]
+    assert results["not_installed"] == []  # on CPU flash-attn and TE are not applicable, not "not installed"
+    assert "reference_kernels: not applicable: CUDA kernel rates (dry run)" in results["not_applicable"]
+    assert "run_all summary (cpu-dry-run): 6 passed" in proc.stdout
+    env_report = json.load(open(tmp_path / "env.json"))
+    assert env_report["ok"] and env_report["megatron_core"] and env_report["device"] == "cpu"
     report = json.load(open(tmp_path / "gpu_kernels.json"))
     assert report["ok"] and report["device"] == "cpu" and len(report["cases"]) == 1
-    assert report["failed"] == []
+    assert report["failed"] == [] and report["not_installed"] == []
     assert report["not_applicable"] == ["flash: flash-attn runs on CUDA only (device cpu)"]
     case = report["cases"][0]
     assert case["allowed_pairs"] < case["rectangle"]
@@ -37,10 +50,89 @@ def test_run_all_cpu_dry_run(tmp_path):
     moe = json.load(open(tmp_path / "reference_moe.json"))
     assert moe["ok"] and moe["device"] == "cpu" and moe["grouped_vs_loop_rel"] <= 2 ** -6 and "routed" not in moe
     assert 0.07 < moe["rate_if_moe_were_the_fixed_time"] < 0.08 < moe["assumed_grouped_gemm_efficiency"]
-    # the TE-spec step's script ran its CPU part (local spec bf16 vs fp32) and says TE did not run
+    # the GPT step: the local spec in bf16 against the same weights in float64 (math kernel), within
+    # 8u on the loss and the gradients; TE did not run and says why
     te = json.load(open(tmp_path / "te_spec.json"))
-    assert te["ok"] and te["device"] == "cpu" and te["te"].startswith("not run")
+    assert te["ok"] and te["local_ok"] and te["device"] == "cpu" and te["te"].startswith("not run")
     assert 0 < te["loss_err_local"] < 8 * te["u_bf16"] and 0 < te["grad_err_local"] < 8 * te["u_bf16"]
+    # the resume step: two trainer runs (gloo here), the resumed curve equal bit for bit
+    resume = json.load(open(tmp_path / "resume.json"))
+    assert resume["ok"] and resume["backend"] == "gloo" and resume["problems"] == []
+    runs = resume["runs"]
+    assert runs["uninterrupted"]["checkpoints"] == ["iter_0000001", "iter_0000002", "iter_0000003",
+                                                    "latest_checkpointed_iteration.txt"]
+    assert sorted(runs["resumed"]["loss"]) == ["2", "3"]  # JSON keys
+    assert all(runs["resumed"][k][i] == runs["uninterrupted"][k][i] for k in ("loss", "grad_norm") for i in ("2", "3"))
+    # the speed step measured the block-diffusion attention and causal SDPA at one length
+    speed = json.load(open(tmp_path / "speed.json"))
+    assert speed["ok"] and [c["tokens"] for c in speed["cases"]] == [128]
+    c = speed["cases"][0]
+    assert c["causal_pairs"] == 128 * 129 // 2 and c["causal_pairs"] < c["allowed_pairs"] < (2 * 128) ** 2
+    assert c["block_diffusion"]["fwd_bwd_ms"] > 0 and c["sdpa_causal"]["fwd_bwd_ms"] > 0
+
+
+def _steps(tmp_path, rows, files=None):
+    (tmp_path / "steps.tsv").write_text("".join("\t".join(map(str, r)) + "\n" for r in rows))
+    for name, data in (files or {}).items():
+        (tmp_path / name).write_text(json.dumps(data))
+    import gpu_env
+
+    return gpu_env.summary(str(tmp_path), "gpu", 400)
+
+
+def test_summary_counts_every_exit_status_and_never_passes_what_did_not_run(tmp_path):
+    """A step out of time (exit 124) or whose JSON is missing is a failure; flash-attn and TE missing
+    are listed as not installed and are not passes; a passing step needs exit 0 and its JSON."""
+    r = _steps(tmp_path, [("env", 0, 3, 45, "env.json"), ("kernels", 0, 50, 90, "k.json"),
+                          ("gpt", 0, 20, 60, "te.json"), ("resume", 124, 130, 130, "resume.json"),
+                          ("speed", 0, 10, 85, "missing.json"),
+                          ("reference_kernels", "not_run", 0, 0, "not installed: flash-attn")],
+               {"env.json": {"ok": True}, "k.json": {"ok": True, "not_installed": ["flash: flash-attn is not installed"]},
+                "te.json": {"ok": True, "te": "not installed: transformer_engine does not import"},
+                "resume.json": {"ok": False}})
+    assert not r["ok"] and r["passed"] == ["env", "kernels", "gpt"] and r["failed"] == ["resume", "speed"]
+    steps = {s["name"]: s for s in r["steps"]}
+    assert "ran out of its 130 s limit" in steps["resume"]["why"] and "missing.json missing" in steps["speed"]["why"]
+    assert steps["reference_kernels"]["status"] == "not installed"
+    assert r["not_installed"] == ["kernels: flash: flash-attn is not installed",
+                                  "gpt: TransformerEngine spec: not installed: transformer_engine does not import",
+                                  "reference_kernels: not installed: flash-attn"]
+    assert json.load(open(tmp_path / "gpu_results.json"))["failed"] == ["resume", "speed"]
+    ok = _steps(tmp_path, [("env", 0, 3, 45, "env.json")], {"env.json": {"ok": True}})
+    assert ok["ok"] and ok["failed"] == []
+
+
+def _wheel(path, name, version, requires):
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA", meta)
+
+
+def test_prepare_checks_every_requirement_against_the_image(tmp_path):
+    """prepare.sh's check (gpu_env.static): each wheel of WHEELS at its version, one version of
+    each, every requirement met by the image's versions or another wheel. transformers 5.25 needs
+    huggingface-hub >= 2.4 (the image has 1.33.0) and `kernels` (the image has none)."""
+    import gpu_env
+
+    good = tmp_path / "good"
+    good.mkdir()
+    _wheel(good / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl", "megatron-core", "0.19.2",
+           ["torch>=2.6.0", "numpy", "packaging>=24.2", 'wandb; extra == "training"'])
+    _wheel(good / "transformers-5.24.0-py3-none-any.whl", "transformers", "5.24.0",
+           ["huggingface-hub<3.0,>=1.31.0", "tokenizers<0.24.0,>=0.23.1", "safetensors>=0.8.0",
+            'torch>=2.4; extra == "torch"', 'pywin32; sys_platform == "win32"'])
+    assert gpu_env.static(str(good)) == []
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _wheel(bad / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl", "megatron-core", "0.19.2", ["torch>=2.12"])
+    _wheel(bad / "transformers-5.25.0-py3-none-any.whl", "transformers", "5.25.0",
+           ["huggingface-hub<3.0,>=2.4.0", "kernels<0.20,>=0.19.1"])
+    _wheel(bad / "transformers-5.24.0-py3-none-any.whl", "transformers", "5.24.0", [])
+    problems = gpu_env.static(str(bad))
+    assert any(p.startswith("two wheels of transformers") for p in problems)
+    assert "megatron-core 0.19.2 needs torch>=2.12: the image has torch 2.11.0" in problems
+    assert any("needs huggingface-hub<3.0,>=2.4.0: the image has huggingface-hub 1.33.0" in p for p in problems)
+    assert any("needs kernels" in p and "neither the image nor a wheel" in p for p in problems)
 
 
 def test_a_kernel_that_fails_to_import_or_run_is_a_failure(tmp_path, monkeypatch):
@@ -65,3 +157,22 @@ def test_a_kernel_that_fails_to_import_or_run_is_a_failure(tmp_path, monkeypatch
     assert "--attention-kernel must be one of" in cells["nope"]["error"]
     assert [f.split(":")[0] for f in report["failed"]] == ["L=64 broken", "L=64 nope"]
     assert json.load(open(out))["ok"] is False
+
+
+def test_a_kernel_whose_package_is_missing_is_not_installed_never_passed(tmp_path, monkeypatch):
+    """Where flash-attn is not installed (this machine), the flash kernel is reported "not
+    installed" by name: not run, not a pass, not a failure; the kernels that ran decide `ok`. (On
+    CPU the CUDA-only rule comes first; cleared here to reach the package rule.)"""
+    import importlib.util
+
+    import check_kernels
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find_spec(name, *a))
+    monkeypatch.setattr(check_kernels, "CUDA_ONLY", {})
+    report = check_kernels.main(["--device", "cpu", "--lengths", "64", "--block-size", "16", "--heads", "2",
+                                 "--groups", "1", "--head-dim", "16", "--math-max-rows", "0", "--no-timing",
+                                 "--kernels", "tiled", "flash", "--out", str(tmp_path / "r.json")])
+    assert report["ok"] and report["failed"] == []
+    assert report["not_installed"] == ["flash: flash-attn is not installed"]
+    assert report["cases"][0]["kernels"]["flash"] == {"not_installed": "flash-attn is not installed"}

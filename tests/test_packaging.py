@@ -73,3 +73,73 @@ def test_setup_declares_every_import():
             missing.append(f"{module} (distribution {dist}, imported by {files[0]}) "
                            f"{'in install_requires' if where is None else 'in extra ' + where}")
     assert not missing, "setup.py lacks: " + "; ".join(missing)
+
+
+def _bounds(specifier):
+    """(lowest, highest) Version a SpecifierSet admits through its >=, >, <, <=, == clauses (None:
+    unbounded; a strict bound counts as the same version, which is enough to compare ranges)."""
+    from packaging.version import Version
+
+    low = high = None
+    for s in specifier:
+        v = Version(s.version.replace(".*", ""))
+        if s.operator in (">=", ">", "==", "~=") and (low is None or v > low):
+            low = v
+        if s.operator in ("<", "<=", "==") and (high is None or v < high):
+            high = v
+    return low, high
+
+
+def range_inside(ours, theirs) -> bool:
+    """Is every version `ours` admits inside `theirs`' bounds?"""
+    (lo, hi), (tlo, thi) = _bounds(ours), _bounds(theirs)
+    return (tlo is None or (lo is not None and lo >= tlo)) and (thi is None or (hi is not None and hi <= thi))
+
+
+def _requirement(reqs, name):
+    from packaging.requirements import Requirement
+
+    return [Requirement(r) for r in reqs if requirement_names([r]) == {name}]
+
+
+def test_range_inside():
+    from packaging.specifiers import SpecifierSet as S
+
+    assert range_inside(S(">=2.9,<2.12"), S("<2.12.0,>=2.9.0a0")) and range_inside(S(">=2.9,<2.12"), S(""))
+    assert not range_inside(S(">=2.9"), S("<2.12.0,>=2.9.0a0")) and not range_inside(S(""), S("<2.12"))
+    assert not range_inside(S(">=2.8,<2.12"), S(">=2.9.0a0,<2.12.0"))
+
+
+def test_gpu_extra_pins_transformer_engine_inside_megatron_cores_declared_range():
+    """megatron-core declares the TransformerEngine it works with (0.16.1: `dev` extra,
+    >= 2.9.0a0, < 2.12.0; 0.19.2: `te` extra, unbounded): the `gpu` extra's pin lies inside the
+    installed megatron-core's declared range, in every extra that names TE."""
+    ours = _requirement(setup_kwargs()["extras_require"]["gpu"], "transformer-engine")
+    assert len(ours) == 1 and str(ours[0].specifier), "the gpu extra must pin transformer-engine"
+    mcore = importlib.metadata.distribution("megatron-core")
+    declared = _requirement(mcore.requires or [], "transformer-engine")
+    assert declared, f"megatron-core {mcore.version} declares no transformer-engine requirement"
+    for req in declared:
+        assert range_inside(ours[0].specifier, req.specifier), (
+            f"gpu extra's transformer-engine{ours[0].specifier} is not inside megatron-core {mcore.version}'s "
+            f"declared {req} ({req.marker})")
+
+
+def test_floors_say_what_the_code_needs():
+    """torch: FlexAttention (the CUDA default) asks for the lse through `return_aux=AuxRequest(...)`,
+    which torch has from 2.9 on, and megatron-core declares its own floor; flash-attn: the pin is 2.x
+    (attention/flash.py calls the 2.x API) at or above the code's own minimum (2.3)."""
+    from packaging.version import Version
+
+    kw = setup_kwargs()
+    torch_floor = _bounds(_requirement(kw["install_requires"], "torch")[0].specifier)[0]
+    flex = open(os.path.join(ROOT, "megatron_csbp", "attention", "flex.py")).read()
+    assert "return_aux=AuxRequest" in flex
+    assert torch_floor is not None and torch_floor >= Version("2.9"), f"torch>={torch_floor}: return_aux needs 2.9"
+    mcore = importlib.metadata.distribution("megatron-core")
+    for req in _requirement(mcore.requires or [], "torch"):
+        if req.marker is None:
+            assert range_inside(_requirement(kw["install_requires"], "torch")[0].specifier, req.specifier), req
+    fa_low, fa_high = _bounds(_requirement(kw["extras_require"]["gpu"], "flash-attn")[0].specifier)
+    code_min = re.search(r"< \((\d+), (\d+)\)", open(os.path.join(ROOT, "megatron_csbp", "attention", "flash.py")).read())
+    assert fa_low is not None and fa_low >= Version(".".join(code_min.groups())) and fa_high == Version("3")

@@ -109,6 +109,19 @@ def _call(kernel, name, q, k, v, mask, scale):
 #: kernels that exist only on CUDA: on another device they are "not_applicable" (stated, not run,
 #: neither a pass nor a failure); on CUDA every requested kernel must import and run
 CUDA_ONLY = {"flash": "flash-attn runs on CUDA only"}
+#: kernels that need an optional package: where it is not installed they are "not_installed" (stated,
+#: not run, never a pass); where it is installed and fails to import or run, a failure
+NEEDS_PACKAGE = {"flash": ("flash_attn", "flash-attn")}
+
+
+def not_installed(name):
+    """The reason `name` cannot run here for want of its package, or None."""
+    import importlib.util
+
+    if name not in NEEDS_PACKAGE:
+        return None
+    module, dist = NEEDS_PACKAGE[name]
+    return None if importlib.util.find_spec(module) is not None else f"{dist} is not installed"
 
 
 def check_kernel(name, q, k, v, mask, scale, d_out, d_lse, ref, backward: bool):
@@ -163,6 +176,7 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--kernels", nargs="+", default=["flex", "flash", "tiled"])
     p.add_argument("--math-max-rows", type=int, default=4096, help="also check the math kernel up to this L")
+    p.add_argument("--tiled-max-rows", type=int, default=None, help="check the tiled kernel only up to this L")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--clean-attention", default="block_causal")
     p.add_argument("--heads", type=int, default=8)
@@ -194,13 +208,15 @@ def main(argv=None):
         # ok: every requested kernel that applies to the device was checked and passed. A kernel that
         # failed to import or run ("error") or was not reached in the time budget ("skipped") is not a
         # pass; only a CUDA-only kernel on another device ("not_applicable") is left out, by name.
-        checked = [c for case in report["cases"] for c in case["kernels"].values() if "not_applicable" not in c]
+        left_out = ("not_applicable", "not_installed")
+        checked = [c for case in report["cases"] for c in case["kernels"].values() if not any(x in c for x in left_out)]
         report["failed"] = [f"L={case['L']} {name}: " + (c.get("error") or c.get("skipped") or "outside tolerance")
                             for case in report["cases"] for name, c in case["kernels"].items()
-                            if "not_applicable" not in c and not (
+                            if not any(x in c for x in left_out) and not (
                                 "fwd" in c and c["fwd"]["ok"] and c["bwd"].get("ok", True))]
-        report["not_applicable"] = sorted({f"{name}: {c['not_applicable']}" for case in report["cases"]
-                                           for name, c in case["kernels"].items() if "not_applicable" in c})
+        for x in left_out:
+            report[x] = sorted({f"{name}: {c[x]}" for case in report["cases"]
+                                for name, c in case["kernels"].items() if x in c})
         report["ok"] = bool(checked) and not report["failed"]
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:
@@ -222,9 +238,15 @@ def main(argv=None):
                 "reference_s": time.time() - t0, "kernels": {}}
         report["cases"].append(case)
         names = list(a.kernels) + (["math"] if L <= a.math_max_rows and "math" not in a.kernels else [])
+        if a.tiled_max_rows is not None and L > a.tiled_max_rows:
+            names = [n for n in names if n != "tiled"]
         for name in names:
             if dev.type != "cuda" and name in CUDA_ONLY:
                 case["kernels"][name] = {"not_applicable": f"{CUDA_ONLY[name]} (device {dev.type})"}
+                continue
+            if not_installed(name):
+                case["kernels"][name] = {"not_installed": not_installed(name)}
+                print(json.dumps({"L": L, "kernel": name, **case["kernels"][name]}), flush=True)
                 continue
             if time.time() - start > a.time_budget:
                 case["kernels"][name] = {"skipped": f"time budget of {a.time_budget:.0f} s spent"}
@@ -290,6 +312,8 @@ def main(argv=None):
         print(f"FAILED {line}", flush=True)
     for line in report["not_applicable"]:
         print(f"not applicable here: {line}", flush=True)
+    for line in report["not_installed"]:
+        print(f"not installed (not run, not passed): {line}", flush=True)
     return report
 
 
