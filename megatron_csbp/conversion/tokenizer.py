@@ -14,7 +14,8 @@ Where it comes from (`export_tokenizer`):
     EOS and mask tokens (`data.tokenizer.hf_tokenizer_from_sentencepiece`).
   * HuggingFaceTokenizer: that folder's tokenizer, saved by transformers (`save_pretrained`); a
     model converted from Hugging Face has it in `hf_assets/`, which the export copies anyway.
-  * NullTokenizer: the token ids are the text; nothing to write (the export says so).
+  * NullTokenizer: the token ids are the text; nothing to write (the export says so), unless the
+    model was converted from Hugging Face (its data pre-tokenized by the source tokenizer, in hf_assets).
 - a converted checkpoint that was not trained: its `hf_assets/` (copied by the export), the
   source model's tokenizer.
 
@@ -81,9 +82,9 @@ def export_tokenizer(model_args: Dict[str, Any], output: str, tokenizer_model: O
     one line saying what was written."""
     kind, path = checkpoint_tokenizer(model_args, tokenizer_model, assets_dir)
     eod, mask = model_args.get("eod_token_id"), model_args.get("mask_token_id")
-    if kind == "null":
+    if kind == "null" and not has_tokenizer(output):
         return "no tokenizer written: the model was trained with NullTokenizer (its token ids are the text)"
-    if kind is None:
+    if kind in (None, "null"):  # (NullTokenizer on a converted model: data pre-tokenized by its own tokenizer)
         if not has_tokenizer(output):
             return "no tokenizer written: the converted model's hf_assets hold none"
         what = "the source model's tokenizer (hf_assets)"
