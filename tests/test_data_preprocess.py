@@ -123,3 +123,15 @@ def test_preprocess_errors_are_one_line_without_usage(tmp_path, capsys, argv, li
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [line.format(**fill)], err
+
+
+def test_tokenizer_command_runs_without_runpy_warning():
+    """`python -m megatron_csbp.data.tokenizer` (docs/install.md's rebuild command's module) used to
+    print runpy's RuntimeWarning first: the package imported the module before runpy ran it."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "megatron_csbp.data.tokenizer", "encode", "The for statement"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines()[0] == "[61, 43, 99]"
