@@ -131,9 +131,14 @@ def test_export_finds_the_recorded_tokenizer_or_says_how(tmp_path):
         f.write(b"\0")
     with pytest.raises(ValueError, match="is not the one the model was trained with"):
         export_tokenizer(meta, out)
-    # NullTokenizer: nothing to write, and the export says so
-    assert export_tokenizer({"tokenizer_type": "NullTokenizer", "vocab_size": 50}, out).startswith(
+    # NullTokenizer: nothing to write, and the export says so; on a converted model (data pre-tokenized
+    # by the source's tokenizer) the source tokenizer its hf_assets brought along
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert export_tokenizer({"tokenizer_type": "NullTokenizer", "vocab_size": 50}, empty).startswith(
         "no tokenizer written: the model was trained with NullTokenizer")
+    assert export_tokenizer({"tokenizer_type": "NullTokenizer", "vocab_size": 50}, out).startswith(
+        "tokenizer: the source model's tokenizer (hf_assets), loadable by AutoTokenizer")
 
 
 def test_export_saves_a_hugging_face_tokenizer_folder(tmp_path):

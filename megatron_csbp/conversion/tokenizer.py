@@ -88,6 +88,11 @@ def export_tokenizer(model_args: Dict[str, Any], output: str, tokenizer_model: O
         if not has_tokenizer(output):
             return "no tokenizer written: the converted model's hf_assets hold none"
         what = "the source model's tokenizer (hf_assets)"
+        try:  # copied as the source had it: said, not refused, when transformers cannot read it
+            return f"tokenizer: {what}, " + _check(output, None, None)
+        except Exception as exc:  # noqa: BLE001  (transformers/tokenizers raise plain Exceptions here)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return f"tokenizer: {what} copied; AutoTokenizer cannot load it ({first})"
     elif kind == "sentencepiece":
         from megatron_csbp.data.tokenizer import hf_tokenizer_from_sentencepiece
 
