@@ -399,6 +399,9 @@ def train(a) -> Dict:
         torch.save({k: v for k, v in drafter.state_dict().items() if not k.endswith("_extra_state")},
                    os.path.join(a.save, "drafter.pt"))
         open(os.path.join(a.save, "megatron_csbp_drafter.json"), "w").write(shape.to_json())
+        from megatron_csbp.conversion.drafter import record_verifier
+
+        record_verifier(a.save, a.verifier)  # its tokenizer goes with the export
         json.dump(history, open(os.path.join(a.save, "history.json"), "w"), indent=1)
     if a.save:
         dist.barrier()
@@ -442,12 +445,10 @@ def load_drafter(path: str):
 
 
 def export(a) -> str:
-    from megatron_csbp.conversion.checkpoint import single_process_megatron
-    from megatron_csbp.model.dflash import export_hf_drafter
+    """The drafter as a Hugging Face folder, with its verifier's tokenizer (prints what it wrote)."""
+    from megatron_csbp.conversion.drafter import megatron_to_hf_drafter
 
-    with single_process_megatron():
-        model = load_drafter(a.load)
-        export_hf_drafter(model, a.output)
+    megatron_to_hf_drafter(a.load, a.output, tokenizer_model=getattr(a, "tokenizer_model", None), log=print)
     return a.output
 
 
@@ -717,6 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="drafter checkpoint -> Hugging Face MuseGlimmerAssistantModel")
     e.add_argument("--load", required=True)
     e.add_argument("--output", required=True)
+    e.add_argument("--tokenizer-model", default=None,
+                   help="the verifier's tokenizer folder (default: the one the drafter's checkpoint recorded)")
 
     v = sub.add_parser("evaluate", help="transformers' DFlash decoding vs the verifier alone, held-out prompts")
     v.add_argument("--verifier", required=True)

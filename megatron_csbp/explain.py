@@ -111,17 +111,34 @@ def explain(seq_length: int, block_size: int, cp: int, bp: int, schedule: str = 
     return views
 
 
+#: the per-rank table: (header, right-aligned)
+COLUMNS = (("rank", True), ("rows (noisy + clean)", False), ("noisy blocks", False), ("clean rows held", False),
+           ("allowed pairs", True), ("K/V sent/layer", True), ("received/layer", True),
+           ("K/V held/layer (own + received)", True))
+
+
+def table(header: List[Tuple[str, bool]], rows: List[List[str]], sep: str = "  ") -> List[str]:
+    """Lines of a table whose columns are as wide as their widest cell (header included), so no
+    cell runs into the next; right-aligned columns for numbers."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, (h, _) in enumerate(header)]
+
+    def line(cells):
+        return sep.join(c.rjust(w) if right else c.ljust(w)
+                        for c, w, (_, right) in zip(cells, widths, header)).rstrip()
+
+    return [line([h for h, _ in header])] + [line(r) for r in rows]
+
+
 def text_report(views: List[RankView], title: str) -> str:
     mib = 2 ** 20
-    out = [title, "",
-           "rank  rows (noisy + clean)      noisy blocks         clean rows held           allowed pairs  "
-           "K/V sent/layer  received/layer  K/V held/layer (own + received)"]
+    rows = []
     for v in views:
         blocks = " ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in _ranges(v.noisy_blocks))
         clean = " ".join(f"[{a},{b})" for a, b in v.clean_ranges)
-        out.append(f"{v.rank:4d}  {v.rows} ({v.noisy_rows} + {v.clean_rows})".ljust(28)
-                   + f"{blocks:<20} {clean:<25} {v.allowed_pairs:>13d}  {v.bytes_sent / mib:>10.2f} MiB"
-                   + f"  {v.bytes_received / mib:>10.2f} MiB  {v.kv_held_bytes / mib:>10.2f} MiB")
+        rows.append([str(v.rank), f"{v.rows} ({v.noisy_rows} + {v.clean_rows})", blocks, clean, str(v.allowed_pairs),
+                     f"{v.bytes_sent / mib:.2f} MiB", f"{v.bytes_received / mib:.2f} MiB",
+                     f"{v.kv_held_bytes / mib:.2f} MiB"])
+    out = [title, ""] + table(list(COLUMNS), rows)
     out += ["", "send/receive graph (bytes per full-attention layer, one pass; forward, backward and a recompute "
                 "forward each move this much):"]
     edges = [(v.rank, d, b) for v in views for d, b in sorted(v.sends.items())]
@@ -134,7 +151,13 @@ def text_report(views: List[RankView], title: str) -> str:
     return "\n".join(out)
 
 
+#: the picture's limits: rank panels per row, and ranks drawn (explain.txt lists every rank)
+PANEL_COLUMNS, MAX_PANELS = 4, 16
+
+
 def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
+    """explain.png: a panel per rank (at most MAX_PANELS, PANEL_COLUMNS to a row, so 16 ranks are a
+    4 x 4 grid of legible panels, not one 5742-pixel-wide strip) and the send/receive graph."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,13 +167,19 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
     from matplotlib.patches import Patch
 
     P, L = len(views), seq_length
-    fig = plt.figure(figsize=(3.0 * P + 4.2, 4.6))
-    grid = fig.add_gridspec(2, P + 1, height_ratios=[12, 1], width_ratios=[3] * P + [4.2], hspace=0.08)
+    shown = views[:MAX_PANELS]
+    cols = min(len(shown), PANEL_COLUMNS)
+    prow = -(-len(shown) // cols)
+    fig = plt.figure(figsize=(3.0 * cols + 4.2, 3.8 * prow + 1.2))
+    # per row of panels: the tiles, the held keys, a gap for the next row's titles
+    grid = fig.add_gridspec(3 * prow - 1, cols + 1, height_ratios=([12, 1, 3.2] * prow)[:-1],
+                            width_ratios=[3] * cols + [4.2], hspace=0.3, wspace=0.12)
     cmap = ListedColormap(["#f2f2f2", "#f4a582", "#2166ac"])  # skipped, partial, full
-    for v in views:
+    for i, v in enumerate(shown):
+        r, c = divmod(i, cols)
         t = v.tiles
         img = t.occupied.int().numpy() + t.full.int().numpy() * t.occupied.int().numpy()
-        ax = fig.add_subplot(grid[0, v.rank])
+        ax = fig.add_subplot(grid[3 * r, c])
         ax.imshow(img, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
         ax.axvline(L / t.k_tile - 0.5, color="k", lw=0.8)  # noisy keys | clean keys
         ax.axhline(v.noisy_rows / t.q_tile - 0.5, color="k", lw=0.8, ls=":")
@@ -158,32 +187,38 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
                      f"{v.allowed_pairs} pairs, sends {v.bytes_sent / 1024:.0f} KiB/layer", fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])
-        if v.rank == 0:
-            ax.set_ylabel("this rank's query rows [noisy ; clean]", fontsize=7)
-        hx = fig.add_subplot(grid[1, v.rank])
+        if c == 0:
+            ax.set_ylabel("query rows [noisy ; clean]", fontsize=7)
+        hx = fig.add_subplot(grid[3 * r + 1, c])
         held = v.held_keys.numpy().reshape(1, -1).astype(int)
         hx.imshow(held, cmap=ListedColormap(["white", "#1b7837"]), aspect="auto", vmin=0, vmax=1,
                   interpolation="nearest")
         hx.set_xticks([0, L, 2 * L - 1], ["0", "L", "2L"], fontsize=6)
         hx.set_yticks([0], ["held"], fontsize=6)
-        hx.set_xlabel("keys: noisy [0, L) | clean [L, 2L)", fontsize=7, labelpad=1)
-    gx = fig.add_subplot(grid[:, P])
-    angles = np.linspace(np.pi / 2, np.pi / 2 - 2 * np.pi, P, endpoint=False)
-    xy = np.stack([np.cos(angles), np.sin(angles)], 1)
-    for v in views:
-        for d, b in v.sends.items():
-            (x0, y0), (x1, y1) = xy[v.rank], xy[d]
-            gx.annotate("", xy=(x1 * 0.82, y1 * 0.82), xytext=(x0 * 0.82, y0 * 0.82),
-                        arrowprops=dict(arrowstyle="-|>", lw=0.8, color="#555", shrinkA=6, shrinkB=6,
-                                        connectionstyle="arc3,rad=0.12"))
-    for v in views:
-        gx.scatter(*xy[v.rank], s=500, color="#2166ac", zorder=3)
-        gx.text(*xy[v.rank], str(v.rank), color="white", ha="center", va="center", fontsize=10, zorder=4)
+        if r == prow - 1:
+            hx.set_xlabel("keys: noisy [0, L) | clean [L, 2L)", fontsize=7, labelpad=1)
+    gx = fig.add_subplot(grid[:, cols])
     sent = {b for v in views for b in v.sends.values()}
     total = sum(v.bytes_sent for v in views)
+    edges = sum(len(v.sends) for v in views)
     label = ("no K/V moves" if not sent else
              f"each arrow: {', '.join(f'{b / 1024:.0f} KiB' for b in sorted(sent))} per layer per pass\n"
              f"total {total / 2 ** 20:.2f} MiB per layer per pass")
+    if P <= MAX_PANELS:
+        angles = np.linspace(np.pi / 2, np.pi / 2 - 2 * np.pi, P, endpoint=False)
+        xy = np.stack([np.cos(angles), np.sin(angles)], 1)
+        for v in views:
+            for d, b in v.sends.items():
+                (x0, y0), (x1, y1) = xy[v.rank], xy[d]
+                gx.annotate("", xy=(x1 * 0.82, y1 * 0.82), xytext=(x0 * 0.82, y0 * 0.82),
+                            arrowprops=dict(arrowstyle="-|>", lw=0.8 if edges <= 64 else 0.4, color="#555",
+                                            shrinkA=6, shrinkB=6, connectionstyle="arc3,rad=0.12"))
+        for v in views:
+            gx.scatter(*xy[v.rank], s=500 if P <= 8 else 250, color="#2166ac", zorder=3)
+            gx.text(*xy[v.rank], str(v.rank), color="white", ha="center", va="center", fontsize=10 if P <= 8 else 8,
+                    zorder=4)
+    else:  # too many ranks for a readable graph: what it would show, in words (explain.txt lists every edge)
+        gx.text(0, 0, f"{P} ranks, {edges} sends\n(explain.txt lists each)", ha="center", va="center", fontsize=9)
     gx.set_title("K/V sent (full-attention layer)\n" + label, fontsize=8)
     gx.set_xlim(-1.3, 1.3)
     gx.set_ylim(-1.3, 1.3)
@@ -194,8 +229,11 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
                         Patch(color="#f2f2f2", label="skipped"),
                         Patch(color="#1b7837", label="key held by this rank")],
                loc="lower center", ncol=4, fontsize=8, frameon=False)
+    if P > len(shown):
+        title += f"\n(ranks 0-{len(shown) - 1} of {P} drawn; explain.txt lists every rank)"
     fig.suptitle(title, fontsize=10)
-    fig.subplots_adjust(left=0.03, right=0.99, top=0.82, bottom=0.17)
+    top, bottom = 1 - (0.6 + 0.3 * (title.count("\n") + 1)) / fig.get_figheight(), 0.7 / fig.get_figheight()
+    fig.subplots_adjust(left=0.03, right=0.99, top=top, bottom=bottom)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -103,3 +103,35 @@ def _blend_and_split(rank, world_size, tmp_path):
 def test_bad_data_path_is_named(tmp_path):
     with pytest.raises(ValueError, match="--data-path.*does not exist"):
         parse_data_path([str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--input", "{txt}", "--output-prefix", "{out}"],
+     'error: --input {txt}: line 1 is not JSON (Expecting value: line 1 column 1 (char 0)); --input is jsonl, one '
+     '{{"text": "..."}} object per document'),
+    (["--input", "{txt}"], "error: the following arguments are required: --output-prefix (see python -m "
+                           "megatron_csbp.data.preprocess --help)"),
+    (["--input", "{out}.jsonl", "--output-prefix", "{out}"], "error: --input {out}.jsonl does not exist"),
+])
+def test_preprocess_errors_are_one_line_without_usage(tmp_path, capsys, argv, line):
+    """A plain .txt as --input (and any other bad input): the one error line, no usage dump first."""
+    txt = tmp_path / "notes.txt"
+    txt.write_text("Plain text, not jsonl.\nA second line.\n")
+    fill = {"txt": str(txt), "out": str(tmp_path / "out")}
+    with pytest.raises(SystemExit) as exc:
+        preprocess_main([a.format(**fill) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [line.format(**fill)], err
+
+
+def test_tokenizer_command_runs_without_runpy_warning():
+    """`python -m megatron_csbp.data.tokenizer` (docs/install.md's rebuild command's module) used to
+    print runpy's RuntimeWarning first: the package imported the module before runpy ran it."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "megatron_csbp.data.tokenizer", "encode", "The for statement"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines()[0] == "[61, 43, 99]"

@@ -76,6 +76,13 @@ def test_missing_data_path_is_one_line(tmp_path, shipped, capsys):
     assert f"--data-path: {tmp_path / 'gone'}.bin does not exist" in line
 
 
+def test_data_path_with_the_file_extension_says_drop_it(shipped, capsys):
+    """Megatron's --data-path is the prefix; `X.bin` (or `X.idx`) used to say `X.bin.bin does not exist`."""
+    for ext in (".bin", ".idx"):
+        line = _error(["--data-path", shipped + ext] + TINY_MODEL, capsys)
+        assert line == f"error: --data-path takes the prefix without .bin/.idx: did you mean {shipped}?", line
+
+
 def test_unread_splits_are_not_built(shipped):
     from megatron_csbp.data.megatron_data import checked_split_matrix
 

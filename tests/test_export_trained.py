@@ -105,10 +105,26 @@ def test_default_run_exports_to_llama_and_scores_the_same(corpus, tmp_path):
     run_distributed(train_rank, 2, argv)
     assert not os.path.exists(os.path.join(save, "megatron_csbp_model.json"))  # flag-built: no shape file
     meta = json.load(open(os.path.join(save, "iter_0000003", "bdlm_meta.json")))["model_args"]
-    cfg, _, flags = export_and_compare(save, tmp_path, meta["vocab_size"], "LlamaForCausalLM", layers=2, width=512)
+    cfg, printed, flags = export_and_compare(save, tmp_path, meta["vocab_size"], "LlamaForCausalLM", layers=2,
+                                             width=512)
     assert cfg["vocab_size"] == meta["padded_vocab_size"] and cfg["num_key_value_heads"] == 2
     assert cfg["rms_norm_eps"] == 1e-5 and cfg["tie_word_embeddings"] is True
     assert "--qk-layernorm" not in flags
+    # The export carries the training tokenizer (the checkpoint recorded it): AutoTokenizer on the
+    # export gives the training tokenizer's ids, and the text back; EOD and mask keep their ids.
+    from transformers import AutoTokenizer
+
+    from megatron_csbp.data.megatron_data import saved_tokenizer
+    from megatron_csbp.data.tokenizer import DEFAULT_MODEL, tokenizer_sha256
+
+    assert (meta["tokenizer_path"], meta["tokenizer_sha256"]) == (DEFAULT_MODEL, tokenizer_sha256(DEFAULT_MODEL))
+    assert "tokenizer: the sentencepiece tokenizer" in printed and "loadable by AutoTokenizer" in printed
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    trained_with = saved_tokenizer(meta["tokenizer_type"], meta["tokenizer_model"], meta["vocab_size"])
+    text = 'The for statement is used to iterate over the elements of a sequence:\n\n   for x in "abc":\n  pass  '
+    ids = tok(text)["input_ids"]
+    assert ids == trained_with.tokenize(text) and tok.decode(ids) == trained_with.detokenize(ids) == text
+    assert (tok.eos_token_id, tok.mask_token_id) == (meta["eod_token_id"], meta["mask_token_id"]) == (3, 4)
 
 
 @pytest.mark.slow  # suite budget: the default-run export (Llama) stays default

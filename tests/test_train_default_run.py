@@ -1,22 +1,46 @@
 """The default run (`torchrun --nproc-per-node 2 -m megatron_csbp.train`, no flags): a short version
 in the default suite (MEGATRON_CSBP_DEMO_ITERS=30: the same model, data and layout, 6 evaluations),
 the full 600-iteration run under -m slow with the README's claims (held-out NELBO evaluated 6
-times, falling at every evaluation, ending <= 4.8 nats/token)."""
+times, falling at every evaluation, ending <= 4.8 nats/token), run as README.md writes it, followed
+by README.md's `generate` command, whose output must be README.md's block byte for byte (the run and
+the sampling are deterministic)."""
 import json
 import os
+import shlex
 import subprocess
+import sys
 
 import pytest
 
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+GENERATE_INTRO = "After the default run, the last command prints"
 
-def run_default(tmp_path, iters=None):
-    env = {**os.environ, "MEGATRON_CSBP_DEMO_DIR": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
+
+def readme_commands():
+    """(the default run's command, the `generate` command, the text README.md says it prints)."""
+    text = open(README).read()
+    block = text[text.index("## Training with block parallelism"):]
+    block = block[block.index("```bash\n") + 8:]
+    lines = block[:block.index("```")].splitlines()
+    train = next(ln for ln in lines if ln.startswith("torchrun --nproc-per-node 2 -m megatron_csbp.train "))
+    generate = next(ln for ln in lines if ln.startswith("python -m megatron_csbp.generate "))
+    shown = text[text.index(GENERATE_INTRO):]
+    shown = shown[shown.index("```\n") + 4:]
+    return train.split("#")[0].strip(), generate, shown[:shown.index("```\n")]
+
+
+def run_default(tmp_path, iters=None, readme=False):
+    """The default run; `readme`: exactly README.md's command, in `tmp_path` (output runs/default)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not readme:
+        env["MEGATRON_CSBP_DEMO_DIR"] = str(tmp_path / "runs")
     if iters is not None:
         env["MEGATRON_CSBP_DEMO_ITERS"] = str(iters)
-    res = subprocess.run(["torchrun", "--nproc-per-node", "2", "-m", "megatron_csbp.train"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    cmd = shlex.split(readme_commands()[0]) if readme else ["torchrun", "--nproc-per-node", "2", "-m",
+                                                             "megatron_csbp.train"]
+    res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res, tmp_path / "runs"
+    return res, tmp_path / "runs" / ("default" if readme else "")
 
 
 def check_run(res, run, iters):
@@ -43,9 +67,25 @@ def test_default_run_short(tmp_path):
     assert evals[-1] < evals[0] - 0.5, evals
 
 
+def test_readme_commands_parse():
+    """The commands and the block the slow test runs and compares are where it looks for them."""
+    train, generate, shown = readme_commands()
+    assert train == "torchrun --nproc-per-node 2 -m megatron_csbp.train"
+    assert "--load runs/default/checkpoints" in generate
+    assert shown.startswith("[checkpoint runs/default/checkpoints iteration 600; ") and shown.endswith("\n")
+
+
 @pytest.mark.slow
 def test_default_run_full(tmp_path):
-    res, run = run_default(tmp_path)
+    """README.md's commands as written, from a fresh folder: the run's claims, then `generate`
+    prints exactly README.md's block."""
+    res, run = run_default(tmp_path, readme=True)
     evals = check_run(res, run, 600)
     print("held-out NELBO:", evals)
     assert evals[-1] <= 4.8, evals
+    _, generate, shown = readme_commands()
+    argv = shlex.split(generate)
+    assert argv[:3] == ["python", "-m", "megatron_csbp.generate"]
+    out = subprocess.run([sys.executable] + argv[1:], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == shown, f"README.md shows:\n{shown}\ngenerate printed:\n{out.stdout}"

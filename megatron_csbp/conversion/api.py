@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -64,10 +64,15 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
 
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
-                              max_shard_bytes: int = 5 << 30) -> ModelShape:
+                              max_shard_bytes: int = 5 << 30, tokenizer_model: Optional[str] = None,
+                              log: Optional[Callable[[str], None]] = None) -> ModelShape:
     """Export a Megatron checkpoint (converted or trained, flag-built or not, saved under any
-    layout) to Hugging Face."""
+    layout) to Hugging Face, with the tokenizer it was trained with (`conversion.tokenizer`;
+    `tokenizer_model` overrides where it is read from). `log` receives one line on the tokenizer."""
+    from megatron_csbp.conversion.tokenizer import checkpoint_tokenizer, export_tokenizer
+
     info = read_checkpoint_model(load)  # refuses a model with no Hugging Face class before any work
+    checkpoint_tokenizer(info.model_args, tokenizer_model, info.assets_dir)  # a missing tokenizer: refused first
     with single_process_megatron():
         model, _ = load_checkpoint_model(info)
         state = model.state_dict()
@@ -79,6 +84,9 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
 
         extra = load_file(extra_file)
     megatron_state_to_hf(shape, state, output, dtype, info.assets_dir, max_shard_bytes, extra)
+    line = export_tokenizer(info.model_args, output, tokenizer_model, info.assets_dir)
+    if log is not None:
+        log(line)
     return shape
 
 

@@ -26,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype of the written weights (default: the checkpoint's)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    b.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer the model was trained with, if not where the checkpoint recorded it: a "
+                        "sentencepiece .model file or a Hugging Face tokenizer folder (default: the checkpoint's "
+                        "record; a DFlash drafter: its verifier's tokenizer)")
     c = sub.add_parser("score", help="logits of a Megatron checkpoint for token ids: next-token logits, or "
                                      "with --noisy-tokens the block-diffusion logits of the noisy rows")
     c.add_argument("--load", required=True)
@@ -67,8 +71,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"block {d.block_size}, target layers {d.target_layer_ids}) -> {args.output}")
             print("train it with: python -m megatron_csbp.dflash train --load " + args.output + " --features-path ...")
         elif args.command == "megatron-to-hf" and drafter.is_drafter_checkpoint(args.load):
-            drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype)
+            lines = []
+            drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype, args.tokenizer_model, log=lines.append)
             print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
+            print("\n".join(lines))
         elif args.command == "hf-to-megatron":
             shape = api.hf_to_megatron_checkpoint(args.hf_path, args.output, args.dtype)
             source = f" from {shape.diffusion_gemma['source']}" if shape.diffusion_gemma else ""
@@ -80,9 +86,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print("Megatron flags that rebuild this model:")
                 print("    " + api.flags_text(shape))
         elif args.command == "megatron-to-hf":
+            lines = []
             shape = api.megatron_to_hf_checkpoint(args.load, args.output, args.dtype,
-                                                  int(args.max_shard_size_gb * (1 << 30)))
+                                                  int(args.max_shard_size_gb * (1 << 30)), args.tokenizer_model,
+                                                  log=lines.append)
             print(f"exported {shape.family} -> {args.output}")
+            print("\n".join(lines))
         elif args.command == "score":
             noisy = None if args.noisy_tokens is None else np.load(args.noisy_tokens)
             packing = None

@@ -12,17 +12,59 @@ imported drafter continues training with `dflash train --load DRAFTER`. Every co
 through transformers' `ROPE_INIT_FUNCTIONS`), `max_position_embeddings`, bos/eos/pad ids; QK-norm is
 part of the architecture (no flag). Weights map one to one except k/v (Megatron's fused [k | v] per
 query group) and gate/up (`linear_fc1`).
+
+Tokenizer: a drafter drafts in its verifier's vocabulary, so its export carries the verifier's
+tokenizer: `dflash train --save` records the `--verifier` folder (`VERIFIER_FILE`: absolute path and
+the tokenizer's sha256), an import keeps the HF folder's tokenizer files in `hf_assets/`, and the
+export (`export_drafter_tokenizer`) writes the one it finds (`--tokenizer-model` overrides).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from typing import Optional
 
 import torch
 
 from megatron_csbp.model.dflash import HF_MODEL_TYPE, SHAPE_FILE, DrafterShape
 
 WEIGHTS_FILE = "drafter.pt"
+#: `dflash train --save`: the verifier the drafter was trained against (its tokenizer is the drafter's)
+VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
+ASSETS_DIR = "hf_assets"
+
+
+def record_verifier(save: str, verifier: str) -> None:
+    """Write `VERIFIER_FILE` into the drafter checkpoint `save` (rank 0)."""
+    from megatron_csbp.data.tokenizer import tokenizer_record
+
+    record = {"verifier": os.path.abspath(verifier), **tokenizer_record("HuggingFaceTokenizer", verifier)}
+    with open(os.path.join(save, VERIFIER_FILE), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[str] = None) -> str:
+    """The drafter's tokenizer (its verifier's) into the exported folder `output`; one line saying
+    what was written. Sources, first found: `tokenizer_model`, the import's `hf_assets/`, the
+    recorded verifier (sha256-checked)."""
+    from megatron_csbp.conversion.tokenizer import has_tokenizer, export_tokenizer
+
+    assets = os.path.join(load, ASSETS_DIR)
+    record = {}
+    if os.path.isfile(os.path.join(load, VERIFIER_FILE)):
+        with open(os.path.join(load, VERIFIER_FILE)) as f:
+            record = json.load(f)
+    if tokenizer_model is None and os.path.isdir(assets) and os.listdir(assets):
+        tokenizer_model = assets
+    if tokenizer_model is None and not record:
+        return ("no tokenizer written: the drafter records no verifier (imported without a tokenizer); give the "
+                "verifier's tokenizer folder as --tokenizer-model")
+    folder = tokenizer_model or record.get("verifier")
+    if folder and os.path.isdir(folder) and not has_tokenizer(folder):
+        return f"no tokenizer written: the verifier {folder} holds no tokenizer files"
+    args = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": record.get("verifier"), **record}
+    return export_tokenizer(args, output, tokenizer_model)
 
 
 def is_hf_drafter(hf_path: str) -> bool:
@@ -71,11 +113,21 @@ def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShap
 
         state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
     save_drafter(state, shape, output)
+    from megatron_csbp.conversion.tokenizer import has_tokenizer
+
+    if has_tokenizer(hf_path):  # the verifier's tokenizer, exported with the drafter
+        dst = os.path.join(output, ASSETS_DIR)
+        os.makedirs(dst, exist_ok=True)
+        for name in hf_io.asset_files(hf_path):
+            if name not in ("config.json", "generation_config.json"):
+                shutil.copy2(os.path.join(hf_path, name), os.path.join(dst, name))
     return shape
 
 
-def megatron_to_hf_drafter(load: str, output: str, dtype=None) -> DrafterShape:
-    """A drafter checkpoint (imported, or saved by `dflash train`) -> a `MuseGlimmerAssistantModel` folder."""
+def megatron_to_hf_drafter(load: str, output: str, dtype=None, tokenizer_model: Optional[str] = None,
+                           log=None) -> DrafterShape:
+    """A drafter checkpoint (imported, or saved by `dflash train`) -> a `MuseGlimmerAssistantModel`
+    folder, with its verifier's tokenizer (`export_drafter_tokenizer`; `log` gets its line)."""
     from megatron_csbp.conversion.checkpoint import single_process_megatron
     from megatron_csbp.dflash import load_drafter
     from megatron_csbp.model.dflash import export_hf_drafter
@@ -84,4 +136,7 @@ def megatron_to_hf_drafter(load: str, output: str, dtype=None) -> DrafterShape:
     with single_process_megatron():
         model = load_drafter(load)
         export_hf_drafter(model, output, DTYPES[dtype] if dtype else torch.float32)
+    line = export_drafter_tokenizer(load, output, tokenizer_model)
+    if log is not None:
+        log(line)
     return model.shape

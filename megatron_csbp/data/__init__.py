@@ -6,7 +6,18 @@ from megatron_csbp.data.corpus import (
     split_documents,
     unigram_entropy,
 )
-from megatron_csbp.data.tokenizer import DEFAULT_MODEL, SentencePieceTokenizer, build_assets
+
+_FROM_TOKENIZER = ("DEFAULT_MODEL", "SentencePieceTokenizer", "build_assets")
+
+
+def __getattr__(name):
+    # imported on first use: `python -m megatron_csbp.data.tokenizer` would otherwise find the module
+    # already imported by its package and warn (runpy's RuntimeWarning)
+    if name in _FROM_TOKENIZER:
+        from megatron_csbp.data import tokenizer
+
+        return getattr(tokenizer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "DEFAULT_CORPUS",

@@ -180,6 +180,9 @@ def parse_data_path(data_path: Sequence[str]):
 
 def _check_prefix(prefix: str) -> None:
     for ext in (".bin", ".idx"):
+        if prefix.endswith(ext) and not os.path.exists(prefix + ".bin"):  # the file named, not its prefix
+            raise ValueError(f"--data-path takes the prefix without .bin/.idx: did you mean {prefix[:-len(ext)]}?")
+    for ext in (".bin", ".idx"):
         if not os.path.exists(prefix + ext):
             raise ValueError(f"--data-path: {prefix}{ext} does not exist (expected a prefix written by "
                              "python -m megatron_csbp.data.preprocess)")

@@ -20,6 +20,7 @@ import argparse
 import gzip
 import json
 import os
+import sys
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
@@ -39,7 +40,8 @@ def iter_jsonl(path: str, key: str) -> Iterable[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"--input {path}: line {lineno} is not JSON ({exc})") from None
+                raise ValueError(f"--input {path}: line {lineno} is not JSON ({exc}); --input is jsonl, one "
+                                 f'{{"{key}": "..."}} object per document') from None
             if key not in record:
                 raise ValueError(f"--input {path}: line {lineno} has no key {key!r} (see --json-keys)")
             yield record[key]
@@ -74,8 +76,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     filter_warnings()  # hide the library warnings a user cannot act on
     from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
 
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.data.preprocess", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_csbp.utils.cli import ArgumentParser
+
+    # errors are one line (no usage dump before them), as in every command of the package
+    p = ArgumentParser(prog="python -m megatron_csbp.data.preprocess", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="jsonl(.gz) file, or 'shipped' for the shipped corpus")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
@@ -105,4 +110,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))

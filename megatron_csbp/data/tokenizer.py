@@ -16,6 +16,12 @@ Rebuild both assets (byte-identical on the same Python minor version, whose `pyd
 from; sentencepiece training runs on one thread to stay deterministic):
 
     python -m megatron_csbp.data.tokenizer build [--out-dir DIR] [--vocab-size 1024]
+
+`hf_tokenizer_from_sentencepiece` writes a sentencepiece unigram model as a transformers tokenizer
+(`tokenizer.json`, loadable by `AutoTokenizer`) that encodes every text to the ids
+`SentencePieceProcessor.encode` gives and decodes them back: what `convert megatron-to-hf` ships
+with a model trained on such a tokenizer. `tokenizer_record` is what a checkpoint records about
+the tokenizer it was trained with (its file, by absolute path and sha256) so the export finds it.
 """
 from __future__ import annotations
 
@@ -160,6 +166,115 @@ class HuggingFaceTokenizer:
 
     def piece(self, token_id: int) -> str:
         return self.tok.convert_ids_to_tokens(int(token_id))
+
+
+#: sentencepiece piece types (sentencepiece_model.proto)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+def hf_tokenizer_from_sentencepiece(model_path: Optional[str] = None, eos_id: Optional[int] = None,
+                                    mask_id: Optional[int] = None):
+    """A transformers `PreTrainedTokenizerFast` (a `tokenizers` Unigram model) equivalent to the
+    sentencepiece unigram model `model_path` (default: the shipped one): the same ids for every
+    text (the model's normalizer spec: precompiled character map, extra-whitespace removal, dummy
+    prefix, whitespace escaping; user-defined pieces always whole; control pieces never produced
+    from text, as in sentencepiece: `split_special_tokens`), the same text back from `decode`
+    (an unknown character decodes to the unk piece, where sentencepiece writes " \u2047 ").
+    Its EOS token is the piece of `eos_id` and its mask token the piece of `mask_id` (default: the
+    ids `SentencePieceTokenizer` gives the model, the trainer's EOD and mask ids), so the special
+    token ids are the training ids. No BOS/EOS is added to encoded text (training adds none)."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    sp = SentencePieceTokenizer(model_path)
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(sp.model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+        kind = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+        raise ValueError(f"tokenizer {sp.model_path}: a {kind} sentencepiece model; the export writes unigram models "
+                         "as Hugging Face tokenizers (pass a Hugging Face tokenizer folder as --tokenizer-model)")
+    pieces = list(proto.pieces)
+    # Control pieces (<s>, </s>, <mask>, ...) are ids only: a score no text segmentation can choose.
+    vocab = [(p.piece, -1e9 if p.type in (_CONTROL, _UNUSED) else float(p.score)) for p in pieces]
+    byte_fallback = bool(proto.trainer_spec.byte_fallback)
+    tok = Tokenizer(models.Unigram(vocab, unk_id=int(proto.trainer_spec.unk_id), byte_fallback=byte_fallback))
+    spec = proto.normalizer_spec
+    norm = []
+    if spec.precompiled_charsmap:
+        norm.append(normalizers.Precompiled(spec.precompiled_charsmap))
+    if spec.remove_extra_whitespaces:  # sentencepiece: spaces only, stripped at both ends, runs collapsed
+        norm += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.add_dummy_prefix:
+        norm.append(normalizers.Prepend(" "))
+    if spec.escape_whitespaces:
+        norm.append(normalizers.Replace(" ", "\u2581"))
+    tok.normalizer = normalizers.Sequence(norm)
+    user = sorted((p.piece for p in pieces if p.type == _USER_DEFINED), key=len, reverse=True)
+    if user:
+        import re
+
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("|".join(re.escape(u) for u in user)), behavior="isolated")
+    dec = [decoders.Replace("\u2581", " ")] if spec.escape_whitespaces else []
+    if byte_fallback:
+        dec.append(decoders.ByteFallback())
+    dec.append(decoders.Fuse())
+    if spec.add_dummy_prefix:
+        dec.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(dec)
+
+    def piece(i: Optional[int]) -> Optional[str]:
+        return None if i is None or not 0 <= int(i) < len(pieces) else pieces[int(i)].piece
+
+    eos = piece(sp.eod if eos_id is None else eos_id)
+    mask = piece(sp.mask_token_id if mask_id is None else mask_id)
+    named = {"unk_token": piece(proto.trainer_spec.unk_id), "bos_token": piece(proto.trainer_spec.bos_id),
+             "eos_token": eos, "pad_token": piece(proto.trainer_spec.pad_id), "mask_token": mask}
+    named = {k: v for k, v in named.items() if v is not None}
+    extra = [p.piece for p in pieces if p.type == _CONTROL and p.piece not in named.values()]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **named, extra_special_tokens=extra,
+                                   split_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def tokenizer_files(tokenizer_type: Optional[str], tokenizer_model: Optional[str]) -> Optional[str]:
+    """The file (sentencepiece) or folder (Hugging Face) a run's tokenizer is read from, as
+    `megatron_data.build_tokenizer` resolves it; None for NullTokenizer."""
+    if tokenizer_type in (None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        return tokenizer_model or DEFAULT_MODEL
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return tokenizer_model
+    return None
+
+
+#: the files of a Hugging Face tokenizer folder that define it (hashed by `tokenizer_sha256`)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model")
+
+
+def tokenizer_sha256(path: str) -> str:
+    """sha256 of a tokenizer file, or of a Hugging Face tokenizer folder's defining files (name and
+    bytes of each, in order)."""
+    if os.path.isfile(path):
+        return _sha256(path)
+    h = hashlib.sha256()
+    for name in HF_TOKENIZER_FILES:
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            with open(f, "rb") as fh:
+                h.update(name.encode() + b"\0" + fh.read() + b"\0")
+    return h.hexdigest()
+
+
+def tokenizer_record(tokenizer_type: Optional[str], tokenizer_model: Optional[str]) -> Dict[str, str]:
+    """What a checkpoint records about its tokenizer beside the flags (`--tokenizer-type`,
+    `--tokenizer-model`, a relative path or none for the shipped model): the file's absolute path
+    and sha256, so an export from another directory, or after the shipped model changed, finds
+    the very tokenizer the model was trained with or says it cannot. {} for NullTokenizer."""
+    path = tokenizer_files(tokenizer_type, tokenizer_model)
+    if path is None or not os.path.exists(path):
+        return {}
+    return {"tokenizer_path": os.path.abspath(path), "tokenizer_sha256": tokenizer_sha256(path)}
 
 
 def train_sentencepiece(texts: Sequence[str], vocab_size: int = 1024) -> bytes:

@@ -174,6 +174,9 @@ def model_meta(args: argparse.Namespace) -> Dict[str, Any]:
     from megatron_csbp.model.builder import padded_vocab_size
 
     meta = {k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}
+    from megatron_csbp.data.tokenizer import tokenizer_record
+
+    meta.update(tokenizer_record(meta["tokenizer_type"], meta["tokenizer_model"]))  # found again by the export
     meta["params_dtype"] = ("bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False)
                             else "float32")
     if getattr(args, "model_shape", None) is None and getattr(args, "vocab_size", None):
