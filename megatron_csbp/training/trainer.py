@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Optional, Tuple
@@ -367,13 +366,18 @@ class Trainer:
         return iteration, consumed
 
     # ---- the loop ----------------------------------------------------------------------------
-    def train(self) -> Dict:
+    def train(self, exit_signal=None) -> Dict:
         """load -> [train_step, log, evaluate, save]* -> final save. Returns the logged history.
         Megatron-LM's exit conditions (--exit-signal-handler: SIGTERM; --exit-duration-in-mins;
-        --exit-interval) end the loop after an iteration, with a save (training/signals.py)."""
+        --exit-interval) end the loop after an iteration, with a save (training/signals.py).
+        `exit_signal`: an active `ExitSignal` installed earlier (the CLI installs it before the build,
+        as Megatron-LM does at initialization); with --exit-signal-handler and none, one is
+        installed here."""
         from megatron_csbp.training.signals import ExitSignal
 
-        with ExitSignal() if self.config.batch.exit_signal_handler else nullcontext() as exit_signal:
+        if exit_signal is not None or not self.config.batch.exit_signal_handler:
+            return self._train(exit_signal)
+        with ExitSignal() as exit_signal:
             return self._train(exit_signal)
 
     def _train(self, exit_signal) -> Dict:
