@@ -100,8 +100,9 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
     """The sbatch script NeMo-Run's SlurmExecutor would submit (a dry run: nothing is submitted or
     created), with the directories it names. The script is requeue-enabled (`sbatch --requeue`), so
     the recipe runs as `launch.requeue_safe` makes it: `--load` = `--save` unless the recipe sets
-    `--load`, and `--exit-signal-handler` (a preempted job saves, the requeued one resumes). The job is named `launch.slurm.job_name` (else the
-    recipe's name) exactly: NeMo-Run would otherwise prefix it with `<account>-<account suffix>.`."""
+    `--load`, and `--exit-signal-handler` (a preempted job saves, the requeued one resumes). The job
+    is named `launch.slurm.job_name` (else the recipe's name) exactly: NeMo-Run would otherwise
+    prefix it with `<account>-<account suffix>.`."""
     run = _run()
     from nemo_run.config import RUNDIR_NAME
     from nemo_run.core.execution.slurm import SlurmJobDetails

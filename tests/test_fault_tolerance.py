@@ -120,6 +120,13 @@ def test_exit_conditions_decide_as_megatron():
 
     from megatron_csbp.training.signals import ExitConditions, ExitSignal
 
+    from argparse import Namespace
+
+    from megatron_csbp.training.arguments import check_counts
+
+    for bad in (0.0, -1.0, float("nan")):  # bad input: one line naming the flag
+        with pytest.raises(ValueError, match=r"^--exit-duration-in-mins must be positive, got "):
+            check_counts(Namespace(exit_duration_in_mins=bad, eval_iters=0))
     interval = ExitConditions(None, None, 3)
     assert [interval.check(i) for i in (1, 2, 3, 4, 6)] == [
         None, None, "--exit-interval 3: exiting after iteration 3", None, "--exit-interval 3: exiting after iteration 6"]
