@@ -332,6 +332,38 @@ def torchrun_command(recipe: Dict, nnodes: int, nproc: int, python: str = sys.ex
     return cmd + ["-m", "megatron_csbp.train"] + recipe_flags(recipe)
 
 
+def requeue_safe(recipe: Dict) -> Tuple[Dict, List[str]]:
+    """The recipe as a requeue-enabled SLURM job runs it (NeMo-Run's script is submitted with
+    `sbatch --requeue`; Slurm requeues a preempted job and runs the same script again): with
+    `--save DIR` and no `--load`, `--load DIR` is added, so the requeued job resumes the latest
+    checkpoint (a `--load` that holds none yet starts from scratch, as Megatron-LM does), and
+    `--exit-signal-handler` is added, so the SIGTERM of a preemption or of the time limit saves the
+    iteration reached before the job ends. Returns (the recipe, notes on what a requeue does).
+    A `--load` the recipe sets (a converted model to start from) is kept; an objective that trains
+    in a loop of its own (dflash) is left as it is."""
+    import copy
+
+    save = _flag(recipe, "save")
+    if not save:
+        return recipe, [f"recipe {recipe['name']} sets no --save: a requeued job starts again from iteration 0"]
+    from megatron_csbp.objectives.registry import registered_objectives
+
+    objective = registered_objectives().get(str(_flag(recipe, "objective") or ""))
+    if objective is not None and objective.own_trainer is not None:
+        return recipe, [f"--objective {_flag(recipe, 'objective')} trains in {objective.own_trainer}, which saves "
+                        "once at the end: a requeued job starts again"]
+    recipe, notes = copy.deepcopy(recipe), []
+    load = _flag(recipe, "load")
+    if load is None:
+        recipe["training"]["load"] = save
+    elif os.path.abspath(str(load)) != os.path.abspath(str(save)):
+        notes.append(f"--load {load} differs from --save {save}: a requeued job loads {load} again (set "
+                     f"training.load={save} once {save} holds a checkpoint)")
+    if _flag(recipe, "exit_signal_handler") is None:  # (an explicit `false` stays)
+        recipe["training"]["exit_signal_handler"] = True
+    return recipe, notes
+
+
 def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
     """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch_nemo)."""
     from megatron_csbp.launch_nemo import slurm_job
@@ -384,6 +416,8 @@ def main(argv=None) -> int:
                 with open(script_path, "w") as f:
                     f.write(job.script)
                 print(f"wrote {args.slurm} (logs in {job.log_dir}); submit with: sbatch {args.slurm}")
+            for note in requeue_safe(recipe)[1]:
+                print(f"warning: {note}", file=sys.stderr)
             if todo:
                 print(f"warning: {args.slurm} holds {PLACEHOLDER} placeholders: fill {', '.join(todo)} "
                       f"(as KEY=VALUE overrides or in the recipe) before sbatch", file=sys.stderr)

@@ -98,11 +98,18 @@ class SlurmJob(NamedTuple):
 
 def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> SlurmJob:
     """The sbatch script NeMo-Run's SlurmExecutor would submit (a dry run: nothing is submitted or
-    created), with the directories it names. The job is named `launch.slurm.job_name` (else the
-    recipe's name) exactly: NeMo-Run would otherwise prefix it with `<account>-<account suffix>.`."""
+    created), with the directories it names. The script is requeue-enabled (`sbatch --requeue`), so
+    the recipe runs as `launch.requeue_safe` makes it: `--load` = `--save` unless the recipe sets
+    `--load`, and `--exit-signal-handler` (a preempted job saves, the requeued one resumes). The job
+    is named `launch.slurm.job_name` (else the recipe's name) exactly: NeMo-Run would otherwise
+    prefix it with `<account>-<account suffix>.`."""
     run = _run()
     from nemo_run.config import RUNDIR_NAME
     from nemo_run.core.execution.slurm import SlurmJobDetails
+
+    from megatron_csbp.launch import requeue_safe
+
+    recipe = requeue_safe(recipe)[0]  # the script is requeue-enabled: --load = --save, --exit-signal-handler
 
     job_dir = os.path.abspath(job_dir or os.path.join(os.getcwd(), "slurm_jobs"))
     if f"/{RUNDIR_NAME}" in job_dir:

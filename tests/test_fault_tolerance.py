@@ -50,13 +50,17 @@ def _wait_for_iteration(proc, log, iteration, timeout=240):
 
 def test_exit_signal_handler_saves_and_save_equals_load_resumes(reference, tmp_path):
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
-    argv = _argv(log, save, ["--exit-signal-handler"])
+    argv = _argv(log, save, ["--exit-signal-handler", "--save-interval", "3"])
     # the first run: --load DIR holds nothing yet, so it starts from scratch (as Megatron-LM does)
     with open(tmp_path / "out", "w") as fo, open(tmp_path / "err", "w") as fe:
-        proc = subprocess.Popen(train_command(argv), stdout=fo, stderr=fe)
+        # SIGTERM to the rank's whole process group, the way torchrun (and Slurm) deliver it: the
+        # helper processes of its checkpoint writer get it too. Before the fix the save after the
+        # signal died with BrokenPipeError (megatron-core's Manager queue process, started by the save
+        # of iteration 3, was killed) and left iter_N.tmp-* behind.
+        proc = subprocess.Popen(train_command(argv), stdout=fo, stderr=fe, start_new_session=True)
         try:
-            _wait_for_iteration(proc, log, 2)
-            proc.send_signal(signal.SIGTERM)
+            _wait_for_iteration(proc, log, 4)
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=240)
         finally:
             proc.kill()
@@ -64,10 +68,11 @@ def test_exit_signal_handler_saves_and_save_equals_load_resumes(reference, tmp_p
     assert proc.returncode == 0, err[-3000:]
     first = _losses(json_log(log))
     stopped = max(first)
-    assert 2 <= stopped < ITERS
+    assert 4 <= stopped < ITERS
     assert f"received SIGTERM (--exit-signal-handler): exiting after iteration {stopped}; resume with --load {save}" \
         in out
-    assert checkpointing.read_tracker(save) == stopped and checkpointing.saved_iterations(save) == [stopped]
+    assert checkpointing.read_tracker(save) == stopped and stopped in checkpointing.saved_iterations(save)
+    assert not [n for n in os.listdir(save) if ".tmp" in n]
     # the same command again resumes the latest checkpoint and ends the run
     r = run_train(argv)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -78,6 +83,73 @@ def test_exit_signal_handler_saves_and_save_equals_load_resumes(reference, tmp_p
     assert first == {i: reference[i] for i in range(1, stopped + 1)}
     assert resumed == {i: reference[i] for i in range(stopped + 1, ITERS + 1)}, "resume must continue the curve exactly"
     assert checkpointing.read_tracker(save) == ITERS
+
+
+@pytest.mark.slow  # three runs; test_exit_conditions_decide_as_megatron checks the rules in-process
+def test_exit_interval_and_duration_save_and_exit_as_megatron(reference, tmp_path):
+    """Megatron-LM's `checkpoint_and_decide_exit`: --exit-interval N exits after every iteration that
+    is a multiple of N (a resumed run too: before, the trainer stopped at min(--train-iters, N), so a
+    run resumed past N trained nothing); --exit-duration-in-mins exits after the first iteration past
+    the limit; both save first and exit 0, and the resumed runs continue the curve exactly."""
+    save, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
+    stops, outs = [], []
+    for extra, reason in ((["--exit-interval", "3"], "--exit-interval 3: exiting after iteration 3"),
+                          (["--exit-interval", "3", "--exit-duration-in-mins", "0.0001"],
+                           "--exit-duration-in-mins 0.0001: "),
+                          (["--exit-interval", "3"], "--exit-interval 3: exiting after iteration 6")):
+        r = run_train(_argv(log, save, extra))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert reason in r.stdout, r.stdout[-2000:]
+        stops.append(max(_losses(json_log(log))))
+        outs.append(r.stdout)
+        assert checkpointing.read_tracker(save) == stops[-1]
+    assert stops == [3, 4, 6]  # 4: the first iteration after the resume ends past 0.0001 minutes
+    assert f"exiting after iteration 4; resume with --load {save}" in outs[1]
+    assert f"loaded checkpoint {checkpointing.iteration_dir(save, 4)} (iteration 4" in outs[2]
+    assert _losses(json_log(log)) == {i: reference[i] for i in range(1, 7)}
+    assert [r["iteration"] for r in json_log(log)] == list(range(1, 7))
+
+
+def test_exit_conditions_decide_as_megatron():
+    """The rules of Megatron-LM's `checkpoint_and_decide_exit` (in its order: signal, duration,
+    interval), on one gloo rank in this process; and a SIGTERM that arrives once the run is leaving
+    (a second one during or after the save) is noted, not fatal."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_csbp.training.signals import ExitConditions, ExitSignal
+
+    from argparse import Namespace
+
+    from megatron_csbp.training.arguments import check_counts
+
+    for bad in (0.0, -1.0, float("nan")):  # bad input: one line naming the flag
+        with pytest.raises(ValueError, match=r"^--exit-duration-in-mins must be positive, got "):
+            check_counts(Namespace(exit_duration_in_mins=bad, eval_iters=0))
+    interval = ExitConditions(None, None, 3)
+    assert [interval.check(i) for i in (1, 2, 3, 4, 6)] == [
+        None, None, "--exit-interval 3: exiting after iteration 3", None, "--exit-interval 3: exiting after iteration 6"]
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert ExitConditions(None, 1.0, 3, start=time.time()).check(4) is None
+        late = ExitConditions(None, 1.0, 3, start=time.time() - 90).check(4)
+        assert late.startswith("--exit-duration-in-mins 1: 1.5") and late.endswith("exiting after iteration 4")
+        with ExitSignal() as sig:
+            both = ExitConditions(sig, 1.0, 3, start=time.time() - 90)
+            assert both.check(5).startswith("--exit-duration-in-mins")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # (the handler runs in the main thread between bytecodes)
+            assert both.check(5) == "received SIGTERM (--exit-signal-handler): exiting after iteration 5"
+        os.kill(os.getpid(), signal.SIGTERM)  # after the context: still only noted, the process lives
+        time.sleep(0.01)
+        assert sig.noted
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if ours:
+            dist.destroy_process_group()
 
 
 def _workers(pid):

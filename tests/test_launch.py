@@ -135,8 +135,56 @@ def test_slurm_script(tmp_path, capsys):
                  "--block-parallel-size 8", "--train-iters 3", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in text, line
     assert "scontrol show hostnames" in text
+    # requeue-enabled (issue 34): the requeued job resumes --save's latest checkpoint, and the SIGTERM of a
+    # preemption or the time limit saves first
+    assert "sbatch --requeue" in text
+    flags = _train_flags(text)
+    assert flags["--save"] == flags["--load"] == ["/checkpoints/nemotron-diffusion-14b-256k-csbp"]
+    assert flags["--exit-signal-handler"] == []
+    assert "warning: --load" not in captured.err
     # the script is valid bash
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+
+
+def _train_flags(text):
+    """{flag: [values]} of the `-m megatron_csbp.train` command in a NeMo-Run sbatch script."""
+    srun = next(shlex.split(line) for line in text.splitlines() if line.startswith("srun "))
+    flags, current = {}, None
+    for token in srun[srun.index("megatron_csbp.train") + 1:]:
+        if token.startswith("--"):
+            assert token not in flags, f"{token} given twice"
+            current = flags[token] = []
+        else:
+            current.append(token)
+    return flags
+
+
+@needs_nemo_run
+def test_slurm_script_keeps_a_given_load_and_says_what_a_requeue_does(tmp_path, capsys):
+    """A recipe that starts from a converted model (--load) keeps it, with one warning line saying a
+    requeued job loads it again; an explicit --load equal to --save and an explicit
+    `exit_signal_handler: false` stay as written; a recipe without --save gets a warning."""
+    qwen = os.path.join(ROOT, "examples", "recipes", "qwen3_27b_256k_csbp.yaml")
+    assert main([qwen, "--slurm", str(tmp_path / "q.sbatch")]) == 0
+    err = capsys.readouterr().err
+    flags = _train_flags((tmp_path / "q.sbatch").read_text())
+    assert flags["--load"] == ["/checkpoints/REPLACE_ME/qwen3-27b-megatron"]
+    assert flags["--save"] == ["/checkpoints/qwen3-27b-256k-csbp"] and flags["--exit-signal-handler"] == []
+    assert ("warning: --load /checkpoints/REPLACE_ME/qwen3-27b-megatron differs from --save "
+            "/checkpoints/qwen3-27b-256k-csbp: a requeued job loads /checkpoints/REPLACE_ME/qwen3-27b-megatron "
+            "again (set training.load=/checkpoints/qwen3-27b-256k-csbp once /checkpoints/qwen3-27b-256k-csbp "
+            "holds a checkpoint)") in err.splitlines()
+    save = str(tmp_path / "ck")
+    assert main([CPU_DEMO, "--slurm", str(tmp_path / "c.sbatch"), f"training.save={save}",
+                 f"training.load={save}", "training.exit_signal_handler=false"]) == 0
+    flags = _train_flags((tmp_path / "c.sbatch").read_text())
+    assert flags["--save"] == flags["--load"] == [save] and "--exit-signal-handler" not in flags
+    assert "warning: --load" not in capsys.readouterr().err
+    assert main([CPU_DEMO, "--slurm", str(tmp_path / "d.sbatch")]) == 0
+    assert "warning: recipe cpu-demo sets no --save: a requeued job starts again from iteration 0" in \
+        capsys.readouterr().err.splitlines()
+    flags = _train_flags((tmp_path / "d.sbatch").read_text())
+    assert "--load" not in flags and "--exit-signal-handler" not in flags
 
 
 @needs_nemo_run

@@ -156,9 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--skip-train asks for evaluations, else 0)")
     c.add_argument("--skip-train", action="store_true")
     c.add_argument("--tensorboard-dir", type=str, default=None)
-    c.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration (for tests/resume)")
+    c.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit after every iteration that is a multiple of this (Megatron-LM's)")
+    c.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit after the first iteration that ends more than this many "
+                        "minutes after the program started (Megatron-LM's; all ranks agree)")
     c.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, finish the iteration, save a checkpoint (with --save) and exit (Megatron-LM's)")
+                   help="on SIGTERM (Slurm's preemption / time limit, torchrun's shutdown), finish the iteration, "
+                        "save a checkpoint (with --save) and exit 0 (Megatron-LM's; all ranks agree)")
     c.add_argument("--no-progress-bar", action="store_true")
 
     d = p.add_argument_group("data (Megatron-LM names)")
@@ -387,6 +392,9 @@ def check_counts(args) -> None:
         if value is not None and value < least:
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} must be {'positive' if least == 1 else 'at least 0'}, got {value}")
+    minutes = getattr(args, "exit_duration_in_mins", None)
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"--exit-duration-in-mins must be positive, got {minutes:g}")
     if args.eval_iters is None:
         args.eval_iters = 100 if (args.eval_interval or args.skip_train) else 0
 

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import uuid
+from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -225,6 +227,33 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
+@contextmanager
+def write_results_in_process():
+    """While active, megatron-core's torch_dist writer hands its write results back through a queue
+    of this process instead of a `multiprocessing.Manager` queue.
+
+    The writer (`strategies/filesystem_async.py`, megatron-core 0.16 and 0.19: module global
+    `_results_queue`) makes that Manager queue on its first save and keeps it: a server process
+    started with the spawn method, whose SIGTERM disposition is the default (it does not run this
+    process's `--exit-signal-handler`). A SIGTERM to every process of the job (Slurm at preemption
+    or the time limit) or to the rank's process group (what torchrun sends its workers) kills that
+    server, and the next save dies with BrokenPipeError, leaving `iter_N.tmp-*` behind. A synchronous
+    save produces and consumes the results in this very process, so a plain `queue.Queue` carries
+    them with no helper process that a signal could kill. (A version without the global: the
+    writer's own queue, unchanged.)"""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int,
                     extra: Optional[Dict[str, Any]] = None, _fail_after_write: bool = False,
                     shape=None, assets_from: Optional[str] = None) -> str:
@@ -251,7 +280,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     state["consumed_samples"] = consumed_samples
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["extra"] = extra or {}
-    dist_checkpointing.save(state, tmp)
+    with write_results_in_process():  # synchronous: nothing a SIGTERM to the job could kill mid-save
+        dist_checkpointing.save(state, tmp)
     dist.barrier()
     if _fail_after_write:
         raise RuntimeError("simulated crash during checkpoint save")

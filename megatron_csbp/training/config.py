@@ -65,7 +65,8 @@ class BatchConfig:
     global_batch_size: int
     num_microbatches: int
     train_iters: int
-    exit_interval: Optional[int]
+    exit_interval: Optional[int]  # exit after every multiple of this iteration (Megatron-LM's)
+    exit_duration_in_mins: Optional[float]  # exit after the first iteration past this many minutes
     skip_train: bool
     exit_signal_handler: bool  # on SIGTERM: finish the iteration, save, exit (Megatron-LM's)
 

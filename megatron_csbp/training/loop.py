@@ -52,9 +52,16 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         return run(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     args = parse_args(argv)
-    with Trainer(TrainerConfig.from_args(args)) as trainer:
-        _log0(trainer.describe())
-        result = trainer.train()
+    from contextlib import nullcontext
+
+    from megatron_csbp.training.signals import ExitSignal
+
+    # --exit-signal-handler: SIGTERM is noted from here on (Megatron-LM installs its handler at
+    # initialization), so a signal while the ranks build and load ends in a save, not a kill
+    with ExitSignal() if args.exit_signal_handler else nullcontext() as exit_signal:
+        with Trainer(TrainerConfig.from_args(args)) as trainer:
+            _log0(trainer.describe())
+            result = trainer.train(exit_signal)
     if demo:
         from megatron_csbp.training.demo import finish_demo
         finish_demo(args, result, time.time() - start)

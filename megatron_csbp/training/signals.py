@@ -1,21 +1,53 @@
-"""`--exit-signal-handler` (Megatron-LM's flag and behaviour): SIGTERM (what SLURM and most
-schedulers send before they kill a job) is noted, the current iteration finishes, a checkpoint is
-saved (with `--save`) and the run exits with status 0; `--load` of the same folder resumes it.
+"""Megatron-LM's exit conditions, checked at the end of every iteration as Megatron-LM's
+`checkpoint_and_decide_exit` checks them (training.py, core_v0.16.1): each one saves a checkpoint
+(with `--save`, unless this iteration was just saved) and ends the run with status 0; `--load` of
+the same folder resumes it exactly.
 
-The note is agreed across ranks at the end of every iteration (one all-reduce of one number, as
-Megatron-LM's `DistributedSignalHandler` all-gathers one flag), so every rank stops after the same
-iteration even when the signal reached only some of them.
+- `--exit-signal-handler`: SIGTERM (what Slurm sends every process of a job at preemption or the
+  time limit, and what torchrun sends its workers when it is signalled) is noted, the current
+  iteration finishes, the save runs synchronously, the run exits.
+- `--exit-duration-in-mins M`: after the first iteration that ends more than M minutes after the
+  program started (the trainer module's import, Megatron-LM's `_TRAIN_START_TIME`).
+- `--exit-interval N`: after every iteration that is a multiple of N (a resumed run included).
+
+The signal and the clock are agreed across ranks in one all-reduce (MAX) per iteration, as
+Megatron-LM's `DistributedSignalHandler` all-gathers its flag and `--exit-duration-in-mins`
+all-reduces its verdict, so every rank stops after the same iteration even when the signal reached
+only some of them.
+
+Signals during the save and after it: the handler stays installed until the process ends once a
+signal was noted, so the second SIGTERM a job step gets (Slurm signals every process, torchrun
+signals its workers again) or a third one cannot kill a rank in the middle of its save or turn its
+clean exit into a kill. The save's own helper processes are no weak point either: megatron-core's
+forked writers inherit this handler, and the write results travel through a queue of the rank
+itself (`checkpointing.write_results_in_process`) instead of a Manager server process.
 """
 from __future__ import annotations
 
 import signal
+import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+#: the program's start for --exit-duration-in-mins (Megatron-LM: `_TRAIN_START_TIME`, set when
+#: megatron/training/training.py is imported; here the import of this module by the trainer)
+PROGRAM_START = time.time()
+
+
+def _any_rank(flags) -> list:
+    """Collective: each flag OR-ed over every rank (one all-reduce)."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags],
+                     device=torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
 
 class ExitSignal:
-    """Context manager: while active, `sig` sets a flag instead of ending the process."""
+    """Context manager: while active, `sig` sets a flag instead of ending the process. Once the
+    signal arrived, leaving the context keeps the flag-setting handler (the run is on its way out:
+    a repeated signal must not kill it)."""
 
     def __init__(self, sig: signal.Signals = signal.SIGTERM):
         self.sig = sig
@@ -32,15 +64,48 @@ class ExitSignal:
         self._received = True
 
     def __exit__(self, *exc) -> None:
-        signal.signal(self.sig, self._previous if self._previous is not None else signal.SIG_DFL)
+        if not self._received:
+            signal.signal(self.sig, self._previous if self._previous is not None else signal.SIG_DFL)
 
     @property
     def name(self) -> str:
         return signal.Signals(self.sig).name
 
+    @property
+    def noted(self) -> bool:
+        """Whether this rank got the signal (local, no communication)."""
+        return self._received
+
     def received(self) -> bool:
         """Collective: whether any rank got the signal."""
-        flag = torch.tensor([1.0 if self._received else 0.0],
-                            device=torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return _any_rank([self._received])[0]
+
+
+class ExitConditions:
+    """`--exit-signal-handler`, `--exit-duration-in-mins`, `--exit-interval` (Megatron-LM's order)."""
+
+    def __init__(self, exit_signal: Optional[ExitSignal], exit_duration_in_mins: Optional[float],
+                 exit_interval: Optional[int], start: float = PROGRAM_START):
+        self.exit_signal = exit_signal
+        self.exit_duration_in_mins = exit_duration_in_mins
+        self.exit_interval = exit_interval
+        self.start = start
+
+    def check(self, iteration: int) -> Optional[str]:
+        """Why the run stops after `iteration` (one line), or None. Collective when the signal
+        handler or the duration is on (the same verdict on every rank)."""
+        flags = []
+        if self.exit_signal is not None:
+            flags.append(self.exit_signal.noted)
+        minutes = (time.time() - self.start) / 60.0
+        if self.exit_duration_in_mins:
+            flags.append(minutes > self.exit_duration_in_mins)
+        agreed = _any_rank(flags) if flags else []
+        if self.exit_signal is not None and agreed.pop(0):
+            return f"received {self.exit_signal.name} (--exit-signal-handler): exiting after iteration {iteration}"
+        if self.exit_duration_in_mins and agreed.pop(0):
+            return (f"--exit-duration-in-mins {self.exit_duration_in_mins:g}: {minutes:.2f} minutes since the "
+                    f"start; exiting after iteration {iteration}")
+        if self.exit_interval and iteration % self.exit_interval == 0:
+            return f"--exit-interval {self.exit_interval}: exiting after iteration {iteration}"
+        return None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, Optional, Tuple
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_csbp.training.config import TrainerConfig
 from megatron_csbp.training.metrics import Logger, allreduce, flops_per_sample, peak_memory_bytes
+from megatron_csbp.training.signals import PROGRAM_START  # noqa: F401  (--exit-duration-in-mins counts from here)
 from megatron_csbp.utils.cli import CliError
 
 
@@ -366,16 +366,23 @@ class Trainer:
         return iteration, consumed
 
     # ---- the loop ----------------------------------------------------------------------------
-    def train(self) -> Dict:
+    def train(self, exit_signal=None) -> Dict:
         """load -> [train_step, log, evaluate, save]* -> final save. Returns the logged history.
-        With --exit-signal-handler, SIGTERM ends the loop after the current iteration, with a save."""
+        Megatron-LM's exit conditions (--exit-signal-handler: SIGTERM; --exit-duration-in-mins;
+        --exit-interval) end the loop after an iteration, with a save (training/signals.py).
+        `exit_signal`: an active `ExitSignal` installed earlier (the CLI installs it before the build,
+        as Megatron-LM does at initialization); with --exit-signal-handler and none, one is
+        installed here."""
         from megatron_csbp.training.signals import ExitSignal
 
-        with ExitSignal() if self.config.batch.exit_signal_handler else nullcontext() as exit_signal:
+        if exit_signal is not None or not self.config.batch.exit_signal_handler:
+            return self._train(exit_signal)
+        with ExitSignal() as exit_signal:
             return self._train(exit_signal)
 
     def _train(self, exit_signal) -> Dict:
         from megatron_csbp.attention.accounting import traffic_counter
+        from megatron_csbp.training.signals import ExitConditions
 
         c = self.config
         bc, ck = c.batch, c.checkpoint
@@ -399,7 +406,8 @@ class Trainer:
             if ck.save and ck.save_initial and iteration == 0:
                 self.save(0, 0)
             acc_time, acc_iters = 0.0, 0
-            stop_at = bc.train_iters if bc.exit_interval is None else min(bc.train_iters, bc.exit_interval)
+            stop_at = bc.train_iters
+            exits = ExitConditions(exit_signal, bc.exit_duration_in_mins, bc.exit_interval)
             start_iteration, wall_start = iteration, time.perf_counter()
             train_losses = []  # (iteration, loss) of every step, for plots
             while iteration < stop_at:
@@ -435,13 +443,16 @@ class Trainer:
                     acc_time, acc_iters = 0.0, 0
                 if ck.save and ck.save_interval and iteration % ck.save_interval == 0:
                     self.save(iteration, consumed)
-                if exit_signal is not None and exit_signal.received():
+                why = exits.check(iteration)
+                if why is not None:  # Megatron-LM: save (unless this iteration was just saved), exit 0
                     if ck.save and self.last_saved != iteration:
                         self.save(iteration, consumed)
-                    _log0(f" received {exit_signal.name} (--exit-signal-handler): exiting after iteration {iteration}"
-                          + (f"; resume with --load {ck.save}" if ck.save else " (no --save: nothing saved)"))
-                    return {"history": history, "iteration": iteration, "consumed_samples": consumed,
-                            "train_losses": train_losses, "exit_signal": exit_signal.name}
+                    _log0(f" {why}" + (f"; resume with --load {ck.save}" if ck.save else " (no --save: nothing saved)"))
+                    out = {"history": history, "iteration": iteration, "consumed_samples": consumed,
+                           "train_losses": train_losses, "exit": why}
+                    if exit_signal is not None and why.startswith("received"):
+                        out["exit_signal"] = exit_signal.name
+                    return out
             if ck.save and self.last_saved != iteration and iteration > 0:
                 self.save(iteration, consumed)
         finally:
