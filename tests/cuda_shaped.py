@@ -145,6 +145,7 @@ class _Relocate(TorchFunctionMode):
 
     @staticmethod
     def _to(func, args, kwargs):
+        original = (args, dict(kwargs))
         self_, rest = args[0], list(args[1:])
         target = kwargs.pop("device", None)
         if rest and isinstance(rest[0], torch.Tensor):
@@ -154,7 +155,9 @@ class _Relocate(TorchFunctionMode):
         elif rest and (isinstance(rest[0], (str, torch.device)) or (isinstance(rest[0], int) and not isinstance(rest[0], bool))):
             target = rest.pop(0)
         if target is None or _is_cuda(target) == on_cuda(self_):
-            return func(self_, *rest, **kwargs)  # no device change: the dispatch mode keeps the taint
+            if target is not None and _is_cuda(target):  # to CUDA, already there: CUDA names a CPU here
+                return func(self_, torch.device("cpu"), *rest, **kwargs)
+            return func(*original[0], **original[1])  # no device change: the dispatch mode keeps the taint
         out = func(self_, torch.device("cpu"), *rest, **kwargs)
         return _place(out, self_, _is_cuda(target))
 

@@ -174,15 +174,29 @@ def test_torch_adam_save_and_exact_resume(tmp_path):
 
 
 # ---- the model: DiffusionGemma under EP with canvases and self-conditioning --------------------------
+def _model(config):
+    """tests/test_diffusiongemma_ep.py's model with the portable tiled attention kernel (KERNEL)."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
+    from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
+    from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
+    from tests.test_diffusiongemma_ep import B, L, V
+
+    gpt = diffusion_gemma_model(config, V, 64, kernel="tiled")
+    obj = DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=0.5)
+    return gpt, DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
+
+
 def _ep_rank(rank, world_size, state_path):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp.compat.cpu import install_compat
-    from tests.test_diffusiongemma_ep import E, _batch, _config, _expert_key, _model
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from tests.test_diffusiongemma_ep import E, _batch, _config, _expert_key
 
-    assert install_compat() is False  # "CUDA" present: the library fixes only, no CPU relocation
+    assert install_cpu_compat() is False  # "CUDA" present: the library fixes only, no CPU relocation
     mpu.initialize_model_parallel(expert_model_parallel_size=2)
     gpt, model = _model(_config(expert_model_parallel_size=2))
     full = torch.load(state_path)
@@ -215,12 +229,12 @@ def test_ep_canvas_self_conditioning_equals_one_rank(tmp_path):
 def _ep_reference(rank, world_size, state_path):
     import torch
 
-    from megatron_csbp.compat.cpu import install_compat
+    from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.model.diffusiongemma.tiny import redraw_weights
     from megatron.core import parallel_state as mpu
-    from tests.test_diffusiongemma_ep import _batch, _config, _model
+    from tests.test_diffusiongemma_ep import _batch, _config
 
-    install_compat()
+    install_cpu_compat()
     mpu.initialize_model_parallel()
     gpt, model = _model(_config())
     redraw_weights(gpt, seed=0)
