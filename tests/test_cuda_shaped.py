@@ -6,8 +6,8 @@ Each of issue 31's GPU bugs has a test here that failed before its fix:
 - TP + --sequence-parallel with megatron-core's torch norm (the trainer forces the local spec),
   with MoE (which the trainer runs with SP under TP): `test_tp_sp_moe_trains_like_one_rank`
   (before: "sequence parallel not supported by torch LayerNorm", the norm fix was CPU-only);
-- MoE without TE: the same test and `test_ep_canvas_self_conditioning_equals_one_rank`
-  (before: NameError te_general_gemm);
+- MoE without TE: the same test, megatron-core's router (before: NameError te_general_gemm;
+  DiffusionGemma's own router in the EP test below never names it);
 - the expert peers' agreement on the canvas start and the self-conditioning pass all-reduced a CPU
   tensor on the (NCCL) expert group: `test_ep_canvas_self_conditioning_equals_one_rank`;
 - torch Adam's state on resume: `test_torch_adam_save_and_exact_resume` (before: the load into a
@@ -215,7 +215,7 @@ def _ep_rank(rank, world_size, state_path):
 
 
 def test_ep_canvas_self_conditioning_equals_one_rank(tmp_path):
-    """EP 2 MoE (no TE) through diffusiongemma-sft's canvases and self-conditioning (one sample
+    """EP 2 MoE (no TE; megatron-core's all-to-all dispatcher over the NCCL expert group) through diffusiongemma-sft's canvases and self-conditioning (one sample
     draws it, the other not: the expert peers agree on both over the NCCL expert group): the loss
     of one CPU rank (tests/test_diffusiongemma_ep.py's reference, float64)."""
     from tests.gradients import MOE_TOL
