@@ -477,10 +477,12 @@ def use_prebuilt_dataset_helpers() -> bool:
 
 def install() -> None:
     """Everything a Megatron-LM script needs before `pretrain()` (after importing megatron.training):
-    the CPU shim (a no-op with CUDA), the initialisation and validation hooks, and the wheel's
+    the fixes for missing TE/apex (every device), the CPU shim (a no-op with CUDA), the initialisation and validation hooks, and the wheel's
     prebuilt dataset helpers."""
+    from megatron_csbp.compat.libraries import install_library_fixes
     from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
 
+    install_library_fixes()  # every device: torch norms under SP, MoE and torch Adam without TE/apex
     install_megatron_lm_cpu_compat()
     install_initialize_hook()
     install_validation_hook()

@@ -193,6 +193,16 @@ def get_clean_replica_global_ranks() -> List[int]:
     return list(_REPLICA_RANKS)
 
 
+# ---- collectives' devices ----------------------------------------------------------------------
+def collective_device(group=None) -> torch.device:
+    """The device a collective's tensors must be on for `group`'s backend (default: the world):
+    CUDA's current device for NCCL (which takes CUDA tensors only), the CPU for gloo. A group with
+    several backends ("cpu:gloo,cuda:nccl") takes CUDA when it has NCCL."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---- expert-parallel peers (MoE) ---------------------------------------------------------------
 def has_expert_parallel_peers() -> bool:
     """MoE tokens cross to expert-parallel peers, which may sit at other places of the layout:
@@ -216,6 +226,6 @@ def agree_with_expert_peers(first_block: int, any_sc: bool):
     group = mpu.get_expert_tensor_and_model_parallel_group(check_initialized=False)
     if group is None or dist.get_world_size(group) == 1:
         return first_block, any_sc
-    t = torch.tensor([-first_block, int(any_sc)], dtype=torch.long)
+    t = torch.tensor([-first_block, int(any_sc)], dtype=torch.long, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(-t[0]), bool(t[1])

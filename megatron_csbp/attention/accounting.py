@@ -23,12 +23,16 @@ class TrafficCounter:
     received: Dict[Tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     # Seconds this rank's compute stood waiting for a collective (the exposed communication):
     # the time inside wait() of a collective started earlier, and the whole time of a blocking one.
-    waited_s: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
     # Seconds collectives were in flight: from posting to the end of their wait (an asynchronous
     # one overlaps the compute in between), the whole time of a blocking one. in flight - waited
     # is the communication hidden behind compute (an upper bound: a transfer may end before its
     # wait starts, and gloo's requests do not say when they did).
-    in_flight_s: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
+    # Read through `waited_s` / `in_flight_s`. On CUDA the three instants are CUDA events on the
+    # compute stream (an NCCL wait() only makes the stream wait, so a host clock reads ~0); they
+    # are converted, once complete, when the numbers are read (no synchronisation per transfer).
+    _waited: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
+    _in_flight: Dict[Tuple[int, str], float] = field(default_factory=lambda: defaultdict(float))
+    _pending_events: list = field(default_factory=list)
     transfers: int = 0
 
     def record(self, layer: int, phase: str, sent: int, received: int) -> None:
@@ -36,20 +40,42 @@ class TrafficCounter:
         self.received[(layer, phase)] += int(received)
 
     def record_wait(self, layer: int, phase: str, seconds: float) -> None:
-        self.waited_s[(layer, phase)] += float(seconds)
+        self._waited[(layer, phase)] += float(seconds)
 
-    def record_transfer(self, layer: int, phase: str, posted: float, wait_start: float, wait_end: float) -> None:
+    def record_transfer(self, layer: int, phase: str, posted, wait_start, wait_end) -> None:
         """One collective: posted at `posted`, waited for from `wait_start` to `wait_end`
-        (`time.perf_counter()` seconds; a blocking one has posted == wait_start)."""
-        self.record_wait(layer, phase, wait_end - wait_start)
-        self.in_flight_s[(layer, phase)] += float(wait_end - posted)
+        (`time.perf_counter()` seconds, or three CUDA events recorded on the compute stream; a
+        blocking one has posted == wait_start)."""
         self.transfers += 1
+        if isinstance(posted, float):
+            self.record_wait(layer, phase, wait_end - wait_start)
+            self._in_flight[(layer, phase)] += float(wait_end - posted)
+        else:
+            self._pending_events.append((layer, phase, posted, wait_start, wait_end))
+
+    def _resolve(self) -> None:
+        pending, self._pending_events = self._pending_events, []
+        for layer, phase, posted, start, end in pending:
+            end.synchronize()
+            self.record_wait(layer, phase, start.elapsed_time(end) / 1e3)  # elapsed_time: ms
+            self._in_flight[(layer, phase)] += posted.elapsed_time(end) / 1e3
+
+    @property
+    def waited_s(self) -> Dict[Tuple[int, str], float]:
+        self._resolve()
+        return self._waited
+
+    @property
+    def in_flight_s(self) -> Dict[Tuple[int, str], float]:
+        self._resolve()
+        return self._in_flight
 
     def reset(self) -> None:
         self.sent.clear()
         self.received.clear()
-        self.waited_s.clear()
-        self.in_flight_s.clear()
+        self._waited.clear()
+        self._in_flight.clear()
+        self._pending_events.clear()
         self.transfers = 0
 
     @property

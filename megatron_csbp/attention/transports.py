@@ -8,7 +8,9 @@
 
 Every transfer is timed into the traffic counter (`record_transfer`): from posting to the end of
 its wait (in flight) and the wait itself (the communication left exposed); the difference was
-hidden behind compute.
+hidden behind compute. The clock is the one the wait blocks (`_stamp`): on an NCCL group wait()
+only makes the compute stream wait, so the instants are CUDA events on that stream; on gloo
+wait() blocks the host, whose clock is read.
 
 K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective; layers whose
 K and V derive from one tensor (K=V layers) send that tensor alone, half the bytes (see
@@ -31,6 +33,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _uses_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
+
+
+def _stamp(group):
+    """Now, on the timeline a wait on `group` blocks: a CUDA event recorded on the current
+    stream for a group whose tensors live on CUDA (NCCL), `time.perf_counter()` otherwise."""
+    from megatron_csbp.parallel_state import collective_device
+
+    if collective_device(group).type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
 
 
 def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
@@ -57,7 +71,7 @@ class PendingGather:
     def __init__(self, local: torch.Tensor, group, layer: int):
         self.local, self.group, self.layer = local, group, layer
         P = dist.get_world_size(group)
-        self.posted = time.perf_counter()
+        self.posted = _stamp(group)
         self.buffer = torch.empty((P * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
         self.work = dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group, async_op=True)
         traffic_counter().record(layer, "forward", (P - 1) * _nbytes(local), (P - 1) * _nbytes(local))
@@ -69,17 +83,17 @@ class PendingGather:
 class _FinishGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, pending: PendingGather):
-        t0 = time.perf_counter()
+        t0 = _stamp(pending.group)
         pending.work.wait()
-        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, time.perf_counter())
+        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
         ctx.group, ctx.layer = pending.group, pending.layer
         return pending.buffer
 
     @staticmethod
     def backward(ctx, grad_full):
-        t0 = time.perf_counter()
+        t0 = _stamp(ctx.group)
         grad_local = reduce_scatter_rows(grad_full, ctx.group)
-        traffic_counter().record_transfer(ctx.layer, "backward", t0, t0, time.perf_counter())
+        traffic_counter().record_transfer(ctx.layer, "backward", t0, t0, _stamp(ctx.group))
         P = dist.get_world_size(ctx.group)
         traffic_counter().record(ctx.layer, "backward", (P - 1) * _nbytes(grad_local), (P - 1) * _nbytes(grad_local))
         return grad_local, None
@@ -104,7 +118,7 @@ class PendingShift:
         P, r = dist.get_world_size(group), dist.get_rank(group)
         self.chunk, self.group, self.layer = chunk, group, layer
         traffic_counter().record(layer, "forward", _nbytes(chunk), _nbytes(chunk))
-        self.posted = time.perf_counter()
+        self.posted = _stamp(group)
         self.requests, self.buffer = _start_exchange(chunk.detach(), (r + 1) % P, (r - 1) % P, group)
 
     def result(self) -> torch.Tensor:
@@ -117,10 +131,10 @@ class _FinishShift(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, chunk, pending: PendingShift):
-        t0 = time.perf_counter()
+        t0 = _stamp(pending.group)
         for req in pending.requests:
             req.wait()
-        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, time.perf_counter())
+        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
         ctx.group, ctx.layer = pending.group, pending.layer
         return pending.buffer
 
@@ -128,11 +142,11 @@ class _FinishShift(torch.autograd.Function):
     def backward(ctx, grad):
         P, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         traffic_counter().record(ctx.layer, "backward", _nbytes(grad), _nbytes(grad))
-        t0 = time.perf_counter()
+        t0 = _stamp(ctx.group)
         requests, received = _start_exchange(grad, (r - 1) % P, (r + 1) % P, ctx.group)
         for req in requests:
             req.wait()
-        traffic_counter().record_transfer(ctx.layer, "backward", t0, t0, time.perf_counter())
+        traffic_counter().record_transfer(ctx.layer, "backward", t0, t0, _stamp(ctx.group))
         return received, None
 
 

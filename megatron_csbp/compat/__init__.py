@@ -1,16 +1,27 @@
-"""Running megatron-core (and Megatron-LM's training loop) on CPU gloo ranks, one module per mechanism.
+"""megatron-core (and Megatron-LM's training loop) without TE/apex, and on CPU gloo ranks: two layers.
 
-Entry points (each a no-op when CUDA is available): `compat.cpu.install_cpu_compat()` for
-megatron-core, `compat.megatron_lm.install_megatron_lm_cpu_compat()` for Megatron-LM on top of it.
-`install_cpu_compat` installs, in this order:
+1. Library fixes (`compat.libraries.install_library_fixes`), installed on EVERY device, each keyed
+   on the library megatron-core runs without, never on the device:
+   - `compat.norms`: megatron-core's torch norm (TE absent, or the local spec, which the trainer
+     always uses) under TP sequence parallelism;
+   - `compat.moe.patch_te_general_gemm`: MoE's router GEMM names `te_general_gemm`, defined only
+     with TE;
+   - `compat.optimizer.patch_torch_adam`: the distributed optimizer over torch Adam (TE's and
+     apex's fused Adam absent): per-parameter `step` on load, the state before the first step,
+     the fully-reshardable load's keys.
+2. Device relocation, installed only when CUDA is absent (`compat.cpu.install_cpu_compat()`, also
+   named `install_compat`, installs layer 1 and then, without CUDA, this layer;
+   `compat.megatron_lm.install_megatron_lm_cpu_compat()` adds Megatron-LM's), in this order:
+   1. `compat.device`: megatron modules that name CUDA see a `torch` whose CUDA is the CPU.
+   2. `compat.rng`: Megatron's RNG tracker and recompute RNG get/set on the CPU generator.
+   3. `compat.optimizer.patch_cpu_optimizers`: CUDA type-name checks, the DP-zero gather's gloo branch.
+   4. `compat.moe.patch_moe`: MoE's all-to-all split sizes as lists (gloo).
+   5. `compat.pipeline`: the tied-embedding copy under pipeline parallelism; sent stage outputs
+      kept alive until gloo has sent them.
 
-1. `compat.device`: megatron modules that name CUDA see a `torch` whose CUDA is the CPU.
-2. `compat.rng`: Megatron's RNG tracker and recompute RNG get/set on the CPU generator.
-3. `compat.optimizer`: CUDA type-name checks, the DP-zero gather, torch Adam state fixes.
-4. `compat.moe`: MoE without TransformerEngine over gloo.
-5. `compat.norms`: torch norms under TP sequence parallelism.
-6. `compat.pipeline`: the tied-embedding copy under pipeline parallelism; sent stage outputs kept
-   alive until gloo has sent them.
+The trainer, generate, the converter and the bench call `install_cpu_compat()` / `install_compat()`;
+Megatron-LM scripts get layer 1 from `megatron_csbp.megatron_lm.install()`. tests/test_cuda_shaped.py
+runs the trainer with CUDA "present" and TE/apex absent, so only layer 1 is installed there.
 
 Which patches change numerics (each claim checked against the patch; docs/compat.md has the same list):
 
@@ -24,8 +35,9 @@ Only relocate devices or lift CUDA-only checks (numerics unchanged):
   and the optimizers' constructors (same fp32 math); the DP-zero state gather takes its gloo
   branch (same gathers); the fully-reshardable load copies the keys present (no KeyError);
   `state_dict` before the first step creates the zero state torch Adam creates at its first step.
-- MoE: `te_general_gemm = None` selects megatron-core's own non-TE router GEMM; all-to-all split
-  sizes become lists (same sizes); the dispatcher's side stream is the no-op stream.
+- MoE: `te_general_gemm = None` (TE absent, every device) selects megatron-core's own non-TE router
+  GEMM; all-to-all split sizes become lists (same sizes); the dispatcher's side stream is the
+  no-op stream.
 - Megatron-LM (`compat.megatron_lm`): `allow_no_cuda`, one device (`device_count() == 1`,
   `set_device` no-op), no fused-kernel build, architecture version 0, `.cuda()` is the identity.
 

@@ -1,10 +1,12 @@
-"""megatron-core MoE without TransformerEngine, over gloo.
+"""megatron-core MoE without TransformerEngine (every device), and over gloo (CPU).
 
-- `moe_utils.te_general_gemm` is referenced but only defined with TE: defined as None, which
-  selects the code's own non-TE router GEMM (unchanged numerics: the path megatron-core runs
-  whenever TE is absent).
-- `_AllToAll` (token dispatcher): split sizes arrive as tensors/arrays, which gloo's
-  `all_to_all_single` rejects; converted to lists of ints (the same sizes, unchanged numerics).
+- `patch_te_general_gemm` (a library fix, `compat.libraries`, every device): `moe_utils.te_general_gemm`
+  is referenced but only defined with TE: defined as None where TE is absent, which selects the
+  code's own non-TE router GEMM (unchanged numerics: the path megatron-core means to run whenever
+  TE is absent; unpatched it raises NameError).
+- `patch_moe` (device relocation, CPU only): `_AllToAll` (token dispatcher): split sizes arrive as
+  tensors/arrays, which gloo's `all_to_all_single` rejects; converted to lists of ints (the same
+  sizes, unchanged numerics).
 The dispatcher's `torch.cuda.Stream()` side stream is the device proxy's no-op stream
 (`compat.device`).
 """
@@ -23,10 +25,14 @@ def _as_split_list(sizes):
     return [int(x) for x in sizes]
 
 
-def patch_moe() -> None:
+def patch_te_general_gemm() -> None:
+    """TE absent: megatron-core's moe_utils names `te_general_gemm` without defining it."""
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if "te_general_gemm" not in moe_utils.__dict__:
         moe_utils.te_general_gemm = None
+
+
+def patch_moe() -> None:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     a2a = mappings._AllToAll
     if getattr(a2a.forward, "__cpu_compat__", False):

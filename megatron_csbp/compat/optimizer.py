@@ -7,6 +7,12 @@
 | `DistributedOptimizer._set_main_param_and_optimizer_states` (torch Adam) | KeyError 'step' on a fully-reshardable load | unchanged: copies the keys the checkpoint has ('step' comes from the param groups, as designed) |
 | `DistributedOptimizer.state_dict` before the first step (torch Adam) | asserts on the per-parameter 'step' | unchanged: creates the state torch Adam creates at its first step (zeros, step 0; amsgrad is not used by Megatron) |
 | `DistributedOptimizer.load_state_dict` (torch Adam) | one shared 'step' tensor incremented once per parameter | CHANGED, corrected: each parameter gets its own step, so resumed runs use the bias corrections of an uninterrupted run (unpatched, they silently differ) |
+
+Two layers: `patch_cpu_optimizers` (the first two rows: CUDA type names and the `.cuda()` branch,
+device relocation, installed only without CUDA) and `patch_torch_adam` (the last three: a
+library fix, `compat.libraries`, installed on every device; each patched method acts only when
+the inner optimizer is torch Adam/AdamW, which megatron-core falls back to when neither TE's nor
+apex's fused Adam is installed, and calls megatron-core's own code otherwise).
 """
 from __future__ import annotations
 
@@ -54,7 +60,20 @@ def _with_cuda_type_names(fn):
     return wrapper
 
 
+def _is_torch_adam(opt) -> bool:
+    """The inner optimizer is torch's Adam/AdamW: megatron-core's fallback without TE's or apex's
+    fused Adam (whose per-parameter state carries a `step` tensor)."""
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def patch_optimizers() -> None:
+    """Both layers (what `compat.cpu` installs without CUDA)."""
+    patch_cpu_optimizers()
+    patch_torch_adam()
+
+
+def patch_cpu_optimizers() -> None:
+    """Device relocation (CPU only): CUDA type names, the DP-zero gather's gloo branch."""
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
@@ -76,12 +95,19 @@ def patch_optimizers() -> None:
             return orig(self, True, *args, **kwargs)
         return patched
 
+    _replace_once(distrib.DistributedOptimizer, "get_parameter_state_dp_zero", get_parameter_state_dp_zero)
+
+
+def patch_torch_adam() -> None:
+    """Library fix (every device): megatron-core's DistributedOptimizer with torch Adam."""
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+
     # Without TE/Apex the inner optimizer is torch Adam, whose per-parameter state has a "step"
     # tensor. The fully-reshardable load skips "step" on purpose (it is restored from the param
     # groups) but then copies every destination key: KeyError 'step'. Copy the keys it has.
     def _set_main_param_and_optimizer_states(orig):
         def patched(self, model_param, tensors):
-            if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or not _is_torch_adam(self.optimizer):
                 return orig(self, model_param, tensors)
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = self.optimizer.param_groups[group_index]["params"][group_order]
@@ -96,7 +122,7 @@ def patch_optimizers() -> None:
     # same optimizer, and the load then overwrites them.
     def state_dict(orig):
         def patched(self, *args, **kwargs):
-            if not getattr(distrib, "HAVE_APEX_OR_TE", True):
+            if _is_torch_adam(self.optimizer):
                 _init_empty_torch_adam_states(self.optimizer)
             return orig(self, *args, **kwargs)
         return patched
@@ -107,13 +133,15 @@ def patch_optimizers() -> None:
     def load_state_dict(orig):
         def patched(self, *args, **kwargs):
             out = orig(self, *args, **kwargs)
+            if not _is_torch_adam(self.optimizer):
+                return out
             for st in self.optimizer.state.values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].detach().clone()
             return out
         return patched
 
-    for make in (get_parameter_state_dp_zero, _set_main_param_and_optimizer_states, state_dict, load_state_dict):
+    for make in (_set_main_param_and_optimizer_states, state_dict, load_state_dict):
         _replace_once(distrib.DistributedOptimizer, make.__name__, make)
 
 
@@ -128,7 +156,7 @@ def _replace_once(owner, name: str, make) -> None:
 
 
 def _init_empty_torch_adam_states(opt) -> None:
-    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+    if not _is_torch_adam(opt):
         return
     for group in opt.param_groups:
         for p in group["params"]:

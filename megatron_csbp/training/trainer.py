@@ -54,7 +54,7 @@ def device() -> torch.device:
 
 
 def init_distributed(parallel) -> None:
-    """torch.distributed (nccl with CUDA, else gloo), the CPU compat layer, Megatron's and the plugin's
+    """torch.distributed (nccl with CUDA, else gloo), the compat layer, Megatron's and the plugin's
     process groups. `parallel`: a `ParallelConfig` (or a namespace with the same fields)."""
     if not dist.is_initialized():
         backend = parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -70,8 +70,8 @@ def init_distributed(parallel) -> None:
             dist.init_process_group(backend)
     if dist.get_world_size() != parallel.world_size:
         raise RuntimeError(f"WORLD_SIZE {parallel.world_size} at parse time, {dist.get_world_size()} at init")
-    from megatron_csbp.compat.cpu import install_cpu_compat
-    install_cpu_compat()
+    from megatron_csbp.compat.cpu import install_compat
+    install_compat()  # fixes for missing TE/apex on every device; the CPU relocation without CUDA
     from megatron_csbp import parallel_state as bps
     if not bps.is_initialized():
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
@@ -485,7 +485,7 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
     and loaded, on one process: what `generate` decodes with. `accept(model_meta)` may refuse the
     checkpoint (raise) before anything is built. Returns (model, model_meta, step)."""
     from megatron_csbp import parallel_state as bps
-    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.compat.cpu import install_compat
     from megatron_csbp.training import checkpointing
     from megatron_csbp.model.checkpoint import read_checkpoint_model
     from megatron_csbp.training.model import ModelArgs, build_model
@@ -507,7 +507,7 @@ def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Call
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
-    install_cpu_compat()
+    install_compat()
     if not bps.is_initialized():
         bps.initialize_block_parallel()
     fields = ModelArgs.__dataclass_fields__
