@@ -291,8 +291,14 @@ def train(a) -> Dict:
                                             drafter_transformer_config)
     from megatron_csbp.objectives import build_objective, objective_class
 
+    # This loop keeps the drafter, its gradients and its statistics on the CPU (the trainer places
+    # models on the device; issue 33 moves DFlash training there), so its collectives need gloo on
+    # every machine: an NCCL group refuses CPU tensors.
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        dist.init_process_group("gloo")
+    elif dist.get_backend() != "gloo":
+        raise ValueError(f"dflash train keeps the drafter on the CPU and needs a gloo process group; "
+                         f"the process group is {dist.get_backend()}")
     world = dist.get_world_size()
     bps.initialize_block_parallel(context_parallel_size=a.context_parallel_size,
                                   block_parallel_size=a.block_parallel_size)
