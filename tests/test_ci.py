@@ -18,6 +18,35 @@ def test_ci_fails_loudly_without_a_megatron_lm_checkout(tmp_path):
     assert proc.stdout == ""  # failed first: no install, no tests
 
 
+def _fake_megatron_lm(path):
+    (path / "megatron" / "training").mkdir(parents=True)
+    (path / "pretrain_gpt.py").write_text("")
+    return str(path)
+
+
+def test_ci_fails_loudly_without_the_megatron_lm_checkout_of_the_python_312_stack(tmp_path):
+    env = dict(os.environ, MEGATRON_LM_CACHE=_fake_megatron_lm(tmp_path / "v016"), MEGATRON_LM_PATH="",
+               MEGATRON_LM_CACHE_312=str(tmp_path / "none"), MEGATRON_LM_PATH_312="", PYTHON="false")
+    proc = subprocess.run(["bash", os.path.join(ROOT, ".ci", "run")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert f"*** CI FAILURE: no Megatron-LM checkout in {tmp_path / 'none'}" in proc.stderr
+    assert "archive core_v0.19.0 megatron/training" in proc.stderr and "megatron/legacy" not in proc.stderr
+    assert proc.stdout == ""  # failed first: no install, no tests
+
+
+def test_ci_fails_loudly_without_python_312(tmp_path):
+    env = dict(os.environ, MEGATRON_LM_CACHE=_fake_megatron_lm(tmp_path / "v016"), MEGATRON_LM_PATH="",
+               MEGATRON_LM_CACHE_312=_fake_megatron_lm(tmp_path / "v019"), MEGATRON_LM_PATH_312="",
+               PYTHON_312=str(tmp_path / "no_python"), PYTHON="false")
+    proc = subprocess.run(["bash", os.path.join(ROOT, ".ci", "run")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"*** CI FAILURE: no Python 3.12 at {tmp_path / 'no_python'} (pyenv install 3.12.1, "
+                                   "or set PYTHON_312)")
+    assert proc.stdout == ""
+
+
 def test_summary_counts_skips_by_reason_and_fails_on_a_skipped_integration_test(tmp_path):
     d = tmp_path / "tests"
     d.mkdir()

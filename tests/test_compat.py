@@ -209,6 +209,8 @@ def _moe_rank(rank, world_size, ep):
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.megatron_specs import spec_submodules
+
     mpu.initialize_model_parallel(expert_model_parallel_size=ep)
     results = {}
     for dispatcher in ("alltoall", "allgather"):  # one process start for both (the costly part)
@@ -218,7 +220,7 @@ def _moe_rank(rank, world_size, ep):
                                 expert_model_parallel_size=ep, use_cpu_initialization=True, add_bias_linear=False,
                                 moe_ffn_hidden_size=32, ffn_hidden_size=32, gated_linear_unit=True,
                                 activation_func=F.silu, moe_router_load_balancing_type="none")
-        spec = get_gpt_layer_local_spec(num_experts=4).submodules.mlp.submodules
+        spec = spec_submodules(get_gpt_layer_local_spec(num_experts=4).submodules.mlp)
         torch.manual_seed(0)
         layer = MoELayer(cfg, spec)
         # every rank's weights, keyed by the global expert index, for the float64 brute force

@@ -90,9 +90,14 @@ def test_damaged_checkpoint_files_are_named(saved, tmp_path):
     assert out.returncode == 0
     src = checkpointing.iteration_dir(save, 2)
     assert checkpointing.verify_files(src) is None
+    # torch_dist writes thread_count files per rank (__0_0.distcp, ...): megatron-core 0.16.1's default
+    # is 2, 0.19's is 1; damage the first and remove the last, whichever they are.
+    data_files = sorted(f for f in os.listdir(src) if f.endswith(".distcp"))
+    assert data_files and data_files[0] == "__0_0.distcp", data_files
+    first, last = data_files[0], data_files[-1]
     cases = {}
-    for name, damage in (("truncated", lambda d: os.truncate(os.path.join(d, "__0_0.distcp"), 1000)),
-                         ("missing", lambda d: os.remove(os.path.join(d, "__0_1.distcp"))),
+    for name, damage in (("truncated", lambda d: os.truncate(os.path.join(d, first), 1000)),
+                         ("missing", lambda d: os.remove(os.path.join(d, last))),
                          ("metadata", lambda d: os.truncate(os.path.join(d, ".metadata"), 100))):
         d = str(tmp_path / name)
         shutil.copytree(src, d)
@@ -100,7 +105,7 @@ def test_damaged_checkpoint_files_are_named(saved, tmp_path):
         cases[name] = checkpointing.verify_files(d)
     assert re.fullmatch(r".*/truncated/__0_0\.distcp is truncated \(1000 bytes; \.metadata says at least \d+\)",
                         cases["truncated"])
-    assert cases["missing"].endswith("/missing/__0_1.distcp is missing")
+    assert cases["missing"].endswith(f"/missing/{last} is missing")
     assert cases["metadata"].startswith(str(tmp_path / "metadata" / ".metadata") + " is corrupt or truncated")
 
 
@@ -151,11 +156,14 @@ def test_unchecked_divergence_never_saves_non_finite_weights(tmp_path):
 
 
 def test_old_null_tokenizer_checkpoint_is_refused_naming_vocab_size(saved, tmp_path, capsys):
-    """A checkpoint saved when the trainer read NullTokenizer's --vocab-size V as V ids (EOD V - 1,
-    mask V - 2) does not resume as another vocabulary (tests/test_null_tokenizer.py: the meaning)."""
+    """A checkpoint saved under the other meaning of NullTokenizer's --vocab-size V (tests/test_null_tokenizer.py)
+    does not resume as another vocabulary: one line names --vocab-size, the rule and the flag that
+    rebuilds its tokenizer. On megatron-core 0.16.1 (V + 1 ids) the other meaning is the trainer's
+    old one (V ids, EOD V - 1, mask V - 2); on 0.19 (V ids) it is a 0.16.1 run's (V + 1 ids, EOD V,
+    mask V + 1), which then resumes with --vocab-size V + 1 as it was."""
     import json
 
-    from megatron_csbp.data.megatron_data import saved_tokenizer
+    from megatron_csbp.data.megatron_data import null_tokenizer_counts_eod, null_tokenizer_rule, saved_tokenizer
     from megatron_csbp.model.builder import embedding_rows
 
     assert saved[1].returncode == 0
@@ -165,23 +173,27 @@ def test_old_null_tokenizer_checkpoint_is_refused_naming_vocab_size(saved, tmp_p
     with open(meta_path) as f:
         meta = json.load(f)
     m = meta["model_args"]
-    assert (m["vocab_size"], m["eod_token_id"], m["mask_token_id"], m["padded_vocab_size"]) == (65, 64, 65, 128)
-    # What the trainer saved for the same flags before NullTokenizer took Megatron-LM's meaning
-    # (--vocab-size 64: 64 ids, EOD 63, mask 62; the same 128 embedding rows, so same tensors).
-    m.update(vocab_size=64, eod_token_id=63, mask_token_id=62)
+    this = (64, 63, 64) if null_tokenizer_counts_eod() else (65, 64, 65)  # --vocab-size 64: vocabulary, EOD, mask
+    assert (m["vocab_size"], m["eod_token_id"], m["mask_token_id"], m["padded_vocab_size"]) == this + (128,)
+    # What the other meaning saved for the same flags (the same 128 embedding rows, so same tensors).
+    other = (65, 64, 65) if null_tokenizer_counts_eod() else (64, 63, 62)
+    m.update(vocab_size=other[0], eod_token_id=other[1], mask_token_id=other[2])
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     where = f"--load {save}, iter_0000002/bdlm_meta.json"
+    flag = 65 if null_tokenizer_counts_eod() else 63  # the --vocab-size whose tokenizer has other[0] ids
 
-    # the old command: refused, naming the flag and the rule
+    # the same command: refused, naming the flag and the rule
     assert _one_line(TINY + ["--load", save], capsys) == (
-        f"error: --vocab-size 64 gives 65 token ids, the checkpoint's NullTokenizer has 64 ({where}; --tokenizer-type "
-        "NullTokenizer --vocab-size V is Megatron-LM's: ids 0..V-1 plus EOD V (V + 1 ids)): resume with --vocab-size 63")
-    # the same vocabulary, but the default mask id moved: refused too
-    vocab63 = TINY[:1] + ["--vocab-size", "63"] + TINY[3:] + ["--load", save]
-    assert _one_line(vocab63, capsys) == (f"error: --mask-token-id 64 differs from the checkpoint's 62 ({where}): the model was "
-                                "trained to fill that id; resume with --mask-token-id 62")
-    # both given: the checkpoint's tokenizer exactly (EOD 63), and its readers rebuild the same one
-    a = parse_args(vocab63 + ["--mask-token-id", "62"], world_size=1)
-    assert (a.vocab_size, a.eod_token_id, a.mask_token_id, embedding_rows(a)) == (64, 63, 62, 128)
-    assert saved_tokenizer(m["tokenizer_type"], None, m["vocab_size"]).eod == 63
+        f"error: --vocab-size 64 gives {this[0]} token ids, the checkpoint's NullTokenizer has {other[0]} ({where}; "
+        f"{null_tokenizer_rule()}): resume with --vocab-size {flag}")
+    again = TINY[:1] + ["--vocab-size", str(flag)] + TINY[3:] + ["--load", save]
+    if not null_tokenizer_counts_eod():
+        # the same vocabulary, but the default mask id moved: refused too
+        assert _one_line(again, capsys) == (f"error: --mask-token-id 64 differs from the checkpoint's 62 ({where}): the "
+                                            "model was trained to fill that id; resume with --mask-token-id 62")
+        again += ["--mask-token-id", "62"]
+    # then: the checkpoint's tokenizer exactly, and its readers rebuild the same one
+    a = parse_args(again, world_size=1)
+    assert (a.vocab_size, a.eod_token_id, a.mask_token_id, embedding_rows(a)) == other + (128,)
+    assert saved_tokenizer(m["tokenizer_type"], None, m["vocab_size"]).eod == other[1]

@@ -64,13 +64,19 @@ def test_clean_rows_match_megatron_gated_delta_net_forward(megatron_single_rank,
     on the clean sequence gives the clean rows. FLA (CUDA-only) is not installed, so the l2norm that
     megatron-core imports from it is transformers' FLA-aligned torch copy (Qwen3-Next's `l2norm`),
     not the plugin's."""
+    import sys
+
     from megatron.core.ssm import gated_delta_net as mc
 
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
     L, B = 16, 4
     layer = _layer(torch.float32, deterministic_mode=True)
-    monkeypatch.setattr(mc, "l2norm", qwen3_next.l2norm, raising=False)
+    # The global l2norm of every module holding GatedDeltaNet's code (0.16.1: the module
+    # ssm.gated_delta_net; 0.19: the package's gdn and common modules), which reads FLA's l2norm
+    # (without FLA: unset in 0.16.1, None in 0.19).
+    for m in {sys.modules[c.__module__] for c in mc.GatedDeltaNet.__mro__ if c.__module__.startswith(mc.__name__)}:
+        monkeypatch.setattr(m, "l2norm", qwen3_next.l2norm, raising=False)
     plan = plan_for_layout(SequenceLayout(BlockGeometry(L, B)))
     x = torch.randn(len(plan.local), 1, 32, generator=torch.Generator().manual_seed(3))
     got, _ = layer(x, plan_mask(plan))

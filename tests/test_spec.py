@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_csbp.attention.core_attention import BlockDiffusionAttention
 from megatron_csbp.model.spec import (count_block_attention, swap_core_attention_in_model,
                                       with_block_diffusion_attention)
+from tests.megatron_specs import built_class
 
 
 def core_attentions(node, found=None):
@@ -59,7 +60,7 @@ def test_local_gpt_spec():
     sa_old, sa_new = spec.submodules.self_attention, swapped.submodules.self_attention
     assert sa_new.module is sa_old.module
     assert sa_new.submodules.linear_qkv is sa_old.submodules.linear_qkv
-    assert swapped.submodules.mlp.module is spec.submodules.mlp.module
+    assert built_class(swapped.submodules.mlp) is built_class(spec.submodules.mlp)
 
 
 def test_local_moe_and_mla_specs():
@@ -74,7 +75,7 @@ def test_moe_decoder_block_spec():
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
     assert len(block.layer_specs) == 4
     swapped = _check_swap(block, 4)
-    mlps = [s.submodules.mlp.module.__name__ for s in swapped.layer_specs]
+    mlps = [built_class(s.submodules.mlp).__name__ for s in swapped.layer_specs]
     assert mlps == ["MoELayer", "MLP", "MoELayer", "MoELayer"]
 
 
@@ -100,7 +101,7 @@ def test_transformer_engine_spec():
         assert sa_new.module is sa_old.module
         for name in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
             assert getattr(sa_new.submodules, name) is getattr(sa_old.submodules, name), (kw, name)
-        assert swapped.submodules.mlp.module is spec.submodules.mlp.module
+        assert built_class(swapped.submodules.mlp) is built_class(spec.submodules.mlp)
         assert core_attentions(spec) == [TEDotProductAttention]  # the input spec is not modified
 
 

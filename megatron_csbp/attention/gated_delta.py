@@ -37,6 +37,7 @@ than the rows they describe; segment lists hold at most 2 entries per ring membe
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -44,11 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core.ssm import gated_delta_net as _mc_gdn
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, torch_chunk_gated_delta_rule
 
 from megatron_csbp.attention.accounting import traffic_counter
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather
+
+#: The module whose globals megatron-core's GatedDeltaNet constructor reads (its FLA import guard
+#: `HAVE_FLA`, its `torch`): in 0.16.1 the module `megatron.core.ssm.gated_delta_net`; from 0.19 that
+#: name is a package and the constructor is `_GDNBase.__init__` in its `common` module.
+_mc_gdn = importlib.import_module(GatedDeltaNet.__init__.__module__)
 
 L2NORM_EPS = 1e-6  # flash-linear-attention's l2norm (and transformers' copy of it)
 
@@ -237,6 +242,15 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         # rows are already gathered), so it must not be reduced again as a sequence-parallel norm.
         for p in self.out_norm.parameters():
             p.sequence_parallel = False
+
+    def _setup_variant_attrs(self):
+        """megatron-core 0.19's sizing hook (its constructor calls it; 0.16.1 has none), which also
+        picks the kernel of megatron's own forward and asserts it is not None: without FLA its
+        chunked kernel is None. This module's forward runs `chunk_rule`, never that kernel, so the
+        slot gets megatron-core's torch kernel (what its deterministic mode uses) instead."""
+        super()._setup_variant_attrs()
+        if self.gated_delta_rule is None:
+            self.gated_delta_rule = torch_chunk_gated_delta_rule
 
     def reset_parameters(self):
         """megatron's initialisation (dt_bias = 1, A = U(A_init_range), conv uniform when conv_init),

@@ -39,8 +39,10 @@ def patch_moe() -> None:
         return
     orig_forward = a2a.forward
 
-    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
-        return orig_forward(ctx, group, input, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes))
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes, *more):
+        # more: later arguments passed on as given (megatron-core 0.19 adds `use_nccl_stream`)
+        return orig_forward(ctx, group, input, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes),
+                            *more)
 
     forward.__cpu_compat__ = True
     a2a.forward = staticmethod(forward)

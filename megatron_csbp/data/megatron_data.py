@@ -48,7 +48,12 @@ class MegatronTokenizerAdapter:
 
     def tokenize(self, text: str) -> List[int]:
         if self.null:
-            return [int(t) for t in text.split()]
+            ids = [int(t) for t in text.split()]
+            bad = [i for i in ids if not 0 <= i < self.eod]
+            if bad:  # the EOD (and the mask id, a padding id above it) must never stand for data
+                raise ValueError(f"NullTokenizer text holds the ids 0..{self.eod - 1} (EOD {self.eod}; "
+                                 f"{null_tokenizer_rule()}), got {bad[0]}")
+            return ids
         return self.tokenizer.tokenize(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -60,12 +65,37 @@ class MegatronTokenizerAdapter:
 #: Megatron-LM's `--tokenizer-type` names this project reads (the trainer, data.preprocess, generate).
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
-#: `--tokenizer-type NullTokenizer --vocab-size V`, Megatron-LM's meaning (its class, used here):
-#: ids 0..V-1 plus the EOD V, so the tokenizer's vocabulary is V + 1; the model pads it to
-#: `--make-vocab-size-divisible-by` and the default mask id is the first padding id
-#: (`objectives.flags.default_mask_token_id`).
-NULL_TOKENIZER_RULE = ("--tokenizer-type NullTokenizer --vocab-size V is Megatron-LM's: ids 0..V-1 plus EOD V "
-                       "(V + 1 ids)")
+def null_tokenizer_counts_eod() -> bool:
+    """Whether megatron-core's NullTokenizer(V), the class Megatron-LM's `--tokenizer-type
+    NullTokenizer --vocab-size V` builds, counts the EOD among its V ids: megatron-core 0.19's holds
+    ids 0..V-1 with EOD V-1 (data ids 0..V-2); 0.16.1's holds ids 0..V with EOD V (data ids 0..V-1).
+    The one place the trainer, `data.preprocess`, `generate` and the checkpoint checks learn which
+    (asked of the class, not of a version number)."""
+    return _null_tokenizer_vocab(2) == 2
+
+
+def _null_tokenizer_vocab(flag: int) -> int:
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return int(NullTokenizer(flag).vocab_size)
+
+
+def null_tokenizer_rule() -> str:
+    """`--vocab-size V` with NullTokenizer in words, the installed megatron-core's (Megatron-LM's) meaning.
+    Every NullTokenizer's EOD is its last id; the model pads its vocabulary to
+    `--make-vocab-size-divisible-by` and the default mask id is the first padding id
+    (`objectives.flags.default_mask_token_id`), so neither is ever a data id."""
+    if null_tokenizer_counts_eod():
+        return ("--tokenizer-type NullTokenizer --vocab-size V is Megatron-LM's (megatron-core >= 0.19): "
+                "V ids, data ids 0..V-2 and EOD V-1")
+    return ("--tokenizer-type NullTokenizer --vocab-size V is Megatron-LM's (megatron-core 0.16): "
+            "data ids 0..V-1 plus EOD V (V + 1 ids)")
+
+
+def __getattr__(name):  # NULL_TOKENIZER_RULE: computed when asked for (it imports megatron-core)
+    if name == "NULL_TOKENIZER_RULE":
+        return null_tokenizer_rule()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int]):
@@ -86,8 +116,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_s
                              "folder, e.g. a converted checkpoint's hf_assets)")
         return MegatronTokenizerAdapter(HuggingFaceTokenizer(tokenizer_model))
     if tokenizer_type == "NullTokenizer":
-        if not vocab_size or vocab_size < 1:
-            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size V >= 1 ({NULL_TOKENIZER_RULE})")
+        least = 2 if null_tokenizer_counts_eod() else 1  # at least one data id
+        if not vocab_size or vocab_size < least:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size V >= {least} ({null_tokenizer_rule()})")
         from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
         return MegatronTokenizerAdapter(NullTokenizer(int(vocab_size)), null=True)
@@ -96,8 +127,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_s
 
 def null_tokenizer_vocab_flag(vocab_size: int) -> int:
     """The `--vocab-size` whose NullTokenizer has `vocab_size` ids (EOD `vocab_size - 1`): the inverse
-    of `build_tokenizer("NullTokenizer", None, V).vocab_size == V + 1`."""
-    return int(vocab_size) - 1
+    of `build_tokenizer("NullTokenizer", None, V).vocab_size` (V on megatron-core 0.19, V + 1 on 0.16.1)."""
+    return int(vocab_size) if null_tokenizer_counts_eod() else int(vocab_size) - 1
 
 
 def saved_tokenizer(tokenizer_type: Optional[str], tokenizer_model: Optional[str], vocab_size: Optional[int]):

@@ -89,7 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                    help="sentencepiece .model (default: the shipped one), or for HuggingFaceTokenizer a local "
                         "tokenizer folder (e.g. a converted checkpoint's hf_assets)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer (Megatron-LM's): ids 0..V-1 plus EOD V (--append-eod appends V)")
+                   help="NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: data ids "
+                        "0..V-1 plus EOD V; 0.19: V ids, data ids 0..V-2, EOD V-1); --append-eod appends the EOD")
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility")
     a = p.parse_args(argv)

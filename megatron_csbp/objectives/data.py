@@ -7,12 +7,12 @@ from typing import Optional
 
 
 def mock_datasets(args):
-    from megatron_csbp.data.megatron_data import MockDataset, null_tokenizer_vocab_flag
+    from megatron_csbp.data.megatron_data import MockDataset
 
-    # Only ids the tokenizer produces as text: a NullTokenizer's (--vocab-size V) are 0..V-1, below its
-    # EOD V (its mask id defaults to a padding id above); another tokenizer's stay below its last two ids.
-    num_ids = null_tokenizer_vocab_flag(args.vocab_size) if args.tokenizer_type == "NullTokenizer" else \
-        args.vocab_size - 2
+    # Only ids the tokenizer produces as text: a NullTokenizer's are those below its EOD, its last id
+    # (`args.vocab_size` is the tokenizer's vocabulary, EOD included, on every megatron-core; its mask id
+    # defaults to a padding id above); another tokenizer's stay below its last two ids.
+    num_ids = args.vocab_size - 1 if args.tokenizer_type == "NullTokenizer" else args.vocab_size - 2
     return (MockDataset(args.seq_length, num_ids, args.seed, "train"),
             MockDataset(args.seq_length, num_ids, args.seed, "valid"))
 

@@ -176,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sentencepiece .model, or a local Hugging Face tokenizer folder (default with --load and "
                         "HuggingFaceTokenizer: the checkpoint's hf_assets)")
     d.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer (Megatron-LM's): ids 0..V-1 plus EOD V; the model pads V + 1 to "
-                        "--make-vocab-size-divisible-by and the default mask id is V + 1, the first padding id")
+                   help="NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: data ids "
+                        "0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
+                        "--make-vocab-size-divisible-by and the default mask id is the first padding id")
     d.add_argument("--mock-data", action="store_true")
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
     d.add_argument("--reset-position-ids", action="store_true",
@@ -344,7 +345,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     if (args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size
             and args.model_shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
-    args.vocab_size = tok.vocab_size  # from here on the tokenizer's vocabulary (NullTokenizer: --vocab-size + 1)
+    args.vocab_size = tok.vocab_size  # from here on the tokenizer's vocabulary, EOD included
     args.eod_token_id = tok.eod
     if args.model_shape is not None:
         if tok.vocab_size > args.model_shape.vocab_size:
@@ -458,7 +459,7 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
             from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
 
-            value = null_tokenizer_vocab_flag(value)  # ids 0..V-1 plus EOD V: the checkpoint's V + 1 rows
+            value = null_tokenizer_vocab_flag(value)  # the flag whose NullTokenizer has the checkpoint's rows
         given = getattr(args, dest)
         if given == defaults.get_default(dest) or given == value:
             setattr(args, dest, value)

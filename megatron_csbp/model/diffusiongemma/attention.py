@@ -44,9 +44,12 @@ except ImportError:  # pragma: no cover - other megatron-core versions
 
 class DiffusionGemmaSelfAttention(SelfAttention):
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
-                 cp_comm_type=None, pg_collection=None):
+                 cp_comm_type=None, pg_collection=None, **kwargs):
+        # kwargs: what the transformer layer passes beyond these, handed to `SelfAttention` as is
+        # (megatron-core 0.19 adds `name=`, the module's dotted name; 0.16.1 passes nothing more).
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+                         **kwargs)
         if config.attention_output_gate:
             raise ValueError("attention_output_gate is not part of DiffusionGemma")
         self.layer_kind = config.layer_type(layer_number)

@@ -29,8 +29,9 @@ class DiffusionGemmaRouter(TopKRouter):
     """Megatron's top-k softmax router (top-k of the logits, softmax over the k, which equals the
     renormalised top-k of the full softmax) with Gemma's input scaling and per-expert scale."""
 
-    def __init__(self, config, pg_collection=None):
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config, pg_collection=None, **kwargs):
+        # kwargs: handed to `TopKRouter` as is (megatron-core 0.19's MoELayer adds `is_mtp_layer=`).
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         if config.moe_router_pre_softmax or config.moe_router_score_function != "softmax":
             raise ValueError("DiffusionGemma routing is softmax over the top-k logits (moe_router_pre_softmax=False)")
         if self.is_aux_loss_enabled() or config.moe_z_loss_coeff or config.moe_router_enable_expert_bias:
@@ -68,10 +69,14 @@ class DiffusionGemmaMoESubmodules(MoESubmodules):
 
 
 class DiffusionGemmaMoELayer(MoELayer):
-    def __init__(self, config, submodules: DiffusionGemmaMoESubmodules, layer_number=None, pg_collection=None):
+    def __init__(self, config, submodules: DiffusionGemmaMoESubmodules, layer_number=None, pg_collection=None,
+                 **kwargs):
         if config.moe_shared_expert_intermediate_size is not None:
             raise ValueError("DiffusionGemma's dense branch is its own submodule, not a Megatron shared expert")
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        # kwargs: what the transformer layer passes beyond these, handed to `MoELayer` as is
+        # (megatron-core 0.19 adds `is_mtp_layer=` and `name=`; 0.16.1 passes nothing more).
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
+                         **kwargs)
 
         def norm(spec):
             return build_module(spec, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)

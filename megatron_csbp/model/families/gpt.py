@@ -232,6 +232,8 @@ class GPTFamily(Family):
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:
         """Megatron-LM command-line flags that rebuild the same model (local spec)."""
+        from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
+
         flags = [
             f"--num-layers {shape.num_layers}",
             f"--hidden-size {shape.hidden_size}",
@@ -248,9 +250,9 @@ class GPTFamily(Family):
             "--disable-bias-linear",
             "--attention-dropout 0.0",
             "--hidden-dropout 0.0",
-            # NullTokenizer (Megatron-LM's, the default for pre-tokenized data): ids 0..V-1 plus EOD V,
-            # so V = vocabulary - 1 gives the model's rows exactly (no padding)
-            f"--vocab-size {shape.vocab_size - 1}",
+            # NullTokenizer (Megatron-LM's, the default for pre-tokenized data): the --vocab-size whose
+            # tokenizer has the model's rows exactly (no padding; megatron-core 0.16: rows - 1, 0.19: rows)
+            f"--vocab-size {null_tokenizer_vocab_flag(shape.vocab_size)}",
             "--make-vocab-size-divisible-by 1",
             "--transformer-impl local",
             "--no-masked-softmax-fusion",
