@@ -249,29 +249,38 @@ def _trainer_equals_pretrain(trainer, run):
         assert history[i]["grad_norm"] == pytest.approx(run["tb"]["grad-norm"][i], rel=1e-5, abs=0), (i, history[i])
 
 
-@pytest.mark.slow  # ~3 min on the shared 2-core machine: 2 pretrain() runs (1 and 4 ranks), 2 trainer runs
-def test_trainer_and_pretrain_give_the_same_losses(tmp_path):
-    """Issue 21: Megatron-LM's pretrain() and the plugin's trainer are one training run. On one rank
-    and under PP 2 x CSBP (CP 2 + BP 2, 4 ranks, 4 micro-batches per iteration) the trainer's
-    losses and gradient norms equal pretrain()'s on the same corpus (before this test: the trainer
-    read text[:-1] of each sample where pretrain() diffuses labels = text[1:], and counted data
-    tokens equal to the mask id in the loss denominator where pretrain() did not)."""
+def _trainer_and_pretrain(tmp_path, name, nproc, extra, port):
     from tests.distributed import run_distributed
     from tests.train_helpers import train_rank
 
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    one = pretrain(tmp_path, "xc_one_rank", 1, NO_EVAL + data + SAME_RUN, 29671)
-    trainer_one = run_distributed(train_rank, 1, _trainer_argv(tmp_path, "one", NO_EVAL + data + SAME_RUN))
-    _trainer_equals_pretrain(trainer_one, one)
+    run = pretrain(tmp_path, f"xc_{name}", nproc, NO_EVAL + data + SAME_RUN + extra, port)
+    trainer = run_distributed(train_rank, nproc, _trainer_argv(tmp_path, name, NO_EVAL + data + SAME_RUN + extra))
+    print(f"{name}: pretrain() lm loss {[run['tb']['lm loss'][i] for i in (1, 2, 3)]}, trainer "
+          f"{[h['loss'] for h in trainer[0]['history'] if 'loss' in h]}")  # shown by pytest -s
+    _trainer_equals_pretrain(trainer, run)
+    return run, trainer
 
+
+@pytest.mark.slow  # ~4 min on the shared 2-core machine: 2 pretrain() runs (1 and 2 ranks), 2 trainer runs
+def test_trainer_and_pretrain_give_the_same_losses(tmp_path):
+    """Issue 21: Megatron-LM's pretrain() and the plugin's trainer are one training run. On one rank
+    and under CSBP (CP 2 + BP 2, 2 ranks) the trainer's losses and gradient norms equal pretrain()'s
+    on the same corpus, on each megatron-core with its Megatron-LM tag (before this test: the trainer
+    read text[:-1] of each sample where pretrain() diffuses labels = text[1:], and counted data
+    tokens equal to the mask id in the loss denominator where pretrain() did not)."""
+    one, trainer_one = _trainer_and_pretrain(tmp_path, "one_rank", 1, [], 29671)
     mask = null_tokenizer().vocab_size  # the first padding id: 65 on megatron-core 0.16.1, 64 on 0.19.2
     assert f"> block diffusion: --objective bd3lm, mask token id {mask}" in one["out"]
     assert trainer_one[0]["history"] and _mask_id_of_trainer(tmp_path) == mask
+    _trainer_and_pretrain(tmp_path, "csbp", 2, CSBP, 29672)
 
-    pp = ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2"] + CSBP
-    pp_run = pretrain(tmp_path, "xc_pp2_csbp", 4, NO_EVAL + data + SAME_RUN + pp, 29672)
-    trainer_pp = run_distributed(train_rank, 4, _trainer_argv(tmp_path, "pp", NO_EVAL + data + SAME_RUN + pp))
-    _trainer_equals_pretrain(trainer_pp, pp_run)
+
+@pytest.mark.slow  # ~4 min: pretrain() and the trainer on 4 ranks
+def test_trainer_and_pretrain_agree_under_pipeline_csbp(tmp_path):
+    """PP 2 x CSBP (CP 2 + BP 2, 4 ranks, 4 micro-batches per iteration): the same losses."""
+    _trainer_and_pretrain(tmp_path, "pp_csbp", 4, ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]
+                          + CSBP, 29674)
 
 
 @pytest.mark.slow  # ~1 min: one pretrain() run and one trainer run, one rank
