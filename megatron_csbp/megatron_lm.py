@@ -1,5 +1,6 @@
 """Megatron-LM integration without forking it (checked against Megatron-LM tag core_v0.16.1,
-commit 55ac7082517c3878ae653c07c09c534b8aed49f6; user guide: docs/megatron-lm.md).
+commit 55ac7082517c3878ae653c07c09c534b8aed49f6, on megatron-core 0.16.1, and tag core_v0.19.0 on
+megatron-core 0.19.2; user guide: docs/megatron-lm.md).
 
 Megatron-LM's `pretrain()` takes an `extra_args_provider`, a model provider and a forward step, and
 calls `mpu.initialize_model_parallel` and `validate_args` by attribute lookup. That is all the
@@ -18,7 +19,7 @@ plugin needs:
     Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
   - `install_validation_hook()`: after Megatron-LM's `validate_args`, refuse the flags the plugin
     cannot honour (`validate_megatron_args`, the flag named) and give an unset `--eval-interval`
-    its documented meaning (`default_eval_interval`: Megatron-LM 0.16.1 would fail on it); after
+    its documented meaning (`default_eval_interval`: Megatron-LM 0.16.1 and 0.19.0 would fail on it); after
     its tokenizer is built, pick or check the mask id (`resolve_mask_token_id`).
 - `model_provider(...)`: Megatron's GPTModel from Megatron-LM's args, any layer spec with the
   core attention swapped, wrapped as a block diffusion model.
@@ -27,11 +28,15 @@ plugin needs:
   (`bdlm_batch`); noise keyed by the global sample index, evaluation samples on their own indices.
 
 `examples/megatron_lm/pretrain_bdlm.py` puts these together with `pretrain_gpt.py`'s dataset
-provider. Nothing needs patching in core_v0.16.1 (so `patches/` stays empty for it).
+provider. Nothing needs patching in either tag (so `patches/` stays empty). Where the tags differ,
+one function each: `validation_module` (where arguments are validated), `_run_pretrain` (how
+`pretrain()` is called), `batch_on_every_stage` (the batch, read without Megatron-LM's helper) and
+`_dataset_on_every_stage` (its signature covers both).
 """
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
 from typing import List, Optional, Sequence
 
@@ -42,6 +47,7 @@ from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
 from megatron_csbp.objectives.registry import objective_class, objective_options
 from megatron_csbp.training.arguments import add_block_diffusion_args
+from megatron_csbp.utils.cli import UsageError
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -77,7 +83,7 @@ _REFUSED_MEGATRON_FLAGS = (
 
 def default_eval_interval(args) -> None:
     """`--eval-interval` unset means "no evaluation during training" (Megatron-LM's ValidationConfig),
-    but Megatron-LM 0.16.1 itself then fails after its argument dump: its
+    but Megatron-LM (0.16.1 and 0.19.0) itself then fails after its argument dump: its
     `get_train_valid_test_num_samples` computes `train_iters // eval_interval` (TypeError on None).
     Give it that meaning: `--train-iters + 1` (no iteration 1..train_iters is a multiple of it, and
     the validation dataset holds the `--eval-iters` batches of the evaluation after training).
@@ -85,22 +91,46 @@ def default_eval_interval(args) -> None:
     if getattr(args, "eval_interval", 0) is not None or getattr(args, "skip_train", False):
         return
     if not args.train_iters:
-        raise ValueError("--eval-interval is unset: Megatron-LM 0.16.1 divides --train-iters by it when sizing the "
+        raise ValueError("--eval-interval is unset: Megatron-LM divides --train-iters by it when sizing the "
                          "validation set (and fails after its argument dump); pass --eval-interval N "
                          "(with --eval-iters 0 for no evaluation)")
     args.eval_interval = args.train_iters + 1
     if getattr(args, "rank", 0) == 0:
         print(f"> block diffusion: --eval-interval unset: set to {args.eval_interval} (--train-iters + 1: no "
-              "evaluation during training; Megatron-LM 0.16.1 fails on an unset --eval-interval)", flush=True)
+              "evaluation during training; Megatron-LM fails on an unset --eval-interval)", flush=True)
+
+
+class MegatronLMFlagError(UsageError, ValueError):
+    """A Megatron-LM flag the plugin cannot honour (the message names it); `pretrain_bdlm` prints it as
+    one line (`megatron_csbp.utils.cli`), a library caller can catch it as a ValueError."""
+
+
+def _requirements_of_this_machine(args) -> None:
+    """What Megatron-LM itself would only find out after its argument dump, deep in a traceback."""
+    from megatron_csbp.compat.device import cuda_absent
+
+    if cuda_absent() and getattr(args, "distributed_backend", "gloo") != "gloo":
+        raise ValueError(f"--distributed-backend {args.distributed_backend} needs CUDA GPUs and this machine has "
+                         "none: pass --distributed-backend gloo (docs/megatron-lm.md lists the other flags of a "
+                         "CPU run)")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
+                             "Engine, which is not installed: pass --transformer-impl local")
 
 
 def validate_megatron_args(args) -> None:
-    """Refuse, at Megatron-LM's argument validation, what the plugin cannot honour (the flag named)."""
+    """Refuse what the plugin cannot honour (the flag named), on Megatron-LM's parsed arguments BEFORE
+    its own `validate_args` (which ends in the ~700-line argument dump): every rule here reads flags
+    as given, none needs Megatron's derived values."""
     default_eval_interval(args)
     for attr, flag, allowed, why in _REFUSED_MEGATRON_FLAGS:
         value = getattr(args, attr, allowed[0])
         if value not in allowed:
             raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
+    _requirements_of_this_machine(args)
     objective = objective_class(args.objective)
     if objective.megatron_lm_refusal is not None:
         raise ValueError(f"--objective {args.objective} {objective.megatron_lm_refusal}")
@@ -149,32 +179,46 @@ def resolve_mask_token_id(args, tokenizer) -> Optional[int]:
     return mid
 
 
-def install_validation_hook() -> None:
-    """Megatron-LM's `initialize_megatron` then runs `validate_megatron_args` right after its own
-    `validate_args`, and resolves the mask id right after building the tokenizer (which sets
-    `padded_vocab_size`), before any process group or model exists."""
-    from megatron.training import initialize
+def validation_module():
+    """The module whose `validate_args` and `set_global_variables` Megatron-LM's argument parsing calls:
+    `megatron.training.initialize` (core_v0.16.1: `initialize_megatron` parses and validates) or
+    `megatron.training.arguments` (core_v0.19.0: `parse_and_validate_args`, called before `pretrain`)."""
+    from megatron.training import arguments, initialize
 
-    if getattr(initialize.validate_args, "__bdlm_hook__", False):
+    return initialize if hasattr(initialize, "validate_args") else arguments
+
+
+def install_validation_hook() -> None:
+    """Megatron-LM's argument parsing then runs `validate_megatron_args` right BEFORE its own
+    `validate_args` (and its argument dump), and resolves the mask id right after building the
+    tokenizer (which sets `padded_vocab_size`), before any process group or model exists. A refusal
+    is a `MegatronLMFlagError`."""
+    module = validation_module()
+    if getattr(module.validate_args, "__bdlm_hook__", False):
         return
-    validate_args, set_global_variables = initialize.validate_args, initialize.set_global_variables
+    validate_args, set_global_variables = module.validate_args, module.set_global_variables
 
     def validate(args, defaults={}):
-        out = validate_args(args, defaults)
-        validate_megatron_args(args)
-        return out
+        try:
+            validate_megatron_args(args)
+        except ValueError as e:
+            raise MegatronLMFlagError(str(e)) from None
+        return validate_args(args, defaults)
 
     def set_globals(args, build_tokenizer=True):
         out = set_global_variables(args, build_tokenizer)
         if build_tokenizer:
             from megatron.training import get_tokenizer
-            mask = resolve_mask_token_id(args, get_tokenizer())
+            try:
+                mask = resolve_mask_token_id(args, get_tokenizer())
+            except ValueError as e:
+                raise MegatronLMFlagError(str(e)) from None
             if args.rank == 0 and mask is not None:
                 print(f"> block diffusion: --objective {args.objective}, mask token id {mask}", flush=True)
         return out
 
     validate.__bdlm_hook__ = True
-    initialize.validate_args, initialize.set_global_variables = validate, set_globals
+    module.validate_args, module.set_global_variables = validate, set_globals
 
 
 def _flag_value(argv: List[str], name: str, default: int) -> int:
@@ -412,16 +456,19 @@ def bdlm_batch(batch, mask_token_id: Optional[int], packing: Optional[Packing] =
 
 
 def batch_on_every_stage(data_iterator):
-    """Under pipeline parallelism Megatron-LM's `get_batch_on_this_tp_rank` gives the first stage
-    `tokens` and the last `labels` / `loss_mask`; every stage of a BDLM needs the clean sequence
-    (`labels`) and `loss_mask` (noise, rows and targets are rebuilt from them on each stage). TP rank 0
-    of every stage reads its own iterator (`pretrain_bdlm` builds the datasets on every stage) and
-    broadcasts them over TP."""
+    """`tokens`, `labels` and `loss_mask` of Megatron-LM's GPT batch on every rank of the TP group and
+    every pipeline stage: TP rank 0 of each stage reads its own iterator (`pretrain_bdlm` builds the
+    datasets on every stage) and broadcasts them over TP (megatron-core's `broadcast_data`).
+    Megatron-LM's `get_batch_on_this_tp_rank` gives the first stage `tokens` and the last `labels` /
+    `loss_mask`, while every stage of a BDLM needs the clean sequence (`labels`) and `loss_mask` (noise,
+    rows and targets are rebuilt from them on each stage); it also changed between the tags
+    (core_v0.16.1: `megatron.training.utils`, from the iterator; core_v0.19.0: megatron-core's
+    `utils.get_batch_on_this_tp_rank(batch, has_cu_seqlens, ...)`), so the plugin reads the batch itself."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     data = next(data_iterator) if mpu.get_tensor_model_parallel_rank() == 0 else None
-    batch = tensor_parallel.broadcast_data(["labels"], data, torch.int64)
+    batch = tensor_parallel.broadcast_data(["tokens", "labels"], data, torch.int64)
     batch.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
     return batch
 
@@ -431,15 +478,11 @@ def forward_step(data_iterator, model):
     stage; a stage before the last returns its hidden states, megatron_csbp/pipeline.py)."""
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
-    from megatron.training.utils import get_batch_on_this_tp_rank
 
     from megatron_csbp.training.model import TrainableBDLM
 
     args = get_args()
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        batch = batch_on_every_stage(data_iterator)
-    else:
-        batch = get_batch_on_this_tp_rank(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
+    batch = batch_on_every_stage(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
     inner = model
     while not isinstance(inner, TrainableBDLM):
         inner = inner.module
@@ -517,19 +560,48 @@ def install_schedule_hook() -> None:
     training.get_forward_backward_func = get_forward_backward_func
 
 
-def _dataset_on_every_stage(vp_stage=None) -> bool:
+def _dataset_on_every_stage(vp_stage=None, is_packed_sequence=False) -> bool:
+    """pretrain_gpt.is_dataset_built_on_rank for a BDLM: TP rank 0 of every stage (core_v0.19.0 also
+    passes is_packed_sequence, for SFT; core_v0.16.1 does not)."""
     from megatron.core import parallel_state as mpu
 
     return mpu.get_tensor_model_parallel_rank() == 0
 
 
+def _run_pretrain(pretrain, datasets_provider, model_type) -> None:
+    """Megatron-LM's `pretrain()` with the plugin's providers, in the tag's calling convention:
+    core_v0.16.1 `pretrain(datasets, model_provider, model_type, forward_step, extra_args_provider=,
+    args_defaults=)` parses the arguments itself; core_v0.19.0 `pretrain(cfg_container, datasets,
+    model_type, forward_step, model_provider=)` takes them parsed (`parse_and_validate_args`) and
+    gathered into a `PretrainConfigContainer` (pretrain_gpt.py's `__main__`)."""
+    import inspect
+
+    defaults = {"tokenizer_type": "GPT2BPETokenizer"}
+    if next(iter(inspect.signature(pretrain).parameters)) != "cfg_container":
+        pretrain(datasets_provider, model_provider, model_type, forward_step,
+                 extra_args_provider=extra_args_provider, args_defaults=defaults)
+        return
+    import warnings
+
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=defaults)
+    with warnings.catch_warnings():  # "It is recommended to use a ModelConfig ...": the plugin's model
+        warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")  # is a provider
+        config = pretrain_cfg_container_from_args(args)
+    pretrain(config, datasets_provider, model_type, forward_step, model_provider=model_provider)
+
+
 def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
-    """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable)."""
+    """Run Megatron-LM's `pretrain()` as a BDLM trainer (Megatron-LM must be importable). A flag the
+    plugin refuses (`validate_megatron_args`, `resolve_mask_token_id`) ends the run with one line,
+    before Megatron-LM's argument dump where it can (`megatron_csbp.utils.cli`)."""
     import sys
 
-    from megatron_csbp.utils.cli import filter_warnings
+    from megatron_csbp.utils import cli
 
-    filter_warnings()  # hide the library warnings a user cannot act on
+    cli.filter_warnings()  # hide the library warnings a user cannot act on
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
@@ -540,6 +612,9 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     # every pipeline stage reads the samples (Megatron-LM: the first and last only)
     pretrain_gpt.is_dataset_built_on_rank = _dataset_on_every_stage
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-             forward_step, extra_args_provider=extra_args_provider,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    try:
+        _run_pretrain(pretrain, pretrain_gpt.train_valid_test_datasets_provider, ModelType.encoder_or_decoder)
+    except MegatronLMFlagError as e:
+        if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
+            raise
+        cli.fail(str(e), e.exit_code)

@@ -1,8 +1,10 @@
 """Megatron-LM hooks. The argv rewrite is tested always; the checks against a real Megatron-LM
 checkout (its parse_args/validate_args with our extra_args_provider, its initialize call through
-our hook, our model provider and forward step on gloo) run when MEGATRON_LM_PATH points at one
-(checked with tag core_v0.16.1; Megatron-LM's training package imports triton, in
-requirements/cpu.txt). The end-to-end pretrain() runs are in tests/test_megatron_lm_pretrain.py."""
+our hook, our model provider and forward step on gloo) run when Megatron-LM's training package is
+found (`megatron_csbp.utils.megatron_lm_path`: MEGATRON_LM_PATH, else the cache of the installed
+megatron-core's tag: core_v0.16.1 on megatron-core 0.16.1, core_v0.19.0 on 0.19.2; Megatron-LM's
+training package imports triton, in the requirements files). The end-to-end pretrain() runs are in
+tests/test_megatron_lm_pretrain.py."""
 import os
 import sys
 
@@ -10,9 +12,11 @@ import pytest
 import torch
 
 from megatron_csbp.megatron_lm import rewrite_argv
+from megatron_csbp.utils.megatron_lm_path import find, missing_message
 from tests.distributed import run_distributed
 
-MLM = os.environ.get("MEGATRON_LM_PATH")
+MLM = find()
+needs_megatron_lm = pytest.mark.skipif(not MLM, reason=missing_message())
 
 
 def test_rewrite_argv_puts_bp_inside_cp():
@@ -29,7 +33,7 @@ def test_rewrite_argv_puts_bp_inside_cp():
 
 ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 1 --global-batch-size 2 --block-parallel-size 2 --block-size 8 --mask-token-id 5 "
-        "--vocab-size 64 --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 "
+        "--vocab-size 64 --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 --distributed-backend gloo "
         "--transformer-impl local --use-cpu-initialization --position-embedding-type rope --normalization RMSNorm "
         "--disable-bias-linear --no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
         "--no-bias-dropout-fusion --no-rope-fusion --lr 1e-3 --train-iters 1").split()
@@ -46,9 +50,9 @@ def _hook_rank(rank, world_size):
     from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
     install_megatron_lm_cpu_compat()
     from megatron.core import parallel_state as mpu
+    from megatron.training import global_vars
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_args
-    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
     from megatron_csbp import megatron_lm
     from megatron_csbp import parallel_state as bps
 
@@ -56,10 +60,10 @@ def _hook_rank(rank, world_size):
     sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(ARGV)
     args = parse_args(megatron_lm.extra_args_provider)
     validate_args(args, {})
-    args.padded_vocab_size = _vocab_size_with_padding(64, args)
+    global_vars.build_tokenizer(args)  # sets args.padded_vocab_size (128)
     set_args(args)
     megatron_lm.install_initialize_hook()
-    # Megatron-LM's own call (megatron/training/initialize.py, core_v0.16.1).
+    # Megatron-LM's own call (megatron/training/initialize.py, core_v0.16.1 and core_v0.19.0).
     mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                   args.virtual_pipeline_model_parallel_size,
                                   context_parallel_size=args.context_parallel_size,
@@ -85,7 +89,7 @@ def _hook_rank(rank, world_size):
                 num_tokens=int(num_tokens))
 
 
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+@needs_megatron_lm
 def test_real_megatron_lm_args_initialize_model_forward():
     res = run_distributed(_hook_rank, 2)
     for r in res:
@@ -105,12 +109,13 @@ def _without(argv, flag):
 
 def _validation_rank(rank, world_size):
     _with_megatron_lm()
-    from megatron.training import initialize
+    from megatron.training import global_vars
     from megatron.training.arguments import parse_args
-    from megatron.training.tokenizer import build_tokenizer
     from megatron_csbp import megatron_lm
 
     megatron_lm.install_validation_hook()
+    # where the tag validates its arguments (core_v0.16.1: initialize, core_v0.19.0: arguments)
+    validate_args = megatron_lm.validation_module().validate_args
     base = _without(_without(ARGV, "--block-parallel-size"), "--mask-token-id")
 
     def parsed(extra):
@@ -121,15 +126,15 @@ def _validation_rank(rank, world_size):
     # Megatron-LM's defaults (learned_absolute, dropout 0.1), which the plugin cannot honour, and the
     # packed-document flags, which it now accepts.
     for drop, add in [("rope", []), ("--attention-dropout", []), ("--hidden-dropout", []),
-                      (None, ["--reset-attention-mask"]), (None, ["--reset-position-ids"]),
-                      (None, ["--eod-mask-loss"])]:
+                      ("--distributed-backend", []), (None, ["--reset-attention-mask"]),
+                      (None, ["--reset-position-ids"]), (None, ["--eod-mask-loss"])]:
         argv = list(base)
         if drop:
             argv = _without(argv, "--position-embedding-type" if drop == "rope" else drop)
         sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(argv + add)
         args = parse_args(megatron_lm.extra_args_provider)
         try:
-            initialize.validate_args(args, {})  # Megatron-LM's validate_args, then the plugin's checks
+            validate_args(args, {})  # the plugin's checks, then Megatron-LM's validate_args
         except ValueError as e:
             refusals[drop or add[0]] = str(e)
     # --eval-interval unset (ARGV has none): Megatron-LM 0.16.1's own sample arithmetic divides by it
@@ -137,7 +142,7 @@ def _validation_rank(rank, world_size):
     from megatron.training.training import get_train_valid_test_num_samples
 
     args = parsed([])
-    initialize.validate_args(args, {})
+    validate_args(args, {})
     set_args(args)
     eval_interval = (args.eval_interval, get_train_valid_test_num_samples())
     args = parsed([])
@@ -146,36 +151,42 @@ def _validation_rank(rank, world_size):
         megatron_lm.default_eval_interval(args)
     except ValueError as e:
         eval_interval += (str(e),)
-    masks = {}
+    masks, vocab = {}, None
     for name, extra in [("default", []), ("in_vocab", ["--mask-token-id", "5"]),
                         ("allowed", ["--mask-token-id", "5", "--allow-mask-token-in-vocab"]),
                         ("outside", ["--mask-token-id", "128"]), ("padding", ["--mask-token-id", "100"]),
-                        ("no_room", ["--make-vocab-size-divisible-by", "65"])]:
-        args = parsed(extra)
-        tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size (Megatron pads to 128 here)
+                        ("no_room", ["--make-vocab-size-divisible-by", None])]:
+        args = parsed([str(vocab) if e is None else e for e in extra])  # no_room: padded to the vocabulary
+        tokenizer = global_vars.build_tokenizer(args)  # sets args.padded_vocab_size (Megatron pads to 128 here)
+        vocab = int(tokenizer.vocab_size)
         try:
             masks[name] = megatron_lm.resolve_mask_token_id(args, tokenizer)
         except ValueError as e:
             masks[name] = str(e)
-    return refusals, masks, eval_interval
+    return refusals, masks, eval_interval, vocab
 
 
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+@needs_megatron_lm
 def test_unsupported_flags_eval_interval_and_mask_id_at_validation():
-    refusals, masks, eval_interval = run_distributed(_validation_rank, 1)[0]
+    refusals, masks, eval_interval, vocab = run_distributed(_validation_rank, 1)[0]
     # unset --eval-interval: --train-iters 1 + 1, so Megatron-LM sizes train 1 x 2 samples and
     # validation/test --eval-iters (default 100) x 2 (its formula: (train_iters // interval + 1) x 100 x 2)
-    assert eval_interval[:2] == (2, (2, 200, 200))
-    assert "--eval-interval is unset: Megatron-LM 0.16.1 divides --train-iters by it" in eval_interval[2]
+    assert eval_interval[0] == 2 and tuple(eval_interval[1])[:3] == (2, 200, 200)
+    assert "--eval-interval is unset: Megatron-LM divides --train-iters by it" in eval_interval[2]
     assert "--position-embedding-type learned_absolute is not supported" in refusals["rope"]
     assert "--attention-dropout 0.1 is not supported" in refusals["--attention-dropout"]
     assert "--hidden-dropout 0.1 is not supported" in refusals["--hidden-dropout"]
+    if not torch.cuda.is_available():  # Megatron-LM's default nccl, on a machine without CUDA
+        assert refusals["--distributed-backend"].startswith("--distributed-backend nccl needs CUDA GPUs")
+        assert "pass --distributed-backend gloo" in refusals["--distributed-backend"]
     # Megatron's packed-document flags are honoured (issue 22: docs/semantics.md "Packed documents")
     assert not {"--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"} & set(refusals)
-    # NullTokenizer(64) produces ids 0..64 (64 = EOD); Megatron pads the vocabulary to 128.
-    assert masks["default"] == 65
+    # NullTokenizer(64): Megatron-LM core_v0.16.1's produces ids 0..64 (64 = EOD), core_v0.19.0's (megatron-core
+    # 0.19's NullTokenizer) 0..63 (63 = EOD); Megatron pads the vocabulary to 128 and the mask id is the first
+    # padding id.
+    assert vocab in (64, 65) and masks["default"] == vocab
     assert "--mask-token-id 5 is an id the tokenizer can produce" in masks["in_vocab"]
     assert "--allow-mask-token-in-vocab" in masks["in_vocab"]
     assert masks["allowed"] == 5 and masks["padding"] == 100
     assert "--mask-token-id 128 is outside the padded vocabulary [0, 128)" in masks["outside"]
-    assert "no id past the tokenizer's 65" in masks["no_room"]
+    assert f"no id past the tokenizer's {vocab}" in masks["no_room"]

@@ -1,8 +1,11 @@
-"""Megatron-LM's own `pretrain()` (tag core_v0.16.1) trains a BDLM through the plugin
-(examples/megatron_lm/pretrain_bdlm.py) on CPU gloo ranks launched with torchrun.
+"""Megatron-LM's own `pretrain()` (tag core_v0.16.1 on megatron-core 0.16.1, core_v0.19.0 on 0.19.2)
+trains a BDLM through the plugin (examples/megatron_lm/pretrain_bdlm.py) on CPU gloo ranks launched
+with torchrun.
 
-Runs when MEGATRON_LM_PATH names a Megatron-LM checkout (.ci/run sets it to the cache directory of
-docs/megatron-lm.md when that holds one). The default test launches three runs:
+Runs when Megatron-LM's training package is found (`megatron_csbp.utils.megatron_lm_path`:
+MEGATRON_LM_PATH, else the cache directory of docs/megatron-lm.md for the installed megatron-core);
+the script is launched without MEGATRON_LM_PATH (unless the caller set it) and finds the same one
+itself. The default test launches three runs:
   A. 1 rank, 3 iterations, no evaluation (--eval-interval unset: the plugin's default), a torch_dist
      checkpoint at iteration 2;
   B. CSBP (CP 2 + BP 2: Megatron sees --context-parallel-size 2, i.e. 2 ranks), 3 iterations, an
@@ -20,11 +23,19 @@ import sys
 
 import pytest
 
+from megatron_csbp.utils.megatron_lm_path import find, missing_message
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MLM = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(not (MLM and os.path.exists(os.path.join(MLM, "pretrain_gpt.py"))),
-                                reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1); see "
-                                       "docs/megatron-lm.md")
+MLM = find()
+pytestmark = pytest.mark.skipif(not MLM, reason=missing_message())
+
+
+def null_tokenizer(vocab_size=64):
+    """megatron-core's NullTokenizer(--vocab-size), the one Megatron-LM and the trainer build: ids
+    0..V-1 plus EOD V on megatron-core 0.16.1, ids 0..V-1 with EOD V-1 on 0.19.2."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return NullTokenizer(vocab_size)
 
 # The Megatron-LM flags of a tiny CPU run (docs/megatron-lm.md lists why each CPU flag is needed).
 ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -42,18 +53,24 @@ EVAL_AT_2 = ["--eval-iters", "1", "--eval-interval", "2"]
 LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
 
-def pretrain(tmp_path, name, nproc, extra, port):
-    tb = tmp_path / f"tb_{name}"
-    argv = [a for a in ARGV if not ("--data-path" in extra and a == "--mock-data")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, MLM, os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", MEGATRON_LM_PATH=MLM)
+def launch(tmp_path, name, nproc, argv, port):
+    """torchrun examples/megatron_lm/pretrain_bdlm.py argv: (return code, output). Megatron-LM is not
+    put on PYTHONPATH: the script finds it (MEGATRON_LM_PATH only when the caller set it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           os.path.join(ROOT, "examples", "megatron_lm", "pretrain_bdlm.py"), *argv, "--tensorboard-dir", str(tb),
-           *extra]
+           os.path.join(ROOT, "examples", "megatron_lm", "pretrain_bdlm.py"), *argv]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     (tmp_path / f"{name}.log").write_text(out)
-    assert proc.returncode == 0, out[-6000:]
+    return proc.returncode, out
+
+
+def pretrain(tmp_path, name, nproc, extra, port):
+    tb = tmp_path / f"tb_{name}"
+    argv = [a for a in ARGV if not ("--data-path" in extra and a == "--mock-data")]
+    code, out = launch(tmp_path, name, nproc, [*argv, "--tensorboard-dir", str(tb), *extra], port)
+    assert code == 0, out[-6000:]
     lines = {int(i): (loss, gn) for i, loss, gn in LOG.findall(out)}
     return dict(log=lines, out=out, tb=_scalars(tb))
 
@@ -85,7 +102,8 @@ def test_pretrain_one_rank_vs_csbp_with_eval_and_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     a = pretrain(tmp_path, "one_rank", 1, NO_EVAL_UNSET_INTERVAL + ["--save", str(ckpt), "--save-interval", "2"],
                  29631)
-    assert "> block diffusion: --objective bd3lm, mask token id 65" in a["out"]  # NullTokenizer: 64 + EOD
+    # the first padding id of NullTokenizer(64): 65 on megatron-core 0.16.1 (64 ids + EOD), 64 on 0.19.2
+    assert f"> block diffusion: --objective bd3lm, mask token id {null_tokenizer().vocab_size}" in a["out"]
     assert "> block diffusion: --eval-interval unset: set to 4 (--train-iters + 1" in a["out"]
     assert (ckpt / "iter_0000002").is_dir()
     b = pretrain(tmp_path, "csbp_eval", 2, CSBP + EVAL_AT_2, 29632)
@@ -96,6 +114,19 @@ def test_pretrain_one_rank_vs_csbp_with_eval_and_resume(tmp_path):
     assert "successfully loaded checkpoint" in c["out"] and sorted(c["log"]) == [3]
     assert c["tb"]["lm loss"][3] == a["tb"]["lm loss"][3]  # bit for bit (float32)
     assert c["tb"]["grad-norm"][3] == a["tb"]["grad-norm"][3]
+
+
+def test_refused_flag_is_one_line_before_megatron_argument_dump(tmp_path):
+    """Issue 34: a flag the plugin refuses (here Megatron's default --position-embedding-type
+    learned_absolute) used to end in a traceback after Megatron-LM's ~700-line argument dump; now the
+    plugin's checks run before Megatron's validate_args and the run ends with one line, status 2."""
+    i = ARGV.index("--position-embedding-type")
+    code, out = launch(tmp_path, "refused", 1, ARGV[:i] + ARGV[i + 2:], 29634)
+    assert code != 0
+    assert "error: --position-embedding-type learned_absolute is not supported with block diffusion" in out
+    assert "exitcode  : 2" in out  # torchrun's failure summary: the status of cli.fail (bad input)
+    assert "------------------------ arguments ------------------------" not in out  # Megatron's dump
+    assert "megatron_csbp/megatron_lm.py" not in out  # no traceback through the plugin
 
 
 @pytest.mark.slow
@@ -120,18 +151,20 @@ PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 
 
 def short_documents(tmp_path) -> str:
-    """An indexed corpus of short documents (3 to 12 tokens below 64, each ended by NullTokenizer's
-    EOD, id 64), so that every 32-token sample packs several; Megatron-LM's --data-path reads it."""
+    """An indexed corpus of short documents (3 to 12 tokens below NullTokenizer(64)'s EOD, each ended by
+    that EOD: 64 on megatron-core 0.16.1, 63 on 0.19.2), so that every 32-token sample packs several;
+    Megatron-LM's --data-path reads it."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+    eod = int(null_tokenizer().eod)
     prefix = str(tmp_path / "short_docs")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     g = torch.Generator().manual_seed(5)
     for _ in range(400):
         n = int(torch.randint(3, 13, (1,), generator=g))
-        builder.add_document(torch.cat([torch.randint(0, 64, (n,), generator=g), torch.tensor([64])]), [n + 1])
+        builder.add_document(torch.cat([torch.randint(0, eod, (n,), generator=g), torch.tensor([eod])]), [n + 1])
     builder.finalize(prefix + ".idx")
     return prefix
 
@@ -216,28 +249,38 @@ def _trainer_equals_pretrain(trainer, run):
         assert history[i]["grad_norm"] == pytest.approx(run["tb"]["grad-norm"][i], rel=1e-5, abs=0), (i, history[i])
 
 
-@pytest.mark.slow  # ~3 min on the shared 2-core machine: 2 pretrain() runs (1 and 4 ranks), 2 trainer runs
-def test_trainer_and_pretrain_give_the_same_losses(tmp_path):
-    """Issue 21: Megatron-LM's pretrain() and the plugin's trainer are one training run. On one rank
-    and under PP 2 x CSBP (CP 2 + BP 2, 4 ranks, 4 micro-batches per iteration) the trainer's
-    losses and gradient norms equal pretrain()'s on the same corpus (before this test: the trainer
-    read text[:-1] of each sample where pretrain() diffuses labels = text[1:], and counted data
-    tokens equal to the mask id in the loss denominator where pretrain() did not)."""
+def _trainer_and_pretrain(tmp_path, name, nproc, extra, port):
     from tests.distributed import run_distributed
     from tests.train_helpers import train_rank
 
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    one = pretrain(tmp_path, "xc_one_rank", 1, NO_EVAL + data + SAME_RUN, 29671)
-    trainer_one = run_distributed(train_rank, 1, _trainer_argv(tmp_path, "one", NO_EVAL + data + SAME_RUN))
-    _trainer_equals_pretrain(trainer_one, one)
+    run = pretrain(tmp_path, f"xc_{name}", nproc, NO_EVAL + data + SAME_RUN + extra, port)
+    trainer = run_distributed(train_rank, nproc, _trainer_argv(tmp_path, name, NO_EVAL + data + SAME_RUN + extra))
+    print(f"{name}: pretrain() lm loss {[run['tb']['lm loss'][i] for i in (1, 2, 3)]}, trainer "
+          f"{[h['loss'] for h in trainer[0]['history'] if 'loss' in h]}")  # shown by pytest -s
+    _trainer_equals_pretrain(trainer, run)
+    return run, trainer
 
-    assert "> block diffusion: --objective bd3lm, mask token id 65" in one["out"]
-    assert trainer_one[0]["history"] and _mask_id_of_trainer(tmp_path) == 65
 
-    pp = ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2"] + CSBP
-    pp_run = pretrain(tmp_path, "xc_pp2_csbp", 4, NO_EVAL + data + SAME_RUN + pp, 29672)
-    trainer_pp = run_distributed(train_rank, 4, _trainer_argv(tmp_path, "pp", NO_EVAL + data + SAME_RUN + pp))
-    _trainer_equals_pretrain(trainer_pp, pp_run)
+@pytest.mark.slow  # ~4 min on the shared 2-core machine: 2 pretrain() runs (1 and 2 ranks), 2 trainer runs
+def test_trainer_and_pretrain_give_the_same_losses(tmp_path):
+    """Issue 21: Megatron-LM's pretrain() and the plugin's trainer are one training run. On one rank
+    and under CSBP (CP 2 + BP 2, 2 ranks) the trainer's losses and gradient norms equal pretrain()'s
+    on the same corpus, on each megatron-core with its Megatron-LM tag (before this test: the trainer
+    read text[:-1] of each sample where pretrain() diffuses labels = text[1:], and counted data
+    tokens equal to the mask id in the loss denominator where pretrain() did not)."""
+    one, trainer_one = _trainer_and_pretrain(tmp_path, "one_rank", 1, [], 29671)
+    mask = null_tokenizer().vocab_size  # the first padding id: 65 on megatron-core 0.16.1, 64 on 0.19.2
+    assert f"> block diffusion: --objective bd3lm, mask token id {mask}" in one["out"]
+    assert trainer_one[0]["history"] and _mask_id_of_trainer(tmp_path) == mask
+    _trainer_and_pretrain(tmp_path, "csbp", 2, CSBP, 29672)
+
+
+@pytest.mark.slow  # ~4 min: pretrain() and the trainer on 4 ranks
+def test_trainer_and_pretrain_agree_under_pipeline_csbp(tmp_path):
+    """PP 2 x CSBP (CP 2 + BP 2, 4 ranks, 4 micro-batches per iteration): the same losses."""
+    _trainer_and_pretrain(tmp_path, "pp_csbp", 4, ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]
+                          + CSBP, 29674)
 
 
 @pytest.mark.slow  # ~1 min: one pretrain() run and one trainer run, one rank

@@ -355,12 +355,91 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
     state = _sharded_state(model, optimizer, is_loading=True)
     loaded = _read(dist_checkpointing, state, path)
     _load_model_state(model, loaded, path)
+    check_resumed_schedule(scheduler, loaded.get("scheduler"), path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     return {"iteration": int(loaded["iteration"]), "consumed_samples": int(loaded["consumed_samples"]),
             "extra": loaded.get("extra", {}), "path": path}
+
+
+# ---- a resume with other learning-rate or schedule flags ----------------------------------------
+#
+# The trainer steps megatron-core's optimizer and OptimizerParamScheduler with Megatron-LM's flags
+# `--override-opt_param-scheduler` / `--use-checkpoint-opt_param-scheduler`, so a resume whose flags
+# changed the schedule does what Megatron-LM's `pretrain()` does on the same megatron-core:
+#
+# - neither flag: every scheduler value must equal the checkpoint's (megatron-core asserts; here one
+#   line names the flags that changed);
+# - --use-checkpoint-opt_param-scheduler: the checkpoint's values win;
+# - --override-opt_param-scheduler: the flags' values win for the scheduler (decay style, warmup,
+#   decay steps, weight decay), while each learning rate is computed from the optimizer's parameter
+#   groups' `max_lr` / `min_lr`, which the optimizer's own state restores: on megatron-core 0.16.1 the
+#   checkpoint's (the new --lr / --min-lr do not reach the learning rate, as in Megatron-LM
+#   core_v0.16.1; a line says so);
+# - megatron-core 0.19 also matches the optimizer's parameter groups by `max_lr` / `min_lr`
+#   (`param_group_identifier_keys`), so a changed --lr or --min-lr cannot be loaded at all, with either
+#   flag (Megatron-LM core_v0.19.0 stops with "Could not find parameter group"): refused in one line.
+
+#: OptimizerParamScheduler.state_dict() entries and the trainer flags that set them
+SCHEDULER_FLAGS = {
+    "max_lr": "--lr", "min_lr": "--min-lr", "lr_decay_style": "--lr-decay-style",
+    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction (x --global-batch-size samples)",
+    "lr_decay_steps": "--lr-decay-iters, default --train-iters (x --global-batch-size samples)",
+    "start_wd": "--weight-decay", "end_wd": "--weight-decay",
+    "wd_incr_steps": "--lr-decay-iters, default --train-iters (x --global-batch-size samples)",
+    "wd_incr_style": "the weight-decay schedule",
+}
+
+
+def param_groups_keyed_by_lr() -> bool:
+    """Whether megatron-core's optimizer matches saved parameter groups by their max_lr/min_lr
+    (megatron-core 0.19: optimizer.py `param_group_identifier_keys`; 0.16.1: by wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr only)."""
+    from megatron.core.optimizer import optimizer as core_optimizer
+
+    return "max_lr" in getattr(core_optimizer, "param_group_identifier_keys", ())
+
+
+def _scheduler_changes(scheduler, saved: Dict[str, Any]) -> List[str]:
+    now = scheduler.state_dict()
+    out, seen = [], set()
+    for key, flag in SCHEDULER_FLAGS.items():
+        if key in saved and key in now and now[key] != saved[key] and flag not in seen:
+            seen.add(flag)
+            out.append(f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
+    return out
+
+
+def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str) -> None:
+    """Before the optimizer and scheduler state are loaded: refuse, in one line naming the flags, a
+    resume that Megatron-LM would stop with an assertion or a parameter-group error (see above)."""
+    if scheduler is None or saved is None:
+        return
+    lr_changed = [f"{SCHEDULER_FLAGS[k]} {scheduler.state_dict()[k]} (the checkpoint's {saved[k]})"
+                  for k in ("max_lr", "min_lr") if k in saved and scheduler.state_dict()[k] != saved[k]]
+    if lr_changed and param_groups_keyed_by_lr():
+        import megatron.core
+
+        raise CheckpointError(
+            f"cannot resume {path} with {' and '.join(lr_changed)}: megatron-core {megatron.core.__version__} matches "
+            "the optimizer's parameter groups by their max_lr/min_lr, so it cannot load the checkpoint's under "
+            "another --lr or --min-lr, whatever --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler "
+            "say (Megatron-LM fails the same way); resume with the checkpoint's --lr and --min-lr")
+    override = getattr(scheduler, "override_opt_param_scheduler", False)
+    use_checkpoint = getattr(scheduler, "use_checkpoint_opt_param_scheduler", False)
+    if not (override or use_checkpoint):
+        changes = _scheduler_changes(scheduler, saved)
+        if changes:
+            raise CheckpointError(
+                f"cannot resume {path}: {'; '.join(changes)}. Pass --use-checkpoint-opt_param-scheduler (keep the "
+                "checkpoint's schedule) or --override-opt_param-scheduler (take the flags'), or resume with the "
+                "checkpoint's values (Megatron-LM's rule)")
+    elif override and lr_changed and dist.get_rank() == 0:
+        print(f" --override-opt_param-scheduler: the schedule follows the flags, but {' and '.join(lr_changed)} "
+              "does not reach the learning rate: the optimizer's parameter groups keep the checkpoint's max_lr/min_lr "
+              "(megatron-core's OptimizerParamScheduler reads them; Megatron-LM does the same)", flush=True)
 
 
 def _read(dist_checkpointing, state, path: str):

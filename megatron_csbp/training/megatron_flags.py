@@ -91,6 +91,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
                         "no optimizer, scheduler or RNG state")
     t.add_argument("--no-load-optim", action="store_true",
                    help="do not load the optimizer and learning-rate scheduler state of the --load checkpoint")
+    t.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume, take the learning-rate schedule of the flags, not the --load checkpoint's "
+                        "(Megatron-LM's rule; docs/megatron-lm.md \"Resuming with other learning-rate flags\")")
+    t.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, keep the --load checkpoint's learning-rate schedule whatever the flags say "
+                        "(Megatron-LM's; without either flag a changed schedule is refused)")
     t.add_argument("--no-load-rng", action="store_true",
                    help="accepted: the trainer's checkpoints hold no RNG state (training noise is keyed by "
                         "(--seed, sample index))")
@@ -134,6 +142,9 @@ def check_run_flags(args: argparse.Namespace) -> None:
     if args.ckpt_format != "torch_dist":
         raise ValueError(f"--ckpt-format {args.ckpt_format}: the trainer writes and reads torch_dist checkpoints only "
                          "(dist_checkpointing, which reshards across TP / CP / BP / EP layouts)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("give --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, not both "
+                         "(Megatron-LM's rule)")
     if (args.finetune or args.no_load_optim) and not args.load:
         flag = "--finetune" if args.finetune else "--no-load-optim"
         raise ValueError(f"{flag} needs --load CHECKPOINT")

@@ -174,7 +174,8 @@ class Trainer:
             lr_warmup_steps=warmup, lr_decay_steps=max(decay_iters * G, warmup + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(decay_iters * G, 1), wd_incr_style="constant",
-            use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+            use_checkpoint_opt_param_scheduler=c.checkpoint.use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=c.checkpoint.override_opt_param_scheduler)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.dp_size = mpu.get_data_parallel_world_size()
         self.dp_group = mpu.get_data_parallel_group()
