@@ -292,6 +292,9 @@ class _Stream(_NoOpStream):
         event.record()
         return event
 
+    def is_capturing(self):  # no CUDA graph is ever captured here
+        return False
+
 
 _DEFAULT_STREAM = _Stream()
 
@@ -357,6 +360,19 @@ def _patch_cuda() -> None:
     for name in ("range_push", "range_pop", "mark"):
         setattr(c.nvtx, name, none)
     c.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    # torch.accelerator (torch >= 2.6; torch.optim's Adam asks it for the current stream before each
+    # step): on a CUDA build of torch it asks the real driver, so it is the same mocked device.
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        for name, value in dict(
+            is_available=lambda *a, **k: True, device_count=lambda: DEVICE_COUNT,
+            current_accelerator=lambda *a, **k: torch.device("cuda"),
+            current_device_index=lambda: _STATE.index, current_device_idx=lambda: _STATE.index,
+            set_device_index=_set_device, set_device_idx=_set_device,
+            current_stream=lambda *a, **k: _DEFAULT_STREAM, synchronize=none,
+        ).items():
+            if hasattr(acc, name):
+                setattr(acc, name, value)
 
 
 def _relocate_in_backward(relocate) -> None:
