@@ -40,6 +40,8 @@ setup(
         "tqdm",
         "pyyaml",
         "transformers>=5.24,<6",
+        # data/tokenizer.py builds the export's tokenizer.json with it (transformers 5.24 requires 0.23)
+        "tokenizers>=0.23",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "matplotlib", "tensorboard"],
