@@ -58,8 +58,9 @@ def test_log_json_tensorboard_eval_and_skip_train(tmp_path):
     # batches with the same noise (keyed by evaluation sample index), so its value is CSBP's: within
     # the suite's layout tolerance (1e-5 relative, tests/test_train_layouts.py: fp32 sums in another
     # order over 2 ranks, measured ~1e-7).
+    # (the run's own schedule flags: a resume with another schedule is refused, as in Megatron-LM)
     only = run_distributed(train_rank, 1, TINY + ["--train-iters", "3", "--skip-train", "--eval-iters", "1",
-                                                  "--load", ckpt])[0]
+                                                  "--lr-decay-style", "cosine", "--load", ckpt])[0]
     assert only["iteration"] == 3
     assert only["history"][0]["eval_loss"] == pytest.approx(recs[2]["eval_loss"], rel=1e-5, abs=0)
 
