@@ -32,15 +32,11 @@ imported, which binds some torch.cuda functions at import) and initialise torch.
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 import time
-import traceback
 import types
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -407,48 +403,16 @@ def install() -> None:
 
 
 # ---- spawning ranks --------------------------------------------------------------------------------------
-def _entry(rank, world_size, port, out_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        install()
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        with torch._C.DisableTorchFunction():
-            torch.save({"ok": True, "result": result}, path)
-    except BaseException:
-        with torch._C.DisableTorchFunction():
-            torch.save({"ok": False, "error": traceback.format_exc()}, path)
-        raise
-    finally:
-        from megatron_csbp import parallel_state as bps
-
-        if bps.is_initialized():
-            bps.destroy_block_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _setup(rank: int) -> str:
+    """A spawned rank becomes the CUDA-shaped device 'rank'; its process group is "nccl" (gloo underneath)."""
+    install()
+    torch.cuda.set_device(rank)
+    return "nccl"
 
 
 def run(fn, world_size: int, *args):
     """fn(rank, world_size, *args) on `world_size` CUDA-shaped ranks ("nccl" over gloo); the results.
-    An exception on any rank fails the call with that rank's traceback."""
-    from megatron_csbp.utils.spawn import _free_port
+    An exception on any rank fails the call with that rank's traceback (`utils.spawn`)."""
+    from megatron_csbp.utils.spawn import spawn
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
-                               nprocs=world_size, join=True, start_method="spawn")
-        except Exception as exc:
-            errors = []
-            for r in range(world_size):
-                p = os.path.join(out_dir, f"rank{r}.pt")
-                if os.path.exists(p):
-                    rec = torch.load(p, weights_only=False)
-                    if not rec["ok"]:
-                        errors.append(f"--- rank {r} ---\n{rec['error']}")
-            raise RuntimeError("cuda-shaped run failed:\n" + "\n".join(errors or [str(exc)])) from None
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["result"]
-                for r in range(world_size)]
+    return spawn(fn, world_size, *args, setup=_setup)

@@ -17,16 +17,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args):
+def _entry(rank, world_size, port, out_dir, fn, args, setup):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        torch.save({"ok": True, "result": fn(rank, world_size, *args)}, path)
+        backend = setup(rank) if setup is not None else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # saved outside any torch-function mode a setup may have entered
+        with torch._C.DisableTorchFunction():
+            torch.save({"ok": True, "result": result}, path)
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        with torch._C.DisableTorchFunction():
+            torch.save({"ok": False, "error": traceback.format_exc()}, path)
         raise
     finally:
         from megatron_csbp import parallel_state as bps
@@ -37,24 +42,26 @@ def _entry(rank, world_size, port, out_dir, fn, args):
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, attempts: int = 3):
+def spawn(fn, world_size: int, *args, attempts: int = 3, setup=None):
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return the list of results.
 
-    `fn` must be importable (module level). An exception on any rank fails the call with that
+    `fn` must be importable (module level). `setup(rank)`, if given (importable too), runs in each
+    rank before the process group and returns its backend (tests/cuda_shaped.py makes the rank
+    CUDA-shaped and asks for "nccl"). An exception on any rank fails the call with that
     rank's traceback. The rendezvous port is picked free and then bound by rank 0, so another
     process can take it in between: that (and only that) is retried on a new port."""
     for attempt in range(attempts):
         try:
-            return _spawn_once(fn, world_size, args)
+            return _spawn_once(fn, world_size, args, setup)
         except RuntimeError as exc:
             if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
                 raise
 
 
-def _spawn_once(fn, world_size: int, args):
+def _spawn_once(fn, world_size: int, args, setup):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args),
+            mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args, setup),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception as exc:
             errors = []
