@@ -150,17 +150,23 @@ def check_kernel(name, q, k, v, mask, scale, d_out, d_lse, ref, backward: bool):
     return cell
 
 
-def timed(fn, reps):
+def timed(fn, reps: int, dev: torch.device = torch.device("cuda")) -> float:
+    """Median seconds of `reps` calls after one warm call (CUDA events on CUDA, the host clock on CPU)."""
     fn()
-    torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        ts.append(start.elapsed_time(end) / 1e3)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
     return sorted(ts)[len(ts) // 2]
 
 

@@ -33,26 +33,7 @@ from megatron_csbp.attention.block_attention import block_diffusion_attention, p
 from megatron_csbp.attention.kernels import get_kernel  # noqa: E402
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
-
-
-def timed(fn, reps: int, dev: torch.device) -> float:
-    """Median seconds of `reps` calls after one warm call (CUDA events on CUDA, the host clock on CPU)."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+from check_kernels import timed  # noqa: E402  (tests/gpu/ is the script's own folder)
 
 
 def peak_bytes(fn, dev: torch.device):
