@@ -13,7 +13,7 @@ micro-batch of a 1F1B schedule. Instead, per iteration (`SelfConditioningRelay.r
    expert-parallel peers agree, `BlockDiffusionModel.draws_self_conditioning`). Micro-batches that
    draw none run no first pass and send nothing;
 2. megatron-core's own schedule, `forward_only`, runs the first pass over the picked micro-batches
-   (`BlockDiffusionModel.forward(first_pass=True)`): stages hand on hidden states as in training;
+   (`BlockDiffusionModel.first_pass`, run by `forward(first_pass=True)`): stages hand on hidden states as in training;
    the last stage keeps what its output layer would read for the noisy rows (the final-normed
    hidden states, [noisy rows, b, h], its 1/TP share under sequence parallelism) and runs its
    output layer on no rows: the logits ([noisy rows, b, vocab]: 262K for Gemma) are never made

@@ -102,9 +102,8 @@ class DiffusionGemmaSampler:
         self.state.rows = RowMeta(rows.is_clean, rows.position + self._shift)
         self.forward_calls += 1
         plan = AttentionPlan(self.state.geometry, rows)
-        with self.gpt.self_conditioning_inputs(sc_logits):
-            # clean rows: no logits wanted (an empty selection skips the output layer's rows)
-            out = self.bdlm.logits(ids, plan, logit_rows=empty if clean else None)
+        # clean rows: no logits wanted (an empty selection skips the output layer's rows)
+        out = self.bdlm.logits(ids, plan, logit_rows=empty if clean else None, self_conditioning_logits=sc_logits)
         return None if clean else out
 
     def extend(self, ids: torch.Tensor, start: int) -> None:

@@ -5,11 +5,14 @@ A forward is noise -> plan -> rows -> model -> loss: the objective noises the ba
 the rank's rows of the layout (or of a canvas of it); the layout's `RowFeeder` (layout/feed.py)
 gives this rank's rows ([owned noisy ; clean]) with their shared positions and the rows that carry
 a target; `logits` runs the GPT model and keeps only the rows that reach the output layer (a
-pre-hook on the output layer drops the clean rows: half the output GEMM, no fp32 logits for them);
+pre-hook on the output layer, bound to the call's rows, drops the clean rows: half the output GEMM,
+no fp32 logits for them);
 `loss` (model/loss.py) returns this rank's partial loss over the global denominator. Summing it
 over the shard group gives the full loss. Under pipeline parallelism every stage runs the same
-noise -> plan -> rows (keyed by the sample index; megatron_csbp/pipeline.py); a stage before the
-last returns its hidden states of this rank's rows for the next stage instead of a loss.
+noise -> plan -> rows (keyed by the sample index; megatron_csbp/pipeline.py). `forward` (what
+Megatron's schedules call) runs one mode, each its own method: `training_loss` (the last stage or
+the whole model), `stage_output` (a stage before the last: hidden states of this rank's rows for
+the next stage) or `first_pass` (self-conditioning's first pass under pipeline parallelism).
 
 Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses all three):
 - `first_canvas_block`: noisy rows only for blocks from there on (the layout's `canvas_layout`;
@@ -31,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Optional
+from functools import partial
+from typing import Optional, Union
 
 import torch
 
@@ -78,15 +82,8 @@ class BlockDiffusionModel(torch.nn.Module):
         tp_shards = gpt.config.tensor_model_parallel_size if gpt.config.sequence_parallel else 1
         self.feeder = RowFeeder(layout, shard_rank, ring_group, transport, objective.uses_noisy_stream, tp_shards,
                                 mpu.get_tensor_model_parallel_rank() if tp_shards > 1 else 0)
-        self._output: Optional[OutputRows] = None  # set by `logits` for its forward only
-        # self-conditioning's first pass on the last pipeline stage: the output layer's input is
-        # kept here and the output layer gets no rows (forward(first_pass=True))
-        self._captured: Optional[list] = None
         # Pipeline parallelism (megatron_csbp/pipeline.py): only the last stage has the output layer.
         self.last_stage = getattr(gpt, "post_process", True)
-        if self.last_stage:
-            gpt.output_layer.register_forward_pre_hook(self._keep_logit_rows)
-            gpt.output_layer.register_forward_hook(self._order_logit_rows)
 
     @property
     def whole_model(self) -> bool:
@@ -102,18 +99,17 @@ class BlockDiffusionModel(torch.nn.Module):
         """This rank's plan with noisy rows from block `first_block` on (see `RowFeeder.canvas_plan`)."""
         return self.feeder.canvas_plan(first_block, balanced=has_expert_parallel_peers())
 
-    # ---- forward ---------------------------------------------------------------------------------
+    # ---- the modes -------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 sample_index: Optional[torch.Tensor] = None,
                 denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                self_conditioning: Optional[torch.Tensor] = None, first_pass: bool = False) -> LossOutput:
-        """`document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens.
-
-        Under pipeline parallelism self-conditioning runs in two schedules
-        (megatron_csbp/pipeline_self_conditioning.py): `first_pass=True` is its no-grad first pass
-        (a stage before the last returns hidden states, the last its output-layer input for the
-        noisy rows, [noisy rows (/TP under SP), b, h], never the logits); then the first stage's
-        training forward gets that as `self_conditioning`."""
+                self_conditioning: Optional[torch.Tensor] = None,
+                first_pass: bool = False) -> Union[LossOutput, torch.Tensor]:
+        """What Megatron's schedules call (through their forward_step): fills in the defaults and
+        runs one mode, per sample when a packed micro-batch's samples have different documents
+        (`_sample_by_sample`). `first_pass`: `first_pass`; else the last pipeline stage (or the
+        whole model) `training_loss`, a stage before the last `stage_output`.
+        `document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
         self.feeder.check_sequence_length(tokens)
         if loss_mask is None:
             loss_mask = torch.ones_like(tokens)
@@ -122,73 +118,97 @@ class BlockDiffusionModel(torch.nn.Module):
         loss_mask = self.supervised(tokens, loss_mask)
         if denominator is None:
             denominator = self.objective.denominator(loss_mask)
+        mode = self.first_pass if first_pass else self.training_loss if self.last_stage else self.stage_output
+        args = (tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning)
         if self.packing is not None and self.packing.splits_documents and tokens.shape[0] > 1:
             ids = [None] * tokens.shape[0] if document_ids is None else list(document_ids)
             docs = [self.packing.documents(t, i) for t, i in zip(tokens, ids)]
             if any(d != docs[0] for d in docs[1:]):
-                # Each packed sample has its own documents, hence its own plan: one forward per
-                # sample. The loss is a sum over target rows divided by the global denominator,
-                # and noise is keyed by the sample index, so the sum is the micro-batch's loss.
-                return self._sample_by_sample(tokens, loss_mask, sample_index, denominator, document_ids)
+                return self._sample_by_sample(mode, *args)
+        return mode(*args)
+
+    def training_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None,
+                      self_conditioning=None) -> LossOutput:
+        """The last stage's (or the whole model's) training forward: this rank's partial loss over
+        `denominator` (`loss_mask` already `supervised`)."""
         noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
-        if first_pass:
-            # Pipeline stage of self-conditioning's first pass (no grad; see the docstring).
-            with torch.no_grad():
-                if not self.last_stage:
-                    return self.logits(rows.input_ids, plan)
-                self._captured = []
-                try:
-                    self.logits(rows.input_ids, plan)
-                    if self._captured:
-                        return self._captured[0]
-                    # no noisy rows here (a micro-batch that pads an interleaved first pass)
-                    w = self.gpt.shared_embedding_or_output_weight()
-                    return w.new_zeros((0, tokens.shape[0], w.shape[1]))
-                finally:
-                    self._captured = None
-        model_kwargs = {}
-        if any_sc and rows.num_noisy and self.whole_model:
-            # Self-conditioning: a detached first pass gives the noisy rows' logits.
-            with torch.no_grad():
-                first_logits = self.logits(rows.input_ids, plan)
-            model_kwargs = dict(self_conditioning_logits=first_logits.detach(),
-                                self_conditioning_mask=noised.self_conditioning)
-        elif any_sc and rows.num_noisy and getattr(self.gpt, "pre_process", True):
-            if self_conditioning is None:
-                raise ValueError("self-conditioning under --pipeline-model-parallel-size > 1: the first stage got no "
-                                 "hidden states from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
-            model_kwargs = dict(self_conditioning_hidden=self_conditioning,
-                                self_conditioning_mask=noised.self_conditioning)
-        logits = self.logits(rows.input_ids, plan, rows.logit_rows, **model_kwargs)
-        if not self.last_stage:
-            return logits  # pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows
+        logits = self.logits(rows.input_ids, plan, rows.logit_rows,
+                             **self._self_conditioning_inputs(noised, plan, any_sc, rows, self_conditioning))
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
 
-    def _sample_by_sample(self, tokens, loss_mask, sample_index, denominator, document_ids):
-        """One forward per sample of a micro-batch whose samples have different documents. The last
-        stage sums the samples' losses (each over the global denominator); a pipeline stage before
-        the last concatenates their hidden states along the batch ([rows, b, h], what megatron-core
-        sends), and a stage after the first gives each sample its slice of the received tensor."""
+    def stage_output(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
+                     self_conditioning=None) -> torch.Tensor:
+        """A pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows
+        for the next stage. `self_conditioning` (the first stage): the first pass's output
+        (`first_pass` on the last stage, relayed by pipeline_self_conditioning.py)."""
+        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+        return self.logits(rows.input_ids, plan, rows.logit_rows,
+                           **self._self_conditioning_inputs(noised, plan, any_sc, rows, self_conditioning))
+
+    @torch.no_grad()
+    def first_pass(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
+                   self_conditioning=None) -> torch.Tensor:
+        """Self-conditioning's no-grad first pass under pipeline parallelism
+        (pipeline_self_conditioning.py): a stage before the last returns hidden states, the last
+        its output layer's input for the noisy rows, [noisy rows (/ TP under SP), b, h] (its output
+        layer gets no rows: never the logits); the first stage's `stage_output` gets that as
+        `self_conditioning`."""
+        _, plan, _, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+        if not self.last_stage:
+            return self.logits(rows.input_ids, plan)
+        captured = []
+        self.logits(rows.input_ids, plan, capture=captured)
+        if captured:
+            return captured[0]
+        # no noisy rows here (a micro-batch that pads an interleaved first pass)
+        w = self.gpt.shared_embedding_or_output_weight()
+        return w.new_zeros((0, tokens.shape[0], w.shape[1]))
+
+    def _self_conditioning_inputs(self, noised: NoisedBatch, plan, any_sc: bool, rows, hidden) -> dict:
+        """The GPT model's self-conditioning arguments when the micro-batch draws it and this rank
+        has noisy rows: on the whole model a detached first pass's logits of the noisy rows; on the
+        first pipeline stage the first pass's `hidden` (`first_pass`); nothing on later stages."""
+        if not (any_sc and rows.num_noisy):
+            return {}
+        if self.whole_model:
+            with torch.no_grad():
+                first_logits = self.logits(rows.input_ids, plan)
+            return dict(self_conditioning_logits=first_logits.detach(), self_conditioning_mask=noised.self_conditioning)
+        if not getattr(self.gpt, "pre_process", True):
+            return {}
+        if hidden is None:
+            raise ValueError("self-conditioning under --pipeline-model-parallel-size > 1: the first stage got no "
+                             "hidden states from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
+        return dict(self_conditioning_hidden=hidden, self_conditioning_mask=noised.self_conditioning)
+
+    def _sample_by_sample(self, mode, tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning):
+        """`mode` once per sample of a micro-batch whose samples have different documents, hence
+        their own plans. The loss is a sum over target rows divided by the global denominator and
+        noise is keyed by the sample index, so the samples' losses sum to the micro-batch's; tensors
+        (hidden states, [rows, b, h], what megatron-core sends) are concatenated along the batch,
+        and a stage after the first gives each sample its slice of the received tensor."""
         decoder = getattr(self.gpt, "decoder", None)
         received = getattr(decoder, "input_tensor", None) if not getattr(self.gpt, "pre_process", True) else None
         outs = []
         try:
             for i in range(tokens.shape[0]):
+                one = slice(i, i + 1)
                 if received is not None:
-                    decoder.set_input_tensor(received[:, i:i + 1])
-                outs.append(self.forward(tokens[i:i + 1], loss_mask[i:i + 1], sample_index[i:i + 1], denominator,
-                                         None if document_ids is None else document_ids[i:i + 1]))
+                    decoder.set_input_tensor(received[:, one])
+                outs.append(mode(tokens[one], loss_mask[one], sample_index[one], denominator,
+                                 None if document_ids is None else document_ids[one],
+                                 None if self_conditioning is None else self_conditioning[:, one]))
         finally:
             if received is not None:
                 decoder.set_input_tensor(received)
-        if not self.last_stage:
-            if any(o.shape[0] != outs[0].shape[0] for o in outs):
-                raise ValueError("packed documents (--reset-attention-mask / --reset-position-ids) under "
-                                 "--pipeline-model-parallel-size > 1 with samples whose rows differ (--objective "
-                                 f"{self.objective.name}): use --micro-batch-size 1")
-            return torch.cat(outs, dim=1)
-        return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
+        if isinstance(outs[0], LossOutput):
+            return LossOutput(*(sum(getattr(o, f) for o in outs) for f in ("loss", "num_targets", "weighted_sum")))
+        if any(o.shape[0] != outs[0].shape[0] for o in outs):
+            raise ValueError("packed documents (--reset-attention-mask / --reset-position-ids) under "
+                             "--pipeline-model-parallel-size > 1 with samples whose rows differ (--objective "
+                             f"{self.objective.name}): use --micro-batch-size 1")
+        return torch.cat(outs, dim=1)
 
     def _rows_of(self, tokens, loss_mask, sample_index, document_ids):
         """(noised batch, plan, whether the self-conditioning first pass runs, this rank's rows)."""
@@ -229,54 +249,62 @@ class BlockDiffusionModel(torch.nn.Module):
 
     # ---- logits ----------------------------------------------------------------------------------
     def logits(self, tokens: torch.Tensor, plan: Optional[AttentionPlan] = None,
-               logit_rows: Optional[torch.Tensor] = None, **model_kwargs) -> torch.Tensor:
-        """Logits [b, rows, vocab / TP] of this rank's rows under `plan` (default: the model's).
+               logit_rows: Optional[torch.Tensor] = None, capture: Optional[list] = None,
+               **model_kwargs) -> torch.Tensor:
+        """Logits [b, rows, vocab / TP] of this rank's rows under `plan` (default: the model's); on a
+        pipeline stage before the last, the GPT model's hidden states [rows (/ TP), b, h].
 
         `tokens` [b, len(plan.local)]: the ids of the plan's rows in local row order. The rows
         that come back are its noisy rows in local order (every row when it has none, AR), or
         `logit_rows` (local row indices: every noisy row in order, then chosen clean rows) in
         that order. Positions, the physical row order under sequence parallelism and the
-        selection before the output layer are handled here (`RowFeeder.feed`)."""
+        selection before the output layer are handled here (`RowFeeder.feed`). `capture` (a list):
+        the output layer's input of those rows is appended to it and the output layer gets none."""
         plan = self.plan if plan is None else plan
         fed = self.feeder.feed(plan, tokens, logit_rows)
         rope = self.gpt.rotary_pos_emb.at(fed.positions) if self.gpt.position_embedding_type == "rope" \
             else contextlib.nullcontext()
-        self._output = fed.output
+        # this call's rows, bound to hooks that live for this call only
+        hooks = [self.gpt.output_layer.register_forward_pre_hook(partial(_keep_rows, fed.output, capture)),
+                 self.gpt.output_layer.register_forward_hook(partial(_order_rows, fed.output))] \
+            if self.last_stage else []
         try:
             with rope:
                 return self.gpt(fed.input_ids, fed.positions[None].expand_as(fed.input_ids),
                                 attention_mask=plan_mask(plan), **model_kwargs)
         finally:
-            self._output = None
-
-    def _keep_logit_rows(self, module, args):
-        out = self._output
-        if out is None:
-            return None
-        if out.keep is not None:
-            hidden = args[0].index_select(0, out.keep.to(args[0].device))
-        elif out.count is not None:
-            hidden = args[0][: out.count]
-        else:
-            return None
-        if self._captured is not None:
-            self._captured.append(hidden)
-            hidden = hidden[:0]
-        return (hidden,) + tuple(args[1:])
-
-    def _order_logit_rows(self, module, args, output):
-        """Sequence parallelism with `logit_rows`: the all-gathered rows [shard 0's k | shard 1's k
-        | ...] -> the requested order, padding dropped."""
-        if self._output is None or self._output.gathered_order is None:
-            return None
-        logits, bias = output
-        return logits.index_select(0, self._output.gathered_order.to(logits.device)), bias
+            for h in hooks:
+                h.remove()
 
     # ---- loss ------------------------------------------------------------------------------------
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
         """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
         exclude = self.objective.mask_token_id if self.objective.exclude_mask_from_softmax else None
         return weighted_cross_entropy(logits, targets, weights, denominator, exclude_token=exclude)
+
+
+def _keep_rows(out: OutputRows, capture: Optional[list], module, args):
+    """Output-layer pre-hook of one `logits` call: its input cut to the rows `out` keeps (all of
+    them into `capture` instead, when given, and none to the output layer)."""
+    if out.keep is not None:
+        hidden = args[0].index_select(0, out.keep.to(args[0].device))
+    elif out.count is not None:
+        hidden = args[0][: out.count]
+    else:
+        return None
+    if capture is not None:
+        capture.append(hidden)
+        hidden = hidden[:0]
+    return (hidden,) + tuple(args[1:])
+
+
+def _order_rows(out: OutputRows, module, args, output):
+    """Output-layer hook of one `logits` call, sequence parallelism with `logit_rows`: the
+    all-gathered rows [shard 0's k | shard 1's k | ...] -> the requested order, padding dropped."""
+    if out.gathered_order is None:
+        return None
+    logits, bias = output
+    return logits.index_select(0, out.gathered_order.to(logits.device)), bias
 
 
 def supervised_mask(tokens: torch.Tensor, loss_mask: torch.Tensor, packing: Optional[Packing],
