@@ -82,13 +82,8 @@ class BlockDiffusionModel(torch.nn.Module):
         tp_shards = gpt.config.tensor_model_parallel_size if gpt.config.sequence_parallel else 1
         self.feeder = RowFeeder(layout, shard_rank, ring_group, transport, objective.uses_noisy_stream, tp_shards,
                                 mpu.get_tensor_model_parallel_rank() if tp_shards > 1 else 0)
-        # Pipeline parallelism (megatron_csbp/pipeline.py): only the last stage has the output layer.
-        self.last_stage = getattr(gpt, "post_process", True)
-
-    @property
-    def whole_model(self) -> bool:
-        """Whether this is the whole model (no pipeline stage before or after it)."""
-        return self.last_stage and getattr(self.gpt, "pre_process", True)
+        # Pipeline parallelism (pipeline.py): the embedding on the first stage, the output layer on the last.
+        self.first_stage, self.last_stage = getattr(gpt, "pre_process", True), getattr(gpt, "post_process", True)
 
     @property
     def plan(self) -> AttentionPlan:
@@ -105,10 +100,9 @@ class BlockDiffusionModel(torch.nn.Module):
                 denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                 self_conditioning: Optional[torch.Tensor] = None,
                 first_pass: bool = False) -> Union[LossOutput, torch.Tensor]:
-        """What Megatron's schedules call (through their forward_step): fills in the defaults and
-        runs one mode, per sample when a packed micro-batch's samples have different documents
-        (`_sample_by_sample`). `first_pass`: `first_pass`; else the last pipeline stage (or the
-        whole model) `training_loss`, a stage before the last `stage_output`.
+        """What Megatron's schedules call (through a forward_step): fills in the defaults and runs
+        `first_pass` if asked, else `training_loss` on the last stage (or the whole model),
+        `stage_output` before it; per sample when packed samples have different documents.
         `document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
         self.feeder.check_sequence_length(tokens)
         if loss_mask is None:
@@ -131,29 +125,22 @@ class BlockDiffusionModel(torch.nn.Module):
                       self_conditioning=None) -> LossOutput:
         """The last stage's (or the whole model's) training forward: this rank's partial loss over
         `denominator` (`loss_mask` already `supervised`)."""
-        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
-        logits = self.logits(rows.input_ids, plan, rows.logit_rows,
-                             **self._self_conditioning_inputs(noised, plan, any_sc, rows, self_conditioning))
+        rows, logits = self._through_model(tokens, loss_mask, sample_index, document_ids, self_conditioning)
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
 
     def stage_output(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
                      self_conditioning=None) -> torch.Tensor:
-        """A pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows
-        for the next stage. `self_conditioning` (the first stage): the first pass's output
-        (`first_pass` on the last stage, relayed by pipeline_self_conditioning.py)."""
-        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
-        return self.logits(rows.input_ids, plan, rows.logit_rows,
-                           **self._self_conditioning_inputs(noised, plan, any_sc, rows, self_conditioning))
+        """A pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows."""
+        return self._through_model(tokens, loss_mask, sample_index, document_ids, self_conditioning)[1]
 
     @torch.no_grad()
     def first_pass(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
                    self_conditioning=None) -> torch.Tensor:
-        """Self-conditioning's no-grad first pass under pipeline parallelism
-        (pipeline_self_conditioning.py): a stage before the last returns hidden states, the last
-        its output layer's input for the noisy rows, [noisy rows (/ TP under SP), b, h] (its output
-        layer gets no rows: never the logits); the first stage's `stage_output` gets that as
-        `self_conditioning`."""
+        """Self-conditioning's first pass under pipeline parallelism (pipeline_self_conditioning.py):
+        hidden states on a stage before the last; on the last its output layer's input of the noisy
+        rows, [noisy rows (/ TP under SP), b, h] (the output layer gets no rows), which the first
+        stage's forward then gets as `self_conditioning`."""
         _, plan, _, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
         if not self.last_stage:
             return self.logits(rows.input_ids, plan)
@@ -165,31 +152,32 @@ class BlockDiffusionModel(torch.nn.Module):
         w = self.gpt.shared_embedding_or_output_weight()
         return w.new_zeros((0, tokens.shape[0], w.shape[1]))
 
-    def _self_conditioning_inputs(self, noised: NoisedBatch, plan, any_sc: bool, rows, hidden) -> dict:
-        """The GPT model's self-conditioning arguments when the micro-batch draws it and this rank
-        has noisy rows: on the whole model a detached first pass's logits of the noisy rows; on the
-        first pipeline stage the first pass's `hidden` (`first_pass`); nothing on later stages."""
-        if not (any_sc and rows.num_noisy):
-            return {}
-        if self.whole_model:
-            with torch.no_grad():
-                first_logits = self.logits(rows.input_ids, plan)
-            return dict(self_conditioning_logits=first_logits.detach(), self_conditioning_mask=noised.self_conditioning)
-        if not getattr(self.gpt, "pre_process", True):
-            return {}
-        if hidden is None:
-            raise ValueError("self-conditioning under --pipeline-model-parallel-size > 1: the first stage got no "
-                             "hidden states from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
-        return dict(self_conditioning_hidden=hidden, self_conditioning_mask=noised.self_conditioning)
+    def _through_model(self, tokens, loss_mask, sample_index, document_ids, hidden):
+        """(this rank's rows, the GPT model's output on them) of a training forward. When the batch
+        draws self-conditioning and this rank has noisy rows, the GPT model also gets, on the whole
+        model, a detached first pass's logits of the noisy rows, on the first pipeline stage the
+        first pass's `hidden` (`first_pass`)."""
+        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+        sc = {}
+        if any_sc and rows.num_noisy and self.first_stage:
+            if self.last_stage:
+                with torch.no_grad():
+                    sc = dict(self_conditioning_logits=self.logits(rows.input_ids, plan).detach())
+            elif hidden is None:
+                raise ValueError("self-conditioning under --pipeline-model-parallel-size > 1: the first stage got no "
+                                 "hidden states from the first pass (pipeline_self_conditioning.SelfConditioningRelay)")
+            else:
+                sc = dict(self_conditioning_hidden=hidden)
+            sc["self_conditioning_mask"] = noised.self_conditioning
+        return rows, self.logits(rows.input_ids, plan, rows.logit_rows, **sc)
 
     def _sample_by_sample(self, mode, tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning):
-        """`mode` once per sample of a micro-batch whose samples have different documents, hence
-        their own plans. The loss is a sum over target rows divided by the global denominator and
-        noise is keyed by the sample index, so the samples' losses sum to the micro-batch's; tensors
-        (hidden states, [rows, b, h], what megatron-core sends) are concatenated along the batch,
-        and a stage after the first gives each sample its slice of the received tensor."""
+        """`mode` per sample of a micro-batch whose samples have different documents (own plans).
+        Noise is keyed by the sample index and every loss is over the global denominator, so the
+        losses sum to the micro-batch's; tensors ([rows, b, h], what megatron-core sends) join along
+        the batch, and a stage after the first gives each sample its slice of the received tensor."""
         decoder = getattr(self.gpt, "decoder", None)
-        received = getattr(decoder, "input_tensor", None) if not getattr(self.gpt, "pre_process", True) else None
+        received = None if self.first_stage else getattr(decoder, "input_tensor", None)
         outs = []
         try:
             for i in range(tokens.shape[0]):
@@ -264,17 +252,20 @@ class BlockDiffusionModel(torch.nn.Module):
         fed = self.feeder.feed(plan, tokens, logit_rows)
         rope = self.gpt.rotary_pos_emb.at(fed.positions) if self.gpt.position_embedding_type == "rope" \
             else contextlib.nullcontext()
-        # this call's rows, bound to hooks that live for this call only
-        hooks = [self.gpt.output_layer.register_forward_pre_hook(partial(_keep_rows, fed.output, capture)),
-                 self.gpt.output_layer.register_forward_hook(partial(_order_rows, fed.output))] \
-            if self.last_stage else []
+        # the output layer's rows: a pre-hook bound to this call's rows, removed after it
+        hook = self.gpt.output_layer.register_forward_pre_hook(partial(_keep_rows, fed.output, capture)) \
+            if self.last_stage else None
         try:
             with rope:
-                return self.gpt(fed.input_ids, fed.positions[None].expand_as(fed.input_ids),
-                                attention_mask=plan_mask(plan), **model_kwargs)
+                out = self.gpt(fed.input_ids, fed.positions[None].expand_as(fed.input_ids),
+                               attention_mask=plan_mask(plan), **model_kwargs)
         finally:
-            for h in hooks:
-                h.remove()
+            if hook is not None:
+                hook.remove()
+        order = fed.output.gathered_order  # sequence parallelism with `logit_rows`: all-gathered rows
+        if order is None or not self.last_stage:  # [shard 0's k | shard 1's k | ...] -> the requested order
+            return out
+        return out.index_select(1, order.to(out.device))
 
     # ---- loss ------------------------------------------------------------------------------------
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
@@ -296,15 +287,6 @@ def _keep_rows(out: OutputRows, capture: Optional[list], module, args):
         capture.append(hidden)
         hidden = hidden[:0]
     return (hidden,) + tuple(args[1:])
-
-
-def _order_rows(out: OutputRows, module, args, output):
-    """Output-layer hook of one `logits` call, sequence parallelism with `logit_rows`: the
-    all-gathered rows [shard 0's k | shard 1's k | ...] -> the requested order, padding dropped."""
-    if out.gathered_order is None:
-        return None
-    logits, bias = output
-    return logits.index_select(0, out.gathered_order.to(logits.device)), bias
 
 
 def supervised_mask(tokens: torch.Tensor, loss_mask: torch.Tensor, packing: Optional[Packing],
