@@ -77,11 +77,6 @@ class SelfConditioningRelay:
         #: bytes this rank sent / received in the last `run` (shape headers included)
         self.sent_bytes = self.received_bytes = 0
 
-    @staticmethod
-    def wanted(objective) -> bool:
-        """Whether the run's objective draws self-conditioning at all."""
-        return (getattr(objective, "self_conditioning_prob", 0.0) or 0.0) > 0
-
     def picked(self, batches: List[dict]) -> List[int]:
         """The micro-batches (indices into `batches`) whose first pass runs, in order."""
         bdlm = self.chunks[0].bdlm
@@ -147,6 +142,7 @@ def relay_for(chunks: list, ddps: list) -> Optional[SelfConditioningRelay]:
     """The relay of a pipelined run whose objective draws self-conditioning, else None."""
     from megatron.core import parallel_state as mpu
 
-    if mpu.get_pipeline_model_parallel_world_size() == 1 or not SelfConditioningRelay.wanted(chunks[0].bdlm.objective):
+    if mpu.get_pipeline_model_parallel_world_size() == 1 or not getattr(chunks[0].bdlm.objective,
+                                                                         "self_conditioning_prob", 0.0):
         return None
     return SelfConditioningRelay(chunks, ddps)

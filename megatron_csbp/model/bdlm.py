@@ -105,13 +105,9 @@ class BlockDiffusionModel(torch.nn.Module):
         `stage_output` before it; per sample when packed samples have different documents.
         `document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
         self.feeder.check_sequence_length(tokens)
-        if loss_mask is None:
-            loss_mask = torch.ones_like(tokens)
-        if sample_index is None:
-            sample_index = torch.arange(tokens.shape[0])
-        loss_mask = self.supervised(tokens, loss_mask)
-        if denominator is None:
-            denominator = self.objective.denominator(loss_mask)
+        loss_mask = self.supervised(tokens, torch.ones_like(tokens) if loss_mask is None else loss_mask)
+        sample_index = torch.arange(tokens.shape[0]) if sample_index is None else sample_index
+        denominator = self.objective.denominator(loss_mask) if denominator is None else denominator
         mode = self.first_pass if first_pass else self.training_loss if self.last_stage else self.stage_output
         args = (tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning)
         if self.packing is not None and self.packing.splits_documents and tokens.shape[0] > 1:
@@ -146,11 +142,8 @@ class BlockDiffusionModel(torch.nn.Module):
             return self.logits(rows.input_ids, plan)
         captured = []
         self.logits(rows.input_ids, plan, capture=captured)
-        if captured:
-            return captured[0]
-        # no noisy rows here (a micro-batch that pads an interleaved first pass)
-        w = self.gpt.shared_embedding_or_output_weight()
-        return w.new_zeros((0, tokens.shape[0], w.shape[1]))
+        w = self.gpt.shared_embedding_or_output_weight()  # nothing captured: no noisy rows (a padding micro-batch)
+        return captured[0] if captured else w.new_zeros((0, tokens.shape[0], w.shape[1]))
 
     def _through_model(self, tokens, loss_mask, sample_index, document_ids, hidden):
         """(this rank's rows, the GPT model's output on them) of a training forward. When the batch
