@@ -107,8 +107,11 @@ class StepResult:
 class Trainer:
     """Model, DDP, optimizer, scheduler and datasets of one run, and the steps that use them."""
 
-    def __init__(self, config: TrainerConfig):
+    def __init__(self, config: TrainerConfig, gpt_provider: Optional[Callable] = None):
+        """`gpt_provider(model_args) -> (TransformerConfig, GPTModel)`: a model the flags cannot build
+        (the DiffusionGemma benchmark's), wrapped with the flags' objective and layout; no pipeline."""
         self.config = config
+        self.gpt_provider = gpt_provider
         self.model = self.ddp = self.optimizer = self.scheduler = None
         self.chunks, self.ddps = [], []  # one per virtual pipeline stage (one without interleaving)
         self.sc_relay = None  # self-conditioning's first pass under pipeline parallelism
@@ -139,7 +142,14 @@ class Trainer:
 
         # Pipeline parallelism: this rank's chunks (megatron_csbp/pipeline.py), one DDP each (Megatron-LM's
         # bucketing rule: only the first chunk is bucketed).
-        self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
+        if self.gpt_provider is None:
+            self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
+        else:
+            from megatron_csbp.training.model import _wrap, build_layout, build_objective
+
+            config, gpt = self.gpt_provider(c.model)
+            config.finalize_model_grads_func = finalize
+            self.chunks = [_wrap(c.model, config, gpt, build_objective(c.model), build_layout(c.model), device())]
         self.model = self.chunks[0] if len(self.chunks) == 1 else pipeline.ModelChunks(self.chunks)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=c.parallel.overlap_grad_reduce,
