@@ -291,10 +291,10 @@ class Trainer:
         raise TrainingStopped(f"iteration {iteration}: {what}; stopped {when} (--check-for-nan-in-loss-and-grad; "
                               f"{last}; try a lower --lr or --clip-grad > 0)")
 
-    def evaluate(self) -> float:
-        """Mean loss over the first `--eval-iters` global batches of the held-out split, with
-        `eval_objective`. Every evaluation reads the same samples with the same noise (keyed by the
-        held-out sample index), so successive evaluations differ only by the model."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean loss over the first `--eval-iters` global batches of the held-out split (or of
+        `dataset`), with `eval_objective`. Every evaluation reads the same samples with the same noise
+        (keyed by the held-out sample index), so successive evaluations differ only by the model."""
         bdlms = [ch.bdlm for ch in self.chunks]
         train_objective = bdlms[0].objective
         for bdlm in bdlms:
@@ -305,7 +305,8 @@ class Trainer:
         try:
             with torch.no_grad():
                 for k in range(self.config.eval.eval_iters):
-                    losses.append(self._run_batches(self.valid_ds, k * self.config.batch.global_batch_size,
+                    losses.append(self._run_batches(self.valid_ds if dataset is None else dataset,
+                                                    k * self.config.batch.global_batch_size,
                                                     forward_only=True))
         finally:
             for bdlm in bdlms:
