@@ -140,10 +140,15 @@ def plot_losses(result: DemoResult, path: str, title: str) -> str:
     return path
 
 
+def split(cfg: DemoConfig) -> str:
+    """Megatron's --split holding out the last `eval_fraction` of the documents (percent: 90,10,0)."""
+    return f"{100 - round(100 * cfg.eval_fraction)},{round(100 * cfg.eval_fraction)},0"
+
+
 def trainer_flags(cfg: DemoConfig, prefix: str, eval_iters: int) -> List[str]:
     """The trainer's flags for this model, schedule and data (the embedded default run's too,
     `training/demo.py`)."""
-    flags = dict(data_path=prefix, split=f"{1 - cfg.eval_fraction:g},{cfg.eval_fraction:g},0",
+    flags = dict(data_path=prefix, split=split(cfg),
                  tokenizer_type="SentencePieceTokenizer", tokenizer_model=cfg.tokenizer, seq_length=cfg.seq_length,
                  block_size=cfg.block_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                  num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
@@ -173,7 +178,7 @@ def prepare_data(cfg: DemoConfig, data_dir: str):
     prefix = preprocess(cfg.corpus or DEFAULT_CORPUS, os.path.join(data_dir, "corpus"), tokenizer,
                         append_eod=True)
     docs = IndexedDataset(prefix)
-    matrix = _split_matrix(f"{1 - cfg.eval_fraction:g},{cfg.eval_fraction:g},0")
+    matrix = _split_matrix(split(cfg))
     (t0, t1), (v0, v1) = (_split_documents(matrix[i], len(docs)) for i in (0, 1))
     train = np.concatenate([docs[i] for i in range(t0, t1)])
     held_out = int(docs.sequence_lengths[v0:v1].sum())

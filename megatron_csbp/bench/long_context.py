@@ -24,7 +24,7 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Tuple
 
 import torch
@@ -137,8 +137,8 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     attn_s = _attention_time(m, plan, kernel_name, shard_group)
     record = {"case": case.name, "kind": case.kind, "P": case.shard_group_size, "kernel": kernel_name, "seq_length": L,
               "shard_rank": shard_rank, "rows": len(plan.local), "first_step_s": first_step_s, "step_s": step_s,
-              "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "loss_step0_global": True, "peak_tensor_bytes": peak,
-              "static_tensor_bytes": static, "rss_high_water_bytes": rss, "allowed_pairs": allowed,
+              "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "loss_step0_global": True,
+              "peak_tensor_bytes": peak, "static_tensor_bytes": static, "rss_high_water_bytes": rss, "allowed_pairs": allowed,
               "kernel_rectangle_pairs": rect, "mask_bytes": mask_bytes, "attention_s": attn_s}
     del trainer, plan
     gc.collect()
