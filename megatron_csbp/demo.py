@@ -158,7 +158,7 @@ def trainer_flags(cfg: DemoConfig, prefix: str, eval_iters: int) -> List[str]:
                  lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_iters=cfg.warmup_steps, lr_decay_style="cosine",
                  adam_beta2=0.95, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, seed=cfg.seed,
                  eval_iters=eval_iters)
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None]
+    argv = [x for k, v in flags.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
     return argv + (["--qk-layernorm"] if cfg.qk_layernorm else [])
 
 
