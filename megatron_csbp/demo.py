@@ -105,41 +105,6 @@ def init_single_rank() -> None:
         mpu.initialize_model_parallel(1, 1)
 
 
-def plot_losses(result: DemoResult, path: str, title: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(range(1, len(result.train_losses) + 1))
-    ema, smooth = [], None
-    for x in result.train_losses:
-        smooth = x if smooth is None else 0.9 * smooth + 0.1 * x
-        ema.append(smooth)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(steps, result.train_losses, color="tab:blue", alpha=0.25, lw=0.8, label="train objective (per step)")
-    ax.plot(steps, ema, color="tab:blue", lw=1.6, label="train objective (EMA 0.9)")
-    if result.eval_steps:
-        ax.plot(result.eval_steps, result.eval_losses, "o-", color="tab:red", label="held-out NELBO")
-    if math.isfinite(result.final_train_loss):
-        ax.plot([len(steps)], [result.final_train_loss], "s", color="tab:green", label="train-rows NELBO (final)")
-    ax.axhline(result.unigram_entropy, color="k", ls="--", lw=1,
-               label=f"unigram entropy {result.unigram_entropy:.3f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("nats/token")
-    ax.set_title(title)
-    top = max(result.unigram_entropy * 1.6, min(max(result.train_losses), result.unigram_entropy * 3))
-    low = min(result.train_losses + result.eval_losses + [result.unigram_entropy])
-    ax.set_ylim(max(0.0, math.floor(low - 1.0)), top)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def split(cfg: DemoConfig) -> str:
     """Megatron's --split holding out the last `eval_fraction` of the documents (percent: 90,10,0)."""
     return f"{100 - round(100 * cfg.eval_fraction)},{round(100 * cfg.eval_fraction)},0"
@@ -252,9 +217,13 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     log(f"time: {result.seconds:.1f} s")
     if cfg.output_dir:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        result.plot_path = plot_losses(
-            result, os.path.join(cfg.output_dir, "loss_curve.png"),
-            f"BD3-LM on pydoc topics: L={cfg.seq_length}, B={cfg.block_size}, {cfg.num_layers}x{cfg.hidden_size}")
+        from megatron_csbp.training.demo import plot_losses
+
+        result.plot_path = os.path.join(cfg.output_dir, "loss_curve.png")
+        plot_losses(list(enumerate(result.train_losses, 1)),
+                    [{"iteration": i, "eval_loss": v} for i, v in zip(result.eval_steps, result.eval_losses)],
+                    result.plot_path, entropy,
+                    f"BD3-LM on one rank: L={cfg.seq_length}, B={cfg.block_size}, {cfg.num_layers}x{cfg.hidden_size}")
         with open(os.path.join(cfg.output_dir, "metrics.json"), "w") as f:
             json.dump({"config": asdict(cfg), "result": asdict(result)}, f, indent=1)
         log(f"wrote {result.plot_path} and metrics.json")
