@@ -5,9 +5,9 @@
 
 One world of `--size` gloo ranks runs the two layouts `--pairs` times, in the order A B, B A, A B,
 ...: drifts of a shared machine (other jobs, cache and core sharing) hit both alike. Each run is the
-benchmark's step (`bench.worker`: forward, backward, gradient all-reduce, AdamW) on its model; a
-rank's cost is the median over `--steps` timed steps of its main thread's CPU time
-(`time.thread_time()`: the time it waits is not counted). Per pair: B / A summed over the ranks
+benchmark's step (`bench.worker`: `Trainer.train_step`, forward, backward, DDP's gradient all-reduce,
+AdamW) on its model; a rank's cost is the median over `--steps` timed steps of its main thread's
+CPU time (`time.thread_time()`: the time it waits is not counted). Per pair: B / A summed over the ranks
 and for the largest rank; the report gives the median, the range and the median's 95 % interval
 over the pairs (`median_ci`), of each rank's median step and of its fastest step. `--count-ops`
 adds one step under torch.profiler per run: aten op calls per step, a counter that the machine's

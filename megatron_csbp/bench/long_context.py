@@ -8,8 +8,8 @@ what every partial did before), the latter only at lengths where it fits.
 wrote so far, or several runs' records concatenated).
 
 Per (kernel, layout, L) and rank it records
-- the step time (forward, backward, gradient all-reduce, AdamW: one untimed warm step for L <=
-  `warm_max_length`, then one timed step),
+- the step time (`Trainer.train_step`: forward, backward, DDP's gradient sum, Adam; one untimed
+  warm step for L <= `warm_max_length`, then one timed step),
 - the tensor peak and RSS high-water of one more, tracked step (`bench.memory`),
 - the mask's allowed pairs on the rank (every partial of its plan, from row vectors) and the
   query x key rectangle the kernels were handed,
@@ -24,7 +24,7 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Tuple
 
 import torch
@@ -106,30 +106,14 @@ def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
-    from megatron_csbp.bench.worker import _allreduce_grads, build_gpt
-    from megatron_csbp.layout.layout import SequenceLayout
-    from megatron_csbp.layout.masks import BlockGeometry
-    from megatron_csbp.model.bdlm import BlockDiffusionModel
-    from megatron_csbp.objectives.bd3lm import BD3LMObjective
+    from megatron_csbp.bench.worker import bench_trainer
 
     m = replace(cfg.model, attention_kernel=kernel_name)
     shard_rank, shard_group = bps.get_shard_rank(), bps.get_shard_group()
-    layout = SequenceLayout(BlockGeometry(L, m.block_size), case.cp, case.bp, case.schedule)
-    gpt = build_gpt(m, L, cfg.seed)
-    mask_id = m.vocab_size - 1
-    model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout, shard_rank,
-                                bps.get_clean_ring_group(), case.transport)
-    params = [p for p in gpt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    tokens = torch.randint(0, mask_id, (m.micro_batch_size, L), generator=torch.Generator().manual_seed(cfg.seed + L))
+    trainer = bench_trainer(m, case, L, cfg.seed)
 
-    def step(i: int) -> float:
-        out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i)
-        out.loss.backward()
-        _allreduce_grads(params, shard_group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(out.loss.detach())
+    def step(i: int) -> float:  # the trainer's step (its loss: the global one, summed over ranks)
+        return trainer.train_step(i * m.micro_batch_size).loss
 
     def timed(i: int) -> Tuple[float, float]:
         dist.barrier(group=shard_group)
@@ -148,14 +132,15 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     with tracker:
         step(2)
     peak, static, rss = tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
-    allowed, rect, mask_bytes = _plan_pairs(model.plan)
-    attn_s = _attention_time(m, model.plan, kernel_name, shard_group)
+    plan = trainer.model.bdlm.plan
+    allowed, rect, mask_bytes = _plan_pairs(plan)
+    attn_s = _attention_time(m, plan, kernel_name, shard_group)
     record = {"case": case.name, "kind": case.kind, "P": case.shard_group_size, "kernel": kernel_name, "seq_length": L,
-              "shard_rank": shard_rank, "rows": len(model.plan.local), "first_step_s": first_step_s, "step_s": step_s,
-              "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "peak_tensor_bytes": peak,
-              "static_tensor_bytes": static, "rss_high_water_bytes": rss, "allowed_pairs": allowed,
+              "shard_rank": shard_rank, "rows": len(plan.local), "first_step_s": first_step_s, "step_s": step_s,
+              "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "loss_step0_global": True,
+              "peak_tensor_bytes": peak, "static_tensor_bytes": static, "rss_high_water_bytes": rss, "allowed_pairs": allowed,
               "kernel_rectangle_pairs": rect, "mask_bytes": mask_bytes, "attention_s": attn_s}
-    del model, gpt, opt, params
+    del trainer, plan
     gc.collect()
     return record
 
@@ -272,7 +257,8 @@ def summarize(records: List[Dict]) -> List[Dict]:
             "kernel_rectangle_pairs": max(r["kernel_rectangle_pairs"] for r in rs),
             "mask_bytes": max(r["mask_bytes"] for r in rs),
             "attention_s": max(r["attention_s"] for r in rs),
-            "loss_step0": sum(r["loss_step0"] for r in rs),
+            # the trainer's loss is the global one; records from before it hold each rank's share
+            "loss_step0": rs[0]["loss_step0"] if rs[0].get("loss_step0_global") else sum(r["loss_step0"] for r in rs),
         })
     return rows
 

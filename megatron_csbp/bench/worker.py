@@ -1,9 +1,9 @@
 """One rank of a benchmark world: every (sequence length, layout) case, one after the other.
 
-A training step here is what the trainer does per micro-batch: forward, backward, the sum of
-parameter gradients over the shard group (one coalesced all-reduce) and an AdamW step. Every
-case starts from the same weights (same seed) and sees the same tokens and noise, so the step-0
-loss is the same under every layout: a cheap check that each layout computes the same thing.
+A timed step is the trainer's (`Trainer.train_step` on one micro-batch of mock tokens: forward,
+backward, Megatron DDP's gradient sum over the shard group, Adam). Every case starts from the same
+weights (same seed) and sees the same tokens and noise, so the step-0 loss is the same under every
+layout: a cheap check that each layout computes the same thing.
 """
 from __future__ import annotations
 
@@ -11,40 +11,54 @@ import gc
 import os
 import statistics
 import time
+from functools import partial
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.bench.cases import BenchConfig, BenchModel, Case, DiffusionGemmaBenchModel
+from megatron_csbp.bench.cases import AnyModel, BenchConfig, Case, DiffusionGemmaBenchModel
 from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
 
 
-def build_gpt(model: BenchModel, max_seq: int, seed: int):
-    from megatron_csbp.model import builder
+def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: float = 1e-4):
+    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
+    `micro_batch_size` samples per step, Adam at a constant `lr`, the layout's process groups
+    (already initialised by `run_case`)."""
+    from megatron_csbp.training.arguments import parse_args
+    from megatron_csbp.training.config import TrainerConfig
+    from megatron_csbp.training.trainer import Trainer
 
-    torch.manual_seed(seed)
-    cfg = builder.transformer_config(
-        num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size, use_cpu_initialization=True,
-        attention_dropout=0.0, hidden_dropout=0.0,
-    )
-    return builder.gpt_model(cfg, builder.local_layer_spec(kernel=model.attention_kernel),
-                             vocab_size=model.vocab_size, max_sequence_length=max_seq, position_embedding_type="rope")
+    m = model
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in dict(
+        vocab_size=m.vocab_size, mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1,
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, seq_length=seq_length,
+        block_size=m.block_size, micro_batch_size=m.micro_batch_size, global_batch_size=m.micro_batch_size,
+        train_iters=10 ** 6, lr=lr, lr_decay_style="constant", seed=seed, context_parallel_size=case.cp,
+        block_parallel_size=case.bp, attention_transport=case.transport, block_ownership=case.schedule).items()]
+    argv += ["--mock-data", "--tokenizer-type=NullTokenizer", "--no-progress-bar"]
+    provider = None
+    if isinstance(m, DiffusionGemmaBenchModel):
+        # DiffusionGemma's clean stream is token-causal; the model comes from `provider`
+        argv += ["--clean-attention=token_causal"]
+        provider = partial(diffusion_gemma, m, seed, case.attention == "full")
+    else:  # Megatron's TransformerConfig defaults: LayerNorm, GELU, biases
+        argv += [f"--attention-kernel={m.attention_kernel}", "--normalization=LayerNorm", "--no-swiglu",
+                 "--add-bias-linear"]
+    return Trainer(TrainerConfig.from_args(parse_args(argv)), gpt_provider=provider).build()
 
 
-def build_diffusion_gemma(model: DiffusionGemmaBenchModel, max_seq: int, seed: int, full_attention: bool):
-    """The tiny DiffusionGemma in megatron-core, weights redrawn from `seed` (the same on every
-    layout); `full_attention` turns every layer to full attention (same weights and head shapes)."""
+def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: bool, args):
+    """(config, model) of the tiny DiffusionGemma in megatron-core, weights redrawn from `seed` (the
+    same on every layout); `full_attention` turns every layer to full attention (same weights and
+    head shapes)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp.attention.core_attention import BlockDiffusionAttention
-    from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
     from megatron_csbp.model.diffusiongemma.tiny import redraw_weights, tiny_megatron_config
 
-    install_cpu_compat()
     model_parallel_cuda_manual_seed(seed)
     config = tiny_megatron_config(
         sliding_window=model.sliding_window, layer_types=model.layer_types, hidden_size=model.hidden_size,
@@ -52,27 +66,14 @@ def build_diffusion_gemma(model: DiffusionGemmaBenchModel, max_seq: int, seed: i
         kv_channels=model.kv_channels, full_num_query_groups=model.full_num_query_groups,
         full_kv_channels=model.full_kv_channels, ffn_hidden_size=model.ffn_hidden_size,
         num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size)
-    gpt = diffusion_gemma_model(config, model.vocab_size, max_seq).train()
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size, calculate_per_token_loss=True)
+    gpt = diffusion_gemma_model(config, model.vocab_size, args.seq_length).train()
     redraw_weights(gpt, seed)
     if full_attention:
         for m in gpt.modules():
             if isinstance(m, BlockDiffusionAttention):
                 m.window = None
-    return gpt
-
-
-def _allreduce_grads(params, group) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset:offset + n].view_as(g))
-        offset += n
+    return config, gpt
 
 
 def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]:
@@ -89,39 +90,14 @@ def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]
 def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.attention.accounting import traffic_counter
-    from megatron_csbp.layout.layout import SequenceLayout
-    from megatron_csbp.layout.masks import BlockGeometry
-    from megatron_csbp.model.bdlm import BlockDiffusionModel
-    from megatron_csbp.objectives.bd3lm import BD3LMObjective
 
     m = cfg.model
     shard_rank = bps.get_shard_rank()
     shard_group = bps.get_shard_group()
-    ring_group = bps.get_clean_ring_group()
-    if isinstance(m, DiffusionGemmaBenchModel):
-        # DiffusionGemma's clean stream is token-causal
-        layout = SequenceLayout(BlockGeometry(seq_length, m.block_size, "token_causal"), case.cp, case.bp,
-                                case.schedule)
-        gpt = build_diffusion_gemma(m, seq_length, cfg.seed, full_attention=case.attention == "full")
-    else:
-        layout = SequenceLayout(BlockGeometry(seq_length, m.block_size), case.cp, case.bp, case.schedule)
-        gpt = build_gpt(m, seq_length, cfg.seed)
-    mask_id = m.vocab_size - 1
-    model = BlockDiffusionModel(gpt, BD3LMObjective(m.block_size, mask_id, seed=cfg.seed), layout,
-                                shard_rank, ring_group, case.transport)
-    params = [p for p in gpt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    gen = torch.Generator().manual_seed(cfg.seed + seq_length)
-    tokens = torch.randint(0, mask_id, (m.micro_batch_size, seq_length), generator=gen)
-    rows = len(layout.rows(shard_rank))
+    trainer = bench_trainer(m, case, seq_length, cfg.seed)
 
-    def step(i: int):
-        out = model(tokens, sample_index=torch.arange(m.micro_batch_size) + i * m.micro_batch_size)
-        out.loss.backward()
-        _allreduce_grads(params, shard_group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return out.loss.detach()
+    def step(i: int) -> float:  # the trainer's step on samples i * micro_batch_size, ...
+        return trainer.train_step(i * m.micro_batch_size).loss  # (the global loss: summed over ranks)
 
     counter = traffic_counter()
     times: List[float] = []
@@ -143,9 +119,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         # a step lasts as long as its slowest rank
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
         if i == 0:
-            total = loss.clone()
-            dist.all_reduce(total, group=shard_group)
-            first_loss = float(total)
+            first_loss = loss
         if i >= cfg.warmup:
             times.append(float(dt))
             waited.append(counter.total_waited_s)
@@ -173,7 +147,8 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     record = {
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
         "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
-        "shard_rank": shard_rank, "rows": rows, "step_times_s": times, "median_step_s": statistics.median(times),
+        "shard_rank": shard_rank, "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times,
+        "median_step_s": statistics.median(times),
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "exposed_comm_s": statistics.median(waited),
@@ -187,6 +162,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         record["op_counts"] = count_ops(lambda: step(cfg.warmup + cfg.steps + 1))
     if case.attention is not None:
         record["attention"] = case.attention
+    del trainer
     return record
 
 

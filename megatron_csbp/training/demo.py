@@ -29,26 +29,19 @@ EVALS = 6
 
 
 def demo_argv(world_size: int, prefix: str) -> List[str]:
-    """The embedded run's flags. The model and schedule are the single-rank demo's
-    (`python -m megatron_csbp.demo`): 2 layers, hidden 128, 2 heads, SwiGLU 512, init std 0.05,
-    8 sequences per step, Adam 2e-3 -> 2e-4 cosine after 20 warmup steps, and training block times
-    drawn from the clipped range [0.3, 0.8] (BD3-LM's clipped schedule cuts the variance of the 1/t
-    weights); evaluation always reports the full-schedule NELBO on the same held-out batches."""
+    """The embedded run's flags. The model, schedule and held-out split are the single-rank demo's
+    (`python -m megatron_csbp.demo`, `demo.trainer_flags`): 2 layers, hidden 128, 2 heads, SwiGLU
+    512, init std 0.05, 8 sequences per step, Adam 2e-3 -> 2e-4 cosine after 20 warmup steps, and
+    training block times drawn from the clipped range [0.3, 0.8] (BD3-LM's clipped schedule cuts the
+    variance of the 1/t weights); evaluation always reports the full-schedule NELBO on the same
+    held-out batches (8 of them)."""
+    from megatron_csbp.demo import DemoConfig, trainer_flags
+
     seq = max(1, world_size)
-    eval_interval = max(1, TRAIN_ITERS // EVALS)
-    return [
-        "--data-path", prefix, "--split", "90,10,0", "--tokenizer-type", "SentencePieceTokenizer",
-        "--seq-length", "128", "--block-size", "16",
-        "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "2", "--num-query-groups", "2",
-        "--ffn-hidden-size", "512", "--init-method-std", "0.05",
-        "--noise-eps-min", "0.3", "--noise-eps-max", "0.8",
-        "--micro-batch-size", "8", "--global-batch-size", "8",
-        "--train-iters", str(TRAIN_ITERS), "--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "20",
-        "--lr-decay-style", "cosine", "--adam-beta2", "0.95",
-        "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+    return trainer_flags(DemoConfig(steps=TRAIN_ITERS), prefix, eval_iters=8) + [
         "--context-parallel-size", str(seq), "--block-parallel-size", str(seq),
         "--save", os.path.join(RUN_DIR, "checkpoints"), "--save-interval", str(TRAIN_ITERS), "--save-initial",
-        "--eval-interval", str(eval_interval), "--eval-iters", "8", "--log-interval", str(max(1, TRAIN_ITERS // 12)),
+        "--eval-interval", str(max(1, TRAIN_ITERS // EVALS)), "--log-interval", str(max(1, TRAIN_ITERS // 12)),
         "--tensorboard-dir", os.path.join(RUN_DIR, "tensorboard"),
         "--log-json", os.path.join(RUN_DIR, "log.jsonl"),
         "--data-cache-path", os.path.join(RUN_DIR, "data", "cache"),
@@ -111,7 +104,9 @@ def corpus_unigram_entropy(prefix: str) -> float:
     return unigram_entropy([tokens], int(tokens.max()) + 1)
 
 
-def plot_losses(train_losses: List, history: List[Dict], path: str, entropy: float = None) -> None:
+def plot_losses(train_losses: List, history: List[Dict], path: str, entropy: float = None,
+                title: str = "block diffusion LM (BD3-LM), CSBP on 2 CPU ranks") -> None:
+    """(iteration, loss) per step with its EMA, the held-out NELBO of `history`, the entropy line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -129,7 +124,7 @@ def plot_losses(train_losses: List, history: List[Dict], path: str, entropy: flo
     ax.set_xlabel("iteration")
     ax.set_ylabel("nats/token")
     ax.set_ylim(3.5, 8.0)
-    ax.set_title("block diffusion LM (BD3-LM), CSBP on 2 CPU ranks")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

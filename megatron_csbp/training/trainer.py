@@ -107,8 +107,11 @@ class StepResult:
 class Trainer:
     """Model, DDP, optimizer, scheduler and datasets of one run, and the steps that use them."""
 
-    def __init__(self, config: TrainerConfig):
+    def __init__(self, config: TrainerConfig, gpt_provider: Optional[Callable] = None):
+        """`gpt_provider(model_args) -> (TransformerConfig, GPTModel)`: a model the flags cannot build
+        (the DiffusionGemma benchmark's), wrapped with the flags' objective and layout; no pipeline."""
         self.config = config
+        self.gpt_provider = gpt_provider
         self.model = self.ddp = self.optimizer = self.scheduler = None
         self.chunks, self.ddps = [], []  # one per virtual pipeline stage (one without interleaving)
         self.sc_relay = None  # self-conditioning's first pass under pipeline parallelism
@@ -139,7 +142,14 @@ class Trainer:
 
         # Pipeline parallelism: this rank's chunks (megatron_csbp/pipeline.py), one DDP each (Megatron-LM's
         # bucketing rule: only the first chunk is bucketed).
-        self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
+        if self.gpt_provider is None:
+            self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
+        else:
+            from megatron_csbp.training.model import _wrap, build_layout, build_objective
+
+            config, gpt = self.gpt_provider(c.model)
+            config.finalize_model_grads_func = finalize
+            self.chunks = [_wrap(c.model, config, gpt, build_objective(c.model), build_layout(c.model), device())]
         self.model = self.chunks[0] if len(self.chunks) == 1 else pipeline.ModelChunks(self.chunks)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=c.parallel.overlap_grad_reduce,
@@ -281,10 +291,10 @@ class Trainer:
         raise TrainingStopped(f"iteration {iteration}: {what}; stopped {when} (--check-for-nan-in-loss-and-grad; "
                               f"{last}; try a lower --lr or --clip-grad > 0)")
 
-    def evaluate(self) -> float:
-        """Mean loss over the first `--eval-iters` global batches of the held-out split, with
-        `eval_objective`. Every evaluation reads the same samples with the same noise (keyed by the
-        held-out sample index), so successive evaluations differ only by the model."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean loss over the first `--eval-iters` global batches of the held-out split (or of
+        `dataset`), with `eval_objective`. Every evaluation reads the same samples with the same noise
+        (keyed by the held-out sample index), so successive evaluations differ only by the model."""
         bdlms = [ch.bdlm for ch in self.chunks]
         train_objective = bdlms[0].objective
         for bdlm in bdlms:
@@ -295,7 +305,8 @@ class Trainer:
         try:
             with torch.no_grad():
                 for k in range(self.config.eval.eval_iters):
-                    losses.append(self._run_batches(self.valid_ds, k * self.config.batch.global_batch_size,
+                    losses.append(self._run_batches(self.valid_ds if dataset is None else dataset,
+                                                    k * self.config.batch.global_batch_size,
                                                     forward_only=True))
         finally:
             for bdlm in bdlms:
