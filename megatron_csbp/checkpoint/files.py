@@ -82,10 +82,6 @@ class CheckpointModel:
     file_shape: Optional[ModelShape] = None
 
     @property
-    def from_shape_file(self) -> bool:
-        return self.file_shape is not None
-
-    @property
     def model_args(self) -> Dict[str, Any]:
         """The trainer's saved model flags by dest name ({} when the trainer did not write it)."""
         return dict(self.meta.get("model_args") or {})

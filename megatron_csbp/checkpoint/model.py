@@ -12,18 +12,15 @@ models; see docs/conversion.md for the format):
 The sharded state dict of the unsharded (TP = PP = EP = 1) model is saved; dist_checkpointing
 reshards it on load, so the trainer loads it under any TP / CP / BP / EP layout, and
 `load_checkpoint_model` reads back a checkpoint the trainer saved under any layout (a flag-built one
-too: `checkpoint.files` derives its shape from the saved flags). `load_trained` loads a trainer's
-checkpoint into a model built from its saved flags, on one process (what `generate` decodes with).
+too: `checkpoint.files` derives its shape from the saved flags). `read_trained` and `one_process`
+serve `generate`'s model built from a trainer checkpoint's saved flags, on one process.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from typing import Optional, Union
 
-import torch
 import torch.distributed as dist
 
 from megatron_csbp.checkpoint.files import (
@@ -42,15 +39,12 @@ def single_process_megatron():
     from megatron.core import parallel_state as mpu
 
     install_cpu_compat()  # a no-op with CUDA
-    created_pg = created_mpu = False
-    tmp = None
-    if not dist.is_initialized():
-        tmp = tempfile.mkdtemp(prefix="csbp_convert_")
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        created_pg = True
-    if not mpu.model_parallel_is_initialized():
+    created_pg = not dist.is_initialized()
+    if created_pg:  # an in-memory store: no rendezvous, immune to a surrounding torchrun's env
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    created_mpu = not mpu.model_parallel_is_initialized()
+    if created_mpu:
         mpu.initialize_model_parallel(1, 1)
-        created_mpu = True
     try:
         yield
     finally:
@@ -58,8 +52,6 @@ def single_process_megatron():
             mpu.destroy_model_parallel()
         if created_pg:
             dist.destroy_process_group()
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_gpt_model(model, shape: ModelShape, output: str) -> str:
@@ -133,8 +125,8 @@ def read_trained(load: str, ckpt_step: Optional[int] = None) -> CheckpointModel:
 
 
 def one_process() -> None:
-    """A one-rank gloo group (an in-memory store: no rendezvous, immune to a surrounding torchrun's
-    env) and the block-parallel state at TP = CP = BP = 1, kept for the caller's decoding."""
+    """A one-rank gloo group and the block-parallel state at TP = CP = BP = 1, kept for the caller's
+    decoding."""
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.compat.cpu import install_compat
 
