@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_csbp.checkpoint.drafter import load_drafter
 from megatron_csbp.data.features import FEATURE_FORMAT, META, FeatureDataset  # noqa: F401 (FeatureDataset: this CLI's API)
 from megatron_csbp.utils.cli import ArgumentParser, run
 
@@ -437,19 +438,6 @@ def training_acceptance(model, data, first: int, shard_group=None):
     return acceptance_from_counts(counts)
 
 
-def load_drafter(path: str):
-    from megatron_csbp.model.dflash import DFlashDrafter, DrafterShape
-
-    shape = DrafterShape.from_json(open(os.path.join(path, "megatron_csbp_drafter.json")).read())
-    model = DFlashDrafter(shape)
-    state = torch.load(os.path.join(path, "drafter.pt"), map_location="cpu")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
-    return model
-
-
 def export(a) -> str:
     """The drafter as a Hugging Face folder, with its verifier's tokenizer (prints what it wrote)."""
     from megatron_csbp.conversion.drafter import megatron_to_hf_drafter
@@ -533,7 +521,7 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
     drafter on the held-out captured sequences (the last --eval-sequences): imported into the
     Megatron drafter and run by the training forward (one rank), the objective's anchors, the
     data's tokens as targets (see docs/dflash.md for why it differs from the measured length)."""
-    from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashTrainingModel
     from megatron_csbp.objectives.dflash import DFlashObjective
@@ -574,7 +562,7 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     2 eps, eps = logit_tolerance x max(1, max |logit|) (the numeric gap between this forward and
     serving's); otherwise a relaxation over the tokens left after each prompt's first uncertain
     block (docs/dflash.md)."""
-    from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashTrainingModel
     from megatron_csbp.objectives.dflash import (DFlashObjective, acceptance_counts, acceptance_from_counts,

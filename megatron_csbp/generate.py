@@ -104,23 +104,23 @@ def _check_range(p, ids: np.ndarray, vocab_size: int) -> None:
         p.error(f"--prompt-ids: token ids must lie in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
 
 
-def _diffusion_gemma_shape(load: str, step: Optional[int]):
-    """(checkpoint, its folder) when `load` holds a DiffusionGemma, else None (the one checkpoint
-    reader, `model.checkpoint.read_checkpoint_model`, decides what the folder holds)."""
-    from megatron_csbp.model.checkpoint import read_checkpoint_model
+def _diffusion_gemma(load: str, step: Optional[int]):
+    """The checkpoint when `load` holds a DiffusionGemma, else None (the one checkpoint reader,
+    `checkpoint.files.read_checkpoint_model`, decides what the folder holds)."""
+    from megatron_csbp.checkpoint.files import read_checkpoint_model
 
     try:
         info = read_checkpoint_model(load, step)
-        shape = info.shape
+        return info if info.shape.family == "diffusion_gemma" else None
     except (FileNotFoundError, ValueError):
         return None
-    return (shape, info) if shape.family == "diffusion_gemma" else None
 
 
-def run_diffusion_gemma(p, a, shape, info) -> np.ndarray:
-    from megatron_csbp.conversion.checkpoint import load_gpt_model, single_process_megatron
+def run_diffusion_gemma(p, a, info) -> np.ndarray:
+    from megatron_csbp.checkpoint.model import load_checkpoint_model, single_process_megatron
     from megatron_csbp.generation import diffusion_gemma as dg
 
+    shape = info.shape
     try:
         config = dg.generation_config(
             dg.assets_dir(info), max_denoising_steps=a.max_denoising_steps, entropy_bound=a.entropy_bound,
@@ -141,7 +141,7 @@ def run_diffusion_gemma(p, a, shape, info) -> np.ndarray:
     _check_range(p, ids, shape.vocab_size)
     dtype = getattr(torch, a.dtype)
     with single_process_megatron():
-        model, _ = load_gpt_model(info, params_dtype=dtype)
+        model, _ = load_checkpoint_model(info, params_dtype=dtype)
         model.eval()
         sampler = dg.DiffusionGemmaSampler(model, dg.canvas_length(shape))
         torch.manual_seed(a.seed)
@@ -199,8 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if a.output is not None and not os.path.isdir(os.path.dirname(os.path.abspath(a.output))):
         p.error(f"--output {a.output}: its folder does not exist")
-    dg = _diffusion_gemma_shape(a.load, a.ckpt_step)
-    out = run_diffusion_gemma(p, a, *dg) if dg is not None else run_bd3lm(p, a)
+    info = _diffusion_gemma(a.load, a.ckpt_step)
+    out = run_diffusion_gemma(p, a, info) if info is not None else run_bd3lm(p, a)
     if a.output is not None:
         np.save(a.output, out)
         print(f"wrote {out.shape[0]} x {out.shape[1]} ids -> {a.output}")

@@ -32,27 +32,27 @@ def test_resume_exact_and_cross_layout(tmp_path):
 
 
 def _atomic(rank, world_size, root):
-    from megatron_csbp.training import checkpointing
+    from megatron_csbp.checkpoint import files, state
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
 
     s = Trainer(TrainerConfig.from_args(parse_args(TINY + ["--train-iters", "3"]))).build()
     s.train_step(0)
-    checkpointing.save_checkpoint(root, 1, s.model, s.optimizer, s.scheduler, 4)
+    state.save_checkpoint(root, 1, s.model, s.optimizer, s.scheduler, 4)
     saved = {n: p.detach().clone() for n, p in s.model.named_parameters()}
     s.train_step(4)
     crashed = False
     try:
-        checkpointing.save_checkpoint(root, 2, s.model, s.optimizer, s.scheduler, 8, _fail_after_write=True)
+        state.save_checkpoint(root, 2, s.model, s.optimizer, s.scheduler, 8, _fail_after_write=True)
     except RuntimeError:
         crashed = True
     leftovers = sorted(os.listdir(root))
-    tracker = checkpointing.read_tracker(root)
-    info = checkpointing.load_checkpoint(root, s.model, s.optimizer, s.scheduler)
+    tracker = files.read_tracker(root)
+    info = state.load_checkpoint(root, s.model, s.optimizer, s.scheduler)
     restored = all(torch.equal(saved[n], p.detach()) for n, p in s.model.named_parameters())
     # The next save removes the half-written directory.
-    checkpointing.save_checkpoint(root, 2, s.model, s.optimizer, s.scheduler, 8)
+    state.save_checkpoint(root, 2, s.model, s.optimizer, s.scheduler, 8)
     return dict(crashed=crashed, leftovers=leftovers, tracker=tracker, info=info, restored=restored,
                 after=sorted(os.listdir(root)))
 

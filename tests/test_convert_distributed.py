@@ -22,15 +22,16 @@ def _rank(rank, world, cases):
 
     from megatron_csbp import parallel_state as bps
     from megatron_csbp.conversion.api import ARScorer
-    from megatron_csbp.conversion.checkpoint import load_gpt_model, save_gpt_model
+    from megatron_csbp.checkpoint.model import load_checkpoint_model, save_gpt_model
     from megatron_csbp.compat.cpu import install_cpu_compat
 
     install_cpu_compat()
     out = []
     for c in cases:
         bps.initialize_block_parallel(tensor_model_parallel_size=c["tp"], expert_model_parallel_size=c["ep"])
-        model, shape = load_gpt_model(c["load"], params_dtype=torch.float32, tensor_model_parallel_size=c["tp"],
-                                      expert_model_parallel_size=c["ep"])
+        model, info = load_checkpoint_model(c["load"], params_dtype=torch.float32, tensor_model_parallel_size=c["tp"],
+                                            expert_model_parallel_size=c["ep"])
+        shape = info.shape
         if c["ep"] > 1:
             experts = [n for n, _ in model.named_parameters() if "local_experts" in n]
             assert len(experts) == 2 * shape.num_layers * shape.num_experts // c["ep"], experts

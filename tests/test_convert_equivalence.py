@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_csbp.conversion import api, hf_io  # noqa: E402
-from megatron_csbp.conversion.checkpoint import load_gpt_model, single_process_megatron  # noqa: E402
+from megatron_csbp.checkpoint.model import load_checkpoint_model, single_process_megatron  # noqa: E402
 from megatron_csbp.conversion.tiny import FAMILIES, save_tiny_model  # noqa: E402
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
@@ -64,7 +64,7 @@ def test_ar_loss_matches_transformers(converted):
     with torch.no_grad():
         ref = float(model(tokens, labels=tokens).loss)
     with single_process_megatron():
-        gpt, _ = load_gpt_model(meg_dir, params_dtype=torch.float32)
+        gpt, _ = load_checkpoint_model(meg_dir, params_dtype=torch.float32)
         bdlm = BlockDiffusionModel(gpt, AutoregressiveObjective(), SequenceLayout(BlockGeometry(SEQ, 4)))
         with torch.no_grad():
             out = bdlm(tokens)

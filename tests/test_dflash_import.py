@@ -56,7 +56,7 @@ def imported(tmp_path_factory):
 def test_drafter_import_round_trip_and_parity(imported, megatron_single_rank):
     from megatron_csbp.attention.block_attention import AttentionPlan
     from megatron_csbp.conversion import hf_io
-    from megatron_csbp.dflash import load_drafter
+    from megatron_csbp.checkpoint.drafter import load_drafter
     from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
 
     root, hf = imported
@@ -122,7 +122,7 @@ def test_imported_drafter_trains_under_csbp_and_decodes_with_transformers(import
             "--eval-sequences", "2", "--log-interval", "1"]
     # lr 0: the saved drafter is the imported one (--load loaded it, nothing re-initialised)
     run_distributed(_train, 1, base + ["--train-iters", "1", "--lr", "0", "--save", str(tmp_path / "same")])
-    from megatron_csbp.conversion.drafter import WEIGHTS_FILE
+    from megatron_csbp.checkpoint.drafter import WEIGHTS_FILE
 
     a, b = (torch.load(os.path.join(d, WEIGHTS_FILE)) for d in (str(root / "meg"), str(tmp_path / "same")))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

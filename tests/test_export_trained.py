@@ -1,5 +1,5 @@
 """Checkpoints the trainer writes from flags (no `convert hf-to-megatron` shape file) export to
-Hugging Face and score through the one checkpoint reader (`megatron_csbp.model.checkpoint`):
+Hugging Face and score through the one checkpoint reader (`megatron_csbp.checkpoint.files`):
 
 - the README's default run (its exact flags, 2 ranks, CSBP CP = BP = 2, shipped corpus; a few
   iterations) -> `convert megatron-to-hf` -> transformers' `LlamaForCausalLM` gives the logits

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from megatron_csbp.training import checkpointing
+from megatron_csbp.checkpoint import files
 from megatron_csbp.training.arguments import build_parser, parse_args, validate_args
 from tests.train_helpers import TINY, error_lines, run_train
 
@@ -25,7 +25,7 @@ def test_train_without_torchrun_runs_one_process(saved):
     save, out = saved
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world 1 = TP 1" in out.stdout
-    assert checkpointing.read_tracker(save) == 2
+    assert files.read_tracker(save) == 2
 
 
 def _one_line(argv, capsys, world=1):
@@ -88,8 +88,8 @@ def test_eval_iters_defaults_to_megatron_100_when_evaluating():
 def test_damaged_checkpoint_files_are_named(saved, tmp_path):
     save, out = saved
     assert out.returncode == 0
-    src = checkpointing.iteration_dir(save, 2)
-    assert checkpointing.verify_files(src) is None
+    src = files.iteration_dir(save, 2)
+    assert files.verify_files(src) is None
     # torch_dist writes thread_count files per rank (__0_0.distcp, ...): megatron-core 0.16.1's default
     # is 2, 0.19's is 1; damage the first and remove the last, whichever they are.
     data_files = sorted(f for f in os.listdir(src) if f.endswith(".distcp"))
@@ -102,7 +102,7 @@ def test_damaged_checkpoint_files_are_named(saved, tmp_path):
         d = str(tmp_path / name)
         shutil.copytree(src, d)
         damage(d)
-        cases[name] = checkpointing.verify_files(d)
+        cases[name] = files.verify_files(d)
     assert re.fullmatch(r".*/truncated/__0_0\.distcp is truncated \(1000 bytes; \.metadata says at least \d+\)",
                         cases["truncated"])
     assert cases["missing"].endswith(f"/missing/{last} is missing")
@@ -115,12 +115,12 @@ def test_truncated_checkpoint_resume_names_the_file(saved, tmp_path):
     assert out.returncode == 0
     copy = str(tmp_path / "ckpt")
     shutil.copytree(save, copy)
-    distcp = os.path.join(checkpointing.iteration_dir(copy, 2), "__0_0.distcp")
+    distcp = os.path.join(files.iteration_dir(copy, 2), "__0_0.distcp")
     os.truncate(distcp, os.path.getsize(distcp) // 2)
     r = run_train(TINY + ["--train-iters", "3", "--load", copy])
     assert r.returncode == 1
     (line,) = error_lines(r.stderr)
-    assert line.startswith(f"error: cannot load checkpoint {checkpointing.iteration_dir(copy, 2)}: {distcp} is "
+    assert line.startswith(f"error: cannot load checkpoint {files.iteration_dir(copy, 2)}: {distcp} is "
                            "truncated"), line
     assert "Traceback" not in r.stderr
 
@@ -138,8 +138,8 @@ def test_non_finite_loss_or_grad_stops_the_run(tmp_path):
     assert m, line
     stopped, latest = int(m.group(1)), int(m.group(4))
     assert latest == stopped - 1 and m.group(5) == save and stopped < 8
-    assert checkpointing.read_tracker(save) == latest
-    assert checkpointing.saved_iterations(save) == list(range(1, stopped))
+    assert files.read_tracker(save) == latest
+    assert files.saved_iterations(save) == list(range(1, stopped))
     assert "Traceback" not in r.stderr
 
 
@@ -152,7 +152,7 @@ def test_unchecked_divergence_never_saves_non_finite_weights(tmp_path):
     m = re.fullmatch(r"error: iteration (\d+): the weights hold NaN or infinite values; not saving a checkpoint "
                      r"\(the last one saved stays the latest\)", line)
     assert m, line
-    assert checkpointing.read_tracker(save) == int(m.group(1)) - 1
+    assert files.read_tracker(save) == int(m.group(1)) - 1
 
 
 def test_old_null_tokenizer_checkpoint_is_refused_naming_vocab_size(saved, tmp_path, capsys):

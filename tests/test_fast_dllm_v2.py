@@ -155,14 +155,14 @@ def converted_qwen3(tmp_path_factory):
 
 
 def single_rank_loss_and_grads(meg_dir, dtype=torch.float32):
-    from megatron_csbp.conversion.checkpoint import load_gpt_model, single_process_megatron
+    from megatron_csbp.checkpoint.model import load_checkpoint_model, single_process_megatron
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
 
     tokens, loss_mask, index = batch()
     with single_process_megatron():
-        gpt, _ = load_gpt_model(meg_dir, params_dtype=dtype)
+        gpt, _ = load_checkpoint_model(meg_dir, params_dtype=dtype)
         gpt = gpt.to(dtype)  # Megatron's torch-norm fallback (no Apex) builds norm weights in fp32
         model = BlockDiffusionModel(gpt, FastDLLMv2Objective(B, MASK_ID, seed=1), SequenceLayout(BlockGeometry(L, B)))
         out = model(tokens, loss_mask, index)
@@ -196,7 +196,7 @@ def _layouts_rank(rank, world, meg_dir, cases):
     from megatron.core import parallel_state as mpu
 
     from megatron_csbp import parallel_state as bps
-    from megatron_csbp.conversion.checkpoint import load_gpt_model
+    from megatron_csbp.checkpoint.model import load_checkpoint_model
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
@@ -208,13 +208,13 @@ def _layouts_rank(rank, world, meg_dir, cases):
         bps.initialize_block_parallel(tensor_model_parallel_size=c["tp"], context_parallel_size=c["cp"],
                                       block_parallel_size=c["bp"])
         seq = max(c["cp"], c["bp"])
-        gpt, _ = load_gpt_model(meg_dir, params_dtype=EXACT_DTYPE, tensor_model_parallel_size=c["tp"],
-                                context_parallel_size=seq)
+        gpt, _ = load_checkpoint_model(meg_dir, params_dtype=EXACT_DTYPE, tensor_model_parallel_size=c["tp"],
+                                       context_parallel_size=seq)
         gpt = gpt.to(EXACT_DTYPE)  # Megatron's torch-norm fallback (no Apex) builds norm weights in fp32
         if c["tp"] > 1:
             # weights built for loading carry the same TP attributes as initialised ones
             from megatron_csbp.model.builder import build_gpt_model
-            from megatron_csbp.model.checkpoint import read_checkpoint_model
+            from megatron_csbp.checkpoint.files import read_checkpoint_model
 
             init = build_gpt_model(read_checkpoint_model(meg_dir).shape, perform_initialization=True, params_dtype=EXACT_DTYPE,
                                    tensor_model_parallel_size=c["tp"])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_csbp.training import checkpointing
+from megatron_csbp.checkpoint import files
 from tests.train_helpers import TINY, json_log, run_train, train_command
 
 ITERS = 16
@@ -71,18 +71,18 @@ def test_exit_signal_handler_saves_and_save_equals_load_resumes(reference, tmp_p
     assert 4 <= stopped < ITERS
     assert f"received SIGTERM (--exit-signal-handler): exiting after iteration {stopped}; resume with --load {save}" \
         in out
-    assert checkpointing.read_tracker(save) == stopped and stopped in checkpointing.saved_iterations(save)
+    assert files.read_tracker(save) == stopped and stopped in files.saved_iterations(save)
     assert not [n for n in os.listdir(save) if ".tmp" in n]
     # the same command again resumes the latest checkpoint and ends the run
     r = run_train(argv)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"loaded checkpoint {checkpointing.iteration_dir(save, stopped)} (iteration {stopped}" in r.stdout
+    assert f"loaded checkpoint {files.iteration_dir(save, stopped)} (iteration {stopped}" in r.stdout
     records = json_log(log)
     resumed = _losses(records[len(first):])
     assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
     assert first == {i: reference[i] for i in range(1, stopped + 1)}
     assert resumed == {i: reference[i] for i in range(stopped + 1, ITERS + 1)}, "resume must continue the curve exactly"
-    assert checkpointing.read_tracker(save) == ITERS
+    assert files.read_tracker(save) == ITERS
 
 
 @pytest.mark.slow  # three runs; test_exit_conditions_decide_as_megatron checks the rules in-process
@@ -102,10 +102,10 @@ def test_exit_interval_and_duration_save_and_exit_as_megatron(reference, tmp_pat
         assert reason in r.stdout, r.stdout[-2000:]
         stops.append(max(_losses(json_log(log))))
         outs.append(r.stdout)
-        assert checkpointing.read_tracker(save) == stops[-1]
+        assert files.read_tracker(save) == stops[-1]
     assert stops == [3, 4, 6]  # 4: the first iteration after the resume ends past 0.0001 minutes
     assert f"exiting after iteration 4; resume with --load {save}" in outs[1]
-    assert f"loaded checkpoint {checkpointing.iteration_dir(save, 4)} (iteration 4" in outs[2]
+    assert f"loaded checkpoint {files.iteration_dir(save, 4)} (iteration 4" in outs[2]
     assert _losses(json_log(log)) == {i: reference[i] for i in range(1, 7)}
     assert [r["iteration"] for r in json_log(log)] == list(range(1, 7))
 
@@ -201,7 +201,7 @@ def _kill_a_rank_and_restart(tmp_path, nproc, extra, reference_losses):
     first, second = _losses(records[:restart]), _losses(records[restart:])
     resumed_from = min(second) - 1
     assert resumed_from >= 2 and resumed_from % 2 == 0 and resumed_from <= killed_after + 2
-    assert f"loaded checkpoint {checkpointing.iteration_dir(save, resumed_from)}" in out
+    assert f"loaded checkpoint {files.iteration_dir(save, resumed_from)}" in out
     assert sorted(second) == list(range(resumed_from + 1, ITERS + 1))
     assert first == {i: reference_losses[i] for i in first}
     assert second == {i: reference_losses[i] for i in second}, "the restarted run must continue the curve exactly"

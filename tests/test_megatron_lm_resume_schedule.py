@@ -1,5 +1,5 @@
 """A resume whose learning-rate flags differ from the checkpoint's does what Megatron-LM's pretrain()
-does on the installed megatron-core (issue 32, deliverable 3; training/checkpointing.py
+does on the installed megatron-core (issue 32, deliverable 3; checkpoint/state.py
 `check_resumed_schedule`):
 
 - neither --override-opt_param-scheduler nor --use-checkpoint-opt_param-scheduler: a changed schedule
@@ -44,7 +44,7 @@ def lrs(result):
 
 
 def lr_keyed_param_groups():
-    from megatron_csbp.training.checkpointing import param_groups_keyed_by_lr
+    from megatron_csbp.checkpoint.state import param_groups_keyed_by_lr
 
     return param_groups_keyed_by_lr()
 

@@ -106,7 +106,7 @@ def test_trainer_family_rules_come_from_the_family(tmp_path, monkeypatch):
     from megatron_csbp.conversion import api
     from megatron_csbp.conversion.tiny import save_tiny_model
     from megatron_csbp.training.arguments import apply_model_shape, build_parser, check_clean_attention
-    from megatron_csbp.training.checkpointing import checkpoint_shape
+    from megatron_csbp.checkpoint.files import checkpoint_shape
 
     save_tiny_model("qwen3_moe", str(tmp_path / "hf"), seed=1)
     api.hf_to_megatron_checkpoint(str(tmp_path / "hf"), str(tmp_path / "megatron"))

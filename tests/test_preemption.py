@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from megatron_csbp.training import checkpointing
+from megatron_csbp.checkpoint import files
 from tests.train_helpers import TINY, json_log, run_train, train_command
 
 ITERS = 12
@@ -145,14 +145,14 @@ def test_sigterm_under_torchrun_saves_and_resumes_exactly(reference, tmp_path, t
     assert m and int(m.group(1)) == stopped, out[-2000:]
     # a complete, atomic checkpoint at the iteration reached
     assert _tmp_dirs(save) == []
-    assert checkpointing.read_tracker(save) == stopped and stopped in checkpointing.saved_iterations(save)
-    assert checkpointing.verify_files(checkpointing.iteration_dir(save, stopped)) is None
+    assert files.read_tracker(save) == stopped and stopped in files.saved_iterations(save)
+    assert files.verify_files(files.iteration_dir(save, stopped)) is None
     # the same command resumes it: every loss equals the uninterrupted run's, to the last digit
     r = run_train(argv, nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"loaded checkpoint {checkpointing.iteration_dir(save, stopped)} (iteration {stopped}" in r.stdout
+    assert f"loaded checkpoint {files.iteration_dir(save, stopped)} (iteration {stopped}" in r.stdout
     resumed = _losses(json_log(log)[len(records):])
     assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
     assert first == {i: reference[i] for i in range(1, stopped + 1)}
     assert resumed == {i: reference[i] for i in range(stopped + 1, ITERS + 1)}, "the resume must continue the curve"
-    assert checkpointing.read_tracker(save) == ITERS
+    assert files.read_tracker(save) == ITERS

@@ -48,7 +48,7 @@ def build(argv):
     args = parse_args(argv, world_size=1)
     model = build_model(model_args(args))
     if args.load:  # converted weights (build_model leaves them uninitialised)
-        from megatron_csbp.training.checkpointing import load_checkpoint
+        from megatron_csbp.checkpoint.state import load_checkpoint
         load_checkpoint(args.load, model, None, None)
     return args, model
 

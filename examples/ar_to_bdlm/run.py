@@ -64,7 +64,9 @@ def convert(*args: str) -> None:
 
 def train(meg: str, trained: str, steps: int, seq: int, block: int, batch: int, lr: float) -> None:
     from megatron_csbp.conversion.api import ARScorer
-    from megatron_csbp.conversion.checkpoint import ASSETS_DIR, load_gpt_model, save_gpt_model, single_process_megatron
+    from megatron_csbp.checkpoint.files import ASSETS_DIR
+    from megatron_csbp.checkpoint.model import load_checkpoint_model, save_gpt_model, single_process_megatron
+    from megatron_csbp.conversion.hf_io import copy_assets
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -72,7 +74,8 @@ def train(meg: str, trained: str, steps: int, seq: int, block: int, batch: int, 
     from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
 
     with single_process_megatron():
-        gpt, shape = load_gpt_model(meg, params_dtype=torch.float32)
+        gpt, info = load_checkpoint_model(meg, params_dtype=torch.float32)
+        shape = info.shape
         mask_id = resolve_mask_token(MASK, os.path.join(meg, ASSETS_DIR), shape.vocab_size)
         print(f"mask token {MASK!r} -> id {mask_id} (vocab {shape.vocab_size}, no resize)")
         layout = SequenceLayout(BlockGeometry(seq, block))
@@ -99,7 +102,8 @@ def train(meg: str, trained: str, steps: int, seq: int, block: int, batch: int, 
                 print(f"step {step:3d}  fast-dllm-v2 loss {out.loss.item():.6f}  targets {int(out.num_targets)}")
         bd, arl = evaluate()
         print(f"after {steps} steps ({time.time() - t0:.1f}s): fast-dllm-v2 eval loss {bd:.6f}  AR eval loss {arl:.4f}")
-        save_gpt_model(gpt, shape, trained, assets_from=os.path.join(meg, ASSETS_DIR))
+        save_gpt_model(gpt, shape, trained)
+        copy_assets(os.path.join(meg, ASSETS_DIR), os.path.join(trained, ASSETS_DIR))
         with torch.no_grad():
             logits = ARScorer(gpt, seq)(held_out).numpy()
     np.save(os.path.join(trained, "heldout_logits.npy"), logits)

@@ -8,10 +8,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from megatron_csbp.checkpoint.files import ASSETS_DIR, read_checkpoint_model
+from megatron_csbp.checkpoint.model import (
+    load_checkpoint_model, load_model_weights, save_gpt_model, single_process_megatron,
+)
 from megatron_csbp.conversion import hf_io
-from megatron_csbp.conversion.checkpoint import ASSETS_DIR, load_model_weights, save_gpt_model, single_process_megatron
 from megatron_csbp.model.builder import build_gpt_model
-from megatron_csbp.model.checkpoint import load_checkpoint_model, read_checkpoint_model
 from megatron_csbp.model.families.gpt_weights import cast
 from megatron_csbp.model.families import DTYPES, ModelShape, get_family, megatron_flags, shape_from_hf_config
 
@@ -32,7 +34,8 @@ def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = 
     with single_process_megatron():
         model = build_gpt_model(shape)
         load_model_weights(model, state)
-        save_gpt_model(model, shape, output, assets_from=hf_path)
+        save_gpt_model(model, shape, output)
+    hf_io.copy_assets(hf_path, os.path.join(output, ASSETS_DIR))
     if extra:
         from safetensors.torch import save_file
 

@@ -62,6 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_csbp.conversion import api
     from megatron_csbp.layout.packing import Packing
 
+    from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
     from megatron_csbp.conversion import drafter
 
     try:
@@ -70,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"converted a DFlash drafter ({drafter.HF_MODEL_TYPE}: {d.num_layers} layers, hidden {d.hidden_size}, "
                   f"block {d.block_size}, target layers {d.target_layer_ids}) -> {args.output}")
             print("train it with: python -m megatron_csbp.dflash train --load " + args.output + " --features-path ...")
-        elif args.command == "megatron-to-hf" and drafter.is_drafter_checkpoint(args.load):
+        elif args.command == "megatron-to-hf" and is_drafter_checkpoint(args.load):
             lines = []
             drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype, args.tokenizer_model, log=lines.append)
             print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
@@ -107,7 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             np.save(args.output, logits.astype(np.float32))
             print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
         elif args.command == "flags":
-            from megatron_csbp.model.checkpoint import read_checkpoint_model
+            from megatron_csbp.checkpoint.files import read_checkpoint_model
 
             print(api.flags_text(read_checkpoint_model(args.load).shape))
     except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as exc:

@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from megatron_csbp.model.dflash import HF_MODEL_TYPE, SHAPE_FILE, DrafterShape
+from megatron_csbp.checkpoint.drafter import load_drafter, save_drafter
+from megatron_csbp.model.dflash import HF_MODEL_TYPE, DrafterShape
 
-WEIGHTS_FILE = "drafter.pt"
 #: `dflash train --save`: the verifier the drafter was trained against (its tokenizer is the drafter's)
 VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 ASSETS_DIR = "hf_assets"
@@ -75,22 +75,6 @@ def is_hf_drafter(hf_path: str) -> bool:
         return json.load(f).get("model_type") == HF_MODEL_TYPE
 
 
-def is_drafter_checkpoint(load: str) -> bool:
-    return os.path.isfile(os.path.join(load, SHAPE_FILE))
-
-
-def save_drafter(state, shape: DrafterShape, output: str) -> None:
-    """Write a drafter checkpoint (atomically: a temporary file renamed)."""
-    os.makedirs(output, exist_ok=True)
-    if os.path.exists(os.path.join(output, WEIGHTS_FILE)):
-        raise FileExistsError(f"{output} already holds a drafter: choose a new --output")
-    tmp = os.path.join(output, WEIGHTS_FILE + ".tmp")
-    torch.save({k: v.contiguous().clone() for k, v in state.items()}, tmp)
-    with open(os.path.join(output, SHAPE_FILE), "w") as f:
-        f.write(shape.to_json())
-    os.replace(tmp, os.path.join(output, WEIGHTS_FILE))
-
-
 def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShape:
     """A `MuseGlimmerAssistantModel` folder -> a drafter checkpoint `dflash train --load` reads."""
     from megatron_csbp.conversion import hf_io
@@ -128,8 +112,7 @@ def megatron_to_hf_drafter(load: str, output: str, dtype=None, tokenizer_model: 
                            log=None) -> DrafterShape:
     """A drafter checkpoint (imported, or saved by `dflash train`) -> a `MuseGlimmerAssistantModel`
     folder, with its verifier's tokenizer (`export_drafter_tokenizer`; `log` gets its line)."""
-    from megatron_csbp.conversion.checkpoint import single_process_megatron
-    from megatron_csbp.dflash import load_drafter
+    from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.model.dflash import export_hf_drafter
     from megatron_csbp.model.families import DTYPES
 

@@ -206,8 +206,8 @@ class DiffusionGemmaSampler:
 
 def assets_dir(info) -> Optional[str]:
     """The `hf_assets/` folder saved with a converted (or trained) checkpoint, if any (`info`: the
-    checkpoint `model.checkpoint.read_checkpoint_model` already read)."""
-    from megatron_csbp.model.checkpoint import ASSETS_DIR
+    checkpoint `checkpoint.files.read_checkpoint_model` already read)."""
+    from megatron_csbp.checkpoint.files import ASSETS_DIR
 
     for d in (info.root, info.path):
         p = os.path.join(d, ASSETS_DIR)

@@ -219,7 +219,7 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     check_flags(args, world_size, check_only)
     check_pretrained(args)
     if args.load_step is not None:
-        from megatron_csbp.training.checkpointing import check_model_flags
+        from megatron_csbp.checkpoint.files import check_model_flags
         check_model_flags(args, args.load, args.load_step)
     return args
 
@@ -253,7 +253,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         args.check_notes.append(f"--load {args.load} is not here: the model-shape rules (flags vs the checkpoint's "
                                 "shape, MoE and DiffusionGemma requirements) run at launch")
     elif args.load or args.ckpt_step is not None:
-        from megatron_csbp.training.checkpointing import checkpoint_shape, checkpoint_to_load
+        from megatron_csbp.checkpoint.files import checkpoint_shape, checkpoint_to_load
         args.load_step = checkpoint_to_load(args.load, args.ckpt_step)
         args.model_shape = checkpoint_shape(args.load, args.load_step)
     if args.model_shape is not None:

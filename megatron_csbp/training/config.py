@@ -141,7 +141,7 @@ class CheckpointConfig:
     #: keep only checkpoints at multiples of this (and the latest)
     save_retain_interval: Optional[int] = None
     #: Megatron-LM's rule for a resume whose schedule flags differ from the checkpoint's
-    #: (training/checkpointing.py `check_resumed_schedule`)
+    #: (checkpoint/state.py `check_resumed_schedule`)
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
 

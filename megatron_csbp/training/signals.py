@@ -20,7 +20,7 @@ signal was noted, so the second SIGTERM a job step gets (Slurm signals every pro
 signals its workers again) or a third one cannot kill a rank in the middle of its save or turn its
 clean exit into a kill. The save's own helper processes are no weak point either: megatron-core's
 forked writers inherit this handler, and the write results travel through a queue of the rank
-itself (`checkpointing.write_results_in_process`) instead of a Manager server process.
+itself (`checkpoint.state.write_results_in_process`) instead of a Manager server process.
 """
 from __future__ import annotations
 

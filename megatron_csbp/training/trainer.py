@@ -15,11 +15,11 @@ global batch.
 Failing loudly: with `--check-for-nan-in-loss-and-grad` (the default, Megatron-LM's flag) a
 non-finite global loss stops the run before the optimizer step and a non-finite gradient norm after
 it, with `TrainingStopped` naming the iteration; both values are reduced over all ranks first, so
-every rank stops together. A save never writes non-finite weights (`checkpointing.check_finite`).
+every rank stops together. A save never writes non-finite weights (`checkpoint.state.check_finite`).
 `--exit-signal-handler` saves and exits on SIGTERM (training/signals.py).
 
-Used by the trainer CLI (`training.loop.main`, the default run included) and, model-only, by
-`generate` (`load_model`). Megatron-LM's own `pretrain()` keeps its loop and shares the
+Used by the trainer CLI (`training.loop.main`, the default run included); its checkpoints go
+through `megatron_csbp.checkpoint`. Megatron-LM's own `pretrain()` keeps its loop and shares the
 model build (`training.model.build_model`) through `megatron_lm.model_provider`.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -321,22 +321,22 @@ class Trainer:
         ck = self.config.checkpoint
         if ck.model_shape is None:
             return {}
-        from megatron_csbp.training.checkpointing import ASSETS_DIR
+        from megatron_csbp.checkpoint.files import ASSETS_DIR
         return {"shape": ck.model_shape, "assets_from": os.path.join(ck.load, ASSETS_DIR)}
 
     def save(self, iteration: int, consumed: int) -> None:
         """Atomic: a crash mid-save leaves the previous checkpoint and tracker intact."""
-        from megatron_csbp.training import checkpointing
+        from megatron_csbp.checkpoint import files, state
 
         ck = self.config.checkpoint
-        previous = checkpointing.read_tracker(ck.save) if ck.save_retain_interval and os.path.isdir(ck.save) else None
+        previous = files.read_tracker(ck.save) if ck.save_retain_interval and os.path.isdir(ck.save) else None
         self._sync_params()
-        checkpointing.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
-                                      extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
+        state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
+                              extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
         self.last_saved = iteration
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
         if ck.save_retain_interval and dist.get_rank() == 0:
-            dropped = checkpointing.drop_unretained(ck.save, previous, iteration, ck.save_retain_interval)
+            dropped = state.drop_unretained(ck.save, previous, iteration, ck.save_retain_interval)
             if dropped:
                 _log0(f" deleted checkpoint {dropped} (--save-retain-interval {ck.save_retain_interval})")
 
@@ -350,22 +350,22 @@ class Trainer:
     def load(self) -> Tuple[int, int]:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
         release: weights only, from iteration 0). Returns (iteration, consumed samples)."""
-        from megatron_csbp.training import checkpointing
+        from megatron_csbp.checkpoint import files, state
 
         ck = self.config.checkpoint
         iteration, consumed = 0, 0
         if ck.load:
             # --finetune / --no-load-optim: the weights only (Megatron's: no optimizer or scheduler state)
             weights_only = ck.finetune or ck.no_load_optim
-            info = checkpointing.load_checkpoint(ck.load, self.model, None if weights_only else self.optimizer,
-                                                 None if weights_only else self.scheduler, ck.ckpt_step)
+            info = state.load_checkpoint(ck.load, self.model, None if weights_only else self.optimizer,
+                                         None if weights_only else self.scheduler, ck.ckpt_step)
             if weights_only and info is not None:
                 self.optimizer.reload_model_params()  # main (fp32) params from the loaded weights
             if ck.finetune and info is not None and not info.get("release"):
                 _log0(f" --finetune: loaded the weights of {info['path']}; iteration and consumed samples start at 0")
                 info = dict(info, iteration=0, consumed_samples=0)
             if info is None and ck.model_shape is not None:
-                raise checkpointing.CheckpointError(f"--load {ck.load} has a model shape file but no checkpoint to load")
+                raise files.CheckpointError(f"--load {ck.load} has a model shape file but no checkpoint to load")
             if info is not None and info.get("release"):
                 _log0(f" loaded converted model {info['path']} (release: weights only, iteration 0, fresh optimizer)")
             elif info is not None:
@@ -491,42 +491,3 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def load_model(load: str, ckpt_step: Optional[int] = None, accept: Optional[Callable[[Dict], None]] = None):
-    """A TP = CP = BP = 1 model rebuilt from a checkpoint's saved hyper-parameters (`bdlm_meta.json`)
-    and loaded, on one process: what `generate` decodes with. `accept(model_meta)` may refuse the
-    checkpoint (raise) before anything is built. Returns (model, model_meta, step)."""
-    from megatron_csbp import parallel_state as bps
-    from megatron_csbp.compat.cpu import install_compat
-    from megatron_csbp.training import checkpointing
-    from megatron_csbp.model.checkpoint import read_checkpoint_model
-    from megatron_csbp.training.model import ModelArgs, build_model
-
-    # The one checkpoint reader convert / score share: step, saved flags, a converted model's shape.
-    step = checkpointing.checkpoint_to_load(load, ckpt_step)  # a missing --ckpt-step lists the saved ones
-    try:
-        info = read_checkpoint_model(load, step)
-    except FileNotFoundError as exc:
-        raise ValueError(str(exc)) from None
-    step = info.iteration
-    if not info.model_args:
-        raise ValueError(f"--load {load}: {info.path} has no bdlm_meta.json (not a megatron_csbp.train checkpoint)")
-    margs = info.model_args
-    if accept is not None:
-        accept(margs)
-    if not dist.is_initialized():
-        # One process: an in-memory store (no rendezvous, immune to a surrounding torchrun's env).
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
-    install_compat()
-    if not bps.is_initialized():
-        bps.initialize_block_parallel()
-    fields = ModelArgs.__dataclass_fields__
-    a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
-    # A model converted from Hugging Face is rebuilt from its shape file, like the trainer does.
-    a.model_shape = info.file_shape
-    model = build_model(a)
-    model.eval()
-    checkpointing.load_checkpoint(load, model, None, None, step)
-    return model, margs, step

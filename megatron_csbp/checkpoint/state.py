@@ -1,14 +1,8 @@
-"""Checkpoints through `megatron.core.dist_checkpointing` (torch_dist), written atomically.
-
-Layout of `--save DIR` (Megatron-LM's names):
-
-    DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
-    DIR/iter_0000100/                       a complete dist_checkpointing directory
-    DIR/iter_0000200.tmp-<nonce>/           a save in progress (ignored, removed by the next save)
-
-A save writes everything into a fresh temporary directory, then (rank 0, after every rank finished)
-renames it to `iter_N` and replaces the tracker file with `os.replace`. A crash at any point leaves
-the tracker pointing at the previous complete checkpoint. Loading reads the tracker.
+"""The trainer's state through `megatron.core.dist_checkpointing` (torch_dist), written atomically
+in Megatron-LM's layout (`checkpoint.files`): a save writes everything into a fresh temporary
+`DIR/iter_N.tmp-<nonce>/` (removed by the next save if left behind), then (rank 0, after every rank
+finished) renames it to `iter_N` and replaces the tracker file with `os.replace`. A crash at any
+point leaves the tracker pointing at the previous complete checkpoint. Loading reads the tracker.
 
 State: the model as Megatron's GPT sharded state dict (plain GPT keys), the optimizer with
 `fully_reshardable` sharding for the distributed optimizer (so TP, CP, BP and DP may all change
@@ -17,17 +11,14 @@ by (seed, sample index) and dropout is off, so this is everything an exact resum
 
 Converted models (`python -m megatron_csbp.convert hf-to-megatron`): the tracker holds `release`
 and `DIR/release/` holds the model only; it is loaded as weights (iteration 0, no optimizer or
-scheduler state). The model shape comes from `megatron_csbp_model.json` (`checkpoint_shape`), and
-every checkpoint saved from such a model carries that file (in `iter_N/` and the root) and the
-root's `hf_assets/`, so `convert megatron-to-hf` / `score` read trained checkpoints.
+scheduler state). Every checkpoint saved from such a model carries its shape file (in `iter_N/`
+and the root) and the root's `hf_assets/`, so `convert megatron-to-hf` / `score` read trained
+checkpoints.
 
-Refusals (`CheckpointError`, one line naming the flag or file): `--ckpt-step` that was not saved
-(the saved ones listed), a tracker pointing at a missing folder, model flags that disagree with the
-checkpoint's `bdlm_meta.json` (`check_model_flags`, at parse time, before megatron-core reads
-anything), and files that are missing or shorter than the checkpoint's `.metadata` says
-(`verify_files`, run by rank 0 before every load and agreed by all ranks); a read that still fails
-names the checkpoint folder. A save refuses non-finite weights (`check_finite`), so a run whose loss
-diverged never replaces its last good checkpoint.
+Refusals (`CheckpointError`): those of `checkpoint.files` (`verify_files` runs on rank 0 before
+every load, agreed by all ranks) and a resume whose schedule flags changed
+(`check_resumed_schedule`); a read that still fails names the checkpoint folder. A save refuses non-finite weights (`check_finite`),
+so a run whose loss diverged never replaces its last good checkpoint.
 """
 from __future__ import annotations
 
@@ -42,123 +33,13 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.model.checkpoint import (  # noqa: F401  (the format's names, re-exported)
-    ASSETS_DIR, META_FILE, RELEASE, SHAPE_FILE, TRACKER, checkpoint_path, iteration_dir, read_checkpoint_model,
-    read_tracker,
+from megatron_csbp.checkpoint.files import (
+    ASSETS_DIR, META_FILE, RELEASE, SHAPE_FILE, TRACKER, CheckpointError, checkpoint_path, checkpoint_to_load,
+    iteration_dir, verify_files,
 )
 from megatron_csbp.utils.cli import CliError
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(CliError, ValueError):
-    """A checkpoint that cannot be loaded or saved, with the flag or file that says why (a
-    ValueError too: at parse time it is bad input, refused like any flag)."""
-
-
-def saved_iterations(root: str) -> List[int]:
-    """The complete `iter_N` folders under `root` (saves in progress excluded), ascending."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()
-                  and os.path.isdir(os.path.join(root, n)))
-
-
-def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
-    """What `--load root [--ckpt-step N]` loads: an iteration, `RELEASE`, or None (nothing saved
-    there yet: a fresh run, as Megatron-LM starts when its --load holds no checkpoint). Refuses a
-    `--ckpt-step` that was not saved and a tracker whose folder is gone, naming what is there."""
-    if ckpt_step is not None and not root:
-        raise CheckpointError(f"--ckpt-step {ckpt_step} needs --load DIR")
-    if not root:
-        return None
-    step = ckpt_step if ckpt_step is not None else read_tracker(root)
-    if step is None:
-        return None
-    if not os.path.isdir(checkpoint_path(root, step)):
-        saved = saved_iterations(root)
-        have = f"it holds iterations {', '.join(map(str, saved))}" if saved else "it holds no iter_N checkpoint"
-        what = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER} (iteration {step})"
-        raise CheckpointError(f"{what}: --load {root} has no {os.path.basename(checkpoint_path(root, step))} ({have})")
-    return step
-
-
-def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
-    """The model flags the checkpoint was trained with (`bdlm_meta.json` "model_args"), or None
-    (a converted release has none: its shape file is the reference)."""
-    path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
-    if step == RELEASE or not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return dict(json.load(f).get("model_args") or {})
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
-
-
-#: model flags (dests) that fix the shapes of the saved tensors: a resume must give the same values
-SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "vocab_size", "make_vocab_size_divisible_by", "untie_embeddings_and_output_weights",
-               "normalization", "swiglu")
-
-
-def check_model_flags(args, root: str, step) -> None:
-    """Refuse flags that build another model than the checkpoint's (its `bdlm_meta.json`), naming the
-    first flag that differs, before megatron-core reads a tensor (its shape error names neither)."""
-    saved = saved_model_args(root, step)
-    if not saved:
-        return
-    where = f"--load {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
-    for dest in SHAPE_FLAGS:
-        if dest not in saved or saved[dest] is None or not hasattr(args, dest):
-            continue
-        given = getattr(args, dest)
-        if given != saved[dest]:
-            if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
-                from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE, null_tokenizer_vocab_flag
-
-                # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
-                raise CheckpointError(
-                    f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
-                    f"NullTokenizer has {saved[dest]} ({where}; {NULL_TOKENIZER_RULE}): resume with --vocab-size "
-                    f"{null_tokenizer_vocab_flag(saved[dest])}")
-            flag = "--" + dest.replace("_", "-")
-            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} ({where}): resume "
-                                  "with the model flags it was trained with")
-    mask, saved_mask = getattr(args, "mask_token_id", None), saved.get("mask_token_id")
-    if (saved_mask is not None and mask != saved_mask and saved.get("objective") == getattr(args, "objective", None)
-            and not getattr(args, "finetune", False)):
-        # e.g. a NullTokenizer checkpoint from before the default mask id became the first padding id
-        raise CheckpointError(f"--mask-token-id {mask} differs from the checkpoint's {saved_mask} ({where}): the model "
-                              f"was trained to fill that id; resume with --mask-token-id {saved_mask}")
-
-
-def verify_files(path: str) -> Optional[str]:
-    """Why the torch_dist checkpoint folder `path` cannot be read (a missing or unreadable
-    `.metadata`, a data file missing or shorter than `.metadata` says), or None when every file is
-    whole. Reads only the metadata and the file sizes."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta_file = os.path.join(path, ".metadata")
-    if not os.path.isfile(meta_file):
-        return f"{meta_file} is missing (not a torch_dist checkpoint, or an interrupted copy)"
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # pickle, EOF, ...: the file is damaged
-        return f"{meta_file} is corrupt or truncated ({type(exc).__name__}: {exc})"
-    needed: Dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-    for rel, size in sorted(needed.items()):
-        f = os.path.join(path, rel)
-        if not os.path.isfile(f):
-            return f"{f} is missing"
-        have = os.path.getsize(f)
-        if have < size:
-            return f"{f} is truncated ({have} bytes; .metadata says at least {size})"
-    return None
 
 
 def _agreed_file_check(path: str) -> None:
@@ -183,28 +64,6 @@ def check_finite(model, iteration: int) -> None:
     if flag.item():
         raise CheckpointError(f"iteration {iteration}: the weights hold NaN or infinite values; not saving a "
                               "checkpoint (the last one saved stays the latest)")
-
-
-def checkpoint_shape(root: Optional[str], iteration=None):
-    """The `ModelShape` of a converted model's checkpoint `--load root` would load (its
-    `megatron_csbp_model.json`), or None (no checkpoint, or a flag-built one: the model is built
-    from the flags). `megatron_csbp.model.checkpoint.read_checkpoint_model` reads it."""
-    if not root or not os.path.isdir(root):
-        return None
-    if iteration is None and read_tracker(root) is None:
-        # Nothing saved yet. A shape file alone in `root` still names the model to build (a recipe
-        # validated against a released model's shape; a run that starts from that architecture).
-        p = os.path.join(root, SHAPE_FILE)
-        if not os.path.isfile(p):
-            return None
-        from megatron_csbp.model.families import ModelShape
-
-        with open(p) as f:
-            return ModelShape.from_json(f.read())
-    try:
-        return read_checkpoint_model(root, iteration).file_shape
-    except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
-        raise ValueError(str(exc)) from None
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
@@ -465,7 +324,3 @@ def _load_model_state(model, loaded, path: str) -> None:
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks model keys {missing[:5]}")
 
-
-def load_model_only(root: str, model) -> Dict[str, Any]:
-    """Weights only (generation): any layout, no optimizer."""
-    return load_checkpoint(root, model, None, None)

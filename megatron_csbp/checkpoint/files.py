@@ -1,0 +1,272 @@
+"""What a Megatron checkpoint folder holds, whoever wrote it (the trainer, `convert hf-to-megatron`,
+Megatron-LM): the one reader that `convert megatron-to-hf`, `convert score`, `convert flags`,
+`generate` and the trainer share, and the refusals of a `--load` that cannot be read.
+
+A checkpoint folder (`--load DIR`) is Megatron-LM's layout:
+
+    DIR/latest_checkpointed_iteration.txt   an iteration number, or "release" (a converted model)
+    DIR/iter_0000100/ or DIR/release/       the dist_checkpointing (torch_dist) files
+        megatron_csbp_model.json            the ModelShape (converted models, and every checkpoint
+                                            the trainer saves from one)
+        bdlm_meta.json                      the trainer's model flags ("model_args"), iteration, ...
+    DIR/megatron_csbp_model.json, DIR/hf_assets/   (copies of the shape file, Hugging Face assets)
+
+`read_checkpoint_model` resolves the folder once; its `.shape` is the model's `ModelShape`: the
+shape file's when there is one, else (a flag-built model the trainer wrote) the shape its saved
+flags describe (`model.families.gpt.shape_of_flags`: `LlamaForCausalLM` / `Qwen3ForCausalLM` ...).
+`checkpoint.model.load_checkpoint_model` builds that shape under the current parallel state and loads the weights
+(dist_checkpointing reshards any TP / CP / BP / EP layout). DIR may also be the iteration folder
+itself.
+
+Refusals (`CheckpointError`, one line naming the flag or file): a `--ckpt-step` that was not saved
+(the saved ones listed) and a tracker pointing at a missing folder (`checkpoint_to_load`), model
+flags that disagree with the checkpoint's `bdlm_meta.json` (`check_model_flags`, at parse time,
+before megatron-core reads anything), and files that are missing or shorter than the checkpoint's
+`.metadata` says (`verify_files`).
+
+Size: a few hundred bytes of JSON per checkpoint; nothing here depends on tokens or ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from megatron_csbp.model.families import SHAPE_FILE, ModelShape
+from megatron_csbp.utils.cli import CliError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+META_FILE = "bdlm_meta.json"
+ASSETS_DIR = "hf_assets"
+MODEL_KEY = "model"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def checkpoint_path(root: str, iteration) -> str:
+    return os.path.join(root, RELEASE) if iteration == RELEASE else iteration_dir(root, iteration)
+
+
+def read_tracker(root: str):
+    """The tracker's iteration (int), `RELEASE` for a converted checkpoint, or None."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise ValueError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number or 'release'")
+    return int(text)
+
+
+@dataclass
+class CheckpointModel:
+    """What `--load` holds: the model and where its files are."""
+
+    #: the folder with the dist_checkpointing files
+    path: str
+    #: the `--load` folder as given
+    root: str
+    #: iteration number, `RELEASE`, or None (`root` is an iteration folder itself)
+    iteration: Any
+    #: `bdlm_meta.json` (the trainer's checkpoints; {} for a converted release)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    #: the shape file's model (a converted model and the checkpoints trained from it); None for a
+    #: flag-built model the trainer wrote
+    file_shape: Optional[ModelShape] = None
+
+    @property
+    def model_args(self) -> Dict[str, Any]:
+        """The trainer's saved model flags by dest name ({} when the trainer did not write it)."""
+        return dict(self.meta.get("model_args") or {})
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's shape: the shape file's, else the one the saved flags describe (raises
+        UnsupportedModelError naming the flag when they describe a model no family holds)."""
+        if self.file_shape is not None:
+            return self.file_shape
+        from megatron_csbp.model.families.gpt import shape_of_flags
+
+        return shape_of_flags(self.model_args)
+
+    @property
+    def assets_dir(self) -> str:
+        return os.path.join(self.root, ASSETS_DIR)
+
+
+def _locate(load: str, step=None):
+    """(folder with the torch_dist files, iteration) of `--load load` (at `step` if given)."""
+    if not os.path.isdir(load):
+        raise FileNotFoundError(f"--load {load}: no such folder")
+    iteration = step if step is not None else read_tracker(load)
+    if iteration is None:
+        if os.path.isfile(os.path.join(load, "metadata.json")):
+            return load, None  # an iteration folder itself
+        raise FileNotFoundError(f"--load {load}: no {TRACKER} (and not a dist_checkpointing folder with "
+                                "metadata.json): not a Megatron checkpoint")
+    path = checkpoint_path(load, iteration)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"--load {load}: {path} is not a dist_checkpointing checkpoint (no metadata.json)")
+    return path, iteration
+
+
+def read_checkpoint_model(load: str, step=None) -> CheckpointModel:
+    """The checkpoint of `--load load` (the tracker's, or iteration `step`). Raises
+    FileNotFoundError when there is none; its `.shape` raises UnsupportedModelError when a
+    flag-built model has no model shape (e.g. --normalization LayerNorm), naming the flag."""
+    path, iteration = _locate(load, step)
+    meta: Dict[str, Any] = {}
+    meta_file = os.path.join(path, META_FILE)
+    if os.path.isfile(meta_file):
+        with open(meta_file) as f:
+            meta = json.load(f)
+    # The iteration folder's own shape file first: a root copy may belong to a newer save.
+    for d in (path, load, os.path.dirname(os.path.abspath(path))):
+        shape_file = os.path.join(d, SHAPE_FILE)
+        if os.path.isfile(shape_file):
+            with open(shape_file) as f:
+                return CheckpointModel(path, load, iteration, meta, ModelShape.from_json(f.read()))
+    if not meta.get("model_args"):
+        raise FileNotFoundError(
+            f"--load {load}: {path} has neither {SHAPE_FILE} (written by `convert hf-to-megatron` and copied into "
+            f"every checkpoint trained from it) nor {META_FILE} with model_args (written by megatron_csbp.train)")
+    return CheckpointModel(path, load, iteration, meta)
+
+
+class CheckpointError(CliError, ValueError):
+    """A checkpoint that cannot be loaded or saved, with the flag or file that says why (a
+    ValueError too: at parse time it is bad input, refused like any flag)."""
+
+
+def saved_iterations(root: str) -> List[int]:
+    """The complete `iter_N` folders under `root` (saves in progress excluded), ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()
+                  and os.path.isdir(os.path.join(root, n)))
+
+
+def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
+    """What `--load root [--ckpt-step N]` loads: an iteration, `RELEASE`, or None (nothing saved
+    there yet: a fresh run, as Megatron-LM starts when its --load holds no checkpoint). Refuses a
+    `--ckpt-step` that was not saved and a tracker whose folder is gone, naming what is there."""
+    if ckpt_step is not None and not root:
+        raise CheckpointError(f"--ckpt-step {ckpt_step} needs --load DIR")
+    if not root:
+        return None
+    step = ckpt_step if ckpt_step is not None else read_tracker(root)
+    if step is None:
+        return None
+    if not os.path.isdir(checkpoint_path(root, step)):
+        saved = saved_iterations(root)
+        have = f"it holds iterations {', '.join(map(str, saved))}" if saved else "it holds no iter_N checkpoint"
+        what = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER} (iteration {step})"
+        raise CheckpointError(f"{what}: --load {root} has no {os.path.basename(checkpoint_path(root, step))} ({have})")
+    return step
+
+
+def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
+    """The model flags the checkpoint was trained with (`bdlm_meta.json` "model_args"), or None
+    (a converted release has none: its shape file is the reference)."""
+    path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
+    if step == RELEASE or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return dict(json.load(f).get("model_args") or {})
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
+
+
+#: model flags (dests) that fix the shapes of the saved tensors: a resume must give the same values
+SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "vocab_size", "make_vocab_size_divisible_by", "untie_embeddings_and_output_weights",
+               "normalization", "swiglu")
+
+
+def check_model_flags(args, root: str, step) -> None:
+    """Refuse flags that build another model than the checkpoint's (its `bdlm_meta.json`), naming the
+    first flag that differs, before megatron-core reads a tensor (its shape error names neither)."""
+    saved = saved_model_args(root, step)
+    if not saved:
+        return
+    where = f"--load {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
+    for dest in SHAPE_FLAGS:
+        if dest not in saved or saved[dest] is None or not hasattr(args, dest):
+            continue
+        given = getattr(args, dest)
+        if given != saved[dest]:
+            if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
+                from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE, null_tokenizer_vocab_flag
+
+                # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
+                raise CheckpointError(
+                    f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
+                    f"NullTokenizer has {saved[dest]} ({where}; {NULL_TOKENIZER_RULE}): resume with --vocab-size "
+                    f"{null_tokenizer_vocab_flag(saved[dest])}")
+            flag = "--" + dest.replace("_", "-")
+            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} ({where}): resume "
+                                  "with the model flags it was trained with")
+    mask, saved_mask = getattr(args, "mask_token_id", None), saved.get("mask_token_id")
+    if (saved_mask is not None and mask != saved_mask and saved.get("objective") == getattr(args, "objective", None)
+            and not getattr(args, "finetune", False)):
+        # e.g. a NullTokenizer checkpoint from before the default mask id became the first padding id
+        raise CheckpointError(f"--mask-token-id {mask} differs from the checkpoint's {saved_mask} ({where}): the model "
+                              f"was trained to fill that id; resume with --mask-token-id {saved_mask}")
+
+
+def verify_files(path: str) -> Optional[str]:
+    """Why the torch_dist checkpoint folder `path` cannot be read (a missing or unreadable
+    `.metadata`, a data file missing or shorter than `.metadata` says), or None when every file is
+    whole. Reads only the metadata and the file sizes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        return f"{meta_file} is missing (not a torch_dist checkpoint, or an interrupted copy)"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # pickle, EOF, ...: the file is damaged
+        return f"{meta_file} is corrupt or truncated ({type(exc).__name__}: {exc})"
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(needed.items()):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            return f"{f} is missing"
+        have = os.path.getsize(f)
+        if have < size:
+            return f"{f} is truncated ({have} bytes; .metadata says at least {size})"
+    return None
+
+
+def checkpoint_shape(root: Optional[str], iteration=None):
+    """The `ModelShape` of a converted model's checkpoint `--load root` would load (its
+    `megatron_csbp_model.json`), or None (no checkpoint, or a flag-built one: the model is built
+    from the flags). `read_checkpoint_model` reads it."""
+    if not root or not os.path.isdir(root):
+        return None
+    if iteration is None and read_tracker(root) is None:
+        # Nothing saved yet. A shape file alone in `root` still names the model to build (a recipe
+        # validated against a released model's shape; a run that starts from that architecture).
+        p = os.path.join(root, SHAPE_FILE)
+        if not os.path.isfile(p):
+            return None
+        from megatron_csbp.model.families import ModelShape
+
+        with open(p) as f:
+            return ModelShape.from_json(f.read())
+    try:
+        return read_checkpoint_model(root, iteration).file_shape
+    except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
+        raise ValueError(str(exc)) from None

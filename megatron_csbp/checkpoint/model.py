@@ -1,0 +1,139 @@
+"""A checkpoint's model built and loaded, and a model saved as a release checkpoint (converted
+models; see docs/conversion.md for the format):
+
+    OUT/
+      latest_checkpointed_iteration.txt   "release" (Megatron-LM's marker for a converted model)
+      megatron_csbp_model.json            the model shape (ModelShape), incl. the source HF config
+      hf_assets/                          tokenizer / generation files of the source model
+      release/                            dist_checkpointing torch_dist checkpoint:
+        {"model": GPTModel.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
+        megatron_csbp_model.json          (copy, so the iteration folder is self-contained)
+
+The sharded state dict of the unsharded (TP = PP = EP = 1) model is saved; dist_checkpointing
+reshards it on load, so the trainer loads it under any TP / CP / BP / EP layout, and
+`load_checkpoint_model` reads back a checkpoint the trainer saved under any layout (a flag-built one
+too: `checkpoint.files` derives its shape from the saved flags). `read_trained` and `one_process`
+serve `generate`'s model built from a trainer checkpoint's saved flags, on one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional, Union
+
+import torch.distributed as dist
+
+from megatron_csbp.checkpoint.files import (
+    MODEL_KEY, RELEASE, TRACKER, CheckpointModel, checkpoint_to_load, read_checkpoint_model,
+)
+from megatron_csbp.compat.cpu import install_cpu_compat
+from megatron_csbp.model.families import SHAPE_FILE, ModelShape
+
+CHECKPOINT_VERSION = 3.0
+
+
+@contextlib.contextmanager
+def single_process_megatron():
+    """A one-rank gloo group and Megatron's parallel state (TP = PP = 1), unless the caller already
+    set them up; torn down afterwards if created here."""
+    from megatron.core import parallel_state as mpu
+
+    install_cpu_compat()  # a no-op with CUDA
+    created_pg = not dist.is_initialized()
+    if created_pg:  # an in-memory store: no rendezvous, immune to a surrounding torchrun's env
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    created_mpu = not mpu.model_parallel_is_initialized()
+    if created_mpu:
+        mpu.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        if created_mpu:
+            mpu.destroy_model_parallel()
+        if created_pg:
+            dist.destroy_process_group()
+
+
+def save_gpt_model(model, shape: ModelShape, output: str) -> str:
+    """Save `model` (any parallel layout: every rank calls this) as a release checkpoint (the caller
+    puts the Hugging Face assets into `output/hf_assets`)."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ckpt_dir = os.path.join(output, RELEASE)
+    if rank == 0:
+        if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+            raise FileExistsError(f"{ckpt_dir} exists and is not empty: choose a new --output")
+        os.makedirs(ckpt_dir, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    state = {MODEL_KEY: model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    dist_checkpointing.save(state, ckpt_dir)
+    if rank == 0:
+        text = shape.to_json()
+        for d in (output, ckpt_dir):
+            with open(os.path.join(d, SHAPE_FILE), "w") as f:
+                f.write(text)
+        with open(os.path.join(output, TRACKER), "w") as f:
+            f.write(RELEASE)
+    if dist.is_initialized():
+        dist.barrier()
+    return ckpt_dir
+
+
+def load_checkpoint_model(checkpoint: Union[str, CheckpointModel], params_dtype=None, block_diffusion: bool = True,
+                          step=None, **config_overrides):
+    """Build the checkpoint's model under the current parallel state and load its weights
+    (dist_checkpointing reshards from the layout it was saved under). `config_overrides` set
+    parallelism and training options of the TransformerConfig. Returns (model, CheckpointModel)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_csbp.model.builder import build_gpt_model
+
+    info = checkpoint if isinstance(checkpoint, CheckpointModel) else read_checkpoint_model(checkpoint, step)
+    shape = info.shape
+    model = build_gpt_model(shape, block_diffusion=block_diffusion,
+                            **dict(dict(params_dtype=params_dtype or shape.torch_dtype), **config_overrides))
+    state = dist_checkpointing.load({MODEL_KEY: model.sharded_state_dict()}, info.path)
+    try:
+        load_model_weights(model, state[MODEL_KEY])
+    except ValueError as exc:
+        raise ValueError(f"--load {info.root}: the {shape.family} model of {info.path}: {exc}") from None
+    return model, info
+
+
+def load_model_weights(model, state: dict) -> None:
+    """`load_state_dict` that ignores Megatron's (None) `_extra_state` entries but nothing else."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+
+
+def read_trained(load: str, ckpt_step: Optional[int] = None) -> CheckpointModel:
+    """The checkpoint `python -m megatron_csbp.train` wrote in `--load load` (the tracker's, or
+    `--ckpt-step`; a missing one lists the saved ones); refuses a folder without its saved flags."""
+    step = checkpoint_to_load(load, ckpt_step)
+    try:
+        info = read_checkpoint_model(load, step)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    if not info.model_args:
+        raise ValueError(f"--load {load}: {info.path} has no bdlm_meta.json (not a megatron_csbp.train checkpoint)")
+    return info
+
+
+def one_process() -> None:
+    """A one-rank gloo group and the block-parallel state at TP = CP = BP = 1, kept for the caller's
+    decoding."""
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.compat.cpu import install_compat
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
+    install_compat()
+    if not bps.is_initialized():
+        bps.initialize_block_parallel()
