@@ -5,8 +5,10 @@ import importlib.util
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -350,3 +352,75 @@ def test_without_nemo_run_the_launcher_names_the_extra(tmp_path, monkeypatch, ca
     assert main([CPU_DEMO, "--slurm", str(tmp_path / "x.sbatch")]) == 2
     assert "launching recipes needs NeMo-Run: pip install 'megatron-csbp[launch]'" in capsys.readouterr().err
     assert main([CPU_DEMO, "--dry-run"]) == 0
+
+
+WORKER = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # as --exit-signal-handler notes it
+mode, out = sys.argv[1], sys.argv[2]
+tag = os.environ["RANK"] + "." + os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(os.path.join(out, "ready" + tag), "w").close()
+while not got:
+    time.sleep(0.01)
+if mode == "fail":
+    sys.exit(3)
+open(os.path.join(out, "saving" + tag), "w").close()  # "the save": a second SIGTERM comes meanwhile
+end = time.time() + 60
+while len(got) < 2 and time.time() < end:
+    time.sleep(0.01)
+open(os.path.join(out, "saved" + tag), "w").close()
+"""
+
+
+def _signal_torchrun(tmp_path, launcher, mode):
+    """2 workers of WORKER under `launcher` (with --exit-signal-handler among its arguments), SIGTERM to
+    the launcher alone when both run, again when both "save"; (returncode, stderr, files written)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1",
+           "--max-restarts", "1", str(script), mode, str(tmp_path), "--exit-signal-handler"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        for stage in ("ready", "saving") if mode == "save" else ("ready",):
+            end = time.time() + 120
+            while len(list(tmp_path.glob(stage + "*"))) < 2:
+                assert proc.poll() is None and time.time() < end, proc.stderr.read() if proc.poll() is not None else stage
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    return proc.returncode, err, sorted(p.name for p in tmp_path.iterdir() if p.name != "worker.py")
+
+
+def test_launch_torchrun_forwards_sigterm_and_exits_0(tmp_path):
+    """issue 34: SIGTERM to the launcher alone, twice (the second during the "save"): the workers get both,
+    finish and exit 0, and so does the launch (torch's torchrun exits 1: next test)."""
+    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch_torchrun", "save")
+    assert rc == 0, err[-3000:]
+    assert files == ["ready0.0", "ready1.0", "saved0.0", "saved1.0", "saving0.0", "saving1.0"]
+    assert err.count("megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers (pids ") == 2, err[-3000:]
+
+
+def test_torchrun_itself_exits_1_after_its_own_sigterm(tmp_path):
+    """Why launch_torchrun exists: torch's agent shuts the same workers down and exits 1."""
+    rc, err, _ = _signal_torchrun(tmp_path, "torch.distributed.run", "fail")
+    assert rc == 1 and err.rstrip().endswith(f"got signal: {int(signal.SIGTERM)}"), err[-3000:]
+
+
+def test_launch_torchrun_a_failing_worker_fails_the_launch_without_restart(tmp_path):
+    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch_torchrun", "fail")
+    assert rc == 1 and "(forwarded to the workers, which failed: no restart)" in err, err[-3000:]
+    assert files == ["ready0.0", "ready1.0"]  # --max-restarts 1, yet no second attempt
+
+
+def test_launch_torchrun_names_the_torch_api_it_lacks(monkeypatch):
+    from megatron_csbp import launch_torchrun
+    from megatron_csbp.utils.cli import CliError
+
+    monkeypatch.setattr(launch_torchrun, "TORCH_API", launch_torchrun.TORCH_API + (
+        ("torch.distributed.elastic.multiprocessing.api", "PContext.no_such_method"),))
+    with pytest.raises(CliError, match=r"^--exit-signal-handler: torch \S+ has no torch\.distributed\.elastic\."
+                                       r"multiprocessing\.api\.PContext\.no_such_method, which"):
+        launch_torchrun.main(["--standalone", "x.py", "--exit-signal-handler"])
