@@ -24,10 +24,11 @@ and either runs with
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Dict, NamedTuple, Optional
 
-from megatron_csbp.launch import RecipeError, recipe_flags
+from megatron_csbp.launch import TORCHRUN, RecipeError, recipe_flags
 
 
 def _run():
@@ -107,7 +108,7 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
     from nemo_run.config import RUNDIR_NAME
     from nemo_run.core.execution.slurm import SlurmJobDetails
 
-    from megatron_csbp.launch import requeue_safe
+    from megatron_csbp.launch import _flag, requeue_safe
 
     recipe = requeue_safe(recipe)[0]  # the script is requeue-enabled: --load = --save, --exit-signal-handler
 
@@ -135,6 +136,10 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
             sys.stdin = stdin
     # the directory NeMo-Run's script names for this task: <job_dir>/<experiment>/<experiment id>/<task>
     task_dir = os.path.join(task_executor.tunnel.job_dir, os.path.basename(task_executor.job_dir))
+    if _flag(recipe, "exit_signal_handler"):  # torchrun exits 1 after a SIGTERM; launch_torchrun 0
+        script, n = re.subn(r"^(srun .*?) torchrun ", rf"\1 python -m {TORCHRUN} ", script, count=1, flags=re.M)
+        if n != 1:
+            raise RecipeError(f"NeMo-Run's sbatch script has no `srun ... torchrun` line to run {TORCHRUN} in")
     return SlurmJob(script, str(task_executor.job_details.folder), os.path.join(task_dir, "code"))
 
 

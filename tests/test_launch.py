@@ -132,7 +132,9 @@ def test_slurm_script(tmp_path, capsys):
     for key, value in {"nodes": "2", "gpus-per-node": "8", "ntasks-per-node": "1", "time": "04:00:00",
                        "cpus-per-task": "64", "exclusive": None, "account": "REPLACE_ME"}.items():
         assert sbatch[key] == (value or ""), key
-    for line in ("--kill-on-bad-exit=1 torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:29500",
+    # --exit-signal-handler: torchrun that exits 0 once the signalled ranks saved (launch_torchrun)
+    for line in ("--kill-on-bad-exit=1 python -m megatron_csbp.launch_torchrun --rdzv-backend c10d "
+                 "--rdzv-endpoint $head_node_ip:29500",
                  "--nnodes 2 --nproc-per-node 8", "-m megatron_csbp.train", "--context-parallel-size 8",
                  "--block-parallel-size 8", "--train-iters 3", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in text, line
@@ -181,6 +183,7 @@ def test_slurm_script_keeps_a_given_load_and_says_what_a_requeue_does(tmp_path, 
                  f"training.load={save}", "training.exit_signal_handler=false"]) == 0
     flags = _train_flags((tmp_path / "c.sbatch").read_text())
     assert flags["--save"] == flags["--load"] == [save] and "--exit-signal-handler" not in flags
+    assert "--kill-on-bad-exit=1 torchrun --rdzv-backend" in (tmp_path / "c.sbatch").read_text()
     assert "warning: --load" not in capsys.readouterr().err
     assert main([CPU_DEMO, "--slurm", str(tmp_path / "d.sbatch")]) == 0
     assert "warning: recipe cpu-demo sets no --save: a requeued job starts again from iteration 0" in \
@@ -274,6 +277,8 @@ def test_cli_dry_run_and_errors(capsys):
     assert main([CPU_DEMO, "--dry-run", "training.train_iters=1"]) == 0
     out = capsys.readouterr().out
     assert "torch.distributed.run" in out and "--train-iters 1" in out
+    assert main([CPU_DEMO, "--dry-run", "training.exit_signal_handler=true"]) == 0
+    assert capsys.readouterr().out.startswith(f"{sys.executable} -m megatron_csbp.launch_torchrun --standalone ")
     assert main([CPU_DEMO, "--dry-run", "--nnodes", "2"]) == 2  # multi-node needs --slurm
     assert "needs a scheduler" in capsys.readouterr().err
     assert main([CPU_DEMO, "--dry-run", "--nproc-per-node", "3"]) == 2
