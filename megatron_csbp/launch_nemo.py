@@ -145,9 +145,16 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
 
 def run_local(recipe: Dict, nproc: int) -> int:
     """Run the recipe on this machine with NeMo-Run's LocalExecutor (torchrun); 0 on success."""
+    from megatron_csbp.launch import _flag, torchrun_command
+
     run = _run()
-    with run.Experiment(recipe["name"], executor=local_executor(recipe, nproc), log_level="WARN") as exp:
-        exp.add(recipe_script(recipe), name=recipe["name"], tail_logs=True)
+    task, executor = recipe_script(recipe), local_executor(recipe, nproc)
+    if _flag(recipe, "exit_signal_handler"):  # the launch_torchrun command printed (torchrun exits 1 after SIGTERM)
+        cmd = torchrun_command(recipe, 1, nproc)
+        task = run.Script(path=TORCHRUN, args=cmd[3:], entrypoint=cmd[0], m=True, env=recipe_env(recipe))
+        executor.ntasks_per_node, executor.launcher = 1, None
+    with run.Experiment(recipe["name"], executor=executor, log_level="WARN") as exp:
+        exp.add(task, name=recipe["name"], tail_logs=True)
         exp.run(detach=False)
     # Leaving the experiment waits for its jobs; their states are final then.
     states = [str(job.state) for job in exp.jobs]
