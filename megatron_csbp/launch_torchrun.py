@@ -1,17 +1,9 @@
-"""torchrun for preemptible jobs: `python -m megatron_csbp.launch_torchrun [torchrun options] -m
-megatron_csbp.train ... --exit-signal-handler`, torch's own torchrun (`torch.distributed.run.main`,
-every option the same) with one change when `--exit-signal-handler` is among the arguments.
-
-torchrun's agent answers a SIGTERM of its own (Slurm's preemption, `scancel`, the time limit; `kill`)
-by shutting its workers down (SIGTERM to each worker's process group, SIGKILL after
-`--shutdown-timeout`) and exiting 1 with `SignalException`, whatever the workers return. Here the
-SIGTERM is forwarded to each worker's process group (as torch's shutdown signals it: the rank and the
-helper processes it started) and the agent keeps monitoring: the ranks finish the iteration, save and
-exit 0, and so does the launch. Every further SIGTERM is forwarded the same way (none can kill the
-save). After a forwarded SIGTERM a failing worker still fails the launch, and the agent restarts
-nothing (`--max-restarts`): it shuts down with torch's `SignalException`. A SIGTERM while no worker
-runs (rendezvous) and SIGINT / SIGHUP / SIGQUIT keep torch's handling, as does a launch without
-`--exit-signal-handler`.
+"""`python -m megatron_csbp.launch_torchrun [torchrun options] -m megatron_csbp.train ...`: torch's own
+torchrun (`torch.distributed.run.main`), except that with `--exit-signal-handler` among the arguments
+a SIGTERM to the launcher is forwarded to each worker's process group and the agent keeps monitoring
+the workers (torch's agent raises `SignalException`, shuts them down and exits 1): the ranks save
+and exit 0, and so does the launch. A worker failing after it still fails the launch, with no
+restart. SIGINT, and SIGTERM while no worker runs, keep torch's handling. docs/training.md#preemption.
 """
 from __future__ import annotations
 
@@ -48,17 +40,15 @@ def _torch_api():
 
 
 def _signal_workers(pids, sig) -> list:
-    """Send `sig` to each worker's process group (a worker torch started with a session of its own),
-    else to the worker; the pids that were still there."""
+    """Send `sig` to each worker's process group (torchrun starts each worker in a session of its own,
+    and torch's shutdown signals the group: the rank and its helper processes); the pids still there."""
     sent = []
     for pid in pids:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, sig)
-                sent.append(pid)
-                break
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(pid, sig)
+            sent.append(pid)
+        except ProcessLookupError:
+            pass
     return sent
 
 
@@ -78,9 +68,10 @@ def forward_sigterm() -> None:
             if not sent and not forwarded:  # no worker that could save: torch's shutdown
                 raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
             forwarded.extend(sent)
-            os.write(2, f"megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers (pids "
-                        f"{' '.join(map(str, sent))}; --exit-signal-handler: they save the iteration they "
-                        "reach and exit); waiting for them\n".encode())
+            if sent:
+                os.write(2, f"megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers (pids "
+                            f"{' '.join(map(str, sent))}; --exit-signal-handler: they save the iteration they "
+                            "reach and exit); waiting for them\n".encode())
 
         signal.signal(signal.SIGTERM, forward)
 
