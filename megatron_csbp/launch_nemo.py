@@ -143,16 +143,24 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
     return SlurmJob(script, str(task_executor.job_details.folder), os.path.join(task_dir, "code"))
 
 
-def run_local(recipe: Dict, nproc: int) -> int:
-    """Run the recipe on this machine with NeMo-Run's LocalExecutor (torchrun); 0 on success."""
+def local_task(recipe: Dict, nproc: int):
+    """(task, executor) of a local launch: `recipe_script` under the LocalExecutor's torchrun, or for an
+    `--exit-signal-handler` recipe the command `launch` prints, `python -m megatron_csbp.launch_torchrun
+    ... -m megatron_csbp.train ...`, as one task (torchrun would exit 1 after a SIGTERM)."""
     from megatron_csbp.launch import _flag, torchrun_command
 
-    run = _run()
     task, executor = recipe_script(recipe), local_executor(recipe, nproc)
-    if _flag(recipe, "exit_signal_handler"):  # the launch_torchrun command printed (torchrun exits 1 after SIGTERM)
+    if _flag(recipe, "exit_signal_handler"):
         cmd = torchrun_command(recipe, 1, nproc)
-        task = run.Script(path=TORCHRUN, args=cmd[3:], entrypoint=cmd[0], m=True, env=recipe_env(recipe))
+        task = _run().Script(path=TORCHRUN, args=cmd[3:], entrypoint=cmd[0], m=True, env=recipe_env(recipe))
         executor.ntasks_per_node, executor.launcher = 1, None
+    return task, executor
+
+
+def run_local(recipe: Dict, nproc: int) -> int:
+    """Run the recipe on this machine with NeMo-Run's LocalExecutor (torchrun); 0 on success."""
+    run = _run()
+    task, executor = local_task(recipe, nproc)
     with run.Experiment(recipe["name"], executor=executor, log_level="WARN") as exp:
         exp.add(task, name=recipe["name"], tail_logs=True)
         exp.run(detach=False)

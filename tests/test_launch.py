@@ -271,6 +271,12 @@ def test_recipe_as_nemo_run_tasks():
     assert partial.argv == recipe_flags(r)
     ex = local_executor(r, 2)
     assert isinstance(ex, run.LocalExecutor) and ex.nproc_per_node() == 2 and ex.launcher == "torchrun"
+    # --exit-signal-handler: the local launch runs launch_torchrun itself, the command `launch` prints
+    from megatron_csbp.launch_nemo import local_task
+    r = apply_overrides(load_recipe(CPU_DEMO), ["training.exit_signal_handler=true"])
+    task, ex = local_task(r, 2)
+    assert task.path == "megatron_csbp.launch_torchrun" and task.m and ex.launcher is None and ex.ntasks_per_node == 1
+    assert [task.entrypoint, "-m", task.path] + task.args == torchrun_command(r, 1, 2)
 
 
 def test_cli_dry_run_and_errors(capsys):
