@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Dict, NamedTuple, Optional
 
-from megatron_csbp.launch import TORCHRUN, RecipeError, recipe_flags
+from megatron_csbp.launch import TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
 
 
 def _run():
@@ -108,7 +108,7 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
     from nemo_run.config import RUNDIR_NAME
     from nemo_run.core.execution.slurm import SlurmJobDetails
 
-    from megatron_csbp.launch import _flag, requeue_safe
+    from megatron_csbp.launch import requeue_safe
 
     recipe = requeue_safe(recipe)[0]  # the script is requeue-enabled: --load = --save, --exit-signal-handler
 
@@ -147,8 +147,6 @@ def local_task(recipe: Dict, nproc: int):
     """(task, executor) of a local launch: `recipe_script` under the LocalExecutor's torchrun, or for an
     `--exit-signal-handler` recipe the command `launch` prints, `python -m megatron_csbp.launch_torchrun
     ... -m megatron_csbp.train ...`, as one task (torchrun would exit 1 after a SIGTERM)."""
-    from megatron_csbp.launch import _flag, torchrun_command
-
     task, executor = recipe_script(recipe), local_executor(recipe, nproc)
     if _flag(recipe, "exit_signal_handler"):
         cmd = torchrun_command(recipe, 1, nproc)
