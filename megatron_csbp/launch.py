@@ -321,9 +321,13 @@ def launch_sizes(recipe: Dict, nnodes: Optional[int], nproc: Optional[int]) -> T
     return int(nnodes or lc.get("nnodes") or 1), int(nproc or lc.get("nproc_per_node") or 1)
 
 
+#: torchrun that forwards SIGTERM to the ranks of an --exit-signal-handler job and exits 0 once they saved
+TORCHRUN = "megatron_csbp.launch_torchrun"
+
+
 def torchrun_command(recipe: Dict, nnodes: int, nproc: int, python: str = sys.executable,
                      rdzv_endpoint: Optional[str] = None) -> List[str]:
-    cmd = [python, "-m", "torch.distributed.run"]
+    cmd = [python, "-m", TORCHRUN if _flag(recipe, "exit_signal_handler") else "torch.distributed.run"]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd += ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)]
     else:

@@ -24,10 +24,11 @@ and either runs with
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Dict, NamedTuple, Optional
 
-from megatron_csbp.launch import RecipeError, recipe_flags
+from megatron_csbp.launch import TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
 
 
 def _run():
@@ -135,14 +136,31 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
             sys.stdin = stdin
     # the directory NeMo-Run's script names for this task: <job_dir>/<experiment>/<experiment id>/<task>
     task_dir = os.path.join(task_executor.tunnel.job_dir, os.path.basename(task_executor.job_dir))
+    if _flag(recipe, "exit_signal_handler"):  # torchrun exits 1 after a SIGTERM; launch_torchrun 0
+        script, n = re.subn(r"^(srun .*?) torchrun ", rf"\1 python -m {TORCHRUN} ", script, count=1, flags=re.M)
+        if n != 1:
+            raise RecipeError(f"NeMo-Run's sbatch script has no `srun ... torchrun` line to run {TORCHRUN} in")
     return SlurmJob(script, str(task_executor.job_details.folder), os.path.join(task_dir, "code"))
+
+
+def local_task(recipe: Dict, nproc: int):
+    """(task, executor) of a local launch: `recipe_script` under the LocalExecutor's torchrun, or for an
+    `--exit-signal-handler` recipe the command `launch` prints, `python -m megatron_csbp.launch_torchrun
+    ... -m megatron_csbp.train ...`, as one task (torchrun would exit 1 after a SIGTERM)."""
+    task, executor = recipe_script(recipe), local_executor(recipe, nproc)
+    if _flag(recipe, "exit_signal_handler"):
+        cmd = torchrun_command(recipe, 1, nproc)
+        task = _run().Script(path=TORCHRUN, args=cmd[3:], entrypoint=cmd[0], m=True, env=recipe_env(recipe))
+        executor.ntasks_per_node, executor.launcher = 1, None
+    return task, executor
 
 
 def run_local(recipe: Dict, nproc: int) -> int:
     """Run the recipe on this machine with NeMo-Run's LocalExecutor (torchrun); 0 on success."""
     run = _run()
-    with run.Experiment(recipe["name"], executor=local_executor(recipe, nproc), log_level="WARN") as exp:
-        exp.add(recipe_script(recipe), name=recipe["name"], tail_logs=True)
+    task, executor = local_task(recipe, nproc)
+    with run.Experiment(recipe["name"], executor=executor, log_level="WARN") as exp:
+        exp.add(task, name=recipe["name"], tail_logs=True)
         exp.run(detach=False)
     # Leaving the experiment waits for its jobs; their states are final then.
     states = [str(job.state) for job in exp.jobs]

@@ -5,8 +5,10 @@ import importlib.util
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -130,7 +132,9 @@ def test_slurm_script(tmp_path, capsys):
     for key, value in {"nodes": "2", "gpus-per-node": "8", "ntasks-per-node": "1", "time": "04:00:00",
                        "cpus-per-task": "64", "exclusive": None, "account": "REPLACE_ME"}.items():
         assert sbatch[key] == (value or ""), key
-    for line in ("--kill-on-bad-exit=1 torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:29500",
+    # --exit-signal-handler: torchrun that exits 0 once the signalled ranks saved (launch_torchrun)
+    for line in ("--kill-on-bad-exit=1 python -m megatron_csbp.launch_torchrun --rdzv-backend c10d "
+                 "--rdzv-endpoint $head_node_ip:29500",
                  "--nnodes 2 --nproc-per-node 8", "-m megatron_csbp.train", "--context-parallel-size 8",
                  "--block-parallel-size 8", "--train-iters 3", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in text, line
@@ -179,6 +183,7 @@ def test_slurm_script_keeps_a_given_load_and_says_what_a_requeue_does(tmp_path, 
                  f"training.load={save}", "training.exit_signal_handler=false"]) == 0
     flags = _train_flags((tmp_path / "c.sbatch").read_text())
     assert flags["--save"] == flags["--load"] == [save] and "--exit-signal-handler" not in flags
+    assert "--kill-on-bad-exit=1 torchrun --rdzv-backend" in (tmp_path / "c.sbatch").read_text()
     assert "warning: --load" not in capsys.readouterr().err
     assert main([CPU_DEMO, "--slurm", str(tmp_path / "d.sbatch")]) == 0
     assert "warning: recipe cpu-demo sets no --save: a requeued job starts again from iteration 0" in \
@@ -266,12 +271,20 @@ def test_recipe_as_nemo_run_tasks():
     assert partial.argv == recipe_flags(r)
     ex = local_executor(r, 2)
     assert isinstance(ex, run.LocalExecutor) and ex.nproc_per_node() == 2 and ex.launcher == "torchrun"
+    # --exit-signal-handler: the local launch runs launch_torchrun itself, the command `launch` prints
+    from megatron_csbp.launch_nemo import local_task
+    r = apply_overrides(load_recipe(CPU_DEMO), ["training.exit_signal_handler=true"])
+    task, ex = local_task(r, 2)
+    assert task.path == "megatron_csbp.launch_torchrun" and task.m and ex.launcher is None and ex.ntasks_per_node == 1
+    assert [task.entrypoint, "-m", task.path] + task.args == torchrun_command(r, 1, 2)
 
 
 def test_cli_dry_run_and_errors(capsys):
     assert main([CPU_DEMO, "--dry-run", "training.train_iters=1"]) == 0
     out = capsys.readouterr().out
     assert "torch.distributed.run" in out and "--train-iters 1" in out
+    assert main([CPU_DEMO, "--dry-run", "training.exit_signal_handler=true"]) == 0
+    assert capsys.readouterr().out.startswith(f"{sys.executable} -m megatron_csbp.launch_torchrun --standalone ")
     assert main([CPU_DEMO, "--dry-run", "--nnodes", "2"]) == 2  # multi-node needs --slurm
     assert "needs a scheduler" in capsys.readouterr().err
     assert main([CPU_DEMO, "--dry-run", "--nproc-per-node", "3"]) == 2
@@ -350,3 +363,75 @@ def test_without_nemo_run_the_launcher_names_the_extra(tmp_path, monkeypatch, ca
     assert main([CPU_DEMO, "--slurm", str(tmp_path / "x.sbatch")]) == 2
     assert "launching recipes needs NeMo-Run: pip install 'megatron-csbp[launch]'" in capsys.readouterr().err
     assert main([CPU_DEMO, "--dry-run"]) == 0
+
+
+WORKER = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))  # as --exit-signal-handler notes it
+mode, out = sys.argv[1], sys.argv[2]
+tag = os.environ["RANK"] + "." + os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(os.path.join(out, "ready" + tag), "w").close()
+while not got:
+    time.sleep(0.01)
+if mode == "fail":
+    sys.exit(3)
+open(os.path.join(out, "saving" + tag), "w").close()  # "the save": a second SIGTERM comes meanwhile
+end = time.time() + 60
+while len(got) < 2 and time.time() < end:
+    time.sleep(0.01)
+open(os.path.join(out, "saved" + tag), "w").close()
+"""
+
+
+def _signal_torchrun(tmp_path, launcher, mode):
+    """2 workers of WORKER under `launcher` (with --exit-signal-handler among its arguments), SIGTERM to
+    the launcher alone when both run, again when both "save"; (returncode, stderr, files written)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1",
+           "--max-restarts", "1", str(script), mode, str(tmp_path), "--exit-signal-handler"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        for stage in ("ready", "saving") if mode == "save" else ("ready",):
+            end = time.time() + 120
+            while len(list(tmp_path.glob(stage + "*"))) < 2:
+                assert proc.poll() is None and time.time() < end, proc.stderr.read() if proc.poll() is not None else stage
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    return proc.returncode, err, sorted(p.name for p in tmp_path.iterdir() if p.name != "worker.py")
+
+
+def test_launch_torchrun_forwards_sigterm_and_exits_0(tmp_path):
+    """issue 34: SIGTERM to the launcher alone, twice (the second during the "save"): the workers get both,
+    finish and exit 0, and so does the launch (torch's torchrun exits 1: next test)."""
+    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch_torchrun", "save")
+    assert rc == 0, err[-3000:]
+    assert files == ["ready0.0", "ready1.0", "saved0.0", "saved1.0", "saving0.0", "saving1.0"]
+    assert err.count("megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers (pids ") == 2, err[-3000:]
+
+
+def test_torchrun_itself_exits_1_after_its_own_sigterm(tmp_path):
+    """Why launch_torchrun exists: torch's agent shuts the same workers down and exits 1."""
+    rc, err, _ = _signal_torchrun(tmp_path, "torch.distributed.run", "fail")
+    assert rc == 1 and err.rstrip().endswith(f"got signal: {int(signal.SIGTERM)}"), err[-3000:]
+
+
+def test_launch_torchrun_a_failing_worker_fails_the_launch_without_restart(tmp_path):
+    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch_torchrun", "fail")
+    assert rc == 1 and "(forwarded to the workers, which failed: no restart)" in err, err[-3000:]
+    assert files == ["ready0.0", "ready1.0"]  # --max-restarts 1, yet no second attempt
+
+
+def test_launch_torchrun_names_the_torch_api_it_lacks(monkeypatch):
+    from megatron_csbp import launch_torchrun
+    from megatron_csbp.utils.cli import CliError
+
+    monkeypatch.setattr(launch_torchrun, "TORCH_API", launch_torchrun.TORCH_API + (
+        ("torch.distributed.elastic.multiprocessing.api", "PContext.no_such_method"),))
+    with pytest.raises(CliError, match=r"^--exit-signal-handler: torch \S+ has no torch\.distributed\.elastic\."
+                                       r"multiprocessing\.api\.PContext\.no_such_method, which"):
+        launch_torchrun.main(["--standalone", "x.py", "--exit-signal-handler"])

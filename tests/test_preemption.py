@@ -3,18 +3,20 @@
 - `step`: to every process of the job step (Slurm's proctrack signals every process of the step at
   preemption, `scancel` or the time limit: torchrun, the ranks, and the helper processes the ranks
   started), here every process group of the launched process tree;
-- `torchrun`: to torchrun alone (it sends SIGTERM to each rank's process group, then SIGKILL after
-  `--shutdown-timeout`, 30 s);
+- `torchrun`: to torchrun alone (`megatron_csbp.launch_torchrun`, what `launch` runs an
+  `--exit-signal-handler` job with: it forwards SIGTERM to each rank's process group and keeps
+  monitoring the ranks);
 - `ranks`: to each rank's process group (a rank with its helpers, as `srun` without torchrun or
   torchrun's own shutdown deliver it);
 - `step_twice`: `step`, and again to every process while the checkpoint is being written.
 
 Each run of a 2-rank CSBP job must end with a complete checkpoint at the iteration it reached (no
-`iter_*.tmp-*` left), the ranks exiting cleanly (no rank traceback; torchrun's status is 0 when the
-ranks alone were signalled, 1 when torchrun itself was: torch's launcher re-raises the signal after
-its workers exit), and the same command resumes it with losses equal to an uninterrupted run's to the
-last digit. Before the fix, `step`, `torchrun` and `ranks` died in the save with BrokenPipeError
-(megatron-core's Manager queue process was killed by the signal) and left `iter_N.tmp-*`.
+`iter_*.tmp-*` left), the ranks exiting cleanly (no rank traceback), the launch exiting 0, and the
+same command resumes it with losses equal to an uninterrupted run's to the last digit. Before the
+fix, `step`, `torchrun` and `ranks` died in the save with BrokenPipeError (megatron-core's Manager
+queue process was killed by the signal) and left `iter_N.tmp-*`; and under torch's own torchrun
+`step`, `torchrun` and `step_twice` exit 1 although the ranks saved and exited 0 (its agent raises
+`SignalException` for a signal of its own and shuts the ranks down: tests/test_launch.py).
 """
 import os
 import re
@@ -25,6 +27,7 @@ import time
 import pytest
 
 from megatron_csbp.checkpoint import files
+from megatron_csbp.launch import TORCHRUN
 from tests.train_helpers import TINY, json_log, run_train, train_command
 
 ITERS = 12
@@ -97,8 +100,8 @@ def test_sigterm_under_torchrun_saves_and_resumes_exactly(reference, tmp_path, t
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with open(out_path, "w") as fo, open(err_path, "w") as fe:
         # a session of its own, as a job step: killpg reaches torchrun and nothing of the test
-        proc = subprocess.Popen(train_command(argv, 2, ["--monitor-interval", "0.1"]), stdout=fo, stderr=fe,
-                                start_new_session=True)
+        proc = subprocess.Popen(train_command(argv, 2, ["--monitor-interval", "0.1"], TORCHRUN), stdout=fo,
+                                stderr=fe, start_new_session=True)
         try:
             end = time.time() + 300
             while not (os.path.exists(log) and max(_losses(json_log(log)) or [0]) >= 4):
@@ -129,13 +132,10 @@ def test_sigterm_under_torchrun_saves_and_resumes_exactly(reference, tmp_path, t
                 except OSError:
                     pass
     out, err = out_path.read_text(), err_path.read_text()
-    # the ranks exit cleanly; torchrun re-raises a signal it got itself (torch's launcher)
+    # the ranks exit cleanly, and so does the launch: launch_torchrun forwarded a SIGTERM it got itself
     assert "BrokenPipeError" not in err and "[rank" not in err and "error:" not in err, err[-3000:]
-    if target == "ranks":
-        assert proc.returncode == 0, err[-3000:]
-    else:
-        assert proc.returncode == 0 or (proc.returncode == 1 and err.rstrip().endswith(
-            f"got signal: {int(signal.SIGTERM)}")), err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert ("megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers" in err) == (target != "ranks"), err
     records = json_log(log)
     first = _losses(records)
     stopped = max(first)

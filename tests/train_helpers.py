@@ -11,12 +11,13 @@ def train_rank(rank, world_size, argv):
             "history": result["history"], "iteration": result["iteration"]}
 
 
-def train_command(argv, nproc=None, torchrun_flags=()):
-    """`python -m megatron_csbp.train ARGV` (one process, no torchrun) or, with `nproc`, under torchrun."""
+def train_command(argv, nproc=None, torchrun_flags=(), torchrun="torch.distributed.run"):
+    """`python -m megatron_csbp.train ARGV` (one process, no torchrun) or, with `nproc`, under torchrun
+    (the module `torchrun`: torch's, or megatron_csbp.launch_torchrun)."""
     import sys
     if nproc is None:
         return [sys.executable, "-m", "megatron_csbp.train"] + list(argv)
-    return ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return ([sys.executable, "-m", torchrun, "--standalone", "--nproc-per-node", str(nproc)]
             + list(torchrun_flags) + ["-m", "megatron_csbp.train"] + list(argv))
 
 
