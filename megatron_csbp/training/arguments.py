@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
 from megatron_csbp.training.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
 
+
 def __getattr__(name):
     if name == "OBJECTIVES":  # `--objective`'s choices: the objective registry's names, in its order
         return objective_names()
@@ -237,47 +238,15 @@ def check_pretrained(args) -> None:
                      f"{'' if os.path.isdir(args.load) else '; the folder does not exist'})")
 
 
-# Flag (dest) -> what the converted checkpoint's shape says. A flag left at its default takes the
-# checkpoint's value; a flag given with another value is refused.
-def _shape_values(shape):
-    return {
-        "num_layers": shape.num_layers,
-        "hidden_size": shape.hidden_size,
-        "ffn_hidden_size": shape.ffn_hidden_size,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_query_groups": shape.num_query_groups,
-        "kv_channels": shape.kv_channels,
-        "rotary_base": shape.rotary_base,
-        "untie_embeddings_and_output_weights": not shape.tie_word_embeddings,
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "max_position_embeddings": shape.max_position_embeddings,
-        "vocab_size": shape.vocab_size,
-        "qk_layernorm": shape.qk_layernorm,
-        "norm_epsilon": shape.norm_epsilon,
-        "rotary_percent": shape.rotary_percent,
-        "add_qkv_bias": shape.add_qkv_bias,
-        "use_rope_scaling": (shape.rope_scaling or {}).get("type") == "llama3",
-        "rope_scaling_factor": (shape.rope_scaling or {}).get("factor", 8.0)
-        if (shape.rope_scaling or {}).get("type") == "llama3" else 8.0,
-        "rotary_seq_len_interpolation_factor": (shape.rope_scaling or {}).get("factor")
-        if (shape.rope_scaling or {}).get("type") == "linear" else None,
-        "num_experts": shape.num_experts,
-        "moe_router_topk": shape.moe_router_topk if shape.is_moe else 2,
-        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe else None,
-        "moe_router_pre_softmax": shape.moe_router_pre_softmax,
-        "moe_input_jitter_eps": shape.moe_input_jitter_eps,
-        "moe_layer_freq": shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
-    }
-
-
 def apply_model_shape(args: argparse.Namespace, shape) -> None:
     """The model comes from the checkpoint's megatron_csbp_model.json: fill the shape flags from it
-    and refuse flags that contradict it."""
+    and refuse flags that contradict it (a flag left at its default takes the checkpoint's value)."""
+    from megatron_csbp.model.families import flag_values
+
     defaults = build_parser()
     if args.tokenizer_type is None and not args.tokenizer_model:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
-    for dest, value in _shape_values(shape).items():
+    for dest, value in flag_values(shape).items():
         if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
             from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
 

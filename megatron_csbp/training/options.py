@@ -381,6 +381,10 @@ def gpt_kwargs(a) -> dict:
 def flag_text(name: str, value) -> str:
     """The command-line text that sets option `name` to `value` ("" for a switch left off)."""
     o = BY_NAME[name]
+    if o.action == "store_false":
+        return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):
         return o.flag if value else (o.off or "")
+    if isinstance(value, list):  # --moe-layer-freq's pattern, as the expression Megatron-LM evaluates
+        return f"{o.flag} \"([{','.join(map(str, value))}])\""
     return f"{o.flag} {value}"
