@@ -281,8 +281,8 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
 
 
 def check_model_options(args, check_only: bool = False) -> None:
-    """Megatron model flags with rules of their own: head size, dropout, recomputation, and the
-    attention kernel named by --attention-backend."""
+    """Rules between model flags (each flag's own: training/options.py): rope scaling,
+    recomputation, and the attention kernel named by --attention-backend."""
     if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None:
         raise ValueError("give --use-rope-scaling or --rotary-seq-len-interpolation-factor, not both")
     if args.recompute_granularity != "full":
@@ -292,11 +292,9 @@ def check_model_options(args, check_only: bool = False) -> None:
                 raise ValueError(f"{flag} {value} needs --recompute-granularity full (got "
                                  f"{args.recompute_granularity}); Megatron recomputes selectively per layer otherwise")
     else:
-        args.recompute_method = args.recompute_method or "uniform"
-        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
-        if not 1 <= args.recompute_num_layers <= args.num_layers:
-            raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} must be between 1 and "
-                             f"--num-layers {args.num_layers}")
+        layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers  # (model.recompute_options)
+        if not 1 <= layers <= args.num_layers:
+            raise ValueError(f"--recompute-num-layers {layers} must be between 1 and --num-layers {args.num_layers}")
     implied = BACKEND_KERNEL.get(args.attention_backend)
     if implied is not None:
         if args.attention_kernel not in ("auto", implied):
@@ -379,8 +377,8 @@ def check_experts_and_objective(args) -> None:
 
 
 def check_run_flags(args: argparse.Namespace) -> None:
-    """Rules of the flags above; fills --train-iters from --train-samples. Runs after
-    --global-batch-size is known."""
+    """Rules between Megatron-LM's training, checkpoint and logging flags; fills --train-iters from
+    --train-samples. Runs after --global-batch-size is known."""
     if args.train_samples is not None:
         if args.train_iters is not None:
             raise ValueError("give --train-iters or --train-samples, not both")
@@ -390,9 +388,8 @@ def check_run_flags(args: argparse.Namespace) -> None:
         args.train_iters = args.train_samples // args.global_batch_size
     elif args.train_iters is None:
         args.train_iters = 100
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ValueError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ValueError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("give --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, not both "
                          "(Megatron-LM's rule)")
@@ -415,7 +412,6 @@ def check_run_flags(args: argparse.Namespace) -> None:
             raise ValueError("--wandb-project needs --wandb-exp-name (Megatron's rule)")
         if not (args.wandb_save_dir or args.save):
             raise ValueError("--wandb-project needs --wandb-save-dir or --save (wandb writes to --save/wandb)")
-        args.wandb_save_dir = args.wandb_save_dir or os.path.join(args.save, "wandb")
         if importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb-project needs the wandb package (pip install wandb; WANDB_MODE=offline "
                              "logs without an account)")
@@ -466,12 +462,13 @@ def check_vocab(args, vocab_size: int) -> None:
     build_objective(args, vocab_size)
 
 
-def model_args(args):
-    """ModelArgs of the flags, carrying the objective's own flags along (ModelArgs need not name them)."""
+def model_args(args, **overrides):
+    """ModelArgs of the flags (every field the namespace names, then `overrides`), carrying the
+    objective's own flags along (ModelArgs need not name them)."""
     from megatron_csbp.training.model import ModelArgs
 
     fields = ModelArgs.__dataclass_fields__
-    margs = ModelArgs(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    margs = ModelArgs(**{**{k: getattr(args, k) for k in fields if hasattr(args, k)}, **overrides})
     for dest, value in objective_options(args).items():
         setattr(margs, dest, value)
     return margs

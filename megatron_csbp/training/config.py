@@ -10,6 +10,7 @@ section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `opt
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, dataclass, fields, make_dataclass
 from typing import Any, Dict, Optional
 
@@ -117,6 +118,7 @@ class TrainerConfig:
             eval=_take(EvalConfig, args),
             checkpoint=_take(CheckpointConfig, args, model_shape=getattr(args, "model_shape", None),
                              model_meta=model_meta(args)),
-            log=_take(LogConfig, args, flags={k: v for k, v in vars(args).items()
-                                               if isinstance(v, (int, float, str, bool, type(None)))}),
+            log=_take(LogConfig, args, wandb_save_dir=args.wandb_save_dir or (
+                os.path.join(args.save, "wandb") if args.wandb_project else None),  # --save/wandb by default
+                      flags={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}),
         )
