@@ -53,7 +53,8 @@ ModelArgs = make_dataclass("ModelArgs", [
     ("decoder_first_pipeline_num_layers", Optional[int], None),
     ("decoder_last_pipeline_num_layers", Optional[int], None), ("encoder_loss_weight", float, 1.0),
     ("self_conditioning_prob", float, 0.5), ("eod_token_id", Optional[int], None),
-    ("model_shape", Any, None)])  # a converted checkpoint's ModelShape (None: built from the flags)
+    ("model_shape", Any, None),  # a converted checkpoint's ModelShape (None: built from the flags)
+], namespace={"__module__": __name__})
 
 
 def recompute_options(a) -> dict:
