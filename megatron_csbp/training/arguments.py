@@ -12,7 +12,7 @@ import os
 from typing import List, Optional, Sequence
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
-from megatron_csbp.training.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
+from megatron_csbp.training.options import BACKEND_KERNEL, add_options, check_options
 
 
 def __getattr__(name):
