@@ -45,7 +45,7 @@ import torch
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
-from megatron_csbp.objectives.registry import objective_class, objective_options
+from megatron_csbp.objectives.registry import objective_class
 from megatron_csbp.training.arguments import add_block_diffusion_args
 from megatron_csbp.utils.cli import UsageError
 
@@ -308,21 +308,13 @@ def _eod_token_id(args) -> Optional[int]:
 
 
 def _model_args_from_megatron(args):
-    from megatron_csbp.training.model import ModelArgs
+    """ModelArgs of Megatron-LM's arguments (the same names): the embedding's rows are its padded
+    vocabulary, the clean ring its true CP (`_true_cp`)."""
+    from megatron_csbp.training.arguments import model_args
 
-    margs = ModelArgs(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length, vocab_size=args.padded_vocab_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        context_parallel_size=_true_cp(args), block_parallel_size=args.block_parallel_size,
-        block_size=args.block_size, objective=args.objective, mask_token_id=args.mask_token_id,
-        clean_attention=args.clean_attention or "block_causal", attention_transport=args.attention_transport,
-        block_ownership=args.block_ownership, seed=args.seed, attention_kernel=args.attention_kernel,
-        reset_attention_mask=args.reset_attention_mask, reset_position_ids=args.reset_position_ids,
-        eod_mask_loss=args.eod_mask_loss, eod_token_id=_eod_token_id(args))
-    for dest, value in objective_options(args).items():  # the objective's flags (noise schedule, ...)
-        setattr(margs, dest, value)
-    return margs
+    return model_args(args, vocab_size=args.padded_vocab_size, make_vocab_size_divisible_by=1,
+                      context_parallel_size=_true_cp(args), clean_attention=args.clean_attention or "block_causal",
+                      eod_token_id=_eod_token_id(args))
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
@@ -336,6 +328,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron_csbp.model import builder
     from megatron_csbp.model.bdlm import wrapper_class
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
+    from megatron_csbp.training.options import gpt_kwargs
 
     from megatron_csbp import pipeline
 
@@ -355,8 +348,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                     max_sequence_length=args.max_position_embeddings, **stage.kwargs(),
                     fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type,
-                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+                    **gpt_kwargs(args))  # rotary: the trainer's flag-built model's (rope scaling included)
     if stage.whole:
         gpt = build()
     else:

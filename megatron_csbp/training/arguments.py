@@ -7,17 +7,12 @@ the flag and the rule.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import List, Optional, Sequence
 
-from megatron_csbp.data.megatron_data import TOKENIZER_TYPES
-from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
-from megatron_csbp.objectives.registry import (add_objective_args, build_objective, objective_class, objective_help,
-                                               objective_names, objective_options)
-
-#: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
-ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
-BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
+from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
+from megatron_csbp.training.options import BACKEND_KERNEL, add_options, check_options
 
 
 def __getattr__(name):
@@ -28,175 +23,18 @@ def __getattr__(name):
 
 def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our flags (also used as Megatron-LM's extra_args_provider)."""
-    g = parser.add_argument_group("block diffusion")
-    g.add_argument("--block-parallel-size", type=int, default=1,
-                   help="ranks sharing one sample by noisy blocks (BP); CSBP when --context-parallel-size > 1 "
-                        "too. Must be a multiple of --context-parallel-size.")
-    g.add_argument("--block-size", type=int, default=16, help="block diffusion block size; must divide --seq-length")
-    g.add_argument("--objective", choices=objective_names(), default="bd3lm", help=objective_help())
-    add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
-    g.add_argument("--clean-attention", choices=CLEAN_ATTENTION_VARIANTS, default=None,
-                   help="clean stream mask (default: token_causal for DiffusionGemma models, block_causal otherwise)")
-    g.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
-    g.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
-    g.add_argument("--attention-kernel", choices=("auto", "cpu_flash", "tiled", "math", "flex", "flash"),
-                   default="auto",
-                   help="kernel of the block-diffusion core attention, for every model family (flag-built GPT, "
-                        "converted models, DiffusionGemma): auto = flex on CUDA, cpu_flash elsewhere; cpu_flash = "
-                        "the flash decomposition on torch's CPU flash attention (CPU only); tiled = "
-                        "block-sparse tiles with memory linear in the rows (any device); math = dense reference "
-                        "for small cases; flex = FlexAttention from row vectors; flash = flash-attn varlen for the "
-                        "noisy block-diagonal and token-causal clean pieces, flex for the rest (needs flash-attn); "
-                        "--attention-backend selects it too")
-    g.add_argument("--log-json", type=str, default=None, help="append one JSON object per logged iteration")
+    add_options(parser, groups=("bd",))
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of the declared options (training/options.py)."""
     from megatron_csbp.utils.cli import ArgumentParser  # an argument error is one line, not the usage
 
     p = ArgumentParser(prog="python -m megatron_csbp.train",
-                                description="Train a block diffusion LM with Megatron-core (launch with torchrun). "
-                                            "With no flags at all: the embedded CSBP demo.")
-    m = p.add_argument_group("model (Megatron-LM names)")
-    m.add_argument("--num-layers", type=int, default=4)
-    m.add_argument("--hidden-size", type=int, default=128)
-    m.add_argument("--ffn-hidden-size", type=int, default=None)
-    m.add_argument("--num-attention-heads", type=int, default=4)
-    m.add_argument("--num-query-groups", type=int, default=None)
-    m.add_argument("--kv-channels", type=int, default=None,
-                   help="projection size per attention head (default: --hidden-size / --num-attention-heads)")
-    m.add_argument("--group-query-attention", action="store_true", help="accepted for Megatron-LM compatibility")
-    m.add_argument("--seq-length", type=int, default=128)
-    m.add_argument("--max-position-embeddings", type=int, default=None)
-    m.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
-    m.add_argument("--swiglu", action="store_true", default=True)
-    m.add_argument("--no-swiglu", dest="swiglu", action="store_false")
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    m.add_argument("--position-embedding-type", choices=("rope",), default="rope",
-                   help="rope only: block diffusion indexes rotary angles by each row's position")
-    m.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=False,
-                   help="no biases in linear layers (the default here; Megatron-LM's default is with biases)")
-    m.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true",
-                   help="biases in the linear layers of a flag-built model")
-    m.add_argument("--attention-dropout", type=float, default=0.0,
-                   help="must be 0: dropout on attention probabilities would make the loss depend on the layout")
-    m.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP (Megatron's)")
-    m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="Megatron's attention backend names for the block-diffusion core attention (which replaces "
-                        "Megatron's): local -> --attention-kernel tiled, unfused -> math, flash/fused -> flex, auto -> "
-                        "--attention-kernel; also set as TransformerConfig.attention_backend")
-    m.add_argument("--init-method-std", type=float, default=0.02)
-    m.add_argument("--rotary-base", type=int, default=10000)
-    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    m.add_argument("--bf16", action="store_true")
-    # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
-    # loss scale (dynamic unless --loss-scale is given); a step whose gradients overflow is skipped.
-    m.add_argument("--fp16", action="store_true")
-    m.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic, with --fp16)")
-    m.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
-    m.add_argument("--min-loss-scale", type=float, default=1.0)
-    m.add_argument("--loss-scale-window", type=float, default=1000)
-    m.add_argument("--hysteresis", type=int, default=2)
-    m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="activation recomputation (Megatron's TransformerConfig.recompute_granularity)")
-    m.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="with --recompute-granularity full (default there: uniform)")
-    m.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="with --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed "
-                        "layers (block); default 1")
-
-    t = p.add_argument_group("training (Megatron-LM names)")
-    t.add_argument("--micro-batch-size", type=int, default=2)
-    t.add_argument("--global-batch-size", type=int, default=None)
-    t.add_argument("--train-iters", type=int, default=None, help="default 100 (or --train-samples)")
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--min-lr", type=float, default=0.0, help="Megatron-LM's default 0")
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--lr-decay-iters", type=int, default=None)
-    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-                   default="linear", help="Megatron-LM's default linear")
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999, help="Megatron-LM's default 0.999")
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--use-distributed-optimizer", action="store_true")
-    t.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-                   default=True, help="stop the run, naming the iteration, when the loss or the gradient norm is "
-                                      "NaN or infinite (the default, as in Megatron-LM)")
-    t.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false", help="train on through non-finite losses (a checkpoint is still never saved "
-                                              "with non-finite weights)")
-
-    par = p.add_argument_group("parallelism (Megatron-LM names)")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    from megatron_csbp.pipeline import add_pipeline_args
-    add_pipeline_args(par)
-    par.add_argument("--context-parallel-size", type=int, default=1)
-    par.add_argument("--expert-model-parallel-size", type=int, default=1)
-    par.add_argument("--sequence-parallel", action="store_true")
-    par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                     help="default: nccl with CUDA, gloo without")
-
-    c = p.add_argument_group("checkpoints and logs (Megatron-LM names)")
-    c.add_argument("--save", type=str, default=None)
-    c.add_argument("--load", type=str, default=None)
-    c.add_argument("--save-interval", type=int, default=None)
-    c.add_argument("--save-initial", action="store_true",
-                   help="also save the untrained weights as iteration 0 before the first step (for comparison, "
-                        "e.g. python -m megatron_csbp.generate --ckpt-step 0)")
-    c.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    c.add_argument("--log-interval", type=int, default=10)
-    c.add_argument("--eval-interval", type=int, default=None)
-    c.add_argument("--eval-iters", type=int, default=None,
-                   help="global batches per evaluation (default: Megatron-LM's 100 when --eval-interval or "
-                        "--skip-train asks for evaluations, else 0)")
-    c.add_argument("--skip-train", action="store_true")
-    c.add_argument("--tensorboard-dir", type=str, default=None)
-    c.add_argument("--exit-interval", type=int, default=None,
-                   help="save (with --save) and exit after every iteration that is a multiple of this (Megatron-LM's)")
-    c.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save (with --save) and exit after the first iteration that ends more than this many "
-                        "minutes after the program started (Megatron-LM's; all ranks agree)")
-    c.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM (Slurm's preemption / time limit, torchrun's shutdown), finish the iteration, "
-                        "save a checkpoint (with --save) and exit 0 (Megatron-LM's; all ranks agree)")
-    c.add_argument("--no-progress-bar", action="store_true")
-
-    d = p.add_argument_group("data (Megatron-LM names)")
-    d.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
-    d.add_argument("--split", type=str, default="969,30,1")
-    d.add_argument("--data-cache-path", type=str, default=None)
-    d.add_argument("--sft-data-path", type=str, default=None, help="jsonl of conversations or prompt/response pairs")
-    d.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    d.add_argument("--tokenizer-model", type=str, default=None,
-                   help="sentencepiece .model, or a local Hugging Face tokenizer folder (default with --load and "
-                        "HuggingFaceTokenizer: the checkpoint's hf_assets)")
-    d.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: data ids "
-                        "0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
-                        "--make-vocab-size-divisible-by and the default mask id is the first padding id")
-    d.add_argument("--mock-data", action="store_true")
-    # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
-    d.add_argument("--reset-position-ids", action="store_true",
-                   help="positions restart at 0 after every EOD token (each document's own positions)")
-    d.add_argument("--reset-attention-mask", action="store_true",
-                   help="attention stays inside each EOD-delimited document (the EOD belongs to the document it "
-                        "ends); a block cut by a boundary is one block per document")
-    d.add_argument("--eod-mask-loss", action="store_true", help="EOD tokens are no loss targets")
-    d.add_argument("--pack-sequences", action="store_true",
-                   help="with --sft-data-path: first-fit packing of conversations into --seq-length, each its own "
-                        "document (--reset-attention-mask / --reset-position-ids then use the conversations)")
-
-    from megatron_csbp.training.megatron_flags import add_model_flags, add_moe_flags, add_run_flags
-
-    add_model_flags(p)
-    add_moe_flags(p)
-    add_run_flags(p)
-    add_block_diffusion_args(p)
+                       description="Train a block diffusion LM with Megatron-core (launch with torchrun). "
+                                   "With no flags at all: the embedded CSBP demo.")
+    add_options(p)
     return p
 
 
@@ -285,8 +123,6 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
-    from megatron_csbp.training.megatron_flags import check_run_flags
-
     check_run_flags(args)
     check_experts_and_objective(args)
     # Data and tokenizer.
@@ -379,25 +215,12 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     return args
 
 
-#: integer flags that count something (dest -> smallest allowed value)
-COUNTS = {"micro_batch_size": 1, "global_batch_size": 1, "train_iters": 0, "seq_length": 1, "block_size": 1,
-          "num_layers": 1, "hidden_size": 1, "num_attention_heads": 1, "log_interval": 1, "eval_iters": 0,
-          "exit_interval": 1, "save_interval": 1, "eval_interval": 1}
-
-
 def check_counts(args) -> None:
-    """Sizes, counts and intervals are positive (`--micro-batch-size 0` would divide by zero later);
+    """Each flag's own rule (training/options.py: sizes, counts and intervals positive, ranges);
     an unset --eval-iters takes Megatron-LM's 100 when evaluations are asked for."""
-    for dest, least in COUNTS.items():
-        value = getattr(args, dest, None)
-        if value is not None and value < least:
-            flag = "--" + dest.replace("_", "-")
-            raise ValueError(f"{flag} must be {'positive' if least == 1 else 'at least 0'}, got {value}")
-    minutes = getattr(args, "exit_duration_in_mins", None)
-    if minutes is not None and not minutes > 0:
-        raise ValueError(f"--exit-duration-in-mins must be positive, got {minutes:g}")
+    check_options(args)
     if args.eval_iters is None:
-        args.eval_iters = 100 if (args.eval_interval or args.skip_train) else 0
+        args.eval_iters = 100 if (getattr(args, "eval_interval", None) or getattr(args, "skip_train", False)) else 0
 
 
 def check_pretrained(args) -> None:
@@ -415,47 +238,15 @@ def check_pretrained(args) -> None:
                      f"{'' if os.path.isdir(args.load) else '; the folder does not exist'})")
 
 
-# Flag (dest) -> what the converted checkpoint's shape says. A flag left at its default takes the
-# checkpoint's value; a flag given with another value is refused.
-def _shape_values(shape):
-    return {
-        "num_layers": shape.num_layers,
-        "hidden_size": shape.hidden_size,
-        "ffn_hidden_size": shape.ffn_hidden_size,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_query_groups": shape.num_query_groups,
-        "kv_channels": shape.kv_channels,
-        "rotary_base": shape.rotary_base,
-        "untie_embeddings_and_output_weights": not shape.tie_word_embeddings,
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "max_position_embeddings": shape.max_position_embeddings,
-        "vocab_size": shape.vocab_size,
-        "qk_layernorm": shape.qk_layernorm,
-        "norm_epsilon": shape.norm_epsilon,
-        "rotary_percent": shape.rotary_percent,
-        "add_qkv_bias": shape.add_qkv_bias,
-        "use_rope_scaling": (shape.rope_scaling or {}).get("type") == "llama3",
-        "rope_scaling_factor": (shape.rope_scaling or {}).get("factor", 8.0)
-        if (shape.rope_scaling or {}).get("type") == "llama3" else 8.0,
-        "rotary_seq_len_interpolation_factor": (shape.rope_scaling or {}).get("factor")
-        if (shape.rope_scaling or {}).get("type") == "linear" else None,
-        "num_experts": shape.num_experts,
-        "moe_router_topk": shape.moe_router_topk if shape.is_moe else 2,
-        "moe_ffn_hidden_size": shape.moe_ffn_hidden_size if shape.is_moe else None,
-        "moe_router_pre_softmax": shape.moe_router_pre_softmax,
-        "moe_input_jitter_eps": shape.moe_input_jitter_eps,
-        "moe_layer_freq": shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
-    }
-
-
 def apply_model_shape(args: argparse.Namespace, shape) -> None:
     """The model comes from the checkpoint's megatron_csbp_model.json: fill the shape flags from it
-    and refuse flags that contradict it."""
+    and refuse flags that contradict it (a flag left at its default takes the checkpoint's value)."""
+    from megatron_csbp.model.families import flag_values
+
     defaults = build_parser()
     if args.tokenizer_type is None and not args.tokenizer_model:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
-    for dest, value in _shape_values(shape).items():
+    for dest, value in flag_values(shape).items():
         if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
             from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
 
@@ -490,18 +281,10 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
 
 
 def check_model_options(args, check_only: bool = False) -> None:
-    """Megatron model flags with rules of their own: head size, dropout, recomputation, and the
-    attention kernel named by --attention-backend."""
-    from megatron_csbp.training.megatron_flags import check_model_flags
-
-    check_model_flags(args)
-    if args.kv_channels is not None and args.kv_channels <= 0:
-        raise ValueError(f"--kv-channels must be positive, got {args.kv_channels}")
-    if args.attention_dropout:
-        raise ValueError(f"--attention-dropout must be 0 with block-diffusion attention (got {args.attention_dropout}): "
-                         "dropout on attention probabilities would make the loss depend on the layout")
-    if not 0.0 <= args.hidden_dropout < 1.0:
-        raise ValueError(f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
+    """Rules between model flags (each flag's own: training/options.py): rope scaling,
+    recomputation, and the attention kernel named by --attention-backend."""
+    if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None:
+        raise ValueError("give --use-rope-scaling or --rotary-seq-len-interpolation-factor, not both")
     if args.recompute_granularity != "full":
         for flag, value in (("--recompute-method", args.recompute_method),
                             ("--recompute-num-layers", args.recompute_num_layers)):
@@ -509,11 +292,9 @@ def check_model_options(args, check_only: bool = False) -> None:
                 raise ValueError(f"{flag} {value} needs --recompute-granularity full (got "
                                  f"{args.recompute_granularity}); Megatron recomputes selectively per layer otherwise")
     else:
-        args.recompute_method = args.recompute_method or "uniform"
-        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
-        if not 1 <= args.recompute_num_layers <= args.num_layers:
-            raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} must be between 1 and "
-                             f"--num-layers {args.num_layers}")
+        layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers  # (model.recompute_options)
+        if not 1 <= layers <= args.num_layers:
+            raise ValueError(f"--recompute-num-layers {layers} must be between 1 and --num-layers {args.num_layers}")
     implied = BACKEND_KERNEL.get(args.attention_backend)
     if implied is not None:
         if args.attention_kernel not in ("auto", implied):
@@ -555,8 +336,6 @@ def check_clean_attention(args) -> None:
 def check_experts_and_objective(args) -> None:
     """Expert parallelism needs an MoE model; the objective's own rules (`Objective.validate`, e.g.
     DiffusionGemma's SFT needs DiffusionGemma and SFT data)."""
-    from megatron_csbp.training.megatron_flags import check_moe_flags
-
     check_moe_flags(args)
     shape = args.model_shape
     # launch --check without the checkpoint: the rules that need its shape are skipped
@@ -597,18 +376,99 @@ def check_experts_and_objective(args) -> None:
     cls.validate(args)
 
 
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Rules between Megatron-LM's training, checkpoint and logging flags; fills --train-iters from
+    --train-samples. Runs after --global-batch-size is known."""
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ValueError("give --train-iters or --train-samples, not both")
+        if args.train_samples <= 0 or args.train_samples % args.global_batch_size:
+            raise ValueError(f"--train-samples {args.train_samples} must be a positive multiple of "
+                             f"--global-batch-size {args.global_batch_size}")
+        args.train_iters = args.train_samples // args.global_batch_size
+    elif args.train_iters is None:
+        args.train_iters = 100
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ValueError("give --lr-warmup-iters or --lr-warmup-fraction, not both")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("give --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, not both "
+                         "(Megatron-LM's rule)")
+    if (args.finetune or args.no_load_optim) and not args.load:
+        flag = "--finetune" if args.finetune else "--no-load-optim"
+        raise ValueError(f"{flag} needs --load CHECKPOINT")
+    if args.overlap_param_gather:
+        if not args.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (Megatron's rule)")
+        if not args.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
+    if args.save_retain_interval is not None:
+        if not args.save_interval:
+            raise ValueError("--save-retain-interval needs --save-interval")
+        if args.save_retain_interval <= 0 or args.save_retain_interval % args.save_interval:
+            raise ValueError(f"--save-retain-interval {args.save_retain_interval} must be a positive multiple of "
+                             f"--save-interval {args.save_interval}")
+    if args.wandb_project:
+        if not args.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name (Megatron's rule)")
+        if not (args.wandb_save_dir or args.save):
+            raise ValueError("--wandb-project needs --wandb-save-dir or --save (wandb writes to --save/wandb)")
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb-project needs the wandb package (pip install wandb; WANDB_MODE=offline "
+                             "logs without an account)")
+
+
+def moe_pattern(args):
+    """1 where layer i is MoE (Megatron's moe_layer_freq as a list)."""
+    freq = args.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
+
+
+def check_moe_flags(args: argparse.Namespace) -> None:
+    """Rules of the MoE flags of a flag-built model."""
+    if args.num_experts is None:
+        return
+    if args.model_shape is not None:
+        return  # a converted model's MoE comes from its shape (apply_model_shape compares the flags)
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
+                         f"{args.num_experts}")
+    pattern = moe_pattern(args)
+    if len(pattern) != args.num_layers or not any(pattern):
+        raise ValueError(f"--moe-layer-freq {args.moe_layer_freq}: {len(pattern)} entries for --num-layers "
+                         f"{args.num_layers}, at least one MoE layer")
+    if args.moe_token_dispatcher_type == "flex":
+        raise ValueError("--moe-token-dispatcher-type flex needs DeepEP (CUDA): use allgather or alltoall")
+    if args.moe_grouped_gemm:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--moe-grouped-gemm needs CUDA (grouped GEMM kernels); on CPU leave it off "
+                             "(SequentialMLP experts, the same weights)")
+    if args.moe_aux_loss_coeff and args.moe_router_load_balancing_type not in ("none",):
+        # Megatron's load-balancing losses are computed from the tokens each rank routes: under CP /
+        # BP / CSBP a rank routes its rows (noisy and clean copies, a layout-dependent subset), so the
+        # loss would depend on the layout. Refused rather than silently layout-dependent.
+        raise ValueError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} with --moe-router-load-balancing-type "
+                         f"{args.moe_router_load_balancing_type}: the load-balancing loss is computed per rank from "
+                         "its rows, which block/context parallelism splits differently; train with "
+                         "--moe-aux-loss-coeff 0 (the default) or --moe-router-load-balancing-type none")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+
+
 def check_vocab(args, vocab_size: int) -> None:
     """After the tokenizer is known: the objective, built from the flags as the model will build it
     (its mask token a real id of the vocabulary)."""
     build_objective(args, vocab_size)
 
 
-def model_args(args):
-    """ModelArgs of the flags, carrying the objective's own flags along (ModelArgs need not name them)."""
+def model_args(args, **overrides):
+    """ModelArgs of the flags (every field the namespace names, then `overrides`), carrying the
+    objective's own flags along (ModelArgs need not name them)."""
     from megatron_csbp.training.model import ModelArgs
 
     fields = ModelArgs.__dataclass_fields__
-    margs = ModelArgs(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    margs = ModelArgs(**{**{k: getattr(args, k) for k in fields if hasattr(args, k)}, **overrides})
     for dest, value in objective_options(args).items():
         setattr(margs, dest, value)
     return margs

@@ -10,10 +10,12 @@ section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `opt
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, fields
+import os
+from dataclasses import MISSING, dataclass, fields, make_dataclass
 from typing import Any, Dict, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
+from megatron_csbp.training.options import section_fields
 
 
 def _take(cls, args: argparse.Namespace, **overrides):
@@ -24,139 +26,41 @@ def _take(cls, args: argparse.Namespace, **overrides):
     return cls(**values)
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    world_size: int
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    context_parallel_size: int
-    block_parallel_size: int
-    expert_model_parallel_size: int
-    data_parallel_size: int
-    sequence_parallel: bool  # Megatron's TP sequence parallelism (activations split over TP ranks)
-    use_distributed_optimizer: bool
-    distributed_backend: Optional[str]
-    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B (megatron_csbp/pipeline.py)
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-
-    @property
-    def shard_group_size(self) -> int:
-        """Ranks that hold one sequence: max(CP, BP) (Megatron's context-parallel axis)."""
-        return shard_group_size(self.context_parallel_size, self.block_parallel_size)
-
-    @property
-    def layout(self) -> str:
-        return layout_kind(self.context_parallel_size, self.block_parallel_size)
-
-    def describe(self) -> str:
-        pp = ""
-        if self.pipeline_model_parallel_size > 1:
-            vp = self.virtual_pipeline_model_parallel_size
-            pp = f" x PP {self.pipeline_model_parallel_size}" + (f" (VP {vp})" if vp else "")
-        return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {self.context_parallel_size} / "
-                f"BP {self.block_parallel_size} (layout {self.layout}) x DP {self.data_parallel_size}")
+def _section(name: str, section: str, *extra, **methods):
+    """A frozen config section: the options declared for `section` (training/options.py), then the
+    `extra` (name, type, default) fields the flags derive."""
+    return make_dataclass(name, [*section_fields(section), *extra], frozen=True,
+                          namespace=dict(methods, __module__=__name__))
 
 
-@dataclass(frozen=True)
-class BatchConfig:
-    seq_length: int
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
-    train_iters: int
-    exit_interval: Optional[int]  # exit after every multiple of this iteration (Megatron-LM's)
-    exit_duration_in_mins: Optional[float]  # exit after the first iteration past this many minutes
-    skip_train: bool
-    exit_signal_handler: bool  # on SIGTERM: finish the iteration, save, exit (Megatron-LM's)
+def _describe(self) -> str:
+    pp = ""
+    if self.pipeline_model_parallel_size > 1:
+        vp = self.virtual_pipeline_model_parallel_size
+        pp = f" x PP {self.pipeline_model_parallel_size}" + (f" (VP {vp})" if vp else "")
+    return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {self.context_parallel_size} / "
+            f"BP {self.block_parallel_size} (layout {self.layout}) x DP {self.data_parallel_size}")
 
 
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float
-    min_lr: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    clip_grad: float
-    bf16: bool
-    fp16: bool
-    loss_scale: Optional[float]
-    initial_loss_scale: float
-    min_loss_scale: float
-    loss_scale_window: float
-    hysteresis: int
-    lr_warmup_iters: int
-    lr_decay_iters: Optional[int]
-    lr_decay_style: str
-    check_for_nan_in_loss_and_grad: bool  # a non-finite loss or gradient norm stops the run
-    #: warmup over this fraction of the decay steps (Megatron's --lr-warmup-fraction), else lr_warmup_iters
-    lr_warmup_fraction: Optional[float] = None
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where samples come from; `build_datasets` reads these (and the objective's data needs)."""
-    mock_data: bool
-    data_path: Optional[Any]
-    sft_data_path: Optional[str]
-    split: str
-    data_cache_path: Optional[str]
-    tokenizer_type: Optional[str]
-    tokenizer_model: Optional[str]
-    vocab_size: Optional[int]
-    seq_length: int
-    block_size: int
-    objective: str
-    seed: int
-    global_batch_size: int
-    train_iters: int
-    eval_iters: int
-    pack_sequences: bool = False
-    #: DataLoader worker processes reading training samples ahead (Megatron-LM's --num-workers)
-    num_workers: int = 0
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    eval_interval: Optional[int]
-    eval_iters: int
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    load: Optional[str]
-    save: Optional[str]
-    save_interval: Optional[int]
-    save_initial: bool
-    ckpt_step: Optional[int]
-    #: a converted checkpoint's ModelShape: its shape file and HF assets travel into every save
-    model_shape: Optional[Any]
-    #: hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
-    model_meta: Dict[str, Any]
-    #: load weights only and start at iteration 0 (--finetune); skip optimizer + scheduler state (--no-load-optim)
-    finetune: bool = False
-    no_load_optim: bool = False
-    #: keep only checkpoints at multiples of this (and the latest)
-    save_retain_interval: Optional[int] = None
-    #: Megatron-LM's rule for a resume whose schedule flags differ from the checkpoint's
-    #: (checkpoint/state.py `check_resumed_schedule`)
-    override_opt_param_scheduler: bool = False
-    use_checkpoint_opt_param_scheduler: bool = False
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    log_interval: int
-    log_json: Optional[str]
-    tensorboard_dir: Optional[str]
-    no_progress_bar: bool
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    #: the run's flags, logged as the wandb run's config (Megatron logs vars(args))
-    flags: Optional[Dict[str, Any]] = None
+ParallelConfig = _section(
+    "ParallelConfig", "parallel", ("world_size", int, 1), ("data_parallel_size", int, 1),
+    ("virtual_pipeline_model_parallel_size", Optional[int], None),  # interleaved 1F1B (megatron_csbp/pipeline.py)
+    # ranks that hold one sequence: max(CP, BP) (Megatron's context-parallel axis)
+    shard_group_size=property(lambda self: shard_group_size(self.context_parallel_size, self.block_parallel_size)),
+    layout=property(lambda self: layout_kind(self.context_parallel_size, self.block_parallel_size)),
+    describe=_describe)
+BatchConfig = _section("BatchConfig", "batch", ("num_microbatches", int, 1))
+OptimConfig = _section("OptimConfig", "optim")
+#: where samples come from; `build_datasets` reads these (and the objective's data needs)
+DataConfig = _section("DataConfig", "data")
+EvalConfig = _section("EvalConfig", "eval")
+CheckpointConfig = _section(
+    "CheckpointConfig", "checkpoint",
+    # a converted checkpoint's ModelShape: its shape file and HF assets travel into every save
+    ("model_shape", Any, None),
+    # hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
+    ("model_meta", Any, None))
+LogConfig = _section("LogConfig", "log", ("flags", Any, None))  # the run's flags, logged as the wandb config
 
 
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"); format unchanged
@@ -215,6 +119,7 @@ class TrainerConfig:
             eval=_take(EvalConfig, args),
             checkpoint=_take(CheckpointConfig, args, model_shape=getattr(args, "model_shape", None),
                              model_meta=model_meta(args)),
-            log=_take(LogConfig, args, flags={k: v for k, v in vars(args).items()
-                                               if isinstance(v, (int, float, str, bool, type(None)))}),
+            log=_take(LogConfig, args, wandb_save_dir=args.wandb_save_dir or (
+                os.path.join(args.save, "wandb") if args.wandb_project else None),  # --save/wandb by default
+                      flags={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}),
         )

@@ -18,7 +18,7 @@ architecture, its exact (unpadded) vocabulary, weights left uninitialised becaus
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from typing import Any, Optional
 
 import torch
@@ -37,85 +37,24 @@ from megatron_csbp.model import builder
 from megatron_csbp.model.builder import padded_vocab_size  # noqa: F401  (re-exported)
 from megatron_csbp.model.bdlm import BlockDiffusionModel
 from megatron_csbp import objectives, pipeline
-from megatron_csbp.training.megatron_flags import moe_config, rope_scaling
+from megatron_csbp.training.options import config_fields, gpt_kwargs, section_fields
 
 
-@dataclass
-class ModelArgs:
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: Optional[int] = None
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
-    seq_length: int = 64
-    vocab_size: int = 128
-    make_vocab_size_divisible_by: int = 128
-    tensor_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    block_parallel_size: int = 1
-    sequence_parallel: bool = False
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None  # with granularity full: default uniform
-    recompute_num_layers: Optional[int] = None  # with granularity full: default 1
-    kv_channels: Optional[int] = None  # default hidden_size / num_attention_heads
-    add_bias_linear: bool = False
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    position_embedding_type: str = "rope"
-    attention_backend: str = "auto"  # Megatron's AttnBackend name, set on the TransformerConfig
-    block_size: int = 16
-    objective: str = "bd3lm"
-    mask_token_id: Optional[int] = None
-    clean_attention: str = "block_causal"
-    noise_eps_min: float = 1e-3
-    noise_eps_max: float = 1.0
-    loss_weighting: str = "inverse_t"
-    attention_transport: str = "allgather"
-    block_ownership: str = "mirrored"
-    seed: int = 1234
-    bf16: bool = False
-    fp16: bool = False
-    swiglu: bool = True
-    normalization: str = "RMSNorm"
-    untie_embeddings_and_output_weights: bool = False
-    init_method_std: float = 0.02
-    rotary_base: int = 10000
-    attention_kernel: str = "auto"
-    expert_model_parallel_size: int = 1
-    # pipeline parallelism (megatron_csbp/pipeline.py; Megatron-LM's flags)
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    encoder_loss_weight: float = 1.0
-    self_conditioning_prob: float = 0.5
-    # Megatron's packed-document flags (layout/packing.py); the EOD id is the tokenizer's
-    reset_attention_mask: bool = False
-    reset_position_ids: bool = False
-    eod_mask_loss: bool = False
-    eod_token_id: Optional[int] = None
-    # more Megatron model flags (training/megatron_flags.py)
-    qk_layernorm: bool = False
-    norm_epsilon: float = 1e-5
-    rotary_percent: float = 1.0
-    add_qkv_bias: bool = False
-    use_rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    rotary_seq_len_interpolation_factor: Optional[int] = None
-    # MoE (training/megatron_flags.py; num_experts None: dense)
-    num_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_layer_freq: Any = 1
-    moe_router_score_function: str = "softmax"
-    moe_router_pre_softmax: bool = False
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_input_jitter_eps: Optional[float] = None
-    moe_token_dispatcher_type: str = "allgather"
-    moe_grouped_gemm: bool = False
-    #: a converted checkpoint's ModelShape (None: the model is built from the flags above)
-    model_shape: Optional[Any] = None
+#: The typed model config: the options declared for "model" (training/options.py), then what the
+#: flags derive or other owners declare (objectives, pipeline). Defaults: the flags', except a
+#: smaller model for direct construction (tests, tools).
+ModelArgs = make_dataclass("ModelArgs", [
+    *[(n, t, d) for n, t, d in section_fields("model")
+      if n not in ("num_layers", "hidden_size", "seq_length", "vocab_size", "clean_attention")],
+    ("num_layers", int, 2), ("hidden_size", int, 64), ("seq_length", int, 64), ("vocab_size", int, 128),
+    ("clean_attention", str, "block_causal"), ("mask_token_id", Optional[int], None),
+    ("noise_eps_min", float, 1e-3), ("noise_eps_max", float, 1.0), ("loss_weighting", str, "inverse_t"),
+    ("virtual_pipeline_model_parallel_size", Optional[int], None),
+    ("decoder_first_pipeline_num_layers", Optional[int], None),
+    ("decoder_last_pipeline_num_layers", Optional[int], None), ("encoder_loss_weight", float, 1.0),
+    ("self_conditioning_prob", float, 0.5), ("eod_token_id", Optional[int], None),
+    ("model_shape", Any, None),  # a converted checkpoint's ModelShape (None: built from the flags)
+], namespace={"__module__": __name__})
 
 
 def recompute_options(a) -> dict:
@@ -161,23 +100,10 @@ def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
         **run_options(a),
         use_cpu_initialization=True,
         perform_initialization=True,
-        init_method_std=a.init_method_std,
-        normalization=a.normalization,
-        layernorm_epsilon=a.norm_epsilon,
-        qk_layernorm=a.qk_layernorm,
-        add_qkv_bias=a.add_qkv_bias,
-        gated_linear_unit=a.swiglu,
+        **config_fields(a),  # the declared fields (normalization, epsilon, biases, no fusion, ...)
         activation_func=F.silu if a.swiglu else F.gelu,
-        add_bias_linear=a.add_bias_linear,
-        bf16=a.bf16,
-        fp16=a.fp16,
         params_dtype=params_dtype(a),
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        **moe_config(a),
+        **config_fields(a, moe=True),
     )
     if finalize_model_grads_func is not None:
         cfg.finalize_model_grads_func = finalize_model_grads_func
@@ -295,10 +221,8 @@ def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_f
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-        position_embedding_type=a.position_embedding_type,
-        rotary_base=a.rotary_base,
         vp_stage=vp_stage,
-        **rope_scaling(a),
+        **gpt_kwargs(a),  # rotary
     )
     if a.num_experts:
         redraw_weights_by_global_name(gpt, config, a.seed)

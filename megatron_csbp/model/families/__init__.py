@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from megatron_csbp.model.families.base import (  # noqa: F401  (the schema, re-exported)
-    DTYPES, SHAPE_FILE, SHAPE_FORMAT_VERSION, Family, ModelShape, UnsupportedModelError,
+    DTYPES, SHAPE_FILE, SHAPE_FORMAT_VERSION, Family, ModelShape, UnsupportedModelError, flag_values,
 )
 
 _FAMILIES: Dict[str, Family] = {}

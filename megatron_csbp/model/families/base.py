@@ -116,6 +116,31 @@ class ModelShape:
         return [i for i, m in enumerate(self.moe_layer_pattern) if m]
 
 
+def flag_values(shape: ModelShape) -> Dict[str, Any]:
+    """The model flags (trainer / Megatron-LM names, by dest) that describe `shape`: what `--load`
+    of a converted checkpoint fills in and compares (training.arguments.apply_model_shape) and what
+    `convert` prints (GPTFamily.megatron_flags). Flags a shape leaves at their default have it."""
+    rope = shape.rope_scaling or {}
+    factor = rope.get("factor")
+    return dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels, max_position_embeddings=shape.max_position_embeddings,
+        rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
+        rotary_percent=shape.rotary_percent, normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, swiglu=True,
+        vocab_size=shape.vocab_size, add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm,
+        untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
+        use_rope_scaling=rope.get("type") == "llama3",
+        rope_scaling_factor=factor if rope.get("type") == "llama3" else 8.0,
+        # Megatron-LM's flag is an int
+        rotary_seq_len_interpolation_factor=(int(factor) if float(factor).is_integer() else factor)
+        if rope.get("type") == "linear" else None,
+        num_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk if shape.is_moe else 2,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else None,
+        moe_layer_freq=shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
+        moe_router_pre_softmax=shape.moe_router_pre_softmax, moe_input_jitter_eps=shape.moe_input_jitter_eps)
+
+
 class Family:
     """What a model family owns: reading its Hugging Face configs (and refusing what it cannot
     reproduce), its Megatron config and model, and its weight mapping both ways. One instance per

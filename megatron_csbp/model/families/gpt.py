@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_csbp.model.families import register_family
 from megatron_csbp.model.families.base import (
-    Family, ModelShape, UnsupportedModelError, check_dtype, refuse_if,
+    Family, ModelShape, UnsupportedModelError, check_dtype, flag_values, refuse_if,
 )
 
 #: (module prefix, router name, (gate, up, down) expert weight names) of Hugging Face MoE layers
@@ -231,64 +231,38 @@ class GPTFamily(Family):
         return dict(shape.hf_config), megatron_to_hf(shape, state, self.hf_moe_names), ()
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:
-        """Megatron-LM command-line flags that rebuild the same model (local spec)."""
+        """Megatron-LM command-line flags that rebuild the same model (local spec): the shape's
+        `flag_values` and the fixed ones, each written as training/options.py declares it."""
         from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
+        from megatron_csbp.training.options import flag_text
 
-        flags = [
-            f"--num-layers {shape.num_layers}",
-            f"--hidden-size {shape.hidden_size}",
-            f"--ffn-hidden-size {shape.ffn_hidden_size}",
-            f"--num-attention-heads {shape.num_attention_heads}",
-            f"--kv-channels {shape.kv_channels}",
-            f"--max-position-embeddings {shape.max_position_embeddings}",
-            "--position-embedding-type rope",
-            f"--rotary-base {int(shape.rotary_base)}",
-            "--rotary-percent 1.0",
-            "--normalization RMSNorm",
-            f"--norm-epsilon {shape.norm_epsilon}",
-            "--swiglu",
-            "--disable-bias-linear",
-            "--attention-dropout 0.0",
-            "--hidden-dropout 0.0",
-            # NullTokenizer (Megatron-LM's, the default for pre-tokenized data): the --vocab-size whose
-            # tokenizer has the model's rows exactly (no padding; megatron-core 0.16: rows - 1, 0.19: rows)
-            f"--vocab-size {null_tokenizer_vocab_flag(shape.vocab_size)}",
-            "--make-vocab-size-divisible-by 1",
-            "--transformer-impl local",
-            "--no-masked-softmax-fusion",
-            "--no-bias-swiglu-fusion",
-            "--no-rope-fusion",
-        ]
-        if shape.num_query_groups != shape.num_attention_heads:
-            flags += ["--group-query-attention", f"--num-query-groups {shape.num_query_groups}"]
-        if shape.add_qkv_bias:
-            flags.append("--add-qkv-bias")
-        if shape.qk_layernorm:
-            flags.append("--qk-layernorm")
-        if not shape.tie_word_embeddings:
-            flags.append("--untie-embeddings-and-output-weights")
-        if shape.rope_scaling is not None:
-            if shape.rope_scaling["type"] == "llama3":
-                flags += ["--use-rope-scaling", f"--rope-scaling-factor {shape.rope_scaling['factor']}"]
-            else:
-                factor = shape.rope_scaling["factor"]  # Megatron-LM's flag is an int
-                flags.append(f"--rotary-seq-len-interpolation-factor {int(factor) if float(factor).is_integer() else factor}")
-        if shape.is_moe:
-            flags += [
-                f"--num-experts {shape.num_experts}",
-                f"--moe-router-topk {shape.moe_router_topk}",
-                f"--moe-ffn-hidden-size {shape.moe_ffn_hidden_size}",
-                "--moe-router-score-function softmax",
-                "--moe-router-load-balancing-type none",
-            ]
-            if shape.moe_router_pre_softmax:
-                flags.append("--moe-router-pre-softmax")
-            if shape.moe_layer_pattern is not None:
-                flags.append(f"--moe-layer-freq \"([{','.join(map(str, shape.moe_layer_pattern))}])\"")
-            if shape.moe_input_jitter_eps:
-                flags.append(f"--moe-input-jitter-eps {shape.moe_input_jitter_eps}")
-        flags.append("--bf16" if shape.params_dtype == "bfloat16" else "--fp16" if shape.params_dtype == "float16" else "")
-        return [f for f in flags if f]
+        v = dict(flag_values(shape), position_embedding_type="rope", add_bias_linear=False, attention_dropout=0.0,
+                 hidden_dropout=0.0, make_vocab_size_divisible_by=1, transformer_impl="local",
+                 masked_softmax_fusion=False, bias_swiglu_fusion=False, apply_rope_fusion=False,
+                 group_query_attention=shape.num_query_groups != shape.num_attention_heads,
+                 moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                 bf16=shape.params_dtype == "bfloat16", fp16=shape.params_dtype == "float16",
+                 # NullTokenizer (Megatron-LM's, the default for pre-tokenized data): the --vocab-size whose
+                 # tokenizer has the model's rows exactly (no padding; megatron-core 0.16: rows - 1, 0.19: rows)
+                 vocab_size=null_tokenizer_vocab_flag(shape.vocab_size))
+        printed = [*PRINTED, *(PRINTED_GQA if v["group_query_attention"] else ()), *PRINTED_SHAPE,
+                   *(PRINTED_MOE if shape.is_moe else ()), "bf16", "fp16"]
+        skip = {"rope_scaling_factor": not v["use_rope_scaling"], "moe_layer_freq": shape.moe_layer_pattern is None,
+                "moe_input_jitter_eps": not shape.moe_input_jitter_eps}
+        return [t for t in (flag_text(k, v[k]) for k in printed if not skip.get(k) and v[k] is not None) if t]
+
+
+#: the order `convert` prints a GPT family's Megatron-LM flags in
+PRINTED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+           "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+           "norm_epsilon", "swiglu", "add_bias_linear", "attention_dropout", "hidden_dropout", "vocab_size",
+           "make_vocab_size_divisible_by", "transformer_impl", "masked_softmax_fusion", "bias_swiglu_fusion",
+           "apply_rope_fusion")
+PRINTED_GQA = ("group_query_attention", "num_query_groups")
+PRINTED_SHAPE = ("add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "use_rope_scaling",
+                 "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
+PRINTED_MOE = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+               "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_layer_freq", "moe_input_jitter_eps")
 
 
 class Qwen3MoeFamily(GPTFamily):

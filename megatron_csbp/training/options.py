@@ -1,0 +1,390 @@
+"""Every flag of `python -m megatron_csbp.train`, declared once.
+
+An `Option` holds a flag's name (Megatron-LM's, with its meaning), type, default, help, its own
+rule, and where its value goes: the `TrainerConfig` sections that carry it (`to`; "model" is
+`ModelArgs`, the typed model config), the megatron-core `TransformerConfig` field it sets (`config`)
+and the `GPTModel` keyword (`gpt`). From `OPTIONS` come the trainer's parser (`add_options`), the
+config sections (`section_fields`), the flag-built model's config fields (`config_fields`,
+`gpt_kwargs`), the per-flag rules (`check_options`) and the flag text `convert` prints (`flag_text`).
+Rules that relate several flags live in `training.arguments.check_flags`.
+
+The trainer never fuses kernels (exactness is checked against unfused math,
+`model.builder.PORTABLE_CONFIG`): Megatron's `--no-*-fusion` switches are accepted and state what
+already holds. Objective flags (`objectives/`) and pipeline flags (`pipeline.add_pipeline_args`)
+are declared by their owners.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from megatron_csbp.data.megatron_data import TOKENIZER_TYPES
+from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
+
+
+@dataclass(frozen=True)
+class Option:
+    flags: Tuple[str, ...]  # the first is the name; the rest Megatron-LM's aliases
+    type: Any = None        # None with a bool default: a switch
+    default: Any = None
+    help: Optional[str] = None
+    group: str = "model"    # parser group (GROUPS)
+    to: Tuple[str, ...] = ("model",)  # TrainerConfig sections that carry the value
+    choices: Optional[Tuple] = None
+    dest: Optional[str] = None
+    off: Optional[str] = None  # the switch that clears it (--no-swiglu)
+    off_help: Optional[str] = None
+    rule: Optional[Callable[[str, Any], Optional[str]]] = None  # (flag, value) -> the refusal, or None
+    config: Optional[str] = None  # TransformerConfig field of a flag-built model
+    gpt: Optional[str] = None     # GPTModel keyword of a flag-built model
+    nargs: Optional[str] = None
+    action: Optional[str] = None  # Megatron's odd switches (--no-rope-fusion: store_false, default False)
+
+    @property
+    def name(self) -> str:
+        return self.dest or self.flags[0][2:].replace("-", "_")
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0]
+
+    def add_to(self, group) -> None:
+        kw = dict(dest=self.name, default=self.default, help=self.help)
+        if self.action:
+            return group.add_argument(*self.flags, action=self.action, **kw)
+        if self.type is None and isinstance(self.default, bool):
+            group.add_argument(*self.flags, action="store_true", **kw)
+            if self.off:
+                group.add_argument(self.off, dest=self.name, action="store_false", default=self.default,
+                                   help=self.off_help)
+            return
+        group.add_argument(*self.flags, type=self.type, choices=self.choices, nargs=self.nargs, **kw)
+
+
+def must(ok: Callable[[Any], bool], what: str):
+    """A rule: `flag what, got value` unless ok(value) (None values are not checked)."""
+    return lambda flag, v: None if ok(v) else f"{flag} {what}, got {v}"
+
+
+POSITIVE, AT_LEAST_0 = must(lambda v: v > 0, "must be positive"), must(lambda v: v >= 0, "must be at least 0")
+
+
+def moe_freq_type(x):
+    """Megatron's --moe-layer-freq: an int N (one MoE layer every N), or a Python list expression of
+    0/1 per layer such as "([1]*3+[0]*1)*3"."""
+    if "[" in str(x):
+        pattern = eval(str(x), {"__builtins__": {}})  # Megatron-LM evaluates the same expression
+        if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
+            raise argparse.ArgumentTypeError(f"--moe-layer-freq {x!r} must give a list of 0/1 per layer")
+        return pattern
+    return int(x)
+
+
+#: Megatron-LM's --ckpt-format choices; the trainer writes torch_dist only
+CKPT_FORMATS = ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor")
+#: Megatron's load-balancing types (check_moe_flags takes those independent of how a sequence is split)
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+#: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
+ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
+BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
+UNFUSED = "accepted: the trainer never fuses (exactness is checked against unfused math)"
+
+GROUPS = {"model": "model (Megatron-LM names)", "moe": "mixture of experts (Megatron-LM names)",
+          "train": "training (Megatron-LM names)", "parallel": "parallelism (Megatron-LM names)",
+          "ckpt": "checkpoints and logs (Megatron-LM names)", "data": "data (Megatron-LM names)",
+          "bd": "block diffusion"}
+
+O = Option
+OPTIONS: List[Option] = [
+    # ---- model ----------------------------------------------------------------------------
+    O(("--num-layers",), int, 4, rule=POSITIVE),
+    O(("--hidden-size",), int, 128, rule=POSITIVE),
+    O(("--ffn-hidden-size",), int, None),
+    O(("--num-attention-heads",), int, 4, rule=POSITIVE),
+    O(("--num-query-groups",), int, None),
+    O(("--kv-channels",), int, None, "projection size per attention head (default: --hidden-size / "
+      "--num-attention-heads)", rule=POSITIVE),
+    O(("--group-query-attention",), None, False, "accepted for Megatron-LM compatibility", to=()),
+    O(("--seq-length",), int, 128, to=("model", "batch", "data"), rule=POSITIVE),
+    O(("--max-position-embeddings",), int, None),
+    O(("--normalization",), str, "RMSNorm", choices=("RMSNorm", "LayerNorm"), config="normalization"),
+    O(("--swiglu",), None, True, off="--no-swiglu", config="gated_linear_unit"),
+    O(("--untie-embeddings-and-output-weights",), None, False),
+    O(("--position-embedding-type",), str, "rope", "rope only: block diffusion indexes rotary angles by each "
+      "row's position", choices=("rope",), gpt="position_embedding_type"),
+    O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model",
+      off="--disable-bias-linear", off_help="no biases in linear layers (the default here; Megatron-LM's default is "
+      "with biases)", config="add_bias_linear"),
+    O(("--attention-dropout",), float, 0.0, "must be 0: dropout on attention probabilities would make the loss "
+      "depend on the layout", rule=lambda f, v: v and (
+          f"{f} must be 0 with block-diffusion attention (got {v}): dropout on attention probabilities would make "
+          "the loss depend on the layout")),
+    O(("--hidden-dropout",), float, 0.0, "dropout after attention and MLP (Megatron's)",
+      rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
+    O(("--attention-backend",), str, "auto", "Megatron's attention backend names for the block-diffusion core "
+      "attention (which replaces Megatron's): local -> --attention-kernel tiled, unfused -> math, flash/fused -> "
+      "flex, auto -> --attention-kernel; also set as TransformerConfig.attention_backend",
+      choices=ATTENTION_BACKENDS),
+    O(("--init-method-std",), float, 0.02, config="init_method_std"),
+    O(("--rotary-base",), int, 10000, gpt="rotary_base"),
+    O(("--make-vocab-size-divisible-by",), int, 128),
+    O(("--bf16",), None, False, to=("model", "optim"), config="bf16"),
+    # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
+    # loss scale (dynamic unless --loss-scale is given); a step whose gradients overflow is skipped.
+    O(("--fp16",), None, False, to=("model", "optim"), config="fp16"),
+    O(("--recompute-granularity",), str, None, "activation recomputation (Megatron's "
+      "TransformerConfig.recompute_granularity)", choices=("full", "selective")),
+    O(("--recompute-method",), str, None, "with --recompute-granularity full (default there: uniform)",
+      choices=("uniform", "block")),
+    O(("--recompute-num-layers",), int, None, "with --recompute-granularity full: layers per recomputed chunk "
+      "(uniform) or recomputed layers (block); default 1"),
+    O(("--qk-layernorm",), None, False, "RMSNorm on each head's queries and keys (Qwen3); exported as "
+      "Qwen3ForCausalLM", config="qk_layernorm"),
+    O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer", config="layernorm_epsilon",
+      rule=POSITIVE),
+    O(("--rotary-percent",), float, 1.0, "fraction of each head's dims that rope rotates", gpt="rotary_percent",
+      rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")),
+    O(("--add-qkv-bias",), None, False, "bias on the q/k/v projections only (Qwen2); exported as Qwen2ForCausalLM",
+      config="add_qkv_bias"),
+    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling"),
+    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling"),
+    O(("--rotary-seq-len-interpolation-factor",), int, None, "linear rope interpolation (positions divided by this "
+      "factor)", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1")),
+    O(("--transformer-impl",), str, "local", "local only (the default here): block-diffusion attention replaces the "
+      "core attention of Megatron's local spec", choices=("local", "transformer_engine"), to=(),
+      rule=lambda f, v: v != "local" and (
+          f"{f} {v}: the trainer builds Megatron's local spec (block-diffusion attention replaces its core "
+          f"attention); use {f} local")),
+    *(O((flag,), None, False, UNFUSED, dest=dest, to=(), config=field, action="store_false") for flag, dest, field in (
+        ("--no-masked-softmax-fusion", "masked_softmax_fusion", "masked_softmax_fusion"),
+        ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "bias_activation_fusion"),
+        ("--no-rope-fusion", "apply_rope_fusion", "apply_rope_fusion"),
+        ("--no-bias-dropout-fusion", "bias_dropout_fusion", "bias_dropout_fusion"),
+        ("--no-persist-layer-norm", "persist_layer_norm", "persist_layer_norm"),
+        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", "gradient_accumulation_fusion"))),
+    # ---- mixture of experts (TransformerConfig fields of an MoE model: moe_config) -------------
+    O(("--num-experts",), int, None, "experts per MoE layer (None: dense)", group="moe", config="num_moe_experts",
+      rule=POSITIVE),
+    O(("--moe-router-topk",), int, 2, "experts per token", group="moe", config="moe_router_topk"),
+    O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)", group="moe",
+      config="moe_ffn_hidden_size"),
+    O(("--moe-layer-freq",), moe_freq_type, 1, "one MoE layer every N layers, or a 0/1 pattern per layer such as "
+      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq"),
+    O(("--moe-router-score-function",), str, "softmax", group="moe", choices=("softmax", "sigmoid"),
+      config="moe_router_score_function"),
+    O(("--moe-router-pre-softmax",), None, False, "softmax over all experts before top-k (default: top-k logits, "
+      "then softmax over them)", group="moe", config="moe_router_pre_softmax"),
+    O(("--moe-router-load-balancing-type",), str, "aux_loss", group="moe", choices=LOAD_BALANCING,
+      config="moe_router_load_balancing_type"),
+    O(("--moe-aux-loss-coeff",), float, 0.0, "weight of the load-balancing loss", group="moe",
+      config="moe_aux_loss_coeff"),
+    O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)", group="moe",
+      config="moe_input_jitter_eps"),
+    O(("--moe-token-dispatcher-type",), str, "allgather", group="moe", choices=("allgather", "alltoall", "flex"),
+      config="moe_token_dispatcher_type"),
+    O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", group="moe", config="moe_grouped_gemm"),
+    # ---- training -------------------------------------------------------------------------
+    O(("--micro-batch-size",), int, 2, group="train", to=("batch",), rule=POSITIVE),
+    O(("--global-batch-size",), int, None, group="train", to=("batch", "data"), rule=POSITIVE),
+    O(("--train-iters",), int, None, "default 100 (or --train-samples)", group="train", to=("batch", "data"),
+      rule=AT_LEAST_0),
+    O(("--train-samples",), int, None, "train for this many samples instead of --train-iters (a multiple of "
+      "--global-batch-size)", group="train", to=()),
+    O(("--lr",), float, 3e-3, group="train", to=("optim",)),
+    O(("--min-lr",), float, 0.0, "Megatron-LM's default 0", group="train", to=("optim",)),
+    O(("--lr-warmup-iters",), int, 0, group="train", to=("optim",)),
+    O(("--lr-warmup-fraction",), float, None, "warm the learning rate up over this fraction of the decay steps "
+      "(instead of --lr-warmup-iters)", group="train", to=("optim",),
+      rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
+    O(("--lr-decay-iters",), int, None, group="train", to=("optim",)),
+    O(("--lr-decay-style",), str, "linear", "Megatron-LM's default linear", group="train", to=("optim",),
+      choices=("constant", "linear", "cosine", "inverse-square-root", "WSD")),
+    O(("--weight-decay",), float, 0.01, group="train", to=("optim",)),
+    O(("--adam-beta1",), float, 0.9, group="train", to=("optim",)),
+    O(("--adam-beta2",), float, 0.999, "Megatron-LM's default 0.999", group="train", to=("optim",)),
+    O(("--adam-eps",), float, 1e-8, group="train", to=("optim",)),
+    O(("--clip-grad",), float, 1.0, group="train", to=("optim",)),
+    O(("--loss-scale",), float, None, "static loss scale (default: dynamic, with --fp16)", group="train",
+      to=("optim",), rule=POSITIVE),
+    O(("--initial-loss-scale",), float, 2 ** 32, group="train", to=("optim",)),
+    O(("--min-loss-scale",), float, 1.0, group="train", to=("optim",)),
+    O(("--loss-scale-window",), float, 1000, group="train", to=("optim",)),
+    O(("--hysteresis",), int, 2, group="train", to=("optim",)),
+    O(("--check-for-nan-in-loss-and-grad",), None, True, "stop the run, naming the iteration, when the loss or the "
+      "gradient norm is NaN or infinite (the default, as in Megatron-LM)", group="train", to=("optim",),
+      off="--no-check-for-nan-in-loss-and-grad", off_help="train on through non-finite losses (a checkpoint is "
+      "still never saved with non-finite weights)"),
+    O(("--seed",), int, 1234, group="train", to=("model", "data")),
+    O(("--use-distributed-optimizer",), None, False, group="train", to=("parallel",)),
+    O(("--overlap-grad-reduce",), None, False, "overlap DDP's gradient reduce-scatter/all-reduce with the backward "
+      "pass", group="train", to=("parallel",)),
+    O(("--overlap-param-gather",), None, False, "overlap the distributed optimizer's parameter all-gather with the "
+      "next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)", group="train", to=("parallel",)),
+    O(("--num-workers",), int, 0, "DataLoader worker processes reading training samples ahead (default 0 here: in "
+      "the training process; Megatron-LM's default is 2)", group="train", to=("data",),
+      rule=must(lambda v: v >= 0, "must be >= 0")),
+    # ---- parallelism ----------------------------------------------------------------------
+    O(("--tensor-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    O(("--pipeline-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    O(("--context-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    O(("--expert-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    O(("--sequence-parallel",), None, False, group="parallel", to=("model", "parallel")),
+    O(("--distributed-backend",), str, None, "default: nccl with CUDA, gloo without", group="parallel",
+      to=("parallel",), choices=("nccl", "gloo")),
+    # ---- checkpoints and logs -------------------------------------------------------------
+    O(("--save",), str, None, group="ckpt", to=("checkpoint",)),
+    O(("--load",), str, None, group="ckpt", to=("checkpoint",)),
+    O(("--save-interval",), int, None, group="ckpt", to=("checkpoint",), rule=POSITIVE),
+    O(("--save-retain-interval",), int, None, "keep only the checkpoints at multiples of this (and the latest); a "
+      "multiple of --save-interval", group="ckpt", to=("checkpoint",)),
+    O(("--save-initial",), None, False, "also save the untrained weights as iteration 0 before the first step (for "
+      "comparison, e.g. python -m megatron_csbp.generate --ckpt-step 0)", group="ckpt", to=("checkpoint",)),
+    O(("--ckpt-step",), int, None, "load this iteration instead of the latest", group="ckpt", to=("checkpoint",)),
+    O(("--ckpt-format",), str, "torch_dist", "torch_dist only (dist_checkpointing: reshards across every layout)",
+      group="ckpt", to=(), choices=CKPT_FORMATS, rule=lambda f, v: v != "torch_dist" and (
+          f"{f} {v}: the trainer writes and reads torch_dist checkpoints only (dist_checkpointing, which reshards "
+          "across TP / CP / BP / EP layouts)")),
+    O(("--finetune",), None, False, "load the --load checkpoint's weights only: iteration and consumed samples "
+      "start at 0, no optimizer, scheduler or RNG state", group="ckpt", to=("checkpoint",)),
+    O(("--no-load-optim",), None, False, "do not load the optimizer and learning-rate scheduler state of the --load "
+      "checkpoint", group="ckpt", to=("checkpoint",)),
+    O(("--no-load-rng",), None, False, "accepted: the trainer's checkpoints hold no RNG state (training noise is "
+      "keyed by (--seed, sample index))", group="ckpt", to=()),
+    O(("--override-opt_param-scheduler", "--override-opt-param-scheduler"), None, False, "on resume, take the "
+      "learning-rate schedule of the flags, not the --load checkpoint's (Megatron-LM's rule; docs/megatron-lm.md "
+      "\"Resuming with other learning-rate flags\")", group="ckpt", to=("checkpoint",),
+      dest="override_opt_param_scheduler"),
+    O(("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"), None, False, "on resume, "
+      "keep the --load checkpoint's learning-rate schedule whatever the flags say (Megatron-LM's; without either "
+      "flag a changed schedule is refused)", group="ckpt", to=("checkpoint",),
+      dest="use_checkpoint_opt_param_scheduler"),
+    O(("--log-interval",), int, 10, group="ckpt", to=("log",), rule=POSITIVE),
+    O(("--eval-interval",), int, None, group="ckpt", to=("eval",), rule=POSITIVE),
+    O(("--eval-iters",), int, None, "global batches per evaluation (default: Megatron-LM's 100 when "
+      "--eval-interval or --skip-train asks for evaluations, else 0)", group="ckpt", to=("eval", "data"),
+      rule=AT_LEAST_0),
+    O(("--skip-train",), None, False, group="ckpt", to=("batch",)),
+    O(("--tensorboard-dir",), str, None, group="ckpt", to=("log",)),
+    O(("--wandb-project",), str, None, "Weights & Biases project (enables wandb logging)", group="ckpt",
+      to=("log",)),
+    O(("--wandb-exp-name",), str, None, "Weights & Biases run name", group="ckpt", to=("log",)),
+    O(("--wandb-save-dir",), str, None, "wandb's folder (default: --save/wandb)", group="ckpt", to=("log",)),
+    O(("--exit-interval",), int, None, "save (with --save) and exit after every iteration that is a multiple of "
+      "this (Megatron-LM's)", group="ckpt", to=("batch",), rule=POSITIVE),
+    O(("--exit-duration-in-mins",), float, None, "save (with --save) and exit after the first iteration that ends "
+      "more than this many minutes after the program started (Megatron-LM's; all ranks agree)", group="ckpt",
+      to=("batch",), rule=lambda f, v: not v > 0 and f"{f} must be positive, got {v:g}"),
+    O(("--exit-signal-handler",), None, False, "on SIGTERM (Slurm's preemption / time limit, torchrun's shutdown), "
+      "finish the iteration, save a checkpoint (with --save) and exit 0 (Megatron-LM's; all ranks agree)",
+      group="ckpt", to=("batch",)),
+    O(("--no-progress-bar",), None, False, group="ckpt", to=("log",)),
+    # ---- data -----------------------------------------------------------------------------
+    O(("--data-path",), str, None, "PREFIX or W1 PREFIX1 W2 PREFIX2 ...", group="data", to=("data",), nargs="*"),
+    O(("--split",), str, "969,30,1", group="data", to=("data",)),
+    O(("--data-cache-path",), str, None, group="data", to=("data",)),
+    O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data",
+      to=("data",)),
+    O(("--tokenizer-type",), str, None, group="data", to=("data",), choices=TOKENIZER_TYPES),
+    O(("--tokenizer-model",), str, None, "sentencepiece .model, or a local Hugging Face tokenizer folder (default "
+      "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="data", to=("data",)),
+    O(("--vocab-size",), int, None, "NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: "
+      "data ids 0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
+      "--make-vocab-size-divisible-by and the default mask id is the first padding id", group="data",
+      to=("model", "data")),
+    O(("--mock-data",), None, False, group="data", to=("data",)),
+    # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
+    O(("--reset-position-ids",), None, False, "positions restart at 0 after every EOD token (each document's own "
+      "positions)", group="data"),
+    O(("--reset-attention-mask",), None, False, "attention stays inside each EOD-delimited document (the EOD "
+      "belongs to the document it ends); a block cut by a boundary is one block per document", group="data"),
+    O(("--eod-mask-loss",), None, False, "EOD tokens are no loss targets", group="data"),
+    O(("--pack-sequences",), None, False, "with --sft-data-path: first-fit packing of conversations into "
+      "--seq-length, each its own document (--reset-attention-mask / --reset-position-ids then use the "
+      "conversations)", group="data", to=("data",)),
+    # ---- block diffusion (also Megatron-LM's extra_args_provider) ---------------------------
+    O(("--block-parallel-size",), int, 1, "ranks sharing one sample by noisy blocks (BP); CSBP when "
+      "--context-parallel-size > 1 too. Must be a multiple of --context-parallel-size.", group="bd",
+      to=("model", "parallel")),
+    O(("--block-size",), int, 16, "block diffusion block size; must divide --seq-length", group="bd",
+      to=("model", "data"), rule=POSITIVE),
+    O(("--objective",), str, "bd3lm", group="bd", to=("model", "data")),  # choices and help: the registry's
+    O(("--clean-attention",), str, None, "clean stream mask (default: token_causal for DiffusionGemma models, "
+      "block_causal otherwise)", group="bd", choices=CLEAN_ATTENTION_VARIANTS),
+    O(("--attention-transport",), str, "allgather", group="bd", choices=("allgather", "ring")),
+    O(("--block-ownership",), str, "mirrored", group="bd", choices=("mirrored", "contiguous")),
+    O(("--attention-kernel",), str, "auto", "kernel of the block-diffusion core attention, for every model family "
+      "(flag-built GPT, converted models, DiffusionGemma): auto = flex on CUDA, cpu_flash elsewhere; cpu_flash = "
+      "the flash decomposition on torch's CPU flash attention (CPU only); tiled = block-sparse tiles with memory "
+      "linear in the rows (any device); math = dense reference for small cases; flex = FlexAttention from row "
+      "vectors; flash = flash-attn varlen for the noisy block-diagonal and token-causal clean pieces, flex for the "
+      "rest (needs flash-attn); --attention-backend selects it too", group="bd",
+      choices=("auto", "cpu_flash", "tiled", "math", "flex", "flash")),
+    O(("--log-json",), str, None, "append one JSON object per logged iteration", group="bd", to=("log",)),
+]
+del O
+BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
+    """The declared flags of `groups`, each in its group; the objectives' flags after --objective,
+    the pipeline flags after --pipeline-model-parallel-size."""
+    from megatron_csbp.objectives.registry import add_objective_args, objective_help, objective_names
+    from megatron_csbp.pipeline import add_pipeline_args
+
+    made = {}
+    for o in OPTIONS:
+        if o.group not in groups:
+            continue
+        g = made.get(o.group) or made.setdefault(o.group, parser.add_argument_group(GROUPS[o.group]))
+        if o.name == "objective":
+            g.add_argument(o.flag, choices=objective_names(), default=o.default, help=objective_help())
+            add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
+            continue
+        o.add_to(g)
+        if o.name == "pipeline_model_parallel_size":
+            add_pipeline_args(g)
+
+
+def check_options(args) -> None:
+    """Each declared flag's own rule, on the values given (None: not given)."""
+    for o in OPTIONS:
+        value = getattr(args, o.name, None)
+        if o.rule is not None and value is not None:
+            refusal = o.rule(o.flag, value)
+            if refusal:
+                raise ValueError(refusal)
+
+
+def section_fields(section: str) -> List[Tuple[str, Any, Any]]:
+    """(name, type, default) of the options a `TrainerConfig` section carries, in declaration order."""
+    return [(o.name, Any, o.default) for o in OPTIONS if section in o.to]
+
+
+def config_fields(a, moe: bool = False) -> dict:
+    """{TransformerConfig field: value} of a flag-built model's options (`moe`: the MoE flags',
+    {} for a dense model)."""
+    if moe and not a.num_experts:
+        return {}
+    out = {o.config: getattr(a, o.name, o.default) for o in OPTIONS if o.config and (o.group == "moe") == moe}
+    return dict(out, expert_model_parallel_size=a.expert_model_parallel_size) if moe else out
+
+
+def gpt_kwargs(a) -> dict:
+    """GPTModel keywords of a flag-built model's rotary flags."""
+    out = {o.gpt: getattr(a, o.name) for o in OPTIONS if o.gpt and getattr(a, o.name) is not None}
+    if a.use_rope_scaling:
+        out.update(rope_scaling=True, rope_scaling_factor=a.rope_scaling_factor)
+    return out
+
+
+def flag_text(name: str, value) -> str:
+    """The command-line text that sets option `name` to `value` ("" for a switch left off)."""
+    o = BY_NAME[name]
+    if o.action == "store_false":
+        return "" if value else o.flag
+    if o.type is None and isinstance(o.default, bool):
+        return o.flag if value else (o.off or "")
+    if isinstance(value, list):  # --moe-layer-freq's pattern, as the expression Megatron-LM evaluates
+        return f"{o.flag} \"([{','.join(map(str, value))}])\""
+    return f"{o.flag} {value}"
