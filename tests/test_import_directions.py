@@ -51,7 +51,7 @@ RULES = [
     ("megatron_csbp.attention.flex", "megatron_csbp.attention.kernels", "kernels is the registry of flex"),
     ("megatron_csbp.attention.cpu_flash", "megatron_csbp.attention.kernels", "kernels is the registry of cpu_flash"),
     ("megatron_csbp.attention.tiled", "megatron_csbp.attention.kernels", "kernels is the registry of tiled"),
-    ("megatron_csbp.attention.merge", "megatron_csbp.attention.kernels", "the merge imports no kernel"),
+    ("megatron_csbp.attention.merge", "megatron_csbp.attention.kernels", "the merge imports no kernel"),  # relayout: keep
 ]
 
 #: (importer module, imported module): why it is still there and what removes it
