@@ -1,4 +1,4 @@
-"""The planner's pipeline parallelism (megatron_csbp/planner/pipeline.py): the 1F1B bubble, the
+"""The planner's pipeline parallelism (megatron_csbp/planner/cost.py (`estimate_pipelined`)): the 1F1B bubble, the
 in-flight micro-batches' activations per stage, P2P bytes of this rank's rows, and the flags."""
 import pytest
 
@@ -55,7 +55,7 @@ def test_search_offers_pp_and_emits_flags():
 def test_interleaved_bubble_closed_form(P, V, m):
     """Megatron's interleaved schedule: bubble (P - 1) / (V m) of the ideal time, V x the P2P hops,
     first-rank activations P (1 + (P - 1) / (P V)) micro-batches' worth (its memory penalty)."""
-    from megatron_csbp.planner.pipeline import in_flight_chunks
+    from megatron_csbp.planner.cost import in_flight_chunks
 
     model, hw = load_preset("llama-70b-like"), PRESETS["h200"]  # 80 identical layers
     wl = Workload(8192, 64, global_batch_size=m)

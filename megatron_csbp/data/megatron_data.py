@@ -28,7 +28,12 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_csbp.objectives.base import sample_generator
+
+def sample_generator(seed: int, sample_index: int) -> torch.Generator:
+    """A CPU generator keyed by (seed, global sample index), independent of rank and layout (the
+    objectives' noise and `MockDataset`'s draws)."""
+    state = np.random.SeedSequence([int(seed), int(sample_index)]).generate_state(2, dtype=np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
 class MegatronTokenizerAdapter:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Set, Tuple
 
-import numpy as np
 import torch
 
+from megatron_csbp.data.megatron_data import sample_generator  # noqa: F401  (objectives draw with it)
 from megatron_csbp.objectives.flags import Flag, add_flags, check_mask_token_id
 
 
@@ -31,12 +31,6 @@ class NoisedBatch:
     self_conditioning: Optional[torch.Tensor] = None
     #: first block with a noisy copy (canvas of response blocks); None: every block
     first_canvas_block: Optional[int] = None
-
-
-def sample_generator(seed: int, sample_index: int) -> torch.Generator:
-    """A CPU generator keyed by (seed, global sample index), independent of rank and layout."""
-    state = np.random.SeedSequence([int(seed), int(sample_index)]).generate_state(2, dtype=np.uint64)
-    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
 class Objective:
