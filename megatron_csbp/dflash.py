@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -258,161 +257,7 @@ def prepare_features(a) -> Dict:
     return {"sequences": n, "captured_now": done, "output": a.output}
 
 
-# ---- training ------------------------------------------------------------------------------------
-
-def verifier_embeddings(hf_path: str):
-    """(input embeddings [V, h], LM head [V, h]) of a Hugging Face causal LM, as float32 tensors."""
-    model = load_verifier(hf_path)
-    return (model.get_input_embeddings().weight.detach().float().clone(),
-            model.get_output_embeddings().weight.detach().float().clone())
-
-
-def drafter_shape_from_args(a, hidden: int) -> "DrafterShape":
-    from megatron_csbp.model.dflash import DrafterShape
-
-    heads = a.num_attention_heads
-    return DrafterShape(hidden_size=hidden, num_layers=a.num_layers, num_attention_heads=heads,
-                        num_query_groups=a.num_query_groups or heads, kv_channels=a.kv_channels or hidden // heads,
-                        ffn_hidden_size=a.ffn_hidden_size or 2 * hidden, target_layer_ids=list(a.target_layer_ids),
-                        block_size=a.block_size, mask_token_id=a.mask_token_id, rotary_base=float(a.rotary_base),
-                        layer_types=[a.layer_type] * a.num_layers, sliding_window=a.sliding_window,
-                        max_position_embeddings=max(a.seq_length, 4096))
-
-
-def train(a) -> Dict:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    from megatron_csbp import parallel_state as bps
-    from megatron_csbp.attention.accounting import traffic_counter
-    from megatron_csbp.layout.dflash import DFlashLayout
-    from megatron_csbp.layout.sizes import shard_group_size
-    from megatron_csbp.model.dflash import (DFlashDrafter, DFlashTrainingModel, DrafterShape,
-                                            drafter_transformer_config)
-    from megatron_csbp.objectives import build_objective, objective_class
-
-    # This loop keeps the drafter, its gradients and its statistics on the CPU (the trainer places
-    # models on the device; issue 33 moves DFlash training there), so its collectives need gloo on
-    # every machine: an NCCL group refuses CPU tensors.
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    elif dist.get_backend() != "gloo":
-        raise ValueError(f"dflash train keeps the drafter on the CPU and needs a gloo process group; "
-                         f"the process group is {dist.get_backend()}")
-    world = dist.get_world_size()
-    bps.initialize_block_parallel(context_parallel_size=a.context_parallel_size,
-                                  block_parallel_size=a.block_parallel_size)
-    seq = shard_group_size(a.context_parallel_size, a.block_parallel_size)
-    dp, dp_rank = world // seq, mpu.get_data_parallel_rank(with_context_parallel=False)
-    data, _ = objective_class(a.objective).build_datasets(a)  # the captured features
-    L = data.meta["seq_length"]
-    if list(a.target_layer_ids or data.meta["target_layer_ids"]) != data.meta["target_layer_ids"]:
-        raise ValueError(f"--target-layer-ids {a.target_layer_ids} differ from the captured features' "
-                         f"{data.meta['target_layer_ids']}")
-    a.target_layer_ids = data.meta["target_layer_ids"]
-    if a.seq_length not in (None, L):
-        raise ValueError(f"--seq-length {a.seq_length} differs from the captured features' {L}")
-    a.seq_length = L
-    if a.global_batch_size not in (None, a.micro_batch_size * dp):
-        raise ValueError(f"--global-batch-size {a.global_batch_size} must be --micro-batch-size {a.micro_batch_size} "
-                         f"x data-parallel size {dp}")
-    embedding, head = verifier_embeddings(a.verifier)
-    # the objective registry's --objective dflash; its mask token a row of the verifier's embedding
-    objective = build_objective(a, vocab_size=embedding.shape[0])
-    shape = getattr(a, "loaded_shape", None) or drafter_shape_from_args(a, data.meta["hidden_size"])
-    if shape.hidden_size != data.meta["hidden_size"]:
-        raise ValueError(f"--load {a.load}: the drafter's hidden size {shape.hidden_size} differs from the verifier's "
-                         f"{data.meta['hidden_size']} (the captured features')")
-    torch.manual_seed(a.seed)
-    drafter = DFlashDrafter(shape, drafter_transformer_config(shape, perform_initialization=True,
-                                                              init_method_std=a.init_method_std))
-    if getattr(a, "load", None):
-        loaded = load_drafter(a.load).state_dict()
-        drafter.load_state_dict(loaded, strict=False)
-    layout = DFlashLayout(L, a.block_size, a.context_parallel_size, a.block_parallel_size)
-    ring = bps.get_clean_ring_group() if layout.kind != "cp" else mpu.get_context_parallel_group()
-    model = DFlashTrainingModel(drafter, embedding, head, objective, layout, shard_rank=mpu.get_context_parallel_rank(),
-                                shard_group=mpu.get_context_parallel_group(), ring_group=ring,
-                                transport=a.attention_transport)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
-    reduce_group = mpu.get_data_parallel_group(with_context_parallel=True)
-    n_train = len(data) - a.eval_sequences
-    if n_train < dp:
-        raise ValueError(f"{len(data)} captured sequences leave {n_train} for training (--eval-sequences "
-                         f"{a.eval_sequences}), fewer than the {dp} data-parallel replicas")
-    history, t0 = [], time.time()
-    rank0 = dist.get_rank() == 0
-    writer = None
-    if rank0 and getattr(a, "tensorboard_dir", None):
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(a.tensorboard_dir)
-
-    def evaluate_now(step: int) -> None:
-        if a.eval_sequences <= 0:
-            return
-        acc, tau = training_acceptance(model, data, n_train, mpu.get_context_parallel_group())
-        entry = {"step": step, "eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
-        history.append(entry)
-        if rank0:
-            print(f"eval  {step:5d} | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected acceptance "
-                  f"length {tau:.3f} ({a.eval_sequences} held-out sequences)", flush=True)
-            if writer is not None:
-                writer.add_scalar("eval/expected_acceptance_length", tau, step)
-                for k, x in enumerate(acc, start=1):
-                    writer.add_scalar(f"eval/acceptance_offset_{k}", x, step)
-                writer.flush()
-
-    for step in range(a.train_iters):
-        lr = a.lr * min(1.0, (step + 1) / max(1, a.lr_warmup_iters)) if a.lr_warmup_iters else a.lr
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=False)
-        traffic_counter().reset()
-        total, acc = 0.0, 0.0
-        for m in range(a.micro_batch_size):
-            index = ((step * a.micro_batch_size + m) * dp + dp_rank) % n_train
-            item = data[index]
-            out = model(item["features"], torch.from_numpy(item["tokens"].astype(np.int64)),
-                        torch.from_numpy(item["loss_mask"].astype(np.int64)),
-                        torch.from_numpy(item["doc_ids"].astype(np.int64)), sample_index=index)
-            (out.loss / (a.micro_batch_size * dp)).backward()
-            total += float(out.loss.detach())
-            acc += out.metrics["acceptance"]
-        # Gradients and losses: summed over the shard group (partial losses), averaged over DP.
-        for p in drafter.parameters():
-            dist.all_reduce(p.grad, group=reduce_group)
-        stats = torch.tensor([total / a.micro_batch_size, acc / a.micro_batch_size / seq], dtype=torch.float64)
-        dist.all_reduce(stats, group=reduce_group)
-        loss, acceptance = float(stats[0]) / dp, float(stats[1]) / dp
-        if a.clip_grad:
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), a.clip_grad)
-        opt.step()
-        history.append({"step": step + 1, "loss": loss, "target_prob": acceptance,
-                        "attention_bytes": traffic_counter().total})
-        if rank0 and (step + 1) % a.log_interval == 0:
-            print(f"step {step + 1:5d} | loss {loss:.4f} | mean target prob {acceptance:.3f} | "
-                  f"attention bytes/rank {traffic_counter().total} | {time.time() - t0:.0f}s", flush=True)
-            if writer is not None:
-                writer.add_scalar("train/loss", loss, step + 1)
-        if a.eval_interval and (step + 1) % a.eval_interval == 0 and step + 1 < a.train_iters:
-            evaluate_now(step + 1)
-    evaluate_now(a.train_iters)
-    if writer is not None:
-        writer.close()
-    if a.save and rank0:
-        os.makedirs(a.save, exist_ok=True)
-        torch.save({k: v for k, v in drafter.state_dict().items() if not k.endswith("_extra_state")},
-                   os.path.join(a.save, "drafter.pt"))
-        open(os.path.join(a.save, "megatron_csbp_drafter.json"), "w").write(shape.to_json())
-        from megatron_csbp.conversion.drafter import record_verifier
-
-        record_verifier(a.save, a.verifier)  # its tokenizer goes with the export
-        json.dump(history, open(os.path.join(a.save, "history.json"), "w"), indent=1)
-    if a.save:
-        dist.barrier()
-    return {"history": history, "shape": shape}
-
+# ---- evaluation ---------------------------------------------------------------------------------
 
 @torch.no_grad()
 def training_acceptance(model, data, first: int, shard_group=None):
@@ -648,14 +493,6 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
 
 # ---- command line --------------------------------------------------------------------------------
 
-def add_dflash_objective_args(p: argparse.ArgumentParser) -> None:
-    """The objective's flags (also accepted by `python -m megatron_csbp.train --objective dflash`),
-    declared by the objective (`DFlashObjective.flags`)."""
-    from megatron_csbp.objectives.dflash import DFlashObjective
-
-    DFlashObjective.add_args(p)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m megatron_csbp.dflash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -679,48 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "factor capturing disjoint shards; default: all ranks")
     f.add_argument("--no-progress-bar", action="store_true")
 
-    t = sub.add_parser("train", help="train a drafter on captured features (torchrun for CP/BP/CSBP)")
-    t.add_argument("--objective", choices=("dflash",), default="dflash",
-                   help="accepted so `python -m megatron_csbp.train --objective dflash ...` hands over here")
-    t.add_argument("--features-path", required=True)
-    t.add_argument("--verifier", required=True, help="Hugging Face verifier (embeddings and LM head, frozen)")
-    t.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="default: the features'")
-    t.add_argument("--num-layers", type=int, default=1)
-    t.add_argument("--num-attention-heads", type=int, default=4)
-    t.add_argument("--num-query-groups", type=int, default=None)
-    t.add_argument("--kv-channels", type=int, default=None)
-    t.add_argument("--ffn-hidden-size", type=int, default=None)
-    t.add_argument("--rotary-base", type=float, default=10000.0)
-    t.add_argument("--layer-type", choices=("full_attention", "sliding_attention"), default="full_attention")
-    t.add_argument("--sliding-window", type=int, default=2048)
-    t.add_argument("--block-size", type=int, default=None, help="default 8 (with --load: the drafter's)")
-    t.add_argument("--mask-token-id", type=int, default=None, help="required unless --load gives it")
-    t.add_argument("--load", default=None,
-                   help="continue training a drafter: a `convert hf-to-megatron` import of a muse_glimmer_assistant "
-                        "folder or a `--save` of this command; its shape replaces the architecture flags (a flag "
-                        "given with another value is refused)")
-    t.add_argument("--context-parallel-size", type=int, default=1)
-    t.add_argument("--block-parallel-size", type=int, default=1)
-    t.add_argument("--attention-transport", choices=("allgather", "ring"), default="allgather")
-    t.add_argument("--train-iters", type=int, default=100)
-    t.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per step (accumulated)")
-    t.add_argument("--global-batch-size", type=int, default=None,
-                   help="sequences per step; must be --micro-batch-size x data-parallel size (default: that)")
-    t.add_argument("--seq-length", type=int, default=None, help="must equal the captured features' (default: theirs)")
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--init-method-std", type=float, default=0.02)
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--eval-sequences", type=int, default=0, help="the last N captured sequences are held out")
-    t.add_argument("--log-interval", type=int, default=10)
-    t.add_argument("--eval-interval", type=int, default=None,
-                   help="also evaluate the held-out sequences every N steps (always after the last step)")
-    t.add_argument("--tensorboard-dir", default=None, help="TensorBoard events: train/loss, eval/* acceptance")
-    t.add_argument("--save", default=None)
-    add_dflash_objective_args(t)
-
+    sub.add_parser("train", add_help=False, help="train a drafter: python -m megatron_csbp.train --objective dflash "
+                   "(this subcommand hands its flags over, with its older defaults)")
     e = sub.add_parser("export", help="drafter checkpoint -> Hugging Face MuseGlimmerAssistantModel")
     e.add_argument("--load", required=True)
     e.add_argument("--output", required=True)
@@ -742,58 +539,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """The parser of `train` (what `python -m megatron_csbp.train --objective dflash` accepts)."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["train"]
-
-
-#: train flags that the loaded drafter's shape decides: (flag attribute, DrafterShape field)
-LOADED_FIELDS = (("block_size", "block_size"), ("mask_token_id", "mask_token_id"),
-                 ("target_layer_ids", "target_layer_ids"), ("num_layers", "num_layers"),
-                 ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
-                 ("kv_channels", "kv_channels"), ("ffn_hidden_size", "ffn_hidden_size"),
-                 ("rotary_base", "rotary_base"), ("sliding_window", "sliding_window"))
-
-
-def resolve_load(a) -> None:
-    """`train --load`: the drafter's shape fills the architecture flags; a flag given with a
-    different value is an error naming it. Without --load: --block-size defaults to 8."""
-    if getattr(a, "load", None) is None:
-        if a.block_size is None:
-            a.block_size = 8
-        return
-    from megatron_csbp.model.dflash import SHAPE_FILE, DrafterShape
-
-    path = os.path.join(a.load, SHAPE_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"--load {a.load}: no {SHAPE_FILE} (import a drafter with `python -m megatron_csbp.convert "
-                         "hf-to-megatron`, or give a `dflash train --save` folder)")
-    shape = DrafterShape.from_json(open(path).read())
-    defaults = train_parser().parse_args(["--features-path", "x", "--verifier", "x"])
-    for attr, name in LOADED_FIELDS:
-        given, value = getattr(a, attr), getattr(shape, name)
-        if given is not None and given != getattr(defaults, attr) and given != value:
-            raise ValueError(f"--{attr.replace('_', '-')} {given} differs from the loaded drafter's {name} {value}")
-        setattr(a, attr, value)
-    a.layer_type = None  # per layer, from the shape
-    a.loaded_shape = shape
-
-
 def check_args(a) -> None:
     if a.command == "prepare-features":
         if a.seq_length <= 0 or a.shard_size <= 0:
             raise ValueError("--seq-length and --shard-size must be positive")
-    if a.command == "train":
-        from megatron_csbp.objectives.dflash import DFlashObjective
-
-        resolve_load(a)
-        if a.mask_token_id is None:
-            raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
-
-        DFlashObjective.validate(a)  # the objective's rules (block size, anchors, loss options)
-        if a.micro_batch_size < 1 or a.train_iters < 0:
-            raise ValueError("--micro-batch-size must be >= 1 and --train-iters >= 0")
     if a.command == "evaluate" and not (a.features_path or a.prompts_data_path):
         raise ValueError("evaluate needs --features-path or --prompts-data-path (where the prompts come from)")
     if a.command == "evaluate" and not a.logit_tolerance > 0:
@@ -802,33 +551,29 @@ def check_args(a) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
 
 
-def check_trainer_args(args, world_size: int) -> str:
-    """`train`'s argument rules and the shard-group topology for `world_size` ranks (what `launch
-    --check` and `python -m megatron_csbp.train --objective dflash` run; the rules that read the
-    captured features and the verifier run at launch). Returns a summary line."""
-    from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
-
-    args.command = "train"
-    cp, bp = args.context_parallel_size, args.block_parallel_size
-    check_args(args)
-    check_parallel_sizes(cp, bp)
-    seq = shard_group_size(cp, bp)
-    if world_size % seq:
-        raise ValueError(f"world size {world_size} is not divisible by max(--context-parallel-size, "
-                         f"--block-parallel-size) = {seq}")
-    return (f"DFlash drafter, CP {cp} / BP {bp} x DP {world_size // seq}\n"
-            f"  not checked here: --features-path and --verifier contents (read at launch)")
+#: `dflash train`'s defaults where the trainer's differ (architecture ones only without --load:
+#: a loaded drafter's shape decides those)
+TRAIN_DEFAULTS = ["--lr", "3e-3", "--train-iters", "100", "--weight-decay", "0", "--adam-beta2", "0.95",
+                  "--micro-batch-size", "1", "--log-interval", "10", "--lr-decay-style", "constant"]
+ARCHITECTURE_DEFAULTS = ["--num-layers", "1", "--block-size", "8"]
 
 
-def run_trainer(argv: Sequence[str]):
-    """The `train` subcommand (the entry point `python -m megatron_csbp.train --objective dflash` hands over to)."""
-    return main(["train"] + list(argv))
+def train(argv: Sequence[str]):
+    """`dflash train ...`: `python -m megatron_csbp.train --objective dflash ...` (the `Trainer`)."""
+    from megatron_csbp.training.loop import main as train_main
+
+    argv = list(argv)
+    defaults = TRAIN_DEFAULTS + ([] if "--load" in argv else ARCHITECTURE_DEFAULTS)
+    return train_main(defaults + ["--objective", "dflash"] + argv)
 
 
 def main(argv: Optional[Sequence[str]] = None):
     from megatron_csbp.utils.cli import filter_warnings
 
     filter_warnings()  # hide the library warnings a user cannot act on
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        return train(argv[1:])
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
@@ -839,8 +584,6 @@ def main(argv: Optional[Sequence[str]] = None):
         result = prepare_features(a)
         print(json.dumps(result))
         return result
-    if a.command == "train":
-        return train(a)
     if a.command == "export":
         print(export(a))
         return a.output

@@ -27,21 +27,10 @@ from typing import Optional
 
 import torch
 
-from megatron_csbp.model.dflash import HF_MODEL_TYPE, SHAPE_FILE, DrafterShape
+from megatron_csbp.model.dflash import (HF_MODEL_TYPE, SHAPE_FILE, VERIFIER_FILE, WEIGHTS_FILE,  # noqa: F401
+                                        DrafterShape, record_verifier)
 
-WEIGHTS_FILE = "drafter.pt"
-#: `dflash train --save`: the verifier the drafter was trained against (its tokenizer is the drafter's)
-VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 ASSETS_DIR = "hf_assets"
-
-
-def record_verifier(save: str, verifier: str) -> None:
-    """Write `VERIFIER_FILE` into the drafter checkpoint `save` (rank 0)."""
-    from megatron_csbp.data.tokenizer import tokenizer_record
-
-    record = {"verifier": os.path.abspath(verifier), **tokenizer_record("HuggingFaceTokenizer", verifier)}
-    with open(os.path.join(save, VERIFIER_FILE), "w") as f:
-        json.dump(record, f, indent=1)
 
 
 def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[str] = None) -> str:

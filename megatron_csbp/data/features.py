@@ -41,3 +41,29 @@ class FeatureDataset:
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
         s, j = divmod(i, self.meta["shard_size"])
         return {k: v[j] for k, v in self.shards[s].items()}
+
+
+class FeatureSplit:
+    """Sequences [first, first + count) of a `FeatureDataset`, as the trainer reads them: item i is
+    sequence `first + i % count` (training wraps around its share) as [L] int64 tensors `tokens`,
+    `loss_mask`, `document_ids`; `data_index(i)` is that sequence's index in the features (the
+    DFlash model reads its rows of `features` there, and draws its anchors by it)."""
+
+    def __init__(self, data: FeatureDataset, first: int, count: int):
+        self.data, self.first, self.count = data, first, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def data_index(self, i: int) -> int:
+        if self.count <= 0:
+            raise IndexError("no held-out captured sequences: give --eval-sequences N")
+        return self.first + int(i) % self.count
+
+    def __getitem__(self, i: int) -> Dict:
+        import torch
+
+        item = self.data[self.data_index(i)]
+        return {"tokens": torch.from_numpy(item["tokens"].astype(np.int64)),
+                "loss_mask": torch.from_numpy(item["loss_mask"].astype(np.int64)),
+                "document_ids": torch.from_numpy(item["doc_ids"].astype(np.int64))}

@@ -33,6 +33,10 @@ import torch.nn.functional as F
 
 HF_MODEL_TYPE = "muse_glimmer_assistant"
 SHAPE_FILE = "megatron_csbp_drafter.json"
+#: an imported drafter's weights (`convert hf-to-megatron`; older `dflash train --save` folders too)
+WEIGHTS_FILE = "drafter.pt"
+#: the verifier the drafter was trained against (its tokenizer is the drafter's)
+VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -437,3 +441,142 @@ class DFlashTrainingModel(torch.nn.Module):
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)
+
+
+def record_verifier(save: str, verifier: str) -> None:
+    """Write `VERIFIER_FILE` into the drafter checkpoint `save` (rank 0)."""
+    import os
+
+    from megatron_csbp.data.tokenizer import tokenizer_record
+
+    record = {"verifier": os.path.abspath(verifier), **tokenizer_record("HuggingFaceTokenizer", verifier)}
+    with open(os.path.join(save, VERIFIER_FILE), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+# ---- the trainer's model ---------------------------------------------------------------------------
+
+def drafter_shape_from_args(a, hidden: int) -> DrafterShape:
+    """The drafter the flags describe (`a`: ModelArgs carrying the dflash objective's flags)."""
+    heads = a.num_attention_heads
+    return DrafterShape(hidden_size=hidden, num_layers=a.num_layers, num_attention_heads=heads,
+                        num_query_groups=a.num_query_groups or heads, kv_channels=a.kv_channels or hidden // heads,
+                        ffn_hidden_size=a.ffn_hidden_size or 2 * hidden, target_layer_ids=list(a.target_layer_ids),
+                        block_size=a.block_size, mask_token_id=a.mask_token_id, rotary_base=float(a.rotary_base),
+                        layer_types=[a.layer_type] * a.num_layers, sliding_window=a.sliding_window,
+                        max_position_embeddings=max(a.seq_length, 4096))
+
+
+class TrainableDrafter(torch.nn.Module):
+    """A `DFlashTrainingModel` as the `Trainer` drives a model chunk: `forward(tokens, loss_mask,
+    sample_index, denominator, document_ids)` over a micro-batch [b, L] (each sequence's features
+    read from the captured features at its split's index), returning the micro-batch's share of the
+    global loss (each sequence's weighted mean over the global count of sequences); `bdlm` is
+    itself (the objective, `supervised`). Checkpoints hold the drafter's weights under their own
+    names (`sharded_state_dict`), replicated over every rank."""
+
+    def __init__(self, config, training_model: "DFlashTrainingModel", splits):
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config, self.model, self.splits = config, training_model, splits
+        self.objective = training_model.objective
+        self.model_type = ModelType.encoder_or_decoder
+
+    @property
+    def bdlm(self):
+        return self
+
+    @property
+    def drafter(self) -> DFlashDrafter:
+        return self.model.drafter
+
+    def supervised(self, tokens, loss_mask):
+        return loss_mask
+
+    def set_input_tensor(self, input_tensor):
+        pass
+
+    def forward(self, tokens, loss_mask, sample_index, denominator, document_ids=None):
+        from types import SimpleNamespace
+
+        split = self.splits[1 if self.objective.held_out else 0]
+        self.model.objective = self.objective  # the trainer swaps in the held-out objective to evaluate
+        features = split.data
+        total = 0.0
+        for i in range(tokens.shape[0]):
+            index = split.data_index(int(sample_index[i]))
+            out = self.model(features[index]["features"], tokens[i].cpu(), loss_mask[i].cpu(),
+                             None if document_ids is None else document_ids[i].cpu(), sample_index=index)
+            total = total + out.loss
+        loss = total / denominator
+        return SimpleNamespace(loss=loss, num_targets=torch.tensor(tokens.shape[0]))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        return sharded_state_dict_default(self.model.drafter, prefix, sharded_offsets, metadata)
+
+
+def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list:
+    """`Objective.model_builder` of --objective dflash: the drafter (initialised from --seed, or
+    the --load drafter's `drafter.pt` weights: an import or an older `dflash train --save`), the
+    verifier's frozen embeddings and LM head, the layout of this rank's shard group. With --save,
+    rank 0 writes the drafter's shape and verifier record there (what `--load` and the export read)."""
+    import os
+
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.data.features import FeatureDataset, FeatureSplit
+    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.objectives import build_objective
+
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("--objective dflash: --pipeline-model-parallel-size must be 1 (the drafter is not split "
+                         "into pipeline stages)")
+    data = FeatureDataset(a.features_path)
+    n_eval = a.eval_sequences
+    splits = (FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval))
+    from transformers import AutoModelForCausalLM
+
+    verifier = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.float32)
+    embedding = verifier.get_input_embeddings().weight.detach().float().clone()
+    head = verifier.get_output_embeddings().weight.detach().float().clone()
+    del verifier
+    objective = build_objective(a, vocab_size=embedding.shape[0])
+    load = a.dflash_drafter_load
+    shape = DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()) if load else \
+        drafter_shape_from_args(a, data.meta["hidden_size"])
+    if shape.hidden_size != data.meta["hidden_size"]:
+        raise ValueError(f"--load {load}: the drafter's hidden size {shape.hidden_size} differs from the verifier's "
+                         f"{data.meta['hidden_size']} (the captured features')")
+    # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
+    config = drafter_transformer_config(shape, perform_initialization=True, init_method_std=a.init_method_std,
+                                        calculate_per_token_loss=True)
+    if finalize_model_grads_func is not None:
+        config.finalize_model_grads_func = finalize_model_grads_func
+    torch.manual_seed(a.seed)
+    drafter = DFlashDrafter(shape, config)
+    if load and os.path.isfile(os.path.join(load, WEIGHTS_FILE)):  # imported / an older dflash train --save
+        state = torch.load(os.path.join(load, WEIGHTS_FILE), map_location="cpu")
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"--load {load}: {WEIGHTS_FILE} does not fit the drafter (missing {missing}, "
+                             f"unexpected {unexpected})")
+    save = a.dflash_drafter_save
+    if save and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        os.makedirs(save, exist_ok=True)
+        with open(os.path.join(save, SHAPE_FILE), "w") as f:
+            f.write(shape.to_json())
+        record_verifier(save, a.verifier)  # its tokenizer goes with the export
+    cp, bp = a.context_parallel_size, a.block_parallel_size
+    layout = DFlashLayout(data.meta["seq_length"], shape.block_size, cp, bp)
+    shard_group = mpu.get_context_parallel_group()
+    ring = bps.get_clean_ring_group() if layout.kind != "cp" else shard_group
+    if device is not None:
+        drafter, embedding, head = drafter.to(device), embedding.to(device), head.to(device)
+    model = DFlashTrainingModel(drafter, embedding, head, objective, layout, shard_rank=mpu.get_context_parallel_rank(),
+                                shard_group=shard_group, ring_group=ring, transport=a.attention_transport)
+    return [TrainableDrafter(config, model, splits)]

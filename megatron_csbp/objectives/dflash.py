@@ -28,8 +28,12 @@ no [tokens, vocab] logits are ever held, forward or backward.
 """
 from __future__ import annotations
 
+import argparse
+import copy
+import os
 from dataclasses import dataclass
 from math import gcd
+import json
 from typing import Optional, Tuple
 
 import torch
@@ -114,17 +118,44 @@ KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0))
 VOCAB_CHUNK = Flag("--dflash-vocab-chunk", dict(type=int, default=8192, help="LM-head rows per streamed chunk"))
 
 
+FEATURES_PATH = Flag("--features-path", dict(default=None, help="dflash: captured verifier features "
+                                                                  "(python -m megatron_csbp.dflash prepare-features)"))
+VERIFIER = Flag("--verifier", dict(default=None, help="dflash: Hugging Face verifier (embeddings and LM head, frozen)"))
+TARGET_LAYER_IDS = Flag("--target-layer-ids", dict(type=int, nargs="+", default=None,
+                                                   help="dflash: the verifier layers captured (default: the features')"))
+LAYER_TYPE = Flag("--layer-type", dict(choices=("full_attention", "sliding_attention"), default="full_attention",
+                                       help="dflash: the drafter's attention"))
+SLIDING_WINDOW = Flag("--sliding-window", dict(type=int, default=2048, help="dflash: with --layer-type sliding_attention"))
+EVAL_SEQUENCES = Flag("--eval-sequences", dict(type=int, default=0,
+                                               help="dflash: the last N captured sequences are held out (evaluation)"))
+#: set by `prepare_args` (not a user flag): the --load folder holding an imported / old-format drafter
+DRAFTER_LOAD = Flag("--dflash-drafter-load", dict(default=None, help=argparse.SUPPRESS))
+#: set by `prepare_args`: --save, where the drafter's shape and verifier record are written
+DRAFTER_SAVE = Flag("--dflash-drafter-save", dict(default=None, help=argparse.SUPPRESS))
+
+#: trainer flags that a loaded drafter's shape decides: (flag dest, DrafterShape field)
+LOADED_FIELDS = (("block_size", "block_size"), ("mask_token_id", "mask_token_id"),
+                 ("target_layer_ids", "target_layer_ids"), ("num_layers", "num_layers"),
+                 ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
+                 ("kv_channels", "kv_channels"), ("ffn_hidden_size", "ffn_hidden_size"),
+                 ("rotary_base", "rotary_base"), ("sliding_window", "sliding_window"), ("hidden_size", "hidden_size"))
+SHAPE_FILE = "megatron_csbp_drafter.json"  # model.dflash.SHAPE_FILE (objectives do not import the model)
+
+
 @register_objective("dflash")
 class DFlashObjective(Objective):
-    summary = ("a DFlash speculative drafter on captured verifier features (the flags of "
-               "`python -m megatron_csbp.dflash train`, which this hands over to; docs/dflash.md)")
+    summary = ("a DFlash speculative drafter on captured verifier features (--features-path, --verifier; "
+               "docs/dflash.md)")
     uses_noisy_stream = True
-    flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK)
+    flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK,
+             FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES, DRAFTER_LOAD,
+             DRAFTER_SAVE)
     mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
-    own_trainer = "python -m megatron_csbp.dflash train"
-    trainer_module = "megatron_csbp.dflash"
-    megatron_lm_refusal = ("runs in python -m megatron_csbp.dflash train (a drafter trained on captured verifier "
+    model_builder = "megatron_csbp.model.dflash:build_drafter_chunks"
+    megatron_lm_refusal = ("trains in python -m megatron_csbp.train (a drafter trained on captured verifier "
                            "features, not a GPT built from Megatron-LM flags)")
+    #: the held-out split (`for_evaluation`): the model reads features from the last --eval-sequences
+    held_out = False
 
     def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = 512, sampling: str = "uniform",
                  gamma: float = 7.0, loss: str = "ce", dpace_alpha: float = 0.5, kl_scale: float = 1.0,
@@ -169,12 +200,74 @@ class DFlashObjective(Objective):
 
     @classmethod
     def build_datasets(cls, args):
-        """The captured verifier features (`python -m megatron_csbp.dflash prepare-features`); the
-        trainer holds out the last --eval-sequences of them."""
-        from megatron_csbp.data.features import FeatureDataset
+        """(train, valid): the captured verifier features (`python -m megatron_csbp.dflash
+        prepare-features`), the last --eval-sequences held out; training wraps around its share."""
+        from megatron_csbp.data.features import FeatureDataset, FeatureSplit
 
-        data = FeatureDataset(args.features_path)
-        return data, data
+        data = FeatureDataset(FEATURES_PATH.value(args))
+        n_eval = EVAL_SEQUENCES.value(args)
+        return FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval)
+
+    def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Sequences: the loss is the mean over the global batch's sequences of each sequence's
+        weighted mean (every sequence is normalised by its own weight sum)."""
+        return torch.tensor(float(loss_mask.shape[0]))
+
+    def for_evaluation(self) -> "DFlashObjective":
+        held = copy.copy(self)
+        held.held_out = True
+        return held
+
+    @classmethod
+    def prepare_args(cls, args, check_only: bool = False) -> None:
+        """Before the trainer's rules: the captured features fix --seq-length and the hidden size,
+        the verifier the vocabulary (a NullTokenizer of its size), a --load drafter (its
+        `megatron_csbp_drafter.json`) the architecture flags (a flag given with another value is
+        refused by name)."""
+        from megatron_csbp.data.features import FeatureDataset
+        from megatron_csbp.training.arguments import build_parser
+
+        path, verifier = FEATURES_PATH.value(args), VERIFIER.value(args)
+        if not path or not verifier:
+            raise ValueError("--objective dflash needs --features-path (captured features) and --verifier")
+        if check_only and not (os.path.isdir(path) and os.path.isdir(verifier)):
+            args.check_notes.append(f"--features-path {path} / --verifier {verifier} are not here: their sizes are "
+                                    "checked at launch")
+            args.tokenizer_type, args.vocab_size = "NullTokenizer", args.vocab_size or 1 << 20
+            return
+        defaults = build_parser()
+        meta = FeatureDataset(path).meta
+        L, layers = meta["seq_length"], meta["target_layer_ids"]
+        if args.seq_length not in (defaults.get_default("seq_length"), L):
+            raise ValueError(f"--seq-length {args.seq_length} differs from the captured features' {L}")
+        args.seq_length = L
+        if args.target_layer_ids not in (None, layers):
+            raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the captured features' {layers}")
+        args.target_layer_ids, args.hidden_size = layers, meta["hidden_size"]
+        if args.ffn_hidden_size is None:
+            args.ffn_hidden_size = 2 * args.hidden_size  # the drafter's default (not the GPT's)
+        load = getattr(args, "load", None)
+        if load and os.path.isfile(os.path.join(load, SHAPE_FILE)):
+            shape = json.load(open(os.path.join(load, SHAPE_FILE)))
+            for dest, name in LOADED_FIELDS:
+                given, value = getattr(args, dest), shape[name]
+                if given is not None and given != defaults.get_default(dest) and given != value:
+                    raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {name} "
+                                     f"{value}")
+                setattr(args, dest, value)
+            args.dflash_drafter_load = load
+        elif load and os.path.isfile(os.path.join(load, "drafter.pt")):
+            raise ValueError(f"--load {load}: drafter.pt without {SHAPE_FILE}: not a drafter this project wrote")
+        if args.mask_token_id is None:
+            raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
+        if EVAL_SEQUENCES.value(args) < 0 or EVAL_SEQUENCES.value(args) >= meta["num_sequences"]:
+            raise ValueError(f"--eval-sequences {EVAL_SEQUENCES.value(args)} must be in [0, {meta['num_sequences']}) "
+                             "(the captured sequences)")
+        args.dflash_drafter_save = getattr(args, "save", None)
+        from transformers import AutoConfig
+
+        args.vocab_size = int(AutoConfig.from_pretrained(verifier).vocab_size)
+        args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
 
     def slot_weights(self) -> torch.Tensor:
         k = torch.arange(self.block_size, dtype=torch.float32)

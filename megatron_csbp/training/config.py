@@ -116,6 +116,9 @@ class DataConfig:
     pack_sequences: bool = False
     #: DataLoader worker processes reading training samples ahead (Megatron-LM's --num-workers)
     num_workers: int = 0
+    #: --objective dflash: captured verifier features, the last `eval_sequences` held out
+    features_path: Optional[str] = None
+    eval_sequences: int = 0
 
 
 @dataclass(frozen=True)
