@@ -3,10 +3,11 @@
     python -m megatron_csbp.convert hf-to-megatron --hf-path DRAFTER_HF --output DRAFTER
     python -m megatron_csbp.convert megatron-to-hf --load DRAFTER --output DRAFTER_HF
 
-A drafter is not a GPT model of the family registry: the Megatron side is `model.dflash.DFlashDrafter`
-and its checkpoint is the one `python -m megatron_csbp.dflash train --save` writes
-(`drafter.pt`: the drafter's state dict; `megatron_csbp_drafter.json`: its `DrafterShape`), so an
-imported drafter continues training with `dflash train --load DRAFTER`. Every config field maps
+A drafter is not a GPT model of the family registry: the Megatron side is `model.dflash.DFlashDrafter`;
+an import is `drafter.pt` (the drafter's state dict) + `megatron_csbp_drafter.json` (its
+`DrafterShape`), which `python -m megatron_csbp.train --objective dflash --load DRAFTER` starts
+from; that trainer's `--save` holds torch_dist checkpoints beside the same shape file, exported
+from the newest one. Every config field maps
 (`DrafterShape.from_hf_config` / `hf_config`): sizes, `target_layer_ids`, `block_size`,
 `mask_token_id`, `sliding_window`, `layer_types`, `rms_norm_eps`, `rope_parameters` (scaled types
 through transformers' `ROPE_INIT_FUNCTIONS`), `max_position_embeddings`, bos/eos/pad ids; QK-norm is
@@ -113,6 +114,30 @@ def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShap
     return shape
 
 
+def load_trained_drafter(load: str):
+    """The drafter of the newest torch_dist checkpoint `python -m megatron_csbp.train --objective
+    dflash --save` wrote in `load` (with its `megatron_csbp_drafter.json`), on one process."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from megatron_csbp.model.dflash import DFlashDrafter
+    from megatron_csbp.training.checkpointing import checkpoint_path, read_tracker
+
+    if not os.path.isfile(os.path.join(load, SHAPE_FILE)):
+        raise ValueError(f"--load {load}: no {SHAPE_FILE} (not a drafter checkpoint)")
+    step = read_tracker(load)
+    if step is None:
+        raise ValueError(f"--load {load}: neither {WEIGHTS_FILE} nor a training checkpoint")
+    model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()))
+    wanted = sharded_state_dict_default(model, "")
+    state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"drafter checkpoint {load}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
 def megatron_to_hf_drafter(load: str, output: str, dtype=None, tokenizer_model: Optional[str] = None,
                            log=None) -> DrafterShape:
     """A drafter checkpoint (imported, or saved by `dflash train`) -> a `MuseGlimmerAssistantModel`
@@ -123,7 +148,7 @@ def megatron_to_hf_drafter(load: str, output: str, dtype=None, tokenizer_model: 
     from megatron_csbp.model.families import DTYPES
 
     with single_process_megatron():
-        model = load_drafter(load)
+        model = load_drafter(load) if os.path.isfile(os.path.join(load, WEIGHTS_FILE)) else load_trained_drafter(load)
         export_hf_drafter(model, output, DTYPES[dtype] if dtype else torch.float32)
     line = export_drafter_tokenizer(load, output, tokenizer_model)
     if log is not None:

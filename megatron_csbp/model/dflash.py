@@ -491,6 +491,11 @@ class TrainableDrafter(torch.nn.Module):
     def drafter(self) -> DFlashDrafter:
         return self.model.drafter
 
+    @property
+    def gpt(self) -> DFlashDrafter:
+        """The module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)."""
+        return self.model.drafter
+
     def supervised(self, tokens, loss_mask):
         return loss_mask
 
