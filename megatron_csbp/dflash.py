@@ -558,6 +558,13 @@ TRAIN_DEFAULTS = ["--lr", "3e-3", "--train-iters", "100", "--weight-decay", "0",
 ARCHITECTURE_DEFAULTS = ["--num-layers", "1", "--block-size", "8"]
 
 
+def train_parser():
+    """What `dflash train` accepts: the trainer's parser (`--objective dflash`)."""
+    from megatron_csbp.training.arguments import build_parser as trainer_parser
+
+    return trainer_parser()
+
+
 def train(argv: Sequence[str]):
     """`dflash train ...`: `python -m megatron_csbp.train --objective dflash ...` (the `Trainer`)."""
     from megatron_csbp.training.loop import main as train_main

@@ -482,6 +482,7 @@ class TrainableDrafter(torch.nn.Module):
         self.config, self.model, self.splits = config, training_model, splits
         self.objective = training_model.objective
         self.model_type = ModelType.encoder_or_decoder
+        self._counts = None  # acceptance counts of the evaluation under way
 
     @property
     def bdlm(self):
@@ -505,17 +506,41 @@ class TrainableDrafter(torch.nn.Module):
     def forward(self, tokens, loss_mask, sample_index, denominator, document_ids=None):
         from types import SimpleNamespace
 
-        split = self.splits[1 if self.objective.held_out else 0]
+        held_out = self.objective.held_out
+        split = self.splits[1 if held_out else 0]
         self.model.objective = self.objective  # the trainer swaps in the held-out objective to evaluate
-        features = split.data
         total = 0.0
         for i in range(tokens.shape[0]):
             index = split.data_index(int(sample_index[i]))
-            out = self.model(features[index]["features"], tokens[i].cpu(), loss_mask[i].cpu(),
-                             None if document_ids is None else document_ids[i].cpu(), sample_index=index)
+            out = self.model(split.data[index]["features"], tokens[i].cpu(), loss_mask[i].cpu(),
+                             None if document_ids is None else document_ids[i].cpu(), sample_index=index,
+                             with_acceptance=held_out)
             total = total + out.loss
+            if held_out:  # training-time acceptance of the held-out sequences (`eval_metrics`)
+                c = out.metrics["acceptance_counts"]
+                self._counts = c if self._counts is None else self._counts + c
         loss = total / denominator
         return SimpleNamespace(loss=loss, num_targets=torch.tensor(tokens.shape[0]))
+
+    def eval_metrics(self) -> Dict:
+        """Collective, after the trainer's evaluation: the per-offset accuracy and expected acceptance
+        length (`objectives.dflash.acceptance_from_counts`) of the held-out blocks, counts summed
+        over the shard group and data-parallel replicas; printed by rank 0."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_csbp.objectives.dflash import acceptance_from_counts
+
+        counts, self._counts = self._counts, None
+        if counts is None:
+            return {}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            counts = counts.to(self.model.embedding.device)
+            dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        acc, tau = acceptance_from_counts(counts.cpu())
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f" held-out acceptance | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected "
+                  f"acceptance length {tau:.3f}", flush=True)
+        return {"eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         from megatron.core.transformer.utils import sharded_state_dict_default

@@ -264,6 +264,11 @@ class DFlashObjective(Objective):
             raise ValueError(f"--eval-sequences {EVAL_SEQUENCES.value(args)} must be in [0, {meta['num_sequences']}) "
                              "(the captured sequences)")
         args.dflash_drafter_save = getattr(args, "save", None)
+        n_eval = EVAL_SEQUENCES.value(args)
+        if n_eval and args.eval_interval is None and args.train_iters:  # evaluate after the last step
+            args.eval_interval = args.train_iters
+        if n_eval and args.eval_iters is None:  # batches that cover the held-out sequences
+            args.eval_iters = -(-n_eval // (args.global_batch_size or args.micro_batch_size))
         from transformers import AutoConfig
 
         args.vocab_size = int(AutoConfig.from_pretrained(verifier).vocab_size)
