@@ -61,7 +61,7 @@ def train_verifier(path: str, prefix: str, steps: int, seq: int = 128, batch: in
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from megatron_csbp.data.tokenizer import SentencePieceTokenizer
-    from megatron_csbp.dflash import pack_documents
+    from megatron_csbp.data.features import pack_documents
 
     tok = SentencePieceTokenizer()
     tokens, _ = pack_documents(prefix, seq, tok.eod)

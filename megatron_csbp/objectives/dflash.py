@@ -235,8 +235,12 @@ class DFlashObjective(Objective):
                                     "checked at launch")
             args.tokenizer_type, args.vocab_size = "NullTokenizer", args.vocab_size or 1 << 20
             return
+        cls.validate(args)  # the objective's own rules first (they read no file)
         defaults = build_parser()
-        meta = FeatureDataset(path).meta
+        try:
+            meta = FeatureDataset(path).meta
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
         L, layers = meta["seq_length"], meta["target_layer_ids"]
         if args.seq_length not in (defaults.get_default("seq_length"), L):
             raise ValueError(f"--seq-length {args.seq_length} differs from the captured features' {L}")
