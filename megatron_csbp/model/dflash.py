@@ -562,9 +562,6 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.objectives import build_objective
 
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("--objective dflash: --pipeline-model-parallel-size must be 1 (the drafter is not split "
-                         "into pipeline stages)")
     data = FeatureDataset(a.features_path)
     n_eval = a.eval_sequences
     splits = (FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval))
@@ -595,6 +592,9 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
         if missing or unexpected:
             raise ValueError(f"--load {load}: {WEIGHTS_FILE} does not fit the drafter (missing {missing}, "
                              f"unexpected {unexpected})")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f" loaded drafter weights {os.path.join(load, WEIGHTS_FILE)} (an import or an older dflash train "
+                  "--save: weights only, iteration 0, fresh optimizer)", flush=True)
     save = a.dflash_drafter_save
     if save and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         os.makedirs(save, exist_ok=True)

@@ -236,6 +236,12 @@ class DFlashObjective(Objective):
             args.tokenizer_type, args.vocab_size = "NullTokenizer", args.vocab_size or 1 << 20
             return
         cls.validate(args)  # the objective's own rules first (they read no file)
+        for dest, why in (("tensor_model_parallel_size", "the projection over the context is not split"),
+                          ("pipeline_model_parallel_size", "the drafter is not split into pipeline stages")):
+            if getattr(args, dest, 1) != 1:
+                raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} must be 1 ({why})")
+        if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+            raise ValueError("--objective dflash trains the drafter in float32: drop --bf16 / --fp16")
         defaults = build_parser()
         try:
             meta = FeatureDataset(path).meta
