@@ -1,29 +1,15 @@
 """`python -m megatron_csbp.dflash {prepare-features,train,export,evaluate}`: DFlash drafters.
 
-- `prepare-features`: runs a verifier (`--hf-path` Hugging Face checkpoint, or `--load` a Megatron
-  checkpoint this project converted or trained) over an indexed dataset (`--data-path PREFIX`,
-  documents packed into `--seq-length` sequences) and writes, per shard of `--shard-size`
-  sequences, memory-mapped `features.npy` [n, L, len(target_layer_ids) * hidden] (the verifier's
-  hidden states after the listed decoder layers, 0-based, concatenated), `tokens.npy`,
-  `loss_mask.npy` and `doc_ids.npy`. The verifier runs each document of a packed sequence on its
-  own, from position 0, as it does when decoding. A shard is written under a temporary name and
-  renamed when complete: rerunning the command resumes after the last complete shard. Under
-  torchrun the verifier is tensor-parallel over `--tensor-model-parallel-size` ranks (default: all)
-  with transformers' own TP plan; the remaining factor of the ranks captures disjoint shards.
+- `prepare-features`: the verifier's hidden states at `--target-layer-ids` over an indexed dataset,
+  each document run on its own, in resumable memory-mapped shards; under torchrun the verifier is
+  tensor-parallel with transformers' TP plan (data/features.py).
 - `train`: `python -m megatron_csbp.train --objective dflash` (the `Trainer`) with this command's
-  older defaults: a `muse_glimmer_assistant` drafter (megatron_csbp.model.dflash) on those
-  features under any of single / CP / BP / CSBP; the verifier's embeddings and LM head are read
-  from `--verifier`, frozen.
+  older defaults; single / CP / BP / CSBP (model/dflash.py, objectives/dflash.py).
 - `export`: a drafter checkpoint (an import, or the trainer's newest torch_dist checkpoint) ->
   Hugging Face `MuseGlimmerAssistantModel` directory.
-- `evaluate`: transformers' own DFlash decoding (`generate(..., assistant_model=drafter)`,
-  `speculation_type="dflash"`) against the verifier alone on held-out documents: checks the greedy
-  outputs are identical and reports the mean tokens per verifier step and per drafting step (the
-  measured acceptance length), beside the training-time estimator on the same documents (the
-  verifier's greedy outputs, serving's anchors) and the bound docs/dflash.md derives between them.
-
-The library code lives in data/features.py (capture) and generation/speculative.py (evaluation);
-this module parses and dispatches.
+- `evaluate`: transformers' DFlash decoding against the verifier alone on held-out documents
+  (identical outputs, tokens per verifier and drafting step) beside the training-time estimator
+  and the bound docs/dflash.md derives (generation/speculative.py).
 """
 from __future__ import annotations
 

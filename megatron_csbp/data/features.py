@@ -204,7 +204,9 @@ def _feature_plan(a, meta: Dict, n: int) -> Dict:
 
 
 def prepare_features(a) -> Dict:
-    """Capture the verifier's features into --output (see the module docstring).
+    """Capture the verifier's features into --output (docs/dflash.md): each document of a packed
+    sequence run on its own from position 0; a shard written under a temporary name and renamed
+    when complete, so a rerun resumes after the last complete shard.
 
     Under torchrun with W ranks and --tensor-model-parallel-size T (default W): W / T data-parallel
     copies of the verifier, each tensor-parallel over T consecutive ranks (transformers' TP plan).

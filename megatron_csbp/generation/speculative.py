@@ -1,5 +1,5 @@
 """A DFlash drafter's acceptance: the training-time estimate on held-out captured sequences
-(`training_acceptance`), transformers' DFlash decoding against the verifier alone (`evaluate`,
+(`training_estimate`), transformers' DFlash decoding against the verifier alone (`evaluate`,
 `evaluate_cli`: `python -m megatron_csbp.dflash evaluate`), and the training-time estimator at
 serving's anchors with the bound docs/dflash.md derives (`serving_estimate`)."""
 from __future__ import annotations
@@ -11,29 +11,6 @@ import numpy as np
 import torch
 
 from megatron_csbp.data.features import FeatureDataset, capture_sequence, load_verifier
-
-
-@torch.no_grad()
-def training_acceptance(model, data, first: int, shard_group=None):
-    """The drafter's training-time acceptance on the held-out sequences data[first:]: per-offset
-    accuracy and expected acceptance length (`objectives.dflash.acceptance_from_counts`) over the
-    objective's anchors of each sequence (the training forward, this layout; counts summed over the
-    shard group; every data-parallel replica evaluates all of them)."""
-    import torch.distributed as dist
-
-    from megatron_csbp.objectives.dflash import acceptance_from_counts
-
-    counts = None
-    for index in range(first, len(data)):
-        item = data[index]
-        out = model(item["features"], torch.from_numpy(item["tokens"].astype(np.int64)),
-                    torch.from_numpy(item["loss_mask"].astype(np.int64)),
-                    torch.from_numpy(item["doc_ids"].astype(np.int64)), sample_index=index, with_acceptance=True)
-        c = out.metrics["acceptance_counts"]
-        counts = c if counts is None else counts + c
-    if shard_group is not None and dist.get_world_size(shard_group) > 1:
-        dist.all_reduce(counts, group=shard_group)
-    return acceptance_from_counts(counts)
 
 
 @torch.no_grad()
@@ -104,26 +81,33 @@ def evaluate_cli(a) -> Dict:
     return result
 
 
+@torch.no_grad()
 def training_estimate(a, verifier, hf_drafter) -> Dict:
     """The training-time per-offset accuracy and expected acceptance length of the Hugging Face
     drafter on the held-out captured sequences (the last --eval-sequences): imported into the
-    Megatron drafter and run by the training forward (one rank), the objective's anchors, the
-    data's tokens as targets (see docs/dflash.md for why it differs from the measured length)."""
+    Megatron drafter and evaluated as the trainer evaluates (`TrainableDrafter`, one rank), the
+    objective's anchors, the data's tokens as targets (docs/dflash.md: why it differs from the
+    measured length)."""
     from megatron_csbp.conversion.checkpoint import single_process_megatron
+    from megatron_csbp.data.features import FeatureSplit
     from megatron_csbp.layout.dflash import DFlashLayout
-    from megatron_csbp.model.dflash import DFlashTrainingModel
+    from megatron_csbp.model.dflash import DFlashTrainingModel, TrainableDrafter
     from megatron_csbp.objectives.dflash import DFlashObjective
 
-    data = FeatureDataset(a.features_path)
+    data, n = FeatureDataset(a.features_path), a.eval_sequences
     with single_process_megatron():
         drafter, shape = _import_drafter(hf_drafter)
-        objective = DFlashObjective(shape.block_size, shape.mask_token_id)
-        L = data.meta["seq_length"]
-        model = DFlashTrainingModel(drafter, verifier.get_input_embeddings().weight.detach().float(),
-                                    verifier.get_output_embeddings().weight.detach().float(), objective,
-                                    DFlashLayout(L, shape.block_size))
-        acc, tau = training_acceptance(model, data, len(data) - a.eval_sequences)
-    return {"training_acceptance_per_offset": acc, "training_expected_acceptance_length": tau}
+        held_out = DFlashObjective(shape.block_size, shape.mask_token_id).for_evaluation()
+        model = TrainableDrafter(drafter.config, DFlashTrainingModel(
+            drafter, verifier.get_input_embeddings().weight.detach().float(),
+            verifier.get_output_embeddings().weight.detach().float(), held_out,
+            DFlashLayout(data.meta["seq_length"], shape.block_size)), (None, FeatureSplit(data, len(data) - n, n)))
+        for i in range(n):
+            item = model.splits[1][i]
+            model(item["tokens"][None], item["loss_mask"][None], [i], 1.0, item["document_ids"][None])
+        metrics = model.eval_metrics()
+    return {"training_acceptance_per_offset": metrics["eval_acceptance_per_offset"],
+            "training_expected_acceptance_length": metrics["eval_expected_acceptance_length"]}
 
 
 def _import_drafter(hf_drafter):

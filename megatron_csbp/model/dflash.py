@@ -489,10 +489,6 @@ class TrainableDrafter(torch.nn.Module):
         return self
 
     @property
-    def drafter(self) -> DFlashDrafter:
-        return self.model.drafter
-
-    @property
     def gpt(self) -> DFlashDrafter:
         """The module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)."""
         return self.model.drafter
@@ -558,16 +554,13 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     from megatron.core import parallel_state as mpu
 
     from megatron_csbp import parallel_state as bps
-    from megatron_csbp.data.features import FeatureDataset, FeatureSplit
+    from megatron_csbp.data.features import FeatureDataset, FeatureSplit, load_verifier
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.objectives import build_objective
 
-    data = FeatureDataset(a.features_path)
-    n_eval = a.eval_sequences
+    data, n_eval = FeatureDataset(a.features_path), a.eval_sequences
     splits = (FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval))
-    from transformers import AutoModelForCausalLM
-
-    verifier = AutoModelForCausalLM.from_pretrained(a.verifier, dtype=torch.float32)
+    verifier = load_verifier(a.verifier)
     embedding = verifier.get_input_embeddings().weight.detach().float().clone()
     head = verifier.get_output_embeddings().weight.detach().float().clone()
     del verifier
@@ -576,8 +569,8 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     shape = DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()) if load else \
         drafter_shape_from_args(a, data.meta["hidden_size"])
     if shape.hidden_size != data.meta["hidden_size"]:
-        raise ValueError(f"--load {load}: the drafter's hidden size {shape.hidden_size} differs from the verifier's "
-                         f"{data.meta['hidden_size']} (the captured features')")
+        raise ValueError(f"--load {load}: the drafter's hidden size {shape.hidden_size} differs from the features' "
+                         f"{data.meta['hidden_size']}")
     # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
     config = drafter_transformer_config(shape, perform_initialization=True, init_method_std=a.init_method_std,
                                         calculate_per_token_loss=True)
@@ -586,12 +579,9 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     torch.manual_seed(a.seed)
     drafter = DFlashDrafter(shape, config)
     if load and os.path.isfile(os.path.join(load, WEIGHTS_FILE)):  # imported / an older dflash train --save
-        state = torch.load(os.path.join(load, WEIGHTS_FILE), map_location="cpu")
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"--load {load}: {WEIGHTS_FILE} does not fit the drafter (missing {missing}, "
-                             f"unexpected {unexpected})")
+        from megatron_csbp.dflash import load_drafter
+
+        drafter.load_state_dict(drafter_state(load_drafter(load)), strict=False)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f" loaded drafter weights {os.path.join(load, WEIGHTS_FILE)} (an import or an older dflash train "
                   "--save: weights only, iteration 0, fresh optimizer)", flush=True)

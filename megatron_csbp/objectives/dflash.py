@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_csbp.objectives.base import Objective, sample_generator
-from megatron_csbp.objectives.flags import Flag, add_flags, check_choice
+from megatron_csbp.objectives.flags import Flag, check_choice
 from megatron_csbp.objectives.registry import register_objective
 
 ANCHOR_SAMPLING = ("uniform", "locality")
@@ -118,27 +118,23 @@ KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0))
 VOCAB_CHUNK = Flag("--dflash-vocab-chunk", dict(type=int, default=8192, help="LM-head rows per streamed chunk"))
 
 
-FEATURES_PATH = Flag("--features-path", dict(default=None, help="dflash: captured verifier features "
-                                                                  "(python -m megatron_csbp.dflash prepare-features)"))
+FEATURES_PATH = Flag("--features-path", dict(default=None, help="dflash: captured verifier features"))
 VERIFIER = Flag("--verifier", dict(default=None, help="dflash: Hugging Face verifier (embeddings and LM head, frozen)"))
 TARGET_LAYER_IDS = Flag("--target-layer-ids", dict(type=int, nargs="+", default=None,
                                                    help="dflash: the verifier layers captured (default: the features')"))
 LAYER_TYPE = Flag("--layer-type", dict(choices=("full_attention", "sliding_attention"), default="full_attention",
                                        help="dflash: the drafter's attention"))
 SLIDING_WINDOW = Flag("--sliding-window", dict(type=int, default=2048, help="dflash: with --layer-type sliding_attention"))
-EVAL_SEQUENCES = Flag("--eval-sequences", dict(type=int, default=0,
-                                               help="dflash: the last N captured sequences are held out (evaluation)"))
-#: set by `prepare_args` (not a user flag): the --load folder holding an imported / old-format drafter
+EVAL_SEQUENCES = Flag("--eval-sequences", dict(type=int, default=0, help="dflash: the last N captured sequences "
+                                                                          "are held out"))
+#: set by `prepare_args` (no user flags): the --load drafter (its shape file), and --save, where the
+#: drafter's shape and verifier record are written
 DRAFTER_LOAD = Flag("--dflash-drafter-load", dict(default=None, help=argparse.SUPPRESS))
-#: set by `prepare_args`: --save, where the drafter's shape and verifier record are written
 DRAFTER_SAVE = Flag("--dflash-drafter-save", dict(default=None, help=argparse.SUPPRESS))
 
-#: trainer flags that a loaded drafter's shape decides: (flag dest, DrafterShape field)
-LOADED_FIELDS = (("block_size", "block_size"), ("mask_token_id", "mask_token_id"),
-                 ("target_layer_ids", "target_layer_ids"), ("num_layers", "num_layers"),
-                 ("num_attention_heads", "num_attention_heads"), ("num_query_groups", "num_query_groups"),
-                 ("kv_channels", "kv_channels"), ("ffn_hidden_size", "ffn_hidden_size"),
-                 ("rotary_base", "rotary_base"), ("sliding_window", "sliding_window"), ("hidden_size", "hidden_size"))
+#: trainer flags (dests) that a loaded drafter's shape decides (DrafterShape fields of the same names)
+LOADED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_layers", "num_attention_heads",
+                 "num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "sliding_window", "hidden_size")
 SHAPE_FILE = "megatron_csbp_drafter.json"  # model.dflash.SHAPE_FILE (objectives do not import the model)
 
 
@@ -182,10 +178,6 @@ class DFlashObjective(Objective):
             raise ValueError(f"--dflash-dpace-alpha must be in [0, 1], got {dpace_alpha}")
         if vocab_chunk < 1:
             raise ValueError(f"--dflash-vocab-chunk must be >= 1, got {vocab_chunk}")
-
-    @classmethod
-    def add_args(cls, parser, added=None) -> None:
-        add_flags(parser.add_argument_group("dflash objective"), cls.flags, added)
 
     @classmethod
     def validate(cls, args) -> None:
@@ -259,22 +251,20 @@ class DFlashObjective(Objective):
         load = getattr(args, "load", None)
         if load and os.path.isfile(os.path.join(load, SHAPE_FILE)):
             shape = json.load(open(os.path.join(load, SHAPE_FILE)))
-            for dest, name in LOADED_FIELDS:
-                given, value = getattr(args, dest), shape[name]
+            for dest in LOADED_FIELDS:
+                given, value = getattr(args, dest), shape[dest]
                 if given is not None and given != defaults.get_default(dest) and given != value:
-                    raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {name} "
-                                     f"{value}")
+                    raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {value}")
                 setattr(args, dest, value)
             args.dflash_drafter_load = load
         elif load and os.path.isfile(os.path.join(load, "drafter.pt")):
             raise ValueError(f"--load {load}: drafter.pt without {SHAPE_FILE}: not a drafter this project wrote")
         if args.mask_token_id is None:
             raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
-        if EVAL_SEQUENCES.value(args) < 0 or EVAL_SEQUENCES.value(args) >= meta["num_sequences"]:
-            raise ValueError(f"--eval-sequences {EVAL_SEQUENCES.value(args)} must be in [0, {meta['num_sequences']}) "
-                             "(the captured sequences)")
-        args.dflash_drafter_save = getattr(args, "save", None)
         n_eval = EVAL_SEQUENCES.value(args)
+        if not 0 <= n_eval < meta["num_sequences"]:
+            raise ValueError(f"--eval-sequences {n_eval} must be in [0, {meta['num_sequences']}) (the captured sequences)")
+        args.dflash_drafter_save = getattr(args, "save", None)
         if n_eval and args.eval_interval is None and args.train_iters:  # evaluate after the last step
             args.eval_interval = args.train_iters
         if n_eval and args.eval_iters is None:  # batches that cover the held-out sequences
