@@ -105,7 +105,7 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
         for i in range(n):
             item = model.splits[1][i]
             model(item["tokens"][None], item["loss_mask"][None], [i], 1.0, item["document_ids"][None])
-        metrics = model.eval_metrics()
+        metrics = model.eval_metrics(log=None)
     return {"training_acceptance_per_offset": metrics["eval_acceptance_per_offset"],
             "training_expected_acceptance_length": metrics["eval_expected_acceptance_length"]}
 

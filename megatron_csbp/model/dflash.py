@@ -518,10 +518,10 @@ class TrainableDrafter(torch.nn.Module):
         loss = total / denominator
         return SimpleNamespace(loss=loss, num_targets=torch.tensor(tokens.shape[0]))
 
-    def eval_metrics(self) -> Dict:
+    def eval_metrics(self, log=print) -> Dict:
         """Collective, after the trainer's evaluation: the per-offset accuracy and expected acceptance
         length (`objectives.dflash.acceptance_from_counts`) of the held-out blocks, counts summed
-        over the shard group and data-parallel replicas; printed by rank 0."""
+        over the shard group and data-parallel replicas; rank 0 `log`s them."""
         from megatron.core import parallel_state as mpu
 
         from megatron_csbp.objectives.dflash import acceptance_from_counts
@@ -533,9 +533,9 @@ class TrainableDrafter(torch.nn.Module):
             counts = counts.to(self.model.embedding.device)
             dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
         acc, tau = acceptance_from_counts(counts.cpu())
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f" held-out acceptance | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected "
-                  f"acceptance length {tau:.3f}", flush=True)
+        if log is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            log(f" held-out acceptance | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected "
+                f"acceptance length {tau:.3f}")
         return {"eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

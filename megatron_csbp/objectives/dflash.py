@@ -246,8 +246,6 @@ class DFlashObjective(Objective):
         if args.target_layer_ids not in (None, layers):
             raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the captured features' {layers}")
         args.target_layer_ids, args.hidden_size = layers, meta["hidden_size"]
-        if args.ffn_hidden_size is None:
-            args.ffn_hidden_size = 2 * args.hidden_size  # the drafter's default (not the GPT's)
         load = getattr(args, "load", None)
         if load and os.path.isfile(os.path.join(load, SHAPE_FILE)):
             shape = json.load(open(os.path.join(load, SHAPE_FILE)))
@@ -259,6 +257,8 @@ class DFlashObjective(Objective):
             args.dflash_drafter_load = load
         elif load and os.path.isfile(os.path.join(load, "drafter.pt")):
             raise ValueError(f"--load {load}: drafter.pt without {SHAPE_FILE}: not a drafter this project wrote")
+        if args.ffn_hidden_size is None:
+            args.ffn_hidden_size = 2 * args.hidden_size  # the drafter's default (not the GPT's)
         if args.mask_token_id is None:
             raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
         n_eval = EVAL_SEQUENCES.value(args)
