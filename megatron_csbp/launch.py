@@ -261,11 +261,6 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
     def fail(message):
         raise RecipeError(f"recipe {name} ({nnodes} node(s) x {nproc}): {message}")
 
-    from megatron_csbp.objectives.registry import registered_objectives
-
-    objective = registered_objectives().get(recipe.get("objective", {}).get("objective") or "")
-    if objective is not None and objective.own_trainer is not None:
-        return _check_own_trainer_recipe(recipe, name, world, fail, objective)
     parser = build_parser()
     parser.error = fail  # argparse's messages name the flag ("argument --objective: invalid choice ...")
     actions = {opt: a for a in parser._actions for opt in a.option_strings}
@@ -298,24 +293,6 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
     return "\n".join(lines)
 
 
-def _check_own_trainer_recipe(recipe: Dict, name: str, world: int, fail, objective) -> str:
-    """An objective with a trainer of its own (`--objective dflash`: `python -m megatron_csbp.dflash
-    train`) gets every flag: that trainer's parser, its argument rules and topology for the recipe's
-    world size (`Objective.check_trainer_args`; the rules that read files run at launch)."""
-    parser = objective.trainer_parser()
-    parser.error = fail
-    known = {opt for a in parser._actions for opt in a.option_strings}
-    unknown = [flag for flag, _ in recipe_flag_groups(recipe) if flag not in known]
-    if unknown:
-        fail(f"flags that {objective.own_trainer} does not take: {' '.join(unknown)}")
-    args = parser.parse_args(recipe_flags(recipe))
-    try:
-        report = objective.check_trainer_args(args, world)
-    except ValueError as e:
-        fail(str(e))
-    return f"recipe {name}: OK for {world} ranks: {report}"
-
-
 def launch_sizes(recipe: Dict, nnodes: Optional[int], nproc: Optional[int]) -> Tuple[int, int]:
     lc = recipe["launch"]
     return int(nnodes or lc.get("nnodes") or 1), int(nproc or lc.get("nproc_per_node") or 1)
@@ -343,19 +320,12 @@ def requeue_safe(recipe: Dict) -> Tuple[Dict, List[str]]:
     checkpoint (a `--load` that holds none yet starts from scratch, as Megatron-LM does), and
     `--exit-signal-handler` is added, so the SIGTERM of a preemption or of the time limit saves the
     iteration reached before the job ends. Returns (the recipe, notes on what a requeue does).
-    A `--load` the recipe sets (a converted model to start from) is kept; an objective that trains
-    in a loop of its own (dflash) is left as it is."""
+    A `--load` the recipe sets (a converted model to start from) is kept."""
     import copy
 
     save = _flag(recipe, "save")
     if not save:
         return recipe, [f"recipe {recipe['name']} sets no --save: a requeued job starts again from iteration 0"]
-    from megatron_csbp.objectives.registry import registered_objectives
-
-    objective = registered_objectives().get(str(_flag(recipe, "objective") or ""))
-    if objective is not None and objective.own_trainer is not None:
-        return recipe, [f"--objective {_flag(recipe, 'objective')} trains in {objective.own_trainer}, which saves "
-                        "once at the end: a requeued job starts again"]
     recipe, notes = copy.deepcopy(recipe), []
     load = _flag(recipe, "load")
     if load is None:

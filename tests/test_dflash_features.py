@@ -31,7 +31,8 @@ def _indexed(prefix, docs):
 def test_prepare_features_exact_and_resumable(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_csbp.dflash import FeatureDataset, main
+    from megatron_csbp.data.features import FeatureDataset
+    from megatron_csbp.dflash import main
 
     verifier, prefix, out = str(tmp_path / "v"), str(tmp_path / "data"), str(tmp_path / "feat")
     _tiny_verifier(verifier)
@@ -78,7 +79,7 @@ def test_cli_refusals(tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--features-path", "x", "--verifier", "v", "--mask-token-id", "4", "--block-size", "1"])
     with pytest.raises(FileNotFoundError, match="prepare-features"):
-        from megatron_csbp.dflash import FeatureDataset
+        from megatron_csbp.data.features import FeatureDataset
         FeatureDataset(str(tmp_path))
 
 
@@ -153,7 +154,8 @@ def test_prepare_features_tensor_parallel_verifier(tmp_path):
     the two; measured 2.6e-7 to 3.0e-7 (docs/dflash.md). Everything else (tokens, doc ids, loss mask, the
     shard list) must be identical, and TP = 1 data-parallel copies bit-identical."""
     from megatron_csbp.conversion.tiny import save_tiny_model
-    from megatron_csbp.dflash import FeatureDataset, main
+    from megatron_csbp.data.features import FeatureDataset
+    from megatron_csbp.dflash import main
     from tests.distributed import run_distributed
 
     root = str(tmp_path)
@@ -202,7 +204,8 @@ def _indexed128(prefix, docs):
 
 def test_tensor_parallel_size_refusals(monkeypatch, tmp_path):
     from megatron_csbp.conversion.tiny import save_tiny_model, tiny_config
-    from megatron_csbp.dflash import check_verifier_tensor_parallel, main
+    from megatron_csbp.data.features import check_verifier_tensor_parallel
+    from megatron_csbp.dflash import main
 
     cfg = tiny_config("qwen3")  # 4 query heads, 2 key/value heads
     check_verifier_tensor_parallel(2, 4, cfg)

@@ -28,6 +28,9 @@ LAYERS = [
     ("layout plans", ["megatron_csbp.layout.feed", "megatron_csbp.layout.dflash"]),
     ("data", ["megatron_csbp.data"]),
     ("objectives", ["megatron_csbp.objectives"]),
+    # every option declared once (name, type, default, help, rule, where it goes): the parser,
+    # TrainerConfig, the model builder, the families' printed flags and the Megatron-LM hooks read it
+    ("config", ["megatron_csbp.config"]),
     ("model", ["megatron_csbp.model"]),
     ("checkpoint", ["megatron_csbp.checkpoint"]),
     ("training", ["megatron_csbp.training", "megatron_csbp.megatron_lm"]),
@@ -56,9 +59,6 @@ RULES = [
 
 #: (importer module, imported module): why it is still there and what removes it
 ALLOWED = {
-    ("megatron_csbp.conversion.drafter", "megatron_csbp.dflash"):
-        "megatron_to_hf_drafter reads the drafter with the dflash app's load_drafter (up the order, and a "
-        "circle with dflash's export); branch r33-ckpt moves load_drafter to checkpoint/drafter.py",
 }
 
 

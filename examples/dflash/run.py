@@ -61,7 +61,7 @@ def train_verifier(path: str, prefix: str, steps: int, seq: int = 128, batch: in
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from megatron_csbp.data.tokenizer import SentencePieceTokenizer
-    from megatron_csbp.dflash import pack_documents
+    from megatron_csbp.data.features import pack_documents
 
     tok = SentencePieceTokenizer()
     tokens, _ = pack_documents(prefix, seq, tok.eod)
@@ -168,7 +168,8 @@ def main(argv=None):
         "--ffn-hidden-size", "192", "--block-size", "8", "--mask-token-id", "4",
         "--context-parallel-size", "2", "--block-parallel-size", "2", "--train-iters", str(a.drafter_steps),
         "--micro-batch-size", "2", "--lr", "3e-3", "--lr-warmup-iters", "20", "--dflash-max-anchors", "64",
-        "--log-interval", "10", "--eval-sequences", str(a.eval_sequences), "--save", drafter, world=2)
+        "--log-interval", "10", "--eval-sequences", str(a.eval_sequences), "--save", drafter,
+        "--log-json", os.path.join(drafter, "log.jsonl"), world=2)
     hf_drafter = os.path.join(w, "drafter_hf")
     run("megatron_csbp.dflash", "export", "--load", drafter, "--output", hf_drafter)
     out = os.path.join(w, "evaluate.json")
@@ -181,7 +182,8 @@ def main(argv=None):
     print("$", " ".join(cmd[1:]), flush=True)
     result = json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout)
     report["evaluate"] = result
-    report["drafter_history"] = json.load(open(os.path.join(drafter, "history.json")))[-1]
+    last = [json.loads(line) for line in open(os.path.join(drafter, "log.jsonl"))][-1]  # the trainer's --log-json
+    report["drafter_history"] = dict(last, step=last["iteration"])
     json.dump(report, open(out, "w"), indent=1)
     print(json.dumps(report, indent=1))
     return report

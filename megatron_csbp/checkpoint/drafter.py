@@ -1,15 +1,15 @@
-"""The DFlash drafter's checkpoint (`python -m megatron_csbp.dflash train --save`, `convert
-hf-to-megatron` of a drafter): a folder with `drafter.pt` (the `model.dflash.DFlashDrafter` state
-dict) and `megatron_csbp_drafter.json` (its `DrafterShape`); no optimizer state, one process."""
+"""The DFlash drafter's checkpoints: a folder with `megatron_csbp_drafter.json` (its `DrafterShape`)
+and either the trainer's torch_dist checkpoints (`python -m megatron_csbp.train --objective dflash
+--save`) or `drafter.pt` (the `model.dflash.DFlashDrafter` state dict: `convert hf-to-megatron` of a
+drafter, or an older `dflash train --save`; no optimizer state, one process)."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from megatron_csbp.model.dflash import SHAPE_FILE, DrafterShape
-
-WEIGHTS_FILE = "drafter.pt"
+from megatron_csbp.checkpoint.files import checkpoint_path, read_tracker
+from megatron_csbp.model.dflash import SHAPE_FILE, WEIGHTS_FILE, DrafterShape
 
 
 def is_drafter_checkpoint(load: str) -> bool:
@@ -40,3 +40,32 @@ def load_drafter(path: str):
     if missing or unexpected:
         raise RuntimeError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def load_trained_drafter(load: str):
+    """The drafter of the newest torch_dist checkpoint `python -m megatron_csbp.train --objective
+    dflash --save` wrote in `load` (with its `megatron_csbp_drafter.json`), on one process."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from megatron_csbp.model.dflash import DFlashDrafter
+
+    if not os.path.isfile(os.path.join(load, SHAPE_FILE)):
+        raise ValueError(f"--load {load}: no {SHAPE_FILE} (not a drafter checkpoint)")
+    step = read_tracker(load)
+    if step is None:
+        raise ValueError(f"--load {load}: neither {WEIGHTS_FILE} nor a training checkpoint")
+    model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()))
+    wanted = sharded_state_dict_default(model, "")
+    state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"drafter checkpoint {load}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def read_drafter(load: str):
+    """The drafter of `load` on one process: its `drafter.pt` when it has one, else its newest
+    torch_dist checkpoint."""
+    return load_drafter(load) if os.path.isfile(os.path.join(load, WEIGHTS_FILE)) else load_trained_drafter(load)

@@ -3,10 +3,11 @@
     python -m megatron_csbp.convert hf-to-megatron --hf-path DRAFTER_HF --output DRAFTER
     python -m megatron_csbp.convert megatron-to-hf --load DRAFTER --output DRAFTER_HF
 
-A drafter is not a GPT model of the family registry: the Megatron side is `model.dflash.DFlashDrafter`
-and its checkpoint is the one `python -m megatron_csbp.dflash train --save` writes
-(`drafter.pt`: the drafter's state dict; `megatron_csbp_drafter.json`: its `DrafterShape`), so an
-imported drafter continues training with `dflash train --load DRAFTER`. Every config field maps
+A drafter is not a GPT model of the family registry: the Megatron side is `model.dflash.DFlashDrafter`;
+an import is `drafter.pt` (the drafter's state dict) + `megatron_csbp_drafter.json` (its
+`DrafterShape`), which `python -m megatron_csbp.train --objective dflash --load DRAFTER` starts
+from; that trainer's `--save` holds torch_dist checkpoints beside the same shape file, exported
+from the newest one. Every config field maps
 (`DrafterShape.from_hf_config` / `hf_config`): sizes, `target_layer_ids`, `block_size`,
 `mask_token_id`, `sliding_window`, `layer_types`, `rms_norm_eps`, `rope_parameters` (scaled types
 through transformers' `ROPE_INIT_FUNCTIONS`), `max_position_embeddings`, bos/eos/pad ids; QK-norm is
@@ -27,21 +28,10 @@ from typing import Optional
 
 import torch
 
-from megatron_csbp.checkpoint.drafter import load_drafter, save_drafter
-from megatron_csbp.model.dflash import HF_MODEL_TYPE, DrafterShape
+from megatron_csbp.checkpoint.drafter import read_drafter, save_drafter
+from megatron_csbp.model.dflash import HF_MODEL_TYPE, VERIFIER_FILE, DrafterShape, record_verifier  # noqa: F401
 
-#: `dflash train --save`: the verifier the drafter was trained against (its tokenizer is the drafter's)
-VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 ASSETS_DIR = "hf_assets"
-
-
-def record_verifier(save: str, verifier: str) -> None:
-    """Write `VERIFIER_FILE` into the drafter checkpoint `save` (rank 0)."""
-    from megatron_csbp.data.tokenizer import tokenizer_record
-
-    record = {"verifier": os.path.abspath(verifier), **tokenizer_record("HuggingFaceTokenizer", verifier)}
-    with open(os.path.join(save, VERIFIER_FILE), "w") as f:
-        json.dump(record, f, indent=1)
 
 
 def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[str] = None) -> str:
@@ -117,7 +107,7 @@ def megatron_to_hf_drafter(load: str, output: str, dtype=None, tokenizer_model: 
     from megatron_csbp.model.families import DTYPES
 
     with single_process_megatron():
-        model = load_drafter(load)
+        model = read_drafter(load)
         export_hf_drafter(model, output, DTYPES[dtype] if dtype else torch.float32)
     line = export_drafter_tokenizer(load, output, tokenizer_model)
     if log is not None:

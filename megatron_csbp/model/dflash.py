@@ -33,6 +33,10 @@ import torch.nn.functional as F
 
 HF_MODEL_TYPE = "muse_glimmer_assistant"
 SHAPE_FILE = "megatron_csbp_drafter.json"
+#: an imported drafter's weights (`convert hf-to-megatron`; older `dflash train --save` folders too)
+WEIGHTS_FILE = "drafter.pt"
+#: the verifier the drafter was trained against (its tokenizer is the drafter's)
+VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -437,3 +441,104 @@ class DFlashTrainingModel(torch.nn.Module):
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)
+
+
+def record_verifier(save: str, verifier: str) -> None:
+    """Write `VERIFIER_FILE` into the drafter checkpoint `save` (rank 0)."""
+    import os
+
+    from megatron_csbp.data.tokenizer import tokenizer_record
+
+    record = {"verifier": os.path.abspath(verifier), **tokenizer_record("HuggingFaceTokenizer", verifier)}
+    with open(os.path.join(save, VERIFIER_FILE), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+# ---- the trainer's model ---------------------------------------------------------------------------
+
+def drafter_shape_from_args(a, hidden: int) -> DrafterShape:
+    """The drafter the flags describe (`a`: ModelArgs carrying the dflash objective's flags)."""
+    heads = a.num_attention_heads
+    return DrafterShape(hidden_size=hidden, num_layers=a.num_layers, num_attention_heads=heads,
+                        num_query_groups=a.num_query_groups or heads, kv_channels=a.kv_channels or hidden // heads,
+                        ffn_hidden_size=a.ffn_hidden_size or 2 * hidden, target_layer_ids=list(a.target_layer_ids),
+                        block_size=a.block_size, mask_token_id=a.mask_token_id, rotary_base=float(a.rotary_base),
+                        layer_types=[a.layer_type] * a.num_layers, sliding_window=a.sliding_window,
+                        max_position_embeddings=max(a.seq_length, 4096))
+
+
+class TrainableDrafter(torch.nn.Module):
+    """A `DFlashTrainingModel` as the `Trainer` drives a model chunk: `forward(tokens, loss_mask,
+    sample_index, denominator, document_ids)` over a micro-batch [b, L] (each sequence's features
+    read from the captured features at its split's index), returning the micro-batch's share of the
+    global loss (each sequence's weighted mean over the global count of sequences); `bdlm` is
+    itself (the objective, `supervised`). Checkpoints hold the drafter's weights under their own
+    names (`sharded_state_dict`), replicated over every rank."""
+
+    def __init__(self, config, training_model: "DFlashTrainingModel", splits):
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config, self.model, self.splits = config, training_model, splits
+        self.objective = training_model.objective
+        self.model_type = ModelType.encoder_or_decoder
+        self._counts = None  # acceptance counts of the evaluation under way
+
+    @property
+    def bdlm(self):
+        return self
+
+    @property
+    def gpt(self) -> DFlashDrafter:
+        """The module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)."""
+        return self.model.drafter
+
+    def supervised(self, tokens, loss_mask):
+        return loss_mask
+
+    def set_input_tensor(self, input_tensor):
+        pass
+
+    def forward(self, tokens, loss_mask, sample_index, denominator, document_ids=None):
+        from types import SimpleNamespace
+
+        held_out = self.objective.held_out
+        split = self.splits[1 if held_out else 0]
+        self.model.objective = self.objective  # the trainer swaps in the held-out objective to evaluate
+        total = 0.0
+        for i in range(tokens.shape[0]):
+            index = split.data_index(int(sample_index[i]))
+            out = self.model(split.data[index]["features"], tokens[i].cpu(), loss_mask[i].cpu(),
+                             None if document_ids is None else document_ids[i].cpu(), sample_index=index,
+                             with_acceptance=held_out)
+            total = total + out.loss
+            if held_out:  # training-time acceptance of the held-out sequences (`eval_metrics`)
+                c = out.metrics["acceptance_counts"]
+                self._counts = c if self._counts is None else self._counts + c
+        loss = total / denominator
+        return SimpleNamespace(loss=loss, num_targets=torch.tensor(tokens.shape[0]))
+
+    def eval_metrics(self, log=print) -> Dict:
+        """Collective, after the trainer's evaluation: the per-offset accuracy and expected acceptance
+        length (`objectives.dflash.acceptance_from_counts`) of the held-out blocks, counts summed
+        over the shard group and data-parallel replicas; rank 0 `log`s them."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_csbp.objectives.dflash import acceptance_from_counts
+
+        counts, self._counts = self._counts, None
+        if counts is None:
+            return {}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            counts = counts.to(self.model.embedding.device)
+            dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        acc, tau = acceptance_from_counts(counts.cpu())
+        if log is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            log(f" held-out acceptance | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected "
+                f"acceptance length {tau:.3f}")
+        return {"eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        return sharded_state_dict_default(self.model.drafter, prefix, sharded_offsets, metadata)

@@ -6,7 +6,7 @@ same noise for the same sample, so the loss does not depend on the parallel layo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Set, Tuple
+from typing import Optional, Set, Tuple
 
 import torch
 
@@ -45,9 +45,8 @@ class Objective:
       trains (`model_wrapper`) and what evaluation uses (`for_evaluation`);
     - its data (`build_datasets`: mock / pretraining tokens / SFT pairs, or its own, e.g. DFlash
       features) and FLOPs terms (`attention_pairs`, `rows_per_sample`);
-    - where it trains: `python -m megatron_csbp.train` (default), or its own trainer
-      (`own_trainer`, `trainer_module`: its `trainer_parser`, `check_trainer_args`, `run_trainer`), and whether the
-      Megatron-LM hooks can train it (`megatron_lm_refusal`).
+    - its model when not a GPT (`model_builder`), and whether the Megatron-LM hooks can train it
+      (`megatron_lm_refusal`).
 
     Subclasses implement `noise` (and `from_args`)."""
 
@@ -77,10 +76,9 @@ class Objective:
     mask_token_needed: Optional[str] = None
     #: an unset --mask-token-id takes the tokenizer's <mask>
     mask_from_tokenizer = False
-    #: the command of the objective's own trainer (None: `python -m megatron_csbp.train` trains it)
-    own_trainer: Optional[str] = None
-    #: the module that trainer lives in (`trainer_parser` / `check_trainer_args` / `run_trainer` below)
-    trainer_module: Optional[str] = None
+    #: "module:function" building this rank's model chunks from ModelArgs (None: the GPT of
+    #: `training.model.build_model`), e.g. the DFlash drafter (`training.drafter.build_drafter_chunks`)
+    model_builder: Optional[str] = None
     #: the model wrapper this objective trains, as "module:Class" (None: `model.bdlm.BlockDiffusionModel`);
     #: named, not imported, so that objectives never import the model package (`model.bdlm.wrapper_class`)
     model_wrapper: Optional[str] = None
@@ -94,6 +92,11 @@ class Objective:
     def add_args(cls, parser, added: Optional[Set[str]] = None) -> None:
         """Add this objective's flags to `parser` (an argument group), skipping names in `added`."""
         add_flags(parser, cls.flags, added)
+
+    @classmethod
+    def prepare_args(cls, args, check_only: bool = False) -> None:
+        """Before the trainer's rules: fill flags from the objective's own inputs (DFlash: the
+        captured features and the verifier)."""
 
     @classmethod
     def validate(cls, args) -> None:
@@ -159,27 +162,3 @@ class Objective:
         clean = int((hi - lo).clamp_min(0).sum())
         noisy_in_block = seq_length * block_size  # each noisy query sees its own block
         return clean + noisy_in_block
-
-    # ---- an objective with a trainer of its own ------------------------------------------------
-    # `trainer_module` names a module with `train_parser()`, `check_trainer_args(args, world_size)
-    # -> str` and `run_trainer(argv)`: named, not imported, so objectives never import a CLI.
-    @classmethod
-    def _trainer(cls):
-        if cls.trainer_module is None:
-            raise NotImplementedError(f"--objective {cls.name} trains in python -m megatron_csbp.train")
-        import importlib
-
-        return importlib.import_module(cls.trainer_module)
-
-    @classmethod
-    def trainer_parser(cls):
-        return cls._trainer().train_parser()
-
-    @classmethod
-    def check_trainer_args(cls, args, world_size: int) -> str:
-        """Rules of the own trainer's parsed flags for `world_size` ranks; returns a summary line."""
-        return cls._trainer().check_trainer_args(args, world_size)
-
-    @classmethod
-    def run_trainer(cls, argv: List[str]):
-        return cls._trainer().run_trainer(argv)

@@ -28,14 +28,18 @@ no [tokens, vocab] logits are ever held, forward or backward.
 """
 from __future__ import annotations
 
+import argparse
+import copy
+import os
 from dataclasses import dataclass
 from math import gcd
+import json
 from typing import Optional, Tuple
 
 import torch
 
 from megatron_csbp.objectives.base import Objective, sample_generator
-from megatron_csbp.objectives.flags import Flag, add_flags, check_choice
+from megatron_csbp.objectives.flags import Flag, check_choice
 from megatron_csbp.objectives.registry import register_objective
 
 ANCHOR_SAMPLING = ("uniform", "locality")
@@ -114,17 +118,40 @@ KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0))
 VOCAB_CHUNK = Flag("--dflash-vocab-chunk", dict(type=int, default=8192, help="LM-head rows per streamed chunk"))
 
 
+FEATURES_PATH = Flag("--features-path", dict(default=None, help="dflash: captured verifier features"))
+VERIFIER = Flag("--verifier", dict(default=None, help="dflash: Hugging Face verifier (embeddings and LM head, frozen)"))
+TARGET_LAYER_IDS = Flag("--target-layer-ids", dict(type=int, nargs="+", default=None,
+                                                   help="dflash: the verifier layers captured (default: the features')"))
+LAYER_TYPE = Flag("--layer-type", dict(choices=("full_attention", "sliding_attention"), default="full_attention",
+                                       help="dflash: the drafter's attention"))
+SLIDING_WINDOW = Flag("--sliding-window", dict(type=int, default=2048, help="dflash: with --layer-type sliding_attention"))
+EVAL_SEQUENCES = Flag("--eval-sequences", dict(type=int, default=0, help="dflash: the last N captured sequences "
+                                                                          "are held out"))
+#: set by `prepare_args` (no user flags): the --load drafter (its shape file), and --save, where the
+#: drafter's shape and verifier record are written
+DRAFTER_LOAD = Flag("--dflash-drafter-load", dict(default=None, help=argparse.SUPPRESS))
+DRAFTER_SAVE = Flag("--dflash-drafter-save", dict(default=None, help=argparse.SUPPRESS))
+
+#: trainer flags (dests) that a loaded drafter's shape decides (DrafterShape fields of the same names)
+LOADED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_layers", "num_attention_heads",
+                 "num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "sliding_window", "hidden_size")
+SHAPE_FILE = "megatron_csbp_drafter.json"  # model.dflash.SHAPE_FILE (objectives do not import the model)
+
+
 @register_objective("dflash")
 class DFlashObjective(Objective):
-    summary = ("a DFlash speculative drafter on captured verifier features (the flags of "
-               "`python -m megatron_csbp.dflash train`, which this hands over to; docs/dflash.md)")
+    summary = ("a DFlash speculative drafter on captured verifier features (--features-path, --verifier; "
+               "docs/dflash.md)")
     uses_noisy_stream = True
-    flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK)
+    flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK,
+             FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES, DRAFTER_LOAD,
+             DRAFTER_SAVE)
     mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
-    own_trainer = "python -m megatron_csbp.dflash train"
-    trainer_module = "megatron_csbp.dflash"
-    megatron_lm_refusal = ("runs in python -m megatron_csbp.dflash train (a drafter trained on captured verifier "
+    model_builder = "megatron_csbp.training.drafter:build_drafter_chunks"
+    megatron_lm_refusal = ("trains in python -m megatron_csbp.train (a drafter trained on captured verifier "
                            "features, not a GPT built from Megatron-LM flags)")
+    #: the held-out split (`for_evaluation`): the model reads features from the last --eval-sequences
+    held_out = False
 
     def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = 512, sampling: str = "uniform",
                  gamma: float = 7.0, loss: str = "ce", dpace_alpha: float = 0.5, kl_scale: float = 1.0,
@@ -153,10 +180,6 @@ class DFlashObjective(Objective):
             raise ValueError(f"--dflash-vocab-chunk must be >= 1, got {vocab_chunk}")
 
     @classmethod
-    def add_args(cls, parser, added=None) -> None:
-        add_flags(parser.add_argument_group("dflash objective"), cls.flags, added)
-
-    @classmethod
     def validate(cls, args) -> None:
         cls.check_options(args.block_size, MAX_ANCHORS.value(args), ANCHOR_SAMPLING_FLAG.value(args),
                           GAMMA.value(args), DFLASH_LOSS.value(args), DPACE_ALPHA.value(args), VOCAB_CHUNK.value(args))
@@ -169,12 +192,87 @@ class DFlashObjective(Objective):
 
     @classmethod
     def build_datasets(cls, args):
-        """The captured verifier features (`python -m megatron_csbp.dflash prepare-features`); the
-        trainer holds out the last --eval-sequences of them."""
-        from megatron_csbp.data.features import FeatureDataset
+        """(train, valid): the captured verifier features (`python -m megatron_csbp.dflash
+        prepare-features`), the last --eval-sequences held out; training wraps around its share."""
+        from megatron_csbp.data.features import FeatureDataset, FeatureSplit
 
-        data = FeatureDataset(args.features_path)
-        return data, data
+        data = FeatureDataset(FEATURES_PATH.value(args))
+        n_eval = EVAL_SEQUENCES.value(args)
+        return FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval)
+
+    def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Sequences: the loss is the mean over the global batch's sequences of each sequence's
+        weighted mean (every sequence is normalised by its own weight sum)."""
+        return torch.tensor(float(loss_mask.shape[0]))
+
+    def for_evaluation(self) -> "DFlashObjective":
+        held = copy.copy(self)
+        held.held_out = True
+        return held
+
+    @classmethod
+    def prepare_args(cls, args, check_only: bool = False) -> None:
+        """Before the trainer's rules: the captured features fix --seq-length and the hidden size,
+        the verifier the vocabulary (a NullTokenizer of its size), a --load drafter (its
+        `megatron_csbp_drafter.json`) the architecture flags (a flag given with another value is
+        refused by name)."""
+        from megatron_csbp.data.features import FeatureDataset
+        from megatron_csbp.training.arguments import build_parser
+
+        path, verifier = FEATURES_PATH.value(args), VERIFIER.value(args)
+        if not path or not verifier:
+            raise ValueError("--objective dflash needs --features-path (captured features) and --verifier")
+        if check_only and not (os.path.isdir(path) and os.path.isdir(verifier)):
+            args.check_notes.append(f"--features-path {path} / --verifier {verifier} are not here: their sizes are "
+                                    "checked at launch")
+            args.tokenizer_type, args.vocab_size = "NullTokenizer", args.vocab_size or 1 << 20
+            return
+        cls.validate(args)  # the objective's own rules first (they read no file)
+        for dest, why in (("tensor_model_parallel_size", "the projection over the context is not split"),
+                          ("pipeline_model_parallel_size", "the drafter is not split into pipeline stages")):
+            if getattr(args, dest, 1) != 1:
+                raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} must be 1 ({why})")
+        if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+            raise ValueError("--objective dflash trains the drafter in float32: drop --bf16 / --fp16")
+        defaults = build_parser()
+        try:
+            meta = FeatureDataset(path).meta
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
+        L, layers = meta["seq_length"], meta["target_layer_ids"]
+        if args.seq_length not in (defaults.get_default("seq_length"), L):
+            raise ValueError(f"--seq-length {args.seq_length} differs from the captured features' {L}")
+        args.seq_length = L
+        if args.target_layer_ids not in (None, layers):
+            raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the captured features' {layers}")
+        args.target_layer_ids, args.hidden_size = layers, meta["hidden_size"]
+        load = getattr(args, "load", None)
+        if load and os.path.isfile(os.path.join(load, SHAPE_FILE)):
+            shape = json.load(open(os.path.join(load, SHAPE_FILE)))
+            for dest in LOADED_FIELDS:
+                given, value = getattr(args, dest), shape[dest]
+                if given is not None and given != defaults.get_default(dest) and given != value:
+                    raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {value}")
+                setattr(args, dest, value)
+            args.dflash_drafter_load = load
+        elif load and os.path.isfile(os.path.join(load, "drafter.pt")):
+            raise ValueError(f"--load {load}: drafter.pt without {SHAPE_FILE}: not a drafter this project wrote")
+        if args.ffn_hidden_size is None:
+            args.ffn_hidden_size = 2 * args.hidden_size  # the drafter's default (not the GPT's)
+        if args.mask_token_id is None:
+            raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
+        n_eval = EVAL_SEQUENCES.value(args)
+        if not 0 <= n_eval < meta["num_sequences"]:
+            raise ValueError(f"--eval-sequences {n_eval} must be in [0, {meta['num_sequences']}) (the captured sequences)")
+        args.dflash_drafter_save = getattr(args, "save", None)
+        if n_eval and args.eval_interval is None and args.train_iters:  # evaluate after the last step
+            args.eval_interval = args.train_iters
+        if n_eval and args.eval_iters is None:  # batches that cover the held-out sequences
+            args.eval_iters = -(-n_eval // (args.global_batch_size or args.micro_batch_size))
+        from transformers import AutoConfig
+
+        args.vocab_size = int(AutoConfig.from_pretrained(verifier).vocab_size)
+        args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
 
     def slot_weights(self) -> torch.Tensor:
         k = torch.arange(self.block_size, dtype=torch.float32)

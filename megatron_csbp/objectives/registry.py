@@ -75,13 +75,10 @@ def objective_options(args) -> Dict[str, object]:
 
 
 def add_objective_args(parser) -> None:
-    """The flags of every objective trained by `python -m megatron_csbp.train` (each flag once, in
-    registration order). Objectives with a trainer of their own (`Objective.own_trainer`) add
-    their flags to that trainer's parser instead."""
+    """The flags of every objective (each flag once, in registration order)."""
     added = set()
     for cls in registered_objectives().values():
-        if cls.own_trainer is None:
-            cls.add_args(parser, added)
+        cls.add_args(parser, added)
 
 
 def objective_help() -> str:

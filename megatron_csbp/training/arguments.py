@@ -76,6 +76,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     placeholders = set(getattr(args, "placeholders", ()))
     args.check_notes = []
     args.shape_unknown = False
+    objective_class(args.objective).prepare_args(args, check_only)  # e.g. dflash: sizes from its features
     args.load_step = None  # what --load [--ckpt-step] loads: an iteration, "release", or None
     check_counts(args)
 
@@ -126,7 +127,8 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     check_run_flags(args)
     check_experts_and_objective(args)
     # Data and tokenizer.
-    sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path)]
+    sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path),
+               bool(getattr(args, "features_path", None))]
     if sum(sources) == 0:
         raise ValueError("give one of --mock-data, --data-path or --sft-data-path")
     if sum(sources) > 1:
@@ -157,8 +159,6 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
     from megatron_csbp.pipeline import check_pipeline_args
     check_pipeline_args(args)
-    from megatron_csbp.objectives.registry import objective_class
-
     if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
             and not objective_class(args.objective).fixed_rows
             and (args.reset_attention_mask or args.reset_position_ids)):
@@ -369,11 +369,7 @@ def check_experts_and_objective(args) -> None:
                              f"--seq-length / --block-size = {blocks} blocks must be a multiple of {unit} so every "
                              f"block-parallel rank owns as many noisy blocks ({args.block_ownership} ownership); the "
                              "MoE token dispatcher needs equal row counts across expert ranks")
-    cls = objective_class(args.objective)
-    if cls.own_trainer is not None:
-        raise ValueError(f"--objective {args.objective} trains in {cls.own_trainer} (python -m megatron_csbp.train "
-                         "hands its flags over before parsing them)")
-    cls.validate(args)
+    objective_class(args.objective).validate(args)
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

@@ -52,7 +52,7 @@ ParallelConfig = _section(
 BatchConfig = _section("BatchConfig", "batch", ("num_microbatches", int, 1))
 OptimConfig = _section("OptimConfig", "optim")
 #: where samples come from; `build_datasets` reads these (and the objective's data needs)
-DataConfig = _section("DataConfig", "data")
+DataConfig = _section("DataConfig", "data", ("features_path", Optional[str], None), ("eval_sequences", int, 0))
 EvalConfig = _section("EvalConfig", "eval")
 CheckpointConfig = _section(
     "CheckpointConfig", "checkpoint",

@@ -20,12 +20,72 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 RUN_DIR = os.environ.get("MEGATRON_CSBP_DEMO_DIR", os.path.join("runs", "default"))
 TRAIN_ITERS = int(os.environ.get("MEGATRON_CSBP_DEMO_ITERS", "600"))
 #: held-out evaluations over the run (every TRAIN_ITERS / EVALS iterations)
 EVALS = 6
+
+
+@dataclass
+class DemoConfig:
+    steps: int = 600
+    batch_size: int = 8
+    seq_length: int = 128
+    block_size: int = 16
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 512
+    qk_layernorm: bool = False
+    init_method_std: float = 0.05  # tiny models learn attention patterns faster than with 0.02
+    # Training noise schedule (BD3-LM "clipped" schedules cut the 1/t variance); the eval loss
+    # always uses the full schedule t ~ U[1e-3, 1] with 1/t weights, the NELBO.
+    noise_eps_min: float = 0.3
+    noise_eps_max: float = 0.8
+    loss_weighting: str = "inverse_t"
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    eval_fraction: float = 0.1
+    eval_interval: int = 100
+    eval_repeats: int = 2  # passes over the held-out rows, fresh noise each (the NELBO is a Monte-Carlo estimate)
+    max_eval_rows: Optional[int] = None
+    log_interval: int = 25
+    # One intra-op thread by default: the matrices are small, and on shared CPUs extra threads
+    # mostly spin. Raise it on an idle many-core machine.
+    threads: Optional[int] = 1
+    corpus: Optional[str] = None
+    tokenizer: Optional[str] = None
+    output_dir: Optional[str] = "runs/demo"
+
+
+def split(cfg: DemoConfig) -> str:
+    """Megatron's --split holding out the last `eval_fraction` of the documents (percent: 90,10,0)."""
+    return f"{100 - round(100 * cfg.eval_fraction)},{round(100 * cfg.eval_fraction)},0"
+
+
+def trainer_flags(cfg: DemoConfig, prefix: str, eval_iters: int) -> List[str]:
+    """The trainer's flags for this model, schedule and data (the embedded default run's too,
+    `demo_argv`) and `python -m megatron_csbp.demo`'s."""
+    flags = dict(data_path=prefix, split=split(cfg),
+                 tokenizer_type="SentencePieceTokenizer", tokenizer_model=cfg.tokenizer, seq_length=cfg.seq_length,
+                 block_size=cfg.block_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                 num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+                 ffn_hidden_size=cfg.ffn_hidden_size, init_method_std=cfg.init_method_std,
+                 noise_eps_min=cfg.noise_eps_min, noise_eps_max=cfg.noise_eps_max, loss_weighting=cfg.loss_weighting,
+                 micro_batch_size=cfg.batch_size, global_batch_size=cfg.batch_size, train_iters=cfg.steps,
+                 lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_iters=cfg.warmup_steps, lr_decay_style="cosine",
+                 adam_beta2=0.95, weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad, seed=cfg.seed,
+                 eval_iters=eval_iters)
+    argv = [x for k, v in flags.items() if v is not None for x in (f"--{k.replace('_', '-')}", str(v))]
+    return argv + (["--qk-layernorm"] if cfg.qk_layernorm else [])
 
 
 def demo_argv(world_size: int, prefix: str) -> List[str]:
@@ -35,8 +95,6 @@ def demo_argv(world_size: int, prefix: str) -> List[str]:
     training block times drawn from the clipped range [0.3, 0.8] (BD3-LM's clipped schedule cuts the
     variance of the 1/t weights); evaluation always reports the full-schedule NELBO on the same
     held-out batches (8 of them)."""
-    from megatron_csbp.demo import DemoConfig, trainer_flags
-
     seq = max(1, world_size)
     return trainer_flags(DemoConfig(steps=TRAIN_ITERS), prefix, eval_iters=8) + [
         "--context-parallel-size", str(seq), "--block-parallel-size", str(seq),

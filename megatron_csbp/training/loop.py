@@ -1,7 +1,6 @@
 """`python -m megatron_csbp.train`: the trainer CLI. Parses and validates the flags, builds the typed
 `TrainerConfig`, and runs a `Trainer` (training/trainer.py) under torch.distributed; with no flags it
-runs the embedded default (training/demo.py). An objective that trains in a loop of its own
-(dflash) is handed over to that loop.
+runs the embedded default (training/demo.py).
 """
 from __future__ import annotations
 
@@ -23,16 +22,6 @@ def objective_of(argv: List[str]) -> Optional[str]:
     return None
 
 
-def own_trainer(argv: List[str]):
-    """The entry point `run(argv)` of the trainer of the objective argv names, when that objective
-    trains in a loop of its own (`Objective.own_trainer`, e.g. dflash on captured verifier features);
-    None when this trainer trains it (or argv names no registered objective: the parser says so)."""
-    from megatron_csbp.objectives.registry import registered_objectives
-
-    cls = registered_objectives().get(objective_of(argv) or "")
-    return cls.run_trainer if cls is not None and cls.own_trainer is not None else None
-
-
 def main(argv: Optional[List[str]] = None) -> Dict:
     from megatron_csbp.utils.cli import filter_warnings
 
@@ -47,9 +36,6 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     if demo:
         from megatron_csbp.training.demo import prepare_demo
         argv = prepare_demo(int(os.environ.get("WORLD_SIZE", "1")))
-    run = own_trainer(argv)
-    if run is not None:  # e.g. dflash: a drafter trains on captured verifier features, in its own loop
-        return run(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     args = parse_args(argv)
     from contextlib import nullcontext

@@ -175,7 +175,14 @@ class TrainableBDLM(MegatronModule):
 
 def build_model_chunks(a, device: Optional[torch.device] = None, finalize_model_grads_func=None) -> list:
     """This rank's model chunks, one `TrainableBDLM` per virtual pipeline stage (one chunk without
-    interleaving; the whole model without pipeline parallelism)."""
+    interleaving; the whole model without pipeline parallelism); an objective's own model when it
+    names one (`Objective.model_builder`, e.g. the DFlash drafter)."""
+    builder_name = objectives.objective_class(a.objective).model_builder
+    if builder_name is not None:
+        import importlib
+
+        module, fn = builder_name.split(":")
+        return getattr(importlib.import_module(module), fn)(a, device, finalize_model_grads_func)
     return pipeline.build_chunks(lambda pre, post, vp: build_model(a, device, finalize_model_grads_func, pre, post, vp))
 
 

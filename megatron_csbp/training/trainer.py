@@ -315,6 +315,12 @@ class Trainer:
                 d.train()
         return sum(losses) / len(losses)
 
+    def eval_metrics(self) -> Dict:
+        """Collective: what the model adds to an evaluation's record (the DFlash drafter's held-out
+        acceptance; `eval_metrics()` of the first chunk's model wrapper), else nothing."""
+        metrics = getattr(self.chunks[0].bdlm, "eval_metrics", None)
+        return metrics() if metrics is not None else {}
+
     # ---- checkpoints -------------------------------------------------------------------------
     def _shape_files(self) -> Dict:
         """A converted model's shape file and Hugging Face assets travel into every saved checkpoint."""
@@ -412,6 +418,7 @@ class Trainer:
         try:
             if bc.skip_train:
                 rec = {"iteration": iteration, "eval_loss": self.evaluate()}
+                rec.update(self.eval_metrics())
                 logger.write(rec)
                 history.append(rec)
                 return {"history": history, "iteration": iteration}
@@ -447,6 +454,7 @@ class Trainer:
                            "attn_comm_bytes": int(comm), "peak_memory_bytes": int(mem), "skipped": not step.ok}
                     if do_eval:
                         rec["eval_loss"] = self.evaluate()
+                        rec.update(self.eval_metrics())
                     # Remaining time at the mean pace so far (training, evaluation and checkpoints included).
                     pace = (time.perf_counter() - wall_start) / (iteration - start_iteration)
                     rec["eta_seconds"] = pace * (stop_at - iteration)
