@@ -97,7 +97,7 @@ def prepare_data(cfg: DemoConfig, data_dir: str):
 def run(cfg: DemoConfig, log=print) -> DemoResult:
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(cfg, log=lambda s: print(s, flush=True))
     finally:
-        from megatron_csbp import parallel_state as bps
+        from megatron_csbp.parallel import state as bps
 
         if bps.is_initialized():
             bps.destroy_block_parallel()

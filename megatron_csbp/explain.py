@@ -259,7 +259,7 @@ def parse_args(argv=None):
     p.add_argument("--title", default=None)
     args, _ignored = p.parse_known_args(argv)  # the trainer's other flags do not change the layout
     if args.recipe:
-        from megatron_csbp.launch import load_recipe, recipe_flags
+        from megatron_csbp.launch.recipes import load_recipe, recipe_flags
 
         flags = recipe_flags(load_recipe(args.recipe))
         rest = [a for a in (argv if argv is not None else sys.argv[1:])]

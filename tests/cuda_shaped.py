@@ -413,6 +413,6 @@ def _setup(rank: int) -> str:
 def run(fn, world_size: int, *args):
     """fn(rank, world_size, *args) on `world_size` CUDA-shaped ranks ("nccl" over gloo); the results.
     An exception on any rank fails the call with that rank's traceback (`utils.spawn`)."""
-    from megatron_csbp.utils.spawn import spawn
+    from megatron_csbp.parallel.spawn import spawn
 
     return spawn(fn, world_size, *args, setup=_setup)

@@ -58,7 +58,7 @@ def test_attention_keeps_no_view_of_the_fused_qkv_output(kernel):
     over CP's. The call copies such views; nothing it saves for backward shares their storage,
     and the result is the one of the views themselves."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
-    from megatron_csbp.attention.kernels import get_kernel
+    from megatron_csbp.attention.kernels.registry import get_kernel
 
     L, B, H, G, d = 64, 8, 4, 2, 8
     plan = plan_for_layout(SequenceLayout(BlockGeometry(L, B)), 0)
@@ -105,7 +105,7 @@ def test_gathered_clean_rows_are_attended_in_position_order():
     order (at most 2 runs per ring member, slices only), so every clean prefix is one run of keys
     and the cpu_flash kernel makes as many calls on every rank (in ring order the rank holding the
     last blocks made 86 calls per layer at L = 1024, P = 4, the one holding the middle 33)."""
-    from megatron_csbp.attention.cpu_flash import cpu_flash_plan
+    from megatron_csbp.attention.kernels.cpu_flash import cpu_flash_plan
     from megatron_csbp.layout.rows import PartialMask
 
     L, B, P = 1024, 16, 4

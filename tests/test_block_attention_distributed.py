@@ -17,7 +17,7 @@ import torch
 
 from megatron_csbp.attention.accounting import traffic_counter
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.kernels import get_kernel
+from megatron_csbp.attention.kernels.registry import get_kernel
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, Documents, dense_reference_mask
 from tests.distributed import run_distributed
@@ -79,7 +79,7 @@ def logical_index(rows, L):
 
 def _attention_rank(rank, world, cases):
     """Run every case in one spawned world (spawning is the expensive part on CPU)."""
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     results = []
     for case in cases:

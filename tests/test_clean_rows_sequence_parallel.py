@@ -31,7 +31,7 @@ TP = 2
 
 
 def _sft_model(gpt, cp, bp, sc=True):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
@@ -81,7 +81,7 @@ def reference(megatron_single_rank):
 def _rank(rank, world, path, cases):
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
     from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config

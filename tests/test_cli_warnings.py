@@ -13,7 +13,7 @@ import pytest
 from megatron_csbp.utils.cli import FILTERS
 
 #: every `python -m megatron_csbp.X` command's main()
-CLI_MAINS = ["training.loop", "generate", "conversion.cli", "planner.cli", "planner.validate", "dflash", "launch",
+CLI_MAINS = ["training.loop", "generate", "conversion.cli", "planner.cli", "planner.validate", "dflash", "launch.recipes",
              "demo", "bench.__main__", "data.preprocess", "data.tokenizer", "data.sft", "model.diffusiongemma.tiny"]
 
 UNACTIONABLE = ("Transformer Engine", "Apex is not installed", "FutureWarning", "DeprecationWarning",

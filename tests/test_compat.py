@@ -86,7 +86,7 @@ def _tp_model_rank(rank, world_size, tp, sp, tmpdir):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.training.model import build_model
 
     bps.initialize_block_parallel(tensor_model_parallel_size=tp)

@@ -20,7 +20,7 @@ SEQ = 12
 def _rank(rank, world, cases):
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.conversion.api import ARScorer
     from megatron_csbp.checkpoint.model import load_checkpoint_model, save_gpt_model
     from megatron_csbp.compat.cpu import install_cpu_compat

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.cpu_flash import FlashPiece, RunGroup, TiledPiece, cpu_flash_partial_attention, cpu_flash_plan
-from megatron_csbp.attention.kernels import get_kernel, tiled_partial_attention
+from megatron_csbp.attention.kernels.cpu_flash import (
+    FlashPiece,
+    RunGroup,
+    TiledPiece,
+    cpu_flash_partial_attention,
+    cpu_flash_plan,
+)
+from megatron_csbp.attention.kernels.registry import get_kernel, tiled_partial_attention
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, allowed, logical_rows
 from megatron_csbp.layout.rows import PartialMask
@@ -137,7 +143,7 @@ def test_one_rank_mask_runs_on_flash_calls_only(variant):
 def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
     """Whole noisy blocks batched into calls of at most STACK_ROWS query rows (one block per call,
     three, all sixteen): outputs, lse and gradients equal dense fp64 attention."""
-    import megatron_csbp.attention.cpu_flash as cf
+    import megatron_csbp.attention.kernels.cpu_flash as cf
 
     monkeypatch.setattr(cf, "STACK_ROWS", stack_rows)
     L, B, H, G = 256, 16, 4, 2

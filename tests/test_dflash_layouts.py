@@ -134,7 +134,7 @@ def layouts_rank(rank, world, cp, bp, cases):
 
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     warnings.simplefilter("ignore")
     bps.initialize_block_parallel(context_parallel_size=cp, block_parallel_size=bp)

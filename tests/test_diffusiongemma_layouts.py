@@ -41,7 +41,7 @@ def _gpt():
 
 
 def _bd3lm_loss(gpt, cp, bp):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -89,7 +89,7 @@ def sft_batches():
 
 
 def _sft_loss(gpt, cp, bp):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
@@ -116,7 +116,7 @@ LOSSES = {"bd3lm": _bd3lm_loss, "sft": _sft_loss}
 
 
 def _rank(rank, world, cases):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
 
     install_cpu_compat()

@@ -195,7 +195,7 @@ def test_loss_matches_brute_force_on_the_hf_model(converted_qwen3):
 def _layouts_rank(rank, world, meg_dir, cases):
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.checkpoint.model import load_checkpoint_model
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.layout.layout import SequenceLayout

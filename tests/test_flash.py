@@ -7,8 +7,8 @@ flash_attn_varlen_func's documented semantics."""
 import pytest
 import torch
 
-from megatron_csbp.attention.flash import KEY_COPY_BUDGET, FlashPlan, flash_attention_partial
-from megatron_csbp.attention.kernels import MASKED_SCORE, get_kernel
+from megatron_csbp.attention.kernels.flash import KEY_COPY_BUDGET, FlashPlan, flash_attention_partial
+from megatron_csbp.attention.kernels.registry import MASKED_SCORE, get_kernel
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask
 from tests.test_flex import CASES, _qkv, dense_attention_fp64
@@ -188,7 +188,7 @@ def test_block_diffusion_attention_with_the_flash_decomposition(variant, window)
     partial) through the flash kernel's decomposition, varlen calls evaluated by
     `varlen_reference`, fallback on the tiled kernel: equals the tiled kernel, outputs and grads
     (fp64, 1e-5: the lse is carried in fp32 by the reference varlen)."""
-    tiled = pytest.importorskip("megatron_csbp.attention.tiled", reason="needs the row-vector call sites")
+    tiled = pytest.importorskip("megatron_csbp.attention.kernels.tiled", reason="needs the row-vector call sites")
     from functools import partial
 
     from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
@@ -210,7 +210,7 @@ def test_block_diffusion_attention_with_the_flash_decomposition(variant, window)
 def test_lse_layouts_of_flash_attn_releases():
     """flash-attn 2.x returns the varlen lse as (nheads, total_q); some older 2.x releases as
     (batch, nheads, max_seqlen_q), padded per sequence: both read back as (nheads, total_q)."""
-    from megatron_csbp.attention.flash import _lse_rows
+    from megatron_csbp.attention.kernels.flash import _lse_rows
 
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     rows = torch.randn(2, 9)

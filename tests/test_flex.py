@@ -9,10 +9,16 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from megatron_csbp.attention import flex
-from megatron_csbp.attention.flex import (bucket, flex_attention_partial, flex_block_tables, flex_mask, mask_mod_of,
-                                          padded_mask)
-from megatron_csbp.attention.kernels import MASKED_SCORE, get_kernel, math_partial_attention, merge_partials
+from megatron_csbp.attention.kernels import flex
+from megatron_csbp.attention.kernels.flex import (
+    bucket,
+    flex_attention_partial,
+    flex_block_tables,
+    flex_mask,
+    mask_mod_of,
+    padded_mask,
+)
+from megatron_csbp.attention.kernels.registry import MASKED_SCORE, get_kernel, math_partial_attention, merge_partials
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 from megatron_csbp.layout.rows import PartialMask

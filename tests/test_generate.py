@@ -159,7 +159,7 @@ def test_converted_model_trained_as_bd3lm_generates_and_other_objectives_are_ref
 def _train_generate_refuse(rank, world_size, base, save, ar):
     import torch.distributed as dist
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.generation.bd3lm import load_for_generation
 
     train_rank(rank, world_size, base + ["--train-iters", "1", "--mask-token-id", "127", "--save", save])

@@ -24,7 +24,7 @@ def _objective():
 
 
 def _run(gpt, cp, bp, schedule):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -71,7 +71,7 @@ def expected_gdn_forward_bytes(layout, rank, tp, K=4, hk=2, hv=4, dk=8, dv=8, s=
 def _rank(rank, world, cases):
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.compat.cpu import install_cpu_compat
     from tests.gdn_helpers import build_hybrid_gpt, gdn_tp_slice

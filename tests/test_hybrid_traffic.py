@@ -23,7 +23,7 @@ LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 def _traffic(cp, bp, full_attention: bool):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.attention.core_attention import BlockDiffusionAttention
     from megatron_csbp.layout.layout import SequenceLayout

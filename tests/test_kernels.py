@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.kernels import flex_partial_attention, math_partial_attention, merge_partials
+from megatron_csbp.attention.kernels.registry import flex_partial_attention, math_partial_attention, merge_partials
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, allowed, dense_reference_mask, logical_rows
 from megatron_csbp.layout.rows import PartialMask

@@ -55,7 +55,7 @@ def _attentions(gpt):
 
 
 def _model(gpt, cp, bp, transport):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -166,7 +166,7 @@ def _expected_bytes(cp, bp, rank, config, attention, value_width: int) -> int:
 
 
 def _run(config, cp, bp, transport, send_source=True):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
 
     gpt = _gpt(config)
@@ -217,7 +217,7 @@ CASES = [  # (sliding K=V, cp, bp, transport, send the source, full-layer recomp
 
 
 def _rank(rank, world):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
 
     install_cpu_compat()  # recompute replays Megatron's RNG states, which name CUDA
@@ -258,7 +258,7 @@ def test_csbp_with_kv_source_equals_one_rank_and_moves_half_the_bytes():
 # ---- TP = 2 with sequence parallelism x CSBP (4 ranks) ---------------------------------------
 
 def _tp_rank(rank, world):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
 
     install_cpu_compat()

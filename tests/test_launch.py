@@ -12,8 +12,18 @@ import time
 
 import pytest
 
-from megatron_csbp.launch import (RecipeError, apply_overrides, check_world, launch_sizes, load_recipe, main,
-                                  placeholders, recipe_flags, shipped_recipes, torchrun_command)
+from megatron_csbp.launch.recipes import (
+    RecipeError,
+    apply_overrides,
+    check_world,
+    launch_sizes,
+    load_recipe,
+    main,
+    placeholders,
+    recipe_flags,
+    shipped_recipes,
+    torchrun_command,
+)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "recipes", "*.yaml")))
@@ -133,7 +143,7 @@ def test_slurm_script(tmp_path, capsys):
                        "cpus-per-task": "64", "exclusive": None, "account": "REPLACE_ME"}.items():
         assert sbatch[key] == (value or ""), key
     # --exit-signal-handler: torchrun that exits 0 once the signalled ranks saved (launch_torchrun)
-    for line in ("--kill-on-bad-exit=1 python -m megatron_csbp.launch_torchrun --rdzv-backend c10d "
+    for line in ("--kill-on-bad-exit=1 python -m megatron_csbp.launch.torchrun --rdzv-backend c10d "
                  "--rdzv-endpoint $head_node_ip:29500",
                  "--nnodes 2 --nproc-per-node 8", "-m megatron_csbp.train", "--context-parallel-size 8",
                  "--block-parallel-size 8", "--train-iters 3", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
@@ -196,7 +206,7 @@ def test_slurm_script_keeps_a_given_load_and_says_what_a_requeue_does(tmp_path, 
 def test_slurm_job_name_and_refused_job_dir(tmp_path, capsys):
     """Without launch.slurm.job_name the job is the recipe's name (NeMo-Run would prefix it with the
     account); a job directory holding '/nemo_run' (which NeMo-Run rewrites in the script) is refused."""
-    from megatron_csbp.launch_nemo import slurm_job
+    from megatron_csbp.launch.nemo import slurm_job
 
     r = apply_overrides(load_recipe(CPU_DEMO), ["launch.slurm.account=acct_x"])
     job = slurm_job(r, 1, 2, str(tmp_path / "jobs"))
@@ -259,7 +269,7 @@ def test_unknown_recipe_lists_the_shipped_ones(capsys):
 def test_recipe_as_nemo_run_tasks():
     import nemo_run as run
 
-    from megatron_csbp.launch_nemo import local_executor, recipe_partial, recipe_script
+    from megatron_csbp.launch.nemo import local_executor, recipe_partial, recipe_script
     from megatron_csbp.training.loop import main as train_main
 
     r = load_recipe(CPU_DEMO)
@@ -272,10 +282,10 @@ def test_recipe_as_nemo_run_tasks():
     ex = local_executor(r, 2)
     assert isinstance(ex, run.LocalExecutor) and ex.nproc_per_node() == 2 and ex.launcher == "torchrun"
     # --exit-signal-handler: the local launch runs launch_torchrun itself, the command `launch` prints
-    from megatron_csbp.launch_nemo import local_task
+    from megatron_csbp.launch.nemo import local_task
     r = apply_overrides(load_recipe(CPU_DEMO), ["training.exit_signal_handler=true"])
     task, ex = local_task(r, 2)
-    assert task.path == "megatron_csbp.launch_torchrun" and task.m and ex.launcher is None and ex.ntasks_per_node == 1
+    assert task.path == "megatron_csbp.launch.torchrun" and task.m and ex.launcher is None and ex.ntasks_per_node == 1
     assert [task.entrypoint, "-m", task.path] + task.args == torchrun_command(r, 1, 2)
 
 
@@ -284,7 +294,7 @@ def test_cli_dry_run_and_errors(capsys):
     out = capsys.readouterr().out
     assert "torch.distributed.run" in out and "--train-iters 1" in out
     assert main([CPU_DEMO, "--dry-run", "training.exit_signal_handler=true"]) == 0
-    assert capsys.readouterr().out.startswith(f"{sys.executable} -m megatron_csbp.launch_torchrun --standalone ")
+    assert capsys.readouterr().out.startswith(f"{sys.executable} -m megatron_csbp.launch.torchrun --standalone ")
     assert main([CPU_DEMO, "--dry-run", "--nnodes", "2"]) == 2  # multi-node needs --slurm
     assert "needs a scheduler" in capsys.readouterr().err
     assert main([CPU_DEMO, "--dry-run", "--nproc-per-node", "3"]) == 2
@@ -408,10 +418,10 @@ def _signal_torchrun(tmp_path, launcher, mode):
 def test_launch_torchrun_forwards_sigterm_and_exits_0(tmp_path):
     """issue 34: SIGTERM to the launcher alone, twice (the second during the "save"): the workers get both,
     finish and exit 0, and so does the launch (torch's torchrun exits 1: next test)."""
-    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch_torchrun", "save")
+    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch.torchrun", "save")
     assert rc == 0, err[-3000:]
     assert files == ["ready0.0", "ready1.0", "saved0.0", "saved1.0", "saving0.0", "saving1.0"]
-    assert err.count("megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers (pids ") == 2, err[-3000:]
+    assert err.count("megatron_csbp.launch.torchrun: SIGTERM forwarded to the workers (pids ") == 2, err[-3000:]
 
 
 def test_torchrun_itself_exits_1_after_its_own_sigterm(tmp_path):
@@ -421,13 +431,13 @@ def test_torchrun_itself_exits_1_after_its_own_sigterm(tmp_path):
 
 
 def test_launch_torchrun_a_failing_worker_fails_the_launch_without_restart(tmp_path):
-    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch_torchrun", "fail")
+    rc, err, files = _signal_torchrun(tmp_path, "megatron_csbp.launch.torchrun", "fail")
     assert rc == 1 and "(forwarded to the workers, which failed: no restart)" in err, err[-3000:]
     assert files == ["ready0.0", "ready1.0"]  # --max-restarts 1, yet no second attempt
 
 
 def test_launch_torchrun_names_the_torch_api_it_lacks(monkeypatch):
-    from megatron_csbp import launch_torchrun
+    from megatron_csbp.launch import torchrun as launch_torchrun
     from megatron_csbp.utils.cli import CliError
 
     monkeypatch.setattr(launch_torchrun, "TORCH_API", launch_torchrun.TORCH_API + (

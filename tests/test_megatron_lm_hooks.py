@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron_csbp.megatron_lm import rewrite_argv
+from megatron_csbp.training.megatron_lm import rewrite_argv
 from megatron_csbp.utils.megatron_lm_path import find, missing_message
 from tests.distributed import run_distributed
 
@@ -53,8 +53,8 @@ def _hook_rank(rank, world_size):
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_args
-    from megatron_csbp import megatron_lm
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.training import megatron_lm
+    from megatron_csbp.parallel import state as bps
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's rule for CP > 1 (no GPU architecture on CPU)
     sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(ARGV)
@@ -111,7 +111,7 @@ def _validation_rank(rank, world_size):
     _with_megatron_lm()
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
-    from megatron_csbp import megatron_lm
+    from megatron_csbp.training import megatron_lm
 
     megatron_lm.install_validation_hook()
     # where the tag validates its arguments (core_v0.16.1: initialize, core_v0.19.0: arguments)

@@ -126,7 +126,7 @@ def test_refused_flag_is_one_line_before_megatron_argument_dump(tmp_path):
     assert "error: --position-embedding-type learned_absolute is not supported with block diffusion" in out
     assert "exitcode  : 2" in out  # torchrun's failure summary: the status of cli.fail (bad input)
     assert "------------------------ arguments ------------------------" not in out  # Megatron's dump
-    assert "megatron_csbp/megatron_lm.py" not in out  # no traceback through the plugin
+    assert "megatron_csbp/training/megatron_lm.py" not in out  # no traceback through the plugin
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def run_layout(gpt, c):
 
         module, fn = c["run"].split(":")
         return getattr(importlib.import_module(module), fn)(gpt, c)
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -87,7 +87,7 @@ def run_layout(gpt, c):
 
 def _reference(c):
     """One rank's loss, weights and gradients of case `c`'s run (its objective, its data)."""
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     bps.initialize_block_parallel()
     gpt = build_gpt()
@@ -110,7 +110,7 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int) -> torch.Te
 def _model_rank(rank, world, cases):
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.compat.cpu import install_cpu_compat
 
     install_cpu_compat()  # recompute replays Megatron's RNG states, which name CUDA

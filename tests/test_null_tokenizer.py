@@ -61,7 +61,7 @@ def test_null_tokenizer_is_megatron_lms():
 
 
 def test_trainer_reads_vocab_size_as_megatron_lm_and_takes_the_hooks_mask_id(capsys):
-    from megatron_csbp.megatron_lm import resolve_mask_token_id
+    from megatron_csbp.training.megatron_lm import resolve_mask_token_id
 
     ref = megatron_lm_null_tokenizer(64)
     a = parse_args(TINY, world_size=1)  # --mock-data --vocab-size 64

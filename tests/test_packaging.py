@@ -133,7 +133,7 @@ def test_floors_say_what_the_code_needs():
 
     kw = setup_kwargs()
     torch_floor = _bounds(_requirement(kw["install_requires"], "torch")[0].specifier)[0]
-    flex = open(os.path.join(ROOT, "megatron_csbp", "attention", "flex.py")).read()
+    flex = open(os.path.join(ROOT, "megatron_csbp", "attention", "kernels", "flex.py")).read()
     assert "return_aux=AuxRequest" in flex
     assert torch_floor is not None and torch_floor >= Version("2.9"), f"torch>={torch_floor}: return_aux needs 2.9"
     mcore = importlib.metadata.distribution("megatron-core")
@@ -141,5 +141,5 @@ def test_floors_say_what_the_code_needs():
         if req.marker is None:
             assert range_inside(_requirement(kw["install_requires"], "torch")[0].specifier, req.specifier), req
     fa_low, fa_high = _bounds(_requirement(kw["extras_require"]["gpu"], "flash-attn")[0].specifier)
-    code_min = re.search(r"< \((\d+), (\d+)\)", open(os.path.join(ROOT, "megatron_csbp", "attention", "flash.py")).read())
+    code_min = re.search(r"< \((\d+), (\d+)\)", open(os.path.join(ROOT, "megatron_csbp", "attention", "kernels", "flash.py")).read())
     assert fa_low is not None and fa_low >= Version(".".join(code_min.groups())) and fa_high == Version("3")

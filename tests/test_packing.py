@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.kernels import KERNELS
+from megatron_csbp.attention.kernels.registry import KERNELS
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, Documents, RowMeta, allowed, dense_reference_mask, logical_rows
 from megatron_csbp.layout.rows import PartialMask
@@ -101,8 +101,8 @@ def dense_fp64(q, k, v, mask, scale, do):
 
 def _kernel(name):
     if name == "flash":  # the flash decomposition, varlen pieces by their documented fp64 semantics
-        from megatron_csbp.attention.flash import flash_attention_partial
-        from megatron_csbp.attention.tiled import tiled_partial_attention
+        from megatron_csbp.attention.kernels.flash import flash_attention_partial
+        from megatron_csbp.attention.kernels.tiled import tiled_partial_attention
         from tests.test_flash import varlen_reference
 
         return partial(flash_attention_partial, flash_fn=varlen_reference, fallback=tiled_partial_attention)
@@ -180,7 +180,7 @@ def test_row_vectors_carry_no_document_bytes():
 def test_flash_pieces_cover_every_packed_pair_once(variant, window):
     """The flash decomposition of packed masks: noisy pieces become varlen sequences per block
     piece, clean runs stop at document starts; every allowed pair is covered exactly once."""
-    from megatron_csbp.attention.flash import FlashPlan
+    from megatron_csbp.attention.kernels.flash import FlashPlan
     from tests.test_flash import _covered
 
     L, B = 40, 4
@@ -193,7 +193,7 @@ def test_megatron_lm_batch_applies_eod_mask_loss_to_the_diffused_labels():
     """Megatron's GPTDataset masks the target after an EOD input (loss_mask[text[:-1] == EOD] = 0);
     the plugin diffuses labels = text[1:], so its mask must be 0 where the label itself is EOD."""
     from megatron_csbp.layout.packing import Packing
-    from megatron_csbp.megatron_lm import bdlm_batch
+    from megatron_csbp.training.megatron_lm import bdlm_batch
 
     eod = 9
     text = torch.tensor([[1, 2, 9, 3, 4, 9, 9, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 1]])

@@ -27,7 +27,7 @@ def packed_batch():
 
 
 def run_layout(gpt, c):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.layout.packing import Packing

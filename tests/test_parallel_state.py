@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_csbp.parallel_state import check_topology
+from megatron_csbp.parallel.state import check_topology
 from tests.distributed import run_distributed
 
 
@@ -12,7 +12,7 @@ def _groups_rank(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     out = {}
     for tp, cp, bp in [(1, 2, 4), (2, 2, 2), (1, 4, 1), (1, 1, 2)]:
@@ -38,7 +38,7 @@ def _zero_target_rank():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -110,7 +110,7 @@ def _reinit_rank(rank, world):
     """Initialise and destroy two layouts in one process: the groups and their gloo threads go."""
     import torch.distributed as dist
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     def threads():
         with open("/proc/self/status") as f:

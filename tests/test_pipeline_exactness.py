@@ -1,4 +1,4 @@
-"""Pipeline parallelism is exact: the trainer's model chunks (megatron_csbp/pipeline.py) run through
+"""Pipeline parallelism is exact: the trainer's model chunks (megatron_csbp/parallel/pipeline.py) run through
 megatron-core's pipeline schedules (1F1B; interleaved with virtual stages) with Megatron's DDP and
 `finalize_model_grads` give the loss and every parameter gradient of one rank, in float64 (error
 model and tolerances: tests/gradients.py's FP64_TOL), under PP 2 alone and PP 2 x CP 2 / BP 2 /
@@ -72,7 +72,7 @@ def _global_name(name: str, offset: int) -> str:
 
 
 def _reference(a):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.training.model import build_model
 
     bps.initialize_block_parallel()
@@ -106,8 +106,8 @@ def _pipelined(a, ref_grads, ref_state):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_csbp import parallel_state as bps
-    from megatron_csbp import pipeline
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.parallel import pipeline
     from megatron_csbp.training.model import build_model_chunks
 
     bps.initialize_block_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,

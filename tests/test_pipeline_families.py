@@ -66,7 +66,7 @@ def _hybrid(stage, pp=1, ep=1):
 
     from megatron_csbp.model import builder
     from megatron_csbp.model.hybrid import hybrid_block_spec
-    from megatron_csbp.pipeline import stage_block_spec
+    from megatron_csbp.parallel.pipeline import stage_block_spec
     from tests.gdn_helpers import gdn_config
 
     config = gdn_config(num_layers=len(PATTERN), dtype=EXACT_DTYPE, pipeline_model_parallel_size=pp,
@@ -106,7 +106,7 @@ def _global(name: str, offset: int, ep_rank: int, local_experts: int) -> str:
 
 
 def _bdlm(gpt, layout_kind, L, cp=1, bp=1):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -121,8 +121,8 @@ def _rank(rank, world, family):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_csbp import parallel_state as bps
-    from megatron_csbp import pipeline
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.parallel import pipeline
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.training.model import TrainableBDLM
 

@@ -1,5 +1,5 @@
 """DiffusionGemma's native SFT with self-conditioning under pipeline parallelism
-(megatron_csbp/pipeline_self_conditioning.py): the first pass through megatron-core's forward-only
+(megatron_csbp/parallel/self_conditioning.py): the first pass through megatron-core's forward-only
 schedule, the last stage's hidden states of the noisy rows [noisy rows, b, h] sent to the first
 stage (which makes the logits and soft embeddings with its tied embeddings), then the 1F1B training
 schedule give the loss and every parameter gradient of one rank, the tied embeddings' gradient
@@ -83,7 +83,7 @@ def _gpt(stage, **pp):
 
 
 def _model(gpt, prob, cp=1, bp=1):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
@@ -104,11 +104,11 @@ def _rank(rank, world, cases):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_csbp import parallel_state as bps
-    from megatron_csbp import pipeline
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.parallel import pipeline
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.model.diffusiongemma.tiny import redraw_weights
-    from megatron_csbp.pipeline_self_conditioning import SelfConditioningRelay
+    from megatron_csbp.parallel.self_conditioning import SelfConditioningRelay
     from megatron_csbp.training.model import TrainableBDLM
 
     install_cpu_compat()

@@ -273,7 +273,7 @@ HYBRID_L, HYBRID_B, HYBRID_V = 32, 4, 64
 
 
 def _hybrid_traffic_rank(rank, world, cases):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.layout.layout import SequenceLayout
@@ -382,7 +382,7 @@ def test_planner_considers_the_512k_drafter_recipe():
     """The shipped 8-GPU 512K drafter recipe: the preset has its shape, and the planner's search over
     the recipe's workload (its L, B, anchors and global batch) evaluates its layout (CP 8 x BP 8,
     all-gather, no recompute), finds it feasible, and emits the recipe's parallel flags for it."""
-    from megatron_csbp.launch import load_recipe
+    from megatron_csbp.launch.recipes import load_recipe
     from megatron_csbp.planner.search import find, plan
 
     root = os.path.join(os.path.dirname(__file__), "..")
@@ -416,7 +416,7 @@ def _drafter_traffic_rank(rank, world, cases):
 
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from tests.test_dflash_layouts import _run_case
 

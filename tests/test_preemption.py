@@ -3,7 +3,7 @@
 - `step`: to every process of the job step (Slurm's proctrack signals every process of the step at
   preemption, `scancel` or the time limit: torchrun, the ranks, and the helper processes the ranks
   started), here every process group of the launched process tree;
-- `torchrun`: to torchrun alone (`megatron_csbp.launch_torchrun`, what `launch` runs an
+- `torchrun`: to torchrun alone (`megatron_csbp.launch.torchrun`, what `launch` runs an
   `--exit-signal-handler` job with: it forwards SIGTERM to each rank's process group and keeps
   monitoring the ranks);
 - `ranks`: to each rank's process group (a rank with its helpers, as `srun` without torchrun or
@@ -27,7 +27,7 @@ import time
 import pytest
 
 from megatron_csbp.checkpoint import files
-from megatron_csbp.launch import TORCHRUN
+from megatron_csbp.launch.recipes import TORCHRUN
 from tests.train_helpers import TINY, json_log, run_train, train_command
 
 ITERS = 12
@@ -135,7 +135,7 @@ def test_sigterm_under_torchrun_saves_and_resumes_exactly(reference, tmp_path, t
     # the ranks exit cleanly, and so does the launch: launch_torchrun forwarded a SIGTERM it got itself
     assert "BrokenPipeError" not in err and "[rank" not in err and "error:" not in err, err[-3000:]
     assert proc.returncode == 0, err[-3000:]
-    assert ("megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers" in err) == (target != "ranks"), err
+    assert ("megatron_csbp.launch.torchrun: SIGTERM forwarded to the workers" in err) == (target != "ranks"), err
     records = json_log(log)
     first = _losses(records)
     stopped = max(first)

@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-from megatron_csbp.attention.kernels import MASKED_SCORE, get_kernel, math_partial_attention
-from megatron_csbp.attention.tiled import MAX_RUN_KEYS, tile_schedule, tiled_partial_attention
+from megatron_csbp.attention.kernels.registry import MASKED_SCORE, get_kernel, math_partial_attention
+from megatron_csbp.attention.kernels.tiled import MAX_RUN_KEYS, tile_schedule, tiled_partial_attention
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed, dense_reference_mask, logical_rows
 from megatron_csbp.layout.rows import PartialMask

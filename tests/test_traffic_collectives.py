@@ -83,7 +83,7 @@ def counted_collectives():
 
 
 def _gpt_model(cp, bp, transport):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -116,7 +116,7 @@ MODELS = {"gpt": (_gpt_model, _gpt_step), "diffusiongemma": (_dg_model, _dg_step
 
 
 def _rank(rank, world, cases):
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.compat.cpu import install_cpu_compat
 

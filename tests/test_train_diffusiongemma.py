@@ -204,7 +204,7 @@ def test_cpu_diffusiongemma_recipe_runs_and_learns(tmp_path):
 
     run("megatron_csbp.model.diffusiongemma.tiny", "--output", str(tmp_path / "hf"))
     run("megatron_csbp.convert", "hf-to-megatron", "--hf-path", str(tmp_path / "hf"), "--output", str(tmp_path / "meg"))
-    out = run("megatron_csbp.launch", os.path.join(RECIPES, "diffusiongemma_tiny_sft_cpu.yaml"),
+    out = run("megatron_csbp.launch.recipes", os.path.join(RECIPES, "diffusiongemma_tiny_sft_cpu.yaml"),
               f"training.load={tmp_path / 'meg'}", "training.train_iters=12", "training.log_interval=1")
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines() if "lm loss:" in line]
     print(f"recipe losses {losses}")
@@ -217,7 +217,7 @@ def test_paper_diffusiongemma_recipe_validates_against_the_26b_shape(tmp_path):
     block 256) against the released model's shape file; data and tokenizer paths are local stand-ins."""
     from transformers import DiffusionGemmaConfig
 
-    from megatron_csbp.launch import load_recipe, recipe_flags
+    from megatron_csbp.launch.recipes import load_recipe, recipe_flags
     from megatron_csbp.model.families.diffusion_gemma import shape_from_hf_config
     from megatron_csbp.model.families import SHAPE_FILE
     from megatron_csbp.training.arguments import parse_args

@@ -77,7 +77,7 @@ class CountingKernel:
                                           (["--attention-backend", "local"], "tiled"), (["--attention-backend", "unfused"], "math")])
 def test_attention_kernel_reaches_every_model_family(megatron_single_rank, converted, monkeypatch, family, flags,
                                                      kernel):
-    from megatron_csbp.attention import kernels
+    from megatron_csbp.attention.kernels import registry as kernels
     from megatron_csbp.attention.core_attention import BlockDiffusionAttention
 
     # flex has no CPU backward: the trainer takes it here for evaluation only

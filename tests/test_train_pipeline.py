@@ -1,4 +1,4 @@
-"""The trainer under pipeline parallelism (megatron_csbp/pipeline.py): the loss curve of one rank
+"""The trainer under pipeline parallelism (megatron_csbp/parallel/pipeline.py): the loss curve of one rank
 (fp32, <= 1e-5 relative: the layouts only reorder fp32 sums, as in tests/test_train_layouts.py),
 torch_dist checkpoints that resume exactly under another PP x CP/BP layout, and the flag rules.
 

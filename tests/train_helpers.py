@@ -13,7 +13,7 @@ def train_rank(rank, world_size, argv):
 
 def train_command(argv, nproc=None, torchrun_flags=(), torchrun="torch.distributed.run"):
     """`python -m megatron_csbp.train ARGV` (one process, no torchrun) or, with `nproc`, under torchrun
-    (the module `torchrun`: torch's, or megatron_csbp.launch_torchrun)."""
+    (the module `torchrun`: torch's, or megatron_csbp.launch.torchrun)."""
     import sys
     if nproc is None:
         return [sys.executable, "-m", "megatron_csbp.train"] + list(argv)

@@ -32,7 +32,7 @@ def bench_rank(rank, world, cp, bp, L, anchors, repeats):
 
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, drafter_transformer_config
@@ -75,7 +75,7 @@ def main(argv=None):
     from megatron_csbp.utils.cli import filter_warnings
 
     filter_warnings()  # hide the library warnings a user cannot act on
-    from megatron_csbp.utils.spawn import spawn
+    from megatron_csbp.parallel.spawn import spawn
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])

@@ -15,9 +15,9 @@ Without CUDA it runs on CPU ranks with gloo; add --distributed-backend gloo --tr
 --no-gradient-accumulation-fusion --use-cpu-initialization (docs/megatron-lm.md lists them all).
 
 No patch to Megatron-LM is needed: pretrain_gpt.py's dataset provider is reused, and
-megatron_csbp.megatron_lm supplies the extra_args_provider, the model provider, the forward step and
+megatron_csbp.training.megatron_lm supplies the extra_args_provider, the model provider, the forward step and
 the hook that builds the block-parallel groups inside Megatron's initialisation. The script rewrites
-argv so Megatron sees --context-parallel-size max(CP, BP) (see megatron_csbp/megatron_lm.py).
+argv so Megatron sees --context-parallel-size max(CP, BP) (see megatron_csbp/training/megatron_lm.py).
 """
 import sys
 
@@ -29,6 +29,6 @@ if __name__ == "__main__":
     if path is None:
         cli.fail(missing_message(), 1)
     sys.path.insert(0, path)
-    from megatron_csbp.megatron_lm import pretrain_bdlm
+    from megatron_csbp.training.megatron_lm import pretrain_bdlm
 
     pretrain_bdlm()

@@ -22,7 +22,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention
-from megatron_csbp.attention.kernels import get_kernel
+from megatron_csbp.attention.kernels.registry import get_kernel
 from megatron_csbp.attention.plan_handles import kv_source_of, layer_window, plan_from_mask
 
 

@@ -38,7 +38,7 @@ def _uses_gloo(group) -> bool:
 def _stamp(group):
     """Now, on the timeline a wait on `group` blocks: a CUDA event recorded on the current
     stream for a group whose tensors live on CUDA (NCCL), `time.perf_counter()` otherwise."""
-    from megatron_csbp.parallel_state import collective_device
+    from megatron_csbp.parallel.state import collective_device
 
     if collective_device(group).type == "cuda":
         event = torch.cuda.Event(enable_timing=True)

@@ -44,7 +44,7 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
     by_name = {c.name: c for c in cases_for(P, layouts)}
     a, b = (by_name[n] for n in layouts)
     order = [c for i in range(pairs) for c in ((a, b) if i % 2 == 0 else (b, a))]
-    from megatron_csbp.utils.spawn import spawn
+    from megatron_csbp.parallel.spawn import spawn
 
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()

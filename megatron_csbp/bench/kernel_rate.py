@@ -34,7 +34,7 @@ def _best(fn, repeats: int) -> float:
 def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[str] = ("tiled", "cpu_flash"),
                  block_size: int = 64, heads: int = 4, groups: int = 2, head_dim: int = 64, repeats: int = 3,
                  dtype: torch.dtype = torch.float32) -> List[Dict]:
-    from megatron_csbp.attention.kernels import get_kernel
+    from megatron_csbp.attention.kernels.registry import get_kernel
     from megatron_csbp.layout.masks import BlockGeometry, logical_rows
     from megatron_csbp.layout.rows import PartialMask
 

@@ -84,7 +84,7 @@ def _plan_pairs(plan) -> Tuple[int, int, int]:
 def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
     """One layer's block attention forward + backward on this rank's plan, random inputs."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
-    from megatron_csbp.attention.kernels import get_kernel
+    from megatron_csbp.attention.kernels.registry import get_kernel
 
     m = model
     H, G, d = m.num_attention_heads, m.num_query_groups, m.head_dim
@@ -104,7 +104,7 @@ def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
 
 
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
     from megatron_csbp.bench.worker import bench_trainer
 
@@ -151,8 +151,8 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
     tiled kernel's time per allowed pair should stay flat, the math kernel's follows the
     rectangle. Also the pairs the tiled kernel's tiles cover. Best of `repeats` below 16K."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-    from megatron_csbp.attention.kernels import get_kernel
-    from megatron_csbp.attention.tiled import tile_schedule
+    from megatron_csbp.attention.kernels.registry import get_kernel
+    from megatron_csbp.attention.kernels.tiled import tile_schedule
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.layout.rows import PartialMask
@@ -198,7 +198,7 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
     `out_path` as they finish (rank 0 writes every rank's record: a killed run keeps its rows)."""
     import warnings
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     warnings.filterwarnings("ignore")
     results = []
@@ -224,7 +224,7 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
 
 def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
     from megatron_csbp.bench.runner import environment
-    from megatron_csbp.utils.spawn import spawn
+    from megatron_csbp.parallel.spawn import spawn
 
     for world in cfg.worlds:
         jobs = [(k, c.name) for k in cfg.kernels for c in cfg.cases(world)]

@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
 
 
 def run(seq_length: int, steps: int) -> Dict:
-    from megatron_csbp.utils.spawn import spawn
+    from megatron_csbp.parallel.spawn import spawn
 
     out = {}
     for name, flags in LAYOUTS.items():

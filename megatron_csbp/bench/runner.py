@@ -11,7 +11,7 @@ import torch
 
 from megatron_csbp.bench.cases import (BenchConfig, Case, cases_for_config, dg_formula_bytes_per_layer,
                                       formula_bytes_sent)
-from megatron_csbp.utils.spawn import spawn
+from megatron_csbp.parallel.spawn import spawn
 from megatron_csbp.bench.worker import world_main
 
 

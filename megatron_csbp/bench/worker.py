@@ -78,7 +78,7 @@ def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: 
 
 def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]:
     """Initialise the layout's process groups once, then measure every sequence length."""
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
     try:
@@ -88,7 +88,7 @@ def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]
 
 
 def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
 
     m = cfg.model

@@ -127,7 +127,7 @@ def read_trained(load: str, ckpt_step: Optional[int] = None) -> CheckpointModel:
 def one_process() -> None:
     """A one-rank gloo group and the block-parallel state at TP = CP = BP = 1, kept for the caller's
     decoding."""
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.compat.cpu import install_compat
 
     if not dist.is_initialized():

@@ -67,7 +67,7 @@ def check_finite(model, iteration: int) -> None:
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
-    from megatron_csbp.pipeline import sharded_state
+    from megatron_csbp.parallel.pipeline import sharded_state
 
     state = sharded_state(model)  # {"model": ...}; interleaved pipeline chunks: {"model0": ..., "model1": ...}
     if optimizer is not None:
@@ -204,7 +204,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
     path = checkpoint_path(root, iteration)
     _agreed_file_check(path)
     if iteration == RELEASE:
-        from megatron_csbp.pipeline import sharded_state
+        from megatron_csbp.parallel.pipeline import sharded_state
 
         loaded = _read(dist_checkpointing, sharded_state(model), path)
         _load_model_state(model, loaded, path)
@@ -314,7 +314,7 @@ def _read(dist_checkpointing, state, path: str):
 
 
 def _load_model_state(model, loaded, path: str) -> None:
-    from megatron_csbp.pipeline import chunks_of
+    from megatron_csbp.parallel.pipeline import chunks_of
 
     chunks = chunks_of(model)
     for i, chunk in enumerate(chunks):

@@ -20,7 +20,7 @@
       kept alive until gloo has sent them.
 
 The trainer, generate, the converter and the bench call `install_cpu_compat()` / `install_compat()`;
-Megatron-LM scripts get layer 1 from `megatron_csbp.megatron_lm.install()`. tests/test_cuda_shaped.py
+Megatron-LM scripts get layer 1 from `megatron_csbp.training.megatron_lm.install()`. tests/test_cuda_shaped.py
 runs the trainer with CUDA "present" and TE/apex absent, so only layer 1 is installed there.
 
 Which patches change numerics (each claim checked against the patch; docs/compat.md has the same list):

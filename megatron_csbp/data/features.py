@@ -91,6 +91,16 @@ def verifier_hf_path(hf_path: Optional[str] = None, load: Optional[str] = None) 
     return tmp
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[L] first position of each position's document segment (a change of id starts one)."""
+    L = doc_ids.numel()
+    pos = torch.arange(L)
+    changed = torch.ones(L, dtype=torch.bool)
+    if L > 1:
+        changed[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.cummax(torch.where(changed, pos, torch.zeros_like(pos)), dim=0).values
+
+
 def load_verifier(hf_path: Optional[str] = None, load: Optional[str] = None, dtype=torch.float32,
                   tensor_parallel: int = 1):
     """A Hugging Face causal LM: from `hf_path`, or exported from the Megatron checkpoint `load`.
@@ -159,7 +169,6 @@ def pack_documents(prefix: str, seq_length: int, eod: Optional[int], max_sequenc
 def capture_sequence(verifier, tokens: np.ndarray, doc_ids: np.ndarray, target_layer_ids: Sequence[int]) -> np.ndarray:
     """[L, len(ids) * h] hidden states after decoder layers `target_layer_ids`, each document
     segment run on its own from position 0."""
-    from megatron_csbp.objectives.dflash import document_starts
 
     L = len(tokens)
     starts = document_starts(torch.as_tensor(doc_ids)).numpy()

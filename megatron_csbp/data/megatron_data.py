@@ -10,7 +10,7 @@
   `--seq-length + 1` tokens text[kL : (k+1)L + 1]), and a sample's sequence is its `labels`
   (text[1:], `--seq-length` tokens; the block-diffusion objectives predict positions in place,
   `--objective ar` shifts inside the objective) with Megatron's loss mask (ones but at padding):
-  exactly the clean sequence `megatron_csbp.megatron_lm.bdlm_batch` takes from Megatron-LM's batch,
+  exactly the clean sequence `megatron_csbp.training.megatron_lm.bdlm_batch` takes from Megatron-LM's batch,
   so the trainer and Megatron-LM's `pretrain()` read the same tokens (consecutive samples tile the
   corpus without overlap; the epoch and shuffle arithmetic counts `--seq-length + 1`-token samples
   in both).

@@ -57,7 +57,7 @@ class CachedBlockAttention(torch.nn.Module):
         st = self.state
         if st.mode == "off":
             return self.inner(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        from megatron_csbp.attention.kernels import get_kernel
+        from megatron_csbp.attention.kernels.registry import get_kernel
 
         layer = self.inner.layer_number
         geometry = st.geometry.with_window(self.inner.window)

@@ -9,7 +9,7 @@ pre-hook on the output layer, bound to the call's rows, drops the clean rows: ha
 no fp32 logits for them);
 `loss` (model/loss.py) returns this rank's partial loss over the global denominator. Summing it
 over the shard group gives the full loss. Under pipeline parallelism every stage runs the same
-noise -> plan -> rows (keyed by the sample index; megatron_csbp/pipeline.py). `forward` (what
+noise -> plan -> rows (keyed by the sample index; megatron_csbp/parallel/pipeline.py). `forward` (what
 Megatron's schedules call) runs one mode, each its own method: `training_loss` (the last stage or
 the whole model), `stage_output` (a stage before the last: hidden states of this rank's rows for
 the next stage) or `first_pass` (self-conditioning's first pass under pipeline parallelism).
@@ -51,7 +51,7 @@ from megatron_csbp.model.loss import LossOutput, weighted_cross_entropy
 from megatron_csbp.model.rotary import LayoutRotaryEmbedding
 from megatron_csbp.model.spec import count_block_attention
 from megatron_csbp.objectives.base import NoisedBatch, Objective
-from megatron_csbp.parallel_state import agree_with_expert_peers, has_expert_parallel_peers
+from megatron_csbp.parallel.state import agree_with_expert_peers, has_expert_parallel_peers
 from megatron_csbp.utils.precision import compute_dtype
 
 

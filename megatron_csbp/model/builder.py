@@ -115,8 +115,8 @@ def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: st
 
     Weights are not initialised (they are about to be loaded); pass `perform_initialization=True`
     in `config_overrides` to draw them. Other overrides set parallelism and training options.
-    `stage`: the pipeline chunk (`megatron_csbp.pipeline.Stage`; default the whole model)."""
-    from megatron_csbp.pipeline import WHOLE
+    `stage`: the pipeline chunk (`megatron_csbp.parallel.pipeline.Stage`; default the whole model)."""
+    from megatron_csbp.parallel.pipeline import WHOLE
     from megatron_csbp.model.families import get_family
 
     family = get_family(shape.family)

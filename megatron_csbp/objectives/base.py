@@ -70,7 +70,7 @@ class Objective:
     #: clean row's term to one rank (`SequenceLayout.clean_loss`)
     needs_clean_logits = False
     #: the rows of a micro-batch are fixed by the layout (False: canvas plans vary them; pipeline
-    #: P2P then exchanges shapes first, megatron_csbp/pipeline.py)
+    #: P2P then exchanges shapes first, megatron_csbp/parallel/pipeline.py)
     fixed_rows = True
     #: "--mask-token-id (why)": the objective needs a mask id (None: it uses none)
     mask_token_needed: Optional[str] = None

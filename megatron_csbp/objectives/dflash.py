@@ -38,6 +38,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_csbp.data.features import document_starts  # noqa: F401 (the objective's API too)
 from megatron_csbp.objectives.base import Objective, sample_generator
 from megatron_csbp.objectives.flags import Flag, check_choice
 from megatron_csbp.objectives.registry import register_objective
@@ -63,16 +64,6 @@ class DFlashSample:
     def select(self, index: torch.Tensor) -> "DFlashSample":
         return DFlashSample(self.anchors[index], self.doc_starts[index], self.draft_tokens[index],
                             self.targets[index], self.position_weights[index])
-
-
-def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[L] first position of each position's document segment (a change of id starts one)."""
-    L = doc_ids.numel()
-    pos = torch.arange(L)
-    changed = torch.ones(L, dtype=torch.bool)
-    if L > 1:
-        changed[1:] = doc_ids[1:] != doc_ids[:-1]
-    return torch.cummax(torch.where(changed, pos, torch.zeros_like(pos)), dim=0).values
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:

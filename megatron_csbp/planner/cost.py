@@ -715,7 +715,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
 #   a chunk's pass takes t / V, so the bubble shrinks to (pp - 1) t / V, (pp - 1) / (V m) of the
 #   ideal time (Megatron's interleaved schedule): step = (m + (pp - 1) / V) t + ... Every chunk
 #   boundary is a P2P hop: V x the messages (and exposed seconds) of 1F1B per micro-batch. The
-#   trainer's rules (`megatron_csbp/pipeline.py::check_pipeline_args`): m a multiple of pp, the
+#   trainer's rules (`megatron_csbp/parallel/pipeline.py::check_pipeline_args`): m a multiple of pp, the
 #   layers of a stage divisible by V.
 #
 # Memory of rank s (0-based): its weights, gradients and optimizer state; the activations in flight,
@@ -756,7 +756,7 @@ def in_flight_chunks(rank: int, micro: int, pp: int, vp: int = 1) -> int:
 
 
 def check_interleaving(model: ModelConfig, pp: int, vp: int, micro: int) -> None:
-    """The trainer's interleaving rules (`megatron_csbp/pipeline.py::check_pipeline_args`)."""
+    """The trainer's interleaving rules (`megatron_csbp/parallel/pipeline.py::check_pipeline_args`)."""
     if vp == 1:
         return
     if pp < 2:

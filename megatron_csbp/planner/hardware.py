@@ -126,7 +126,7 @@ def _gemm_gflops(n: int = 384) -> float:
 def _attention_gflops(sq: int = 512, sk: int = 512, heads: int = 4, groups: int = 2, d: int = 32) -> float:
     import torch
 
-    from megatron_csbp.attention.kernels import math_partial_attention
+    from megatron_csbp.attention.kernels.registry import math_partial_attention
     from megatron_csbp.layout.masks import BlockGeometry, RowMeta
     from megatron_csbp.layout.rows import PartialMask
 
@@ -185,7 +185,7 @@ def measure_cpu_profile(name: str = "measured-cpu") -> HardwareProfile:
     gemm = _gemm_gflops()
     attn = _attention_gflops()
     mem = _memory_gbps()
-    from megatron_csbp.utils.spawn import spawn
+    from megatron_csbp.parallel.spawn import spawn
 
     link = spawn(_link_worker, 2, None)[0]
     try:

@@ -1,5 +1,5 @@
 """Command line of `python -m megatron_csbp.train`: Megatron-LM's flag names plus the block-diffusion
-ones (the same set `megatron_csbp.megatron_lm.extra_args_provider` adds to Megatron-LM).
+ones (the same set `megatron_csbp.training.megatron_lm.extra_args_provider` adds to Megatron-LM).
 
 Every rule is checked before any process group exists; a violation exits with a message naming
 the flag and the rule.
@@ -12,7 +12,7 @@ import os
 from typing import List, Optional, Sequence
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
-from megatron_csbp.training.options import BACKEND_KERNEL, add_options, check_options
+from megatron_csbp.config.options import BACKEND_KERNEL, add_options, check_options
 
 
 def __getattr__(name):
@@ -71,7 +71,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     rule runs. What was skipped is appended to `args.check_notes`."""
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
-    from megatron_csbp.parallel_state import check_topology
+    from megatron_csbp.parallel.state import check_topology
 
     placeholders = set(getattr(args, "placeholders", ()))
     args.check_notes = []
@@ -157,7 +157,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError("--save-initial needs --save DIR")
     if args.skip_train and not args.eval_iters:
         raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
-    from megatron_csbp.pipeline import check_pipeline_args
+    from megatron_csbp.parallel.pipeline import check_pipeline_args
     check_pipeline_args(args)
     if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
             and not objective_class(args.objective).fixed_rows
@@ -308,7 +308,7 @@ def check_model_options(args, check_only: bool = False) -> None:
                              "FlexAttention has no backward on CPU; use tiled (--attention-backend local) here")
     if args.attention_kernel == "flash" and not check_only:
         import torch
-        from megatron_csbp.attention.flash import require_flash_attn
+        from megatron_csbp.attention.kernels.flash import require_flash_attn
         if not torch.cuda.is_available():
             raise ValueError("--attention-kernel flash runs on CUDA only (flash-attn's kernels); use tiled "
                              "(--attention-backend local) here")

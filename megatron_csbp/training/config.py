@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, fields, make_dataclass
 from typing import Any, Dict, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
-from megatron_csbp.training.options import section_fields
+from megatron_csbp.config.options import section_fields
 
 
 def _take(cls, args: argparse.Namespace, **overrides):
@@ -44,7 +44,7 @@ def _describe(self) -> str:
 
 ParallelConfig = _section(
     "ParallelConfig", "parallel", ("world_size", int, 1), ("data_parallel_size", int, 1),
-    ("virtual_pipeline_model_parallel_size", Optional[int], None),  # interleaved 1F1B (megatron_csbp/pipeline.py)
+    ("virtual_pipeline_model_parallel_size", Optional[int], None),  # interleaved 1F1B (megatron_csbp/parallel/pipeline.py)
     # ranks that hold one sequence: max(CP, BP) (Megatron's context-parallel axis)
     shard_group_size=property(lambda self: shard_group_size(self.context_parallel_size, self.block_parallel_size)),
     layout=property(lambda self: layout_kind(self.context_parallel_size, self.block_parallel_size)),

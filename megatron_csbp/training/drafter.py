@@ -20,7 +20,7 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     rank 0 writes the drafter's shape and verifier record there (what `--load` and the export read)."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.data.features import FeatureDataset, FeatureSplit, load_verifier
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.objectives import build_objective

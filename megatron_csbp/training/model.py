@@ -36,8 +36,9 @@ from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
 from megatron_csbp.model.builder import padded_vocab_size  # noqa: F401  (re-exported)
 from megatron_csbp.model.bdlm import BlockDiffusionModel
-from megatron_csbp import objectives, pipeline
-from megatron_csbp.training.options import config_fields, gpt_kwargs, section_fields
+from megatron_csbp import objectives
+from megatron_csbp.parallel import pipeline
+from megatron_csbp.config.options import config_fields, gpt_kwargs, section_fields
 
 
 #: The typed model config: the options declared for "model" (training/options.py), then what the
@@ -189,7 +190,7 @@ def build_model_chunks(a, device: Optional[torch.device] = None, finalize_model_
 def build_model(a, device: Optional[torch.device] = None, finalize_model_grads_func=None,
                 pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> TrainableBDLM:
     """Build on CPU with a fixed seed (layout-independent weights), then move to `device`.
-    `pre_process` / `post_process` / `vp_stage`: the pipeline chunk (megatron_csbp/pipeline.py)."""
+    `pre_process` / `post_process` / `vp_stage`: the pipeline chunk (megatron_csbp/parallel/pipeline.py)."""
     objective = build_objective(a)
     layout = build_layout(a)
     if a.model_shape is not None:
@@ -298,7 +299,7 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
 
 
 def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     if device is not None:
         gpt = gpt.to(device)

@@ -72,7 +72,7 @@ def init_distributed(parallel) -> None:
         raise RuntimeError(f"WORLD_SIZE {parallel.world_size} at parse time, {dist.get_world_size()} at init")
     from megatron_csbp.compat.cpu import install_compat
     install_compat()  # fixes for missing TE/apex on every device; the CPU relocation without CUDA
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     if not bps.is_initialized():
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
@@ -129,8 +129,8 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_csbp.objectives import objective_class
-        from megatron_csbp import pipeline
-        from megatron_csbp.pipeline_self_conditioning import relay_for
+        from megatron_csbp.parallel import pipeline
+        from megatron_csbp.parallel.self_conditioning import relay_for
         from megatron_csbp.training.model import build_model_chunks
 
         c = self.config
@@ -140,7 +140,7 @@ class Trainer:
             # Losses are pre-divided by the global denominator: no per-token rescaling here.
             return finalize_model_grads(model_chunks, None, **kwargs)
 
-        # Pipeline parallelism: this rank's chunks (megatron_csbp/pipeline.py), one DDP each (Megatron-LM's
+        # Pipeline parallelism: this rank's chunks (megatron_csbp/parallel/pipeline.py), one DDP each (Megatron-LM's
         # bucketing rule: only the first chunk is bucketed).
         if self.gpt_provider is None:
             self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
@@ -247,7 +247,7 @@ class Trainer:
                 return out, None
             return out.loss, partial(loss_func, out)
 
-        from megatron_csbp import pipeline
+        from megatron_csbp.parallel import pipeline
 
         fb = get_forward_backward_func()
         # Under pipeline parallelism P2P moves this rank's rows ([rows, b, h]): the schedule's
@@ -483,7 +483,7 @@ class Trainer:
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
         """Tear down the plugin's and torch.distributed's process groups."""
-        from megatron_csbp import parallel_state as bps
+        from megatron_csbp.parallel import state as bps
         if bps.is_initialized():
             bps.destroy_block_parallel()
         if dist.is_initialized():

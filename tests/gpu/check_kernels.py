@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from megatron_csbp.attention.kernels import MASKED_SCORE, get_kernel  # noqa: E402
+from megatron_csbp.attention.kernels.registry import MASKED_SCORE, get_kernel  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta  # noqa: E402
 from megatron_csbp.layout.rows import PartialMask  # noqa: E402
 

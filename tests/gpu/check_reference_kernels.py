@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_csbp.attention.kernels import get_kernel  # noqa: E402
+from megatron_csbp.attention.kernels.registry import get_kernel  # noqa: E402
 from megatron_csbp.planner.reference import FLEX_FORWARD_RATE_128, FLEX_RATE_256  # noqa: E402
 
 NO_CUDA = "no CUDA device: the fitted constants are GPU kernel rates (Flex vs flash-attn); nothing to measure on CPU"

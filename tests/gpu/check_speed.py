@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout  # noqa: E402
-from megatron_csbp.attention.kernels import get_kernel  # noqa: E402
+from megatron_csbp.attention.kernels.registry import get_kernel  # noqa: E402
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry  # noqa: E402
 from check_kernels import timed  # noqa: E402  (tests/gpu/ is the script's own folder)

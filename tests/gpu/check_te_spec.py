@@ -2,7 +2,7 @@
 block-diffusion GPT (BD3-LM objective, one forward + backward) on Megatron's local spec in bf16,
 its core attention the plugin's (the default kernel: Flex on CUDA), against the same weights in
 float64 (math kernel); and, where TransformerEngine is installed, the TE-spec model path (what
-`megatron_csbp.megatron_lm.model_provider` builds for `--transformer-impl transformer_engine`).
+`megatron_csbp.training.megatron_lm.model_provider` builds for `--transformer-impl transformer_engine`).
 
 Three models hold identical weight values (drawn once in bf16; the TE layer-norm weights fused
 into `linear_qkv` / `linear_fc1` are renamed by megatron-core's own TE -> local key map,
@@ -61,7 +61,7 @@ def _init(device: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     if device == "cpu":
         from megatron_csbp.compat.cpu import install_cpu_compat
@@ -104,7 +104,7 @@ def _local_names(state: dict) -> dict:
 
 def _run(gpt, args, tokens):
     """Loss and {local parameter name: gradient} of one BD3-LM forward + backward, single rank."""
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.model.bdlm import BlockDiffusionModel
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps(record))
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
 
     bps.destroy_block_parallel()
     dist.destroy_process_group()

@@ -9,7 +9,7 @@ import torch
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from megatron_csbp.attention.block_attention import plan_for_layout, block_diffusion_attention  # noqa: E402
-from megatron_csbp.attention.kernels import get_kernel  # noqa: E402
+from megatron_csbp.attention.kernels.registry import get_kernel  # noqa: E402
 from megatron_csbp.layout.layout import SequenceLayout  # noqa: E402
 from megatron_csbp.layout.masks import BlockGeometry, dense_reference_mask  # noqa: E402
 

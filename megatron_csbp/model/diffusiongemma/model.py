@@ -22,7 +22,7 @@ local noisy rows in plan order, detached logits of a first pass) with an optiona
 `with model.self_conditioning_inputs(logits, mask): ...`. Under pipeline parallelism the first stage
 gets instead `self_conditioning_hidden`: the last stage's output-layer input for those rows
 [noisy rows (/TP under sequence parallelism), b, h], and computes the logits itself with its tied
-embeddings (`self_conditioning_logits_of`; megatron_csbp/pipeline_self_conditioning.py).
+embeddings (`self_conditioning_logits_of`; megatron_csbp/parallel/self_conditioning.py).
 """
 from __future__ import annotations
 
@@ -213,10 +213,10 @@ class DiffusionGemmaModel(GPTModel):
 def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, block_diffusion: bool = True,
                           kernel: str = "auto", parallel_output: bool = True, stage=None) -> DiffusionGemmaModel:
     """Model provider (parallel state must be initialised). `stage`: the pipeline chunk
-    (`megatron_csbp.pipeline.Stage`; None: the whole model): the embedding and self-conditioning
+    (`megatron_csbp.parallel.pipeline.Stage`; None: the whole model): the embedding and self-conditioning
     MLP on the first stage, the soft-capped tied output layer on the last; layers keep their global
     numbers, so the sliding/full pattern and K=V rule follow the layer wherever it sits."""
-    from megatron_csbp.pipeline import WHOLE
+    from megatron_csbp.parallel.pipeline import WHOLE
 
     stage = stage or WHOLE
     spec = diffusion_gemma_block_spec(config, block_diffusion=block_diffusion, kernel=kernel, vp_stage=stage.vp_stage)

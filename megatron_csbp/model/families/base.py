@@ -174,7 +174,7 @@ class Family:
 
     def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
         """The megatron-core model of `shape` under the current parallel state (`config` given);
-        `stage`: its pipeline chunk (`megatron_csbp.pipeline.Stage`; None: the whole model)."""
+        `stage`: its pipeline chunk (`megatron_csbp.parallel.pipeline.Stage`; None: the whole model)."""
         raise NotImplementedError
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:

@@ -207,7 +207,7 @@ class GPTFamily(Family):
 
     def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
         from megatron_csbp.model import builder
-        from megatron_csbp.pipeline import WHOLE, stage_block_spec
+        from megatron_csbp.parallel.pipeline import WHOLE, stage_block_spec
 
         stage = stage or WHOLE
         return builder.gpt_model(
@@ -234,7 +234,7 @@ class GPTFamily(Family):
         """Megatron-LM command-line flags that rebuild the same model (local spec): the shape's
         `flag_values` and the fixed ones, each written as training/options.py declares it."""
         from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
-        from megatron_csbp.training.options import flag_text
+        from megatron_csbp.config.options import flag_text
 
         v = dict(flag_values(shape), position_embedding_type="rope", add_bias_linear=False, attention_dropout=0.0,
                  hidden_dropout=0.0, make_vocab_size_divisible_by=1, transformer_impl="local",

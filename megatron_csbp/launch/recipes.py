@@ -4,7 +4,7 @@ A recipe is a YAML file with the sections `model`, `parallelism`, `data`, `objec
 `training` (each a mapping of Megatron / plugin flag names to values, with `_` or `-`), plus an
 optional `launch` section (`nnodes`, `nproc_per_node`, `slurm: {partition, account, time, ...}`).
 The launcher turns the sections into the command line of `python -m megatron_csbp.train` and runs
-it through NeMo-Run (megatron_csbp.launch_nemo): under torchrun on this machine
+it through NeMo-Run (megatron_csbp.launch.nemo): under torchrun on this machine
 (`run.LocalExecutor`), or as the sbatch script of `run.SlurmExecutor` (written, not submitted).
 
 Values: `true` -> the bare flag; `false` / null -> omitted; a list -> repeated values after one
@@ -52,7 +52,7 @@ def _yaml():
 
 
 #: the shipped recipes (in a source checkout); `launch NAME` accepts their bare names
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes")
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "recipes")
 
 #: flags whose value is a filesystem path: a relative one in a recipe is relative to the recipe's own
 #: directory (so `launch RECIPE --check` means the same from any directory); command-line overrides
@@ -224,7 +224,7 @@ def check_world(recipe: Dict, nnodes: int, nproc: int) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's import-time notices (no TE/apex)
-        from megatron_csbp.parallel_state import check_topology
+        from megatron_csbp.parallel.state import check_topology
 
     if nnodes < 1 or nproc < 1:
         raise RecipeError(f"--nnodes ({nnodes}) and --nproc-per-node ({nproc}) must be >= 1")
@@ -299,7 +299,7 @@ def launch_sizes(recipe: Dict, nnodes: Optional[int], nproc: Optional[int]) -> T
 
 
 #: torchrun that forwards SIGTERM to the ranks of an --exit-signal-handler job and exits 0 once they saved
-TORCHRUN = "megatron_csbp.launch_torchrun"
+TORCHRUN = "megatron_csbp.launch.torchrun"
 
 
 def torchrun_command(recipe: Dict, nnodes: int, nproc: int, python: str = sys.executable,
@@ -339,8 +339,8 @@ def requeue_safe(recipe: Dict) -> Tuple[Dict, List[str]]:
 
 
 def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
-    """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch_nemo)."""
-    from megatron_csbp.launch_nemo import slurm_job
+    """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch.nemo)."""
+    from megatron_csbp.launch.nemo import slurm_job
 
     return slurm_job(recipe, nnodes, nproc, job_dir).script
 
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
         check_world(recipe, nnodes, nproc)
         todo = placeholders(recipe)
         if args.slurm:
-            from megatron_csbp.launch_nemo import slurm_job
+            from megatron_csbp.launch.nemo import slurm_job
 
             # NeMo-Run's job directory (the sbatch and per-rank logs, the job's working directory)
             # beside the script, named after it: run.sbatch -> run_slurm/
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
         if todo:
             print(f"warning: placeholders to fill before launch: {', '.join(todo)}", file=sys.stderr)
         return 0
-    from megatron_csbp.launch_nemo import run_local
+    from megatron_csbp.launch.nemo import run_local
 
     return run_local(recipe, nproc)  # NeMo-Run's LocalExecutor runs the same torchrun command
 

@@ -53,7 +53,7 @@ from megatron_csbp.utils.cli import UsageError
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_block_diffusion_args(parser)
     parser.add_argument("--bdlm-context-parallel-size", type=int, default=None,
-                        help="(set by megatron_csbp.megatron_lm.rewrite_argv) the clean-ring size; Megatron's "
+                        help="(set by megatron_csbp.training.megatron_lm.rewrite_argv) the clean-ring size; Megatron's "
                              "--context-parallel-size holds max(CP, BP)")
     parser.add_argument("--allow-mask-token-in-vocab", action="store_true",
                         help="accept a --mask-token-id that the tokenizer can produce (default: refused, since data "
@@ -73,11 +73,11 @@ _REFUSED_MEGATRON_FLAGS = (
     ("hidden_dropout", "--hidden-dropout", (0.0,),
      "dropout masks are drawn per rank, so the loss would depend on the layout. Pass --hidden-dropout 0"),
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", (None,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
     ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", (False,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", (False,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/pipeline.py)"),
+     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
 )
 
 
@@ -277,7 +277,7 @@ def install_initialize_hook() -> None:
     def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   virtual_pipeline_model_parallel_size=None, *args, **kwargs):
         from megatron.training import get_args
-        from megatron_csbp import parallel_state as bps
+        from megatron_csbp.parallel import state as bps
 
         a = get_args()
         seq = kwargs.pop("context_parallel_size", 1)
@@ -285,7 +285,7 @@ def install_initialize_hook() -> None:
         cp, bp = _true_cp(a), a.block_parallel_size
         if shard_group_size(cp, bp) != seq:
             raise ValueError(f"Megatron's --context-parallel-size is {seq}, expected max(CP {cp}, BP {bp}); launch "
-                             "through megatron_csbp.megatron_lm.rewrite_argv (examples/megatron_lm/pretrain_bdlm.py)")
+                             "through megatron_csbp.training.megatron_lm.rewrite_argv (examples/megatron_lm/pretrain_bdlm.py)")
         mpu.initialize_model_parallel = original  # initialize_block_parallel calls Megatron's own
         try:
             bps.initialize_block_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, cp, bp, ep,
@@ -324,13 +324,13 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_csbp import parallel_state as bps
+    from megatron_csbp.parallel import state as bps
     from megatron_csbp.model import builder
     from megatron_csbp.model.bdlm import wrapper_class
     from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
-    from megatron_csbp.training.options import gpt_kwargs
+    from megatron_csbp.config.options import gpt_kwargs
 
-    from megatron_csbp import pipeline
+    from megatron_csbp.parallel import pipeline
 
     args = get_args()
     stage = pipeline.Stage(pre_process, post_process, vp_stage)
@@ -372,7 +372,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                                       packing=Packing.of(margs))
     if config.pipeline_model_parallel_size > 1:
         # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
-        # rank's rows cross the stage boundary (megatron_csbp/pipeline.py).
+        # rank's rows cross the stage boundary (megatron_csbp/parallel/pipeline.py).
         args.decoder_seq_length = pipeline.p2p_seq_length(bdlm)
         config.variable_seq_lengths = pipeline.variable_rows(objective)
     return TrainableBDLM(config, bdlm)
@@ -467,7 +467,7 @@ def batch_on_every_stage(data_iterator):
 
 def forward_step(data_iterator, model):
     """Megatron-LM forward step: whole samples on every rank of the shard group (and every pipeline
-    stage; a stage before the last returns its hidden states, megatron_csbp/pipeline.py)."""
+    stage; a stage before the last returns its hidden states, megatron_csbp/parallel/pipeline.py)."""
     from megatron.core import parallel_state as mpu
     from megatron.training import get_args
 

@@ -26,7 +26,7 @@ from typing import Tuple
 import torch
 
 from megatron_csbp.attention.merge import PartialMerge, merge_partials
-from megatron_csbp.attention.tiled import MASKED_SCORE, tiled_partial_attention
+from megatron_csbp.attention.kernels.tiled import MASKED_SCORE, tiled_partial_attention
 from megatron_csbp.layout.rows import PartialMask
 from megatron_csbp.utils.precision import compute_dtype
 
@@ -63,21 +63,21 @@ def math_partial_attention(
 
 def flex_partial_attention(q, k, v, mask, softmax_scale):
     """FlexAttention driven by the mask's row vectors (`attention/flex.py`; default on CUDA)."""
-    from megatron_csbp.attention.flex import flex_attention_partial
+    from megatron_csbp.attention.kernels.flex import flex_attention_partial
 
     return flex_attention_partial(q, k, v, mask, softmax_scale)
 
 
 def flash_partial_attention(q, k, v, mask, softmax_scale):
     """flash-attn varlen for the pieces it expresses exactly, flex for the rest (`attention/flash.py`)."""
-    from megatron_csbp.attention.flash import flash_attention_partial
+    from megatron_csbp.attention.kernels.flash import flash_attention_partial
 
     return flash_attention_partial(q, k, v, mask, softmax_scale)
 
 
 def cpu_flash_partial_attention(q, k, v, mask, softmax_scale):
     """The flash decomposition on torch's CPU flash attention, tiled for the rest (`attention/cpu_flash.py`)."""
-    from megatron_csbp.attention.cpu_flash import cpu_flash_partial_attention as kernel
+    from megatron_csbp.attention.kernels.cpu_flash import cpu_flash_partial_attention as kernel
 
     return kernel(q, k, v, mask, softmax_scale)
 
@@ -100,7 +100,7 @@ def get_kernel(name: str, device: torch.device):
     if name not in KERNELS:
         raise ValueError(f"--attention-kernel must be one of {sorted(KERNELS) + ['auto']}, got {name!r}")
     if name == "flash":  # fail at selection, with the flag's name, not inside the first forward
-        from megatron_csbp.attention.flash import require_flash_attn
+        from megatron_csbp.attention.kernels.flash import require_flash_attn
 
         require_flash_attn()
     return KERNELS[name]

@@ -34,7 +34,7 @@ def _entry(rank, world_size, port, out_dir, fn, args, setup):
             torch.save({"ok": False, "error": traceback.format_exc()}, path)
         raise
     finally:
-        from megatron_csbp import parallel_state as bps
+        from megatron_csbp.parallel import state as bps
 
         if bps.is_initialized():
             bps.destroy_block_parallel()

@@ -1,6 +1,6 @@
 """Recipes as NeMo-Run tasks (PyPI `nemo-run`, which imports with `leptonai<0.27`).
 
-A YAML recipe (examples/recipes/*.yaml, read by `megatron_csbp.launch`) stays the data; NeMo-Run
+A YAML recipe (examples/recipes/*.yaml, read by `megatron_csbp.launch.recipes`) stays the data; NeMo-Run
 runs it. Each recipe is
 
 - `recipe_script(recipe)`: a `run.Script` (`python -m megatron_csbp.train <the recipe's flags>`),
@@ -16,8 +16,8 @@ and either runs with
 `python -m megatron_csbp.launch RECIPE` runs recipes through these (its options unchanged).
 
     import nemo_run as run
-    from megatron_csbp.launch import load_recipe
-    from megatron_csbp.launch_nemo import local_executor, recipe_script
+    from megatron_csbp.launch.recipes import load_recipe
+    from megatron_csbp.launch.nemo import local_executor, recipe_script
     r = load_recipe("examples/recipes/cpu_demo.yaml")
     run.run(recipe_script(r), executor=local_executor(r, 2), name=r["name"])
 """
@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Dict, NamedTuple, Optional
 
-from megatron_csbp.launch import TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
+from megatron_csbp.launch.recipes import TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
 
 
 def _run():
@@ -60,7 +60,7 @@ def recipe_partial(recipe: Dict):
 def local_executor(recipe: Dict, nproc: int):
     env = recipe_env(recipe)
     # Spawned ranks import this checkout first, as `python -m megatron_csbp.launch` itself does.
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
     return _run().LocalExecutor(ntasks_per_node=nproc, nodes=1, launcher="torchrun", env_vars=env)
 
@@ -108,7 +108,7 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
     from nemo_run.config import RUNDIR_NAME
     from nemo_run.core.execution.slurm import SlurmJobDetails
 
-    from megatron_csbp.launch import requeue_safe
+    from megatron_csbp.launch.recipes import requeue_safe
 
     recipe = requeue_safe(recipe)[0]  # the script is requeue-enabled: --load = --save, --exit-signal-handler
 
@@ -145,7 +145,7 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
 
 def local_task(recipe: Dict, nproc: int):
     """(task, executor) of a local launch: `recipe_script` under the LocalExecutor's torchrun, or for an
-    `--exit-signal-handler` recipe the command `launch` prints, `python -m megatron_csbp.launch_torchrun
+    `--exit-signal-handler` recipe the command `launch` prints, `python -m megatron_csbp.launch.torchrun
     ... -m megatron_csbp.train ...`, as one task (torchrun would exit 1 after a SIGTERM)."""
     task, executor = recipe_script(recipe), local_executor(recipe, nproc)
     if _flag(recipe, "exit_signal_handler"):

@@ -42,7 +42,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_csbp.attention.tiled import MASKED_SCORE
+from megatron_csbp.attention.kernels.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import KeyRows, PartialMask, QueryRows, pair_allowed
 
 FLEX_BLOCK = 128  # flex's default sparse block: tiles of 128 queries x 128 keys

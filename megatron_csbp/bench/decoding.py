@@ -1,6 +1,6 @@
 """BD3-LM decoding speed with and without the clean-prefix KV cache:
 
-    python -m megatron_csbp.generation.bench --load runs/default/checkpoints [--output docs/benchmarks/generation.md]
+    python -m megatron_csbp.bench.decoding --load runs/default/checkpoints [--output docs/benchmarks/generation.md]
 
 For each decoding mode (`--steps-per-block` = B, one token per forward; Fast-dLLM `--threshold`)
 and each prompt, decodes `--max-new-tokens` with the cache and without it (same seed), checks the
@@ -65,7 +65,7 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
     lines = [f"BD3-LM decoding, `{load}` (iteration {step}; {margs.get('num_layers')} layers, hidden "
              f"{margs.get('hidden_size')}, block {margs['block_size']}), {len(PROMPTS)} prompts x up to "
              f"{max_new_tokens} new tokens (stopping at EOD), temperature {temperature} unless the mode says, one "
-             f"process, {torch.get_num_threads()} thread(s), best of {REPEATS}, `python -m megatron_csbp.generation.bench`. "
+             f"process, {torch.get_num_threads()} thread(s), best of {REPEATS}, `python -m megatron_csbp.bench.decoding`. "
              "Forwards count the clean-prefix forwards of the cache too (one per finished block).",
              "",
              "| mode | tokens | tokens/s with cache | forwards | tokens/s without cache | forwards | speed-up | same tokens |",
@@ -76,7 +76,7 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.generation.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.decoding", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -330,7 +330,7 @@ def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
     """The declared flags of `groups`, each in its group; the objectives' flags after --objective,
     the pipeline flags after --pipeline-model-parallel-size."""
     from megatron_csbp.objectives.registry import add_objective_args, objective_help, objective_names
-    from megatron_csbp.pipeline import add_pipeline_args
+    from megatron_csbp.parallel.pipeline import add_pipeline_args
 
     made = {}
     for o in OPTIONS:

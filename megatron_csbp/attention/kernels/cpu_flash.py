@@ -46,8 +46,13 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from megatron_csbp.attention.flash import FlashPlan, VarlenCall
-from megatron_csbp.attention.tiled import MASKED_SCORE, _backward as tiled_backward, _forward as tiled_forward, tile_schedule
+from megatron_csbp.attention.kernels.flash import FlashPlan, VarlenCall
+from megatron_csbp.attention.kernels.tiled import (
+    MASKED_SCORE,
+    _backward as tiled_backward,
+    _forward as tiled_forward,
+    tile_schedule,
+)
 from megatron_csbp.layout.rows import PartialMask
 from megatron_csbp.utils.precision import compute_dtype
 

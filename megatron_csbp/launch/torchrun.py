@@ -1,4 +1,4 @@
-"""`python -m megatron_csbp.launch_torchrun [torchrun options] -m megatron_csbp.train ...`: torch's own
+"""`python -m megatron_csbp.launch.torchrun [torchrun options] -m megatron_csbp.train ...`: torch's own
 torchrun (`torch.distributed.run.main`), except that with `--exit-signal-handler` among the arguments
 a SIGTERM to the launcher is forwarded to each worker's process group and the agent keeps monitoring
 the workers (torch's agent raises `SignalException`, shuts them down and exits 1): the ranks save
@@ -34,7 +34,7 @@ def _torch_api():
         (found if obj is not None else missing).append(obj if obj is not None else f"{module}.{path}")
     if missing:
         raise CliError(f"--exit-signal-handler: torch {torch.__version__} has no {', '.join(missing)}, which "
-                       "megatron_csbp.launch_torchrun needs to forward SIGTERM to the workers (plain torchrun "
+                       "megatron_csbp.launch.torchrun needs to forward SIGTERM to the workers (plain torchrun "
                        "works, but exits 1 after a SIGTERM of its own)")
     return found
 
@@ -69,7 +69,7 @@ def forward_sigterm() -> None:
                 raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
             forwarded.extend(sent)
             if sent:
-                os.write(2, f"megatron_csbp.launch_torchrun: SIGTERM forwarded to the workers (pids "
+                os.write(2, f"megatron_csbp.launch.torchrun: SIGTERM forwarded to the workers (pids "
                             f"{' '.join(map(str, sent))}; --exit-signal-handler: they save the iteration they "
                             "reach and exit); waiting for them\n".encode())
 

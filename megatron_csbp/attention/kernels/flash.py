@@ -40,9 +40,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.attention.flex import derived, flex_attention_partial, lse_dtype
+from megatron_csbp.attention.kernels.flex import derived, flex_attention_partial, lse_dtype
 from megatron_csbp.attention.merge import merge_partials
-from megatron_csbp.attention.tiled import MASKED_SCORE
+from megatron_csbp.attention.kernels.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import PartialMask
 
 KEY_COPY_BUDGET = 2.0  # gathered clean keys per call, at most this many x the partial's clean keys

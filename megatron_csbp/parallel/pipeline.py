@@ -29,7 +29,7 @@ CPU generator draws of everything before it (the embedding and the earlier layer
 dropped one at a time), so its layers draw what one rank draws (`build_chunks`).
 
 Self-conditioning (DiffusionGemma SFT) runs its first pass through the stages before each step's
-schedule: megatron_csbp/pipeline_self_conditioning.py.
+schedule: megatron_csbp/parallel/self_conditioning.py.
 """
 from __future__ import annotations
 
