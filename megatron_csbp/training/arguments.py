@@ -28,7 +28,7 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of the declared options (training/options.py)."""
+    """The parser of the declared options (config/options.py)."""
     from megatron_csbp.utils.cli import ArgumentParser  # an argument error is one line, not the usage
 
     p = ArgumentParser(prog="python -m megatron_csbp.train",
@@ -216,7 +216,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
 
 
 def check_counts(args) -> None:
-    """Each flag's own rule (training/options.py: sizes, counts and intervals positive, ranges);
+    """Each flag's own rule (config/options.py: sizes, counts and intervals positive, ranges);
     an unset --eval-iters takes Megatron-LM's 100 when evaluations are asked for."""
     check_options(args)
     if args.eval_iters is None:
@@ -281,7 +281,7 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
 
 
 def check_model_options(args, check_only: bool = False) -> None:
-    """Rules between model flags (each flag's own: training/options.py): rope scaling,
+    """Rules between model flags (each flag's own: config/options.py): rope scaling,
     recomputation, and the attention kernel named by --attention-backend."""
     if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None:
         raise ValueError("give --use-rope-scaling or --rotary-seq-len-interpolation-factor, not both")

@@ -27,7 +27,7 @@ def _take(cls, args: argparse.Namespace, **overrides):
 
 
 def _section(name: str, section: str, *extra, **methods):
-    """A frozen config section: the options declared for `section` (training/options.py), then the
+    """A frozen config section: the options declared for `section` (config/options.py), then the
     `extra` (name, type, default) fields the flags derive."""
     return make_dataclass(name, [*section_fields(section), *extra], frozen=True,
                           namespace=dict(methods, __module__=__name__))

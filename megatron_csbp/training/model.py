@@ -41,7 +41,7 @@ from megatron_csbp.parallel import pipeline
 from megatron_csbp.config.options import config_fields, gpt_kwargs, section_fields
 
 
-#: The typed model config: the options declared for "model" (training/options.py), then what the
+#: The typed model config: the options declared for "model" (config/options.py), then what the
 #: flags derive or other owners declare (objectives, pipeline). Defaults: the flags', except a
 #: smaller model for direct construction (tests, tools).
 ModelArgs = make_dataclass("ModelArgs", [

@@ -232,7 +232,7 @@ class GPTFamily(Family):
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:
         """Megatron-LM command-line flags that rebuild the same model (local spec): the shape's
-        `flag_values` and the fixed ones, each written as training/options.py declares it."""
+        `flag_values` and the fixed ones, each written as config/options.py declares it."""
         from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
         from megatron_csbp.config.options import flag_text
 
