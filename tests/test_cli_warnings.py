@@ -51,7 +51,8 @@ def _train(argv, cwd):
 
 @pytest.mark.slow  # suite budget (29 s): every command installing the filters is checked by default
 def test_a_short_run_and_its_resume_print_none_of_them(tmp_path):
-    for argv in (["--train-iters", "2"], ["--train-iters", "3", "--load", "ckpt"]):  # the resume loads a checkpoint
+    # the resume loads a checkpoint (and keeps its schedule: Megatron-LM refuses another --train-iters otherwise)
+    for argv in (["--train-iters", "2"], ["--train-iters", "3", "--load", "ckpt", "--use-checkpoint-opt_param-scheduler"]):
         r = _train(argv, tmp_path)
         assert "iteration        2/" in r.stdout or "iteration        3/" in r.stdout
         print(f"stderr of {argv}: {r.stderr!r}")

@@ -135,12 +135,30 @@ def run(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
 FILTERS = (
     ("ignore", r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning, r"megatron\."),
     ("ignore", r"full scope is deprecated", UserWarning, r"megatron\.core"),
+    # megatron-core >= 0.19 warns at import that its multimodal MimoModelConfig is experimental
+    ("ignore", r"MimoModelConfig is experimental", UserWarning, r"megatron\.core"),
+    # megatron-core >= 0.19 reads a checkpoint's common state with dcp.load(..., no_dist=True) in
+    # torch's older argument style: torch warns about both on every resume
+    ("ignore", r"(torch\.distributed is disabled, unavailable or uninitialized|The argument order of load has been "
+               r"changed)", UserWarning, r"torch\.distributed\.checkpoint(\.|$)"),
     ("ignore", "", FutureWarning, r"(megatron\.core|torch\.distributed\.checkpoint)(\.|$)"),
     ("ignore", "", DeprecationWarning, r"(megatron\.core|torch\.distributed\.checkpoint)(\.|$)"),
 )
 
 
+def _not_no_cuda_runtime(record) -> bool:
+    """torch's CUDA build on a machine without a CUDA driver logs "No CUDA runtime is found" when
+    megatron-core imports torch.utils.cpp_extension; nothing here compiles an extension."""
+    return not str(record.msg).startswith("No CUDA runtime is found")
+
+
 def filter_warnings() -> None:
-    """Install `FILTERS` (idempotent: `warnings` drops duplicate filters)."""
+    """Install `FILTERS` (idempotent: `warnings` drops duplicate filters) and drop torch's
+    no-CUDA-runtime log line (`_not_no_cuda_runtime`)."""
+    import logging
+
     for action, message, category, module in FILTERS:
         warnings.filterwarnings(action, message=message, category=category, module=module)
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if _not_no_cuda_runtime not in logger.filters:
+        logger.addFilter(_not_no_cuda_runtime)
