@@ -65,7 +65,10 @@ def patch_output_deallocation() -> None:
 
     @functools.wraps(orig)
     def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
-        sent = out.data if out is not None and deallocate_pipeline_outputs and out.device.type == "cpu" else None
+        # megatron-core >= 0.19 also passes a list or dict of outputs: the original recurses into
+        # it through the module's name, i.e. back into this wrapper, one tensor at a time
+        sent = out.data if (isinstance(out, torch.Tensor) and deallocate_pipeline_outputs
+                            and out.device.type == "cpu") else None
         orig(out, deallocate_pipeline_outputs)
         if sent is not None:
             out._sent_storage = sent  # freed with the output tensor, after its backward
