@@ -158,6 +158,9 @@ def local_task(recipe: Dict, nproc: int):
 def run_local(recipe: Dict, nproc: int) -> int:
     """Run the recipe on this machine with NeMo-Run's LocalExecutor (torchrun); 0 on success."""
     run = _run()
+    # NeMo-Run's LocalExecutor runs the `torchrun` it finds on PATH: put the one installed beside this
+    # interpreter first, so the ranks run in the environment launch runs in (a venv not activated)
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     task, executor = local_task(recipe, nproc)
     with run.Experiment(recipe["name"], executor=executor, log_level="WARN") as exp:
         exp.add(task, name=recipe["name"], tail_logs=True)
