@@ -160,7 +160,9 @@ def run_local(recipe: Dict, nproc: int) -> int:
     run = _run()
     # NeMo-Run's LocalExecutor runs the `torchrun` it finds on PATH: put the one installed beside this
     # interpreter first, so the ranks run in the environment launch runs in (a venv not activated)
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    here, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != here:  # once per process, however many launches it makes
+        os.environ["PATH"] = here + os.pathsep + path
     task, executor = local_task(recipe, nproc)
     with run.Experiment(recipe["name"], executor=executor, log_level="WARN") as exp:
         exp.add(task, name=recipe["name"], tail_logs=True)
