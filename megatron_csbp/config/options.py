@@ -10,8 +10,7 @@ Rules that relate several flags live in `training.arguments.check_flags`.
 
 The trainer never fuses kernels (exactness is checked against unfused math,
 `model.builder.PORTABLE_CONFIG`): Megatron's `--no-*-fusion` switches are accepted and state what
-already holds. Objective flags (`objectives/`) and pipeline flags (`pipeline.add_pipeline_args`)
-are declared by their owners.
+already holds. Objective flags are declared by their owners (`objectives/`).
 """
 from __future__ import annotations
 
@@ -227,6 +226,15 @@ OPTIONS: List[Option] = [
     # ---- parallelism ----------------------------------------------------------------------
     O(("--tensor-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
     O(("--pipeline-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    # Megatron-LM's pipeline flags (their rules: parallel/pipeline.check_pipeline_args)
+    O(("--decoder-first-pipeline-num-layers",), int, None, "transformer layers on the first pipeline stage "
+      "(default: an even split)", group="parallel"),
+    O(("--decoder-last-pipeline-num-layers",), int, None, "transformer layers on the last pipeline stage "
+      "(default: an even split)", group="parallel"),
+    O(("--num-layers-per-virtual-pipeline-stage",), int, None, "interleaved 1F1B: layers per virtual pipeline "
+      "stage", group="parallel", to=()),
+    O(("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"), int, None,
+      "interleaved 1F1B: model chunks per pipeline rank", group="parallel", to=()),
     O(("--context-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
     O(("--expert-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
     O(("--sequence-parallel",), None, False, group="parallel", to=("model", "parallel")),
@@ -327,10 +335,8 @@ BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 
 
 def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
-    """The declared flags of `groups`, each in its group; the objectives' flags after --objective,
-    the pipeline flags after --pipeline-model-parallel-size."""
+    """The declared flags of `groups`, each in its group; the objectives' flags after --objective."""
     from megatron_csbp.objectives.registry import add_objective_args, objective_help, objective_names
-    from megatron_csbp.parallel.pipeline import add_pipeline_args
 
     made = {}
     for o in OPTIONS:
@@ -342,8 +348,6 @@ def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
             add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
             continue
         o.add_to(g)
-        if o.name == "pipeline_model_parallel_size":
-            add_pipeline_args(g)
 
 
 def check_options(args) -> None:
