@@ -383,8 +383,13 @@ def gpt_kwargs(a) -> dict:
 
 
 def flag_text(name: str, value) -> str:
-    """The command-line text that sets option `name` to `value` ("" for a switch left off)."""
-    o = BY_NAME[name]
+    """The command-line text that sets option `name` (or an objective's valued flag) to `value` ("" for a
+    switch left off)."""
+    o = BY_NAME.get(name)
+    if o is None:
+        from megatron_csbp.objectives.registry import registered_objectives
+
+        return next(f"{f.name} {value}" for c in registered_objectives().values() for f in c.flags if f.dest == name)
     if o.action == "store_false":
         return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):
