@@ -41,7 +41,7 @@ import torch
 from megatron_csbp.data.features import document_starts  # noqa: F401 (the objective's API too)
 from megatron_csbp.objectives.base import Objective, sample_generator
 from megatron_csbp.objectives.flags import Flag, check_choice
-from megatron_csbp.objectives.registry import register_objective
+from megatron_csbp.objectives.registry import register_objective, registered_objectives
 
 ANCHOR_SAMPLING = ("uniform", "locality")
 DFLASH_LOSSES = ("ce", "dpace")
@@ -224,7 +224,7 @@ class DFlashObjective(Objective):
                 raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} must be 1 ({why})")
         if getattr(args, "bf16", False) or getattr(args, "fp16", False):
             raise ValueError("--objective dflash trains the drafter in float32: drop --bf16 / --fp16")
-        defaults = dict(defaults, **{f.dest: f.default for f in cls.flags})
+        defaults = dict(defaults, **{f.dest: f.default for c in registered_objectives().values() for f in c.flags})
         try:
             meta = FeatureDataset(path).meta
         except FileNotFoundError as exc:
