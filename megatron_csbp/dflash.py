@@ -22,6 +22,25 @@ from typing import Optional, Sequence
 from megatron_csbp.utils.cli import ArgumentParser, run
 
 
+# ---- prepare-features ----------------------------------------------------------------------------
+
+def verifier_hf_path(hf_path: Optional[str] = None, load: Optional[str] = None) -> str:
+    """The verifier as a Hugging Face directory: `hf_path`, or the Megatron checkpoint `load`
+    exported to a temporary directory (process-local: under torchrun every rank exports its own
+    copy, so no shared file system is assumed)."""
+    if (hf_path is None) == (load is None):
+        raise ValueError("give the verifier as --hf-path (Hugging Face) or --load (Megatron checkpoint), one of them")
+    if load is None:
+        return hf_path
+    import tempfile
+
+    from megatron_csbp.conversion.api import megatron_to_hf_checkpoint
+
+    tmp = tempfile.mkdtemp(prefix="verifier_hf_")
+    megatron_to_hf_checkpoint(load, tmp, dtype="float32")
+    return tmp
+
+
 # ---- export --------------------------------------------------------------------------------------
 
 def export(a) -> str:
@@ -131,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None):
     if a.command == "prepare-features":
         from megatron_csbp.data.features import prepare_features
 
-        result = prepare_features(a)
+        result = prepare_features(a, verifier_hf_path(a.hf_path, a.load))
         print(json.dumps(result))
         return result
     if a.command == "export":

@@ -167,3 +167,39 @@ def test_flag_built_models_without_a_hf_class_are_refused_by_flag(change, named)
     assert shape_of_flags(flags).family == "llama"
     with pytest.raises(UnsupportedModelError, match=named):
         shape_of_flags(dict(flags, **change))
+
+
+
+#: the `bdlm_meta.json` "model_args" keys older checkpoints lack (saved since the export of flag-built
+#: models) and the defaults they take: the hand-written FLAG_DEFAULTS of round 19
+ADDED_WITH_EXPORT = dict(
+    kv_channels=None, add_bias_linear=False, position_embedding_type="rope", max_position_embeddings=None,
+    qk_layernorm=False, norm_epsilon=1e-5, rotary_percent=1.0, add_qkv_bias=False, use_rope_scaling=False,
+    rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None, num_experts=None, moe_router_topk=2,
+    moe_ffn_hidden_size=None, moe_layer_freq=1, moe_router_score_function="softmax", moe_router_pre_softmax=False,
+    moe_input_jitter_eps=None)
+#: every "model_args" key the trainer saves: the hand list of round 19, the format `Option.saved` keeps
+SAVED_KEYS = {
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
+    "vocab_size", "make_vocab_size_divisible_by", "block_size", "objective", "mask_token_id", "clean_attention",
+    "normalization", "swiglu", "untie_embeddings_and_output_weights", "rotary_base", "tokenizer_type",
+    "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std",
+    *ADDED_WITH_EXPORT}
+
+
+def test_saved_model_args_keep_their_keys_and_older_checkpoints_their_defaults():
+    """The saved keys and the defaults of the keys older checkpoints lack come from the declarations
+    (config/options.py); both stay what the hand lists were, and a checkpoint written before the export
+    (no such keys, no padded vocabulary or dtype) gives the Hugging Face config its flags give."""
+    from megatron_csbp.model.families.gpt import FLAG_DEFAULTS, hf_config_of_flags
+    from megatron_csbp.training.arguments import build_parser
+    from megatron_csbp.training.config import CHECKPOINT_MODEL_KEYS, model_meta
+
+    assert len(CHECKPOINT_MODEL_KEYS) == len(SAVED_KEYS) and set(CHECKPOINT_MODEL_KEYS) == SAVED_KEYS
+    assert {k: FLAG_DEFAULTS[k] for k in ADDED_WITH_EXPORT} == ADDED_WITH_EXPORT
+    assert (FLAG_DEFAULTS["params_dtype"], FLAG_DEFAULTS["padded_vocab_size"]) == ("float32", None)
+    flags = "--tokenizer-type NullTokenizer --vocab-size 100 --ffn-hidden-size 256 --num-query-groups 2"
+    meta = model_meta(build_parser().parse_args(flags.split()))
+    assert set(meta) == SAVED_KEYS | {"params_dtype", "padded_vocab_size"}
+    older = {k: v for k, v in meta.items() if k not in {*ADDED_WITH_EXPORT, "params_dtype", "padded_vocab_size"}}
+    assert hf_config_of_flags(older) == hf_config_of_flags(meta) and hf_config_of_flags(meta)["vocab_size"] == 128

@@ -58,14 +58,7 @@ RULES = [
 ]
 
 #: (importer module, imported module): why it is still there and what removes it
-ALLOWED = {
-    ("megatron_csbp.data.features", "megatron_csbp.conversion.api"):
-        "verifier_hf_path converts a Megatron-checkpoint verifier to Hugging Face before capture; removed "
-        "when the verifier is read through checkpoint/ (a Megatron model in place of the transformers one)",
-    ("megatron_csbp.objectives.dflash", "megatron_csbp.training.arguments"):
-        "DFlashObjective.prepare_args reads the trainer parser's defaults to tell a flag given from one left "
-        "at its default; removed when it reads them from config.options' declarations",
-}
+ALLOWED = {}
 
 
 def module_name(path: str) -> str:

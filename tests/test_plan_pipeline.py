@@ -138,3 +138,40 @@ def test_interleaved_flags_pass_the_trainers_parser():
                       world_size=8)
     assert args.pipeline_model_parallel_size == 2 and args.virtual_pipeline_model_parallel_size == 2
     assert args.num_microbatches % 2 == 0
+
+
+#: a layout for every flag `layout_flags` prints (but Megatron-LM's --grad-reduce-in-bf16, which the trainer
+#: does not take: its main gradients are fp32)
+FLAG_LAYOUTS = {
+    "tp-sp": (Layout(tp=2, dp=2, distributed_optimizer=False), Workload(256, 16)),
+    "pp-vp": (Layout(pp=2, vp=2, dp=2), Workload(256, 16, global_batch_size=8)),
+    "cp-bp-ring": (Layout(cp=2, bp=4, transport="ring", schedule="contiguous"), Workload(256, 16)),
+    "ep": (Layout(ep=2, dp=2), Workload(256, 16)),
+    "recompute": (Layout(recompute="full", dp=4), Workload(256, 16, global_batch_size=8)),
+    "dflash": (Layout(dp=2, distributed_optimizer=False), Workload(256, 16, objective="dflash", anchors=7)),
+    "packed": (Layout(dp=2), Workload(256, 16, documents=(0, 100))),
+}
+
+
+@pytest.mark.parametrize("name", FLAG_LAYOUTS)
+def test_printed_flags_are_the_trainers(name):
+    """The flags the planner prints parse with `python -m megatron_csbp.train`'s own parser (a misspelt or
+    renamed flag is refused) and give the layout's values back."""
+    from megatron_csbp.training.arguments import build_parser
+
+    lay, wl = FLAG_LAYOUTS[name]
+    parser = build_parser()
+    parser.allow_abbrev = False  # a shortened name is a misspelt one (Megatron-LM's parser takes none)
+    a = parser.parse_args(" ".join(layout_flags(lay, wl, 16)).split())
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size,
+            a.block_parallel_size, a.expert_model_parallel_size) == (lay.tp, lay.pp, lay.cp, lay.bp, lay.ep)
+    assert a.num_layers_per_virtual_pipeline_stage == (16 // (lay.pp * lay.vp) if lay.vp > 1 else None)
+    assert (a.sequence_parallel, a.use_distributed_optimizer) == (lay.tp > 1, lay.distributed_optimizer)
+    assert (a.attention_transport, a.block_ownership) == (lay.transport, lay.schedule)
+    full = lay.recompute == "full"
+    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == (
+        ("full", "uniform", 1) if full else (None, None, None))
+    assert a.objective == wl.objective and (wl.objective != "dflash" or a.dflash_max_anchors == wl.anchors)
+    assert (a.seq_length, a.block_size, a.micro_batch_size, a.global_batch_size, a.bf16) == (
+        wl.seq_length, wl.block_size, 1, wl.global_batch_size or lay.dp, True)
+    assert a.reset_attention_mask == a.reset_position_ids == wl.packed

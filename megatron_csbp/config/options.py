@@ -2,16 +2,15 @@
 
 An `Option` holds a flag's name (Megatron-LM's, with its meaning), type, default, help, its own
 rule, and where its value goes: the `TrainerConfig` sections that carry it (`to`; "model" is
-`ModelArgs`, the typed model config), the megatron-core `TransformerConfig` field it sets (`config`)
-and the `GPTModel` keyword (`gpt`). From `OPTIONS` come the trainer's parser (`add_options`), the
+`ModelArgs`, the typed model config), the megatron-core `TransformerConfig` field it sets (`config`),
+the `GPTModel` keyword (`gpt`) and whether a checkpoint saves it (`saved`). From `OPTIONS` come the trainer's parser (`add_options`), the
 config sections (`section_fields`), the flag-built model's config fields (`config_fields`,
 `gpt_kwargs`), the per-flag rules (`check_options`) and the flag text `convert` prints (`flag_text`).
 Rules that relate several flags live in `training.arguments.check_flags`.
 
 The trainer never fuses kernels (exactness is checked against unfused math,
 `model.builder.PORTABLE_CONFIG`): Megatron's `--no-*-fusion` switches are accepted and state what
-already holds. Objective flags (`objectives/`) and pipeline flags (`pipeline.add_pipeline_args`)
-are declared by their owners.
+already holds. Objective flags are declared by their owners (`objectives/`).
 """
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ class Option:
     gpt: Optional[str] = None     # GPTModel keyword of a flag-built model
     nargs: Optional[str] = None
     action: Optional[str] = None  # Megatron's odd switches (--no-rope-fusion: store_false, default False)
+    saved: bool = False  # in a checkpoint's bdlm_meta.json "model_args" (training.config.CHECKPOINT_MODEL_KEYS)
 
     @property
     def name(self) -> str:
@@ -98,24 +98,24 @@ GROUPS = {"model": "model (Megatron-LM names)", "moe": "mixture of experts (Mega
 O = Option
 OPTIONS: List[Option] = [
     # ---- model ----------------------------------------------------------------------------
-    O(("--num-layers",), int, 4, rule=POSITIVE),
-    O(("--hidden-size",), int, 128, rule=POSITIVE),
-    O(("--ffn-hidden-size",), int, None),
-    O(("--num-attention-heads",), int, 4, rule=POSITIVE),
-    O(("--num-query-groups",), int, None),
+    O(("--num-layers",), int, 4, rule=POSITIVE, saved=True),
+    O(("--hidden-size",), int, 128, rule=POSITIVE, saved=True),
+    O(("--ffn-hidden-size",), int, None, saved=True),
+    O(("--num-attention-heads",), int, 4, rule=POSITIVE, saved=True),
+    O(("--num-query-groups",), int, None, saved=True),
     O(("--kv-channels",), int, None, "projection size per attention head (default: --hidden-size / "
-      "--num-attention-heads)", rule=POSITIVE),
+      "--num-attention-heads)", rule=POSITIVE, saved=True),
     O(("--group-query-attention",), None, False, "accepted for Megatron-LM compatibility", to=()),
-    O(("--seq-length",), int, 128, to=("model", "batch", "data"), rule=POSITIVE),
-    O(("--max-position-embeddings",), int, None),
-    O(("--normalization",), str, "RMSNorm", choices=("RMSNorm", "LayerNorm"), config="normalization"),
-    O(("--swiglu",), None, True, off="--no-swiglu", config="gated_linear_unit"),
-    O(("--untie-embeddings-and-output-weights",), None, False),
+    O(("--seq-length",), int, 128, to=("model", "batch", "data"), rule=POSITIVE, saved=True),
+    O(("--max-position-embeddings",), int, None, saved=True),
+    O(("--normalization",), str, "RMSNorm", choices=("RMSNorm", "LayerNorm"), config="normalization", saved=True),
+    O(("--swiglu",), None, True, off="--no-swiglu", config="gated_linear_unit", saved=True),
+    O(("--untie-embeddings-and-output-weights",), None, False, saved=True),
     O(("--position-embedding-type",), str, "rope", "rope only: block diffusion indexes rotary angles by each "
-      "row's position", choices=("rope",), gpt="position_embedding_type"),
+      "row's position", choices=("rope",), gpt="position_embedding_type", saved=True),
     O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model",
       off="--disable-bias-linear", off_help="no biases in linear layers (the default here; Megatron-LM's default is "
-      "with biases)", config="add_bias_linear"),
+      "with biases)", config="add_bias_linear", saved=True),
     O(("--attention-dropout",), float, 0.0, "must be 0: dropout on attention probabilities would make the loss "
       "depend on the layout", rule=lambda f, v: v and (
           f"{f} must be 0 with block-diffusion attention (got {v}): dropout on attention probabilities would make "
@@ -126,9 +126,9 @@ OPTIONS: List[Option] = [
       "attention (which replaces Megatron's): local -> --attention-kernel tiled, unfused -> math, flash/fused -> "
       "flex, auto -> --attention-kernel; also set as TransformerConfig.attention_backend",
       choices=ATTENTION_BACKENDS),
-    O(("--init-method-std",), float, 0.02, config="init_method_std"),
-    O(("--rotary-base",), int, 10000, gpt="rotary_base"),
-    O(("--make-vocab-size-divisible-by",), int, 128),
+    O(("--init-method-std",), float, 0.02, config="init_method_std", saved=True),
+    O(("--rotary-base",), int, 10000, gpt="rotary_base", saved=True),
+    O(("--make-vocab-size-divisible-by",), int, 128, saved=True),
     O(("--bf16",), None, False, to=("model", "optim"), config="bf16"),
     # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
     # loss scale (dynamic unless --loss-scale is given); a step whose gradients overflow is skipped.
@@ -140,17 +140,17 @@ OPTIONS: List[Option] = [
     O(("--recompute-num-layers",), int, None, "with --recompute-granularity full: layers per recomputed chunk "
       "(uniform) or recomputed layers (block); default 1"),
     O(("--qk-layernorm",), None, False, "RMSNorm on each head's queries and keys (Qwen3); exported as "
-      "Qwen3ForCausalLM", config="qk_layernorm"),
+      "Qwen3ForCausalLM", config="qk_layernorm", saved=True),
     O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer", config="layernorm_epsilon",
-      rule=POSITIVE),
+      rule=POSITIVE, saved=True),
     O(("--rotary-percent",), float, 1.0, "fraction of each head's dims that rope rotates", gpt="rotary_percent",
-      rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")),
+      rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), saved=True),
     O(("--add-qkv-bias",), None, False, "bias on the q/k/v projections only (Qwen2); exported as Qwen2ForCausalLM",
-      config="add_qkv_bias"),
-    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling"),
-    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling"),
+      config="add_qkv_bias", saved=True),
+    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", saved=True),
+    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", saved=True),
     O(("--rotary-seq-len-interpolation-factor",), int, None, "linear rope interpolation (positions divided by this "
-      "factor)", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1")),
+      "factor)", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1"), saved=True),
     O(("--transformer-impl",), str, "local", "local only (the default here): block-diffusion attention replaces the "
       "core attention of Megatron's local spec", choices=("local", "transformer_engine"), to=(),
       rule=lambda f, v: v != "local" and (
@@ -165,22 +165,22 @@ OPTIONS: List[Option] = [
         ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", "gradient_accumulation_fusion"))),
     # ---- mixture of experts (TransformerConfig fields of an MoE model: moe_config) -------------
     O(("--num-experts",), int, None, "experts per MoE layer (None: dense)", group="moe", config="num_moe_experts",
-      rule=POSITIVE),
-    O(("--moe-router-topk",), int, 2, "experts per token", group="moe", config="moe_router_topk"),
+      rule=POSITIVE, saved=True),
+    O(("--moe-router-topk",), int, 2, "experts per token", group="moe", config="moe_router_topk", saved=True),
     O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)", group="moe",
-      config="moe_ffn_hidden_size"),
+      config="moe_ffn_hidden_size", saved=True),
     O(("--moe-layer-freq",), moe_freq_type, 1, "one MoE layer every N layers, or a 0/1 pattern per layer such as "
-      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq"),
+      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq", saved=True),
     O(("--moe-router-score-function",), str, "softmax", group="moe", choices=("softmax", "sigmoid"),
-      config="moe_router_score_function"),
+      config="moe_router_score_function", saved=True),
     O(("--moe-router-pre-softmax",), None, False, "softmax over all experts before top-k (default: top-k logits, "
-      "then softmax over them)", group="moe", config="moe_router_pre_softmax"),
+      "then softmax over them)", group="moe", config="moe_router_pre_softmax", saved=True),
     O(("--moe-router-load-balancing-type",), str, "aux_loss", group="moe", choices=LOAD_BALANCING,
       config="moe_router_load_balancing_type"),
     O(("--moe-aux-loss-coeff",), float, 0.0, "weight of the load-balancing loss", group="moe",
       config="moe_aux_loss_coeff"),
     O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)", group="moe",
-      config="moe_input_jitter_eps"),
+      config="moe_input_jitter_eps", saved=True),
     O(("--moe-token-dispatcher-type",), str, "allgather", group="moe", choices=("allgather", "alltoall", "flex"),
       config="moe_token_dispatcher_type"),
     O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", group="moe", config="moe_grouped_gemm"),
@@ -215,7 +215,7 @@ OPTIONS: List[Option] = [
       "gradient norm is NaN or infinite (the default, as in Megatron-LM)", group="train", to=("optim",),
       off="--no-check-for-nan-in-loss-and-grad", off_help="train on through non-finite losses (a checkpoint is "
       "still never saved with non-finite weights)"),
-    O(("--seed",), int, 1234, group="train", to=("model", "data")),
+    O(("--seed",), int, 1234, group="train", to=("model", "data"), saved=True),
     O(("--use-distributed-optimizer",), None, False, group="train", to=("parallel",)),
     O(("--overlap-grad-reduce",), None, False, "overlap DDP's gradient reduce-scatter/all-reduce with the backward "
       "pass", group="train", to=("parallel",)),
@@ -227,6 +227,15 @@ OPTIONS: List[Option] = [
     # ---- parallelism ----------------------------------------------------------------------
     O(("--tensor-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
     O(("--pipeline-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    # Megatron-LM's pipeline flags (their rules: parallel/pipeline.check_pipeline_args)
+    O(("--decoder-first-pipeline-num-layers",), int, None, "transformer layers on the first pipeline stage "
+      "(default: an even split)", group="parallel"),
+    O(("--decoder-last-pipeline-num-layers",), int, None, "transformer layers on the last pipeline stage "
+      "(default: an even split)", group="parallel"),
+    O(("--num-layers-per-virtual-pipeline-stage",), int, None, "interleaved 1F1B: layers per virtual pipeline "
+      "stage", group="parallel", to=()),
+    O(("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"), int, None,
+      "interleaved 1F1B: model chunks per pipeline rank", group="parallel", to=()),
     O(("--context-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
     O(("--expert-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
     O(("--sequence-parallel",), None, False, group="parallel", to=("model", "parallel")),
@@ -285,13 +294,13 @@ OPTIONS: List[Option] = [
     O(("--data-cache-path",), str, None, group="data", to=("data",)),
     O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data",
       to=("data",)),
-    O(("--tokenizer-type",), str, None, group="data", to=("data",), choices=TOKENIZER_TYPES),
+    O(("--tokenizer-type",), str, None, group="data", to=("data",), choices=TOKENIZER_TYPES, saved=True),
     O(("--tokenizer-model",), str, None, "sentencepiece .model, or a local Hugging Face tokenizer folder (default "
-      "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="data", to=("data",)),
+      "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="data", to=("data",), saved=True),
     O(("--vocab-size",), int, None, "NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: "
       "data ids 0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
       "--make-vocab-size-divisible-by and the default mask id is the first padding id", group="data",
-      to=("model", "data")),
+      to=("model", "data"), saved=True),
     O(("--mock-data",), None, False, group="data", to=("data",)),
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
     O(("--reset-position-ids",), None, False, "positions restart at 0 after every EOD token (each document's own "
@@ -307,10 +316,11 @@ OPTIONS: List[Option] = [
       "--context-parallel-size > 1 too. Must be a multiple of --context-parallel-size.", group="bd",
       to=("model", "parallel")),
     O(("--block-size",), int, 16, "block diffusion block size; must divide --seq-length", group="bd",
-      to=("model", "data"), rule=POSITIVE),
-    O(("--objective",), str, "bd3lm", group="bd", to=("model", "data")),  # choices and help: the registry's
+      to=("model", "data"), rule=POSITIVE, saved=True),
+    # choices and help: the registry's
+    O(("--objective",), str, "bd3lm", group="bd", to=("model", "data"), saved=True),
     O(("--clean-attention",), str, None, "clean stream mask (default: token_causal for DiffusionGemma models, "
-      "block_causal otherwise)", group="bd", choices=CLEAN_ATTENTION_VARIANTS),
+      "block_causal otherwise)", group="bd", choices=CLEAN_ATTENTION_VARIANTS, saved=True),
     O(("--attention-transport",), str, "allgather", group="bd", choices=("allgather", "ring")),
     O(("--block-ownership",), str, "mirrored", group="bd", choices=("mirrored", "contiguous")),
     O(("--attention-kernel",), str, "auto", "kernel of the block-diffusion core attention, for every model family "
@@ -327,10 +337,8 @@ BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 
 
 def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
-    """The declared flags of `groups`, each in its group; the objectives' flags after --objective,
-    the pipeline flags after --pipeline-model-parallel-size."""
+    """The declared flags of `groups`, each in its group; the objectives' flags after --objective."""
     from megatron_csbp.objectives.registry import add_objective_args, objective_help, objective_names
-    from megatron_csbp.parallel.pipeline import add_pipeline_args
 
     made = {}
     for o in OPTIONS:
@@ -342,8 +350,6 @@ def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
             add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
             continue
         o.add_to(g)
-        if o.name == "pipeline_model_parallel_size":
-            add_pipeline_args(g)
 
 
 def check_options(args) -> None:
@@ -379,8 +385,13 @@ def gpt_kwargs(a) -> dict:
 
 
 def flag_text(name: str, value) -> str:
-    """The command-line text that sets option `name` to `value` ("" for a switch left off)."""
-    o = BY_NAME[name]
+    """The command-line text that sets option `name` (or an objective's valued flag) to `value` ("" for a
+    switch left off)."""
+    o = BY_NAME.get(name)
+    if o is None:
+        from megatron_csbp.objectives.registry import registered_objectives
+
+        return next(f"{f.name} {value}" for c in registered_objectives().values() for f in c.flags if f.dest == name)
     if o.action == "store_false":
         return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):

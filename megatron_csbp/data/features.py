@@ -74,23 +74,6 @@ class FeatureSplit:
 
 # ---- capture ---------------------------------------------------------------------------------------
 
-def verifier_hf_path(hf_path: Optional[str] = None, load: Optional[str] = None) -> str:
-    """The verifier as a Hugging Face directory: `hf_path`, or the Megatron checkpoint `load`
-    exported to a temporary directory (process-local: under torchrun every rank exports its own
-    copy, so no shared file system is assumed)."""
-    if (hf_path is None) == (load is None):
-        raise ValueError("give the verifier as --hf-path (Hugging Face) or --load (Megatron checkpoint), one of them")
-    if load is None:
-        return hf_path
-    import tempfile
-
-    from megatron_csbp.conversion.api import megatron_to_hf_checkpoint
-
-    tmp = tempfile.mkdtemp(prefix="verifier_hf_")
-    megatron_to_hf_checkpoint(load, tmp, dtype="float32")
-    return tmp
-
-
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     """[L] first position of each position's document segment (a change of id starts one)."""
     L = doc_ids.numel()
@@ -101,9 +84,8 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(changed, pos, torch.zeros_like(pos)), dim=0).values
 
 
-def load_verifier(hf_path: Optional[str] = None, load: Optional[str] = None, dtype=torch.float32,
-                  tensor_parallel: int = 1):
-    """A Hugging Face causal LM: from `hf_path`, or exported from the Megatron checkpoint `load`.
+def load_verifier(hf_path: str, dtype=torch.float32, tensor_parallel: int = 1):
+    """The Hugging Face causal LM in `hf_path` (a Megatron checkpoint: `dflash.verifier_hf_path`).
 
     `tensor_parallel` > 1 (under torchrun, the process group initialised): transformers' own tensor
     parallelism, the model's `base_model_tp_plan` over TP groups of that many consecutive ranks
@@ -111,7 +93,6 @@ def load_verifier(hf_path: Optional[str] = None, load: Optional[str] = None, dty
     the whole TP-sharded model each). Every rank of a TP group must run the same forwards."""
     from transformers import AutoModelForCausalLM
 
-    hf_path = verifier_hf_path(hf_path, load)
     if tensor_parallel == 1:
         return AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).eval()
     import torch.distributed as dist
@@ -212,8 +193,9 @@ def _feature_plan(a, meta: Dict, n: int) -> Dict:
     return {"pending": [s for s in shards if not os.path.isdir(os.path.join(a.output, f"shard_{s:05d}"))]}
 
 
-def prepare_features(a) -> Dict:
-    """Capture the verifier's features into --output (docs/dflash.md): each document of a packed
+def prepare_features(a, hf_path: str) -> Dict:
+    """Capture the features of the verifier in `hf_path` (--hf-path, or the --load checkpoint exported:
+    `dflash.verifier_hf_path`) into --output (docs/dflash.md): each document of a packed
     sequence run on its own from position 0; a shard written under a temporary name and renamed
     when complete, so a rerun resumes after the last complete shard.
 
@@ -231,7 +213,6 @@ def prepare_features(a) -> Dict:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = a.tensor_model_parallel_size or world
-    hf_path = verifier_hf_path(a.hf_path, a.load)
     cfg = AutoConfig.from_pretrained(hf_path)
     check_verifier_tensor_parallel(tp, world, cfg)
     layers = int(cfg.num_hidden_layers)

@@ -94,9 +94,10 @@ class Objective:
         add_flags(parser, cls.flags, added)
 
     @classmethod
-    def prepare_args(cls, args, check_only: bool = False) -> None:
+    def prepare_args(cls, args, defaults, check_only: bool = False) -> None:
         """Before the trainer's rules: fill flags from the objective's own inputs (DFlash: the
-        captured features and the verifier)."""
+        captured features and the verifier). `defaults`: dest -> the trainer options' declared
+        default (config/options.py, a layer above this one)."""
 
     @classmethod
     def validate(cls, args) -> None:

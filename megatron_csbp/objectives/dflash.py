@@ -41,7 +41,7 @@ import torch
 from megatron_csbp.data.features import document_starts  # noqa: F401 (the objective's API too)
 from megatron_csbp.objectives.base import Objective, sample_generator
 from megatron_csbp.objectives.flags import Flag, check_choice
-from megatron_csbp.objectives.registry import register_objective
+from megatron_csbp.objectives.registry import register_objective, registered_objectives
 
 ANCHOR_SAMPLING = ("uniform", "locality")
 DFLASH_LOSSES = ("ce", "dpace")
@@ -202,13 +202,12 @@ class DFlashObjective(Objective):
         return held
 
     @classmethod
-    def prepare_args(cls, args, check_only: bool = False) -> None:
+    def prepare_args(cls, args, defaults, check_only: bool = False) -> None:
         """Before the trainer's rules: the captured features fix --seq-length and the hidden size,
         the verifier the vocabulary (a NullTokenizer of its size), a --load drafter (its
-        `megatron_csbp_drafter.json`) the architecture flags (a flag given with another value is
-        refused by name)."""
+        `megatron_csbp_drafter.json`) the architecture flags (a flag given with another value than
+        its default and the drafter's is refused by name)."""
         from megatron_csbp.data.features import FeatureDataset
-        from megatron_csbp.training.arguments import build_parser
 
         path, verifier = FEATURES_PATH.value(args), VERIFIER.value(args)
         if not path or not verifier:
@@ -225,13 +224,13 @@ class DFlashObjective(Objective):
                 raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} must be 1 ({why})")
         if getattr(args, "bf16", False) or getattr(args, "fp16", False):
             raise ValueError("--objective dflash trains the drafter in float32: drop --bf16 / --fp16")
-        defaults = build_parser()
+        defaults = dict(defaults, **{f.dest: f.default for c in registered_objectives().values() for f in c.flags})
         try:
             meta = FeatureDataset(path).meta
         except FileNotFoundError as exc:
             raise ValueError(str(exc)) from None
         L, layers = meta["seq_length"], meta["target_layer_ids"]
-        if args.seq_length not in (defaults.get_default("seq_length"), L):
+        if args.seq_length not in (defaults["seq_length"], L):
             raise ValueError(f"--seq-length {args.seq_length} differs from the captured features' {L}")
         args.seq_length = L
         if args.target_layer_ids not in (None, layers):
@@ -242,7 +241,7 @@ class DFlashObjective(Objective):
             shape = json.load(open(os.path.join(load, SHAPE_FILE)))
             for dest in LOADED_FIELDS:
                 given, value = getattr(args, dest), shape[dest]
-                if given is not None and given != defaults.get_default(dest) and given != value:
+                if given is not None and given != defaults[dest] and given != value:
                     raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {value}")
                 setattr(args, dest, value)
             args.dflash_drafter_load = load

@@ -40,19 +40,6 @@ import torch
 
 
 # ---- flags and their rules ---------------------------------------------------------------------
-def add_pipeline_args(group) -> None:
-    """Megatron-LM's pipeline flags beside `--pipeline-model-parallel-size` (same names, meanings)."""
-    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                       help="transformer layers on the first pipeline stage (default: an even split)")
-    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                       help="transformer layers on the last pipeline stage (default: an even split)")
-    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                       help="interleaved 1F1B: layers per virtual pipeline stage")
-    group.add_argument("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size",
-                       dest="num_virtual_stages_per_pipeline_rank", type=int, default=None,
-                       help="interleaved 1F1B: model chunks per pipeline rank")
-
-
 def check_pipeline_args(args) -> None:
     """Megatron-LM's pipeline rules (its `validate_args`), each refused with the flag named; sets
     `args.virtual_pipeline_model_parallel_size` (None without interleaving) as Megatron-LM does.

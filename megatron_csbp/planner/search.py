@@ -14,34 +14,28 @@ def divisors(n: int) -> List[int]:
 
 
 def layout_flags(lay: Layout, wl: Workload, model_layers: Optional[int] = None) -> List[str]:
-    """Megatron(-LM) flags plus the plugin's, as `python -m megatron_csbp.train` takes them
-    (`model_layers`: the model's layers, needed when the layout interleaves, `lay.vp` > 1)."""
+    """Megatron(-LM) flags plus the plugin's, as `python -m megatron_csbp.train` takes them, each
+    written as its declaration says (`config.options.flag_text`; `model_layers`: the model's layers,
+    needed when the layout interleaves, `lay.vp` > 1)."""
+    from megatron_csbp.config.options import flag_text
+
     if lay.vp > 1 and not model_layers:
         raise ValueError("an interleaved layout's flags need the model's layer count")
-    f = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
-    if lay.vp > 1:  # Megatron's interleaved 1F1B: layers per model chunk
-        f.append(f"--num-layers-per-virtual-pipeline-stage {model_layers // (lay.pp * lay.vp)}")
-    f += [f"--context-parallel-size {lay.cp}", f"--block-parallel-size {lay.bp}"]
-    if lay.ep > 1:
-        f.append(f"--expert-model-parallel-size {lay.ep}")
-    if lay.tp > 1:
-        f.append("--sequence-parallel")
-    if lay.cp > 1:
-        f.append(f"--attention-transport {lay.transport}")
-    if lay.bp > 1:
-        f.append(f"--block-ownership {lay.schedule}")
-    if lay.recompute == "full":
-        f += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
-    if lay.distributed_optimizer:
-        f.append("--use-distributed-optimizer")
-    if wl.objective == "dflash":
-        f += ["--objective dflash", f"--dflash-max-anchors {wl.anchors}"]
-    f += [f"--seq-length {wl.seq_length}", f"--block-size {wl.block_size}", "--micro-batch-size 1",
-          f"--global-batch-size {wl.global_batch_size or lay.dp}", "--bf16"]
-    if wl.grad_bytes == 2:
+    full, dflash = lay.recompute == "full", wl.objective == "dflash"
+    v = dict(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,  # VP: layers per model chunk
+             num_layers_per_virtual_pipeline_stage=lay.vp > 1 and model_layers // (lay.pp * lay.vp),
+             context_parallel_size=lay.cp, block_parallel_size=lay.bp, expert_model_parallel_size=lay.ep > 1
+             and lay.ep, sequence_parallel=lay.tp > 1, attention_transport=lay.cp > 1 and lay.transport,
+             block_ownership=lay.bp > 1 and lay.schedule, recompute_granularity=full and "full",
+             recompute_method=full and "uniform", recompute_num_layers=full and 1,
+             use_distributed_optimizer=lay.distributed_optimizer, objective=dflash and "dflash",
+             dflash_max_anchors=dflash and wl.anchors, seq_length=wl.seq_length, block_size=wl.block_size,
+             micro_batch_size=1, global_batch_size=wl.global_batch_size or lay.dp, bf16=True)
+    f = [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
+    if wl.grad_bytes == 2:  # Megatron-LM's (the trainer keeps fp32 main gradients: not one of its flags)
         f.append("--grad-reduce-in-bf16")
     if wl.packed:  # Megatron's packed-document flags (attention and positions stay inside documents)
-        f += ["--reset-attention-mask", "--reset-position-ids"]
+        f += [flag_text("reset_attention_mask", True), flag_text("reset_position_ids", True)]
     return f
 
 

@@ -12,7 +12,7 @@ import os
 from typing import List, Optional, Sequence
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
-from megatron_csbp.config.options import BACKEND_KERNEL, add_options, check_options
+from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
 
 
 def __getattr__(name):
@@ -76,7 +76,8 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     placeholders = set(getattr(args, "placeholders", ()))
     args.check_notes = []
     args.shape_unknown = False
-    objective_class(args.objective).prepare_args(args, check_only)  # e.g. dflash: sizes from its features
+    defaults = {o.name: o.default for o in OPTIONS}  # a flag left at its default gives way (dflash: to its features)
+    objective_class(args.objective).prepare_args(args, defaults, check_only)
     args.load_step = None  # what --load [--ckpt-step] loads: an iteration, "release", or None
     check_counts(args)
 

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, fields, make_dataclass
 from typing import Any, Dict, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
-from megatron_csbp.config.options import section_fields
+from megatron_csbp.config.options import OPTIONS, section_fields
 
 
 def _take(cls, args: argparse.Namespace, **overrides):
@@ -63,18 +63,10 @@ CheckpointConfig = _section(
 LogConfig = _section("LogConfig", "log", ("flags", Any, None))  # the run's flags, logged as the wandb config
 
 
-#: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"); format unchanged
-CHECKPOINT_MODEL_KEYS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
-    "vocab_size", "make_vocab_size_divisible_by", "block_size", "objective", "mask_token_id", "clean_attention",
-    "normalization", "swiglu", "untie_embeddings_and_output_weights", "rotary_base", "tokenizer_type",
-    "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std",
-    # added with the export of flag-built models (model.families.gpt.hf_config_of_flags); older
-    # checkpoints lack them and take the defaults of their time (model.families.gpt.FLAG_DEFAULTS)
-    "kv_channels", "add_bias_linear", "position_embedding_type", "max_position_embeddings", "qk_layernorm",
-    "norm_epsilon", "rotary_percent", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
-    "moe_router_score_function", "moe_router_pre_softmax", "moe_input_jitter_eps")
+#: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"; format unchanged): the options
+#: declared `saved`, then keys that are no trainer option (the objectives' own flags, the tokenizer's EOD)
+CHECKPOINT_MODEL_KEYS = (*(o.name for o in OPTIONS if o.saved), "mask_token_id", "eod_token_id", "noise_eps_min",
+                         "noise_eps_max", "loss_weighting")
 
 
 def model_meta(args: argparse.Namespace) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_csbp.config.options import OPTIONS
 from megatron_csbp.model.families import register_family
 from megatron_csbp.model.families.base import (
     Family, ModelShape, UnsupportedModelError, check_dtype, flag_values, refuse_if,
@@ -321,14 +322,10 @@ register_family(MixtralFamily("mixtral", "mixtral", "MixtralForCausalLM", attent
 
 # ---- a flag-built model (python -m megatron_csbp.train without --load of a converted model) -----
 
-#: Defaults of the `bdlm_meta.json` "model_args" keys older checkpoints lack (the trainer's flag
-#: defaults when those checkpoints were written).
-FLAG_DEFAULTS = dict(kv_channels=None, add_bias_linear=False, position_embedding_type="rope", rotary_percent=1.0,
-                     norm_epsilon=1e-5, qk_layernorm=False, add_qkv_bias=False, use_rope_scaling=False,
-                     rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None, params_dtype="float32",
-                     max_position_embeddings=None, padded_vocab_size=None, make_vocab_size_divisible_by=128,
-                     num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None, moe_layer_freq=1,
-                     moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_input_jitter_eps=None)
+#: Defaults of the `bdlm_meta.json` "model_args" keys older checkpoints lack (those saved since the
+#: export): the saved options' declared defaults (the trainer's when those checkpoints were written),
+#: and of the two keys the trainer derives (the weights' dtype, the padded vocabulary)
+FLAG_DEFAULTS = dict({o.name: o.default for o in OPTIONS if o.saved}, params_dtype="float32", padded_vocab_size=None)
 
 #: Hugging Face model type of a flag-built model: (MoE, --qk-layernorm, --add-qkv-bias) -> model_type
 _FLAG_MODEL_TYPES = {(False, False, False): "llama", (False, True, False): "qwen3", (False, False, True): "qwen2",
