@@ -140,8 +140,7 @@ def test_interleaved_flags_pass_the_trainers_parser():
     assert args.num_microbatches % 2 == 0
 
 
-#: a layout for every flag `layout_flags` prints (but Megatron-LM's --grad-reduce-in-bf16, which the trainer
-#: does not take: its main gradients are fp32)
+#: a layout for every flag `layout_flags` prints
 FLAG_LAYOUTS = {
     "tp-sp": (Layout(tp=2, dp=2, distributed_optimizer=False), Workload(256, 16)),
     "pp-vp": (Layout(pp=2, vp=2, dp=2), Workload(256, 16, global_batch_size=8)),
@@ -150,6 +149,7 @@ FLAG_LAYOUTS = {
     "recompute": (Layout(recompute="full", dp=4), Workload(256, 16, global_batch_size=8)),
     "dflash": (Layout(dp=2, distributed_optimizer=False), Workload(256, 16, objective="dflash", anchors=7)),
     "packed": (Layout(dp=2), Workload(256, 16, documents=(0, 100))),
+    "bf16-grads": (Layout(dp=2), Workload(256, 16, grad_bytes=2)),
 }
 
 
@@ -175,3 +175,4 @@ def test_printed_flags_are_the_trainers(name):
     assert (a.seq_length, a.block_size, a.micro_batch_size, a.global_batch_size, a.bf16) == (
         wl.seq_length, wl.block_size, 1, wl.global_batch_size or lay.dp, True)
     assert a.reset_attention_mask == a.reset_position_ids == wl.packed
+    assert a.grad_reduce_in_bf16 == (wl.grad_bytes == 2)

@@ -207,6 +207,8 @@ OPTIONS: List[Option] = [
     O(("--clip-grad",), float, 1.0, group="train", to=("optim",)),
     O(("--loss-scale",), float, None, "static loss scale (default: dynamic, with --fp16)", group="train",
       to=("optim",), rule=POSITIVE),
+    O(("--grad-reduce-in-bf16",), None, False, "with --bf16: accumulate and reduce gradients in bfloat16 "
+      "(Megatron-LM's; default: fp32 main gradients)", group="train", to=("optim",)),
     O(("--initial-loss-scale",), float, 2 ** 32, group="train", to=("optim",)),
     O(("--min-loss-scale",), float, 1.0, group="train", to=("optim",)),
     O(("--loss-scale-window",), float, 1000, group="train", to=("optim",)),

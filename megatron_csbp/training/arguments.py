@@ -141,6 +141,8 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
             args.check_notes.append(note)
     if args.fp16 and args.bf16:
         raise ValueError("give --bf16 or --fp16, not both")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 reduces bfloat16 gradients: it needs --bf16")
     if args.loss_scale is not None and args.loss_scale <= 0:
         raise ValueError(f"--loss-scale must be positive, got {args.loss_scale}")
     if args.pack_sequences and not args.sft_data_path:

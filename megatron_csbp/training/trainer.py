@@ -151,7 +151,7 @@ class Trainer:
             config.finalize_model_grads_func = finalize
             self.chunks = [_wrap(c.model, config, gpt, build_objective(c.model), build_layout(c.model), device())]
         self.model = self.chunks[0] if len(self.chunks) == 1 else pipeline.ModelChunks(self.chunks)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not c.optim.grad_reduce_in_bf16,
                                                    overlap_grad_reduce=c.parallel.overlap_grad_reduce,
                                                    overlap_param_gather=c.parallel.overlap_param_gather,
                                                    use_distributed_optimizer=c.parallel.use_distributed_optimizer)
