@@ -39,15 +39,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, torch_chunk_gated_delta_rule
 
-from megatron_csbp.attention.accounting import traffic_counter
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather
 
 #: The module whose globals megatron-core's GatedDeltaNet constructor reads (its FLA import guard

@@ -223,7 +223,6 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
 
 
 def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
-    from megatron_csbp.bench.runner import environment
     from megatron_csbp.parallel.spawn import spawn
 
     for world in cfg.worlds:
@@ -397,8 +396,6 @@ def main(args, command: str) -> int:
     if args.attention_scaling and not args.from_json:
         result = None
     elif args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
-        from megatron_csbp.bench.runner import environment
-
         result = {"config": cfg.to_dict(), "environment": environment(), "command": command + " (partial records)",
                   "records": load_records(args.from_json)}
     elif args.from_json:

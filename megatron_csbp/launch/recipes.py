@@ -338,13 +338,6 @@ def requeue_safe(recipe: Dict) -> Tuple[Dict, List[str]]:
     return recipe, notes
 
 
-def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
-    """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch.nemo)."""
-    from megatron_csbp.launch.nemo import slurm_job
-
-    return slurm_job(recipe, nnodes, nproc, job_dir).script
-
-
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

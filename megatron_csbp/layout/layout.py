@@ -248,9 +248,6 @@ class SequenceLayout:
         j, _ = self.ring_of(rank)
         return list(range(j * self.cp_size, (j + 1) * self.cp_size))
 
-    def num_noisy_rows(self, rank: int) -> int:
-        return int((~self.rows(rank).is_clean).sum())
-
     def clean_loss_positions(self, rank: int) -> torch.Tensor:
         """Clean positions whose loss `rank` counts: over the shard group every clean position
         is counted exactly once, by a rank that holds it.

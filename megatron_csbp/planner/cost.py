@@ -26,7 +26,7 @@ and a reserve.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -35,7 +35,7 @@ from megatron_csbp.planner.model_config import LayerShape, ModelConfig
 from megatron_csbp.planner.reference import (OURS, Baseline, DFlash2Drafter, contiguous_clean_imbalance,
                                              contiguous_range_factor, native_ce_kept_bytes,
                                              native_ce_workspace_bytes, zero2_static_bytes)
-from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
+from megatron_csbp.planner.work import (GDNRankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
                                         rank_work)
 
 ATTN_FWD_BWD = 3.5  # backward of attention ~2.5x its forward (5 vs 2 matmuls)

@@ -42,7 +42,7 @@ Temporaries: one piece's gathered rows; the merge accumulators are [b, H, sq, d]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Tuple, Union
 
 import torch
 
