@@ -18,8 +18,7 @@ import sys
 
 from dataclasses import replace
 
-from megatron_csbp.bench.cases import (ALL_LAYOUTS, BenchConfig, BenchModel, dg_config, dg_quick_config,
-                                      quick_config)
+from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, dg_config, dg_quick_config, quick_config
 
 MODELS = ("gpt", "diffusiongemma-hybrid")
 
@@ -62,10 +61,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _dg_config_from_args(args) -> BenchConfig:
-    if args.layouts:
+def config_from_args(args) -> BenchConfig:
+    dg = args.model == "diffusiongemma-hybrid"
+    if dg and args.layouts:
         raise ValueError("--layouts: the diffusiongemma-hybrid model runs single, CP and CSBP (all-gather) only")
-    cfg = dg_quick_config() if args.quick else dg_config()
+    if not dg and args.sliding_window is not None:
+        raise ValueError("--sliding-window applies to --model diffusiongemma-hybrid only")
+    if dg:
+        cfg = dg_quick_config() if args.quick else dg_config()
+    else:
+        cfg = quick_config() if args.quick else BenchConfig()
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                "num_query_groups", "ffn_hidden_size", "vocab_size",
                                                "block_size", "micro_batch_size", "sliding_window")
@@ -74,33 +79,10 @@ def _dg_config_from_args(args) -> BenchConfig:
         cfg, model=replace(cfg.model, **overrides),
         seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
         sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
-        warmup=cfg.warmup if args.warmup is None else args.warmup,
-        steps=cfg.steps if args.steps is None else args.steps,
-        measure_memory=not args.no_memory,
-    )
-    cfg.check()
-    return cfg
-
-
-def config_from_args(args) -> BenchConfig:
-    if args.model == "diffusiongemma-hybrid":
-        return _dg_config_from_args(args)
-    if args.sliding_window is not None:
-        raise ValueError("--sliding-window applies to --model diffusiongemma-hybrid only")
-    cfg = quick_config() if args.quick else BenchConfig()
-    m = cfg.model
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                               "num_query_groups", "ffn_hidden_size", "vocab_size",
-                                               "block_size", "micro_batch_size") if getattr(args, k) is not None}
-    model = BenchModel(**{**m.__dict__, **overrides})
-    cfg = BenchConfig(
-        model=model,
-        seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
-        sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
         layouts=tuple(args.layouts) if args.layouts else cfg.layouts,
         warmup=cfg.warmup if args.warmup is None else args.warmup,
         steps=cfg.steps if args.steps is None else args.steps,
-        seed=cfg.seed, measure_memory=not args.no_memory,
+        measure_memory=not args.no_memory,
     )
     cfg.check()
     return cfg
