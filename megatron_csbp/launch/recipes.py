@@ -31,7 +31,7 @@ import shlex
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from megatron_csbp.utils.cli import ArgumentParser, run
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, run
 
 SECTIONS = ("model", "parallelism", "data", "objective", "training")
 LAUNCH_KEYS = ("nnodes", "nproc_per_node", "master_port", "env", "slurm")
@@ -354,8 +354,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import filter_warnings
-
     filter_warnings()  # hide the library warnings a user cannot act on
     args = parse_args(argv)
     try:

@@ -51,6 +51,7 @@ from megatron_csbp.attention.kernels.tiled import (
     MASKED_SCORE,
     _backward as tiled_backward,
     _forward as tiled_forward,
+    check_shapes,
     tile_schedule,
 )
 from megatron_csbp.layout.rows import PartialMask
@@ -505,11 +506,7 @@ def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [sq, b, H, d], k/v [sk, b, G, d] (G | H) under `mask`; returns (out [sq, b, H, d],
     lse [b, H, sq] in fp32, fp64 for fp64 inputs). CPU tensors."""
-    sq, sk = q.shape[0], k.shape[0]
-    if mask.shape != (sq, sk):
-        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(sq, sk)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
+    check_shapes(q, k, mask)
     if q.device.type != "cpu":
         raise ValueError(f"--attention-kernel cpu_flash runs on CPU, got {q.device}")
     return _CpuFlashAttention.apply(q, k, v, mask, cpu_flash_plan(mask), softmax_scale)
