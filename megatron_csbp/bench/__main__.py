@@ -94,37 +94,32 @@ def main(argv=None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    command = ("python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)).strip()
     if args.long_context:
         from megatron_csbp.bench import long_context
 
-        command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
-        return long_context.main(args, command.strip())
-    if args.from_json:
-        from megatron_csbp.bench.report import load, save
+        return long_context.main(args, command)
+    from megatron_csbp.bench.report import load, save
 
+    if args.from_json:
         result = load(args.from_json)
         name = args.name or os.path.splitext(os.path.basename(args.from_json))[0]
-        files = save(result, args.output_dir, name, result["command"], with_plots=not args.no_plots)
-        for kind, path in files.items():
-            print(f"[bench] wrote {kind}: {path}")
-        return 0
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from megatron_csbp.bench.report import save
-    from megatron_csbp.bench.runner import run
+        command = result["command"]
+    else:
+        try:
+            cfg = config_from_args(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        from megatron_csbp.bench.runner import run
 
-    result = run(cfg)
-    base = "diffusiongemma" if args.model == "diffusiongemma-hybrid" else "cpu"
-    name = args.name or (f"{base}_quick" if args.quick else base)
-    command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
-    files = save(result, args.output_dir, name, command.strip(), with_plots=not args.no_plots)
+        result = run(cfg)
+        base = "diffusiongemma" if args.model == "diffusiongemma-hybrid" else "cpu"
+        name = args.name or (f"{base}_quick" if args.quick else base)
+    files = save(result, args.output_dir, name, command, with_plots=not args.no_plots)
     for kind, path in files.items():
         print(f"[bench] wrote {kind}: {path}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
