@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, torch_chunk_gated_delta_rule
 
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather
+from megatron_csbp.layout.rows import index_runs
 
 #: The module whose globals megatron-core's GatedDeltaNet constructor reads (its FLA import guard
 #: `HAVE_FLA`, its `torch`): in 0.16.1 the module `megatron.core.ssm.gated_delta_net`; from 0.19 that
@@ -97,13 +98,7 @@ def recurrent_rule(q, k, v, g, beta, state):
 
 def _runs(positions: torch.Tensor) -> List[Tuple[int, int]]:
     """[(start, end)) runs of consecutive values of a sorted position list."""
-    runs: List[Tuple[int, int]] = []
-    for p in positions.tolist():
-        if runs and runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], p + 1)
-        else:
-            runs.append((p, p + 1))
-    return runs
+    return [(s.start, s.stop) for s in index_runs(positions)]
 
 
 @dataclass

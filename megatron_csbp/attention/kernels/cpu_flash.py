@@ -54,7 +54,7 @@ from megatron_csbp.attention.kernels.tiled import (
     check_shapes,
     tile_schedule,
 )
-from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.layout.rows import PartialMask, index_runs as _runs
 from megatron_csbp.utils.precision import compute_dtype
 
 # Rows of a piece: one contiguous range (a view), a few ranges (gathered by concatenating views:
@@ -85,15 +85,6 @@ def _rows(index: torch.Tensor) -> Rows:
     if n and bool(((index[1:] != index[:-1] + 1).sum() < FREE_RUNS)):
         return tuple(_runs(index))
     return index
-
-
-def _runs(index: torch.Tensor) -> List[slice]:
-    """`index` as ranges of consecutive rows, in order."""
-    if not index.numel():
-        return []
-    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
-    bounds = [0] + cut + [index.numel()]
-    return [slice(int(index[a]), int(index[a]) + (b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _count(rows: Rows) -> int:
