@@ -263,7 +263,7 @@ def _cpu_summary(rows: List[Dict]) -> List[str]:
         out.append(f"- L = {Lmin}, P = {r['P']}, {r['case']}: CPU time per step {r['thread_cpu_s'] * 1e3:.1f} ms, "
                    f"{r['cpu_vs_cp']:.2f}x CP's ({'not slower' if r['cpu_vs_cp'] <= 1.0 else 'SLOWER'}); wall "
                    f"{_ratio(r['time_vs_cp'])}.")
-    return ([f"CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared machine's "
+    return (["CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared machine's "
              "load):", ""] + out + [""]) if out else []
 
 
