@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -52,18 +51,14 @@ class DemoResult:
     plot_path: Optional[str] = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_single_rank() -> None:
     """gloo world of size 1 and Megatron's model-parallel state with TP = PP = 1 (idempotent)."""
     from megatron.core import parallel_state as mpu
 
+    from megatron_csbp.parallel.spawn import free_port
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise RuntimeError(f"the demo runs on one rank, torch.distributed has {dist.get_world_size()}")
     if not mpu.model_parallel_is_initialized():

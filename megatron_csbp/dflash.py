@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 
-from megatron_csbp.utils.cli import ArgumentParser, run
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, run
 
 
 # ---- prepare-features ----------------------------------------------------------------------------
@@ -135,8 +135,6 @@ def train(argv: Sequence[str]):
 
 
 def main(argv: Optional[Sequence[str]] = None):
-    from megatron_csbp.utils.cli import filter_warnings
-
     filter_warnings()  # hide the library warnings a user cannot act on
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:

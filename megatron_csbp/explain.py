@@ -59,13 +59,11 @@ class RankView:
 
 
 def _ranges(positions) -> List[Tuple[int, int]]:
-    out: List[Tuple[int, int]] = []
-    for p in sorted(int(x) for x in positions):
-        if out and out[-1][1] == p:
-            out[-1] = (out[-1][0], p + 1)
-        else:
-            out.append((p, p + 1))
-    return out
+    import torch
+
+    from megatron_csbp.layout.rows import index_runs
+
+    return [(s.start, s.stop) for s in index_runs(torch.tensor(sorted(int(x) for x in positions), dtype=torch.long))]
 
 
 def explain(seq_length: int, block_size: int, cp: int, bp: int, schedule: str = "mirrored",

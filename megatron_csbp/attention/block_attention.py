@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_csbp.attention.strategies import AttentionCall, ExchangeStrategy, select_strategy
 from megatron_csbp.layout.exchange import WindowExchangePlan
 from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, Documents, RowMeta
-from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.layout.rows import PartialMask, index_runs
 
 
 @dataclass(frozen=True)
@@ -152,11 +152,7 @@ class AttentionPlan:
         blocks made 2-3x the calls of the one holding the middle ones. Cached (static); slices
         only, at most 2 per ring member."""
         if "gathered_runs" not in self._cache:
-            order = torch.argsort(RowMeta.cat(self.peers).position, stable=True)
-            cut = ((order[1:] != order[:-1] + 1).nonzero().flatten() + 1).tolist()
-            bounds = [0] + cut + [order.numel()]
-            self._cache["gathered_runs"] = [slice(int(order[a]), int(order[a]) + b - a)
-                                            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            self._cache["gathered_runs"] = index_runs(torch.argsort(RowMeta.cat(self.peers).position, stable=True))
         return self._cache["gathered_runs"]
 
     def block_diagonal_mask(self, device) -> PartialMask:

@@ -39,16 +39,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, torch_chunk_gated_delta_rule
 
-from megatron_csbp.attention.accounting import traffic_counter
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather
+from megatron_csbp.layout.rows import index_runs
 
 #: The module whose globals megatron-core's GatedDeltaNet constructor reads (its FLA import guard
 #: `HAVE_FLA`, its `torch`): in 0.16.1 the module `megatron.core.ssm.gated_delta_net`; from 0.19 that
@@ -99,13 +98,7 @@ def recurrent_rule(q, k, v, g, beta, state):
 
 def _runs(positions: torch.Tensor) -> List[Tuple[int, int]]:
     """[(start, end)) runs of consecutive values of a sorted position list."""
-    runs: List[Tuple[int, int]] = []
-    for p in positions.tolist():
-        if runs and runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], p + 1)
-        else:
-            runs.append((p, p + 1))
-    return runs
+    return [(s.start, s.stop) for s in index_runs(positions)]
 
 
 @dataclass
@@ -123,7 +116,6 @@ class GDNRoutes:
     # boundary routing: blocks this rank sends (per destination, in the receiver's order) and receives
     send_blocks: List[List[int]]
     recv_blocks: List[List[int]]  # per source: my noisy blocks whose boundary it sends
-    local_boundary_blocks: List[int]  # my noisy blocks whose bB-1 I hold (or b == 0)
 
     @property
     def boundary_blocks_sent(self) -> int:
@@ -173,26 +165,23 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
                 return i
         raise ValueError(f"Gated DeltaNet: no rank of the ring holds clean position {p}")
 
-    member_blocks = [[b for b in _noisy_blocks_of(m, B)] for m in (plan.members if ring > 1 else [rows])]
+    member_blocks = [_noisy_blocks_of(m, B) for m in (plan.members if ring > 1 else [rows])]
     send_blocks = [[] for _ in range(ring)]
     recv_blocks = [[] for _ in range(ring)]
-    local_boundary = []
     for dest, blocks in enumerate(member_blocks):
         for b in blocks:
             if b == 0:  # starts from the zero state: nothing to send
-                if dest == ring_index:
-                    local_boundary.append(b)
                 continue
             src = holder(b * B - 1)
             if dest == ring_index and src == ring_index:
-                local_boundary.append(b)
-            elif src == ring_index:
+                continue  # the boundary is local
+            if src == ring_index:
                 send_blocks[dest].append(b)
             elif dest == ring_index:
                 recv_blocks[src].append(b)
     return GDNRoutes(noisy_idx.view(-1, B) if len(npos) else noisy_idx.view(0, B), noisy_blocks, clean_idx,
                      segments, ring, ring_index, max(len(m) for m in members), members,
-                     send_blocks, recv_blocks, local_boundary)
+                     send_blocks, recv_blocks)
 
 
 def _noisy_blocks_of(rows, B: int) -> List[int]:

@@ -79,7 +79,7 @@ class SourceKV:
 
     def gathered(self, call: "AttentionCall", gathered: torch.Tensor):
         # The own shard in the gathered rows is replaced by this rank's K and V.
-        plan, n = call.plan, call.n
+        plan = call.plan
         me, sizes = plan.ring_index, [len(p) for p in plan.peers]
         start, stop = sum(sizes[:me]), sum(sizes[: me + 1])
         others = torch.cat([gathered[:start], gathered[stop:]])

@@ -19,7 +19,7 @@ K and V derive from one tensor (K=V layers) send that tensor alone, half the byt
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -173,12 +173,6 @@ def unpack_kv(kv: torch.Tensor):
 
 
 TRANSPORTS = ("allgather", "ring")
-
-
-def check_transport(name: str) -> str:
-    if name not in TRANSPORTS:
-        raise ValueError(f"--attention-transport must be one of {TRANSPORTS}, got {name!r}")
-    return name
 
 
 class PendingAllToAll:

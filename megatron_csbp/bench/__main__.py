@@ -18,8 +18,7 @@ import sys
 
 from dataclasses import replace
 
-from megatron_csbp.bench.cases import (ALL_LAYOUTS, BenchConfig, BenchModel, dg_config, dg_quick_config,
-                                      quick_config)
+from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, dg_config, dg_quick_config, quick_config
 
 MODELS = ("gpt", "diffusiongemma-hybrid")
 
@@ -62,10 +61,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _dg_config_from_args(args) -> BenchConfig:
-    if args.layouts:
+def config_from_args(args) -> BenchConfig:
+    dg = args.model == "diffusiongemma-hybrid"
+    if dg and args.layouts:
         raise ValueError("--layouts: the diffusiongemma-hybrid model runs single, CP and CSBP (all-gather) only")
-    cfg = dg_quick_config() if args.quick else dg_config()
+    if not dg and args.sliding_window is not None:
+        raise ValueError("--sliding-window applies to --model diffusiongemma-hybrid only")
+    if dg:
+        cfg = dg_quick_config() if args.quick else dg_config()
+    else:
+        cfg = quick_config() if args.quick else BenchConfig()
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                "num_query_groups", "ffn_hidden_size", "vocab_size",
                                                "block_size", "micro_batch_size", "sliding_window")
@@ -74,33 +79,10 @@ def _dg_config_from_args(args) -> BenchConfig:
         cfg, model=replace(cfg.model, **overrides),
         seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
         sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
-        warmup=cfg.warmup if args.warmup is None else args.warmup,
-        steps=cfg.steps if args.steps is None else args.steps,
-        measure_memory=not args.no_memory,
-    )
-    cfg.check()
-    return cfg
-
-
-def config_from_args(args) -> BenchConfig:
-    if args.model == "diffusiongemma-hybrid":
-        return _dg_config_from_args(args)
-    if args.sliding_window is not None:
-        raise ValueError("--sliding-window applies to --model diffusiongemma-hybrid only")
-    cfg = quick_config() if args.quick else BenchConfig()
-    m = cfg.model
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                               "num_query_groups", "ffn_hidden_size", "vocab_size",
-                                               "block_size", "micro_batch_size") if getattr(args, k) is not None}
-    model = BenchModel(**{**m.__dict__, **overrides})
-    cfg = BenchConfig(
-        model=model,
-        seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
-        sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
         layouts=tuple(args.layouts) if args.layouts else cfg.layouts,
         warmup=cfg.warmup if args.warmup is None else args.warmup,
         steps=cfg.steps if args.steps is None else args.steps,
-        seed=cfg.seed, measure_memory=not args.no_memory,
+        measure_memory=not args.no_memory,
     )
     cfg.check()
     return cfg
@@ -112,37 +94,32 @@ def main(argv=None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    command = ("python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)).strip()
     if args.long_context:
         from megatron_csbp.bench import long_context
 
-        command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
-        return long_context.main(args, command.strip())
-    if args.from_json:
-        from megatron_csbp.bench.report import load, save
+        return long_context.main(args, command)
+    from megatron_csbp.bench.report import load, save
 
+    if args.from_json:
         result = load(args.from_json)
         name = args.name or os.path.splitext(os.path.basename(args.from_json))[0]
-        files = save(result, args.output_dir, name, result["command"], with_plots=not args.no_plots)
-        for kind, path in files.items():
-            print(f"[bench] wrote {kind}: {path}")
-        return 0
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from megatron_csbp.bench.report import save
-    from megatron_csbp.bench.runner import run
+        command = result["command"]
+    else:
+        try:
+            cfg = config_from_args(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        from megatron_csbp.bench.runner import run
 
-    result = run(cfg)
-    base = "diffusiongemma" if args.model == "diffusiongemma-hybrid" else "cpu"
-    name = args.name or (f"{base}_quick" if args.quick else base)
-    command = "python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)
-    files = save(result, args.output_dir, name, command.strip(), with_plots=not args.no_plots)
+        result = run(cfg)
+        base = "diffusiongemma" if args.model == "diffusiongemma-hybrid" else "cpu"
+        name = args.name or (f"{base}_quick" if args.quick else base)
+    files = save(result, args.output_dir, name, command, with_plots=not args.no_plots)
     for kind, path in files.items():
         print(f"[bench] wrote {kind}: {path}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

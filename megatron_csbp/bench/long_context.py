@@ -81,22 +81,22 @@ def _plan_pairs(plan) -> Tuple[int, int, int]:
     return allowed, rect, plan.nbytes()
 
 
+def _random_qkv(model, rows: int, batch: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    return tuple(torch.randn(rows, batch, heads, d, generator=gen, requires_grad=True) for heads in (H, G, G))
+
+
 def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
     """One layer's block attention forward + backward on this rank's plan, random inputs."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
     from megatron_csbp.attention.kernels.registry import get_kernel
 
-    m = model
-    H, G, d = m.num_attention_heads, m.num_query_groups, m.head_dim
-    rows = len(plan.local)
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(rows, m.micro_batch_size, H, d, generator=gen, requires_grad=True)
-    k = torch.randn(rows, m.micro_batch_size, G, d, generator=gen, requires_grad=True)
-    v = torch.randn(rows, m.micro_batch_size, G, d, generator=gen, requires_grad=True)
+    q, k, v = _random_qkv(model, len(plan.local), model.micro_batch_size, 7)
     kernel = get_kernel(kernel_name, q.device)
     dist.barrier(group=shard_group)
     t0 = time.perf_counter()
-    out = block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, layer=1)
+    out = block_diffusion_attention(q, k, v, plan, softmax_scale=model.head_dim ** -0.5, kernel=kernel, layer=1)
     out.sum().backward()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
@@ -159,15 +159,12 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
 
     torch.set_num_threads(1)
     m = cfg.model
-    H, G, d = m.num_attention_heads, m.num_query_groups, m.head_dim
+    d = m.head_dim
     out = []
     for kernel_name in cfg.kernels:
         for L in cfg.lengths(kernel_name):
             plan = plan_for_layout(SequenceLayout(BlockGeometry(L, m.block_size)), 0)
-            gen = torch.Generator().manual_seed(L)
-            q = torch.randn(2 * L, 1, H, d, generator=gen, requires_grad=True)
-            k = torch.randn(2 * L, 1, G, d, generator=gen, requires_grad=True)
-            v = torch.randn(2 * L, 1, G, d, generator=gen, requires_grad=True)
+            q, k, v = _random_qkv(m, 2 * L, 1, L)
             kernel = get_kernel(kernel_name, q.device)
             best = None
             for _ in range(repeats if L < 16384 else 1):
@@ -223,7 +220,6 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
 
 
 def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
-    from megatron_csbp.bench.runner import environment
     from megatron_csbp.parallel.spawn import spawn
 
     for world in cfg.worlds:
@@ -397,8 +393,6 @@ def main(args, command: str) -> int:
     if args.attention_scaling and not args.from_json:
         result = None
     elif args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
-        from megatron_csbp.bench.runner import environment
-
         result = {"config": cfg.to_dict(), "environment": environment(), "command": command + " (partial records)",
                   "records": load_records(args.from_json)}
     elif args.from_json:

@@ -17,7 +17,6 @@ The tracking mode slows the step down, so it is used on a separate, untimed step
 from __future__ import annotations
 
 import gc
-import os
 import warnings
 import weakref
 from typing import Dict, Optional

@@ -20,6 +20,24 @@ def _made_by(title: str, command: str) -> List[str]:
     return [f"# {title}", "", "Made by:", "", "```", command, "```", ""]
 
 
+def _step_bullet(cfg: Dict) -> str:
+    return (f"- step = forward + backward + one all-reduce of parameter gradients over the shard group + "
+            f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed "
+            "as the slowest rank's step.")
+
+
+def _machine_bullet(env: Dict) -> str:
+    return (f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
+            f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread "
+            f"per rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.")
+
+
+def _plots_section(plots: Dict[str, str]) -> List[str]:
+    if not plots:
+        return []
+    return ["## Plots", ""] + [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()] + [""]
+
+
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     cfg, env, rows = result["config"], result["environment"], result["rows"]
     m = cfg["model"]
@@ -31,9 +49,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         f"hidden {m['hidden_size']}, {m['num_attention_heads']} heads, G = {m['num_query_groups']} KV groups of "
         f"d = {head_dim}, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']}, block size {m['block_size']}, "
         f"micro-batch {m['micro_batch_size']}, {m['dtype']}; BD3-LM objective; AdamW.",
-        f"- step = forward + backward + one all-reduce of parameter gradients over the shard group + "
-        f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
-        "the slowest rank's step.",
+        _step_bullet(cfg),
         "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
         "layers): the sizes of the tensors handed to the collectives, from "
         "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the process-group "
@@ -55,10 +71,8 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         "- CPU ms: the CPU time of a rank's main thread in the step (`time.thread_time()`, median over the timed "
         "steps, largest rank). Other jobs on the shared cores stretch wall time but not CPU time; a rank blocked "
         "in a wait uses none. CPU vs CP compares it with CP over the same ranks and transport.",
-        f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
-        f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread per "
-        f"rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s. "
-        "Worlds of 4 ranks run on 2 cores, so their times carry oversubscription; compare layouts within one P.",
+        _machine_bullet(env) + " Worlds of 4 ranks run on 2 cores, so their times carry oversubscription; "
+        "compare layouts within one P.",
         "",
     ]
     by_p: Dict[int, List[Dict]] = {}
@@ -99,11 +113,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     mem = _memory_table(rows)
     if mem:
         out += mem
-    if plots:
-        out += ["## Plots", ""]
-        out += [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()]
-        out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _plots_section(plots))
 
 
 def _single_key(r: Dict):
@@ -162,9 +172,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         "- layouts: single rank, CP (all-gather of K and V on every layer; windows only mask) and CSBP with "
         "CP = BP = P (all-gather of the clean rows on full-attention layers, the windowed all-to-all on sliding "
         "layers).",
-        f"- step = forward + backward + one all-reduce of parameter gradients over the shard group + "
-        f"optimizer step; {cfg['warmup']} warm-up steps, then the median of {cfg['steps']} steps, each timed as "
-        "the slowest rank's step.",
+        _step_bullet(cfg),
         "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
         "layers): the sizes of the tensors handed to the collectives, from "
         "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the process-group "
@@ -173,9 +181,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         "and half of that on the K=V layer; CSBP's windowed sliding layers have no closed formula (–).",
         "- memory: peak live tensor bytes of one extra (untimed) step per rank (`megatron_csbp/bench/memory.py`), "
         "largest rank.",
-        f"- machine: {env['host_cpus']} CPUs shared with other jobs (load average at start "
-        f"{_fmt(env['load_average_at_start'][0] if env.get('load_average_at_start') else None)}), one thread per "
-        f"rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.",
+        _machine_bullet(env),
         "",
     ]
     head = dg_headline(rows)
@@ -221,11 +227,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
     if dev is not None:
         out += [f"Step-0 loss of every layout vs the single-rank loss of the same model and L (same weights, tokens "
                 f"and noise): largest relative difference {dev:.1e}.", ""]
-    if plots:
-        out += ["## Plots", ""]
-        out += [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()]
-        out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _plots_section(plots))
 
 
 def _hidden_summary(rows: List[Dict]) -> List[str]:
@@ -261,7 +263,7 @@ def _cpu_summary(rows: List[Dict]) -> List[str]:
         out.append(f"- L = {Lmin}, P = {r['P']}, {r['case']}: CPU time per step {r['thread_cpu_s'] * 1e3:.1f} ms, "
                    f"{r['cpu_vs_cp']:.2f}x CP's ({'not slower' if r['cpu_vs_cp'] <= 1.0 else 'SLOWER'}); wall "
                    f"{_ratio(r['time_vs_cp'])}.")
-    return ([f"CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared machine's "
+    return (["CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared machine's "
              "load):", ""] + out + [""]) if out else []
 
 

@@ -32,9 +32,12 @@ def load_drafter(path: str):
     """The `DFlashDrafter` of the checkpoint folder `path`, its weights loaded."""
     from megatron_csbp.model.dflash import DFlashDrafter
 
-    shape = DrafterShape.from_json(open(os.path.join(path, SHAPE_FILE)).read())
-    model = DFlashDrafter(shape)
-    state = torch.load(os.path.join(path, WEIGHTS_FILE), map_location="cpu")
+    model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(path, SHAPE_FILE)).read()))
+    return _loaded(model, torch.load(os.path.join(path, WEIGHTS_FILE), map_location="cpu"), path)
+
+
+def _loaded(model, state, path: str):
+    """`model` with `state` loaded (its `_extra_state` entries may be missing, nothing else)."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -58,11 +61,7 @@ def load_trained_drafter(load: str):
     model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()))
     wanted = sharded_state_dict_default(model, "")
     state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
-    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"drafter checkpoint {load}: missing {missing}, unexpected {unexpected}")
-    return model
+    return _loaded(model, {k: v for k, v in state.items() if k in wanted}, load)
 
 
 def read_drafter(load: str):

@@ -45,20 +45,17 @@ def _to_cpu_device(device):
     return device
 
 
+def _nothing(*a, **k):
+    pass
+
+
 class _NoOpStream:
     """Stands in for torch.cuda.Stream / current_stream / default_stream."""
 
-    def wait_stream(self, *a, **k):
-        pass
-
-    def wait_event(self, *a, **k):
-        pass
+    wait_stream = wait_event = synchronize = _nothing
 
     def record_event(self, event=None):
         return event if event is not None else _NoOpEvent()
-
-    def synchronize(self):
-        pass
 
     def query(self):
         return True
@@ -67,18 +64,12 @@ class _NoOpStream:
 _STREAM = _NoOpStream()
 
 
+def _stream(*a, **k):
+    return _STREAM
+
+
 class _NoOpEvent:
-    def __init__(self, *a, **k):
-        pass
-
-    def record(self, *a, **k):
-        pass
-
-    def wait(self, *a, **k):
-        pass
-
-    def synchronize(self):
-        pass
+    __init__ = record = wait = synchronize = _nothing
 
     def query(self):
         return True
@@ -100,27 +91,9 @@ class CpuCuda(types.ModuleType):
     def current_device():
         return torch.device("cpu")
 
-    @staticmethod
-    def synchronize(*a, **k):
-        pass
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-    @staticmethod
-    def Stream(*a, **k):  # noqa: N802 - mirrors torch.cuda.Stream
-        return _STREAM
-
+    synchronize = empty_cache = reset_peak_memory_stats = staticmethod(_nothing)
+    Stream = current_stream = default_stream = staticmethod(_stream)  # Stream mirrors torch.cuda.Stream
     Event = _NoOpEvent
-
-    @staticmethod
-    def current_stream(*a, **k):
-        return _STREAM
-
-    @staticmethod
-    def default_stream(*a, **k):
-        return _STREAM
 
     @staticmethod
     def stream(*a, **k):
@@ -130,13 +103,7 @@ class CpuCuda(types.ModuleType):
     def memory_allocated(*a, **k):
         return 0
 
-    max_memory_allocated = memory_allocated
-    memory_reserved = memory_allocated
-    max_memory_reserved = memory_allocated
-
-    @staticmethod
-    def reset_peak_memory_stats(*a, **k):
-        pass
+    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
 
     @staticmethod
     def get_rng_state(*a, **k):
@@ -150,9 +117,7 @@ class CpuCuda(types.ModuleType):
     def manual_seed(seed):
         torch.manual_seed(seed)
 
-    @staticmethod
-    def manual_seed_all(seed):
-        torch.manual_seed(seed)
+    manual_seed_all = manual_seed
 
 
 _CPU_CUDA = CpuCuda()

@@ -66,12 +66,6 @@ def _is_torch_adam(opt) -> bool:
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def patch_optimizers() -> None:
-    """Both layers (what `compat.cpu` installs without CUDA)."""
-    patch_cpu_optimizers()
-    patch_torch_adam()
-
-
 def patch_cpu_optimizers() -> None:
     """Device relocation (CPU only): CUDA type names, the DP-zero gather's gloo branch."""
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")

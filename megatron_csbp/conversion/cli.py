@@ -8,7 +8,7 @@ from typing import List, Optional
 import numpy as np
 
 from megatron_csbp.model.families import DTYPES, UnsupportedModelError, get_family
-from megatron_csbp.utils.cli import ArgumentParser
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,8 +55,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_csbp.utils.cli import filter_warnings
-
     filter_warnings()  # hide the library warnings a user cannot act on
     args = _parser().parse_args(argv)
     from megatron_csbp.conversion import api

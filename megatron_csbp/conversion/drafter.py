@@ -68,18 +68,13 @@ def is_hf_drafter(hf_path: str) -> bool:
 def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShape:
     """A `MuseGlimmerAssistantModel` folder -> a drafter checkpoint `dflash train --load` reads."""
     from megatron_csbp.conversion import hf_io
-    from megatron_csbp.model.dflash import hf_to_megatron_state
+    from megatron_csbp.model.dflash import hf_tensor_names, hf_to_megatron_state
 
     cfg = hf_io.read_config(hf_path)
     shape = DrafterShape.from_hf_config(cfg)
     tensors = hf_io.read_tensors(hf_path)
     state = hf_to_megatron_state(shape, tensors)
-    used = {"encoder.fc.weight", "encoder.output_norm_enc.weight", "norm.weight"} | {
-        f"layers.{i}.{n}" for i in range(shape.num_layers) for n in (
-            "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
-            "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-    unused = sorted(set(tensors) - used)
+    unused = sorted(set(tensors) - hf_tensor_names(shape))
     if unused:
         raise ValueError(f"{hf_path}: tensors the drafter has no place for: {unused[:8]}")
     if dtype is not None:

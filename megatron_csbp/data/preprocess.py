@@ -21,9 +21,8 @@ import gzip
 import json
 import os
 import sys
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 
 

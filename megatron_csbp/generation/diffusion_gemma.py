@@ -41,10 +41,6 @@ import torch
 from megatron_csbp.generation import kv_cache
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 
-#: the DiffusionGemmaGenerationConfig fields the CLI sets (flag = field name with dashes)
-KNOBS = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
-
-
 def _hf():
     try:
         from transformers.models.diffusion_gemma import generation_diffusion_gemma as g

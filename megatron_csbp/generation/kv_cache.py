@@ -40,10 +40,6 @@ class CacheState:
         self.mode, self.rows, self.geometry = "off", None, geometry
         self.kv.clear()
 
-    @property
-    def cached_rows(self) -> int:
-        return 0 if not self.kv else len(next(iter(self.kv.values()))[2])
-
 
 class CachedBlockAttention(torch.nn.Module):
     """Wraps a BlockDiffusionAttention: passes through in 'off' mode, uses the clean K/V cache otherwise."""
@@ -93,10 +89,3 @@ def install(gpt, state: CacheState) -> int:
             module.core_attention = CachedBlockAttention(ca, state)
             n += 1
     return n
-
-
-def uninstall(gpt) -> None:
-    for module in gpt.modules():
-        ca = getattr(module, "core_attention", None)
-        if isinstance(ca, CachedBlockAttention):
-            module.core_attention = ca.inner

@@ -31,7 +31,7 @@ import shlex
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from megatron_csbp.utils.cli import ArgumentParser, run
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, run
 
 SECTIONS = ("model", "parallelism", "data", "objective", "training")
 LAUNCH_KEYS = ("nnodes", "nproc_per_node", "master_port", "env", "slurm")
@@ -338,13 +338,6 @@ def requeue_safe(recipe: Dict) -> Tuple[Dict, List[str]]:
     return recipe, notes
 
 
-def slurm_script(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = None) -> str:
-    """The sbatch script of NeMo-Run's SlurmExecutor for the recipe (megatron_csbp.launch.nemo)."""
-    from megatron_csbp.launch.nemo import slurm_job
-
-    return slurm_job(recipe, nnodes, nproc, job_dir).script
-
-
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -361,8 +354,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import filter_warnings
-
     filter_warnings()  # hide the library warnings a user cannot act on
     args = parse_args(argv)
     try:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_csbp.attention.block_attention import AttentionPlan
 from megatron_csbp.layout.layout import zigzag_chunks
-from megatron_csbp.layout.sizes import check_parallel_sizes, layout_kind, shard_group_size
+from megatron_csbp.layout.sizes import ShardGroupSizes, check_parallel_sizes
 from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
 
 
@@ -55,7 +55,7 @@ def needed_context(anchors: torch.Tensor, doc_starts: torch.Tensor, seq_length: 
 
 
 @dataclass(frozen=True)
-class DFlashLayout:
+class DFlashLayout(ShardGroupSizes):
     seq_length: int
     block_size: int
     cp_size: int = 1
@@ -66,17 +66,6 @@ class DFlashLayout:
         if self.kind in ("cp", "csbp") and self.seq_length % (2 * self.cp_size):
             raise ValueError(f"--seq-length {self.seq_length} must be divisible by 2 x --context-parallel-size "
                              f"{self.cp_size} (the context is zigzag-sharded into {2 * self.cp_size} chunks)")
-
-    @property
-    def kind(self) -> str:
-        return layout_kind(self.cp_size, self.bp_size)
-
-    @property
-    def shard_group_size(self) -> int:
-        return shard_group_size(self.cp_size, self.bp_size)
-
-    def ring_of(self, rank: int):
-        return divmod(rank, self.cp_size)
 
     def owned(self, anchors: torch.Tensor, doc_starts: torch.Tensor) -> List[torch.Tensor]:
         """Per rank of the shard group: indices of the anchors it owns."""

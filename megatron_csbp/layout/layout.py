@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
-from megatron_csbp.layout.sizes import check_parallel_sizes, layout_kind, shard_group_size  # noqa: F401 (re-exported)
+from megatron_csbp.layout.sizes import ShardGroupSizes, check_parallel_sizes
 
 OWNERSHIP_SCHEDULES = ("mirrored", "contiguous")
 
@@ -75,7 +75,7 @@ def zigzag_chunks(num_chunks_half: int, rank: int) -> Tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class SequenceLayout:
+class SequenceLayout(ShardGroupSizes):
     """The placement of rows over the `bp_size`-rank shard group (or `cp_size` for CP only)."""
 
     geometry: BlockGeometry
@@ -156,24 +156,11 @@ class SequenceLayout:
                 return False
         return True
 
-    # ---- sizes -------------------------------------------------------------------------------
-    @property
-    def kind(self) -> str:
-        return layout_kind(self.cp_size, self.bp_size)
-
-    @property
-    def shard_group_size(self) -> int:
-        """Ranks in the shard group: max(CP, BP) (Megatron's context-parallel axis)."""
-        return shard_group_size(self.cp_size, self.bp_size)
-
+    # ---- sizes (kind, shard_group_size, ring_of: `ShardGroupSizes`) ----------------------------
     @property
     def ring_size(self) -> int:
         """Ranks that share one clean stream (and exchange K/V)."""
         return self.cp_size
-
-    def ring_of(self, rank: int) -> Tuple[int, int]:
-        """(ring index j, position i in the ring) of a rank of the shard group."""
-        return divmod(rank, self.cp_size)
 
     # ---- ownership -----------------------------------------------------------------------------
     @cached_property
@@ -247,9 +234,6 @@ class SequenceLayout:
         """Sequence-group ranks of `rank`'s ring."""
         j, _ = self.ring_of(rank)
         return list(range(j * self.cp_size, (j + 1) * self.cp_size))
-
-    def num_noisy_rows(self, rank: int) -> int:
-        return int((~self.rows(rank).is_clean).sum())
 
     def clean_loss_positions(self, rank: int) -> torch.Tensor:
         """Clean positions whose loss `rank` counts: over the shard group every clean position

@@ -23,13 +23,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
 from megatron_csbp.layout.masks import AnchoredGeometry, BlockGeometry, RowMeta, clean_key_interval, noisy_block_id
 
 _I32 = torch.int32
+
+
+def index_runs(index: torch.Tensor) -> List[slice]:
+    """`index` as ranges of consecutive values, in order."""
+    if not index.numel():
+        return []
+    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0] + cut + [index.numel()]
+    return [slice(int(index[a]), int(index[a]) + (b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,23 @@ def layout_kind(cp: int, bp: int) -> str:
     if bp > 1:
         return "csbp" if cp > 1 else "bp"
     return "cp" if cp > 1 else "single"
+
+
+class ShardGroupSizes:
+    """`kind`, `shard_group_size` and `ring_of` of a layout class with `cp_size` and `bp_size` fields."""
+
+    cp_size: int
+    bp_size: int
+
+    @property
+    def kind(self) -> str:
+        return layout_kind(self.cp_size, self.bp_size)
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks in the shard group: max(CP, BP) (Megatron's context-parallel axis)."""
+        return shard_group_size(self.cp_size, self.bp_size)
+
+    def ring_of(self, rank: int):
+        """(ring index j, position i in the ring) of a rank of the shard group."""
+        return divmod(rank, self.cp_size)

@@ -275,51 +275,50 @@ class DFlashDrafter(torch.nn.Module):
 
 # ---- Hugging Face <-> Megatron ------------------------------------------------------------------
 
+#: Megatron <-> Hugging Face (`MuseGlimmerAssistantModel`) names of the drafter's tensors renamed as
+#: they are; per layer, k/v and the MLP's gate/up (`_FUSED`) are fused on the Megatron side
+_TOP_NAMES = (("encoder.fc.weight", "encoder.fc.weight"), ("encoder.norm.weight", "encoder.output_norm_enc.weight"),
+              ("final_norm.weight", "norm.weight"))
+_LAYER_NAMES = (("input_layernorm.weight", "input_layernorm.weight"), ("linear_q.weight", "self_attn.q_proj.weight"),
+                ("q_layernorm.weight", "self_attn.q_norm.weight"), ("k_layernorm.weight", "self_attn.k_norm.weight"),
+                ("linear_proj.weight", "self_attn.o_proj.weight"),
+                ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+                ("mlp.linear_fc2.weight", "mlp.down_proj.weight"))
+_FUSED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+
+def hf_tensor_names(shape: DrafterShape) -> set:
+    """Every tensor name of the Hugging Face drafter of `shape`."""
+    per_layer = [hf for _, hf in _LAYER_NAMES] + list(_FUSED)
+    return {hf for _, hf in _TOP_NAMES} | {f"layers.{i}.{n}" for i in range(shape.num_layers) for n in per_layer}
+
+
 def hf_to_megatron_state(shape: DrafterShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`MuseGlimmerAssistantModel` state dict -> `DFlashDrafter` state dict."""
     G, d = shape.num_query_groups, shape.kv_channels
-    out = {"encoder.fc.weight": hf["encoder.fc.weight"], "encoder.norm.weight": hf["encoder.output_norm_enc.weight"],
-           "final_norm.weight": hf["norm.weight"]}
+    out = {meg: hf[name] for meg, name in _TOP_NAMES}
     for i in range(shape.num_layers):
-        p, m = f"layers.{i}.", f"layers.{i}."
+        p = f"layers.{i}."
+        out.update({p + meg: hf[p + name] for meg, name in _LAYER_NAMES})
         k = hf[p + "self_attn.k_proj.weight"].view(G, d, -1)
         v = hf[p + "self_attn.v_proj.weight"].view(G, d, -1)
-        out.update({
-            m + "input_layernorm.weight": hf[p + "input_layernorm.weight"],
-            m + "linear_q.weight": hf[p + "self_attn.q_proj.weight"],
-            m + "linear_kv.weight": torch.cat([k, v], dim=1).reshape(2 * G * d, -1),
-            m + "q_layernorm.weight": hf[p + "self_attn.q_norm.weight"],
-            m + "k_layernorm.weight": hf[p + "self_attn.k_norm.weight"],
-            m + "linear_proj.weight": hf[p + "self_attn.o_proj.weight"],
-            m + "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
-            m + "mlp.linear_fc1.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
-            m + "mlp.linear_fc2.weight": hf[p + "mlp.down_proj.weight"],
-        })
+        out[p + "linear_kv.weight"] = torch.cat([k, v], dim=1).reshape(2 * G * d, -1)
+        out[p + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
     return out
 
 
 def megatron_to_hf_state(shape: DrafterShape, meg: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`DFlashDrafter` state dict -> `MuseGlimmerAssistantModel` state dict (inverse of the above)."""
     G, d, f = shape.num_query_groups, shape.kv_channels, shape.ffn_hidden_size
-    out = {"encoder.fc.weight": meg["encoder.fc.weight"], "encoder.output_norm_enc.weight": meg["encoder.norm.weight"],
-           "norm.weight": meg["final_norm.weight"]}
+    out = {name: meg[m] for m, name in _TOP_NAMES}
     for i in range(shape.num_layers):
         p = f"layers.{i}."
+        out.update({p + name: meg[p + m] for m, name in _LAYER_NAMES})
         kv = meg[p + "linear_kv.weight"].view(G, 2 * d, -1)
         fc1 = meg[p + "mlp.linear_fc1.weight"]
-        out.update({
-            p + "input_layernorm.weight": meg[p + "input_layernorm.weight"],
-            p + "self_attn.q_proj.weight": meg[p + "linear_q.weight"],
-            p + "self_attn.k_proj.weight": kv[:, :d].reshape(G * d, -1),
-            p + "self_attn.v_proj.weight": kv[:, d:].reshape(G * d, -1),
-            p + "self_attn.q_norm.weight": meg[p + "q_layernorm.weight"],
-            p + "self_attn.k_norm.weight": meg[p + "k_layernorm.weight"],
-            p + "self_attn.o_proj.weight": meg[p + "linear_proj.weight"],
-            p + "post_attention_layernorm.weight": meg[p + "pre_mlp_layernorm.weight"],
-            p + "mlp.gate_proj.weight": fc1[:f],
-            p + "mlp.up_proj.weight": fc1[f:],
-            p + "mlp.down_proj.weight": meg[p + "mlp.linear_fc2.weight"],
-        })
+        out.update({p + "self_attn.k_proj.weight": kv[:, :d].reshape(G * d, -1),
+                    p + "self_attn.v_proj.weight": kv[:, d:].reshape(G * d, -1),
+                    p + "mlp.gate_proj.weight": fc1[:f], p + "mlp.up_proj.weight": fc1[f:]})
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 

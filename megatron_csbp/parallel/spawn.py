@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,7 +61,7 @@ def spawn(fn, world_size: int, *args, attempts: int = 3, setup=None):
 def _spawn_once(fn, world_size: int, args, setup):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world_size, _free_port(), out_dir, fn, args, setup),
+            mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, setup),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception as exc:
             errors = []

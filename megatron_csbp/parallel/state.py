@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as mpu
 
-from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
+from megatron_csbp.layout.sizes import check_parallel_sizes
 
 
 @dataclass(frozen=True)
@@ -180,12 +180,6 @@ def get_clean_ring_group():
 def get_clean_ring_global_ranks() -> List[int]:
     _require()
     return list(_RING_RANKS)
-
-
-def get_clean_replica_group():
-    """Ranks holding the same clean shard across the BP / CP rings."""
-    _require()
-    return _REPLICA_GROUP
 
 
 def get_clean_replica_global_ranks() -> List[int]:

@@ -23,7 +23,7 @@ from megatron_csbp.planner.hardware import load_hardware, save_hardware
 from megatron_csbp.planner.model_config import (add_megatron_model_args, from_megatron_args, load_hf_config,
                                                 load_preset, presets)
 from megatron_csbp.planner.search import plan
-from megatron_csbp.utils.cli import ArgumentParser, report
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, report
 
 
 def parse_args(argv=None):
@@ -134,8 +134,6 @@ def format_table(result, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import filter_warnings
-
     filter_warnings()  # hide the library warnings a user cannot act on
     args = parse_args(argv)
     try:

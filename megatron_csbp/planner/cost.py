@@ -26,7 +26,7 @@ and a reserve.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -35,7 +35,7 @@ from megatron_csbp.planner.model_config import LayerShape, ModelConfig
 from megatron_csbp.planner.reference import (OURS, Baseline, DFlash2Drafter, contiguous_clean_imbalance,
                                              contiguous_range_factor, native_ce_kept_bytes,
                                              native_ce_workspace_bytes, zero2_static_bytes)
-from megatron_csbp.planner.work import (GDNRankWork, RankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
+from megatron_csbp.planner.work import (GDNRankWork, drafter_rank_work, gdn_bytes_sent, gdn_rank_work,
                                         rank_work)
 
 ATTN_FWD_BWD = 3.5  # backward of attention ~2.5x its forward (5 vs 2 matmuls)
@@ -333,6 +333,26 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
     return t_grad, t_opt, static
 
 
+def _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained, frozen=0.0):
+    """(micro-batches, step seconds, time parts per step, static bytes) of a step of `wl.samples_per_replica`
+    micro-batches of `t_sample` seconds each, gradient reduction and optimizer."""
+    micro = wl.samples_per_replica(lay.dp)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, frozen)
+    time = {k: micro * v for k, v in t_parts.items()}
+    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    return micro, micro * t_sample + t_grad + t_opt, time, static
+
+
+def _estimate(lay, wl, hw, micro, step, peak_bytes, sent_per_micro, time, mem, **extra) -> Estimate:
+    feasible = peak_bytes <= hw.memory_gib * GiB
+    return Estimate(
+        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * wl.seq_length / step,
+        peak_memory_gib=peak_bytes / GiB, attn_bytes_per_gpu=int(micro * sent_per_micro), feasible=feasible,
+        time=time, memory_gib=mem, **extra,
+        why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
+    )
+
+
 def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile,
                      gpus_per_node: int, baseline: Baseline = OURS) -> Estimate:
     """One DFlash drafter step (`--objective dflash`), per rank from `work.drafter_rank_work`:
@@ -438,22 +458,14 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
                       + d2.objective_workspace_bytes(supervised, h, V, s))
         per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
     t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
-    micro = wl.samples_per_replica(lay.dp)
-    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, model.frozen_params)
-    step = micro * t_sample + t_grad + t_opt
-    time = {k: micro * v for k, v in t_parts.items()}
-    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    micro, step, time, static = _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained,
+                                          model.frozen_params)
     worst = max(per_rank, key=lambda x: x[3])
     acts, features, logits = worst[4]
     peak_bytes = static + worst[3] + hw.reserved_gib * GiB
     mem = {"weights_grads_optimizer": static / GiB, "activations": acts / GiB, "features": features / GiB,
            "logits": logits / GiB, "reserved": hw.reserved_gib}
-    feasible = peak_bytes <= hw.memory_gib * GiB
-    return Estimate(
-        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * L / step, peak_memory_gib=peak_bytes / GiB,
-        attn_bytes_per_gpu=int(micro * sent_sample), feasible=feasible, time=time, memory_gib=mem,
-        why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
-    )
+    return _estimate(lay, wl, hw, micro, step, peak_bytes, sent_sample, time, mem)
 
 
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int,
@@ -632,11 +644,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     t_sample, t_parts, sent_sample = max(per_rank, key=lambda x: x[0])
 
     # ---- per step: micro-batches, gradient reduction, optimizer ---------------------------------
-    micro = wl.samples_per_replica(lay.dp)
-    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, model.dense_params)
-    step = micro * t_sample + t_grad + t_opt
-    time = {k: micro * v for k, v in t_parts.items()}
-    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    micro, step, time, static = _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, model.dense_params)
 
     # ---- memory of the largest rank ----------------------------------------------------------------
     mems = []
@@ -688,12 +696,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     peak_bytes = static + act_total + reserved
     mem = {"weights_grads_optimizer": static / GiB, "activations": act / GiB, "logits": logits / GiB,
            "reserved": hw.reserved_gib}
-    feasible = peak_bytes <= hw.memory_gib * GiB
-    return Estimate(
-        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * L / step, peak_memory_gib=peak_bytes / GiB,
-        attn_bytes_per_gpu=int(micro * sent_sample), feasible=feasible, time=time, memory_gib=mem,
-        why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
-    )
+    return _estimate(lay, wl, hw, micro, step, peak_bytes, sent_sample, time, mem)
 
 
 # ---- pipeline parallelism in the cost model: P stages of a layout, each costed by `cost.estimate`.
@@ -827,10 +830,4 @@ def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_pe
             "in_flight_micro_batches": [x["in_flight"] for x in stages],
             "p2p_bytes_per_micro_batch": p2p,
             "p2p_bytes_per_gpu": micro * max(x["p2p_bytes"] for x in stages) * 2}
-    feasible = worst["peak"] <= hw.memory_gib * GiB
-    return Estimate(
-        layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * wl.seq_length / step,
-        peak_memory_gib=worst["peak"] / GiB, attn_bytes_per_gpu=int(micro * max(x["sent"] for x in stages)),
-        feasible=feasible, time=time, memory_gib=mem, pipeline=info,
-        why_infeasible="" if feasible else f"needs {worst['peak'] / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
-    )
+    return _estimate(lay, wl, hw, micro, step, worst["peak"], max(x["sent"] for x in stages), time, mem, pipeline=info)

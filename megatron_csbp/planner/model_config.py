@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "models")
 
@@ -131,10 +131,6 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return any(l.num_experts for l in self.layers)
-
-    @property
-    def max_heads(self) -> int:
-        return max(l.num_heads for l in self.layers)
 
     @property
     def is_hybrid(self) -> bool:

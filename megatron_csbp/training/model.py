@@ -309,7 +309,3 @@ def _wrap(a, config, gpt, objective, layout, device) -> TrainableBDLM:
     bdlm = cls(gpt, objective, layout, shard_rank=shard_rank, ring_group=ring, transport=a.attention_transport,
                packing=Packing.of(a))
     return TrainableBDLM(config, bdlm)
-
-
-def num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

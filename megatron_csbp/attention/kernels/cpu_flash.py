@@ -42,7 +42,7 @@ Temporaries: one piece's gathered rows; the merge accumulators are [b, H, sq, d]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Tuple, Union
 
 import torch
 
@@ -51,9 +51,10 @@ from megatron_csbp.attention.kernels.tiled import (
     MASKED_SCORE,
     _backward as tiled_backward,
     _forward as tiled_forward,
+    check_shapes,
     tile_schedule,
 )
-from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.layout.rows import PartialMask, index_runs as _runs
 from megatron_csbp.utils.precision import compute_dtype
 
 # Rows of a piece: one contiguous range (a view), a few ranges (gathered by concatenating views:
@@ -84,15 +85,6 @@ def _rows(index: torch.Tensor) -> Rows:
     if n and bool(((index[1:] != index[:-1] + 1).sum() < FREE_RUNS)):
         return tuple(_runs(index))
     return index
-
-
-def _runs(index: torch.Tensor) -> List[slice]:
-    """`index` as ranges of consecutive rows, in order."""
-    if not index.numel():
-        return []
-    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
-    bounds = [0] + cut + [index.numel()]
-    return [slice(int(index[a]), int(index[a]) + (b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _count(rows: Rows) -> int:
@@ -505,11 +497,7 @@ def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [sq, b, H, d], k/v [sk, b, G, d] (G | H) under `mask`; returns (out [sq, b, H, d],
     lse [b, H, sq] in fp32, fp64 for fp64 inputs). CPU tensors."""
-    sq, sk = q.shape[0], k.shape[0]
-    if mask.shape != (sq, sk):
-        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(sq, sk)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
+    check_shapes(q, k, mask)
     if q.device.type != "cpu":
         raise ValueError(f"--attention-kernel cpu_flash runs on CPU, got {q.device}")
     return _CpuFlashAttention.apply(q, k, v, mask, cpu_flash_plan(mask), softmax_scale)

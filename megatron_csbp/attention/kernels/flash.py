@@ -266,7 +266,7 @@ def _lse_rows(lse: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:
 
 def _run(fa, q, k, v, call: VarlenCall, scale: float):
     """One varlen call on partial rows; returns (out [n, b, H, d], lse [b, H, n] fp32)."""
-    b, H, d = q.shape[1], q.shape[2], q.shape[3]
+    b, H = q.shape[1], q.shape[2]
     n, m = call.q_index.numel(), call.k_index.numel()
 
     def pack(x, idx):  # [rows, b, h, d] -> [b * len(idx), h, d], batch-major

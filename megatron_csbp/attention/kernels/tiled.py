@@ -189,7 +189,6 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         sq, b, H, d = q.shape
-        G = k.shape[2]
         cdt = out.dtype
         qg, kg, vg = _grouped(q, k, v, cdt)
         do = torch.zeros_like(out) if dout is None else dout.to(cdt).permute(1, 2, 0, 3).reshape(out.shape)
@@ -199,14 +198,18 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk.permute(2, 0, 1, 3).to(k.dtype), dv.permute(2, 0, 1, 3).to(v.dtype), None, None, None
 
 
+def check_shapes(q: torch.Tensor, k: torch.Tensor, mask: PartialMask) -> None:
+    """`mask` covers q's rows x k's rows, and the query heads are a multiple of the K/V heads."""
+    if mask.shape != (q.shape[0], k.shape[0]):
+        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(q.shape[0], k.shape[0])}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
+
+
 def tiled_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask,
                             softmax_scale: float, q_tile: Optional[int] = None, k_tile: Optional[int] = None):
     """q [sq, b, H, d], k/v [sk, b, G, d] (G | H) under `mask` (sq x sk row vectors); returns
     (out [sq, b, H, d], lse [b, H, sq] in fp32, fp64 for fp64 inputs)."""
-    sq, sk = q.shape[0], k.shape[0]
-    if mask.shape != (sq, sk):
-        raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(sq, sk)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
+    check_shapes(q, k, mask)
     sched = tile_schedule(mask, q_tile or DEFAULT_Q_TILE, k_tile or DEFAULT_K_TILE)
     return _TiledAttention.apply(q, k, v, mask, sched, softmax_scale)

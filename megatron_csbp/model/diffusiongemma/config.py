@@ -148,7 +148,7 @@ def text_config_dict(cfg: Any) -> Dict[str, Any]:
     if not isinstance(cfg, dict):
         cfg = cfg.to_dict()
     if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-        outer, cfg = cfg, dict(cfg["text_config"])
+        cfg = dict(cfg["text_config"])
     else:
         cfg = dict(cfg)
     plc = cfg.get("per_layer_config")

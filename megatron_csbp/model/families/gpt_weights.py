@@ -102,15 +102,15 @@ def _is_gdn_layer(shape: ModelShape, i: int) -> bool:
 
 
 class _Source:
-    """Hugging Face tensors, each to be consumed exactly once."""
+    """A checkpoint's tensors (Hugging Face's, or Megatron's on export), each to be consumed exactly once."""
 
-    def __init__(self, tensors: Dict[str, torch.Tensor]):
-        self.tensors = tensors
+    def __init__(self, tensors: Dict[str, torch.Tensor], checkpoint: str = "Hugging Face"):
+        self.tensors, self.checkpoint = tensors, checkpoint
         self.used = set()
 
     def take(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
-            raise ConversionError(f"the Hugging Face checkpoint has no tensor {name!r}")
+            raise ConversionError(f"the {self.checkpoint} checkpoint has no tensor {name!r}")
         self.used.add(name)
         return self.tensors[name]
 
@@ -186,14 +186,8 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
                    moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
     """The unsharded Megatron state dict -> Hugging Face tensors (on-disk names)."""
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    used = set()
-
-    def take(name):
-        if name not in sd:
-            raise ConversionError(f"the Megatron checkpoint has no tensor {name!r}")
-        used.add(name)
-        return sd[name]
-
+    src = _Source(sd, "Megatron")
+    take = src.take
     out: Dict[str, torch.Tensor] = {}
     out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")
     moe_layers = set(shape.moe_layers())
@@ -237,7 +231,7 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     if not shape.tie_word_embeddings:
         out["lm_head.weight"] = take("output_layer.weight")
-    left = sorted(set(sd) - used)
+    left = sorted(set(sd) - src.used)
     if left:
         raise ConversionError(f"Megatron tensors not exported (unexpected for {shape.family}): {left[:8]}")
     return {k: v.contiguous() for k, v in out.items()}
