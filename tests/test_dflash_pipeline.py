@@ -1,0 +1,85 @@
+"""`--objective dflash` under pipeline parallelism (the drafter's layers split over the stages, the
+trainer's megatron-core schedule): the loss curve, held-out loss and acceptance and the final
+weights of one rank, and torch_dist checkpoints that resume across PP 2 <-> PP 1.
+
+fp32 bound, as tests/test_train_pipeline.py: a stage runs its layers' operations in one rank's order
+(the boundary only moves the rows), so the losses differ at most by the reordered sums of the
+gradient norm over the stages (clipping) and the distributed optimizer: 1e-5 relative."""
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_dflash_features import _indexed, _tiny_verifier
+from tests.train_helpers import train_rank
+
+pytest.importorskip("transformers")
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    from megatron_csbp.dflash import main
+
+    root = tmp_path_factory.mktemp("dflash_pp")
+    verifier, prefix, feats = str(root / "v"), str(root / "data"), str(root / "feat")
+    _tiny_verifier(verifier)  # vocabulary 50, hidden 16
+    g = np.random.RandomState(0)
+    _indexed(prefix, [list(g.randint(5, 50, size=n)) + [3] for n in (9, 30, 4, 17, 25, 11, 40, 33, 21, 14)])
+    main(["prepare-features", "--hf-path", verifier, "--data-path", prefix, "--seq-length", "32",
+          "--target-layer-ids", "0", "2", "--output", feats, "--eod-token-id", "3", "--no-progress-bar"])
+    return root
+
+
+def _train(root, world, flags, save=None):
+    argv = ["--objective", "dflash", "--features-path", str(root / "feat"), "--verifier", str(root / "v"),
+            "--mask-token-id", "4", "--block-size", "4", "--num-layers", "2", "--num-attention-heads", "2",
+            "--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "3", "--lr", "3e-3",
+            "--dflash-max-anchors", "5", "--eval-sequences", "2", "--log-interval", "1",
+            "--use-distributed-optimizer", "--no-progress-bar"] + flags
+    if save:
+        argv += ["--save", str(root / save), "--save-interval", "2"]
+    return run_distributed(train_rank, world, argv)
+
+
+def _weights(path):
+    from megatron_csbp.checkpoint.drafter import read_drafter
+    from megatron_csbp.checkpoint.model import single_process_megatron
+
+    with single_process_megatron():
+        return {k: v for k, v in read_drafter(path).state_dict().items() if torch.is_tensor(v)}
+
+
+def _evals(r):
+    return [(h["eval_loss"], h["eval_expected_acceptance_length"]) for h in r["history"] if "eval_loss" in h]
+
+
+def test_pp2_matches_one_rank_and_resumes_across_layouts(features):
+    root = features
+    (one,) = _train(root, 1, [], save="one")
+    assert len(one["losses"]) == 3 and len(_evals(one)) == 1  # evaluated after the last step
+    pp = _train(root, 2, PP2, save="pp2")
+    for r in pp:  # every stage reports the loss (reduced over the pipeline) and the held-out metrics
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=0)
+        assert [e for ev in _evals(r) for e in ev] == pytest.approx([e for ev in _evals(one) for e in ev], rel=1e-5)
+    a, b = _weights(str(root / "one")), _weights(str(root / "pp2"))
+    assert sorted(a) == sorted(b) and any(k.startswith("layers.1.") for k in a)
+    for k in a:
+        assert torch.allclose(b[k], a[k], rtol=1e-5, atol=1e-7), k
+    # PP 2's checkpoint of iteration 2 -> one rank, and one rank's -> PP 2: the same last step.
+    (resumed,) = _train(root, 1, ["--load", str(root / "pp2"), "--ckpt-step", "2"])
+    assert resumed["iteration"] == 3 and resumed["losses"] == pytest.approx(one["losses"][2:], rel=1e-5, abs=0)
+    for r in _train(root, 2, PP2 + ["--load", str(root / "one"), "--ckpt-step", "2"]):
+        assert r["losses"] == pytest.approx(one["losses"][2:], rel=1e-5, abs=0)
+
+
+def test_pipeline_flag_rules(features, capsys):
+    from tests.test_train_args import _err
+
+    base = ["--objective", "dflash", "--features-path", str(features / "feat"), "--verifier", str(features / "v"),
+            "--mask-token-id", "4", "--block-size", "4", "--num-attention-heads", "2"]
+    assert "--num-layers 3 must be divisible by --pipeline-model-parallel-size 2" in \
+        _err(base + PP2 + ["--num-layers", "3"], 2, capsys)
+    assert "--num-layers-per-virtual-pipeline-stage" in \
+        _err(base + PP2 + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 2, capsys)
