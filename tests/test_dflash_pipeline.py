@@ -35,8 +35,8 @@ def features(tmp_path_factory):
 def _train(root, world, flags, save=None):
     argv = ["--objective", "dflash", "--features-path", str(root / "feat"), "--verifier", str(root / "v"),
             "--mask-token-id", "4", "--block-size", "4", "--num-layers", "2", "--num-attention-heads", "2",
-            "--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "3", "--lr", "3e-3", "--lr-decay-style", "constant",
-            "--dflash-max-anchors", "5", "--eval-sequences", "2", "--log-interval", "1",
+            "--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "3", "--lr", "3e-3",
+            "--lr-decay-style", "constant", "--dflash-max-anchors", "5", "--eval-sequences", "2", "--log-interval", "1",
             "--use-distributed-optimizer", "--no-progress-bar"] + flags
     if save:
         argv += ["--save", str(root / save), "--save-interval", "2"]
@@ -94,8 +94,10 @@ def test_pipeline_flag_rules(features, capsys):
 
 @pytest.mark.slow
 def test_pp2_csbp_matches_one_rank(features, one_rank):
-    """PP 2 x CSBP (CP 2 x BP 2: a shard group of 2 per stage) on 4 ranks; CSBP reorders fp32 sums
-    (tests/test_dflash_layouts.py's error model): the same 1e-5 relative."""
-    for r in _train(features, 4, PP2 + ["--context-parallel-size", "2", "--block-parallel-size", "2"]):
+    """PP 2 x CSBP (CP 2 x BP 2: a shard group of 2 per stage) on 4 ranks, the global batch in one
+    micro-batch of 3 sequences (their rows cross the stage one after the other); CSBP and the
+    micro-batching reorder fp32 sums (tests/test_dflash_layouts.py's error model): 1e-5 relative."""
+    flags = PP2 + ["--context-parallel-size", "2", "--block-parallel-size", "2", "--micro-batch-size", "3"]
+    for r in _train(features, 4, flags):
         assert r["losses"] == pytest.approx(one_rank["losses"], rel=1e-5, abs=0)
         assert list(_evals(r)[0]) == pytest.approx(list(_evals(one_rank)[0]), rel=1e-5)

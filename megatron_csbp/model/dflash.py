@@ -218,10 +218,9 @@ class DrafterLayer(torch.nn.Module):
 class DFlashDrafter(torch.nn.Module):
     """The drafter's trainable weights and forward (no embeddings, no LM head: the verifier's).
 
-    A pipeline stage (`layers`: the global indices of its layers) holds the context projection
-    (`encoder`) only if `pre_process`, the final norm only if `post_process`. Layers are keyed by
-    their global index (`layers.{i}.`), so every stage's state dict names what one rank's does, and
-    each stage draws the weights one rank draws (the earlier modules are built and dropped)."""
+    A pipeline stage holds `layers` (global indices, also the state dict's: `layers.{i}.`), the
+    context projection if `pre_process`, the final norm if `post_process`; it draws the weights one
+    rank draws (the earlier modules are built and dropped)."""
 
     def __init__(self, shape: DrafterShape, config=None, layers: Optional[range] = None, pre_process: bool = True,
                  post_process: bool = True):
@@ -236,12 +235,12 @@ class DFlashDrafter(torch.nn.Module):
             raise ValueError("the DFlash drafter runs at --tensor-model-parallel-size 1")
         layers = range(shape.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
-        encoder = torch.nn.Module()
-        encoder.fc = ColumnParallelLinear(shape.context_width, shape.hidden_size, config=config,
-                                          init_method=config.init_method, bias=False, gather_output=True)
-        encoder.norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
-        if pre_process:
-            self.encoder = encoder
+        self.encoder = torch.nn.Module()
+        self.encoder.fc = ColumnParallelLinear(shape.context_width, shape.hidden_size, config=config,
+                                               init_method=config.init_method, bias=False, gather_output=True)
+        self.encoder.norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
+        if not pre_process:
+            del self.encoder
         self.layers = torch.nn.ModuleDict()
         for i in range(layers.stop):  # an earlier stage's layers built and dropped, for their draws
             layer = DrafterLayer(config, shape, i)
@@ -514,9 +513,8 @@ class TrainableDrafter(torch.nn.Module):
     itself (the objective, `supervised`). Checkpoints hold the drafter's weights under their own
     names (`sharded_state_dict`), replicated over every rank of a pipeline stage.
 
-    Pipeline parallelism: the drafter holds this stage's layers (`DFlashDrafter`); what crosses a
-    stage is the micro-batch's rows, each sequence's [draft rows ; projected context rows] one after
-    the other ([rows, 1, h]; their count varies with the anchors, so P2P exchanges shapes first)."""
+    Under pipeline parallelism a stage sends the micro-batch's rows: each sequence's [draft rows ;
+    projected context rows], one after the other ([rows, 1, h]; P2P exchanges shapes first)."""
 
     share_embeddings_and_output_weights = False  # megatron-core's finalize_model_grads asks
 
@@ -566,9 +564,8 @@ class TrainableDrafter(torch.nn.Module):
             index = split.data_index(int(sample_index[i]))
             seq = (tokens[i].cpu(), loss_mask[i].cpu(), None if document_ids is None else document_ids[i].cpu())
             blocks = self.model.draft_blocks(*seq, sample_index=index)
-            rows = None
-            if not self.pre_process:
-                rows, start = self.input_tensor[start:start + len(blocks[1].local)], start + len(blocks[1].local)
+            rows = None if self.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
+            start += len(blocks[1].local)
             out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=held_out,
                              rows=rows, blocks=blocks)
             if not self.post_process:

@@ -223,9 +223,9 @@ class DFlashObjective(Objective):
             raise ValueError("--objective dflash: --tensor-model-parallel-size must be 1 (the projection over the "
                              "context is not split)")
         for dest in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
-            if getattr(args, dest, None) is not None:  # pipeline stages split the layers: one chunk each
-                raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} is not supported (the drafter's "
-                                 "pipeline is not interleaved)")
+            if getattr(args, dest, None) is not None:
+                raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} is refused (the drafter's pipeline "
+                                 "stages are not interleaved)")
         if getattr(args, "bf16", False) or getattr(args, "fp16", False):
             raise ValueError("--objective dflash trains the drafter in float32: drop --bf16 / --fp16")
         defaults = build_parser()
