@@ -216,9 +216,14 @@ class DrafterLayer(torch.nn.Module):
 
 
 class DFlashDrafter(torch.nn.Module):
-    """The drafter's trainable weights and forward (no embeddings, no LM head: the verifier's)."""
+    """The drafter's trainable weights and forward (no embeddings, no LM head: the verifier's).
 
-    def __init__(self, shape: DrafterShape, config=None):
+    A pipeline stage holds `layers` (global indices, also the state dict's: `layers.{i}.`), the
+    context projection if `pre_process`, the final norm if `post_process`; it draws the weights one
+    rank draws (the earlier modules are built and dropped)."""
+
+    def __init__(self, shape: DrafterShape, config=None, layers: Optional[range] = None, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__()
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -228,12 +233,21 @@ class DFlashDrafter(torch.nn.Module):
         self.config = config = config or drafter_transformer_config(shape)
         if config.tensor_model_parallel_size != 1:
             raise ValueError("the DFlash drafter runs at --tensor-model-parallel-size 1")
+        layers = range(shape.num_layers) if layers is None else layers
+        self.pre_process, self.post_process = pre_process, post_process
         self.encoder = torch.nn.Module()
         self.encoder.fc = ColumnParallelLinear(shape.context_width, shape.hidden_size, config=config,
                                                init_method=config.init_method, bias=False, gather_output=True)
         self.encoder.norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
-        self.layers = torch.nn.ModuleList([DrafterLayer(config, shape, i) for i in range(shape.num_layers)])
-        self.final_norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
+        if not pre_process:
+            del self.encoder
+        self.layers = torch.nn.ModuleDict()
+        for i in range(layers.stop):  # an earlier stage's layers built and dropped, for their draws
+            layer = DrafterLayer(config, shape, i)
+            if i in layers:
+                self.layers[str(i)] = layer
+        if post_process:
+            self.final_norm = WrappedTorchNorm(config, shape.hidden_size, eps=shape.norm_epsilon)
         self.rotary = RotaryEmbedding(shape.kv_channels, rotary_percent=1.0, rotary_base=shape.rotary_base,
                                       use_cpu_initialization=True)
         scaled = shape.scaled_inv_freq()
@@ -256,21 +270,24 @@ class DFlashDrafter(torch.nn.Module):
     def forward(self, draft_embeds: torch.Tensor, features: torch.Tensor, plan) -> torch.Tensor:
         """draft_embeds [n, b, h] (the plan's draft rows, in its order), features [c, b, width] of
         the plan's context rows; returns the final-normed hidden states of the draft rows [n, b, h]."""
-        from megatron_csbp.attention.plan_handles import plan_mask
-
         n = plan.num_noisy
         if draft_embeds.shape[0] != n or features.shape[0] != len(plan.local) - n:
             raise ValueError(f"draft rows {draft_embeds.shape[0]} / context rows {features.shape[0]} do not match "
                              f"the plan ({n} / {len(plan.local) - n})")
-        context = self.project_context(features)
-        positions = plan.positions(("drafter",), plan.local, draft_embeds.device)
+        return self.final_norm(self.run_layers(draft_embeds, self.project_context(features), plan))
+
+    def run_layers(self, hidden: torch.Tensor, context: torch.Tensor, plan) -> torch.Tensor:
+        """This stage's layers over the draft rows `hidden` [n, b, h], attending to the projected
+        `context` [c, b, h] (which no layer updates)."""
+        from megatron_csbp.attention.plan_handles import plan_mask
+
+        positions = plan.positions(("drafter",), plan.local, hidden.device)
         kv_freqs = self.freqs(positions)
-        q_freqs = kv_freqs[:n]
+        q_freqs = kv_freqs[: plan.num_noisy]
         mask = plan_mask(plan)
-        hidden = draft_embeds
-        for layer in self.layers:
+        for layer in self.layers.values():
             hidden = layer(hidden, context, q_freqs, kv_freqs, mask)
-        return self.final_norm(hidden)
+        return hidden
 
 
 # ---- Hugging Face <-> Megatron ------------------------------------------------------------------
@@ -384,35 +401,56 @@ class DFlashTrainingModel(torch.nn.Module):
         dist.all_reduce(t, group=self.shard_group)
         return t
 
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0,
-                with_acceptance: bool = False) -> DFlashLoss:
-        """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
-        rows are read), tokens / loss_mask / doc_ids [L]."""
-        from megatron_csbp.objectives.dflash import document_starts, streamed_cross_entropy
+    def draft_blocks(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                     doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0):
+        """(this rank's draft blocks, its attention plan) of one sequence (tokens / loss_mask /
+        doc_ids [L]): a pure function of the sequence and its sample index, which every pipeline
+        stage rebuilds."""
+        from megatron_csbp.objectives.dflash import document_starts
 
         L = tokens.numel()
         if L != self.layout.seq_length:
             raise ValueError(f"sequence of {L} tokens, the layout was built for --seq-length {self.layout.seq_length}")
-        if features.shape[0] != L or features.shape[1] != self.drafter.shape.context_width:
-            raise ValueError(f"features {tuple(features.shape)} must be [{L}, {self.drafter.shape.context_width}] "
-                             f"(len(--target-layer-ids) x hidden)")
         loss_mask = torch.ones(L, dtype=torch.long) if loss_mask is None else loss_mask
         doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids
         sample = self.objective.sample(tokens, loss_mask, doc_ids, sample_index)
         starts = document_starts(doc_ids.cpu().long())
         plan = self.layout.plan(self.shard_rank, sample.anchors, sample.doc_starts, starts, self.ring_group,
                                 self.transport)
-        owned = self.layout.owned(sample.anchors, sample.doc_starts)[self.shard_rank]
-        mine = sample.select(owned)
+        return sample.select(self.layout.owned(sample.anchors, sample.doc_starts)[self.shard_rank]), plan
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0,
+                with_acceptance: bool = False, rows: Optional[torch.Tensor] = None, blocks=None):
+        """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
+        rows are read), tokens / loss_mask / doc_ids [L]; `blocks` their `draft_blocks` if already built.
+
+        Under pipeline parallelism the drafter holds this stage's layers: the first stage embeds the
+        draft tokens and projects the context, a later one takes `rows`, the previous stage's output
+        for this sequence ([draft rows ; projected context rows], [n + c, 1, h]); a stage before the
+        last returns its rows, the last the `DFlashLoss`."""
+        from megatron_csbp.objectives.dflash import streamed_cross_entropy
+
+        mine, plan = blocks or self.draft_blocks(tokens, loss_mask, doc_ids, sample_index)
         device = self.embedding.device
-        B, n = self.objective.block_size, plan.num_noisy
-        draft_tokens = torch.full((n // B, B), self.objective.mask_token_id, dtype=torch.long)
-        draft_tokens[: len(owned)] = mine.draft_tokens
-        draft = self.embedding[draft_tokens.flatten().to(device)][:, None]
-        ctx_pos = plan.local.position[n:]
-        feats = torch.as_tensor(features[ctx_pos.numpy()]).to(device=device, dtype=self.embedding.dtype)[:, None]
-        hidden = self.drafter(draft, feats, plan)[: len(owned) * B, 0]
+        B, n, drafter = self.objective.block_size, plan.num_noisy, self.drafter
+        if rows is None:
+            L, width = tokens.numel(), drafter.shape.context_width
+            if features.shape[0] != L or features.shape[1] != width:
+                raise ValueError(f"features {tuple(features.shape)} must be [{L}, {width}] (len(--target-layer-ids) x "
+                                 "hidden)")
+            draft_tokens = torch.full((n // B, B), self.objective.mask_token_id, dtype=torch.long)
+            draft_tokens[: len(mine.anchors)] = mine.draft_tokens
+            draft = self.embedding[draft_tokens.flatten().to(device)][:, None]
+            ctx_pos = plan.local.position[n:]
+            feats = torch.as_tensor(features[ctx_pos.numpy()]).to(device=device, dtype=self.embedding.dtype)[:, None]
+            context = drafter.project_context(feats)
+        else:
+            draft, context = rows[:n], rows[n:]
+        hidden = drafter.run_layers(draft, context, plan)
+        if not drafter.post_process:
+            return torch.cat([hidden, context])
+        hidden = drafter.final_norm(hidden)[: len(mine.anchors) * B, 0]
         targets = mine.targets.flatten().to(device)
         sup = targets >= 0
         idx = sup.nonzero().flatten()
@@ -472,7 +510,12 @@ class TrainableDrafter(torch.nn.Module):
     read from the captured features at its split's index), returning the micro-batch's share of the
     global loss (each sequence's weighted mean over the global count of sequences); `bdlm` is
     itself (the objective, `supervised`). Checkpoints hold the drafter's weights under their own
-    names (`sharded_state_dict`), replicated over every rank."""
+    names (`sharded_state_dict`), replicated over every rank of a pipeline stage.
+
+    Under pipeline parallelism a stage sends the micro-batch's rows: each sequence's [draft rows ;
+    projected context rows], one after the other ([rows, 1, h]; P2P exchanges shapes first)."""
+
+    share_embeddings_and_output_weights = False  # megatron-core's finalize_model_grads asks
 
     def __init__(self, config, training_model: "DFlashTrainingModel", splits):
         super().__init__()
@@ -482,6 +525,7 @@ class TrainableDrafter(torch.nn.Module):
         self.objective = training_model.objective
         self.model_type = ModelType.encoder_or_decoder
         self._counts = None  # acceptance counts of the evaluation under way
+        self.input_tensor = None  # the previous pipeline stage's rows
 
     @property
     def bdlm(self):
@@ -495,8 +539,16 @@ class TrainableDrafter(torch.nn.Module):
     def supervised(self, tokens, loss_mask):
         return loss_mask
 
+    @property
+    def pre_process(self) -> bool:
+        return self.model.drafter.pre_process
+
+    @property
+    def post_process(self) -> bool:
+        return self.model.drafter.post_process
+
     def set_input_tensor(self, input_tensor):
-        pass
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
 
     def forward(self, tokens, loss_mask, sample_index, denominator, document_ids=None):
         from types import SimpleNamespace
@@ -504,16 +556,25 @@ class TrainableDrafter(torch.nn.Module):
         held_out = self.objective.held_out
         split = self.splits[1 if held_out else 0]
         self.model.objective = self.objective  # the trainer swaps in the held-out objective to evaluate
-        total = 0.0
+        if held_out and self._counts is None:  # every stage takes part in `eval_metrics`' reduction
+            self._counts = torch.zeros(2, self.objective.block_size - 1, dtype=torch.float64)
+        total, outputs, start = 0.0, [], 0
         for i in range(tokens.shape[0]):
             index = split.data_index(int(sample_index[i]))
-            out = self.model(split.data[index]["features"], tokens[i].cpu(), loss_mask[i].cpu(),
-                             None if document_ids is None else document_ids[i].cpu(), sample_index=index,
-                             with_acceptance=held_out)
+            seq = (tokens[i].cpu(), loss_mask[i].cpu(), None if document_ids is None else document_ids[i].cpu())
+            blocks = self.model.draft_blocks(*seq, sample_index=index)
+            rows = None if self.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
+            start += len(blocks[1].local)
+            out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=held_out,
+                             rows=rows, blocks=blocks)
+            if not self.post_process:
+                outputs.append(out)
+                continue
             total = total + out.loss
             if held_out:  # training-time acceptance of the held-out sequences (`eval_metrics`)
-                c = out.metrics["acceptance_counts"]
-                self._counts = c if self._counts is None else self._counts + c
+                self._counts = self._counts + out.metrics["acceptance_counts"]
+        if not self.post_process:
+            return torch.cat(outputs)
         loss = total / denominator
         return SimpleNamespace(loss=loss, num_targets=torch.tensor(tokens.shape[0]))
 
@@ -531,6 +592,8 @@ class TrainableDrafter(torch.nn.Module):
         if dist.is_initialized() and dist.get_world_size() > 1:
             counts = counts.to(self.model.embedding.device)
             dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
+            if mpu.get_pipeline_model_parallel_world_size() > 1:  # counted on the last stage
+                dist.all_reduce(counts, group=mpu.get_pipeline_model_parallel_group())
         acc, tau = acceptance_from_counts(counts.cpu())
         if log is not None and (not dist.is_initialized() or dist.get_rank() == 0):
             log(f" held-out acceptance | per-offset accuracy {' '.join(f'{x:.3f}' for x in acc)} | expected "

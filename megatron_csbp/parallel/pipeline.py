@@ -223,10 +223,12 @@ def build_chunks(build_chunk: Callable, replay: Optional[Callable] = None) -> li
 def p2p_seq_length(bdlm) -> int:
     """`seq_length` for megatron-core's schedules: they send [seq_length / CP (/ TP under sequence
     parallelism), b, h]; this rank's rows are what crosses a stage, so seq_length = rows x shard
-    group size (Megatron's CP axis holds the shard group)."""
+    group size (Megatron's CP axis holds the shard group). Rows that vary (`variable_rows`; a model
+    without one plan, the DFlash drafter) travel with their shapes: any value."""
     from megatron.core import parallel_state as mpu
 
-    return len(bdlm.plan.local) * mpu.get_context_parallel_world_size()
+    plan = getattr(bdlm, "plan", None)
+    return (len(plan.local) if plan is not None else 1) * mpu.get_context_parallel_world_size()
 
 
 def variable_rows(objective) -> bool:

@@ -19,8 +19,9 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     verifier's frozen embeddings and LM head, the layout of this rank's shard group. With --save,
     rank 0 writes the drafter's shape and verifier record there (what `--load` and the export read)."""
     from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.parallel import pipeline, state as bps
     from megatron_csbp.data.features import FeatureDataset, FeatureSplit, load_verifier
     from megatron_csbp.layout.dflash import DFlashLayout
     from megatron_csbp.objectives import build_objective
@@ -32,6 +33,7 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     head = verifier.get_output_embeddings().weight.detach().float().clone()
     del verifier
     objective = build_objective(a, vocab_size=embedding.shape[0])
+    objective.fixed_rows = False  # the rows vary with the anchors drawn: pipeline P2P exchanges shapes first
     load = a.dflash_drafter_load
     shape = DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()) if load else \
         drafter_shape_from_args(a, data.meta["hidden_size"])
@@ -40,11 +42,16 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
                          f"{data.meta['hidden_size']}")
     # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
     config = drafter_transformer_config(shape, perform_initialization=True, init_method_std=a.init_method_std,
-                                        calculate_per_token_loss=True)
+                                        calculate_per_token_loss=True, pipeline_dtype=torch.float32,
+                                        **pipeline.config_fields(a))
     if finalize_model_grads_func is not None:
         config.finalize_model_grads_func = finalize_model_grads_func
     torch.manual_seed(a.seed)
-    drafter = DFlashDrafter(shape, config)
+    # this pipeline stage's layers (megatron-core's split: --num-layers over the stages, or
+    # --decoder-first/last-pipeline-num-layers); the context projection first, the final norm last
+    (pre, post), first = pipeline.stage_of(None), pipeline.first_layer(config, None)
+    layers = range(first, first + get_num_layers_to_build(config))
+    drafter = DFlashDrafter(shape, config, layers, pre, post)
     if load and os.path.isfile(os.path.join(load, WEIGHTS_FILE)):  # imported / an older dflash train --save
         drafter.load_state_dict(drafter_state(load_drafter(load)), strict=False)
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -1,0 +1,104 @@
+"""`--objective dflash` under pipeline parallelism (the drafter's layers split over the stages, the
+trainer's megatron-core schedule): the loss curve, held-out loss and acceptance and the final
+weights of one rank, and torch_dist checkpoints that resume across PP 2 <-> PP 1.
+
+fp32 bound, as tests/test_train_pipeline.py: a stage runs its layers' operations in one rank's order
+(the boundary only moves the rows), so the losses differ at most by the reordered sums of the
+gradient norm over the stages (clipping) and the distributed optimizer: 1e-5 relative."""
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_dflash_features import _indexed, _tiny_verifier
+from tests.train_helpers import train_rank
+
+pytest.importorskip("transformers")
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    from megatron_csbp.dflash import main
+
+    root = tmp_path_factory.mktemp("dflash_pp")
+    verifier, prefix, feats = str(root / "v"), str(root / "data"), str(root / "feat")
+    _tiny_verifier(verifier)  # vocabulary 50, hidden 16
+    g = np.random.RandomState(0)
+    _indexed(prefix, [list(g.randint(5, 50, size=n)) + [3] for n in (9, 30, 4, 17, 25, 11, 40, 33, 21, 14)])
+    main(["prepare-features", "--hf-path", verifier, "--data-path", prefix, "--seq-length", "32",
+          "--target-layer-ids", "0", "2", "--output", feats, "--eod-token-id", "3", "--no-progress-bar"])
+    return root
+
+
+def _train(root, world, flags, save=None):
+    argv = ["--objective", "dflash", "--features-path", str(root / "feat"), "--verifier", str(root / "v"),
+            "--mask-token-id", "4", "--block-size", "4", "--num-layers", "2", "--num-attention-heads", "2",
+            "--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "3", "--lr", "3e-3",
+            "--lr-decay-style", "constant", "--dflash-max-anchors", "5", "--eval-sequences", "2", "--log-interval", "1",
+            "--use-distributed-optimizer", "--no-progress-bar"] + flags
+    if save:
+        argv += ["--save", str(root / save), "--save-interval", "2"]
+    return run_distributed(train_rank, world, argv)
+
+
+def _weights(path):
+    from megatron_csbp.checkpoint.drafter import read_drafter
+    from megatron_csbp.checkpoint.model import single_process_megatron
+
+    with single_process_megatron():
+        return {k: v for k, v in read_drafter(path).state_dict().items() if torch.is_tensor(v)}
+
+
+def _evals(r):
+    return [(h["eval_loss"], h["eval_expected_acceptance_length"]) for h in r["history"] if "eval_loss" in h]
+
+
+@pytest.fixture(scope="module")
+def one_rank(features):
+    (one,) = _train(features, 1, [], save="one")
+    assert len(one["losses"]) == 3 and len(_evals(one)) == 1  # evaluated after the last step
+    return one
+
+
+def test_pp2_matches_one_rank_and_resumes_across_layouts(features, one_rank):
+    root, one = features, one_rank
+    pp = _train(root, 2, PP2, save="pp2")
+    print("one rank", one["losses"], _evals(one), "PP 2", pp[0]["losses"], _evals(pp[0]))
+    for r in pp:  # every stage reports the loss (reduced over the pipeline) and the held-out metrics
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=0)
+        assert [e for ev in _evals(r) for e in ev] == pytest.approx([e for ev in _evals(one) for e in ev], rel=1e-5)
+    a, b = _weights(str(root / "one")), _weights(str(root / "pp2"))
+    assert sorted(a) == sorted(b) and any(k.startswith("layers.1.") for k in a)
+    print("largest weight difference", max(float((b[k] - a[k]).abs().max()) for k in a))
+    for k in a:
+        assert torch.allclose(b[k], a[k], rtol=1e-5, atol=1e-7), k
+    # PP 2's checkpoint of iteration 2 -> one rank: the same last step (the other way: the slow test below)
+    (resumed,) = _train(root, 1, ["--load", str(root / "pp2"), "--ckpt-step", "2"])
+    assert resumed["iteration"] == 3 and resumed["losses"] == pytest.approx(one["losses"][2:], rel=1e-5, abs=0)
+
+
+def test_pipeline_flag_rules(features, capsys):
+    from tests.test_train_args import _err
+
+    base = ["--objective", "dflash", "--features-path", str(features / "feat"), "--verifier", str(features / "v"),
+            "--mask-token-id", "4", "--block-size", "4", "--num-attention-heads", "2"]
+    assert "--num-layers 3 must be divisible by --pipeline-model-parallel-size 2" in \
+        _err(base + PP2 + ["--num-layers", "3"], 2, capsys)
+    assert "--num-layers-per-virtual-pipeline-stage is refused (the drafter's pipeline stages are not interleaved)" in \
+        _err(base + PP2 + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 2, capsys)
+
+
+@pytest.mark.slow
+def test_pp2_csbp_matches_one_rank_and_pp2_resumes_one_rank(features, one_rank):
+    """PP 2 x CSBP (CP 2 x BP 2: a shard group of 2 per stage) on 4 ranks, the global batch in one
+    micro-batch of 3 sequences (their rows cross the stage one after the other); CSBP and the
+    micro-batching reorder fp32 sums (tests/test_dflash_layouts.py's error model): 1e-5 relative."""
+    flags = PP2 + ["--context-parallel-size", "2", "--block-parallel-size", "2", "--micro-batch-size", "3"]
+    for r in _train(features, 4, flags):
+        assert r["losses"] == pytest.approx(one_rank["losses"], rel=1e-5, abs=0)
+        assert list(_evals(r)[0]) == pytest.approx(list(_evals(one_rank)[0]), rel=1e-5)
+    # one rank's checkpoint of iteration 2 -> PP 2: the same last step
+    for r in _train(features, 2, PP2 + ["--load", str(features / "one"), "--ckpt-step", "2"]):
+        assert r["iteration"] == 3 and r["losses"] == pytest.approx(one_rank["losses"][2:], rel=1e-5, abs=0)
