@@ -134,6 +134,7 @@ class DFlashObjective(Objective):
     summary = ("a DFlash speculative drafter on captured verifier features (--features-path, --verifier; "
                "docs/dflash.md)")
     uses_noisy_stream = True
+    fixed_rows = False  # the rows vary with the anchors drawn: pipeline P2P exchanges shapes first
     flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK,
              FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES, DRAFTER_LOAD,
              DRAFTER_SAVE)

@@ -33,7 +33,6 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     head = verifier.get_output_embeddings().weight.detach().float().clone()
     del verifier
     objective = build_objective(a, vocab_size=embedding.shape[0])
-    objective.fixed_rows = False  # the rows vary with the anchors drawn: pipeline P2P exchanges shapes first
     load = a.dflash_drafter_load
     shape = DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()) if load else \
         drafter_shape_from_args(a, data.meta["hidden_size"])
