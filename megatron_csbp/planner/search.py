@@ -30,13 +30,11 @@ def layout_flags(lay: Layout, wl: Workload, model_layers: Optional[int] = None) 
              recompute_method=full and "uniform", recompute_num_layers=full and 1,
              use_distributed_optimizer=lay.distributed_optimizer, objective=dflash and "dflash",
              dflash_max_anchors=dflash and wl.anchors, seq_length=wl.seq_length, block_size=wl.block_size,
-             micro_batch_size=1, global_batch_size=wl.global_batch_size or lay.dp, bf16=True)
-    f = [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
-    if wl.grad_bytes == 2:  # Megatron-LM's (the trainer keeps fp32 main gradients: not one of its flags)
-        f.append("--grad-reduce-in-bf16")
-    if wl.packed:  # Megatron's packed-document flags (attention and positions stay inside documents)
-        f += [flag_text("reset_attention_mask", True), flag_text("reset_position_ids", True)]
-    return f
+             micro_batch_size=1, global_batch_size=wl.global_batch_size or lay.dp, bf16=True,
+             grad_reduce_in_bf16=wl.grad_bytes == 2,
+             # Megatron's packed-document flags (attention and positions stay inside documents)
+             reset_attention_mask=wl.packed, reset_position_ids=wl.packed)
+    return [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
 
 
 def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int,
