@@ -1,38 +1,13 @@
 """The compat entry point: library fixes on every device, device relocation only without CUDA.
 
-`install_cpu_compat()` (also named `install_compat`) first installs the fixes for what
-megatron-core runs without, TE and apex (`compat.libraries`: torch norms under sequence
-parallelism, MoE's `te_general_gemm`, torch Adam's state), on every device: a GPU without TE or
-apex needs them as much as a CPU. Then, only when CUDA is absent (or `force`), the device
-relocation that runs megatron-core 0.16.1 on CPU gloo ranks, one module per mechanism, in this
-order: the device proxy (`compat.device`), the RNG tracker (`compat.rng`), the optimizer's CUDA
-type names (`compat.optimizer.patch_cpu_optimizers`), MoE's all-to-all split sizes over gloo
-(`compat.moe.patch_moe`), the pipeline's tied embedding and sent outputs (`compat.pipeline`).
-It returns whether the relocation is active. Which patches change numerics: the
-`megatron_csbp.compat` package docstring and docs/compat.md. It is idempotent: a second call only
-extends the device remap to megatron modules imported since the first call.
-
-The table lists every patched call site; the last column's layer is "library" (every device,
-keyed on the missing library) or "device" (without CUDA only).
-
-| component (megatron.core 0.16.1) | what breaks | what the shim does (layer) |
-|---|---|---|
-| `tensor_parallel.random` tracker (`add`, `fork`), `model_parallel_cuda_manual_seed`, checkpoint recompute (`_get/_set_cuda_rng_state`) | reads/writes `torch.cuda` RNG state (a lazy no-op or an error without CUDA: recompute would silently replay other random numbers) | `CpuRNGStatesTracker` (a `CudaRNGStatesTracker` subclass) keeps named states of the CPU generator; the module-level RNG get/set use `torch.get/set_rng_state`; `torch.cuda.manual_seed` there seeds the CPU generator (device) |
-| rotary embedding, router, global memory buffer, mappings, DDP buffers, schedules, optimizers, clip grads, `dist_checkpointing` (every module that names CUDA) | `device="cuda"` / `torch.cuda.current_device()` factories, `torch.cuda.Stream/stream/Event/synchronize/empty_cache` | the module's global `torch` becomes a proxy: factory calls with a CUDA `device` get `cpu`, `torch.cuda.current_device()` is `cpu`, streams/events are no-op objects, `synchronize`/`empty_cache` do nothing, memory statistics read 0 (device) |
-| `clip_grad_by_total_norm_fp32` | asserts `grad.type() == 'torch.cuda.FloatTensor'` | runs with CPU tensors reporting `torch.cuda.*` type names (fp32 clip by total norm, unchanged) (device) |
-| `Float16OptimizerWithFloat16Params`, `DistributedOptimizer` | dispatch on `param.type()` being `torch.cuda.*Tensor` | same type-name view during their construction (device) |
-| `DistributedOptimizer._set_main_param_and_optimizer_states` with torch Adam (no TE/Apex) | fully-reshardable load skips the per-param `step` (restored from param groups) then copies it: KeyError | copy the keys present (library: torch Adam) |
-| `DistributedOptimizer.state_dict` with torch Adam, before the first step | asserts one per-param `step` value; none exist yet (loading into a fresh run) | create torch Adam's first-step state (zeros, step 0) first (library: torch Adam) |
-| `DistributedOptimizer.load_state_dict` with torch Adam | one shared `step` tensor for all parameters, incremented in place once per parameter: resumed runs use wrong bias corrections (silent) | each state gets its own copy (library: torch Adam) |
-| `DistributedOptimizer.get_parameter_state_dp_zero` (checkpointing, `fully_reshardable`) | non-gloo branch calls `send_tensor.cuda()` | always the gloo branch (on CPU the data-parallel group is gloo anyway) (device) |
-| `transformer.moe.moe_utils` without TransformerEngine | `te_general_gemm` is never defined: NameError in the router GEMM | defined as `None` (the code's own non-TE path) (library: TE absent) |
-| MoE all-to-all dispatcher | `torch.cuda.Stream()` side stream; split sizes passed as tensors/arrays, which gloo's `all_to_all_single` rejects | streams through the proxy (one no-op stream, so no side-stream bookkeeping); `_AllToAll` converts split sizes to lists (device) |
-| `LanguageModule.setup_embeddings_and_output_layer` (PP > 1, tied embeddings) | `weight.data.cuda()` before the embedding group's all-reduce | runs with `Tensor.cuda` the identity (`compat.pipeline`; same all-reduce) (device) |
-| `pipeline_parallel.schedules.deallocate_output_tensor` (Megatron-LM sets `deallocate_pipeline_outputs`) | the interleaved schedule's overlapped P2P posts a gloo `isend` and swaps the output's `.data` at once: the send reads freed storage (the next stage receives other numbers, run to run) | still swaps `.data`, but keeps the old storage referenced from the output until its backward (`compat.pipeline`) (device) |
-| `WrappedTorchNorm` with `--sequence-parallel` | asserts "sequence parallel not supported by torch LayerNorm" | builds the norm without the assert and tags its parameters `sequence_parallel=True`, so `finalize_model_grads` all-reduces their gradients over TP exactly as for TE norms (library: torch norm) |
-
-Proxied modules are those already imported when the shim runs (it imports the ones training,
-checkpointing and MoE need first); call it again after importing more of megatron-core.
+`install_cpu_compat()` (also `install_compat`) returns whether the relocation is active; it is
+idempotent. Patched call sites (docs/compat.md#every-patched-call-site has the table: what breaks,
+what the shim does, which layer): the `tensor_parallel.random` tracker,
+`model_parallel_cuda_manual_seed` and recompute RNG; every module naming CUDA (rotary, router,
+mappings, DDP, schedules, optimizers, `dist_checkpointing`); `clip_grad_by_total_norm_fp32`;
+`Float16OptimizerWithFloat16Params` and `DistributedOptimizer` (type names, torch Adam state,
+DP-zero gather); MoE's `te_general_gemm` and all-to-all; the pipeline's tied embedding and sent
+outputs; `WrappedTorchNorm` under sequence parallelism.
 """
 from __future__ import annotations
 

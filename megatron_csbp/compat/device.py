@@ -1,19 +1,8 @@
 """Device relocation: megatron-core modules see a `torch` whose CUDA is the CPU.
 
-Relocates only, numerics unchanged: factory calls with a CUDA `device` (an int, "cuda...",
-`torch.device("cuda")`) build on the CPU; `torch.cuda.current_device()` is the CPU; streams and
-events are no-op objects (CPU work is synchronous, so waits and records have nothing to order);
-`synchronize` / `empty_cache` do nothing. Two things here are not pure relocation:
-- memory statistics (`memory_allocated`, ...) read 0: logged numbers, not model numerics;
-- `torch.cuda.get/set_rng_state`, `manual_seed(_all)` act on the CPU generator. Megatron's
-  `model_parallel_cuda_manual_seed` calls `torch.cuda.manual_seed(seed)`, which therefore reseeds
-  the CPU default generator (on GPU it seeds the CUDA one): random draws on the default
-  generator after it are those of the seed (see `compat.rng`).
-
-A module is proxied by replacing its global `torch` (`proxy_modules`), so only modules that
-name CUDA and are loaded when the shim runs are affected; `torch_view_for_module()` gives the
-view to code that builds megatron modules outside that list. `PROXIED` holds one name per
-module visited (a few hundred at most, whatever the sequence length).
+A module is proxied by replacing its global `torch` (`proxy_modules`); `torch_view_for_module()`
+gives the view to other code; `PROXIED` holds one name per module visited. What is relocated and
+what is not pure relocation (memory statistics, RNG): docs/compat.md.
 """
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
 """Run Megatron-LM's training loop (`megatron.training`, tags core_v0.16.1 and core_v0.19.0) on CPU ranks (gloo).
 
-`install_megatron_lm_cpu_compat()` is a no-op when `torch.cuda.is_available()`. Without CUDA it
-first installs megatron-core's shim (`megatron_csbp.compat.cpu`), then patches the Megatron-LM call
-sites below. Each replaces a CUDA-only device, stream or query by its CPU equivalent, or takes
-Megatron-LM's own no-CUDA branch; none changes numerics (the `_warmup_jit_function` patch keeps
-the initial weights independent of CP; what the core shim changes: the `megatron_csbp.compat`
-package docstring).
-
-| call site (Megatron-LM core_v0.16.1; core_v0.19.0 where it differs) | what breaks on CPU | what the shim does |
-|---|---|---|
-| `pretrain()` -> `initialize_megatron()` | asserts "Megatron requires CUDA." | passes Megatron's own `allow_no_cuda=True` |
-| `_initialize_distributed`, `_set_random_seed` | gate `mpu.initialize_model_parallel` and the model-parallel RNG seeding on `torch.cuda.device_count() > 0` | these modules see one device, the CPU: `device_count()` is 1, `set_device` does nothing (the rest as in the proxy below) |
-| `_warmup_jit_function` (`set_jit_fusion_options`, in `pretrain()` before the model is built) | draws `torch.rand(..., device="cuda")` tensors shaped by --seq-length / CP: on GPU from the CUDA generator, on CPU from the CPU generator that --use-cpu-initialization weights come from, so the initial weights would depend on the CP size | runs with the CPU generator state saved and restored (`torch.random.fork_rng`), as the CUDA generator leaves it on GPU |
-| `megatron.legacy.fused_kernels.load` (`_compile_dependencies`; core_v0.16.1 only: core_v0.19.0 has no megatron.legacy and builds no fused kernel) | reads the CUDA toolkit's `nvcc -V` (`CUDA_HOME` is None) | nothing to build without CUDA: a no-op |
-| `get_device_arch_version()` (validate_args) | reads the GPU's compute capability | 0: no GPU architecture (so Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 rule for TP/CP > 1 applies, as before Blackwell) |
-| `training.py`, `utils.py`, `checkpointing.py`, ... (every module that names CUDA) | `device='cuda'` factories, `torch.cuda.current_device()`, streams, `empty_cache`, memory statistics | the module's `torch` becomes compat/device.py's proxy (CUDA devices are the CPU, streams no-ops, memory statistics 0) |
-| `get_model()` (`model_module.cuda(...)`), `evaluate()` and `get_batch_on_this_tp_rank` (`tensor.cuda()`) | `.cuda()` raises without CUDA | `torch.Tensor.cuda` and `torch.nn.Module.cuda` return the object unchanged on the CPU (without CUDA they can only raise, so nothing that worked changes) |
-
-Call it after importing Megatron-LM's training package (`megatron.training`) and before `pretrain()`.
+`install_megatron_lm_cpu_compat()`: a no-op with CUDA; otherwise megatron-core's shim plus the
+Megatron-LM call sites of docs/compat.md#megatron-lms-training-loop-compatmegatron_lm (none
+changes numerics). Call it after importing `megatron.training` and before `pretrain()`.
 """
 from __future__ import annotations
 

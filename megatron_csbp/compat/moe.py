@@ -1,14 +1,7 @@
 """megatron-core MoE without TransformerEngine (every device), and over gloo (CPU).
 
-- `patch_te_general_gemm` (a library fix, `compat.libraries`, every device): `moe_utils.te_general_gemm`
-  is referenced but only defined with TE: defined as None where TE is absent, which selects the
-  code's own non-TE router GEMM (unchanged numerics: the path megatron-core means to run whenever
-  TE is absent; unpatched it raises NameError).
-- `patch_moe` (device relocation, CPU only): `_AllToAll` (token dispatcher): split sizes arrive as
-  tensors/arrays, which gloo's `all_to_all_single` rejects; converted to lists of ints (the same
-  sizes, unchanged numerics).
-The dispatcher's `torch.cuda.Stream()` side stream is the device proxy's no-op stream
-(`compat.device`).
+`patch_te_general_gemm` (library fix, every device) and `patch_moe` (device relocation, CPU
+only); what each fixes and why numerics are unchanged: docs/compat.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """megatron-core's torch norms (no TE) with TP sequence parallelism.
 
-`WrappedTorchNorm` asserts "sequence parallel not supported by torch LayerNorm". The patch
-builds the norm without the assert and tags its parameters `sequence_parallel=True`: each TP rank
-sees a sequence shard, so `finalize_model_grads` all-reduces these gradients over TP, exactly as
-for TE norms. Numerics: those of a TE norm under sequence parallelism (the gradient is the sum
-over the shards); unpatched, the configuration cannot run at all.
+The patch lifts `WrappedTorchNorm`'s sequence-parallel assert and tags its parameters
+`sequence_parallel=True`, so their gradients are all-reduced over TP as for TE norms
+(docs/compat.md).
 """
 from __future__ import annotations
 

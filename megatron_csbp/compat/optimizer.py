@@ -1,18 +1,9 @@
 """megatron-core optimizer call sites that assume CUDA tensors or TE/Apex Adam.
 
-| patch | what breaks on CPU | numerics |
-|---|---|---|
-| `cuda_type_names` around `clip_grad_by_total_norm_fp32`, `Float16OptimizerWithFloat16Params.__init__`, `DistributedOptimizer.__init__` | dispatch/asserts on `param.type()` being `torch.cuda.*Tensor` | unchanged: only the reported type name differs, the math is the same fp32 code |
-| `DistributedOptimizer.get_parameter_state_dp_zero` | non-gloo branch calls `.cuda()` | unchanged: the gloo branch runs the same gathers |
-| `DistributedOptimizer._set_main_param_and_optimizer_states` (torch Adam) | KeyError 'step' on a fully-reshardable load | unchanged: copies the keys the checkpoint has ('step' comes from the param groups, as designed) |
-| `DistributedOptimizer.state_dict` before the first step (torch Adam) | asserts on the per-parameter 'step' | unchanged: creates the state torch Adam creates at its first step (zeros, step 0; amsgrad is not used by Megatron) |
-| `DistributedOptimizer.load_state_dict` (torch Adam) | one shared 'step' tensor incremented once per parameter | CHANGED, corrected: each parameter gets its own step, so resumed runs use the bias corrections of an uninterrupted run (unpatched, they silently differ) |
-
-Two layers: `patch_cpu_optimizers` (the first two rows: CUDA type names and the `.cuda()` branch,
-device relocation, installed only without CUDA) and `patch_torch_adam` (the last three: a
-library fix, `compat.libraries`, installed on every device; each patched method acts only when
-the inner optimizer is torch Adam/AdamW, which megatron-core falls back to when neither TE's nor
-apex's fused Adam is installed, and calls megatron-core's own code otherwise).
+`patch_cpu_optimizers` (device relocation, only without CUDA: CUDA type names, the DP-zero
+gather's gloo branch) and `patch_torch_adam` (a library fix on every device; acts only when the
+inner optimizer is torch Adam/AdamW, else calls megatron-core's own code). Each call site and its
+numerics: docs/compat.md#every-patched-call-site.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """megatron-core's pipeline parallelism on CPU: the embedding tie and the sent outputs' storage.
 
-`LanguageModule.setup_embeddings_and_output_layer` (GPTModel's constructor, PP > 1 with tied
-embeddings) moves the last stage's copy of the word embeddings with `weight.data.cuda()` before
-the all-reduce that copies the first stage's values into it; without CUDA `.cuda()` can only
-raise. The patch runs that method with `torch.Tensor.cuda` the identity (the tensor stays on the
-CPU, where gloo all-reduces it). Numerics unchanged: the same all-reduce of the same values.
-
-`patch_output_deallocation`: the schedules' pseudo-deallocation of a stage's output must not free
-storage that an asynchronous gloo send still reads (below).
+Why each patch is needed and why numerics are unchanged: docs/compat.md#every-patched-call-site.
 """
 from __future__ import annotations
 
@@ -47,17 +40,10 @@ def patch_embedding_tie() -> None:
 def patch_output_deallocation() -> None:
     """Keep a stage's sent output alive while gloo may still be reading it.
 
-    megatron-core's schedules "pseudo-deallocate" a stage's output right after posting its send
-    (`deallocate_output_tensor`: `out.data = torch.empty(1)`, with `deallocate_pipeline_outputs`,
-    which Megatron-LM turns on; the backward then calls autograd's engine directly). The
-    interleaved schedule with `overlap_p2p_comm` posts the send asynchronously and waits on it
-    later, but gloo's `isend` took the storage's raw pointer when it was posted: swapping `.data`
-    frees that storage while the send may still read it, and the next stage receives whatever the
-    allocator put there next (a race: Megatron-LM's interleaved losses changed from run to run).
-    On CPU the patch still swaps `.data` (the schedule's backward expects it) but keeps the old
-    storage referenced from the output tensor, which the schedule holds until this micro-batch's
-    backward, long after the next stage received it. Memory: the in-flight micro-batches' outputs
-    stay allocated, as with the flag off. CUDA tensors are deallocated as before."""
+    `deallocate_output_tensor` still swaps `.data` on CPU tensors but keeps the old storage referenced
+    from the output until its backward; CUDA tensors are deallocated as before. Why (the interleaved
+    schedule's asynchronous gloo send read freed storage): docs/compat.md#every-patched-call-site.
+    """
     module = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     orig = module.deallocate_output_tensor
     if getattr(orig, "__cpu_compat__", False):

@@ -1,15 +1,7 @@
 """Megatron's RNG tracker and recompute RNG hooks on the CPU generator.
 
-Megatron keeps named CUDA generator states (`CudaRNGStatesTracker.add/fork`) and saves/restores
-the CUDA state around activation recompute (`_get/_set_cuda_rng_state`). Without CUDA those read
-and write a lazily initialised CUDA state that never feeds a CPU draw, so recompute would
-silently replay different random numbers. `patch_rng` swaps in `CpuRNGStatesTracker` (same
-named-state semantics on the CPU generator) and the CPU get/set.
-
-Numerics: random draws (dropout masks, any init drawn under the tracker) come from the CPU
-generator's stream for the same seeds, not the CUDA generator's: a CPU run is reproducible and
-replays exactly under recompute, but its random numbers are not a GPU run's. The objectives'
-noise comes from their own `torch.Generator`s, which this does not touch.
+`patch_rng` swaps in `CpuRNGStatesTracker` (Megatron's named-state semantics on the CPU
+generator) and the CPU recompute get/set. Numerics: docs/compat.md#which-patches-change-numerics.
 """
 from __future__ import annotations
 
