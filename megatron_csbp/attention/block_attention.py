@@ -1,22 +1,9 @@
 """Block-diffusion attention for one rank of any layout: local partials, transported partials, merge.
 
-Clean exchange (single, BP, CSBP): local rows are [noisy ; clean]. Noisy queries attend their own
-block on this rank (block-diagonal, never moves) and clean keys; clean keys are this rank's own
-(single, BP) or the ring's shards (CSBP: all-gathered while the noisy part runs, or ring-streamed;
-on sliding-window layers only the rows inside the windows move, by one all-to-all).
-Full exchange (CP baseline): K/V of all local rows are exchanged and every query attends every
-chunk under the same predicate.
-
-K/V sources: a layer whose K and V are both functions of one per-row tensor (DiffusionGemma's K=V
-layers: V = v_norm(raw k), K = rope(k_norm(raw k))) may pass a `KVSource`. The clean exchange then
-moves that tensor alone (half the bytes of K and V when it has K's width) and each receiver
-derives K and V of the rows it got at their layout positions; its own rows keep the K and V it
-was given. The CP baseline keeps moving K and V: it stands for Megatron's CP, which has no such
-notion.
-
-The branches of exchange x transport x window x K/V source are `attention.strategies`: one
-small class per exchange and transport, chosen when the plan is built; `block_diffusion_attention`
-only puts the rows in local order and dispatches.
+`block_diffusion_attention` puts the rows in local order and dispatches to the plan's strategy
+(`attention.strategies`); `KVSource` lets a layer whose K and V derive from one per-row tensor
+move that tensor alone. Semantics: docs/semantics.md#attention-and-the-log-sum-exp-merge; design:
+docs/architecture.md#one-ranks-attention-attention.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """`BlockDiffusionAttention`: a drop-in for Megatron's `core_attention` slot.
 
-Megatron calls core attention with (query, key, value, attention_mask, ...). The block-diffusion
-model passes, as `attention_mask`, a one-element tensor holding the id of this rank's
-`AttentionPlan` (see `plan_handles.plan_mask`). A tensor travels through every Megatron path,
-including full-layer activation recompute, which saves, detaches and replays the layer's inputs:
-the recompute then finds the same plan and replays the same collectives.
-
-A K/V source (see `block_attention.KVSource`) reaches the core attention the same way, on a
-tensor of the call: the attention module attaches it to the `value` it returns
-(`plan_handles.with_kv_source`). It lives and dies with that one call's value tensor, so nothing carries over between calls, and a
-recompute replays whatever the replayed attention attaches. Inputs that Megatron detaches before
-calling core attention (selective core-attention recompute) carry none: those calls move K and V.
+The plan arrives as the `attention_mask` tensor (`plan_handles.plan_mask`), a `KVSource` on the
+`value` tensor (`plan_handles.with_kv_source`); why tensors (they survive recompute):
+docs/architecture.md#one-ranks-attention-attention.
 """
 from __future__ import annotations
 

@@ -1,38 +1,9 @@
 """Gated DeltaNet (GDN) linear-attention layers in a block diffusion LM, on any layout.
 
-Semantics (docs/semantics.md, "Gated DeltaNet layers"): the clean stream runs the causal gated
-delta recurrence (and the causal short convolution) over clean positions 0..L-1. A noisy block b
-continues from the clean stream's recurrent state at its start b*B and from the last K-1 clean
-pre-convolution rows before it (K = linear_conv_kernel_dim), then runs the recurrence over its own
-noisy tokens in position order. Equivalently: run the layer on [clean prefix x_0[:bB] ; noisy block
-b] as one causal sequence and keep the block's rows (the oracle of the tests).
-
-The rule (`chunk_rule`): per head, with state S [d_k, d_v], decay a_t = exp(g_t), beta_t in (0,1),
-    S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - (a_t S_{t-1})^T k_t),   o_t = S_t^T q_t.
-Over a chunk of T tokens from state S, with G_t = sum_{s<=t} g_s and D_ts = exp(G_t - G_s) (s<=t):
-    (I + A) U = beta V - diag(beta exp(G)) K S,   A_ts = beta_t D_ts k_t.k_s (s < t),
-    O = diag(exp(G)) Q S + (D o QK^T) U,   S_T = exp(G_T) S + sum_s D_Ts k_s u_s^T,
-solved with one unit-lower-triangular solve: no loop over tokens, any float dtype (float64 in the
-tests). Chunks are the blocks, so the state at every block start falls out of the clean pass.
-
-Distribution (every layout, one code path; ranks that share a clean stream form the plan's ring):
-- clean segments: a rank's clean rows split into runs of consecutive positions. A segment that
-  does not start at 0 needs the K-1 pre-convolution rows before it: the ring all-gathers every
-  member's segment tails (K-1 rows each).
-- clean recurrence without gathering the sequence: S_end = M S_start + N is affine in the
-  segment's start state. Each member computes (M, N) of its segments (one chunked pass with state
-  [I | 0] and values [0 | v]), the ring all-gathers them ([segments, b, H, d_k, d_k + d_v] per
-  member), every member composes them in position order and reruns its segments from their true
-  start states. Exact (no approximation), P-way parallel, and the messages do not grow with L.
-- boundary states to their owners: the member holding clean position bB-1 sends (S at bB, the
-  K-1 pre-convolution rows before bB) to the owner of noisy block b by one all-to-all: per block
-  b x (H d_k d_v + (K-1) conv_dim) elements, only for blocks whose owner does not hold bB-1.
-  `boundary_state_bytes` gives the total; the transports count it in `traffic_counter()`.
-Single and BP hold every clean row they need (a prefix from 0) and move nothing.
-
-Size of the static metadata (built once per plan and layer kind): the boundary routes list one
-entry per block, at 256K tokens with 16 ranks and B = 16 that is 16K entries per rank, 16x fewer
-than the rows they describe; segment lists hold at most 2 entries per ring member.
+A noisy block continues from the clean stream's recurrent state (and conv tail) at its start; the
+chunked rule (`chunk_rule`) runs one chunk per block; under layouts clean runs get their start
+states from all-gathered affine transfer maps and boundary states go to block owners by one
+all-to-all. Semantics, the rule and the distribution: docs/semantics.md#gated-deltanet-layers-attentiongated_deltapy-modelhybridpy.
 """
 from __future__ import annotations
 

@@ -1,31 +1,9 @@
 """Exchange strategies: how one rank's core attention gets the keys its queries see.
 
 One small class per exchange and transport, registered under (exchange, transport, sliding-window
-layer) and chosen once, when the `AttentionPlan` is built (`plan.strategy`, `plan.window_strategy`):
-
-| strategy        | exchange | transport          | layers          | what moves                          |
-|-----------------|----------|--------------------|-----------------|-------------------------------------|
-| NoExchange      | none     | any                | all             | nothing (single, BP)                |
-| CleanAllGather  | clean    | allgather          | full attention  | every ring member's clean K/V       |
-| CleanRing       | clean    | ring               | full attention  | clean K/V, one ring shift per step  |
-| CleanWindowed   | clean    | allgather and ring | sliding window  | clean rows inside windows (all-to-all) |
-| FullAllGather   | all      | allgather          | all             | K/V of every row (CP baseline)      |
-| FullRing        | all      | ring               | all             | K/V of every row, ring-streamed     |
-
-What they share lives in `AttentionCall`: the kernel call on a cached `PartialMask` (`partial`),
-the zero ties of chunks nobody attends, the noisy block-diagonal part, and the log-sum-exp merge
-(`PartialMerge` / `merge_partials`). The clean strategies share one skeleton
-(`NoisyThenClean.attend`): start the transport, attend the noisy blocks locally while it is in
-flight, merge the clean partials as they arrive, merge noisy queries' two parts.
-
-How clean K/V travel is the call's `kv` codec, not a strategy: `PackedKV` moves K and V packed,
-`SourceKV` moves a `KVSource`'s raw rows and derives K and V of the rows that arrived (see
-`block_attention.KVSource`). Strategies that declare `moves_kv_source = False` (the CP baseline,
-which stands for Megatron's CP) are never given a source.
-
+layer) and chosen when the `AttentionPlan` is built; `AttentionCall` holds what they share.
 Adding a strategy: one subclass of `ExchangeStrategy` (or `NoisyThenClean`) and one
-`@register(...)` line. The transports (autograd functions with byte accounting) are
-`attention.transports`.
+`@register(...)` line. The table and the shared skeleton: docs/architecture.md#one-ranks-attention-attention.
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""Differentiable K/V transports over the sequence ring, with byte accounting.
+"""Differentiable K/V transports over the sequence ring (all-gather, ring), with byte accounting.
 
-- all-gather: forward gathers every member's shard (started asynchronously so local work overlaps
-  it); backward reduce-scatters the gradient so each shard's owner gets the sum of all uses.
-- ring: P-1 point-to-point shifts; each shift is started before the chunk in hand is attended
-  (the next chunk travels while this one is computed) and waited for after it; backward sends
-  the gradients the opposite way around the ring.
-
-Every transfer is timed into the traffic counter (`record_transfer`): from posting to the end of
-its wait (in flight) and the wait itself (the communication left exposed); the difference was
-hidden behind compute. The clock is the one the wait blocks (`_stamp`): on an NCCL group wait()
-only makes the compute stream wait, so the instants are CUDA events on that stream; on gloo
-wait() blocks the host, whose clock is read.
-
-K and V travel packed as one tensor [rows, b, 2G, d] so each step is one collective; layers whose
-K and V derive from one tensor (K=V layers) send that tensor alone, half the bytes (see
-`block_attention.KVSource`).
+Every transfer is timed into the traffic counter (in flight and exposed). Design:
+docs/architecture.md#one-ranks-attention-attention.
 """
 from __future__ import annotations
 

@@ -1,43 +1,10 @@
 """The GPU `flash` decomposition run on CPU with torch's CPU flash attention
 (`--attention-kernel cpu_flash`, the default on CPU).
 
-`attention/flash.py`'s `FlashPlan` splits a partial's allowed pairs into flash-attn varlen calls
-(whole noisy blocks; clean queries with identical key runs [s, e): clean prefixes; token-causal
-clean runs) and a remainder. Here the same plan is executed on CPU:
-
-- every sequence of a varlen call is one call of
-  `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` (it returns the log-sum-exp; its
-  backward takes it), on *views* of q/k/v when the sequence's rows are one contiguous range (the
-  plan is built with `contiguous_free`, so prefixes of contiguous clean keys cost no copy and none
-  falls back for the copy budget); queries in a few runs are concatenated from views, and
-  consecutive such pieces gather their rows once as a group (`RunGroup`); sequences of equal
-  shape that need gathering are batched into one call, and so are adjacent sequences of
-  one shape on views (a rank's whole noisy blocks, `_stacked`, up to STACK_ROWS query rows);
-  the noisy call's pieces run after the clean ones, so they merge once into the rows the clean
-  prefixes reached;
-- a bottom-right causal sequence with more keys than queries is a full rectangle plus a top-left
-  causal square (the CPU op aligns top-left); windowed causal runs and the plan's fallback
-  queries run on the tiled kernel (`attention/tiled.py`) over their own sub-mask;
-- the pieces are merged by log-sum-exp into the partial's (out, lse) inside one autograd function.
-
-Backward: each piece's backward runs with the *merged* out and lse (p = exp(s - lse) is then the
-piece's share of the merged softmax, the ring-attention identity). The partial's lse has a
-gradient of its own: dS = P * (dP - D + dlse)
-with D = rowsum(dO * O). The CPU backward computes D itself from the `out` it is given, so it is
-given out' = out - c dO with c = dlse / |dO|^2 per row (|dO|^2 summed in float64, so it does not
-underflow): rowsum(dO * out') = D - dlse. One norm per partial and one fused multiply-add per piece
-on the piece's rows: an argmax column (the earlier fix) cost an argmax, an argmin and gathers per
-partial (~0.35 ms at 512 rows x 4 heads, more than the merges it served). Error: the kernel's
-rowsum then rounds d terms of size |dO_j out'_j| <= |dO_j out_j| + |c| dO_j^2, which sum to
-sum |dO_j out_j| + |dlse|: the same bound as D's own rounding with |dlse| added (|dlse| <= 2 sqrt(d)
-max|v| |dO| when it comes from a merge). Rows where c is not finite (dO row zero, or |dO| so small that
-c overflows; only when the lse is used other than by a merge) are taken out of the flash pieces and
-recomputed by the tiled backward, which takes dlse directly.
-
-Memory: saved tensors are q, k, v, out, lse (as the tiled kernel); the plan (cached on the
-PartialMask) is FlashPlan's index vectors plus one (slice or index) per sequence: at 256K tokens
-on 16 ranks (32K queries x 256K clean keys, block 64) <= 9 MiB + 1K sequences x ~100 B.
-Temporaries: one piece's gathered rows; the merge accumulators are [b, H, sq, d] in fp32.
+`FlashPlan`'s varlen sequences run as `aten._scaled_dot_product_flash_attention_for_cpu` calls on
+views or gathered rows, windowed runs and the fallback on the tiled kernel, merged by log-sum-exp
+in one autograd function. Pieces, backward (the lse gradient through out'), error bound and memory:
+docs/attention-kernels.md#cpu_flash-attentioncpu_flashpy-default-on-cpu.
 """
 from __future__ import annotations
 

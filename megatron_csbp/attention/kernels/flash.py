@@ -1,37 +1,10 @@
 """flash-attn (2.x, `flash_attn_varlen_func`) for the pieces of a partial it expresses exactly,
 FlexAttention for the rest, merged by log-sum-exp (`--attention-kernel flash`, CUDA, fp16/bf16).
 
-A partial's allowed pairs split by key kind (`layout.rows.pair_allowed`): noisy keys (both rows
-noisy, same block) and clean keys (key position in the query's [lo, hi)). The two key sets are
-disjoint, so the two *layers* merge exactly by log-sum-exp. `FlashPlan.of(mask)` decomposes them:
-
-- noisy layer: always one varlen call, non-causal. Noisy queries and noisy keys are gathered by
-  block; each block present on both sides is one sequence (B rows against B keys when the rows
-  are whole blocks: the block-diagonal part).
-- clean layer: clean keys sorted by position, so every query's allowed keys are one contiguous
-  run [s, e) of them. Queries with the same (s, e) form a *dense* group (one non-causal sequence
-  over keys [s, e)); queries whose runs end one key apart, one after the other (e = e0 + i) and
-  start at a fixed segment start or a fixed distance `left` before their end, form a *causal*
-  run: one causal sequence with bottom-right alignment and window (left, 0) (token-causal clean
-  queries, with or without a sliding window). All dense groups go in one varlen call, causal
-  runs in one call per window. Keys are gathered per sequence, so keys shared by several groups
-  are copied: groups are taken, cheapest first, while the gathered keys stay within
-  KEY_COPY_BUDGET x the clean keys (linear memory); the remaining queries' clean part runs on
-  FlexAttention (`flex_attention_partial` over those queries x the clean keys). Block-causal
-  clean prefixes (nested per block) are the typical remainder: flash would need K copied per
-  block.
-
-Gradients: `flash_attn_varlen_func` differentiates its output only; the log-sum-exp it returns
-has no gradient, but the merges need one. d lse_i = scale * sum_j p_ij (dq_i . k_j + q_i . dk_j):
-the q part is scale * (p @ K)_i, the k part is the V-gradient of an attention whose values are
-K. One more varlen call, ok = attention(q.detach(), k.detach(), values=k), gives both: the lse is
-returned as lse + scale * [q . sg(ok) + sg(q) . ok - sg(both)], exact and only with the public API.
-
-Requires flash-attn >= 2.3 (window_size; causal aligned bottom-right since 2.1). Plans are cached
-on the PartialMask (`flex.derived`): int64 index vectors linear in the rows (sorted clean keys,
-gathered rows <= queries + 2 x clean keys, the fallback's 13 + 9 bytes a row), measured 1.2-1.4
-MiB for one rank's 32K x 32K partial; at 256K tokens on 16 ranks (32K queries x 256K clean keys)
-at most 256K*8 + (32K + 512K)*8 + 32K*13 + 256K*9 bytes = 9 MiB, plus the fallback's flex tables.
+`FlashPlan.of(mask)` splits the allowed pairs into a noisy layer (one non-causal varlen call, a
+sequence per block) and a clean layer (dense groups, causal runs per window, a flex remainder).
+Requires flash-attn >= 2.3. The decomposition, the exact lse gradient and plan sizes:
+docs/attention-kernels.md#flash-attentionflashpy.
 """
 from __future__ import annotations
 

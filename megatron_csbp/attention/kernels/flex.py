@@ -1,38 +1,10 @@
 """FlexAttention partial kernel driven by row vectors (the default kernel on CUDA).
 
-`flex_attention_partial(q, k, v, mask: PartialMask, softmax_scale) -> (out, lse)` follows the
-kernel interface of `attention/kernels.py`: q [sq, b, H, d], k/v [sk, b, G, d] (G | H), out
-[sq, b, H, d] in q's dtype, lse [b, H, sq] fp32 (fp64 for fp64 inputs); a row with no allowed key gets output 0 and lse
-MASKED_SCORE, so that `merge_partials` weights it by exactly 0.
-
-No dense mask anywhere:
-
-- the `mask_mod` reads the row vectors of the `PartialMask` (`layout.rows.pair_allowed` with the
-  query and key vectors indexed by q_idx / kv_idx, torch's document-mask pattern);
-- the `BlockMask` is made by `BlockMask.from_kv_blocks` directly from the mask's exact tile table
-  (`PartialMask.tiles`, per-tile counts from sorted row vectors): partial tiles = occupied & ~full
-  run `mask_mod`, full tiles skip it, empty tiles are skipped. Never `create_block_mask`, never a
-  [rows x keys] tensor. `flex_block_tables` returns the four tables; tests check them tile for
-  tile against `create_block_mask`'s.
-
-Bounded compilation. Compiled flex specialises on (sq, sk) (`dynamic=False`), so q and k rows are
-padded to a few buckets (`bucket`: multiples of 128 up to 1024, then 4 sizes an octave, <= 25 %
-padding); padded query rows see nothing (clean, empty interval) and padded keys are seen by
-nobody (noisy, block -2), so their tiles are empty and flex skips them: padding costs copies of
-q/k/v, not attention work. Calls run under `torch._dynamo.config.patch(recompile_limit=
-RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)`: more shapes than that is a hard error
-instead of Dynamo's silent uncompiled fallback (which materialises the score matrix).
-
-Ownership. The padded row vectors, the tile tables and the `BlockMask` are cached on the
-`PartialMask` (`derived`), so they live exactly as long as the plan that owns the mask; the
-only module-level state is the one compiled `flex_attention` callable.
-
-Sizes at L = 256K tokens on 16 ranks (CSBP P = 16: 32K local rows, 256K gathered clean keys,
-128 x 128 tiles): padded row vectors 2.7 MiB; the BlockMask's kv and q tables 4 int32 tables of
-256 x 2048 = 8 MiB. They grow with the tiles (rows / 128 per side), never with rows x keys.
-
-On CPU flex runs eagerly (no compiled CPU kernel for the log-sum-exp output) and torch has no
-FlexAttention backward on CPU; use the tiled or math kernel there.
+`flex_attention_partial(q, k, v, mask: PartialMask, softmax_scale) -> (out, lse)`: the kernel
+interface of `attention/kernels/registry.py` (out in q's dtype; a row with no allowed key gets
+output 0 and lse MASKED_SCORE). No dense mask anywhere; the `BlockMask` comes from the mask's
+tile table, shapes are padded to buckets, caches live on the `PartialMask`. Design and sizes:
+docs/attention-kernels.md#flex-attentionflexpy-default-on-cuda.
 """
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """Partial attention kernels that return the log-sum-exp, and the fp32 merge of partials.
 
-A partial attends a set of queries to one set of keys under a mask given as row vectors
-(`layout.rows.PartialMask`: per query block, is_clean and clean-key interval; per key position,
-block and is_clean), never as a dense matrix. Partials over disjoint key sets combine exactly with
-their log-sum-exp statistics, which is how local noisy keys, gathered clean keys and ring chunks
-meet.
-
-Every kernel is `kernel(q, k, v, mask: PartialMask, softmax_scale) -> (out, lse)`.
-Shapes follow Megatron's core attention: q [sq, b, H, d], k/v [sk, b, G, d] with G | H (GQA);
-outputs [sq, b, H, d] and lse [b, H, sq] in fp32 (fp64 for fp64 inputs). A query with no
-allowed key gets output 0 and lse = MASKED_SCORE.
-
-- "cpu_flash" (`attention.cpu_flash`, the default on CPU): the GPU flash decomposition on torch's
-  CPU flash attention, the tiled kernel for the pieces it cannot express.
-- "tiled" (`attention.tiled`): block-sparse tiles, online softmax, memory
-  linear in the rows, work following the allowed pairs.
-- "flex": FlexAttention (the default on CUDA).
-- "math": explicit attention over the whole rectangle, the small-case reference (it builds the
-  dense mask and scores of the partial for the duration of the call).
+Every kernel is `kernel(q, k, v, mask: PartialMask, softmax_scale) -> (out, lse)`: q [sq, b, H, d],
+k/v [sk, b, G, d] with G | H (GQA); out [sq, b, H, d], lse [b, H, sq] in fp32 (fp64 for fp64
+inputs); a query with no allowed key gets output 0 and lse = MASKED_SCORE. Kernels "cpu_flash"
+(default on CPU), "tiled", "flex" (default on CUDA), "flash", "math" (the dense small-case
+reference): docs/attention-kernels.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
 """A tiled, block-sparse partial attention for any device: memory linear in the rows, work
 following the mask's allowed pairs.
 
-Queries go in tiles of `q_tile` rows, keys in tiles of `k_tile` rows. The mask's exact
-`TileTable` (`layout.rows`, from per-tile sorted row vectors, no dense mask) says which tiles
-hold an allowed pair; only those are computed. Consecutive occupied key tiles of one query tile
-run as one chunk of up to `MAX_RUN_KEYS` keys: a chunk of *full* tiles (every pair allowed) runs
-without any mask, a chunk of *partial* tiles with the chunk's mask from `PartialMask.block`
-(O(tile)). Forward is the online softmax of FlashAttention-2 in fp32 (fp64 when the inputs are
-fp64); backward is a custom autograd function that recomputes scores per chunk from q, k, v,
-the output, the log-sum-exp and dO (D = rowsum(dO * O)), so neither pass ever holds a
-[rows x keys] tensor: the largest temporaries are [b, H, q_tile, MAX_RUN_KEYS].
-
-The log-sum-exp is an output with a gradient of its own (the partials' merge weights depend on
-it): d lse / d s = p, so the backward's dS = p * (dP - D + dlse).
-
-Convention shared with the math kernel: a query with no allowed key gets lse = MASKED_SCORE and
-output 0; its gradients are 0 (no NaN).
-
-What it keeps per mask (cached on the `PartialMask`, freed with the plan that owns it): the tile
-table (2 bools per tile) and the schedule (one (k0, k1, masked) triple per chunk, at most one per
-occupied tile). At L = 256K on 16 ranks (CSBP P = 16: 32K query rows x 256K gathered clean keys,
-256 x 256 tiles): 128 x 1024 tiles -> 256 KiB of tables, at most ~64K chunks.
+Online softmax over occupied tiles only (full tiles unmasked), with a backward that recomputes
+scores per chunk and gives lse its own gradient. Design and sizes:
+docs/attention-kernels.md#tiled-attentiontiledpy-any-device.
 """
 from __future__ import annotations
 
