@@ -1,35 +1,9 @@
 """Pipeline parallelism (PP) for block diffusion: Megatron's stages over any TP x single/CP/BP/CSBP layout.
 
-Why it composes. Megatron's sampler gives every stage of a pipeline the same micro-batches, and the
-noise is keyed by (seed, global sample index): every stage draws the same noise and builds the
-same attention plan and rows (static metadata of the layout and the shard rank, no collective).
-What crosses a stage boundary is only the hidden state of this rank's rows, [rows, micro-batch,
-hidden] (rows / TP under sequence parallelism), through megatron-core's P2P. Each stage keeps one
-plan (+ the bounded canvas cache of `layout.feed`), linear in its rows; nothing per stage grows
-with the micro-batch count beyond Megatron's own in-flight activations.
-
-Sizes at 256K tokens on a 16-rank shard group (BD3-LM, every block noisy): rows = 2 x 256K / 16 =
-32K per rank; a boundary tensor at hidden 8192 in bf16 is 32K x 8192 x 2 B = 512 MiB per
-micro-batch (64 MiB with TP 8 + sequence parallelism). Rebuilding noise and rows on every stage
-costs O(b x L) elementwise work per micro-batch (256K ids + draws, ~2-3 MB) and the plan is built
-once per run (~0.3 MB of row vectors + tile tables); receiving them instead would move at least the
-same bytes through P2P each micro-batch, so every stage rebuilds.
-
-Stages follow Megatron's rules: an even split of `--num-layers` over `--pipeline-model-parallel-size`
-stages, or `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers` with the rest
-split evenly; the embedding on the first stage, the output layer and the loss on the last; tied
-embeddings: the last stage holds a copy of the word embeddings, set from the first stage at build
-and kept in sync by megatron-core's `finalize_model_grads` (the embedding group's gradient
-all-reduce). Interleaved 1F1B: `--num-layers-per-virtual-pipeline-stage` or
-`--num-virtual-stages-per-pipeline-rank` (`--virtual-pipeline-model-parallel-size`, its older name)
-give each rank several model chunks, every chunk a `TrainableBDLM` of its layers.
-
-Initial weights do not depend on PP either: a chunk that does not start the model first replays the
-CPU generator draws of everything before it (the embedding and the earlier layers, built and
-dropped one at a time), so its layers draw what one rank draws (`build_chunks`).
-
-Self-conditioning (DiffusionGemma SFT) runs its first pass through the stages before each step's
-schedule: megatron_csbp/parallel/self_conditioning.py.
+Every stage rebuilds the same noise, plan and rows from the sample index; only this rank's rows'
+hidden states cross a stage (megatron-core's P2P). Stages, interleaving and PP-independent initial
+weights (`build_chunks`) follow Megatron-LM's rules. Why it composes, sizes and flags:
+docs/pipeline.md.
 """
 from __future__ import annotations
 

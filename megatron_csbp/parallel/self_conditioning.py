@@ -1,53 +1,10 @@
 """Self-conditioning under pipeline parallelism (`--self-conditioning-prob > 0` with
 `--pipeline-model-parallel-size > 1`), exactly as on one stage.
 
-On one stage a micro-batch that draws self-conditioning runs a no-grad first pass over its noisy
-rows, and the training pass's embedding adds GeGLU(norm(soft)) with soft = softmax_fp32(logits) @
-E * sqrt(h) (E: the tied word embeddings; the logits are detached, E is not: E gets a gradient
-through soft; DiffusionGemmaModel.embed). Under PP the first pass has to run through every stage
-before the first stage can start that micro-batch's training forward, so it cannot live inside one
-micro-batch of a 1F1B schedule. Instead, per iteration (`SelfConditioningRelay.run`):
-
-1. every stage picks the same micro-batches: those where a sample draws self-conditioning (the
-   draw is per sample from `sample_generator(seed, sample index)`, so every stage rebuilds it;
-   expert-parallel peers agree, `BlockDiffusionModel.draws_self_conditioning`). Micro-batches that
-   draw none run no first pass and send nothing;
-2. megatron-core's own schedule, `forward_only`, runs the first pass over the picked micro-batches
-   (`BlockDiffusionModel.first_pass`, run by `forward(first_pass=True)`): stages hand on hidden states as in training;
-   the last stage keeps what its output layer would read for the noisy rows (the final-normed
-   hidden states, [noisy rows, b, h], its 1/TP share under sequence parallelism) and runs its
-   output layer on no rows: the logits ([noisy rows, b, vocab]: 262K for Gemma) are never made
-   there nor sent;
-3. the last stage sends those hidden states to the first stage over the pipeline group (a
-   4-integer header: shape and dtype, then the tensor; one send per picked micro-batch); the first
-   stage's training forward computes the logits from them with its own copy of the tied
-   embeddings (the output layer's computation: `DiffusionGemmaModel.self_conditioning_logits_of`)
-   and goes on exactly as one stage does, so E's gradient through the soft embeddings lands on
-   the first stage's E, as on one stage. megatron-core keeps the last stage's copy of E equal to
-   the first's (synced at build, gradients all-reduced by `finalize_model_grads`), so the logits,
-   the loss and every gradient are those of PP 1.
-
-Why hidden states rather than the soft embeddings (also [rows, b, h]): soft = probs @ E carries a
-gradient to E that needs the probabilities (vocabulary-sized) in the backward; computed on the
-last stage under the first pass it would be lost (measured: ~10% of the gradient norm on the tiny
-model), and shipping its backward would need the probabilities again on the last stage.
-
-Costs at 256K tokens on a 16-rank shard group (every block a canvas: 256K / 16 = 16K noisy rows a
-rank), hidden 8192, bf16, micro-batch 1: 16K x 8192 x 2 B = 256 MiB sent last -> first stage per
-picked micro-batch (32 MiB with TP 8 + sequence parallelism), held on the first stage from the first
-pass until that micro-batch's training forward: (picked micro-batches per iteration) x 256 MiB at
-most, M x p x 256 MiB expected at self-conditioning probability p with M micro-batches per
-iteration. That grows with M (a run with many micro-batches per iteration should count it; it is
-a fraction of one layer's saved activations of the same micro-batch). The extra compute is the
-first pass itself (the forward one stage runs too, without its output GEMM on the last stage) and
-one pipeline fill and drain for it; the output GEMM over the noisy rows and the fp32 logits move to
-the first stage's training forward, where the backward keeps the probabilities as one stage does
-([noisy rows, b, vocab / TP] in the weights' dtype per in-flight micro-batch: DiffusionGemma's own
-cost of self-conditioning, not the pipeline's).
-
-Interleaved 1F1B (virtual stages) needs the first pass's micro-batch count to be a multiple of the
-pipeline size: the picked micro-batches are padded with the next unpicked ones (their first pass
-is run and dropped).
+Per iteration (`SelfConditioningRelay.run`) the picked micro-batches' first pass runs through
+megatron-core's forward-only schedule and the last stage sends their noisy rows' final hidden
+states to the first stage. Why hidden states, and the costs at 256K tokens:
+docs/pipeline.md#self-conditioning-diffusiongemma-sft.
 """
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """Block parallelism as a process group beside Megatron's TP/PP/CP/EP/DP.
 
-Megatron treats context-parallel ranks like data-parallel replicas for weights (DDP reduces over
-`dp_cp`, the distributed optimizer shards over it, checkpoints take replica ids from it, the
-sampler gives every CP rank the same sample). Block parallelism therefore lives inside Megatron's
-CP axis: Megatron is initialised with context_parallel_size = max(CP, BP) (the *shard group*),
-and the plugin carves two families of sub-groups out of every shard group:
-
-- clean rings: CP consecutive ranks that share one zigzag-sharded clean stream and exchange clean
-  K/V (for the CP baseline, the ring is the whole shard group);
-- clean replicas: the ranks at the same ring position across the k = BP / CP rings (they hold the
-  same clean shard).
-
-Every rank creates every group in the same order, as torch.distributed requires.
-
-MoE layers exchange tokens with expert-parallel peers, which may hold other samples at other
-places of the layout: `has_expert_parallel_peers` and `agree_with_expert_peers` say what the
-model must agree on with them.
+Megatron is initialised with context_parallel_size = max(CP, BP) (the shard group); the plugin
+carves clean rings and clean replicas out of every shard group, and says what MoE expert-parallel
+peers must agree on. Why, and the vocabulary: docs/architecture.md#vocabulary.
 """
 from __future__ import annotations
 
