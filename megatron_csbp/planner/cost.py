@@ -1,28 +1,9 @@
 """The cost model: step time and peak memory per rank of one parallel layout.
 
-Every term is written out in docs/planner.md. In short, per micro-batch of one sample of L clean
-tokens, on the slowest rank of the shard group:
-
-- GEMMs: 2 * active parameters per row per layer (/TP), on the rank's rows; the output layer on its
-  noisy rows only; x3 for forward + backward, +1 forward with full recompute;
-- attention: pairs of the real mask on this rank (exact count from the layout) * 4 * heads/TP * d
-  flops forward, x3.5 forward + backward, +1 with recompute;
-- attention traffic: the bytes the transports send (CP: all rows' K/V, 4*L*G*d*s*(P-1)/P per layer
-  forward; CSBP: clean K/V only, half (raw k only on K=V layers); sliding layers: the window plan's rows; BP: none), forward
-  and backward (and the recompute forward); all-gather transport: overlapped with the noisy
-  block-diagonal attention (CSBP) in forward only; ring: overlapped with the attention of that pass;
-- Gated DeltaNet layers (hybrid Qwen3.5-style models): projections as GEMMs; the chunked delta
-  rule's FLOPs (linear in L: per token and head 6 d_k d_v + T (4 d_k + 3 d_v) for chunks of T <= B
-  tokens, plus the transfer-map pass over the clean rows when a ring shares the stream); their
-  traffic as `attention/gated_delta.py` moves it (`work.gdn_bytes_sent`: run tails and transfer
-  maps all-gathered over the ring, boundary states to block owners), exposed; no L^2 term;
-- TP (sequence parallel) all-gathers / reduce-scatters, MoE all-to-all, exposed DP gradient
-  reduction and the optimizer step; elementwise work at HBM bandwidth.
-
-Memory: bf16 weights + fp32 gradients + fp32 master weights and Adam moments (sharded over DP x CP
-with the distributed optimizer), activations per row per layer (all layers, or layer inputs plus
-one layer with full recompute), the gathered K/V kept for backward, fp32 logits of the noisy rows,
-and a reserve.
+Per micro-batch of one sample of L clean tokens, on the slowest rank of the shard group: GEMMs,
+attention pairs of the real mask, attention and GDN traffic with its overlap, TP / MoE / DP
+communication, the optimizer step; memory of weights, optimizer state, activations, received K/V,
+logits and a reserve. Every term: docs/planner.md#the-cost-model-megatron_csbpplannercostpy.
 """
 from __future__ import annotations
 
@@ -355,24 +336,11 @@ def _estimate(lay, wl, hw, micro, step, peak_bytes, sent_per_micro, time, mem, *
 
 def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile,
                      gpus_per_node: int, baseline: Baseline = OURS) -> Estimate:
-    """One DFlash drafter step (`--objective dflash`), per rank from `work.drafter_rank_work`:
-
-    - context rows: the verifier's features of the rank's context positions (`target_layers` x
-      hidden each, read from the feature shards) projected by `fc`, then k/v per layer; draft rows
-      (anchors x block size owned) through every layer; the frozen verifier LM head on the draft
-      rows, streamed in vocabulary chunks (forward and input gradient, no weight gradient);
-    - attention: the anchored mask's pairs (sliding layers: inside the window);
-    - traffic: K/V of the rows each rank receives (CP: all rows of every other rank; CSBP: the
-      ring's context rows, sliding layers only those inside windows; BP: none), forward, backward
-      and the recompute forward;
-    - memory: drafter weights/optimizer, the frozen embeddings and LM head (bf16), the features read,
-      per-layer activations of the draft rows, the context rows' projections and K/V, the K/V
-      received, one vocabulary chunk of logits;
-    - DFlash2 (`wl.dflash2`, the paper's recipe): its convolution and selector parameters, the
-      convolutions' kept tensors per draft row and layer and their kernel-projection GEMMs, and
-      the native vocabulary objective on the supervised rows (B - 1 of every B draft rows) in place
-      of the streamed chunk: three vocabulary GEMMs, the kept per-row state and the whole-vocabulary
-      fp32 workspace of one row block (`reference.DFlash2Drafter`)."""
+    """One DFlash drafter step (`--objective dflash`), per rank from `work.drafter_rank_work`: context
+    and draft rows' GEMMs, the frozen LM head on the draft rows, the anchored mask's pairs, K/V
+    traffic, memory; with `wl.dflash2`, the paper's DFlash2 terms (`reference.DFlash2Drafter`).
+    Each term: docs/planner.md, the cost model's "DFlash drafter" row.
+    """
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
     s = hw.dtype_bytes
     peak = hw.peak_tflops * 1e12

@@ -1,45 +1,9 @@
-"""Which context-parallel baseline the cost model charges: this project's (`ours`) or the paper's
-(`reference`, read from ScalingIntelligence/Turbo-dLLM; docs/planner.md, "The paper explained").
+"""Which context-parallel baseline the cost model charges: this project's (`ours`, the default) or
+the paper's (`reference`, read from ScalingIntelligence/Turbo-dLLM), and the paper's recipe
+workload (`recipe_workload`, `recipe_layout_options`, `recipe_fixed_step_s`).
 
-`ours` is the CP this project implements (`attention/strategies.py`): the same block-sparse kernel
-as CSBP, a zigzag shard of the 2L rows, a ring that hides each shift behind attention, Gated
-DeltaNet layers that move only block boundaries and transfer maps, DFlash anchors dealt over every
-CP rank. It is the default, and with it `cost.estimate` is exactly what it was before this module.
-
-`reference` is what the paper's code runs for its CP baseline, four differences (what was read where
-is listed in docs/planner.md):
-
-(a) kernels: the CP path runs one FlexAttention forward over all 2L keys and the fast (FA4) kernel
-    only in backward at head dim 128; a compiled-Flex fallback both ways at head dim 256; at head
-    dim 512 a contiguous tile range per query tile instead of a sparse tile list, which computes
-    the whole span from a noisy block to the end of its clean prefix (`contiguous_range_factor`,
-    exact, about 1.5x the mask's pairs). CSBP keeps the sparse FA4 tiles (the cost model's
-    `attention_efficiency`). The Flex rates are FITTED (`FLEX_FORWARD_RATE_128`, `FLEX_RATE_256`);
-(b) transport: the benchmark recipes stripe every CP/BP group across nodes (`inter_node_cp`), so the
-    K/V exchange of CP *and* CSBP runs on the inter-node link; CP all-gathers K/V of all 2L rows
-    (sliding layers too) and waits before any attention, and waits on the dK/dV reduce-scatter:
-    everything exposed, no ring;
-(c) Qwen3.5/3.8 (the hybrid backbone): clean rows in contiguous slices, so the last of P ranks does
-    `contiguous_clean_imbalance` (1.44x at P = 8) of the mean attention work; the Gated DeltaNet
-    layers all-to-all every one of the 2L rows (in-projections there, core outputs back);
-(d) DFlash: every CP rank runs every anchor's draft block (draft work replicated), only the context
-    is split.
-
-Beside the baseline, the paper's *workload* as its benchmark recipes run it (`recipe_workload`,
-applied by `validate --paper --baseline reference` to CP and CSBP alike): DiffusionGemma's native SFT
-objective adds a detached self-conditioning forward of the noisy rows and the clean rows' AR loss;
-the DFlash recipe's trainer keeps a replicated bf16 AdamW and two feature buffers, without
-activation checkpointing (`recipe_layout_options`), and trains the DFlash2 drafter
-(`DFlash2Drafter`: convolutions, candidate selector, a vocabulary objective with a whole-vocabulary
-fp32 workspace), so a layout that fits this project's trainer may not fit the paper's;
-and a time per step its runs spend that the cost model does not count (`recipe_fixed_step_s`,
-FITTED `REFERENCE_DG_FIXED_STEP_S`), also for both. On the block-diffusion runs (Nemotron,
-DiffusionGemma, Qwen) the trainer's memory is the paper's too (issue 34): DeepSpeed ZeRO-2 over the
-DP x CP/BP ranks (`zero2_static_bytes`) and the native linear cross entropy in 1024-row blocks
-(`native_ce_workspace_bytes`) instead of Megatron's fp32 main gradients and full logits, with the
-recipe's full checkpointing and all-gather transport (`recipe_layout_options`).
-
-Torch-free; every function here is a closed formula (tests/test_planner_reference.py checks them).
+Torch-free closed formulas. The four differences (kernels, transport, hybrid backbone, DFlash),
+what was read where, and the fitted constants: docs/planner.md#the-paper-explained---baseline-reference-issue-24.
 """
 from __future__ import annotations
 
@@ -130,39 +94,12 @@ class Baseline:
 
 @dataclass(frozen=True)
 class DFlash2Drafter:
-    """What the paper's DFlash2 drafter adds to a plain DFlash drafter of the same shape, per rank,
-    counted from the reference code (docs/planner.md, row (h)):
-
-    - `DFlashGroupedConv` (`backbones/dflash/dflash2.py`), two per layer (around attention and
-      around the MLP): a `kernel_projection` h -> 2 x taps x G (G = h / conv_group_size groups) and
-      a learned `base_kernel` (2, taps, h); `prepare` convolves the normed input inside each draft
-      block (taps taps, block-local), `finish` convolves the sublayer's output with the other half
-      of the coefficients. Kept for backward per draft row and layer, beyond the plain layer's
-      (`cost.activation_bytes_per_row`: norm inputs/outputs, q/k/v, core output, gate/up, the MLP
-      product): the two `prepare` outputs (the inputs of the packed q/k/v and gate/up
-      projections), the two sublayer outputs `finish` convolves (o_proj's and down_proj's
-      outputs), and each conv's coefficient tensor (2 x taps x G): 4 h + 4 taps G elements. The
-      convolution itself is a compiled pointwise graph whose backward needs only its inputs
-      (the normed input is kept by `kernel_projection` anyway, the coefficients are counted).
-    - `CandidateSelector` (`dflash2.py`): codebooks V x rank twice and a projection h -> rank,
-      trained. It rescores only the `selector_top_k` candidates of each supervised row
-      (`score_candidates`: predecessor and projection rank each, successor top_k x rank, fp32
-      top-k logits), not the vocabulary: a few KiB per row.
-    - the vocabulary objective (`kernels/dflash_linear_topk.py` -> `dflash_frozen_ce_topk_
-      {forward,backward}_cuda` in `csrc/fused_linear_ce/fused_linear_ce_cuda.cu`) runs on the
-      supervised rows (slots 1..B-1 of each draft block, `index_select`ed: a copy of their final
-      hidden states kept for backward, with fp32 lse and probability and int64 top-k ids). Its
-      workspace is fp32 logits of a block of min(`objective_row_block`, rows) rows over the *whole*
-      vocabulary (`_ROW_BLOCK_SIZE = 4096`): forward, the raw logits and, with a logit soft-cap,
-      the four temporaries of `tanh(raw * m / cap) * cap` alive at once before `topk` (5 fp32
-      [block, V] tensors); backward, the recomputed raw logits, fp32 gradient logits and their
-      bf16 copy for the GEMM (4 + 4 + 2 bytes per element) and an fp32 [rows, h] gradient. The
-      peak is the larger of the two, on top of every activation (the loss is the last forward op
-      and the first backward one). Backward recomputes the logits: three vocabulary GEMMs, and
-      the kernels between them read and write every logit element several times
-      (`objective_hbm_bytes`).
-
-    Sizes: `DFLASH2_MUSE_GLIMMER` below. Torch-free; every method a closed formula."""
+    """What the paper's DFlash2 drafter adds to a plain DFlash drafter of the same shape, per rank:
+    the grouped convolutions (parameters, kept tensors, kernel-projection GEMMs), the candidate
+    selector, and the native vocabulary objective's GEMMs and whole-vocabulary fp32 workspace of one
+    row block. Sizes: `DFLASH2_MUSE_GLIMMER`. What each counts, read from the reference code:
+    docs/planner.md, row (h). Torch-free; every method a closed formula.
+    """
 
     conv_kernel_size: int  # taps
     conv_group_size: int  # channels per dynamic-kernel group

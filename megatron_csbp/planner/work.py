@@ -1,25 +1,10 @@
 """Per-rank attention work and exchange of a layout, counted exactly from the layout's metadata.
 
-Uses the project's own `SequenceLayout` (the rows each rank holds) and the mask's clean-key
-intervals, so the counts are those of the real block-diffusion mask, not an approximation:
-
-- `sparse_pairs`: allowed (query, key) pairs of the rank's queries (what a block-sparse GPU kernel
-  computes): a noisy query sees its B in-block noisy keys plus its clean interval, a clean query its
-  clean interval;
-- `dense_pairs`: query x key rectangles of the partials the rank runs, as
-  `attention/block_attention.py` issues them (whole noisy blocks as a batch of B x B problems, keys
-  that no local query sees dropped): what the CPU math kernel computes, masking afterwards;
-- `exchange_rows`: clean rows this rank must receive from its ring in one sliding-window layer
-  (the static window plan), vs all other shards of the ring for a full layer.
-
-Packed samples (`documents`: the first position of every document, `planner.packing`): the mask
-is cut to documents as `layout.masks` cuts it (a noisy query sees the piece of its block inside
-its document and its document's clean prefix; clean intervals stop at document edges), BP blocks
-go to ranks by their packed cost as the trainer places them (`layout.packing.block_costs`,
-`RowFeeder.packed_plan`; CSBP keeps the layout's ownership, as the trainer does), and CSBP's clean exchange on every layer moves only the clean rows some
-local query of the same document may see (`layout.exchange.WindowExchangePlan` under documents:
-the union of the local queries' clean intervals less the local clean rows). CP (Megatron's) has no
-notion of documents: it still gathers every other rank's K/V.
+From the project's own `SequenceLayout` and the mask's clean-key intervals (the real mask, not an
+approximation): `sparse_pairs` (what a block-sparse kernel computes), `dense_pairs` (the partials'
+rectangles, as the math kernel computes them), `exchange_rows` (clean rows received in a
+sliding-window layer); packed samples cut the mask to documents. docs/planner.md (the cost model's
+"attention work" row; "Packed documents").
 """
 from __future__ import annotations
 
