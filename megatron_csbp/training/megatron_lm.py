@@ -1,37 +1,10 @@
 """Megatron-LM integration without forking it (checked against Megatron-LM tag core_v0.16.1,
 commit 55ac7082517c3878ae653c07c09c534b8aed49f6, on megatron-core 0.16.1, and tag core_v0.19.0 on
-megatron-core 0.19.2; user guide: docs/megatron-lm.md).
+megatron-core 0.19.2).
 
-Megatron-LM's `pretrain()` takes an `extra_args_provider`, a model provider and a forward step, and
-calls `mpu.initialize_model_parallel` and `validate_args` by attribute lookup. That is all the
-plugin needs:
-
-- `extra_args_provider(parser)`: the block-diffusion flags, `--allow-mask-token-in-vocab`, and
-  `--bdlm-context-parallel-size` (set by `rewrite_argv`).
-- `rewrite_argv(argv)`: block parallelism lives inside Megatron's CP axis, so Megatron must see
-  `--context-parallel-size max(CP, BP)` (its batch, sampler, DDP and checkpoint arithmetic then
-  treat the whole shard group like CP ranks). The user's CP (the clean ring size) travels as
-  `--bdlm-context-parallel-size`. It also adds `--calculate-per-token-loss` (our losses are sums
-  over each rank's own targets; Megatron divides by the token count summed over DP x CP x BP).
-- `install()`: the hooks below, the wheel's prebuilt dataset helpers, and (without CUDA) the CPU
-  shim of `megatron_csbp.compat.megatron_lm`.
-  - `install_initialize_hook()`: wraps `megatron.core.parallel_state.initialize_model_parallel` so
-    Megatron-LM's own initialisation also builds the plugin's clean-ring/replica groups.
-  - `install_validation_hook()`: after Megatron-LM's `validate_args`, refuse the flags the plugin
-    cannot honour (`validate_megatron_args`, the flag named) and give an unset `--eval-interval`
-    its documented meaning (`default_eval_interval`: Megatron-LM 0.16.1 and 0.19.0 would fail on it); after
-    its tokenizer is built, pick or check the mask id (`resolve_mask_token_id`).
-- `model_provider(...)`: Megatron's GPTModel from Megatron-LM's args, any layer spec with the
-  core attention swapped, wrapped as a block diffusion model.
-- `forward_step(data_iterator, model)`: Megatron-LM's batch (NOT sliced by CP rank: every rank of
-  the shard group needs the whole sample); `labels` with `loss_mask` as the clean sequence
-  (`bdlm_batch`); noise keyed by the global sample index, evaluation samples on their own indices.
-
-`examples/megatron_lm/pretrain_bdlm.py` puts these together with `pretrain_gpt.py`'s dataset
-provider. Nothing needs patching in either tag (so `patches/` stays empty). Where the tags differ,
-one function each: `validation_module` (where arguments are validated), `_run_pretrain` (how
-`pretrain()` is called), `batch_on_every_stage` (the batch, read without Megatron-LM's helper) and
-`_dataset_on_every_stage` (its signature covers both).
+`extra_args_provider`, `rewrite_argv`, `install()` (initialisation and validation hooks, the CPU
+shim), `model_provider`, `forward_step`; where the tags differ, one function each. What each piece
+does and why: docs/megatron-lm.md.
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """Model construction for training: Megatron `GPTModel` (local layer spec with block-diffusion core
 attention) wrapped as a `BlockDiffusionModel`, ready for Megatron's DDP.
 
-Initial weights do not depend on the layout. Choice: every weight is built with Megatron's CPU
-initialisation (`use_cpu_initialization=True`): each tensor-parallel weight is drawn in full from the
-CPU generator seeded with `--seed` and then split, so TP = 1, 2, 4 ... and any CP/BP produce the same
-logical weights (GLU weights use Megatron's stride-2 split, so they match too). The vocabulary is
-padded to a multiple of `--make-vocab-size-divisible-by` (default 128) independent of TP; TP must
-divide the padded size. On GPU the model is moved to the device after initialisation.
-
-A flag-built MoE (--num-experts) has its weights drawn again by global name
-(`redraw_weights_by_global_name`): Megatron's CPU initialisation draws only the local experts, which
-would make every later weight depend on the expert-parallel size.
-
-With `model_shape` (a converted checkpoint's `megatron_csbp_model.json`, read by `--load`), the
-model is `megatron_csbp.model.builder.build_gpt_model(shape, ...)` (its registered family's) instead: the checkpoint's
-architecture, its exact (unpadded) vocabulary, weights left uninitialised because they are loaded.
+Initial weights do not depend on the layout (CPU initialisation, MoE redrawn by global name); with
+`model_shape` the checkpoint's family builds it. Why: docs/training.md ("Layout-independent results").
 """
 from __future__ import annotations
 

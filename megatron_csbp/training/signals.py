@@ -1,26 +1,8 @@
-"""Megatron-LM's exit conditions, checked at the end of every iteration as Megatron-LM's
-`checkpoint_and_decide_exit` checks them (training.py, core_v0.16.1): each one saves a checkpoint
-(with `--save`, unless this iteration was just saved) and ends the run with status 0; `--load` of
-the same folder resumes it exactly.
-
-- `--exit-signal-handler`: SIGTERM (what Slurm sends every process of a job at preemption or the
-  time limit, and what torchrun sends its workers when it is signalled) is noted, the current
-  iteration finishes, the save runs synchronously, the run exits.
-- `--exit-duration-in-mins M`: after the first iteration that ends more than M minutes after the
-  program started (the trainer module's import, Megatron-LM's `_TRAIN_START_TIME`).
-- `--exit-interval N`: after every iteration that is a multiple of N (a resumed run included).
-
-The signal and the clock are agreed across ranks in one all-reduce (MAX) per iteration, as
-Megatron-LM's `DistributedSignalHandler` all-gathers its flag and `--exit-duration-in-mins`
-all-reduces its verdict, so every rank stops after the same iteration even when the signal reached
-only some of them.
-
-Signals during the save and after it: the handler stays installed until the process ends once a
-signal was noted, so the second SIGTERM a job step gets (Slurm signals every process, torchrun
-signals its workers again) or a third one cannot kill a rank in the middle of its save or turn its
-clean exit into a kill. The save's own helper processes are no weak point either: megatron-core's
-forked writers inherit this handler, and the write results travel through a queue of the rank
-itself (`checkpoint.state.write_results_in_process`) instead of a Manager server process.
+"""Megatron-LM's exit conditions (`--exit-signal-handler`, `--exit-duration-in-mins`,
+`--exit-interval`), checked at the end of every iteration as Megatron-LM's
+`checkpoint_and_decide_exit` checks them: each saves a checkpoint and ends the run with status 0,
+all ranks agreeing in one MAX all-reduce. Behaviour under Slurm and torchrun:
+docs/training.md#preemption-sigterm-time-limits-requeued-jobs.
 """
 from __future__ import annotations
 

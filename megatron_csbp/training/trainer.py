@@ -4,23 +4,8 @@
     with trainer:                      # build() on entry (process groups too), close() on exit
         result = trainer.train()       # load -> [train_step, evaluate, save]* -> final save
 
-One iteration: the global batch is split into micro-batches by Megatron-LM's sampler arithmetic
-(global sample indices); the loss denominator is the supervised-token count of the whole global
-batch (summed over micro-batches and data-parallel ranks); Megatron's no-pipelining schedule runs
-forward/backward with `calculate_per_token_loss` (no averaging: each rank's loss is already its
-share of the global mean); Megatron's DDP sums gradients over DP x CP x BP (`dp_cp`, which holds the
-shard group); the Megatron optimizer clips by global norm and steps; the scheduler advances by the
-global batch.
-
-Failing loudly: with `--check-for-nan-in-loss-and-grad` (the default, Megatron-LM's flag) a
-non-finite global loss stops the run before the optimizer step and a non-finite gradient norm after
-it, with `TrainingStopped` naming the iteration; both values are reduced over all ranks first, so
-every rank stops together. A save never writes non-finite weights (`checkpoint.state.check_finite`).
-`--exit-signal-handler` saves and exits on SIGTERM (training/signals.py).
-
-Used by the trainer CLI (`training.loop.main`, the default run included); its checkpoints go
-through `megatron_csbp.checkpoint`. Megatron-LM's own `pretrain()` keeps its loop and shares the
-model build (`training.model.build_model`) through `megatron_lm.model_provider`.
+One iteration, the loss normalisation and the NaN checks: docs/training.md ("What runs", "Failing
+loudly"); the path of one step: docs/architecture.md#one-training-step.
 """
 from __future__ import annotations
 

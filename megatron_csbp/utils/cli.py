@@ -1,41 +1,9 @@
 """What every `python -m megatron_csbp.*` command shares: one-line errors and quiet library warnings.
 
-## One-line errors (train, convert, generate, plan, launch, dflash)
-
-Bad input, a checkpoint that cannot be read or a run that cannot go on is news of one line,
-
-    error: --micro-batch-size must be positive, got 0
-
-printed once (by rank 0 when every rank fails the same way, as argument errors do under torchrun),
-with exit status 2 (bad input) or 1 (a run that stopped), and no usage dump or traceback. Under
-torchrun rank 0 exits with that status and the other ranks with 0 (a nonzero rank would make
-torchrun kill rank 0 before it printed); torchrun then reports rank 0's status as the failure (with
-a summary and a traceback of its own launcher) and exits nonzero.
-
-- `ArgumentParser`: argparse's parser whose `error` prints the one line (argparse prints the whole
-  usage first; the trainer's is 80 lines, once per rank).
-- `CliError`: raise it (or a subclass) for a failure the user can act on. `agreed=False` when only
-  some ranks see it (a file one rank failed to read): every failing rank then prints it, prefixed by
-  its rank, since rank 0 may be stuck in a collective and killed before it could say anything.
-- `run(main, argv)`: the `__main__` wrapper; turns `CliError` and `ValueError` (this code base's
-  bad-input exception, whose messages name the flag) into the line and the exit status.
-  `MEGATRON_CSBP_TRACEBACK=1` re-raises instead (for debugging).
-
-## Warnings
-`filter_warnings()` is called at the top of each command's `main()` (before megatron-core is
-imported: these warnings fire at import time). It hides, and only hides:
-
-- megatron-core's "Transformer Engine and Apex are not installed" / "Apex is not installed"
-  notices: its fallbacks (torch optimizers, torch norms) are what the CPU path uses on purpose,
-  and on GPU the block-diffusion attention replaces TE's anyway (docs/install.md: GPU extras);
-- megatron-core's "full scope is deprecated" (its own `TransformerConfig` default for
-  `cuda_graph_scope`; the plugin sets no CUDA-graph option);
-- `FutureWarning` / `DeprecationWarning` raised inside megatron-core or inside
-  `torch.distributed.checkpoint` (which megatron-core's `dist_checkpointing` calls: ShardedTensor
-  and `load_state_dict` deprecations): library internals, nothing in a command line changes them.
-
-Everything else (the plugin's own warnings, transformers', a user's code) is shown as usual. As a
-library (`import megatron_csbp...`) nothing is filtered: only the commands call this.
+`ArgumentParser` (no usage dump), `CliError` (`agreed=False` when only some ranks see it),
+`run(main, argv)` (exit status 2 bad input, 1 a stopped run; `MEGATRON_CSBP_TRACEBACK=1`
+re-raises) and `filter_warnings()`. Behaviour under torchrun and which warnings are hidden:
+docs/training.md#failing-loudly.
 """
 from __future__ import annotations
 
