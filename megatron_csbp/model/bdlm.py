@@ -1,34 +1,10 @@
 """`BlockDiffusionModel`: a Megatron `GPTModel` (any spec with the block attention swapped in)
 trained as a block diffusion LM.
 
-A forward is noise -> plan -> rows -> model -> loss: the objective noises the batch; the plan is
-the rank's rows of the layout (or of a canvas of it); the layout's `RowFeeder` (layout/feed.py)
-gives this rank's rows ([owned noisy ; clean]) with their shared positions and the rows that carry
-a target; `logits` runs the GPT model and keeps only the rows that reach the output layer (a
-pre-hook on the output layer, bound to the call's rows, drops the clean rows: half the output GEMM,
-no fp32 logits for them);
-`loss` (model/loss.py) returns this rank's partial loss over the global denominator. Summing it
-over the shard group gives the full loss. Under pipeline parallelism every stage runs the same
-noise -> plan -> rows (keyed by the sample index; megatron_csbp/parallel/pipeline.py). `forward` (what
-Megatron's schedules call) runs one mode, each its own method: `training_loss` (the last stage or
-the whole model), `stage_output` (a stage before the last: hidden states of this rank's rows for
-the next stage) or `first_pass` (self-conditioning's first pass under pipeline parallelism).
-
-Objectives may ask for more through their `NoisedBatch` (DiffusionGemma SFT uses all three):
-- `first_canvas_block`: noisy rows only for blocks from there on (the layout's `canvas_layout`;
-  plans are cached per canvas start, at most `layout.feed.CANVAS_PLAN_CACHE` of them besides the
-  model's own, least recently used evicted: each holds its masks' row vectors and tile tables);
-- `clean_targets` / `clean_weights` (objective flag `needs_clean_logits`): a loss on clean rows;
-  each clean row is counted by one rank of the shard group (`SequenceLayout.clean_loss_positions`)
-  and only the counted rows that carry a target in the micro-batch reach the output layer (under
-  sequence parallelism: each TP shard keeps its noisy chunk and its chosen clean rows, padded to
-  one count for the all-gather; see `layout.feed.sequence_parallel_logit_rows`);
-- `self_conditioning` ([b] bool): when any sample draws it, a no-grad first pass gives the noisy
-  rows' logits, fed to the second pass as `self_conditioning_logits` (+ the per-sample mask).
-The canvas start and whether the first pass runs follow from the samples alone, so every rank of
-the shard group (same samples) computes the same; ranks that exchange MoE tokens across
-different samples agree on them (MIN / MAX, `parallel_state.agree_with_expert_peers`) before any
-other collective.
+A forward is noise -> plan -> rows -> model -> loss; `forward` runs one mode (`training_loss`,
+`stage_output`, `first_pass`). The model, the `NoisedBatch` extras (canvas, clean-row loss,
+self-conditioning) and expert-peer agreement: docs/semantics.md#the-model-modelbdlmpy,
+docs/diffusiongemma.md, docs/architecture.md#one-training-step.
 """
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """A DFlash speculative drafter in megatron-core, the `muse_glimmer_assistant` architecture of
 transformers 5.24 (`MuseGlimmerAssistantModel`).
 
-The drafter reads the verifier's hidden states at `target_layer_ids`, concatenated per token, and
-projects them once (`encoder.fc`, then RMSNorm) into its width: the *context* rows. A draft block of
-`block_size` rows (the anchor token's verifier embedding, then mask-token embeddings) runs through
-`num_layers` pre-norm layers: q from the block, k/v from [context ; block] with the same k/v
-projections, RMSNorm on q and k per head (QK-norm), rotary at each row's position, SwiGLU MLP, and a
-final RMSNorm. The context is not updated by the layers and never queries. The verifier's LM head
-(frozen, not part of the drafter) turns the block's outputs into logits: slot k predicts the token
-at anchor + k.
-
-Attention goes through the project's block-aware core attention (`BlockDiffusionAttention`) with
-an anchored plan (`layout.masks.AnchoredGeometry`): draft rows are noisy rows carrying their
-anchor, context rows are clean key-only rows, so single, BP, CP and CSBP placements share the one
-predicate and the same transports as the block-diffusion models.
-
-Megatron modules: `ColumnParallelLinear` / `RowParallelLinear` projections, Megatron's `MLP`
-(gated SwiGLU), `WrappedTorchNorm` RMSNorms, Megatron's rotary frequencies and
-`apply_rotary_pos_emb`. Linear layers are tensor-parallel modules; the drafter runs at TP = 1 here
-(the projection over the context is not split).
+Context rows (projected verifier features) and draft blocks through pre-norm layers with the
+block-aware core attention on an anchored plan. Architecture: docs/dflash.md#the-model-megatron_csbpmodeldflashpy.
 """
 from __future__ import annotations
 

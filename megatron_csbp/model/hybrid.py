@@ -1,16 +1,6 @@
-"""Hybrid layer specs: Gated DeltaNet (linear attention) and block-aware softmax attention layers.
-
-megatron-core 0.16.1 builds its hybrid GDN decoder (`get_transformer_block_with_experimental_
-attention_variant_spec`) for TransformerEngine only. This is the same construction on the local
-backend: a `TransformerBlockSubmodules` whose layers are `TransformerLayer`s with either megatron's
-`GatedDeltaNet` (here `BlockDiffusionGatedDeltaNet`, the same parameters and checkpoint layout,
-with the input RMSNorm as its own module instead of fused into `in_proj`) or the local attention
-layer with `BlockDiffusionAttention` swapped in, each with a dense SwiGLU MLP.
-
-The pattern follows the checkpoint: Qwen3.5 / Qwen3-Next `layer_types` ("linear_attention" /
-"full_attention") or `full_attention_interval` N (layer i is full attention iff (i+1) % N == 0),
-and megatron's `linear_attention_freq` (an int N: N-1 linear layers then one attention layer; or a
-list with 1 = linear attention).
+"""Hybrid layer specs: Gated DeltaNet (linear attention) and block-aware softmax attention layers,
+megatron-core's TE-only hybrid construction on the local backend, in the checkpoint's layer
+pattern (docs/semantics.md#gated-deltanet-layers-attentiongated_deltapy-modelhybridpy).
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""DiffusionGemma self-attention: Megatron's `SelfAttention` with
-
-- K=V layers (the full layers): `linear_qkv` projects [q heads ; k] per KV group, no v part;
-  V = v_norm(raw k), taken before k_norm and rotary; K = rope(k_norm(raw k));
-- a weightless V norm on every layer (`v_layernorm`);
-- its layer type's rotary table picked out of the combined two-table tensor (see `rotary.py`).
-
-q/k norms, softmax scale 1.0 (config), GQA, TP (including fewer KV groups than TP ranks) and the
-core attention slot are Megatron's: the block-aware core attention is swapped in through the spec.
-
-On K=V layers the value handed to core attention carries a `KVSource` (raw k and `derive_kv`):
-the block-aware core attention's clean exchange (CSBP) then moves raw k only, half of K and V, and
-each receiver computes K = rope(k_norm(raw)) and V = v_norm(raw) of the rows it got, at their
-layout positions, with the same modules and the same Megatron rotary function as the owner.
-`exchange_kv_source = False` on a module moves K and V instead (same results; for comparisons).
-Selective core-attention recompute detaches q, k, v, so there the source is not attached.
+"""DiffusionGemma self-attention: Megatron's `SelfAttention` with K=V full layers, a weightless V
+norm on every layer and its layer type's rotary table; on K=V layers the value carries a
+`KVSource` so CSBP moves raw k only. docs/diffusiongemma.md (the "K=V full layers" row and the
+traffic section).
 """
 from __future__ import annotations
 

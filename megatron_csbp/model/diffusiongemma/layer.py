@@ -1,17 +1,6 @@
-"""DiffusionGemma transformer layer and its Megatron layer spec.
-
-Megatron's `TransformerLayer` with Gemma's sandwich norms:
-  r   = x + post_attention_norm(attn(input_norm(x)))
-  out = (r + post_feedforward_norm(ffn(r))) * layer_scalar
-The post-norms go into the two residual adds (the bias-dropout-add slots, dropout is 0), the FFN
-block (`DiffusionGemmaMoELayer`) carries its own pre/post branch norms, so `pre_mlp_layernorm` is
-the identity. Together with the attention's q/k/v norms those are Gemma's seven hidden-size norms
-per layer (input, post-attention, pre-FFN, post-FFN-1, pre-FFN-2, post-FFN-2, post-FFN).
-
-`layer_scalar` is a 1-element buffer. Hugging Face keeps one copy in the encoder (clean stream)
-and one in the decoder (noisy stream); the layer keeps both (`clean_layer_scalar`,
-`layer_scalar`) and applies each to its rows, which it reads from the block-diffusion plan that
-travels as the attention mask. Without a plan (plain autoregressive use) every row is clean.
+"""DiffusionGemma transformer layer and its Megatron layer spec: Megatron's `TransformerLayer` with
+Gemma's sandwich norms and the per-stream `layer_scalar` / `clean_layer_scalar`
+(docs/diffusiongemma.md, the "sandwich norms" row).
 """
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """`DiffusionGemmaModel`: a megatron-core `GPTModel` with DiffusionGemma's embedding, rotary tables,
-self-conditioning and logit soft-cap. The transformer block is built from the layer spec in
-`layer.py`, so `with_block_diffusion_attention` swaps the core attention like in any GPT spec, and
-`BlockDiffusionModel(model, objective, layout)` trains it on [noisy ; clean] rows.
-
-Rows are told apart by the block-diffusion plan that `BlockDiffusionModel` passes as the attention
-mask: clean rows are the Hugging Face encoder stream, noisy rows the decoder (canvas) stream.
-
-- embedding: E[ids] * sqrt(hidden), the scale rounded to the weight dtype first; the lookup of
-  `embedding_padding_idx` gets no gradient (nn.Embedding's padding_idx); tied output layer;
-- noisy rows: canvas = rmsnorm_noscale(E[z] * scale + GeGLU(rmsnorm_w(soft))), where
-  soft = softmax_fp32(sc_logits) @ E * scale, or zeros without self-conditioning (then the GeGLU
-  term is exactly 0 and skipped);
-- rotary: `GemmaRotaryTables` (both tables in one tensor, indexed by layout positions through the
-  plugin's `LayoutRotaryEmbedding`);
-- logits: 30 * tanh(float(h @ E^T) / 30) (fp32), applied as a forward hook on the output layer so
-  the plugin's row-selecting pre-hook on the same layer keeps working.
-
-Self-conditioning logits are passed as `self_conditioning_logits` [b, noisy rows, vocab / TP] (the
-local noisy rows in plan order, detached logits of a first pass) with an optional per-example
-`self_conditioning_mask` [b]; callers that cannot pass keywords (BlockDiffusionModel.logits) use
-`with model.self_conditioning_inputs(logits, mask): ...`. Under pipeline parallelism the first stage
-gets instead `self_conditioning_hidden`: the last stage's output-layer input for those rows
-[noisy rows (/TP under sequence parallelism), b, h], and computes the logits itself with its tied
-embeddings (`self_conditioning_logits_of`; megatron_csbp/parallel/self_conditioning.py).
+self-conditioning and logit soft-cap; `BlockDiffusionModel(model, objective, layout)` trains it on
+[noisy ; clean] rows (clean rows: the HF encoder stream, noisy rows: the decoder stream).
+Each piece, and how self-conditioning inputs are passed: docs/diffusiongemma.md#what-is-megatrons-and-what-is-the-plugins.
 """
 from __future__ import annotations
 

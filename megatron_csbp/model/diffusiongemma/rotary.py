@@ -1,19 +1,7 @@
 """Two rotary tables in one Megatron `RotaryEmbedding`.
 
-DiffusionGemma's sliding layers rotate all `d_s` dims with theta 1e4; its full layers use
-"proportional" rotary: `d_f` dims, the first `proportion * d_f / 2` frequencies theta^(-2i/d_f) and
-zeros after (so rotate-half spans all `d_f` dims but the tail does not rotate).
-
-`GemmaRotaryTables` is a `RotaryEmbedding` whose `inv_freq` is the concatenation
-[inv_sliding (d_s/2) | inv_full (d_f/2)]. Everything Megatron (and the plugin) does with a rotary
-embedding then works unchanged: `get_freqs_non_repeated`, the CP slicing in `forward`, and
-`LayoutRotaryEmbedding`, which indexes `get_freqs_non_repeated` by each row's layout position and
-returns cat(F, F) = [Fs | Ff | Fs | Ff]. Each attention layer takes its own table out of that
-tensor with `select_table` (a slice, no copy of positions). One tensor flows through the
-transformer block, so activation recompute and CP need nothing special.
-
-`layer_rotary_angles` gives one kind's angles at any positions (rows received from other ranks,
-whose K a K=V layer derives from raw k): the same values as the model's table rows.
+`GemmaRotaryTables` (sliding and "proportional" full tables, `inv_freq` concatenated),
+`select_table` and `layer_rotary_angles`. Design: docs/diffusiongemma.md (the "two rotary tables" row).
 """
 from __future__ import annotations
 

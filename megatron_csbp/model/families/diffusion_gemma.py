@@ -1,16 +1,8 @@
 """DiffusionGemma as a registered model family, so the converter, `convert score` and the trainer
 treat it like the Llama / Qwen families: `shape_from_hf_config` -> `megatron_csbp_model.json` ->
-`megatron_csbp.model.builder.build_gpt_model`.
-
-The shape keeps the source Hugging Face config (`hf_config`): the `DiffusionGemmaConfig` is always
-re-derived from it with `config_from_hf`, so the JSON file cannot drift from what the weights
-need. Two sources are read:
-
-- `diffusion_gemma` checkpoints (`DiffusionGemmaForBlockDiffusion`): full layers always K=V;
-- Gemma 4 text MoE checkpoints (`gemma4` / `gemma4_text`) as AR starting points: K=V on full layers
-  only where `attention_k_eq_v` says so, the checkpoint's own logit soft-cap.
-
-`shape.diffusion_gemma` records which, and the `config_from_hf` options that follow from it.
+`megatron_csbp.model.builder.build_gpt_model`. Sources: `diffusion_gemma` checkpoints (full layers
+always K=V) and Gemma 4 text MoE checkpoints (AR starting points). The shape keeps `hf_config`
+(docs/conversion.md#checkpoint-format-what-the-trainer-loads, docs/diffusiongemma.md).
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """Hugging Face `diffusion_gemma` <-> Megatron `DiffusionGemmaModel` state dicts (full, unsharded).
 
-Hugging Face layout (transformers 5.24): the text weights are shared by the encoder (clean stream)
-and the decoder (canvas); a saved checkpoint holds them once under `model.decoder.*`, plus the
-encoder's own `layer_scalar` buffers under `model.encoder.language_model.layers.{i}.layer_scalar`
-(a live model's `state_dict()` also lists the encoder copies and `lm_head.weight`, all tied).
-Import checks every duplicate it sees against the decoder copy and refuses a mismatch; the two
-`layer_scalar` copies may differ and are kept apart (`layer_scalar` for noisy rows,
-`clean_layer_scalar` for clean rows). Vision weights have no Megatron counterpart: they are
-returned untouched so an export can write them back.
-
-Megatron layout (TP = EP = 1 names; `linear_qkv` interleaved per KV group as Megatron expects):
-  embedding.word_embeddings.weight                    <- embed_tokens (tied output layer)
-  decoder.layers.{i}.self_attention.linear_qkv.weight <- per group [q heads ; k ; v] (full K=V layers: [q heads ; k])
-  decoder.layers.{i}.mlp.dense.linear_fc1.weight      <- [gate_proj ; up_proj]
-  decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight <- experts.gate_up_proj[e]
-  ... (see `_layer_map`)
+Import checks every encoder duplicate against the decoder copy; the two `layer_scalar` copies are
+kept apart; vision weights are returned untouched for export. Both layouts (see `_layer_map`):
+docs/diffusiongemma.md#conversion.
 """
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
 """Tensor mapping between Hugging Face checkpoints and Megatron's local-spec `GPTModel` (TP = 1).
 
-The GPT-style families' weight mapping (`megatron_csbp.model.families.gpt` / `qwen3_5` call it
-with their Hugging Face MoE names). The Megatron side is the unsharded (TP = EP = 1) `state_dict`
-of the model built by `megatron_csbp.model.builder.build_gpt_model`; `dist_checkpointing` then shards or reshards it for
-any layout. The Hugging Face side uses the on-disk names of released checkpoints (per-expert MoE
-weights, `block_sparse_moe` for Mixtral), which is also what transformers 5 writes.
-
-Layouts that are easy to get wrong:
-
-- fused QKV: Megatron's `linear_qkv` rows are grouped by query group, each group holding
-  [its q heads, its k head, its v head] (heads/groups q heads of kv_channels rows each). Column
-  parallelism then hands each TP rank whole groups.
-- SwiGLU: `linear_fc1` is [gate ; up] (Megatron computes silu(first half) * second half).
-- tied embeddings: no `output_layer.weight`; a Hugging Face file may still carry `lm_head.weight`,
-  which must then equal the embedding.
+Used by the GPT-style families (`gpt`, `qwen3_5`) with their Hugging Face MoE names. The fused QKV
+(rows grouped by query group: its q heads, its k head, its v head), SwiGLU `[gate ; up]` and tied
+embeddings: docs/conversion.md#tensor-mapping-unsharded-tp--1.
 """
 from __future__ import annotations
 
