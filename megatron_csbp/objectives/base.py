@@ -34,21 +34,11 @@ class NoisedBatch:
 
 
 class Objective:
-    """Base class. A subclass is registered by name (`registry.register_objective`) and owns
-    everything the trainer needs to know about it:
-
-    - its flags (`flags`: `flags.Flag`s, shared ones declared once in `objectives/flags.py`) and
-      their rules (`validate(args)`, before the tokenizer is known; the constructor applies the
-      same rule functions), construction from the parsed flags (`from_args`);
-    - the rows it gives the model (`uses_noisy_stream`, `views`, `rows_per_sample`), its mask
-      token needs (`mask_token_needed`, `mask_from_tokenizer`, `check_mask`), the model wrapper it
-      trains (`model_wrapper`) and what evaluation uses (`for_evaluation`);
-    - its data (`build_datasets`: mock / pretraining tokens / SFT pairs, or its own, e.g. DFlash
-      features) and FLOPs terms (`attention_pairs`, `rows_per_sample`);
-    - its model when not a GPT (`model_builder`), and whether the Megatron-LM hooks can train it
-      (`megatron_lm_refusal`).
-
-    Subclasses implement `noise` (and `from_args`)."""
+    """Base class. A subclass is registered by name (`registry.register_objective`) and owns everything
+    the trainer needs to know about it: flags and rules, rows, mask-token needs, model wrapper or
+    builder, data, FLOPs terms, evaluation, Megatron-LM refusal (the list:
+    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `from_args`).
+    """
 
     name = "base"
     #: this objective's entry in `--objective`'s help (None: none)

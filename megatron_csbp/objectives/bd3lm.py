@@ -1,14 +1,6 @@
-"""The standard block-diffusion objective (BD3-LM / MDLM with absorbing noise).
-
-One time t per (sample, block), antithetic over the sample's blocks: u ~ U(0,1) and block i gets
-(u + i/n) mod 1, mapped to [eps_min, eps_max]. A supervised token is replaced by the mask token
-with probability t (SFT prompt tokens are never noised and never targets). The loss is
-sum over masked tokens of w(t) * CE / (supervised tokens in the global batch), w = 1/t or 1, with
-the mask token excluded from the softmax. The mask token may be any id of the vocabulary (0, the
-last one, ...); a data token that equals it is never noised and never a target.
-
-Choice: the antithetic grid is each sample's own n blocks, so a sample's noise is a function of
-(seed, sample index) alone and does not change with micro-batch size or data-parallel size.
+"""The standard block-diffusion objective (BD3-LM / MDLM with absorbing noise): antithetic block
+times per sample, the mask token excluded from the softmax, loss sum w(t) CE over the global
+supervised-token count. Definitions: docs/semantics.md#bd3-lm-objective-objectivesbd3lmpy.
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """`--objective dflash`: training a DFlash speculative drafter on captured verifier features.
 
-Per sequence (tokens, loss mask, document ids, all [L]):
-
-- valid anchors: positions p with p and p + 1 supervised and in the same document (and p + 1 < L);
-- up to `max_anchors` anchors drawn among them, from a generator keyed by (seed, the sample's
-  global index), so every rank and layout draws the same: `uniform` (a uniformly random subset)
-  or `locality` (a uniformly random cyclic start into the valid positions, then a stride of
-  block_size moved up to the nearest value coprime to their count: distinct anchors, every slot
-  uniform, neighbouring blocks share context);
-- each anchor a opens a draft block of `block_size` slots: slot 0 holds token[a], the rest the
-  mask token, at positions a .. a + B - 1; it sees its own block and the context in
-  [document start, a);
-- slot k >= 1 predicts token[a + k], supervised where that position is supervised, inside the
-  sequence and in the anchor's document; weight exp(-(k - 1) / gamma) (`ce`) or the D-PACE weight.
-
-Losses (both normalised by the sum of the slot weights over the shard group's anchors):
-- `ce`: sum w_k * CE_k / sum w_k, w_k = exp(-(k-1)/gamma) on supervised slots.
-- `dpace` (DFlash2's D-PACE): with p_k the drafter's probability of the target (no gradient),
-  s_k = (1 - alpha) p_k + alpha on supervised slots (1 elsewhere), P_k = prod_{j<=k} s_j,
-  w_k = sum_{j>=k, supervised} P_j; the token loss is c * CE + (1 - c) * (1 - p_target) with
-  c = kl_scale * exp(-kl_decay * acceptance), acceptance = the mean target probability over the
-  shard group's supervised slots (no gradient). DFlash2's candidate-selector term is not part
-  of this objective (the `muse_glimmer_assistant` architecture has no selector).
-
-The vocabulary loss streams the frozen LM head in chunks of `vocab_chunk` rows (`streamed_cross_entropy`):
-no [tokens, vocab] logits are ever held, forward or backward.
+Anchors drawn per sequence (`uniform` or `locality`) from (seed, sample index), a draft block per
+anchor, losses `ce` or `dpace` normalised over the shard group's anchors, the vocabulary loss
+streamed through the frozen LM head (`streamed_cross_entropy`, no [tokens, vocab] logits).
+Definitions: docs/dflash.md#the-objective-megatron_csbpobjectivesdflashpy.
 """
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""DiffusionGemma native SFT objective (`--objective diffusiongemma-sft`).
-
-Per sample (tokens [L], loss_mask [L] = 1 on response tokens):
-- blocks of B tokens; the response must start on a block boundary (pad the prompt to a multiple of
-  --block-size; this is what makes canvas b start at s_b = prompt length + b * B as in Hugging
-  Face). Response blocks are the blocks holding supervised tokens; only they are canvases;
-- uniform-state noise with one time per block: t ~ U(eps_min, eps_max) (0 < eps_min <= eps_max <= 1,
-  `flags.check_noise_interval`, the rule of every objective), each supervised token of
-  the block is replaced by a uniform random vocabulary id with probability t;
-- diffusion loss on every supervised token of every response block (noised or not): mean over the
-  block's tokens, then over the sample's response blocks;
-- AR next-token loss on the clean stream (clean row p predicts token p+1 where p+1 is supervised):
-  mean over the sample's targets, times `encoder_loss_weight`;
-- self-conditioning for the sample with probability `self_conditioning_prob` (0.5): a first pass
-  without it gives detached canvas logits, fed to the second pass as soft embeddings;
-- batch loss = mean over samples with a response of (diffusion + encoder_loss_weight * AR).
-
-Everything random is drawn from `sample_generator(seed, sample index)`, so it does not depend on
-the parallel layout. The per-token weights carry both means, so the denominator is the number of
-samples (with a response) in the global batch and the usual sum(w * CE) / denominator applies to
-the noisy rows (`weights`) and to the clean rows (`clean_weights`) alike.
-
-Choices not fixed by the sources: independent (not antithetic) block times; the AR term is a
-per-sample token mean (so one denominator serves both terms); only supervised tokens are noised
-(trailing padding inside the last block stays as is and is no target).
+"""DiffusionGemma native SFT objective (`--objective diffusiongemma-sft`): uniform-state noise on
+response blocks (canvases), a diffusion loss plus the clean stream's AR loss, self-conditioning.
+Definitions and the choices the sources leave open: docs/diffusiongemma.md#diffusiongemma-sft.
 """
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
 """Fast-dLLM v2: turning an autoregressive model into a block diffusion LM (arXiv 2509.26328).
 
-Per sample, one mask m is drawn (a time t per block, antithetic over the sample's blocks as in
-BD3-LM, and a supervised token is masked with probability t); the batch is doubled into the
-complementary pair of noisy views, m and (1 - m). Every supervised token is masked in exactly one
-of the two views (prompt tokens are never masked).
-
-Token shift keeps the AR head: noisy row i predicts token i+1, and is a target in a view exactly
-when token i+1 is masked in that view. So every supervised token at position >= 1 is a target
-exactly once over the pair; position 0 is never a target. Weights are 1, the mask token stays in
-the softmax, and the denominator is the number of shifted supervised targets
-(`loss_mask[:, 1:].sum()`, as for the AR objective): with m and 1-m together, the loss is a mean
-over the same targets as the AR loss.
-
-Row i of a noisy block sees its own block (bidirectionally) and the clean prefix before the block,
-so the token i+1 it predicts is never visible to it: for the last row of a block the target is the
-first token of the next block, which that row cannot see at all.
-
-The mask token is an existing (reserved) token id of the vocabulary, given by id or by token
-string; the embedding is never resized.
+Complementary mask pairs (m, 1 - m) per sample, token shift keeping the AR head, unit weights, the
+AR loss's denominator; the mask token is an existing id. Definitions:
+docs/conversion.md#ar---bdlm-the-fast-dllm-v2-objective.
 """
 from __future__ import annotations
 

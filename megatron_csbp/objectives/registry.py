@@ -5,11 +5,7 @@
         ...
 
 in a new module of this package, plus its import line in `megatron_csbp/objectives/__init__.py`
-(the import order is the order of `--objective`'s choices). The trainer's parser, its argument
-rules, model construction, datasets, FLOPs, evaluation, the Megatron-LM hooks and the launcher all
-ask the class (see `Objective`); none of them names an objective.
-
-Size: one entry per objective class (five today), independent of sequence length and rank count.
+(docs/training.md#objectives-one-registry).
 """
 from __future__ import annotations
 
