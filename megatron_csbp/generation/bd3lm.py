@@ -1,24 +1,7 @@
-"""BD3-LM decoding from a checkpoint written by `python -m megatron_csbp.train`.
-
-Block by block, left to right. The prompt fills the first positions; every later position starts
-as the mask token. For the current block the model sees the block's noisy rows (known tokens and
-masks) and the clean prefix before it. Each step draws a token for every masked position (argmax at
-temperature 0, else a sample at `temperature`; the mask token is excluded) and fixes some of them:
-
-- `steps_per_block` S (default B): ceil(masked / steps left) positions per step, the most
-  confident (`order="confidence"`: largest probability of the drawn token) or uniformly drawn ones
-  (`order="random"`: MDLM's ancestral order);
-- `threshold` tau (Fast-dLLM's confidence-aware parallel decoding): every masked position whose
-  drawn token has probability >= tau, and the single most confident one when none has; a block
-  then takes as many steps as it needs (at most B) and `steps_per_block` / `order` are unused.
-
-A block is final when it has no mask left; it becomes clean context. Decoding stops after the
-block in which EOD appears (the text is cut at EOD) or at `max_new_tokens`.
-
-With `kv_cache` (default) the clean prefix runs once (`generation.kv_cache`): a step is one forward
-of the B noisy rows of the current block against cached clean K/V. Without it every step runs the
-training forward over [block's noisy rows ; whole clean prefix] (same logits up to float rounding;
-tests/test_generate.py checks the tokens are the same).
+"""BD3-LM decoding from a checkpoint written by `python -m megatron_csbp.train`: block by block, left
+to right, each step drawing the masked positions and fixing some (`steps_per_block` and `order`,
+or Fast-dLLM's `threshold`), over the clean-prefix KV cache by default
+(docs/training.md#generation).
 """
 from __future__ import annotations
 

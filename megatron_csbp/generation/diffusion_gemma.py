@@ -1,33 +1,9 @@
 """DiffusionGemma decoding with transformers' own sampler, on the project's Megatron model.
 
 `DiffusionGemmaSampler.generate` is the loop of transformers 5.24's
-`DiffusionGemmaForBlockDiffusion.generate` (`models/diffusion_gemma/generation_diffusion_gemma.py`),
-with the model forward replaced by the Megatron `DiffusionGemmaModel` and its clean-prefix KV cache
-(`generation.kv_cache`). The sampler's parts are transformers' classes, not copies:
-`DiffusionGemmaGenerationConfig` (defaults: `max_new_tokens` 256, `max_denoising_steps` 48,
-`EntropyBoundSamplerConfig(entropy_bound=0.1)`, `t_min` 0.4, `t_max` 0.8, `stability_threshold`
-1, `confidence_threshold` 0.005; a checkpoint's `generation_config.json` overrides them, flags
-override both), `EntropyBoundSampler` (random canvas, entropy-bound acceptance, uniform re-noising),
-`LinearTemperatureScheduleLogitsProcessor`, `StableAndConfidentStoppingCriteria`,
-`EosTokenCriteria` / `MaxLengthCriteria`. Per canvas of C = `canvas_length` tokens:
-
-1. the tokens not yet cached (the prompt, then the previous canvas) run once as clean rows
-   (Hugging Face's encoder stream: token-causal, sliding window on sliding layers);
-2. canvas = C uniform random ids; for step n = N .. 1 (N = max_denoising_steps): the canvas rows
-   (at positions s .. s + C - 1, s = tokens so far) attend to the cached clean rows and to the
-   whole canvas, with the previous step's temperature-scaled logits as self-conditioning; logits
-   / T(n) (T(n) = t_min + (t_max - t_min) n / N, n as an int32 tensor as transformers has it);
-   a token per position is drawn from the softmax (`torch.multinomial`); positions are accepted
-   lowest entropy first while sum(entropy) - max(entropy) <= entropy_bound; the rest are re-drawn
-   uniformly; a row stops once its argmax canvas is unchanged for `stability_threshold` steps and
-   its mean entropy is below `confidence_threshold`;
-3. the argmax canvas of the last step is appended; rows that produced EOS stop (tokens after it,
-   and later canvases, become `pad_token_id` when it is set).
-
-The random draws are transformers' draws in transformers' order, from torch's global generator:
-after `torch.manual_seed(S)` the same weights, prompt and settings give the same tokens as
-transformers' `generate` after `torch.manual_seed(S)` (tests/test_generate_diffusiongemma.py),
-up to decisions closer than float rounding of the logits (none seen).
+`DiffusionGemmaForBlockDiffusion.generate`, its classes unchanged, with the model forward replaced
+by the Megatron `DiffusionGemmaModel` over the clean-prefix KV cache: after `torch.manual_seed(S)`
+it gives transformers' tokens. The loop, settings and the test: docs/diffusiongemma.md#decoding.
 """
 from __future__ import annotations
 

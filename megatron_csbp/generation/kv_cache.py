@@ -1,22 +1,9 @@
 """Clean-prefix KV cache for block-diffusion decoding (BD3-LM and DiffusionGemma alike).
 
-Clean rows attend only to clean rows at or before them, so their keys and values never change once
-a token is final. Each layer's `BlockDiffusionAttention` is wrapped (`install`): in `extend` mode
-the call's rows are new clean rows, run once, their K/V appended to the layer's cache; in `decode`
-mode the rows are the current block's noisy rows, which attend to [cached clean K/V ; their own
-K/V]. The mask is the project's one predicate (`PartialMask.of` over `state.rows` and the cached
-rows' metadata under `state.geometry` with the layer's window), so decoding attends exactly as
-training does. In `off` mode the wrapper passes through (the training code path, no cache).
-
-`state.rows` is the mask's view of the rows: DiffusionGemma's canvases start right after a prompt
-of any length, so its sampler shifts mask positions by a constant to put canvases on block
-boundaries (every rule of the predicate but the block boundaries is shift-invariant); the rotary
-positions come from the plan the model is called with, never from here.
-
-Size: the cache holds K and V of every clean row per layer, [rows, b, G, d] each (for a 256K
-prefix of a 26B-A4B DiffusionGemma in bf16: per row 25 sliding layers x 2 x 8 x 256 + 5 full layers
-x 2 x 2 x 512 values x 2 bytes = 220 KiB, 55 GiB for 256K rows; the full layers' K = V source is
-stored as K and V; sliding layers could keep only their last W - 1 rows, not done here). A decoding step costs one forward of the block's B rows.
+Clean rows never change once final, so each layer's `BlockDiffusionAttention` is wrapped
+(`install`) with `extend` / `decode` / `off` modes over the project's one mask predicate.
+`state.rows` is the mask's view of the rows (positions may be shifted); rotary positions come
+from the plan. Modes and size: docs/training.md#generation.
 """
 from __future__ import annotations
 
