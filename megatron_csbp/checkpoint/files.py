@@ -1,30 +1,9 @@
 """What a Megatron checkpoint folder holds, whoever wrote it (the trainer, `convert hf-to-megatron`,
 Megatron-LM): the one reader that `convert megatron-to-hf`, `convert score`, `convert flags`,
-`generate` and the trainer share, and the refusals of a `--load` that cannot be read.
-
-A checkpoint folder (`--load DIR`) is Megatron-LM's layout:
-
-    DIR/latest_checkpointed_iteration.txt   an iteration number, or "release" (a converted model)
-    DIR/iter_0000100/ or DIR/release/       the dist_checkpointing (torch_dist) files
-        megatron_csbp_model.json            the ModelShape (converted models, and every checkpoint
-                                            the trainer saves from one)
-        bdlm_meta.json                      the trainer's model flags ("model_args"), iteration, ...
-    DIR/megatron_csbp_model.json, DIR/hf_assets/   (copies of the shape file, Hugging Face assets)
-
-`read_checkpoint_model` resolves the folder once; its `.shape` is the model's `ModelShape`: the
-shape file's when there is one, else (a flag-built model the trainer wrote) the shape its saved
-flags describe (`model.families.gpt.shape_of_flags`: `LlamaForCausalLM` / `Qwen3ForCausalLM` ...).
-`checkpoint.model.load_checkpoint_model` builds that shape under the current parallel state and loads the weights
-(dist_checkpointing reshards any TP / CP / BP / EP layout). DIR may also be the iteration folder
-itself.
-
-Refusals (`CheckpointError`, one line naming the flag or file): a `--ckpt-step` that was not saved
-(the saved ones listed) and a tracker pointing at a missing folder (`checkpoint_to_load`), model
-flags that disagree with the checkpoint's `bdlm_meta.json` (`check_model_flags`, at parse time,
-before megatron-core reads anything), and files that are missing or shorter than the checkpoint's
-`.metadata` says (`verify_files`).
-
-Size: a few hundred bytes of JSON per checkpoint; nothing here depends on tokens or ranks.
+`generate` and the trainer share, and the refusals of a `--load` that cannot be read
+(`CheckpointError`). `read_checkpoint_model(DIR).shape` is the shape file's `ModelShape`, or the
+one the saved flags describe (`model.families.gpt.shape_of_flags`). The layout and refusals:
+docs/training.md#checkpoints, docs/conversion.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""A checkpoint's model built and loaded, and a model saved as a release checkpoint (converted
-models; see docs/conversion.md for the format):
-
-    OUT/
-      latest_checkpointed_iteration.txt   "release" (Megatron-LM's marker for a converted model)
-      megatron_csbp_model.json            the model shape (ModelShape), incl. the source HF config
-      hf_assets/                          tokenizer / generation files of the source model
-      release/                            dist_checkpointing torch_dist checkpoint:
-        {"model": GPTModel.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
-        megatron_csbp_model.json          (copy, so the iteration folder is self-contained)
-
-The sharded state dict of the unsharded (TP = PP = EP = 1) model is saved; dist_checkpointing
-reshards it on load, so the trainer loads it under any TP / CP / BP / EP layout, and
-`load_checkpoint_model` reads back a checkpoint the trainer saved under any layout (a flag-built one
-too: `checkpoint.files` derives its shape from the saved flags). `read_trained` and `one_process`
-serve `generate`'s model built from a trainer checkpoint's saved flags, on one process.
+"""A checkpoint's model built and loaded under the current parallel state, and a model saved as a
+release checkpoint (converted models; the format: docs/conversion.md#checkpoint-format-what-the-trainer-loads).
+`read_trained` and `one_process` serve `generate`'s model built from a trainer checkpoint's saved
+flags, on one process.
 """
 from __future__ import annotations
 

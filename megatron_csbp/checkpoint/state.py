@@ -1,24 +1,7 @@
-"""The trainer's state through `megatron.core.dist_checkpointing` (torch_dist), written atomically
-in Megatron-LM's layout (`checkpoint.files`): a save writes everything into a fresh temporary
-`DIR/iter_N.tmp-<nonce>/` (removed by the next save if left behind), then (rank 0, after every rank
-finished) renames it to `iter_N` and replaces the tracker file with `os.replace`. A crash at any
-point leaves the tracker pointing at the previous complete checkpoint. Loading reads the tracker.
-
-State: the model as Megatron's GPT sharded state dict (plain GPT keys), the optimizer with
-`fully_reshardable` sharding for the distributed optimizer (so TP, CP, BP and DP may all change
-between save and load), the LR scheduler, iteration and consumed samples. Training noise is keyed
-by (seed, sample index) and dropout is off, so this is everything an exact resume needs.
-
-Converted models (`python -m megatron_csbp.convert hf-to-megatron`): the tracker holds `release`
-and `DIR/release/` holds the model only; it is loaded as weights (iteration 0, no optimizer or
-scheduler state). Every checkpoint saved from such a model carries its shape file (in `iter_N/`
-and the root) and the root's `hf_assets/`, so `convert megatron-to-hf` / `score` read trained
-checkpoints.
-
-Refusals (`CheckpointError`): those of `checkpoint.files` (`verify_files` runs on rank 0 before
-every load, agreed by all ranks) and a resume whose schedule flags changed
-(`check_resumed_schedule`); a read that still fails names the checkpoint folder. A save refuses non-finite weights (`check_finite`),
-so a run whose loss diverged never replaces its last good checkpoint.
+"""The trainer's state through `megatron.core.dist_checkpointing` (torch_dist), written atomically in
+Megatron-LM's layout (`checkpoint.files`): a fresh `DIR/iter_N.tmp-<nonce>/`, renamed by rank 0
+once every rank finished, then the tracker replaced with `os.replace`. What is saved, converted
+models and refusals: docs/training.md#checkpoints.
 """
 from __future__ import annotations
 
