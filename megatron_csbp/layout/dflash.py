@@ -1,24 +1,5 @@
-"""Where a DFlash drafter's rows live under single, CP, BP and CSBP.
-
-A sequence's rows are its draft blocks (noisy rows: B per anchor, carrying the anchor) and its
-projected context (clean key-only rows: one per position some block needs, i.e. the union of the
-anchors' [document start, anchor)). The one predicate (`masks.anchored_allowed`) decides every
-pair, so the placements below only choose who holds which rows and which K/V move:
-
-- `single`: every block and the whole needed context on one rank.
-- `cp` (baseline, CP = P): context zigzag-sharded over the P ranks, blocks dealt over them; K/V of
-  all rows (context and blocks) exchanged, as Megatron's CP would.
-- `bp` (BP = P, CP = 1): blocks dealt over the P ranks; each rank projects the context its own
-  blocks need (no attention traffic, the projection recomputed where blocks share context).
-- `csbp` (CP = C, BP = k*C): blocks dealt over the BP ranks; the context zigzag-sharded over each
-  ring of C ranks (k rings, each with a full copy); only context K/V move, by the block
-  attention's clean exchange (all-gather, ring, or windowed all-to-all on sliding layers).
-
-Dealing: anchors sorted by context cost (anchor - document start, largest first), paired largest
-with smallest, pairs dealt round-robin over the ranks, so each rank's attention work is close to
-the mean. Everything is a function of (anchors, document starts, sizes): every rank computes the
-same metadata before any collective. Sizes: per rank O(own draft rows + own context rows); the
-needed-context mask is O(L) (at 256K tokens on 16 ranks: 256K bools per rank).
+"""Where a DFlash drafter's rows (draft blocks and projected context) live under single, CP, BP and
+CSBP, and how anchors are dealt over ranks (docs/dflash.md#layouts-megatron_csbplayoutdflashpy).
 """
 from __future__ import annotations
 

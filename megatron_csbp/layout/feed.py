@@ -1,21 +1,7 @@
-"""Feeding this rank's rows of a `SequenceLayout` to the model: `RowFeeder`.
-
-A rank holds its rows of a layout as one attention plan (`plan.local`: [owned noisy ; clean], each
-row with its token position). The feeder owns everything that follows from (layout, shard rank):
-- the plan of the whole layout, or for objectives without a noisy stream (AR) the clean stream
-  alone, token-causal (`autoregressive_plan`; each of the k clean rings then computes the full
-  loss, so each counts 1/k: `replication`);
-- canvas plans: noisy rows only from a block on (`SequenceLayout.canvas_layout`), built once per
-  canvas start and kept in an LRU cache of `CANVAS_PLAN_CACHE` plans besides the own plan;
-- the clean rows whose loss this rank counts (`SequenceLayout.clean_loss_positions`);
-- the rows of a noised batch: input ids in local row order, the rows that reach the output layer
-  (`logit_rows`) and their targets and weights (`RowFeeder.rows`);
-- under Megatron's TP sequence parallelism (`tp_shards` > 1) the physical order the rows are fed
-  in (shard-major: TP shard i = [noisy chunk i | clean chunk i], `shard_major_order`) and which
-  rows each TP shard keeps before the output layer (`sequence_parallel_logit_rows`), with their
-  positions (`RowFeeder.feed`).
-
-Everything here is static metadata of (layout, rank, chosen rows): no collective.
+"""Feeding this rank's rows of a `SequenceLayout` to the model: `RowFeeder`, which owns everything
+that follows from (layout, shard rank): plans (own, AR, cached canvases), counted clean rows, a
+noised batch's rows, and the TP sequence-parallel order; static metadata, no collective
+(docs/semantics.md#rows).
 """
 from __future__ import annotations
 

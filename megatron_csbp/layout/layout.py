@@ -1,17 +1,6 @@
-"""Which rows of the logical [noisy ; clean] input each rank of the shard group holds.
-
-Four layouts of one objective (design brief section 2), chosen from the two sizes:
-
-- `single`   (CP = BP = 1): every row on one rank.
-- `cp`       (CP = P, BP = 1): the baseline. The 2L rows are cut into 2P chunks; rank r holds chunks
-             r and 2P-1-r (zigzag), and K/V of all rows are exchanged.
-- `bp`       (BP = P, CP = 1): each noisy block lives on one rank; each rank recomputes the clean
-             prefix its blocks need. No attention traffic.
-- `csbp`     (CP = C, BP = k*C): noisy blocks owned per rank; the clean stream zigzag-sharded over
-             a ring of C consecutive ranks (k rings, each with a full clean copy). Only clean K/V move.
-
-Local rows are always ordered [owned noisy rows ; clean rows]. Everything here is static metadata:
-it is computed identically on every rank, before any collective is issued.
+"""Which rows of the logical [noisy ; clean] input each rank of the shard group holds: the four
+layouts `single`, `cp`, `bp`, `csbp` (docs/semantics.md#rows). Local rows are always
+[owned noisy rows ; clean rows]; everything here is static metadata, the same on every rank.
 """
 from __future__ import annotations
 

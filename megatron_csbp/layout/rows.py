@@ -1,23 +1,8 @@
 """A partial attention's mask as row vectors: what kernels read instead of a dense matrix.
 
-`layout.masks.allowed` decides every (query, key) pair from two numbers per row. A kernel needs
-the same decision without ever holding a [queries x keys] tensor, so a partial is described by
-
-- its queries (`QueryRows`): block id (`masks.noisy_block_id`: with packed documents the id of
-  the block's piece inside the row's document, so documents cost no extra bytes here), is_clean and the clean-key interval [lo, hi) of
-  `clean_key_interval` (int32, int32, int32, bool: 13 bytes a row), and
-- its keys (`KeyRows`): position, block id, is_clean (int32, int32, bool: 9 bytes a row).
-
-A pair is allowed when both rows are noisy and in the same block, or the key is clean and its
-position lies in the query's interval (`pair_allowed`, element by element, broadcastable: it is
-the FlexAttention `mask_mod` and the tiled kernel's tile mask). Tiles of `q_tile` x `k_tile`
-pairs are classified exactly, without a dense mask, by `TileTable`: *empty* (no allowed pair,
-skipped), *full* (every pair allowed, computed without a mask) or *partial*.
-
-Sizes at L = 256K tokens on 16 ranks (CSBP P = 16: 32K local rows, 256K gathered clean keys):
-row vectors 32K x 13 + 256K x 9 bytes = 2.7 MiB; tile tables (128 x 128 tiles) 256 x 2048 x 2
-bools = 1 MiB; building them streams [q tile x k tiles] work, O(rows x k_tiles) time, never a
-[rows x keys] tensor. Everything here is linear in the rows (tables: in the tiles).
+`QueryRows` (block id, clean-key interval [lo, hi), is_clean) and `KeyRows` (position, block id,
+is_clean); `pair_allowed` decides a pair element by element; `TileTable` classifies tiles exactly
+as empty / full / partial. Sizes, linear in the rows: docs/attention-kernels.md.
 """
 from __future__ import annotations
 
