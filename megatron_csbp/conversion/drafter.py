@@ -3,21 +3,9 @@
     python -m megatron_csbp.convert hf-to-megatron --hf-path DRAFTER_HF --output DRAFTER
     python -m megatron_csbp.convert megatron-to-hf --load DRAFTER --output DRAFTER_HF
 
-A drafter is not a GPT model of the family registry: the Megatron side is `model.dflash.DFlashDrafter`;
-an import is `drafter.pt` (the drafter's state dict) + `megatron_csbp_drafter.json` (its
-`DrafterShape`), which `python -m megatron_csbp.train --objective dflash --load DRAFTER` starts
-from; that trainer's `--save` holds torch_dist checkpoints beside the same shape file, exported
-from the newest one. Every config field maps
-(`DrafterShape.from_hf_config` / `hf_config`): sizes, `target_layer_ids`, `block_size`,
-`mask_token_id`, `sliding_window`, `layer_types`, `rms_norm_eps`, `rope_parameters` (scaled types
-through transformers' `ROPE_INIT_FUNCTIONS`), `max_position_embeddings`, bos/eos/pad ids; QK-norm is
-part of the architecture (no flag). Weights map one to one except k/v (Megatron's fused [k | v] per
-query group) and gate/up (`linear_fc1`).
-
-Tokenizer: a drafter drafts in its verifier's vocabulary, so its export carries the verifier's
-tokenizer: `dflash train --save` records the `--verifier` folder (`VERIFIER_FILE`: absolute path and
-the tokenizer's sha256), an import keeps the HF folder's tokenizer files in `hf_assets/`, and the
-export (`export_drafter_tokenizer`) writes the one it finds (`--tokenizer-model` overrides).
+An import is `drafter.pt` + `megatron_csbp_drafter.json` (`DrafterShape`); every config field
+maps; the export carries the verifier's tokenizer. docs/dflash.md#importing-a-released-drafter-convert-hf-to-megatron,
+docs/conversion.md (the tokenizer).
 """
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
-"""The tokenizer that goes with every Hugging Face export: the one the model was trained with.
-
-Where it comes from (`export_tokenizer`):
-
-- `--tokenizer-model PATH` given to the export: that sentencepiece `.model` file or Hugging Face
-  tokenizer folder (a checkpoint moved away from its tokenizer).
-- a checkpoint the trainer saved: its `bdlm_meta.json` "model_args" record `tokenizer_type`,
-  `tokenizer_model` (as given: a path, or none for the shipped model) and, since the export
-  carries a tokenizer, `tokenizer_path` (absolute) and `tokenizer_sha256`
-  (`data.tokenizer.tokenizer_record`). The file is looked for at the flag's path, then at the
-  absolute one; a recorded sha256 must match (a changed file is refused, not exported).
-  * SentencePiece: written as a transformers tokenizer (`tokenizer.json`, the `.model` beside it as
-    `tokenizer.model`) with the same ids for every text and the trainer's EOD and mask ids as its
-    EOS and mask tokens (`data.tokenizer.hf_tokenizer_from_sentencepiece`).
-  * HuggingFaceTokenizer: that folder's tokenizer, saved by transformers (`save_pretrained`); a
-    model converted from Hugging Face has it in `hf_assets/`, which the export copies anyway.
-  * NullTokenizer: the token ids are the text; nothing to write (the export says so), unless the
-    model was converted from Hugging Face (its data pre-tokenized by the source tokenizer, in hf_assets).
-- a converted checkpoint that was not trained: its `hf_assets/` (copied by the export), the
-  source model's tokenizer.
-
-The written folder is checked: `AutoTokenizer.from_pretrained(output)` must load it, and its EOS
-(and mask, when the model has one) ids must be the trainer's EOD and mask ids.
+"""The tokenizer that goes with every Hugging Face export: the one the model was trained with
+(`export_tokenizer`: `--tokenizer-model`, else the trainer's record in `bdlm_meta.json`, checked by
+sha256, else the converted model's `hf_assets/`), checked to load with `AutoTokenizer` with the
+trainer's EOD and mask ids. Where it comes from for each tokenizer type: docs/conversion.md.
 """
 from __future__ import annotations
 

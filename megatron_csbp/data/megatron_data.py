@@ -1,23 +1,8 @@
-"""Training data in Megatron's formats, indexed by global sample index.
-
-- `MockDataset`: deterministic synthetic sequences, a function of (seed, split, sample index) only
-  (no rank, no layout), with learnable structure (noisy arithmetic progressions), so `--mock-data`
-  loss curves go down and are identical under every layout.
-- `build_gpt_datasets`: `--data-path` (blends: `W1 P1 W2 P2 ...`) and `--split` through Megatron's
-  `BlendedMegatronDatasetBuilder` + `GPTDataset` (packing documents to `--seq-length`, EOD between
-  documents as written by the preprocessing step). The dataset is configured as Megatron-LM's
-  `pretrain_gpt.py` configures it (`add_extra_token_to_sequence=True`: each sample is the
-  `--seq-length + 1` tokens text[kL : (k+1)L + 1]), and a sample's sequence is its `labels`
-  (text[1:], `--seq-length` tokens; the block-diffusion objectives predict positions in place,
-  `--objective ar` shifts inside the objective) with Megatron's loss mask (ones but at padding):
-  exactly the clean sequence `megatron_csbp.training.megatron_lm.bdlm_batch` takes from Megatron-LM's batch,
-  so the trainer and Megatron-LM's `pretrain()` read the same tokens (consecutive samples tile the
-  corpus without overlap; the epoch and shuffle arithmetic counts `--seq-length + 1`-token samples
-  in both).
-- `SFTDataset` (see `megatron_csbp.data.sft`): conversations or prompt/response pairs with loss masks.
-
-`microbatch_indices` gives the global sample indices of (iteration, micro-batch, DP rank): the same
-arithmetic as Megatron-LM's `MegatronPretrainingSampler` (consumed samples, micro-batch x DP).
+"""Training data in Megatron's formats, indexed by global sample index: `MockDataset` (a function of
+(seed, split, sample index) only), `build_gpt_datasets` (`--data-path` / `--split` through
+Megatron's `GPTDataset`, configured as Megatron-LM's `pretrain_gpt.py` does, so the trainer and
+`pretrain()` read the same tokens), `SFTDataset`, and `microbatch_indices` (Megatron-LM's sampler
+arithmetic). docs/training.md#data.
 """
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """Recipes as NeMo-Run tasks (PyPI `nemo-run`, which imports with `leptonai<0.27`).
 
-A YAML recipe (examples/recipes/*.yaml, read by `megatron_csbp.launch.recipes`) stays the data; NeMo-Run
-runs it. Each recipe is
-
-- `recipe_script(recipe)`: a `run.Script` (`python -m megatron_csbp.train <the recipe's flags>`),
-- `recipe_partial(recipe)`: a `run.Partial` of `megatron_csbp.training.loop.main(argv=<flags>)`,
-
-and either runs with
-
-- `local_executor(recipe, nproc)`: `run.LocalExecutor(launcher="torchrun")` on this machine, or
-- `slurm_executor(recipe, nnodes, nproc, job_dir)`: `run.SlurmExecutor` (torchrun per node, one
-  task per node, `gpus_per_node = nproc`), whose sbatch script `slurm_job(...)` returns from a
-  NeMo-Run dry run (nothing is submitted), with the log and work directories it names.
-
-`python -m megatron_csbp.launch RECIPE` runs recipes through these (its options unchanged).
-
-    import nemo_run as run
-    from megatron_csbp.launch.recipes import load_recipe
-    from megatron_csbp.launch.nemo import local_executor, recipe_script
-    r = load_recipe("examples/recipes/cpu_demo.yaml")
-    run.run(recipe_script(r), executor=local_executor(r, 2), name=r["name"])
+`recipe_script` / `recipe_partial` (a `run.Script` / `run.Partial` of the trainer) with
+`local_executor` (torchrun here) or `slurm_executor` (`slurm_job` returns its sbatch script from
+a dry run, nothing submitted). Usage from Python: docs/recipes.md#local-runs-and-slurm-through-nemo-run.
 """
 from __future__ import annotations
 

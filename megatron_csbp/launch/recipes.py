@@ -1,21 +1,10 @@
 """NeMo-style recipe launcher: `python -m megatron_csbp.launch RECIPE [options] [key=value ...]`.
 
-A recipe is a YAML file with the sections `model`, `parallelism`, `data`, `objective` and
-`training` (each a mapping of Megatron / plugin flag names to values, with `_` or `-`), plus an
-optional `launch` section (`nnodes`, `nproc_per_node`, `slurm: {partition, account, time, ...}`).
-The launcher turns the sections into the command line of `python -m megatron_csbp.train` and runs
-it through NeMo-Run (megatron_csbp.launch.nemo): under torchrun on this machine
-(`run.LocalExecutor`), or as the sbatch script of `run.SlurmExecutor` (written, not submitted).
-
-Values: `true` -> the bare flag; `false` / null -> omitted; a list -> repeated values after one
-flag. Overrides: `training.train_iters=5` or, when the key exists in exactly one section,
-`train_iters=5` (values parsed as YAML). `launch.nnodes=2` etc. override the launch section.
-
-`--check` validates the recipe without starting anything: the trainer's own argument parser and
-rules for the recipe's world size (exit 0, or 2 with the flag and the rule); values holding
-REPLACE_ME are site-specific placeholders, listed by `--check`, warned by name with `--slurm` /
-`--dry-run`, and refused by a local launch. Relative paths in a recipe are relative to the recipe
-file (overrides: to the current directory). RECIPE may be a shipped recipe's bare name.
+A YAML recipe (sections `model`, `parallelism`, `data`, `objective`, `training`, optional
+`launch`) becomes the command line of `python -m megatron_csbp.train`, run through NeMo-Run on
+this machine or written as a SLURM sbatch script. Overrides: `training.train_iters=5` (or
+`train_iters=5` when the key is in one section). `--check` validates without starting anything.
+Format and rules: docs/recipes.md.
 
 Examples:
   python -m megatron_csbp.launch examples/recipes/qwen3_27b_256k_csbp.yaml --check
