@@ -3,7 +3,8 @@
 A noisy block continues from the clean stream's recurrent state (and conv tail) at its start; the
 chunked rule (`chunk_rule`) runs one chunk per block; under layouts clean runs get their start
 states from all-gathered affine transfer maps and boundary states go to block owners by one
-all-to-all. Semantics, the rule and the distribution: docs/semantics.md#gated-deltanet-layers-attentiongated_deltapy-modelhybridpy.
+all-to-all. Semantics, the rule and the distribution:
+docs/semantics.md#gated-deltanet-layers-attentiongated_deltapy-modelhybridpy.
 """
 from __future__ import annotations
 
@@ -179,7 +180,7 @@ def boundary_state_bytes(plan, heads: int, d_k: int, d_v: int, conv_dim: int, co
 
 class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     """megatron-core's `GatedDeltaNet` (same parameters, same checkpoint layout, TP included) whose
-    forward follows the block-diffusion plan passed as `attention_mask` (see module docstring).
+    forward follows the block-diffusion plan passed as `attention_mask` (docs/semantics.md).
 
     The forward is this module's own (pure torch, float64-capable), so flash-linear-attention is
     not needed: its absence only lifts megatron-core's import guard while building."""

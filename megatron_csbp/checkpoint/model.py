@@ -1,5 +1,5 @@
 """A checkpoint's model built and loaded under the current parallel state, and a model saved as a
-release checkpoint (converted models; the format: docs/conversion.md#checkpoint-format-what-the-trainer-loads).
+release checkpoint (converted models; the format: docs/conversion.md#checkpoint-format-what-the-trainer---loads).
 `read_trained` and `one_process` serve `generate`'s model built from a trainer checkpoint's saved
 flags, on one process.
 """

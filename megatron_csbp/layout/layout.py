@@ -109,7 +109,7 @@ class SequenceLayout(ShardGroupSizes):
     def canvas_layout(self, first_block: int, clean_loss: Optional[bool] = None,
                       balanced: bool = False, row_multiple: int = 1) -> "SequenceLayout":
         """This layout with noisy rows only from block `first_block` on, the start moved down to
-        the nearest block this layout can place (see the module docstring). `balanced`: under
+        the nearest block this layout can place (docs/diffusiongemma.md). `balanced`: under
         BP/CSBP also down to where every block-parallel rank owns the same number of canvas blocks
         (the extra blocks carry no loss); MoE token exchange needs equal row counts.
         `row_multiple`: also down to where every rank's noisy and clean row counts divide by it

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 class SelfConditioningRelay:
-    """The first pass of self-conditioning for one rank's model chunks (see the module docstring).
+    """The first pass of self-conditioning for one rank's model chunks (docs/pipeline.md).
 
     `chunks`: this rank's `TrainableBDLM` chunks (virtual stage order); `ddps`: their DDP wrappers
     (what megatron-core's schedules run)."""

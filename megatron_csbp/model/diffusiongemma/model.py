@@ -1,7 +1,8 @@
 """`DiffusionGemmaModel`: a megatron-core `GPTModel` with DiffusionGemma's embedding, rotary tables,
 self-conditioning and logit soft-cap; `BlockDiffusionModel(model, objective, layout)` trains it on
-[noisy ; clean] rows (clean rows: the HF encoder stream, noisy rows: the decoder stream).
-Each piece, and how self-conditioning inputs are passed: docs/diffusiongemma.md#what-is-megatrons-and-what-is-the-plugins.
+[noisy ; clean] rows (clean rows: the HF encoder stream, noisy rows: the decoder stream). Each
+piece, and how self-conditioning inputs are passed: docs/diffusiongemma.md (the table of
+"What is Megatron's and what is the plugin's").
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 treat it like the Llama / Qwen families: `shape_from_hf_config` -> `megatron_csbp_model.json` ->
 `megatron_csbp.model.builder.build_gpt_model`. Sources: `diffusion_gemma` checkpoints (full layers
 always K=V) and Gemma 4 text MoE checkpoints (AR starting points). The shape keeps `hf_config`
-(docs/conversion.md#checkpoint-format-what-the-trainer-loads, docs/diffusiongemma.md).
+(docs/conversion.md#checkpoint-format-what-the-trainer---loads, docs/diffusiongemma.md).
 """
 from __future__ import annotations
 
