@@ -220,3 +220,27 @@ def test_tensor_parallel_size_refusals(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 8 must divide the verifier's attention heads"):
         main(_tp_argv(str(tmp_path / "v"), str(tmp_path / "none"), str(tmp_path / "out")))
+
+
+def test_prepare_features_from_a_megatron_checkpoint_equals_hugging_face(tmp_path):
+    """`prepare-features --load` (the verifier as a Megatron checkpoint, exported to Hugging Face in
+    float32 for the capture) captures the same features as `--hf-path` of the model it came from: the
+    conversion round trip is exact in float32, and the capture runs the same model."""
+    from megatron_csbp.conversion.api import hf_to_megatron_checkpoint
+    from megatron_csbp.data.features import FeatureDataset
+    from megatron_csbp.dflash import main
+
+    verifier, prefix = str(tmp_path / "v"), str(tmp_path / "data")
+    _tiny_verifier(verifier)
+    hf_to_megatron_checkpoint(verifier, str(tmp_path / "meg"), dtype="float32")
+    g = np.random.RandomState(1)
+    _indexed(prefix, [list(g.randint(5, 50, size=n)) + [3] for n in (12, 30, 21)])
+    common = ["--data-path", prefix, "--seq-length", "16", "--target-layer-ids", "0", "2", "--eod-token-id", "3",
+              "--no-progress-bar"]
+    main(["prepare-features", "--hf-path", verifier, "--output", str(tmp_path / "from_hf")] + common)
+    main(["prepare-features", "--load", str(tmp_path / "meg"), "--output", str(tmp_path / "from_meg")] + common)
+    a, b = FeatureDataset(str(tmp_path / "from_hf")), FeatureDataset(str(tmp_path / "from_meg"))
+    assert len(a) == len(b) == 4
+    for i in range(len(a)):
+        assert np.array_equal(a[i]["tokens"], b[i]["tokens"])
+        assert np.array_equal(a[i]["features"], b[i]["features"]), i

@@ -102,3 +102,16 @@ def test_pp2_csbp_matches_one_rank_and_pp2_resumes_one_rank(features, one_rank):
     # one rank's checkpoint of iteration 2 -> PP 2: the same last step
     for r in _train(features, 2, PP2 + ["--load", str(features / "one"), "--ckpt-step", "2"]):
         assert r["iteration"] == 3 and r["losses"] == pytest.approx(one_rank["losses"][2:], rel=1e-5, abs=0)
+
+
+def test_pp2_uneven_stages_match_one_rank(features):
+    """Stages of different depth (`--decoder-first-pipeline-num-layers 1` of 3 layers: 1 + 2): the
+    drafter's layers are keyed by their global index, so the split does not change the model; the
+    same 1e-5 bound."""
+    three = ["--num-layers", "3"]
+    (one,) = _train(features, 1, three)
+    pp = _train(features, 2, PP2 + three + ["--decoder-first-pipeline-num-layers", "1"])
+    print("one rank", one["losses"], _evals(one), "PP 2 (1 + 2 layers)", pp[0]["losses"], _evals(pp[0]))
+    for r in pp:
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=0)
+        assert [e for ev in _evals(r) for e in ev] == pytest.approx([e for ev in _evals(one) for e in ev], rel=1e-5)

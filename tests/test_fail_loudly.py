@@ -43,6 +43,8 @@ def _one_line(argv, capsys, world=1):
     (["--train-iters", "-1"], "error: --train-iters must be at least 0, got -1"),
     (["--ckpt-step", "2"], "error: --ckpt-step 2 needs --load DIR"),
     (["--bogus-flag"], "error: unrecognized arguments: --bogus-flag (see python -m megatron_csbp.train --help)"),
+    # a prefix of --block-parallel-size is not that flag (Megatron-LM's parser: allow_abbrev=False)
+    (["--block-parallel", "1"], "error: unrecognized arguments: --block-parallel 1 (see python -m megatron_csbp.train --help)"),
     (["--objective", "fast-dllm-v2", "--mask-token-id", "5"],
      "error: --objective fast-dllm-v2 adapts a pretrained autoregressive model: give --load DIR (a checkpoint, "
      "e.g. from python -m megatron_csbp.convert hf-to-megatron)"),

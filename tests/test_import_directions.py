@@ -204,3 +204,33 @@ def test_the_circle_finder_sees_a_lazy_circle_across_folders():
     graph = {"megatron_csbp.data.x": ["megatron_csbp.objectives.y"], "megatron_csbp.objectives.y": ["megatron_csbp.data.x"],
              "megatron_csbp.objectives.z": []}
     assert [c for c in strongly_connected(graph) if len(c) > 1] == [["megatron_csbp.data.x", "megatron_csbp.objectives.y"]]
+
+
+def optimizer_calls(path: str):
+    """Calls in `path` that build or step an optimizer: `get_megatron_optimizer(...)`, a
+    `torch.optim.<Class>(...)`, and `.step(...)` / `.zero_grad(...)` on an expression naming an
+    optimizer or a scheduler (`self.optimizer.step()`, `opt.zero_grad()`, `self.scheduler.step(...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = ast.unparse(node.func)
+        owner = ast.unparse(node.func.value).lower() if isinstance(node.func, ast.Attribute) else ""
+        if (func.endswith("get_megatron_optimizer") or func.startswith("torch.optim.")
+                or (func.rpartition(".")[2] in ("step", "zero_grad") and ("optim" in owner or "sched" in owner
+                                                                          or owner == "opt"))):
+            found.append(f"{os.path.relpath(path, PKG)}:{node.lineno} {func}")
+    return found
+
+
+def test_only_training_steps_an_optimizer():
+    """One training loop (issue 33): only files under training/ build or step an optimizer."""
+    calls = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                calls[os.path.join(dirpath, f)] = optimizer_calls(os.path.join(dirpath, f))
+    inside = [c for p, cs in calls.items() if within(module_name(p), "megatron_csbp.training") for c in cs]
+    outside = [c for p, cs in calls.items() if not within(module_name(p), "megatron_csbp.training") for c in cs]
+    assert any("get_megatron_optimizer" in c for c in inside) and any(".step" in c for c in inside), inside
+    assert not outside, f"only training/ builds or steps an optimizer: {outside}"

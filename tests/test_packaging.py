@@ -143,3 +143,34 @@ def test_floors_say_what_the_code_needs():
     fa_low, fa_high = _bounds(_requirement(kw["extras_require"]["gpu"], "flash-attn")[0].specifier)
     code_min = re.search(r"< \((\d+), (\d+)\)", open(os.path.join(ROOT, "megatron_csbp", "attention", "kernels", "flash.py")).read())
     assert fa_low is not None and fa_low >= Version(".".join(code_min.groups())) and fa_high == Version("3")
+
+
+def documented_commands():
+    """module -> the files that show `python -m <module>` (README.md, docs/, examples/)."""
+    shown = {}
+    paths = [os.path.join(ROOT, "README.md")] + [os.path.join(d, f) for top in ("docs", "examples")
+                                                 for d, _, fs in os.walk(os.path.join(ROOT, top)) for f in fs]
+    for path in paths:
+        if path.endswith((".md", ".py", ".sh", ".yaml")):
+            for module in re.findall(r"python -m (megatron_csbp(?:\.[a-z_][a-z0-9_]*)+)", open(path).read()):
+                shown.setdefault(module, set()).add(os.path.relpath(path, ROOT))
+    return shown
+
+
+def test_every_documented_python_m_command_is_a_runnable_module():
+    """Each `python -m megatron_csbp.X` the README, docs or examples show names a module that runs as a
+    script: a module with a `__main__` block or a package with `__main__.py` (issue 33: moving modules
+    keeps every documented command)."""
+    import importlib.util
+
+    shown = documented_commands()
+    assert {"megatron_csbp.train", "megatron_csbp.convert", "megatron_csbp.launch"} <= set(shown)
+    broken = []
+    for module, where in sorted(shown.items()):
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(module + ".__main__")
+        if spec is None or '__name__ == "__main__"' not in open(spec.origin).read() and \
+                not spec.origin.endswith("__main__.py"):
+            broken.append(f"{module} (shown in {sorted(where)})")
+    assert not broken, f"documented commands that do not run: {broken}"

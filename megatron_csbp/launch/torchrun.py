@@ -3,7 +3,7 @@ torchrun (`torch.distributed.run.main`), except that with `--exit-signal-handler
 a SIGTERM to the launcher is forwarded to each worker's process group and the agent keeps monitoring
 the workers (torch's agent raises `SignalException`, shuts them down and exits 1): the ranks save
 and exit 0, and so does the launch. A worker failing after it still fails the launch, with no
-restart. SIGINT, and SIGTERM while no worker runs, keep torch's handling. docs/training.md#preemption.
+restart. SIGINT, and SIGTERM while no worker runs, keep torch's handling. docs/training.md#preemption-sigterm-time-limits-requeued-jobs.
 """
 from __future__ import annotations
 

@@ -78,7 +78,13 @@ def _tell_torchrun(line: str) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse without the usage dump: an argument error is one line (`fail`), exit status 2."""
+    """argparse without the usage dump: an argument error is one line (`fail`), exit status 2. A
+    shortened flag is refused as unrecognized (`allow_abbrev=False`, as Megatron-LM's parser): a
+    prefix of a flag is a misspelling, and a later flag sharing that prefix would change its meaning."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         fail(f"{message} (see {self.prog} --help)" if message.startswith(("unrecognized arguments",
