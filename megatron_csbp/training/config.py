@@ -116,5 +116,6 @@ class TrainerConfig:
             checkpoint=_take(CheckpointConfig, args, facts, model_meta=model_meta(args, facts)),
             log=_take(LogConfig, args, wandb_save_dir=args.wandb_save_dir or (
                 os.path.join(args.save, "wandb") if args.wandb_project else None),  # --save/wandb by default
-                      flags={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}),
+                      flags={k: v for k, v in {**vars(args), **vars(facts), **facts.objective_facts}.items()
+                             if isinstance(v, (int, float, str, bool, type(None)))}),  # the flags and what they derive
         )
