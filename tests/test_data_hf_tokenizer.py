@@ -70,12 +70,12 @@ def test_trainer_args_take_the_checkpoint_tokenizer(qwen3):
 
     from megatron_csbp.training.arguments import parse_args
 
-    args = parse_args(RUN + ["--load", qwen3["meg"], "--data-path", qwen3["prefix"],
-                             "--tokenizer-type", "HuggingFaceTokenizer"], world_size=1)
+    args, facts = parse_args(RUN + ["--load", qwen3["meg"], "--data-path", qwen3["prefix"],
+                                    "--tokenizer-type", "HuggingFaceTokenizer"], world_size=1)
     hf = qwen3["tok"]
     assert args.tokenizer_model == os.path.join(qwen3["meg"], "hf_assets")  # default: the checkpoint's
     assert args.mask_token_id == hf.mask_token_id == hf.convert_tokens_to_ids("<|mask|>")
-    assert args.eod_token_id == hf.eos_token_id
+    assert facts.eod_token_id == hf.eos_token_id
     assert args.vocab_size == 512  # the model's embedding, larger than the tokenizer's 385
 
 

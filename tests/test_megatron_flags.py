@@ -52,8 +52,8 @@ def test_printed_flags_rebuild_the_same_model_in_the_trainer(family, change):
     parser = build_parser()
     unknown = [f for f in flags if f.startswith("--") and f not in parser._option_string_actions]
     assert not unknown, f"printed flags the trainer does not take: {unknown}"
-    args = validate_args(parser.parse_args(flags + RUN), 1)
-    rebuilt = shape_of_flags(model_meta(args))
+    args = parser.parse_args(flags + RUN)
+    rebuilt = shape_of_flags(model_meta(args, validate_args(args, 1)))
     differ = {k: (getattr(rebuilt, k), getattr(shape, k)) for k in COMPARED if getattr(rebuilt, k) != getattr(shape, k)}
     assert not differ, differ
 
@@ -66,8 +66,8 @@ def test_printed_flags_are_accepted_with_the_converted_checkpoint(family, tmp_pa
 
     save_tiny_model(family, str(tmp_path / "hf"), seed=1)
     shape = api.hf_to_megatron_checkpoint(str(tmp_path / "hf"), str(tmp_path / "meg"))
-    args = validate_args(build_parser().parse_args(printed_flags(shape) + RUN + ["--load", str(tmp_path / "meg")]), 1)
-    assert args.model_shape == shape
+    facts = validate_args(build_parser().parse_args(printed_flags(shape) + RUN + ["--load", str(tmp_path / "meg")]), 1)
+    assert facts.model_shape == shape
     # a printed flag given with another value is refused, naming it
     flags = printed_flags(shape)
     i = flags.index("--norm-epsilon")

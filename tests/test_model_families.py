@@ -121,9 +121,9 @@ def test_trainer_family_rules_come_from_the_family(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"holds a qwen3_moe MoE model .*'diffusion_gemma'.*'mixtral'"):
         apply_model_shape(args, shape)
     for family, expected in (("diffusion_gemma", "token_causal"), ("llama", "block_causal")):
-        ns = argparse.Namespace(model_shape=argparse.Namespace(family=family), clean_attention=None)
-        check_clean_attention(ns)
+        ns = argparse.Namespace(clean_attention=None)
+        check_clean_attention(ns, argparse.Namespace(family=family))
         assert ns.clean_attention == expected
     with pytest.raises(ValueError, match="clean stream is token_causal"):
-        check_clean_attention(argparse.Namespace(model_shape=argparse.Namespace(family="diffusion_gemma"),
-                                                 clean_attention="block_causal"))
+        check_clean_attention(argparse.Namespace(clean_attention="block_causal"),
+                              argparse.Namespace(family="diffusion_gemma"))

@@ -12,7 +12,7 @@ from megatron_csbp.objectives import (BD3LMObjective, DiffusionGemmaSFTObjective
                                       Objective)
 from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, Flag
 from megatron_csbp.objectives.registry import objective_class, objective_names, register_objective, unregister_objective
-from megatron_csbp.training.arguments import build_parser, model_args, parse_args
+from megatron_csbp.training.arguments import RunFacts, build_parser, model_args, parse_args
 from tests.train_helpers import TINY
 
 V = 128  # the embedding rows of TINY (--vocab-size 64: ids 0..63 plus EOD 64, padded to 128): the mask-id bound
@@ -33,7 +33,7 @@ class ToyObjective(Objective):
         self.block_size, self.mask_token_id, self.rate = block_size, mask_token_id, rate
 
     @classmethod
-    def validate(cls, args):
+    def validate(cls, args, facts=None):
         if not 0.0 < TOY_RATE.value(args) <= 1.0:
             raise ValueError(f"--toy-rate must be in (0, 1], got {TOY_RATE.value(args)}")
 
@@ -81,9 +81,10 @@ def test_a_registered_objective_reaches_every_parser_and_builds(capsys):
         # its mask rule too (the shared one: an id of the vocabulary)
         assert f"--mask-token-id {V} is outside the vocabulary [0, {V})" in _parse_error(
             TINY + ["--objective", "toy", "--mask-token-id", str(V)], capsys)
-        args = parse_args(TINY + ["--objective", "toy", "--toy-rate", "0.25", "--mask-token-id", "5"], world_size=1)
+        args, facts = parse_args(TINY + ["--objective", "toy", "--toy-rate", "0.25", "--mask-token-id", "5"],
+                                 world_size=1)
         # ModelArgs does not name --toy-rate: the objective's flags ride along
-        objective = build_objective(model_args(args))
+        objective = build_objective(model_args(args, facts))
         assert isinstance(objective, ToyObjective) and objective.rate == 0.25 and objective.mask_token_id == 5
         tokens = torch.arange(2 * 32).view(2, 32) % 60
         noised = objective.noise(tokens, torch.ones(2, 32), torch.arange(2))
@@ -143,9 +144,9 @@ def test_noise_interval_rule_is_one(eps, capsys):
         assert _validate_args_message(argv, capsys) == _or_pretrained(want, name), name
     # diffusiongemma-sft's validate (validate_args needs a DiffusionGemma checkpoint for the rest)
     ns = build_parser().parse_args(["--objective", "diffusiongemma-sft", "--sft-data-path", "x"] + flags)
-    ns.shape_unknown = True
-    assert _message(lambda: DiffusionGemmaSFTObjective.validate(ns)) == want
-    assert _message(lambda: Objective.validate(ns)) is None  # the base class has no noise flags
+    facts = RunFacts(shape_unknown=True)
+    assert _message(lambda: DiffusionGemmaSFTObjective.validate(ns, facts)) == want
+    assert _message(lambda: Objective.validate(ns, facts)) is None  # the base class has no noise flags
 
 
 @pytest.mark.parametrize("mask_id", [None, -1, 0, 5, V - 1, V, V + 7])

@@ -134,8 +134,8 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None):
                          "Face model")
     one_process()
     fields = ModelArgs.__dataclass_fields__
-    a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None})
-    a.model_shape = info.file_shape  # a model converted from Hugging Face: rebuilt from its shape file
+    # a model converted from Hugging Face is rebuilt from its shape file
+    a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None}, model_shape=info.file_shape)
     model = build_model(a)
     model.eval()
     load_checkpoint(load, model, None, None, info.iteration)

@@ -267,18 +267,18 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
     args = parser.parse_args(argv)
     args.placeholders = {actions[f].dest for f in placeholders}
     try:
-        validate_args(args, world, check_only=True)
+        facts = validate_args(args, world, check_only=True)
     except ValueError as e:
         fail(str(e))
     pp = args.pipeline_model_parallel_size
-    pp = f" x PP {pp}" + (f" (VP {args.virtual_pipeline_model_parallel_size})"
-                          if args.virtual_pipeline_model_parallel_size else "") if pp > 1 else ""
+    pp = f" x PP {pp}" + (f" (VP {facts.virtual_pipeline_model_parallel_size})"
+                          if facts.virtual_pipeline_model_parallel_size else "") if pp > 1 else ""
     lines = [f"recipe {name}: OK for {world} ranks ({nnodes} node(s) x {nproc}): TP {args.tensor_model_parallel_size}"
-             f"{pp} x CP {args.context_parallel_size} / BP {args.block_parallel_size} x DP {args.data_parallel_size}"
-             f" (EP {args.expert_model_parallel_size}), {args.num_microbatches} micro-batch(es) per iteration"]
+             f"{pp} x CP {args.context_parallel_size} / BP {args.block_parallel_size} x DP {facts.data_parallel_size}"
+             f" (EP {args.expert_model_parallel_size}), {facts.num_microbatches} micro-batch(es) per iteration"]
     if placeholders:
         lines.append(f"  placeholders to fill before launch: {' '.join(placeholders)}")
-    lines += [f"  not checked here: {note}" for note in args.check_notes]
+    lines += [f"  not checked here: {note}" for note in facts.check_notes]
     return "\n".join(lines)
 
 

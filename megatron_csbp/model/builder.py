@@ -49,12 +49,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def embedding_rows(a) -> int:
+def embedding_rows(a, shape=None) -> int:
     """The embedding's rows of the trainer's model (`a`: its flags or ModelArgs; `a.vocab_size` the
-    tokenizer's vocabulary): a converted checkpoint's exact vocabulary (`a.model_shape`), else the
-    padded vocabulary of the flags. Mask ids are checked against it."""
-    if getattr(a, "model_shape", None) is not None:
-        return int(a.model_shape.vocab_size)
+    tokenizer's vocabulary): a converted checkpoint's exact vocabulary (`shape`, else `a.model_shape`
+    of ModelArgs), else the padded vocabulary of the flags. Mask ids are checked against it."""
+    shape = shape if shape is not None else getattr(a, "model_shape", None)
+    if shape is not None:
+        return int(shape.vocab_size)
     return padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
 
 

@@ -84,14 +84,18 @@ class Objective:
         add_flags(parser, cls.flags, added)
 
     @classmethod
-    def prepare_args(cls, args, defaults, check_only: bool = False) -> None:
+    def prepare_args(cls, args, defaults, check_only: bool, notes: list) -> dict:
         """Before the trainer's rules: fill flags from the objective's own inputs (DFlash: the
         captured features and the verifier). `defaults`: dest -> the trainer options' declared
-        default (config/options.py, a layer above this one)."""
+        default (config/options.py, a layer above this one); `notes`: launch --check's list of the
+        rules skipped. Returns what it derives that is no flag (`RunFacts.objective_facts`, carried into
+        the ModelArgs its `model_builder` reads)."""
+        return {}
 
     @classmethod
-    def validate(cls, args) -> None:
-        """The rules on this objective's flags that need no tokenizer (ValueError naming the flag)."""
+    def validate(cls, args, facts=None) -> None:
+        """The rules on this objective's flags that need no tokenizer (ValueError naming the flag);
+        `facts`: what the trainer's flags derive (training.arguments.RunFacts; None in the Megatron-LM hooks)."""
 
     @classmethod
     def from_args(cls, args) -> "Objective":

@@ -35,7 +35,7 @@ class BD3LMObjective(Objective):
         check_choice(LOSS_WEIGHTING, loss_weighting, LOSS_WEIGHTINGS)
 
     @classmethod
-    def validate(cls, args) -> None:
+    def validate(cls, args, facts=None) -> None:
         cls.check_options(NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args), LOSS_WEIGHTING.value(args))
 
     @classmethod

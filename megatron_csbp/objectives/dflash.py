@@ -7,7 +7,6 @@ Definitions: docs/dflash.md#the-objective-megatron_csbpobjectivesdflashpy.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 from dataclasses import dataclass
@@ -97,10 +96,6 @@ LAYER_TYPE = Flag("--layer-type", dict(choices=("full_attention", "sliding_atten
 SLIDING_WINDOW = Flag("--sliding-window", dict(type=int, default=2048, help="dflash: with --layer-type sliding_attention"))
 EVAL_SEQUENCES = Flag("--eval-sequences", dict(type=int, default=0, help="dflash: the last N captured sequences "
                                                                           "are held out"))
-#: set by `prepare_args` (no user flags): the --load drafter (its shape file), and --save, where the
-#: drafter's shape and verifier record are written
-DRAFTER_LOAD = Flag("--dflash-drafter-load", dict(default=None, help=argparse.SUPPRESS))
-DRAFTER_SAVE = Flag("--dflash-drafter-save", dict(default=None, help=argparse.SUPPRESS))
 
 #: trainer flags (dests) that a loaded drafter's shape decides (DrafterShape fields of the same names)
 LOADED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_layers", "num_attention_heads",
@@ -115,8 +110,7 @@ class DFlashObjective(Objective):
     uses_noisy_stream = True
     fixed_rows = False  # the rows vary with the anchors drawn: pipeline P2P exchanges shapes first
     flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK,
-             FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES, DRAFTER_LOAD,
-             DRAFTER_SAVE)
+             FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES)
     mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
     model_builder = "megatron_csbp.training.drafter:build_drafter_chunks"
     megatron_lm_refusal = ("trains in python -m megatron_csbp.train (a drafter trained on captured verifier "
@@ -151,7 +145,7 @@ class DFlashObjective(Objective):
             raise ValueError(f"--dflash-vocab-chunk must be >= 1, got {vocab_chunk}")
 
     @classmethod
-    def validate(cls, args) -> None:
+    def validate(cls, args, facts=None) -> None:
         cls.check_options(args.block_size, MAX_ANCHORS.value(args), ANCHOR_SAMPLING_FLAG.value(args),
                           GAMMA.value(args), DFLASH_LOSS.value(args), DPACE_ALPHA.value(args), VOCAB_CHUNK.value(args))
 
@@ -182,21 +176,23 @@ class DFlashObjective(Objective):
         return held
 
     @classmethod
-    def prepare_args(cls, args, defaults, check_only: bool = False) -> None:
+    def prepare_args(cls, args, defaults, check_only: bool, notes: list) -> dict:
         """Before the trainer's rules: the captured features fix --seq-length and the hidden size,
         the verifier the vocabulary (a NullTokenizer of its size), a --load drafter (its
         `megatron_csbp_drafter.json`) the architecture flags (a flag given with another value than
-        its default and the drafter's is refused by name)."""
+        its default and the drafter's is refused by name). Returns `dflash_drafter_load` (that
+        --load drafter, or None) and `dflash_drafter_save` (--save: where the drafter's shape and
+        verifier record are written)."""
         from megatron_csbp.data.features import FeatureDataset
 
         path, verifier = FEATURES_PATH.value(args), VERIFIER.value(args)
         if not path or not verifier:
             raise ValueError("--objective dflash needs --features-path (captured features) and --verifier")
         if check_only and not (os.path.isdir(path) and os.path.isdir(verifier)):
-            args.check_notes.append(f"--features-path {path} / --verifier {verifier} are not here: their sizes are "
-                                    "checked at launch")
+            notes.append(f"--features-path {path} / --verifier {verifier} are not here: their sizes are checked "
+                         "at launch")
             args.tokenizer_type, args.vocab_size = "NullTokenizer", args.vocab_size or 1 << 20
-            return
+            return {}
         cls.validate(args)  # the objective's own rules first (they read no file)
         if getattr(args, "tensor_model_parallel_size", 1) != 1:
             raise ValueError("--objective dflash: --tensor-model-parallel-size must be 1 (the projection over the "
@@ -219,7 +215,7 @@ class DFlashObjective(Objective):
         if args.target_layer_ids not in (None, layers):
             raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the captured features' {layers}")
         args.target_layer_ids, args.hidden_size = layers, meta["hidden_size"]
-        load = getattr(args, "load", None)
+        load, drafter_load = getattr(args, "load", None), None
         if load and os.path.isfile(os.path.join(load, SHAPE_FILE)):
             shape = json.load(open(os.path.join(load, SHAPE_FILE)))
             for dest in LOADED_FIELDS:
@@ -227,7 +223,7 @@ class DFlashObjective(Objective):
                 if given is not None and given != defaults[dest] and given != value:
                     raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {value}")
                 setattr(args, dest, value)
-            args.dflash_drafter_load = load
+            drafter_load = load
         elif load and os.path.isfile(os.path.join(load, "drafter.pt")):
             raise ValueError(f"--load {load}: drafter.pt without {SHAPE_FILE}: not a drafter this project wrote")
         if args.ffn_hidden_size is None:
@@ -237,7 +233,6 @@ class DFlashObjective(Objective):
         n_eval = EVAL_SEQUENCES.value(args)
         if not 0 <= n_eval < meta["num_sequences"]:
             raise ValueError(f"--eval-sequences {n_eval} must be in [0, {meta['num_sequences']}) (the captured sequences)")
-        args.dflash_drafter_save = getattr(args, "save", None)
         if n_eval and args.eval_interval is None and args.train_iters:  # evaluate after the last step
             args.eval_interval = args.train_iters
         if n_eval and args.eval_iters is None:  # batches that cover the held-out sequences
@@ -246,6 +241,7 @@ class DFlashObjective(Objective):
 
         args.vocab_size = int(AutoConfig.from_pretrained(verifier).vocab_size)
         args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
+        return dict(dflash_drafter_load=drafter_load, dflash_drafter_save=getattr(args, "save", None))
 
     def slot_weights(self) -> torch.Tensor:
         k = torch.arange(self.block_size, dtype=torch.float32)

@@ -37,7 +37,7 @@ class FastDLLMv2Objective(Objective):
         self.eps_min, self.eps_max = eps_min, eps_max
 
     @classmethod
-    def validate(cls, args) -> None:
+    def validate(cls, args, facts=None) -> None:
         check_noise_flags(args)
 
     @classmethod

@@ -14,10 +14,10 @@ import torch
 
 
 # ---- flags and their rules ---------------------------------------------------------------------
-def check_pipeline_args(args) -> None:
-    """Megatron-LM's pipeline rules (its `validate_args`), each refused with the flag named; sets
-    `args.virtual_pipeline_model_parallel_size` (None without interleaving) as Megatron-LM does.
-    Needs `num_layers` and `num_microbatches` filled in."""
+def check_pipeline_args(args, num_microbatches: int) -> Optional[int]:
+    """Megatron-LM's pipeline rules (its `validate_args`), each refused with the flag named; returns
+    the virtual pipeline size (None without interleaving: Megatron-LM's
+    `args.virtual_pipeline_model_parallel_size`). Needs `num_layers` filled in."""
     P = args.pipeline_model_parallel_size
     first = getattr(args, "decoder_first_pipeline_num_layers", None)
     last = getattr(args, "decoder_last_pipeline_num_layers", None)
@@ -26,7 +26,6 @@ def check_pipeline_args(args) -> None:
     given = {"--decoder-first-pipeline-num-layers": first, "--decoder-last-pipeline-num-layers": last,
              "--num-layers-per-virtual-pipeline-stage": per_vstage,
              "--num-virtual-stages-per-pipeline-rank": vstages}
-    args.virtual_pipeline_model_parallel_size = None
     if P < 1:
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {P}")
     for flag, v in given.items():
@@ -35,7 +34,7 @@ def check_pipeline_args(args) -> None:
         if v is not None and v <= 0:
             raise ValueError(f"{flag} must be positive, got {v}")
     if P == 1:
-        return
+        return None
     L = args.num_layers
     if per_vstage is not None and vstages is not None:
         raise ValueError("give --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank, "
@@ -75,13 +74,13 @@ def check_pipeline_args(args) -> None:
         raise ValueError(f"the {middle_layers // middle_stages} layers of a middle pipeline stage must be divisible by "
                          f"the virtual stages per pipeline rank {V}")
     if V:
-        M = args.num_microbatches
+        M = num_microbatches
         # megatron-core's interleaved schedule: micro-batches go in groups of P per virtual stage.
         if M % P:
             raise ValueError(f"interleaved pipelining needs the micro-batches per iteration ({M} = "
                              f"--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple of "
                              f"--pipeline-model-parallel-size {P}")
-    args.virtual_pipeline_model_parallel_size = V
+    return V
 
 
 def config_fields(a) -> dict:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
 from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
@@ -38,67 +39,82 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class RunFacts:
+    """What the flags derive (`check_flags`), kept off the namespace: that holds the flags alone (an
+    unset flag a rule fills, e.g. --ffn-hidden-size, is filled there, as Megatron-LM's validate_args does)."""
+    world_size: int = 1
+    data_parallel_size: int = 1
+    num_microbatches: int = 1  # per iteration: --global-batch-size / (--micro-batch-size x data-parallel size)
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B (parallel/pipeline.py)
+    load_step: Any = None  # what --load [--ckpt-step] loads: an iteration, "release", or None
+    model_shape: Any = None  # the --load checkpoint's ModelShape (None: the model is built from the flags)
+    shape_unknown: bool = False  # launch --check: --load is not here, so the rules that need its shape are skipped
+    eod_token_id: Optional[int] = None  # the tokenizer's
+    objective_facts: Dict[str, Any] = field(default_factory=dict)  # `Objective.prepare_args`'s (dflash: drafter dirs)
+    check_notes: List[str] = field(default_factory=list)  # launch --check: the rules skipped, and why
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               world_size: Optional[int] = None) -> Tuple[argparse.Namespace, RunFacts]:
+    """The flags (checked, the unset ones a rule fills filled in) and what they derive."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        validate_args(args, world_size)
+        facts = validate_args(args, world_size)
     except ValueError as exc:
         parser.error(str(exc))
-    return args
+    return args, facts
 
 
-def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
-    """Fill derived values and refuse bad input with a message naming the flag and the rule
-    (`check_flags`); then what the --load checkpoint must be: one at all when the run starts from
-    pretrained weights, and trained with the same model flags (its `bdlm_meta.json`)."""
-    check_flags(args, world_size, check_only)
-    check_pretrained(args)
-    if args.load_step is not None:
+def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = False) -> RunFacts:
+    """`check_flags` (what the flags derive, returned); then what the --load checkpoint must be: one
+    at all when the run starts from pretrained weights, and trained with the same model flags (its
+    `bdlm_meta.json`)."""
+    facts = check_flags(args, world_size, check_only)
+    check_pretrained(args, facts)
+    if facts.load_step is not None:
         from megatron_csbp.checkpoint.files import check_model_flags
-        check_model_flags(args, args.load, args.load_step)
-    return args
+        check_model_flags(args, args.load, facts.load_step)
+    return facts
 
 
-def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = False) -> argparse.Namespace:
-    """Fill derived values and refuse bad input with a message naming the flag and the rule.
+def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = False) -> RunFacts:
+    """Fill the unset flags a rule fills, refuse bad input with a message naming the flag and the
+    rule, and return what else the flags derive (nothing else is written onto `args`).
 
     `check_only` (`python -m megatron_csbp.launch RECIPE --check`, on a machine that need not hold
     the run's files): a --load checkpoint or tokenizer that is not here, and flags whose values are
     placeholders (`args.placeholders`, a set of dests), skip the rules that need them; every other
-    rule runs. What was skipped is appended to `args.check_notes`."""
+    rule runs. What was skipped is listed in `RunFacts.check_notes`."""
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.parallel.state import check_topology
 
-    placeholders = set(getattr(args, "placeholders", ()))
-    args.check_notes = []
-    args.shape_unknown = False
+    placeholders, notes = set(getattr(args, "placeholders", ())), []
     defaults = {o.name: o.default for o in OPTIONS}  # a flag left at its default gives way (dflash: to its features)
-    objective_class(args.objective).prepare_args(args, defaults, check_only)
-    args.load_step = None  # what --load [--ckpt-step] loads: an iteration, "release", or None
+    prepared = objective_class(args.objective).prepare_args(args, defaults, check_only, notes)
     check_counts(args)
 
     sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.context_parallel_size, args.block_parallel_size, args.expert_model_parallel_size)
-    args.world_size = world_size
-    shard_group = sizes.shard_group_size
-    args.data_parallel_size = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                                             * shard_group)
-    args.model_shape = None
-    if args.load and check_only and ("load" in placeholders or not os.path.exists(args.load)):
-        args.shape_unknown = True
-        args.check_notes.append(f"--load {args.load} is not here: the model-shape rules (flags vs the checkpoint's "
-                                "shape, MoE and DiffusionGemma requirements) run at launch")
+    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * sizes.shard_group_size)
+    load_step = shape = None
+    unknown = bool(args.load and check_only and ("load" in placeholders or not os.path.exists(args.load)))
+    if unknown:
+        notes.append(f"--load {args.load} is not here: the model-shape rules (flags vs the checkpoint's "
+                     "shape, MoE and DiffusionGemma requirements) run at launch")
     elif args.load or args.ckpt_step is not None:
         from megatron_csbp.checkpoint.files import checkpoint_shape, checkpoint_to_load
-        args.load_step = checkpoint_to_load(args.load, args.ckpt_step)
-        args.model_shape = checkpoint_shape(args.load, args.load_step)
-    if args.model_shape is not None:
-        apply_model_shape(args, args.model_shape)
-    check_clean_attention(args)
+        load_step = checkpoint_to_load(args.load, args.ckpt_step)
+        shape = checkpoint_shape(args.load, load_step)
+    facts = RunFacts(world_size, dp, load_step=load_step, model_shape=shape, shape_unknown=unknown,
+                     objective_facts=prepared or {}, check_notes=notes)
+    if shape is not None:
+        apply_model_shape(args, shape)
+    check_clean_attention(args, shape)
     # The block geometry and the layout of the shard group, as the model will build them: their
     # own rules (whole blocks, zigzag chunks, a block for every block-parallel rank) run here.
     SequenceLayout(BlockGeometry(args.seq_length, args.block_size, args.clean_attention),
@@ -108,25 +124,25 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     if args.num_attention_heads % args.num_query_groups:
         raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                          f"{args.num_attention_heads}")
-    if args.model_shape is None and args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+    if shape is None and args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} must divide --hidden-size {args.hidden_size}")
     tp = args.tensor_model_parallel_size
     if args.num_query_groups % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide --num-query-groups {args.num_query_groups}")
-    check_model_options(args, check_only)
+    check_model_options(args, check_only, shape)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM does the same
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size if not args.swiglu else int(8 * args.hidden_size / 3 / 16 + 0.999) * 16
     if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    per_step = args.micro_batch_size * args.data_parallel_size
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
     if args.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
-                         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
-    args.num_microbatches = args.global_batch_size // per_step
+                         f"{args.micro_batch_size} x data-parallel size {dp}")
+    facts = replace(facts, num_microbatches=args.global_batch_size // per_step)
     check_run_flags(args)
-    check_experts_and_objective(args)
+    check_experts_and_objective(args, facts)
     # Data and tokenizer.
     sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path),
                bool(getattr(args, "features_path", None))]
@@ -138,7 +154,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         from megatron_csbp.objectives.data import check_token_data
         note = check_token_data(args, files_elsewhere=check_only)
         if note:
-            args.check_notes.append(note)
+            notes.append(note)
     if args.fp16 and args.bf16:
         raise ValueError("give --bf16 or --fp16, not both")
     if args.grad_reduce_in_bf16 and not args.bf16:
@@ -161,7 +177,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     if args.skip_train and not args.eval_iters:
         raise ValueError("--skip-train evaluates only: give --eval-iters > 0")
     from megatron_csbp.parallel.pipeline import check_pipeline_args
-    check_pipeline_args(args)
+    facts = replace(facts, virtual_pipeline_model_parallel_size=check_pipeline_args(args, facts.num_microbatches))
     if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
             and not objective_class(args.objective).fixed_rows
             and (args.reset_attention_mask or args.reset_position_ids)):
@@ -177,25 +193,24 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
 
     if check_only and args.tokenizer_type != "NullTokenizer" and (
             "tokenizer_model" in placeholders or (args.tokenizer_model and not os.path.exists(args.tokenizer_model))):
-        args.check_notes.append(f"--tokenizer-model {args.tokenizer_model} is not here: the vocabulary and mask-token "
-                                "rules run at launch")
-        return args
+        notes.append(f"--tokenizer-model {args.tokenizer_model} is not here: the vocabulary and mask-token "
+                     "rules run at launch")
+        return facts
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     if (args.vocab_size and args.tokenizer_type != "NullTokenizer" and args.vocab_size != tok.vocab_size
-            and args.model_shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
+            and shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
     args.vocab_size = tok.vocab_size  # from here on the tokenizer's vocabulary, EOD included
-    args.eod_token_id = tok.eod
-    if args.model_shape is not None:
-        if tok.vocab_size > args.model_shape.vocab_size:
+    facts = replace(facts, eod_token_id=tok.eod)
+    if shape is not None:
+        if tok.vocab_size > shape.vocab_size:
             raise ValueError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the checkpoint's "
-                             f"({args.model_shape.vocab_size})")
-        args.vocab_size = args.model_shape.vocab_size  # the model's vocabulary, unpadded
-    if check_only and ({"mask_token", "mask_token_id"} & placeholders or
-                       (args.mask_token is not None and args.shape_unknown)):
-        args.check_notes.append("the mask token is a placeholder (or needs the --load checkpoint's tokenizer): its "
-                                "vocabulary rule runs at launch")
-        return args
+                             f"({shape.vocab_size})")
+        args.vocab_size = shape.vocab_size  # the model's vocabulary, unpadded
+    if check_only and ({"mask_token", "mask_token_id"} & placeholders or (args.mask_token is not None and unknown)):
+        notes.append("the mask token is a placeholder (or needs the --load checkpoint's tokenizer): its "
+                     "vocabulary rule runs at launch")
+        return facts
     if args.mask_token is not None:
         if args.mask_token_id is not None:
             raise ValueError("give --mask-token-id or --mask-token, not both")
@@ -209,13 +224,13 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
             raise ValueError(f"--mask-token: {exc}") from None
     from megatron_csbp.model.builder import embedding_rows
 
-    rows = embedding_rows(args)
+    rows = embedding_rows(args, shape)
     if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
         from megatron_csbp.objectives.flags import default_mask_token_id
 
         args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
     check_vocab(args, rows)
-    return args
+    return facts
 
 
 def check_counts(args) -> None:
@@ -226,13 +241,13 @@ def check_counts(args) -> None:
         args.eval_iters = 100 if (getattr(args, "eval_interval", None) or getattr(args, "skip_train", False)) else 0
 
 
-def check_pretrained(args) -> None:
+def check_pretrained(args, facts: RunFacts) -> None:
     """An objective that adapts a pretrained model (fast-dllm-v2) and Megatron's --finetune start from
     weights: a --load that holds no checkpoint (a typo) must not start a random model."""
     needs = objective_class(args.objective).needs_pretrained if args.objective in objective_names() else None
     why = f"--objective {args.objective} {needs}" if needs else \
         ("--finetune starts from the weights of --load" if getattr(args, "finetune", False) else None)
-    if why is None or args.load_step is not None or args.shape_unknown:  # (launch --check: --load not here)
+    if why is None or facts.load_step is not None or facts.shape_unknown:  # (launch --check: --load not here)
         return
     if not args.load:
         raise ValueError(f"{why}: give --load DIR (a checkpoint, e.g. from python -m megatron_csbp.convert "
@@ -283,9 +298,9 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         args.tokenizer_model = os.path.join(args.load, "hf_assets")  # the tokenizer that came with the model
 
 
-def check_model_options(args, check_only: bool = False) -> None:
+def check_model_options(args, check_only: bool = False, shape=None) -> None:
     """Rules between model flags (each flag's own: config/options.py): rope scaling,
-    recomputation, and the attention kernel named by --attention-backend."""
+    recomputation, and the attention kernel named by --attention-backend (`shape`: the --load model's)."""
     if args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None:
         raise ValueError("give --use-rope-scaling or --rotary-seq-len-interpolation-factor, not both")
     if args.recompute_granularity != "full":
@@ -319,16 +334,15 @@ def check_model_options(args, check_only: bool = False) -> None:
             require_flash_attn()
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
-    if args.model_shape is not None and args.add_bias_linear:
+    if shape is not None and args.add_bias_linear:
         raise ValueError(f"--add-bias-linear: the model shape comes from the checkpoint --load {args.load}")
 
 
-def check_clean_attention(args) -> None:
-    """Fills the --clean-attention default; a family may fix it (DiffusionGemma's clean stream is
-    token-causal: `Family.clean_attention`)."""
+def check_clean_attention(args, shape=None) -> None:
+    """Fills the --clean-attention default; the family of a --load model (`shape`) may fix it
+    (DiffusionGemma's clean stream is token-causal: `Family.clean_attention`)."""
     from megatron_csbp.model.families import get_family
 
-    shape = args.model_shape
     fixed = get_family(shape.family).clean_attention if shape is not None else None
     if args.clean_attention is None:
         args.clean_attention = fixed or "block_causal"
@@ -336,13 +350,11 @@ def check_clean_attention(args) -> None:
         raise ValueError(f"--clean-attention {args.clean_attention}: a {shape.family} model's clean stream is {fixed}")
 
 
-def check_experts_and_objective(args) -> None:
+def check_experts_and_objective(args, facts: RunFacts) -> None:
     """Expert parallelism needs an MoE model; the objective's own rules (`Objective.validate`, e.g.
     DiffusionGemma's SFT needs DiffusionGemma and SFT data)."""
-    check_moe_flags(args)
-    shape = args.model_shape
-    # launch --check without the checkpoint: the rules that need its shape are skipped
-    unknown = getattr(args, "shape_unknown", False)
+    shape, unknown = facts.model_shape, facts.shape_unknown  # unknown: launch --check without the checkpoint
+    check_moe_flags(args, shape)
     ep = args.expert_model_parallel_size
     # the experts: a converted model's (its shape), else the flags' (--num-experts)
     experts = shape.num_experts if shape is not None and shape.is_moe else (
@@ -372,7 +384,7 @@ def check_experts_and_objective(args) -> None:
                              f"--seq-length / --block-size = {blocks} blocks must be a multiple of {unit} so every "
                              f"block-parallel rank owns as many noisy blocks ({args.block_ownership} ownership); the "
                              "MoE token dispatcher needs equal row counts across expert ranks")
-    objective_class(args.objective).validate(args)
+    objective_class(args.objective).validate(args, facts)
 
 
 def check_run_flags(args: argparse.Namespace) -> None:
@@ -422,11 +434,11 @@ def moe_pattern(args):
     return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
 
 
-def check_moe_flags(args: argparse.Namespace) -> None:
-    """Rules of the MoE flags of a flag-built model."""
+def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
+    """Rules of the MoE flags of a flag-built model (`shape`: the --load model's)."""
     if args.num_experts is None:
         return
-    if args.model_shape is not None:
+    if shape is not None:
         return  # a converted model's MoE comes from its shape (apply_model_shape compares the flags)
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
@@ -461,14 +473,16 @@ def check_vocab(args, vocab_size: int) -> None:
     build_objective(args, vocab_size)
 
 
-def model_args(args, **overrides):
-    """ModelArgs of the flags (every field the namespace names, then `overrides`), carrying the
-    objective's own flags along (ModelArgs need not name them)."""
+def model_args(args, facts: Optional[RunFacts] = None, **overrides):
+    """ModelArgs of the flags (every field the namespace names), what they derive (`facts`: the
+    --load shape, the EOD, ...), then `overrides`; carrying the objective's own flags and
+    `RunFacts.objective_facts` along (ModelArgs need not name them)."""
     from megatron_csbp.training.model import ModelArgs
 
     fields = ModelArgs.__dataclass_fields__
-    margs = ModelArgs(**{**{k: getattr(args, k) for k in fields if hasattr(args, k)}, **overrides})
-    for dest, value in objective_options(args).items():
+    derived = {k: getattr(facts, k) for k in fields if hasattr(facts, k)}
+    margs = ModelArgs(**{**{k: getattr(args, k) for k in fields if hasattr(args, k)}, **derived, **overrides})
+    for dest, value in {**objective_options(args), **getattr(facts, "objective_facts", {})}.items():
         setattr(margs, dest, value)
     return margs
 

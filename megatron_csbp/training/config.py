@@ -1,10 +1,10 @@
 """The trainer's one typed config: what `Trainer` reads, grouped by concern.
 
-`TrainerConfig.from_args(args)` takes the namespace `training.arguments.parse_args` validated (every
-rule about the flags lives there and in the objective/layout objects it builds) and copies it into
-frozen sections. From then on nothing reads the namespace: the model is described by `ModelArgs`
-(the typed model config `training.model.build_model` consumes, shared with generate and the
-Megatron-LM hooks), and the loop, optimizer, data, evaluation, checkpoints and logging each by a
+`TrainerConfig.from_args(args, facts)` takes the namespace `training.arguments.parse_args` validated
+(every rule about the flags lives there and in the objective/layout objects it builds) and what the
+flags derive (`RunFacts`), and copies them into frozen sections. From then on nothing reads the
+namespace: the model is described by `ModelArgs` (the typed model config `training.model.build_model`
+consumes, shared with generate and the Megatron-LM hooks), and the loop, optimizer, data, evaluation, checkpoints and logging each by a
 section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `optim.lr_warmup_iters`.
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.config.options import OPTIONS, section_fields
 
 
-def _take(cls, args: argparse.Namespace, **overrides):
-    """`cls` with every field copied from the namespace attribute of the same name."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls)
-              if f.name not in overrides and (hasattr(args, f.name) or f.default is MISSING)}
+def _take(cls, args: argparse.Namespace, facts=None, **overrides):
+    """`cls` with every field copied from the attribute of the same name of `facts` (what the flags
+    derive: training.arguments.RunFacts), else of the namespace."""
+    values = {f.name: getattr(facts if hasattr(facts, f.name) else args, f.name) for f in fields(cls)
+              if f.name not in overrides and (hasattr(facts, f.name) or hasattr(args, f.name) or f.default is MISSING)}
     values.update(overrides)
     return cls(**values)
 
@@ -69,18 +70,20 @@ CHECKPOINT_MODEL_KEYS = (*(o.name for o in OPTIONS if o.saved), "mask_token_id",
                          "noise_eps_max", "loss_weighting")
 
 
-def model_meta(args: argparse.Namespace) -> Dict[str, Any]:
+def model_meta(args: argparse.Namespace, facts=None) -> Dict[str, Any]:
     """`bdlm_meta.json` "model_args": the saved flags, plus what they derive that a reader needs
-    (the padded vocabulary of a flag-built model, which depends on TP; the weights' dtype)."""
+    (`facts`: the tokenizer's EOD; the padded vocabulary of a flag-built model, which depends on TP;
+    the weights' dtype)."""
     from megatron_csbp.model.builder import padded_vocab_size
 
     meta = {k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}
+    meta["eod_token_id"] = getattr(facts, "eod_token_id", None)
     from megatron_csbp.data.tokenizer import tokenizer_record
 
     meta.update(tokenizer_record(meta["tokenizer_type"], meta["tokenizer_model"]))  # found again by the export
     meta["params_dtype"] = ("bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False)
                             else "float32")
-    if getattr(args, "model_shape", None) is None and getattr(args, "vocab_size", None):
+    if getattr(facts, "model_shape", None) is None and getattr(args, "vocab_size", None):
         meta["padded_vocab_size"] = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                       args.tensor_model_parallel_size)
     return meta
@@ -98,20 +101,21 @@ class TrainerConfig:
     log: LogConfig
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
-        """From a namespace `validate_args` has filled (derived sizes, the checkpoint's shape)."""
+    def from_args(cls, args: argparse.Namespace, facts) -> "TrainerConfig":
+        """From a namespace `validate_args` has checked and what it derived (`facts`: RunFacts, the sizes
+        and the checkpoint's shape)."""
         from megatron_csbp.training.arguments import model_args
 
         return cls(
-            model=model_args(args),
-            parallel=_take(ParallelConfig, args),
-            batch=_take(BatchConfig, args),
+            model=model_args(args, facts),
+            parallel=_take(ParallelConfig, args, facts),
+            batch=_take(BatchConfig, args, facts),
             optim=_take(OptimConfig, args),
             data=_take(DataConfig, args),
             eval=_take(EvalConfig, args),
-            checkpoint=_take(CheckpointConfig, args, model_shape=getattr(args, "model_shape", None),
-                             model_meta=model_meta(args)),
+            checkpoint=_take(CheckpointConfig, args, facts, model_meta=model_meta(args, facts)),
             log=_take(LogConfig, args, wandb_save_dir=args.wandb_save_dir or (
                 os.path.join(args.save, "wandb") if args.wandb_project else None),  # --save/wandb by default
-                      flags={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}),
+                      flags={k: v for k, v in {**vars(args), **vars(facts), **facts.objective_facts}.items()
+                             if isinstance(v, (int, float, str, bool, type(None)))}),  # the flags and what they derive
         )

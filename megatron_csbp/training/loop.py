@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         from megatron_csbp.training.demo import prepare_demo
         argv = prepare_demo(int(os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    args = parse_args(argv)
+    args, facts = parse_args(argv)
     from contextlib import nullcontext
 
     from megatron_csbp.training.signals import ExitSignal
@@ -45,7 +45,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     # --exit-signal-handler: SIGTERM is noted from here on (Megatron-LM installs its handler at
     # initialization), so a signal while the ranks build and load ends in a save, not a kill
     with ExitSignal() if args.exit_signal_handler else nullcontext() as exit_signal:
-        with Trainer(TrainerConfig.from_args(args)) as trainer:
+        with Trainer(TrainerConfig.from_args(args, facts)) as trainer:
             _log0(trainer.describe())
             result = trainer.train(exit_signal)
     if demo:
