@@ -79,15 +79,14 @@ def imports_of(path: str):
     return out
 
 
+def package_files():
+    """Every .py file of megatron_csbp/."""
+    return [os.path.join(dirpath, f) for dirpath, _, files in os.walk(PKG) for f in files if f.endswith(".py")]
+
+
 @functools.lru_cache(maxsize=None)
 def package_imports():
-    found = {}
-    for dirpath, _, files in os.walk(PKG):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                found[module_name(path)] = imports_of(path)
-    return found
+    return {module_name(path): imports_of(path) for path in package_files()}
 
 
 def within(module: str, prefix: str) -> bool:
@@ -225,11 +224,7 @@ def optimizer_calls(path: str):
 
 def test_only_training_steps_an_optimizer():
     """One training loop (issue 33): only files under training/ build or step an optimizer."""
-    calls = {}
-    for dirpath, _, files in os.walk(PKG):
-        for f in files:
-            if f.endswith(".py"):
-                calls[os.path.join(dirpath, f)] = optimizer_calls(os.path.join(dirpath, f))
+    calls = {path: optimizer_calls(path) for path in package_files()}
     inside = [c for p, cs in calls.items() if within(module_name(p), "megatron_csbp.training") for c in cs]
     outside = [c for p, cs in calls.items() if not within(module_name(p), "megatron_csbp.training") for c in cs]
     assert any("get_megatron_optimizer" in c for c in inside) and any(".step" in c for c in inside), inside

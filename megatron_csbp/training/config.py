@@ -18,11 +18,16 @@ from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.config.options import OPTIONS, section_fields
 
 
+def _source(args: argparse.Namespace, facts, name: str):
+    """Where `name` lives: `facts` (what the flags derive: training.arguments.RunFacts) when it
+    has it, else the namespace."""
+    return facts if hasattr(facts, name) else args
+
+
 def _take(cls, args: argparse.Namespace, facts=None, **overrides):
-    """`cls` with every field copied from the attribute of the same name of `facts` (what the flags
-    derive: training.arguments.RunFacts), else of the namespace."""
-    values = {f.name: getattr(facts if hasattr(facts, f.name) else args, f.name) for f in fields(cls)
-              if f.name not in overrides and (hasattr(facts, f.name) or hasattr(args, f.name) or f.default is MISSING)}
+    """`cls` with every field copied from the attribute of the same name (`_source`)."""
+    values = {f.name: getattr(_source(args, facts, f.name), f.name) for f in fields(cls)
+              if f.name not in overrides and (hasattr(_source(args, facts, f.name), f.name) or f.default is MISSING)}
     values.update(overrides)
     return cls(**values)
 
@@ -76,8 +81,7 @@ def model_meta(args: argparse.Namespace, facts=None) -> Dict[str, Any]:
     the weights' dtype)."""
     from megatron_csbp.model.builder import padded_vocab_size
 
-    meta = {k: getattr(args, k, None) for k in CHECKPOINT_MODEL_KEYS}
-    meta["eod_token_id"] = getattr(facts, "eod_token_id", None)
+    meta = {k: getattr(_source(args, facts, k), k, None) for k in CHECKPOINT_MODEL_KEYS}
     from megatron_csbp.data.tokenizer import tokenizer_record
 
     meta.update(tokenizer_record(meta["tokenizer_type"], meta["tokenizer_model"]))  # found again by the export
