@@ -45,7 +45,7 @@ from megatron_csbp.compat.device import _NoOpStream, _to_cpu_device
 
 _TAG = "_cuda_shaped_on_cuda"
 DEVICE_COUNT = 8
-_STATE = types.SimpleNamespace(index=0, installed=False, nccl_groups=set(), modes=[])
+_STATE = types.SimpleNamespace(index=0, installed=False, nccl_groups=set(), modes=[], strict=True)
 #: what Event.record() reads; a test may replace it (seconds)
 EVENT_CLOCK = [time.perf_counter]
 
@@ -103,13 +103,59 @@ def _place(out, inputs, cuda: bool):
 _DEVICE_GET = torch.Tensor.device.__get__
 _IS_CUDA_GET = torch.Tensor.is_cuda.__get__
 _IS_CPU_GET = torch.Tensor.is_cpu.__get__
+_REAL_DEVICE = lambda t: _DEVICE_GET(t)  # noqa: E731  (where the tensor really is: cpu, or meta)
+
+
+# ---- CUDA's device rule -------------------------------------------------------------------------------
+#: calls whose tensor arguments may lie on different devices on CUDA: copies and moves, arguments read
+#: for their shape or dtype only, `p.data = t` (Module.to), autograd's graph-wide entry points
+_ANY_DEVICE = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type_as,
+               torch.Tensor.view_as, torch.Tensor.expand_as, torch.Tensor.reshape_as, torch.Tensor.new_tensor,
+               torch.tensor, torch.as_tensor, torch.Tensor.data.__set__, torch.autograd.grad, torch.autograd.backward,
+               torch.Tensor.__deepcopy__, torch.Tensor.__reduce_ex__, torch.Tensor.__setstate__,
+               torch._has_compatible_shallow_copy_type}
+
+
+def _devices_checked(func, args, kwargs):
+    """Raise as CUDA does when a call mixes a CUDA tensor with a CPU one (0-dim CPU tensors, like
+    Python numbers, are scalars CUDA accepts). Indexing takes its index tensors on the CPU too."""
+    if func in _ANY_DEVICE:
+        return
+    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+        self_, index = args[0], args[1]
+        indices = [t for t in pytree.tree_leaves(index) if isinstance(t, torch.Tensor)]
+        if not on_cuda(self_) and any(on_cuda(t) for t in indices):
+            raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+        if func is torch.Tensor.__getitem__ or not indices:
+            return  # a basic-index assignment is a copy_: the value may be on any device
+        args = (self_, args[2])  # index_put_: the value on self's device
+    cuda, cpu = None, None
+    for t in pytree.tree_leaves((args, kwargs)):
+        if not isinstance(t, torch.Tensor) or _REAL_DEVICE(t).type != "cpu":
+            continue
+        if on_cuda(t):
+            cuda = t
+        elif t.dim() > 0:
+            cpu = t
+    if cuda is None or cpu is None:
+        return
+    name = getattr(func, "__name__", str(func))
+    if name in ("masked_fill", "masked_fill_") and len(args) > 1 and cpu is args[1]:
+        raise RuntimeError(f"expected self and mask to be on the same device, but got mask on cpu and self on "
+                           f"cuda:{_STATE.index} (cuda_shaped: {name})")
+    raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                       f"cuda:{_STATE.index} and cpu! (cuda_shaped: {name} got a CPU tensor {tuple(cpu.shape)} "
+                       f"{cpu.dtype} beside CUDA tensors)")
 
 
 class _Relocate(TorchFunctionMode):
-    """CUDA factories and moves land on the CPU, tainted; tainted tensors report CUDA."""
+    """CUDA factories and moves land on the CPU, tainted; tainted tensors report CUDA; a call that
+    mixes CUDA and CPU tensors fails as on CUDA."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if _STATE.strict:
+            _devices_checked(func, args, kwargs)
         if func == _DEVICE_GET:
             return _cuda_device() if on_cuda(args[0]) else func(*args, **kwargs)
         if func == _IS_CUDA_GET:
@@ -130,6 +176,11 @@ class _Relocate(TorchFunctionMode):
             return _place(args[0], args[0], False) if on_cuda(args[0]) else func(*args, **kwargs)
         if func is torch.Tensor.to:
             return self._to(func, args, kwargs)
+        if func in (torch.Tensor.new_tensor, torch.Tensor.type_as) and "device" not in kwargs:
+            # on the device of self (new_tensor) or of the other tensor (type_as)
+            cuda = on_cuda(args[0] if func is torch.Tensor.new_tensor else args[1])
+            out = func(*args, **kwargs)
+            return out if on_cuda(out) == cuda else _place(out, (args, kwargs), cuda)
         device = kwargs.get("device")
         if _is_cuda(device):
             kwargs["device"] = torch.device("cpu")
@@ -308,7 +359,8 @@ class _DeviceCtx:
 
 def _properties(device=None):
     return types.SimpleNamespace(name="cuda-shaped (CPU)", total_memory=80 * 2 ** 30, major=9, minor=0,
-                                 multi_processor_count=132, uuid="cuda-shaped")
+                                 multi_processor_count=132, uuid="cuda-shaped",
+                                 shared_memory_per_block_optin=227 * 1024)  # an H100 / H200
 
 
 def _set_device(device):
@@ -319,7 +371,23 @@ def _set_device(device):
     _STATE.index = int(device)
 
 
+class _GeneratorMeta(type(torch.Generator)):
+    """torch.Generator(device="cuda") is the CPU generator's kind; every generator is an instance."""
+
+    real = torch.Generator
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls.real)
+
+    def __call__(cls, device="cpu"):
+        return cls.real(device=torch.device("cpu") if _is_cuda(device) else device)
+
+
 def _patch_cuda() -> None:
+    class Generator(torch.Generator, metaclass=_GeneratorMeta):
+        pass
+
+    torch.Generator = Generator
     c = torch.cuda
     cpu = torch.default_generator
     zero = lambda *a, **k: 0  # noqa: E731

@@ -80,10 +80,65 @@ def test_harness_refuses_cpu_tensors_on_nccl_groups():
     for r in cuda_shaped.run(_harness_rank, 2):
         assert r["backend"] == "nccl" and r["sub_backend"] == "nccl" and r["is_available"]
         assert r["cuda_sum"] == [3.0, 3.0] and r["reports"] == "cuda:" + str(r["reports"][-1])
-        for what, err in r["refused"]:
-            assert err is not None and "No backend type associated with device type cpu" in err, what
+        for what, err in r["refused"]:  # NCCL's refusal, or the device rule's first (a CPU buffer beside a CUDA input)
+            assert err is not None and ("No backend type associated with device type cpu" in err or (
+                what == "cpu output buffer" and err.startswith("Expected all tensors to be on the same device"))), (what, err)
         assert r["gloo"] == ("gloo", 2.0)
         assert r["grad_device"].startswith("cuda")
+
+
+def _device_rule_rank(rank, world_size):
+    import torch
+
+    c, h = torch.randn(4, 4, device="cuda"), torch.randn(4, 4)
+    refused = {
+        "add": lambda: c + h, "cat": lambda: torch.cat([c, h]), "index_select": lambda: c.index_select(0, torch.tensor([0, 1])),
+        "where": lambda: torch.where(h > 0, c, c), "matmul": lambda: c @ h, "masked_fill_": lambda: c.clone().masked_fill_(h > 0, 0.0),
+        "index_put_ of CPU values": lambda: c.clone().__setitem__(torch.tensor([0]), torch.ones(1, 4)),
+        "a CPU tensor indexed by CUDA indices": lambda: h[torch.tensor([0], device="cuda")],
+        "bf16 matmul": lambda: c.bfloat16() @ h.bfloat16(),
+    }
+    allowed = {  # what CUDA accepts: 0-dim CPU tensors and Python numbers, copies, CPU indices, moves
+        "0-dim CPU scalar": lambda: c * torch.tensor(2.0), "python scalar": lambda: c * 2, "copy_": lambda: c.clone().copy_(h),
+        "CPU indices": lambda: c[torch.tensor([0, 1])], "CPU bool mask": lambda: c[h > 0],
+        "slice assignment of CPU values": lambda: c.clone().__setitem__(slice(0, 2), h[:2]), "to": lambda: h.to(c) + c,
+        "new_tensor": lambda: c.new_tensor([1.0, 2, 3, 4]) + c, "type_as": lambda: h.type_as(c) + c,
+        "arange on x.device": lambda: torch.arange(4, device=c.device) + c,
+        "a module moved to cuda, forward and backward in bf16": lambda: torch.nn.Linear(4, 4).cuda().bfloat16()(
+            c.bfloat16().requires_grad_()).sum().backward(),
+        "Adam (its CPU step counts)": lambda: (lambda p: (p.sum().backward(), torch.optim.Adam([p]).step()))(
+            torch.nn.Parameter(torch.ones(3, device="cuda"))),
+    }
+    out = {}
+    for what, fn in refused.items():
+        try:
+            fn()
+            out[what] = None
+        except RuntimeError as exc:
+            out[what] = str(exc)
+    for what, fn in allowed.items():
+        try:
+            fn()
+            out[what] = "ran"
+        except RuntimeError as exc:
+            out[what] = str(exc)
+    return out, list(allowed)
+
+
+def test_a_cpu_tensor_beside_cuda_tensors_fails_as_on_cuda():
+    """CUDA refuses an op that mixes a CUDA tensor with a (non-scalar) CPU tensor; so does the device,
+    with CUDA's messages, while what CUDA accepts runs."""
+    out, allowed = cuda_shaped.run(_device_rule_rank, 1)[0]
+    for what, err in out.items():
+        if what in allowed:
+            assert err == "ran", (what, err)
+        elif what == "masked_fill_":
+            assert err.startswith("expected self and mask to be on the same device, but got mask on cpu and self on cuda:0")
+        elif what.startswith("a CPU tensor indexed"):
+            assert err == "indices should be either on cpu or on the same device as the indexed tensor (cpu)"
+        else:
+            assert err is not None and err.startswith(
+                "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"), (what, err)
 
 
 # ---- item 5: exposed communication timed with CUDA events -------------------------------------------
@@ -243,3 +298,94 @@ def _ep_reference(rank, world_size, state_path):
     out = model(tokens, loss_mask, index)
     torch.save({k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}, state_path)
     return out.loss.item()
+
+
+# ---- the GPU scripts' own code: a CPU tensor beside CUDA ones fails as on a GPU ---------------------
+def _kernels_rank(rank, world_size, out, head_dim):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+    import check_kernels
+
+    return check_kernels.main(["--device", "cuda", "--dtype", "bfloat16", "--lengths", "64", "--block-size", "16",
+                               "--heads", "2", "--groups", "1", "--head-dim", str(head_dim), "--math-max-rows", "64",
+                               "--kernels", "tiled", "--no-timing", "--out", out])
+
+
+def test_check_kernels_mask_is_on_the_kernels_device(tmp_path):
+    """tests/gpu/check_kernels.py on (shaped) CUDA in bf16: its block-diffusion mask must reach the
+    kernels on the CUDA device; before the fix the tiled kernel's masked_fill_ mixed the CPU mask
+    with CUDA scores, which CUDA refuses."""
+    r = cuda_shaped.run(_kernels_rank, 1, str(tmp_path / "k.json"), 16)[0]
+    cells = r["cases"][0]["kernels"]
+    assert r["ok"] and r["failed"] == [], r["failed"]
+    assert cells["tiled"]["fwd"]["ok"] and cells["tiled"]["bwd"]["ok"] and cells["math"]["fwd"]["ok"]
+
+
+# ---- the kernel each layer takes on CUDA (attention/kernels/capability.py) --------------------------
+def _wide_layer_rank(rank, world_size):
+    import torch
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp.attention.kernels import capability, registry
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.diffusiongemma import diffusion_gemma_model
+    from megatron_csbp.model.diffusiongemma.sft import DiffusionGemmaSFTModel
+    from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
+    from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
+    from tests.test_diffusiongemma_ep import B, L, V, _batch
+
+    mpu.initialize_model_parallel()
+    # DiffusionGemma's head dims: 128 on the sliding layers, 512 on the full (global) ones
+    config = tiny_megatron_config(sliding_window=3, kv_channels=128, full_kv_channels=512, params_dtype=torch.bfloat16,
+                                  bf16=True)
+    calls = []
+    tiled = registry.KERNELS["tiled"]
+
+    def flex_on_this_device(q, k, v, mask, scale):  # no CUDA kernel runs here: Flex's numbers by the tiled kernel
+        calls.append(("flex", q.shape[-1]))
+        return tiled(q, k, v, mask, scale)
+
+    def recorded_tiled(q, k, v, mask, scale):
+        calls.append(("tiled", q.shape[-1]))
+        return tiled(q, k, v, mask, scale)
+
+    registry.KERNELS.update(flex=flex_on_this_device, tiled=recorded_tiled)
+    gpt = diffusion_gemma_model(config, V, 64)  # --attention-kernel auto
+    model = DiffusionGemmaSFTModel(gpt, DiffusionGemmaSFTObjective(B, V, seed=7),
+                                   SequenceLayout(BlockGeometry(L, B, "token_causal"))).cuda()
+    tokens, loss_mask, index = _batch()
+    out = model(tokens.cuda(), loss_mask.cuda(), index)
+    out.loss.backward()
+    explicit = []
+    for name in ("flex", "flash"):
+        try:
+            capability.choose(name, torch.device("cuda"), 512, torch.bfloat16)
+        except ValueError as exc:
+            explicit.append(str(exc))
+    return {"calls": sorted(set(calls)), "logged": sorted(capability._LOGGED), "loss": out.loss.item(),
+            "explicit": explicit, "grad_device": str(next(gpt.parameters()).grad.device)}
+
+
+def test_a_512_wide_layer_takes_the_tiled_kernel_on_cuda():
+    """A DiffusionGemma-like model in bf16 on (shaped) CUDA, --attention-kernel auto: its 128-wide
+    sliding layers take Flex, its 512-wide global layers the tiled kernel (Flex's CUDA templates are
+    not proven past 256), forward and backward; one log line per distinct choice (an autograd
+    run and a no-grad pass are distinct); an explicit
+    kernel that cannot run 512 is refused naming the flag."""
+    import math
+
+    r = cuda_shaped.run(_wide_layer_rank, 1)[0]
+    assert r["calls"] == [("flex", 128), ("tiled", 512)], r["calls"]
+    # the self-conditioning pass runs without gradients: its choices are lines of their own
+    assert r["logged"] == sorted(
+        [f"attention kernel: flex for head dim 128, bfloat16, cuda{b} (--attention-kernel auto)" for b in ("", " with backward")]
+        + [f"attention kernel: tiled for head dim 512, bfloat16, cuda{b} (--attention-kernel auto)" for b in ("", " with backward")]
+        + [f"attention kernel: flex runs head dims up to 256 {w} backward, not 512; next choice" for w in ("with", "without")])
+    assert math.isfinite(r["loss"]) and r["grad_device"].startswith("cuda")
+    assert r["explicit"] == [
+        "--attention-kernel flex runs head dims up to 256 with backward, not 512 (head dim 512, bfloat16, cuda): "
+        "use --attention-kernel auto or tiled",
+        "--attention-kernel flash runs head dims up to 256 with backward, not 512 (head dim 512, bfloat16, cuda): "
+        "use --attention-kernel auto or tiled"]

@@ -14,6 +14,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.attention.block_attention import block_diffusion_attention
+from megatron_csbp.attention.kernels.capability import choose
 from megatron_csbp.attention.kernels.registry import get_kernel
 from megatron_csbp.attention.plan_handles import kv_source_of, layer_window, plan_from_mask
 
@@ -56,6 +57,12 @@ class BlockDiffusionAttention(MegatronModule):
         self.kernel_name = kernel
         self.window = layer_window(config, self.layer_number)
 
+    def kernel_for(self, query: torch.Tensor, value: torch.Tensor) -> str:
+        """The kernel of this layer's call: --attention-kernel, or for 'auto' the capability table's
+        choice for its head dim, dtype and device (`kernels.capability.choose`)."""
+        backward = torch.is_grad_enabled() and (query.requires_grad or value.requires_grad)
+        return choose(self.kernel_name, query.device, max(query.shape[-1], value.shape[-1]), query.dtype, backward)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -80,7 +87,7 @@ class BlockDiffusionAttention(MegatronModule):
             raise RuntimeError(
                 f"core attention got {query.shape[0]} rows but the block layout has {plan.num_query_rows} on this rank"
             )
-        kernel = get_kernel(self.kernel_name, query.device)
+        kernel = get_kernel(self.kernel_for(query, value), query.device)
         out = block_diffusion_attention(
             query, key, value, plan,
             softmax_scale=self.softmax_scale, kernel=kernel, window=self.window, layer=self.layer_number,

@@ -15,6 +15,10 @@ gradients; the lse (fp32 from fp32 sums of bf16 products; |scores| <~ 10 -> erro
 the score rounding of flash-style kernels, ~u relative on |score|) is checked in absolute terms
 with 2e-2. A kernel that drops or adds one block of keys is off by O(1) in all of these.
 
+Then a 512-wide layer (DiffusionGemma's global head dim): the kernel `--attention-kernel auto` takes
+for it on this device (the capability table, `attention/kernels/capability.py`), forward and backward
+against fp64 at --wide-rows rows, same tolerances.
+
 Speed: forward and forward+backward time (median of reps), TFLOP/s counted on the mask's allowed
 pairs (`PartialMask.allowed_pairs()`, 4*H*d flops a pair forward, 2.5x that backward) against
 torch SDPA (flash backend) causal over L rows at the same H/G/d (L(L+1)/2 pairs).
@@ -176,6 +180,42 @@ def speed(fn_fwd, fn_bwd, pairs, H, d, reps):
     return {"fwd_ms": t_f * 1e3, "fwd_tflops": f / t_f / 1e12, "fwd_bwd_ms": t_b * 1e3, "fwd_bwd_tflops": 3.5 * f / t_b / 1e12}
 
 
+def inputs(L, H, G, d, dev, dtype):
+    """q, k, v, d_out [L, 1, heads, d] in `dtype` and d_lse [1, H, L] fp32, drawn on the CPU from seed L."""
+    gen = torch.Generator(device="cpu").manual_seed(L)
+    draw = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k, v, d_out = draw(L, 1, H, d), draw(L, 1, G, d), draw(L, 1, G, d), draw(L, 1, H, d)
+    return q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), d_out.to(dev, dtype), draw(1, H, L).to(dev)
+
+
+#: DiffusionGemma's global layers (global_head_dim 512; docs/diffusiongemma.md)
+WIDE_HEAD_DIM = 512
+
+
+def wide(a, dev, dtype, report, save):
+    """A 512-wide layer: the kernel `--attention-kernel auto` takes for it on this device
+    (`kernels.capability.choose`), forward and backward against fp64, at --wide-rows rows, 2 heads."""
+    from megatron_csbp.attention.kernels.capability import choose
+
+    L, H, G, d = a.wide_rows, 2, 1, WIDE_HEAD_DIM
+    mask = block_diffusion_mask(L, a.block_size, a.clean_attention).to(dev)
+    q, k, v, d_out, d_lse = inputs(L, H, G, d, dev, dtype)
+    scale = 1.0 / math.sqrt(d)
+    case = {"L": L, "head_dim": d, "heads": H, "groups": G, "allowed_pairs": mask.allowed_pairs(), "kernels": {}}
+    report["cases"].append(case)
+    try:
+        case["auto_kernel"] = name = choose("auto", dev, d, dtype, backward=True)
+        ref = reference(q, k, v, mask, scale, d_out, d_lse)
+        cell = check_kernel(name, q, k, v, mask, scale, d_out, d_lse, ref, backward=True)
+    except Exception as exc:  # a failure, recorded with the kernel that was chosen
+        name = case.get("auto_kernel", "auto")
+        cell = {"error": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-1500:]}
+    case["kernels"][name] = cell
+    print(json.dumps({"L": L, "head_dim": d, "kernel": name, **{k_: v_ for k_, v_ in cell.items() if k_ != "trace"}}),
+          flush=True)
+    save()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -189,6 +229,8 @@ def main(argv=None):
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--wide-rows", type=int, default=1024,
+                   help="rows of the 512-wide layer check (the kernel 'auto' takes there, fwd + bwd); 0: none")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--time-budget", type=float, default=300.0,
@@ -216,7 +258,7 @@ def main(argv=None):
         # pass; only a CUDA-only kernel on another device ("not_applicable") is left out, by name.
         left_out = ("not_applicable", "not_installed")
         checked = [c for case in report["cases"] for c in case["kernels"].values() if not any(x in c for x in left_out)]
-        report["failed"] = [f"L={case['L']} {name}: " + (c.get("error") or c.get("skipped") or "outside tolerance")
+        report["failed"] = [f"L={case['L']}{' d=%d' % case['head_dim'] if 'head_dim' in case else ''} {name}: " + (c.get("error") or c.get("skipped") or "outside tolerance")
                             for case in report["cases"] for name, c in case["kernels"].items()
                             if not any(x in c for x in left_out) and not (
                                 "fwd" in c and c["fwd"]["ok"] and c["bwd"].get("ok", True))]
@@ -229,14 +271,9 @@ def main(argv=None):
             json.dump(report, fh, indent=1)
 
     for L in a.lengths:
-        mask = block_diffusion_mask(L, a.block_size, a.clean_attention)
+        mask = block_diffusion_mask(L, a.block_size, a.clean_attention).to(dev)  # the kernels' device, as the plan's
         pairs = mask.allowed_pairs()
-        gen = torch.Generator(device="cpu").manual_seed(L)
-        q = torch.randn(L, 1, H, d, generator=gen).to(dev, dtype)
-        k = torch.randn(L, 1, G, d, generator=gen).to(dev, dtype)
-        v = torch.randn(L, 1, G, d, generator=gen).to(dev, dtype)
-        d_out = torch.randn(L, 1, H, d, generator=gen).to(dev, dtype)
-        d_lse = torch.randn(1, H, L, generator=gen).to(dev)
+        q, k, v, d_out, d_lse = inputs(L, H, G, d, dev, dtype)
         scale = 1.0 / math.sqrt(d)
         t0 = time.time()
         ref = reference(q, k, v, mask, scale, d_out, d_lse)
@@ -312,6 +349,8 @@ def main(argv=None):
             print(json.dumps({"L": L, "sdpa_flash_causal": case["sdpa_flash_causal"]}), flush=True)
         del ref
         save()
+    if a.wide_rows:
+        wide(a, dev, dtype, report, save)
     save()
     print(f"wrote {a.out}: ok={report['ok']} in {report['wall_s']:.0f} s", flush=True)
     for line in report["failed"]:

@@ -179,7 +179,7 @@ def summary(out_dir: str, mode: str, seconds: int) -> dict:
         rc = int(rc)
         step = {"name": name, "status": "passed" if rc == 0 else "failed", "exit": rc, "seconds": int(secs),
                 "limit_s": int(limit)}
-        if rc == 124:
+        if rc in (124, 137):  # timeout's TERM, then its KILL (-k)
             step["why"] = f"ran out of its {limit} s limit (a failure, not a skip)"
         if extra:
             step["json"] = extra

@@ -182,9 +182,11 @@ class _TiledAttention(torch.autograd.Function):
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, mask: PartialMask) -> None:
-    """`mask` covers q's rows x k's rows, and the query heads are a multiple of the K/V heads."""
+    """`mask` covers q's rows x k's rows on q's device, and the query heads are a multiple of the K/V heads."""
     if mask.shape != (q.shape[0], k.shape[0]):
         raise ValueError(f"mask covers {mask.shape} (queries, keys), attention got {(q.shape[0], k.shape[0])}")
+    if mask.q.block.device != q.device:
+        raise ValueError(f"the mask's row vectors are on {mask.q.block.device}, q on {q.device}: mask.to(q.device)")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of K/V heads {k.shape[2]}")
 
