@@ -31,7 +31,10 @@ def test_run_all_cpu_dry_run(tmp_path):
     env_report = json.load(open(tmp_path / "env.json"))
     assert env_report["ok"] and env_report["megatron_core"] and env_report["device"] == "cpu"
     report = json.load(open(tmp_path / "gpu_kernels.json"))
-    assert report["ok"] and report["device"] == "cpu" and len(report["cases"]) == 1
+    assert report["ok"] and report["device"] == "cpu" and len(report["cases"]) == 2
+    wide = report["cases"][1]  # a 512-wide layer: the kernel auto takes on CPU, forward and backward vs fp64
+    assert wide["head_dim"] == 512 and wide["auto_kernel"] == "cpu_flash"
+    assert wide["kernels"]["cpu_flash"]["fwd"]["ok"] and wide["kernels"]["cpu_flash"]["bwd"]["ok"]
     assert report["failed"] == [] and report["not_installed"] == []
     assert report["not_applicable"] == ["flash: flash-attn runs on CUDA only (device cpu)"]
     case = report["cases"][0]
@@ -176,3 +179,56 @@ def test_a_kernel_whose_package_is_missing_is_not_installed_never_passed(tmp_pat
     assert report["ok"] and report["failed"] == []
     assert report["not_installed"] == ["flash: flash-attn is not installed"]
     assert report["cases"][0]["kernels"]["flash"] == {"not_installed": "flash-attn is not installed"}
+
+
+def _plan(*args):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run_all.sh"), "--plan", *args],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, CSBP_GPU_WHEELS="/no-wheels"))
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_gpu_limits_fit_six_minutes_and_one_step_reruns_alone():
+    """The GPU steps' limits, each with timeout's kill grace, sum to at most 360 s (a 15-minute visit
+    then holds a rerun); speed runs one length (each adds cold Flex compiles), the longer ones only
+    with --only speed_long; --only runs install and that step, --limit sets its limit; a step name
+    that does not exist is one error line."""
+    rc, out, _ = _plan()
+    steps = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith("step ")}
+    assert rc == 0 and list(steps) == ["install", "env", "kernels", "gpt", "resume", "speed", "moe"], out
+    assert sum(int(s[2]) + int(s[3]) for s in steps.values()) <= 360
+    assert all(int(s[3]) > 0 for s in steps.values())  # timeout -k: a killed step's trainer does not outlive it
+    speed = steps["speed"]
+    assert speed[speed.index("--tokens") + 1:speed.index("--out")] == ["8192"]
+    rc, out, _ = _plan("--only", "speed_long", "--limit", "200")
+    assert rc == 0 and [line.split()[1:3] for line in out.splitlines()] == [["install", "15"], ["speed_long", "200"]]
+    assert "--tokens 32768 131072" in out
+    rc, out, _ = _plan("--only", "nope")
+    assert rc == 2 and out.strip().splitlines() == [
+        "error: --only must be one of: install env kernels gpt resume speed moe speed_long reference_kernels (got 'nope')"]
+
+
+def test_a_step_out_of_time_still_leaves_its_json(tmp_path):
+    """`--only speed --limit 1`: the step is killed, its JSON says so, the summary fails it by name."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, CSBP_GPU_WHEELS=str(tmp_path / "no-wheels"),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run_all.sh"), "--cpu-dry-run", "--only", "speed",
+                           "--limit", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert json.load(open(tmp_path / "speed.json")) == {"ok": False, "error": "killed: ran out of its 1 s limit (exit 124)"}
+    results = json.load(open(tmp_path / "gpu_results.json"))
+    assert results["failed"] == ["speed"] and results["passed"] == [] and [s["name"] for s in results["steps"]] == ["speed"]
+    assert "run_all summary (cpu-dry-run --only speed): 0 passed [], 1 failed [speed]" in proc.stdout
+
+
+def test_check_resume_writes_its_json_when_a_run_times_out(tmp_path):
+    """A trainer run past --timeout is killed (subprocess.TimeoutExpired), and the JSON still says what
+    happened: the uninterrupted run ran out of time, the resumed run was not started."""
+    import check_resume
+
+    out = tmp_path / "resume.json"
+    assert check_resume.main(["--device", "cpu", "--timeout", "1", "--out", str(out)]) == 1
+    report = json.load(open(out))
+    assert not report["ok"] and report["runs"]["uninterrupted"]["returncode"] == "timeout"
+    assert "killed after 1 s" in report["runs"]["uninterrupted"]["stderr_tail"]
+    assert report["runs"]["resumed"]["returncode"] == "not run"
+    assert report["problems"][0] == "uninterrupted run ran out of time"

@@ -56,13 +56,12 @@ while [ $# -gt 0 ]; do
 done
 if [ -n "$LIMIT" ] && [ -z "$ONLY" ]; then echo "error: --limit needs --only STEP (it sets that step's limit)"; exit 2; fi
 OUT_DIR="${OUT:-gpu_report}"
-mkdir -p "$OUT_DIR"
-OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+if [ "$PLAN" = 0 ]; then mkdir -p "$OUT_DIR"; OUT_DIR="$(cd "$OUT_DIR" && pwd)"; fi
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 LOG="$OUT_DIR/gpu_check.log"
 STEPS="$OUT_DIR/steps.tsv"
 KILL_AFTER=2  # seconds between timeout's TERM and its KILL: a killed step's trainer must not outlive it
-: > "$STEPS"
+[ "$PLAN" = 1 ] || : > "$STEPS"
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
 
@@ -79,7 +78,7 @@ step() {
   shift 3
   wants "$name" || return 0
   if [ "$name" = "$ONLY" ] && [ -n "$LIMIT" ]; then limit=$LIMIT; fi
-  if [ "$PLAN" = 1 ]; then echo "step $name $limit $*"; return 0; fi
+  if [ "$PLAN" = 1 ]; then echo "step $name $limit $KILL_AFTER $*"; return 0; fi
   echo "== $name (limit ${limit} s): $*" | tee -a "$LOG"
   t0=$(date +%s)
   timeout -k "$KILL_AFTER" "$limit" "$@" 2>&1 | tee -a "$LOG"
@@ -112,8 +111,8 @@ fi
 # install: the carried wheels, exactly as the image needs them (no index, no dependencies)
 WHEELS="${CSBP_GPU_WHEELS:-tests/gpu/wheels}"
 WHEELS_ABS=""
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  WHEELS_ABS="$(cd "$WHEELS" && pwd)"
+if compgen -G "$WHEELS/*.whl" > /dev/null || [ "$PLAN" = 1 ]; then
+  WHEELS_ABS="$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")"
   # installed under the output folder, not beside the wheels: the unpacked packages (~70 MB) must not
   # travel with the next device call that carries tests/gpu/wheels (64 MiB at most)
   SITE="$OUT_DIR/site"
