@@ -10,6 +10,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
@@ -232,3 +234,36 @@ def test_check_resume_writes_its_json_when_a_run_times_out(tmp_path):
     assert "killed after 1 s" in report["runs"]["uninterrupted"]["stderr_tail"]
     assert report["runs"]["resumed"]["returncode"] == "not run"
     assert report["problems"][0] == "uninterrupted run ran out of time"
+
+
+def _shaped(tmp_path, *args):
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHON=sys.executable,
+               CSBP_GPU_WHEELS=str(tmp_path / "no-wheels"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "run_all.sh"), "--cuda-shaped", *args], env=env,
+                          capture_output=True, text=True, timeout=900)
+    return proc, json.load(open(tmp_path / "gpu_results.json"))
+
+
+@pytest.mark.cuda_shaped
+def test_run_all_cuda_shaped_kernels(tmp_path):
+    """check_kernels.py as run_all.sh runs it, on the CUDA-shaped device in bf16: its mask and inputs
+    on the kernels' device, tiled and math against fp64, and the 512-wide layer on the kernel auto
+    takes on CUDA (tiled)."""
+    proc, results = _shaped(tmp_path, "--only", "kernels")
+    assert proc.returncode == 0 and results["passed"] == ["kernels"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.load(open(tmp_path / "gpu_kernels.json"))
+    assert report["config"]["dtype"] == "bfloat16" and report["device"] == "cuda-shaped (CPU)"
+    (main, wide) = report["cases"]
+    assert all(c["fwd"]["ok"] and c["bwd"]["ok"] for c in main["kernels"].values()) and sorted(main["kernels"]) == ["math", "tiled"]
+    assert wide["head_dim"] == 512 and wide["auto_kernel"] == "tiled" and wide["kernels"]["tiled"]["bwd"]["ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.cuda_shaped
+def test_run_all_cuda_shaped(tmp_path):
+    """Every GPU check script end to end on the CUDA-shaped device (bf16, nccl groups, tiny sizes)."""
+    proc, results = _shaped(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert results["passed"] == ["env", "kernels", "gpt", "resume", "speed", "moe"] and results["failed"] == []
+    resume = json.load(open(tmp_path / "resume.json"))
+    assert resume["backend"] == "nccl" and resume["bf16"] and resume["device"] == "cuda"

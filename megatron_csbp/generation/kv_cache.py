@@ -54,7 +54,7 @@ class CachedBlockAttention(torch.nn.Module):
         # Row vectors of this call's queries and cached + new keys; the layer's kernel (tiled on
         # CPU) never builds a [queries x keys] mask.
         mask = PartialMask.of(st.rows, k_meta, geometry).to(query.device)
-        kernel = get_kernel(self.inner.kernel_name, query.device)
+        kernel = get_kernel(self.inner.kernel_for(query, v_all), query.device)  # the layer's choice (head dim, device)
         out, _ = kernel(query, k_all, v_all, mask, self.inner.softmax_scale)
         if st.mode == "extend":
             st.kv[layer] = (k_all.detach(), v_all.detach(), k_meta)
