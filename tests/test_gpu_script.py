@@ -62,7 +62,7 @@ def test_run_all_cpu_dry_run(tmp_path):
     assert 0 < te["loss_err_local"] < 8 * te["u_bf16"] and 0 < te["grad_err_local"] < 8 * te["u_bf16"]
     # the resume step: two trainer runs (gloo here), the resumed curve equal bit for bit
     resume = json.load(open(tmp_path / "resume.json"))
-    assert resume["ok"] and resume["backend"] == "gloo" and resume["problems"] == []
+    assert resume["ok"] and resume["backend"] == "gloo" and resume["bf16"] and resume["problems"] == []
     runs = resume["runs"]
     assert runs["uninterrupted"]["checkpoints"] == ["iter_0000001", "iter_0000002", "iter_0000003",
                                                     "latest_checkpointed_iteration.txt"]

@@ -11,7 +11,7 @@ the restored optimizer state (Adam's moments and step: a wrong bias correction m
 difference is reported with both values, never rounded away.
 
     python tests/gpu/check_resume.py --out resume.json                 (CUDA: nccl, bf16)
-    python tests/gpu/check_resume.py --device cpu --out resume.json    (the dry run: gloo, fp32, tiny)
+    python tests/gpu/check_resume.py --device cpu --out resume.json    (gloo, tiny; the dry run adds --bf16)
 
 Exit status 0 when both runs end and the curves agree, 1 otherwise; a run past --timeout is killed
 and reported in the JSON like any other failure.

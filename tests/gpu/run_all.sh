@@ -138,7 +138,7 @@ if [ "$MODE" != gpu ]; then
   # no compiled Flex (no CUDA kernel runs): its attention is the tiled kernel, in bf16.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   if [ "$MODE" = cpu-dry-run ]; then
-    DEV=(--device cpu) KERNELS=(--kernels flex flash tiled) KERNEL=() BF16=()
+    DEV=(--device cpu) KERNELS=(--kernels flex flash tiled) KERNEL=() BF16=(--bf16)
   else
     DEV=(--device cuda) KERNELS=(--kernels tiled) KERNEL=(--kernel tiled) BF16=(--bf16)
   fi
