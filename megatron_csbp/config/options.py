@@ -326,7 +326,8 @@ OPTIONS: List[Option] = [
     O(("--attention-transport",), str, "allgather", group="bd", choices=("allgather", "ring")),
     O(("--block-ownership",), str, "mirrored", group="bd", choices=("mirrored", "contiguous")),
     O(("--attention-kernel",), str, "auto", "kernel of the block-diffusion core attention, for every model family "
-      "(flag-built GPT, converted models, DiffusionGemma): auto = flex on CUDA, cpu_flash elsewhere; cpu_flash = "
+      "(flag-built GPT, converted models, DiffusionGemma): auto = per layer, flex on CUDA (tiled past "
+      "head dim 256), cpu_flash elsewhere; cpu_flash = "
       "the flash decomposition on torch's CPU flash attention (CPU only); tiled = block-sparse tiles with memory "
       "linear in the rows (any device); math = dense reference for small cases; flex = FlexAttention from row "
       "vectors; flash = flash-attn varlen for the noisy block-diagonal and token-causal clean pieces, flex for the "
