@@ -28,7 +28,7 @@ def test_run_all_cpu_dry_run(tmp_path):
     assert results["ok"] and results["mode"] == "cpu-dry-run" and results["failed"] == []
     assert results["passed"] == ["env", "kernels", "gpt", "resume", "speed", "moe"]
     assert results["not_installed"] == []  # on CPU flash-attn and TE are not applicable, not "not installed"
-    assert "reference_kernels: not applicable: CUDA kernel rates (dry run)" in results["not_applicable"]
+    assert "reference_kernels: not applicable: CUDA kernel rates (cpu-dry-run)" in results["not_applicable"]
     assert "run_all summary (cpu-dry-run): 6 passed" in proc.stdout
     env_report = json.load(open(tmp_path / "env.json"))
     assert env_report["ok"] and env_report["megatron_core"] and env_report["device"] == "cpu"
