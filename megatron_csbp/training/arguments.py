@@ -73,11 +73,15 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     """`check_flags` (what the flags derive, returned); then what the --load checkpoint must be: one
     at all when the run starts from pretrained weights, and trained with the same model flags (its
     `bdlm_meta.json`)."""
+    from megatron_csbp.checkpoint.files import check_model_flags, check_run_folders
+
     facts = check_flags(args, world_size, check_only)
     check_pretrained(args, facts)
     if facts.load_step is not None:
-        from megatron_csbp.checkpoint.files import check_model_flags
         check_model_flags(args, args.load, facts.load_step)
+    if not check_only:  # (launch --check: the run's folders are on another machine)
+        resumes = isinstance(facts.load_step, int) and not getattr(args, "finetune", False)
+        check_run_folders(args, facts.load_step, facts.load_step if resumes else 0)
     return facts
 
 
