@@ -280,13 +280,14 @@ def _same_folder(a: Optional[str], b: Optional[str]) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_run_folders(args, load_step, start_iteration: int) -> None:
+def check_run_folders(args, load_step, start_iteration: int, load_claimed: bool = False) -> None:
     """At parse time, before anything is written: `--load` is a checkpoint folder, or holds none and
     starting from scratch is meant (it is the `--save` folder of a resumable job's first run, or
     --no-exit-on-missing-checkpoint); `--save` can be written and its tracker is not ahead of
-    `start_iteration` (a save would move it back). docs/training.md#checkpoints."""
+    `start_iteration` (a save would move it back). `load_claimed`: the objective reads --load itself.
+    docs/training.md#checkpoints."""
     load, save = args.load, args.save
-    if load and load_step is None:
+    if load and load_step is None and not load_claimed:
         if os.path.isfile(load):
             raise CheckpointError(f"--load {load} is a file, not a checkpoint folder: give the folder that holds "
                                   f"{TRACKER} (--load {os.path.dirname(load) or '.'})")

@@ -67,7 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         flag, src = {"megatron-to-hf": ("--load", getattr(args, "load", None)),
                      "hf-to-megatron": ("--hf-path", getattr(args, "hf_path", None))}.get(args.command, (None, None))
-        out, into = os.path.realpath(args.output), os.path.realpath(src or "")
+        out, into = os.path.realpath(getattr(args, "output", None) or "."), os.path.realpath(src or ".")
         if src and os.path.isdir(src) and os.path.commonpath([out, into]) == into:
             raise ValueError(f"--output {args.output} is {'the' if out == into else 'inside the'} {flag} folder {src}: "
                              "the written files would mix with the ones read; give a folder outside it")

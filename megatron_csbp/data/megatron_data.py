@@ -251,7 +251,6 @@ def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None)
     """(largest token id, its `.bin`) over every `--data-path` prefix: one pass over each `.bin`
     through a numpy memmap (the `.idx` header gives the dtype; cost: docs/training.md#data). A
     prefix whose dtype holds no id >= `vocab_size` is not read."""
-    import numpy as np
     from megatron.core.datasets.indexed_dataset import DType
 
     best = (-1, None)

@@ -81,7 +81,8 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
         check_model_flags(args, args.load, facts.load_step)
     if not check_only:  # (launch --check: the run's folders are on another machine)
         resumes = isinstance(facts.load_step, int) and not getattr(args, "finetune", False)
-        check_run_folders(args, facts.load_step, facts.load_step if resumes else 0)
+        check_run_folders(args, facts.load_step, facts.load_step if resumes else 0,
+                          load_claimed=args.load in facts.objective_facts.values())  # (a DFlash drafter)
     return facts
 
 
