@@ -190,7 +190,7 @@ def _save_fails(r, save, iteration, previous, cause):
     (line,) = error_lines(r.stderr)
     assert line.startswith(f"error: cannot save the checkpoint of iteration {iteration} to --save {save}: {cause}"), line
     assert line.endswith(f"; the latest checkpoint there stays iteration {previous}"), line
-    assert "Traceback" not in r.stderr and "Local process" not in r.stderr
+    assert "Traceback" not in r.stderr and "encountered an error" not in r.stderr  # (the writer's own log lines)
     assert not [n for n in os.listdir(save) if ".tmp-" in n]
     assert files.read_tracker(save) == previous
 
@@ -209,7 +209,8 @@ def test_disk_full_during_a_save(tmp_path):
     assert line.startswith(f"error: cannot save the checkpoint of iteration 4 to --save {mnt}/ck: No space left on "
                            "device ("), line
     assert line.endswith("; the latest checkpoint there stays iteration 2"), line
-    assert "Traceback" not in r.stderr and ".tmp-" not in r.stdout  # (the listing of the folder after the run)
+    assert "Traceback" not in r.stderr and "encountered an error" not in r.stderr
+    assert ".tmp-" not in r.stdout  # (the listing of the folder after the run)
 
 
 def test_save_write_failure_keeps_the_previous_checkpoint(saved, tmp_path):
@@ -221,7 +222,8 @@ def test_save_write_failure_keeps_the_previous_checkpoint(saved, tmp_path):
     r = subprocess.run(train_command(TINY + ["--train-iters", "4", "--lr-decay-iters", "2", "--save-interval", "1",
                                              "--save", ck, "--load", ck]),
                        preexec_fn=limit, capture_output=True, text=True, timeout=600)
-    _save_fails(r, ck, 3, 2, "a file write was cut short (a full disk, or a file-size limit): RuntimeError: ")
+    _save_fails(r, ck, 3, 2, "a file write was cut short (a full disk, or a file-size limit): torch's zip writer: "
+                             "unexpected pos ")
     assert files.saved_iterations(ck) == [1, 2]
 
 
@@ -247,17 +249,19 @@ def test_corrupt_tensor_bytes_are_refused_naming_the_file(saved, tmp_path):
 
 
 def test_corrupt_pickled_part_never_advises_weights_only_false(saved, tmp_path):
-    """Garbage in a pickled part (common.pt), with the checksums and without them (a checkpoint saved
-    before they were written): one line naming the file or folder, never torch's advice to load with
-    weights_only=False. Before: a 61-65-line traceback ending in that advice."""
+    """Garbage in a pickled part (common.pt; megatron-core 0.19 writes none: .metadata), with the
+    checksums and without them (a checkpoint saved before they were written): one line naming the
+    file or folder, never torch's advice to load with weights_only=False. Before: a 61-65-line
+    traceback ending in that advice."""
     ck = _copy(saved, tmp_path)
     it = files.iteration_dir(ck, 2)
-    common = os.path.join(it, "common.pt")
+    common = os.path.join(it, "common.pt" if os.path.isfile(os.path.join(it, "common.pt")) else ".metadata")
     _garble(common, 64, 512)
     r = run_train(TINY + ["--train-iters", "3", "--lr-decay-iters", "2", "--load", ck])
-    assert r.returncode == 1 and error_lines(r.stderr) == [
-        f"error: cannot load checkpoint {it}: {common} is corrupt: its sha256 differs from the one its save wrote "
-        f"({CHECKSUM_FILE})"], r.stderr[-3000:]
+    assert r.returncode == 1, r.stderr[-3000:]
+    (line,) = error_lines(r.stderr)  # (.metadata: its own unpickling check comes before the checksums)
+    assert line.startswith(f"error: cannot load checkpoint {it}: {common} is corrupt"), line
+    assert "weights_only" not in r.stderr and "Traceback" not in r.stderr
     os.remove(os.path.join(it, CHECKSUM_FILE))
     r = run_train(TINY + ["--train-iters", "3", "--lr-decay-iters", "2", "--load", ck])
     assert r.returncode == 1
@@ -280,7 +284,7 @@ def test_every_saved_file_has_a_checksum(saved):
 def test_data_of_another_vocabulary_is_refused(tmp_path, capsys):
     """The shipped corpus (1024-piece sentencepiece) trained with `--tokenizer-type NullTokenizer
     --vocab-size 64`. Before: a 102-line `IndexError: index out of range in self` in the embedding."""
-    from megatron_csbp.data.megatron_data import largest_token_id
+    from megatron_csbp.data.megatron_data import build_tokenizer, largest_token_id
     from megatron_csbp.data.preprocess import main as preprocess
 
     preprocess(["--input", "shipped", "--output-prefix", str(tmp_path / "pydoc"), "--append-eod"])
@@ -289,8 +293,9 @@ def test_data_of_another_vocabulary_is_refused(tmp_path, capsys):
     data = ["--data-path", prefix, "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--block-size", "8", "--micro-batch-size", "2"]
     assert _one_line(data + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"], capsys) == \
-        (f"error: --data-path {prefix}.bin holds token id 1023, outside the vocabulary of 65 ids (--tokenizer-type "
-         "NullTokenizer --vocab-size 64): give the tokenizer the data was preprocessed with")
+        (f"error: --data-path {prefix}.bin holds token id 1023, outside the vocabulary of "
+         f"{build_tokenizer('NullTokenizer', None, 64).vocab_size} ids (--tokenizer-type NullTokenizer --vocab-size "
+         "64): give the tokenizer the data was preprocessed with")  # 65 ids (EOD included), 64 on megatron-core 0.19
     parse_args(data, world_size=1)  # the shipped tokenizer it was made with
 
 

@@ -12,7 +12,7 @@ import re
 import shutil
 import uuid
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -158,10 +158,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     return final
 
 
-def failed_save(root: str, iteration: int, exc: BaseException) -> str:
+def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[str] = ()) -> str:
     """After a save of `iteration` into `root` failed with `exc` on this rank: its leftover
-    `iter_N.tmp-*` removed (rank 0), the cause in words (the first OSError in the chain, or in
-    torch's per-rank failures, else the exception's first line) with the space left there."""
+    `iter_N.tmp-*` removed (rank 0), and the cause in words with the space left there: the first
+    OSError in the chain or in torch's per-rank failures, else an `[Errno N]` or a short write in
+    their texts or in the error lines the writer `logged` (megatron-core 0.19 keeps the errno only
+    there), else the exception's last line."""
     if dist.get_rank() == 0 and os.path.isdir(root):
         for name in os.listdir(root):
             if name.startswith(os.path.basename(iteration_dir(root, iteration)) + ".tmp-"):
@@ -175,16 +177,18 @@ def failed_save(root: str, iteration: int, exc: BaseException) -> str:
                 todo.append(w[0] if isinstance(w, tuple) else getattr(w, "exception", w))
             todo += [e.__cause__, e.__context__]
     errors = [e for e in chain if isinstance(e, OSError) and e.errno]
+    texts = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}" for e in chain[1:] + chain[:1]]
+    errno = next((m for t in texts + list(logged) for m in [re.search(r"\[Errno (\d+)\]", t)] if m), None)
+    short = next((m.group(0) for t in texts + list(logged) for m in [re.search(r"unexpected pos \d+ vs \d+", t)] if m),
+                 None)  # torch's zip writer after a short write
     if errors:
         cause = os.strerror(errors[0].errno) + (f" ({errors[0].filename})" if errors[0].filename else "")
+    elif errno:
+        cause = os.strerror(int(errno.group(1)))
+    elif short:
+        cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short}"
     else:
-        inner = chain[1] if len(chain) > 1 and getattr(exc, "failures", None) else exc
-        cause = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[-1][:300]}"
-        errno = re.search(r"\[Errno (\d+)\]", cause)  # an OSError a writer thread put into words
-        if errno:
-            cause = os.strerror(int(errno.group(1)))
-        elif "unexpected pos" in cause:  # torch's zip writer after a short write
-            cause = f"a file write was cut short (a full disk, or a file-size limit): {cause}"
+        cause = texts[0]
     try:
         free = shutil.disk_usage(first_existing(root)).free
         cause += f" ({free / 2**20:.1f} MiB free there)"

@@ -36,8 +36,19 @@ def _log0(*a):
         print(*a, flush=True)
 
 
-def _not_a_write_failure(record) -> bool:
-    return not str(record.msg).startswith("Local process")
+class _WriterErrors(logging.Filter):
+    """The error lines megatron-core's checkpoint writer logs, kept (the one line of a failed save
+    restates their cause) instead of printed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def filter(self, record) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.lines.append(record.getMessage())
+            return False
+        return True
 
 
 def device() -> torch.device:
@@ -358,8 +369,8 @@ class Trainer:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
 
-        # its writer logs a failed write, which the line below restates
-        logging.getLogger(filesystem_async.__name__).addFilter(_not_a_write_failure)
+        writer_log, writer_errors = logging.getLogger(filesystem_async.__name__), _WriterErrors()
+        writer_log.addFilter(writer_errors)
         self._sync_params()
         try:
             state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
@@ -369,8 +380,10 @@ class Trainer:
                 raise
             last = f"iteration {self.last_saved}" if self.last_saved is not None else "none"
             raise files.CheckpointError(f"cannot save the checkpoint of iteration {iteration} to --save {ck.save}: "
-                                        f"{state.failed_save(ck.save, iteration, exc)}; the latest checkpoint there "
-                                        f"stays {last}") from exc
+                                        f"{state.failed_save(ck.save, iteration, exc, writer_errors.lines)}; the latest "
+                                        f"checkpoint there stays {last}") from exc
+        finally:
+            writer_log.removeFilter(writer_errors)
         self.last_saved = iteration
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
         if ck.save_retain_interval and dist.get_rank() == 0:
