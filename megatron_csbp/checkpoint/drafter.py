@@ -60,6 +60,9 @@ def load_trained_drafter(load: str):
         raise ValueError(f"--load {load}: neither {WEIGHTS_FILE} nor a training checkpoint")
     model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()))
     wanted = sharded_state_dict_default(model, "")
+    from megatron_csbp.checkpoint.integrity import check_checkpoint_files
+
+    check_checkpoint_files(checkpoint_path(load, step))
     state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
     return _loaded(model, {k: v for k, v in state.items() if k in wanted}, load)
 

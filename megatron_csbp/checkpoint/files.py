@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -249,3 +250,66 @@ def checkpoint_shape(root: Optional[str], iteration=None):
         return read_checkpoint_model(root, iteration).file_shape
     except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
         raise ValueError(str(exc)) from None
+
+
+def first_existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def unwritable(folder: str) -> Optional[str]:
+    """Why no checkpoint can be written into `folder` (created if absent), or None: its nearest
+    existing ancestor is a file, or a probe file cannot be created there (read-only file system,
+    permissions). Writes and removes one empty file."""
+    base = first_existing(folder)
+    if not os.path.isdir(base):
+        return f"{base} is a file, not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".megatron_csbp-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        return f"cannot create a file in {base} ({os.strerror(exc.errno) if exc.errno else exc})"
+    return None
+
+
+def _same_folder(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_run_folders(args, load_step, start_iteration: int, load_claimed: bool = False) -> None:
+    """At parse time, before anything is written: `--load` is a checkpoint folder, or holds none and
+    starting from scratch is meant (it is the `--save` folder of a resumable job's first run, or
+    --no-exit-on-missing-checkpoint); `--save` can be written and its tracker is not ahead of
+    `start_iteration` (a save would move it back). `load_claimed`: the objective reads --load itself.
+    docs/training.md#checkpoints."""
+    load, save = args.load, args.save
+    if load and load_step is None and not load_claimed:
+        if os.path.isfile(load):
+            raise CheckpointError(f"--load {load} is a file, not a checkpoint folder: give the folder that holds "
+                                  f"{TRACKER} (--load {os.path.dirname(load) or '.'})")
+        if os.path.isfile(os.path.join(load, "metadata.json")):
+            parent, name = os.path.split(os.path.normpath(load))
+            step = f" --ckpt-step {int(name[5:])}" if name.startswith("iter_") and name[5:].isdigit() else ""
+            raise CheckpointError(f"--load {load} is one iteration's folder: give the checkpoint folder that holds it "
+                                  f"(--load {parent or '.'}{step})")
+        saved = saved_iterations(load)
+        why = (f"it holds {', '.join(f'iter_{i:07d}' for i in saved[:3])} but no {TRACKER}" if saved else
+               f"no {TRACKER}" + ("" if os.path.isdir(load) else "; the folder does not exist"))
+        fresh = (_same_folder(load, save) and not saved) or not getattr(args, "exit_on_missing_checkpoint", True)
+        if not fresh:  # (--load = --save, empty: a resumable job's first run)
+            raise CheckpointError(f"--load {load} holds no checkpoint ({why}): check the path; to start from scratch "
+                                  "on purpose drop --load, or pass --no-exit-on-missing-checkpoint")
+    if save:
+        why = unwritable(save)
+        if why:
+            raise CheckpointError(f"--save {save}: {why}")
+        ahead = read_tracker(save) if os.path.isdir(save) else None
+        if isinstance(ahead, int) and ahead > start_iteration and not getattr(args, "skip_train", False):
+            raise CheckpointError(
+                f"--save {save} holds checkpoints up to iteration {ahead} ({TRACKER}) and this run starts at iteration "
+                f"{start_iteration}: its saves would move the tracker back; resume with --load {save}, or give "
+                "another --save")

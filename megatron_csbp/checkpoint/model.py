@@ -62,6 +62,12 @@ def save_gpt_model(model, shape: ModelShape, output: str) -> str:
         for d in (output, ckpt_dir):
             with open(os.path.join(d, SHAPE_FILE), "w") as f:
                 f.write(text)
+    if dist.is_initialized():
+        dist.barrier()
+    from megatron_csbp.checkpoint.integrity import write_checksums
+
+    write_checksums(ckpt_dir)
+    if rank == 0:
         with open(os.path.join(output, TRACKER), "w") as f:
             f.write(RELEASE)
     if dist.is_initialized():
@@ -82,6 +88,9 @@ def load_checkpoint_model(checkpoint: Union[str, CheckpointModel], params_dtype=
     shape = info.shape
     model = build_gpt_model(shape, block_diffusion=block_diffusion,
                             **dict(dict(params_dtype=params_dtype or shape.torch_dtype), **config_overrides))
+    from megatron_csbp.checkpoint.integrity import check_checkpoint_files
+
+    check_checkpoint_files(info.path)
     state = dist_checkpointing.load({MODEL_KEY: model.sharded_state_dict()}, info.path)
     try:
         load_model_weights(model, state[MODEL_KEY])

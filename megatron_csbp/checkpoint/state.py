@@ -8,30 +8,23 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import uuid
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_csbp.checkpoint.files import (
     ASSETS_DIR, META_FILE, RELEASE, SHAPE_FILE, TRACKER, CheckpointError, checkpoint_path, checkpoint_to_load,
-    iteration_dir, verify_files,
+    first_existing, iteration_dir,
 )
+from megatron_csbp.checkpoint.integrity import check_checkpoint_files, write_checksums
 from megatron_csbp.utils.cli import CliError
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def _agreed_file_check(path: str) -> None:
-    """`verify_files` on rank 0, its verdict broadcast, so every rank refuses together."""
-    verdict = [verify_files(path) if dist.get_rank() == 0 else None]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise CheckpointError(f"cannot load checkpoint {path}: {verdict[0]}")
 
 
 def check_finite(model, iteration: int) -> None:
@@ -133,6 +126,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         if shape is not None:
             with open(os.path.join(tmp, SHAPE_FILE), "w") as f:
                 f.write(shape.to_json())
+    dist.barrier()
+    write_checksums(tmp)  # every file, checked before every load
+    if rank == 0:
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving the same iteration: move the old one aside first
             old = f"{final}.old-{nonce[0]}"
@@ -162,6 +158,45 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     return final
 
 
+def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[str] = ()) -> str:
+    """After a save of `iteration` into `root` failed with `exc` on this rank: its leftover
+    `iter_N.tmp-*` removed (rank 0), and the cause in words with the space left there: the first
+    OSError in the chain or in torch's per-rank failures, else an `[Errno N]` or a short write in
+    their texts or in the error lines the writer `logged` (megatron-core 0.19 keeps the errno only
+    there), else the exception's last line."""
+    if dist.get_rank() == 0 and os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(os.path.basename(iteration_dir(root, iteration)) + ".tmp-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    chain, todo = [], [exc]
+    while todo:
+        e = todo.pop(0)
+        if isinstance(e, BaseException) and all(e is not c for c in chain):
+            chain.append(e)
+            for w in getattr(e, "failures", {}).values():  # torch's per rank: (exception, traceback)
+                todo.append(w[0] if isinstance(w, tuple) else getattr(w, "exception", w))
+            todo += [e.__cause__, e.__context__]
+    errors = [e for e in chain if isinstance(e, OSError) and e.errno]
+    texts = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}" for e in chain[1:] + chain[:1]]
+    errno = next((m for t in texts + list(logged) for m in [re.search(r"\[Errno (\d+)\]", t)] if m), None)
+    short = next((m.group(0) for t in texts + list(logged) for m in [re.search(r"unexpected pos \d+ vs \d+", t)] if m),
+                 None)  # torch's zip writer after a short write
+    if errors:
+        cause = os.strerror(errors[0].errno) + (f" ({errors[0].filename})" if errors[0].filename else "")
+    elif errno:
+        cause = os.strerror(int(errno.group(1)))
+    elif short:
+        cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short}"
+    else:
+        cause = texts[0]
+    try:
+        free = shutil.disk_usage(first_existing(root)).free
+        cause += f" ({free / 2**20:.1f} MiB free there)"
+    except OSError:
+        pass
+    return cause
+
+
 def drop_unretained(root: str, previous, iteration: int, retain_interval: int) -> Optional[str]:
     """Megatron-LM's --save-retain-interval, after the save of `iteration` (rank 0): the previous
     checkpoint (the tracker's before that save) is deleted unless it is at a multiple of
@@ -185,7 +220,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
     if iteration is None:
         return None
     path = checkpoint_path(root, iteration)
-    _agreed_file_check(path)
+    check_checkpoint_files(path)
     if iteration == RELEASE:
         from megatron_csbp.parallel.pipeline import sharded_state
 
@@ -287,13 +322,17 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
 def _read(dist_checkpointing, state, path: str):
     """dist_checkpointing.load, with a failure to read named by the checkpoint folder (only this
     rank may have failed: not agreed)."""
+    import pickle
+
     try:
         return dist_checkpointing.load(state, path)
-    except (EOFError, OSError, RuntimeError, ValueError, KeyError) as exc:
+    except (EOFError, OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         if isinstance(exc, CliError):
             raise
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}".strip(),
-                              agreed=False) from exc
+        text = f"{type(exc).__name__}: {exc}".strip()
+        if "weights_only" in text:  # torch's advice to unpickle anything: a pickled part is garbage
+            text = f"{type(exc).__name__}: a pickled part is corrupt"
+        raise CheckpointError(f"cannot load checkpoint {path}: {text.splitlines()[0]}", agreed=False) from exc
 
 
 def _load_model_state(model, loaded, path: str) -> None:

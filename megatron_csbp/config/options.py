@@ -256,6 +256,10 @@ OPTIONS: List[Option] = [
       group="ckpt", to=(), choices=CKPT_FORMATS, rule=lambda f, v: v != "torch_dist" and (
           f"{f} {v}: the trainer writes and reads torch_dist checkpoints only (dist_checkpointing, which reshards "
           "across TP / CP / BP / EP layouts)")),
+    O(("--exit-on-missing-checkpoint",), None, True, "refuse a --load that holds no checkpoint (a mistyped path), "
+      "unless it is the --save folder of a resumable job's first run (Megatron-LM's flag; on by default here)",
+      group="ckpt", to=(), off="--no-exit-on-missing-checkpoint", off_help="start from scratch when --load holds "
+      "no checkpoint (Megatron-LM's default)"),
     O(("--finetune",), None, False, "load the --load checkpoint's weights only: iteration and consumed samples "
       "start at 0, no optimizer, scheduler or RNG state", group="ckpt", to=("checkpoint",)),
     O(("--no-load-optim",), None, False, "do not load the optimizer and learning-rate scheduler state of the --load "

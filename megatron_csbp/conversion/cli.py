@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -64,6 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_csbp.conversion import drafter
 
     try:
+        flag, src = {"megatron-to-hf": ("--load", getattr(args, "load", None)),
+                     "hf-to-megatron": ("--hf-path", getattr(args, "hf_path", None))}.get(args.command, (None, None))
+        out, into = os.path.realpath(getattr(args, "output", None) or "."), os.path.realpath(src or ".")
+        if src and os.path.isdir(src) and os.path.commonpath([out, into]) == into:
+            raise ValueError(f"--output {args.output} is {'the' if out == into else 'inside the'} {flag} folder {src}: "
+                             "the written files would mix with the ones read; give a folder outside it")
         if args.command == "hf-to-megatron" and drafter.is_hf_drafter(args.hf_path):
             d = drafter.hf_to_megatron_drafter(args.hf_path, args.output, args.dtype)
             print(f"converted a DFlash drafter ({drafter.HF_MODEL_TYPE}: {d.num_layers} layers, hidden {d.hidden_size}, "

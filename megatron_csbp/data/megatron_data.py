@@ -247,6 +247,25 @@ def _empty_splits(matrix, lengths: np.ndarray, read: Sequence[bool]) -> List[int
     return empty
 
 
+def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None):
+    """(largest token id, its `.bin`) over every `--data-path` prefix: one pass over each `.bin`
+    through a numpy memmap (the `.idx` header gives the dtype; cost: docs/training.md#data). A
+    prefix whose dtype holds no id >= `vocab_size` is not read."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    best = (-1, None)
+    for prefix in parse_data_path(data_path)[0]:
+        with open(prefix + ".idx", "rb") as f:
+            header = f.read(18)  # magic (9 bytes), version (<Q), dtype code (<B)
+        dtype = DType.dtype_from_code(header[17])
+        if vocab_size is not None and np.issubdtype(dtype, np.integer) and np.iinfo(dtype).max < vocab_size:
+            continue
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+        top = max((int(tokens[i:i + (1 << 26)].max()) for i in range(0, len(tokens), 1 << 26)), default=-1)
+        best = max(best, (top, prefix + ".bin"), key=lambda t: t[0])
+    return best
+
+
 def checked_split_matrix(data_path: Sequence[str], split: str, read: Sequence[bool] = (True, True, False)):
     """Megatron's split matrix of `--split` for `--data-path`, checked before any dataset is built.
 

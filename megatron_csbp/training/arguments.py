@@ -73,11 +73,16 @@ def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = 
     """`check_flags` (what the flags derive, returned); then what the --load checkpoint must be: one
     at all when the run starts from pretrained weights, and trained with the same model flags (its
     `bdlm_meta.json`)."""
+    from megatron_csbp.checkpoint.files import check_model_flags, check_run_folders
+
     facts = check_flags(args, world_size, check_only)
     check_pretrained(args, facts)
     if facts.load_step is not None:
-        from megatron_csbp.checkpoint.files import check_model_flags
         check_model_flags(args, args.load, facts.load_step)
+    if not check_only:  # (launch --check: the run's folders are on another machine)
+        resumes = isinstance(facts.load_step, int) and not getattr(args, "finetune", False)
+        check_run_folders(args, facts.load_step, facts.load_step if resumes else 0,
+                          load_claimed=args.load in facts.objective_facts.values())  # (a DFlash drafter)
     return facts
 
 
@@ -189,7 +194,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.
-    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.megatron_data import build_tokenizer, largest_token_id, missing_prefixes
 
     if check_only and args.tokenizer_type != "NullTokenizer" and (
             "tokenizer_model" in placeholders or (args.tokenizer_model and not os.path.exists(args.tokenizer_model))):
@@ -207,6 +212,17 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
             raise ValueError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the checkpoint's "
                              f"({shape.vocab_size})")
         args.vocab_size = shape.vocab_size  # the model's vocabulary, unpadded
+    if args.data_path and "data_path" not in placeholders and not (check_only and missing_prefixes(args.data_path)):
+        top, where = largest_token_id(args.data_path, args.vocab_size)
+        if top >= args.vocab_size:
+            from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
+
+            vocab = (f"--tokenizer-type NullTokenizer --vocab-size {null_tokenizer_vocab_flag(args.vocab_size)}"
+                     if args.tokenizer_type == "NullTokenizer"
+                     else f"--tokenizer-type {args.tokenizer_type} {args.tokenizer_model or ''}".strip())
+            raise ValueError(f"--data-path {where} holds token id {top}, outside the vocabulary of {args.vocab_size} "
+                             f"ids ({vocab}{', the --load checkpoint' if shape is not None else ''}): give the "
+                             "tokenizer the data was preprocessed with")
     if check_only and ({"mask_token", "mask_token_id"} & placeholders or (args.mask_token is not None and unknown)):
         notes.append("the mask token is a placeholder (or needs the --load checkpoint's tokenizer): its "
                      "vocabulary rule runs at launch")

@@ -10,13 +10,14 @@ On a fresh clone it:
 3. saves a checkpoint (`runs/default/checkpoints`), TensorBoard events, `log.jsonl`, a loss plot
    `loss_curve.png`, and prints a sample decoded from the checkpoint.
 
-The exact equivalent command is printed at start (and written to `runs/default/command.txt`).
+The exact equivalent command is printed at start (and written to `runs/default/command.txt`). Every
+flag is checked before anything is written; an earlier run is never deleted: a later one writes
+`runs/default-2/` (then `-3`, ...) and says so.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 RUN_DIR = os.environ.get("MEGATRON_CSBP_DEMO_DIR", os.path.join("runs", "default"))
+#: what a run leaves in its folder (the preprocessed data/ and command.txt are written before it starts)
+RUN_OUTPUTS = ("checkpoints", "tensorboard", "log.jsonl", "loss_curve.png", "sample.txt", "summary.json")
+_run_dir: Optional[str] = None
 TRAIN_ITERS = int(os.environ.get("MEGATRON_CSBP_DEMO_ITERS", "600"))
 #: held-out evaluations over the run (every TRAIN_ITERS / EVALS iterations)
 EVALS = 6
@@ -88,6 +92,20 @@ def trainer_flags(cfg: DemoConfig, prefix: str, eval_iters: int) -> List[str]:
     return argv + (["--qk-layernorm"] if cfg.qk_layernorm else [])
 
 
+def run_dir() -> str:
+    """This run's folder: RUN_DIR, else the first of RUN_DIR-2, RUN_DIR-3, ... that holds no earlier
+    run's outputs. Every rank decides before it joins the process group, and the outputs appear
+    only after every rank joined, so all ranks pick the same folder."""
+    global _run_dir
+    if _run_dir is None:
+        n, path = 1, RUN_DIR
+        while any(os.path.exists(os.path.join(path, name)) for name in RUN_OUTPUTS):
+            n += 1
+            path = f"{RUN_DIR}-{n}"
+        _run_dir = path
+    return _run_dir
+
+
 def demo_argv(world_size: int, prefix: str) -> List[str]:
     """The embedded run's flags. The model, schedule and held-out split are the single-rank demo's
     (`python -m megatron_csbp.demo`, `demo.trainer_flags`): 2 layers, hidden 128, 2 heads, SwiGLU
@@ -98,35 +116,37 @@ def demo_argv(world_size: int, prefix: str) -> List[str]:
     seq = max(1, world_size)
     return trainer_flags(DemoConfig(steps=TRAIN_ITERS), prefix, eval_iters=8) + [
         "--context-parallel-size", str(seq), "--block-parallel-size", str(seq),
-        "--save", os.path.join(RUN_DIR, "checkpoints"), "--save-interval", str(TRAIN_ITERS), "--save-initial",
+        "--save", os.path.join(run_dir(), "checkpoints"), "--save-interval", str(TRAIN_ITERS), "--save-initial",
         "--eval-interval", str(max(1, TRAIN_ITERS // EVALS)), "--log-interval", str(max(1, TRAIN_ITERS // 12)),
-        "--tensorboard-dir", os.path.join(RUN_DIR, "tensorboard"),
-        "--log-json", os.path.join(RUN_DIR, "log.jsonl"),
-        "--data-cache-path", os.path.join(RUN_DIR, "data", "cache"),
+        "--tensorboard-dir", os.path.join(run_dir(), "tensorboard"),
+        "--log-json", os.path.join(run_dir(), "log.jsonl"),
+        "--data-cache-path", os.path.join(run_dir(), "data", "cache"),
     ]
 
 
 def prepare_demo(world_size: int) -> List[str]:
+    """The run's flags, checked (the data, not yet there, aside) before the data is prepared."""
+    from megatron_csbp.training.arguments import build_parser, validate_args
+
     rank = int(os.environ.get("RANK", "0"))
-    data_dir = os.path.join(RUN_DIR, "data")
+    data_dir = os.path.join(run_dir(), "data")
     prefix = os.path.join(data_dir, "pydoc_text_document")
     done = prefix + ".done"
+    args = build_parser().parse_args(demo_argv(world_size, prefix))
+    args.placeholders = {"data_path"}
+    validate_args(args, world_size, check_only=True)  # e.g. a world size the layout cannot split the sequence for
     if rank == 0:
+        if run_dir() != RUN_DIR:
+            print(f" > {RUN_DIR} holds an earlier run (kept): this run writes {run_dir()}", flush=True)
         if not os.path.exists(done):
             from megatron_csbp.data.preprocess import main as preprocess
             os.makedirs(data_dir, exist_ok=True)
             preprocess(["--input", "shipped", "--output-prefix", os.path.join(data_dir, "pydoc"), "--append-eod"])
             with open(done, "w") as f:
                 f.write("ok\n")
-        for stale in ("checkpoints", "tensorboard", "log.jsonl", "loss_curve.png", "sample.txt", "summary.json"):
-            path = os.path.join(RUN_DIR, stale)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
         argv = demo_argv(world_size, prefix)
         cmd = f"torchrun --nproc-per-node {world_size} -m megatron_csbp.train " + " ".join(argv)
-        with open(os.path.join(RUN_DIR, "command.txt"), "w") as f:
+        with open(os.path.join(run_dir(), "command.txt"), "w") as f:
             f.write(cmd + "\n")
         print(f" > embedded demo (no flags given); equivalent command:\n   {cmd}", flush=True)
     else:
@@ -209,7 +229,7 @@ def finish_demo(args, result: Dict, wall_seconds: float) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     hist = result["history"]
-    png = os.path.join(RUN_DIR, "loss_curve.png")
+    png = os.path.join(run_dir(), "loss_curve.png")
     prefix = args.data_path[-1]
     entropy = corpus_unigram_entropy(prefix)
     plot_losses(result.get("train_losses", []), hist, png, entropy)
@@ -220,7 +240,7 @@ def finish_demo(args, result: Dict, wall_seconds: float) -> None:
                "last_loss": losses[-1] if losses else None, "last_eval_loss": evals[-1][1] if evals else None,
                "eval_losses": {str(i): v for i, v in evals}, "unigram_entropy": entropy,
                "attn_comm_bytes_per_iteration": comm[-1] if comm else None, "iterations": result["iteration"]}
-    with open(os.path.join(RUN_DIR, "summary.json"), "w") as f:
+    with open(os.path.join(run_dir(), "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     curve = " -> ".join(f"{v:.3f}" for _, v in evals)
     print(f" > demo done in {wall_seconds:.0f} s; held-out NELBO (nats/token) at iterations "
@@ -235,5 +255,5 @@ def finish_demo(args, result: Dict, wall_seconds: float) -> None:
             f"--- untrained (iteration 0) ---\n{before}\n"
             f"--- trained (iteration {result['iteration']}) ---\n{after}")
     print(text, flush=True)
-    with open(os.path.join(RUN_DIR, "sample.txt"), "w") as f:
+    with open(os.path.join(run_dir(), "sample.txt"), "w") as f:
         f.write(text + "\n")

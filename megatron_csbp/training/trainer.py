@@ -9,8 +9,10 @@ loudly"); the path of one step: docs/architecture.md#one-training-step.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +34,21 @@ class TrainingStopped(CliError):
 def _log0(*a):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*a, flush=True)
+
+
+class _WriterErrors(logging.Filter):
+    """The error lines megatron-core's checkpoint writer logs, kept (the one line of a failed save
+    restates their cause) instead of printed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def filter(self, record) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.lines.append(record.getMessage())
+            return False
+        return True
 
 
 def device() -> torch.device:
@@ -182,7 +199,35 @@ class Trainer:
         self.flops_per_sample = flops_per_sample(c.model)
         # BD3-LM evaluates the NELBO whatever schedule training draws from; others their own objective
         self.eval_objective = self.chunks[0].bdlm.objective.for_evaluation()
+        if c.checkpoint.save:
+            self._check_save_room()
         return self
+
+    def _check_save_room(self) -> None:
+        """Collective, before anything is trained or written: --save's file system has room for one
+        checkpoint, estimated as parameters x (weight bytes + Adam's two fp32 moments + the fp32 main
+        copy of bf16/fp16 weights)."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_csbp.checkpoint.files import CheckpointError, first_existing
+
+        dp_cp = mpu.get_data_parallel_rank(with_context_parallel=True)
+        expert_dp = mpu.get_expert_data_parallel_rank() if hasattr(mpu, "get_expert_data_parallel_rank") else dp_cp
+        nbytes = 0.0
+        for p in self.model.parameters():  # each weight counted on one replica
+            if (dp_cp if getattr(p, "allreduce", True) else expert_dp) == 0:
+                nbytes += p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+        (nbytes,) = allreduce([nbytes])
+        save = self.config.checkpoint.save
+        verdict = [None]
+        if dist.get_rank() == 0:
+            free = shutil.disk_usage(first_existing(save)).free
+            if free < nbytes:
+                verdict[0] = (f"--save {save}: {free / 2**20:.1f} MiB free on its file system, a checkpoint of this "
+                              f"model takes about {nbytes / 2**20:.1f} MiB (weights, Adam moments, fp32 main copy)")
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise CheckpointError(verdict[0])
 
     def describe(self) -> str:
         c = self.config
@@ -321,9 +366,24 @@ class Trainer:
 
         ck = self.config.checkpoint
         previous = files.read_tracker(ck.save) if ck.save_retain_interval and os.path.isdir(ck.save) else None
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+
+        writer_log, writer_errors = logging.getLogger(filesystem_async.__name__), _WriterErrors()
+        writer_log.addFilter(writer_errors)
         self._sync_params()
-        state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
-                              extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
+        try:
+            state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
+                                  extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
+        except (Exception, CheckpointException) as exc:  # a full disk, a read-only or vanished folder, ... (any rank's)
+            if isinstance(exc, files.CheckpointError):
+                raise
+            last = f"iteration {self.last_saved}" if self.last_saved is not None else "none"
+            raise files.CheckpointError(f"cannot save the checkpoint of iteration {iteration} to --save {ck.save}: "
+                                        f"{state.failed_save(ck.save, iteration, exc, writer_errors.lines)}; the latest "
+                                        f"checkpoint there stays {last}") from exc
+        finally:
+            writer_log.removeFilter(writer_errors)
         self.last_saved = iteration
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
         if ck.save_retain_interval and dist.get_rank() == 0:
