@@ -88,6 +88,8 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "no
 #: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
 ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
 BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
+#: Megatron-LM's --exit-signal takes any signal.Signals name; these are the ones a job is sent
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 UNFUSED = "accepted: the trainer never fuses (exactness is checked against unfused math)"
 
 GROUPS = {"model": "model (Megatron-LM names)", "moe": "mixture of experts (Megatron-LM names)",
@@ -286,9 +288,11 @@ OPTIONS: List[Option] = [
     O(("--exit-duration-in-mins",), float, None, "save (with --save) and exit after the first iteration that ends "
       "more than this many minutes after the program started (Megatron-LM's; all ranks agree)", group="ckpt",
       to=("batch",), rule=lambda f, v: not v > 0 and f"{f} must be positive, got {v:g}"),
-    O(("--exit-signal-handler",), None, False, "on SIGTERM (Slurm's preemption / time limit, torchrun's shutdown), "
-      "finish the iteration, save a checkpoint (with --save) and exit 0 (Megatron-LM's; all ranks agree)",
-      group="ckpt", to=("batch",)),
+    O(("--exit-signal-handler",), None, False, "on --exit-signal (SIGTERM: Slurm's preemption / time limit, "
+      "torchrun's shutdown) or SIGINT (Ctrl-C), finish the iteration, save a checkpoint (with --save) and exit 0 "
+      "(Megatron-LM's; all ranks agree)", group="ckpt", to=("batch",)),
+    O(("--exit-signal",), str, "SIGTERM", "the signal --exit-signal-handler saves on besides SIGINT "
+      "(Megatron-LM's)", group="ckpt", to=("batch",), choices=EXIT_SIGNALS),
     O(("--no-progress-bar",), None, False, group="ckpt", to=("log",)),
     # ---- data -----------------------------------------------------------------------------
     O(("--data-path",), str, None, "PREFIX or W1 PREFIX1 W2 PREFIX2 ...", group="data", to=("data",), nargs="*"),

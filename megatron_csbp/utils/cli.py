@@ -30,6 +30,12 @@ class UsageError(CliError):
     exit_code = 2
 
 
+class Interrupted(CliError):
+    """Stopped by SIGINT (Ctrl-C): exit status 130, as a shell reports it."""
+
+    exit_code = 130
+
+
 def rank() -> Optional[int]:
     """This process's global rank: torch.distributed's once initialized, else torchrun's RANK, else None."""
     dist = sys.modules.get("torch.distributed")  # not imported by torch-free entry points (plan)
@@ -97,6 +103,10 @@ def run(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
     `ValueError` becomes the one line."""
     try:
         result = main(argv) if argv is not None else main()
+    except KeyboardInterrupt:
+        if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
+            raise
+        fail("interrupted by SIGINT", Interrupted.exit_code)
     except (CliError, ValueError) as exc:
         if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
             raise
@@ -116,6 +126,8 @@ FILTERS = (
     ("ignore", r"(torch\.distributed is disabled, unavailable or uninitialized|The argument order of load has been "
                r"changed)", UserWarning, r"torch\.distributed\.checkpoint(\.|$)"),
     ("ignore", "", FutureWarning, r"(megatron\.core|torch\.distributed\.checkpoint)(\.|$)"),
+    # torch >= 2.10 deprecates the collectives megatron-core calls (DDP, the distributed optimizer)
+    ("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning, r"torch\.distributed\.c10d_logger$"),
     ("ignore", "", DeprecationWarning, r"(megatron\.core|torch\.distributed\.checkpoint)(\.|$)"),
 )
 
@@ -126,12 +138,18 @@ def _not_no_cuda_runtime(record) -> bool:
     return not str(record.msg).startswith("No CUDA runtime is found")
 
 
+#: warnings that only a CUDA run can act on (megatron-core's TP layers ask for CUDA_DEVICE_MAX_CONNECTIONS=1)
+CUDA_ONLY = (("ignore", r"When using .* CUDA_DEVICE_MAX_CONNECTIONS to 1", UserWarning, r"megatron\.core"),)
+
+
 def filter_warnings() -> None:
-    """Install `FILTERS` (idempotent: `warnings` drops duplicate filters) and drop torch's
-    no-CUDA-runtime log line (`_not_no_cuda_runtime`)."""
+    """Install `FILTERS`, and `CUDA_ONLY` where torch is loaded and sees no CUDA (idempotent: `warnings`
+    drops duplicate filters); drop torch's no-CUDA-runtime log line (`_not_no_cuda_runtime`)."""
     import logging
 
-    for action, message, category, module in FILTERS:
+    torch = sys.modules.get("torch")
+    cpu = torch is not None and not torch.cuda.is_available()
+    for action, message, category, module in FILTERS + (CUDA_ONLY if cpu else ()):
         warnings.filterwarnings(action, message=message, category=category, module=module)
     logger = logging.getLogger("torch.utils.cpp_extension")
     if _not_no_cuda_runtime not in logger.filters:
