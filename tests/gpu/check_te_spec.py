@@ -59,7 +59,9 @@ U_BF16 = 2.0 ** -8
 
 def _init(device: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    from megatron_csbp.parallel.spawn import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     from megatron_csbp.parallel import state as bps
 
