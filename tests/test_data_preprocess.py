@@ -106,6 +106,7 @@ def test_bad_data_path_is_named(tmp_path):
         parse_data_path([str(tmp_path / "missing")])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv, line", [
     (["--input", "{txt}", "--output-prefix", "{out}"],
      'error: --input {txt}: line 1 is not JSON (Expecting value: line 1 column 1 (char 0)); --input is jsonl, one '
@@ -138,6 +139,7 @@ def test_tokenizer_command_runs_without_runpy_warning():
     assert r.stdout.splitlines()[0] == "[61, 43, 99]"
 
 
+@pytest.mark.quick
 def test_a_failed_preprocess_leaves_neither_file(tmp_path, capsys):
     """A bad line after good ones: before, the .bin of the documents read so far stayed without its .idx."""
     docs = tmp_path / "docs.jsonl"
@@ -148,6 +150,7 @@ def test_a_failed_preprocess_leaves_neither_file(tmp_path, capsys):
     assert os.listdir(tmp_path / "out") == []
 
 
+@pytest.mark.quick
 def test_a_binary_input_is_named(tmp_path, capsys):
     """Before: `'utf-8' codec can't decode byte 0xf9 in position 0: invalid start byte`, no file named."""
     data = tmp_path / "corpus.bin"
@@ -161,6 +164,7 @@ def test_a_binary_input_is_named(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["corpus.bin"]
 
 
+@pytest.mark.quick
 def test_a_blend_with_a_weight_left_over_is_named(capsys):
     """`--data-path 0.7 P 0.3` (the second prefix forgotten): before, `--data-path: 0.7.bin does not exist`."""
     from megatron_csbp.training.arguments import parse_args

@@ -4,6 +4,10 @@ take a free port (retried on a collision), every torchrun a test starts is --sta
 import os
 import re
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 #: a port given as a literal: --master-port N, MASTER_PORT=N / "N", master_port: N, port + N, or torch's 29xxx
 FIXED = re.compile(r"(?i)(master[-_]?port\W{0,8}\d|\bport\s*[+]\s*\d|\b29\d{3}\b)")
