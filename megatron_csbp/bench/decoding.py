@@ -76,8 +76,11 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.decoding", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.decoding", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -95,4 +98,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))

@@ -11,7 +11,6 @@ attention traffic inside a stage differs (CP moves all rows' K/V, CSBP the clean
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -135,7 +134,10 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.pipeline", description=__doc__.split("\n")[0])
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/pipeline", help="writes OUT.md and OUT.json")
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
@@ -151,4 +153,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))
