@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Optional, Sequence
 
@@ -35,7 +36,9 @@ def run(load: str, max_new_tokens: int, temperature: float, seed: int):
     model, margs, step = load_for_generation(load)
     tok = saved_tokenizer(margs.get("tokenizer_type"), margs.get("tokenizer_model"), margs.get("vocab_size"))
     rows = []
-    for name, kw, mode_temperature in MODES:
+    for i, (name, kw, mode_temperature) in enumerate(MODES, 1):
+        print(f"[decoding] mode {i}/{len(MODES)}: {name}, {len(PROMPTS)} prompts with and without the KV cache",
+              file=sys.stderr, flush=True)
         t = temperature if mode_temperature is None else mode_temperature
         out, stats = {}, {}
         for cache in (True, False):
@@ -98,8 +101,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     from megatron_csbp.utils.cli import run
 
     sys.exit(run(main))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -93,7 +94,9 @@ def run(seq_length: int, steps: int) -> Dict:
     from megatron_csbp.parallel.spawn import spawn
 
     out = {}
-    for name, flags in LAYOUTS.items():
+    for i, (name, flags) in enumerate(LAYOUTS.items(), 1):
+        print(f"[bench.pipeline] layout {i}/{len(LAYOUTS)}: {name} on 4 ranks, {steps} steps", file=sys.stderr,
+              flush=True)
         per_rank = spawn(_rank, 4, _model_flags(seq_length) + flags, steps)
         out[name] = per_rank
     return out
@@ -153,8 +156,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     from megatron_csbp.utils.cli import run
 
     sys.exit(run(main))
