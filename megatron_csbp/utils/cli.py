@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 from typing import Callable, NoReturn, Optional, Sequence
@@ -96,6 +97,21 @@ class ArgumentParser(argparse.ArgumentParser):
         fail(f"{message} (see {self.prog} --help)" if message.startswith(("unrecognized arguments",
                                                                           "the following arguments"))
              else message, 2)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` with each flag's default after its help ("unset" for None), unless the help names it."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or not action.option_strings or re.search(
+                r"(^|\()(the )?default\b|default:", text):
+            return text
+        if action.nargs == 0:  # a switch: off unless given (--no-X: on unless given)
+            return f"{text} (default: not given)"
+        default = "unset" if action.default is None else " ".join(map(str, action.default)) \
+            if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {default})"
 
 
 def run(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
