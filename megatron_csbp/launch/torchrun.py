@@ -4,7 +4,7 @@ a SIGTERM or SIGINT (Ctrl-C; and the job's `--exit-signal`) to the launcher is f
 worker's process group and the agent keeps monitoring the workers (torch's agent raises
 `SignalException`, shuts them down and exits 1): the ranks save and exit 0, and so does the launch.
 A worker failing after it still fails the launch, with no restart. A signal while no worker runs
-keeps torch's handling. docs/training.md#preemption-sigterm-time-limits-requeued-jobs.
+keeps torch's handling. docs/training.md#preemption-sigterm-ctrl-c-time-limits-requeued-jobs.
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """Megatron-LM's exit conditions (`--exit-signal-handler`, `--exit-duration-in-mins`,
 `--exit-interval`), checked at the end of every iteration as Megatron-LM's
 `checkpoint_and_decide_exit` checks them: each saves a checkpoint and ends the run with status 0,
-all ranks agreeing in one MAX all-reduce. Behaviour under Slurm and torchrun:
-docs/training.md#preemption-sigterm-time-limits-requeued-jobs.
+all ranks agreeing in one MAX all-reduce; `Interruptible`: Ctrl-C without the handler, one line.
+Behaviour under Slurm, torchrun and a terminal:
+docs/training.md#preemption-sigterm-ctrl-c-time-limits-requeued-jobs.
 """
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Optional
 
@@ -82,8 +84,9 @@ class Interruptible:
     trainer = None
 
     def __enter__(self) -> "Interruptible":
-        self._got = False
-        self._previous = signal.signal(signal.SIGINT, self._note)
+        self._got, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():  # (Python's rule for handlers)
+            self._previous = signal.signal(signal.SIGINT, self._note)
         return self
 
     def _note(self, signum, frame) -> None:
@@ -91,7 +94,8 @@ class Interruptible:
         raise KeyboardInterrupt
 
     def __exit__(self, kind, exc, tb) -> None:
-        signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
         if not self._got or kind is None or issubclass(kind, CliError):
             return
         t = self.trainer
