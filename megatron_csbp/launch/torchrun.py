@@ -63,7 +63,7 @@ def exit_signal_of(argv) -> signal.Signals:
     return signal.SIGTERM
 
 
-def forward_sigterm(sigs=(signal.SIGTERM, signal.SIGINT)) -> None:
+def forward_signals(sigs=(signal.SIGTERM, signal.SIGINT)) -> None:
     """Patch torch's elastic agent (this process) so that each of `sigs` is forwarded to its workers,
     which it keeps monitoring, and a worker group that fails after it is not restarted (module docstring)."""
     start, SignalException, restart = _torch_api()
@@ -104,7 +104,7 @@ def forward_sigterm(sigs=(signal.SIGTERM, signal.SIGINT)) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--exit-signal-handler" in argv:
-        forward_sigterm(tuple(dict.fromkeys((exit_signal_of(argv), signal.SIGTERM, signal.SIGINT))))
+        forward_signals(tuple(dict.fromkeys((exit_signal_of(argv), signal.SIGTERM, signal.SIGINT))))
     from torch.distributed.run import main as torchrun
 
     torchrun(argv)

@@ -145,8 +145,8 @@ def why_no_speedup(result) -> str:
         return "why 1.000x: the best layout has no block parallelism (it is the best baseline)"
     exposed = [l["time_breakdown_s"].get("attn_comm_exposed", 0.0) for l in (base, best)]
     return (f"why 1.000x: the step times agree to 0.1 % (attention traffic not hidden behind compute: baseline "
-            f"{exposed[0]:.2f} s, CSBP {exposed[1]:.2f} s of a {best['step_time_s']:.2f} s step), so CSBP gains traffic "
-            f"({best['attn_bytes_per_gpu'] / 2**30:.1f} vs {base['attn_bytes_per_gpu'] / 2**30:.1f} GiB/GPU) and peak "
+            f"{exposed[0]:.2f} s, CSBP {exposed[1]:.2f} s of a {best['step_time_s']:.2f} s step), so CSBP gains "
+            f"traffic ({best['attn_bytes_per_gpu'] / 2**30:.1f} vs {base['attn_bytes_per_gpu'] / 2**30:.1f} GiB/GPU) and peak "
             f"memory ({best['peak_memory_gib']:.1f} vs {base['peak_memory_gib']:.1f} GiB), not time; the paper's "
             f"1.2-1.6x is against its own CP baseline: --baseline reference")
 
