@@ -7,6 +7,9 @@ import torch
 
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every torchrun a test starts is --standalone (the variable torchrun reads for it): it binds a free
+# port, so two test sessions on one machine (a developer's and CI's) never meet on torchrun's default port.
+os.environ["PET_STANDALONE"] = "1"
 # torch inductor's on-disk kernel cache is not keyed on ATEN_CPU_CAPABILITY: a kernel compiled under
 # avx512 (e.g. Megatron's torch.compile'd `_apply_output_gate`, used by gated attention, qwen3_5) and
 # reused under avx2 gave logits off by 9.7; under `default` the cached build failed to compile. One

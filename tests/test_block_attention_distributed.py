@@ -171,8 +171,10 @@ WORLD_CASES = {
 
 # cpu_flash: one local partial (strategies); math: separate partials. The 4-rank worlds are in
 # the slow set (suite budget, docs/testing.md); both kernels' 2-rank worlds run by default.
-@pytest.mark.parametrize("world,kernel", [pytest.param(w, k, marks=pytest.mark.slow) if w == 4 else (w, k)
-                                          for w in sorted(WORLD_CASES) for k in ("math", "cpu_flash")])
+# the 2-rank cpu_flash world is in the quick tier
+@pytest.mark.parametrize("world,kernel", [pytest.param(w, k, marks=pytest.mark.slow if w == 4 else pytest.mark.quick
+                                                       if k == "cpu_flash" else ()) for w in sorted(WORLD_CASES)
+                                          for k in ("math", "cpu_flash")])
 def test_distributed_attention_matches_dense(world, kernel):
     cases = [dict(case, kernel=kernel) for case in WORLD_CASES[world]]
     for rank_results_of_case, case in zip(zip(*run_distributed(_attention_rank, world, cases)), cases):

@@ -14,7 +14,7 @@ from megatron_csbp.utils.cli import FILTERS
 
 #: every `python -m megatron_csbp.X` command's main()
 CLI_MAINS = ["training.loop", "generate", "conversion.cli", "planner.cli", "planner.validate", "dflash", "launch.recipes",
-             "demo", "bench.__main__", "data.preprocess", "data.tokenizer", "data.sft", "model.diffusiongemma.tiny"]
+             "demo", "bench.__main__", "bench.decoding", "bench.kernel_rate", "bench.packing", "bench.pipeline", "data.preprocess", "data.tokenizer", "data.sft", "model.diffusiongemma.tiny"]
 
 UNACTIONABLE = ("Transformer Engine", "Apex is not installed", "FutureWarning", "DeprecationWarning",
                 "full scope is deprecated")
@@ -58,3 +58,17 @@ def test_a_short_run_and_its_resume_print_none_of_them(tmp_path):
         print(f"stderr of {argv}: {r.stderr!r}")
         assert not [w for w in UNACTIONABLE if w in r.stderr], r.stderr
         assert "Warning" not in r.stderr, r.stderr
+
+
+def test_a_two_rank_tensor_parallel_run_prints_none_of_them(tmp_path):
+    """Every multi-rank run printed torch's FutureWarnings of the collectives megatron-core calls
+    (`all_gather_into_tensor is deprecated`, 8 lines), a TP run 4 more asking for
+    CUDA_DEVICE_MAX_CONNECTIONS=1, which means nothing on CPU."""
+    from tests.train_helpers import TINY, train_command
+
+    argv = TINY + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "2"]
+    r = subprocess.run(train_command(argv, 2), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # as torchrun sets it: no banner
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "iteration        2/" in r.stdout
+    assert r.stderr == "", r.stderr

@@ -210,9 +210,21 @@ def test_pp2_p2p_trains_like_one_rank():
 
 
 def _resume_rank(rank, world_size, argv, save):
-    port = int(os.environ["MASTER_PORT"])
+    import time
+
+    from megatron_csbp.parallel.spawn import free_port
+
     first = train_rank(rank, world_size, argv + ["--save", save, "--save-interval", "1"])
-    os.environ["MASTER_PORT"] = str(port + 1)  # the first run tore its process group down
+    # the first run tore its process group down: the second meets on a free port rank 0 picks
+    port_file = save + ".port"
+    if rank == 0:
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(port_file + ".tmp", port_file)
+    while not os.path.exists(port_file):
+        time.sleep(0.01)
+    with open(port_file) as f:
+        os.environ["MASTER_PORT"] = f.read()
     resumed = train_rank(rank, world_size, argv + ["--load", save, "--ckpt-step", "1"])
     return {"first": first["losses"], "resumed": resumed["losses"], "iteration": resumed["iteration"]}
 

@@ -1,6 +1,7 @@
 """jsonl -> .bin/.idx with the real sentencepiece tokenizer, read back through Megatron's
 IndexedDataset, and sampled through Megatron's BlendedMegatronDatasetBuilder/GPTDataset (blend + split)."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -105,6 +106,7 @@ def test_bad_data_path_is_named(tmp_path):
         parse_data_path([str(tmp_path / "missing")])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv, line", [
     (["--input", "{txt}", "--output-prefix", "{out}"],
      'error: --input {txt}: line 1 is not JSON (Expecting value: line 1 column 1 (char 0)); --input is jsonl, one '
@@ -135,3 +137,43 @@ def test_tokenizer_command_runs_without_runpy_warning():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.splitlines()[0] == "[61, 43, 99]"
+
+
+@pytest.mark.quick
+def test_a_failed_preprocess_leaves_neither_file(tmp_path, capsys):
+    """A bad line after good ones: before, the .bin of the documents read so far stayed without its .idx."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "one document"}\n{"text": "another"}\nnot json\n')
+    with pytest.raises(SystemExit):
+        preprocess_main(["--input", str(docs), "--output-prefix", str(tmp_path / "out" / "corpus")])
+    assert "line 3 is not JSON" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.quick
+def test_a_binary_input_is_named(tmp_path, capsys):
+    """Before: `'utf-8' codec can't decode byte 0xf9 in position 0: invalid start byte`, no file named."""
+    data = tmp_path / "corpus.bin"
+    data.write_bytes(bytes([0xF9, 0x00, 0x10, 0x80]) * 64)
+    with pytest.raises(SystemExit) as exc:
+        preprocess_main(["--input", str(data), "--output-prefix", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f'error: --input {data} is not UTF-8 text (byte 0xf9); --input is jsonl(.gz), one {{"text": "..."}} object '
+        "per document"]
+    assert os.listdir(tmp_path) == ["corpus.bin"]
+
+
+@pytest.mark.quick
+def test_a_blend_with_a_weight_left_over_is_named(capsys):
+    """`--data-path 0.7 P 0.3` (the second prefix forgotten): before, `--data-path: 0.7.bin does not exist`."""
+    from megatron_csbp.training.arguments import parse_args
+    from tests.train_helpers import TINY
+
+    argv = [a for a in TINY if a != "--mock-data"] + ["--data-path", "0.7", "P", "0.3"]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=1)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --data-path 0.7 P 0.3: a blend is weight-prefix pairs, W1 PREFIX1 W2 PREFIX2 ... (got 3 values, an "
+        "odd count)"]

@@ -21,6 +21,7 @@ def saved(tmp_path_factory):
     return save, run_train(TINY + ["--train-iters", "2", "--save", save])
 
 
+@pytest.mark.quick
 def test_train_without_torchrun_runs_one_process(saved):
     save, out = saved
     assert out.returncode == 0, out.stderr[-3000:]
@@ -49,6 +50,7 @@ def _one_line(argv, capsys, world=1):
      "error: --objective fast-dllm-v2 adapts a pretrained autoregressive model: give --load DIR (a checkpoint, "
      "e.g. from python -m megatron_csbp.convert hf-to-megatron)"),
 ])
+@pytest.mark.quick
 def test_bad_flags_one_line(flags, line, capsys):
     assert _one_line(TINY + flags, capsys) == line
 

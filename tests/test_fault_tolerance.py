@@ -148,6 +148,7 @@ def test_exit_conditions_decide_as_megatron():
         assert sig.noted
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (ExitSignal notes Ctrl-C too)
         if ours:
             dist.destroy_process_group()
 

@@ -7,6 +7,8 @@ import torch
 from megatron_csbp.layout.layout import SequenceLayout, mirrored_order, split_evenly
 from megatron_csbp.layout.masks import BlockGeometry, allowed
 
+pytestmark = pytest.mark.quick  # the quick tier (docs/testing.md)
+
 
 def layout(L=64, B=4, cp=1, bp=1, schedule="mirrored", clean="block_causal"):
     return SequenceLayout(BlockGeometry(L, B, clean), cp, bp, schedule)

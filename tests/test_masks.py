@@ -7,6 +7,8 @@ import torch
 from megatron_csbp.layout.masks import (BlockGeometry, RowMeta, allowed, clean_key_interval,
                                         dense_reference_mask, logical_rows)
 
+pytestmark = pytest.mark.quick  # the quick tier (docs/testing.md)
+
 
 def _rows_to_mask(spec):
     """Hand mask from {query row name: [key row names]} over rows n0..n{L-1}, c0..c{L-1}."""

@@ -36,7 +36,7 @@ ARGV = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
         "--vocab-size 64 --tokenizer-type NullTokenizer --attention-dropout 0 --hidden-dropout 0 --distributed-backend gloo "
         "--transformer-impl local --use-cpu-initialization --position-embedding-type rope --normalization RMSNorm "
         "--disable-bias-linear --no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
-        "--no-bias-dropout-fusion --no-rope-fusion --lr 1e-3 --train-iters 1").split()
+        "--no-bias-dropout-fusion --no-rope-fusion --lr 1e-3 --train-iters 1 --mock-data").split()
 
 
 def _with_megatron_lm():
@@ -127,9 +127,11 @@ def _validation_rank(rank, world_size):
     # packed-document flags, which it now accepts.
     for drop, add in [("rope", []), ("--attention-dropout", []), ("--hidden-dropout", []),
                       ("--distributed-backend", []), (None, ["--reset-attention-mask"]),
-                      (None, ["--reset-position-ids"]), (None, ["--eod-mask-loss"])]:
+                      (None, ["--reset-position-ids"]), (None, ["--eod-mask-loss"]), ("--mock-data", [])]:
         argv = list(base)
-        if drop:
+        if drop == "--mock-data":  # no data flag at all: before, Megatron-LM's 51-line dataset error
+            argv.remove(drop)
+        elif drop:
             argv = _without(argv, "--position-embedding-type" if drop == "rope" else drop)
         sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(argv + add)
         args = parse_args(megatron_lm.extra_args_provider)
@@ -176,6 +178,8 @@ def test_unsupported_flags_eval_interval_and_mask_id_at_validation():
     assert "--position-embedding-type learned_absolute is not supported" in refusals["rope"]
     assert "--attention-dropout 0.1 is not supported" in refusals["--attention-dropout"]
     assert "--hidden-dropout 0.1 is not supported" in refusals["--hidden-dropout"]
+    assert refusals["--mock-data"] == ("no training data: pass --data-path PREFIX (a .bin/.idx pair that python -m "
+                                       "megatron_csbp.data.preprocess writes) or --mock-data")
     if not torch.cuda.is_available():  # Megatron-LM's default nccl, on a machine without CUDA
         assert refusals["--distributed-backend"].startswith("--distributed-backend nccl needs CUDA GPUs")
         assert "pass --distributed-backend gloo" in refusals["--distributed-backend"]

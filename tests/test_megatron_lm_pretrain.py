@@ -53,12 +53,13 @@ EVAL_AT_2 = ["--eval-iters", "1", "--eval-interval", "2"]
 LOG = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
 
-def launch(tmp_path, name, nproc, argv, port):
+def launch(tmp_path, name, nproc, argv):
     """torchrun examples/megatron_lm/pretrain_bdlm.py argv: (return code, output). Megatron-LM is not
-    put on PYTHONPATH: the script finds it (MEGATRON_LM_PATH only when the caller set it)."""
+    put on PYTHONPATH: the script finds it (MEGATRON_LM_PATH only when the caller set it). `--standalone`:
+    torchrun binds a free port itself, so runs on one machine (two test sessions) never collide."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(ROOT, "examples", "megatron_lm", "pretrain_bdlm.py"), *argv]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
@@ -66,10 +67,25 @@ def launch(tmp_path, name, nproc, argv, port):
     return proc.returncode, out
 
 
-def pretrain(tmp_path, name, nproc, extra, port):
+@pytest.mark.slow  # 2 Megatron-LM launches (~2 min on the shared 2 cores); tests/test_suite_ports.py guards by default
+def test_two_launches_at_once_do_not_collide(tmp_path):
+    """Two test sessions on one machine (a developer's and CI's) launching pretrain() at once: with the
+    fixed --master-port of before, one run's store took the port of the other's (EADDRINUSE: 4 of 10
+    failed that way). Each binds only while Megatron initializes and trains, so both run 1 iteration."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    argv = [a for a in ARGV if a not in ("--train-iters", "3")] + ["--train-iters", "1"] + NO_EVAL
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda name: launch(tmp_path, name, 1, argv), ["first", "second"]))
+    for code, out in runs:
+        assert code == 0 and "EADDRINUSE" not in out, out[-3000:]
+        assert re.search(r"iteration\s+1/\s*1 \|", out), out[-3000:]
+
+
+def pretrain(tmp_path, name, nproc, extra):
     tb = tmp_path / f"tb_{name}"
     argv = [a for a in ARGV if not ("--data-path" in extra and a == "--mock-data")]
-    code, out = launch(tmp_path, name, nproc, [*argv, "--tensorboard-dir", str(tb), *extra], port)
+    code, out = launch(tmp_path, name, nproc, [*argv, "--tensorboard-dir", str(tb), *extra])
     assert code == 0, out[-6000:]
     lines = {int(i): (loss, gn) for i, loss, gn in LOG.findall(out)}
     return dict(log=lines, out=out, tb=_scalars(tb))
@@ -100,17 +116,16 @@ def _same_losses(a, b):
 
 def test_pretrain_one_rank_vs_csbp_with_eval_and_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
-    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL_UNSET_INTERVAL + ["--save", str(ckpt), "--save-interval", "2"],
-                 29631)
+    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL_UNSET_INTERVAL + ["--save", str(ckpt), "--save-interval", "2"])
     # the first padding id of NullTokenizer(64): 65 on megatron-core 0.16.1 (64 ids + EOD), 64 on 0.19.2
     assert f"> block diffusion: --objective bd3lm, mask token id {null_tokenizer().vocab_size}" in a["out"]
     assert "> block diffusion: --eval-interval unset: set to 4 (--train-iters + 1" in a["out"]
     assert (ckpt / "iter_0000002").is_dir()
-    b = pretrain(tmp_path, "csbp_eval", 2, CSBP + EVAL_AT_2, 29632)
+    b = pretrain(tmp_path, "csbp_eval", 2, CSBP + EVAL_AT_2)
     assert re.search(r"validation loss at iteration 2 \| lm loss value: \S+", b["out"])
     assert 2 in b["tb"]["lm loss validation"]
     _same_losses(a, b)
-    c = pretrain(tmp_path, "resume", 1, NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"], 29633)
+    c = pretrain(tmp_path, "resume", 1, NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"])
     assert "successfully loaded checkpoint" in c["out"] and sorted(c["log"]) == [3]
     assert c["tb"]["lm loss"][3] == a["tb"]["lm loss"][3]  # bit for bit (float32)
     assert c["tb"]["grad-norm"][3] == a["tb"]["grad-norm"][3]
@@ -121,7 +136,7 @@ def test_refused_flag_is_one_line_before_megatron_argument_dump(tmp_path):
     learned_absolute) used to end in a traceback after Megatron-LM's ~700-line argument dump; now the
     plugin's checks run before Megatron's validate_args and the run ends with one line, status 2."""
     i = ARGV.index("--position-embedding-type")
-    code, out = launch(tmp_path, "refused", 1, ARGV[:i] + ARGV[i + 2:], 29634)
+    code, out = launch(tmp_path, "refused", 1, ARGV[:i] + ARGV[i + 2:])
     assert code != 0
     assert "error: --position-embedding-type learned_absolute is not supported with block diffusion" in out
     assert "exitcode  : 2" in out  # torchrun's failure summary: the status of cli.fail (bad input)
@@ -131,18 +146,18 @@ def test_refused_flag_is_one_line_before_megatron_argument_dump(tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_evaluation_never_moves_training_losses(tmp_path):
-    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL, 29641)
-    b = pretrain(tmp_path, "one_rank_eval", 1, ["--eval-iters", "1", "--eval-interval", "1"], 29642)
+    a = pretrain(tmp_path, "one_rank", 1, NO_EVAL)
+    b = pretrain(tmp_path, "one_rank_eval", 1, ["--eval-iters", "1", "--eval-interval", "1"])
     assert b["tb"]["lm loss"] == a["tb"]["lm loss"]  # bit for bit: evaluation after every iteration
-    c = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL, 29643)
+    c = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL)
     _same_losses(a, c)
 
 
 @pytest.mark.slow
 def test_pretrain_csbp_resume_bit_for_bit(tmp_path):
     ckpt = tmp_path / "ckpt"
-    a = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL + ["--save", str(ckpt), "--save-interval", "2"], 29651)
-    c = pretrain(tmp_path, "csbp_resume", 2, CSBP + NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"], 29652)
+    a = pretrain(tmp_path, "csbp", 2, CSBP + NO_EVAL + ["--save", str(ckpt), "--save-interval", "2"])
+    c = pretrain(tmp_path, "csbp_resume", 2, CSBP + NO_EVAL + ["--load", str(ckpt), "--ckpt-step", "2"])
     assert c["tb"]["lm loss"][3] == a["tb"]["lm loss"][3]
     assert c["tb"]["grad-norm"][3] == a["tb"]["grad-norm"][3]
 
@@ -175,16 +190,16 @@ def test_pretrain_packed_documents_one_rank_vs_csbp(tmp_path):
     documents: CSBP's losses equal one rank's (that they differ from the unpacked run, documents no
     longer attending each other: the slow test below)."""
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data, 29661)
-    b = pretrain(tmp_path, "packed_csbp", 2, CSBP + NO_EVAL + PACKED + data, 29662)
+    a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data)
+    b = pretrain(tmp_path, "packed_csbp", 2, CSBP + NO_EVAL + PACKED + data)
     _same_losses(a, b)
 
 
 @pytest.mark.slow
 def test_pretrain_packed_documents_differ_from_unpacked(tmp_path):
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data, 29664)
-    plain = pretrain(tmp_path, "plain_one_rank", 1, NO_EVAL + data, 29665)
+    a = pretrain(tmp_path, "packed_one_rank", 1, NO_EVAL + PACKED + data)
+    plain = pretrain(tmp_path, "plain_one_rank", 1, NO_EVAL + data)
     assert plain["tb"]["lm loss"][1] != pytest.approx(a["tb"]["lm loss"][1], rel=1e-4)
 
 
@@ -194,8 +209,8 @@ def test_pretrain_pipeline_csbp_matches_one_rank(tmp_path):
     (more than the 2 stages), tied embeddings synced by megatron-core; the same losses as one rank
     (which the trainer's tests/test_train_pipeline.py matches too)."""
     batch = ["--global-batch-size", "4"]
-    a = pretrain(tmp_path, "one_rank_gb4", 1, NO_EVAL + batch, 29667)
-    b = pretrain(tmp_path, "pp2_csbp", 4, NO_EVAL + batch + CSBP + ["--pipeline-model-parallel-size", "2"], 29668)
+    a = pretrain(tmp_path, "one_rank_gb4", 1, NO_EVAL + batch)
+    b = pretrain(tmp_path, "pp2_csbp", 4, NO_EVAL + batch + CSBP + ["--pipeline-model-parallel-size", "2"])
     _same_losses(a, b)
 
 
@@ -207,9 +222,9 @@ def test_pretrain_interleaved_pipeline_matches_one_rank(tmp_path):
     shim kept a sent output's storage alive (compat.pipeline.patch_output_deallocation), gloo sent
     freed memory and the losses changed from run to run (measured: 3 of 3 runs off one rank's)."""
     extra = ["--global-batch-size", "4", "--num-layers", "4"]
-    a = pretrain(tmp_path, "one_rank_4l", 1, NO_EVAL + extra, 29669)
+    a = pretrain(tmp_path, "one_rank_4l", 1, NO_EVAL + extra)
     b = pretrain(tmp_path, "pp2_vp2", 2, NO_EVAL + extra + ["--pipeline-model-parallel-size", "2",
-                                                            "--num-layers-per-virtual-pipeline-stage", "1"], 29670)
+                                                            "--num-layers-per-virtual-pipeline-stage", "1"])
     _same_losses(a, b)
 
 
@@ -249,12 +264,12 @@ def _trainer_equals_pretrain(trainer, run):
         assert history[i]["grad_norm"] == pytest.approx(run["tb"]["grad-norm"][i], rel=1e-5, abs=0), (i, history[i])
 
 
-def _trainer_and_pretrain(tmp_path, name, nproc, extra, port):
+def _trainer_and_pretrain(tmp_path, name, nproc, extra):
     from tests.distributed import run_distributed
     from tests.train_helpers import train_rank
 
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    run = pretrain(tmp_path, f"xc_{name}", nproc, NO_EVAL + data + SAME_RUN + extra, port)
+    run = pretrain(tmp_path, f"xc_{name}", nproc, NO_EVAL + data + SAME_RUN + extra)
     trainer = run_distributed(train_rank, nproc, _trainer_argv(tmp_path, name, NO_EVAL + data + SAME_RUN + extra))
     print(f"{name}: pretrain() lm loss {[run['tb']['lm loss'][i] for i in (1, 2, 3)]}, trainer "
           f"{[h['loss'] for h in trainer[0]['history'] if 'loss' in h]}")  # shown by pytest -s
@@ -269,18 +284,18 @@ def test_trainer_and_pretrain_give_the_same_losses(tmp_path):
     on the same corpus, on each megatron-core with its Megatron-LM tag (before this test: the trainer
     read text[:-1] of each sample where pretrain() diffuses labels = text[1:], and counted data
     tokens equal to the mask id in the loss denominator where pretrain() did not)."""
-    one, trainer_one = _trainer_and_pretrain(tmp_path, "one_rank", 1, [], 29671)
+    one, trainer_one = _trainer_and_pretrain(tmp_path, "one_rank", 1, [])
     mask = null_tokenizer().vocab_size  # the first padding id: 65 on megatron-core 0.16.1, 64 on 0.19.2
     assert f"> block diffusion: --objective bd3lm, mask token id {mask}" in one["out"]
     assert trainer_one[0]["history"] and _mask_id_of_trainer(tmp_path) == mask
-    _trainer_and_pretrain(tmp_path, "csbp", 2, CSBP, 29672)
+    _trainer_and_pretrain(tmp_path, "csbp", 2, CSBP)
 
 
 @pytest.mark.slow  # ~4 min: pretrain() and the trainer on 4 ranks
 def test_trainer_and_pretrain_agree_under_pipeline_csbp(tmp_path):
     """PP 2 x CSBP (CP 2 + BP 2, 4 ranks, 4 micro-batches per iteration): the same losses."""
     _trainer_and_pretrain(tmp_path, "pp_csbp", 4, ["--global-batch-size", "4", "--pipeline-model-parallel-size", "2"]
-                          + CSBP, 29674)
+                          + CSBP)
 
 
 @pytest.mark.slow  # ~1 min: one pretrain() run and one trainer run, one rank
@@ -292,6 +307,6 @@ def test_trainer_and_pretrain_agree_on_packed_documents(tmp_path):
     from tests.train_helpers import train_rank
 
     data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"]
-    run = pretrain(tmp_path, "xc_packed", 1, NO_EVAL + data + SAME_RUN + PACKED, 29673)
+    run = pretrain(tmp_path, "xc_packed", 1, NO_EVAL + data + SAME_RUN + PACKED)
     trainer = run_distributed(train_rank, 1, _trainer_argv(tmp_path, "packed", NO_EVAL + data + SAME_RUN + PACKED))
     _trainer_equals_pretrain(trainer, run)

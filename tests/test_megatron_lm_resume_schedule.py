@@ -106,21 +106,12 @@ def test_use_checkpoint_keeps_the_schedule_and_override_keeps_the_groups_lr(save
 
 # ---- against Megatron-LM's pretrain() -------------------------------------------------------------
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pretrain_lrs(tmp_path, name, extra, port=None):
+def _pretrain_lrs(tmp_path, name, extra):
     from tests.test_megatron_lm_pretrain import ARGV, launch
 
-    port = port or _free_port()
     argv = [a for a in ARGV if a not in ("--train-iters", "3")] + ["--train-iters", "4", "--eval-iters", "0",
                                                                      "--eval-interval", "1000"]
-    code, out = launch(tmp_path, name, 1, argv + extra, port)
+    code, out = launch(tmp_path, name, 1, argv + extra)
     found = {int(i): float(v) for i, v in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: (\S+) \|", out)}
     return code, out, found
 

@@ -478,3 +478,20 @@ def test_cli_model_folder_and_no_fit_exit_nonzero(tmp_path, capsys):
     assert captured.out == "" and captured.err == (
         "error: no layout fits in memory (1 layouts evaluated for 1 GPUs, --seq-length 2097152): more GPUs, "
         "--recompute full, or a shorter sequence\n")
+
+
+def test_readme_example_says_why_its_speedup_is_1x(capsys):
+    """README.md's own `plan` example prints 1.000x right after the README quotes 1.2-1.6x: the next line
+    says why (before: no line)."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    example = " ".join(readme[readme.index("`python -m megatron_csbp.plan --model"):].split("`")[1].split())
+    assert main(example.split()[3:]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "predicted speedup of the best layout over the best baseline: 1.000x"
+    assert lines[-1] == (
+        "why 1.000x: the step times agree to 0.1 % (attention traffic not hidden behind compute: baseline 0.00 s, "
+        "CSBP 0.00 s of a 38.59 s step), so CSBP gains traffic (112.5 vs 225.0 GiB/GPU) and peak memory (119.2 vs "
+        "120.2 GiB), not time; the paper's 1.2-1.6x is against its own CP baseline: --baseline reference")
+    # against the paper's CP baseline the same example predicts a speedup, and no such line
+    assert main(example.split()[3:] + ["--baseline", "reference"]) == 0
+    assert not capsys.readouterr().out.splitlines()[-1].startswith("why")

@@ -531,3 +531,18 @@ def test_workload_rejects_unknown_optimizer_and_loss_kernel():
         Workload(1024, 16, optimizer="zero3")
     with pytest.raises(ValueError, match="Workload.loss_kernel must be logits or native_ce"):
         Workload(1024, 16, loss_kernel="chunked")
+
+
+def test_validate_paper_says_what_it_is_doing(capsys):
+    """`planner.validate --paper` searched for ~3 minutes on a loaded 2-core machine without a line: a line on
+    stderr per paper row and for the extra checks, each with the seconds since the start."""
+    import re
+
+    assert main(["--paper"]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert all(re.match(r"\[ *\d+ s\] ", line) for line in err), err
+    assert [line.split("] ", 1)[1] for line in err] == [
+        f"paper row {i}/{len(PAPER)}: {row[0]}, the best CP and CSBP layouts" for i, row in enumerate(PAPER, 1)] + [
+        "extra checks: DiffusionGemma by sequence length, pure BP at 128K, ownership, traffic"]
+    assert "| model |" in captured.out

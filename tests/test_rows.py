@@ -5,6 +5,8 @@ import torch
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta, allowed
 from megatron_csbp.layout.rows import PartialMask
 
+pytestmark = pytest.mark.quick  # the quick tier (docs/testing.md)
+
 
 def _random_rows(gen, n, L):
     pos = torch.randint(0, L, (n,), generator=gen)

@@ -75,6 +75,20 @@ def test_readme_commands_parse():
     assert shown.startswith("[checkpoint runs/default/checkpoints iteration 600; ") and shown.endswith("\n")
 
 
+@pytest.mark.quick
+def test_readme_opens_with_its_title_then_the_two_commands():
+    """Issue 41: the README opened with a code block above its title. The title, a short "what it is", then
+    the first code block: the install-and-train line and the test command (.ci/run runs "the README's test
+    command"), and the quick tier named beside it."""
+    text = open(README).read()
+    assert text.startswith("# megatron-csbp\n\nA megatron-core plugin that trains block diffusion language models")
+    head = text[:text.index("```bash\n")]
+    assert head.count("\n\n") == 2 and "```" not in head and "\n#" not in head[1:]  # title, one paragraph
+    block = text[len(head) + 8:]
+    assert block[:block.index("```")].splitlines()[-1] == "python -m pytest -q"
+    assert "`python -m pytest -q -m quick`" in text[:text.index("## ")]
+
+
 @pytest.mark.slow
 def test_default_run_full(tmp_path):
     """README.md's commands as written, from a fresh folder: the run's claims, then `generate`

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Optional, Sequence
 
@@ -35,7 +36,9 @@ def run(load: str, max_new_tokens: int, temperature: float, seed: int):
     model, margs, step = load_for_generation(load)
     tok = saved_tokenizer(margs.get("tokenizer_type"), margs.get("tokenizer_model"), margs.get("vocab_size"))
     rows = []
-    for name, kw, mode_temperature in MODES:
+    for i, (name, kw, mode_temperature) in enumerate(MODES, 1):
+        print(f"[decoding] mode {i}/{len(MODES)}: {name}, {len(PROMPTS)} prompts with and without the KV cache",
+              file=sys.stderr, flush=True)
         t = temperature if mode_temperature is None else mode_temperature
         out, stats = {}, {}
         for cache in (True, False):
@@ -76,8 +79,11 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.decoding", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.decoding", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -95,4 +101,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))

@@ -95,8 +95,11 @@ def render(rows: List[Dict]) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.kernel_rate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.kernel_rate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--kernels", nargs="+", default=["tiled", "cpu_flash"])
     p.add_argument("--block-size", type=int, default=64)
@@ -127,4 +130,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))

@@ -21,7 +21,6 @@ on 16 ranks each plan is built from 32K local rows against 16 shards of 16K clea
 """
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
@@ -102,7 +101,10 @@ def markdown(results: Sequence[dict], kv_bytes_per_row: int) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.packing", description=__doc__.split("\n\n")[0])
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.packing", description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-length", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layouts", default="4x4,2x8,16x16", help="CPxBP,... (CSBP when CP > 1 and BP > 1)")
@@ -128,4 +130,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))

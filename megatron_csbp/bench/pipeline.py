@@ -11,10 +11,10 @@ attention traffic inside a stage differs (CP moves all rows' K/V, CSBP the clean
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -94,7 +94,9 @@ def run(seq_length: int, steps: int) -> Dict:
     from megatron_csbp.parallel.spawn import spawn
 
     out = {}
-    for name, flags in LAYOUTS.items():
+    for i, (name, flags) in enumerate(LAYOUTS.items(), 1):
+        print(f"[bench.pipeline] layout {i}/{len(LAYOUTS)}: {name} on 4 ranks, {steps} steps", file=sys.stderr,
+              flush=True)
         per_rank = spawn(_rank, 4, _model_flags(seq_length) + flags, steps)
         out[name] = per_rank
     return out
@@ -135,7 +137,10 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_csbp.bench.pipeline", description=__doc__.split("\n")[0])
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/pipeline", help="writes OUT.md and OUT.json")
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
@@ -151,4 +156,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megatron_csbp.utils.cli import run
+
+    sys.exit(run(main))

@@ -28,7 +28,7 @@ class Option:
     type: Any = None        # None with a bool default: a switch
     default: Any = None
     help: Optional[str] = None
-    group: str = "model"    # parser group (GROUPS)
+    group: str = "transformer"  # parser group (GROUPS)
     to: Tuple[str, ...] = ("model",)  # TrainerConfig sections that carry the value
     choices: Optional[Tuple] = None
     dest: Optional[str] = None
@@ -46,6 +46,11 @@ class Option:
         return self.dest or self.flags[0][2:].replace("-", "_")
 
     @property
+    def moe(self) -> bool:
+        """A flag of the MoE layers (its TransformerConfig field is set only for an MoE model)."""
+        return self.name == "num_experts" or self.name.startswith("moe_")
+
+    @property
     def flag(self) -> str:
         return self.flags[0]
 
@@ -59,7 +64,8 @@ class Option:
                 group.add_argument(self.off, dest=self.name, action="store_false", default=self.default,
                                    help=self.off_help)
             return
-        group.add_argument(*self.flags, type=self.type, choices=self.choices, nargs=self.nargs, **kw)
+        metavar = None if self.choices else {int: "N", float: "X"}.get(self.type, "VALUE")
+        group.add_argument(*self.flags, type=self.type, choices=self.choices, nargs=self.nargs, metavar=metavar, **kw)
 
 
 def must(ok: Callable[[Any], bool], what: str):
@@ -88,75 +94,92 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "no
 #: Megatron's AttnBackend names -> the block-diffusion attention kernel they select
 ATTENTION_BACKENDS = ("auto", "local", "unfused", "flash", "fused")
 BACKEND_KERNEL = {"local": "tiled", "unfused": "math", "flash": "flex", "fused": "flex"}
+#: Megatron-LM's --exit-signal takes any signal.Signals name; these are the ones a job is sent
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 UNFUSED = "accepted: the trainer never fuses (exactness is checked against unfused math)"
 
-GROUPS = {"model": "model (Megatron-LM names)", "moe": "mixture of experts (Megatron-LM names)",
-          "train": "training (Megatron-LM names)", "parallel": "parallelism (Megatron-LM names)",
-          "ckpt": "checkpoints and logs (Megatron-LM names)", "data": "data (Megatron-LM names)",
-          "bd": "block diffusion"}
+#: the parser's groups, Megatron-LM's (core_v0.16.1's titles and membership), in its --help order; then the plugin's
+GROUPS = {"network": "network size", "transformer": "transformer configuration", "regularization": "regularization",
+          "training": "training", "init": "RNG and initialization", "lr": "learning rate and weight decay",
+          "checkpointing": "checkpointing", "mixed": "mixed precision", "distributed": "distributed",
+          "validation": "validation", "data": "data and dataloader", "tokenizer": "tokenizer", "logging": "logging",
+          "moe": "moe", "bd": "block diffusion (megatron_csbp)"}
 
 O = Option
 OPTIONS: List[Option] = [
     # ---- model ----------------------------------------------------------------------------
-    O(("--num-layers",), int, 4, rule=POSITIVE, saved=True),
-    O(("--hidden-size",), int, 128, rule=POSITIVE, saved=True),
-    O(("--ffn-hidden-size",), int, None, saved=True),
-    O(("--num-attention-heads",), int, 4, rule=POSITIVE, saved=True),
-    O(("--num-query-groups",), int, None, saved=True),
+    O(("--num-layers",), int, 4, "transformer layers", group="transformer", rule=POSITIVE, saved=True),
+    O(("--hidden-size",), int, 128, "hidden size of the transformer", group="transformer", rule=POSITIVE, saved=True),
+    O(("--ffn-hidden-size",), int, None, "MLP hidden size (default: 4 x --hidden-size; with --swiglu 8/3 x "
+      "--hidden-size rounded up to a multiple of 16)", group="transformer", saved=True),
+    O(("--num-attention-heads",), int, 4, "attention heads per layer", group="transformer", rule=POSITIVE, saved=True),
+    O(("--num-query-groups",), int, None, "K/V heads (grouped-query attention; default: --num-attention-heads)",
+      group="transformer", saved=True),
     O(("--kv-channels",), int, None, "projection size per attention head (default: --hidden-size / "
-      "--num-attention-heads)", rule=POSITIVE, saved=True),
-    O(("--group-query-attention",), None, False, "accepted for Megatron-LM compatibility", to=()),
-    O(("--seq-length",), int, 128, to=("model", "batch", "data"), rule=POSITIVE, saved=True),
-    O(("--max-position-embeddings",), int, None, saved=True),
-    O(("--normalization",), str, "RMSNorm", choices=("RMSNorm", "LayerNorm"), config="normalization", saved=True),
-    O(("--swiglu",), None, True, off="--no-swiglu", config="gated_linear_unit", saved=True),
-    O(("--untie-embeddings-and-output-weights",), None, False, saved=True),
+      "--num-attention-heads)", group="transformer", rule=POSITIVE, saved=True),
+    O(("--group-query-attention",), None, False, "accepted for Megatron-LM compatibility", group="network", to=()),
+    O(("--seq-length",), int, 128, "clean tokens per sample (the model sees 2 x this many rows: noisy and clean)",
+      group="data", to=("model", "batch", "data"), rule=POSITIVE, saved=True),
+    O(("--max-position-embeddings",), int, None, "longest position the model holds (default: --seq-length)",
+      group="network", saved=True),
+    O(("--normalization",), str, "RMSNorm", "normalization layers", group="transformer",
+      choices=("RMSNorm", "LayerNorm"), config="normalization", saved=True),
+    O(("--swiglu",), None, True, "SwiGLU MLP (the default here)", group="network", off="--no-swiglu",
+      off_help="plain GeLU MLP", config="gated_linear_unit", saved=True),
+    O(("--untie-embeddings-and-output-weights",), None, False, "an output layer of its own instead of the input "
+      "embedding's weights", group="network", saved=True),
     O(("--position-embedding-type",), str, "rope", "rope only: block diffusion indexes rotary angles by each "
-      "row's position", choices=("rope",), gpt="position_embedding_type", saved=True),
-    O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model",
-      off="--disable-bias-linear", off_help="no biases in linear layers (the default here; Megatron-LM's default is "
-      "with biases)", config="add_bias_linear", saved=True),
+      "row's position", group="network", choices=("rope",), gpt="position_embedding_type", saved=True),
+    O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model", group="transformer",
+      off="--disable-bias-linear", off_help="no biases in linear layers (the default here; Megatron-LM's default "
+      "is with biases)", config="add_bias_linear", saved=True),
     O(("--attention-dropout",), float, 0.0, "must be 0: dropout on attention probabilities would make the loss "
-      "depend on the layout", rule=lambda f, v: v and (
+      "depend on the layout", group="transformer", rule=lambda f, v: v and (
           f"{f} must be 0 with block-diffusion attention (got {v}): dropout on attention probabilities would make "
           "the loss depend on the layout")),
     O(("--hidden-dropout",), float, 0.0, "dropout after attention and MLP (Megatron's)",
-      rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
+      group="transformer", rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
     O(("--attention-backend",), str, "auto", "Megatron's attention backend names for the block-diffusion core "
       "attention (which replaces Megatron's): local -> --attention-kernel tiled, unfused -> math, flash/fused -> "
       "flex, auto -> --attention-kernel; also set as TransformerConfig.attention_backend",
-      choices=ATTENTION_BACKENDS),
-    O(("--init-method-std",), float, 0.02, config="init_method_std", saved=True),
-    O(("--rotary-base",), int, 10000, gpt="rotary_base", saved=True),
-    O(("--make-vocab-size-divisible-by",), int, 128, saved=True),
-    O(("--bf16",), None, False, to=("model", "optim"), config="bf16"),
+      group="transformer", choices=ATTENTION_BACKENDS),
+    O(("--init-method-std",), float, 0.02, "standard deviation of the initial weights", group="transformer",
+      config="init_method_std", saved=True),
+    O(("--rotary-base",), int, 10000, "rope base period", group="network", gpt="rotary_base", saved=True),
+    O(("--make-vocab-size-divisible-by",), int, 128, "pad the tokenizer's vocabulary to a multiple of this (the "
+      "padding ids hold the default mask id)", group="network", saved=True),
+    O(("--bf16",), None, False, "bfloat16 weights and activations with fp32 main weights in the optimizer",
+      group="transformer", to=("model", "optim"), config="bf16"),
     # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
     # loss scale (dynamic unless --loss-scale is given); a step whose gradients overflow is skipped.
-    O(("--fp16",), None, False, to=("model", "optim"), config="fp16"),
+    O(("--fp16",), None, False, "float16 mixed precision with a loss scale", group="transformer",
+      to=("model", "optim"), config="fp16"),
     O(("--recompute-granularity",), str, None, "activation recomputation (Megatron's "
-      "TransformerConfig.recompute_granularity)", choices=("full", "selective")),
+      "TransformerConfig.recompute_granularity)", group="transformer", choices=("full", "selective")),
     O(("--recompute-method",), str, None, "with --recompute-granularity full (default there: uniform)",
-      choices=("uniform", "block")),
+      group="transformer", choices=("uniform", "block")),
     O(("--recompute-num-layers",), int, None, "with --recompute-granularity full: layers per recomputed chunk "
-      "(uniform) or recomputed layers (block); default 1"),
+      "(uniform) or recomputed layers (block); default 1", group="transformer"),
     O(("--qk-layernorm",), None, False, "RMSNorm on each head's queries and keys (Qwen3); exported as "
-      "Qwen3ForCausalLM", config="qk_layernorm", saved=True),
-    O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer", config="layernorm_epsilon",
-      rule=POSITIVE, saved=True),
-    O(("--rotary-percent",), float, 1.0, "fraction of each head's dims that rope rotates", gpt="rotary_percent",
-      rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), saved=True),
+      "Qwen3ForCausalLM", group="transformer", config="qk_layernorm", saved=True),
+    O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer", group="transformer",
+      config="layernorm_epsilon", rule=POSITIVE, saved=True),
+    O(("--rotary-percent",), float, 1.0, "fraction of each head's dims that rope rotates", group="network",
+      gpt="rotary_percent", rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), saved=True),
     O(("--add-qkv-bias",), None, False, "bias on the q/k/v projections only (Qwen2); exported as Qwen2ForCausalLM",
-      config="add_qkv_bias", saved=True),
-    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", saved=True),
-    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", saved=True),
+      group="transformer", config="add_qkv_bias", saved=True),
+    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", group="network", saved=True),
+    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", group="network", saved=True),
     O(("--rotary-seq-len-interpolation-factor",), int, None, "linear rope interpolation (positions divided by this "
-      "factor)", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1"), saved=True),
+      "factor)", group="network", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1"),
+      saved=True),
     O(("--transformer-impl",), str, "local", "local only (the default here): block-diffusion attention replaces the "
-      "core attention of Megatron's local spec", choices=("local", "transformer_engine"), to=(),
+      "core attention of Megatron's local spec", group="transformer", choices=("local", "transformer_engine"), to=(),
       rule=lambda f, v: v != "local" and (
           f"{f} {v}: the trainer builds Megatron's local spec (block-diffusion attention replaces its core "
           f"attention); use {f} local")),
-    *(O((flag,), None, False, UNFUSED, dest=dest, to=(), config=field, action="store_false") for flag, dest, field in (
+    *(O((flag,), None, False, UNFUSED, group="training", dest=dest, to=(), config=field, action="store_false")
+      for flag, dest, field in (
         ("--no-masked-softmax-fusion", "masked_softmax_fusion", "masked_softmax_fusion"),
         ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "bias_activation_fusion"),
         ("--no-rope-fusion", "apply_rope_fusion", "apply_rope_fusion"),
@@ -166,94 +189,112 @@ OPTIONS: List[Option] = [
     # ---- mixture of experts (TransformerConfig fields of an MoE model: moe_config) -------------
     O(("--num-experts",), int, None, "experts per MoE layer (None: dense)", group="moe", config="num_moe_experts",
       rule=POSITIVE, saved=True),
-    O(("--moe-router-topk",), int, 2, "experts per token", group="moe", config="moe_router_topk", saved=True),
-    O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)", group="moe",
+    O(("--moe-router-topk",), int, 2, "experts per token", group="transformer", config="moe_router_topk", saved=True),
+    O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)", group="transformer",
       config="moe_ffn_hidden_size", saved=True),
     O(("--moe-layer-freq",), moe_freq_type, 1, "one MoE layer every N layers, or a 0/1 pattern per layer such as "
       "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq", saved=True),
-    O(("--moe-router-score-function",), str, "softmax", group="moe", choices=("softmax", "sigmoid"),
-      config="moe_router_score_function", saved=True),
+    O(("--moe-router-score-function",), str, "softmax", "router scores over the experts", group="transformer",
+      choices=("softmax", "sigmoid"), config="moe_router_score_function", saved=True),
     O(("--moe-router-pre-softmax",), None, False, "softmax over all experts before top-k (default: top-k logits, "
-      "then softmax over them)", group="moe", config="moe_router_pre_softmax", saved=True),
-    O(("--moe-router-load-balancing-type",), str, "aux_loss", group="moe", choices=LOAD_BALANCING,
-      config="moe_router_load_balancing_type"),
+      "then softmax over them)", group="transformer", config="moe_router_pre_softmax", saved=True),
+    O(("--moe-router-load-balancing-type",), str, "aux_loss", "the router's load-balancing scheme", group="moe",
+      choices=LOAD_BALANCING, config="moe_router_load_balancing_type"),
     O(("--moe-aux-loss-coeff",), float, 0.0, "weight of the load-balancing loss", group="moe",
       config="moe_aux_loss_coeff"),
-    O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)", group="moe",
+    O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)", group="transformer",
       config="moe_input_jitter_eps", saved=True),
-    O(("--moe-token-dispatcher-type",), str, "allgather", group="moe", choices=("allgather", "alltoall", "flex"),
-      config="moe_token_dispatcher_type"),
-    O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", group="moe", config="moe_grouped_gemm"),
+    O(("--moe-token-dispatcher-type",), str, "allgather", "how tokens reach their experts across expert-parallel "
+      "ranks", group="transformer", choices=("allgather", "alltoall", "flex"), config="moe_token_dispatcher_type"),
+    O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", group="transformer",
+      config="moe_grouped_gemm"),
     # ---- training -------------------------------------------------------------------------
-    O(("--micro-batch-size",), int, 2, group="train", to=("batch",), rule=POSITIVE),
-    O(("--global-batch-size",), int, None, group="train", to=("batch", "data"), rule=POSITIVE),
-    O(("--train-iters",), int, None, "default 100 (or --train-samples)", group="train", to=("batch", "data"),
+    O(("--micro-batch-size",), int, 2, "samples per micro-batch on each data-parallel replica", group="training",
+      to=("batch",), rule=POSITIVE),
+    O(("--global-batch-size",), int, None, "samples per iteration over all replicas (default: --micro-batch-size x "
+      "data-parallel size)", group="training", to=("batch", "data"), rule=POSITIVE),
+    O(("--train-iters",), int, None, "default 100 (or --train-samples)", group="training", to=("batch", "data"),
       rule=AT_LEAST_0),
     O(("--train-samples",), int, None, "train for this many samples instead of --train-iters (a multiple of "
-      "--global-batch-size)", group="train", to=()),
-    O(("--lr",), float, 3e-3, group="train", to=("optim",)),
-    O(("--min-lr",), float, 0.0, "Megatron-LM's default 0", group="train", to=("optim",)),
-    O(("--lr-warmup-iters",), int, 0, group="train", to=("optim",)),
+      "--global-batch-size)", group="training", to=()),
+    O(("--lr",), float, 3e-3, "peak learning rate", group="lr", to=("optim",)),
+    O(("--min-lr",), float, 0.0, "Megatron-LM's default 0", group="lr", to=("optim",)),
+    O(("--lr-warmup-iters",), int, 0, "iterations of linear warm-up from 0 to --lr", group="lr", to=("optim",)),
     O(("--lr-warmup-fraction",), float, None, "warm the learning rate up over this fraction of the decay steps "
-      "(instead of --lr-warmup-iters)", group="train", to=("optim",),
+      "(instead of --lr-warmup-iters)", group="lr", to=("optim",),
       rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
-    O(("--lr-decay-iters",), int, None, group="train", to=("optim",)),
-    O(("--lr-decay-style",), str, "linear", "Megatron-LM's default linear", group="train", to=("optim",),
+    O(("--lr-decay-iters",), int, None, "iterations over which the learning rate decays to --min-lr (default: "
+      "--train-iters)", group="lr", to=("optim",)),
+    O(("--lr-decay-style",), str, "linear", "Megatron-LM's default linear", group="lr", to=("optim",),
       choices=("constant", "linear", "cosine", "inverse-square-root", "WSD")),
-    O(("--weight-decay",), float, 0.01, group="train", to=("optim",)),
-    O(("--adam-beta1",), float, 0.9, group="train", to=("optim",)),
-    O(("--adam-beta2",), float, 0.999, "Megatron-LM's default 0.999", group="train", to=("optim",)),
-    O(("--adam-eps",), float, 1e-8, group="train", to=("optim",)),
-    O(("--clip-grad",), float, 1.0, group="train", to=("optim",)),
-    O(("--loss-scale",), float, None, "static loss scale (default: dynamic, with --fp16)", group="train",
+    O(("--weight-decay",), float, 0.01, "AdamW weight decay", group="regularization", to=("optim",)),
+    O(("--adam-beta1",), float, 0.9, "Adam's beta1", group="regularization", to=("optim",)),
+    O(("--adam-beta2",), float, 0.999, "Megatron-LM's default 0.999", group="regularization", to=("optim",)),
+    O(("--adam-eps",), float, 1e-8, "Adam's epsilon", group="regularization", to=("optim",)),
+    O(("--clip-grad",), float, 1.0, "clip the global gradient norm to this (0: no clipping)", group="regularization",
+      to=("optim",)),
+    O(("--loss-scale",), float, None, "static loss scale (default: dynamic, with --fp16)", group="mixed",
       to=("optim",), rule=POSITIVE),
     O(("--grad-reduce-in-bf16",), None, False, "with --bf16: accumulate and reduce gradients in bfloat16 "
-      "(Megatron-LM's; default: fp32 main gradients)", group="train", to=("optim",)),
-    O(("--initial-loss-scale",), float, 2 ** 32, group="train", to=("optim",)),
-    O(("--min-loss-scale",), float, 1.0, group="train", to=("optim",)),
-    O(("--loss-scale-window",), float, 1000, group="train", to=("optim",)),
-    O(("--hysteresis",), int, 2, group="train", to=("optim",)),
+      "(Megatron-LM's; default: fp32 main gradients)", group="mixed", to=("optim",)),
+    O(("--initial-loss-scale",), float, 2 ** 32, "--fp16: the first dynamic loss scale", group="mixed", to=("optim",)),
+    O(("--min-loss-scale",), float, 1.0, "--fp16: the dynamic loss scale never goes below this", group="mixed",
+      to=("optim",)),
+    O(("--loss-scale-window",), float, 1000, "--fp16: iterations without overflow before the loss scale doubles",
+      group="mixed", to=("optim",)),
+    O(("--hysteresis",), int, 2, "--fp16: overflows tolerated before the loss scale halves", group="mixed",
+      to=("optim",)),
     O(("--check-for-nan-in-loss-and-grad",), None, True, "stop the run, naming the iteration, when the loss or the "
-      "gradient norm is NaN or infinite (the default, as in Megatron-LM)", group="train", to=("optim",),
+      "gradient norm is NaN or infinite (the default, as in Megatron-LM)", group="training", to=("optim",),
       off="--no-check-for-nan-in-loss-and-grad", off_help="train on through non-finite losses (a checkpoint is "
       "still never saved with non-finite weights)"),
-    O(("--seed",), int, 1234, group="train", to=("model", "data"), saved=True),
-    O(("--use-distributed-optimizer",), None, False, group="train", to=("parallel",)),
+    O(("--seed",), int, 1234, "seed of the initial weights and of the training noise (drawn per (seed, sample index))",
+      group="init", to=("model", "data"), saved=True),
+    O(("--use-distributed-optimizer",), None, False, "shard the optimizer state over the data-parallel ranks",
+      group="distributed", to=("parallel",)),
     O(("--overlap-grad-reduce",), None, False, "overlap DDP's gradient reduce-scatter/all-reduce with the backward "
-      "pass", group="train", to=("parallel",)),
+      "pass", group="distributed", to=("parallel",)),
     O(("--overlap-param-gather",), None, False, "overlap the distributed optimizer's parameter all-gather with the "
-      "next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)", group="train", to=("parallel",)),
+      "next forward (needs --use-distributed-optimizer and --overlap-grad-reduce)", group="distributed",
+      to=("parallel",)),
     O(("--num-workers",), int, 0, "DataLoader worker processes reading training samples ahead (default 0 here: in "
-      "the training process; Megatron-LM's default is 2)", group="train", to=("data",),
+      "the training process; Megatron-LM's default is 2)", group="data", to=("data",),
       rule=must(lambda v: v >= 0, "must be >= 0")),
     # ---- parallelism ----------------------------------------------------------------------
-    O(("--tensor-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
-    O(("--pipeline-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
+    O(("--tensor-model-parallel-size",), int, 1, "tensor-parallel ranks (TP)", group="transformer",
+      to=("model", "parallel")),
+    O(("--pipeline-model-parallel-size",), int, 1, "pipeline stages (PP)", group="transformer",
+      to=("model", "parallel")),
     # Megatron-LM's pipeline flags (their rules: parallel/pipeline.check_pipeline_args)
     O(("--decoder-first-pipeline-num-layers",), int, None, "transformer layers on the first pipeline stage "
-      "(default: an even split)", group="parallel"),
+      "(default: an even split)", group="distributed"),
     O(("--decoder-last-pipeline-num-layers",), int, None, "transformer layers on the last pipeline stage "
-      "(default: an even split)", group="parallel"),
+      "(default: an even split)", group="distributed"),
     O(("--num-layers-per-virtual-pipeline-stage",), int, None, "interleaved 1F1B: layers per virtual pipeline "
-      "stage", group="parallel", to=()),
+      "stage", group="distributed", to=()),
     O(("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"), int, None,
-      "interleaved 1F1B: model chunks per pipeline rank", group="parallel", to=()),
-    O(("--context-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
-    O(("--expert-model-parallel-size",), int, 1, group="parallel", to=("model", "parallel")),
-    O(("--sequence-parallel",), None, False, group="parallel", to=("model", "parallel")),
-    O(("--distributed-backend",), str, None, "default: nccl with CUDA, gloo without", group="parallel",
+      "interleaved 1F1B: model chunks per pipeline rank", group="distributed", to=()),
+    O(("--context-parallel-size",), int, 1, "context-parallel ranks (CP): ranks sharing one sample's clean rows; "
+      "with --block-parallel-size > 1 too: CSBP", group="transformer", to=("model", "parallel")),
+    O(("--expert-model-parallel-size",), int, 1, "expert-parallel ranks (EP)", group="transformer",
+      to=("model", "parallel")),
+    O(("--sequence-parallel",), None, False, "split the activations outside attention over the TP ranks (needs TP "
+      "> 1)", group="transformer", to=("model", "parallel")),
+    O(("--distributed-backend",), str, None, "default: nccl with CUDA, gloo without", group="distributed",
       to=("parallel",), choices=("nccl", "gloo")),
     # ---- checkpoints and logs -------------------------------------------------------------
-    O(("--save",), str, None, group="ckpt", to=("checkpoint",)),
-    O(("--load",), str, None, group="ckpt", to=("checkpoint",)),
-    O(("--save-interval",), int, None, group="ckpt", to=("checkpoint",), rule=POSITIVE),
+    O(("--save",), str, None, "folder to write checkpoints to", group="checkpointing", to=("checkpoint",)),
+    O(("--load",), str, None, "checkpoint folder to resume (or start) from", group="checkpointing", to=("checkpoint",)),
+    O(("--save-interval",), int, None, "save a checkpoint every this many iterations (with --save; the last "
+      "iteration is saved too)", group="checkpointing", to=("checkpoint",), rule=POSITIVE),
     O(("--save-retain-interval",), int, None, "keep only the checkpoints at multiples of this (and the latest); a "
-      "multiple of --save-interval", group="ckpt", to=("checkpoint",)),
+      "multiple of --save-interval", group="checkpointing", to=("checkpoint",)),
     O(("--save-initial",), None, False, "also save the untrained weights as iteration 0 before the first step (for "
-      "comparison, e.g. python -m megatron_csbp.generate --ckpt-step 0)", group="ckpt", to=("checkpoint",)),
-    O(("--ckpt-step",), int, None, "load this iteration instead of the latest", group="ckpt", to=("checkpoint",)),
+      "comparison, e.g. python -m megatron_csbp.generate --ckpt-step 0)", group="checkpointing", to=("checkpoint",)),
+    O(("--ckpt-step",), int, None, "load this iteration instead of the latest", group="checkpointing",
+      to=("checkpoint",)),
     O(("--ckpt-format",), str, "torch_dist", "torch_dist only (dist_checkpointing: reshards across every layout)",
-      group="ckpt", to=(), choices=CKPT_FORMATS, rule=lambda f, v: v != "torch_dist" and (
+      group="checkpointing", to=(), choices=CKPT_FORMATS, rule=lambda f, v: v != "torch_dist" and (
           f"{f} {v}: the trainer writes and reads torch_dist checkpoints only (dist_checkpointing, which reshards "
           "across TP / CP / BP / EP layouts)")),
     O(("--exit-on-missing-checkpoint",), None, True, "refuse a --load that holds no checkpoint (a mistyped path), "
@@ -261,53 +302,62 @@ OPTIONS: List[Option] = [
       group="ckpt", to=(), off="--no-exit-on-missing-checkpoint", off_help="start from scratch when --load holds "
       "no checkpoint (Megatron-LM's default)"),
     O(("--finetune",), None, False, "load the --load checkpoint's weights only: iteration and consumed samples "
-      "start at 0, no optimizer, scheduler or RNG state", group="ckpt", to=("checkpoint",)),
+      "start at 0, no optimizer, scheduler or RNG state", group="checkpointing", to=("checkpoint",)),
     O(("--no-load-optim",), None, False, "do not load the optimizer and learning-rate scheduler state of the --load "
-      "checkpoint", group="ckpt", to=("checkpoint",)),
+      "checkpoint", group="checkpointing", to=("checkpoint",)),
     O(("--no-load-rng",), None, False, "accepted: the trainer's checkpoints hold no RNG state (training noise is "
-      "keyed by (--seed, sample index))", group="ckpt", to=()),
+      "keyed by (--seed, sample index))", group="checkpointing", to=()),
     O(("--override-opt_param-scheduler", "--override-opt-param-scheduler"), None, False, "on resume, take the "
       "learning-rate schedule of the flags, not the --load checkpoint's (Megatron-LM's rule; docs/megatron-lm.md "
-      "\"Resuming with other learning-rate flags\")", group="ckpt", to=("checkpoint",),
+      "\"Resuming with other learning-rate flags\")", group="lr", to=("checkpoint",),
       dest="override_opt_param_scheduler"),
     O(("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"), None, False, "on resume, "
       "keep the --load checkpoint's learning-rate schedule whatever the flags say (Megatron-LM's; without either "
-      "flag a changed schedule is refused)", group="ckpt", to=("checkpoint",),
+      "flag a changed schedule is refused)", group="lr", to=("checkpoint",),
       dest="use_checkpoint_opt_param_scheduler"),
-    O(("--log-interval",), int, 10, group="ckpt", to=("log",), rule=POSITIVE),
-    O(("--eval-interval",), int, None, group="ckpt", to=("eval",), rule=POSITIVE),
+    O(("--log-interval",), int, 10, "print (and log) every this many iterations", group="logging", to=("log",),
+      rule=POSITIVE),
+    O(("--eval-interval",), int, None, "evaluate the held-out loss every this many iterations", group="validation",
+      to=("eval",), rule=POSITIVE),
     O(("--eval-iters",), int, None, "global batches per evaluation (default: Megatron-LM's 100 when "
-      "--eval-interval or --skip-train asks for evaluations, else 0)", group="ckpt", to=("eval", "data"),
+      "--eval-interval or --skip-train asks for evaluations, else 0)", group="validation", to=("eval", "data"),
       rule=AT_LEAST_0),
-    O(("--skip-train",), None, False, group="ckpt", to=("batch",)),
-    O(("--tensorboard-dir",), str, None, group="ckpt", to=("log",)),
-    O(("--wandb-project",), str, None, "Weights & Biases project (enables wandb logging)", group="ckpt",
+    O(("--skip-train",), None, False, "evaluate only (the --load checkpoint), no training", group="validation",
+      to=("batch",)),
+    O(("--tensorboard-dir",), str, None, "write TensorBoard scalars here", group="logging", to=("log",)),
+    O(("--wandb-project",), str, None, "Weights & Biases project (enables wandb logging)", group="logging",
       to=("log",)),
-    O(("--wandb-exp-name",), str, None, "Weights & Biases run name", group="ckpt", to=("log",)),
-    O(("--wandb-save-dir",), str, None, "wandb's folder (default: --save/wandb)", group="ckpt", to=("log",)),
+    O(("--wandb-exp-name",), str, None, "Weights & Biases run name", group="logging", to=("log",)),
+    O(("--wandb-save-dir",), str, None, "wandb's folder (default: --save/wandb)", group="logging", to=("log",)),
     O(("--exit-interval",), int, None, "save (with --save) and exit after every iteration that is a multiple of "
-      "this (Megatron-LM's)", group="ckpt", to=("batch",), rule=POSITIVE),
+      "this (Megatron-LM's)", group="training", to=("batch",), rule=POSITIVE),
     O(("--exit-duration-in-mins",), float, None, "save (with --save) and exit after the first iteration that ends "
-      "more than this many minutes after the program started (Megatron-LM's; all ranks agree)", group="ckpt",
+      "more than this many minutes after the program started (Megatron-LM's; all ranks agree)", group="training",
       to=("batch",), rule=lambda f, v: not v > 0 and f"{f} must be positive, got {v:g}"),
-    O(("--exit-signal-handler",), None, False, "on SIGTERM (Slurm's preemption / time limit, torchrun's shutdown), "
-      "finish the iteration, save a checkpoint (with --save) and exit 0 (Megatron-LM's; all ranks agree)",
-      group="ckpt", to=("batch",)),
-    O(("--no-progress-bar",), None, False, group="ckpt", to=("log",)),
+    O(("--exit-signal-handler",), None, False, "on --exit-signal (SIGTERM: Slurm's preemption / time limit, "
+      "torchrun's shutdown) or SIGINT (Ctrl-C), finish the iteration, save a checkpoint (with --save) and exit 0 "
+      "(Megatron-LM's; all ranks agree)", group="training", to=("batch",)),
+    O(("--exit-signal",), str, "SIGTERM", "the signal --exit-signal-handler saves on besides SIGINT "
+      "(Megatron-LM's)", group="training", to=("batch",), choices=EXIT_SIGNALS),
+    O(("--no-progress-bar",), None, False, "no progress bar (log lines only)", group="logging", to=("log",)),
     # ---- data -----------------------------------------------------------------------------
     O(("--data-path",), str, None, "PREFIX or W1 PREFIX1 W2 PREFIX2 ...", group="data", to=("data",), nargs="*"),
-    O(("--split",), str, "969,30,1", group="data", to=("data",)),
-    O(("--data-cache-path",), str, None, group="data", to=("data",)),
+    O(("--split",), str, "969,30,1", "train,valid,test weights of each --data-path dataset's documents", group="data",
+      to=("data",)),
+    O(("--data-cache-path",), str, None, "folder for Megatron's dataset index caches (default: beside the data)",
+      group="data", to=("data",)),
     O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data",
       to=("data",)),
-    O(("--tokenizer-type",), str, None, group="data", to=("data",), choices=TOKENIZER_TYPES, saved=True),
+    O(("--tokenizer-type",), str, None, "Megatron-LM's tokenizer types (default: the shipped sentencepiece tokenizer)",
+      group="tokenizer", to=("data",), choices=TOKENIZER_TYPES, saved=True),
     O(("--tokenizer-model",), str, None, "sentencepiece .model, or a local Hugging Face tokenizer folder (default "
-      "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="data", to=("data",), saved=True),
+      "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="tokenizer", to=("data",), saved=True),
     O(("--vocab-size",), int, None, "NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: "
       "data ids 0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
-      "--make-vocab-size-divisible-by and the default mask id is the first padding id", group="data",
+      "--make-vocab-size-divisible-by and the default mask id is the first padding id", group="tokenizer",
       to=("model", "data"), saved=True),
-    O(("--mock-data",), None, False, group="data", to=("data",)),
+    O(("--mock-data",), None, False, "random tokens (Megatron's MockGPTDataset) instead of --data-path", group="data",
+      to=("data",)),
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
     O(("--reset-position-ids",), None, False, "positions restart at 0 after every EOD token (each document's own "
       "positions)", group="data"),
@@ -324,11 +374,14 @@ OPTIONS: List[Option] = [
     O(("--block-size",), int, 16, "block diffusion block size; must divide --seq-length", group="bd",
       to=("model", "data"), rule=POSITIVE, saved=True),
     # choices and help: the registry's
-    O(("--objective",), str, "bd3lm", group="bd", to=("model", "data"), saved=True),
+    O(("--objective",), str, "bd3lm", "what is trained (each registered objective, objectives/)", group="bd",
+      to=("model", "data"), saved=True),
     O(("--clean-attention",), str, None, "clean stream mask (default: token_causal for DiffusionGemma models, "
       "block_causal otherwise)", group="bd", choices=CLEAN_ATTENTION_VARIANTS, saved=True),
-    O(("--attention-transport",), str, "allgather", group="bd", choices=("allgather", "ring")),
-    O(("--block-ownership",), str, "mirrored", group="bd", choices=("mirrored", "contiguous")),
+    O(("--attention-transport",), str, "allgather", "how K/V move between the ranks of a shard group (ring: "
+      "overlapped with compute)", group="bd", choices=("allgather", "ring")),
+    O(("--block-ownership",), str, "mirrored", "which noisy blocks each BP rank holds (mirrored balances causal work)",
+      group="bd", choices=("mirrored", "contiguous")),
     O(("--attention-kernel",), str, "auto", "kernel of the block-diffusion core attention, for every model family "
       "(flag-built GPT, converted models, DiffusionGemma): auto = per layer, flex on CUDA (tiled past "
       "head dim 256), cpu_flash elsewhere; cpu_flash = "
@@ -347,11 +400,11 @@ def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
     """The declared flags of `groups`, each in its group; the objectives' flags after --objective."""
     from megatron_csbp.objectives.registry import add_objective_args, objective_help, objective_names
 
-    made = {}
+    made = {k: parser.add_argument_group(GROUPS[k]) for k in GROUPS if k in groups}
     for o in OPTIONS:
         if o.group not in groups:
             continue
-        g = made.get(o.group) or made.setdefault(o.group, parser.add_argument_group(GROUPS[o.group]))
+        g = made[o.group]
         if o.name == "objective":
             g.add_argument(o.flag, choices=objective_names(), default=o.default, help=objective_help())
             add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
@@ -379,7 +432,7 @@ def config_fields(a, moe: bool = False) -> dict:
     {} for a dense model)."""
     if moe and not a.num_experts:
         return {}
-    out = {o.config: getattr(a, o.name, o.default) for o in OPTIONS if o.config and (o.group == "moe") == moe}
+    out = {o.config: getattr(a, o.name, o.default) for o in OPTIONS if o.config and o.moe == moe}
     return dict(out, expert_model_parallel_size=a.expert_model_parallel_size) if moe else out
 
 

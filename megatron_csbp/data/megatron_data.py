@@ -180,11 +180,25 @@ class _GPTSampleView(torch.utils.data.Dataset):
         return {"tokens": sample["labels"].long(), "loss_mask": sample["loss_mask"].to(torch.float32)}
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def _blend(data_path: Sequence[str]):
-    """Megatron's blend syntax: `PREFIX ...` or `W1 PREFIX1 W2 PREFIX2 ...` -> (prefixes, weights)."""
+    """Megatron's blend syntax: `PREFIX ...` or `W1 PREFIX1 W2 PREFIX2 ...` -> (prefixes, weights). A
+    list with a weight in it that is not weight-prefix pairs is refused (Megatron reads it as prefixes)."""
     from megatron.core.datasets.utils import get_blend_from_list
 
-    return get_blend_from_list(list(data_path))
+    items = list(data_path)
+    if len(items) > 1 and any(map(_is_number, items)) and (
+            len(items) % 2 or not all(map(_is_number, items[0::2])) or any(map(_is_number, items[1::2]))):
+        raise ValueError(f"--data-path {' '.join(items)}: a blend is weight-prefix pairs, W1 PREFIX1 W2 PREFIX2 ... "
+                         f"(got {len(items)} values{'' if len(items) % 2 == 0 else ', an odd count'})")
+    return get_blend_from_list(items)
 
 
 def missing_prefixes(data_path: Sequence[str]) -> List[str]:

@@ -30,20 +30,30 @@ def _open(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
+def _lines(path: str):
+    """(line number, line) of a UTF-8 text file (gzip by its .gz name); a file that is not one is named."""
+    try:
+        with _open(path) as f:
+            yield from enumerate(f, 1)
+    except (UnicodeDecodeError, gzip.BadGzipFile) as exc:
+        what = f"byte 0x{exc.object[exc.start]:02x}" if isinstance(exc, UnicodeDecodeError) else "not gzip data"
+        raise ValueError(f"--input {path} is not UTF-8 text ({what}); --input is jsonl(.gz), one "
+                         "{\"text\": \"...\"} object per document") from None
+
+
 def iter_jsonl(path: str, key: str) -> Iterable[str]:
-    with _open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--input {path}: line {lineno} is not JSON ({exc}); --input is jsonl, one "
-                                 f'{{"{key}": "..."}} object per document') from None
-            if key not in record:
-                raise ValueError(f"--input {path}: line {lineno} has no key {key!r} (see --json-keys)")
-            yield record[key]
+    for lineno, line in _lines(path):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--input {path}: line {lineno} is not JSON ({exc}); --input is jsonl, one "
+                             f'{{"{key}": "..."}} object per document') from None
+        if key not in record:
+            raise ValueError(f"--input {path}: line {lineno} has no key {key!r} (see --json-keys)")
+        yield record[key]
 
 
 def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "text",
@@ -53,19 +63,29 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
 
     prefix = f"{output_prefix}_{json_key}_document"
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
-    n = 0
-    for text in iter_jsonl(input_path, json_key):
-        ids = tokenizer.tokenize(text)
-        if append_eod:
-            ids = list(ids) + [tokenizer.eod]
-        if not ids:
-            continue
-        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-        n += 1
-    if n == 0:
-        raise ValueError(f"--input {input_path} has no non-empty documents")
-    builder.finalize(prefix + ".idx")
+    # written under temporary names and renamed at the end: a failed or interrupted run leaves no
+    # .bin without its .idx (nor a stale pair half replaced)
+    tmp = f"{prefix}.tmp-{os.getpid()}"
+    try:
+        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+        n = 0
+        for text in iter_jsonl(input_path, json_key):
+            ids = tokenizer.tokenize(text)
+            if append_eod:
+                ids = list(ids) + [tokenizer.eod]
+            if not ids:
+                continue
+            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            n += 1
+        if n == 0:
+            raise ValueError(f"--input {input_path} has no non-empty documents")
+        builder.finalize(tmp + ".idx")
+        os.replace(tmp + ".bin", prefix + ".bin")
+        os.replace(tmp + ".idx", prefix + ".idx")
+    finally:
+        for ext in (".bin", ".idx"):
+            if os.path.exists(tmp + ext):
+                os.remove(tmp + ext)
     return prefix
 
 

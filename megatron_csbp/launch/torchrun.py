@@ -1,9 +1,10 @@
 """`python -m megatron_csbp.launch.torchrun [torchrun options] -m megatron_csbp.train ...`: torch's own
 torchrun (`torch.distributed.run.main`), except that with `--exit-signal-handler` among the arguments
-a SIGTERM to the launcher is forwarded to each worker's process group and the agent keeps monitoring
-the workers (torch's agent raises `SignalException`, shuts them down and exits 1): the ranks save
-and exit 0, and so does the launch. A worker failing after it still fails the launch, with no
-restart. SIGINT, and SIGTERM while no worker runs, keep torch's handling. docs/training.md#preemption-sigterm-time-limits-requeued-jobs.
+a SIGTERM or SIGINT (Ctrl-C; and the job's `--exit-signal`) to the launcher is forwarded to each
+worker's process group and the agent keeps monitoring the workers (torch's agent raises
+`SignalException`, shuts them down and exits 1): the ranks save and exit 0, and so does the launch.
+A worker failing after it still fails the launch, with no restart. A signal while no worker runs
+keeps torch's handling. docs/training.md#preemption-sigterm-ctrl-c-time-limits-requeued-jobs.
 """
 from __future__ import annotations
 
@@ -52,11 +53,21 @@ def _signal_workers(pids, sig) -> list:
     return sent
 
 
-def forward_sigterm() -> None:
-    """Patch torch's elastic agent (this process) so that SIGTERM is forwarded to its workers, which
-    it keeps monitoring, and a worker group that fails after it is not restarted (module docstring)."""
+def exit_signal_of(argv) -> signal.Signals:
+    """The job's `--exit-signal` (Megatron-LM's flag; SIGTERM unless given)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--exit-signal="):
+            return signal.Signals[a.split("=", 1)[1]]
+        if a == "--exit-signal" and i + 1 < len(argv) and argv[i + 1] in signal.Signals.__members__:
+            return signal.Signals[argv[i + 1]]
+    return signal.SIGTERM
+
+
+def forward_signals(sigs=(signal.SIGTERM, signal.SIGINT)) -> None:
+    """Patch torch's elastic agent (this process) so that each of `sigs` is forwarded to its workers,
+    which it keeps monitoring, and a worker group that fails after it is not restarted (module docstring)."""
     start, SignalException, restart = _torch_api()
-    forwarded = []  # the pids a SIGTERM was forwarded to
+    forwarded, got = [], []  # the pids a signal was forwarded to; the signals
 
     def start_and_forward(pcontext) -> None:
         start(pcontext)  # torch's: the workers, and its handlers (SIGTERM raises SignalException)
@@ -68,17 +79,20 @@ def forward_sigterm() -> None:
             if not sent and not forwarded:  # no worker that could save: torch's shutdown
                 raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
             forwarded.extend(sent)
+            got.append(signal.Signals(signum))
             if sent:
-                os.write(2, f"megatron_csbp.launch.torchrun: SIGTERM forwarded to the workers (pids "
+                name = signal.Signals(signum).name
+                os.write(2, f"megatron_csbp.launch.torchrun: {name} forwarded to the workers (pids "
                             f"{' '.join(map(str, sent))}; --exit-signal-handler: they save the iteration they "
                             "reach and exit); waiting for them\n".encode())
 
-        signal.signal(signal.SIGTERM, forward)
+        for sig in sigs:
+            signal.signal(sig, forward)
 
     def restart_unless_signalled(agent, worker_group) -> None:
         if forwarded:
-            raise SignalException(f"Process {os.getpid()} got signal: {int(signal.SIGTERM)} (forwarded to the "
-                                  "workers, which failed: no restart)", sigval=signal.SIGTERM)
+            raise SignalException(f"Process {os.getpid()} got signal: {int(got[-1])} (forwarded to the "
+                                  "workers, which failed: no restart)", sigval=got[-1])
         restart(agent, worker_group)
 
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
@@ -90,7 +104,7 @@ def forward_sigterm() -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--exit-signal-handler" in argv:
-        forward_sigterm()
+        forward_signals(tuple(dict.fromkeys((exit_signal_of(argv), signal.SIGTERM, signal.SIGINT))))
     from torch.distributed.run import main as torchrun
 
     torchrun(argv)

@@ -12,7 +12,8 @@ from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOI
 from megatron_csbp.objectives.registry import register_objective
 
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
-LOSS_WEIGHTING = Flag("--loss-weighting", dict(choices=LOSS_WEIGHTINGS, default="inverse_t"))
+LOSS_WEIGHTING = Flag("--loss-weighting", dict(choices=LOSS_WEIGHTINGS, default="inverse_t",
+                                               help="weight of a masked token's CE: 1/t (the NELBO) or 1"))
 
 
 @register_objective("bd3lm")

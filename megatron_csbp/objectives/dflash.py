@@ -79,11 +79,14 @@ DFLASH_LOSS = Flag("--dflash-loss", dict(
     choices=DFLASH_LOSSES, default="ce",
     help="ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights and lambda mixing"))
 MAX_ANCHORS = Flag("--dflash-max-anchors", dict(type=int, default=512, help="draft blocks per sequence (at most)"))
-ANCHOR_SAMPLING_FLAG = Flag("--dflash-anchor-sampling", dict(choices=ANCHOR_SAMPLING, default="uniform"))
+ANCHOR_SAMPLING_FLAG = Flag("--dflash-anchor-sampling", dict(
+    choices=ANCHOR_SAMPLING, default="uniform", help="anchors drawn at random (uniform) or on a stride from a random "
+                                                     "start (locality)"))
 GAMMA = Flag("--dflash-gamma", dict(type=float, default=7.0, help="slot weight exp(-(k-1)/gamma)"))
-DPACE_ALPHA = Flag("--dflash-dpace-alpha", dict(type=float, default=0.5))
-KL_SCALE = Flag("--dflash-kl-scale", dict(type=float, default=1.0))
-KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0))
+DPACE_ALPHA = Flag("--dflash-dpace-alpha", dict(type=float, default=0.5, help="dpace: s_k = (1-alpha) p_k + alpha"))
+KL_SCALE = Flag("--dflash-kl-scale", dict(type=float, default=1.0,
+                                          help="dpace: c = kl_scale exp(-kl_decay acceptance) mixes CE and 1 - p"))
+KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0, help="dpace: see --dflash-kl-scale"))
 VOCAB_CHUNK = Flag("--dflash-vocab-chunk", dict(type=int, default=8192, help="LM-head rows per streamed chunk"))
 
 

@@ -54,8 +54,9 @@ MASK_TOKEN = Flag("--mask-token", dict(
     type=str, default=None,
     help="mask token as a string of the converted checkpoint's tokenizer (--load DIR/hf_assets/tokenizer.json), "
          "e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id"))
-NOISE_EPS_MIN = Flag("--noise-eps-min", dict(type=float, default=1e-3))
-NOISE_EPS_MAX = Flag("--noise-eps-max", dict(type=float, default=1.0))
+NOISE_EPS_MIN = Flag("--noise-eps-min", dict(type=float, default=1e-3,
+                                              help="noise times t are drawn from [--noise-eps-min, --noise-eps-max]"))
+NOISE_EPS_MAX = Flag("--noise-eps-max", dict(type=float, default=1.0, help="the largest noise time t"))
 
 MASK_TOKEN_FLAGS = (MASK_TOKEN_ID, MASK_TOKEN)
 NOISE_FLAGS = (NOISE_EPS_MIN, NOISE_EPS_MAX)

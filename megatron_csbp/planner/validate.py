@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import replace
 from typing import Dict, List, Optional
 
@@ -78,10 +79,11 @@ def _paper_step(baseline: str, preset: str, est: Estimate) -> Estimate:
 
 
 def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
-                     paper_rows=PAPER) -> Dict:
+                     paper_rows=PAPER, progress=lambda what: None) -> Dict:
     wl_kwargs = wl_kwargs or {}
     rows = []
-    for preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp) in paper_rows:
+    for i, (preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp)) in enumerate(paper_rows, 1):
+        progress(f"paper row {i}/{len(paper_rows)}: {preset}, the best CP and CSBP layouts")
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
         bm = baseline_for(baseline, preset)
@@ -225,9 +227,11 @@ def gemma_by_length(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, basel
     return sp
 
 
-def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours") -> Dict:
+def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
+                 progress=lambda what: None) -> Dict:
     wl_kwargs = wl_kwargs or {}
     out = {}
+    progress("extra checks: DiffusionGemma by sequence length, pure BP at 128K, ownership, traffic")
     gemma = load_preset("diffusiongemma-26b-a4b")
     out["gemma_by_length"] = gemma_by_length(hw, wl_kwargs, baseline)
     # pure BP at 128K on 16 GPUs (BP16 and DP2 x BP8), every model, best recompute choice
@@ -435,8 +439,13 @@ def main(argv=None) -> int:
                      "loss_chunk_rows": args.loss_chunk_rows}
         if args.paper:
             hw = load_hardware(args.hardware or "h200")
-            v = paper_validation(hw, wl_kwargs, args.baseline)
-            extra = extra_checks(hw, wl_kwargs, args.baseline)
+            start = time.time()
+
+            def progress(what):  # the layout searches take a while: a line on stderr for each
+                print(f"[{time.time() - start:4.0f} s] {what}", file=sys.stderr, flush=True)
+
+            v = paper_validation(hw, wl_kwargs, args.baseline, progress=progress)
+            extra = extra_checks(hw, wl_kwargs, args.baseline, progress=progress)
             print(paper_markdown(v, extra))
             if args.baseline != "ours" or args.json:
                 recs = paper_records(v, extra, args.baseline)

@@ -30,11 +30,14 @@ def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.Argume
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the declared options (config/options.py)."""
-    from megatron_csbp.utils.cli import ArgumentParser  # an argument error is one line, not the usage
+    from megatron_csbp.utils.cli import ArgumentParser, DefaultsHelpFormatter  # an argument error is one line
 
-    p = ArgumentParser(prog="python -m megatron_csbp.train",
-                       description="Train a block diffusion LM with Megatron-core (launch with torchrun). "
-                                   "With no flags at all: the embedded CSBP demo.")
+    p = ArgumentParser(prog="python -m megatron_csbp.train", usage="torchrun --nproc-per-node N -m "
+                       "megatron_csbp.train [Megatron-LM flags] [block-diffusion flags]",
+                       description="Train a block diffusion LM with Megatron-core (launch with torchrun; "
+                                   "without it one process). With no flags at all: the embedded CSBP demo. The "
+                                   "flags are Megatron-LM's, in its groups, with the defaults here.",
+                       formatter_class=DefaultsHelpFormatter)
     add_options(p)
     return p
 

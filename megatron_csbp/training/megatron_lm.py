@@ -94,6 +94,11 @@ def _requirements_of_this_machine(args) -> None:
                              "Engine, which is not installed: pass --transformer-impl local")
 
 
+#: Megatron-LM's data flags; without any of them its dataset builder fails deep in pretrain()
+DATA_SOURCES = ("mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                "per_split_data_args_path", "sft_data_path")
+
+
 def validate_megatron_args(args) -> None:
     """Refuse what the plugin cannot honour (the flag named), on Megatron-LM's parsed arguments BEFORE
     its own `validate_args` (which ends in the ~700-line argument dump): every rule here reads flags
@@ -104,6 +109,9 @@ def validate_megatron_args(args) -> None:
         if value not in allowed:
             raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
     _requirements_of_this_machine(args)
+    if not args.skip_train and not any(getattr(args, a, None) for a in DATA_SOURCES):
+        raise ValueError("no training data: pass --data-path PREFIX (a .bin/.idx pair that python -m "
+                         "megatron_csbp.data.preprocess writes) or --mock-data")
     objective = objective_class(args.objective)
     if objective.megatron_lm_refusal is not None:
         raise ValueError(f"--objective {args.objective} {objective.megatron_lm_refusal}")

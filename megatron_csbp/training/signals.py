@@ -1,17 +1,21 @@
 """Megatron-LM's exit conditions (`--exit-signal-handler`, `--exit-duration-in-mins`,
 `--exit-interval`), checked at the end of every iteration as Megatron-LM's
 `checkpoint_and_decide_exit` checks them: each saves a checkpoint and ends the run with status 0,
-all ranks agreeing in one MAX all-reduce. Behaviour under Slurm and torchrun:
-docs/training.md#preemption-sigterm-time-limits-requeued-jobs.
+all ranks agreeing in one MAX all-reduce; `Interruptible`: Ctrl-C without the handler, one line.
+Behaviour under Slurm, torchrun and a terminal:
+docs/training.md#preemption-sigterm-ctrl-c-time-limits-requeued-jobs.
 """
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_csbp.utils.cli import CliError, Interrupted
 
 #: the program's start for --exit-duration-in-mins (Megatron-LM: `_TRAIN_START_TIME`, set when
 #: megatron/training/training.py is imported; here the import of this module by the trainer)
@@ -26,41 +30,80 @@ def _any_rank(flags) -> list:
     return [bool(v) for v in t.tolist()]
 
 
+def exit_signals(name: str = "SIGTERM") -> tuple:
+    """The signals `--exit-signal-handler` notes: Megatron-LM's `--exit-signal` (default SIGTERM) and
+    SIGINT, a terminal's Ctrl-C (torchrun passes it on to the ranks)."""
+    return tuple(dict.fromkeys((signal.Signals[name], signal.SIGINT)))
+
+
 class ExitSignal:
-    """Context manager: while active, `sig` sets a flag instead of ending the process. Once the
-    signal arrived, leaving the context keeps the flag-setting handler (the run is on its way out:
+    """Context manager: while active, each of `sigs` sets a flag instead of ending the process. Once
+    a signal arrived, leaving the context keeps the flag-setting handlers (the run is on its way out:
     a repeated signal must not kill it)."""
 
-    def __init__(self, sig: signal.Signals = signal.SIGTERM):
-        self.sig = sig
-        self._received = False
-        self._previous = None
+    def __init__(self, sigs=exit_signals()):
+        self.sigs = tuple(sigs) if isinstance(sigs, (tuple, list)) else (sigs,)
+        self._received = None
+        self._previous = {}
 
     def __enter__(self) -> "ExitSignal":
-        self._received = False
-        self._previous = signal.getsignal(self.sig)
-        signal.signal(self.sig, self._note)
+        self._received = None
+        for sig in self.sigs:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._note)
         return self
 
     def _note(self, signum, frame) -> None:
-        self._received = True
+        self._received = self._received or signum
 
     def __exit__(self, *exc) -> None:
         if not self._received:
-            signal.signal(self.sig, self._previous if self._previous is not None else signal.SIG_DFL)
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
     @property
     def name(self) -> str:
-        return signal.Signals(self.sig).name
+        """The signal received (the first one), else the first noted."""
+        return signal.Signals(self._received or self.sigs[0]).name
 
     @property
     def noted(self) -> bool:
         """Whether this rank got the signal (local, no communication)."""
-        return self._received
+        return bool(self._received)
 
     def received(self) -> bool:
         """Collective: whether any rank got the signal."""
-        return _any_rank([self._received])[0]
+        return _any_rank([bool(self._received)])[0]
+
+
+class Interruptible:
+    """Context manager for a run without --exit-signal-handler: SIGINT (Ctrl-C; torchrun passes it
+    on) ends it with one line (`Interrupted`, exit status 130) saying where the run was and what is
+    lost, whatever the ranks were doing when it came (a peer that left first breaks a collective)."""
+
+    trainer = None
+
+    def __enter__(self) -> "Interruptible":
+        self._got, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():  # (Python's rule for handlers)
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self._got = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if not self._got or kind is None or issubclass(kind, CliError):
+            return
+        t = self.trainer
+        where = f" after iteration {t.iteration}" if t is not None and getattr(t, "iteration", None) else ""
+        saved = (f"the latest checkpoint is iteration {t.last_saved}" if t is not None and t.last_saved is not None
+                 else "nothing was saved")
+        raise Interrupted(f"interrupted by SIGINT{where}: {saved}, the work since is lost (--exit-signal-handler "
+                          "with --save saves the iteration reached on SIGINT or SIGTERM and exits 0)") from None
 
 
 class ExitConditions:

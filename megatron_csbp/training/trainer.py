@@ -431,16 +431,16 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def train(self, exit_signal=None) -> Dict:
         """load -> [train_step, log, evaluate, save]* -> final save. Returns the logged history.
-        Megatron-LM's exit conditions (--exit-signal-handler: SIGTERM; --exit-duration-in-mins;
+        Megatron-LM's exit conditions (--exit-signal-handler: --exit-signal, SIGINT; --exit-duration-in-mins;
         --exit-interval) end the loop after an iteration, with a save (training/signals.py).
         `exit_signal`: an active `ExitSignal` installed earlier (the CLI installs it before the build,
         as Megatron-LM does at initialization); with --exit-signal-handler and none, one is
         installed here."""
-        from megatron_csbp.training.signals import ExitSignal
+        from megatron_csbp.training.signals import ExitSignal, exit_signals
 
         if exit_signal is not None or not self.config.batch.exit_signal_handler:
             return self._train(exit_signal)
-        with ExitSignal() as exit_signal:
+        with ExitSignal(exit_signals(self.config.batch.exit_signal)) as exit_signal:
             return self._train(exit_signal)
 
     def _train(self, exit_signal) -> Dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 from typing import Callable, NoReturn, Optional, Sequence
@@ -28,6 +29,12 @@ class UsageError(CliError):
     """Bad input (a flag or its value): exit status 2, as argparse's."""
 
     exit_code = 2
+
+
+class Interrupted(CliError):
+    """Stopped by SIGINT (Ctrl-C): exit status 130, as a shell reports it."""
+
+    exit_code = 130
 
 
 def rank() -> Optional[int]:
@@ -92,11 +99,30 @@ class ArgumentParser(argparse.ArgumentParser):
              else message, 2)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` with each flag's default after its help ("unset" for None), unless the help names it."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or not action.option_strings or re.search(
+                r"(^|\()(the )?default\b|default:", text):
+            return text
+        if action.nargs == 0:  # a switch: off unless given (--no-X: on unless given)
+            return f"{text} (default: not given)"
+        default = "unset" if action.default is None else " ".join(map(str, action.default)) \
+            if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {default})"
+
+
 def run(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
     """Call `main(argv)`; its int result is the exit status (anything else means 0). A `CliError` or
     `ValueError` becomes the one line."""
     try:
         result = main(argv) if argv is not None else main()
+    except KeyboardInterrupt:
+        if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
+            raise
+        fail("interrupted by SIGINT", Interrupted.exit_code)
     except (CliError, ValueError) as exc:
         if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
             raise
@@ -116,6 +142,8 @@ FILTERS = (
     ("ignore", r"(torch\.distributed is disabled, unavailable or uninitialized|The argument order of load has been "
                r"changed)", UserWarning, r"torch\.distributed\.checkpoint(\.|$)"),
     ("ignore", "", FutureWarning, r"(megatron\.core|torch\.distributed\.checkpoint)(\.|$)"),
+    # torch >= 2.10 deprecates the collectives megatron-core calls (DDP, the distributed optimizer)
+    ("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning, r"torch\.distributed\.c10d_logger$"),
     ("ignore", "", DeprecationWarning, r"(megatron\.core|torch\.distributed\.checkpoint)(\.|$)"),
 )
 
@@ -126,12 +154,18 @@ def _not_no_cuda_runtime(record) -> bool:
     return not str(record.msg).startswith("No CUDA runtime is found")
 
 
+#: warnings that only a CUDA run can act on (megatron-core's TP layers ask for CUDA_DEVICE_MAX_CONNECTIONS=1)
+CUDA_ONLY = (("ignore", r"When using .* CUDA_DEVICE_MAX_CONNECTIONS to 1", UserWarning, r"megatron\.core"),)
+
+
 def filter_warnings() -> None:
-    """Install `FILTERS` (idempotent: `warnings` drops duplicate filters) and drop torch's
-    no-CUDA-runtime log line (`_not_no_cuda_runtime`)."""
+    """Install `FILTERS`, and `CUDA_ONLY` where torch is loaded and sees no CUDA (idempotent: `warnings`
+    drops duplicate filters); drop torch's no-CUDA-runtime log line (`_not_no_cuda_runtime`)."""
     import logging
 
-    for action, message, category, module in FILTERS:
+    torch = sys.modules.get("torch")
+    cpu = torch is not None and not torch.cuda.is_available()
+    for action, message, category, module in FILTERS + (CUDA_ONLY if cpu else ()):
         warnings.filterwarnings(action, message=message, category=category, module=module)
     logger = logging.getLogger("torch.utils.cpp_extension")
     if _not_no_cuda_runtime not in logger.filters:
