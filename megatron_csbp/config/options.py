@@ -296,6 +296,9 @@ OPTIONS: List[Option] = [
     O(("--data-cache-path",), str, None, group="data", to=("data",)),
     O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data",
       to=("data",)),
+    O(("--chat-template",), str, "auto", "how --sft-data-path records become tokens: auto (a Hugging Face "
+      "tokenizer's own chat template, the plain User:/Assistant: rendering for a tokenizer without one), none (the "
+      "plain rendering) or a Jinja chat template file; docs/sft.md", group="data", to=("data",), saved=True),
     O(("--tokenizer-type",), str, None, group="data", to=("data",), choices=TOKENIZER_TYPES, saved=True),
     O(("--tokenizer-model",), str, None, "sentencepiece .model, or a local Hugging Face tokenizer folder (default "
       "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="data", to=("data",), saved=True),

@@ -26,38 +26,58 @@ from __future__ import annotations
 import gzip
 import os
 import json
+import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 _ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                 "model": "assistant", "system": "system"}
+                 "model": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 _HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
 
 
-def _turns(record: Dict, where: str) -> List[Tuple[str, str]]:
+def messages_of(record: Dict, where: str) -> Tuple[List[Dict], Optional[List]]:
+    """(messages with roles system/user/assistant/tool, tools or None) of one SFT record."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: an SFT record is a JSON object")
+    tools = record.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"{where}: tools must be a list of tool (function) schemas")
     if "prompt" in record and "response" in record:
-        return [("user", record["prompt"]), ("assistant", record["response"])]
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}], tools
     conv = record.get("conversations", record.get("messages"))
     if not isinstance(conv, list) or not conv:
         raise ValueError(f"{where}: an SFT record needs prompt/response or a non-empty conversations/messages list")
-    turns = []
+    out = []
     for t in conv:
-        role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))).lower())
-        content = t.get("content", t.get("value"))
-        if role is None or not isinstance(content, str):
-            raise ValueError(f"{where}: turn {t!r} needs role (system/user/assistant) and content")
-        turns.append((role, content))
-    if not any(r == "assistant" for r, _ in turns):
+        role = _ROLE_ALIASES.get(str(t.get("role", t.get("from", ""))).lower()) if isinstance(t, dict) else None
+        content = t.get("content", t.get("value")) if role else None
+        calls = t.get("tool_calls") if role == "assistant" else None
+        if role is None or not (isinstance(content, str) or (calls and content is None)):
+            raise ValueError(f"{where}: turn {t!r} needs role (system/user/assistant/tool) and content "
+                             "(an assistant turn: content and/or tool_calls)")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"{where}: tool_calls of turn {t!r} must be a list")
+        out.append({**{k: v for k, v in t.items() if k not in ("from", "value")}, "role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
         raise ValueError(f"{where}: the conversation has no assistant turn (nothing to learn)")
-    return turns
+    return out, tools
 
 
-def render(record: Dict, tokenizer, where: str = "record") -> Tuple[List[int], List[int]]:
-    """(token ids, loss mask) of one record, before truncation/padding."""
+def render(record: Dict, tokenizer, where: str = "record", template: Optional["ChatTemplate"] = None
+           ) -> Tuple[List[int], List[int]]:
+    """(token ids, loss mask) of one record, before truncation/padding: through `template`
+    (`ChatTemplate`) or, without one, the plain rendering (module docstring)."""
+    messages, tools = messages_of(record, where)
+    if template is not None:
+        return template.render(messages, tools, where)
+    if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        raise ValueError(f"{where}: tools, tool calls and tool turns need a chat template (--chat-template auto with "
+                         "a Hugging Face tokenizer that has one, or --chat-template FILE)")
     ids: List[int] = []
     mask: List[int] = []
-    for role, content in _turns(record, where):
+    for m in messages:
+        role, content = m["role"], m["content"]
         header = tokenizer.tokenize(_HEADERS[role])
         ids += header
         mask += [0] * len(header)
@@ -72,8 +92,101 @@ def render(record: Dict, tokenizer, where: str = "record") -> Tuple[List[int], L
     return ids, mask
 
 
-def prompt_ids(prompt: str, tokenizer) -> List[int]:
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class ChatTemplate:
+    """SFT records through a Hugging Face tokenizer's chat template (`apply_chat_template`): the
+    ids are exactly the template's; the loss mask is 1 on each assistant turn's content and tool
+    calls with its end-of-turn token. From the template's `{% generation %}` markers where it has
+    them, else by rendering prefixes: turn i spans from the end of messages[:i] rendered with the
+    generation prompt to the end of messages[:i + 1] (trailing whitespace left out)."""
+
+    def __init__(self, hf_tokenizer, template: Optional[str] = None, source: str = "the tokenizer's"):
+        self.tok, self.template, self.source = hf_tokenizer, template, source
+        text = hf_tokenizer.get_chat_template(template) if template is None else template
+        self.markers = bool(_GENERATION_MARKER.search(text))
+
+    def describe(self) -> str:
+        how = "its generation markers" if self.markers else "rendered prefixes"
+        return f" > SFT data: rendered with {self.source} chat template (loss masks from {how})"
+
+    def text(self, messages, tools=None, generation_prompt: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
+
+    def prompt(self, messages, tools=None) -> List[int]:
+        """The ids a model trained on this template is given to answer after `messages`."""
+        return list(self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
+                                                 return_dict=True, add_generation_prompt=True)["input_ids"])
+
+    def render(self, messages, tools, where: str) -> Tuple[List[int], List[int]]:
+        try:
+            enc = self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
+                                               return_dict=True, return_assistant_tokens_mask=self.markers)
+            ids = list(enc["input_ids"])
+            mask = list(enc["assistant_masks"]) if self.markers else self._prefix_mask(messages, tools, ids, where)
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja's TemplateError, or what a template's own raise_exception says
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{where}: the chat template cannot render this record ({first})") from None
+        if not any(mask):
+            raise ValueError(f"{where}: the chat template marks no assistant token (nothing to learn)")
+        return ids, [int(bool(m)) for m in mask]
+
+    def _prefix_mask(self, messages, tools, ids, where: str) -> List[int]:
+        full = self.text(messages, tools)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head = self.text(messages[:i], tools, generation_prompt=True)
+            turn = self.text(messages[: i + 1], tools).rstrip()
+            if not (turn.startswith(head) and full.startswith(turn)):
+                raise ValueError(f"{where}: the chat template renders turn {i} differently once later turns follow, so "
+                                 "its loss mask cannot be derived from prefixes; add {% generation %} markers to the "
+                                 "template (--chat-template FILE)")
+            spans.append((len(head), len(turn)))
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        if list(enc["input_ids"]) != ids:
+            raise ValueError(f"{where}: the rendered text tokenizes to other ids than apply_chat_template gives")
+        return [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+
+
+def chat_template(tokenizer, spec: Optional[str] = "auto") -> Optional[ChatTemplate]:
+    """`--chat-template`: auto (the Hugging Face tokenizer's own template, None without one), none,
+    or a Jinja template file (a Hugging Face tokenizer needed)."""
+    if spec in (None, "none"):
+        return None
+    hf = hugging_face_tokenizer(tokenizer)
+    if spec == "auto":
+        return ChatTemplate(hf) if hf is not None and getattr(hf, "chat_template", None) else None
+    check_chat_template(spec, hf is not None)
+    with open(spec, encoding="utf-8") as f:
+        return ChatTemplate(hf, f.read(), spec)
+
+
+def check_chat_template(spec: Optional[str], hugging_face: bool) -> None:
+    """--chat-template FILE names a file, and the tokenizer is a Hugging Face one."""
+    if spec in (None, "auto", "none"):
+        return
+    if not hugging_face:
+        raise ValueError(f"--chat-template {spec}: a template file needs --tokenizer-type HuggingFaceTokenizer")
+    if not os.path.isfile(spec):
+        raise ValueError(f"--chat-template {spec}: no such file (give auto, none or a Jinja chat template file)")
+
+
+def describe_rendering(template: Optional[ChatTemplate]) -> str:
+    """The log line saying how SFT records become tokens."""
+    return template.describe() if template is not None else \
+        " > SFT data: plain rendering (\"User: \" ... \"Assistant: \" ... EOD; no chat template)"
+
+
+def prompt_ids(prompt: str, tokenizer, template: Optional[ChatTemplate] = None) -> List[int]:
     """The ids a model trained on this format should be given to answer `prompt`."""
+    if template is not None:
+        return template.prompt([{"role": "user", "content": prompt}])
     return tokenizer.tokenize(_HEADERS["user"]) + tokenizer.tokenize(prompt + "\n") + \
         tokenizer.tokenize(_HEADERS["assistant"])
 
@@ -104,16 +217,27 @@ def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
     return bins
 
 
+def sft_pad_id(tokenizer) -> int:
+    """What aligned SFT samples (`align_response_to`) pad with: the tokenizer's own pad (the one
+    under `MegatronTokenizerAdapter`, whose `pad` Megatron's datasets read), else its EOD."""
+    pad = getattr(getattr(tokenizer, "tokenizer", tokenizer), "pad", None)
+    return tokenizer.eod if pad is None or pad < 0 else int(pad)
+
+
+def hugging_face_tokenizer(tokenizer):
+    """The transformers tokenizer under the trainer's tokenizer (None: not a Hugging Face one)."""
+    return getattr(getattr(tokenizer, "tokenizer", tokenizer), "tok", None)
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """`align_response_to=B` left-pads each sample (with `pad_id`, default the tokenizer's pad or
     EOD) so its response starts on a block boundary (`--objective diffusiongemma-sft`). `pack`:
     first-fit packing of conversations (module docstring); samples then carry `document_ids`."""
 
     def __init__(self, path: str, tokenizer, seq_length: int, align_response_to: Optional[int] = None,
-                 pad_id: Optional[int] = None, pack: bool = False):
-        if pad_id is None:
-            pad_id = getattr(tokenizer, "pad", None)
-            pad_id = tokenizer.eod if pad_id is None or pad_id < 0 else pad_id
+                 pad_id: Optional[int] = None, pack: bool = False, template: Optional[ChatTemplate] = None):
+        pad_id = sft_pad_id(tokenizer) if pad_id is None else pad_id
+        fill = pad_id if align_response_to else tokenizer.eod  # aligned (diffusiongemma-sft): padding is no AR pair
         opener = gzip.open if path.endswith(".gz") else open
         self.samples = []
         with opener(path, "rt", encoding="utf-8") as f:
@@ -124,7 +248,7 @@ class SFTDataset(torch.utils.data.Dataset):
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"--sft-data-path {path}:{n} is not JSON ({exc})") from None
-                ids, mask = render(record, tokenizer, f"--sft-data-path {path}:{n}")
+                ids, mask = render(record, tokenizer, f"--sft-data-path {path}:{n}", template)
                 if align_response_to:
                     ids, mask = align_response(ids, mask, align_response_to, pad_id)
                     if pack:  # packed: every conversation starts on a block edge, so its response does too
@@ -138,7 +262,7 @@ class SFTDataset(torch.utils.data.Dataset):
                     self.samples.append((ids, mask))
                     continue
                 pad = seq_length - len(ids)
-                ids += [tokenizer.eod] * pad
+                ids += [fill] * pad
                 mask += [0] * pad
                 if not any(mask):
                     raise ValueError(f"--sft-data-path {path}:{n}: the response starts after --seq-length "
@@ -148,9 +272,9 @@ class SFTDataset(torch.utils.data.Dataset):
             raise ValueError(f"--sft-data-path {path} holds no records")
         self.packing_efficiency = None
         if pack:
-            self._pack(tokenizer.eod, seq_length)
+            self._pack(fill, seq_length)
 
-    def _pack(self, eod: int, seq_length: int) -> None:
+    def _pack(self, fill: int, seq_length: int) -> None:
         convs = self.samples
         bins = first_fit([len(ids) for ids, _ in convs], seq_length)
         self.samples = []
@@ -161,7 +285,7 @@ class SFTDataset(torch.utils.data.Dataset):
                 mask += convs[i][1]
                 doc += [d] * len(convs[i][0])
             pad = seq_length - len(ids)
-            ids, mask, doc = ids + [eod] * pad, mask + [0] * pad, doc + [len(members)] * pad
+            ids, mask, doc = ids + [fill] * pad, mask + [0] * pad, doc + [len(members)] * pad
             self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
                                  torch.tensor(doc, dtype=torch.long)))
         self.conversations = len(convs)
