@@ -179,7 +179,10 @@ def test_sft_samples_start_their_response_on_a_block_boundary():
         assert first % 16 == 0
         pad = first - int(plain[i]["loss_mask"].argmax())
         assert 0 <= pad < 16 and bool((tokens[:pad] == tok.pad).all())
-        assert tokens[pad:].tolist() == plain[i]["tokens"][: 128 - pad].tolist()
+        # the record, then padding with the pad id (not EOD: padding is no pair of the AR term)
+        n = int(plain[i]["loss_mask"].nonzero().max()) + 1  # the plain sample's record ends with its response
+        assert tokens[pad:pad + n].tolist() == plain[i]["tokens"][:n].tolist()[: 128 - pad]
+        assert bool((tokens[pad + n:] == tok.pad).all())
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,17 +1,13 @@
-"""SFT data: jsonl of prompt/response pairs or conversations, with loss masks so prompts stay clean.
+"""SFT data: jsonl of prompt/response pairs or conversations (tools, tool calls, tool turns), with
+loss masks so prompts stay clean. Formats, chat templates, masks: docs/sft.md.
 
-Accepted records (one per line):
-
-    {"prompt": "...", "response": "..."}
-    {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-    {"messages": [...same...]}            {"conversations": [{"from": "human"|"gpt", "value": "..."}]}
-
-Rendering (plain text through the tokenizer): each turn is `"<Role>: " + content + "\\n"`, except that
-an assistant turn's content is followed by EOD instead of the newline. Loss mask = 1 on assistant
-content tokens and the EOD that ends them, 0 on everything else (system/user turns and the role
-headers). The BD3-LM objective only ever masks (noises) supervised tokens, so prompts stay clean in
-the noisy stream too. Samples are truncated or padded to `--seq-length`; padding is EOD with loss
-mask 0 (it stays clean: the model sees where the answer stopped).
+A Hugging Face tokenizer's chat template renders records (`ChatTemplate`, `--chat-template`); the
+plain rendering (no template) writes each turn as `"<Role>: " + content + "\\n"`, an assistant's
+content followed by EOD instead. Loss mask = 1 on assistant content (and tool calls) with its
+end-of-turn token (plain: the EOD), 0 on everything else. The BD3-LM objective only ever masks
+(noises) supervised tokens, so prompts stay clean in the noisy stream too. Samples are truncated
+or padded to `--seq-length`; padding is EOD with loss mask 0 (aligned samples of
+diffusiongemma-sft: the pad id, `sft_pad_id`).
 
 `pack=True` (`--pack-sequences`): conversations go first-fit into sequences of `--seq-length`
 (each into the first sequence with room, in file order; one longer than a sequence is cut and
