@@ -202,3 +202,24 @@ def test_plain_rendering_refuses_tools_and_the_flag_is_checked(tmp_path, capsys)
         with pytest.raises(SystemExit):
             parse_args(base + extra, world_size=1)
         assert f"--chat-template {extra[1]}: {line}" in capsys.readouterr().err
+
+
+def test_inspect_shows_rendered_records_with_supervised_spans(hf_tok, tmp_path, capsys):
+    from megatron_csbp.data.inspect import main
+
+    tok = tokenizer_with(hf_tok, tmp_path, "qwen3")
+    path = tmp_path / "agent.jsonl"
+    path.write_text(json.dumps(AGENT) + "\n\n" + json.dumps({"prompt": "Hi", "response": "Hello."}) + "\n")
+    flags = ["--sft-data-path", str(path), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+             str(tmp_path / "qwen3")]
+    assert main(flags + ["--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["line"] for r in rows] == [1, 3]
+    assert (rows[0]["input_ids"], rows[0]["loss_mask"]) == render(AGENT, tok, "x", chat_template(tok, "auto"))
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "rendered with the tokenizer's chat template" in out
+    for text in EXPECTED["qwen3"]:
+        assert "[[" + text + "]]" in out
+    assert main(flags + ["--chat-template", "none"]) == 2  # tool calls have no plain rendering
+    assert "agent.jsonl:1: tools, tool calls and tool turns need a chat template" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import gzip
 import os
 import json
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -213,6 +213,20 @@ def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
     return bins
 
 
+def read_records(path: str) -> Iterator[Tuple[int, Dict, str]]:
+    """(line number, record, "--sft-data-path FILE:LINE") of each non-empty line of an SFT jsonl."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"--sft-data-path {path}:{n}"
+            try:
+                yield n, json.loads(line), where
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where} is not JSON ({exc})") from None
+
+
 def sft_pad_id(tokenizer) -> int:
     """What aligned SFT samples (`align_response_to`) pad with: the tokenizer's own pad (the one
     under `MegatronTokenizerAdapter`, whose `pad` Megatron's datasets read), else its EOD."""
@@ -234,36 +248,28 @@ class SFTDataset(torch.utils.data.Dataset):
                  pad_id: Optional[int] = None, pack: bool = False, template: Optional[ChatTemplate] = None):
         pad_id = sft_pad_id(tokenizer) if pad_id is None else pad_id
         fill = pad_id if align_response_to else tokenizer.eod  # aligned (diffusiongemma-sft): padding is no AR pair
-        opener = gzip.open if path.endswith(".gz") else open
         self.samples = []
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"--sft-data-path {path}:{n} is not JSON ({exc})") from None
-                ids, mask = render(record, tokenizer, f"--sft-data-path {path}:{n}", template)
-                if align_response_to:
-                    ids, mask = align_response(ids, mask, align_response_to, pad_id)
-                    if pack:  # packed: every conversation starts on a block edge, so its response does too
-                        tail = (-len(ids)) % align_response_to
-                        ids, mask = ids + [pad_id] * tail, mask + [0] * tail
-                ids, mask = ids[:seq_length], mask[:seq_length]
-                if pack:
-                    if not any(mask):
-                        raise ValueError(f"--sft-data-path {path}:{n}: the response starts after --seq-length "
-                                         f"{seq_length} tokens (nothing supervised)")
-                    self.samples.append((ids, mask))
-                    continue
-                pad = seq_length - len(ids)
-                ids += [fill] * pad
-                mask += [0] * pad
+        for _, record, where in read_records(path):
+            ids, mask = render(record, tokenizer, where, template)
+            if align_response_to:
+                ids, mask = align_response(ids, mask, align_response_to, pad_id)
+                if pack:  # packed: every conversation starts on a block edge, so its response does too
+                    tail = (-len(ids)) % align_response_to
+                    ids, mask = ids + [pad_id] * tail, mask + [0] * tail
+            ids, mask = ids[:seq_length], mask[:seq_length]
+            if pack:
                 if not any(mask):
-                    raise ValueError(f"--sft-data-path {path}:{n}: the response starts after --seq-length "
-                                     f"{seq_length} tokens (nothing supervised)")
-                self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32)))
+                    raise ValueError(f"{where}: the response starts after --seq-length {seq_length} tokens "
+                                     "(nothing supervised)")
+                self.samples.append((ids, mask))
+                continue
+            pad = seq_length - len(ids)
+            ids += [fill] * pad
+            mask += [0] * pad
+            if not any(mask):
+                raise ValueError(f"{where}: the response starts after --seq-length {seq_length} tokens "
+                                 "(nothing supervised)")
+            self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32)))
         if not self.samples:
             raise ValueError(f"--sft-data-path {path} holds no records")
         self.packing_efficiency = None
