@@ -299,6 +299,9 @@ OPTIONS: List[Option] = [
     O(("--chat-template",), str, "auto", "how --sft-data-path records become tokens: auto (a Hugging Face "
       "tokenizer's own chat template, the plain User:/Assistant: rendering for a tokenizer without one), none (the "
       "plain rendering) or a Jinja chat template file; docs/sft.md", group="data", to=("data",), saved=True),
+    O(("--sft-trajectory-turns",), str, "record", "diffusiongemma-sft: record (one sample per record) or all (one "
+      "sample per assistant turn, its prefix the clean prompt; a record's samples share an optimizer step and "
+      "--global-batch-size counts records); docs/sft.md", group="data", to=("data",), choices=("record", "all")),
     O(("--tokenizer-type",), str, None, group="data", to=("data",), choices=TOKENIZER_TYPES, saved=True),
     O(("--tokenizer-model",), str, None, "sentencepiece .model, or a local Hugging Face tokenizer folder (default "
       "with --load and HuggingFaceTokenizer: the checkpoint's hf_assets)", group="data", to=("data",), saved=True),

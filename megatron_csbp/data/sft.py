@@ -65,14 +65,29 @@ def render(record: Dict, tokenizer, where: str = "record", template: Optional["C
     """(token ids, loss mask) of one record, before truncation/padding: through `template`
     (`ChatTemplate`) or, without one, the plain rendering (module docstring)."""
     messages, tools = messages_of(record, where)
+    return render_messages(messages, tools, tokenizer, where, template)
+
+
+def turn_samples(record: Dict, tokenizer, where: str = "record", template: Optional["ChatTemplate"] = None
+                 ) -> List[Tuple[List[int], List[int]]]:
+    """`--sft-trajectory-turns all`: one (ids, loss mask) per assistant turn i, the record up to
+    that turn rendered as the model is prompted there (messages[:i + 1]), only turn i supervised."""
+    messages, tools = messages_of(record, where)
+    return [render_messages(messages[: i + 1], tools, tokenizer, where, template, last_turn=True)
+            for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
+def render_messages(messages, tools, tokenizer, where: str, template: Optional["ChatTemplate"] = None,
+                    last_turn: bool = False) -> Tuple[List[int], List[int]]:
+    """`render` of messages; `last_turn`: only the last message's (an assistant turn's) tokens supervised."""
     if template is not None:
-        return template.render(messages, tools, where)
+        return template.render(messages, tools, where, last_turn)
     if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         raise ValueError(f"{where}: tools, tool calls and tool turns need a chat template (--chat-template auto with "
                          "a Hugging Face tokenizer that has one, or --chat-template FILE)")
     ids: List[int] = []
     mask: List[int] = []
-    for m in messages:
+    for k, m in enumerate(messages):
         role, content = m["role"], m["content"]
         header = tokenizer.tokenize(_HEADERS[role])
         ids += header
@@ -80,7 +95,7 @@ def render(record: Dict, tokenizer, where: str = "record", template: Optional["C
         if role == "assistant":
             body = tokenizer.tokenize(content) + [tokenizer.eod]
             ids += body
-            mask += [1] * len(body)
+            mask += [int(not last_turn or k == len(messages) - 1)] * len(body)
         else:
             body = tokenizer.tokenize(content + "\n")
             ids += body
@@ -116,12 +131,19 @@ class ChatTemplate:
         return list(self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
                                                  return_dict=True, add_generation_prompt=True)["input_ids"])
 
-    def render(self, messages, tools, where: str) -> Tuple[List[int], List[int]]:
+    def render(self, messages, tools, where: str, last_turn: bool = False) -> Tuple[List[int], List[int]]:
+        """`last_turn`: only the last message's tokens are supervised (`turn_samples`)."""
         try:
             enc = self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
                                                return_dict=True, return_assistant_tokens_mask=self.markers)
             ids = list(enc["input_ids"])
-            mask = list(enc["assistant_masks"]) if self.markers else self._prefix_mask(messages, tools, ids, where)
+            if self.markers:
+                mask = list(enc["assistant_masks"])
+                if last_turn:
+                    head = len(self.prompt(messages[:-1], tools))
+                    mask = [0] * head + mask[head:]
+            else:
+                mask = self._prefix_mask(messages, tools, ids, where, last_turn)
         except ValueError:
             raise
         except Exception as exc:  # jinja's TemplateError, or what a template's own raise_exception says
@@ -131,11 +153,11 @@ class ChatTemplate:
             raise ValueError(f"{where}: the chat template marks no assistant token (nothing to learn)")
         return ids, [int(bool(m)) for m in mask]
 
-    def _prefix_mask(self, messages, tools, ids, where: str) -> List[int]:
+    def _prefix_mask(self, messages, tools, ids, where: str, last_turn: bool = False) -> List[int]:
         full = self.text(messages, tools)
         spans = []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or (last_turn and i < len(messages) - 1):
                 continue
             head = self.text(messages[:i], tools, generation_prompt=True)
             turn = self.text(messages[: i + 1], tools).rstrip()
@@ -240,47 +262,67 @@ def hugging_face_tokenizer(tokenizer):
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """`align_response_to=B` left-pads each sample (with `pad_id`, default the tokenizer's pad or
-    EOD) so its response starts on a block boundary (`--objective diffusiongemma-sft`). `pack`:
-    first-fit packing of conversations (module docstring); samples then carry `document_ids`."""
+    """`align_response_to=B` left-pads each sample (with `pad_id`, default `sft_pad_id`) so its
+    response starts on a block boundary (`--objective diffusiongemma-sft`). `pack`: first-fit
+    packing of conversations (module docstring); samples then carry `document_ids`.
+    `trajectory_turns="all"`: one conversation per assistant turn (`turn_samples`); an item is then
+    a trajectory, [T, L] rows (T: the most rows a trajectory needs, the rest empty: padding, mask
+    0), so its turns share an optimizer step; packed, a trajectory's turns are packed together."""
 
     def __init__(self, path: str, tokenizer, seq_length: int, align_response_to: Optional[int] = None,
-                 pad_id: Optional[int] = None, pack: bool = False, template: Optional[ChatTemplate] = None):
+                 pad_id: Optional[int] = None, pack: bool = False, template: Optional[ChatTemplate] = None,
+                 trajectory_turns: str = "record"):
         pad_id = sft_pad_id(tokenizer) if pad_id is None else pad_id
         fill = pad_id if align_response_to else tokenizer.eod  # aligned (diffusiongemma-sft): padding is no AR pair
-        self.samples = []
+        groups = []  # per record: its conversations [(ids, mask)]
         for _, record, where in read_records(path):
-            ids, mask = render(record, tokenizer, where, template)
-            if align_response_to:
-                ids, mask = align_response(ids, mask, align_response_to, pad_id)
-                if pack:  # packed: every conversation starts on a block edge, so its response does too
-                    tail = (-len(ids)) % align_response_to
-                    ids, mask = ids + [pad_id] * tail, mask + [0] * tail
-            ids, mask = ids[:seq_length], mask[:seq_length]
-            if pack:
-                if not any(mask):
-                    raise ValueError(f"{where}: the response starts after --seq-length {seq_length} tokens "
-                                     "(nothing supervised)")
-                self.samples.append((ids, mask))
-                continue
-            pad = seq_length - len(ids)
-            ids += [fill] * pad
-            mask += [0] * pad
-            if not any(mask):
-                raise ValueError(f"{where}: the response starts after --seq-length {seq_length} tokens "
-                                 "(nothing supervised)")
-            self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32)))
-        if not self.samples:
+            convs = (turn_samples(record, tokenizer, where, template) if trajectory_turns == "all"
+                     else [render(record, tokenizer, where, template)])
+            groups.append([self._fit(ids, mask, seq_length, align_response_to, pad_id, pack, where)
+                           for ids, mask in convs])
+        if not groups:
             raise ValueError(f"--sft-data-path {path} holds no records")
         self.packing_efficiency = None
+        self.conversations = sum(len(g) for g in groups)
+        if not pack:
+            rows = [[self._row(ids, mask, fill, seq_length) for ids, mask in g] for g in groups]
+        elif trajectory_turns == "all":
+            rows = [self._pack(g, fill, seq_length) for g in groups]
+        else:
+            rows = [[r] for r in self._pack([c for g in groups for c in g], fill, seq_length)]
+        self.sequences = sum(len(r) for r in rows)
         if pack:
-            self._pack(fill, seq_length)
+            self.packing_efficiency = sum(len(ids) for g in groups for ids, _ in g) / (self.sequences * seq_length)
+        if trajectory_turns != "all":
+            self.samples = [r[0] for r in rows]
+            return
+        width = max(len(r) for r in rows)
+        empty = self._row([], [], fill, seq_length) + ((torch.zeros(seq_length, dtype=torch.long),) if pack else ())
+        self.samples = [tuple(torch.stack(parts) for parts in zip(*(r + [empty] * (width - len(r))))) for r in rows]
 
-    def _pack(self, fill: int, seq_length: int) -> None:
-        convs = self.samples
-        bins = first_fit([len(ids) for ids, _ in convs], seq_length)
-        self.samples = []
-        for members in bins:
+    @staticmethod
+    def _fit(ids, mask, seq_length, align_response_to, pad_id, pack, where):
+        """One conversation aligned and cut to `seq_length` (padding comes later)."""
+        if align_response_to:
+            ids, mask = align_response(ids, mask, align_response_to, pad_id)
+            if pack:  # packed: every conversation starts on a block edge, so its response does too
+                tail = (-len(ids)) % align_response_to
+                ids, mask = ids + [pad_id] * tail, mask + [0] * tail
+        ids, mask = ids[:seq_length], mask[:seq_length]
+        if not any(mask):
+            raise ValueError(f"{where}: the response starts after --seq-length {seq_length} tokens (nothing supervised)")
+        return ids, mask
+
+    @staticmethod
+    def _row(ids, mask, fill, seq_length):
+        pad = seq_length - len(ids)
+        return (torch.tensor(ids + [fill] * pad, dtype=torch.long),
+                torch.tensor(mask + [0] * pad, dtype=torch.float32))
+
+    @staticmethod
+    def _pack(convs, fill: int, seq_length: int) -> list:
+        rows = []
+        for members in first_fit([len(ids) for ids, _ in convs], seq_length):
             ids, mask, doc = [], [], []
             for d, i in enumerate(members):
                 ids += convs[i][0]
@@ -288,14 +330,13 @@ class SFTDataset(torch.utils.data.Dataset):
                 doc += [d] * len(convs[i][0])
             pad = seq_length - len(ids)
             ids, mask, doc = ids + [fill] * pad, mask + [0] * pad, doc + [len(members)] * pad
-            self.samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
-                                 torch.tensor(doc, dtype=torch.long)))
-        self.conversations = len(convs)
-        self.packing_efficiency = sum(len(ids) for ids, _ in convs) / (len(bins) * seq_length)
+            rows.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
+                         torch.tensor(doc, dtype=torch.long)))
+        return rows
 
     def describe_packing(self) -> str:
-        return (f" > SFT packing: {self.conversations} conversations into {len(self.samples)} sequences of "
-                f"{self.samples[0][0].numel()} tokens (first fit), packing efficiency "
+        return (f" > SFT packing: {self.conversations} conversations into {self.sequences} sequences of "
+                f"{self.samples[0][0].shape[-1]} tokens (first fit), packing efficiency "
                 f"{100 * self.packing_efficiency:.1f}% (conversation tokens / sequence tokens)")
 
     def __len__(self):

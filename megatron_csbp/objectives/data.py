@@ -26,7 +26,8 @@ def sft_datasets(args, align_response_to: Optional[int] = None):
     tok = saved_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     template = chat_template(tok, getattr(args, "chat_template", "auto"))
     ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to,
-                    pack=bool(getattr(args, "pack_sequences", False)), template=template)
+                    pack=bool(getattr(args, "pack_sequences", False)), template=template,
+                    trajectory_turns=getattr(args, "sft_trajectory_turns", "record"))
     if _first_rank():
         print(describe_rendering(template), flush=True)
         if ds.packing_efficiency is not None:

@@ -162,6 +162,14 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError("--grad-reduce-in-bf16 reduces bfloat16 gradients: it needs --bf16")
     if args.loss_scale is not None and args.loss_scale <= 0:
         raise ValueError(f"--loss-scale must be positive, got {args.loss_scale}")
+    if args.sft_trajectory_turns == "all":
+        if args.objective != "diffusiongemma-sft":
+            raise ValueError("--sft-trajectory-turns all makes one sample per assistant turn for --objective "
+                             "diffusiongemma-sft (one response canvas a sample); other objectives supervise every "
+                             "turn of a record in one sample")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError("--sft-trajectory-turns all with --pipeline-model-parallel-size > 1: a micro-batch holds "
+                             "its records' turn rows, which the pipeline's P2P shapes do not follow")
     if args.pack_sequences and not args.sft_data_path:
         raise ValueError("--pack-sequences packs conversations: it needs --sft-data-path")
     if args.tokenizer_type is None:
