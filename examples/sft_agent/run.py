@@ -94,7 +94,7 @@ def main() -> None:
         run(sys.executable, "-m", "megatron_csbp.convert", "hf-to-megatron", "--hf-path", hf, "--output", meg, env=env)
         tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.join(meg, "hf_assets")]
         shown = run(sys.executable, "-m", "megatron_csbp.data.inspect", "--sft-data-path", DATA, *tokenizer, env=env)
-        print("\n".join(shown.splitlines()[:3]))
+        print(shown.split("--- line", 2)[0] + "--- line" + shown.split("--- line", 2)[1])  # the first record
         out = run("torchrun", "--nproc-per-node", "2", "-m", "megatron_csbp.train", "--load", meg, *tokenizer,
                   "--sft-data-path", DATA, *MODELS[name]["flags"], "--context-parallel-size", "2",
                   "--block-parallel-size", "2", "--seq-length", "640", "--micro-batch-size", "1",
