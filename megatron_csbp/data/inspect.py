@@ -26,22 +26,22 @@ def marked_text(tokenizer, ids: Sequence[int], mask: Sequence[int], open_mark: s
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_csbp.config.options import OPTIONS
-    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
     from megatron_csbp.data.sft import chat_template, describe_rendering, read_records, render
     from megatron_csbp.utils.cli import filter_warnings
 
     filter_warnings()
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.data.inspect", description=__doc__)
-    for o in OPTIONS:  # the trainer's own flags, declared once
-        if o.flag in ("--sft-data-path", "--tokenizer-type", "--tokenizer-model", "--vocab-size", "--chat-template"):
-            o.add_to(p)
+    # the trainer's flags of the same names and meaning (config/options.py, a layer above this one)
+    p.add_argument("--sft-data-path", required=True)
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None, help="default SentencePieceTokenizer")
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
+    p.add_argument("--chat-template", default="auto", help="auto, none or a Jinja chat template file (docs/sft.md)")
     p.add_argument("--load", default=None, help="with HuggingFaceTokenizer: the checkpoint whose hf_assets is the "
                                                 "default --tokenizer-model (the trainer's rule)")
     p.add_argument("--json", action="store_true", help="one JSON object per record: line, input_ids, loss_mask")
     a = p.parse_args(argv)
-    if not a.sft_data_path:
-        p.error("--sft-data-path FILE is required")
     kind = a.tokenizer_type or "SentencePieceTokenizer"
     model = a.tokenizer_model or (os.path.join(a.load, "hf_assets") if a.load and kind == "HuggingFaceTokenizer" else None)
     try:
