@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"N; default {BD3LM_DEFAULT_NEW_TOKENS} (BD3-LM), the generation config's (DiffusionGemma: 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-model", default=None, help="default: the one saved with the checkpoint")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt is one user turn, rendered as the checkpoint's SFT data was (its --chat-template: "
+                        "the tokenizer's chat template with the generation prompt, else User:/Assistant:)")
     b = p.add_argument_group("BD3-LM")
     b.add_argument("--temperature", type=float, default=0.8, help="0: argmax")
     b.add_argument("--unmask-order", choices=ORDERS, default="random",
@@ -73,8 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompt_ids(p: argparse.ArgumentParser, a, tok=None, null_tokenizer: bool = False) -> np.ndarray:
-    """[batch, prompt] int64 from --prompt-ids or --prompt (ids for a NullTokenizer)."""
+def _prompt_ids(p: argparse.ArgumentParser, a, tok=None, null_tokenizer: bool = False,
+                template_spec: Optional[str] = "auto") -> np.ndarray:
+    """[batch, prompt] int64 from --prompt-ids or --prompt (ids for a NullTokenizer); with --chat the
+    prompt as a user turn of `template_spec` (data.sft.chat_template), the generation prompt added."""
+    if a.chat:
+        if a.prompt is None or tok is None or null_tokenizer:
+            p.error("--chat renders --prompt text with the checkpoint's tokenizer: give --prompt (and a checkpoint "
+                    "with a text tokenizer)")
+        from megatron_csbp.data.sft import chat_template, prompt_ids
+
+        try:
+            return np.asarray([prompt_ids(a.prompt, tok, chat_template(tok, template_spec))], dtype=np.int64)
+        except ValueError as exc:
+            p.error(str(exc))
     if a.prompt_ids is not None:
         try:
             ids = np.load(a.prompt_ids)
@@ -133,10 +148,15 @@ def run_diffusion_gemma(p, a, info) -> np.ndarray:
     if a.max_new_tokens is not None and a.max_new_tokens <= 0:
         p.error(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
     tok = None
-    if a.tokenizer_model:
-        from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.data.megatron_data import build_tokenizer
 
+    if a.tokenizer_model:
         tok = build_tokenizer("SentencePieceTokenizer", a.tokenizer_model, shape.vocab_size)
+    elif a.chat and dg.assets_dir(info):  # the tokenizer (and its chat template) converted with the model
+        try:
+            tok = build_tokenizer("HuggingFaceTokenizer", dg.assets_dir(info), None)
+        except ValueError as exc:
+            p.error(str(exc))
     ids = _prompt_ids(p, a, tok)
     _check_range(p, ids, shape.vocab_size)
     dtype = getattr(torch, a.dtype)
@@ -167,7 +187,8 @@ def run_bd3lm(p, a) -> np.ndarray:
 
     tokenizer_type = margs.get("tokenizer_type") or "SentencePieceTokenizer"
     tok = saved_tokenizer(tokenizer_type, a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
-    ids = _prompt_ids(p, a, tok, null_tokenizer=tokenizer_type == "NullTokenizer")
+    ids = _prompt_ids(p, a, tok, null_tokenizer=tokenizer_type == "NullTokenizer",
+                      template_spec=margs.get("chat_template") or "auto")
     _check_range(p, ids, margs["vocab_size"])
     if ids.shape[1] >= margs["seq_length"]:
         p.error(f"--prompt has {ids.shape[1]} tokens; the model was trained on --seq-length {margs['seq_length']}")

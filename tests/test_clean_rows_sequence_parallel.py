@@ -6,8 +6,9 @@ Under sequence parallelism each TP rank feeds one shard of this rank's rows ([no
 clean chunk i], `shard_major_order`) and the output layer all-gathers the kept rows, so each
 shard keeps its noisy chunk plus the chosen clean rows of its clean chunk, padded to one count
 (`sequence_parallel_logit_rows`). The SFT batches of `tests/test_diffusiongemma_layouts.py` choose
-9 clean rows in shard 0 and 15 in shard 1 (first micro-batch, one sequence rank): the padding is
-exercised. Layouts: TP 2 alone (2 ranks); TP 2 x CSBP 2 + 2 and TP 2 x CP 2 (4 ranks), where CP 2's
+16 clean rows in shard 0 and 15 in shard 1 (every next-token pair, the default
+--encoder-loss-scope all; 9 and 15 with the response targets only; first micro-batch, one sequence
+rank): the padding is exercised. Layouts: TP 2 alone (2 ranks); TP 2 x CSBP 2 + 2 and TP 2 x CP 2 (4 ranks), where CP 2's
 canvas start 1 would give rank 0 15 noisy and 15 clean rows, so the start moves down to 0
 (`SequenceLayout.canvas_layout(row_multiple=TP)`; under CSBP the MoE balance rule already moves
 both starts to 0, TP 2 making the expert tensor-parallel group larger than one). Each layout runs
@@ -190,16 +191,18 @@ def test_canvas_start_moves_down_until_rows_divide(cp, bp, block):
                 assert placed.canvas_start != t or not placed.rows_divide_by(2)
 
 
-def test_sft_batches_exercise_the_padding():
-    """The first SFT micro-batch on one sequence rank: 9 chosen clean rows in TP shard 0, 15 in
-    shard 1, so shard 0 pads 6 rows (the claim of the module docstring)."""
+@pytest.mark.parametrize("scope,counts", [("all", [16, 15]), ("response", [9, 15])])
+def test_sft_batches_exercise_the_padding(scope, counts):
+    """The first SFT micro-batch on one sequence rank: 16 chosen clean rows in TP shard 0, 15 in
+    shard 1 (every pair, the default --encoder-loss-scope), so shard 1 pads 1 row; 9 and 15 with
+    the response targets only, shard 0 padding 6 (the claim of the module docstring)."""
     from megatron_csbp.layout.feed import sequence_parallel_logit_rows
     from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
     tokens, loss_mask, index = sft_batches()[0]
-    noised = DiffusionGemmaSFTObjective(B, V, seed=SFT_SEED).noise(tokens, loss_mask, index)
+    noised = DiffusionGemmaSFTObjective(B, V, seed=SFT_SEED, encoder_loss_scope=scope).noise(tokens, loss_mask, index)
     n = (L_SFT // B - noised.first_canvas_block) * B  # canvas rows; the clean rows are positions 0..L-1
     chosen = torch.nonzero((noised.clean_targets >= 0).any(dim=0)).flatten()
-    assert [int((chosen < L_SFT // 2).sum()), int((chosen >= L_SFT // 2).sum())] == [9, 15]
+    assert [int((chosen < L_SFT // 2).sum()), int((chosen >= L_SFT // 2).sum())] == counts
     keep, order = sequence_parallel_logit_rows(n, L_SFT, torch.cat([torch.arange(n), n + chosen]), TP)
-    assert [len(k) for k in keep] == [n // 2 + 15] * 2 and len(order) == n + 24
+    assert [len(k) for k in keep] == [n // 2 + max(counts)] * 2 and len(order) == n + sum(counts)

@@ -3,8 +3,9 @@
 The brute force loops over samples and response blocks, calls HF's
 `DiffusionGemmaForBlockDiffusion(input_ids=clean[:s_b], decoder_input_ids=noisy block)` (with a
 first HF pass feeding self-conditioning where the sample draws it), takes the block's token-mean
-CE, the mean over blocks, adds encoder_loss_weight x the token-mean next-token CE of HF's encoder
-logits, and averages over samples. Loss and every parameter gradient must match the one-pass
+CE, the mean over blocks, averages over samples and adds encoder_loss_weight x the next-token CE
+of HF's encoder logits over every pair of the batch (the reference's rule, the default; with
+--encoder-loss-scope response the token mean over each sample's response targets, per sample). Loss and every parameter gradient must match the one-pass
 Megatron forward.
 """
 from __future__ import annotations
@@ -69,8 +70,15 @@ def test_noise_is_uniform_state_per_block_and_seeded_by_sample():
     # Block-then-sample weights: every response block of a sample sums to 1 / (its blocks).
     w = nb.weights.view(2, L // B, B).sum(dim=2)
     assert torch.allclose(w[0, 2:], torch.full((4,), 0.25)) and torch.allclose(w[1, 1:], torch.full((5,), 0.2))
-    assert torch.allclose(nb.clean_weights.sum(dim=1), torch.full((2,), obj.encoder_loss_weight))
-    assert int(nb.clean_targets[0, 7]) == int(tokens[0, 8]) and int(nb.clean_targets[0, 21]) == -100
+    # AR term (default scope `all`): every next-token pair, prompt included, weight encoder_loss_weight
+    # over the global pair count (the denominator's second entry).
+    assert torch.equal(nb.clean_targets[:, :-1], tokens[:, 1:]) and bool((nb.clean_targets[:, -1] == -100).all())
+    assert bool((nb.clean_weights[:, :-1] == obj.encoder_loss_weight).all())
+    assert obj.denominator(loss_mask, tokens).tolist() == [2.0, 2.0 * (L - 1)]
+    old_rule = DiffusionGemmaSFTObjective(B, V, seed=11, encoder_loss_scope="response").noise(tokens, loss_mask, torch.tensor([5, 6]))
+    assert torch.allclose(old_rule.clean_weights.sum(dim=1), torch.full((2,), obj.encoder_loss_weight))
+    assert int(old_rule.clean_targets[0, 7]) == int(tokens[0, 8]) and int(old_rule.clean_targets[0, 6]) == -100
+    assert int(old_rule.clean_targets[0, 21]) == -100
     # Same sample index -> same noise, wherever it sits in the batch.
     again = obj.noise(tokens.flip(0), loss_mask.flip(0), torch.tensor([6, 5]))
     assert torch.equal(again.noisy_tokens.flip(0), nb.noisy_tokens)
@@ -84,9 +92,64 @@ def test_noise_is_uniform_state_per_block_and_seeded_by_sample():
         obj.noise(tokens, bad, torch.tensor([0, 1]))
 
 
+def test_block_times_are_antithetic_over_each_samples_response_blocks():
+    # The reference's rule (the default): t = (u + i / k) mod 1 over a sample's k response blocks;
+    # --block-times independent keeps the rule before (n independent uniforms). The noise is
+    # rebuilt from the sample's generator: times, then one draw and one random id per token.
+    from megatron_csbp.objectives.base import block_times, sample_generator
+
+    tokens, loss_mask = _batch()
+    for rule in ("antithetic", "independent"):
+        obj = DiffusionGemmaSFTObjective(B, V, seed=11, block_times=rule)
+        nb = obj.noise(tokens, loss_mask, torch.tensor([5, 6]))
+        for e, index in enumerate((5, 6)):
+            g = sample_generator(11, index)
+            blocks = loss_mask[e].view(-1, B).bool().any(dim=1)
+            t = torch.ones(L // B, dtype=torch.float64)
+            if rule == "antithetic":
+                t[blocks] = block_times(int(blocks.sum()), g, 1e-3, 1.0)
+                gaps = torch.sort(t[blocks]).values.diff()
+                assert torch.allclose(gaps, torch.full_like(gaps, (1 - 1e-3) / int(blocks.sum())))
+            else:
+                t = block_times(L // B, g, 1e-3, 1.0, antithetic=False)
+            t = t.float().repeat_interleave(B)
+            replace = (torch.rand(L, generator=g) < t) & loss_mask[e].bool()
+            expect = torch.where(replace, torch.randint(0, V, (L,), generator=g), tokens[e])
+            assert torch.equal(nb.noisy_tokens[e], expect)
+
+
+def test_resume_keeps_the_rule_a_checkpoint_was_trained_with(tmp_path):
+    import argparse
+    import json
+    import os
+
+    from megatron_csbp.objectives.diffusiongemma_sft import BLOCK_TIMES, ENCODER_LOSS_SCOPE
+    from megatron_csbp.training.arguments import RunFacts, resume_objective_flags
+
+    def resolved(meta, finetune=False, **given):
+        it = tmp_path / "iter_0000001"
+        it.mkdir(exist_ok=True)
+        (it / "bdlm_meta.json").write_text(json.dumps({"model_args": meta}))
+        args = argparse.Namespace(objective="diffusiongemma-sft", load=str(tmp_path), finetune=finetune,
+                                  block_times=None, encoder_loss_scope=None)
+        vars(args).update(given)
+        resume_objective_flags(args, RunFacts(load_step=1 if meta is not None else None))
+        return args.block_times, args.encoder_loss_scope
+
+    assert os.path.isdir(tmp_path)
+    old = {"objective": "diffusiongemma-sft"}  # saved before the flags existed
+    assert resolved(None) == ("antithetic", "all")  # a new run: the reference's rule
+    assert resolved(old) == ("independent", "response")
+    assert resolved(old, block_times="antithetic") == ("antithetic", "response")  # a given flag wins
+    assert resolved(old, finetune=True) == ("antithetic", "all")
+    assert resolved({"objective": "bd3lm"}) == ("antithetic", "all")
+    assert resolved(dict(old, block_times="antithetic", encoder_loss_scope="response")) == ("antithetic", "response")
+    assert (BLOCK_TIMES.before, ENCODER_LOSS_SCOPE.before) == ("independent", "response")
+
+
 def _brute_force_loss(hf, obj, tokens, loss_mask, nb):
     softcap = hf.config.text_config.final_logit_softcapping
-    per_sample = []
+    per_sample, ar_sum = [], []
     for e in range(tokens.shape[0]):
         sup = loss_mask[e].bool()
         if not bool(sup.any()):
@@ -108,24 +171,31 @@ def _brute_force_loss(hf, obj, tokens, loss_mask, nb):
         diffusion = torch.stack(block_losses).mean()
         out = hf.model(input_ids=clean, decoder_input_ids=noisy[:, :B])
         enc_logits = torch.tanh(hf.lm_head(out.encoder_last_hidden_state[0]).float() / softcap) * softcap
-        targets_ok = sup[1:]
-        ar = F.cross_entropy(enc_logits[:-1][targets_ok], clean[0, 1:][targets_ok])
-        per_sample.append(diffusion + obj.encoder_loss_weight * ar)
-    return torch.stack(per_sample).mean()
+        if obj.encoder_loss_scope == "response":  # token mean over the sample's response targets
+            targets_ok = sup[1:]
+            ar = F.cross_entropy(enc_logits[:-1][targets_ok], clean[0, 1:][targets_ok])
+            per_sample.append(diffusion + obj.encoder_loss_weight * ar)
+        else:  # every pair, summed here, over the batch's pair count below
+            per_sample.append(diffusion)
+            ar_sum.append(F.cross_entropy(enc_logits[:-1], clean[0, 1:], reduction="sum"))
+    loss = torch.stack(per_sample).mean()
+    if ar_sum:
+        loss = loss + obj.encoder_loss_weight * torch.stack(ar_sum).sum() / (tokens.shape[0] * (L - 1))
+    return loss
 
 
 def _grad(p):  # without self-conditioning the SC block is skipped (its gradient is exactly 0)
     return torch.zeros_like(p) if p.grad is None else p.grad
 
 
-def tiny_models():
+def tiny_models(**objective):
     """(HF model, the Megatron model converted from it, the objective) of these tests."""
     hf = tiny_hf_model(seed=2, vocab_size=V, sliding_window=3).train()
     state, config, _ = hf_to_megatron_state(hf.state_dict(), hf.config)
     gpt = diffusion_gemma_model(config, V, 256)
     gpt.load_state_dict(state, strict=False)
     gpt.train()
-    return hf, gpt, DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=ENC_W)
+    return hf, gpt, DiffusionGemmaSFTObjective(B, V, seed=7, encoder_loss_weight=ENC_W, **objective)
 
 
 def assert_loss_and_gradients_equal(loss, ref, gpt, hf):
@@ -154,9 +224,10 @@ def worst_gradient_difference(gpt, hf) -> float:
                for k, p in gpt.named_parameters())
 
 
-@pytest.mark.parametrize("want_sc", [(True, False), (False, False)])
-def test_sft_loss_and_gradients_equal_brute_force(megatron_single_rank, want_sc):
-    hf, gpt, obj = tiny_models()
+@pytest.mark.parametrize("want_sc,scope", [((True, False), "all"), ((False, False), "all"),
+                                           ((True, False), "response")])
+def test_sft_loss_and_gradients_equal_brute_force(megatron_single_rank, want_sc, scope):
+    hf, gpt, obj = tiny_models(encoder_loss_scope=scope)
     model = DiffusionGemmaSFTModel(gpt, obj, SequenceLayout(BlockGeometry(L, B, "token_causal")))
     tokens, loss_mask = _batch()
     index = _sample_indices(obj, want_sc)

@@ -58,15 +58,15 @@ def _alone_terms(hf, obj, tokens, loss_mask, nb):
             block_ce.append(F.cross_entropy(logits[block_sup], clean[0, s:s + B][block_sup]))
         out = hf.model(input_ids=clean, decoder_input_ids=noisy[:, :B])
         enc = torch.tanh(hf.lm_head(out.encoder_last_hidden_state[0]).float() / softcap) * softcap
-        ok = sup[1:]
+        ok = sup[1:] if obj.encoder_loss_scope == "response" else torch.ones_like(sup[1:])  # `all`: every pair
         ar_sum = ar_sum + F.cross_entropy(enc[:-1][ok], clean[0, 1:][ok], reduction="sum")
         ar_n += int(ok.sum())
     return torch.stack(block_ce), ar_sum, ar_n
 
 
-@pytest.mark.parametrize("self_conditioning", [True, False])
-def test_packed_sft_sample_equals_its_documents_alone(megatron_single_rank, self_conditioning):
-    hf, gpt, obj = tiny_models()
+@pytest.mark.parametrize("self_conditioning,scope", [(True, "all"), (False, "all"), (True, "response")])
+def test_packed_sft_sample_equals_its_documents_alone(megatron_single_rank, self_conditioning, scope):
+    hf, gpt, obj = tiny_models(encoder_loss_scope=scope)
     layout = SequenceLayout(BlockGeometry(L, B, "token_causal"))
     packing = Packing(EOD, reset_attention_mask=True, reset_position_ids=True)
     model = DiffusionGemmaSFTModel(gpt, obj, layout, packing=packing)
@@ -80,7 +80,8 @@ def test_packed_sft_sample_equals_its_documents_alone(megatron_single_rank, self
     out = model(tokens, loss_mask, index, document_ids=doc_ids)
     out.loss.backward()
     block_ce, ar_sum, ar_n = _alone_terms(hf, obj, tokens, loss_mask, nb)
-    assert len(block_ce) == 3 and ar_n == 6 + 4  # no AR target crosses the documents (12 is a prompt)
+    # no AR pair crosses the documents: `all` counts 11 + 11 pairs, `response` the 6 + 4 response targets
+    assert len(block_ce) == 3 and ar_n == (6 + 4 if scope == "response" else 11 + 11)
     ref = block_ce.mean() + obj.encoder_loss_weight * ar_sum / ar_n
     assert_loss_and_gradients_equal(out.loss, ref, gpt, hf)
 

@@ -126,3 +126,39 @@ def test_trained_diffusiongemma_decodes_like_transformers_token_for_token(traine
     assert "denoising steps per row [3, 3]" in r2.stdout
     assert not (np.load(tmp_path / "o2.npy")[:, 5:] == ours[:, 5:9]).all()
 
+
+
+GEMMA_STYLE = ("{{- bos_token }}{%- for m in messages %}{{- '<start_of_turn>' + ('model' if m.role == 'assistant' "
+               "else m.role) + '\\n' + m.content + '<end_of_turn>\\n' }}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}")
+
+
+def test_chat_prompt_is_the_converted_tokenizers_chat_template(tmp_path):
+    """`generate --chat`: the prompt is one user turn through the chat template converted with the
+    model (a word-level tokenizer of 40 ids written here, Gemma-style template), with the
+    generation prompt; the decoded rows start with exactly those ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_csbp.conversion import api
+    from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_model
+
+    special = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    words = ["user", "model", "hello", "how", "are", "you", "fine"] + [f"w{i}" for i in range(27)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(special + words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>", additional_special_tokens=special[4:])
+    tok.chat_template = GEMMA_STYLE
+    tiny_hf_model(seed=3, vocab_size=96, sliding_window=3, redraw=False).save_pretrained(str(tmp_path / "hf"))
+    tok.save_pretrained(str(tmp_path / "hf"))
+    api.hf_to_megatron_checkpoint(str(tmp_path / "hf"), str(tmp_path / "meg"))
+    want = tok.apply_chat_template([{"role": "user", "content": "hello how are you"}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"]
+    r = _generate("--load", str(tmp_path / "meg"), "--prompt", "hello how are you", "--chat", "--max-new-tokens", "4",
+                  "--max-denoising-steps", "2", "--output", str(tmp_path / "out.npy"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = np.load(tmp_path / "out.npy")
+    assert out[0, :len(want)].tolist() == list(want) and out.shape == (1, len(want) + 4)
+    r = _generate("--load", str(tmp_path / "meg"), "--prompt-ids", str(tmp_path / "out.npy"), "--chat")
+    assert r.returncode == 2 and "--chat renders --prompt text with the checkpoint's tokenizer" in r.stderr

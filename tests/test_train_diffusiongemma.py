@@ -179,7 +179,10 @@ def test_sft_samples_start_their_response_on_a_block_boundary():
         assert first % 16 == 0
         pad = first - int(plain[i]["loss_mask"].argmax())
         assert 0 <= pad < 16 and bool((tokens[:pad] == tok.pad).all())
-        assert tokens[pad:].tolist() == plain[i]["tokens"][: 128 - pad].tolist()
+        # the record, then padding with the pad id (not EOD: padding is no pair of the AR term)
+        n = int(plain[i]["loss_mask"].nonzero().max()) + 1  # the plain sample's record ends with its response
+        assert tokens[pad:pad + n].tolist() == plain[i]["tokens"][:n].tolist()[: 128 - pad]
+        assert bool((tokens[pad + n:] == tok.pad).all())
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,3 +262,34 @@ def test_trained_checkpoint_exports_to_hugging_face_with_its_vision_tower(conver
     assert vision and all(torch.equal(src[k], got[k]) for k in vision)
     assert not torch.equal(src["model.decoder.embed_tokens.weight"], got["model.decoder.embed_tokens.weight"])
     DiffusionGemmaForBlockDiffusion.from_pretrained(out)
+
+
+TRAJECTORIES = [
+    {"messages": [{"role": "user", "content": "Name a loop."}, {"role": "assistant", "content": "for"},
+                  {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "while, which repeats"},
+                  {"role": "user", "content": "And a third?"}, {"role": "assistant", "content": "a recursive call"}]},
+    {"prompt": "What is a tuple?", "response": "An immutable sequence."},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a dict?"},
+                  {"role": "assistant", "content": "A mapping."}, {"role": "user", "content": "Ordered?"},
+                  {"role": "assistant", "content": "Yes, by insertion."}]},
+    {"prompt": "What does len do?", "response": "It returns the number of items."},
+]
+
+
+@pytest.mark.slow  # the trainer on 1 rank and two 2-rank layouts (~2 min on 2 cores)
+@pytest.mark.parametrize("pack", [False, True])
+def test_trajectory_turns_train_the_same_under_every_layout(converted, tmp_path, pack):
+    """--sft-trajectory-turns all through the trainer: every turn of a record in one optimizer step
+    (--global-batch-size 2 records), the same losses on 1 rank, CP 2 and BP 2, packed or not."""
+    import json
+
+    path = tmp_path / "traj.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRAJECTORIES))
+    argv = [a if a != os.path.join(ASSETS, "pydoc_sft.jsonl") else str(path) for a in sft_argv(converted)]
+    argv += ["--sft-trajectory-turns", "all", "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--train-iters", "2"] + (["--pack-sequences", "--reset-attention-mask", "--reset-position-ids"] if pack else [])
+    one = [h["loss"] for h in run_distributed(train_rank, 1, argv)[0]["history"]]
+    for flags in ("--context-parallel-size 2", "--block-parallel-size 2"):
+        got = [h["loss"] for h in run_distributed(train_rank, 2, argv + flags.split())[0]["history"]]
+        print(f"pack={pack} {flags}: {got} (1 rank {one})")
+        assert got == pytest.approx(one, rel=2e-6, abs=0)

@@ -348,6 +348,12 @@ OPTIONS: List[Option] = [
       group="data", to=("data",)),
     O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data",
       to=("data",)),
+    O(("--chat-template",), str, "auto", "how --sft-data-path records become tokens: auto (a Hugging Face "
+      "tokenizer's own chat template, the plain User:/Assistant: rendering for a tokenizer without one), none (the "
+      "plain rendering) or a Jinja chat template file; docs/sft.md", group="data", to=("data",), saved=True),
+    O(("--sft-trajectory-turns",), str, "record", "diffusiongemma-sft: record (one sample per record) or all (one "
+      "sample per assistant turn, its prefix the clean prompt; a record's samples share an optimizer step and "
+      "--global-batch-size counts records); docs/sft.md", group="data", to=("data",), choices=("record", "all")),
     O(("--tokenizer-type",), str, None, "Megatron-LM's tokenizer types (default: the shipped sentencepiece tokenizer)",
       group="tokenizer", to=("data",), choices=TOKENIZER_TYPES, saved=True),
     O(("--tokenizer-model",), str, None, "sentencepiece .model, or a local Hugging Face tokenizer folder (default "

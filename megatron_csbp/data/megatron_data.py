@@ -366,16 +366,23 @@ def microbatch_indices(consumed_samples: int, micro: int, micro_batch_size: int,
 
 
 def collate(dataset, indices: Sequence[int], device=None) -> Dict[str, torch.Tensor]:
-    samples = [dataset[i] for i in indices]
-    batch = {
-        "tokens": torch.stack([s["tokens"] for s in samples]),
-        "loss_mask": torch.stack([s["loss_mask"] for s in samples]),
-        "sample_index": torch.tensor(list(indices), dtype=torch.long),
-    }
-    if "document_ids" in samples[0]:  # packed SFT (--pack-sequences)
-        batch["document_ids"] = torch.stack([s["document_ids"] for s in samples])
+    batch = _stacked([dataset[i] for i in indices], indices)
     if device is not None:
         batch = {k: v.to(device) for k, v in batch.items()}
+    return batch
+
+
+def _stacked(samples, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
+    """The micro-batch of `samples` (global indices `indices`). A sample of T rows [T, L] (an SFT
+    trajectory, `SFTDataset(trajectory_turns="all")`) gives T rows, row j of sample i indexed i * T + j."""
+    keys = ["tokens", "loss_mask"] + (["document_ids"] if "document_ids" in samples[0] else [])  # packed SFT
+    batch = {k: torch.stack([s[k] for s in samples]) for k in keys}
+    index = torch.tensor(list(indices), dtype=torch.long)
+    if batch["tokens"].dim() == 3:
+        rows = batch["tokens"].shape[1]
+        batch = {k: v.flatten(0, 1) for k, v in batch.items()}
+        index = (index[:, None] * rows + torch.arange(rows)).flatten()
+    batch["sample_index"] = index
     return batch
 
 
@@ -393,10 +400,7 @@ class _Indexed(torch.utils.data.Dataset):
 
 
 def _collate_indexed(items):
-    batch = {"tokens": torch.stack([s["tokens"] for _, s in items]),
-             "loss_mask": torch.stack([s["loss_mask"] for _, s in items]),
-             "sample_index": torch.tensor([i for i, _ in items], dtype=torch.long)}
-    return batch
+    return _stacked([s for _, s in items], [i for i, _ in items])
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):

@@ -83,7 +83,8 @@ class BlockDiffusionModel(torch.nn.Module):
         self.feeder.check_sequence_length(tokens)
         loss_mask = self.supervised(tokens, torch.ones_like(tokens) if loss_mask is None else loss_mask)
         sample_index = torch.arange(tokens.shape[0]) if sample_index is None else sample_index
-        denominator = self.objective.denominator(loss_mask) if denominator is None else denominator
+        if denominator is None:
+            denominator = self.objective.denominator(loss_mask, tokens, document_ids)
         mode = self.first_pass if first_pass else self.training_loss if self.last_stage else self.stage_output
         args = (tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning)
         if self.packing is not None and self.packing.splits_documents and tokens.shape[0] > 1:
@@ -99,7 +100,12 @@ class BlockDiffusionModel(torch.nn.Module):
         `denominator` (`loss_mask` already `supervised`)."""
         rows, logits = self._through_model(tokens, loss_mask, sample_index, document_ids, self_conditioning)
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
-        return self.loss(logits, rows.targets, rows.weights, denominator * self.feeder.replication)
+        denominator, weights = denominator * self.feeder.replication, rows.weights
+        if denominator.dim() and denominator.numel() == 2:  # [noisy rows', clean rows'] (Objective.denominator)
+            n = rows.num_noisy
+            weights = torch.cat([weights[:, :n] / denominator[0], weights[:, n:] / denominator[1].clamp_min(1)], 1)
+            denominator = denominator.new_ones(())
+        return self.loss(logits, rows.targets, weights, denominator)
 
     def stage_output(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
                      self_conditioning=None) -> torch.Tensor:
@@ -169,7 +175,8 @@ class BlockDiffusionModel(torch.nn.Module):
 
     def _rows_of(self, tokens, loss_mask, sample_index, document_ids):
         """(noised batch, plan, whether the self-conditioning first pass runs, this rank's rows)."""
-        noised = self.objective.noise(tokens, loss_mask, sample_index)
+        docs = {"document_ids": document_ids} if self.objective.reads_documents else {}
+        noised = self.objective.noise(tokens, loss_mask, sample_index, **docs)
         plan, any_sc = self._plan_of(noised)
         if self.packing is not None:
             plan = self.feeder.packed_plan(plan, self.packing, tokens[0],

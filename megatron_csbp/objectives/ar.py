@@ -32,5 +32,5 @@ class AutoregressiveObjective(Objective):
         weights = (targets >= 0).float()
         return NoisedBatch(tokens, targets, weights)
 
-    def denominator(self, loss_mask):
+    def denominator(self, loss_mask, tokens=None, document_ids=None):
         return loss_mask[:, 1:].sum().to(torch.float32)

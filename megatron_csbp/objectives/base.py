@@ -33,6 +33,18 @@ class NoisedBatch:
     first_canvas_block: Optional[int] = None
 
 
+def block_times(num_blocks: int, generator: torch.Generator, eps_min: float, eps_max: float,
+                antithetic: bool = True) -> torch.Tensor:
+    """[num_blocks] float64 times in [eps_min, eps_max]: antithetic, t_i = (u + i / num_blocks) mod 1
+    from one uniform u, or independent uniforms."""
+    if antithetic:
+        u = torch.rand(1, generator=generator, dtype=torch.float64)
+        t = torch.remainder(u + torch.arange(num_blocks, dtype=torch.float64) / max(num_blocks, 1), 1.0)
+    else:
+        t = torch.rand(num_blocks, generator=generator, dtype=torch.float64)
+    return eps_min + (eps_max - eps_min) * t
+
+
 class Objective:
     """Base class. A subclass is registered by name (`registry.register_objective`) and owns everything
     the trainer needs to know about it: flags and rules, rows, mask-token needs, model wrapper or
@@ -77,6 +89,9 @@ class Objective:
     #: "adapts ... (why)": it needs a --load checkpoint to start from (None: it trains from scratch too)
     needs_pretrained: Optional[str] = None
 
+    #: `noise` takes the micro-batch's `document_ids` (packed SFT) as a keyword
+    reads_documents = False
+
     # ---- flags and rules ------------------------------------------------------------------------
     @classmethod
     def add_args(cls, parser, added: Optional[Set[str]] = None) -> None:
@@ -120,8 +135,9 @@ class Objective:
         from megatron_csbp.layout.masks import BlockGeometry
         return BlockGeometry(seq_length, self.block_size).num_blocks
 
-    def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's share of the loss denominator (summed over the global batch)."""
+    def denominator(self, loss_mask: torch.Tensor, tokens=None, document_ids=None) -> torch.Tensor:
+        """This micro-batch's share of the loss denominator (summed over the global batch): a
+        scalar, or [noisy rows', clean rows'] for an objective whose two terms have their own."""
         return loss_mask.sum().to(torch.float32)
 
     def for_evaluation(self) -> "Objective":

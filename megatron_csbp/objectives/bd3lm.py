@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
+from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
 from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag,
                                             check_choice, check_noise_interval)
 from megatron_csbp.objectives.registry import register_objective
@@ -51,9 +51,7 @@ class BD3LMObjective(Objective):
         return BD3LMObjective(self.block_size, self.mask_token_id, seed=self.seed)
 
     def block_times(self, num_blocks: int, generator: torch.Generator) -> torch.Tensor:
-        u = torch.rand(1, generator=generator, dtype=torch.float64)
-        t = torch.remainder(u + torch.arange(num_blocks, dtype=torch.float64) / num_blocks, 1.0)
-        return (self.eps_min + (self.eps_max - self.eps_min) * t).float()
+        return block_times(num_blocks, generator, self.eps_min, self.eps_max).float()
 
     def times_and_draws(self, tokens, sample_index):
         """Per token: its block's time t and one uniform draw, both [b, L], from (seed, sample)."""

@@ -21,13 +21,17 @@ def sft_datasets(args, align_response_to: Optional[int] = None):
     """One SFT dataset serves both splits. `align_response_to`: pad prompts so that responses start
     on a multiple of it (DiffusionGemma's canvases start on block boundaries)."""
     from megatron_csbp.data.megatron_data import saved_tokenizer
-    from megatron_csbp.data.sft import SFTDataset
+    from megatron_csbp.data.sft import SFTDataset, chat_template, describe_rendering
 
     tok = saved_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    template = chat_template(tok, getattr(args, "chat_template", "auto"))
     ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to,
-                    pack=bool(getattr(args, "pack_sequences", False)))
-    if ds.packing_efficiency is not None and _first_rank():
-        print(ds.describe_packing(), flush=True)
+                    pack=bool(getattr(args, "pack_sequences", False)), template=template,
+                    trajectory_turns=getattr(args, "sft_trajectory_turns", "record"))
+    if _first_rank():
+        print(describe_rendering(template), flush=True)
+        if ds.packing_efficiency is not None:
+            print(ds.describe_packing(), flush=True)
     return ds, ds
 
 

@@ -168,7 +168,7 @@ class DFlashObjective(Objective):
         n_eval = EVAL_SEQUENCES.value(args)
         return FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval)
 
-    def denominator(self, loss_mask: torch.Tensor) -> torch.Tensor:
+    def denominator(self, loss_mask: torch.Tensor, tokens=None, document_ids=None) -> torch.Tensor:
         """Sequences: the loss is the mean over the global batch's sequences of each sequence's
         weighted mean (every sequence is normalised by its own weight sum)."""
         return torch.tensor(float(loss_mask.shape[0]))

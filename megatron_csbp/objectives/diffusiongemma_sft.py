@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_csbp.objectives.base import NoisedBatch, Objective, sample_generator
-from megatron_csbp.objectives.flags import NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag, check_noise_interval
+from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
+from megatron_csbp.objectives.flags import (NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag, check_choice,
+                                            check_noise_interval)
 from megatron_csbp.objectives.registry import register_objective
 
 
@@ -17,6 +18,16 @@ DiffusionGemmaNoisedBatch = NoisedBatch
 
 ENCODER_LOSS_WEIGHT = Flag("--encoder-loss-weight", dict(
     type=float, default=1.0, help="diffusiongemma-sft: weight of the AR next-token loss on the clean stream"))
+BLOCK_TIMES = Flag("--block-times", dict(
+    choices=("antithetic", "independent"), default=None,
+    help="diffusiongemma-sft: a sample's response-block times, antithetic (the reference's, the default) or "
+         "independent (the rule before; a resume keeps its checkpoint's)"), fallback="antithetic", before="independent")
+ENCODER_LOSS_SCOPE = Flag("--encoder-loss-scope", dict(
+    choices=("all", "response"), default=None,
+    help="diffusiongemma-sft: the clean stream's AR loss over every valid next-token pair, prompts included, over "
+         "the global batch's pair count (all: the reference's, the default), or over response targets, a token "
+         "mean per sample (response: the rule before; a resume keeps its checkpoint's)"),
+    fallback="all", before="response")
 SELF_CONDITIONING_PROB = Flag("--self-conditioning-prob", dict(
     type=float, default=0.5, help="diffusiongemma-sft: probability that a sample gets the self-conditioning pass"))
 
@@ -27,7 +38,8 @@ class DiffusionGemmaSFTObjective(Objective):
     summary = ("DiffusionGemma's native SFT (uniform noise, canvas of response blocks, AR loss on the clean "
                "stream, self-conditioning) for a converted DiffusionGemma / Gemma 4 --load checkpoint and "
                "--sft-data-path")
-    flags = (ENCODER_LOSS_WEIGHT, SELF_CONDITIONING_PROB) + NOISE_FLAGS
+    flags = (ENCODER_LOSS_WEIGHT, SELF_CONDITIONING_PROB, BLOCK_TIMES, ENCODER_LOSS_SCOPE) + NOISE_FLAGS
+    reads_documents = True  # pairs of the AR term stay inside a packed document
     #: the model must also return logits for the clean rows (AR loss)
     needs_clean_logits = True
     model_wrapper = "megatron_csbp.model.diffusiongemma.sft:DiffusionGemmaSFTModel"
@@ -35,17 +47,24 @@ class DiffusionGemmaSFTObjective(Objective):
                            "checkpoint, not from Megatron-LM flags)")
 
     def __init__(self, block_size: int, vocab_size: int, seed: int = 1234, encoder_loss_weight: float = 1.0,
-                 self_conditioning_prob: float = 0.5, eps_min: float = 1e-3, eps_max: float = 1.0):
-        self.check_options(encoder_loss_weight, self_conditioning_prob, eps_min, eps_max)
+                 self_conditioning_prob: float = 0.5, eps_min: float = 1e-3, eps_max: float = 1.0,
+                 block_times: str = "antithetic", encoder_loss_scope: str = "all", pad_id=None):
+        self.check_options(encoder_loss_weight, self_conditioning_prob, eps_min, eps_max, block_times,
+                           encoder_loss_scope)
         self.block_size, self.vocab_size, self.seed = int(block_size), int(vocab_size), seed
         self.encoder_loss_weight = float(encoder_loss_weight)
         self.self_conditioning_prob = float(self_conditioning_prob)
         self.eps_min, self.eps_max = eps_min, eps_max
+        self.antithetic, self.encoder_loss_scope = block_times == "antithetic", encoder_loss_scope
+        #: the SFT data's padding id (unsupervised tokens equal to it are no AR pair); None: no padding
+        self.pad_id = pad_id
 
     @staticmethod
     def check_options(encoder_loss_weight: float, self_conditioning_prob: float, eps_min: float,
-                      eps_max: float) -> None:
+                      eps_max: float, block_times: str = "antithetic", encoder_loss_scope: str = "all") -> None:
         check_noise_interval(eps_min, eps_max)
+        check_choice(BLOCK_TIMES, block_times, BLOCK_TIMES.options["choices"])
+        check_choice(ENCODER_LOSS_SCOPE, encoder_loss_scope, ENCODER_LOSS_SCOPE.options["choices"])
         if not 0.0 <= self_conditioning_prob <= 1.0:
             raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {self_conditioning_prob}")
         if encoder_loss_weight < 0:
@@ -63,13 +82,15 @@ class DiffusionGemmaSFTObjective(Objective):
         if not args.sft_data_path:
             raise ValueError("--objective diffusiongemma-sft needs --sft-data-path (prompt/response data with loss masks)")
         cls.check_options(ENCODER_LOSS_WEIGHT.value(args), SELF_CONDITIONING_PROB.value(args),
-                          NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args))
+                          NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args), BLOCK_TIMES.value(args),
+                          ENCODER_LOSS_SCOPE.value(args))
 
     @classmethod
     def from_args(cls, args) -> "DiffusionGemmaSFTObjective":
         return cls(args.block_size, args.vocab_size, seed=args.seed, encoder_loss_weight=ENCODER_LOSS_WEIGHT.value(args),
                    self_conditioning_prob=SELF_CONDITIONING_PROB.value(args), eps_min=NOISE_EPS_MIN.value(args),
-                   eps_max=NOISE_EPS_MAX.value(args))
+                   eps_max=NOISE_EPS_MAX.value(args), block_times=BLOCK_TIMES.value(args),
+                   encoder_loss_scope=ENCODER_LOSS_SCOPE.value(args), pad_id=getattr(args, "pad_token_id", None))
 
     @classmethod
     def build_datasets(cls, args):
@@ -96,7 +117,19 @@ class DiffusionGemmaSFTObjective(Objective):
                              f"--block-size {B}; pad prompts to whole blocks for diffusiongemma-sft")
         return sup.view(b, L // B, B).any(dim=2)
 
-    def noise(self, tokens, loss_mask, sample_index) -> DiffusionGemmaNoisedBatch:
+    def valid_pairs(self, tokens, loss_mask, document_ids=None) -> torch.Tensor:
+        """[b, L - 1] bool: next-token pairs (p, p + 1) of the AR term. `all`: both tokens are no
+        padding (an unsupervised `pad_id`) and in the same document; `response`: p + 1 is supervised."""
+        sup = loss_mask.bool()
+        if self.encoder_loss_scope == "response":
+            return sup[:, 1:]
+        valid = torch.ones_like(sup) if tokens is None or self.pad_id is None else (tokens != self.pad_id) | sup
+        ok = valid[:, 1:] & valid[:, :-1]
+        if document_ids is not None:
+            ok = ok & (document_ids[:, 1:] == document_ids[:, :-1])
+        return ok
+
+    def noise(self, tokens, loss_mask, sample_index, document_ids=None) -> DiffusionGemmaNoisedBatch:
         b, L = tokens.shape
         B = self.block_size
         n = L // B
@@ -105,7 +138,11 @@ class DiffusionGemmaSFTObjective(Objective):
         t_rows, draw_rows, rand_rows, sc = [], [], [], []
         for i in range(b):
             g = sample_generator(self.seed, int(sample_index[i]))
-            t = self.eps_min + (self.eps_max - self.eps_min) * torch.rand(n, generator=g, dtype=torch.float64)
+            if self.antithetic:  # stratified over the sample's own response blocks
+                t = torch.full((n,), self.eps_max, dtype=torch.float64)
+                t[blocks[i].cpu()] = block_times(int(blocks[i].sum()), g, self.eps_min, self.eps_max)
+            else:
+                t = block_times(n, g, self.eps_min, self.eps_max, antithetic=False)
             t_rows.append(t.float().repeat_interleave(B))
             draw_rows.append(torch.rand(L, generator=g))
             rand_rows.append(torch.randint(0, self.vocab_size, (L,), generator=g))
@@ -122,19 +159,27 @@ class DiffusionGemmaSFTObjective(Objective):
         targets = torch.where(sup, tokens, torch.full_like(tokens, -100))
         weights = torch.where(sup, w_block, torch.zeros_like(w_block))
 
-        # AR targets on the clean stream: row p -> token p+1 where p+1 is supervised.
+        # AR targets on the clean stream: row p -> token p+1 over the valid pairs. `all`: weight
+        # encoder_loss_weight, over the global pair count (the denominator's second entry);
+        # `response`: the per-sample token mean, over the sample count.
         clean_targets = torch.full_like(tokens, -100)
-        ok = sup[:, 1:]
+        ok = self.valid_pairs(tokens, loss_mask, document_ids)
         clean_targets[:, :-1] = torch.where(ok, tokens[:, 1:], clean_targets[:, :-1])
-        n_ar = (clean_targets >= 0).sum(dim=1).clamp_min(1).float()
-        clean_weights = torch.where(clean_targets >= 0, (self.encoder_loss_weight / n_ar)[:, None],
-                                    torch.zeros(b, L, device=dev))
+        per_pair = torch.full((b,), self.encoder_loss_weight, device=dev)
+        if self.encoder_loss_scope == "response":
+            per_pair = per_pair / (clean_targets >= 0).sum(dim=1).clamp_min(1).float()
+        clean_weights = torch.where(clean_targets >= 0, per_pair[:, None], torch.zeros(b, L, device=dev))
 
         has = blocks.any(dim=1)
         first_block = int(blocks.float().argmax(dim=1)[has].min()) if bool(has.any()) else n
         return NoisedBatch(noisy, targets, weights, None, clean_targets, clean_weights,
                            torch.tensor(sc, device=dev), first_block)
 
-    def denominator(self, loss_mask):
-        """Samples with a response (the loss is a mean over samples)."""
-        return loss_mask.bool().any(dim=1).sum().to(torch.float32)
+    def denominator(self, loss_mask, tokens=None, document_ids=None):
+        """Samples with a response (the diffusion loss is a mean over samples); `all`: and the valid
+        next-token pairs (the AR loss is a mean over them)."""
+        samples = loss_mask.bool().any(dim=1).sum().to(torch.float32)
+        if self.encoder_loss_scope == "response":
+            return samples
+        pairs = self.valid_pairs(tokens, loss_mask, document_ids).sum().to(torch.float32)
+        return torch.stack([samples, pairs])

@@ -66,7 +66,7 @@ class FastDLLMv2Objective(Objective):
         weights = (targets >= 0).float()
         return NoisedBatch(noisy, targets, weights, clean_tokens=clean)
 
-    def denominator(self, loss_mask):
+    def denominator(self, loss_mask, tokens=None, document_ids=None):
         return loss_mask[:, 1:].sum().to(torch.float32)
 
 

@@ -19,6 +19,11 @@ class Flag:
 
     name: str
     options: Dict[str, Any] = field(default_factory=dict)
+    #: a flag whose rule changed (parsed default None): its value when unset, and the rule of the
+    #: checkpoints saved before the flag existed (a resume that leaves it unset keeps the saved rule,
+    #: `training.arguments.resume_objective_flags`)
+    fallback: Any = None
+    before: Any = None
 
     @property
     def dest(self) -> str:
@@ -33,7 +38,8 @@ class Flag:
 
     def value(self, args):
         """The flag's value in `args` (an argparse namespace or ModelArgs), its default when absent."""
-        return getattr(args, self.dest, self.default)
+        value = getattr(args, self.dest, self.default)
+        return self.fallback if value is None else value
 
 
 def add_flags(parser, flags: Iterable[Flag], added: Optional[Set[str]] = None) -> None:

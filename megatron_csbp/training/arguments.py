@@ -54,6 +54,7 @@ class RunFacts:
     model_shape: Any = None  # the --load checkpoint's ModelShape (None: the model is built from the flags)
     shape_unknown: bool = False  # launch --check: --load is not here, so the rules that need its shape are skipped
     eod_token_id: Optional[int] = None  # the tokenizer's
+    pad_token_id: Optional[int] = None  # what SFT data pads with (data.sft.sft_pad_id)
     objective_facts: Dict[str, Any] = field(default_factory=dict)  # `Objective.prepare_args`'s (dflash: drafter dirs)
     check_notes: List[str] = field(default_factory=list)  # launch --check: the rules skipped, and why
 
@@ -169,11 +170,23 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         raise ValueError("--grad-reduce-in-bf16 reduces bfloat16 gradients: it needs --bf16")
     if args.loss_scale is not None and args.loss_scale <= 0:
         raise ValueError(f"--loss-scale must be positive, got {args.loss_scale}")
+    if args.sft_trajectory_turns == "all":
+        if args.objective != "diffusiongemma-sft":
+            raise ValueError("--sft-trajectory-turns all makes one sample per assistant turn for --objective "
+                             "diffusiongemma-sft (one response canvas a sample); other objectives supervise every "
+                             "turn of a record in one sample")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError("--sft-trajectory-turns all with --pipeline-model-parallel-size > 1: a micro-batch holds "
+                             "its records' turn rows, which the pipeline's P2P shapes do not follow")
     if args.pack_sequences and not args.sft_data_path:
         raise ValueError("--pack-sequences packs conversations: it needs --sft-data-path")
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if (args.mock_data and args.tokenizer_model is None) else \
             "SentencePieceTokenizer"
+    if args.sft_data_path and "chat_template" not in placeholders:
+        from megatron_csbp.data.sft import check_chat_template
+
+        check_chat_template(args.chat_template, args.tokenizer_type == "HuggingFaceTokenizer")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         raise ValueError("--tokenizer-type NullTokenizer (and --mock-data without --tokenizer-model) needs --vocab-size")
     if args.min_lr > args.lr:
@@ -209,7 +222,9 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
             and shape is None):  # a checkpoint's vocabulary may exceed its tokenizer's (checked below)
         raise ValueError(f"--vocab-size {args.vocab_size} disagrees with the tokenizer's {tok.vocab_size}")
     args.vocab_size = tok.vocab_size  # from here on the tokenizer's vocabulary, EOD included
-    facts = replace(facts, eod_token_id=tok.eod)
+    from megatron_csbp.data.sft import sft_pad_id
+
+    facts = replace(facts, eod_token_id=tok.eod, pad_token_id=sft_pad_id(tok))
     if shape is not None:
         if tok.vocab_size > shape.vocab_size:
             raise ValueError(f"the tokenizer's vocabulary ({tok.vocab_size}) is larger than the checkpoint's "
@@ -403,7 +418,23 @@ def check_experts_and_objective(args, facts: RunFacts) -> None:
                              f"--seq-length / --block-size = {blocks} blocks must be a multiple of {unit} so every "
                              f"block-parallel rank owns as many noisy blocks ({args.block_ownership} ownership); the "
                              "MoE token dispatcher needs equal row counts across expert ranks")
+    resume_objective_flags(args, facts)
     objective_class(args.objective).validate(args, facts)
+
+
+def resume_objective_flags(args: argparse.Namespace, facts: RunFacts) -> None:
+    """Fill the unset objective flags whose rule changed (`Flag.before`): a resume of a checkpoint of
+    the same objective keeps the rule it was trained with (its `bdlm_meta.json`; `before` where it
+    predates the flag), anything else gets the flag's `fallback`."""
+    flags = [f for f in objective_class(args.objective).flags if f.before is not None and getattr(args, f.dest, None) is None]
+    saved = {}
+    if flags and facts.load_step is not None and not getattr(args, "finetune", False):
+        from megatron_csbp.checkpoint.files import saved_model_args
+
+        saved = saved_model_args(args.load, facts.load_step) or {}
+    for f in flags:
+        resumed = saved.get("objective") == args.objective
+        setattr(args, f.dest, (saved.get(f.dest) or f.before) if resumed else f.fallback)
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

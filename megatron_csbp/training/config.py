@@ -72,7 +72,7 @@ LogConfig = _section("LogConfig", "log", ("flags", Any, None))  # the run's flag
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"; format unchanged): the options
 #: declared `saved`, then keys that are no trainer option (the objectives' own flags, the tokenizer's EOD)
 CHECKPOINT_MODEL_KEYS = (*(o.name for o in OPTIONS if o.saved), "mask_token_id", "eod_token_id", "noise_eps_min",
-                         "noise_eps_max", "loss_weighting")
+                         "noise_eps_max", "loss_weighting", "block_times", "encoder_loss_scope")
 
 
 def model_meta(args: argparse.Namespace, facts=None) -> Dict[str, Any]:

@@ -40,6 +40,7 @@ ModelArgs = make_dataclass("ModelArgs", [
     ("noise_eps_min", float, 1e-3), ("noise_eps_max", float, 1.0), ("loss_weighting", str, "inverse_t"),
     ("virtual_pipeline_model_parallel_size", Optional[int], None), ("encoder_loss_weight", float, 1.0),
     ("self_conditioning_prob", float, 0.5), ("eod_token_id", Optional[int], None),
+    ("pad_token_id", Optional[int], None),
     ("model_shape", Any, None),  # a converted checkpoint's ModelShape (None: built from the flags)
 ], namespace={"__module__": __name__})
 

@@ -255,13 +255,14 @@ class Trainer:
                                                         self.dp_size), dev)
             b["loss_mask"] = self.chunks[0].bdlm.supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
             batches.append(b)
-            local_den += float(objective.denominator(b["loss_mask"]))
+            share = objective.denominator(b["loss_mask"], b["tokens"], b.get("document_ids"))
+            local_den = local_den + share.detach().double().reshape(-1).cpu()  # a scalar or one per term
         if prefetched:
             self._batches_at += b_cfg.global_batch_size
-        (den,) = allreduce([local_den], group=self.dp_group)
-        if den <= 0:
+        den = allreduce(local_den.tolist(), group=self.dp_group)
+        if den[0] <= 0:
             raise RuntimeError(f"global batch at sample {consumed} has no supervised tokens")
-        denominator = torch.tensor(den, dtype=torch.float32, device=dev)
+        denominator = torch.tensor(den if len(den) > 1 else den[0], dtype=torch.float32, device=dev)
         partial_losses = []
 
         def loss_func(out, output_tensor):
