@@ -42,9 +42,14 @@ setup(
         "transformers>=5.24,<6",
         # data/tokenizer.py builds the export's tokenizer.json with it (transformers 5.24 requires 0.23)
         "tokenizers>=0.23",
+        # sentencepiece's model proto (the export reads a SentencePiece model with it) imports
+        # google.protobuf, which neither sentencepiece nor transformers requires
+        "protobuf",
+        # --tensorboard-dir (torch.utils.tensorboard), which the `demo` command sets
+        "tensorboard",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "matplotlib", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "matplotlib"],
         "launch": ["nemo-run>=0.11,<0.12", "leptonai<0.27"],
         "megatron-lm": ["six", "flask-restful", "tiktoken", "einops", "triton"],
         "dflash-tp": ["accelerate"],

@@ -33,14 +33,18 @@ def features(tmp_path_factory):
 
 
 def _train(root, world, flags, save=None):
-    argv = ["--objective", "dflash", "--features-path", str(root / "feat"), "--verifier", str(root / "v"),
+    argv = _argv(root, flags)
+    if save:
+        argv += ["--save", str(root / save), "--save-interval", "2"]
+    return run_distributed(train_rank, world, argv)
+
+
+def _argv(root, flags):
+    return ["--objective", "dflash", "--features-path", str(root / "feat"), "--verifier", str(root / "v"),
             "--mask-token-id", "4", "--block-size", "4", "--num-layers", "2", "--num-attention-heads", "2",
             "--micro-batch-size", "1", "--global-batch-size", "3", "--train-iters", "3", "--lr", "3e-3",
             "--lr-decay-style", "constant", "--dflash-max-anchors", "5", "--eval-sequences", "2", "--log-interval", "1",
             "--use-distributed-optimizer", "--no-progress-bar"] + flags
-    if save:
-        argv += ["--save", str(root / save), "--save-interval", "2"]
-    return run_distributed(train_rank, world, argv)
 
 
 def _weights(path):
@@ -88,6 +92,56 @@ def test_pipeline_flag_rules(features, capsys):
         _err(base + PP2 + ["--num-layers", "3"], 2, capsys)
     assert "--num-layers-per-virtual-pipeline-stage is refused (the drafter's pipeline stages are not interleaved)" in \
         _err(base + PP2 + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], 2, capsys)
+    assert "--tensor-model-parallel-size must be 1 (every drafter layer holds all its attention heads, and the " \
+        "verifier's LM head is not vocabulary-parallel)" in _err(base + ["--tensor-model-parallel-size", "2"], 2, capsys)
+
+
+def _train_in_turn(rank, world, argvs):
+    """train_rank of each argv in turn, in one process (one rank)."""
+    return [train_rank(rank, world, argv) for argv in argvs]
+
+
+def test_bf16_drafter_within_bf16_bound_of_fp32_and_resumes(features, one_rank):
+    """--bf16 trains the drafter (its weights and the verifier's frozen embeddings and head in
+    bfloat16, fp32 main weights and norm weights), with and without the distributed optimizer,
+    saves and resumes bit for bit.
+
+    Error model against the fp32 run (`one_rank`): bf16 rounds with unit roundoff u = 2^-8. Each
+    weight and each stored activation is rounded once; a draft row's path to the logits passes
+    the embedding, the context projection and its norm, then per layer about 10 rounded tensors
+    (norm, q, kv, q/k norms, attention output, projection, residual, two MLP GEMMs, residual), and
+    the final norm: K = 3 + 10 D = 23 roundings for D = 2 layers (the CE itself is fp32). Worst case
+    the relative errors add, so |d logit| <= K u max|logit|, and max|logit| <= |final norm output|
+    x max row norm of the head = sqrt(h) (1 + 3 lr) max_v |head_v| (the norm's output has RMS 1
+    times its weight, which Adam moves by <= lr a step). The CE moves by at most twice the largest
+    logit change; the 3 steps' updates carry the gradients' K u relative error into weights that
+    change by <= 3 lr, second order here. Bound: |loss_bf16 - loss_fp32| <= 2 K u max|logit|."""
+    from transformers import AutoModelForCausalLM
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = features
+    head = AutoModelForCausalLM.from_pretrained(str(root / "v")).get_output_embeddings().weight.detach()
+    max_logit = head.shape[1] ** 0.5 * (1 + 3 * 3e-3) * float(head.norm(dim=1).max())
+    bound = 2 * (3 + 10 * 2) * 2.0 ** -8 * max_logit
+    dist = _argv(root, ["--bf16"])
+    plain = [a for a in dist if a != "--use-distributed-optimizer"]
+    runs = []
+    for name, argv in (("bf16", dist), ("bf16_plain", plain)):
+        runs += [argv + ["--save", str(root / name), "--save-interval", "2"],
+                 argv + ["--load", str(root / name), "--ckpt-step", "2"]]
+    dist_full, dist_resumed, plain_full, plain_resumed = run_distributed(_train_in_turn, 1, runs)[0]
+    print("fp32", one_rank["losses"], _evals(one_rank), "bf16", dist_full["losses"], _evals(dist_full),
+          "bf16 without the distributed optimizer", plain_full["losses"], _evals(plain_full))
+    for full, resumed in ((dist_full, dist_resumed), (plain_full, plain_resumed)):
+        assert max(abs(a - b) for a, b in zip(full["losses"], one_rank["losses"])) <= bound
+        assert abs(_evals(full)[0][0] - _evals(one_rank)[0][0]) <= bound
+        assert full["losses"] != one_rank["losses"]  # it did run in bf16
+        assert resumed["iteration"] == 3 and resumed["losses"] == full["losses"][2:]
+    print("bound", bound)
+    saved = FileSystemReader(str(root / "bf16" / "iter_0000002")).read_metadata().state_dict_metadata
+    dtypes = {k: str(v.properties.dtype) for k, v in saved.items() if hasattr(v, "properties")}
+    assert dtypes["layers.0.linear_q.weight"] == dtypes["encoder.fc.weight"] == "torch.bfloat16"
+    assert dtypes["final_norm.weight"] == "torch.float32"
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import runpy
 import sys
 from unittest import mock
 
+import pytest
 import setuptools
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -18,7 +19,7 @@ EXTRA_OF = {"nemo_run": "launch", "flash_attn": "gpu", "transformer_engine": "gp
 #: Megatron-LM's training package (not on a registry: docs/megatron-lm.md) and its scripts
 NOT_ON_A_REGISTRY = {"pretrain_gpt", "megatron.training", "gpt_builders", "model_provider"}
 #: import name -> distribution name where they differ and packages_distributions() may not know
-DIST_OF = {"yaml": "pyyaml", "megatron": "megatron-core", "flash_attn": "flash-attn",
+DIST_OF = {"google.protobuf": "protobuf", "yaml": "pyyaml", "megatron": "megatron-core", "flash_attn": "flash-attn",
            "transformer_engine": "transformer-engine", "nemo_run": "nemo-run"}
 
 
@@ -73,6 +74,86 @@ def test_setup_declares_every_import():
             missing.append(f"{module} (distribution {dist}, imported by {files[0]}) "
                            f"{'in install_requires' if where is None else 'in extra ' + where}")
     assert not missing, "setup.py lacks: " + "; ".join(missing)
+
+
+def test_setup_declares_what_imported_modules_import():
+    """The modules the package imports from a dependency (`from sentencepiece import
+    sentencepiece_model_pb2`, `torch.utils.tensorboard`) import other distributions that the
+    dependency may not require: each unconditional top-level import of such a module is installed
+    by install_requires (directly or as a requirement of one, transitively). Issue 40: exporting a
+    SentencePiece tokenizer needs protobuf, which none of them required. Modules of an extra's
+    features are that extra's packages' business."""
+    dists = importlib.metadata.packages_distributions()
+
+    def dist(module):
+        top = module.split(".")[0]
+        known = [k for k in DIST_OF if module == k or module.startswith(k + ".")]
+        name = DIST_OF[max(known, key=len)] if known else (dists.get(top) or [top])[0]
+        return name.lower().replace("_", "-")
+
+    def requires(name):
+        try:
+            reqs = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            return set()
+        return requirement_names([r for r in reqs if "extra ==" not in r])
+
+    # what installing install_requires installs: their requirements, transitively
+    installed, todo = set(), list(requirement_names(setup_kwargs()["install_requires"]))
+    while todo:
+        name = todo.pop().replace("_", "-")
+        if name not in installed:
+            installed.add(name)
+            todo += requires(name)
+    missing = set()
+    for module in sorted(imported_modules()):
+        top = module.split(".")[0]
+        if top in sys.stdlib_module_names or top == "megatron_csbp" or top in EXTRA_OF:
+            continue
+        path = module_file(module)
+        if path is None:
+            continue
+        for node in ast.parse(open(path).read()).body:  # unconditional: the module's own body
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                if name.split(".")[0] in sys.stdlib_module_names or name.split(".")[0] == top:
+                    continue
+                if dist(name) not in installed:
+                    missing.add(f"{dist(name)} (imported by {module}, which the package imports)")
+    assert not missing, "setup.py install_requires lacks: " + "; ".join(sorted(missing))
+
+
+def module_file(module):
+    """The .py file of `module` (a package's __init__.py), found without importing anything; None
+    for a name that is not a module of an installed distribution (`from module import name`)."""
+    import importlib.util
+
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+    if spec is None or not spec.submodule_search_locations:
+        return spec.origin if spec is not None and not rest and (spec.origin or "").endswith(".py") else None
+    for base in spec.submodule_search_locations:
+        for path in (os.path.join(base, *rest) + ".py", os.path.join(base, *rest, "__init__.py")):
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def imported_modules():
+    """Every module name an import statement of megatron_csbp/ names (`from a import b`: a and a.b)."""
+    found = set()
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "megatron_csbp")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, ast.Import):
+                        found.update(a.name for a in node.names)
+                    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                        found.add(node.module)
+                        found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if not any(m == n or m.startswith(n + ".") for n in NOT_ON_A_REGISTRY)}
 
 
 def _bounds(specifier):
@@ -174,3 +255,45 @@ def test_every_documented_python_m_command_is_a_runnable_module():
                 not spec.origin.endswith("__main__.py"):
             broken.append(f"{module} (shown in {sorted(where)})")
     assert not broken, f"documented commands that do not run: {broken}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the install downloads megatron-core, transformers and their dependencies
+def test_fresh_venv_with_the_packages_requirements_exports_a_sentencepiece_checkpoint(tmp_path):
+    """`pip install` of the package alone into a fresh venv (only its install_requires), then
+    `convert megatron-to-hf` of a checkpoint trained with the shipped SentencePiece tokenizer (issue
+    40: without protobuf in install_requires the export stopped with "No module named 'google'").
+    torch is constrained to the version running this test (here the CPU build in pip's find-links),
+    so pip does not fetch a CUDA build of several GB; nothing else is added to the requirements."""
+    import json
+    import subprocess
+
+    import torch
+
+    from megatron_csbp.data.preprocess import main as preprocess
+    from megatron_csbp.training.demo import demo_argv
+    from tests.distributed import run_distributed
+    from tests.test_export_trained import with_flags
+    from tests.train_helpers import train_rank
+
+    preprocess(["--input", "shipped", "--output-prefix", str(tmp_path / "pydoc"), "--append-eod"])
+    save = str(tmp_path / "ckpt")
+    argv = with_flags(demo_argv(1, str(tmp_path / "pydoc_text_document")), drop=("--save-initial", "--tensorboard-dir"),
+                      train_iters=1, save=save, save_interval=1, eval_interval=1, eval_iters=1, log_interval=1,
+                      log_json=str(tmp_path / "log.jsonl"), data_cache_path=str(tmp_path / "cache"))
+    run_distributed(train_rank, 1, argv)
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    (tmp_path / "constraints.txt").write_text(f"torch=={torch.__version__}\n")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    pip = subprocess.run([py, "-m", "pip", "install", "-q", "-c", str(tmp_path / "constraints.txt"), os.path.abspath(ROOT)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    out = subprocess.run([py, "-m", "megatron_csbp.convert", "megatron-to-hf", "--load", save, "--output",
+                          str(tmp_path / "hf")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    where = subprocess.run([py, "-c", "import megatron_csbp; print(megatron_csbp.__file__)"], capture_output=True,
+                           text=True, env=env, cwd=tmp_path).stdout
+    assert str(venv) in where  # the installed package ran, not this checkout
+    assert json.load(open(tmp_path / "hf" / "tokenizer_config.json"))["eos_token"]

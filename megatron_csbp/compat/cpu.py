@@ -6,7 +6,7 @@ what the shim does, which layer): the `tensor_parallel.random` tracker,
 `model_parallel_cuda_manual_seed` and recompute RNG; every module naming CUDA (rotary, router,
 mappings, DDP, schedules, optimizers, `dist_checkpointing`); `clip_grad_by_total_norm_fp32`;
 `Float16OptimizerWithFloat16Params` and `DistributedOptimizer` (type names, torch Adam state,
-DP-zero gather); MoE's `te_general_gemm` and all-to-all; the pipeline's tied embedding and sent
+DP-zero gather, checkpoint state of groups mixing fp32 and 16-bit params); the loss scale's load; MoE's `te_general_gemm` and all-to-all; the pipeline's tied embedding and sent
 outputs; `WrappedTorchNorm` under sequence parallelism.
 """
 from __future__ import annotations

@@ -13,3 +13,4 @@ def install_library_fixes() -> None:
     norms.patch_torch_norm()
     moe.patch_te_general_gemm()
     optimizer.patch_torch_adam()
+    optimizer.patch_mixed_dtype_groups()

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from megatron_csbp.compat.pipeline import cuda_is_identity
 
 _ORIG_TENSOR_TYPE = torch.Tensor.type
 
@@ -82,6 +83,16 @@ def patch_cpu_optimizers() -> None:
 
     _replace_once(distrib.DistributedOptimizer, "get_parameter_state_dp_zero", get_parameter_state_dp_zero)
 
+    # The dynamic loss scale's load moves the saved scale with `.cuda(current_device())`: on CPU it stays.
+    def load_state_dict(orig):
+        def patched(self, state_dict):
+            with cuda_is_identity():
+                return orig(self, state_dict)
+        return patched
+
+    grad_scaler = importlib.import_module("megatron.core.optimizer.grad_scaler")
+    _replace_once(grad_scaler.DynamicGradScaler, "load_state_dict", load_state_dict)
+
 
 def patch_torch_adam() -> None:
     """Library fix (every device): megatron-core's DistributedOptimizer with torch Adam."""
@@ -128,6 +139,70 @@ def patch_torch_adam() -> None:
 
     for make in (_set_main_param_and_optimizer_states, state_dict, load_state_dict):
         _replace_once(distrib.DistributedOptimizer, make.__name__, make)
+
+
+def patch_mixed_dtype_groups() -> None:
+    """Library fix (every device): fp32 parameters beside fp16/bf16 ones in one optimizer
+    (megatron-core's torch norms keep fp32 weights whatever `params_dtype`; docs/compat.md)."""
+    opt_mod = importlib.import_module("megatron.core.optimizer.optimizer")
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+
+    # DistributedOptimizer: `model_param_group_index_map` is built in grad-buffer order, then each
+    # group's params are installed as [*fp32 shards, *fp32-from-float16 shards]: in a group mixing
+    # dtypes the map names other params' states (a save crashes or files states under wrong keys).
+    # Rebuild it in the installed order (a no-op for single-dtype groups).
+    def __init__(orig):
+        def patched(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            for g, (fp32, f16) in enumerate(zip(self.model_fp32_groups, self.model_float16_groups)):
+                for i, p in enumerate([*fp32, *f16]):
+                    self.model_param_group_index_map[p] = (g, i)
+        return patched
+
+    # Float16OptimizerWithFloat16Params numbers the optimizer state's params by the float16 params
+    # alone, but the inner optimizer holds the fp32 ones too, in model order: "Param id N does not
+    # match any model sharded param". Number them in the optimizer's order, each main copy by its
+    # model param, and pair the fp32 main copies with the float16 params' ids only.
+    def sharded_state_dict(orig):
+        def patched(self, model_sharded_state_dict, is_loading=False, metadata=None):
+            if self.is_stub_optimizer or not any(self.fp32_from_fp32_groups):
+                return orig(self, model_sharded_state_dict, is_loading, metadata)
+            if is_loading:
+                self.init_state_fn(self.optimizer, self.config)
+            state_dict = self.state_dict()
+            model_of = {id(main): model for mains, models in zip(self.fp32_from_float16_groups, self.float16_groups)
+                        for main, model in zip(mains, models)}
+            in_order = [model_of.get(id(p), p) for g in self.optimizer.param_groups for p in g["params"]]
+            id_map = opt_mod.get_param_id_to_sharded_param_map(model_sharded_state_dict, in_order)
+            # (a dict by group: dist_checkpointing cannot merge back a list holding an empty list)
+            state_dict["fp32_from_fp16_params"] = {
+                g: [opt_mod.make_sharded_optimizer_tensor(id_map[pid], main, prefix="optimizer.state.fp32_param")
+                    for pid, main in zip([pid for pid, p in zip(ids["params"], group["params"]) if id(p) in model_of],
+                                         mains)]
+                for g, (mains, ids, group) in enumerate(zip(state_dict["fp32_from_fp16_params"],
+                                                            state_dict["optimizer"]["param_groups"],
+                                                            self.optimizer.param_groups))}
+            step = self._extract_common_per_param_step(state_dict["optimizer"])
+            opt_mod.optim_state_to_sharding_state(state_dict["optimizer"], id_map, exclude_keys="step")
+            if step:
+                state_dict["optimizer"]["state"]["common_step"] = step
+            return state_dict
+        return patched
+
+    def load_state_dict(orig):
+        def patched(self, state_dict):
+            mains = state_dict.get("fp32_from_fp16_params")
+            if isinstance(mains, dict):  # saved by the patched sharded_state_dict above
+                state_dict = {**state_dict, "fp32_from_fp16_params": [mains[g] for g in sorted(mains)]}
+            return orig(self, state_dict)
+        return patched
+
+    init = distrib.DistributedOptimizer.__init__
+    if not getattr(init, "__mixed_dtype_fix__", False):  # (its own mark: the CPU type-name wrap goes around it)
+        distrib.DistributedOptimizer.__init__ = functools.wraps(init)(__init__(init))
+        distrib.DistributedOptimizer.__init__.__mixed_dtype_fix__ = True
+    for make in (sharded_state_dict, load_state_dict):
+        _replace_once(opt_mod.Float16OptimizerWithFloat16Params, make.__name__, make)
 
 
 def _replace_once(owner, name: str, make) -> None:

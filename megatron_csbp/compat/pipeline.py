@@ -12,7 +12,7 @@ import torch
 
 
 @contextlib.contextmanager
-def _cuda_is_identity():
+def cuda_is_identity():
     orig = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
@@ -30,7 +30,7 @@ def patch_embedding_tie() -> None:
 
     @functools.wraps(orig)
     def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        with _cuda_is_identity():
+        with cuda_is_identity():
             return orig(self, *args, **kwargs)
 
     setup_embeddings_and_output_layer.__cpu_compat__ = True

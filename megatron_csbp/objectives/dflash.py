@@ -198,14 +198,12 @@ class DFlashObjective(Objective):
             return {}
         cls.validate(args)  # the objective's own rules first (they read no file)
         if getattr(args, "tensor_model_parallel_size", 1) != 1:
-            raise ValueError("--objective dflash: --tensor-model-parallel-size must be 1 (the projection over the "
-                             "context is not split)")
+            raise ValueError("--objective dflash: --tensor-model-parallel-size must be 1 (every drafter layer holds all "
+                             "its attention heads, and the verifier's LM head is not vocabulary-parallel)")
         for dest in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"):
             if getattr(args, dest, None) is not None:
                 raise ValueError(f"--objective dflash: --{dest.replace('_', '-')} is refused (the drafter's pipeline "
                                  "stages are not interleaved)")
-        if getattr(args, "bf16", False) or getattr(args, "fp16", False):
-            raise ValueError("--objective dflash trains the drafter in float32: drop --bf16 / --fp16")
         defaults = dict(defaults, **{f.dest: f.default for c in registered_objectives().values() for f in c.flags})
         try:
             meta = FeatureDataset(path).meta

@@ -11,6 +11,7 @@ from megatron_csbp.checkpoint.drafter import load_drafter
 from megatron_csbp.model.dflash import (SHAPE_FILE, WEIGHTS_FILE, DFlashDrafter, DFlashTrainingModel, DrafterShape,
                                         TrainableDrafter, drafter_shape_from_args, drafter_state,
                                         drafter_transformer_config, record_verifier)
+from megatron_csbp.training.model import params_dtype
 
 
 def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list:
@@ -29,8 +30,10 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
     data, n_eval = FeatureDataset(a.features_path), a.eval_sequences
     splits = (FeatureSplit(data, 0, len(data) - n_eval), FeatureSplit(data, len(data) - n_eval, n_eval))
     verifier = load_verifier(a.verifier)
-    embedding = verifier.get_input_embeddings().weight.detach().float().clone()
-    head = verifier.get_output_embeddings().weight.detach().float().clone()
+    # the drafter's weights, the verifier's frozen embeddings and head in --bf16 / --fp16 / fp32
+    dtype = params_dtype(a)
+    embedding = verifier.get_input_embeddings().weight.detach().to(dtype).clone()
+    head = verifier.get_output_embeddings().weight.detach().to(dtype).clone()
     del verifier
     objective = build_objective(a, vocab_size=embedding.shape[0])
     load = a.dflash_drafter_load
@@ -40,9 +43,9 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
         raise ValueError(f"--load {load}: the drafter's hidden size {shape.hidden_size} differs from the features' "
                          f"{data.meta['hidden_size']}")
     # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
-    config = drafter_transformer_config(shape, perform_initialization=True, init_method_std=a.init_method_std,
-                                        calculate_per_token_loss=True, pipeline_dtype=torch.float32,
-                                        **pipeline.config_fields(a))
+    config = drafter_transformer_config(shape, params_dtype=dtype, perform_initialization=True,
+                                        init_method_std=a.init_method_std, calculate_per_token_loss=True,
+                                        pipeline_dtype=dtype, bf16=a.bf16, fp16=a.fp16, **pipeline.config_fields(a))
     if finalize_model_grads_func is not None:
         config.finalize_model_grads_func = finalize_model_grads_func
     torch.manual_seed(a.seed)
