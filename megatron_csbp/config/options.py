@@ -299,7 +299,7 @@ OPTIONS: List[Option] = [
           "across TP / CP / BP / EP layouts)")),
     O(("--exit-on-missing-checkpoint",), None, True, "refuse a --load that holds no checkpoint (a mistyped path), "
       "unless it is the --save folder of a resumable job's first run (Megatron-LM's flag; on by default here)",
-      group="ckpt", to=(), off="--no-exit-on-missing-checkpoint", off_help="start from scratch when --load holds "
+      group="checkpointing", to=(), off="--no-exit-on-missing-checkpoint", off_help="start from scratch when --load holds "
       "no checkpoint (Megatron-LM's default)"),
     O(("--finetune",), None, False, "load the --load checkpoint's weights only: iteration and consumed samples "
       "start at 0, no optimizer, scheduler or RNG state", group="checkpointing", to=("checkpoint",)),
@@ -400,6 +400,8 @@ OPTIONS: List[Option] = [
 ]
 del O
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
+if any(o.group not in GROUPS for o in OPTIONS):  # add_options would leave such a flag out of the parser
+    raise ValueError(f"options in no GROUPS group: {[o.flag for o in OPTIONS if o.group not in GROUPS]}")
 
 
 def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
