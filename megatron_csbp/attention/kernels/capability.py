@@ -4,7 +4,6 @@ The table, its sources and what has run where: docs/attention-kernels.md#capabil
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -94,5 +93,5 @@ def _log(line: str) -> None:
 
     if line not in _LOGGED:
         _LOGGED.add(line)
-        if rank() in (None, 0):
-            print(line, file=sys.stderr, flush=True)
+        if rank() in (None, 0):  # an information line on stdout, like the run's other " > " lines
+            print(f" > {line}", flush=True)
