@@ -230,9 +230,11 @@ def test_save_write_failure_keeps_the_previous_checkpoint(saved, tmp_path):
 # ---- 3. corrupt checkpoint files --------------------------------------------------------------------
 
 def _garble(path, at, n=4096):
+    import random
+
     with open(path, "r+b") as f:
         f.seek(at)
-        f.write(os.urandom(n))
+        f.write(random.Random(41).randbytes(n))
 
 
 def test_corrupt_tensor_bytes_are_refused_naming_the_file(saved, tmp_path):
