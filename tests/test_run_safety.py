@@ -206,8 +206,9 @@ def test_disk_full_during_a_save(tmp_path):
     assert " saved checkpoint at iteration 2 to" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.returncode == 1, r.stderr[-3000:]
     (line,) = error_lines(r.stderr)
-    assert line.startswith(f"error: cannot save the checkpoint of iteration 4 to --save {mnt}/ck: No space left on "
-                           "device ("), line
+    # the writer processes race: the first to fail reports ENOSPC, or a short write inside torch's zip writer
+    assert line.startswith(tuple(f"error: cannot save the checkpoint of iteration 4 to --save {mnt}/ck: {cause}" for cause
+                                 in ("No space left on device (", "a file write was cut short (a full disk"))), line
     assert line.endswith("; the latest checkpoint there stays iteration 2"), line
     assert "Traceback" not in r.stderr and "encountered an error" not in r.stderr
     assert ".tmp-" not in r.stdout  # (the listing of the folder after the run)
@@ -230,9 +231,11 @@ def test_save_write_failure_keeps_the_previous_checkpoint(saved, tmp_path):
 # ---- 3. corrupt checkpoint files --------------------------------------------------------------------
 
 def _garble(path, at, n=4096):
+    import random
+
     with open(path, "r+b") as f:
         f.seek(at)
-        f.write(os.urandom(n))
+        f.write(random.Random(41).randbytes(n))
 
 
 def test_corrupt_tensor_bytes_are_refused_naming_the_file(saved, tmp_path):

@@ -321,12 +321,10 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
 
 def _read(dist_checkpointing, state, path: str):
     """dist_checkpointing.load, with a failure to read named by the checkpoint folder (only this
-    rank may have failed: not agreed)."""
-    import pickle
-
+    rank may have failed: not agreed). Damaged bytes can raise any exception while unpickled."""
     try:
         return dist_checkpointing.load(state, path)
-    except (EOFError, OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+    except Exception as exc:
         if isinstance(exc, CliError):
             raise
         text = f"{type(exc).__name__}: {exc}".strip()
