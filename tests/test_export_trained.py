@@ -184,6 +184,7 @@ SAVED_KEYS = {
     "vocab_size", "make_vocab_size_divisible_by", "block_size", "objective", "mask_token_id", "clean_attention",
     "normalization", "swiglu", "untie_embeddings_and_output_weights", "rotary_base", "tokenizer_type",
     "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std",
+    "chat_template", "block_times", "encoder_loss_scope",  # round 22: SFT rendering and the DiffusionGemma rules
     *ADDED_WITH_EXPORT}
 
 
