@@ -34,7 +34,7 @@ def _batch():
     loss_mask = torch.zeros(2, L, dtype=torch.long)
     loss_mask[0, 4:14] = 1
     loss_mask[1, 8:] = 1
-    return tokens, loss_mask, torch.tensor([2, 1])  # sample 2 draws self-conditioning, sample 1 not
+    return tokens, loss_mask, torch.tensor([2, 3])  # sample 2 draws self-conditioning, sample 3 not (antithetic times)
 
 
 def _model(config):
