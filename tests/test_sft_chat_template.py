@@ -154,6 +154,8 @@ def test_markers_and_prefixes_give_the_same_mask(hf_tok, tmp_path):
     plain = chat_template(tok, str(plain_file))
     assert marked.markers and not plain.markers
     assert render(AGENT, tok, "x", marked) == render(AGENT, tok, "x", plain)
+    text = chat_template(tok, plain_file.read_text())  # the template's text itself, as Megatron-LM's flag takes it
+    assert render(AGENT, tok, "x", text) == render(AGENT, tok, "x", plain)
 
 
 def test_dataset_logs_the_rendering_and_refuses_in_one_line(hf_tok, tmp_path):

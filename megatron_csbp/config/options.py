@@ -350,7 +350,8 @@ OPTIONS: List[Option] = [
       to=("data",)),
     O(("--chat-template",), str, "auto", "how --sft-data-path records become tokens: auto (a Hugging Face "
       "tokenizer's own chat template, the plain User:/Assistant: rendering for a tokenizer without one), none (the "
-      "plain rendering) or a Jinja chat template file; docs/sft.md", group="data", to=("data",), saved=True),
+      "plain rendering), a Jinja chat template file, or the template's text (Megatron-LM's meaning); docs/sft.md",
+      group="tokenizer", to=("data",), saved=True),
     O(("--sft-trajectory-turns",), str, "record", "diffusiongemma-sft: record (one sample per record) or all (one "
       "sample per assistant turn, its prefix the clean prompt; a record's samples share an optimizer step and "
       "--global-batch-size counts records); docs/sft.md", group="data", to=("data",), choices=("record", "all")),

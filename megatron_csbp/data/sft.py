@@ -174,15 +174,22 @@ class ChatTemplate:
 
 def chat_template(tokenizer, spec: Optional[str] = "auto") -> Optional[ChatTemplate]:
     """`--chat-template`: auto (the Hugging Face tokenizer's own template, None without one), none,
-    or a Jinja template file (a Hugging Face tokenizer needed)."""
+    or a Jinja template file or text (a Hugging Face tokenizer needed)."""
     if spec in (None, "none"):
         return None
     hf = hugging_face_tokenizer(tokenizer)
     if spec == "auto":
         return ChatTemplate(hf) if hf is not None and getattr(hf, "chat_template", None) else None
     check_chat_template(spec, hf is not None)
+    if is_template_text(spec):
+        return ChatTemplate(hf, spec, "the --chat-template")
     with open(spec, encoding="utf-8") as f:
         return ChatTemplate(hf, f.read(), spec)
+
+
+def is_template_text(spec: str) -> bool:
+    """--chat-template holds the Jinja text itself (Megatron-LM's meaning of the flag), not a file."""
+    return "{{" in spec or "{%" in spec
 
 
 def check_chat_template(spec: Optional[str], hugging_face: bool) -> None:
@@ -191,8 +198,9 @@ def check_chat_template(spec: Optional[str], hugging_face: bool) -> None:
         return
     if not hugging_face:
         raise ValueError(f"--chat-template {spec}: a template file needs --tokenizer-type HuggingFaceTokenizer")
-    if not os.path.isfile(spec):
-        raise ValueError(f"--chat-template {spec}: no such file (give auto, none or a Jinja chat template file)")
+    if not is_template_text(spec) and not os.path.isfile(spec):
+        raise ValueError(f"--chat-template {spec}: no such file (give auto, none, a Jinja chat template file or its "
+                         "text)")
 
 
 def describe_rendering(template: Optional[ChatTemplate]) -> str:
