@@ -281,6 +281,7 @@ def _ep_rank(rank, world_size, state_path):
     return {"loss": loss.item(), "device": str(loss.device)}
 
 
+@pytest.mark.slow  # suite budget (14 s): tests/test_diffusiongemma_ep.py checks the same canvases on gloo by default; this is its CUDA-shaped twin
 def test_ep_canvas_self_conditioning_equals_one_rank(tmp_path):
     """EP 2 MoE (no TE; megatron-core's all-to-all dispatcher over the NCCL expert group) through diffusiongemma-sft's canvases and self-conditioning (one sample
     draws it, the other not: the expert peers agree on both over the NCCL expert group): the loss

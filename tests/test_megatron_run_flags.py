@@ -135,6 +135,7 @@ def wandb_history(path):
     return rows
 
 
+@pytest.mark.slow  # suite budget (15 s): fp16 saves and resumes by default in tests/test_checkpoint_precision.py; this is the loss-scale run
 def test_fp16_trains_with_megatrons_loss_scale():
     """--fp16 (Megatron's mixed precision: float16 weights, fp32 main weights, dynamic loss scale).
     The first loss is the fp32 model's rounded to float16 weights and activations: unit roundoff

@@ -317,6 +317,7 @@ def test_convert_output_into_its_input_is_refused(saved, capsys):
     assert _tree(saved) == before
 
 
+@pytest.mark.slow  # suite budget (17 s): the trainer's checksums are checked by default (test_every_saved_file_has_a_checksum, test_corrupt_tensor_bytes_are_refused_naming_the_file); this one adds the converter's
 def test_converted_checkpoints_carry_checksums(tmp_path):
     pytest.importorskip("transformers")
     from megatron_csbp.conversion.tiny import save_tiny_model
