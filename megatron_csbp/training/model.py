@@ -84,7 +84,6 @@ def run_options(a) -> dict:
 def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
     """The config of the flag-built model (weights drawn on CPU from --seed)."""
     cfg = builder.transformer_config(
-        **builder.dimensions(a),
         **run_options(a),
         use_cpu_initialization=True,
         perform_initialization=True,
