@@ -417,7 +417,7 @@ def flag_text(name: str, value) -> str:
     if o is None:
         from megatron_csbp.objectives.registry import registered_objectives
 
-        return next(f"{f.name} {value}" for c in registered_objectives().values() for f in c.flags if f.dest == name)
+        return next(f"{f.flag} {value}" for c in registered_objectives().values() for f in c.flags if f.dest == name)
     if o.action == "store_false":
         return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):
