@@ -343,7 +343,7 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     elif a["rotary_seq_len_interpolation_factor"]:
         rope.update(rope_type="linear", factor=float(a["rotary_seq_len_interpolation_factor"]))
     # the options declared with a Hugging Face key (config/options.py), then what the flags imply
-    cfg: Dict[str, Any] = {o.hf: (o.type or bool)(a[o.name]) for o in OPTIONS if o.hf}
+    cfg: Dict[str, Any] = {o.hf: (o.type or bool)(a[o.name]) for o in OPTIONS if o.hf and a[o.name] is not None}
     cfg.update(model_type=model_type, architectures=list(get_family(model_type).architectures), vocab_size=int(vocab),
                hidden_act="silu", rope_parameters=rope, tie_word_embeddings=not a["untie_embeddings_and_output_weights"],
                attention_dropout=0.0, dtype=a["params_dtype"])
