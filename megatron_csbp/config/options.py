@@ -410,14 +410,20 @@ def gpt_kwargs(a) -> dict:
     return out
 
 
+def all_options() -> List[Option]:
+    """`OPTIONS`, then the options of each registered objective (objectives/), a shared one once."""
+    from megatron_csbp.objectives.registry import registered_objectives
+
+    out = {o.name: o for o in OPTIONS}
+    for cls in registered_objectives().values():
+        out.update({o.name: o for o in cls.flags if o.name not in out})
+    return list(out.values())
+
+
 def flag_text(name: str, value) -> str:
     """The command-line text that sets option `name` (or an objective's valued flag) to `value` ("" for a
     switch left off)."""
-    o = BY_NAME.get(name)
-    if o is None:
-        from megatron_csbp.objectives.registry import registered_objectives
-
-        return next(f"{f.flag} {value}" for c in registered_objectives().values() for f in c.flags if f.dest == name)
+    o = next(o for o in all_options() if o.name == name)
     if o.action == "store_false":
         return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):

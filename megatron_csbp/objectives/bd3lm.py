@@ -13,7 +13,7 @@ from megatron_csbp.objectives.registry import register_objective
 
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
 LOSS_WEIGHTING = option("--loss-weighting", None, "inverse_t", "weight of a masked token's CE: 1/t (the NELBO) or 1",
-                        choices=LOSS_WEIGHTINGS)
+                        choices=LOSS_WEIGHTINGS, saved=True)
 
 
 @register_objective("bd3lm")

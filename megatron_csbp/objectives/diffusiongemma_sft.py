@@ -20,12 +20,12 @@ ENCODER_LOSS_WEIGHT = option("--encoder-loss-weight", float, 1.0, "diffusiongemm
                              "loss on the clean stream")
 BLOCK_TIMES = option("--block-times", None, None, "diffusiongemma-sft: a sample's response-block times, antithetic (the "
                      "reference's, the default) or independent (the rule before; a resume keeps its checkpoint's)",
-                     choices=("antithetic", "independent"), fallback="antithetic", before="independent")
+                     choices=("antithetic", "independent"), fallback="antithetic", before="independent", saved=True)
 ENCODER_LOSS_SCOPE = option("--encoder-loss-scope", None, None, "diffusiongemma-sft: the clean stream's AR loss over "
                             "every valid next-token pair, prompts included, over the global batch's pair count (all: "
                             "the reference's, the default), or over response targets, a token mean per sample "
                             "(response: the rule before; a resume keeps its checkpoint's)",
-                            choices=("all", "response"), fallback="all", before="response")
+                            choices=("all", "response"), fallback="all", before="response", saved=True)
 SELF_CONDITIONING_PROB = option("--self-conditioning-prob", float, 0.5, "diffusiongemma-sft: probability that a sample "
                                 "gets the self-conditioning pass")
 

@@ -21,11 +21,12 @@ def option(flag: str, type=None, default=None, help=None, **more) -> Option:
 
 # ---- shared flags --------------------------------------------------------------------------------
 MASK_TOKEN_ID = option("--mask-token-id", int, None, "absorbing mask token, any id in [0, vocab) (default: the "
-                       "tokenizer's <mask>); data tokens equal to it are never targets")
+                       "tokenizer's <mask>); data tokens equal to it are never targets", saved=True)
 MASK_TOKEN = option("--mask-token", str, None, "mask token as a string of the converted checkpoint's tokenizer (--load "
                     "DIR/hf_assets/tokenizer.json), e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id")
-NOISE_EPS_MIN = option("--noise-eps-min", float, 1e-3, "noise times t are drawn from [--noise-eps-min, --noise-eps-max]")
-NOISE_EPS_MAX = option("--noise-eps-max", float, 1.0, "the largest noise time t")
+NOISE_EPS_MIN = option("--noise-eps-min", float, 1e-3, "noise times t are drawn from [--noise-eps-min, --noise-eps-max]",
+                       saved=True)
+NOISE_EPS_MAX = option("--noise-eps-max", float, 1.0, "the largest noise time t", saved=True)
 
 MASK_TOKEN_FLAGS = (MASK_TOKEN_ID, MASK_TOKEN)
 NOISE_FLAGS = (NOISE_EPS_MIN, NOISE_EPS_MAX)

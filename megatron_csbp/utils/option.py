@@ -27,7 +27,7 @@ class Option:
     gpt: Optional[str] = None     # GPTModel keyword of a flag-built model
     nargs: Optional[str] = None
     action: Optional[str] = None  # Megatron's odd switches (--no-rope-fusion: store_false, default False)
-    saved: bool = False  # in a checkpoint's bdlm_meta.json "model_args"
+    saved: bool = False  # in a checkpoint's bdlm_meta.json "model_args" (training.config.CHECKPOINT_MODEL_KEYS)
     #: `ModelShape` has the attribute of this name: a converted checkpoint's value of the flag
     shape: bool = False
     #: the Hugging Face config.json key of a flag-built model's export
