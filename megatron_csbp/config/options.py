@@ -1,16 +1,21 @@
 """Every flag of `python -m megatron_csbp.train`, declared once.
 
-An `Option` holds a flag's name (Megatron-LM's, with its meaning), type, default, help, its own
-rule, and where its value goes: the `TrainerConfig` sections that carry it (`to`; "model" is
-`ModelArgs`, the typed model config), the megatron-core `TransformerConfig` field it sets (`config`),
-the `GPTModel` keyword (`gpt`) and whether a checkpoint saves it (`saved`). From `OPTIONS` come the trainer's parser (`add_options`), the
-config sections (`section_fields`), the flag-built model's config fields (`config_fields`,
-`gpt_kwargs`), the per-flag rules (`check_options`) and the flag text `convert` prints (`flag_text`).
-Rules that relate several flags live in `training.arguments.check_flags`.
+An `Option` (utils/option.py) holds a flag's name (Megatron-LM's, with its meaning), type, default,
+help, its own rule, and where its value goes: the `TrainerConfig` sections that carry it (`to`;
+"model" is `ModelArgs`), the megatron-core `TransformerConfig` field it sets (`config`), the
+`GPTModel` keyword (`gpt`), whether a checkpoint saves it (`saved`) and a resume must repeat it
+(`tensors`), the `ModelShape` attribute of its name (`shape`) and the Hugging Face config.json key
+of a flag-built model (`hf`). Everything else is derived from `OPTIONS`: the trainer's parser
+(`add_options`), the config sections (`section_fields`), the flag-built model's config fields
+(`config_fields`, `gpt_kwargs`), the per-flag rules (`check_options`), `SHAPE_FLAGS`, the flag text
+`convert` prints (`flag_text`), and in model/families/ a shape's flags (`flag_values`), its
+TransformerConfig fields and rotary keywords and a flag-built model's Hugging Face config. Rules
+that relate several flags live in `training.arguments.check_flags`.
 
 The trainer never fuses kernels (exactness is checked against unfused math,
 `model.builder.PORTABLE_CONFIG`): Megatron's `--no-*-fusion` switches are accepted and state what
-already holds. Objective flags are declared by their owners (`objectives/`).
+already holds. Objective flags are Options declared by their objectives (`Objective.flags`,
+objectives/); `all_options()` is the table with them.
 """
 from __future__ import annotations
 
