@@ -237,6 +237,8 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
 
 
 def parse_args(argv=None):
+    from megatron_csbp.layout.layout import OWNERSHIP_SCHEDULES
+
     p = argparse.ArgumentParser(prog="python -m megatron_csbp.explain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=None, help="a recipe (examples/recipes/*.yaml): its trainer flags")
@@ -244,7 +246,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--block-parallel-size", type=int, default=1)
-    p.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
+    p.add_argument("--block-ownership", choices=OWNERSHIP_SCHEDULES, default="mirrored")
     p.add_argument("--clean-attention", default="block_causal")
     p.add_argument("--num-attention-heads", type=int, default=None)
     p.add_argument("--num-query-groups", type=int, default=None)

@@ -10,14 +10,14 @@ import torch
 
 from megatron_csbp.objectives import (BD3LMObjective, DiffusionGemmaSFTObjective, FastDLLMv2Objective, NoisedBatch,
                                       Objective)
-from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, Flag
+from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, option
 from megatron_csbp.objectives.registry import objective_class, objective_names, register_objective, unregister_objective
 from megatron_csbp.training.arguments import RunFacts, build_parser, model_args, parse_args
 from tests.train_helpers import TINY
 
 V = 128  # the embedding rows of TINY (--vocab-size 64: ids 0..63 plus EOD 64, padded to 128): the mask-id bound
 
-TOY_RATE = Flag("--toy-rate", dict(type=float, default=0.5, help="toy: share of supervised tokens masked"))
+TOY_RATE = option("--toy-rate", float, 0.5, "toy: share of supervised tokens masked")
 
 
 class ToyObjective(Objective):

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
 from megatron_csbp.layout.exchange import WindowExchangePlan
-from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.layout import OWNERSHIP_SCHEDULES, SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, Documents, logical_rows
 from megatron_csbp.layout.packing import block_costs
 from megatron_csbp.layout.rows import PartialMask
@@ -108,7 +108,7 @@ def main(argv=None):
     p.add_argument("--seq-length", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layouts", default="4x4,2x8,16x16", help="CPxBP,... (CSBP when CP > 1 and BP > 1)")
-    p.add_argument("--block-ownership", choices=("mirrored", "contiguous"), default="mirrored")
+    p.add_argument("--block-ownership", choices=OWNERSHIP_SCHEDULES, default="mirrored")
     p.add_argument("--doc-length", type=int, default=None, help="fixed document length")
     p.add_argument("--doc-length-histogram", default=None, help="JSON {length: count} or 'length count' lines")
     p.add_argument("--seed", type=int, default=0)

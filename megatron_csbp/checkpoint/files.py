@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from megatron_csbp.config.options import SHAPE_FLAGS
 from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 from megatron_csbp.utils.cli import CliError
 
@@ -165,10 +166,6 @@ def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
         raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
 
 
-#: model flags (dests) that fix the shapes of the saved tensors: a resume must give the same values
-SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "vocab_size", "make_vocab_size_divisible_by", "untie_embeddings_and_output_weights",
-               "normalization", "swiglu")
 
 
 def check_model_flags(args, root: str, step) -> None:

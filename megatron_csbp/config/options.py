@@ -1,79 +1,31 @@
 """Every flag of `python -m megatron_csbp.train`, declared once.
 
-An `Option` holds a flag's name (Megatron-LM's, with its meaning), type, default, help, its own
-rule, and where its value goes: the `TrainerConfig` sections that carry it (`to`; "model" is
-`ModelArgs`, the typed model config), the megatron-core `TransformerConfig` field it sets (`config`),
-the `GPTModel` keyword (`gpt`) and whether a checkpoint saves it (`saved`). From `OPTIONS` come the trainer's parser (`add_options`), the
-config sections (`section_fields`), the flag-built model's config fields (`config_fields`,
-`gpt_kwargs`), the per-flag rules (`check_options`) and the flag text `convert` prints (`flag_text`).
-Rules that relate several flags live in `training.arguments.check_flags`.
+An `Option` (utils/option.py) holds a flag's name (Megatron-LM's, with its meaning), type, default,
+help, its own rule, and where its value goes: the `TrainerConfig` sections that carry it (`to`;
+"model" is `ModelArgs`), the megatron-core `TransformerConfig` field it sets (`config`), the
+`GPTModel` keyword (`gpt`), whether a checkpoint saves it (`saved`) and a resume must repeat it
+(`tensors`), the `ModelShape` attribute of its name (`shape`) and the Hugging Face config.json key
+of a flag-built model (`hf`). Everything else is derived from `OPTIONS`: the trainer's parser
+(`add_options`), the config sections (`section_fields`), the flag-built model's config fields
+(`config_fields`, `gpt_kwargs`), the per-flag rules (`check_options`), `SHAPE_FLAGS`, the flag text
+`convert` prints (`flag_text`), and in model/families/ a shape's flags (`flag_values`), its
+TransformerConfig fields and rotary keywords and a flag-built model's Hugging Face config. Rules
+that relate several flags live in `training.arguments.check_flags`.
 
 The trainer never fuses kernels (exactness is checked against unfused math,
 `model.builder.PORTABLE_CONFIG`): Megatron's `--no-*-fusion` switches are accepted and state what
-already holds. Objective flags are declared by their owners (`objectives/`).
+already holds. Objective flags are Options declared by their objectives (`Objective.flags`,
+objectives/); `all_options()` is the table with them.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from megatron_csbp.data.megatron_data import TOKENIZER_TYPES
+from megatron_csbp.layout.layout import OWNERSHIP_SCHEDULES
 from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
-
-
-@dataclass(frozen=True)
-class Option:
-    flags: Tuple[str, ...]  # the first is the name; the rest Megatron-LM's aliases
-    type: Any = None        # None with a bool default: a switch
-    default: Any = None
-    help: Optional[str] = None
-    group: str = "transformer"  # parser group (GROUPS)
-    to: Tuple[str, ...] = ("model",)  # TrainerConfig sections that carry the value
-    choices: Optional[Tuple] = None
-    dest: Optional[str] = None
-    off: Optional[str] = None  # the switch that clears it (--no-swiglu)
-    off_help: Optional[str] = None
-    rule: Optional[Callable[[str, Any], Optional[str]]] = None  # (flag, value) -> the refusal, or None
-    config: Optional[str] = None  # TransformerConfig field of a flag-built model
-    gpt: Optional[str] = None     # GPTModel keyword of a flag-built model
-    nargs: Optional[str] = None
-    action: Optional[str] = None  # Megatron's odd switches (--no-rope-fusion: store_false, default False)
-    saved: bool = False  # in a checkpoint's bdlm_meta.json "model_args" (training.config.CHECKPOINT_MODEL_KEYS)
-
-    @property
-    def name(self) -> str:
-        return self.dest or self.flags[0][2:].replace("-", "_")
-
-    @property
-    def moe(self) -> bool:
-        """A flag of the MoE layers (its TransformerConfig field is set only for an MoE model)."""
-        return self.name == "num_experts" or self.name.startswith("moe_")
-
-    @property
-    def flag(self) -> str:
-        return self.flags[0]
-
-    def add_to(self, group) -> None:
-        kw = dict(dest=self.name, default=self.default, help=self.help)
-        if self.action:
-            return group.add_argument(*self.flags, action=self.action, **kw)
-        if self.type is None and isinstance(self.default, bool):
-            group.add_argument(*self.flags, action="store_true", **kw)
-            if self.off:
-                group.add_argument(self.off, dest=self.name, action="store_false", default=self.default,
-                                   help=self.off_help)
-            return
-        metavar = None if self.choices else {int: "N", float: "X"}.get(self.type, "VALUE")
-        group.add_argument(*self.flags, type=self.type, choices=self.choices, nargs=self.nargs, metavar=metavar, **kw)
-
-
-def must(ok: Callable[[Any], bool], what: str):
-    """A rule: `flag what, got value` unless ok(value) (None values are not checked)."""
-    return lambda flag, v: None if ok(v) else f"{flag} {what}, got {v}"
-
-
-POSITIVE, AT_LEAST_0 = must(lambda v: v > 0, "must be positive"), must(lambda v: v >= 0, "must be at least 0")
+from megatron_csbp.utils.option import AT_LEAST_0, POSITIVE, Option, must
 
 
 def moe_freq_type(x):
@@ -108,28 +60,33 @@ GROUPS = {"network": "network size", "transformer": "transformer configuration",
 O = Option
 OPTIONS: List[Option] = [
     # ---- model ----------------------------------------------------------------------------
-    O(("--num-layers",), int, 4, "transformer layers", group="transformer", rule=POSITIVE, saved=True),
-    O(("--hidden-size",), int, 128, "hidden size of the transformer", group="transformer", rule=POSITIVE, saved=True),
+    O(("--num-layers",), int, 4, "transformer layers", group="transformer", rule=POSITIVE, saved=True,
+      config="num_layers", shape=True, hf="num_hidden_layers", tensors=True),
+    O(("--hidden-size",), int, 128, "hidden size of the transformer", group="transformer", rule=POSITIVE, saved=True,
+      config="hidden_size", shape=True, hf="hidden_size", tensors=True),
     O(("--ffn-hidden-size",), int, None, "MLP hidden size (default: 4 x --hidden-size; with --swiglu 8/3 x "
-      "--hidden-size rounded up to a multiple of 16)", group="transformer", saved=True),
-    O(("--num-attention-heads",), int, 4, "attention heads per layer", group="transformer", rule=POSITIVE, saved=True),
+      "--hidden-size rounded up to a multiple of 16)", group="transformer", saved=True, config="ffn_hidden_size",
+      shape=True, hf="intermediate_size", tensors=True),
+    O(("--num-attention-heads",), int, 4, "attention heads per layer", group="transformer", rule=POSITIVE, saved=True,
+      config="num_attention_heads", shape=True, hf="num_attention_heads", tensors=True),
     O(("--num-query-groups",), int, None, "K/V heads (grouped-query attention; default: --num-attention-heads)",
-      group="transformer", saved=True),
+      group="transformer", saved=True, config="num_query_groups", shape=True, hf="num_key_value_heads", tensors=True),
     O(("--kv-channels",), int, None, "projection size per attention head (default: --hidden-size / "
-      "--num-attention-heads)", group="transformer", rule=POSITIVE, saved=True),
+      "--num-attention-heads)", group="transformer", rule=POSITIVE, saved=True,
+      config="kv_channels", shape=True, hf="head_dim"),
     O(("--group-query-attention",), None, False, "accepted for Megatron-LM compatibility", group="network", to=()),
     O(("--seq-length",), int, 128, "clean tokens per sample (the model sees 2 x this many rows: noisy and clean)",
       group="data", to=("model", "batch", "data"), rule=POSITIVE, saved=True),
     O(("--max-position-embeddings",), int, None, "longest position the model holds (default: --seq-length)",
-      group="network", saved=True),
+      group="network", saved=True, shape=True, hf="max_position_embeddings"),
     O(("--normalization",), str, "RMSNorm", "normalization layers", group="transformer",
-      choices=("RMSNorm", "LayerNorm"), config="normalization", saved=True),
+      choices=("RMSNorm", "LayerNorm"), config="normalization", saved=True, shape=True, tensors=True),
     O(("--swiglu",), None, True, "SwiGLU MLP (the default here)", group="network", off="--no-swiglu",
-      off_help="plain GeLU MLP", config="gated_linear_unit", saved=True),
+      off_help="plain GeLU MLP", config="gated_linear_unit", saved=True, shape=True, tensors=True),
     O(("--untie-embeddings-and-output-weights",), None, False, "an output layer of its own instead of the input "
-      "embedding's weights", group="network", saved=True),
+      "embedding's weights", group="network", saved=True, shape=True, tensors=True),
     O(("--position-embedding-type",), str, "rope", "rope only: block diffusion indexes rotary angles by each "
-      "row's position", group="network", choices=("rope",), gpt="position_embedding_type", saved=True),
+      "row's position", group="network", choices=("rope",), gpt="position_embedding_type", saved=True, shape=True),
     O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model", group="transformer",
       off="--disable-bias-linear", off_help="no biases in linear layers (the default here; Megatron-LM's default "
       "is with biases)", config="add_bias_linear", saved=True),
@@ -145,9 +102,9 @@ OPTIONS: List[Option] = [
       group="transformer", choices=ATTENTION_BACKENDS),
     O(("--init-method-std",), float, 0.02, "standard deviation of the initial weights", group="transformer",
       config="init_method_std", saved=True),
-    O(("--rotary-base",), int, 10000, "rope base period", group="network", gpt="rotary_base", saved=True),
+    O(("--rotary-base",), int, 10000, "rope base period", group="network", gpt="rotary_base", saved=True, shape=True),
     O(("--make-vocab-size-divisible-by",), int, 128, "pad the tokenizer's vocabulary to a multiple of this (the "
-      "padding ids hold the default mask id)", group="network", saved=True),
+      "padding ids hold the default mask id)", group="network", saved=True, tensors=True),
     O(("--bf16",), None, False, "bfloat16 weights and activations with fp32 main weights in the optimizer",
       group="transformer", to=("model", "optim"), config="bf16"),
     # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
@@ -161,18 +118,18 @@ OPTIONS: List[Option] = [
     O(("--recompute-num-layers",), int, None, "with --recompute-granularity full: layers per recomputed chunk "
       "(uniform) or recomputed layers (block); default 1", group="transformer"),
     O(("--qk-layernorm",), None, False, "RMSNorm on each head's queries and keys (Qwen3); exported as "
-      "Qwen3ForCausalLM", group="transformer", config="qk_layernorm", saved=True),
+      "Qwen3ForCausalLM", group="transformer", config="qk_layernorm", saved=True, shape=True),
     O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer", group="transformer",
-      config="layernorm_epsilon", rule=POSITIVE, saved=True),
+      config="layernorm_epsilon", rule=POSITIVE, saved=True, shape=True, hf="rms_norm_eps"),
     O(("--rotary-percent",), float, 1.0, "fraction of each head's dims that rope rotates", group="network",
-      gpt="rotary_percent", rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), saved=True),
+      gpt="rotary_percent", rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), saved=True, shape=True),
     O(("--add-qkv-bias",), None, False, "bias on the q/k/v projections only (Qwen2); exported as Qwen2ForCausalLM",
-      group="transformer", config="add_qkv_bias", saved=True),
-    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", group="network", saved=True),
-    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", group="network", saved=True),
+      group="transformer", config="add_qkv_bias", saved=True, shape=True, hf="attention_bias"),
+    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", group="network", saved=True, shape=True),
+    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", group="network", saved=True, shape=True),
     O(("--rotary-seq-len-interpolation-factor",), int, None, "linear rope interpolation (positions divided by this "
       "factor)", group="network", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1"),
-      saved=True),
+      saved=True, shape=True),
     O(("--transformer-impl",), str, "local", "local only (the default here): block-diffusion attention replaces the "
       "core attention of Megatron's local spec", group="transformer", choices=("local", "transformer_engine"), to=(),
       rule=lambda f, v: v != "local" and (
@@ -188,22 +145,23 @@ OPTIONS: List[Option] = [
         ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", "gradient_accumulation_fusion"))),
     # ---- mixture of experts (TransformerConfig fields of an MoE model: moe_config) -------------
     O(("--num-experts",), int, None, "experts per MoE layer (None: dense)", group="moe", config="num_moe_experts",
-      rule=POSITIVE, saved=True),
-    O(("--moe-router-topk",), int, 2, "experts per token", group="transformer", config="moe_router_topk", saved=True),
+      rule=POSITIVE, saved=True, shape=True),
+    O(("--moe-router-topk",), int, 2, "experts per token", group="transformer", config="moe_router_topk", saved=True,
+      shape=True),
     O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)", group="transformer",
-      config="moe_ffn_hidden_size", saved=True),
+      config="moe_ffn_hidden_size", saved=True, shape=True),
     O(("--moe-layer-freq",), moe_freq_type, 1, "one MoE layer every N layers, or a 0/1 pattern per layer such as "
-      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq", saved=True),
+      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq", saved=True, shape=True),
     O(("--moe-router-score-function",), str, "softmax", "router scores over the experts", group="transformer",
       choices=("softmax", "sigmoid"), config="moe_router_score_function", saved=True),
     O(("--moe-router-pre-softmax",), None, False, "softmax over all experts before top-k (default: top-k logits, "
-      "then softmax over them)", group="transformer", config="moe_router_pre_softmax", saved=True),
+      "then softmax over them)", group="transformer", config="moe_router_pre_softmax", saved=True, shape=True),
     O(("--moe-router-load-balancing-type",), str, "aux_loss", "the router's load-balancing scheme", group="moe",
       choices=LOAD_BALANCING, config="moe_router_load_balancing_type"),
     O(("--moe-aux-loss-coeff",), float, 0.0, "weight of the load-balancing loss", group="moe",
       config="moe_aux_loss_coeff"),
     O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)", group="transformer",
-      config="moe_input_jitter_eps", saved=True),
+      config="moe_input_jitter_eps", saved=True, shape=True),
     O(("--moe-token-dispatcher-type",), str, "allgather", "how tokens reach their experts across expert-parallel "
       "ranks", group="transformer", choices=("allgather", "alltoall", "flex"), config="moe_token_dispatcher_type"),
     O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", group="transformer",
@@ -362,7 +320,7 @@ OPTIONS: List[Option] = [
     O(("--vocab-size",), int, None, "NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: "
       "data ids 0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
       "--make-vocab-size-divisible-by and the default mask id is the first padding id", group="tokenizer",
-      to=("model", "data"), saved=True),
+      to=("model", "data"), saved=True, shape=True, tensors=True),
     O(("--mock-data",), None, False, "random tokens (Megatron's MockGPTDataset) instead of --data-path", group="data",
       to=("data",)),
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")
@@ -388,7 +346,7 @@ OPTIONS: List[Option] = [
     O(("--attention-transport",), str, "allgather", "how K/V move between the ranks of a shard group (ring: "
       "overlapped with compute)", group="bd", choices=("allgather", "ring")),
     O(("--block-ownership",), str, "mirrored", "which noisy blocks each BP rank holds (mirrored balances causal work)",
-      group="bd", choices=("mirrored", "contiguous")),
+      group="bd", choices=OWNERSHIP_SCHEDULES),
     O(("--attention-kernel",), str, "auto", "kernel of the block-diffusion core attention, for every model family "
       "(flag-built GPT, converted models, DiffusionGemma): auto = per layer, flex on CUDA (tiled past "
       "head dim 256), cpu_flash elsewhere; cpu_flash = "
@@ -431,6 +389,10 @@ def check_options(args) -> None:
                 raise ValueError(refusal)
 
 
+#: model flags (dests) that fix the shapes of the saved tensors: a resume must give the same values
+SHAPE_FLAGS = tuple(o.name for o in OPTIONS if o.tensors)
+
+
 def section_fields(section: str) -> List[Tuple[str, Any, Any]]:
     """(name, type, default) of the options a `TrainerConfig` section carries, in declaration order."""
     return [(o.name, Any, o.default) for o in OPTIONS if section in o.to]
@@ -453,14 +415,20 @@ def gpt_kwargs(a) -> dict:
     return out
 
 
+def all_options() -> List[Option]:
+    """`OPTIONS`, then the options of each registered objective (objectives/), a shared one once."""
+    from megatron_csbp.objectives.registry import registered_objectives
+
+    out = {o.name: o for o in OPTIONS}
+    for cls in registered_objectives().values():
+        out.update({o.name: o for o in cls.flags if o.name not in out})
+    return list(out.values())
+
+
 def flag_text(name: str, value) -> str:
     """The command-line text that sets option `name` (or an objective's valued flag) to `value` ("" for a
     switch left off)."""
-    o = BY_NAME.get(name)
-    if o is None:
-        from megatron_csbp.objectives.registry import registered_objectives
-
-        return next(f"{f.name} {value}" for c in registered_objectives().values() for f in c.flags if f.dest == name)
+    o = next(o for o in all_options() if o.name == name)
     if o.action == "store_false":
         return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from megatron_csbp.config.options import OPTIONS
+
 #: What every model the plugin builds from a checkpoint shares: no dropout (the loss must not depend
 #: on the layout), no fused kernels (they need CUDA, TransformerEngine or Apex, and exactness is
 #: checked against unfused math), weights created on CPU.
@@ -34,9 +36,9 @@ PORTABLE_CONFIG = dict(
     use_cpu_initialization=True,
 )
 
-#: The model dimensions a `TransformerConfig` shares by name with `ModelShape`, the trainer's
-#: `ModelArgs` and Megatron configs.
-DIMENSIONS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels")
+#: The integer sizes a `TransformerConfig` shares by name with `ModelShape`, the trainer's
+#: `ModelArgs` and Megatron configs (the options declared so, config/options.py).
+DIMENSIONS = tuple(o.name for o in OPTIONS if o.shape and o.config == o.name and o.type is int and not o.moe)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

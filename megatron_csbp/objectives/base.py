@@ -11,7 +11,8 @@ from typing import Optional, Set, Tuple
 import torch
 
 from megatron_csbp.data.megatron_data import sample_generator  # noqa: F401  (objectives draw with it)
-from megatron_csbp.objectives.flags import Flag, add_flags, check_mask_token_id
+from megatron_csbp.objectives.flags import check_mask_token_id
+from megatron_csbp.utils.option import Option, add_options
 
 
 @dataclass
@@ -55,8 +56,8 @@ class Objective:
     name = "base"
     #: this objective's entry in `--objective`'s help (None: none)
     summary: Optional[str] = None
-    #: the flags it reads (`flags.Flag`), in the order they appear in --help
-    flags: Tuple[Flag, ...] = ()
+    #: the flags it reads (`Option`s: its own and shared ones), in the order they appear in --help
+    flags: Tuple[Option, ...] = ()
     #: False for plain next-token training: the model sees the clean stream only
     uses_noisy_stream = True
     #: batch rows the objective makes of one sample (Fast-dLLM v2's two complementary views: 2)
@@ -96,7 +97,7 @@ class Objective:
     @classmethod
     def add_args(cls, parser, added: Optional[Set[str]] = None) -> None:
         """Add this objective's flags to `parser` (an argument group), skipping names in `added`."""
-        add_flags(parser, cls.flags, added)
+        add_options(parser, cls.flags, added)
 
     @classmethod
     def prepare_args(cls, args, defaults, check_only: bool, notes: list) -> dict:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
-from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag,
-                                            check_choice, check_noise_interval)
+from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_choice,
+                                            check_noise_interval, option)
 from megatron_csbp.objectives.registry import register_objective
 
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
-LOSS_WEIGHTING = Flag("--loss-weighting", dict(choices=LOSS_WEIGHTINGS, default="inverse_t",
-                                               help="weight of a masked token's CE: 1/t (the NELBO) or 1"))
+LOSS_WEIGHTING = option("--loss-weighting", None, "inverse_t", "weight of a masked token's CE: 1/t (the NELBO) or 1",
+                        choices=LOSS_WEIGHTINGS, saved=True)
 
 
 @register_objective("bd3lm")
@@ -24,7 +24,8 @@ class BD3LMObjective(Objective):
     mask_from_tokenizer = True
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
-                 eps_min: float = 1e-3, eps_max: float = 1.0, loss_weighting: str = "inverse_t"):
+                 eps_min: float = NOISE_EPS_MIN.default, eps_max: float = NOISE_EPS_MAX.default,
+                 loss_weighting: str = LOSS_WEIGHTING.default):
         self.check_options(eps_min, eps_max, loss_weighting)
         self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.seed = block_size, int(mask_token_id), seed

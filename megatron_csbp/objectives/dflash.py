@@ -18,7 +18,7 @@ import torch
 
 from megatron_csbp.data.features import document_starts  # noqa: F401 (the objective's API too)
 from megatron_csbp.objectives.base import Objective, sample_generator
-from megatron_csbp.objectives.flags import Flag, check_choice
+from megatron_csbp.objectives.flags import check_choice, option
 from megatron_csbp.objectives.registry import register_objective, registered_objectives
 
 ANCHOR_SAMPLING = ("uniform", "locality")
@@ -75,30 +75,26 @@ def sample_anchors(valid: torch.Tensor, max_anchors: int, sampling: str, stride:
     return candidates[chosen].sort().values
 
 
-DFLASH_LOSS = Flag("--dflash-loss", dict(
-    choices=DFLASH_LOSSES, default="ce",
-    help="ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights and lambda mixing"))
-MAX_ANCHORS = Flag("--dflash-max-anchors", dict(type=int, default=512, help="draft blocks per sequence (at most)"))
-ANCHOR_SAMPLING_FLAG = Flag("--dflash-anchor-sampling", dict(
-    choices=ANCHOR_SAMPLING, default="uniform", help="anchors drawn at random (uniform) or on a stride from a random "
-                                                     "start (locality)"))
-GAMMA = Flag("--dflash-gamma", dict(type=float, default=7.0, help="slot weight exp(-(k-1)/gamma)"))
-DPACE_ALPHA = Flag("--dflash-dpace-alpha", dict(type=float, default=0.5, help="dpace: s_k = (1-alpha) p_k + alpha"))
-KL_SCALE = Flag("--dflash-kl-scale", dict(type=float, default=1.0,
-                                          help="dpace: c = kl_scale exp(-kl_decay acceptance) mixes CE and 1 - p"))
-KL_DECAY = Flag("--dflash-kl-decay", dict(type=float, default=1.0, help="dpace: see --dflash-kl-scale"))
-VOCAB_CHUNK = Flag("--dflash-vocab-chunk", dict(type=int, default=8192, help="LM-head rows per streamed chunk"))
+DFLASH_LOSS = option("--dflash-loss", None, "ce", "ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights "
+                     "and lambda mixing", choices=DFLASH_LOSSES)
+MAX_ANCHORS = option("--dflash-max-anchors", int, 512, "draft blocks per sequence (at most)")
+ANCHOR_SAMPLING_FLAG = option("--dflash-anchor-sampling", None, "uniform", "anchors drawn at random (uniform) or on a "
+                              "stride from a random start (locality)", choices=ANCHOR_SAMPLING)
+GAMMA = option("--dflash-gamma", float, 7.0, "slot weight exp(-(k-1)/gamma)")
+DPACE_ALPHA = option("--dflash-dpace-alpha", float, 0.5, "dpace: s_k = (1-alpha) p_k + alpha")
+KL_SCALE = option("--dflash-kl-scale", float, 1.0, "dpace: c = kl_scale exp(-kl_decay acceptance) mixes CE and 1 - p")
+KL_DECAY = option("--dflash-kl-decay", float, 1.0, "dpace: see --dflash-kl-scale")
+VOCAB_CHUNK = option("--dflash-vocab-chunk", int, 8192, "LM-head rows per streamed chunk")
 
 
-FEATURES_PATH = Flag("--features-path", dict(default=None, help="dflash: captured verifier features"))
-VERIFIER = Flag("--verifier", dict(default=None, help="dflash: Hugging Face verifier (embeddings and LM head, frozen)"))
-TARGET_LAYER_IDS = Flag("--target-layer-ids", dict(type=int, nargs="+", default=None,
-                                                   help="dflash: the verifier layers captured (default: the features')"))
-LAYER_TYPE = Flag("--layer-type", dict(choices=("full_attention", "sliding_attention"), default="full_attention",
-                                       help="dflash: the drafter's attention"))
-SLIDING_WINDOW = Flag("--sliding-window", dict(type=int, default=2048, help="dflash: with --layer-type sliding_attention"))
-EVAL_SEQUENCES = Flag("--eval-sequences", dict(type=int, default=0, help="dflash: the last N captured sequences "
-                                                                          "are held out"))
+FEATURES_PATH = option("--features-path", None, None, "dflash: captured verifier features")
+VERIFIER = option("--verifier", None, None, "dflash: Hugging Face verifier (embeddings and LM head, frozen)")
+TARGET_LAYER_IDS = option("--target-layer-ids", int, None, "dflash: the verifier layers captured (default: the "
+                          "features')", nargs="+")
+LAYER_TYPE = option("--layer-type", None, "full_attention", "dflash: the drafter's attention",
+                    choices=("full_attention", "sliding_attention"))
+SLIDING_WINDOW = option("--sliding-window", int, 2048, "dflash: with --layer-type sliding_attention")
+EVAL_SEQUENCES = option("--eval-sequences", int, 0, "dflash: the last N captured sequences are held out")
 
 #: trainer flags (dests) that a loaded drafter's shape decides (DrafterShape fields of the same names)
 LOADED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_layers", "num_attention_heads",

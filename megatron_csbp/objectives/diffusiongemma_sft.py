@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
-from megatron_csbp.objectives.flags import (NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, Flag, check_choice,
-                                            check_noise_interval)
+from megatron_csbp.objectives.flags import (NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_choice,
+                                            check_noise_interval, option)
 from megatron_csbp.objectives.registry import register_objective
 
 
@@ -16,20 +16,18 @@ from megatron_csbp.objectives.registry import register_objective
 DiffusionGemmaNoisedBatch = NoisedBatch
 
 
-ENCODER_LOSS_WEIGHT = Flag("--encoder-loss-weight", dict(
-    type=float, default=1.0, help="diffusiongemma-sft: weight of the AR next-token loss on the clean stream"))
-BLOCK_TIMES = Flag("--block-times", dict(
-    choices=("antithetic", "independent"), default=None,
-    help="diffusiongemma-sft: a sample's response-block times, antithetic (the reference's, the default) or "
-         "independent (the rule before; a resume keeps its checkpoint's)"), fallback="antithetic", before="independent")
-ENCODER_LOSS_SCOPE = Flag("--encoder-loss-scope", dict(
-    choices=("all", "response"), default=None,
-    help="diffusiongemma-sft: the clean stream's AR loss over every valid next-token pair, prompts included, over "
-         "the global batch's pair count (all: the reference's, the default), or over response targets, a token "
-         "mean per sample (response: the rule before; a resume keeps its checkpoint's)"),
-    fallback="all", before="response")
-SELF_CONDITIONING_PROB = Flag("--self-conditioning-prob", dict(
-    type=float, default=0.5, help="diffusiongemma-sft: probability that a sample gets the self-conditioning pass"))
+ENCODER_LOSS_WEIGHT = option("--encoder-loss-weight", float, 1.0, "diffusiongemma-sft: weight of the AR next-token "
+                             "loss on the clean stream")
+BLOCK_TIMES = option("--block-times", None, None, "diffusiongemma-sft: a sample's response-block times, antithetic (the "
+                     "reference's, the default) or independent (the rule before; a resume keeps its checkpoint's)",
+                     choices=("antithetic", "independent"), fallback="antithetic", before="independent", saved=True)
+ENCODER_LOSS_SCOPE = option("--encoder-loss-scope", None, None, "diffusiongemma-sft: the clean stream's AR loss over "
+                            "every valid next-token pair, prompts included, over the global batch's pair count (all: "
+                            "the reference's, the default), or over response targets, a token mean per sample "
+                            "(response: the rule before; a resume keeps its checkpoint's)",
+                            choices=("all", "response"), fallback="all", before="response", saved=True)
+SELF_CONDITIONING_PROB = option("--self-conditioning-prob", float, 0.5, "diffusiongemma-sft: probability that a sample "
+                                "gets the self-conditioning pass")
 
 
 @register_objective("diffusiongemma-sft")
@@ -47,7 +45,8 @@ class DiffusionGemmaSFTObjective(Objective):
                            "checkpoint, not from Megatron-LM flags)")
 
     def __init__(self, block_size: int, vocab_size: int, seed: int = 1234, encoder_loss_weight: float = 1.0,
-                 self_conditioning_prob: float = 0.5, eps_min: float = 1e-3, eps_max: float = 1.0,
+                 self_conditioning_prob: float = 0.5, eps_min: float = NOISE_EPS_MIN.default,
+                 eps_max: float = NOISE_EPS_MAX.default,
                  block_times: str = "antithetic", encoder_loss_scope: str = "all", pad_id=None):
         self.check_options(encoder_loss_weight, self_conditioning_prob, eps_min, eps_max, block_times,
                            encoder_loss_scope)
@@ -63,8 +62,8 @@ class DiffusionGemmaSFTObjective(Objective):
     def check_options(encoder_loss_weight: float, self_conditioning_prob: float, eps_min: float,
                       eps_max: float, block_times: str = "antithetic", encoder_loss_scope: str = "all") -> None:
         check_noise_interval(eps_min, eps_max)
-        check_choice(BLOCK_TIMES, block_times, BLOCK_TIMES.options["choices"])
-        check_choice(ENCODER_LOSS_SCOPE, encoder_loss_scope, ENCODER_LOSS_SCOPE.options["choices"])
+        check_choice(BLOCK_TIMES, block_times)
+        check_choice(ENCODER_LOSS_SCOPE, encoder_loss_scope)
         if not 0.0 <= self_conditioning_prob <= 1.0:
             raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {self_conditioning_prob}")
         if encoder_loss_weight < 0:

@@ -30,7 +30,7 @@ class FastDLLMv2Objective(Objective):
     needs_pretrained = "adapts a pretrained autoregressive model"
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
-                 eps_min: float = 1e-3, eps_max: float = 1.0):
+                 eps_min: float = NOISE_EPS_MIN.default, eps_max: float = NOISE_EPS_MAX.default):
         check_noise_interval(eps_min, eps_max)
         self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed

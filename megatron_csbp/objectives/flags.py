@@ -1,6 +1,6 @@
 """Command-line flags of the objectives, and the rules shared by several of them.
 
-A flag is declared once, as a `Flag`; an objective lists the flags it reads in `Objective.flags`
+A flag is declared once, as an `Option` (utils/option.py, the trainer table's type); an objective lists the flags it reads in `Objective.flags`
 (own ones and shared ones such as `MASK_TOKEN_ID`, `NOISE_EPS_MIN`), and the trainer's parser gets
 the union over the registered objectives (`registry.add_objective_args`), each flag once.
 
@@ -9,60 +9,24 @@ trainer's `validate_args`, the Megatron-LM hooks and the DFlash trainer all call
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Set
+from typing import Optional
+
+from megatron_csbp.utils.option import Option
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One command-line flag: its name and `add_argument` keywords (type, default, choices, help)."""
-
-    name: str
-    options: Dict[str, Any] = field(default_factory=dict)
-    #: a flag whose rule changed (parsed default None): its value when unset, and the rule of the
-    #: checkpoints saved before the flag existed (a resume that leaves it unset keeps the saved rule,
-    #: `training.arguments.resume_objective_flags`)
-    fallback: Any = None
-    before: Any = None
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
-
-    @property
-    def default(self):
-        return self.options.get("default")
-
-    def add_to(self, parser) -> None:
-        parser.add_argument(self.name, **self.options)
-
-    def value(self, args):
-        """The flag's value in `args` (an argparse namespace or ModelArgs), its default when absent."""
-        value = getattr(args, self.dest, self.default)
-        return self.fallback if value is None else value
-
-
-def add_flags(parser, flags: Iterable[Flag], added: Optional[Set[str]] = None) -> None:
-    """Add `flags` to `parser` (or an argument group), skipping the names in `added` (updated)."""
-    added = set() if added is None else added
-    for flag in flags:
-        if flag.name not in added:
-            flag.add_to(parser)
-            added.add(flag.name)
+def option(flag: str, type=None, default=None, help=None, **more) -> Option:
+    """An objective's flag: an `Option` of the block-diffusion group."""
+    return Option((flag,), type, default, help, group="bd", **more)
 
 
 # ---- shared flags --------------------------------------------------------------------------------
-MASK_TOKEN_ID = Flag("--mask-token-id", dict(
-    type=int, default=None,
-    help="absorbing mask token, any id in [0, vocab) (default: the tokenizer's <mask>); data tokens equal to it "
-         "are never targets"))
-MASK_TOKEN = Flag("--mask-token", dict(
-    type=str, default=None,
-    help="mask token as a string of the converted checkpoint's tokenizer (--load DIR/hf_assets/tokenizer.json), "
-         "e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id"))
-NOISE_EPS_MIN = Flag("--noise-eps-min", dict(type=float, default=1e-3,
-                                              help="noise times t are drawn from [--noise-eps-min, --noise-eps-max]"))
-NOISE_EPS_MAX = Flag("--noise-eps-max", dict(type=float, default=1.0, help="the largest noise time t"))
+MASK_TOKEN_ID = option("--mask-token-id", int, None, "absorbing mask token, any id in [0, vocab) (default: the "
+                       "tokenizer's <mask>); data tokens equal to it are never targets", saved=True)
+MASK_TOKEN = option("--mask-token", str, None, "mask token as a string of the converted checkpoint's tokenizer (--load "
+                    "DIR/hf_assets/tokenizer.json), e.g. '<|reserved_special_token_0|>'; alternative to --mask-token-id")
+NOISE_EPS_MIN = option("--noise-eps-min", float, 1e-3, "noise times t are drawn from [--noise-eps-min, --noise-eps-max]",
+                       saved=True)
+NOISE_EPS_MAX = option("--noise-eps-max", float, 1.0, "the largest noise time t", saved=True)
 
 MASK_TOKEN_FLAGS = (MASK_TOKEN_ID, MASK_TOKEN)
 NOISE_FLAGS = (NOISE_EPS_MIN, NOISE_EPS_MAX)
@@ -106,6 +70,7 @@ def default_mask_token_id(own: Optional[int], tokenizer_vocab: int, padded_vocab
     return int(tokenizer_vocab) if padded_vocab > tokenizer_vocab else None
 
 
-def check_choice(flag: Flag, value, choices) -> None:
+def check_choice(flag: Option, value, choices=None) -> None:
+    choices = flag.choices if choices is None else choices
     if value not in choices:
-        raise ValueError(f"{flag.name} must be one of {tuple(choices)}, got {value!r}")
+        raise ValueError(f"{flag.flag} must be one of {tuple(choices)}, got {value!r}")

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, fields, make_dataclass
 from typing import Any, Dict, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
-from megatron_csbp.config.options import OPTIONS, section_fields
+from megatron_csbp.config.options import all_options, section_fields
 
 
 def _source(args: argparse.Namespace, facts, name: str):
@@ -70,9 +70,8 @@ LogConfig = _section("LogConfig", "log", ("flags", Any, None))  # the run's flag
 
 
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"; format unchanged): the options
-#: declared `saved`, then keys that are no trainer option (the objectives' own flags, the tokenizer's EOD)
-CHECKPOINT_MODEL_KEYS = (*(o.name for o in OPTIONS if o.saved), "mask_token_id", "eod_token_id", "noise_eps_min",
-                         "noise_eps_max", "loss_weighting", "block_times", "encoder_loss_scope")
+#: declared `saved` (the objectives' too), then the tokenizer's EOD
+CHECKPOINT_MODEL_KEYS = (*(o.name for o in all_options() if o.saved), "eod_token_id")
 
 
 def model_meta(args: argparse.Namespace, facts=None) -> Dict[str, Any]:

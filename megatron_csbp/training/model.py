@@ -27,6 +27,7 @@ from megatron_csbp.model.bdlm import BlockDiffusionModel
 from megatron_csbp import objectives
 from megatron_csbp.parallel import pipeline
 from megatron_csbp.config.options import config_fields, gpt_kwargs, section_fields
+from megatron_csbp.objectives.flags import NOISE_EPS_MAX, NOISE_EPS_MIN
 
 
 #: The typed model config: the options declared for "model" (config/options.py), then what the
@@ -37,7 +38,7 @@ ModelArgs = make_dataclass("ModelArgs", [
       if n not in ("num_layers", "hidden_size", "seq_length", "vocab_size", "clean_attention")],
     ("num_layers", int, 2), ("hidden_size", int, 64), ("seq_length", int, 64), ("vocab_size", int, 128),
     ("clean_attention", str, "block_causal"), ("mask_token_id", Optional[int], None),
-    ("noise_eps_min", float, 1e-3), ("noise_eps_max", float, 1.0), ("loss_weighting", str, "inverse_t"),
+    ("noise_eps_min", float, NOISE_EPS_MIN.default), ("noise_eps_max", float, NOISE_EPS_MAX.default), ("loss_weighting", str, "inverse_t"),
     ("virtual_pipeline_model_parallel_size", Optional[int], None), ("encoder_loss_weight", float, 1.0),
     ("self_conditioning_prob", float, 0.5), ("eod_token_id", Optional[int], None),
     ("pad_token_id", Optional[int], None),
@@ -84,7 +85,6 @@ def run_options(a) -> dict:
 def transformer_config(a, finalize_model_grads_func=None) -> TransformerConfig:
     """The config of the flag-built model (weights drawn on CPU from --seed)."""
     cfg = builder.transformer_config(
-        **builder.dimensions(a),
         **run_options(a),
         use_cpu_initialization=True,
         perform_initialization=True,

@@ -107,6 +107,36 @@ class ModelShape:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.params_dtype]
 
+    # ---- the flags a shape implies (flag_values) ------------------------------------------------
+    normalization, swiglu, position_embedding_type = "RMSNorm", True, "rope"
+
+    @property
+    def untie_embeddings_and_output_weights(self) -> bool:
+        return not self.tie_word_embeddings
+
+    def _rope(self, kind: str):
+        """The rope scaling factor when its type is `kind` (None otherwise)."""
+        rope = self.rope_scaling or {}
+        if rope and rope.get("type") not in ("llama3", "linear"):  # a hand-edited file
+            raise UnsupportedModelError(f"rope scaling {self.rope_scaling} is not supported")
+        return rope["factor"] if rope.get("type") == kind else None
+
+    @property
+    def use_rope_scaling(self) -> bool:
+        return self._rope("llama3") is not None
+
+    @property
+    def rope_scaling_factor(self) -> Optional[float]:
+        return self._rope("llama3")
+
+    @property
+    def rotary_seq_len_interpolation_factor(self) -> Optional[float]:
+        return self._rope("linear")
+
+    @property
+    def moe_layer_freq(self):
+        return self.moe_layer_pattern
+
     def moe_layers(self) -> List[int]:
         """Indices (0-based) of the MoE layers."""
         if not self.is_moe:
@@ -117,28 +147,19 @@ class ModelShape:
 
 
 def flag_values(shape: ModelShape) -> Dict[str, Any]:
-    """The model flags (trainer / Megatron-LM names, by dest) that describe `shape`: what `--load`
-    of a converted checkpoint fills in and compares (training.arguments.apply_model_shape) and what
-    `convert` prints (GPTFamily.megatron_flags). Flags a shape leaves at their default have it."""
-    rope = shape.rope_scaling or {}
-    factor = rope.get("factor")
-    return dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels, max_position_embeddings=shape.max_position_embeddings,
-        rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
-        rotary_percent=shape.rotary_percent, normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, swiglu=True,
-        vocab_size=shape.vocab_size, add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm,
-        untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
-        use_rope_scaling=rope.get("type") == "llama3",
-        rope_scaling_factor=factor if rope.get("type") == "llama3" else 8.0,
-        # Megatron-LM's flag is an int
-        rotary_seq_len_interpolation_factor=(int(factor) if float(factor).is_integer() else factor)
-        if rope.get("type") == "linear" else None,
-        num_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk if shape.is_moe else 2,
-        moe_ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else None,
-        moe_layer_freq=shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
-        moe_router_pre_softmax=shape.moe_router_pre_softmax, moe_input_jitter_eps=shape.moe_input_jitter_eps)
+    """The model flags (trainer / Megatron-LM names, by dest) that describe `shape`: the options
+    declared with `shape=True`, each the shape's attribute of its name (MoE flags of a dense shape
+    and None values: the flag's default; an integral float of an int flag: an int, as Megatron-LM
+    parses it). What `--load` of a converted checkpoint fills in and compares
+    (training.arguments.apply_model_shape) and what `convert` prints (GPTFamily.megatron_flags)."""
+    from megatron_csbp.config.options import OPTIONS
+
+    out = {}
+    for o in OPTIONS:
+        if o.shape:
+            v = getattr(shape, o.name) if shape.is_moe or not o.moe else None
+            out[o.name] = o.default if v is None else int(v) if o.type is int and float(v).is_integer() else v
+    return out
 
 
 class Family:

@@ -10,12 +10,13 @@ Megatron's local (torch) layer spec is used: RMSNorm (`torch.nn.RMSNorm`), SwiGL
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.config.options import OPTIONS
+from megatron_csbp.config.options import OPTIONS, gpt_kwargs
 from megatron_csbp.model.families import register_family
 from megatron_csbp.model.families.base import (
     Family, ModelShape, UnsupportedModelError, check_dtype, flag_values, refuse_if,
@@ -146,39 +147,19 @@ class GPTFamily(Family):
 
     # ---- shape -> Megatron -------------------------------------------------------------------
     def config_fields(self, shape: ModelShape, dtype: torch.dtype) -> Dict[str, Any]:
-        from megatron_csbp.model.builder import PORTABLE_CONFIG, dimensions
+        """The shape's options with a TransformerConfig field (config/options.py), then the fixed ones."""
+        from megatron_csbp.model.builder import PORTABLE_CONFIG
 
-        kwargs = dict(
-            **dimensions(shape),
-            normalization="RMSNorm",
-            layernorm_epsilon=shape.norm_epsilon,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=shape.add_qkv_bias,
-            qk_layernorm=shape.qk_layernorm,
-            **PORTABLE_CONFIG,
-            # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
-            perform_initialization=False,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-        )
+        flags = flag_values(shape)
+        kwargs = {o.config: flags[o.name] for o in OPTIONS if o.shape and o.config and (shape.is_moe or not o.moe)}
+        kwargs.update(activation_func=F.silu, add_bias_linear=False, **PORTABLE_CONFIG,
+                      # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
+                      perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                      fp16=dtype == torch.float16)
         if shape.is_moe:
-            kwargs.update(
-                num_moe_experts=shape.num_experts,
-                moe_router_topk=shape.moe_router_topk,
-                moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-                moe_router_pre_softmax=shape.moe_router_pre_softmax,
-                moe_router_score_function="softmax",
-                moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0,
-                moe_grouped_gemm=False,
-                # allgather runs on CPU without streams; any dispatcher reads the same checkpoint
-                moe_token_dispatcher_type="allgather",
-                moe_layer_freq=shape.moe_layer_pattern if shape.moe_layer_pattern is not None else 1,
-                moe_input_jitter_eps=shape.moe_input_jitter_eps,
-            )
+            # allgather runs on CPU without streams; any dispatcher reads the same checkpoint
+            kwargs.update(moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                          moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
         return kwargs
 
     def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
@@ -237,7 +218,7 @@ class GPTFamily(Family):
         from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
         from megatron_csbp.config.options import flag_text
 
-        v = dict(flag_values(shape), position_embedding_type="rope", add_bias_linear=False, attention_dropout=0.0,
+        v = dict(flag_values(shape), add_bias_linear=False, attention_dropout=0.0,
                  hidden_dropout=0.0, make_vocab_size_divisible_by=1, transformer_impl="local",
                  masked_softmax_fusion=False, bias_swiglu_fusion=False, apply_rope_fusion=False,
                  group_query_attention=shape.num_query_groups != shape.num_attention_heads,
@@ -297,17 +278,8 @@ class MixtralFamily(GPTFamily):
 
 
 def rotary_kwargs(shape: ModelShape) -> Dict[str, Any]:
-    kwargs: Dict[str, Any] = dict(position_embedding_type="rope", rotary_percent=shape.rotary_percent,
-                                  rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer()
-                                  else shape.rotary_base)
-    if shape.rope_scaling is not None:
-        if shape.rope_scaling["type"] == "llama3":
-            kwargs.update(rope_scaling=True, rope_scaling_factor=shape.rope_scaling["factor"])
-        elif shape.rope_scaling["type"] == "linear":
-            kwargs.update(seq_len_interpolation_factor=shape.rope_scaling["factor"])
-        else:  # guarded by shape_from_hf_config; a hand-edited file lands here
-            raise UnsupportedModelError(f"rope scaling {shape.rope_scaling} is not supported")
-    return kwargs
+    """GPTModel's rotary keywords of `shape`: those of its flags (the flag-built model's route)."""
+    return gpt_kwargs(SimpleNamespace(**flag_values(shape)))
 
 
 register_family(GPTFamily("llama", "llama", "LlamaForCausalLM", attention_bias_has_o_proj=True))
@@ -339,6 +311,7 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     --num-experts `MixtralForCausalLM` / `Qwen3MoeForCausalLM` (--qk-layernorm). Refuses, naming the
     flag, what none of them holds. The vocabulary is the trainer's padded one (the embedding's rows)."""
     from megatron_csbp.model.builder import padded_vocab_size
+    from megatron_csbp.model.families import get_family
 
     a = dict(FLAG_DEFAULTS, **{k: v for k, v in model_args.items() if v is not None})
     for flag, ok, why in (
@@ -360,6 +333,8 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     moe = bool(a["num_experts"])
     model_type = _FLAG_MODEL_TYPES[(moe, bool(a["qk_layernorm"]), bool(a["add_qkv_bias"]))]
     heads = int(a["num_attention_heads"])
+    a.update(num_query_groups=a["num_query_groups"] or heads, kv_channels=a["kv_channels"] or int(a["hidden_size"]) // heads,
+             max_position_embeddings=a["max_position_embeddings"] or a["seq_length"])
     vocab = a["padded_vocab_size"] or padded_vocab_size(int(a["vocab_size"]), int(a["make_vocab_size_divisible_by"]), 1)
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(a["rotary_base"])}
     if a["use_rope_scaling"]:  # Megatron's fixed Llama 3.1 constants
@@ -367,26 +342,11 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
                     high_freq_factor=4.0, original_max_position_embeddings=8192)
     elif a["rotary_seq_len_interpolation_factor"]:
         rope.update(rope_type="linear", factor=float(a["rotary_seq_len_interpolation_factor"]))
-    cfg: Dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2":
-                           "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]],
-        "vocab_size": int(vocab),
-        "hidden_size": int(a["hidden_size"]),
-        "intermediate_size": int(a["ffn_hidden_size"]),
-        "num_hidden_layers": int(a["num_layers"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(a.get("num_query_groups") or heads),
-        "head_dim": int(a["kv_channels"] or int(a["hidden_size"]) // heads),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(a["max_position_embeddings"] or a["seq_length"]),
-        "rms_norm_eps": float(a["norm_epsilon"]),
-        "rope_parameters": rope,
-        "tie_word_embeddings": not a["untie_embeddings_and_output_weights"],
-        "attention_bias": bool(a["add_qkv_bias"]),  # Qwen2 reads it as q/k/v bias (o_proj has none)
-        "attention_dropout": 0.0,
-        "dtype": a["params_dtype"],
-    }
+    # the options declared with a Hugging Face key (config/options.py), then what the flags imply
+    cfg: Dict[str, Any] = {o.hf: (o.type or bool)(a[o.name]) for o in OPTIONS if o.hf and a[o.name] is not None}
+    cfg.update(model_type=model_type, architectures=list(get_family(model_type).architectures), vocab_size=int(vocab),
+               hidden_act="silu", rope_parameters=rope, tie_word_embeddings=not a["untie_embeddings_and_output_weights"],
+               attention_dropout=0.0, dtype=a["params_dtype"])
     if model_type == "llama":
         cfg["mlp_bias"] = False
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
