@@ -25,7 +25,7 @@ import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
-from megatron_csbp.utils.cli import ArgumentParser
+from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -42,14 +42,13 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    filter_warnings()  # hide the library warnings a user cannot act on
+    cfg = parse_args(argv)
     import torch.distributed as dist
 
     from megatron_csbp.parallel import state as bps
     from megatron_csbp.training.demo import run
-    from megatron_csbp.utils.cli import filter_warnings
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    cfg = parse_args(argv)
     try:
         run(cfg, log=lambda s: print(s, flush=True))
     finally:
