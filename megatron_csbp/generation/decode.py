@@ -35,6 +35,12 @@ from megatron_csbp.generation.bd3lm import ORDERS, BlockDiffusionSampler, load_f
 from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
 
 BD3LM_DEFAULT_NEW_TOKENS = 64
+#: transformers' DiffusionGemmaGenerationConfig settings that are flags (`--max-denoising-steps`, ...):
+#: type and help; each reaches `generation.diffusion_gemma.generation_config` under its own name
+DIFFUSION_GEMMA_SETTINGS = {
+    "max_denoising_steps": (int, "default 48"), "entropy_bound": (float, "EntropyBoundSamplerConfig; default 0.1"),
+    "t_min": (float, "final temperature; default 0.4"), "t_max": (float, "initial temperature; default 0.8"),
+    "stability_threshold": (int, "default 1"), "confidence_threshold": (float, "default 0.005")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,12 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(at least the most confident one per step); replaces --steps-per-block/--unmask-order")
     b.add_argument("--no-kv-cache", action="store_true", help="recompute the clean prefix at every step")
     d = p.add_argument_group("DiffusionGemma (transformers' DiffusionGemmaGenerationConfig fields)")
-    d.add_argument("--max-denoising-steps", type=int, default=None, help="default 48")
-    d.add_argument("--entropy-bound", type=float, default=None, help="EntropyBoundSamplerConfig; default 0.1")
-    d.add_argument("--t-min", type=float, default=None, help="final temperature; default 0.4")
-    d.add_argument("--t-max", type=float, default=None, help="initial temperature; default 0.8")
-    d.add_argument("--stability-threshold", type=int, default=None, help="default 1")
-    d.add_argument("--confidence-threshold", type=float, default=None, help="default 0.005")
+    for name, (kind, text) in DIFFUSION_GEMMA_SETTINGS.items():
+        d.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
     d.add_argument("--eos-token-id", type=int, nargs="+", default=None, help="default: the generation config's")
     d.add_argument("--pad-token-id", type=int, default=None, help="default: the generation config's")
     d.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
@@ -138,9 +140,7 @@ def run_diffusion_gemma(p, a, info) -> np.ndarray:
     shape = info.shape
     try:
         config = dg.generation_config(
-            dg.assets_dir(info), max_denoising_steps=a.max_denoising_steps, entropy_bound=a.entropy_bound,
-            t_min=a.t_min, t_max=a.t_max, stability_threshold=a.stability_threshold,
-            confidence_threshold=a.confidence_threshold,
+            dg.assets_dir(info), **{k: getattr(a, k) for k in DIFFUSION_GEMMA_SETTINGS},
             eos_token_id=a.eos_token_id if a.eos_token_id is None or len(a.eos_token_id) > 1 else a.eos_token_id[0],
             pad_token_id=a.pad_token_id)
     except ValueError as exc:
