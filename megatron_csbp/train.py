@@ -5,9 +5,18 @@ Without torchrun it runs on one process (world size 1). Bad input and a run that
 with one line `error: ...` (megatron_csbp/utils/cli.py) and a nonzero exit status.
 """
 import sys
+from functools import partial
 
 from megatron_csbp.training.loop import main
 from megatron_csbp.utils.cli import run
 
+
+def sample(argv):
+    """The embedded default run's samples, decoded in this process as `generate` decodes them."""
+    from megatron_csbp.generation.decode import sample_text
+
+    return sample_text(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run(partial(main, sample=sample)))

@@ -29,7 +29,7 @@ def megatron_single_rank():
     Multi-rank tests spawn their own processes (tests/distributed.py) and are unaffected."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp.demo import init_single_rank
+    from megatron_csbp.training.demo import init_single_rank
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -150,7 +150,7 @@ def test_tp2_sequence_parallel_csbp_and_cp_sft_equal_one_rank(reference):
 def test_sequence_parallel_logit_rows_select_and_order():
     """Simulated shard-major feed, per-shard keep, all-gather, reorder: the requested rows in order."""
     from megatron_csbp.layout.masks import RowMeta
-    from megatron_csbp.layout.feed import sequence_parallel_logit_rows, shard_major_order
+    from megatron_csbp.attention.feed import sequence_parallel_logit_rows, shard_major_order
 
     for n, c, shards in [(8, 16, 2), (12, 8, 4), (0, 8, 2), (6, 9, 3), (4, 4, 2)]:
         rows = RowMeta.of(torch.arange(n) + 100, torch.arange(c))
@@ -196,7 +196,7 @@ def test_sft_batches_exercise_the_padding(scope, counts):
     """The first SFT micro-batch on one sequence rank: 16 chosen clean rows in TP shard 0, 15 in
     shard 1 (every pair, the default --encoder-loss-scope), so shard 1 pads 1 row; 9 and 15 with
     the response targets only, shard 0 padding 6 (the claim of the module docstring)."""
-    from megatron_csbp.layout.feed import sequence_parallel_logit_rows
+    from megatron_csbp.attention.feed import sequence_parallel_logit_rows
     from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
     tokens, loss_mask, index = sft_batches()[0]

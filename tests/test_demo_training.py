@@ -121,7 +121,7 @@ def test_assets_rebuild_byte_identical(tmp_path):
 def test_short_demo_learns_from_context(megatron_single_rank, tmp_path):
     """About a minute on one core: the held-out BD3-LM NELBO (an upper bound on the NLL) must end
     well below the unigram entropy, which no context-free model can beat."""
-    from megatron_csbp.demo import DemoConfig, run
+    from megatron_csbp.training.demo import DemoConfig, run
 
     cfg = DemoConfig(steps=350, batch_size=16, seq_length=64, block_size=4, hidden_size=96, ffn_hidden_size=384,
                      num_layers=2, num_attention_heads=2, num_query_groups=2, warmup_steps=10,

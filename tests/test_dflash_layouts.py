@@ -104,7 +104,7 @@ def _data():
 
 def _run_case(cp, bp, loss_kind, transport, sampling, shard_rank, shard_group, ring_group):
     from megatron_csbp.attention.accounting import traffic_counter
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, drafter_transformer_config
 
     shape = DrafterShape(**SHAPE)

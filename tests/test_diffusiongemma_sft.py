@@ -254,7 +254,7 @@ def test_prompt_blocks_get_no_noisy_copy(megatron_single_rank):
 def test_canvas_plans_are_an_lru_cache(megatron_single_rank):
     # One plan per canvas start would grow with the starts seen; the cache keeps the model's own
     # plan and the CANVAS_PLAN_CACHE most recently used ones, each rebuilt equal when needed again.
-    from megatron_csbp.layout.feed import CANVAS_PLAN_CACHE
+    from megatron_csbp.attention.feed import CANVAS_PLAN_CACHE
     from megatron_csbp.model.diffusiongemma.tiny import tiny_megatron_config
 
     gpt = diffusion_gemma_model(tiny_megatron_config(), V, 256)

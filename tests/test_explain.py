@@ -3,7 +3,8 @@ its bytes equal the planner's formula (`planner/work.py`, `planner/cost.py`), an
 its text and picture."""
 import pytest
 
-from megatron_csbp.explain import explain, main
+from megatron_csbp.explain import main
+from megatron_csbp.layout.explain import explain
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry, dense_reference_mask
 from megatron_csbp.planner.work import rank_work
@@ -90,7 +91,7 @@ def test_table_cells_stay_in_their_columns(capsys):
     """The header's columns started 4 characters right of the cells' (`rows (noisy + clean)` padded
     to 28, its header to 32); at the paper's 256K layout `65536 (32768 + 32768) 0-63` ran together and
     the clean ranges overflowed their column. Now each column is as wide as its widest cell."""
-    from megatron_csbp.explain import RankView, text_report
+    from megatron_csbp.layout.explain import RankView, text_report
 
     assert main(["--recipe", "examples/recipes/nemotron_diffusion_14b_256k_csbp.yaml", "--seq-length", "16384"]) == 0
     cells = _cells(capsys.readouterr().out.splitlines(), 8)
@@ -107,7 +108,7 @@ def test_table_cells_stay_in_their_columns(capsys):
 
 
 def test_more_ranks_than_panels_draws_the_first_sixteen(tmp_path, capsys):
-    from megatron_csbp import explain as ex
+    from megatron_csbp.layout import explain as ex
 
     views = explain(256, 8, 32, 1, kv_heads=2, head_dim=4)
     ex.draw(views, "CP 32", str(tmp_path / "p.png"), 256)

@@ -77,7 +77,7 @@ def _api_text(rank, world_size, save, prompt_text):
     """The generation of the Python API (BlockDiffusionSampler, whose decoding the tests above pin)
     with the settings the CLI test passes explicitly."""
     from megatron_csbp.data.megatron_data import build_tokenizer
-    from megatron_csbp.generate import BlockDiffusionSampler, load_for_generation
+    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
 
     model, margs, _ = load_for_generation(save)
     tok = build_tokenizer("SentencePieceTokenizer", None, None)

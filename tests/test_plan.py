@@ -346,10 +346,10 @@ def test_hybrid_traffic_predicted_exactly_on_two_ranks(two_rank_traffic):
 def test_drafter_rows_match_the_dflash_layout():
     """Per rank, the planner's draft rows (anchors x B owned, CP padding included) and context rows
     (the CP ring's zigzag shard; under BP the rank's own needed context) equal what
-    `layout/dflash.py` assigns, with one document and with documents of 512 tokens."""
+    `attention/dflash.py` assigns, with one document and with documents of 512 tokens."""
     import torch
 
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.planner.work import drafter_rank_work
 
     L, B, A = 2048, 16, 48

@@ -34,7 +34,7 @@ def bench_rank(rank, world, cp, bp, L, anchors, repeats):
 
     from megatron_csbp.parallel import state as bps
     from megatron_csbp.attention.accounting import traffic_counter
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, DrafterShape, drafter_transformer_config
     from megatron_csbp.objectives.dflash import DFlashObjective
 

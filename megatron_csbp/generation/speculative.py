@@ -90,7 +90,7 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
     measured length)."""
     from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.data.features import FeatureSplit
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashTrainingModel, TrainableDrafter
     from megatron_csbp.objectives.dflash import DFlashObjective
 
@@ -135,7 +135,7 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     serving's); otherwise a relaxation over the tokens left after each prompt's first uncertain
     block (docs/dflash.md)."""
     from megatron_csbp.checkpoint.model import single_process_megatron
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashTrainingModel
     from megatron_csbp.objectives.dflash import (DFlashObjective, acceptance_counts, acceptance_from_counts,
                                                  serving_replay)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from functools import partial
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -19,7 +19,7 @@ from megatron.core import parallel_state as mpu
 
 from megatron_csbp.attention.block_attention import AttentionPlan
 from megatron_csbp.attention.plan_handles import plan_mask
-from megatron_csbp.layout.feed import OutputRows, RowFeeder
+from megatron_csbp.attention.feed import OutputRows, RowFeeder
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.model.hybrid import count_gated_delta_layers
@@ -276,15 +276,20 @@ def supervised_mask(tokens: torch.Tensor, loss_mask: torch.Tensor, packing: Opti
     return loss_mask if mask_token_id is None else loss_mask * (tokens != mask_token_id).to(loss_mask.dtype)
 
 
-def wrapper_class(objective: Objective) -> type:
-    """The `BlockDiffusionModel` (sub)class `objective` trains: its `model_wrapper` ("module:Class"),
-    else `BlockDiffusionModel`. The objective names it so that `objectives/` never imports `model/`."""
-    if objective.model_wrapper is None:
-        return BlockDiffusionModel
-    import importlib
+#: objective class -> the `BlockDiffusionModel` subclass it trains (`register_wrapper`); objectives sit
+#: below model/, so the model registers itself for its objective
+WRAPPERS: Dict[type, type] = {}
 
-    module, _, name = objective.model_wrapper.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, BlockDiffusionModel)):
-        raise TypeError(f"--objective {objective.name}: model_wrapper {objective.model_wrapper} is not a BlockDiffusionModel")
-    return cls
+
+def register_wrapper(objective: type):
+    """Class decorator: `cls` is the model `objective` (an `Objective` subclass) trains."""
+    def register(cls: type) -> type:
+        WRAPPERS[objective] = cls
+        return cls
+    return register
+
+
+def wrapper_class(objective: Objective) -> type:
+    """The `BlockDiffusionModel` (sub)class `objective` trains: the one registered for its class (or
+    a base of it), else `BlockDiffusionModel`."""
+    return next((WRAPPERS[k] for k in type(objective).__mro__ if k in WRAPPERS), BlockDiffusionModel)

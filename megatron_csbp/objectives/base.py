@@ -79,12 +79,6 @@ class Objective:
     mask_token_needed: Optional[str] = None
     #: an unset --mask-token-id takes the tokenizer's <mask>
     mask_from_tokenizer = False
-    #: "module:function" building this rank's model chunks from ModelArgs (None: the GPT of
-    #: `training.model.build_model`), e.g. the DFlash drafter (`training.drafter.build_drafter_chunks`)
-    model_builder: Optional[str] = None
-    #: the model wrapper this objective trains, as "module:Class" (None: `model.bdlm.BlockDiffusionModel`);
-    #: named, not imported, so that objectives never import the model package (`model.bdlm.wrapper_class`)
-    model_wrapper: Optional[str] = None
     #: why the Megatron-LM hooks cannot train it (None: they can)
     megatron_lm_refusal: Optional[str] = None
     #: "adapts ... (why)": it needs a --load checkpoint to start from (None: it trains from scratch too)

@@ -111,7 +111,6 @@ class DFlashObjective(Objective):
     flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK,
              FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES)
     mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
-    model_builder = "megatron_csbp.training.drafter:build_drafter_chunks"
     megatron_lm_refusal = ("trains in python -m megatron_csbp.train (a drafter trained on captured verifier "
                            "features, not a GPT built from Megatron-LM flags)")
     #: the held-out split (`for_evaluation`): the model reads features from the last --eval-sequences

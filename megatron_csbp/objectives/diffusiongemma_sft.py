@@ -40,7 +40,6 @@ class DiffusionGemmaSFTObjective(Objective):
     reads_documents = True  # pairs of the AR term stay inside a packed document
     #: the model must also return logits for the clean rows (AR loss)
     needs_clean_logits = True
-    model_wrapper = "megatron_csbp.model.diffusiongemma.sft:DiffusionGemmaSFTModel"
     megatron_lm_refusal = ("runs in python -m megatron_csbp.train (DiffusionGemma is built from a converted "
                            "checkpoint, not from Megatron-LM flags)")
 

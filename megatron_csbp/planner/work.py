@@ -127,7 +127,7 @@ def mask_pairs(seq_length: int, block_size: int, clean_attention: str = "block_c
 
 @dataclass(frozen=True)
 class DrafterRankWork:
-    """One rank's share of a DFlash drafter step (see `megatron_csbp.layout.dflash`)."""
+    """One rank's share of a DFlash drafter step (see `megatron_csbp.attention.dflash`)."""
 
     draft_rows: int  # rows through every drafter layer (blocks x block size, CP padding included)
     context_rows: int  # projected context rows held (K/V computed here)
@@ -162,7 +162,7 @@ def drafter_work_for(seq_length: int, block_size: int, a, starts, pos_starts, cp
     document start (tensors, as `DFlashLayout.rows` takes them)."""
     import torch
 
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
 
     L, B = seq_length, block_size
     layout = DFlashLayout(L, B, cp, bp)

@@ -17,12 +17,15 @@ flag is checked before anything is written; an earlier run is never deleted: a l
 from __future__ import annotations
 
 import json
+import math
 import os
-import subprocess
-import sys
+import tempfile
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
 
 RUN_DIR = os.environ.get("MEGATRON_CSBP_DEMO_DIR", os.path.join("runs", "default"))
 #: what a run leaves in its folder (the preprocessed data/ and command.txt are written before it starts)
@@ -210,22 +213,14 @@ def plot_losses(train_losses: List, history: List[Dict], path: str, entropy: flo
     plt.close(fig)
 
 
-def generate(load: str, step: int, prompt: str) -> str:
-    """A sample decoded from the checkpoint of iteration `step` (a fresh process, one rank)."""
-    cmd = [sys.executable, "-m", "megatron_csbp.generate", "--load", load, "--ckpt-step", str(step), "--prompt", prompt,
-           "--max-new-tokens", "48", "--temperature", "0.8", "--unmask-order", "random", "--seed", "1"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOCAL_WORLD_SIZE",
-                        "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
-           and not k.startswith("TORCHELASTIC_")}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if res.returncode != 0:
-        return f"(generation failed: {res.stderr[-1000:]})"
-    return res.stdout.strip().split("\n", 1)[-1]  # drop the "[checkpoint ...]" line
+#: the default run's samples: (prompt, `python -m megatron_csbp.generate` flags besides --load/--ckpt-step/--prompt)
+SAMPLE_PROMPT = "The for statement is used to"
+SAMPLE_FLAGS = ["--max-new-tokens", "48", "--temperature", "0.8", "--unmask-order", "random", "--seed", "1"]
 
 
-def finish_demo(args, result: Dict, wall_seconds: float) -> None:
-    """Rank 0, after the process groups are gone: plot, summary, samples before and after training."""
+def finish_demo(args, result: Dict, wall_seconds: float, sample: Optional[Callable[[List[str]], str]] = None) -> None:
+    """Rank 0, after the process groups are gone: plot, summary, samples before and after training
+    (`sample(generate_argv) -> text`, given by the app that decodes: `generation.decode.sample_text`)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     hist = result["history"]
@@ -247,9 +242,11 @@ def finish_demo(args, result: Dict, wall_seconds: float) -> None:
           f"{', '.join(str(i) for i, _ in evals)}: {curve} (unigram entropy of the corpus {entropy:.3f}); "
           f"attention traffic per iteration (busiest rank) {summary['attn_comm_bytes_per_iteration']} bytes; "
           f"plot {png}", flush=True)
-    prompt = "The for statement is used to"
-    before = generate(args.save, 0, prompt)
-    after = generate(args.save, result["iteration"], prompt)
+    if sample is None:
+        return
+    prompt = SAMPLE_PROMPT
+    before, after = (sample(["--load", args.save, "--ckpt-step", str(step), "--prompt", prompt] + SAMPLE_FLAGS)
+                     for step in (0, result["iteration"]))
     text = (f" > samples (python -m megatron_csbp.generate --load {args.save} --ckpt-step N --prompt '{prompt}' "
             f"--temperature 0.8 --unmask-order random --seed 1):\n"
             f"--- untrained (iteration 0) ---\n{before}\n"
@@ -257,3 +254,122 @@ def finish_demo(args, result: Dict, wall_seconds: float) -> None:
     print(text, flush=True)
     with open(os.path.join(run_dir(), "sample.txt"), "w") as f:
         f.write(text + "\n")
+
+
+# ---- python -m megatron_csbp.demo: one rank, in this process -----------------------------------
+@dataclass
+class DemoResult:
+    unigram_entropy: float
+    train_losses: List[float]
+    eval_steps: List[int] = field(default_factory=list)
+    eval_losses: List[float] = field(default_factory=list)
+    final_train_loss: float = float("nan")  # NELBO on training rows (same estimator as eval)
+    final_train_objective: float = float("nan")  # mean training objective over the last steps
+    final_eval_loss: float = float("nan")
+    train_rows: int = 0
+    eval_rows: int = 0
+    seconds: float = 0.0
+    plot_path: Optional[str] = None
+
+
+def init_single_rank() -> None:
+    """gloo world of size 1 and Megatron's model-parallel state with TP = PP = 1 (idempotent)."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp.parallel.spawn import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"the demo runs on one rank, torch.distributed has {dist.get_world_size()}")
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(1, 1)
+
+
+def prepare_data(cfg: DemoConfig, data_dir: str):
+    """The corpus in Megatron's indexed format under `data_dir` (an EOD after every document).
+    Returns (prefix, unigram entropy of the training split's tokens, train rows, held-out rows,
+    vocabulary size)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_csbp.data import DEFAULT_CORPUS, unigram_entropy
+    from megatron_csbp.data.megatron_data import _split_documents, _split_matrix, build_tokenizer
+    from megatron_csbp.data.preprocess import preprocess
+
+    tokenizer = build_tokenizer("SentencePieceTokenizer", cfg.tokenizer, None)
+    os.makedirs(data_dir, exist_ok=True)
+    prefix = preprocess(cfg.corpus or DEFAULT_CORPUS, os.path.join(data_dir, "corpus"), tokenizer,
+                        append_eod=True)
+    docs = IndexedDataset(prefix)
+    matrix = _split_matrix(split(cfg))
+    (t0, t1), (v0, v1) = (_split_documents(matrix[i], len(docs)) for i in (0, 1))
+    train = np.concatenate([docs[i] for i in range(t0, t1)])
+    held_out = int(docs.sequence_lengths[v0:v1].sum())
+    entropy = unigram_entropy([train.tolist()], tokenizer.vocab_size)
+    return prefix, entropy, len(train) // cfg.seq_length, held_out // cfg.seq_length, tokenizer.vocab_size
+
+
+def run(cfg: DemoConfig, log=print) -> DemoResult:
+    """`python -m megatron_csbp.demo`: the demo model trained by `Trainer.train` on one rank, then the
+    NELBO on the held-out and (as many) training rows against the unigram entropy; plot and metrics."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.training.arguments import parse_args
+    from megatron_csbp.training.config import TrainerConfig
+    from megatron_csbp.training.trainer import Trainer
+
+    if cfg.steps <= 0:
+        raise ValueError(f"--steps must be positive, got {cfg.steps}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    data_dir = os.path.join(cfg.output_dir or tempfile.mkdtemp(prefix="demo_"), "data")
+    prefix, entropy, train_rows, eval_rows, vocab = prepare_data(cfg, data_dir)
+    if cfg.max_eval_rows is not None:
+        eval_rows = min(eval_rows, cfg.max_eval_rows)
+    log(f"corpus: {train_rows} train / {eval_rows} held-out sequences of {cfg.seq_length} tokens, "
+        f"vocab {vocab}, block size {cfg.block_size}")
+    log(f"unigram entropy of the training tokens: {entropy:.4f} nats/token")
+    eval_iters = cfg.eval_repeats * max(1, math.ceil(eval_rows / cfg.batch_size))
+    argv = trainer_flags(cfg, prefix, eval_iters) + ["--data-cache-path", os.path.join(data_dir, "cache"),
+                                                     "--log-interval", str(cfg.log_interval or cfg.steps)]
+    args, facts = parse_args(argv + (["--eval-interval", str(cfg.eval_interval)] if cfg.eval_interval else []),
+                             world_size=1)
+    if mpu.model_parallel_is_initialized() and not bps.is_initialized():
+        mpu.destroy_model_parallel()  # Megatron's groups alone (init_single_rank): the trainer makes its own
+    trainer = Trainer(TrainerConfig.from_args(args, facts)).build()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    log(f"model: megatron-core GPTModel, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{n_params / 1e6:.2f}M parameters, device {next(trainer.model.parameters()).device}")
+    trained = trainer.train()  # a non-finite loss stops the trainer (TrainingStopped)
+    evals = [(h["iteration"], h["eval_loss"]) for h in trained["history"] if h.get("eval_loss") is not None]
+    if not evals or evals[-1][0] != cfg.steps:
+        evals.append((cfg.steps, trainer.evaluate()))
+    result = DemoResult(unigram_entropy=entropy, train_losses=[loss for _, loss in trained["train_losses"]],
+                        eval_steps=[i for i, _ in evals], eval_losses=[v for _, v in evals],
+                        train_rows=train_rows, eval_rows=eval_rows)
+    tail = result.train_losses[-max(1, min(cfg.log_interval, len(result.train_losses))):]
+    result.final_train_objective = sum(tail) / len(tail)
+    # The train NELBO with the eval estimator, on as many training batches as held-out ones.
+    result.final_train_loss = trainer.evaluate(trainer.train_ds)
+    result.final_eval_loss = result.eval_losses[-1]
+    result.seconds = time.time() - t0
+
+    log(f"step {cfg.steps:4d}/{cfg.steps} | loss {result.train_losses[-1]:7.4f} | avg {result.final_train_objective:7.4f}"
+        f" | eval {result.final_eval_loss:7.4f}")
+    log(f"unigram entropy:  {entropy:.4f} nats/token")
+    log(f"final train loss: {result.final_train_loss:.4f} nats/token (BD3-LM NELBO on training rows; "
+        f"training objective, mean of last {len(tail)} steps: {result.final_train_objective:.4f})")
+    log(f"final eval loss:  {result.final_eval_loss:.4f} nats/token (BD3-LM NELBO, held-out, upper bound on NLL)")
+    log(f"time: {result.seconds:.1f} s")
+    if cfg.output_dir:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        result.plot_path = os.path.join(cfg.output_dir, "loss_curve.png")
+        plot_losses(trained["train_losses"], [{"iteration": i, "eval_loss": v} for i, v in evals], result.plot_path, entropy,
+                    f"BD3-LM on one rank: L={cfg.seq_length}, B={cfg.block_size}, {cfg.num_layers}x{cfg.hidden_size}")
+        with open(os.path.join(cfg.output_dir, "metrics.json"), "w") as f:
+            json.dump({"config": asdict(cfg), "result": asdict(result)}, f, indent=1)
+        log(f"wrote {result.plot_path} and metrics.json")
+    return result

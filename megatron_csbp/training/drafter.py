@@ -1,4 +1,4 @@
-"""The trainer's model for --objective dflash (`Objective.model_builder`): the DFlash drafter
+"""The trainer's model for --objective dflash (`training.model.CHUNK_BUILDERS`): the DFlash drafter
 (model/dflash.py) with the verifier's frozen embeddings and head, on this rank's shard group."""
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from megatron_csbp.checkpoint.drafter import load_drafter
 from megatron_csbp.model.dflash import (SHAPE_FILE, WEIGHTS_FILE, DFlashDrafter, DFlashTrainingModel, DrafterShape,
                                         TrainableDrafter, drafter_shape_from_args, drafter_state,
                                         drafter_transformer_config, record_verifier)
-from megatron_csbp.training.model import params_dtype
+from megatron_csbp.objectives.dflash import DFlashObjective
+from megatron_csbp.training.model import params_dtype, register_chunk_builder
 
 
+@register_chunk_builder(DFlashObjective)
 def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list:
-    """`Objective.model_builder` of --objective dflash: the drafter (initialised from --seed, or
+    """The chunks of --objective dflash: the drafter (initialised from --seed, or
     the --load drafter's `drafter.pt` weights: an import or an older `dflash train --save`), the
     verifier's frozen embeddings and LM head, the layout of this rank's shard group. With --save,
     rank 0 writes the drafter's shape and verifier record there (what `--load` and the export read)."""
@@ -24,7 +26,7 @@ def build_drafter_chunks(a, device=None, finalize_model_grads_func=None) -> list
 
     from megatron_csbp.parallel import pipeline, state as bps
     from megatron_csbp.data.features import FeatureDataset, FeatureSplit, load_verifier
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.objectives import build_objective
 
     data, n_eval = FeatureDataset(a.features_path), a.eval_sequences

@@ -22,7 +22,7 @@ def objective_of(argv: List[str]) -> Optional[str]:
     return None
 
 
-def main(argv: Optional[List[str]] = None) -> Dict:
+def main(argv: Optional[List[str]] = None, sample=None) -> Dict:
     from megatron_csbp.utils.cli import filter_warnings
 
     filter_warnings()  # hide the library warnings a user cannot act on
@@ -51,5 +51,5 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             result = trainer.train(exit_signal if isinstance(exit_signal, ExitSignal) else None)
     if demo:
         from megatron_csbp.training.demo import finish_demo
-        finish_demo(args, result, time.time() - start)
+        finish_demo(args, result, time.time() - start, sample)  # sample: the app's decoder
     return result

@@ -7,7 +7,7 @@ Initial weights do not depend on the layout (CPU initialisation, MoE redrawn by 
 from __future__ import annotations
 
 from dataclasses import make_dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.model import builder
 from megatron_csbp.model.builder import padded_vocab_size  # noqa: F401  (re-exported)
 from megatron_csbp.model.bdlm import BlockDiffusionModel
+from megatron_csbp.model.diffusiongemma import sft  # noqa: F401  (registers DiffusionGemma SFT's model)
 from megatron_csbp import objectives
 from megatron_csbp.parallel import pipeline
 from megatron_csbp.config.options import config_fields, gpt_kwargs, section_fields
@@ -161,16 +162,28 @@ class TrainableBDLM(MegatronModule):
         return self.bdlm.gpt.sharded_state_dict(prefix, sharded_offsets, metadata)
 
 
+#: objective class -> the function building this rank's model chunks from ModelArgs, for an objective
+#: that trains another model than the GPT of `build_model` (`register_chunk_builder`)
+CHUNK_BUILDERS: Dict[type, Callable] = {}
+
+
+def register_chunk_builder(objective: type):
+    """Decorator: `fn(a, device, finalize_model_grads_func)` builds the chunks `objective` trains."""
+    def register(fn: Callable) -> Callable:
+        CHUNK_BUILDERS[objective] = fn
+        return fn
+    return register
+
+
 def build_model_chunks(a, device: Optional[torch.device] = None, finalize_model_grads_func=None) -> list:
     """This rank's model chunks, one `TrainableBDLM` per virtual pipeline stage (one chunk without
-    interleaving; the whole model without pipeline parallelism); an objective's own model when it
-    names one (`Objective.model_builder`, e.g. the DFlash drafter)."""
-    builder_name = objectives.objective_class(a.objective).model_builder
-    if builder_name is not None:
-        import importlib
+    interleaving; the whole model without pipeline parallelism); an objective's own model when one is
+    registered for it (`CHUNK_BUILDERS`, e.g. the DFlash drafter)."""
+    from megatron_csbp.training import drafter  # noqa: F401  (registers --objective dflash's drafter)
 
-        module, fn = builder_name.split(":")
-        return getattr(importlib.import_module(module), fn)(a, device, finalize_model_grads_func)
+    builder = CHUNK_BUILDERS.get(objectives.objective_class(a.objective))
+    if builder is not None:
+        return builder(a, device, finalize_model_grads_func)
     return pipeline.build_chunks(lambda pre, post, vp: build_model(a, device, finalize_model_grads_func, pre, post, vp))
 
 

@@ -14,11 +14,12 @@ machinery of `BlockDiffusionModel` driven by the objective's `NoisedBatch`:
 from __future__ import annotations
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.model.bdlm import BlockDiffusionModel
+from megatron_csbp.model.bdlm import BlockDiffusionModel, register_wrapper
 from megatron_csbp.model.loss import LossOutput
 from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
 
+@register_wrapper(DiffusionGemmaSFTObjective)
 class DiffusionGemmaSFTModel(BlockDiffusionModel):
     def __init__(self, gpt, objective: DiffusionGemmaSFTObjective, layout, **kwargs):
         if layout.geometry.clean_attention != "token_causal":

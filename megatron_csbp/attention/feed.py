@@ -60,12 +60,12 @@ class RowFeeder:
         self.layout, self.shard_rank, self.ring_group, self.transport = layout, shard_rank, ring_group, transport
         self.noisy_stream, self.tp_shards, self.tp_rank = noisy_stream, tp_shards, tp_rank
         if noisy_stream:
-            self.plan: AttentionPlan = plan_for_layout(layout, shard_rank, ring_group, transport)
+            self.plan: AttentionPlan = self._plan(layout)
             self.replication = 1
         else:
             self.plan, self.replication = autoregressive_plan(layout, shard_rank, ring_group, transport)
-        if tp_shards > 1:
-            self.plan.physical_order = shard_major_order(self.plan.local, tp_shards)
+            if tp_shards > 1:
+                self.plan.physical_order = shard_major_order(self.plan.local, tp_shards)
         # Canvas start -> plan, least recently used first; the own plan is never evicted.
         self._plans: "OrderedDict[int, AttentionPlan]" = OrderedDict({layout.canvas_start: self.plan})
         self._canvas_starts: Dict[int, int] = {}  # first response block -> canvas start (ints, <= blocks)
@@ -85,14 +85,18 @@ class RowFeeder:
             s = self._canvas_starts[first_block] = layout.canvas_start
         if s not in self._plans:
             layout = self.layout.canvas_layout(s)
-            plan = plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport)
-            if self.tp_shards > 1:
-                plan.physical_order = shard_major_order(plan.local, self.tp_shards)
-            self._plans[s] = plan
+            self._plans[s] = plan = self._plan(layout)
             self._counted_clean[s] = self._counted_clean_rows(layout, plan)
             self._evict_canvas_plans()
         self._plans.move_to_end(s)
         return self._plans[s]
+
+    def _plan(self, layout: SequenceLayout) -> AttentionPlan:
+        """This rank's plan of `layout` (its rows shard-major under sequence parallelism)."""
+        plan = plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport)
+        if self.tp_shards > 1:
+            plan.physical_order = shard_major_order(plan.local, self.tp_shards)
+        return plan
 
     def _evict_canvas_plans(self) -> None:
         own = self.layout.canvas_start
@@ -134,10 +138,7 @@ class RowFeeder:
         if (packing.reset_attention_mask and plan is self.plan and self.noisy_stream and len(docs) > 1
                 and layout.kind == "bp" and not layout.clean_loss):
             g = layout.geometry
-            layout = replace(layout, block_costs=block_costs(docs, g.block_size, g.seq_length))
-            plan = plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport)
-            if self.tp_shards > 1:
-                plan.physical_order = shard_major_order(plan.local, self.tp_shards)
+            plan = self._plan(replace(layout, block_costs=block_costs(docs, g.block_size, g.seq_length)))
         return plan.for_documents(docs, mask=packing.reset_attention_mask,
                                   reset_position_ids=packing.reset_position_ids)
 
