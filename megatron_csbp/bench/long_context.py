@@ -236,6 +236,11 @@ def load_records(path: str) -> List[Dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+#: record fields summarized as their largest value over the ranks
+_WORST_OF_RANKS = ("step_s", "first_step_s", "peak_tensor_bytes", "rss_high_water_bytes", "allowed_pairs",
+                   "kernel_rectangle_pairs", "mask_bytes", "attention_s")
+
+
 def summarize(records: List[Dict]) -> List[Dict]:
     """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
     groups: Dict[Tuple, List[Dict]] = {}
@@ -243,16 +248,9 @@ def summarize(records: List[Dict]) -> List[Dict]:
         groups.setdefault((r["kernel"], r["case"], r["seq_length"]), []).append(r)
     rows = []
     for (kernel, case, L), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        worst = {k: max(r[k] or 0 for r in rs) for k in _WORST_OF_RANKS}
         rows.append({
-            "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L,
-            "step_s": max(r["step_s"] for r in rs), "first_step_s": max(r["first_step_s"] for r in rs),
-            "warm": rs[0]["warm"],
-            "peak_tensor_bytes": max(r["peak_tensor_bytes"] for r in rs),
-            "rss_high_water_bytes": max(r["rss_high_water_bytes"] or 0 for r in rs),
-            "allowed_pairs": max(r["allowed_pairs"] for r in rs),
-            "kernel_rectangle_pairs": max(r["kernel_rectangle_pairs"] for r in rs),
-            "mask_bytes": max(r["mask_bytes"] for r in rs),
-            "attention_s": max(r["attention_s"] for r in rs),
+            "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L, "warm": rs[0]["warm"], **worst,
             # the trainer's loss is the global one; records from before it hold each rank's share
             "loss_step0": rs[0]["loss_step0"] if rs[0].get("loss_step0_global") else sum(r["loss_step0"] for r in rs),
         })
@@ -380,13 +378,9 @@ def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: 
 def main(args, command: str) -> int:
     from megatron_csbp.bench.runner import environment
 
-    cfg = LongContextConfig()
-    if args.seq_lengths:
-        cfg = replace(cfg, seq_lengths=tuple(args.seq_lengths))
-    if args.old_max_length is not None:
-        cfg = replace(cfg, old_max_length=args.old_max_length)
-    if args.sizes:
-        cfg = replace(cfg, worlds=tuple(args.sizes))
+    given = {"seq_lengths": args.seq_lengths and tuple(args.seq_lengths), "old_max_length": args.old_max_length,
+             "worlds": args.sizes and tuple(args.sizes)}
+    cfg = LongContextConfig(**{k: v for k, v in given.items() if v is not None and v != []})
     name = args.name or "long_context"
     os.makedirs(args.output_dir, exist_ok=True)
     records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
