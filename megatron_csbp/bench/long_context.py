@@ -61,20 +61,23 @@ class LongContextConfig:
         return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]
 
 
-def _plan_pairs(plan) -> Tuple[int, int, int]:
-    """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
+def _partial_masks(plan):
+    """(is the block-diagonal one, mask) of each partial mask the plan keeps."""
     from megatron_csbp.layout.rows import PartialMask
 
-    allowed = rect = 0
     for key, value in plan._cache.items():
         mask = value[0] if isinstance(value, tuple) else value
-        if not isinstance(mask, PartialMask):
-            continue
-        if key[0] == "block_diagonal":
-            B = mask.shape[0]
-            n = plan.num_noisy
-            allowed += n * B
-            rect += n * B
+        if isinstance(mask, PartialMask):
+            yield key[0] == "block_diagonal", mask
+
+
+def _plan_pairs(plan) -> Tuple[int, int, int]:
+    """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
+    allowed = rect = 0
+    for block_diagonal, mask in _partial_masks(plan):
+        if block_diagonal:  # every noisy row sees its whole block (B = mask.shape[0])
+            allowed += plan.num_noisy * mask.shape[0]
+            rect += plan.num_noisy * mask.shape[0]
         else:
             allowed += mask.allowed_pairs()
             rect += mask.shape[0] * mask.shape[1]
@@ -155,7 +158,6 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
     from megatron_csbp.attention.kernels.tiled import tile_schedule
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
-    from megatron_csbp.layout.rows import PartialMask
 
     torch.set_num_threads(1)
     m = cfg.model
@@ -173,13 +175,8 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
                 dt = time.thread_time() - t0
                 best = dt if best is None else min(best, dt)
             allowed, rect, _ = _plan_pairs(plan)
-            computed = 0
-            for key, value in plan._cache.items():
-                mask = value[0] if isinstance(value, tuple) else value
-                if isinstance(mask, PartialMask) and key[0] != "block_diagonal":
-                    computed += tile_schedule(mask).computed_pairs
-                elif isinstance(mask, PartialMask):
-                    computed += plan.num_noisy * mask.shape[0]
+            computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
+                           for block_diagonal, mask in _partial_masks(plan))
             row = {"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
                    "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed}
             log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
@@ -326,6 +323,8 @@ def render(result: Dict) -> str:
 def plot(result: Dict, path: str) -> None:
     import matplotlib
 
+    from megatron_csbp.bench.report import save_figure
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -357,9 +356,7 @@ def plot(result: Dict, path: str) -> None:
         ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:

@@ -32,6 +32,16 @@ def _machine_bullet(env: Dict) -> str:
             f"per rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.")
 
 
+def save_figure(fig, path: str) -> str:
+    """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plots_section(plots: Dict[str, str]) -> List[str]:
     if not plots:
         return []
@@ -369,11 +379,7 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{name}_{fname}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files[f"{fname} vs sequence length"] = path
+        files[f"{fname} vs sequence length"] = save_figure(fig, os.path.join(out_dir, f"{name}_{fname}.png"))
 
     if rows[0]["peak_tensor_bytes"] is not None:
         Lmax = max(r["seq_length"] for r in rows)
@@ -391,11 +397,7 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
             ax.set_title(f"P = {P}, L = {Lmax}")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{name}_memory.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files["peak memory per rank"] = path
+        files["peak memory per rank"] = save_figure(fig, os.path.join(out_dir, f"{name}_memory.png"))
     return files
 
 
