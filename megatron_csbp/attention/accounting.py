@@ -71,11 +71,8 @@ class TrafficCounter:
         return self._in_flight
 
     def reset(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-        self._waited.clear()
-        self._in_flight.clear()
-        self._pending_events.clear()
+        for counts in (self.sent, self.received, self._waited, self._in_flight, self._pending_events):
+            counts.clear()
         self.transfers = 0
 
     @property
@@ -100,10 +97,9 @@ class TrafficCounter:
 
     def per_layer(self) -> Dict[int, Dict[str, int]]:
         layers: Dict[int, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for (layer, phase), v in self.sent.items():
-            layers[layer][f"{phase}_sent"] += v
-        for (layer, phase), v in self.received.items():
-            layers[layer][f"{phase}_received"] += v
+        for direction, counts in (("sent", self.sent), ("received", self.received)):
+            for (layer, phase), v in counts.items():
+                layers[layer][f"{phase}_{direction}"] += v
         return {k: dict(v) for k, v in sorted(layers.items())}
 
 

@@ -89,10 +89,6 @@ class GDNRoutes:
     send_blocks: List[List[int]]
     recv_blocks: List[List[int]]  # per source: my noisy blocks whose boundary it sends
 
-    @property
-    def boundary_blocks_sent(self) -> int:
-        return sum(len(s) for s in self.send_blocks)
-
 
 def build_routes(plan, conv_kernel: int) -> GDNRoutes:
     rows = plan.local
@@ -166,14 +162,6 @@ def routes_for(plan, conv_kernel: int) -> GDNRoutes:
     if key not in plan._cache:
         plan._cache[key] = build_routes(plan, conv_kernel)
     return plan._cache[key]
-
-
-def boundary_state_bytes(plan, heads: int, d_k: int, d_v: int, conv_dim: int, conv_kernel: int, batch: int,
-                         element_size: int) -> int:
-    """Bytes this rank sends in forward for the boundary states of one GDN layer (heads, conv_dim:
-    this TP rank's share)."""
-    routes = routes_for(plan, conv_kernel)
-    return routes.boundary_blocks_sent * batch * (heads * d_k * d_v + (conv_kernel - 1) * conv_dim) * element_size
 
 
 # ---- the layer --------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from dataclasses import replace
 from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, dg_config, dg_quick_config, quick_config
 
 MODELS = ("gpt", "diffusiongemma-hybrid")
+#: the bench model's sizes a flag of the same name overrides
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "vocab_size", "block_size", "micro_batch_size")
 
 
 def parse_args(argv=None):
@@ -35,14 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--sizes", type=int, nargs="+", default=None,
                    help="shard-group sizes P (>= 2); --long-context: world sizes to run (1 and/or 2)")
     p.add_argument("--layouts", nargs="+", default=None, choices=ALL_LAYOUTS)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--hidden-size", type=int, default=None)
-    p.add_argument("--num-attention-heads", type=int, default=None)
-    p.add_argument("--num-query-groups", type=int, default=None)
-    p.add_argument("--ffn-hidden-size", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--micro-batch-size", type=int, default=None)
+    for name in MODEL_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per case")
     p.add_argument("--steps", type=int, default=None, help="timed steps per case (median reported)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory-tracking step")
@@ -71,10 +68,7 @@ def config_from_args(args) -> BenchConfig:
         cfg = dg_quick_config() if args.quick else dg_config()
     else:
         cfg = quick_config() if args.quick else BenchConfig()
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                               "num_query_groups", "ffn_hidden_size", "vocab_size",
-                                               "block_size", "micro_batch_size", "sliding_window")
-                 if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in MODEL_FLAGS + ("sliding_window",) if getattr(args, k) is not None}
     cfg = replace(
         cfg, model=replace(cfg.model, **overrides),
         seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,

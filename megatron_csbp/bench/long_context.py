@@ -61,20 +61,23 @@ class LongContextConfig:
         return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]
 
 
-def _plan_pairs(plan) -> Tuple[int, int, int]:
-    """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
+def _partial_masks(plan):
+    """(is the block-diagonal one, mask) of each partial mask the plan keeps."""
     from megatron_csbp.layout.rows import PartialMask
 
-    allowed = rect = 0
     for key, value in plan._cache.items():
         mask = value[0] if isinstance(value, tuple) else value
-        if not isinstance(mask, PartialMask):
-            continue
-        if key[0] == "block_diagonal":
-            B = mask.shape[0]
-            n = plan.num_noisy
-            allowed += n * B
-            rect += n * B
+        if isinstance(mask, PartialMask):
+            yield key[0] == "block_diagonal", mask
+
+
+def _plan_pairs(plan) -> Tuple[int, int, int]:
+    """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
+    allowed = rect = 0
+    for block_diagonal, mask in _partial_masks(plan):
+        if block_diagonal:  # every noisy row sees its whole block (B = mask.shape[0])
+            allowed += plan.num_noisy * mask.shape[0]
+            rect += plan.num_noisy * mask.shape[0]
         else:
             allowed += mask.allowed_pairs()
             rect += mask.shape[0] * mask.shape[1]
@@ -155,7 +158,6 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
     from megatron_csbp.attention.kernels.tiled import tile_schedule
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
-    from megatron_csbp.layout.rows import PartialMask
 
     torch.set_num_threads(1)
     m = cfg.model
@@ -173,13 +175,8 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
                 dt = time.thread_time() - t0
                 best = dt if best is None else min(best, dt)
             allowed, rect, _ = _plan_pairs(plan)
-            computed = 0
-            for key, value in plan._cache.items():
-                mask = value[0] if isinstance(value, tuple) else value
-                if isinstance(mask, PartialMask) and key[0] != "block_diagonal":
-                    computed += tile_schedule(mask).computed_pairs
-                elif isinstance(mask, PartialMask):
-                    computed += plan.num_noisy * mask.shape[0]
+            computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
+                           for block_diagonal, mask in _partial_masks(plan))
             row = {"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
                    "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed}
             log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
@@ -236,6 +233,11 @@ def load_records(path: str) -> List[Dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+#: record fields summarized as their largest value over the ranks
+_WORST_OF_RANKS = ("step_s", "first_step_s", "peak_tensor_bytes", "rss_high_water_bytes", "allowed_pairs",
+                   "kernel_rectangle_pairs", "mask_bytes", "attention_s")
+
+
 def summarize(records: List[Dict]) -> List[Dict]:
     """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
     groups: Dict[Tuple, List[Dict]] = {}
@@ -243,16 +245,9 @@ def summarize(records: List[Dict]) -> List[Dict]:
         groups.setdefault((r["kernel"], r["case"], r["seq_length"]), []).append(r)
     rows = []
     for (kernel, case, L), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        worst = {k: max(r[k] or 0 for r in rs) for k in _WORST_OF_RANKS}
         rows.append({
-            "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L,
-            "step_s": max(r["step_s"] for r in rs), "first_step_s": max(r["first_step_s"] for r in rs),
-            "warm": rs[0]["warm"],
-            "peak_tensor_bytes": max(r["peak_tensor_bytes"] for r in rs),
-            "rss_high_water_bytes": max(r["rss_high_water_bytes"] or 0 for r in rs),
-            "allowed_pairs": max(r["allowed_pairs"] for r in rs),
-            "kernel_rectangle_pairs": max(r["kernel_rectangle_pairs"] for r in rs),
-            "mask_bytes": max(r["mask_bytes"] for r in rs),
-            "attention_s": max(r["attention_s"] for r in rs),
+            "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L, "warm": rs[0]["warm"], **worst,
             # the trainer's loss is the global one; records from before it hold each rank's share
             "loss_step0": rs[0]["loss_step0"] if rs[0].get("loss_step0_global") else sum(r["loss_step0"] for r in rs),
         })
@@ -328,6 +323,8 @@ def render(result: Dict) -> str:
 def plot(result: Dict, path: str) -> None:
     import matplotlib
 
+    from megatron_csbp.bench.report import save_figure
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -359,9 +356,7 @@ def plot(result: Dict, path: str) -> None:
         ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:
@@ -380,13 +375,9 @@ def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: 
 def main(args, command: str) -> int:
     from megatron_csbp.bench.runner import environment
 
-    cfg = LongContextConfig()
-    if args.seq_lengths:
-        cfg = replace(cfg, seq_lengths=tuple(args.seq_lengths))
-    if args.old_max_length is not None:
-        cfg = replace(cfg, old_max_length=args.old_max_length)
-    if args.sizes:
-        cfg = replace(cfg, worlds=tuple(args.sizes))
+    given = {"seq_lengths": args.seq_lengths and tuple(args.seq_lengths), "old_max_length": args.old_max_length,
+             "worlds": args.sizes and tuple(args.sizes)}
+    cfg = LongContextConfig(**{k: v for k, v in given.items() if v is not None and v != []})
     name = args.name or "long_context"
     os.makedirs(args.output_dir, exist_ok=True)
     records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")

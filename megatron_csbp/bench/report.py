@@ -32,6 +32,31 @@ def _machine_bullet(env: Dict) -> str:
             f"per rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.")
 
 
+def save_figure(fig, path: str) -> str:
+    """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+_TRAFFIC = ("- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
+            "layers): the sizes of the tensors handed to the collectives, from "
+            "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the "
+            "process-group layer: `tests/test_traffic_collectives.py`)")
+
+
+def _loss_sentence(rows: List[Dict], same: str) -> List[str]:
+    """The largest step-0 loss deviation from the single rank's, as a paragraph ([] without a single rank)."""
+    dev = loss_deviation(rows)
+    if dev is None:
+        return []
+    return [f"Step-0 loss of every layout vs the single-rank loss {same} (same weights, tokens and noise): "
+            f"largest relative difference {dev:.1e}.", ""]
+
+
 def _plots_section(plots: Dict[str, str]) -> List[str]:
     if not plots:
         return []
@@ -50,10 +75,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         f"d = {head_dim}, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']}, block size {m['block_size']}, "
         f"micro-batch {m['micro_batch_size']}, {m['dtype']}; BD3-LM objective; AdamW.",
         _step_bullet(cfg),
-        "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
-        "layers): the sizes of the tensors handed to the collectives, from "
-        "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the process-group "
-        "layer: `tests/test_traffic_collectives.py`); received bytes are equal. The formula "
+        _TRAFFIC + "; received bytes are equal. The formula "
         "column is the design brief's per-layer `8*L*G*d*s*(P-1)/P` (CP) and `4*L*G*d*s*(C-1)/C` (CSBP, ring of "
         "C ranks) times layers.",
         "- memory: peak live tensor bytes of one extra (untimed) step per rank, with weights, gradients, "
@@ -105,10 +127,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         worst = max(r["traffic_vs_cp"] for r in full)
         out += [f"CSBP (CP = BP = P) traffic vs CP, every case above: at most {worst:.3f}x "
                 f"({'half or less' if worst <= 0.5 + 1e-12 else 'MORE THAN HALF'}).", ""]
-    dev = loss_deviation(rows)
-    if dev is not None:
-        out += [f"Step-0 loss of every layout vs the single-rank loss at the same L (same weights, tokens and "
-                f"noise): largest relative difference {dev:.1e}.", ""]
+    out += _loss_sentence(rows, "at the same L")
     out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows)
     mem = _memory_table(rows)
     if mem:
@@ -173,10 +192,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         "CP = BP = P (all-gather of the clean rows on full-attention layers, the windowed all-to-all on sliding "
         "layers).",
         _step_bullet(cfg),
-        "- traffic: logical bytes each rank *sends* in attention collectives per step (forward + backward, all "
-        "layers): the sizes of the tensors handed to the collectives, from "
-        "`megatron_csbp.attention.accounting.traffic_counter()` (equal to the bytes counted at the process-group "
-        "layer: `tests/test_traffic_collectives.py`); the table shows the largest rank. Formula: "
+        _TRAFFIC + "; the table shows the largest rank. Formula: "
         "per layer `8*L*G*d*s*(P-1)/P` (CP, K and V on every layer), `4*L*G*d*s*(C-1)/C` (CSBP, full attention) "
         "and half of that on the K=V layer; CSBP's windowed sliding layers have no closed formula (–).",
         "- memory: peak live tensor bytes of one extra (untimed) step per rank (`megatron_csbp/bench/memory.py`), "
@@ -223,10 +239,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
             cells.append(f"{got:,}" + ("" if want is None else (" (= formula)" if got == want else f" (formula {want:,})")))
         out.append(f"| {r['seq_length']} | {r['case']} | " + " | ".join(cells) + " |")
     out.append("")
-    dev = loss_deviation(rows)
-    if dev is not None:
-        out += [f"Step-0 loss of every layout vs the single-rank loss of the same model and L (same weights, tokens "
-                f"and noise): largest relative difference {dev:.1e}.", ""]
+    out += _loss_sentence(rows, "of the same model and L")
     return "\n".join(out + _plots_section(plots))
 
 
@@ -369,11 +382,7 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{name}_{fname}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files[f"{fname} vs sequence length"] = path
+        files[f"{fname} vs sequence length"] = save_figure(fig, os.path.join(out_dir, f"{name}_{fname}.png"))
 
     if rows[0]["peak_tensor_bytes"] is not None:
         Lmax = max(r["seq_length"] for r in rows)
@@ -391,11 +400,7 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
             ax.set_title(f"P = {P}, L = {Lmax}")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{name}_memory.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files["peak memory per rank"] = path
+        files["peak memory per rank"] = save_figure(fig, os.path.join(out_dir, f"{name}_memory.png"))
     return files
 
 

@@ -101,12 +101,13 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
 
     counter = traffic_counter()
     times: List[float] = []
-    waited: List[float] = []  # seconds this rank waited on attention collectives, per timed step
-    in_flight: List[float] = []  # seconds its attention collectives were in flight (posted to waited for)
-    fwd_in_flight: List[float] = []  # the same for the forward collectives alone (the ones that can overlap)
-    fwd_waited: List[float] = []
-    thread_cpu: List[float] = []  # CPU seconds of this rank's main thread in the step
-    process_cpu: List[float] = []  # CPU seconds of the whole rank process (gloo's threads included)
+    # per timed step (the record holds each one's median): seconds this rank waited on attention
+    # collectives, and they were in flight (posted to waited for); the same for the forward
+    # collectives alone (the ones that can overlap); CPU seconds of this rank's main thread and of
+    # the whole rank process (gloo's threads included)
+    per_step: Dict[str, List[float]] = {k: [] for k in (
+        "exposed_comm_s", "in_flight_comm_s", "forward_exposed_comm_s", "forward_in_flight_comm_s", "thread_cpu_s",
+        "process_cpu_s")}
     transfers = 0
     first_loss = None
     for i in range(cfg.warmup + cfg.steps):
@@ -122,17 +123,15 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             first_loss = loss
         if i >= cfg.warmup:
             times.append(float(dt))
-            waited.append(counter.total_waited_s)
-            in_flight.append(counter.total_in_flight_s)
-            fwd_in_flight.append(sum(v for (_, phase), v in counter.in_flight_s.items() if phase == "forward"))
-            fwd_waited.append(sum(v for (_, phase), v in counter.waited_s.items() if phase == "forward"))
-            thread_cpu.append(dc)
-            process_cpu.append(dp)
+            forward = [sum(v for (_, phase), v in by_phase.items() if phase == "forward")
+                       for by_phase in (counter.waited_s, counter.in_flight_s)]
+            for key, value in zip(per_step, [counter.total_waited_s, counter.total_in_flight_s, *forward, dc, dp]):
+                per_step[key].append(value)
             transfers += counter.transfers
     sent, received = counter.total_sent, counter.total_received
     per_layer = counter.per_layer()
 
-    peak_tensor = rss_peak = None
+    peak_tensor = rss_peak = static = None
     if cfg.measure_memory:
         gc.collect()  # models of earlier cases hold reference cycles (hooks): free them before the census
         dist.barrier(group=shard_group)
@@ -140,10 +139,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         tracker = TensorPeakTracker()
         with tracker:
             step(cfg.warmup + cfg.steps)
-        peak_tensor, rss_peak = tracker.peak_bytes, rss_high_water_bytes()
-        static = tracker.baseline
-    else:
-        static = None
+        peak_tensor, rss_peak, static = tracker.peak_bytes, rss_high_water_bytes(), tracker.baseline
     record = {
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
         "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
@@ -151,12 +147,8 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "median_step_s": statistics.median(times),
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
-        "rss_high_water_bytes": rss_peak, "exposed_comm_s": statistics.median(waited),
-        "in_flight_comm_s": statistics.median(in_flight), "thread_cpu_s": statistics.median(thread_cpu),
-        "thread_cpu_steps_s": thread_cpu,
-        "process_cpu_s": statistics.median(process_cpu), "transfers": transfers,
-        "forward_in_flight_comm_s": statistics.median(fwd_in_flight),
-        "forward_exposed_comm_s": statistics.median(fwd_waited),
+        "rss_high_water_bytes": rss_peak, "thread_cpu_steps_s": per_step["thread_cpu_s"], "transfers": transfers,
+        **{key: statistics.median(values) for key, values in per_step.items()},
     }
     if cfg.count_ops:
         record["op_counts"] = count_ops(lambda: step(cfg.warmup + cfg.steps + 1))

@@ -19,46 +19,28 @@ from megatron_csbp.compat.device import cuda_absent
 
 _INSTALLED = False
 
+def _under(package: str, *names: str) -> tuple:
+    return tuple(f"megatron.core.{package}{name}" for name in names)
+
+
 # Modules whose CUDA call sites training, checkpointing and MoE reach; imported before patching.
 _EAGER_MODULES = (
     "megatron.core.utils",
-    "megatron.core.tensor_parallel.random",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.cross_entropy",
-    "megatron.core.tensor_parallel.data",
+    *_under("tensor_parallel.", "random", "layers", "mappings", "cross_entropy", "data"),
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.torch_norm",
-    "megatron.core.transformer.moe.router",
-    "megatron.core.transformer.moe.moe_utils",
-    "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.transformer.moe.experts",
-    "megatron.core.transformer.moe.moe_layer",
+    *_under("transformer.moe.", "router", "moe_utils", "token_dispatcher", "experts", "moe_layer"),
     "megatron.core.ssm.gated_delta_net",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.distributed.distributed_data_parallel",
-    "megatron.core.distributed.finalize_model_grads",
-    "megatron.core.optimizer",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.grad_scaler",
+    *_under("distributed.", "param_and_grad_buffer", "distributed_data_parallel", "finalize_model_grads"),
+    *_under("optimizer", "", ".optimizer", ".distrib_optimizer", ".clip_grads", ".grad_scaler"),
     "megatron.core.optimizer_param_scheduler",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.p2p_communication",
+    *_under("pipeline_parallel.", "schedules", "p2p_communication"),
     "megatron.core.models.common.language_module.language_module",
-    "megatron.core.dist_checkpointing",
-    "megatron.core.dist_checkpointing.core",
-    "megatron.core.dist_checkpointing.mapping",
-    "megatron.core.dist_checkpointing.exchange_utils",
-    "megatron.core.dist_checkpointing.serialization",
-    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
-    "megatron.core.dist_checkpointing.strategies.torch",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.strategies.async_utils",
+    *_under("dist_checkpointing", "", ".core", ".mapping", ".exchange_utils", ".serialization",
+            ".tensor_aware_state_dict"),
+    *_under("dist_checkpointing.strategies.", "torch", "filesystem_async", "state_dict_saver", "fully_parallel",
+            "async_utils"),
 )
 
 

@@ -23,13 +23,8 @@ def cuda_absent() -> bool:
 
 
 def _to_cpu_device(device):
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return torch.device("cpu")
-    if isinstance(device, str) and device.startswith("cuda"):
-        return torch.device("cpu")
-    if isinstance(device, torch.device) and device.type == "cuda":
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")) or (
+            isinstance(device, torch.device) and device.type == "cuda"):
         return torch.device("cpu")
     return device
 

@@ -17,15 +17,8 @@ _INSTALLED = False
 _PREFIXES = ("megatron.training", "megatron.legacy", "megatron.post_training", "megatron.rl")
 _SCRIPTS = ("pretrain_gpt", "gpt_builders", "model_provider")
 
-_EAGER_MODULES = (
-    "megatron.training",
-    "megatron.training.training",
-    "megatron.training.initialize",
-    "megatron.training.arguments",
-    "megatron.training.utils",
-    "megatron.training.checkpointing",
-    "megatron.training.global_vars",
-)
+_EAGER_MODULES = ("megatron.training", *(f"megatron.training.{name}" for name in (
+    "training", "initialize", "arguments", "utils", "checkpointing", "global_vars")))
 
 
 class _TrainingCuda(device_view.CpuCuda):

@@ -1,11 +1,6 @@
 """Real text for the demo and tests: the shipped corpus and its sentencepiece tokenizer."""
-from megatron_csbp.data.corpus import (
-    DEFAULT_CORPUS,
-    load_documents,
-    pack_token_stream,
-    split_documents,
-    unigram_entropy,
-)
+from megatron_csbp.data.corpus import (DEFAULT_CORPUS, load_documents, pack_token_stream, split_documents,
+                                       unigram_entropy)
 
 _FROM_TOKENIZER = ("DEFAULT_MODEL", "SentencePieceTokenizer", "build_assets")
 
@@ -19,13 +14,5 @@ def __getattr__(name):
         return getattr(tokenizer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = [
-    "DEFAULT_CORPUS",
-    "DEFAULT_MODEL",
-    "SentencePieceTokenizer",
-    "build_assets",
-    "load_documents",
-    "pack_token_stream",
-    "split_documents",
-    "unigram_entropy",
-]
+__all__ = sorted(["DEFAULT_CORPUS", "load_documents", "pack_token_stream", "split_documents", "unigram_entropy",
+                  *_FROM_TOKENIZER])

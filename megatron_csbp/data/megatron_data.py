@@ -61,13 +61,9 @@ def null_tokenizer_counts_eod() -> bool:
     ids 0..V-1 with EOD V-1 (data ids 0..V-2); 0.16.1's holds ids 0..V with EOD V (data ids 0..V-1).
     The one place the trainer, `data.preprocess`, `generate` and the checkpoint checks learn which
     (asked of the class, not of a version number)."""
-    return _null_tokenizer_vocab(2) == 2
-
-
-def _null_tokenizer_vocab(flag: int) -> int:
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    return int(NullTokenizer(flag).vocab_size)
+    return int(NullTokenizer(2).vocab_size) == 2
 
 
 def null_tokenizer_rule() -> str:
@@ -166,14 +162,18 @@ class MockDataset(torch.utils.data.Dataset):
         return {"tokens": out, "loss_mask": torch.ones(L, dtype=torch.float32)}
 
 
-class _GPTSampleView(torch.utils.data.Dataset):
-    """Megatron's GPT/Blended dataset sample -> {tokens: its labels (text[1:]), loss_mask: Megatron's}."""
+class _View(torch.utils.data.Dataset):
+    """A dataset seen through `__getitem__` (the subclass's)."""
 
     def __init__(self, dataset):
         self.dataset = dataset
 
     def __len__(self):
         return len(self.dataset)
+
+
+class _GPTSampleView(_View):
+    """Megatron's GPT/Blended dataset sample -> {tokens: its labels (text[1:]), loss_mask: Megatron's}."""
 
     def __getitem__(self, idx):
         sample = self.dataset[int(idx) % len(self.dataset)]
@@ -343,18 +343,13 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
     )
     config.split_matrix = matrix  # Megatron's own boundaries, the splits not read dropped
     # Rank 0 builds the index caches first, then everybody reads them (Megatron-LM's pattern).
-    rank = dist.get_rank() if dist.is_initialized() else 0
-
-    def build():
-        return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, config).build()
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if rank == 0:
-            datasets = build()
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    first = not distributed or dist.get_rank() == 0
+    build = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, config).build
+    datasets = build() if first else None
+    if distributed:
         dist.barrier()
-        if rank != 0:
-            datasets = build()
-    else:
+    if not first:
         datasets = build()
     return [None if d is None else _GPTSampleView(d) for d in datasets]
 
@@ -386,14 +381,8 @@ def _stacked(samples, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
     return batch
 
 
-class _Indexed(torch.utils.data.Dataset):
+class _Indexed(_View):
     """`dataset[i]` together with its global index (what `collate` needs)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
 
     def __getitem__(self, i):
         return i, self.dataset[i]

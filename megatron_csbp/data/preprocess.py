@@ -26,14 +26,10 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 
-def _open(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
-
-
 def _lines(path: str):
     """(line number, line) of a UTF-8 text file (gzip by its .gz name); a file that is not one is named."""
     try:
-        with _open(path) as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
             yield from enumerate(f, 1)
     except (UnicodeDecodeError, gzip.BadGzipFile) as exc:
         what = f"byte 0x{exc.object[exc.start]:02x}" if isinstance(exc, UnicodeDecodeError) else "not gzip data"

@@ -88,18 +88,13 @@ def render_messages(messages, tools, tokenizer, where: str, template: Optional["
     ids: List[int] = []
     mask: List[int] = []
     for k, m in enumerate(messages):
-        role, content = m["role"], m["content"]
-        header = tokenizer.tokenize(_HEADERS[role])
-        ids += header
-        mask += [0] * len(header)
-        if role == "assistant":
-            body = tokenizer.tokenize(content) + [tokenizer.eod]
-            ids += body
-            mask += [int(not last_turn or k == len(messages) - 1)] * len(body)
+        header = tokenizer.tokenize(_HEADERS[m["role"]])
+        if m["role"] == "assistant":
+            body, supervised = tokenizer.tokenize(m["content"]) + [tokenizer.eod], not last_turn or k == len(messages) - 1
         else:
-            body = tokenizer.tokenize(content + "\n")
-            ids += body
-            mask += [0] * len(body)
+            body, supervised = tokenizer.tokenize(m["content"] + "\n"), False
+        ids += header + body
+        mask += [0] * len(header) + [int(supervised)] * len(body)
     return ids, mask
 
 
@@ -331,11 +326,9 @@ class SFTDataset(torch.utils.data.Dataset):
     def _pack(convs, fill: int, seq_length: int) -> list:
         rows = []
         for members in first_fit([len(ids) for ids, _ in convs], seq_length):
-            ids, mask, doc = [], [], []
-            for d, i in enumerate(members):
-                ids += convs[i][0]
-                mask += convs[i][1]
-                doc += [d] * len(convs[i][0])
+            ids = [t for i in members for t in convs[i][0]]
+            mask = [t for i in members for t in convs[i][1]]
+            doc = [d for d, i in enumerate(members) for _ in convs[i][0]]
             pad = seq_length - len(ids)
             ids, mask, doc = ids + [fill] * pad, mask + [0] * pad, doc + [len(members)] * pad
             rows.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
@@ -351,11 +344,8 @@ class SFTDataset(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, idx):
-        sample = self.samples[int(idx) % len(self.samples)]
-        out = {"tokens": sample[0].clone(), "loss_mask": sample[1].clone()}
-        if len(sample) == 3:
-            out["document_ids"] = sample[2].clone()
-        return out
+        sample = self.samples[int(idx) % len(self.samples)]  # (tokens, loss mask[, document ids])
+        return {k: t.clone() for k, t in zip(("tokens", "loss_mask", "document_ids"), sample)}
 
 
 # ---- a small real SFT set from the shipped corpus -----------------------------------------------

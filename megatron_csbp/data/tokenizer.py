@@ -95,8 +95,6 @@ class SentencePieceTokenizer:
         """Token ids of `text` (no BOS/EOS added)."""
         return list(self.sp.encode(text))
 
-    ids = tokenize
-
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [list(x) for x in self.sp.encode(list(texts))]
 
@@ -155,8 +153,6 @@ class HuggingFaceTokenizer:
     def tokenize(self, text: str) -> List[int]:
         """Token ids of `text` (no special tokens added)."""
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    ids = tokenize
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [list(x) for x in self.tok(list(texts), add_special_tokens=False)["input_ids"]]

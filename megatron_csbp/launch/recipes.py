@@ -126,10 +126,7 @@ def placeholders(recipe: Dict) -> List[str]:
         if isinstance(node, dict):
             for k, v in node.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(node, (list, tuple)):
-            if any(PLACEHOLDER in str(v) for v in node):
-                found.append(prefix)
-        elif PLACEHOLDER in str(node):
+        elif PLACEHOLDER in str(node):  # a value, or any item of a list
             found.append(prefix)
 
     for s in SECTIONS + ("launch",):

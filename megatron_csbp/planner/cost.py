@@ -49,24 +49,11 @@ class Layout:
         return layout_kind(self.cp, self.bp)
 
     def label(self) -> str:
-        parts = [f"DP{self.dp}"]
-        if self.pp > 1:
-            parts.append(f"PP{self.pp}" + (f"xVP{self.vp}" if self.vp > 1 else ""))
-        if self.tp > 1:
-            parts.append(f"TP{self.tp}")
-        if self.ep > 1:
-            parts.append(f"EP{self.ep}")
-        if self.cp > 1:
-            parts.append(f"CP{self.cp}")
-        if self.bp > 1:
-            parts.append(f"BP{self.bp}")
-        extra = []
-        if self.recompute != "none":
-            extra.append("recompute")
-        if self.cp > 1:
-            extra.append(self.transport)
-        if self.bp > 1 and self.schedule != "mirrored":
-            extra.append(self.schedule)
+        parts = [f"DP{self.dp}"] + ([f"PP{self.pp}" + (f"xVP{self.vp}" if self.vp > 1 else "")] if self.pp > 1 else [])
+        parts += [f"{name}{n}" for name, n in (("TP", self.tp), ("EP", self.ep), ("CP", self.cp), ("BP", self.bp))
+                  if n > 1]
+        extra = [word for word, shown in (("recompute", self.recompute != "none"), (self.transport, self.cp > 1),
+                                          (self.schedule, self.bp > 1 and self.schedule != "mirrored")) if shown]
         return "/".join(parts) + (f" ({', '.join(extra)})" if extra else "")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict
 
 GB = 1e9
@@ -54,19 +54,17 @@ _GPU_ASSUMPTIONS = ("efficiencies are assumptions: GEMMs 55% of dense peak (Mega
                     "shapes), block-sparse FlexAttention-class kernel 40%, MoE grouped GEMMs 30%, collectives "
                     "reach 75% of link bandwidth; 4 GiB reserved per GPU")
 
+_H100 = HardwareProfile(
+    name="h100", peak_tflops=989.0, gemm_efficiency=0.55, attention_efficiency=0.40,
+    grouped_gemm_efficiency=0.30, memory_gib=80e9 / GiB, reserved_gib=4.0, hbm_gbps=3350.0,
+    intra_node_gbps=450.0, inter_node_gbps=50.0, collective_efficiency=0.75, collective_latency_us=20.0,
+    notes="H100 SXM: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 450 GB/s per direction, "
+          "400 Gb/s InfiniBand per GPU; " + _GPU_ASSUMPTIONS)
 PRESETS: Dict[str, HardwareProfile] = {
-    "h100": HardwareProfile(
-        name="h100", peak_tflops=989.0, gemm_efficiency=0.55, attention_efficiency=0.40,
-        grouped_gemm_efficiency=0.30, memory_gib=80e9 / GiB, reserved_gib=4.0, hbm_gbps=3350.0,
-        intra_node_gbps=450.0, inter_node_gbps=50.0, collective_efficiency=0.75, collective_latency_us=20.0,
-        notes="H100 SXM: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 450 GB/s per direction, "
-              "400 Gb/s InfiniBand per GPU; " + _GPU_ASSUMPTIONS),
-    "h200": HardwareProfile(
-        name="h200", peak_tflops=989.0, gemm_efficiency=0.55, attention_efficiency=0.40,
-        grouped_gemm_efficiency=0.30, memory_gib=141e9 / GiB, reserved_gib=4.0, hbm_gbps=4800.0,
-        intra_node_gbps=450.0, inter_node_gbps=50.0, collective_efficiency=0.75, collective_latency_us=20.0,
-        notes="H200 SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 450 GB/s per direction, "
-              "400 Gb/s InfiniBand per GPU; " + _GPU_ASSUMPTIONS),
+    "h100": _H100,
+    "h200": replace(_H100, name="h200", memory_gib=141e9 / GiB, hbm_gbps=4800.0,
+                    notes="H200 SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 450 GB/s per "
+                          "direction, 400 Gb/s InfiniBand per GPU; " + _GPU_ASSUMPTIONS),
 }
 
 

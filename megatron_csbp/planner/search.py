@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 from typing import Dict, Iterable, List, Optional
 
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
@@ -82,9 +83,7 @@ def _shard_layouts(model, wl, tp, pp, rest, gpus_per_node, transports, schedules
     out = []
     for S in divisors(rest):
         dp = rest // S
-        if wl.global_batch_size and wl.global_batch_size % dp:
-            continue
-        if L % (2 * S):
+        if (wl.global_batch_size and wl.global_batch_size % dp) or L % (2 * S):
             continue
         pairs = [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]
         for cp, bp in pairs:
@@ -94,11 +93,9 @@ def _shard_layouts(model, wl, tp, pp, rest, gpus_per_node, transports, schedules
             if model.is_moe:
                 experts = max(l.num_experts for l in model.layers)
                 eps = [e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
-            for ep in eps:
-                for rc in recompute:
-                    for tr in (transports if cp > 1 else ("allgather",)):
-                        for sc in (schedules if bp > 1 else ("mirrored",)):
-                            out.append(Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer, pp))
+            out += [Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer, pp)
+                    for ep, rc, tr, sc in product(eps, recompute, transports if cp > 1 else ("allgather",),
+                                                  schedules if bp > 1 else ("mirrored",))]
     return out
 
 
@@ -132,10 +129,6 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
         "speedup_best_vs_baseline": (best["tokens_per_s"] / baselines[0]["tokens_per_s"]
                                      if best and baselines else None),
     }
-
-
-def evaluate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int) -> Estimate:
-    return estimate(model, lay, wl, hw, gpus_per_node)
 
 
 def find(result: Dict, **match) -> Optional[Dict]:

@@ -78,6 +78,16 @@ def _paper_step(baseline: str, preset: str, est: Estimate) -> Estimate:
                    time={**est.time, "recipe_fixed": extra})
 
 
+def _cp_vs_csbp(model, preset: str, tp: int, cp: int, ep: int, dp: int, wl, hw, baseline: str):
+    """The best CP layout and the best CSBP layout (BP = CP) with the CP layout's recompute choice
+    (like with like), each with the paper's fixed step time under `--baseline reference`."""
+    bm, options = baseline_for(baseline, preset), _paper_options(baseline, preset)
+    base = _paper_step(baseline, preset, best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm, **options))
+    options["recompute"] = (base.layout.recompute,)
+    return base, _paper_step(baseline, preset, best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, baseline=bm,
+                                                       **options))
+
+
 def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
                      paper_rows=PAPER, progress=lambda what: None) -> Dict:
     wl_kwargs = wl_kwargs or {}
@@ -86,13 +96,7 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
         progress(f"paper row {i}/{len(paper_rows)}: {preset}, the best CP and CSBP layouts")
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
-        bm = baseline_for(baseline, preset)
-        base = _paper_step(baseline, preset, best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN,
-                                                     baseline=bm, **_paper_options(baseline, preset)))
-        # CSBP must use the baseline's recompute choice when comparing like with like
-        cs = _paper_step(baseline, preset, best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN,
-                                                   **{**_paper_options(baseline, preset),
-                                                      "recompute": (base.layout.recompute,)}, baseline=bm))
+        base, cs = _cp_vs_csbp(model, preset, tp, cp, ep, dp, wl, hw, baseline)
         rows.append({
             "model": preset, "paper_baseline": bl, "paper_csbp": cl, "paper_speedup": speed,
             "paper_baseline_tok_s": btok, "paper_csbp_tok_s": ctok, "paper_peak_gib": (bmem, cmem),
@@ -213,15 +217,10 @@ def gemma_by_length(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, basel
     (speedup, attn GiB/GPU CP, CSBP, CP fits, CSBP fits)."""
     wl_kwargs = wl_kwargs or {}
     gemma = load_preset("diffusiongemma-26b-a4b")
-    gb = baseline_for(baseline, gemma.name)
     sp = {}
     for L in lengths:
         wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
-        base = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 1, 2, 2, wl, hw, PAPER_GPN,
-                                                         baseline=gb, **_paper_options(baseline, gemma.name)))
-        cs = _paper_step(baseline, gemma.name, best_of(gemma, 1, 8, 8, 2, 2, wl, hw, PAPER_GPN,
-                                                       **{**_paper_options(baseline, gemma.name),
-                                                          "recompute": (base.layout.recompute,)}, baseline=gb))
+        base, cs = _cp_vs_csbp(gemma, gemma.name, 1, 8, 2, 2, wl, hw, baseline)
         sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
                  base.feasible, cs.feasible)
     return sp
@@ -253,12 +252,9 @@ def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline
     con = best_of(m14, 1, 8, 8, 1, 2, wl, hw, PAPER_GPN, recompute=("full",), schedule="contiguous")
     out["mirrored_vs_contiguous_14b"] = mir.tokens_per_s / con.tokens_per_s
     # Nemotron 14B traffic at 256K, P = 8 with full recompute
-    b14 = estimate(m14, Layout(1, 8, 1, 1, 2, "full"), wl, hw, PAPER_GPN)
-    c14 = estimate(m14, Layout(1, 8, 8, 1, 2, "full"), wl, hw, PAPER_GPN)
-    out["traffic_14b_gib"] = (b14.attn_bytes_per_gpu / 2 ** 30, c14.attn_bytes_per_gpu / 2 ** 30)
-    b26 = estimate(gemma, Layout(1, 8, 1, 2, 2, "full"), wl, hw, PAPER_GPN)
-    c26 = estimate(gemma, Layout(1, 8, 8, 2, 2, "full"), wl, hw, PAPER_GPN)
-    out["traffic_gemma_gib"] = (b26.attn_bytes_per_gpu / 2 ** 30, c26.attn_bytes_per_gpu / 2 ** 30)
+    for key, model, ep in (("traffic_14b_gib", m14, 1), ("traffic_gemma_gib", gemma, 2)):
+        out[key] = tuple(estimate(model, Layout(1, 8, bp, ep, 2, "full"), wl, hw, PAPER_GPN).attn_bytes_per_gpu / 2 ** 30
+                         for bp in (1, 8))
     if baseline != "ours":  # (the `ours` output stays as it was)
         out["dflash"] = {L: dflash_comparison(L, baseline) for L in PAPER_DFLASH}
     return out
@@ -308,28 +304,31 @@ def paper_markdown(v: Dict, extra: Dict) -> str:
 # (b) the CPU benchmark
 
 
-def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
+def _bench_model(m: Dict, name: str):
+    """The planner's model of a CPU benchmark's GPT (its config's `model` section)."""
     from megatron_csbp.planner.model_config import LayerShape, ModelConfig
 
-    m = bench["config"]["model"]
     d = m["hidden_size"] // m["num_attention_heads"]
     layer = LayerShape(m["num_attention_heads"], m["num_query_groups"], d, None, False, m["ffn_hidden_size"])
-    model = ModelConfig("cpu-bench", m["hidden_size"], m["vocab_size"], tuple([layer] * m["num_layers"]),
-                        gated_mlp=False, tied_embeddings=False)
+    return ModelConfig(name, m["hidden_size"], m["vocab_size"], tuple([layer] * m["num_layers"]), gated_mlp=False,
+                       tied_embeddings=False)
+
+
+def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
+    m = bench["config"]["model"]
+    model = _bench_model(m, "cpu-bench")
     rows = []
     index = {(r["P"], r["seq_length"], r["case"]): r for r in bench["rows"]}
     for r in bench["rows"]:
         if r["P"] == 1:
             continue
-        wl = Workload(r["seq_length"], m["block_size"], global_batch_size=1)
-        lay = Layout(1, r["cp"], r["bp"], 1, 1, "none", r["transport"], r["schedule"], distributed_optimizer=False)
-        e = estimate(model, lay, wl, hw, gpus_per_node=r["P"])
         base_row = index.get((r["P"], r["seq_length"], r["baseline"]))
         if base_row is None:
             continue
-        bl = Layout(1, base_row["cp"], base_row["bp"], 1, 1, "none", base_row["transport"], base_row["schedule"],
-                    distributed_optimizer=False)
-        eb = estimate(model, bl, wl, hw, gpus_per_node=r["P"])
+        wl = Workload(r["seq_length"], m["block_size"], global_batch_size=1)
+        e, eb = (estimate(model, Layout(1, x["cp"], x["bp"], 1, 1, "none", x["transport"], x["schedule"],
+                                        distributed_optimizer=False), wl, hw, gpus_per_node=r["P"])
+                 for x in (r, base_row))
         rows.append({
             "P": r["P"], "L": r["seq_length"], "case": r["case"],
             "measured_s": r["median_step_s"], "predicted_s": e.step_time_s,
@@ -375,15 +374,8 @@ def long_context_validation(result: Dict, hw: HardwareProfile) -> List[Dict]:
     """Predicted peak memory per rank vs the long-context benchmark's tensor peak
     (`bench.long_context`): the tiled rows against `attention_kernel` 'tiled', the math rows
     against 'dense_partials'."""
-    from dataclasses import replace
-
-    from megatron_csbp.planner.model_config import LayerShape, ModelConfig
-
     m = result["config"]["model"]
-    d = m["hidden_size"] // m["num_attention_heads"]
-    layer = LayerShape(m["num_attention_heads"], m["num_query_groups"], d, None, False, m["ffn_hidden_size"])
-    model = ModelConfig("long-context-bench", m["hidden_size"], m["vocab_size"], tuple([layer] * m["num_layers"]),
-                        gated_mlp=False, tied_embeddings=False)
+    model = _bench_model(m, "long-context-bench")
     shapes = {"single": (1, 1), "cp-allgather": (2, 1), "csbp-allgather": (2, 2)}
     rows = []
     for r in result["rows"]:
