@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, fields, make_dataclass
-from typing import Any, Dict, Optional
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Dict, List, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
-from megatron_csbp.config.options import OPTIONS, section_fields
+from megatron_csbp.config.options import OPTIONS
 
 
 def _source(args: argparse.Namespace, facts, name: str):
@@ -32,41 +32,143 @@ def _take(cls, args: argparse.Namespace, facts=None, **overrides):
     return cls(**values)
 
 
-def _section(name: str, section: str, *extra, **methods):
-    """A frozen config section: the options declared for `section` (config/options.py), then the
-    `extra` (name, type, default) fields the flags derive."""
-    return make_dataclass(name, [*section_fields(section), *extra], frozen=True,
-                          namespace=dict(methods, __module__=__name__))
+def derived(default=None):
+    """A section field the flags derive (no option of the table; `test_config_sections_are_the_option_table`)."""
+    return field(default=default, metadata={"derived": True})
 
 
-def _describe(self) -> str:
-    pp = ""
-    if self.pipeline_model_parallel_size > 1:
-        vp = self.virtual_pipeline_model_parallel_size
-        pp = f" x PP {self.pipeline_model_parallel_size}" + (f" (VP {vp})" if vp else "")
-    return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {self.context_parallel_size} / "
-            f"BP {self.block_parallel_size} (layout {self.layout}) x DP {self.data_parallel_size}")
+@dataclass(frozen=True)
+class ParallelConfig:
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    distributed_backend: Optional[str] = None
+    block_parallel_size: int = 1
+    world_size: int = derived(1)
+    data_parallel_size: int = derived(1)
+    virtual_pipeline_model_parallel_size: Optional[int] = derived()  # interleaved 1F1B (parallel/pipeline.py)
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks that hold one sequence: max(CP, BP) (Megatron's context-parallel axis)."""
+        return shard_group_size(self.context_parallel_size, self.block_parallel_size)
+
+    @property
+    def layout(self) -> str:
+        return layout_kind(self.context_parallel_size, self.block_parallel_size)
+
+    def describe(self) -> str:
+        pp = ""
+        if self.pipeline_model_parallel_size > 1:
+            vp = self.virtual_pipeline_model_parallel_size
+            pp = f" x PP {self.pipeline_model_parallel_size}" + (f" (VP {vp})" if vp else "")
+        return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {self.context_parallel_size} / "
+                f"BP {self.block_parallel_size} (layout {self.layout}) x DP {self.data_parallel_size}")
 
 
-ParallelConfig = _section(
-    "ParallelConfig", "parallel", ("world_size", int, 1), ("data_parallel_size", int, 1),
-    ("virtual_pipeline_model_parallel_size", Optional[int], None),  # interleaved 1F1B (megatron_csbp/parallel/pipeline.py)
-    # ranks that hold one sequence: max(CP, BP) (Megatron's context-parallel axis)
-    shard_group_size=property(lambda self: shard_group_size(self.context_parallel_size, self.block_parallel_size)),
-    layout=property(lambda self: layout_kind(self.context_parallel_size, self.block_parallel_size)),
-    describe=_describe)
-BatchConfig = _section("BatchConfig", "batch", ("num_microbatches", int, 1))
-OptimConfig = _section("OptimConfig", "optim")
-#: where samples come from; `build_datasets` reads these (and the objective's data needs)
-DataConfig = _section("DataConfig", "data", ("features_path", Optional[str], None), ("eval_sequences", int, 0))
-EvalConfig = _section("EvalConfig", "eval")
-CheckpointConfig = _section(
-    "CheckpointConfig", "checkpoint",
-    # a converted checkpoint's ModelShape: its shape file and HF assets travel into every save
-    ("model_shape", Any, None),
-    # hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
-    ("model_meta", Any, None))
-LogConfig = _section("LogConfig", "log", ("flags", Any, None))  # the run's flags, logged as the wandb config
+@dataclass(frozen=True)
+class BatchConfig:
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    global_batch_size: Optional[int] = None
+    train_iters: Optional[int] = None
+    skip_train: bool = False
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"
+    num_microbatches: int = derived(1)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    bf16: bool = False
+    fp16: bool = False
+    lr: float = 0.003
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    lr_decay_iters: Optional[int] = None
+    lr_decay_style: str = "linear"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    clip_grad: float = 1.0
+    loss_scale: Optional[float] = None
+    grad_reduce_in_bf16: bool = False
+    initial_loss_scale: float = 4294967296
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    check_for_nan_in_loss_and_grad: bool = True
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from; `build_datasets` reads these (and the objective's data needs)."""
+    seq_length: int = 128
+    global_batch_size: Optional[int] = None
+    train_iters: Optional[int] = None
+    seed: int = 1234
+    num_workers: int = 0
+    eval_iters: Optional[int] = None
+    data_path: Optional[List[str]] = None
+    split: str = "969,30,1"
+    data_cache_path: Optional[str] = None
+    sft_data_path: Optional[str] = None
+    chat_template: str = "auto"
+    sft_trajectory_turns: str = "record"
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    mock_data: bool = False
+    pack_sequences: bool = False
+    block_size: int = 16
+    objective: str = "bd3lm"
+    features_path: Optional[str] = derived()  # dflash's flags
+    eval_sequences: int = derived(0)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    eval_interval: Optional[int] = None
+    eval_iters: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    save_retain_interval: Optional[int] = None
+    save_initial: bool = False
+    ckpt_step: Optional[int] = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    #: a converted checkpoint's ModelShape: its shape file and HF assets travel into every save
+    model_shape: Any = derived()
+    #: hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
+    model_meta: Optional[Dict[str, Any]] = derived()
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_interval: int = 10
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    no_progress_bar: bool = False
+    log_json: Optional[str] = None
+    flags: Optional[Dict[str, Any]] = derived()  # the run's flags, logged as the wandb config
 
 
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"; format unchanged): the options
