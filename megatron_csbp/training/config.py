@@ -1,15 +1,13 @@
 """The trainer's one typed config: what `Trainer` reads, grouped by concern.
 
-`TrainerConfig.from_args(args, facts)` takes the namespace `training.arguments.parse_args` validated
-(every rule about the flags lives there and in the objective/layout objects it builds) and what the
-flags derive (`RunFacts`), and copies them into frozen sections. From then on nothing reads the
-namespace: the model is described by `ModelArgs` (the typed model config `training.model.build_model`
+`TrainerConfig.from_args(run)` takes the flags `training.arguments.parse_args` validated and resolved
+(`Resolved`: every rule about the flags lives there and in the objective/layout objects it builds)
+and copies them into frozen sections. From then on nothing reads the flags: the model is described by `ModelArgs` (the typed model config `training.model.build_model`
 consumes, shared with generate and the Megatron-LM hooks), and the loop, optimizer, data, evaluation, checkpoints and logging each by a
 section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `optim.lr_warmup_iters`.
 """
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional
@@ -18,18 +16,11 @@ from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.config.options import OPTIONS
 
 
-def _source(args: argparse.Namespace, facts, name: str):
-    """Where `name` lives: `facts` (what the flags derive: training.arguments.RunFacts) when it
-    has it, else the namespace."""
-    return facts if hasattr(facts, name) else args
-
-
-def _take(cls, args: argparse.Namespace, facts=None, **overrides):
-    """`cls` with every field copied from the attribute of the same name (`_source`)."""
-    values = {f.name: getattr(_source(args, facts, f.name), f.name) for f in fields(cls)
-              if f.name not in overrides and (hasattr(_source(args, facts, f.name), f.name) or f.default is MISSING)}
-    values.update(overrides)
-    return cls(**values)
+def _take(cls, run, **overrides):
+    """`cls` with every field copied from the resolved value of the same name (`run`: a `Resolved`)."""
+    values = {f.name: getattr(run, f.name) for f in fields(cls)
+              if f.name not in overrides and (hasattr(run, f.name) or f.default is MISSING)}
+    return cls(**values, **overrides)
 
 
 def derived(default=None):
@@ -177,21 +168,21 @@ CHECKPOINT_MODEL_KEYS = (*(o.name for o in OPTIONS if o.saved), "mask_token_id",
                          "noise_eps_max", "loss_weighting", "block_times", "encoder_loss_scope")
 
 
-def model_meta(args: argparse.Namespace, facts=None) -> Dict[str, Any]:
-    """`bdlm_meta.json` "model_args": the saved flags, plus what they derive that a reader needs
-    (`facts`: the tokenizer's EOD; the padded vocabulary of a flag-built model, which depends on TP;
+def model_meta(run) -> Dict[str, Any]:
+    """`bdlm_meta.json` "model_args": the saved flags (`run`: a `Resolved`), plus what they derive that a
+    reader needs (the tokenizer's EOD; the padded vocabulary of a flag-built model, which depends on TP;
     the weights' dtype)."""
     from megatron_csbp.model.builder import padded_vocab_size
 
-    meta = {k: getattr(_source(args, facts, k), k, None) for k in CHECKPOINT_MODEL_KEYS}
+    meta = {k: getattr(run, k, None) for k in CHECKPOINT_MODEL_KEYS}
     from megatron_csbp.data.tokenizer import tokenizer_record
 
     meta.update(tokenizer_record(meta["tokenizer_type"], meta["tokenizer_model"]))  # found again by the export
-    meta["params_dtype"] = ("bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False)
+    meta["params_dtype"] = ("bfloat16" if getattr(run, "bf16", False) else "float16" if getattr(run, "fp16", False)
                             else "float32")
-    if getattr(facts, "model_shape", None) is None and getattr(args, "vocab_size", None):
-        meta["padded_vocab_size"] = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                                                      args.tensor_model_parallel_size)
+    if getattr(run, "model_shape", None) is None and getattr(run, "vocab_size", None):
+        meta["padded_vocab_size"] = padded_vocab_size(run.vocab_size, run.make_vocab_size_divisible_by,
+                                                      run.tensor_model_parallel_size)
     return meta
 
 
@@ -207,21 +198,20 @@ class TrainerConfig:
     log: LogConfig
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, facts) -> "TrainerConfig":
-        """From a namespace `validate_args` has checked and what it derived (`facts`: RunFacts, the sizes
-        and the checkpoint's shape)."""
+    def from_args(cls, run) -> "TrainerConfig":
+        """From the flags `validate_args` checked and resolved (`run`: a `Resolved`)."""
         from megatron_csbp.training.arguments import model_args
 
         return cls(
-            model=model_args(args, facts),
-            parallel=_take(ParallelConfig, args, facts),
-            batch=_take(BatchConfig, args, facts),
-            optim=_take(OptimConfig, args),
-            data=_take(DataConfig, args),
-            eval=_take(EvalConfig, args),
-            checkpoint=_take(CheckpointConfig, args, facts, model_meta=model_meta(args, facts)),
-            log=_take(LogConfig, args, wandb_save_dir=args.wandb_save_dir or (
-                os.path.join(args.save, "wandb") if args.wandb_project else None),  # --save/wandb by default
-                      flags={k: v for k, v in {**vars(args), **vars(facts), **facts.objective_facts}.items()
-                             if isinstance(v, (int, float, str, bool, type(None)))}),  # the flags and what they derive
+            model=model_args(run),
+            parallel=_take(ParallelConfig, run),
+            batch=_take(BatchConfig, run),
+            optim=_take(OptimConfig, run),
+            data=_take(DataConfig, run),
+            eval=_take(EvalConfig, run),
+            checkpoint=_take(CheckpointConfig, run, model_meta=model_meta(run)),
+            log=_take(LogConfig, run, wandb_save_dir=run.wandb_save_dir or (
+                os.path.join(run.save, "wandb") if run.wandb_project else None),  # --save/wandb by default
+                      flags={k: v for k, v in run.values().items()  # the flags and what they derive
+                             if isinstance(v, (int, float, str, bool, type(None)))}),
         )
