@@ -79,13 +79,11 @@ class _Resolving:
     """The flags during validation: reads see what the rules derived so far, writes go to `derived`
     (the namespace as given is never written)."""
 
+    __getattr__ = Resolved.__getattr__
+
     def __init__(self, flags: argparse.Namespace):
         object.__setattr__(self, "flags", flags)
         object.__setattr__(self, "derived", {})
-
-    def __getattr__(self, name: str):
-        derived = self.__dict__["derived"]
-        return derived[name] if name in derived else getattr(self.__dict__["flags"], name)
 
     def __setattr__(self, name: str, value) -> None:
         self.derived[name] = value
@@ -302,7 +300,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
         from megatron_csbp.objectives.flags import default_mask_token_id
 
         args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
-    check_vocab(args, rows)
+    build_objective(args, rows)  # as the model will build it: its mask token a real id of the vocabulary
     return facts
 
 
@@ -554,12 +552,6 @@ def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
                          "--moe-aux-loss-coeff 0 (the default) or --moe-router-load-balancing-type none")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
-
-
-def check_vocab(args, vocab_size: int) -> None:
-    """After the tokenizer is known: the objective, built from the flags as the model will build it
-    (its mask token a real id of the vocabulary)."""
-    build_objective(args, vocab_size)
 
 
 def model_args(args, **overrides):
