@@ -1,6 +1,6 @@
 """`TrainerConfig`'s sections are typed dataclasses written in source; they hold exactly the option
 table's fields for their section (config/options.py `Option.to`), in its order, with its types and
-defaults, plus the fields the flags derive (marked `derived`)."""
+defaults, plus the fields that are no option (marked `extra`: what the flags derive, an objective's flag)."""
 from dataclasses import MISSING, fields
 from typing import List, Optional, get_type_hints
 
@@ -26,9 +26,9 @@ SECTIONS = {f.name: get_type_hints(trainer_config.TrainerConfig)[f.name]
 def test_config_sections_are_the_option_table(section):
     cls = SECTIONS[section]
     hints = get_type_hints(cls)
-    declared = [(f.name, hints[f.name], f.default) for f in fields(cls) if not f.metadata.get("derived")]
+    declared = [(f.name, hints[f.name], f.default) for f in fields(cls) if not f.metadata.get("extra")]
     table = [(o.name, option_type(o), o.default) for o in OPTIONS if section in o.to]
     assert declared == table
     names = {o.name for o in OPTIONS}
-    assert all(f.name not in names or not f.metadata.get("derived") for f in fields(cls))  # derived: no option
+    assert all(f.name not in names or not f.metadata.get("extra") for f in fields(cls))  # extra: no option
     assert all(f.default is not MISSING for f in fields(cls))

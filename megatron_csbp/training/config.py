@@ -9,7 +9,7 @@ section below. A field's name is its flag's dest, so `--lr-warmup-iters` is `opt
 from __future__ import annotations
 
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -18,14 +18,14 @@ from megatron_csbp.config.options import OPTIONS
 
 def _take(cls, run, **overrides):
     """`cls` with every field copied from the resolved value of the same name (`run`: a `Resolved`)."""
-    values = {f.name: getattr(run, f.name) for f in fields(cls)
-              if f.name not in overrides and (hasattr(run, f.name) or f.default is MISSING)}
+    values = {f.name: getattr(run, f.name) for f in fields(cls) if f.name not in overrides and hasattr(run, f.name)}
     return cls(**values, **overrides)
 
 
-def derived(default=None):
-    """A section field the flags derive (no option of the table; `test_config_sections_are_the_option_table`)."""
-    return field(default=default, metadata={"derived": True})
+def extra(default=None):
+    """A section field that is no option of the table (`tests/test_trainer_config.py`): what the flags
+    derive, or an objective's flag."""
+    return field(default=default, metadata={"extra": True})
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_backend: Optional[str] = None
     block_parallel_size: int = 1
-    world_size: int = derived(1)
-    data_parallel_size: int = derived(1)
-    virtual_pipeline_model_parallel_size: Optional[int] = derived()  # interleaved 1F1B (parallel/pipeline.py)
+    world_size: int = extra(1)
+    data_parallel_size: int = extra(1)
+    virtual_pipeline_model_parallel_size: Optional[int] = extra()  # interleaved 1F1B (parallel/pipeline.py)
 
     @property
     def shard_group_size(self) -> int:
@@ -73,7 +73,7 @@ class BatchConfig:
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
     exit_signal: str = "SIGTERM"
-    num_microbatches: int = derived(1)
+    num_microbatches: int = extra(1)
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ class DataConfig:
     pack_sequences: bool = False
     block_size: int = 16
     objective: str = "bd3lm"
-    features_path: Optional[str] = derived()  # dflash's flags
-    eval_sequences: int = derived(0)
+    features_path: Optional[str] = extra()  # dflash's flags (objectives/dflash.py)
+    eval_sequences: int = extra(0)
 
 
 @dataclass(frozen=True)
@@ -145,9 +145,9 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     #: a converted checkpoint's ModelShape: its shape file and HF assets travel into every save
-    model_shape: Any = derived()
+    model_shape: Any = extra()
     #: hyper-parameters saved beside the weights (`bdlm_meta.json`; generate rebuilds the model from them)
-    model_meta: Optional[Dict[str, Any]] = derived()
+    model_meta: Optional[Dict[str, Any]] = extra()
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class LogConfig:
     wandb_save_dir: Optional[str] = None
     no_progress_bar: bool = False
     log_json: Optional[str] = None
-    flags: Optional[Dict[str, Any]] = derived()  # the run's flags, logged as the wandb config
+    flags: Optional[Dict[str, Any]] = extra()  # the run's flags, logged as the wandb config
 
 
 #: ModelArgs fields saved with a checkpoint (`bdlm_meta.json` "model_args"; format unchanged): the options
