@@ -37,7 +37,7 @@ def _atomic(rank, world_size, root):
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
 
-    s = Trainer(TrainerConfig.from_args(*parse_args(TINY + ["--train-iters", "3"]))).build()
+    s = Trainer(TrainerConfig.from_args(parse_args(TINY + ["--train-iters", "3"]))).build()
     s.train_step(0)
     state.save_checkpoint(root, 1, s.model, s.optimizer, s.scheduler, 4)
     saved = {n: p.detach().clone() for n, p in s.model.named_parameters()}

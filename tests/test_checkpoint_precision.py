@@ -16,7 +16,7 @@ def _run(rank, world_size, argv, root, resume):
     from megatron_csbp.training.trainer import Trainer
 
     extra = ["--load", root, "--ckpt-step", "2"] if resume else ["--save", root, "--save-interval", "2"]
-    with Trainer(TrainerConfig.from_args(*parse_args(TINY + list(argv) + extra + ["--train-iters", "4"]))) as t:
+    with Trainer(TrainerConfig.from_args(parse_args(TINY + list(argv) + extra + ["--train-iters", "4"]))) as t:
         out = {"dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
                "fresh_scale": float(t.optimizer.get_loss_scale())}
         load = t.load

@@ -70,7 +70,7 @@ def test_trainer_args_take_the_checkpoint_tokenizer(qwen3):
 
     from megatron_csbp.training.arguments import parse_args
 
-    args, facts = parse_args(RUN + ["--load", qwen3["meg"], "--data-path", qwen3["prefix"],
+    args = facts = parse_args(RUN + ["--load", qwen3["meg"], "--data-path", qwen3["prefix"],
                                     "--tokenizer-type", "HuggingFaceTokenizer"], world_size=1)
     hf = qwen3["tok"]
     assert args.tokenizer_model == os.path.join(qwen3["meg"], "hf_assets")  # default: the checkpoint's

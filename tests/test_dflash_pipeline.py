@@ -96,6 +96,26 @@ def test_pipeline_flag_rules(features, capsys):
         "verifier's LM head is not vocabulary-parallel)" in _err(base + ["--tensor-model-parallel-size", "2"], 2, capsys)
 
 
+def test_inputs_fix_flags_without_writing_them(features):
+    """What the captured features and the verifier fix (--seq-length, the hidden size, the
+    vocabulary, a NullTokenizer, the held-out batches) is the resolved run's; the namespace keeps the
+    flags as given."""
+    import copy
+
+    from megatron_csbp.data.megatron_data import build_tokenizer
+    from megatron_csbp.training.arguments import build_parser, validate_args
+
+    args = build_parser().parse_args(_argv(features, []))
+    given = copy.deepcopy(vars(args))
+    run = validate_args(args, 1)
+    assert vars(args) == given
+    assert (run.seq_length, run.hidden_size, run.ffn_hidden_size, run.target_layer_ids) == (32, 16, 32, [0, 2])
+    null = build_tokenizer("NullTokenizer", None, 50).vocab_size  # the verifier's 50 ids (+ EOD on megatron-core 0.16)
+    assert (run.vocab_size, run.tokenizer_type, run.eval_interval, run.eval_iters) == (null, "NullTokenizer", 3, 1)
+    assert (args.seq_length, args.hidden_size, args.vocab_size, args.eval_iters) == (128, 128, None, None)
+    assert run.objective_inputs.facts == {"dflash_drafter_load": None, "dflash_drafter_save": None}
+
+
 def _train_in_turn(rank, world, argvs):
     """train_rank of each argv in turn, in one process (one rank)."""
     return [train_rank(rank, world, argv) for argv in argvs]

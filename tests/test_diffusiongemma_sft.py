@@ -124,7 +124,7 @@ def test_resume_keeps_the_rule_a_checkpoint_was_trained_with(tmp_path):
     import os
 
     from megatron_csbp.objectives.diffusiongemma_sft import BLOCK_TIMES, ENCODER_LOSS_SCOPE
-    from megatron_csbp.training.arguments import RunFacts, resume_objective_flags
+    from megatron_csbp.training.arguments import Resolved, resume_objective_flags
 
     def resolved(meta, finetune=False, **given):
         it = tmp_path / "iter_0000001"
@@ -133,7 +133,7 @@ def test_resume_keeps_the_rule_a_checkpoint_was_trained_with(tmp_path):
         args = argparse.Namespace(objective="diffusiongemma-sft", load=str(tmp_path), finetune=finetune,
                                   block_times=None, encoder_loss_scope=None)
         vars(args).update(given)
-        resume_objective_flags(args, RunFacts(load_step=1 if meta is not None else None))
+        resume_objective_flags(args, Resolved(load_step=1 if meta is not None else None))
         return args.block_times, args.encoder_loss_scope
 
     assert os.path.isdir(tmp_path)

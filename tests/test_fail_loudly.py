@@ -84,9 +84,9 @@ def test_checkpoint_refusals_name_the_flag(saved, tmp_path, capsys):
 
 
 def test_eval_iters_defaults_to_megatron_100_when_evaluating():
-    assert parse_args(TINY + ["--eval-interval", "2"], world_size=1)[0].eval_iters == 100
-    assert parse_args(TINY + ["--skip-train"], world_size=1)[0].eval_iters == 100
-    assert parse_args(TINY, world_size=1)[0].eval_iters == 0  # no evaluation asked for: no held-out batches
+    assert parse_args(TINY + ["--eval-interval", "2"], world_size=1).eval_iters == 100
+    assert parse_args(TINY + ["--skip-train"], world_size=1).eval_iters == 100
+    assert parse_args(TINY, world_size=1).eval_iters == 0  # no evaluation asked for: no held-out batches
 
 
 def test_damaged_checkpoint_files_are_named(saved, tmp_path):
@@ -198,6 +198,6 @@ def test_old_null_tokenizer_checkpoint_is_refused_naming_vocab_size(saved, tmp_p
                                             "model was trained to fill that id; resume with --mask-token-id 62")
         again += ["--mask-token-id", "62"]
     # then: the checkpoint's tokenizer exactly, and its readers rebuild the same one
-    a, facts = parse_args(again, world_size=1)
+    a = facts = parse_args(again, world_size=1)
     assert (a.vocab_size, facts.eod_token_id, a.mask_token_id, embedding_rows(a, facts.model_shape)) == other + (128,)
     assert saved_tokenizer(m["tokenizer_type"], None, m["vocab_size"]).eod == other[1]

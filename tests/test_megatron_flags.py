@@ -53,7 +53,7 @@ def test_printed_flags_rebuild_the_same_model_in_the_trainer(family, change):
     unknown = [f for f in flags if f.startswith("--") and f not in parser._option_string_actions]
     assert not unknown, f"printed flags the trainer does not take: {unknown}"
     args = parser.parse_args(flags + RUN)
-    rebuilt = shape_of_flags(model_meta(args, validate_args(args, 1)))
+    rebuilt = shape_of_flags(model_meta(validate_args(args, 1)))
     differ = {k: (getattr(rebuilt, k), getattr(shape, k)) for k in COMPARED if getattr(rebuilt, k) != getattr(shape, k)}
     assert not differ, differ
 

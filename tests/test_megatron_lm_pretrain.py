@@ -250,7 +250,7 @@ def _trainer_argv(tmp_path, name, extra):
 def _mask_id_of_trainer(tmp_path):
     from megatron_csbp.training.arguments import parse_args
 
-    return parse_args(_trainer_argv(tmp_path, "args", NO_EVAL + SAME_RUN + ["--mock-data"]), world_size=1)[0].mask_token_id
+    return parse_args(_trainer_argv(tmp_path, "args", NO_EVAL + SAME_RUN + ["--mock-data"]), world_size=1).mask_token_id
 
 
 def _trainer_equals_pretrain(trainer, run):

@@ -14,9 +14,7 @@ from tests.train_helpers import TINY, train_rank
 def parse(argv, world_size=1):
     from megatron_csbp.training.arguments import build_parser, validate_args
 
-    args = build_parser().parse_args(list(argv))
-    validate_args(args, world_size)
-    return args
+    return validate_args(build_parser().parse_args(list(argv)), world_size)
 
 
 @pytest.mark.parametrize("extra,named", [
@@ -160,7 +158,7 @@ def _bf16_grads_rank(rank, world_size, argv):
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
 
-    with Trainer(TrainerConfig.from_args(*parse_args(list(argv)))) as trainer:
+    with Trainer(TrainerConfig.from_args(parse_args(list(argv)))) as trainer:
         dtypes = sorted({(str(b.param_dtype), str(b.grad_dtype)) for d in trainer.ddps for b in d.buffers})
         result = trainer.train()
     return {"grad_dtypes": dtypes, "losses": [h["loss"] for h in result["history"] if "loss" in h]}

@@ -64,7 +64,7 @@ def test_trainer_reads_vocab_size_as_megatron_lm_and_takes_the_hooks_mask_id(cap
     from megatron_csbp.training.megatron_lm import resolve_mask_token_id
 
     ref = megatron_lm_null_tokenizer(64)
-    a, facts = parse_args(TINY, world_size=1)  # --mock-data --vocab-size 64
+    a = facts = parse_args(TINY, world_size=1)  # --mock-data --vocab-size 64
     # the mask id: the first padding id, above the EOD
     assert (a.vocab_size, facts.eod_token_id, embedding_rows(a), a.mask_token_id) == (ref.vocab_size, ref.eod, 128,
                                                                                   ref.vocab_size)
@@ -78,14 +78,14 @@ def test_trainer_reads_vocab_size_as_megatron_lm_and_takes_the_hooks_mask_id(cap
     with pytest.raises(SystemExit):
         parse_args(TINY + ["--vocab-size", str(full)], world_size=1)
     assert "error: --objective bd3lm needs --mask-token-id" in capsys.readouterr().err
-    a, facts = parse_args(TINY + ["--vocab-size", str(full + 1)], world_size=1)
+    a = facts = parse_args(TINY + ["--vocab-size", str(full + 1)], world_size=1)
     assert (a.vocab_size, facts.eod_token_id, embedding_rows(a), a.mask_token_id) == (129, 128, 256, 129)
 
 
 def test_mock_data_draws_only_the_real_ids():
     from megatron_csbp.objectives.data import mock_datasets
 
-    a, facts = parse_args(TINY, world_size=1)
+    a = facts = parse_args(TINY, world_size=1)
     train, valid = mock_datasets(a)
     ids = torch.cat([ds[i]["tokens"] for ds in (train, valid) for i in range(200)])
     # the data ids: never the EOD nor the mask id (the first padding id)
@@ -110,7 +110,7 @@ def test_preprocess_appends_megatron_lms_eod(tmp_path, capsys):
     assert [ds[i].tolist() for i in range(len(ds))] == [[5, 17, 42, eod], [0, eod - 1, eod]]
     assert parse_args(TINY[3:] + ["--data-path", prefix, "--tokenizer-type", "NullTokenizer",
                                   "--vocab-size", "64", "--split", "100,0,0"],
-                      world_size=1)[1].eod_token_id == eod
+                      world_size=1).eod_token_id == eod
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": f"3 {eod}"}) + "\n")
     with pytest.raises(SystemExit):
         preprocess_main(["--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "bad")] + flags)

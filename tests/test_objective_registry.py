@@ -4,6 +4,7 @@ flag parses, its rules run in validate_args, it builds from the flags and gets F
 noise-eps and mask-id rules read the same from an objective's constructor and from validate_args."""
 import argparse
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from megatron_csbp.objectives import (BD3LMObjective, DiffusionGemmaSFTObjective
                                       Objective)
 from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, option
 from megatron_csbp.objectives.registry import objective_class, objective_names, register_objective, unregister_objective
-from megatron_csbp.training.arguments import RunFacts, build_parser, model_args, parse_args
+from megatron_csbp.training.arguments import Resolved, build_parser, model_args, parse_args
 from tests.train_helpers import TINY
 
 V = 128  # the embedding rows of TINY (--vocab-size 64: ids 0..63 plus EOD 64, padded to 128): the mask-id bound
@@ -81,18 +82,17 @@ def test_a_registered_objective_reaches_every_parser_and_builds(capsys):
         # its mask rule too (the shared one: an id of the vocabulary)
         assert f"--mask-token-id {V} is outside the vocabulary [0, {V})" in _parse_error(
             TINY + ["--objective", "toy", "--mask-token-id", str(V)], capsys)
-        args, facts = parse_args(TINY + ["--objective", "toy", "--toy-rate", "0.25", "--mask-token-id", "5"],
+        args = facts = parse_args(TINY + ["--objective", "toy", "--toy-rate", "0.25", "--mask-token-id", "5"],
                                  world_size=1)
         # ModelArgs does not name --toy-rate: the objective's flags ride along
-        objective = build_objective(model_args(args, facts))
+        objective = build_objective(model_args(facts))
         assert isinstance(objective, ToyObjective) and objective.rate == 0.25 and objective.mask_token_id == 5
         tokens = torch.arange(2 * 32).view(2, 32) % 60
         noised = objective.noise(tokens, torch.ones(2, 32), torch.arange(2))
         assert int(noised.weights.sum()) == 2 * 8 and bool((noised.noisy_tokens[:, :8] == 5).all())
         # FLOPs terms from the base class: a [noisy ; clean] objective of one view, as BD3-LM's
         toy_flops = flops_per_sample(args)
-        args.objective = "bd3lm"
-        assert toy_flops == flops_per_sample(args) > 0
+        assert toy_flops == flops_per_sample(replace(args, derived={**args.derived, "objective": "bd3lm"})) > 0
     assert "toy" not in objective_names()
     assert "invalid choice: 'toy'" in _parse_error(TINY + ["--objective", "toy"], capsys)
 
@@ -144,7 +144,7 @@ def test_noise_interval_rule_is_one(eps, capsys):
         assert _validate_args_message(argv, capsys) == _or_pretrained(want, name), name
     # diffusiongemma-sft's validate (validate_args needs a DiffusionGemma checkpoint for the rest)
     ns = build_parser().parse_args(["--objective", "diffusiongemma-sft", "--sft-data-path", "x"] + flags)
-    facts = RunFacts(shape_unknown=True)
+    facts = Resolved(shape_unknown=True)
     assert _message(lambda: DiffusionGemmaSFTObjective.validate(ns, facts)) == want
     assert _message(lambda: Objective.validate(ns, facts)) is None  # the base class has no noise flags
 

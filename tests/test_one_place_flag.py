@@ -48,10 +48,10 @@ from megatron_csbp.config.options import flag_text
 from megatron_csbp.training.arguments import model_args, parse_args
 from megatron_csbp.training.model import transformer_config
 argv = sys.argv[1:]
-args, facts = parse_args(argv, 1)
-text = flag_text("softmax_scale", args.softmax_scale)
-again = parse_args(argv + text.split(), 1)[0].softmax_scale
-print(args.softmax_scale, text, again, transformer_config(model_args(args, facts)).softmax_scale)
+run = parse_args(argv, 1)
+text = flag_text("softmax_scale", run.softmax_scale)
+again = parse_args(argv + text.split(), 1).softmax_scale
+print(run.softmax_scale, text, again, transformer_config(model_args(run)).softmax_scale)
 """
 
 

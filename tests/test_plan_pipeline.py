@@ -44,7 +44,7 @@ def test_search_offers_pp_and_emits_flags():
     lay = next(l for l in lays if l.pp == 2 and l.cp == 2 and l.bp == 2)
     flags = " ".join(layout_flags(lay, wl)).replace("--bf16", "").split()
     assert "--pipeline-model-parallel-size" in flags and flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
-    args, facts = parse_args(flags + ["--mock-data", "--vocab-size", "64", "--num-layers", str(model.num_layers)],
+    args = facts = parse_args(flags + ["--mock-data", "--vocab-size", "64", "--num-layers", str(model.num_layers)],
                              world_size=8)
     assert args.pipeline_model_parallel_size == 2 and facts.num_microbatches == 4 // facts.data_parallel_size
 
@@ -134,7 +134,7 @@ def test_interleaved_flags_pass_the_trainers_parser():
         layout_flags(lay, wl)
     flags = " ".join(layout_flags(lay, wl, model.num_layers)).replace("--bf16", "").split()
     assert flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1] == "2"
-    args, facts = parse_args(flags + ["--mock-data", "--vocab-size", "64", "--num-layers", str(model.num_layers)],
+    args = facts = parse_args(flags + ["--mock-data", "--vocab-size", "64", "--num-layers", str(model.num_layers)],
                              world_size=8)
     assert args.pipeline_model_parallel_size == 2 and facts.virtual_pipeline_model_parallel_size == 2
     assert facts.num_microbatches % 2 == 0

@@ -39,26 +39,30 @@ def test_sentencepiece_defaults_and_good_args(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in load_documents()[:3]))
     prefix = preprocess_main(["--input", str(tmp_path / "d.jsonl"), "--output-prefix", str(tmp_path / "d"),
                               "--append-eod"])
-    a, facts = parse_args(["--data-path", prefix, "--seq-length", "64", "--block-size", "16"], world_size=1)
+    a = facts = parse_args(["--data-path", prefix, "--seq-length", "64", "--block-size", "16"], world_size=1)
     from megatron_csbp.data.tokenizer import SentencePieceTokenizer
     tok = SentencePieceTokenizer()
     assert a.vocab_size == tok.vocab_size and a.mask_token_id == tok.mask_token_id and facts.eod_token_id == tok.eod
-    a, facts = parse_args(TINY + ["--context-parallel-size", "2", "--block-parallel-size", "4"], world_size=8)
+    a = facts = parse_args(TINY + ["--context-parallel-size", "2", "--block-parallel-size", "4"], world_size=8)
     assert facts.data_parallel_size == 2 and facts.num_microbatches == 1
 
 
 @pytest.mark.parametrize("flags,world,check_only", [
-    ([], 1, False),
+    (["--sequence-parallel", "--attention-backend", "local"], 1, False),  # dropped under TP 1; the kernel it implies
     (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
      False),  # interleaved 1F1B: the virtual pipeline size
     (["--load", "/no/such/ckpt", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/no/such.model"],
      1, True),  # launch --check: the notes of what it skipped
 ])
 def test_validation_writes_only_declared_flags(flags, world, check_only):
-    """What the flags derive (sizes, the --load shape and step, the EOD, launch --check's notes)
-    lives in the returned RunFacts: the namespace keeps exactly the declared options' dests
-    (config/options.py OPTIONS and the objectives' flags), with nothing added. Whitelist: only
-    `placeholders`, which launch --check sets before validating (an input, not derived)."""
+    """Validation changes nothing the user gave: the namespace keeps every flag's value as given
+    (nothing written, added or removed). What the rules derive (an unset flag filled, the
+    tokenizer's vocabulary, the sizes, the --load shape and step, the EOD, launch --check's notes)
+    lives in the returned frozen `Resolved`, the derived flag values beside the given ones. Whitelist:
+    only `placeholders`, which launch --check sets before validating (an input, not derived)."""
+    import copy
+    from dataclasses import FrozenInstanceError
+
     from megatron_csbp.config.options import OPTIONS
     from megatron_csbp.objectives.registry import registered_objectives
     from megatron_csbp.training.arguments import build_parser, validate_args
@@ -67,8 +71,15 @@ def test_validation_writes_only_declared_flags(flags, world, check_only):
     args = build_parser().parse_args(TINY + flags)
     assert set(vars(args)) == declared
     args.placeholders = set()
+    given = copy.deepcopy(vars(args))
     facts = validate_args(args, world, check_only=check_only)
-    assert set(vars(args)) ^ declared == {"placeholders"}  # nothing added (nor removed)
+    assert vars(args) == given  # nothing given is changed (nor added, nor removed)
+    assert set(facts.derived) <= declared and vars(facts.flags) == given
+    if "--sequence-parallel" in flags:  # given, resolved off under TP 1 (as Megatron-LM does); the kernel implied
+        assert facts.flags.sequence_parallel and not facts.sequence_parallel
+        assert (facts.flags.attention_kernel, facts.attention_kernel) == ("auto", "tiled")
+    with pytest.raises(FrozenInstanceError):
+        facts.vocab_size = 1
     assert facts.world_size == world and (facts.check_notes != []) == check_only
 
 

@@ -124,10 +124,10 @@ def test_shape_flags_come_from_the_checkpoint(converted):
     from megatron_csbp.training.arguments import parse_args
 
     hf_model, meg, _ = converted
-    args, _ = parse_args(COMMON + ["--load", meg, "--hidden-size", "32", "--objective", "ar"], world_size=1)
+    args = parse_args(COMMON + ["--load", meg, "--hidden-size", "32", "--objective", "ar"], world_size=1)
     cfg = hf_model.config
     assert (args.num_layers, args.hidden_size, args.num_query_groups, args.vocab_size) == \
         (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size)
     assert args.ffn_hidden_size == cfg.intermediate_size and args.untie_embeddings_and_output_weights
-    args, _ = parse_args(COMMON + ["--load", meg, "--objective", "fast-dllm-v2", "--mask-token", "<|mask|>"], world_size=1)
+    args = parse_args(COMMON + ["--load", meg, "--objective", "fast-dllm-v2", "--mask-token", "<|mask|>"], world_size=1)
     assert args.mask_token_id == 126

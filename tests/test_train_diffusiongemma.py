@@ -238,7 +238,7 @@ def test_paper_diffusiongemma_recipe_validates_against_the_26b_shape(tmp_path):
     recipe["data"]["sft_data_path"] = os.path.join(ASSETS, "pydoc_sft.jsonl")
     recipe["data"]["tokenizer_model"] = os.path.join(ASSETS, "pydoc_topics_unigram1024.model")
     # (the folder holds the shape file alone, no weights: a stand-in for the converted checkpoint)
-    args, facts = parse_args(recipe_flags(recipe) + ["--no-exit-on-missing-checkpoint"], world_size=16)
+    args = facts = parse_args(recipe_flags(recipe) + ["--no-exit-on-missing-checkpoint"], world_size=16)
     assert (args.expert_model_parallel_size, args.context_parallel_size, args.block_parallel_size,
             facts.data_parallel_size) == (2, 8, 8, 2)
     assert args.num_layers == 30 and args.clean_attention == "token_causal" and args.vocab_size == 262144

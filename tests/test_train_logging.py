@@ -70,7 +70,6 @@ def test_flops_per_sample_closed_formula():
     from megatron_csbp.training.arguments import build_parser, validate_args
     from megatron_csbp.training.metrics import flops_per_sample
 
-    args = build_parser().parse_args(TINY + ["--train-iters", "3"])
-    validate_args(args, 1, check_only=True)
+    args = validate_args(build_parser().parse_args(TINY + ["--train-iters", "3"]), 1, check_only=True)
     assert TINY_BD3LM_FLOPS == 11_206_656
     assert flops_per_sample(args) == TINY_BD3LM_FLOPS

@@ -45,8 +45,8 @@ def build(argv):
     install_cpu_compat()
     for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # one model per process in a run
         os.environ.pop(var, None)  # (te_backend_env restores the process's values after the test)
-    args, facts = parse_args(argv, world_size=1)
-    model = build_model(model_args(args, facts))
+    args = facts = parse_args(argv, world_size=1)
+    model = build_model(model_args(facts))
     if args.load:  # converted weights (build_model leaves them uninitialised)
         from megatron_csbp.checkpoint.state import load_checkpoint
         load_checkpoint(args.load, model, None, None)

@@ -122,11 +122,11 @@ def test_pipeline_flags_refused_with_named_flag(flags, world, needle, capsys):
 
 
 def test_pipeline_flags_accepted():
-    _, f = parse_args(BASE + VP2 + CSBP, world_size=4)
+    f = parse_args(BASE + VP2 + CSBP, world_size=4)
     assert f.virtual_pipeline_model_parallel_size == 2 and f.num_microbatches == 4 and f.data_parallel_size == 1
-    _, f = parse_args(BASE + PP2 + ["--virtual-pipeline-model-parallel-size", "2"], world_size=2)
+    f = parse_args(BASE + PP2 + ["--virtual-pipeline-model-parallel-size", "2"], world_size=2)
     assert f.virtual_pipeline_model_parallel_size == 2
-    _, f = parse_args(BASE + PP2 + ["--decoder-last-pipeline-num-layers", "1"], world_size=2)
+    f = parse_args(BASE + PP2 + ["--decoder-last-pipeline-num-layers", "1"], world_size=2)
     assert f.virtual_pipeline_model_parallel_size is None
 
 

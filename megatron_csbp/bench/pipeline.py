@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
     from megatron_csbp.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    with Trainer(TrainerConfig.from_args(*parse_args(argv))) as trainer:
+    with Trainer(TrainerConfig.from_args(parse_args(argv))) as trainer:
         G = trainer.config.batch.global_batch_size
         trainer.train_step(0)  # warm-up (plans, buffers)
         times, attn, p2p = [], [], []

@@ -46,7 +46,7 @@ def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: f
     else:  # Megatron's TransformerConfig defaults: LayerNorm, GELU, biases
         argv += [f"--attention-kernel={m.attention_kernel}", "--normalization=LayerNorm", "--no-swiglu",
                  "--add-bias-linear"]
-    return Trainer(TrainerConfig.from_args(*parse_args(argv)), gpt_provider=provider).build()
+    return Trainer(TrainerConfig.from_args(parse_args(argv)), gpt_provider=provider).build()
 
 
 def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: bool, args):

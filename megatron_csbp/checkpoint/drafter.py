@@ -16,6 +16,16 @@ def is_drafter_checkpoint(load: str) -> bool:
     return os.path.isfile(os.path.join(load, SHAPE_FILE))
 
 
+def drafter_shape(load: str):
+    """The `DrafterShape` of the drafter folder `load` (None: no drafter there); a `drafter.pt`
+    without its shape file is refused."""
+    if is_drafter_checkpoint(load):
+        return DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read())
+    if os.path.isfile(os.path.join(load, WEIGHTS_FILE)):
+        raise ValueError(f"--load {load}: {WEIGHTS_FILE} without {SHAPE_FILE}: not a drafter this project wrote")
+    return None
+
+
 def save_drafter(state, shape: DrafterShape, output: str) -> None:
     """Write a drafter checkpoint (atomically: a temporary file renamed)."""
     os.makedirs(output, exist_ok=True)

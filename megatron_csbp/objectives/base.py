@@ -5,8 +5,8 @@ same noise for the same sample, so the loss does not depend on the parallel layo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -32,6 +32,15 @@ class NoisedBatch:
     self_conditioning: Optional[torch.Tensor] = None
     #: first block with a noisy copy (canvas of response blocks); None: every block
     first_canvas_block: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What an objective read from its own files (`Objective.prepare_args`; the resolved run carries it):
+    `flags`, the flags they fix (dest -> value: the trainer resolves those flags to them), and
+    `facts`, what else its registered chunk builder reads (carried into ModelArgs)."""
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    facts: Mapping[str, Any] = field(default_factory=dict)
 
 
 def block_times(num_blocks: int, generator: torch.Generator, eps_min: float, eps_max: float,
@@ -81,6 +90,8 @@ class Objective:
     mask_from_tokenizer = False
     #: why the Megatron-LM hooks cannot train it (None: they can)
     megatron_lm_refusal: Optional[str] = None
+    #: --load may hold a DFlash drafter: the trainer passes its shape to `prepare_args`
+    loads_drafter = False
     #: "adapts ... (why)": it needs a --load checkpoint to start from (None: it trains from scratch too)
     needs_pretrained: Optional[str] = None
 
@@ -94,18 +105,17 @@ class Objective:
         add_options(parser, cls.flags, added)
 
     @classmethod
-    def prepare_args(cls, args, defaults, check_only: bool, notes: list) -> dict:
-        """Before the trainer's rules: fill flags from the objective's own inputs (DFlash: the
-        captured features and the verifier). `defaults`: dest -> the trainer options' declared
-        default (config/options.py, a layer above this one); `notes`: launch --check's list of the
-        rules skipped. Returns what it derives that is no flag (`RunFacts.objective_facts`, carried into
-        the ModelArgs its `model_builder` reads)."""
-        return {}
+    def prepare_args(cls, args, defaults, check_only: bool, notes: list, drafter=None) -> ObjectiveInputs:
+        """Before the trainer's rules, what the objective's own inputs fix (DFlash: the captured
+        features, the verifier, `drafter`: the --load drafter's `DrafterShape` when `loads_drafter`).
+        `args` is read only; `defaults`: dest -> the trainer options' declared default (config/options.py,
+        a layer above this one); `notes`: launch --check's list of the rules skipped."""
+        return ObjectiveInputs()
 
     @classmethod
     def validate(cls, args, facts=None) -> None:
         """The rules on this objective's flags that need no tokenizer (ValueError naming the flag);
-        `facts`: what the trainer's flags derive (training.arguments.RunFacts; None in the Megatron-LM hooks)."""
+        `facts`: what the trainer's flags derive (training.arguments.Resolved; None in the Megatron-LM hooks)."""
 
     @classmethod
     def from_args(cls, args) -> "Objective":

@@ -11,13 +11,12 @@ import copy
 import os
 from dataclasses import dataclass
 from math import gcd
-import json
 from typing import Optional, Tuple
 
 import torch
 
 from megatron_csbp.data.features import document_starts  # noqa: F401 (the objective's API too)
-from megatron_csbp.objectives.base import Objective, sample_generator
+from megatron_csbp.objectives.base import Objective, ObjectiveInputs, sample_generator
 from megatron_csbp.objectives.flags import check_choice, option
 from megatron_csbp.objectives.registry import register_objective, registered_objectives
 
@@ -99,7 +98,6 @@ EVAL_SEQUENCES = option("--eval-sequences", int, 0, "dflash: the last N captured
 #: trainer flags (dests) that a loaded drafter's shape decides (DrafterShape fields of the same names)
 LOADED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_layers", "num_attention_heads",
                  "num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "sliding_window", "hidden_size")
-SHAPE_FILE = "megatron_csbp_drafter.json"  # model.dflash.SHAPE_FILE (objectives do not import the model)
 
 
 @register_objective("dflash")
@@ -111,6 +109,7 @@ class DFlashObjective(Objective):
     flags = (DFLASH_LOSS, MAX_ANCHORS, ANCHOR_SAMPLING_FLAG, GAMMA, DPACE_ALPHA, KL_SCALE, KL_DECAY, VOCAB_CHUNK,
              FEATURES_PATH, VERIFIER, TARGET_LAYER_IDS, LAYER_TYPE, SLIDING_WINDOW, EVAL_SEQUENCES)
     mask_token_needed = "--mask-token-id (the verifier's mask token for draft slots)"
+    loads_drafter = True
     megatron_lm_refusal = ("trains in python -m megatron_csbp.train (a drafter trained on captured verifier "
                            "features, not a GPT built from Megatron-LM flags)")
     #: the held-out split (`for_evaluation`): the model reads features from the last --eval-sequences
@@ -174,13 +173,12 @@ class DFlashObjective(Objective):
         return held
 
     @classmethod
-    def prepare_args(cls, args, defaults, check_only: bool, notes: list) -> dict:
-        """Before the trainer's rules: the captured features fix --seq-length and the hidden size,
-        the verifier the vocabulary (a NullTokenizer of its size), a --load drafter (its
-        `megatron_csbp_drafter.json`) the architecture flags (a flag given with another value than
-        its default and the drafter's is refused by name). Returns `dflash_drafter_load` (that
-        --load drafter, or None) and `dflash_drafter_save` (--save: where the drafter's shape and
-        verifier record are written)."""
+    def prepare_args(cls, args, defaults, check_only: bool, notes: list, drafter=None) -> ObjectiveInputs:
+        """What the inputs fix: the captured features --seq-length and the hidden size, the verifier
+        the vocabulary (a NullTokenizer of its size), a --load drafter (`drafter`) the architecture
+        flags (a flag given with another value than its default and the drafter's is refused by name).
+        Facts: `dflash_drafter_load` (that --load drafter, or None) and `dflash_drafter_save` (--save:
+        where the drafter's shape and verifier record are written)."""
         from megatron_csbp.data.features import FeatureDataset
 
         path, verifier = FEATURES_PATH.value(args), VERIFIER.value(args)
@@ -189,8 +187,7 @@ class DFlashObjective(Objective):
         if check_only and not (os.path.isdir(path) and os.path.isdir(verifier)):
             notes.append(f"--features-path {path} / --verifier {verifier} are not here: their sizes are checked "
                          "at launch")
-            args.tokenizer_type, args.vocab_size = "NullTokenizer", args.vocab_size or 1 << 20
-            return {}
+            return ObjectiveInputs(dict(tokenizer_type="NullTokenizer", vocab_size=args.vocab_size or 1 << 20))
         cls.validate(args)  # the objective's own rules first (they read no file)
         if getattr(args, "tensor_model_parallel_size", 1) != 1:
             raise ValueError("--objective dflash: --tensor-model-parallel-size must be 1 (every drafter layer holds all "
@@ -207,37 +204,32 @@ class DFlashObjective(Objective):
         L, layers = meta["seq_length"], meta["target_layer_ids"]
         if args.seq_length not in (defaults["seq_length"], L):
             raise ValueError(f"--seq-length {args.seq_length} differs from the captured features' {L}")
-        args.seq_length = L
         if args.target_layer_ids not in (None, layers):
             raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the captured features' {layers}")
-        args.target_layer_ids, args.hidden_size = layers, meta["hidden_size"]
-        load, drafter_load = getattr(args, "load", None), None
-        if load and os.path.isfile(os.path.join(load, SHAPE_FILE)):
-            shape = json.load(open(os.path.join(load, SHAPE_FILE)))
-            for dest in LOADED_FIELDS:
-                given, value = getattr(args, dest), shape[dest]
-                if given is not None and given != defaults[dest] and given != value:
-                    raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {value}")
-                setattr(args, dest, value)
-            drafter_load = load
-        elif load and os.path.isfile(os.path.join(load, "drafter.pt")):
-            raise ValueError(f"--load {load}: drafter.pt without {SHAPE_FILE}: not a drafter this project wrote")
-        if args.ffn_hidden_size is None:
-            args.ffn_hidden_size = 2 * args.hidden_size  # the drafter's default (not the GPT's)
-        if args.mask_token_id is None:
+        fixed = dict(seq_length=L, target_layer_ids=layers, hidden_size=meta["hidden_size"])
+        value = lambda dest: fixed.get(dest, getattr(args, dest))  # noqa: E731  (a flag as these inputs fix it)
+        for dest in LOADED_FIELDS if drafter is not None else ():
+            given, loaded = value(dest), getattr(drafter, dest)
+            if given is not None and given != defaults[dest] and given != loaded:
+                raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {loaded}")
+            fixed[dest] = loaded
+        if value("ffn_hidden_size") is None:
+            fixed["ffn_hidden_size"] = 2 * fixed["hidden_size"]  # the drafter's default (not the GPT's)
+        if value("mask_token_id") is None:
             raise ValueError("--mask-token-id is required (or --load a drafter, whose mask_token_id is used)")
         n_eval = EVAL_SEQUENCES.value(args)
         if not 0 <= n_eval < meta["num_sequences"]:
             raise ValueError(f"--eval-sequences {n_eval} must be in [0, {meta['num_sequences']}) (the captured sequences)")
         if n_eval and args.eval_interval is None and args.train_iters:  # evaluate after the last step
-            args.eval_interval = args.train_iters
+            fixed["eval_interval"] = args.train_iters
         if n_eval and args.eval_iters is None:  # batches that cover the held-out sequences
-            args.eval_iters = -(-n_eval // (args.global_batch_size or args.micro_batch_size))
+            fixed["eval_iters"] = -(-n_eval // (args.global_batch_size or args.micro_batch_size))
         from transformers import AutoConfig
 
-        args.vocab_size = int(AutoConfig.from_pretrained(verifier).vocab_size)
-        args.tokenizer_type, args.tokenizer_model = "NullTokenizer", None
-        return dict(dflash_drafter_load=drafter_load, dflash_drafter_save=getattr(args, "save", None))
+        fixed.update(vocab_size=int(AutoConfig.from_pretrained(verifier).vocab_size), tokenizer_type="NullTokenizer",
+                     tokenizer_model=None)
+        return ObjectiveInputs(fixed, dict(dflash_drafter_load=args.load if drafter is not None else None,
+                                           dflash_drafter_save=getattr(args, "save", None)))
 
     def slot_weights(self) -> torch.Tensor:
         k = torch.arange(self.block_size, dtype=torch.float32)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
 from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
+from megatron_csbp.objectives.base import ObjectiveInputs
 
 
 def __getattr__(name):
@@ -43,9 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass(frozen=True)
-class RunFacts:
-    """What the flags derive (`check_flags`), kept off the namespace: that holds the flags alone (an
-    unset flag a rule fills, e.g. --ffn-hidden-size, is filled there, as Megatron-LM's validate_args does)."""
+class Resolved:
+    """What `validate_args` returns: the flags as given (`flags`, which validation never writes), what
+    the rules derive for them (`derived`: an unset flag filled, the tokenizer's vocabulary, ...) and what
+    else the flags derive. `resolved.<dest>` is a flag's resolved value (`derived`'s, else as given)."""
+    flags: argparse.Namespace = field(default_factory=argparse.Namespace)
+    derived: Mapping[str, Any] = field(default_factory=dict)
     world_size: int = 1
     data_parallel_size: int = 1
     num_microbatches: int = 1  # per iteration: --global-batch-size / (--micro-batch-size x data-parallel size)
@@ -55,56 +60,88 @@ class RunFacts:
     shape_unknown: bool = False  # launch --check: --load is not here, so the rules that need its shape are skipped
     eod_token_id: Optional[int] = None  # the tokenizer's
     pad_token_id: Optional[int] = None  # what SFT data pads with (data.sft.sft_pad_id)
-    objective_facts: Dict[str, Any] = field(default_factory=dict)  # `Objective.prepare_args`'s (dflash: drafter dirs)
+    objective_inputs: ObjectiveInputs = ObjectiveInputs()  # what the objective read from its files (dflash)
     check_notes: List[str] = field(default_factory=list)  # launch --check: the rules skipped, and why
 
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        derived = self.__dict__.get("derived", {})
+        return derived[name] if name in derived else getattr(self.__dict__.get("flags"), name)
 
-def parse_args(argv: Optional[Sequence[str]] = None,
-               world_size: Optional[int] = None) -> Tuple[argparse.Namespace, RunFacts]:
-    """The flags (checked, the unset ones a rule fills filled in) and what they derive."""
+    def values(self) -> Dict[str, Any]:
+        """Every resolved value by name: the flags, then what else they derive."""
+        facts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("flags", "derived")}
+        return {**vars(self.flags), **self.derived, **facts, **self.objective_inputs.facts}
+
+
+class _Resolving:
+    """The flags during validation: reads see what the rules derived so far, writes go to `derived`
+    (the namespace as given is never written)."""
+
+    __getattr__ = Resolved.__getattr__
+
+    def __init__(self, flags: argparse.Namespace):
+        object.__setattr__(self, "flags", flags)
+        object.__setattr__(self, "derived", {})
+
+    def __setattr__(self, name: str, value) -> None:
+        self.derived[name] = value
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> Resolved:
+    """The flags, checked and resolved (`Resolved`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        facts = validate_args(args, world_size)
+        return validate_args(args, world_size)
     except ValueError as exc:
         parser.error(str(exc))
-    return args, facts
 
 
-def validate_args(args: argparse.Namespace, world_size: int, check_only: bool = False) -> RunFacts:
-    """`check_flags` (what the flags derive, returned); then what the --load checkpoint must be: one
-    at all when the run starts from pretrained weights, and trained with the same model flags (its
-    `bdlm_meta.json`)."""
+def validate_args(flags: argparse.Namespace, world_size: int, check_only: bool = False) -> Resolved:
+    """`check_flags` (what the flags derive); then what the --load checkpoint must be: one at all when
+    the run starts from pretrained weights, and trained with the same model flags (its `bdlm_meta.json`).
+    `flags` is not written: the resolved values are the returned object's."""
     from megatron_csbp.checkpoint.files import check_model_flags, check_run_folders
 
+    args = _Resolving(flags)
     facts = check_flags(args, world_size, check_only)
     check_pretrained(args, facts)
     if facts.load_step is not None:
         check_model_flags(args, args.load, facts.load_step)
     if not check_only:  # (launch --check: the run's folders are on another machine)
         resumes = isinstance(facts.load_step, int) and not getattr(args, "finetune", False)
-        check_run_folders(args, facts.load_step, facts.load_step if resumes else 0,
-                          load_claimed=args.load in facts.objective_facts.values())  # (a DFlash drafter)
-    return facts
+        check_run_folders(args, facts.load_step, facts.load_step if resumes else 0,  # (a DFlash drafter's --load:)
+                          load_claimed=args.load in facts.objective_inputs.facts.values())
+    return replace(facts, flags=flags, derived=MappingProxyType(dict(args.derived)))
 
 
-def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = False) -> RunFacts:
-    """Fill the unset flags a rule fills, refuse bad input with a message naming the flag and the
-    rule, and return what else the flags derive (nothing else is written onto `args`).
+def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> Resolved:
+    """Derive the unset flags a rule fills (onto `args.derived`), refuse bad input with a message
+    naming the flag and the rule, and return what else the flags derive.
 
     `check_only` (`python -m megatron_csbp.launch RECIPE --check`, on a machine that need not hold
     the run's files): a --load checkpoint or tokenizer that is not here, and flags whose values are
     placeholders (`args.placeholders`, a set of dests), skip the rules that need them; every other
-    rule runs. What was skipped is listed in `RunFacts.check_notes`."""
+    rule runs. What was skipped is listed in `Resolved.check_notes`."""
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.parallel.state import check_topology
 
     placeholders, notes = set(getattr(args, "placeholders", ())), []
     defaults = {o.name: o.default for o in OPTIONS}  # a flag left at its default gives way (dflash: to its features)
-    prepared = objective_class(args.objective).prepare_args(args, defaults, check_only, notes)
+    objective = objective_class(args.objective)
+    drafter = None
+    if objective.loads_drafter and args.load:
+        from megatron_csbp.checkpoint.drafter import drafter_shape
+
+        drafter = drafter_shape(args.load)
+    inputs = objective.prepare_args(args, defaults, check_only, notes, drafter)
+    for dest, value in inputs.flags.items():
+        setattr(args, dest, value)
     check_counts(args)
 
     sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -119,8 +156,8 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         from megatron_csbp.checkpoint.files import checkpoint_shape, checkpoint_to_load
         load_step = checkpoint_to_load(args.load, args.ckpt_step)
         shape = checkpoint_shape(args.load, load_step)
-    facts = RunFacts(world_size, dp, load_step=load_step, model_shape=shape, shape_unknown=unknown,
-                     objective_facts=prepared or {}, check_notes=notes)
+    facts = Resolved(world_size=world_size, data_parallel_size=dp, load_step=load_step, model_shape=shape,
+                     shape_unknown=unknown, objective_inputs=inputs, check_notes=notes)
     if shape is not None:
         apply_model_shape(args, shape)
     check_clean_attention(args, shape)
@@ -263,7 +300,7 @@ def check_flags(args: argparse.Namespace, world_size: int, check_only: bool = Fa
         from megatron_csbp.objectives.flags import default_mask_token_id
 
         args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
-    check_vocab(args, rows)
+    build_objective(args, rows)  # as the model will build it: its mask token a real id of the vocabulary
     return facts
 
 
@@ -275,7 +312,7 @@ def check_counts(args) -> None:
         args.eval_iters = 100 if (getattr(args, "eval_interval", None) or getattr(args, "skip_train", False)) else 0
 
 
-def check_pretrained(args, facts: RunFacts) -> None:
+def check_pretrained(args, facts: Resolved) -> None:
     """An objective that adapts a pretrained model (fast-dllm-v2) and Megatron's --finetune start from
     weights: a --load that holds no checkpoint (a typo) must not start a random model."""
     needs = objective_class(args.objective).needs_pretrained if args.objective in objective_names() else None
@@ -384,7 +421,7 @@ def check_clean_attention(args, shape=None) -> None:
         raise ValueError(f"--clean-attention {args.clean_attention}: a {shape.family} model's clean stream is {fixed}")
 
 
-def check_experts_and_objective(args, facts: RunFacts) -> None:
+def check_experts_and_objective(args, facts: Resolved) -> None:
     """Expert parallelism needs an MoE model; the objective's own rules (`Objective.validate`, e.g.
     DiffusionGemma's SFT needs DiffusionGemma and SFT data)."""
     shape, unknown = facts.model_shape, facts.shape_unknown  # unknown: launch --check without the checkpoint
@@ -422,7 +459,7 @@ def check_experts_and_objective(args, facts: RunFacts) -> None:
     objective_class(args.objective).validate(args, facts)
 
 
-def resume_objective_flags(args: argparse.Namespace, facts: RunFacts) -> None:
+def resume_objective_flags(args: argparse.Namespace, facts: Resolved) -> None:
     """Fill the unset objective flags whose rule changed (`Flag.before`): a resume of a checkpoint of
     the same objective keeps the rule it was trained with (its `bdlm_meta.json`; `before` where it
     predates the flag), anything else gets the flag's `fallback`."""
@@ -517,22 +554,16 @@ def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
 
 
-def check_vocab(args, vocab_size: int) -> None:
-    """After the tokenizer is known: the objective, built from the flags as the model will build it
-    (its mask token a real id of the vocabulary)."""
-    build_objective(args, vocab_size)
-
-
-def model_args(args, facts: Optional[RunFacts] = None, **overrides):
-    """ModelArgs of the flags (every field the namespace names), what they derive (`facts`: the
-    --load shape, the EOD, ...), then `overrides`; carrying the objective's own flags and
-    `RunFacts.objective_facts` along (ModelArgs need not name them)."""
+def model_args(args, **overrides):
+    """ModelArgs of the resolved flags (`Resolved`, or Megatron-LM's namespace: every field it names,
+    the --load shape, the EOD, ...), then `overrides`; carrying the objective's own flags and
+    `Resolved.objective_inputs.facts` along (ModelArgs need not name them)."""
     from megatron_csbp.training.model import ModelArgs
 
-    fields = ModelArgs.__dataclass_fields__
-    derived = {k: getattr(facts, k) for k in fields if hasattr(facts, k)}
-    margs = ModelArgs(**{**{k: getattr(args, k) for k in fields if hasattr(args, k)}, **derived, **overrides})
-    for dest, value in {**objective_options(args), **getattr(facts, "objective_facts", {})}.items():
+    names = ModelArgs.__dataclass_fields__
+    margs = ModelArgs(**{**{k: getattr(args, k) for k in names if hasattr(args, k)}, **overrides})
+    inputs = getattr(args, "objective_inputs", ObjectiveInputs())
+    for dest, value in {**objective_options(args), **inputs.facts}.items():
         setattr(margs, dest, value)
     return margs
 

@@ -335,11 +335,10 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     eval_iters = cfg.eval_repeats * max(1, math.ceil(eval_rows / cfg.batch_size))
     argv = trainer_flags(cfg, prefix, eval_iters) + ["--data-cache-path", os.path.join(data_dir, "cache"),
                                                      "--log-interval", str(cfg.log_interval or cfg.steps)]
-    args, facts = parse_args(argv + (["--eval-interval", str(cfg.eval_interval)] if cfg.eval_interval else []),
-                             world_size=1)
+    run = parse_args(argv + (["--eval-interval", str(cfg.eval_interval)] if cfg.eval_interval else []), world_size=1)
     if mpu.model_parallel_is_initialized() and not bps.is_initialized():
         mpu.destroy_model_parallel()  # Megatron's groups alone (init_single_rank): the trainer makes its own
-    trainer = Trainer(TrainerConfig.from_args(args, facts)).build()
+    trainer = Trainer(TrainerConfig.from_args(run)).build()
     n_params = sum(p.numel() for p in trainer.model.parameters())
     log(f"model: megatron-core GPTModel, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{n_params / 1e6:.2f}M parameters, device {next(trainer.model.parameters()).device}")

@@ -37,19 +37,19 @@ def main(argv: Optional[List[str]] = None, sample=None) -> Dict:
         from megatron_csbp.training.demo import prepare_demo
         argv = prepare_demo(int(os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    args, facts = parse_args(argv)
+    run = parse_args(argv)
     from megatron_csbp.training.signals import ExitSignal, Interruptible, exit_signals
 
     # --exit-signal-handler: its signals are noted from here on (Megatron-LM installs its handler at
     # initialization), so a signal while the ranks build and load ends in a save, not a kill;
     # without it a Ctrl-C ends the run in one line naming what is lost (Interruptible)
-    with ExitSignal(exit_signals(args.exit_signal)) if args.exit_signal_handler else Interruptible() as exit_signal:
-        with Trainer(TrainerConfig.from_args(args, facts)) as trainer:
+    with ExitSignal(exit_signals(run.exit_signal)) if run.exit_signal_handler else Interruptible() as exit_signal:
+        with Trainer(TrainerConfig.from_args(run)) as trainer:
             _log0(trainer.describe())
             if isinstance(exit_signal, Interruptible):
                 exit_signal.trainer = trainer
             result = trainer.train(exit_signal if isinstance(exit_signal, ExitSignal) else None)
     if demo:
         from megatron_csbp.training.demo import finish_demo
-        finish_demo(args, result, time.time() - start, sample)  # sample: the app's decoder
+        finish_demo(run, result, time.time() - start, sample)  # sample: the app's decoder
     return result

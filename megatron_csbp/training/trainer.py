@@ -1,6 +1,6 @@
 """`Trainer`: Megatron-core training of a block diffusion LM over one typed config.
 
-    trainer = Trainer(TrainerConfig.from_args(*parse_args(argv)))
+    trainer = Trainer(TrainerConfig.from_args(parse_args(argv)))
     with trainer:                      # build() on entry (process groups too), close() on exit
         result = trainer.train()       # load -> [train_step, evaluate, save]* -> final save
 
