@@ -87,7 +87,7 @@ def test_objective_registry():
     from megatron_csbp.objectives.dflash import DFlashObjective
     from megatron_csbp.training.arguments import OBJECTIVES
     from megatron_csbp.training.loop import objective_of
-    from megatron_csbp.training.model import ModelArgs, build_objective
+    from megatron_csbp.model.assemble import ModelArgs, build_objective
 
     assert "dflash" in OBJECTIVES
     assert objective_of(["--seed", "1", "--objective", "dflash"]) == "dflash"

@@ -31,13 +31,14 @@ def checkpoint(tmp_path_factory):
 
 def _compare(rank, world_size, save):
     from megatron_csbp.data.megatron_data import build_tokenizer
-    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
+    from megatron_csbp.checkpoint.model import load_for_generation
+    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler
     model, margs, step = load_for_generation(save)
     tok = build_tokenizer("SentencePieceTokenizer", None, None)
     prompt = tok.tokenize("The for statement is used to iterate")
     out, logits = {}, {}
     for cache in (True, False):
-        s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod,
+        s = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], tok.eod,
                                   margs["block_size"], use_cache=cache)
         out[cache] = s.generate(prompt, 20, max_length=32)
         out[cache, "threshold"] = s.generate(prompt, 20, max_length=32, threshold=0.05)
@@ -77,11 +78,12 @@ def _api_text(rank, world_size, save, prompt_text):
     """The generation of the Python API (BlockDiffusionSampler, whose decoding the tests above pin)
     with the settings the CLI test passes explicitly."""
     from megatron_csbp.data.megatron_data import build_tokenizer
-    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
+    from megatron_csbp.checkpoint.model import load_for_generation
+    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler
 
     model, margs, _ = load_for_generation(save)
     tok = build_tokenizer("SentencePieceTokenizer", None, None)
-    s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod, margs["block_size"])
+    s = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], tok.eod, margs["block_size"])
     prompt = tok.tokenize(prompt_text)
     out = s.generate(prompt, 16, None, 0.0, 0, max_length=margs["seq_length"], order="confidence")
     return tok.detokenize(prompt + out)
@@ -107,12 +109,13 @@ def test_cli(checkpoint):
 
 
 def _generate_ids(rank, world_size, save):
-    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
+    from megatron_csbp.checkpoint.model import load_for_generation
+    from megatron_csbp.generation.bd3lm import BlockDiffusionSampler
 
     model, margs, step = load_for_generation(save)
     out = {}
     for cache in (True, False):
-        s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], margs["eod_token_id"],
+        s = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], margs["eod_token_id"],
                                   margs["block_size"], use_cache=cache)
         out[cache] = s.generate([5, 6, 7, 8, 9], 12, max_length=32)
         for m in model.modules():  # unwrap for the next sampler
@@ -160,7 +163,7 @@ def _train_generate_refuse(rank, world_size, base, save, ar):
     import torch.distributed as dist
 
     from megatron_csbp.parallel import state as bps
-    from megatron_csbp.generation.bd3lm import load_for_generation
+    from megatron_csbp.checkpoint.model import load_for_generation
 
     train_rank(rank, world_size, base + ["--train-iters", "1", "--mask-token-id", "127", "--save", save])
     out = _generate_ids(rank, world_size, save)

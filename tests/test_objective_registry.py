@@ -67,7 +67,7 @@ def _parse_error(argv, capsys):
 def test_a_registered_objective_reaches_every_parser_and_builds(capsys):
     from megatron_csbp.training.megatron_lm import extra_args_provider
     from megatron_csbp.training.metrics import flops_per_sample
-    from megatron_csbp.training.model import build_objective
+    from megatron_csbp.model.assemble import build_objective
 
     assert "toy" not in objective_names()
     with toy_registered():

@@ -57,7 +57,7 @@ def batches():
 
 def _fp64(build):
     """Build in float64: the CPU draws are fp32 either way (then cast), so weights match."""
-    from megatron_csbp.training import model as model_mod
+    from megatron_csbp.model import assemble as model_mod
 
     orig = model_mod.params_dtype
     model_mod.params_dtype = lambda a: EXACT_DTYPE

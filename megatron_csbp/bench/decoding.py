@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_csbp.generation.bd3lm import BlockDiffusionSampler, load_for_generation
+from megatron_csbp.checkpoint.model import load_for_generation
+from megatron_csbp.generation.bd3lm import BlockDiffusionSampler
 
 PROMPTS = ("The for statement", "A class definition", "The import statement", "Exceptions are raised")
 #: (name, sampler options, temperature: None = --temperature)
@@ -42,7 +43,7 @@ def run(load: str, max_new_tokens: int, temperature: float, seed: int):
         t = temperature if mode_temperature is None else mode_temperature
         out, stats = {}, {}
         for cache in (True, False):
-            s = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod,
+            s = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], tok.eod,
                                       margs["block_size"], use_cache=cache)
             best = None
             for _ in range(REPEATS):

@@ -1,10 +1,13 @@
 """The DFlash drafter's checkpoints: a folder with `megatron_csbp_drafter.json` (its `DrafterShape`)
 and either the trainer's torch_dist checkpoints (`python -m megatron_csbp.train --objective dflash
 --save`) or `drafter.pt` (the `model.dflash.DFlashDrafter` state dict: `convert hf-to-megatron` of a
-drafter, or an older `dflash train --save`; no optimizer state, one process)."""
+drafter, or an older `dflash train --save`; no optimizer state, one process). Every read of the
+folder is here: the trainer's (`trainer_drafter`), export's (`read_drafter`), speculative decoding's
+(`drafter_from_hf`)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -16,14 +19,19 @@ def is_drafter_checkpoint(load: str) -> bool:
     return os.path.isfile(os.path.join(load, SHAPE_FILE))
 
 
-def drafter_shape(load: str):
-    """The `DrafterShape` of the drafter folder `load` (None: no drafter there); a `drafter.pt`
-    without its shape file is refused."""
+def read_shape(load: str) -> Optional[DrafterShape]:
+    """The `DrafterShape` of the folder `load`; None when it holds no drafter (a `drafter.pt`
+    without its shape file is refused)."""
     if is_drafter_checkpoint(load):
         return DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read())
     if os.path.isfile(os.path.join(load, WEIGHTS_FILE)):
         raise ValueError(f"--load {load}: {WEIGHTS_FILE} without {SHAPE_FILE}: not a drafter this project wrote")
     return None
+
+
+def write_shape(output: str, shape: DrafterShape) -> None:
+    with open(os.path.join(output, SHAPE_FILE), "w") as f:
+        f.write(shape.to_json())
 
 
 def save_drafter(state, shape: DrafterShape, output: str) -> None:
@@ -33,8 +41,7 @@ def save_drafter(state, shape: DrafterShape, output: str) -> None:
         raise FileExistsError(f"{output} already holds a drafter: choose a new --output")
     tmp = os.path.join(output, WEIGHTS_FILE + ".tmp")
     torch.save({k: v.contiguous().clone() for k, v in state.items()}, tmp)
-    with open(os.path.join(output, SHAPE_FILE), "w") as f:
-        f.write(shape.to_json())
+    write_shape(output, shape)
     os.replace(tmp, os.path.join(output, WEIGHTS_FILE))
 
 
@@ -61,17 +68,16 @@ def load_trained_drafter(load: str):
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.utils import sharded_state_dict_default
 
+    from megatron_csbp.checkpoint.integrity import check_checkpoint_files
     from megatron_csbp.model.dflash import DFlashDrafter
 
-    if not os.path.isfile(os.path.join(load, SHAPE_FILE)):
+    if not is_drafter_checkpoint(load):
         raise ValueError(f"--load {load}: no {SHAPE_FILE} (not a drafter checkpoint)")
     step = read_tracker(load)
     if step is None:
         raise ValueError(f"--load {load}: neither {WEIGHTS_FILE} nor a training checkpoint")
-    model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read()))
+    model = DFlashDrafter(read_shape(load))
     wanted = sharded_state_dict_default(model, "")
-    from megatron_csbp.checkpoint.integrity import check_checkpoint_files
-
     check_checkpoint_files(checkpoint_path(load, step))
     state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
     return _loaded(model, {k: v for k, v in state.items() if k in wanted}, load)
@@ -81,3 +87,44 @@ def read_drafter(load: str):
     """The drafter of `load` on one process: its `drafter.pt` when it has one, else its newest
     torch_dist checkpoint."""
     return load_drafter(load) if os.path.isfile(os.path.join(load, WEIGHTS_FILE)) else load_trained_drafter(load)
+
+
+def trainer_drafter(a, hidden_size: int):
+    """(shape, weights) of the trainer's drafter (ModelArgs `a` of --objective dflash): the --load
+    drafter's shape, else the flags' (`hidden_size`: the captured features'); weights: a callable
+    giving the --load folder's `drafter.pt` state (an import or an older `dflash train --save`:
+    weights only, iteration 0, fresh optimizer), else None (drawn from --seed). With --save, rank 0
+    writes the shape and the verifier record there (what `--load` and the export read)."""
+    import torch.distributed as dist
+
+    from megatron_csbp.model.dflash import drafter_shape_from_args, drafter_state, record_verifier
+
+    load, save = a.dflash_drafter_load, a.dflash_drafter_save
+    shape = read_shape(load) if load else drafter_shape_from_args(a, hidden_size)
+    if shape.hidden_size != hidden_size:
+        raise ValueError(f"--load {load}: the drafter's hidden size {shape.hidden_size} differs from the features' "
+                         f"{hidden_size}")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    weights = None
+    if load and os.path.isfile(os.path.join(load, WEIGHTS_FILE)):
+        def weights():
+            state = drafter_state(load_drafter(load))
+            if rank0:
+                print(f" loaded drafter weights {os.path.join(load, WEIGHTS_FILE)} (an import or an older dflash "
+                      "train --save: weights only, iteration 0, fresh optimizer)", flush=True)
+            return state
+    if save and rank0:
+        os.makedirs(save, exist_ok=True)
+        write_shape(save, shape)
+        record_verifier(save, a.verifier)  # its tokenizer goes with the export
+    return shape, weights
+
+
+def drafter_from_hf(hf_drafter):
+    """(the Hugging Face drafter imported into the Megatron drafter, its DrafterShape)."""
+    from megatron_csbp.model.dflash import DFlashDrafter, load_hf_drafter
+
+    shape = DrafterShape.from_hf_config(hf_drafter.config.to_dict())
+    drafter = DFlashDrafter(shape)
+    load_hf_drafter(drafter, hf_drafter)
+    return drafter, shape

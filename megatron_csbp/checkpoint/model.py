@@ -1,7 +1,7 @@
 """A checkpoint's model built and loaded under the current parallel state, and a model saved as a
 release checkpoint (converted models; the format: docs/conversion.md#checkpoint-format-what-the-trainer---loads).
-`read_trained` and `one_process` serve `generate`'s model built from a trainer checkpoint's saved
-flags, on one process.
+`load_for_generation`: `generate`'s model rebuilt from a trainer checkpoint's saved flags, on one
+process.
 """
 from __future__ import annotations
 
@@ -134,3 +134,27 @@ def one_process() -> None:
     install_compat()
     if not bps.is_initialized():
         bps.initialize_block_parallel()
+
+
+def load_for_generation(load: str, ckpt_step: Optional[int] = None):
+    """The `BlockDiffusionModel` of a `python -m megatron_csbp.train` checkpoint at TP = CP = BP = 1,
+    rebuilt from its saved hyper-parameters (`bdlm_meta.json`; a converted model from its shape file)
+    and loaded, in eval mode, on one process. Returns (model, model_meta, step)."""
+    from megatron_csbp.checkpoint.state import load_checkpoint
+    from megatron_csbp.model.assemble import ModelArgs, assemble
+
+    info = read_trained(load, ckpt_step)
+    margs = info.model_args
+    if margs.get("objective") != "bd3lm":
+        # Fast-dLLM v2 decodes with a token shift: not this sampler. Checked before building the model.
+        raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler "
+                         "decodes BD3-LM (--objective bd3lm) checkpoints and DiffusionGemma models. Export others "
+                         "with `python -m megatron_csbp.convert megatron-to-hf` and generate with their Hugging "
+                         "Face model")
+    one_process()
+    fields = ModelArgs.__dataclass_fields__
+    _, model = assemble(ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None},
+                                  model_shape=info.file_shape))
+    model.eval()
+    load_checkpoint(load, model.gpt, None, None, info.iteration)
+    return model, margs, info.iteration

@@ -337,8 +337,8 @@ def _load_model_state(model, loaded, path: str) -> None:
     from megatron_csbp.parallel.pipeline import chunks_of
 
     chunks = chunks_of(model)
-    for i, chunk in enumerate(chunks):
-        missing, unexpected = chunk.gpt.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
+    for i, chunk in enumerate(chunks):  # a model chunk (its `gpt`), or a bare model (generation's)
+        missing, unexpected = getattr(chunk, "gpt", chunk).load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
                                                         strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing:

@@ -115,28 +115,3 @@ class BlockDiffusionSampler:
                 self._clean_rows(tokens, lo, lo + B)
         self.state.mode = "off"
         return tokens[len(prompt):min(generated_end, total)]
-
-
-def load_for_generation(load: str, ckpt_step: Optional[int] = None):
-    """A TP = CP = BP = 1 model rebuilt from a checkpoint's saved hyper-parameters (`bdlm_meta.json`)
-    and loaded, on one process. Returns (model, model_meta, step)."""
-    from megatron_csbp.checkpoint.model import one_process, read_trained
-    from megatron_csbp.checkpoint.state import load_checkpoint
-    from megatron_csbp.training.model import ModelArgs, build_model
-
-    info = read_trained(load, ckpt_step)
-    margs = info.model_args
-    if margs.get("objective") != "bd3lm":
-        # Fast-dLLM v2 decodes with a token shift: not this sampler. Checked before building the model.
-        raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler "
-                         "decodes BD3-LM (--objective bd3lm) checkpoints and DiffusionGemma models. Export others "
-                         "with `python -m megatron_csbp.convert megatron-to-hf` and generate with their Hugging "
-                         "Face model")
-    one_process()
-    fields = ModelArgs.__dataclass_fields__
-    # a model converted from Hugging Face is rebuilt from its shape file
-    a = ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None}, model_shape=info.file_shape)
-    model = build_model(a)
-    model.eval()
-    load_checkpoint(load, model, None, None, info.iteration)
-    return model, margs, info.iteration

@@ -31,7 +31,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_csbp.generation.bd3lm import ORDERS, BlockDiffusionSampler, load_for_generation  # noqa: F401
+from megatron_csbp.checkpoint.model import load_for_generation  # noqa: F401
+from megatron_csbp.generation.bd3lm import ORDERS, BlockDiffusionSampler  # noqa: F401
 from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
 
 BD3LM_DEFAULT_NEW_TOKENS = 64
@@ -195,7 +196,7 @@ def run_bd3lm(p, a) -> np.ndarray:
     if a.temperature < 0:
         p.error(f"--temperature must be >= 0, got {a.temperature}")
     new = BD3LM_DEFAULT_NEW_TOKENS if a.max_new_tokens is None else a.max_new_tokens
-    sampler = BlockDiffusionSampler(model.bdlm, margs["vocab_size"], margs["mask_token_id"], tok.eod,
+    sampler = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], tok.eod,
                                     margs["block_size"], use_cache=not a.no_kv_cache)
     rows: List[List[int]] = []
     try:

@@ -88,6 +88,7 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
     Megatron drafter and evaluated as the trainer evaluates (`TrainableDrafter`, one rank), the
     objective's anchors, the data's tokens as targets (docs/dflash.md: why it differs from the
     measured length)."""
+    from megatron_csbp.checkpoint.drafter import drafter_from_hf
     from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.data.features import FeatureSplit
     from megatron_csbp.attention.dflash import DFlashLayout
@@ -96,7 +97,7 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
 
     data, n = FeatureDataset(a.features_path), a.eval_sequences
     with single_process_megatron():
-        drafter, shape = _import_drafter(hf_drafter)
+        drafter, shape = drafter_from_hf(hf_drafter)
         held_out = DFlashObjective(shape.block_size, shape.mask_token_id).for_evaluation()
         model = TrainableDrafter(drafter.config, DFlashTrainingModel(
             drafter, verifier.get_input_embeddings().weight.detach().float(),
@@ -108,16 +109,6 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
         metrics = model.eval_metrics(log=None)
     return {"training_acceptance_per_offset": metrics["eval_acceptance_per_offset"],
             "training_expected_acceptance_length": metrics["eval_expected_acceptance_length"]}
-
-
-def _import_drafter(hf_drafter):
-    """(the Hugging Face drafter imported into the Megatron drafter, its DrafterShape)."""
-    from megatron_csbp.model.dflash import DFlashDrafter, DrafterShape, load_hf_drafter
-
-    shape = DrafterShape.from_hf_config(hf_drafter.config.to_dict())
-    drafter = DFlashDrafter(shape)
-    load_hf_drafter(drafter, hf_drafter)
-    return drafter, shape
 
 
 @torch.no_grad()
@@ -134,6 +125,7 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     2 eps, eps = logit_tolerance x max(1, max |logit|) (the numeric gap between this forward and
     serving's); otherwise a relaxation over the tokens left after each prompt's first uncertain
     block (docs/dflash.md)."""
+    from megatron_csbp.checkpoint.drafter import drafter_from_hf
     from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashTrainingModel
@@ -145,7 +137,7 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     counts, steps, drafting, cut, uncertain, min_margin = None, 0, 0, [], 0, float("inf")
     sure_tokens, sure_steps, left = 0, 0, []
     with single_process_megatron():
-        drafter, shape = _import_drafter(hf_drafter)
+        drafter, shape = drafter_from_hf(hf_drafter)
         B = shape.block_size
         for prompt, y in zip(prompts, outputs):
             P, L = len(prompt), len(y)

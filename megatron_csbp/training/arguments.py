@@ -136,9 +136,9 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     objective = objective_class(args.objective)
     drafter = None
     if objective.loads_drafter and args.load:
-        from megatron_csbp.checkpoint.drafter import drafter_shape
+        from megatron_csbp.checkpoint.drafter import read_shape
 
-        drafter = drafter_shape(args.load)
+        drafter = read_shape(args.load)
     inputs = objective.prepare_args(args, defaults, check_only, notes, drafter)
     for dest, value in inputs.flags.items():
         setattr(args, dest, value)

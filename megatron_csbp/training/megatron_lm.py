@@ -300,18 +300,17 @@ def _model_args_from_megatron(args):
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config=None, pg_collection=None):
-    """Megatron-LM model provider: GPTModel (Megatron-LM's config and spec choice) as a BDLM."""
+    """Megatron-LM model provider: GPTModel (Megatron-LM's config and spec choice) as a BDLM, through
+    `model.assemble` (the trainer's weights under pipeline parallelism)."""
+    import contextlib
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_csbp.parallel import state as bps
-    from megatron_csbp.model import builder
-    from megatron_csbp.model.bdlm import wrapper_class
-    from megatron_csbp.training.model import TrainableBDLM, build_layout, build_objective
-    from megatron_csbp.config.options import gpt_kwargs
-
+    from megatron_csbp.model import assemble, builder
     from megatron_csbp.parallel import pipeline
+    from megatron_csbp.training.model import TrainableBDLM
 
     args = get_args()
     stage = pipeline.Stage(pre_process, post_process, vp_stage)
@@ -325,37 +324,22 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
                                         moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
                                         normalization=args.normalization)
-    build = partial(builder.gpt_model, config, spec, vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, **stage.kwargs(),
-                    fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    **gpt_kwargs(args))  # rotary: the trainer's flag-built model's (rope scaling included)
-    if stage.whole:
-        gpt = build()
-    else:
-        # Megatron-LM seeds each stage with --seed + 100 x PP rank: build from --seed instead,
-        # replaying one rank's draws before the chunk (the trainer's weights), and leave
-        # Megatron-LM's generator state as it was.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)
-            offset = pipeline.first_layer(config, vp_stage)
-            if offset or not pre_process:
-                pipeline.replay_earlier_draws(config, spec, args.padded_vocab_size, args.max_position_embeddings,
-                                              offset, not pre_process, args.position_embedding_type)
-            gpt = build()
     margs = _model_args_from_megatron(args)
     if margs.mask_token_id is None and objective_class(margs.objective).mask_token_needed is not None:
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
                          "hook picks the first padding id) or pass --mask-token-id")
-    objective = build_objective(margs)
-    bdlm = wrapper_class(objective)(gpt, objective, build_layout(margs), bps.get_shard_rank(),
-                                      bps.get_clean_ring_group(), margs.attention_transport,
-                                      packing=Packing.of(margs))
+    # Megatron-LM seeds each stage with --seed + 100 x PP rank: a chunk is built from --seed instead
+    # (the trainer's weights), leaving Megatron-LM's generator state as it was.
+    with contextlib.nullcontext() if stage.whole else torch.random.fork_rng(devices=[]):
+        gpt = assemble.flag_built_gpt(margs, config, spec, stage, args.padded_vocab_size, args.max_position_embeddings,
+                                      seed=None if stage.whole else args.seed, redraw_experts=False,
+                                      fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True)
+    bdlm = assemble.wrap(margs, gpt)
     if config.pipeline_model_parallel_size > 1:
         # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
         # rank's rows cross the stage boundary (megatron_csbp/parallel/pipeline.py).
         args.decoder_seq_length = pipeline.p2p_seq_length(bdlm)
-        config.variable_seq_lengths = pipeline.variable_rows(objective)
+        config.variable_seq_lengths = pipeline.variable_rows(bdlm.objective)
     return TrainableBDLM(config, bdlm)
 
 

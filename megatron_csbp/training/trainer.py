@@ -147,11 +147,12 @@ class Trainer:
         if self.gpt_provider is None:
             self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
         else:
-            from megatron_csbp.training.model import _wrap, build_layout, build_objective
+            from megatron_csbp.model.assemble import wrap
+            from megatron_csbp.training.model import TrainableBDLM
 
             config, gpt = self.gpt_provider(c.model)
             config.finalize_model_grads_func = finalize
-            self.chunks = [_wrap(c.model, config, gpt, build_objective(c.model), build_layout(c.model), device())]
+            self.chunks = [TrainableBDLM(config, wrap(c.model, gpt, device=device()))]
         self.model = self.chunks[0] if len(self.chunks) == 1 else pipeline.ModelChunks(self.chunks)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not c.optim.grad_reduce_in_bf16,
                                                    overlap_grad_reduce=c.parallel.overlap_grad_reduce,
