@@ -513,7 +513,9 @@ class TrainableDrafter(torch.nn.Module):
         self.input_tensor = None  # the previous pipeline stage's rows (megatron-core's schedules set it)
 
     objective = property(lambda self: self.model.objective)
-    last_stage = property(lambda self: self.model.drafter.post_process)
+    # this stage's part (megatron-core's schedules ask for pre_process / post_process)
+    pre_process = property(lambda self: self.model.drafter.pre_process)
+    post_process = last_stage = property(lambda self: self.model.drafter.post_process)
 
     @property
     def gpt(self) -> DFlashDrafter:
@@ -525,10 +527,6 @@ class TrainableDrafter(torch.nn.Module):
 
     def set_input_tensor(self, input_tensor):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
-
-    def forward(self, tokens, loss_mask, sample_index, denominator, document_ids=None):
-        """What megatron-core's schedules call: the training objective's loss, or a stage's rows."""
-        return self._run(self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
 
     def training_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None, self_conditioning=None,
                       objective=None) -> LossOutput:
@@ -552,7 +550,7 @@ class TrainableDrafter(torch.nn.Module):
             index = split.data_index(int(sample_index[i]))
             seq = (tokens[i].cpu(), loss_mask[i].cpu(), None if document_ids is None else document_ids[i].cpu())
             blocks = self.model.draft_blocks(*seq, sample_index=index, objective=objective)
-            rows = None if self.model.drafter.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
+            rows = None if self.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
             start += len(blocks[1].local)
             out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=with_acceptance,
                              rows=rows, blocks=blocks, objective=objective)

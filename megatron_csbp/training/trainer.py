@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Callable, Dict, Optional, Tuple
 
@@ -166,13 +166,10 @@ class Trainer:
             ch.config.no_sync_func = no_sync
             ch.config.variable_seq_lengths = pipeline.variable_rows(ch.objective)
         o = c.optim
-        opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                                     adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                     clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16,
+        # every optim field megatron-core's OptimizerConfig has (lr, Adam's, clipping, loss scaling), by name
+        shared = {f.name for f in fields(OptimizerConfig)} & {f.name for f in fields(o)}
+        opt_config = OptimizerConfig(optimizer="adam", **{n: getattr(o, n) for n in shared},
                                      params_dtype=torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32,
-                                     loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
-                                     min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
-                                     hysteresis=o.hysteresis,
                                      use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
         if o.fp16:  # megatron-core's schedules scale the loss before backward (Megatron-LM sets the same)
