@@ -414,10 +414,11 @@ class DFlashTrainingModel(torch.nn.Module):
         Under pipeline parallelism the drafter holds this stage's layers: the first stage embeds the
         draft tokens and projects the context, a later one takes `rows`, the previous stage's output
         for this sequence ([draft rows ; projected context rows], [n + c, 1, h]); a stage before the
-        last returns its rows, the last the `DFlashLoss`."""
+        last returns its rows, the last the `DFlashLoss`. `objective`: the one it runs (None: the model's)."""
         from megatron_csbp.objectives.dflash import streamed_cross_entropy
 
-        mine, plan = blocks or self.draft_blocks(tokens, loss_mask, doc_ids, sample_index)
+        objective = objective or self.objective
+        mine, plan = blocks or self.draft_blocks(tokens, loss_mask, doc_ids, sample_index, objective)
         device = self.embedding.device
         B, n, drafter = objective.block_size, plan.num_noisy, self.drafter
         if rows is None:
