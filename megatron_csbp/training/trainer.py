@@ -16,7 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -234,7 +234,7 @@ class Trainer:
                 f"{c.model.objective}; {c.batch.num_microbatches} micro-batches per iteration")
 
     # ---- steps -------------------------------------------------------------------------------
-    def _run_batches(self, dataset, consumed: int, objective, metrics: Optional[Metrics] = None) -> float:
+    def _run_batches(self, dataset, consumed: int, objective, metrics: Optional[List[Metrics]] = None) -> float:
         """Forward and backward of one global batch starting at `consumed` under `objective`, or with
         `metrics` (an evaluation's accumulator, a one-item list) forward only; returns the global loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
