@@ -103,10 +103,12 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
             drafter, verifier.get_input_embeddings().weight.detach().float(),
             verifier.get_output_embeddings().weight.detach().float(), held_out,
             DFlashLayout(data.meta["seq_length"], shape.block_size)), (None, FeatureSplit(data, len(data) - n, n)))
+        metrics = {}
         for i in range(n):
             item = model.splits[1][i]
-            model(item["tokens"][None], item["loss_mask"][None], [i], 1.0, item["document_ids"][None])
-        metrics = model.eval_metrics(log=None)
+            _, metrics = model.evaluation_loss(item["tokens"][None], item["loss_mask"][None], [i], 1.0,
+                                               item["document_ids"][None], objective=held_out, metrics=metrics)
+        metrics = model.eval_record(metrics, log=None)
     return {"training_acceptance_per_offset": metrics["eval_acceptance_per_offset"],
             "training_expected_acceptance_length": metrics["eval_expected_acceptance_length"]}
 

@@ -1,9 +1,9 @@
 """`BlockDiffusionModel`: a Megatron `GPTModel` (any spec with the block attention swapped in)
 trained as a block diffusion LM.
 
-A forward is noise -> plan -> rows -> model -> loss; `forward` runs one mode (`training_loss`,
-`stage_output`, `first_pass`). The model, the `NoisedBatch` extras (canvas, clean-row loss,
-self-conditioning) and expert-peer agreement: docs/semantics.md#the-model-modelbdlmpy,
+A forward is noise -> plan -> rows -> model -> loss; one method per mode (`training_loss`,
+`stage_output`, `first_pass`), each under the objective it is given. The model, the `NoisedBatch`
+extras (canvas, clean-row loss, self-conditioning) and expert-peer agreement: docs/semantics.md#the-model-modelbdlmpy,
 docs/diffusiongemma.md, docs/architecture.md#one-training-step.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from functools import partial
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -70,35 +70,65 @@ class BlockDiffusionModel(torch.nn.Module):
         """This rank's plan with noisy rows from block `first_block` on (see `RowFeeder.canvas_plan`)."""
         return self.feeder.canvas_plan(first_block, balanced=has_expert_parallel_peers())
 
-    # ---- the modes -------------------------------------------------------------------------------
+    # ---- the modes (`model.contract.ModelChunk` through `training.model.TrainableBDLM`) --------------
     def forward(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                sample_index: Optional[torch.Tensor] = None,
-                denominator: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                self_conditioning: Optional[torch.Tensor] = None,
-                first_pass: bool = False) -> Union[LossOutput, torch.Tensor]:
-        """What Megatron's schedules call (through a forward_step): fills in the defaults and runs
-        `first_pass` if asked, else `training_loss` on the last stage (or the whole model),
-        `stage_output` before it; per sample when packed samples have different documents.
-        `document_ids` [b, L] (packed SFT): the samples' documents, instead of their EOD tokens."""
+                sample_index: Optional[torch.Tensor] = None, denominator: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None, self_conditioning: Optional[torch.Tensor] = None):
+        """What megatron-core's schedules call: `training_loss` on the last stage (or the whole
+        model), `stage_output` before it. `document_ids` [b, L] (packed SFT): the samples'
+        documents, instead of their EOD tokens."""
+        mode = self.training_loss if self.last_stage else self.stage_output
+        return mode(tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning)
+
+    def training_loss(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None,
+                      self_conditioning=None, objective: Optional[Objective] = None) -> LossOutput:
+        """The last stage's (or the whole model's) training forward under `objective` (None: the
+        model's): this rank's partial loss over `denominator`."""
+        return self._run(self._loss, objective, tokens, loss_mask, sample_index, denominator, document_ids,
+                         self_conditioning)
+
+    def stage_output(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None,
+                     self_conditioning=None, objective: Optional[Objective] = None) -> torch.Tensor:
+        """A pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows."""
+        return self._run(self._hidden, objective, tokens, loss_mask, sample_index, denominator, document_ids,
+                         self_conditioning)
+
+    @torch.no_grad()
+    def first_pass(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None,
+                   self_conditioning=None, objective: Optional[Objective] = None) -> torch.Tensor:
+        """Self-conditioning's first pass under pipeline parallelism (parallel/self_conditioning.py):
+        hidden states on a stage before the last; on the last its output layer's input of the noisy
+        rows, [noisy rows (/ TP under SP), b, h] (the output layer gets no rows), which the first
+        stage's `stage_output` then gets as `self_conditioning`."""
+        return self._run(self._first_pass, objective, tokens, loss_mask, sample_index, denominator, document_ids,
+                         self_conditioning)
+
+    def evaluation_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None, *,
+                        objective: Objective, metrics: Dict) -> Tuple[LossOutput, Dict]:
+        """The held-out loss under `objective`; a block diffusion LM adds no metrics."""
+        return self.training_loss(tokens, loss_mask, sample_index, denominator, document_ids, objective=objective), metrics
+
+    def eval_record(self, metrics: Dict) -> Dict:
+        return {}
+
+    def _run(self, mode, objective, tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning):
+        """`mode` with the defaults filled in; per sample when packed samples have different documents."""
+        objective = self.objective if objective is None else objective
         self.feeder.check_sequence_length(tokens)
         loss_mask = self.supervised(tokens, torch.ones_like(tokens) if loss_mask is None else loss_mask)
         sample_index = torch.arange(tokens.shape[0]) if sample_index is None else sample_index
         if denominator is None:
-            denominator = self.objective.denominator(loss_mask, tokens, document_ids)
-        mode = self.first_pass if first_pass else self.training_loss if self.last_stage else self.stage_output
+            denominator = objective.denominator(loss_mask, tokens, document_ids)
         args = (tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning)
         if self.packing is not None and self.packing.splits_documents and tokens.shape[0] > 1:
             ids = [None] * tokens.shape[0] if document_ids is None else list(document_ids)
             docs = [self.packing.documents(t, i) for t, i in zip(tokens, ids)]
             if any(d != docs[0] for d in docs[1:]):
-                return self._sample_by_sample(mode, *args)
-        return mode(*args)
+                return self._sample_by_sample(partial(mode, objective), *args)
+        return mode(objective, *args)
 
-    def training_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None,
-                      self_conditioning=None) -> LossOutput:
-        """The last stage's (or the whole model's) training forward: this rank's partial loss over
-        `denominator` (`loss_mask` already `supervised`)."""
-        rows, logits = self._through_model(tokens, loss_mask, sample_index, document_ids, self_conditioning)
+    def _loss(self, objective, tokens, loss_mask, sample_index, denominator, document_ids, hidden) -> LossOutput:
+        rows, logits = self._through_model(objective, tokens, loss_mask, sample_index, document_ids, hidden)
         # AR on k replicated clean rings: each ring computes the full loss, so each counts 1/k.
         denominator, weights = denominator * self.feeder.replication, rows.weights
         if denominator.dim() and denominator.numel() == 2:  # [noisy rows', clean rows'] (Objective.denominator)
@@ -107,19 +137,11 @@ class BlockDiffusionModel(torch.nn.Module):
             denominator = denominator.new_ones(())
         return self.loss(logits, rows.targets, weights, denominator)
 
-    def stage_output(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
-                     self_conditioning=None) -> torch.Tensor:
-        """A pipeline stage before the last: hidden states [rows (/ TP), b, h] of this rank's rows."""
-        return self._through_model(tokens, loss_mask, sample_index, document_ids, self_conditioning)[1]
+    def _hidden(self, objective, tokens, loss_mask, sample_index, denominator, document_ids, hidden) -> torch.Tensor:
+        return self._through_model(objective, tokens, loss_mask, sample_index, document_ids, hidden)[1]
 
-    @torch.no_grad()
-    def first_pass(self, tokens, loss_mask, sample_index, denominator=None, document_ids=None,
-                   self_conditioning=None) -> torch.Tensor:
-        """Self-conditioning's first pass under pipeline parallelism (pipeline_self_conditioning.py):
-        hidden states on a stage before the last; on the last its output layer's input of the noisy
-        rows, [noisy rows (/ TP under SP), b, h] (the output layer gets no rows), which the first
-        stage's forward then gets as `self_conditioning`."""
-        _, plan, _, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+    def _first_pass(self, objective, tokens, loss_mask, sample_index, denominator, document_ids, hidden):
+        _, plan, _, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids, objective)
         if not self.last_stage:
             return self.logits(rows.input_ids, plan)
         captured = []
@@ -127,12 +149,12 @@ class BlockDiffusionModel(torch.nn.Module):
         w = self.gpt.shared_embedding_or_output_weight()  # nothing captured: no noisy rows (a padding micro-batch)
         return captured[0] if captured else w.new_zeros((0, tokens.shape[0], w.shape[1]))
 
-    def _through_model(self, tokens, loss_mask, sample_index, document_ids, hidden):
+    def _through_model(self, objective, tokens, loss_mask, sample_index, document_ids, hidden):
         """(this rank's rows, the GPT model's output on them) of a training forward. When the batch
         draws self-conditioning and this rank has noisy rows, the GPT model also gets, on the whole
         model, a detached first pass's logits of the noisy rows, on the first pipeline stage the
         first pass's `hidden` (`first_pass`)."""
-        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids)
+        noised, plan, any_sc, rows = self._rows_of(tokens, loss_mask, sample_index, document_ids, objective)
         sc = {}
         if any_sc and rows.num_noisy and self.first_stage:
             if self.last_stage:
@@ -173,10 +195,11 @@ class BlockDiffusionModel(torch.nn.Module):
                              f"{self.objective.name}): use --micro-batch-size 1")
         return torch.cat(outs, dim=1)
 
-    def _rows_of(self, tokens, loss_mask, sample_index, document_ids):
+    def _rows_of(self, tokens, loss_mask, sample_index, document_ids, objective: Optional[Objective] = None):
         """(noised batch, plan, whether the self-conditioning first pass runs, this rank's rows)."""
-        docs = {"document_ids": document_ids} if self.objective.reads_documents else {}
-        noised = self.objective.noise(tokens, loss_mask, sample_index, **docs)
+        objective = self.objective if objective is None else objective
+        docs = {"document_ids": document_ids} if objective.reads_documents else {}
+        noised = objective.noise(tokens, loss_mask, sample_index, **docs)
         plan, any_sc = self._plan_of(noised)
         if self.packing is not None:
             plan = self.feeder.packed_plan(plan, self.packing, tokens[0],
@@ -245,7 +268,9 @@ class BlockDiffusionModel(torch.nn.Module):
 
     # ---- loss ------------------------------------------------------------------------------------
     def loss(self, logits, targets, weights, denominator) -> LossOutput:
-        """sum(w * CE over target rows) / denominator, vocab-parallel under TP."""
+        """sum(w * CE over target rows) / denominator, vocab-parallel under TP; the mask column is
+        left out as the model's objective says (like its rows, fixed when the model is built: an
+        evaluation objective changes the noise only)."""
         exclude = self.objective.mask_token_id if self.objective.exclude_mask_from_softmax else None
         return weighted_cross_entropy(logits, targets, weights, denominator, exclude_token=exclude)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from megatron_csbp.model.loss import LossOutput
 
 HF_MODEL_TYPE = "muse_glimmer_assistant"
 SHAPE_FILE = "megatron_csbp_drafter.json"
@@ -386,10 +388,10 @@ class DFlashTrainingModel(torch.nn.Module):
         return t
 
     def draft_blocks(self, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                     doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0):
+                     doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0, objective=None):
         """(this rank's draft blocks, its attention plan) of one sequence (tokens / loss_mask /
-        doc_ids [L]): a pure function of the sequence and its sample index, which every pipeline
-        stage rebuilds."""
+        doc_ids [L]) under `objective` (None: the model's): a pure function of the sequence and its
+        sample index, which every pipeline stage rebuilds."""
         from megatron_csbp.objectives.dflash import document_starts
 
         L = tokens.numel()
@@ -397,7 +399,7 @@ class DFlashTrainingModel(torch.nn.Module):
             raise ValueError(f"sequence of {L} tokens, the layout was built for --seq-length {self.layout.seq_length}")
         loss_mask = torch.ones(L, dtype=torch.long) if loss_mask is None else loss_mask
         doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids
-        sample = self.objective.sample(tokens, loss_mask, doc_ids, sample_index)
+        sample = (objective or self.objective).sample(tokens, loss_mask, doc_ids, sample_index)
         starts = document_starts(doc_ids.cpu().long())
         plan = self.layout.plan(self.shard_rank, sample.anchors, sample.doc_starts, starts, self.ring_group,
                                 self.transport)
@@ -405,25 +407,26 @@ class DFlashTrainingModel(torch.nn.Module):
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
                 doc_ids: Optional[torch.Tensor] = None, sample_index: int = 0,
-                with_acceptance: bool = False, rows: Optional[torch.Tensor] = None, blocks=None):
+                with_acceptance: bool = False, rows: Optional[torch.Tensor] = None, blocks=None, objective=None):
         """features [L, len(target_layer_ids) * h] (a memory map is fine: only this rank's context
         rows are read), tokens / loss_mask / doc_ids [L]; `blocks` their `draft_blocks` if already built.
 
         Under pipeline parallelism the drafter holds this stage's layers: the first stage embeds the
         draft tokens and projects the context, a later one takes `rows`, the previous stage's output
         for this sequence ([draft rows ; projected context rows], [n + c, 1, h]); a stage before the
-        last returns its rows, the last the `DFlashLoss`."""
+        last returns its rows, the last the `DFlashLoss`. `objective`: the one it runs (None: the model's)."""
         from megatron_csbp.objectives.dflash import streamed_cross_entropy
 
-        mine, plan = blocks or self.draft_blocks(tokens, loss_mask, doc_ids, sample_index)
+        objective = objective or self.objective
+        mine, plan = blocks or self.draft_blocks(tokens, loss_mask, doc_ids, sample_index, objective)
         device = self.embedding.device
-        B, n, drafter = self.objective.block_size, plan.num_noisy, self.drafter
+        B, n, drafter = objective.block_size, plan.num_noisy, self.drafter
         if rows is None:
             L, width = tokens.numel(), drafter.shape.context_width
             if features.shape[0] != L or features.shape[1] != width:
                 raise ValueError(f"features {tuple(features.shape)} must be [{L}, {width}] (len(--target-layer-ids) x "
                                  "hidden)")
-            draft_tokens = torch.full((n // B, B), self.objective.mask_token_id, dtype=torch.long)
+            draft_tokens = torch.full((n // B, B), objective.mask_token_id, dtype=torch.long)
             draft_tokens[: len(mine.anchors)] = mine.draft_tokens
             draft = self.embedding[draft_tokens.flatten().to(device)][:, None]
             ctx_pos = plan.local.position[n:]
@@ -439,9 +442,9 @@ class DFlashTrainingModel(torch.nn.Module):
         sup = targets >= 0
         idx = sup.nonzero().flatten()
         ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx],
-                                        self.objective.vocab_chunk)
+                                        objective.vocab_chunk)
         ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
-        num, den, metrics = self.objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
+        num, den, metrics = objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
                                                       sup.view(-1, B), reduce=self._reduce)
         if with_acceptance:  # this rank's blocks: metrics["acceptance_counts"], summed over blocks
             # and, per block of this rank, metrics["acceptance_blocks"]: anchors [A], right / supervised
@@ -453,7 +456,7 @@ class DFlashTrainingModel(torch.nn.Module):
             scale = torch.zeros_like(margin)
             if len(idx):
                 pred[idx], margin[idx], scale[idx] = streamed_top2(hidden.index_select(0, idx).detach(), self.lm_head,
-                                                                   self.objective.vocab_chunk)
+                                                                   objective.vocab_chunk)
             right = (pred == targets).view(-1, B).cpu()
             metrics = dict(metrics, acceptance_counts=acceptance_counts(right, sup.view(-1, B).cpu()),
                            acceptance_blocks={"anchors": mine.anchors.cpu(), "right": right & sup.view(-1, B).cpu(),
@@ -489,31 +492,31 @@ def drafter_shape_from_args(a, hidden: int) -> DrafterShape:
 
 
 class TrainableDrafter(torch.nn.Module):
-    """A `DFlashTrainingModel` as the `Trainer` drives a model chunk: `forward(tokens, loss_mask,
-    sample_index, denominator, document_ids)` over a micro-batch [b, L] (each sequence's features
-    read from the captured features at its split's index), returning the micro-batch's share of the
-    global loss (each sequence's weighted mean over the global count of sequences); `bdlm` is
-    itself (the objective, `supervised`). Checkpoints hold the drafter's weights under their own
-    names (`sharded_state_dict`), replicated over every rank of a pipeline stage.
+    """A `DFlashTrainingModel` as the trainer's `model.contract.ModelChunk`: a micro-batch [b, L]
+    (each sequence's features read from the captured features at its split's index: the held-out
+    split under a held-out objective, `DFlashObjective.for_evaluation`); the loss is the
+    micro-batch's share of the global loss (each sequence's weighted mean over the global count of
+    sequences). Checkpoints hold the drafter's weights under their own names (`sharded_state_dict`),
+    replicated over every rank of a pipeline stage.
 
     Under pipeline parallelism a stage sends the micro-batch's rows: each sequence's [draft rows ;
     projected context rows], one after the other ([rows, 1, h]; P2P exchanges shapes first)."""
 
     share_embeddings_and_output_weights = False  # megatron-core's finalize_model_grads asks
+    plan = None  # the rows that cross a stage vary
 
     def __init__(self, config, training_model: "DFlashTrainingModel", splits):
         super().__init__()
         from megatron.core.enums import ModelType
 
         self.config, self.model, self.splits = config, training_model, splits
-        self.objective = training_model.objective
         self.model_type = ModelType.encoder_or_decoder
-        self._counts = None  # acceptance counts of the evaluation under way
-        self.input_tensor = None  # the previous pipeline stage's rows
+        self.input_tensor = None  # the previous pipeline stage's rows (megatron-core's schedules set it)
 
-    @property
-    def bdlm(self):
-        return self
+    objective = property(lambda self: self.model.objective)
+    # this stage's part (megatron-core's schedules ask for pre_process / post_process)
+    pre_process = property(lambda self: self.model.drafter.pre_process)
+    post_process = last_stage = property(lambda self: self.model.drafter.post_process)
 
     @property
     def gpt(self) -> DFlashDrafter:
@@ -523,56 +526,56 @@ class TrainableDrafter(torch.nn.Module):
     def supervised(self, tokens, loss_mask):
         return loss_mask
 
-    @property
-    def pre_process(self) -> bool:
-        return self.model.drafter.pre_process
-
-    @property
-    def post_process(self) -> bool:
-        return self.model.drafter.post_process
-
     def set_input_tensor(self, input_tensor):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
 
-    def forward(self, tokens, loss_mask, sample_index, denominator, document_ids=None):
-        from types import SimpleNamespace
+    def training_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None, self_conditioning=None,
+                      objective=None) -> LossOutput:
+        return self._run(objective or self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
 
-        held_out = self.objective.held_out
-        split = self.splits[1 if held_out else 0]
-        self.model.objective = self.objective  # the trainer swaps in the held-out objective to evaluate
-        if held_out and self._counts is None:  # every stage takes part in `eval_metrics`' reduction
-            self._counts = torch.zeros(2, self.objective.block_size - 1, dtype=torch.float64)
-        total, outputs, start = 0.0, [], 0
+    def stage_output(self, tokens, loss_mask, sample_index, denominator, document_ids=None, self_conditioning=None,
+                     objective=None) -> torch.Tensor:
+        return self._run(objective or self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
+
+    def evaluation_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None, *, objective,
+                        metrics: Dict) -> Tuple[LossOutput, Dict]:
+        """The held-out loss and `metrics` with this micro-batch's acceptance counts added."""
+        out, counts = self._run(objective, tokens, loss_mask, sample_index, denominator, document_ids, True)
+        return out, dict(metrics, acceptance_counts=metrics.get("acceptance_counts", 0) + counts)
+
+    def _run(self, objective, tokens, loss_mask, sample_index, denominator, document_ids, with_acceptance=False):
+        """(the loss, or on a stage before the last its rows; the summed acceptance counts)."""
+        split = self.splits[1 if objective.held_out else 0]
+        total, outputs, start, counts = 0.0, [], 0, 0
         for i in range(tokens.shape[0]):
             index = split.data_index(int(sample_index[i]))
             seq = (tokens[i].cpu(), loss_mask[i].cpu(), None if document_ids is None else document_ids[i].cpu())
-            blocks = self.model.draft_blocks(*seq, sample_index=index)
+            blocks = self.model.draft_blocks(*seq, sample_index=index, objective=objective)
             rows = None if self.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
             start += len(blocks[1].local)
-            out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=held_out,
-                             rows=rows, blocks=blocks)
-            if not self.post_process:
+            out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=with_acceptance,
+                             rows=rows, blocks=blocks, objective=objective)
+            if not self.last_stage:
                 outputs.append(out)
                 continue
             total = total + out.loss
-            if held_out:  # training-time acceptance of the held-out sequences (`eval_metrics`)
-                self._counts = self._counts + out.metrics["acceptance_counts"]
-        if not self.post_process:
-            return torch.cat(outputs)
+            if with_acceptance:
+                counts = counts + out.metrics["acceptance_counts"]
+        if not self.last_stage:
+            return torch.cat(outputs), counts
         loss = total / denominator
-        return SimpleNamespace(loss=loss, num_targets=torch.tensor(tokens.shape[0]))
+        return LossOutput(loss, torch.tensor(tokens.shape[0]), loss.detach()), counts
 
-    def eval_metrics(self, log=print) -> Dict:
-        """Collective, after the trainer's evaluation: the per-offset accuracy and expected acceptance
-        length (`objectives.dflash.acceptance_from_counts`) of the held-out blocks, counts summed
-        over the shard group and data-parallel replicas; rank 0 `log`s them."""
+    def eval_record(self, metrics: Dict, log=print) -> Dict:
+        """Collective on every rank, after an evaluation: the per-offset accuracy and expected
+        acceptance length (`objectives.dflash.acceptance_from_counts`) of the held-out blocks in
+        `metrics`, counts summed over the shard group, data-parallel replicas and pipeline stages;
+        rank 0 `log`s them."""
         from megatron.core import parallel_state as mpu
 
         from megatron_csbp.objectives.dflash import acceptance_from_counts
 
-        counts, self._counts = self._counts, None
-        if counts is None:
-            return {}
+        counts = metrics.get("acceptance_counts", 0) + torch.zeros(2, self.objective.block_size - 1, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             counts = counts.to(self.model.embedding.device)
             dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))

@@ -59,9 +59,9 @@ class SelfConditioningRelay:
         sub = [batches[j] for j in picked]
 
         def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            return model(b["tokens"], b["loss_mask"], b["sample_index"], None, b.get("document_ids"),
-                         first_pass=True), None  # the last stage: the schedule collects the output
+            b = next(data_iterator)  # (model: the chunk's DDP; the last stage: the schedule collects the output)
+            return model.module.first_pass(b["tokens"], b["loss_mask"], b["sample_index"], None,
+                                           b.get("document_ids")), None
 
         data = iter(sub) if len(self.ddps) == 1 else [iter(sub) for _ in self.ddps]
         with torch.no_grad():
@@ -99,7 +99,7 @@ def relay_for(chunks: list, ddps: list) -> Optional[SelfConditioningRelay]:
     """The relay of a pipelined run whose objective draws self-conditioning, else None."""
     from megatron.core import parallel_state as mpu
 
-    if mpu.get_pipeline_model_parallel_world_size() == 1 or not getattr(chunks[0].bdlm.objective,
+    if mpu.get_pipeline_model_parallel_world_size() == 1 or not getattr(chunks[0].objective,
                                                                          "self_conditioning_prob", 0.0):
         return None
     return SelfConditioningRelay(chunks, ddps)

@@ -19,13 +19,20 @@ from megatron_csbp.parallel import pipeline
 
 
 class TrainableBDLM(MegatronModule):
-    """A `BlockDiffusionModel` as a MegatronModule for DDP; checkpoints are plain GPT state (the
-    same keys as Megatron-LM's GPT checkpoints: core attention has no parameters)."""
+    """A `BlockDiffusionModel` as a MegatronModule for DDP and the trainer's `model.contract.ModelChunk`;
+    checkpoints are plain GPT state (the same keys as Megatron-LM's GPT checkpoints: core attention
+    has no parameters)."""
 
     def __init__(self, config: TransformerConfig, bdlm: BlockDiffusionModel):
         super().__init__(config=config)
         self.bdlm = bdlm
         self.model_type = bdlm.gpt.model_type
+        for mode in ("supervised", "training_loss", "stage_output", "first_pass", "evaluation_loss", "eval_record"):
+            setattr(self, mode, getattr(bdlm, mode))
+
+    objective = property(lambda self: self.bdlm.objective)
+    last_stage = property(lambda self: self.bdlm.last_stage)
+    plan = property(lambda self: self.bdlm.plan)
 
     @property
     def gpt(self) -> GPTModel:
@@ -38,11 +45,10 @@ class TrainableBDLM(MegatronModule):
         `.module` until it finds the attribute. A property, so no second state-dict entry."""
         return self.bdlm.gpt
 
-    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None, **kwargs):
-        """`kwargs`: self-conditioning under pipeline parallelism (`BlockDiffusionModel.forward`)."""
-        if document_ids is None:
-            return self.bdlm(tokens, loss_mask, sample_index, denominator, **kwargs)
-        return self.bdlm(tokens, loss_mask, sample_index, denominator, document_ids=document_ids, **kwargs)
+    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None,
+                self_conditioning=None):
+        """What megatron-core's schedules call (`BlockDiffusionModel.forward`)."""
+        return self.bdlm(tokens, loss_mask, sample_index, denominator, document_ids, self_conditioning)
 
     def set_input_tensor(self, input_tensor):
         self.bdlm.gpt.set_input_tensor(input_tensor)

@@ -14,13 +14,14 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_csbp.model.contract import Metrics
 from megatron_csbp.training.config import TrainerConfig
 from megatron_csbp.training.metrics import Logger, allreduce, flops_per_sample, peak_memory_bytes
 from megatron_csbp.training.signals import PROGRAM_START  # noqa: F401  (--exit-duration-in-mins counts from here)
@@ -164,15 +165,12 @@ class Trainer:
         no_sync = self.ddp.no_sync if len(self.ddps) == 1 else [d.no_sync for d in self.ddps]
         for ch in self.chunks:
             ch.config.no_sync_func = no_sync
-            ch.config.variable_seq_lengths = pipeline.variable_rows(ch.bdlm.objective)
+            ch.config.variable_seq_lengths = pipeline.variable_rows(ch.objective)
         o = c.optim
-        opt_config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                                     adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                     clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16,
+        # every optim field megatron-core's OptimizerConfig has (lr, Adam's, clipping, loss scaling), by name
+        shared = {f.name for f in fields(OptimizerConfig)} & {f.name for f in fields(o)}
+        opt_config = OptimizerConfig(optimizer="adam", **{n: getattr(o, n) for n in shared},
                                      params_dtype=torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32,
-                                     loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
-                                     min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
-                                     hysteresis=o.hysteresis,
                                      use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
         if o.fp16:  # megatron-core's schedules scale the loss before backward (Megatron-LM sets the same)
@@ -199,7 +197,7 @@ class Trainer:
         self.train_ds, self.valid_ds = objective_class(c.data.objective).build_datasets(c.data)
         self.flops_per_sample = flops_per_sample(c.model)
         # BD3-LM evaluates the NELBO whatever schedule training draws from; others their own objective
-        self.eval_objective = self.chunks[0].bdlm.objective.for_evaluation()
+        self.eval_objective = self.chunks[0].objective.for_evaluation()
         if c.checkpoint.save:
             self._check_save_room()
         return self
@@ -237,8 +235,9 @@ class Trainer:
                 f"{c.model.objective}; {c.batch.num_microbatches} micro-batches per iteration")
 
     # ---- steps -------------------------------------------------------------------------------
-    def _run_batches(self, dataset, consumed: int, forward_only: bool) -> float:
-        """Forward(/backward) of one global batch starting at `consumed`; returns the global loss."""
+    def _run_batches(self, dataset, consumed: int, objective, metrics: Optional[List[Metrics]] = None) -> float:
+        """Forward and backward of one global batch starting at `consumed` under `objective`, or with
+        `metrics` (an evaluation's accumulator, a one-item list) forward only; returns the global loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron_csbp.data.megatron_data import collate, microbatch_indices
 
@@ -246,7 +245,6 @@ class Trainer:
         dev = device()
         batches = []
         local_den = 0.0
-        objective = self.chunks[0].bdlm.objective
         prefetched = dataset is self.train_ds and self._batches is not None and self._batches_at == consumed
         for j in range(b_cfg.num_microbatches):
             if prefetched:  # --num-workers: the DataLoader's next micro-batch is this one
@@ -254,7 +252,7 @@ class Trainer:
             else:
                 b = collate(dataset, microbatch_indices(consumed, j, b_cfg.micro_batch_size, self.dp_rank,
                                                         self.dp_size), dev)
-            b["loss_mask"] = self.chunks[0].bdlm.supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
+            b["loss_mask"] = self.chunks[0].supervised(b["tokens"], b["loss_mask"])  # --eod-mask-loss
             batches.append(b)
             share = objective.denominator(b["loss_mask"], b["tokens"], b.get("document_ids"))
             local_den = local_den + share.detach().double().reshape(-1).cpu()  # a scalar or one per term
@@ -271,12 +269,16 @@ class Trainer:
             return output_tensor, out.num_targets.to(torch.int), {}
 
         def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            # the first stage's self-conditioning input (pipeline_self_conditioning), dropped once used
-            sc = {"self_conditioning": b.pop("self_conditioning")} if "self_conditioning" in b else {}
-            out = model(b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"), **sc)
-            if isinstance(out, torch.Tensor):  # a pipeline stage before the last: hidden states
-                return out, None
+            b, chunk = next(data_iterator), model.module  # (model: the chunk's DDP)
+            args = (b["tokens"], b["loss_mask"], b["sample_index"], denominator, b.get("document_ids"))
+            # the first stage's self-conditioning input (parallel/self_conditioning.py), dropped once used
+            sc = b.pop("self_conditioning", None)
+            if not chunk.last_stage:  # a pipeline stage before the last: what the next one reads
+                return chunk.stage_output(*args, sc, objective=objective), None
+            if metrics is None:
+                out = chunk.training_loss(*args, sc, objective=objective)
+            else:
+                out, metrics[0] = chunk.evaluation_loss(*args, objective=objective, metrics=metrics[0])
             return out.loss, partial(loss_func, out)
 
         from megatron_csbp.parallel import pipeline
@@ -284,13 +286,13 @@ class Trainer:
         fb = get_forward_backward_func()
         # Under pipeline parallelism P2P moves this rank's rows ([rows, b, h]): the schedule's
         # seq_length is the rank's row count x CP (it divides by CP, and by TP under SP).
-        seq_length = pipeline.p2p_seq_length(self.chunks[0].bdlm) if self.pp_group is not None else b_cfg.seq_length
+        seq_length = pipeline.p2p_seq_length(self.chunks[0]) if self.pp_group is not None else b_cfg.seq_length
         if self.sc_relay is not None:  # self-conditioning's first pass through the stages (pipeline_self_conditioning)
             self.sc_relay.run(fb, batches, seq_length, b_cfg.micro_batch_size)
         data = iter(batches) if len(self.ddps) == 1 else [iter(batches) for _ in self.ddps]
         fb(forward_step_func=forward_step, data_iterator=data, model=self.ddps,
            num_microbatches=b_cfg.num_microbatches, seq_length=seq_length,
-           micro_batch_size=b_cfg.micro_batch_size, forward_only=forward_only)
+           micro_batch_size=b_cfg.micro_batch_size, forward_only=metrics is not None)
         local = float(torch.stack(partial_losses).sum()) if partial_losses else 0.0
         (loss,) = allreduce([local], group=self.dp_cp_group)
         if self.pp_group is not None:  # the loss lives on the last stage
@@ -303,7 +305,7 @@ class Trainer:
             d.zero_grad_buffer()
         self.optimizer.zero_grad()
         check = self.config.optim.check_for_nan_in_loss_and_grad
-        loss = self._run_batches(self.train_ds, consumed, forward_only=False)
+        loss = self._run_batches(self.train_ds, consumed, self.chunks[0].objective)
         if check and not math.isfinite(loss):  # the global loss: every rank stops here together
             self._stop(consumed, f"the loss is {loss}", "before the optimizer step")
         ok, grad_norm, _ = self.optimizer.step()
@@ -325,33 +327,27 @@ class Trainer:
 
     def evaluate(self, dataset=None) -> float:
         """Mean loss over the first `--eval-iters` global batches of the held-out split (or of
-        `dataset`), with `eval_objective`. Every evaluation reads the same samples with the same noise
-        (keyed by the held-out sample index), so successive evaluations differ only by the model."""
-        bdlms = [ch.bdlm for ch in self.chunks]
-        train_objective = bdlms[0].objective
-        for bdlm in bdlms:
-            bdlm.objective = self.eval_objective
+        `dataset`), with `eval_objective` (`evaluation`'s "eval_loss")."""
+        return self.evaluation(dataset)["eval_loss"]
+
+    def evaluation(self, dataset=None) -> Dict:
+        """Collective: the record of one evaluation, "eval_loss" and what the model adds
+        (`ModelChunk.eval_record`, e.g. the DFlash drafter's held-out acceptance). Every evaluation
+        reads the same samples with the same noise (keyed by the held-out sample index), so
+        successive evaluations differ only by the model."""
         for d in self.ddps:
             d.eval()
-        losses = []
+        losses, metrics = [], [{}]
         try:
             with torch.no_grad():
                 for k in range(self.config.eval.eval_iters):
                     losses.append(self._run_batches(self.valid_ds if dataset is None else dataset,
-                                                    k * self.config.batch.global_batch_size,
-                                                    forward_only=True))
+                                                    k * self.config.batch.global_batch_size, self.eval_objective,
+                                                    metrics))
         finally:
-            for bdlm in bdlms:
-                bdlm.objective = train_objective
             for d in self.ddps:
                 d.train()
-        return sum(losses) / len(losses)
-
-    def eval_metrics(self) -> Dict:
-        """Collective: what the model adds to an evaluation's record (the DFlash drafter's held-out
-        acceptance; `eval_metrics()` of the first chunk's model wrapper), else nothing."""
-        metrics = getattr(self.chunks[0].bdlm, "eval_metrics", None)
-        return metrics() if metrics is not None else {}
+        return {"eval_loss": sum(losses) / len(losses), **self.chunks[0].eval_record(metrics[0])}
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _shape_files(self) -> Dict:
@@ -464,8 +460,7 @@ class Trainer:
         tokens_per_iter = bc.global_batch_size * bc.seq_length
         try:
             if bc.skip_train:
-                rec = {"iteration": iteration, "eval_loss": self.evaluate()}
-                rec.update(self.eval_metrics())
+                rec = {"iteration": iteration, **self.evaluation()}
                 logger.write(rec)
                 history.append(rec)
                 return {"history": history, "iteration": iteration}
@@ -500,8 +495,7 @@ class Trainer:
                            "tflops_per_gpu": self.flops_per_sample * bc.global_batch_size / per_iter / world / 1e12,
                            "attn_comm_bytes": int(comm), "peak_memory_bytes": int(mem), "skipped": not step.ok}
                     if do_eval:
-                        rec["eval_loss"] = self.evaluate()
-                        rec.update(self.eval_metrics())
+                        rec.update(self.evaluation())
                     # Remaining time at the mean pace so far (training, evaluation and checkpoints included).
                     pace = (time.perf_counter() - wall_start) / (iteration - start_iteration)
                     rec["eta_seconds"] = pace * (stop_at - iteration)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from megatron_csbp.attention.block_attention import AttentionPlan
 from megatron_csbp.model.bdlm import BlockDiffusionModel, register_wrapper
-from megatron_csbp.model.loss import LossOutput
 from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
 
@@ -28,12 +27,10 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
             raise ValueError(f"objective block size {objective.block_size} != layout block size {layout.geometry.block_size}")
         super().__init__(gpt, objective, layout, **kwargs)
 
-    def forward(self, tokens, loss_mask=None, sample_index=None, denominator=None, document_ids=None,
-                **pipeline_kwargs) -> LossOutput:
-        """`pipeline_kwargs`: self-conditioning under pipeline parallelism (`BlockDiffusionModel.forward`)."""
+    def _run(self, mode, objective, tokens, loss_mask, *args):
         if loss_mask is None:
             raise ValueError("diffusiongemma-sft needs a loss mask (1 on response tokens)")
-        return super().forward(tokens, loss_mask, sample_index, denominator, document_ids, **pipeline_kwargs)
+        return super()._run(mode, objective, tokens, loss_mask, *args)
 
 
 __all__ = ["DiffusionGemmaSFTModel", "AttentionPlan"]
