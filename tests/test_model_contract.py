@@ -48,7 +48,7 @@ def test_block_diffusion_chunk_keeps_no_state(megatron_single_rank):
 
 def test_drafter_chunk_keeps_no_state(megatron_single_rank):
     from megatron_csbp.data.features import FeatureSplit
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import (DFlashDrafter, DFlashTrainingModel, DrafterShape, TrainableDrafter,
                                             drafter_transformer_config)
     from megatron_csbp.objectives.dflash import DFlashObjective

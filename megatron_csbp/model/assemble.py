@@ -197,7 +197,7 @@ def assemble_drafter(a, shape, embedding, head, objective, seq_length: int, spli
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    from megatron_csbp.layout.dflash import DFlashLayout
+    from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, TrainableDrafter, drafter_transformer_config
     from megatron_csbp.parallel import state as bps
 
