@@ -452,8 +452,10 @@ def forward_step(data_iterator, model):
     share = inner.bdlm.objective.denominator(loss_mask)
     if mpu.get_context_parallel_rank() != 0:
         share = torch.zeros_like(share)
+    # through the wrappers (Float16Module casts, DDP's hooks): the chunk's forward is its training_loss,
+    # or stage_output on a pipeline stage before the last (model/contract.ModelChunk)
     out = model(tokens, loss_mask, sample_index, torch.ones((), device=tokens.device))
-    if isinstance(out, torch.Tensor):  # a pipeline stage before the last
+    if not inner.last_stage:
         return out, None
     return out.loss, partial(loss_func, out, share.to(tokens.device))
 
