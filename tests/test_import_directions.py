@@ -60,14 +60,7 @@ RULES = [
 ]
 
 #: (importer module, imported module): why it is still there and what removes it
-_BUILDER_HALF = ("model/builder.py builds through model/families/, which read builder.py's config half back "
-                 "(transformer_config, PORTABLE_CONFIG, dimensions, padded_vocab_size); issue 42 item 1 reshapes both: "
-                 "that half in a module below families/ removes these")
-ALLOWED = {
-    ("megatron_csbp.model.families.gpt", "megatron_csbp.model.builder"): _BUILDER_HALF,
-    ("megatron_csbp.model.families.diffusion_gemma", "megatron_csbp.model.builder"): _BUILDER_HALF,
-    ("megatron_csbp.model.diffusiongemma.config", "megatron_csbp.model.builder"): _BUILDER_HALF,
-}
+ALLOWED = {}
 
 
 def module_name(path: str) -> str:

@@ -108,9 +108,8 @@ class ModelConfig:
     def dense_params(self) -> int:
         """Trained dense parameters (a drafter: its layers and `fc`; the verifier's embeddings and
         LM head are frozen, see `frozen_params`)."""
-        if self.is_drafter:
-            return sum(self.layer_dense_params(l) for l in self.layers) + self.fc_params
-        return sum(self.layer_dense_params(l) for l in self.layers) + self.embedding_params
+        own = self.fc_params if self.is_drafter else self.embedding_params
+        return sum(self.layer_dense_params(l) for l in self.layers) + own
 
     @property
     def frozen_params(self) -> int:
@@ -218,20 +217,17 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
     full_kv = int(cfg.get("num_global_key_value_heads") or kv)
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     q_gate = bool(cfg.get("attn_output_gate", False))
+    mlp = dict(mlp_ffn=dense_ffn, num_experts=experts, topk=topk if experts else 0,
+               expert_ffn=expert_ffn if experts else 0)
     layers = []
     for t in layer_types:
         sliding = t in ("sliding_attention", "sliding", "local")
         if t == "linear_attention":
-            layers.append(LayerShape(num_heads=heads, num_kv_heads=kv, head_dim=head_dim, mlp_ffn=dense_ffn,
-                                     num_experts=experts, topk=topk if experts else 0,
-                                     expert_ffn=expert_ffn if experts else 0, **gdn))
-            continue
-        layers.append(LayerShape(q_gate=q_gate,
-            num_heads=heads, num_kv_heads=kv if sliding else full_kv,
-            head_dim=head_dim if sliding else full_head_dim, window=int(window) if sliding else None,
-            kv_shared=(k_eq_v and not sliding), mlp_ffn=dense_ffn, num_experts=experts,
-            topk=topk if experts else 0, expert_ffn=expert_ffn if experts else 0,
-        ))
+            layers.append(LayerShape(num_heads=heads, num_kv_heads=kv, head_dim=head_dim, **mlp, **gdn))
+        else:
+            layers.append(LayerShape(num_heads=heads, num_kv_heads=kv if sliding else full_kv, q_gate=q_gate,
+                                     head_dim=head_dim if sliding else full_head_dim,
+                                     window=int(window) if sliding else None, kv_shared=(k_eq_v and not sliding), **mlp))
     act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu")
     gated = bool(cfg.get("gated_mlp", act in ("silu", "swiglu", "gelu_pytorch_tanh", "gelu", "geglu")))
     drafter = cfg.get("model_type") == "muse_glimmer_assistant" or cfg.get("target_layer_ids") is not None
@@ -281,11 +277,7 @@ def load_hf_config(path: str) -> ModelConfig:
 
 def presets() -> Dict[str, str]:
     """Built-in model configs (HF-style JSON) by name."""
-    out = {}
-    for f in sorted(os.listdir(PRESET_DIR)):
-        if f.endswith(".json"):
-            out[f[:-5]] = os.path.join(PRESET_DIR, f)
-    return out
+    return {f[:-5]: os.path.join(PRESET_DIR, f) for f in sorted(os.listdir(PRESET_DIR)) if f.endswith(".json")}
 
 
 def load_preset(name: str) -> ModelConfig:

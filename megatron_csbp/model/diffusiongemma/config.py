@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
+from megatron_csbp.model.core import PORTABLE_CONFIG, transformer_config
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -49,7 +49,7 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
         raise UnsupportedModelError(f"{cfg.get('model_type')}: {exc}") from exc
     text = text_config_dict(cfg)
     dtype = check_dtype(params_dtype or cfg.get("dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    from megatron_csbp.model.builder import dimensions
+    from megatron_csbp.model.core import dimensions
 
     return ModelShape(
         family=FAMILY,

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_csbp.model.families.gpt_weights import ConversionError
+from megatron_csbp.model.families.gpt_weights import ConversionError, fuse_groups, split_groups
 from megatron_csbp.model.diffusiongemma.config import DiffusionGemmaConfig, config_from_hf
 
 HF_TEXT = "model.decoder."
@@ -40,20 +40,12 @@ def _layer_map(i: int):
 
 
 def _qkv_to_megatron(q, k, v, heads: int, groups: int, d: int) -> torch.Tensor:
-    h = q.shape[-1]
-    q = q.view(groups, heads // groups * d, h)
-    parts = [q, k.view(groups, d, h)] + ([] if v is None else [v.view(groups, d, h)])
-    return torch.cat(parts, dim=1).reshape(-1, h)
+    return fuse_groups([q, k] + ([] if v is None else [v]), groups)
 
 
 def _qkv_from_megatron(qkv, heads: int, groups: int, d: int, k_eq_v: bool):
-    h = qkv.shape[-1]
-    per = heads // groups * d
-    x = qkv.view(groups, per + (1 if k_eq_v else 2) * d, h)
-    q = x[:, :per].reshape(-1, h)
-    k = x[:, per : per + d].reshape(-1, h)
-    v = None if k_eq_v else x[:, per + d :].reshape(-1, h)
-    return q, k, v
+    q, k, *v = split_groups(qkv, groups, [heads // groups * d, d] + ([] if k_eq_v else [d]))
+    return q, k, (v[0] if v else None)
 
 
 def _layer_shape(config: DiffusionGemmaConfig, i: int):

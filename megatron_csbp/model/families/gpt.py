@@ -148,7 +148,7 @@ class GPTFamily(Family):
     # ---- shape -> Megatron -------------------------------------------------------------------
     def config_fields(self, shape: ModelShape, dtype: torch.dtype) -> Dict[str, Any]:
         """The shape's options with a TransformerConfig field (config/options.py), then the fixed ones."""
-        from megatron_csbp.model.builder import PORTABLE_CONFIG
+        from megatron_csbp.model.core import PORTABLE_CONFIG
 
         flags = flag_values(shape)
         kwargs = {o.config: flags[o.name] for o in OPTIONS if o.shape and o.config and (shape.is_moe or not o.moe)}
@@ -163,17 +163,17 @@ class GPTFamily(Family):
         return kwargs
 
     def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
-        from megatron_csbp.model import builder
+        from megatron_csbp.model import core
 
         kwargs = self.config_fields(shape, params_dtype or shape.torch_dtype)
         kwargs.update(overrides)
-        return builder.transformer_config(**kwargs)
+        return core.transformer_config(**kwargs)
 
     def layer_spec(self, shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto"):
         """Megatron local layer spec of `shape` (a decoder block spec when dense and MoE layers mix),
         with the block-diffusion core attention (attention kernel `kernel`: --attention-kernel) swapped
         in unless `block_diffusion=False`."""
-        from megatron_csbp.model import builder
+        from megatron_csbp.model import core
 
         if shape.is_moe and shape.moe_layer_pattern is not None:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -181,18 +181,18 @@ class GPTFamily(Family):
             if config is None:
                 raise ValueError("a mixed dense/MoE layer pattern needs the TransformerConfig")
             spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-            return builder.with_block_diffusion(spec, kernel) if block_diffusion else spec
-        return builder.local_layer_spec(block_diffusion, kernel,
-                                        num_experts=shape.num_experts if shape.is_moe else None,
-                                        moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm,
-                                        normalization="RMSNorm")
+            return core.with_block_diffusion(spec, kernel) if block_diffusion else spec
+        return core.local_layer_spec(block_diffusion, kernel,
+                                     num_experts=shape.num_experts if shape.is_moe else None,
+                                     moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm,
+                                     normalization="RMSNorm")
 
     def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
-        from megatron_csbp.model import builder
+        from megatron_csbp.model import core
         from megatron_csbp.parallel.pipeline import WHOLE, stage_block_spec
 
         stage = stage or WHOLE
-        return builder.gpt_model(
+        return core.gpt_model(
             config, stage_block_spec(self.layer_spec(shape, config, block_diffusion, kernel=kernel), config, stage),
             vocab_size=shape.vocab_size,
             max_sequence_length=shape.max_position_embeddings,
@@ -310,7 +310,7 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     `Qwen3ForCausalLM` with --qk-layernorm; `Qwen2ForCausalLM` with --add-qkv-bias; with
     --num-experts `MixtralForCausalLM` / `Qwen3MoeForCausalLM` (--qk-layernorm). Refuses, naming the
     flag, what none of them holds. The vocabulary is the trainer's padded one (the embedding's rows)."""
-    from megatron_csbp.model.builder import padded_vocab_size
+    from megatron_csbp.model.core import padded_vocab_size
     from megatron_csbp.model.families import get_family
 
     a = dict(FLAG_DEFAULTS, **{k: v for k, v in model_args.items() if v is not None})

@@ -6,7 +6,7 @@ embeddings: docs/conversion.md#tensor-mapping-unsharded-tp--1.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,47 +29,48 @@ def _moe_names(shape: ModelShape, moe_names: Optional[MoENames]) -> MoENames:
     return moe_names if moe_names is not None else get_family(shape.family).hf_moe_names
 
 
+def fuse_groups(parts: List[torch.Tensor], groups: int) -> torch.Tensor:
+    """Tensors of rows grouped by query group (`groups` blocks each) -> one tensor whose rows are,
+    per group, each part's block in turn (Megatron's fused QKV). Weights [rows, hidden] or biases [rows]."""
+    rest = parts[0].shape[1:]
+    return torch.cat([p.reshape(groups, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
+
+
+def split_groups(fused: torch.Tensor, groups: int, sizes: List[int]) -> List[torch.Tensor]:
+    """The inverse of `fuse_groups`: the parts whose blocks have `sizes` rows per group."""
+    rest = fused.shape[1:]
+    return [p.reshape(-1, *rest) for p in torch.split(fused.reshape(groups, -1, *rest), sizes, dim=1)]
+
+
+def _qkv_sizes(shape: ModelShape) -> Tuple[int, int, int]:
+    """(query groups, q rows of a group, kv channels)."""
+    return shape.num_query_groups, shape.num_attention_heads // shape.num_query_groups * shape.kv_channels, shape.kv_channels
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """[q; k; v] (Hugging Face) -> Megatron's per-group interleaved layout. Works for weights
-    [rows, hidden] and biases [rows]."""
-    groups, d = shape.num_query_groups, shape.kv_channels
-    per_group = shape.num_attention_heads // groups
-    rest = q.shape[1:]
-    q = q.reshape(groups, per_group * d, *rest)
-    k = k.reshape(groups, d, *rest)
-    v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(groups * (per_group + 2) * d, *rest)
+    """[q; k; v] (Hugging Face) -> Megatron's per-group interleaved layout."""
+    return fuse_groups([q, k, v], shape.num_query_groups)
 
 
-def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, d = shape.num_query_groups, shape.kv_channels
-    per_group = shape.num_attention_heads // groups
-    rest = qkv.shape[1:]
-    qkv = qkv.reshape(groups, (per_group + 2) * d, *rest)
-    q, k, v = torch.split(qkv, [per_group * d, d, d], dim=1)
-    return (q.reshape(groups * per_group * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
+def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
+    groups, q_rows, d = _qkv_sizes(shape)
+    return split_groups(qkv, groups, [q_rows, d, d])
 
 
 def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """Qwen3.5 gated attention: q_proj rows are [q_h ; gate_h] per head; Megatron's `linear_qkv`
     with `attention_output_gate` is, per query group, [its q heads, their gates, k, v]."""
-    groups, d = shape.num_query_groups, shape.kv_channels
-    per_group = shape.num_attention_heads // groups
-    rest = q_gate.shape[1:]
-    qg = q_gate.reshape(groups, per_group, 2, d, *rest)
-    q, gate = qg[:, :, 0].reshape(groups, per_group * d, *rest), qg[:, :, 1].reshape(groups, per_group * d, *rest)
-    return torch.cat([q, gate, k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1).reshape(
-        groups * (2 * per_group + 2) * d, *rest)
+    groups, d, rest = shape.num_query_groups, shape.kv_channels, q_gate.shape[1:]
+    qg = q_gate.reshape(groups, -1, 2, d, *rest)
+    return fuse_groups([qg[:, :, 0].reshape(-1, *rest), qg[:, :, 1].reshape(-1, *rest), k, v], groups)
 
 
-def split_gated_qkv(qkv: torch.Tensor, shape: ModelShape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, d = shape.num_query_groups, shape.kv_channels
-    per_group = shape.num_attention_heads // groups
+def split_gated_qkv(qkv: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
+    groups, q_rows, d = _qkv_sizes(shape)
     rest = qkv.shape[1:]
-    q, gate, k, v = torch.split(qkv.reshape(groups, (2 * per_group + 2) * d, *rest),
-                                [per_group * d, per_group * d, d, d], dim=1)
-    q_gate = torch.stack([q.reshape(groups, per_group, d, *rest), gate.reshape(groups, per_group, d, *rest)], dim=2)
-    return q_gate.reshape(groups * per_group * 2 * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest)
+    q, gate, k, v = split_groups(qkv, groups, [q_rows, q_rows, d, d])
+    q_gate = torch.stack([q.reshape(groups, -1, d, *rest), gate.reshape(groups, -1, d, *rest)], dim=2)
+    return [q_gate.reshape(-1, *rest), k, v]
 
 
 #: Gated DeltaNet tensors: Megatron (under `self_attention.`) <- Hugging Face (under `linear_attn.`).
@@ -110,58 +111,73 @@ class _Source:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_HF_SUFFIXES))
 
 
+class Tensors(NamedTuple):
+    """Megatron's tensor `megatron` is `join(*hf tensors)`; `split` is the inverse."""
+    megatron: str
+    hf: List[str]
+    join: Callable[..., torch.Tensor] = lambda t: t
+    split: Callable[[torch.Tensor], Sequence[torch.Tensor]] = lambda t: (t,)
+
+
+def _concat(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts)
+
+
+def _halves(t: torch.Tensor) -> Sequence[torch.Tensor]:
+    return torch.chunk(t, 2, dim=0)
+
+
+def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[Tensors]:
+    """Every Megatron tensor of `shape` with the Hugging Face tensors it is made of, in checkpoint order."""
+    qkv = (fuse_gated_qkv, split_gated_qkv) if shape.attention_output_gate else (fuse_qkv, split_qkv)
+    moe_layers = set(shape.moe_layers())
+    out = [Tensors("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
+    for i in range(shape.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn, a = h + "self_attn.", m + "self_attention."
+        out += [Tensors(m + "input_layernorm.weight", [h + "input_layernorm.weight"]),
+                Tensors(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])]
+        if _is_gdn_layer(shape, i):
+            la = h + "linear_attn."
+            out.append(Tensors(a + "in_proj.weight", [f"{la}{n}.weight" for n in GDN_IN_PROJ], _concat,
+                               lambda t: torch.split(t, _gdn_sizes(shape), dim=0)))
+            out += [Tensors(a + meg, [la + hf_name]) for meg, hf_name in GDN_SAME.items()]
+        else:
+            out.append(Tensors(a + "linear_qkv.weight", [f"{attn}{p}_proj.weight" for p in "qkv"],
+                               lambda q, k, v: qkv[0](q, k, v, shape), lambda t: qkv[1](t, shape)))
+        if shape.add_qkv_bias:
+            out.append(Tensors(a + "linear_qkv.bias", [f"{attn}{p}_proj.bias" for p in "qkv"],
+                               lambda q, k, v: fuse_qkv(q, k, v, shape), lambda t: split_qkv(t, shape)))
+        if not _is_gdn_layer(shape, i):
+            if shape.qk_layernorm:
+                out += [Tensors(f"{a}{p}_layernorm.weight", [f"{attn}{p}_norm.weight"]) for p in "qk"]
+            out.append(Tensors(a + "linear_proj.weight", [attn + "o_proj.weight"]))
+        if i in moe_layers:
+            block, router, (gate, up, down) = _moe_names(shape, moe_names)
+            out.append(Tensors(m + "mlp.router.weight", [f"{h}{block}.{router}.weight"]))
+            for e in range(shape.num_experts):
+                x, y = f"{h}{block}.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+                out += [Tensors(y + "linear_fc1.weight", [f"{x}{gate}.weight", f"{x}{up}.weight"], _concat, _halves),
+                        Tensors(y + "linear_fc2.weight", [f"{x}{down}.weight"])]
+        else:
+            out += [Tensors(m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"],
+                            _concat, _halves),
+                    Tensors(m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"])]
+    out.append(Tensors("decoder.final_layernorm.weight", ["model.norm.weight"]))
+    if not shape.tie_word_embeddings:
+        out.append(Tensors("output_layer.weight", ["lm_head.weight"]))
+    return out
+
+
 def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
                    moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
     """Hugging Face tensors -> the unsharded Megatron state dict. Every Hugging Face tensor must be
     used (an unknown one means an option the model would silently drop)."""
     src = _Source(hf)
-    out: Dict[str, torch.Tensor] = {}
-    out["embedding.word_embeddings.weight"] = src.take("model.embed_tokens.weight")
-    moe_layers = set(shape.moe_layers())
-    for i in range(shape.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = h + "self_attn."
-        out[m + "input_layernorm.weight"] = src.take(h + "input_layernorm.weight")
-        out[m + "pre_mlp_layernorm.weight"] = src.take(h + "post_attention_layernorm.weight")
-        if _is_gdn_layer(shape, i):
-            la = h + "linear_attn."
-            out[m + "self_attention.in_proj.weight"] = torch.cat([src.take(f"{la}{n}.weight") for n in GDN_IN_PROJ])
-            for meg, hf_name in GDN_SAME.items():
-                out[m + "self_attention." + meg] = src.take(la + hf_name)
-        elif shape.attention_output_gate:
-            out[m + "self_attention.linear_qkv.weight"] = fuse_gated_qkv(
-                src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"), src.take(attn + "v_proj.weight"), shape)
-        else:
-            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-                src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"), src.take(attn + "v_proj.weight"), shape)
-        if shape.add_qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                src.take(attn + "q_proj.bias"), src.take(attn + "k_proj.bias"), src.take(attn + "v_proj.bias"), shape)
-        if shape.qk_layernorm and not _is_gdn_layer(shape, i):
-            out[m + "self_attention.q_layernorm.weight"] = src.take(attn + "q_norm.weight")
-            out[m + "self_attention.k_layernorm.weight"] = src.take(attn + "k_norm.weight")
-        if not _is_gdn_layer(shape, i):
-            out[m + "self_attention.linear_proj.weight"] = src.take(attn + "o_proj.weight")
-        if i in moe_layers:
-            block, router, (gate, up, down) = _moe_names(shape, moe_names)
-            out[m + "mlp.router.weight"] = src.take(f"{h}{block}.{router}.weight")
-            for e in range(shape.num_experts):
-                x = f"{h}{block}.experts.{e}."
-                y = f"{m}mlp.experts.local_experts.{e}."
-                out[y + "linear_fc1.weight"] = torch.cat([src.take(x + f"{gate}.weight"), src.take(x + f"{up}.weight")])
-                out[y + "linear_fc2.weight"] = src.take(x + f"{down}.weight")
-        else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat(
-                [src.take(h + "mlp.gate_proj.weight"), src.take(h + "mlp.up_proj.weight")])
-            out[m + "mlp.linear_fc2.weight"] = src.take(h + "mlp.down_proj.weight")
-    out["decoder.final_layernorm.weight"] = src.take("model.norm.weight")
-    if shape.tie_word_embeddings:
-        if src.has("lm_head.weight"):
-            lm_head = src.take("lm_head.weight")
-            if not torch.equal(lm_head, out["embedding.word_embeddings.weight"]):
-                raise ConversionError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens.weight")
-    else:
-        out["output_layer.weight"] = src.take("lm_head.weight")
+    out = {t.megatron: t.join(*map(src.take, t.hf)) for t in tensor_map(shape, moe_names)}
+    if shape.tie_word_embeddings and src.has("lm_head.weight"):
+        if not torch.equal(src.take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
+            raise ConversionError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens.weight")
     unused = src.unused()
     if unused:
         raise ConversionError(
@@ -176,50 +192,9 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
     """The unsharded Megatron state dict -> Hugging Face tensors (on-disk names)."""
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     src = _Source(sd, "Megatron")
-    take = src.take
     out: Dict[str, torch.Tensor] = {}
-    out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")
-    moe_layers = set(shape.moe_layers())
-    for i in range(shape.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = h + "self_attn."
-        out[h + "input_layernorm.weight"] = take(m + "input_layernorm.weight")
-        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
-        if _is_gdn_layer(shape, i):
-            la = h + "linear_attn."
-            parts = torch.split(take(m + "self_attention.in_proj.weight"), _gdn_sizes(shape), dim=0)
-            for n, part in zip(GDN_IN_PROJ, parts):
-                out[f"{la}{n}.weight"] = part
-            for meg, hf_name in GDN_SAME.items():
-                out[la + hf_name] = take(m + "self_attention." + meg)
-        else:
-            split = split_gated_qkv if shape.attention_output_gate else split_qkv
-            q, k, v = split(take(m + "self_attention.linear_qkv.weight"), shape)
-            out[attn + "q_proj.weight"], out[attn + "k_proj.weight"], out[attn + "v_proj.weight"] = q, k, v
-        if shape.add_qkv_bias:
-            q, k, v = split_qkv(take(m + "self_attention.linear_qkv.bias"), shape)
-            out[attn + "q_proj.bias"], out[attn + "k_proj.bias"], out[attn + "v_proj.bias"] = q, k, v
-        if shape.qk_layernorm and not _is_gdn_layer(shape, i):
-            out[attn + "q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
-            out[attn + "k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
-        if not _is_gdn_layer(shape, i):
-            out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
-        if i in moe_layers:
-            block, router, (gate, up, down) = _moe_names(shape, moe_names)
-            out[f"{h}{block}.{router}.weight"] = take(m + "mlp.router.weight")
-            for e in range(shape.num_experts):
-                x = f"{h}{block}.experts.{e}."
-                y = f"{m}mlp.experts.local_experts.{e}."
-                g, u = torch.chunk(take(y + "linear_fc1.weight"), 2, dim=0)
-                out[x + f"{gate}.weight"], out[x + f"{up}.weight"] = g, u
-                out[x + f"{down}.weight"] = take(y + "linear_fc2.weight")
-        else:
-            g, u = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = g, u
-            out[h + "mlp.down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = take("decoder.final_layernorm.weight")
-    if not shape.tie_word_embeddings:
-        out["lm_head.weight"] = take("output_layer.weight")
+    for t in tensor_map(shape, moe_names):
+        out.update(zip(t.hf, t.split(src.take(t.megatron))))
     left = sorted(set(sd) - src.used)
     if left:
         raise ConversionError(f"Megatron tensors not exported (unexpected for {shape.family}): {left[:8]}")
