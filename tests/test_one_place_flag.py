@@ -46,7 +46,7 @@ PROBE = """
 import sys
 from megatron_csbp.config.options import flag_text
 from megatron_csbp.training.arguments import model_args, parse_args
-from megatron_csbp.training.model import transformer_config
+from megatron_csbp.model.assemble import transformer_config
 argv = sys.argv[1:]
 run = parse_args(argv, 1)
 text = flag_text("softmax_scale", run.softmax_scale)
