@@ -154,8 +154,10 @@ def main(argv: Optional[Sequence[str]] = None):
     if a.command == "export":
         print(export(a))
         return a.output
+    from megatron_csbp.attention.kernels.capability import info_to_stderr
     from megatron_csbp.generation.speculative import evaluate_cli
 
+    info_to_stderr()  # stdout is the evaluation's JSON
     return evaluate_cli(a)
 
 

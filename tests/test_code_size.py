@@ -12,7 +12,7 @@ import tokenize
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "megatron_csbp"
 GOAL = 16_000  # issue 42
-CEILING = 18_103  # the size after the model contract (issue 42's merge); lower it as code goes
+CEILING = 18_112  # after the model contract (18,103) and the kernel line off data-carrying stdout (+9); lower it as code goes
 
 SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 

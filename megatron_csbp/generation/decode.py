@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron_csbp.attention.kernels.capability import info_to_stderr
 from megatron_csbp.checkpoint.model import load_for_generation  # noqa: F401
 from megatron_csbp.generation.bd3lm import ORDERS, BlockDiffusionSampler  # noqa: F401
 from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
@@ -216,6 +217,7 @@ def run_bd3lm(p, a) -> np.ndarray:
 
 def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
     filter_warnings()  # hide the library warnings a user cannot act on
+    info_to_stderr()  # stdout is the generated text
     p = build_parser()
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

@@ -4,6 +4,8 @@ The table, its sources and what has run where: docs/attention-kernels.md#capabil
 """
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -65,6 +67,14 @@ def refuses(name: str, device: torch.device, head_dim: int, dtype: torch.dtype, 
 #: 'auto' on each device: the fastest kernel first, the tiled kernel (any head dim) last
 PREFERENCE = {"cuda": ("flex", "tiled"), "cpu": ("cpu_flash", "tiled")}
 _LOGGED = set()
+#: where the choice lines go: stdout, beside a run's other " > " lines, unless the app's stdout is its
+#: output (generate's text, dflash evaluate's JSON): those call `info_to_stderr` first
+_STREAM = None
+
+
+def info_to_stderr() -> None:
+    global _STREAM
+    _STREAM = sys.stderr
 
 
 def choose(name: str, device: torch.device, head_dim: int, dtype: torch.dtype, backward: bool = True) -> str:
@@ -94,4 +104,4 @@ def _log(line: str) -> None:
     if line not in _LOGGED:
         _LOGGED.add(line)
         if rank() in (None, 0):  # an information line on stdout, like the run's other " > " lines
-            print(f" > {line}", flush=True)
+            print(f" > {line}", file=_STREAM or sys.stdout, flush=True)
