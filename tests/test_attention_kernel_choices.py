@@ -61,3 +61,26 @@ def test_every_attention_kernel_choice_runs_on_cpu(capsys):
         with pytest.raises(SystemExit):
             parse_args(TINY + ["--attention-kernel", kernel], world_size=1)
         assert needle in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_choice_lines_follow_the_current_stderr(monkeypatch):
+    """An app that sends the choice lines to stderr (generate, dflash evaluate) keeps sending them to
+    whatever sys.stderr is when a line is printed: under pytest an in-process app ran with a captured
+    stderr that is closed afterwards, and holding that stream broke every later test's first forward
+    with 'I/O operation on closed file' (CI of round 23)."""
+    import io
+    import sys
+
+    import torch
+
+    from megatron_csbp.attention.kernels import capability
+
+    monkeypatch.setattr(capability, "_TO_STDERR", False)
+    monkeypatch.setattr(capability, "_LOGGED", set())
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    capability.info_to_stderr()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    first.close()
+    capability.choose("tiled", torch.device("cpu"), 8, torch.float32)
+    assert "attention kernel: tiled for head dim 8" in sys.stderr.getvalue()

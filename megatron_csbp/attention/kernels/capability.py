@@ -69,12 +69,12 @@ PREFERENCE = {"cuda": ("flex", "tiled"), "cpu": ("cpu_flash", "tiled")}
 _LOGGED = set()
 #: where the choice lines go: stdout, beside a run's other " > " lines, unless the app's stdout is its
 #: output (generate's text, dflash evaluate's JSON): those call `info_to_stderr` first
-_STREAM = None
+_TO_STDERR = False
 
 
 def info_to_stderr() -> None:
-    global _STREAM
-    _STREAM = sys.stderr
+    global _TO_STDERR
+    _TO_STDERR = True  # a flag, not the stream: sys.stderr is looked up when printing (it may be replaced)
 
 
 def choose(name: str, device: torch.device, head_dim: int, dtype: torch.dtype, backward: bool = True) -> str:
@@ -104,4 +104,4 @@ def _log(line: str) -> None:
     if line not in _LOGGED:
         _LOGGED.add(line)
         if rank() in (None, 0):  # an information line on stdout, like the run's other " > " lines
-            print(f" > {line}", file=_STREAM or sys.stdout, flush=True)
+            print(f" > {line}", file=sys.stderr if _TO_STDERR else sys.stdout, flush=True)
