@@ -219,3 +219,21 @@ def _saved_then_read_on_one_rank(rank, world, case, root):
 def test_adapter_checkpoint_is_layout_independent(tmp_path, world, case):
     for per_rank in run_distributed(_saved_then_read_on_one_rank, world, case, str(tmp_path)):
         assert per_rank and all(err == 0.0 for err in per_rank.values()), per_rank
+
+
+SHARDS = [dict(), dict(cp=2), dict(bp=2), dict(cp=2, bp=2)]  # single, CP, BP, CSBP
+
+
+@pytest.mark.slow
+def test_matrix_two_ranks():
+    # EP 2 over the shard group (plain BP with EP is refused by the trainer: unequal rows per
+    # expert rank), TP 2 with and without SP, PP 2
+    _check(2, [dict(s, ep=2, moe=True) for s in SHARDS if s != dict(bp=2)]
+           + [dict(tp=2, sp=True), dict(tp=2), dict(pp=2), dict(pp=2, moe=True)])
+
+
+@pytest.mark.slow
+def test_matrix_four_ranks():
+    # CP, BP and CSBP each with TP 2 + SP and with PP 2; CSBP x PP 2 with EP 2 experts
+    _check(4, [dict(s, **p) for s in SHARDS[1:] for p in (dict(tp=2, sp=True), dict(pp=2))]
+           + [dict(cp=2, bp=2, pp=2, ep=2, moe=True), dict(bp=2, tp=2, sp=True, moe=True)])
