@@ -51,7 +51,8 @@ class _ExpertRowShare(torch.autograd.Function):
 
 
 class _LoRA:
-    """The adapter shared by both layers; `lora_axis`: which of A / B this layer shards."""
+    """The adapter of both layers: A and B, one of them TP-sharded (`sharded`), both initialised to
+    zeros here (lora/init.py draws them by global name once the model is built)."""
 
     def _add_adapter(self, config, lora, a_shape, b_shape, sharded: str, stride: int):
         self.lora_config, self.lora_scaling, self.lora_stride = lora, lora.scaling, stride
@@ -130,6 +131,8 @@ class LoRARowParallelLinear(_LoRA, RowParallelLinear):
             self.lora_B.sequence_parallel = True
 
     def lora_delta(self, x):
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
         u = F.linear(self.lora_dropout(x), self.lora_A)
         world = self.lora_world
         if world > 1:

@@ -100,10 +100,21 @@ def linear_names(model: torch.nn.Module) -> set:
 
 
 def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
-    """One line for a target no module of `model` matches."""
+    """One line for a target no module of `model` matches (of any pipeline stage's chunk: a stage
+    may hold no layer of a kind, e.g. a hybrid's stage of Gated DeltaNet layers only)."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp.parallel.state import collective_device
+
     adapted = [n.split(".") for n, m in model.named_modules() if isinstance(m, tuple(_SUBCLASS.values()))]
-    for target in lora.target_modules:
-        if not any(matches(target, path) for path in adapted):
+    found = [any(matches(t, path) for path in adapted) for t in lora.target_modules]
+    if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
+        group = mpu.get_pipeline_model_parallel_group()
+        agreed = torch.tensor(found, dtype=torch.int32, device=collective_device(group))
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+        found = agreed.tolist()
+    for target, ok in zip(lora.target_modules, found):
+        if not ok:
             have = ", ".join(sorted(linear_names(model)))
             raise ValueError(f"--lora-target-modules {target}: the model has no module named {target} "
                              f"(it has {have})")
