@@ -435,6 +435,8 @@ def flag_text(name: str, value) -> str:
         return "" if value else o.flag
     if o.type is None and isinstance(o.default, bool):
         return o.flag if value else (o.off or "")
+    if o.nargs and isinstance(value, (list, tuple)):  # --lora-target-modules NAME ...
+        return f"{o.flag} {' '.join(map(str, value))}"
     if isinstance(value, list):  # --moe-layer-freq's pattern, as the expression Megatron-LM evaluates
         return f"{o.flag} \"([{','.join(map(str, value))}])\""
     return f"{o.flag} {value}"
