@@ -108,10 +108,10 @@ def _one_rank(rank, world_size, base, other, root):
     out["pretrained"] = _train(TINY + ["--pretrained-checkpoint", base, "--train-iters", "2"])[0]
     out["finetune"] = _train(TINY + ["--load", base, "--finetune", "--train-iters", "2"])[0]
     out["refusals"] = {
-        "other base": _refusal(TINY + LORA + ["--pretrained-checkpoint", other, "--load", lora, "--train-iters", "5"]),
+        "other base": _refusal(TINY + LORA + ["--pretrained-checkpoint", other, "--load", lora, "--train-iters", "4"]),
         "full to lora": _refusal(TINY + LORA + ["--load", base, "--train-iters", "2"]),
-        "lora to full": _refusal(TINY + ["--load", lora, "--train-iters", "5"]),
-        "rank": _refusal(TINY + ["--lora-rank", "2", "--lora-alpha", "8", "--load", lora, "--train-iters", "5"]),
+        "lora to full": _refusal(TINY + ["--load", lora, "--train-iters", "4"]),
+        "rank": _refusal(TINY + ["--lora-rank", "2", "--lora-alpha", "8", "--load", lora, "--train-iters", "4"]),
         "lora as base": _refusal(TINY + LORA + ["--pretrained-checkpoint", lora, "--train-iters", "1"]),
     }
     return out
