@@ -152,13 +152,58 @@ def test_lora_checkpoint_one_rank(bases, tmp_path):
 
 def test_lora_resume_across_layouts(bases, tmp_path):
     """Saved under CSBP (CP 2 + BP 2, distributed optimizer), resumed under CSBP (bit for bit) and
-    under DP 2 (the distributed optimizer's adapter state resharded over 2 data-parallel ranks)."""
+    under TP 2 + SP (the adapters sharded like their base weights, SwiGLU's fc1 B included, and the
+    distributed optimizer's state resharded)."""
     base, _ = bases
     save = str(tmp_path / "lora")
     run = TINY + LORA + ["--pretrained-checkpoint", base, "--train-iters", "4"]
     full = run_distributed(train_rank, 2, run + CSBP + ["--save", save, "--save-interval", "2"])[0]["losses"]
     resumed = run_distributed(train_rank, 2, run + CSBP + ["--load", save, "--ckpt-step", "2"])[0]
     assert resumed["iteration"] == 4 and resumed["losses"] == full[2:]
-    other = run_distributed(train_rank, 2, run + ["--use-distributed-optimizer", "--load", save, "--ckpt-step", "2"])[0]
-    # the suite's fp32 layout tolerance (tests/test_checkpoint.py): DP 2 reorders sums only
+    other = run_distributed(train_rank, 2, run + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  "--use-distributed-optimizer", "--load", save, "--ckpt-step", "2"])[0]
+    # the suite's fp32 layout tolerance (tests/test_checkpoint.py): TP 2 reorders sums only
     assert other["losses"] == pytest.approx(full[2:], rel=1e-5)
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--adam-eps", "1e-3", "--moe-layer-freq", "[1,0]"]
+
+
+def _moe_one_rank(rank, world_size, root, stage):
+    """One rank: the MoE base (`stage` "base"), or the EP-2 LoRA checkpoint read, written back as a
+    release LoRA checkpoint and loaded ("read")."""
+    from megatron_csbp.lora.checkpoint import read_lora_checkpoint, write_lora_checkpoint
+    from megatron_csbp.training.loop import main
+
+    base, lora = os.path.join(root, "base"), os.path.join(root, "lora")
+    if stage == "base":
+        return main(TINY + MOE + ["--train-iters", "2", "--save", base])["iteration"]
+    config, adapters, _ = read_lora_checkpoint(lora)
+    write_lora_checkpoint(os.path.join(root, "imported"), config, adapters, base)
+    with _trainer(TINY + MOE + LORA + ["--pretrained-checkpoint", base, "--load", os.path.join(root, "imported"),
+                                       "--train-iters", "1"]) as t:
+        t.load()
+        loaded = {n: p.detach().clone() for n, p in t.chunks[0].gpt.named_parameters() if ".lora_" in n}
+    return adapters, loaded
+
+
+@pytest.mark.slow
+def test_lora_experts_saved_under_ep(tmp_path):
+    """MoE every other layer (megatron-core stores those layers' tensors by layer number, the dense
+    ones stacked), the experts' adapters saved under EP 2 (DP 2, distributed optimizer): resumed under CSBP + EP 2 (the MoE
+    layout tolerance), read on one rank by global expert index, written back and loaded. (The
+    optimizer state of an EP-2 run does not load at EP 1, LoRA or not: megatron-core chains an expert
+    optimizer then.)"""
+    root = str(tmp_path)
+    run_distributed(_moe_one_rank, 1, root, "base")
+    run = TINY + MOE + LORA + ["--pretrained-checkpoint", os.path.join(root, "base"), "--expert-model-parallel-size",
+                               "2", "--train-iters", "4"]
+    full = run_distributed(train_rank, 2, run + ["--use-distributed-optimizer", "--save", os.path.join(root, "lora"), "--save-interval", "2"])[0]
+    resumed = run_distributed(train_rank, 2, run + CSBP + ["--load", os.path.join(root, "lora"), "--ckpt-step", "2"])[0]
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+    adapters, loaded = run_distributed(_moe_one_rank, 1, root, "read")[0]
+    experts = {n for n in adapters if ".local_experts." in n}
+    assert {n.split(".local_experts.")[1].split(".")[0] for n in experts} == {"0", "1", "2", "3"}
+    assert all(n.startswith("decoder.layers.0.mlp.experts.local_experts.") for n in experts)  # MoE in layer 0 only
+    assert any(n.startswith("decoder.layers.1.mlp.linear_fc1.") for n in adapters)
+    assert loaded.keys() == adapters.keys() and all(torch.equal(loaded[n], adapters[n]) for n in adapters)

@@ -79,25 +79,28 @@ def _flag_text(value) -> str:
 # ---- one process: the adapters as full tensors by their one-process names ---------------------
 #
 # megatron-core stores the layers of a block as one tensor per module with the global layer index as
-# a first axis (key "decoder.layers.self_attention.linear_qkv.lora_A", [layers, r, in]), and a
-# sequential MLP's experts with the global expert index as the next one ("...mlp.experts.linear_fc1
-# .lora_A": SequentialMLP.sharded_state_dict). An adapter is a matrix, so its key has ndim - 2 such
-# axes; each (layer, expert) fragment is one tensor of a one-process model, named
-# "decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.lora_A" (the base weights' names).
+# a first axis (key "decoder.layers.self_attention.linear_qkv.lora_A", [layers, r, in]; by layer number,
+# "decoder.layers.3.", when the layers differ), and a sequential MLP's experts with the global expert
+# index as the next axis ("decoder.layers.mlp.experts.experts.linear_fc1.lora_A": SequentialMLP's
+# sharded_state_dict). An adapter is a matrix, so its key has ndim - 2 such axes; each (layer,
+# expert) fragment is one tensor of a one-process model, named like the base weights
+# ("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.lora_A").
 
-_AXES = ((re.compile(r"(decoder\.layers\.)(?!\d)"), "{}{}."), (re.compile(r"(\.experts\.)(?!local_experts\.|\d)"),
-                                                                "{}local_experts.{}."))
-_INDEX = ((re.compile(r"(decoder\.layers\.)(\d+)\."), r"\1"), (re.compile(r"(\.experts\.)local_experts\.(\d+)\."), r"\1"))
+#: per stacked axis (layer, expert): the torch_dist key's part, and the one-process name's
+_AXES = ((re.compile(r"(decoder\.layers\.)(?!\d)"), "decoder.layers.{}."),
+         (re.compile(r"(\.experts\.)experts\."), ".experts.local_experts.{}."))
+_INDEX = ((re.compile(r"decoder\.layers\.(\d+)\."), "decoder.layers."),
+          (re.compile(r"\.experts\.local_experts\.(\d+)\."), ".experts.experts."))
 
 
 def _stacked_axes(key: str):
-    """The regexes of the stacked axes of the torch_dist key `key` (layer, then expert), in order."""
+    """The stacked axes (layer, then expert) of the torch_dist key `key`, in order."""
     return [(rx, fmt) for rx, fmt in _AXES if rx.search(key)]
 
 
 def _name(key: str, index) -> str:
     for (rx, fmt), i in zip(_stacked_axes(key), index):
-        key = rx.sub(lambda m: fmt.format(m.group(1), i), key, count=1)
+        key = rx.sub(fmt.format(i), key, count=1)
     return key
 
 
@@ -111,7 +114,7 @@ def _key(name: str, shapes: Dict[str, Tuple[int, ...]]):
         key, index = name, []
         for (rx, repl, m), stacked in zip(found, stack):
             if stacked:
-                index.append(int(rx.search(key).group(2)))
+                index.append(int(rx.search(key).group(1)))
                 key = rx.sub(repl, key, count=1)
         base = shapes.get(key.rsplit(".", 1)[0] + ".weight")
         if base is not None and len(base) == 2 + len(index):
@@ -144,7 +147,7 @@ def read_lora_checkpoint(load: str, step=None) -> Tuple[LoRAConfig, Dict[str, to
     path = checkpoint_path(load, step)
     wanted = {}
     for key, meta in FileSystemReader(path).read_metadata().state_dict_metadata.items():
-        if not is_adapter(key) or key.startswith("optimizer.") or not hasattr(meta, "chunks"):
+        if not is_adapter(key) or "optimizer." in key or not hasattr(meta, "chunks"):
             continue
         k = len(meta.size) - 2  # the stacked axes
         if k != len(_stacked_axes(key)):
