@@ -107,7 +107,10 @@ def _one_rank(rank, world_size, base, other, root):
     # without LoRA, Megatron-LM's meaning: --pretrained-checkpoint = the weights of --load ... --finetune
     out["pretrained"] = _train(TINY + ["--pretrained-checkpoint", base, "--train-iters", "2"])[0]
     out["finetune"] = _train(TINY + ["--load", base, "--finetune", "--train-iters", "2"])[0]
+    seeded = os.path.join(root, "seeded")  # adapters on the --seed initialisation (no --pretrained-checkpoint)
+    _train(TINY + LORA + ["--train-iters", "1", "--save", seeded])
     out["refusals"] = {
+        "seeded base": _refusal(TINY + LORA + ["--pretrained-checkpoint", base, "--load", seeded, "--train-iters", "1"]),
         "other base": _refusal(TINY + LORA + ["--pretrained-checkpoint", other, "--load", lora, "--train-iters", "4"]),
         "full to lora": _refusal(TINY + LORA + ["--load", base, "--train-iters", "2"]),
         "lora to full": _refusal(TINY + ["--load", lora, "--train-iters", "4"]),
@@ -144,6 +147,7 @@ def test_lora_checkpoint_one_rank(bases, tmp_path):
     refusals = r["refusals"]
     assert all(m is not None and "\n" not in m for m in refusals.values()), refusals
     assert "--pretrained-checkpoint" in refusals["other base"] and "--load" in refusals["other base"]
+    assert "no base" in refusals["seeded base"] and os.path.abspath(base) in refusals["seeded base"]
     assert "full (non-LoRA)" in refusals["full to lora"] and "--pretrained-checkpoint" in refusals["full to lora"]
     assert "LoRA checkpoint" in refusals["lora to full"] and "--lora-rank 4" in refusals["lora to full"]
     assert refusals["rank"].startswith("--lora-rank 2 differs")

@@ -192,8 +192,8 @@ def model_source(load: Optional[str], load_step, pretrained: Optional[str]):
     if load_step is not None and record is None:
         return "--load", load, load_step
     if record is not None and not pretrained:
-        pretrained = record["base"]["path"]
-        if not os.path.isdir(pretrained):
+        pretrained = (record.get("base") or {}).get("path")  # None: trained on the --seed initialisation
+        if pretrained and not os.path.isdir(pretrained):
             raise CheckpointError(f"--load {load} is a LoRA checkpoint whose base {pretrained} (recorded in its "
                                   f"{LORA_FILE}) is not here: give its base as --pretrained-checkpoint")
     if not pretrained:

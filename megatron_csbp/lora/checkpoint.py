@@ -64,12 +64,17 @@ def check_resume(load: str, step, config: Optional[LoRAConfig], base: Optional[D
         if given != had:
             raise CheckpointError(f"{flag} {_flag_text(given)} differs from the --load {load} LoRA checkpoint's "
                                   f"{_flag_text(had)} ({LORA_FILE}): resume with the LoRA flags it was trained with")
-    old = record["base"]
-    if base is not None and base["fingerprint"] != old["fingerprint"]:
+    old = record.get("base")
+    if (old or {}).get("fingerprint") != (base or {}).get("fingerprint"):
         raise CheckpointError(
-            f"--load {load} holds adapters trained on the base {old['path']} (iteration {old['iteration']}, "
-            f"{old['fingerprint'][:19]}...) but --pretrained-checkpoint {base['path']} (iteration {base['iteration']}) "
-            f"has other weights ({base['fingerprint'][:19]}...): give the same base as --pretrained-checkpoint")
+            f"--load {load} holds adapters trained on {_base_text(old)} but --pretrained-checkpoint is "
+            f"{_base_text(base)}: give the same base as --pretrained-checkpoint")
+
+
+def _base_text(base: Optional[Dict[str, Any]]) -> str:
+    if base is None:
+        return "no base (no --pretrained-checkpoint: the --seed initialisation)"
+    return f"the base {base['path']} (iteration {base['iteration']}, {base['fingerprint'][:19]}...)"
 
 
 def _flag_text(value) -> str:
@@ -159,7 +164,7 @@ def read_lora_checkpoint(load: str, step=None) -> Tuple[LoRAConfig, Dict[str, to
         check_checkpoint_files(path)
         loaded = dist_checkpointing.load(wanted, path)
     adapters = {name: loaded[name] for name in wanted}  # (load also returns the checkpoint's common state)
-    return LoRAConfig.from_json(json.dumps(record["lora"])), adapters, record["base"]["path"]
+    return LoRAConfig.from_json(json.dumps(record["lora"])), adapters, (record.get("base") or {}).get("path")
 
 
 def write_lora_checkpoint(out: str, config: LoRAConfig, adapters: Dict[str, torch.Tensor], base_path: str) -> str:
