@@ -37,7 +37,8 @@ LAYERS = [
     # TrainerConfig, the model builder, the families' printed flags and the Megatron-LM hooks read it
     ("config", ["megatron_csbp.config"]),
     ("model", ["megatron_csbp.model"]),
-    ("checkpoint", ["megatron_csbp.checkpoint"]),
+    # lora/checkpoint.py: a LoRA checkpoint is a trainer checkpoint (checkpoint/'s files, integrity, state)
+    ("checkpoint", ["megatron_csbp.checkpoint", "megatron_csbp.lora.checkpoint"]),
     ("training", ["megatron_csbp.training", "megatron_csbp.training.megatron_lm"]),
     # decoding a trained checkpoint rebuilds its model from the saved flags (training.model)
     ("generation", ["megatron_csbp.generation"]),

@@ -22,6 +22,8 @@ RELEASE = "release"
 META_FILE = "bdlm_meta.json"
 ASSETS_DIR = "hf_assets"
 MODEL_KEY = "model"
+#: a LoRA checkpoint's record (its LoRA config and base) in each iteration folder: lora/checkpoint.py
+LORA_FILE = "megatron_csbp_lora.json"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -168,13 +170,51 @@ def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
 
 
 
-def check_model_flags(args, root: str, step) -> None:
+def lora_record(root: Optional[str], step) -> Optional[Dict[str, Any]]:
+    """The `LORA_FILE` of checkpoint `step` of `root` ({"lora": LoRA config, "base": {"path",
+    "iteration", "fingerprint"}}), or None: not a LoRA checkpoint."""
+    path = os.path.join(checkpoint_path(root, step), LORA_FILE) if root and step is not None else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
+
+
+def model_source(load: Optional[str], load_step, pretrained: Optional[str]):
+    """(flag, folder, iteration) of the checkpoint whose model a run builds: `--load`'s, or
+    `--pretrained-checkpoint`'s when `--load` holds no checkpoint or a LoRA checkpoint (adapters only:
+    the model is its base's, by default the one it records); None when neither holds one (a
+    flag-built model from scratch)."""
+    record = lora_record(load, load_step)
+    if load_step is not None and record is None:
+        return "--load", load, load_step
+    if record is not None and not pretrained:
+        pretrained = (record.get("base") or {}).get("path")  # None: trained on the --seed initialisation
+        if pretrained and not os.path.isdir(pretrained):
+            raise CheckpointError(f"--load {load} is a LoRA checkpoint whose base {pretrained} (recorded in its "
+                                  f"{LORA_FILE}) is not here: give its base as --pretrained-checkpoint")
+    if not pretrained:
+        return None
+    step = read_tracker(pretrained) if os.path.isdir(pretrained) else None
+    if step is None or not os.path.isdir(checkpoint_path(pretrained, step)):
+        raise CheckpointError(f"--pretrained-checkpoint {pretrained} holds no checkpoint (no {TRACKER} naming a "
+                              "saved iteration): give a converted or trained checkpoint folder")
+    if lora_record(pretrained, step) is not None:
+        raise CheckpointError(f"--pretrained-checkpoint {pretrained} is a LoRA checkpoint (adapters only): give the "
+                              f"base it was trained on ({LORA_FILE} names it), and the LoRA checkpoint as --load")
+    return "--pretrained-checkpoint", pretrained, step
+
+
+def check_model_flags(args, root: str, step, flag: str = "--load") -> None:
     """Refuse flags that build another model than the checkpoint's (its `bdlm_meta.json`), naming the
     first flag that differs, before megatron-core reads a tensor (its shape error names neither)."""
     saved = saved_model_args(root, step)
     if not saved:
         return
-    where = f"--load {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
+    where = f"{flag} {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
     for dest in SHAPE_FLAGS:
         if dest not in saved or saved[dest] is None or not hasattr(args, dest):
             continue

@@ -91,3 +91,29 @@ def check_checkpoint_files(path: str) -> None:
     why = verdict[0] or verify_checksums(path)
     if why is not None:
         raise CheckpointError(f"cannot load checkpoint {path}: {why}")
+
+
+def _tensor_files(folder: str) -> List[str]:
+    """The files of a torch_dist folder that hold its tensors: the shards and their index."""
+    return sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")
+
+
+def fingerprint(folder: str) -> str:
+    """Collective: what identifies the weights of the torch_dist checkpoint `folder` (a LoRA
+    checkpoint records its base's): the sha256 of the (file, sha256) list of its tensor files, read
+    from `CHECKSUM_FILE` when the save wrote one (a JSON read, whatever the checkpoint's size), else
+    hashed here, each rank every world-th file (Megatron-LM's checkpoints)."""
+    rank, world = _world()
+    names = _tensor_files(folder)
+    known: Dict[str, str] = {}
+    try:
+        with open(os.path.join(folder, CHECKSUM_FILE)) as f:
+            known = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    todo = [n for n in names if n not in known]
+    mine = {n: digest(os.path.join(folder, n)) for n in todo[rank::world]}
+    for part in _all(mine) if todo else []:
+        known.update(part)
+    listing = json.dumps({n: known[n] for n in names}, sort_keys=True)
+    return f"{ALGORITHM}:{hashlib.new(ALGORITHM, listing.encode()).hexdigest()}"

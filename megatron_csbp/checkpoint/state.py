@@ -12,7 +12,7 @@ import re
 import shutil
 import uuid
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,10 +42,16 @@ def check_finite(model, iteration: int) -> None:
                               "checkpoint (the last one saved stays the latest)")
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
+#: which model state-dict keys a checkpoint holds (a LoRA run's: its adapters); None: every key
+Keep = Optional[Callable[[str], bool]]
+
+
+def _sharded_state(model, optimizer, is_loading: bool, keep: Keep = None) -> Dict[str, Any]:
     from megatron_csbp.parallel.pipeline import sharded_state
 
     state = sharded_state(model)  # {"model": ...}; interleaved pipeline chunks: {"model0": ..., "model1": ...}
+    if keep is not None:  # (the optimizer's parameters are among the kept: it maps them by these)
+        state = {k: {n: t for n, t in chunk.items() if keep(n)} for k, chunk in state.items()}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
@@ -91,10 +97,13 @@ def write_results_in_process():
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int,
                     extra: Optional[Dict[str, Any]] = None, _fail_after_write: bool = False,
-                    shape=None, assets_from: Optional[str] = None) -> str:
+                    shape=None, assets_from: Optional[str] = None, keep: Keep = None,
+                    files: Optional[Dict[str, str]] = None) -> str:
     """Collective. Returns the final directory. `_fail_after_write` simulates a crash (tests).
     `shape` (a ModelShape): written as `megatron_csbp_model.json` into the iteration folder and
-    `root`; `assets_from` (an `hf_assets/` folder): copied to `root/hf_assets` if absent there."""
+    `root`; `assets_from` (an `hf_assets/` folder): copied to `root/hf_assets` if absent there.
+    `keep`: the model keys saved (all when None); `files`: {name: text} written into the iteration
+    folder (before its checksums)."""
     from megatron.core import dist_checkpointing
 
     check_finite(model, iteration)
@@ -110,7 +119,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(model, optimizer, is_loading=False)
+    state = _sharded_state(model, optimizer, is_loading=False, keep=keep)
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
@@ -123,9 +132,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     if rank == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, f, indent=1)
-        if shape is not None:
-            with open(os.path.join(tmp, SHAPE_FILE), "w") as f:
-                f.write(shape.to_json())
+        for name, text in {**({SHAPE_FILE: shape.to_json()} if shape is not None else {}), **(files or {})}.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
     dist.barrier()
     write_checksums(tmp)  # every file, checked before every load
     if rank == 0:
@@ -210,10 +219,11 @@ def drop_unretained(root: str, previous, iteration: int, retain_interval: int) -
     return path
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[int] = None) -> Optional[Dict[str, Any]]:
+def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[int] = None,
+                    keep: Keep = None) -> Optional[Dict[str, Any]]:
     """Collective. Loads the tracker's checkpoint (or `iteration`); None when there is none.
     A `release` checkpoint (converted model) loads the model only: iteration 0, consumed samples 0,
-    fresh optimizer and scheduler."""
+    fresh optimizer and scheduler. `keep`: the model keys read (the others keep their values)."""
     from megatron.core import dist_checkpointing
 
     iteration = checkpoint_to_load(root, iteration)
@@ -222,16 +232,14 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
     path = checkpoint_path(root, iteration)
     check_checkpoint_files(path)
     if iteration == RELEASE:
-        from megatron_csbp.parallel.pipeline import sharded_state
-
-        loaded = _read(dist_checkpointing, sharded_state(model), path)
-        _load_model_state(model, loaded, path)
+        loaded = _read(dist_checkpointing, _sharded_state(model, None, True, keep), path)
+        _load_model_state(model, loaded, path, keep)
         if optimizer is not None:  # mixed-precision main params were copied from unloaded weights
             optimizer.reload_model_params()
         return {"iteration": 0, "consumed_samples": 0, "extra": {}, "path": path, "release": True}
-    state = _sharded_state(model, optimizer, is_loading=True)
+    state = _sharded_state(model, optimizer, is_loading=True, keep=keep)
     loaded = _read(dist_checkpointing, state, path)
-    _load_model_state(model, loaded, path)
+    _load_model_state(model, loaded, path, keep)
     check_resumed_schedule(scheduler, loaded.get("scheduler"), path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -333,14 +341,14 @@ def _read(dist_checkpointing, state, path: str):
         raise CheckpointError(f"cannot load checkpoint {path}: {text.splitlines()[0]}", agreed=False) from exc
 
 
-def _load_model_state(model, loaded, path: str) -> None:
+def _load_model_state(model, loaded, path: str, keep: Keep = None) -> None:
     from megatron_csbp.parallel.pipeline import chunks_of
 
     chunks = chunks_of(model)
     for i, chunk in enumerate(chunks):  # a model chunk (its `gpt`), or a bare model (generation's)
         missing, unexpected = getattr(chunk, "gpt", chunk).load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
                                                         strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing = [k for k in missing if not k.endswith("_extra_state") and (keep is None or keep(k))]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks model keys {missing[:5]}")
 

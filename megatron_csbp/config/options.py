@@ -244,6 +244,9 @@ OPTIONS: List[Option] = [
     # ---- checkpoints and logs -------------------------------------------------------------
     O(("--save",), str, None, "folder to write checkpoints to", group="checkpointing", to=("checkpoint",)),
     O(("--load",), str, None, "checkpoint folder to resume (or start) from", group="checkpointing", to=("checkpoint",)),
+    O(("--pretrained-checkpoint",), str, None, "Directory containing a pretrained model checkpoint for finetuning "
+      "(Megatron-LM's): its weights only, when --load holds no checkpoint; with --lora-rank the frozen base the "
+      "adapters train on, loaded before a --load LoRA checkpoint", group="checkpointing", to=("checkpoint",)),
     O(("--save-interval",), int, None, "save a checkpoint every this many iterations (with --save; the last "
       "iteration is saved too)", group="checkpointing", to=("checkpoint",), rule=POSITIVE),
     O(("--save-retain-interval",), int, None, "keep only the checkpoints at multiples of this (and the latest); a "

@@ -56,6 +56,7 @@ class Resolved:
     num_microbatches: int = 1  # per iteration: --global-batch-size / (--micro-batch-size x data-parallel size)
     virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved 1F1B (parallel/pipeline.py)
     load_step: Any = None  # what --load [--ckpt-step] loads: an iteration, "release", or None
+    model_source: Any = None  # (flag, folder, iteration) of the checkpoint the model comes from (files.model_source)
     model_shape: Any = None  # the --load checkpoint's ModelShape (None: the model is built from the flags)
     shape_unknown: bool = False  # launch --check: --load is not here, so the rules that need its shape are skipped
     eod_token_id: Optional[int] = None  # the tokenizer's
@@ -110,8 +111,8 @@ def validate_args(flags: argparse.Namespace, world_size: int, check_only: bool =
     args = _Resolving(flags)
     facts = check_flags(args, world_size, check_only)
     check_pretrained(args, facts)
-    if facts.load_step is not None:
-        check_model_flags(args, args.load, facts.load_step)
+    if facts.model_source is not None:
+        check_model_flags(args, facts.model_source[1], facts.model_source[2], facts.model_source[0])
     if not check_only:  # (launch --check: the run's folders are on another machine)
         resumes = isinstance(facts.load_step, int) and not getattr(args, "finetune", False)
         check_run_folders(args, facts.load_step, facts.load_step if resumes else 0,  # (a DFlash drafter's --load:)
@@ -147,19 +148,24 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     sizes = check_topology(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.context_parallel_size, args.block_parallel_size, args.expert_model_parallel_size)
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * sizes.shard_group_size)
-    load_step = shape = None
-    unknown = bool(args.load and check_only and ("load" in placeholders or not os.path.exists(args.load)))
+    load_step = shape = source = None
+    away = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("load", "pretrained_checkpoint") if check_only
+            and getattr(args, d) and (d in placeholders or not os.path.exists(getattr(args, d)))]
+    unknown = bool(away)
     if unknown:
-        notes.append(f"--load {args.load} is not here: the model-shape rules (flags vs the checkpoint's "
-                     "shape, MoE and DiffusionGemma requirements) run at launch")
-    elif args.load or args.ckpt_step is not None:
-        from megatron_csbp.checkpoint.files import checkpoint_shape, checkpoint_to_load
+        notes.append(f"{' and '.join(away)} {'is' if len(away) == 1 else 'are'} not here: the model-shape rules (flags "
+                     "vs the checkpoint's shape, MoE and DiffusionGemma requirements) run at launch")
+    elif args.load or args.ckpt_step is not None or args.pretrained_checkpoint:
+        from megatron_csbp.checkpoint.files import checkpoint_shape, checkpoint_to_load, model_source
         load_step = checkpoint_to_load(args.load, args.ckpt_step)
-        shape = checkpoint_shape(args.load, load_step)
-    facts = Resolved(world_size=world_size, data_parallel_size=dp, load_step=load_step, model_shape=shape,
-                     shape_unknown=unknown, objective_inputs=inputs, check_notes=notes)
+        source = model_source(args.load, load_step, args.pretrained_checkpoint)
+        shape = checkpoint_shape(*source[1:]) if source else None
+        if source and source[0] != "--load":  # (a LoRA checkpoint's recorded base when not given)
+            args.pretrained_checkpoint = source[1]
+    facts = Resolved(world_size=world_size, data_parallel_size=dp, load_step=load_step, model_source=source,
+                     model_shape=shape, shape_unknown=unknown, objective_inputs=inputs, check_notes=notes)
     if shape is not None:
-        apply_model_shape(args, shape)
+        apply_model_shape(args, shape, *source[:2])
     check_clean_attention(args, shape)
     # The block geometry and the layout of the shard group, as the model will build them: their
     # own rules (whole blocks, zigzag chunks, a block for every block-parallel rank) run here.
@@ -287,7 +293,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
             raise ValueError("give --mask-token-id or --mask-token, not both")
         from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
         assets = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else \
-            os.path.join(args.load, "hf_assets") if args.load else None
+            os.path.join(source[1], "hf_assets") if source else None
         try:
             args.mask_token_id = resolve_mask_token(args.mask_token, tokenizer_path=assets,
                                                     vocab_size=args.vocab_size)
@@ -318,7 +324,7 @@ def check_pretrained(args, facts: Resolved) -> None:
     needs = objective_class(args.objective).needs_pretrained if args.objective in objective_names() else None
     why = f"--objective {args.objective} {needs}" if needs else \
         ("--finetune starts from the weights of --load" if getattr(args, "finetune", False) else None)
-    if why is None or facts.load_step is not None or facts.shape_unknown:  # (launch --check: --load not here)
+    if why is None or facts.model_source is not None or facts.shape_unknown:  # (launch --check: --load not here)
         return
     if not args.load:
         raise ValueError(f"{why}: give --load DIR (a checkpoint, e.g. from python -m megatron_csbp.convert "
@@ -327,9 +333,11 @@ def check_pretrained(args, facts: Resolved) -> None:
                      f"{'' if os.path.isdir(args.load) else '; the folder does not exist'})")
 
 
-def apply_model_shape(args: argparse.Namespace, shape) -> None:
-    """The model comes from the checkpoint's megatron_csbp_model.json: fill the shape flags from it
-    and refuse flags that contradict it (a flag left at its default takes the checkpoint's value)."""
+def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", folder: Optional[str] = None) -> None:
+    """The model comes from the checkpoint's megatron_csbp_model.json (`flag folder`: --load or
+    --pretrained-checkpoint): fill the shape flags from it and refuse flags that contradict it (a
+    flag left at its default takes the checkpoint's value)."""
+    where = f"{flag} {folder or args.load}"
     from megatron_csbp.model.families import flag_values
 
     defaults = build_parser()
@@ -350,15 +358,15 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         if dest == "vocab_size":  # (NullTokenizer)
             from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE
 
-            raise ValueError(f"--vocab-size {given} contradicts the checkpoint --load {args.load}: its vocabulary of "
+            raise ValueError(f"--vocab-size {given} contradicts the checkpoint {where}: its vocabulary of "
                              f"{shape.vocab_size} ids is --vocab-size {value} ({NULL_TOKENIZER_RULE}); drop the flag")
-        raise ValueError(f"{flag} {given} contradicts the checkpoint --load {args.load} ({flag} {value} in its "
+        raise ValueError(f"{flag} {given} contradicts the checkpoint {where} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
     from megatron_csbp.model.families import family_names, get_family
 
     if shape.is_moe and not get_family(shape.family).trainer_trains_moe:
         trained = [f for f in family_names() if get_family(f).trainer_trains_moe]
-        raise ValueError(f"--load {args.load} holds a {shape.family} MoE model ({shape.num_experts} experts): "
+        raise ValueError(f"{where} holds a {shape.family} MoE model ({shape.num_experts} experts): "
                          f"python -m megatron_csbp.train trains dense converted models and the MoE of {trained} only "
                          "(train other MoE models through the Megatron-LM hooks)")
     tp = args.tensor_model_parallel_size
@@ -366,7 +374,7 @@ def apply_model_shape(args: argparse.Namespace, shape) -> None:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the checkpoint's vocabulary "
                          f"{shape.vocab_size} (converted models are not padded)")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        args.tokenizer_model = os.path.join(args.load, "hf_assets")  # the tokenizer that came with the model
+        args.tokenizer_model = os.path.join(folder or args.load, "hf_assets")  # the tokenizer that came with the model
 
 
 def check_model_options(args, check_only: bool = False, shape=None) -> None:

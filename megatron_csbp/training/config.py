@@ -136,6 +136,7 @@ class EvalConfig:
 class CheckpointConfig:
     save: Optional[str] = None
     load: Optional[str] = None
+    pretrained_checkpoint: Optional[str] = None
     save_interval: Optional[int] = None
     save_retain_interval: Optional[int] = None
     save_initial: bool = False

@@ -121,6 +121,8 @@ class Trainer:
         self.train_ds = self.valid_ds = None
         self.iteration, self.consumed = 0, 0
         self.last_saved: Optional[int] = None  # iteration of the newest checkpoint this run saved or loaded
+        self.lora = None  # the run's LoRAConfig (--lora-rank > 0): its checkpoints hold the adapters only
+        self.base = None  # a LoRA run's --pretrained-checkpoint (lora.checkpoint.base_record), recorded by its saves
         self._batches, self._batches_at = None, None  # --num-workers: training micro-batches read ahead
 
     # ---- build -------------------------------------------------------------------------------
@@ -136,7 +138,10 @@ class Trainer:
         from megatron_csbp.parallel.self_conditioning import relay_for
         from megatron_csbp.training.model import build_model_chunks
 
+        from megatron_csbp.lora import LoRAConfig
+
         c = self.config
+        self.lora = LoRAConfig.of(c.model)
         init_distributed(c.parallel)
 
         def finalize(model_chunks, num_tokens=None, **kwargs):
@@ -213,8 +218,8 @@ class Trainer:
         dp_cp = mpu.get_data_parallel_rank(with_context_parallel=True)
         expert_dp = mpu.get_expert_data_parallel_rank() if hasattr(mpu, "get_expert_data_parallel_rank") else dp_cp
         nbytes = 0.0
-        for p in self.model.parameters():  # each weight counted on one replica
-            if (dp_cp if getattr(p, "allreduce", True) else expert_dp) == 0:
+        for p in self.model.parameters():  # each weight counted on one replica (a LoRA run saves its adapters)
+            if (self.lora is None or p.requires_grad) and (dp_cp if getattr(p, "allreduce", True) else expert_dp) == 0:
                 nbytes += p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
         (nbytes,) = allreduce([nbytes])
         save = self.config.checkpoint.save
@@ -356,7 +361,8 @@ class Trainer:
         if ck.model_shape is None:
             return {}
         from megatron_csbp.checkpoint.files import ASSETS_DIR
-        return {"shape": ck.model_shape, "assets_from": os.path.join(ck.load, ASSETS_DIR)}
+        have = [d for d in (ck.load, ck.pretrained_checkpoint) if d and os.path.isdir(os.path.join(d, ASSETS_DIR))]
+        return {"shape": ck.model_shape, "assets_from": os.path.join(have[0], ASSETS_DIR) if have else None}
 
     def save(self, iteration: int, consumed: int) -> None:
         """Atomic: a crash mid-save leaves the previous checkpoint and tracker intact."""
@@ -372,7 +378,7 @@ class Trainer:
         self._sync_params()
         try:
             state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
-                                  extra={"model_args": dict(ck.model_meta)}, **self._shape_files())
+                                  extra={"model_args": dict(ck.model_meta)}, **self._shape_files(), **self._lora_save())
         except (Exception, CheckpointException) as exc:  # a full disk, a read-only or vanished folder, ... (any rank's)
             if isinstance(exc, files.CheckpointError):
                 raise
@@ -389,6 +395,16 @@ class Trainer:
             if dropped:
                 _log0(f" deleted checkpoint {dropped} (--save-retain-interval {ck.save_retain_interval})")
 
+    def _lora_save(self) -> Dict:
+        """A LoRA run saves its adapters (their optimizer state with them) and its LoRA record."""
+        if self.lora is None:
+            return {}
+        from megatron_csbp.checkpoint.files import LORA_FILE
+        from megatron_csbp.lora import is_adapter
+        from megatron_csbp.lora.checkpoint import record_json
+
+        return {"keep": is_adapter, "files": {LORA_FILE: record_json(self.lora, self.base)}}
+
     def _sync_params(self) -> None:
         """With --overlap-param-gather the distributed optimizer's all-gather of the updated weights
         waits for the next forward's pre-hooks: gather them now (Megatron-LM's `force_param_sync`
@@ -401,19 +417,35 @@ class Trainer:
         release: weights only, from iteration 0). Returns (iteration, consumed samples)."""
         from megatron_csbp.checkpoint import files, state
 
+        from megatron_csbp.lora import is_adapter
+        from megatron_csbp.lora.checkpoint import base_record, check_resume
+
         ck = self.config.checkpoint
         iteration, consumed = 0, 0
+        step = files.checkpoint_to_load(ck.load, ck.ckpt_step)
+        if ck.pretrained_checkpoint and self.lora is not None:
+            self.base = base_record(ck.pretrained_checkpoint)
+        if step is not None:
+            check_resume(ck.load, step, self.lora, self.base)  # before a base is read
+        if ck.pretrained_checkpoint and (self.lora is not None or step is None):
+            # Megatron-LM's: the pretrained weights when --load holds no checkpoint; a LoRA run's frozen base
+            base = state.load_checkpoint(ck.pretrained_checkpoint, self.model, None, None,
+                                         keep=lambda k: not is_adapter(k))
+            self.optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+            _log0(f" loaded the weights of --pretrained-checkpoint {base['path']} (weights only"
+                  f"{': the frozen base of the adapters' if self.lora is not None else ', iteration 0, fresh optimizer'})")
         if ck.load:
             # --finetune / --no-load-optim: the weights only (Megatron's: no optimizer or scheduler state)
             weights_only = ck.finetune or ck.no_load_optim
             info = state.load_checkpoint(ck.load, self.model, None if weights_only else self.optimizer,
-                                         None if weights_only else self.scheduler, ck.ckpt_step)
+                                         None if weights_only else self.scheduler, step,
+                                         keep=is_adapter if self.lora is not None else None)
             if weights_only and info is not None:
                 self.optimizer.reload_model_params()  # main (fp32) params from the loaded weights
             if ck.finetune and info is not None and not info.get("release"):
                 _log0(f" --finetune: loaded the weights of {info['path']}; iteration and consumed samples start at 0")
                 info = dict(info, iteration=0, consumed_samples=0)
-            if info is None and ck.model_shape is not None:
+            if info is None and ck.model_shape is not None and not ck.pretrained_checkpoint:
                 raise files.CheckpointError(f"--load {ck.load} has a model shape file but no checkpoint to load")
             if info is not None and info.get("release"):
                 _log0(f" loaded converted model {info['path']} (release: weights only, iteration 0, fresh optimizer)")
