@@ -68,10 +68,12 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
                               max_shard_bytes: int = 5 << 30, tokenizer_model: Optional[str] = None,
-                              log: Optional[Callable[[str], None]] = None) -> ModelShape:
+                              log: Optional[Callable[[str], None]] = None,
+                              transform: Optional[Callable[[dict], dict]] = None) -> ModelShape:
     """Export a Megatron checkpoint (converted or trained, flag-built or not, saved under any
     layout) to Hugging Face, with the tokenizer it was trained with (`conversion.tokenizer`;
-    `tokenizer_model` overrides where it is read from). `log` receives one line on the tokenizer."""
+    `tokenizer_model` overrides where it is read from). `log` receives one line on the tokenizer.
+    `transform` maps the unsharded state before the export (a LoRA merge)."""
     from megatron_csbp.conversion.tokenizer import checkpoint_tokenizer, export_tokenizer
 
     info = read_checkpoint_model(load)  # refuses a model with no Hugging Face class before any work
@@ -79,6 +81,7 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
     with single_process_megatron():
         model, _ = load_checkpoint_model(info)
         state = model.state_dict()
+    state = transform(state) if transform is not None else state
     shape = info.shape
     extra = None
     extra_file = os.path.join(info.assets_dir, EXTRA_WEIGHTS_FILE)
