@@ -147,3 +147,39 @@ def test_what_has_no_exact_megatron_form_is_refused(tmp_path):
         lora_conversion.export_peft_adapter(moe, LoRAConfig(2, dropout=0.1), {expert + ".lora_A": torch.zeros(2, 32),
                                                                                  expert + ".lora_B": torch.zeros(32, 2)},
                                             str(tmp_path / "moe"))
+
+
+def test_cli_exports_scores_and_imports_a_lora_checkpoint(tmp_path):
+    """`convert megatron-to-hf --load LORA_CKPT` (PEFT adapter, and --merge-lora), `convert score` of the
+    LoRA checkpoint, and `convert hf-to-megatron --peft-adapter` back to a LoRA checkpoint (float32,
+    the converted checkpoint's dtype: the HF-parity tolerance)."""
+    pytest.importorskip("megatron_csbp.lora.checkpoint")
+    from megatron_csbp.conversion.cli import main
+    from megatron_csbp.lora.checkpoint import read_lora_checkpoint, write_lora_checkpoint
+
+    hf, meg, ckpt, adapter, merged, imported = (str(tmp_path / n) for n in ("hf", "meg", "lora", "ad", "merged", "imp"))
+    save_tiny_model("qwen3", hf, seed=3)
+    shape = api.hf_to_megatron_checkpoint(hf, meg)
+    with single_process_megatron():
+        model = adapted(LORA, lambda: build_gpt_model(shape), seed=5)
+        adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if is_adapter(k)}
+    write_lora_checkpoint(ckpt, LORA, adapters, meg)
+    tokens = np.random.RandomState(0).randint(0, shape.vocab_size, (2, SEQ))
+    np.save(tmp_path / "tokens.npy", tokens)
+
+    assert main(["score", "--load", ckpt, "--tokens", str(tmp_path / "tokens.npy"), "--output", str(tmp_path / "s.npy")]) == 0
+    assert main(["megatron-to-hf", "--load", ckpt, "--output", adapter]) == 0
+    assert main(["megatron-to-hf", "--load", ckpt, "--merge-lora", "--output", merged]) == 0
+    ours = np.load(tmp_path / "s.npy")
+    with_adapter = peft.PeftModel.from_pretrained(_hf_model("qwen3", hf), adapter).eval()
+    ref = _hf_logits("qwen3", with_adapter, tokens, None)
+    with with_adapter.disable_adapter():
+        assert float(np.abs(ref - _hf_logits("qwen3", with_adapter, tokens, None)).max()) > 1.0
+    assert float(np.abs(ours - ref).max()) <= TOLERANCE
+    assert float(np.abs(_hf_logits("qwen3", _hf_model("qwen3", merged), tokens, None) - ref).max()) <= TOLERANCE
+
+    assert main(["hf-to-megatron", "--hf-path", hf, "--peft-adapter", adapter, "--output", imported]) == 0
+    config, back, base = read_lora_checkpoint(imported)
+    assert config == LoRAConfig(4, 8.0, 0.0, tuple(sorted(DEFAULT_TARGETS))) and base == os.path.join(imported, "base")
+    assert sorted(back) == sorted(adapters) and all(torch.equal(back[k], adapters[k]) for k in adapters)
+    assert main(["megatron-to-hf", "--load", meg, "--merge-lora", "--output", str(tmp_path / "x")]) == 2

@@ -179,8 +179,11 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
     default) otherwise. `packing` (`layout.packing.Packing`: --reset-attention-mask,
     --reset-position-ids with --eod-token-id): each sequence's EOD-delimited documents are scored
     apart, as in training."""
+    from megatron_csbp.generation.lora import fold_adapters, read_lora
+
     tokens = np.asarray(tokens)
-    info = read_checkpoint_model(load)
+    lora = read_lora(load)  # a LoRA checkpoint: its base with the adapters folded in
+    info = read_checkpoint_model(lora[2] if lora else load)
     shape = info.shape
     _check_ids("--tokens", tokens, shape.vocab_size)
     if noisy_tokens is not None:
@@ -205,6 +208,8 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
     out = []
     with single_process_megatron():
         model, _ = load_checkpoint_model(info, params_dtype=torch.float32)
+        if lora:
+            fold_adapters(model, *lora[:2])
         model.eval()
         if noisy_tokens is None:
             scorer = ARScorer(model, tokens.shape[1], packing)

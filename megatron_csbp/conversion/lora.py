@@ -132,3 +132,41 @@ def import_peft_adapter(shape: ModelShape, directory: str, flag: str = "--peft-a
     if not os.path.isfile(os.path.join(directory, "adapter_config.json")):
         raise FileNotFoundError(f"{flag} {directory}: no adapter_config.json (a PEFT adapter folder holds it)")
     return load_peft_adapter(meta_hf_model(shape), peft_targets(shape), directory, flag)
+
+
+def export_lora_checkpoint(load: str, output: str, merge: bool = False, dtype: Optional[str] = None,
+                           log: Optional[Callable[[str], None]] = None, **hf_export) -> ModelShape:
+    """`convert megatron-to-hf --load LORA_CKPT`: a PEFT adapter folder for the Hugging Face export of
+    the checkpoint's base, or with `merge` (--merge-lora) the base exported with the adapters folded
+    in (`hf_export`: `api.megatron_to_hf_checkpoint`'s options)."""
+    from megatron_csbp.checkpoint.files import read_checkpoint_model
+    from megatron_csbp.conversion import api
+    from megatron_csbp.generation.lora import read_lora
+    from megatron_csbp.lora.peft import merged_state
+
+    config, adapters, base = read_lora(load)
+    if merge:
+        return api.megatron_to_hf_checkpoint(base, output, dtype, log=log,
+                                             transform=lambda state: merged_state(state, config, adapters), **hf_export)
+    shape = read_checkpoint_model(base).shape
+    export_peft_adapter(shape, config, adapters, output, base=base, dtype=dtype)
+    if log is not None:
+        log(f"its base: export it with `python -m megatron_csbp.convert megatron-to-hf --load {base}`; load the "
+            "adapter onto it with peft.PeftModel.from_pretrained")
+    return shape
+
+
+def import_peft_checkpoint(hf_path: str, adapter: str, output: str, dtype: Optional[str] = None):
+    """`convert hf-to-megatron --hf-path BASE --peft-adapter DIR --output OUT`: the base converted to
+    `OUT/base` and the adapter written as a LoRA checkpoint in `OUT` over it (train on with
+    `--load OUT --pretrained-checkpoint OUT/base` and the LoRA flags it prints). Returns (shape, config)."""
+    from megatron_csbp.conversion import api
+    from megatron_csbp.conversion.hf_io import read_config
+    from megatron_csbp.lora.checkpoint import write_lora_checkpoint
+    from megatron_csbp.model.families import shape_from_hf_config
+
+    config, adapters = import_peft_adapter(shape_from_hf_config(read_config(hf_path), dtype), adapter)
+    base = os.path.join(output, "base")
+    shape = api.hf_to_megatron_checkpoint(hf_path, base, dtype)
+    write_lora_checkpoint(output, config, {k: v.to(shape.torch_dtype) for k, v in adapters.items()}, base)
+    return shape, config
