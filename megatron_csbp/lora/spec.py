@@ -23,6 +23,7 @@ from megatron_csbp.lora import LoRAConfig, is_adapter
 from megatron_csbp.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
 
 _ACTIVE: contextvars.ContextVar[Optional[LoRAConfig]] = contextvars.ContextVar("lora", default=None)
+GROUPED_EXPERTS = ("GroupedMLP", "TEGroupedMLP")
 _SUBCLASS = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}
 
 
@@ -47,21 +48,29 @@ def _adapted(value, lora: LoRAConfig, path):
 
 
 def _walk(node, lora: LoRAConfig, path):
+    if isinstance(node, ModuleSpec) and getattr(node.module, "__name__", "") in GROUPED_EXPERTS \
+            and any(matches(t, path + [fc]) for t in lora.target_modules for fc in ("linear_fc1", "linear_fc2")):
+        raise ValueError(f"--lora-rank with --moe-grouped-gemm: grouped experts ({node.module.__name__}) take no "
+                         "LoRA adapters; use sequential experts (leave --moe-grouped-gemm off)")
     if isinstance(node, ModuleSpec):
         if node.submodules is not None:
             node.submodules = _walk(node.submodules, lora, path)
         return node
-    if isinstance(node, functools.partial):
+    if isinstance(node, functools.partial):  # newer megatron-core's specs: a module's `submodules` keyword
         return functools.partial(node.func, *(_walk(a, lora, path) for a in node.args),
-                                 **{k: _walk(v, lora, path + [k]) for k, v in node.keywords.items()})
+                                 **{k: _field(v, lora, path if k == "submodules" else path + [k])
+                                    for k, v in node.keywords.items()})
     if isinstance(node, (list, tuple)):
         return type(node)(_walk(x, lora, path) for x in node)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
-            value = getattr(node, f.name)
-            replacement = _adapted(value, lora, path + [f.name])
-            setattr(node, f.name, replacement if replacement is not None else _walk(value, lora, path + [f.name]))
+            setattr(node, f.name, _field(getattr(node, f.name), lora, path + [f.name]))
     return node
+
+
+def _field(value, lora: LoRAConfig, path):
+    replacement = _adapted(value, lora, path)
+    return replacement if replacement is not None else _walk(value, lora, path)
 
 
 def with_adapters(spec, lora: LoRAConfig):
@@ -85,8 +94,9 @@ def _active(lora: LoRAConfig):
 
 
 def linear_names(model: torch.nn.Module) -> set:
+    """The names of the parallel linears in the model's layers (those a spec builds)."""
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and n.startswith("decoder.")}
 
 
 def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
