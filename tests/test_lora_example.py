@@ -23,4 +23,5 @@ def test_lora_example(tmp_path):
                                        r.stdout).groups())
     assert moved > 1e-3 and diff <= 1e-4
     assert "layout csbp" in r.stdout + r.stderr and "done: same logits" in r.stdout
+    assert re.search(r"\[checkpoint .*lora iteration \d+; \d+ forward calls\]", r.stdout)  # generate --load LORA
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "w" / "adapter"))

@@ -183,3 +183,27 @@ def test_cli_exports_scores_and_imports_a_lora_checkpoint(tmp_path):
     assert config == LoRAConfig(4, 8.0, 0.0, tuple(sorted(DEFAULT_TARGETS))) and base == os.path.join(imported, "base")
     assert sorted(back) == sorted(adapters) and all(torch.equal(back[k], adapters[k]) for k in adapters)
     assert main(["megatron-to-hf", "--load", meg, "--merge-lora", "--output", str(tmp_path / "x")]) == 2
+
+
+def test_generate_decodes_a_diffusion_gemma_lora_checkpoint(tmp_path):
+    """`generate --load LORA_CKPT` (DiffusionGemma): the same tokens as the --merge-lora export
+    converted back (the adapters act: other tokens than the base's)."""
+    pytest.importorskip("megatron_csbp.lora.checkpoint")
+    from megatron_csbp.generation.decode import main as generate
+    from megatron_csbp.lora.checkpoint import write_lora_checkpoint
+
+    hf, meg, ckpt, merged, merged_meg = (str(tmp_path / n) for n in ("hf", "meg", "lora", "merged", "merged_meg"))
+    tiny_hf_model(seed=3, vocab_size=DG_VOCAB, sliding_window=3, redraw=False).save_pretrained(hf)
+    shape = api.hf_to_megatron_checkpoint(hf, meg)
+    lora = LoRAConfig(4, 8.0, target_modules=("linear_qkv", "linear_proj"), init="random")  # (experts: test above)
+    with single_process_megatron():
+        model = adapted(lora, lambda: build_gpt_model(shape), seed=5)
+        adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if is_adapter(k)}
+    write_lora_checkpoint(ckpt, lora, adapters, meg)
+    api.megatron_to_hf_checkpoint(meg, merged, transform=lambda s: merged_state(s, lora, adapters))
+    api.hf_to_megatron_checkpoint(merged, merged_meg)
+    np.save(tmp_path / "prompt.npy", np.random.RandomState(1).randint(0, DG_VOCAB, (2, 7)))
+    ids = {name: generate(["--load", load, "--prompt-ids", str(tmp_path / "prompt.npy"), "--max-new-tokens", "8",
+                           "--seed", "5", "--max-denoising-steps", "4"])
+           for name, load in (("lora", ckpt), ("merged", merged_meg), ("base", meg))}
+    assert (ids["lora"] == ids["merged"]).all() and not (ids["lora"] == ids["base"]).all()

@@ -12,7 +12,8 @@ Each step is a command you would run on a real checkpoint (docs/lora.md#worked-e
 3. `python -m megatron_csbp.convert megatron-to-hf --load LORA --output ADAPTER`: adapter_config.json
    + adapter_model.safetensors
 4. `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(HF), ADAPTER)` against
-   `python -m megatron_csbp.convert score --load LORA` (the LoRA checkpoint's base with its adapters).
+   `python -m megatron_csbp.convert score --load LORA` (the LoRA checkpoint's base with its adapters);
+   `python -m megatron_csbp.generate --load LORA` decodes the LoRA checkpoint the same way.
 """
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ def main(argv=None) -> int:
     np.save(os.path.join(a.workdir, "tokens.npy"), tokens)
     run("-m", "megatron_csbp.convert", "score", "--load", lora, "--tokens", os.path.join(a.workdir, "tokens.npy"),
         "--output", os.path.join(a.workdir, "megatron_logits.npy"))
+
+    # the LoRA checkpoint decodes directly (its base with the adapters folded in)
+    np.save(os.path.join(a.workdir, "prompt.npy"), tokens[:1, :8])
+    run("-m", "megatron_csbp.generate", "--load", lora, "--prompt-ids", os.path.join(a.workdir, "prompt.npy"),
+        "--max-new-tokens", "8")
 
     import peft
     import transformers

@@ -183,9 +183,12 @@ def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
     return out
 
 
-def run_bd3lm(p, a) -> np.ndarray:
+def run_bd3lm(p, a, lora=None) -> np.ndarray:
+    from megatron_csbp.generation import lora as lora_generation
+
     try:
-        model, margs, step = load_for_generation(a.load, a.ckpt_step)
+        model, margs, step = (load_for_generation(a.load, a.ckpt_step) if lora is None
+                              else lora_generation.load_for_generation(a.load, a.ckpt_step, lora))
     except ValueError as exc:
         p.error(str(exc))
     from megatron_csbp.data.megatron_data import saved_tokenizer
@@ -230,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
 
     lora = read_lora(a.load, a.ckpt_step)  # a LoRA checkpoint: its recorded base with the adapters folded in
     info = _diffusion_gemma(lora[2], None) if lora else _diffusion_gemma(a.load, a.ckpt_step)
-    out = run_diffusion_gemma(p, a, info, lora) if info is not None else run_bd3lm(p, a)
+    out = run_diffusion_gemma(p, a, info, lora) if info is not None else run_bd3lm(p, a, lora)
     if a.output is not None:
         np.save(a.output, out)
         print(f"wrote {out.shape[0]} x {out.shape[1]} ids -> {a.output}")
