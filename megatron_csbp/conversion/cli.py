@@ -100,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             shape = conversion_lora.export_lora_checkpoint(
                 args.load, args.output, args.merge_lora, args.dtype, log=lines.append,
                 max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), tokenizer_model=args.tokenizer_model)
-            print(f"exported {shape.family} {'merged with its LoRA adapters' if args.merge_lora else 'LoRA adapters as a PEFT adapter'} -> {args.output}")
+            what = "merged with its LoRA adapters" if args.merge_lora else "LoRA adapters as a PEFT adapter"
+            print(f"exported {shape.family} {what} -> {args.output}")
             print("\n".join(lines))
         elif args.command == "megatron-to-hf" and args.merge_lora:
             raise ValueError(f"--merge-lora: --load {args.load} is not a LoRA checkpoint (it holds a full model; export "

@@ -90,7 +90,8 @@ class _FamilyMap(NamedTuple):
 
 #: family name -> how its adapters map (the GPT families share one)
 FAMILY_MAPS: Dict[str, _FamilyMap] = {
-    **{name: _FamilyMap(_gpt_targets, _gpt_hf_config) for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")},
+    **{name: _FamilyMap(_gpt_targets, _gpt_hf_config)
+       for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")},
     "diffusion_gemma": _FamilyMap(_dg_targets, _dg_hf_config),
 }
 
@@ -149,7 +150,7 @@ def export_lora_checkpoint(load: str, output: str, merge: bool = False, dtype: O
         return api.megatron_to_hf_checkpoint(base, output, dtype, log=log,
                                              transform=lambda state: merged_state(state, config, adapters), **hf_export)
     shape = read_checkpoint_model(base).shape
-    export_peft_adapter(shape, config, adapters, output, base=base, dtype=dtype)
+    export_peft_adapter(shape, config, adapters, output, dtype=dtype)
     if log is not None:
         log(f"its base: export it with `python -m megatron_csbp.convert megatron-to-hf --load {base}`; load the "
             "adapter onto it with peft.PeftModel.from_pretrained")

@@ -32,7 +32,8 @@ class Target(NamedTuple):
 def adapted_modules(adapters: Adapters) -> List[str]:
     """The Megatron module names that carry an adapter (each must have both matrices)."""
     mods = sorted({k[: -len(A)] for k in adapters if k.endswith(A)} | {k[: -len(B)] for k in adapters if k.endswith(B)})
-    bad = [k for k in adapters if not k.endswith((A, B))] + [m for m in mods if m + A not in adapters or m + B not in adapters]
+    bad = [k for k in adapters if not k.endswith((A, B))]
+    bad += [m for m in mods if m + A not in adapters or m + B not in adapters]
     if bad:
         raise ValueError(f"LoRA adapters must come as <module>.lora_A / <module>.lora_B pairs: {bad[:4]}")
     return mods
@@ -55,7 +56,8 @@ def _peft_layers(peft_model) -> Dict[str, object]:
     out = {}
     for name, mod in peft_model.base_model.model.named_modules():
         if isinstance(mod, LoraLayer):
-            out[f"{name.replace('.base_layer', '')}.{mod.parameter_name if isinstance(mod, ParamWrapper) else 'weight'}"] = mod
+            param = mod.parameter_name if isinstance(mod, ParamWrapper) else "weight"
+            out[f"{name.replace('.base_layer', '')}.{param}"] = mod
     return out
 
 
