@@ -136,10 +136,11 @@ def test_what_has_no_exact_megatron_form_is_refused(tmp_path):
     _meta_adapter(tmp_path / "q", "llama", target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"linear_qkv is one fused module; the adapter covers only"):
         lora_conversion.import_peft_adapter(shape, str(tmp_path / "q"))
-    # o_proj alone maps exactly: linear_proj
-    _meta_adapter(tmp_path / "o", "llama", target_modules=["o_proj"])
+    # o_proj alone maps exactly: linear_proj; rsLoRA's alpha / sqrt(r) becomes alpha' / r
+    _meta_adapter(tmp_path / "o", "llama", target_modules=["o_proj"], use_rslora=True, lora_alpha=8)
     config, adapters = lora_conversion.import_peft_adapter(shape, str(tmp_path / "o"))
     assert config.target_modules == ("linear_proj",) and len(adapters) == 2 * shape.num_layers
+    assert config.scaling == pytest.approx(8 / 2 ** 0.5)
     # peft's expert adapters (target_parameters) take no dropout
     moe = shape_from_hf_config(tiny_config("qwen3_moe").to_dict())
     expert = next(t for t in lora_conversion.peft_targets(moe) if t.expert is not None).megatron
