@@ -47,6 +47,10 @@ setup(
         "protobuf",
         # --tensorboard-dir (torch.utils.tensorboard), which the `demo` command sets
         "tensorboard",
+        # LoRA export/import as a PEFT adapter (conversion/lora.py, imported only for LoRA): peft
+        # reads and writes its own format; 0.21 is the release whose target_parameters layout of 3D
+        # expert stacks (ParamWrapper) the export writes (docs/lora.md)
+        "peft>=0.21.2,<0.22",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "matplotlib"],

@@ -68,10 +68,12 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
                               max_shard_bytes: int = 5 << 30, tokenizer_model: Optional[str] = None,
-                              log: Optional[Callable[[str], None]] = None) -> ModelShape:
+                              log: Optional[Callable[[str], None]] = None,
+                              transform: Optional[Callable[[dict], dict]] = None) -> ModelShape:
     """Export a Megatron checkpoint (converted or trained, flag-built or not, saved under any
     layout) to Hugging Face, with the tokenizer it was trained with (`conversion.tokenizer`;
-    `tokenizer_model` overrides where it is read from). `log` receives one line on the tokenizer."""
+    `tokenizer_model` overrides where it is read from). `log` receives one line on the tokenizer.
+    `transform` maps the unsharded state before the export (a LoRA merge)."""
     from megatron_csbp.conversion.tokenizer import checkpoint_tokenizer, export_tokenizer
 
     info = read_checkpoint_model(load)  # refuses a model with no Hugging Face class before any work
@@ -79,6 +81,7 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
     with single_process_megatron():
         model, _ = load_checkpoint_model(info)
         state = model.state_dict()
+    state = transform(state) if transform is not None else state
     shape = info.shape
     extra = None
     extra_file = os.path.join(info.assets_dir, EXTRA_WEIGHTS_FILE)
@@ -176,8 +179,11 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
     default) otherwise. `packing` (`layout.packing.Packing`: --reset-attention-mask,
     --reset-position-ids with --eod-token-id): each sequence's EOD-delimited documents are scored
     apart, as in training."""
+    from megatron_csbp.generation.lora import fold_adapters, read_lora
+
     tokens = np.asarray(tokens)
-    info = read_checkpoint_model(load)
+    lora = read_lora(load)  # a LoRA checkpoint: its base with the adapters folded in
+    info = read_checkpoint_model(lora[2] if lora else load)
     shape = info.shape
     _check_ids("--tokens", tokens, shape.vocab_size)
     if noisy_tokens is not None:
@@ -202,6 +208,8 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
     out = []
     with single_process_megatron():
         model, _ = load_checkpoint_model(info, params_dtype=torch.float32)
+        if lora:
+            fold_adapters(model, *lora[:2])
         model.eval()
         if noisy_tokens is None:
             scorer = ARScorer(model, tokens.shape[1], packing)

@@ -21,19 +21,25 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--output", required=True, help="new checkpoint folder (the trainer's --load)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weight dtype of the checkpoint (default: the Hugging Face config's dtype)")
+    a.add_argument("--peft-adapter", default=None,
+                   help="a PEFT LoRA adapter folder for the --hf-path model: --output becomes a LoRA checkpoint over "
+                        "the base converted into OUTPUT/base (docs/lora.md)")
     b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any parallel layout) -> Hugging Face folder")
     b.add_argument("--load", required=True, help="checkpoint folder (converted or saved by the trainer)")
     b.add_argument("--output", required=True, help="Hugging Face folder to write")
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype of the written weights (default: the checkpoint's)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    b.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA checkpoint: write the merged full model (W + alpha/rank * B A) instead of a PEFT "
+                        "adapter folder")
     b.add_argument("--tokenizer-model", default=None,
                    help="the tokenizer the model was trained with, if not where the checkpoint recorded it: a "
                         "sentencepiece .model file or a Hugging Face tokenizer folder (default: the checkpoint's "
                         "record; a DFlash drafter: its verifier's tokenizer)")
     c = sub.add_parser("score", help="logits of a Megatron checkpoint for token ids: next-token logits, or "
                                      "with --noisy-tokens the block-diffusion logits of the noisy rows")
-    c.add_argument("--load", required=True)
+    c.add_argument("--load", required=True, help="a checkpoint, or a LoRA checkpoint (its recorded base with the adapters)")
     c.add_argument("--tokens", required=True, help=".npy integer array [batch, seq] (the clean tokens)")
     c.add_argument("--output", required=True,
                    help=".npy float32 logits [batch, seq, vocab], with --noisy-tokens [batch, seq - P, vocab]")
@@ -63,6 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
     from megatron_csbp.conversion import drafter
+    from megatron_csbp.conversion import lora as conversion_lora
+    from megatron_csbp.generation.lora import read_lora
 
     try:
         flag, src = {"megatron-to-hf": ("--load", getattr(args, "load", None)),
@@ -81,6 +89,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype, args.tokenizer_model, log=lines.append)
             print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
             print("\n".join(lines))
+        elif args.command == "hf-to-megatron" and args.peft_adapter:
+            shape, lora = conversion_lora.import_peft_checkpoint(args.hf_path, args.peft_adapter, args.output, args.dtype)
+            print(f"imported a PEFT adapter (rank {lora.rank}, alpha {lora.alpha}, {' '.join(lora.target_modules)}) "
+                  f"over {shape.family} -> {args.output} (base: {os.path.join(args.output, 'base')})")
+            print(f"train on with: --load {args.output} --pretrained-checkpoint {os.path.join(args.output, 'base')} "
+                  f"--lora-rank {lora.rank} --lora-alpha {lora.alpha} --lora-target-modules {' '.join(lora.target_modules)}")
+        elif args.command == "megatron-to-hf" and read_lora(args.load):
+            lines = []
+            shape = conversion_lora.export_lora_checkpoint(
+                args.load, args.output, args.merge_lora, args.dtype, log=lines.append,
+                max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), tokenizer_model=args.tokenizer_model)
+            what = "merged with its LoRA adapters" if args.merge_lora else "LoRA adapters as a PEFT adapter"
+            print(f"exported {shape.family} {what} -> {args.output}")
+            print("\n".join(lines))
+        elif args.command == "megatron-to-hf" and args.merge_lora:
+            raise ValueError(f"--merge-lora: --load {args.load} is not a LoRA checkpoint (it holds a full model; export "
+                             "it without --merge-lora)")
         elif args.command == "hf-to-megatron":
             shape = api.hf_to_megatron_checkpoint(args.hf_path, args.output, args.dtype)
             source = f" from {shape.diffusion_gemma['source']}" if shape.diffusion_gemma else ""

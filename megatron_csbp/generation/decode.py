@@ -135,9 +135,10 @@ def _diffusion_gemma(load: str, step: Optional[int]):
         return None
 
 
-def run_diffusion_gemma(p, a, info) -> np.ndarray:
+def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
     from megatron_csbp.checkpoint.model import load_checkpoint_model, single_process_megatron
     from megatron_csbp.generation import diffusion_gemma as dg
+    from megatron_csbp.generation.lora import fold_adapters
 
     shape = info.shape
     try:
@@ -164,6 +165,8 @@ def run_diffusion_gemma(p, a, info) -> np.ndarray:
     dtype = getattr(torch, a.dtype)
     with single_process_megatron():
         model, _ = load_checkpoint_model(info, params_dtype=dtype)
+        if lora is not None:
+            fold_adapters(model, *lora[:2])
         model.eval()
         sampler = dg.DiffusionGemmaSampler(model, dg.canvas_length(shape))
         torch.manual_seed(a.seed)
@@ -180,9 +183,12 @@ def run_diffusion_gemma(p, a, info) -> np.ndarray:
     return out
 
 
-def run_bd3lm(p, a) -> np.ndarray:
+def run_bd3lm(p, a, lora=None) -> np.ndarray:
+    from megatron_csbp.generation import lora as lora_generation
+
     try:
-        model, margs, step = load_for_generation(a.load, a.ckpt_step)
+        model, margs, step = (load_for_generation(a.load, a.ckpt_step) if lora is None
+                              else lora_generation.load_for_generation(a.load, a.ckpt_step, lora))
     except ValueError as exc:
         p.error(str(exc))
     from megatron_csbp.data.megatron_data import saved_tokenizer
@@ -223,8 +229,11 @@ def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if a.output is not None and not os.path.isdir(os.path.dirname(os.path.abspath(a.output))):
         p.error(f"--output {a.output}: its folder does not exist")
-    info = _diffusion_gemma(a.load, a.ckpt_step)
-    out = run_diffusion_gemma(p, a, info) if info is not None else run_bd3lm(p, a)
+    from megatron_csbp.generation.lora import read_lora
+
+    lora = read_lora(a.load, a.ckpt_step)  # a LoRA checkpoint: its recorded base with the adapters folded in
+    info = _diffusion_gemma(lora[2], None) if lora else _diffusion_gemma(a.load, a.ckpt_step)
+    out = run_diffusion_gemma(p, a, info, lora) if info is not None else run_bd3lm(p, a, lora)
     if a.output is not None:
         np.save(a.output, out)
         print(f"wrote {out.shape[0]} x {out.shape[1]} ids -> {a.output}")
