@@ -30,6 +30,9 @@ LAYERS = [
     ("attention", ["megatron_csbp.attention"]),
     ("data", ["megatron_csbp.data"]),
     ("objectives", ["megatron_csbp.objectives"]),
+    # LoRA adapters on megatron-core's parallel linears and their flags (below config/, which adds
+    # the flags to the trainer's table; model/ calls its spec transform)
+    ("lora", ["megatron_csbp.lora"]),
     # every option declared once (name, type, default, help, rule, where it goes): the parser,
     # TrainerConfig, the model builder, the families' printed flags and the Megatron-LM hooks read it
     ("config", ["megatron_csbp.config"]),

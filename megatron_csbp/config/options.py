@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Tuple
 from megatron_csbp.data.megatron_data import TOKENIZER_TYPES
 from megatron_csbp.layout.layout import OWNERSHIP_SCHEDULES
 from megatron_csbp.layout.masks import CLEAN_ATTENTION_VARIANTS
+from megatron_csbp.lora.options import LORA_OPTIONS
 from megatron_csbp.utils.option import AT_LEAST_0, POSITIVE, Option, must
 
 
@@ -55,7 +56,7 @@ GROUPS = {"network": "network size", "transformer": "transformer configuration",
           "training": "training", "init": "RNG and initialization", "lr": "learning rate and weight decay",
           "checkpointing": "checkpointing", "mixed": "mixed precision", "distributed": "distributed",
           "validation": "validation", "data": "data and dataloader", "tokenizer": "tokenizer", "logging": "logging",
-          "moe": "moe", "bd": "block diffusion (megatron_csbp)"}
+          "moe": "moe", "bd": "block diffusion (megatron_csbp)", "lora": "LoRA (megatron_csbp, docs/lora.md)"}
 
 O = Option
 OPTIONS: List[Option] = [
@@ -356,6 +357,7 @@ OPTIONS: List[Option] = [
       "rest (needs flash-attn); --attention-backend selects it too", group="bd",
       choices=("auto", "cpu_flash", "tiled", "math", "flex", "flash")),
     O(("--log-json",), str, None, "append one JSON object per logged iteration", group="bd", to=("log",)),
+    *LORA_OPTIONS,  # declared in lora/options.py
 ]
 del O
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}

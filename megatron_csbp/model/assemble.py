@@ -18,6 +18,8 @@ from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import shard_group_size
+from megatron_csbp.lora import LoRAConfig
+from megatron_csbp.lora.spec import adapted
 from megatron_csbp.model import builder
 from megatron_csbp.model.diffusiongemma import sft  # noqa: F401  (registers DiffusionGemma SFT's model wrapper)
 from megatron_csbp.objectives.flags import NOISE_EPS_MAX, NOISE_EPS_MIN
@@ -176,15 +178,19 @@ def assemble(a, device=None, finalize_model_grads_func=None, stage: Stage = WHOL
     from megatron.core import tensor_parallel
 
     objective, layout = build_objective(a), build_layout(a)
-    if a.model_shape is not None:
-        config, gpt = converted_gpt(a, stage)
-    else:
+
+    def build():
+        if a.model_shape is not None:
+            return converted_gpt(a, stage)[1]
         config = transformer_config(a)
         # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
         torch.manual_seed(a.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-        gpt = flag_built_gpt(a, config, layer_spec(a, config, stage.vp_stage), stage, builder.embedding_rows(a),
-                             a.seq_length, a.seed)
+        return flag_built_gpt(a, config, layer_spec(a, config, stage.vp_stage), stage, builder.embedding_rows(a),
+                              a.seq_length, a.seed)
+
+    gpt = adapted(LoRAConfig.of(a), build, a.seed)  # LoRA: adapters through the spec, base frozen
+    config = gpt.config
     if finalize_model_grads_func is not None:
         config.finalize_model_grads_func = finalize_model_grads_func
     return config, wrap(a, gpt, objective, layout, device)

@@ -82,6 +82,7 @@ def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False, kernel
     norms scale by (1 + w) (`ZeroCenteredRMSNorm`); GDN's gated out_norm stays a plain RMSNorm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_csbp.lora.spec import active_transform
     from megatron_csbp.model.spec import with_block_diffusion_attention
 
     attention_layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
@@ -106,6 +107,7 @@ def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False, kernel
     )
     if 0 in pattern:
         attention_layer = with_block_diffusion_attention(attention_layer, kernel)
+    gdn_layer = active_transform(gdn_layer)  # its MLP's LoRA adapters (the attention layer's come with the swap)
     layers = [gdn_layer if p else attention_layer for p in pattern]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 

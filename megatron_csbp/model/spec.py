@@ -15,6 +15,7 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_csbp.attention.core_attention import BlockDiffusionAttention
+from megatron_csbp.lora.spec import active_transform
 
 
 def _core_attention(kernel: str):
@@ -51,7 +52,7 @@ def with_block_diffusion_attention(spec, kernel: str = "auto"):
     spec = _swap(spec, _core_attention(kernel), counter)
     if counter[0] == 0:
         raise ValueError("the layer spec has no core_attention to replace (is it an attention-free spec?)")
-    return spec
+    return active_transform(spec)  # LoRA adapters while a model is built with them (lora/spec.py)
 
 
 def swap_core_attention_in_model(model: torch.nn.Module, kernel: str = "auto") -> int:

@@ -1,0 +1,140 @@
+"""megatron-core's Column/RowParallelLinear with a LoRA adapter: `y = base(x) + B(A(dropout(x))) * alpha / r`.
+
+The base weight keeps its name (`M.weight`); the adapter adds `M.lora_A` [r, in] and `M.lora_B` [out, r]
+(full shapes), placed like the base weight under tensor parallelism: a column layer shards B's rows
+like its weight (stride 2 for SwiGLU's fc1) and replicates A; a row layer shards A's columns and
+replicates B, the rank-r product reduced over TP before B. Under sequence parallelism only the
+rank-r activations cross ranks. The collectives and why: docs/lora.md.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
+
+
+def _tp_size(group) -> int:
+    return group.size() if group is not None and torch.distributed.is_initialized() else 1
+
+
+class _ExpertColumnA(torch.autograd.Function):
+    """x @ A^T on an expert-TP rank whose input gradient stays partial (the token dispatcher sums it):
+    A's gradient uses the full rank-r output gradient (summed over the expert-TP group)."""
+
+    @staticmethod
+    def forward(ctx, x, a, group):
+        ctx.save_for_backward(x, a)
+        ctx.group = group
+        return F.linear(x, a)
+
+    @staticmethod
+    def backward(ctx, du):
+        x, a = ctx.saved_tensors
+        grad_a = du.reshape(-1, du.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        torch.distributed.all_reduce(grad_a, group=ctx.group)
+        return du @ a, grad_a, None
+
+
+class _ExpertRowShare(torch.autograd.Function):
+    """y / n on each of the n expert-TP ranks (the dispatcher sums their outputs), passing y's full
+    gradient back (every rank receives it whole)."""
+
+    @staticmethod
+    def forward(ctx, y, n):
+        return y / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _LoRA:
+    """The adapter shared by both layers; `lora_axis`: which of A / B this layer shards."""
+
+    def _add_adapter(self, config, lora, a_shape, b_shape, sharded: str, stride: int):
+        self.lora_config, self.lora_scaling, self.lora_stride = lora, lora.scaling, stride
+        self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else torch.nn.Identity()
+        for name, shape in (("lora_A", a_shape), ("lora_B", b_shape)):
+            p = torch.nn.Parameter(torch.zeros(*shape, dtype=config.params_dtype))
+            if name == sharded:
+                set_tensor_model_parallel_attributes(p, True, 0 if name == "lora_B" else 1, stride)
+            else:
+                set_tensor_model_parallel_attributes(p, False, 0, 1)
+            # expert adapters reduce over the expert data-parallel group, like the expert weights
+            setattr(p, "allreduce", getattr(self.weight, "allreduce", True))
+            self.register_parameter(name, p)
+
+    @property
+    def lora_world(self) -> int:
+        return _tp_size(self.tp_group)
+
+
+class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
+    def __init__(self, input_size, output_size, *, config, init_method, lora, lora_gated: bool = False, **kwargs):
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        stride = 2 if lora_gated and config.gated_linear_unit else 1
+        self._add_adapter(config, lora, (lora.rank, input_size), (self.output_size_per_partition, lora.rank),
+                          "lora_B", stride)
+        if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
+            # A's gradient covers this rank's rows only: finalize_model_grads sums it over TP
+            self.lora_A.sequence_parallel = True
+
+    def lora_delta(self, x):
+        u = F.linear(self.lora_dropout(x), self.lora_A) if not self.explicit_expert_comm or self.lora_world == 1 \
+            else _ExpertColumnA.apply(self.lora_dropout(x), self.lora_A, self.tp_group)
+        if self.lora_world > 1 and not self.explicit_expert_comm:
+            if self.sequence_parallel:
+                u = mappings.gather_from_sequence_parallel_region(u, tensor_parallel_output_grad=True,
+                                                                  group=self.tp_group)
+            else:
+                u = mappings.copy_to_tensor_model_parallel_region(u, group=self.tp_group)
+        return F.linear(u, self.lora_B) * self.lora_scaling
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        output, bias = super().forward(input_, weight, runtime_gather_output=False)
+        output = output + self.lora_delta(input_).to(output.dtype)
+        if gather:
+            output = mappings.gather_from_tensor_model_parallel_region(output, group=self.tp_group)
+        return output, bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron_csbp.lora.sharding import column_adapter_shards
+
+        return column_adapter_shards(self, super().sharded_state_dict(prefix, sharded_offsets, metadata),
+                                     prefix, sharded_offsets, metadata)
+
+
+class LoRARowParallelLinear(_LoRA, RowParallelLinear):
+    def __init__(self, input_size, output_size, *, config, init_method, lora, lora_gated: bool = False, **kwargs):
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        self._add_adapter(config, lora, (lora.rank, self.input_size_per_partition), (output_size, lora.rank),
+                          "lora_A", 1)
+        if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
+            # B's gradient covers this rank's rows only: finalize_model_grads sums it over TP
+            self.lora_B.sequence_parallel = True
+
+    def lora_delta(self, x):
+        u = F.linear(self.lora_dropout(x), self.lora_A)
+        world = self.lora_world
+        if world > 1:
+            if self.sequence_parallel and not self.explicit_expert_comm:
+                u = mappings.reduce_scatter_to_sequence_parallel_region(u, group=self.tp_group)
+            else:
+                u = mappings.reduce_from_tensor_model_parallel_region(u, group=self.tp_group)
+        y = F.linear(u, self.lora_B) * self.lora_scaling
+        if self.explicit_expert_comm and world > 1:
+            y = _ExpertRowShare.apply(y, world)  # the dispatcher sums the expert-TP ranks' outputs
+        return y
+
+    def forward(self, input_):
+        output, bias = super().forward(input_)
+        return output + self.lora_delta(input_).to(output.dtype), bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron_csbp.lora.sharding import row_adapter_shards
+
+        return row_adapter_shards(self, super().sharded_state_dict(prefix, sharded_offsets, metadata),
+                                  prefix, sharded_offsets, metadata)

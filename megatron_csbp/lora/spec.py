@@ -1,0 +1,124 @@
+"""Adapters through the layer spec: `with_adapters(spec, lora)` replaces every targeted
+Column/RowParallelLinear of a spec tree by its LoRA subclass (the base weight keeps its name).
+
+The model builders call `active_transform(spec)` where they swap core attention
+(model/spec.py); `adapted(lora, build)` makes the config active while a model is built, then checks
+the targets, freezes the base weights and draws the adapters (lora/init.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import dataclasses
+import functools
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_csbp.lora import LoRAConfig, is_adapter
+from megatron_csbp.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
+
+_ACTIVE: contextvars.ContextVar[Optional[LoRAConfig]] = contextvars.ContextVar("lora", default=None)
+_SUBCLASS = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}
+
+
+def matches(target: str, path: Sequence[str]) -> bool:
+    """`linear_fc1` matches every module of that name; `experts.linear_fc1` those whose parent is `experts`."""
+    parts = target.split(".")
+    return list(path[-len(parts):]) == parts
+
+
+def _adapted(value, lora: LoRAConfig, path):
+    module = value.module if isinstance(value, ModuleSpec) else value
+    if not isinstance(module, type) or not any(matches(t, path) for t in lora.target_modules):
+        return None
+    if module not in _SUBCLASS:
+        if module.__name__.startswith("TE"):
+            raise ValueError(f"--lora-rank: {'.'.join(path)} is TransformerEngine's {module.__name__}; LoRA adapts "
+                             "megatron-core's local ColumnParallelLinear / RowParallelLinear (use the local layer spec)")
+        return None
+    params = dict(value.params) if isinstance(value, ModuleSpec) else {}
+    params.update(lora=lora, lora_gated=path[-1] == "linear_fc1")
+    return ModuleSpec(module=_SUBCLASS[module], params=params)
+
+
+def _walk(node, lora: LoRAConfig, path):
+    if isinstance(node, ModuleSpec):
+        if node.submodules is not None:
+            node.submodules = _walk(node.submodules, lora, path)
+        return node
+    if isinstance(node, functools.partial):
+        return functools.partial(node.func, *(_walk(a, lora, path) for a in node.args),
+                                 **{k: _walk(v, lora, path + [k]) for k, v in node.keywords.items()})
+    if isinstance(node, (list, tuple)):
+        return type(node)(_walk(x, lora, path) for x in node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            replacement = _adapted(value, lora, path + [f.name])
+            setattr(node, f.name, replacement if replacement is not None else _walk(value, lora, path + [f.name]))
+    return node
+
+
+def with_adapters(spec, lora: LoRAConfig):
+    """A copy of `spec` whose targeted parallel linears carry adapters."""
+    return _walk(copy.deepcopy(spec), lora, [])
+
+
+def active_transform(spec):
+    """`spec` with adapters when a model is being built under `adapted(...)`, else unchanged."""
+    lora = _ACTIVE.get()
+    return spec if lora is None else with_adapters(spec, lora)
+
+
+@contextlib.contextmanager
+def _active(lora: LoRAConfig):
+    token = _ACTIVE.set(lora)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def linear_names(model: torch.nn.Module) -> set:
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
+    """One line for a target no module of `model` matches."""
+    adapted = [n.split(".") for n, m in model.named_modules() if isinstance(m, tuple(_SUBCLASS.values()))]
+    for target in lora.target_modules:
+        if not any(matches(target, path) for path in adapted):
+            have = ", ".join(sorted(linear_names(model)))
+            raise ValueError(f"--lora-target-modules {target}: the model has no module named {target} "
+                             f"(it has {have})")
+
+
+def freeze_base(model: torch.nn.Module) -> int:
+    """requires_grad=False on every parameter but the adapters; returns the number frozen."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def adapted(lora: Optional[LoRAConfig], build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
+    """`build()` with adapters on `lora`'s targets, base frozen, adapters drawn from `seed` by global
+    name; `build()` itself when `lora` is None."""
+    if lora is None:
+        return build()
+    with _active(lora):
+        model = build()
+    check_targets(model, lora)
+    freeze_base(model)
+    from megatron_csbp.lora.init import draw_adapters
+
+    draw_adapters(model, lora, seed)
+    return model
