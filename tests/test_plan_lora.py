@@ -143,3 +143,74 @@ def test_bad_lora_flags_are_one_line(capsys, flags, needle):
                *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+# ---- against the real model: the adapters the trainer builds (megatron_csbp.lora) ------------------
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16"]
+
+
+def _planner_model(c) -> ModelConfig:
+    """The planner's shape of a megatron-core TransformerConfig (its attribute names)."""
+    d = c.kv_channels or c.hidden_size // c.num_attention_heads
+    experts = c.num_moe_experts or 0
+    layer = LayerShape(c.num_attention_heads, c.num_query_groups or c.num_attention_heads, d,
+                       mlp_ffn=(c.moe_shared_expert_intermediate_size or 0) if experts else c.ffn_hidden_size,
+                       num_experts=experts, topk=c.moe_router_topk if experts else 0,
+                       expert_ffn=(c.moe_ffn_hidden_size or c.ffn_hidden_size) if experts else 0)
+    return ModelConfig("megatron", c.hidden_size, 64, (layer,) * c.num_layers, gated_mlp=c.gated_linear_unit)
+
+
+def _adapters_built(rank, world_size, runs):
+    """Per run: the planner's model of the built config and this rank's adapter elements."""
+    from megatron_csbp.lora import is_adapter
+    from megatron_csbp.training.arguments import parse_args
+    from megatron_csbp.training.config import TrainerConfig
+    from megatron_csbp.training.trainer import Trainer
+
+    out = []
+    for argv in runs:
+        t = Trainer(TrainerConfig.from_args(parse_args(list(argv)))).build()
+        model = t.chunks[0]
+        out.append((_planner_model(model.bdlm.gpt.config),
+                    sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))))
+        del t
+    return out
+
+
+def test_adapter_count_equals_the_real_models_dense_and_moe():
+    """`plan --lora-rank`'s adapter parameters = the `is_adapter` elements of the model the trainer
+    builds with the same flags, for a dense GPT and an MoE (experts adapted too), one rank."""
+    from tests.distributed import run_distributed
+    from tests.train_helpers import TINY
+
+    lora = ["--lora-rank", "4"]
+    runs = [TINY + lora, TINY + MOE + lora, TINY + MOE + lora + ["--lora-target-modules", "linear_qkv", "linear_fc2"]]
+    targets = [LoRAPlan(4), LoRAPlan(4), LoRAPlan(4, ("linear_qkv", "linear_fc2"))]
+    got = run_distributed(_adapters_built, 1, runs)[0]
+    for (model, built), plan in zip(got, targets):
+        assert built > 0 and adapter_count(model, plan) == built, (model, plan, built)
+    assert got[1][1] > got[0][1]  # the experts' adapters counted
+
+
+def test_adapters_per_rank_equal_the_real_models_under_tp():
+    """Per rank under TP 2 + SP: column A whole, B's rows / 2; row A's columns / 2, B whole; the
+    experts' adapters sharded with them over expert TP: the planner's `adapter_params` = the rank's
+    `is_adapter` elements."""
+    from tests.distributed import run_distributed
+    from tests.train_helpers import TINY
+
+    argv = TINY + MOE + ["--lora-rank", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    for (model, built), in run_distributed(_adapters_built, 2, [argv]):
+        assert sum(adapter_params(model, LoRAPlan(4), tp=2)) == built, (model, built)
+
+
+@pytest.mark.slow
+def test_adapters_per_rank_equal_the_real_models_under_ep():
+    """EP 2: half the experts' adapters on each rank."""
+    from tests.distributed import run_distributed
+    from tests.train_helpers import TINY
+
+    argv = TINY + MOE + ["--lora-rank", "4", "--expert-model-parallel-size", "2"]
+    for (model, built), in run_distributed(_adapters_built, 2, [argv]):
+        assert sum(adapter_params(model, LoRAPlan(4), ep=2)) == built, (model, built)

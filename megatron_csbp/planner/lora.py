@@ -23,10 +23,10 @@ class LoRAPlan:
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"--lora-rank {self.rank} must be >= 1 (0: full fine-tuning)")
-        unknown = [m for m in self.target_modules if m not in TARGET_MODULES]
+        unknown = [m for m in self.target_modules if m.rsplit(".", 1)[-1] not in TARGET_MODULES]
         if unknown or not self.target_modules:
             raise ValueError(f"--lora-target-modules {' '.join(unknown) or '(none)'}: choose from "
-                             f"{' '.join(TARGET_MODULES)}")
+                             f"{' '.join(TARGET_MODULES)} (or experts.NAME, mlp.NAME, ...: under that parent only)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout {self.dropout} must be in [0, 1)")
 
@@ -39,6 +39,12 @@ class Linear:
     fan_in: int
     fan_out: int
     expert: bool = False  # one expert's (a layer has `num_experts` of them)
+
+    def matches(self, target: str) -> bool:
+        """The trainer's rule (`lora.spec.matches`): NAME every linear of that name, PARENT.NAME those
+        under PARENT (`experts`: the experts' only; any other parent: the others)."""
+        parent, _, name = target.rpartition(".")
+        return name == self.name and (not parent or (parent.rsplit(".", 1)[-1] == "experts") == self.expert)
 
     def rank_widths(self, tp: int) -> Tuple[float, float]:
         """(A's input width, B's output width) one TP rank holds: column-parallel: A whole, B's rows
@@ -64,7 +70,7 @@ def layer_linears(model: ModelConfig, layer: LayerShape) -> List[Linear]:
 
 
 def _adapted(model: ModelConfig, layer: LayerShape, lora: LoRAPlan) -> List[Linear]:
-    return [x for x in layer_linears(model, layer) if x.name in lora.target_modules]
+    return [x for x in layer_linears(model, layer) if any(x.matches(t) for t in lora.target_modules)]
 
 
 def adapter_params(model: ModelConfig, lora: LoRAPlan, layers: Iterable[LayerShape] = None, tp: int = 1,

@@ -1,0 +1,179 @@
+"""CPU benchmark of LoRA against full fine-tuning at the same layout: peak memory and step time side
+by side in one run, through the trainer (`Trainer.train_step`: forward, backward, Megatron DDP, Adam).
+
+On the same gloo ranks (CSBP: CP 2 x BP 2 by default), each rank builds the full fine-tuning
+trainer, times its steps and tracks one step's live-tensor peak (`bench.memory.TensorPeakTracker`),
+frees it, then does the same with `--lora-rank R` (the same model, seed and tokens). Per rank:
+median step seconds, the tensor peak, the static tensors at the step's start (weights, gradient
+buffers, optimizer state) and the trained parameters. How to read it: docs/lora.md, "Memory, time
+and the planner".
+
+    python -m megatron_csbp.bench.lora --out docs/benchmarks/lora
+    python -m megatron_csbp.bench.lora --quick --out /tmp/lora_quick
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List
+
+import torch
+
+LAYOUTS = {"csbp": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
+           "cp": ["--context-parallel-size", "2"]}
+
+
+@dataclass(frozen=True)
+class LoRABench:
+    layout: str = "csbp"
+    seq_length: int = 512
+    num_layers: int = 4
+    hidden_size: int = 256
+    ffn_hidden_size: int = 1024
+    vocab_size: int = 512
+    rank: int = 8
+    steps: int = 3
+
+    def argv(self) -> List[str]:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout {self.layout}: choose from {', '.join(LAYOUTS)}")
+        return (f"--mock-data --vocab-size {self.vocab_size} --num-layers {self.num_layers} "
+                f"--hidden-size {self.hidden_size} --ffn-hidden-size {self.ffn_hidden_size} --num-attention-heads 4 "
+                f"--seq-length {self.seq_length} --block-size 16 --micro-batch-size 1 --global-batch-size 1 "
+                f"--train-iters 100 --lr 1e-3 --attention-kernel tiled --no-progress-bar").split() + LAYOUTS[self.layout]
+
+
+QUICK = LoRABench(seq_length=128, num_layers=2, hidden_size=128, ffn_hidden_size=512, vocab_size=256, rank=4,
+                  steps=1)
+CASES = ("full", "lora")
+
+
+def _case(argv: List[str], steps: int) -> Dict:
+    import torch.distributed as dist
+
+    from megatron_csbp.bench.memory import TensorPeakTracker
+    from megatron_csbp.training.arguments import parse_args
+    from megatron_csbp.training.config import TrainerConfig
+    from megatron_csbp.training.trainer import Trainer
+
+    trainer = Trainer(TrainerConfig.from_args(parse_args(argv))).build()
+    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+    trainer.train_step(0)  # warm-up: plans, buffers, the optimizer's state
+    times = []
+    for k in range(1, steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.train_step(k)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        times.append(float(dt))
+    gc.collect()
+    dist.barrier()
+    with TensorPeakTracker() as tracker:
+        trainer.train_step(steps + 1)
+    out = dict(step_s=statistics.median(times), step_times_s=times, peak_tensor_bytes=tracker.peak_bytes,
+               static_tensor_bytes=tracker.baseline, params=sum(p.numel() for p in params),
+               trained_params=sum(p.numel() for p in params if p.requires_grad))
+    del trainer, params
+    gc.collect()
+    return out
+
+
+def _rank(rank: int, world: int, bench: LoRABench) -> Dict:
+    torch.set_num_threads(1)
+    base = bench.argv()
+    return {"rank": rank, **{case: _case(base + (["--lora-rank", str(bench.rank)] if case == "lora" else []),
+                                         bench.steps) for case in CASES}}
+
+
+def run(bench: LoRABench, log=print) -> Dict:
+    from megatron_csbp.parallel.spawn import spawn
+
+    log(f"[bench.lora] {bench.layout} on 2 ranks: full fine-tuning, then LoRA rank {bench.rank}, {bench.steps} "
+        "timed steps each")
+    t0 = time.perf_counter()
+    per_rank = sorted(spawn(_rank, 2, bench), key=lambda r: r["rank"])
+    result = {"config": asdict(bench), "ranks": per_rank, "wall_s": time.perf_counter() - t0,
+              "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__}
+    result["summary"] = summary(result)
+    return result
+
+
+def summary(result: Dict) -> Dict:
+    """Per case: the slowest rank's step, the largest rank's tensor peak and static tensors; and
+    LoRA / full of each."""
+    ranks = result["ranks"]
+    out = {case: {"step_s": max(r[case]["step_s"] for r in ranks),
+                  "peak_tensor_bytes": max(r[case]["peak_tensor_bytes"] for r in ranks),
+                  "static_tensor_bytes": max(r[case]["static_tensor_bytes"] for r in ranks),
+                  "trained_params": ranks[0][case]["trained_params"], "params": ranks[0][case]["params"]}
+           for case in CASES}
+    out["ratio"] = {k: out["lora"][k] / out["full"][k] for k in ("step_s", "peak_tensor_bytes", "static_tensor_bytes")}
+    return out
+
+
+def report(result: Dict) -> str:
+    c, s = result["config"], result["summary"]
+    mib = lambda b: f"{b / 2 ** 20:.2f}"
+    lines = [
+        f"# LoRA vs full fine-tuning on CPU: {c['layout'].upper()} on 2 gloo ranks",
+        "",
+        f"The trainer (`Trainer.train_step`: forward, backward, Megatron DDP, Adam), a {c['num_layers']}-layer GPT "
+        f"(hidden {c['hidden_size']}, FFN {c['ffn_hidden_size']}, 4 heads, vocabulary {c['vocab_size']}), L = "
+        f"{c['seq_length']}, block 16, fp32, tiled kernel; LoRA rank {c['rank']} on linear_qkv, linear_proj, "
+        f"linear_fc1, linear_fc2. Both cases in the same processes, one after the other: step time = median of "
+        f"{c['steps']} timed steps after a warm-up (the slowest rank's), tensor peak = live-tensor high-water mark "
+        "of one more step (`bench.memory.TensorPeakTracker`), static = tensors live at that step's start "
+        "(weights, gradient buffers, optimizer state). Times depend on the shared machine; bytes do not.",
+        "",
+        "| case | trained params | step s | tensor peak MiB | static MiB |", "|---|---|---|---|---|"]
+    for case in CASES:
+        x = s[case]
+        lines.append(f"| {case} | {x['trained_params']:,} of {x['params']:,} | {x['step_s']:.3f} | "
+                     f"{mib(x['peak_tensor_bytes'])} | {mib(x['static_tensor_bytes'])} |")
+    r = s["ratio"]
+    lines += ["", f"LoRA / full: step time {r['step_s']:.3f}, tensor peak {r['peak_tensor_bytes']:.3f}, static "
+              f"{r['static_tensor_bytes']:.3f}.", "", "Per rank:", "",
+              "| rank | case | step s | tensor peak MiB | static MiB |", "|---|---|---|---|---|"]
+    for rk in result["ranks"]:
+        for case in CASES:
+            x = rk[case]
+            lines.append(f"| {rk['rank']} | {case} | {x['step_s']:.3f} | {mib(x['peak_tensor_bytes'])} | "
+                         f"{mib(x['static_tensor_bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    p = ArgumentParser(prog="python -m megatron_csbp.bench.lora", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="docs/benchmarks/lora", help="writes OUT.md and OUT.json")
+    p.add_argument("--quick", action="store_true", help="the CI-sized configuration (the other sizes ignored)")
+    p.add_argument("--layout", default="csbp", choices=sorted(LAYOUTS))
+    d = LoRABench()
+    for name in ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "vocab_size", "rank", "steps"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    a = p.parse_args(argv)
+    bench = replace(QUICK, layout=a.layout) if a.quick else LoRABench(a.layout, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size,
+                                            a.vocab_size, a.rank, a.steps)
+    result = run(bench, log=lambda m: print(m, file=sys.stderr, flush=True))
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    text = report(result)
+    with open(a.out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    from megatron_csbp.utils.cli import run as run_cli
+
+    sys.exit(run_cli(main))
