@@ -74,12 +74,13 @@ def test_lora_static_memory_is_weights_plus_the_adapters_training_state():
 
 
 def test_kept_activations_per_adapted_linear():
-    """Per row: + r for each adapted linear's z (experts: per routed copy); a frozen linear without
+    """Per row: + r for each adapted linear's z (a row-parallel layer's / TP, reduce-scattered under
+    SP; experts: per routed copy); a frozen linear without
     adapter keeps no input: qkv and fc1 lose h, fc2 its ffn (proj's input stays: attention keeps it);
     dropout keeps a 1-byte mask of each adapted input."""
     m, s, tp = _moe(), 2, 2
     layer = m.layers[0]
-    assert layer_kept_bytes(m, layer, LoRAPlan(R), tp, s) == (4 + 2 * 2) * s * R
+    assert layer_kept_bytes(m, layer, LoRAPlan(R), tp, s) == (1 + 1 / tp + 1 + 1 / tp + 2 * 2) * s * R
     only_qkv = LoRAPlan(R, ("linear_qkv",))
     assert layer_kept_bytes(m, layer, only_qkv, tp, s) == s * R - s * (0 + 64 + 96 + 2 * (64 + 32)) / tp
     with_dropout = LoRAPlan(R, ("linear_qkv",), dropout=0.1)
@@ -214,3 +215,32 @@ def test_adapters_per_rank_equal_the_real_models_under_ep():
     argv = TINY + MOE + ["--lora-rank", "4", "--expert-model-parallel-size", "2"]
     for (model, built), in run_distributed(_adapters_built, 2, [argv]):
         assert sum(adapter_params(model, LoRAPlan(4), ep=2)) == built, (model, built)
+
+
+# ---- the benchmark (bench/lora.py): LoRA vs full fine-tuning at the same layout, quick mode -------
+
+def test_lora_benchmark_peak_is_below_full_fine_tunings(tmp_path):
+    """`python -m megatron_csbp.bench.lora --quick` (CSBP on 2 ranks, both cases in one run). Why
+    LoRA's tensor peak must be lower: at the step's start full fine-tuning holds, per parameter, the
+    fp32 weight, its DDP gradient and Adam's m and v (16 B on CPU: no separate main copy), LoRA the
+    frozen weight (4 B) and 16 B per adapter parameter, so its static tensors are smaller by exactly
+    12 P - 16 A (P base, A adapter parameters); during the step LoRA adds only the adapters' rank-r
+    intermediates (and their gradients) and drops the base weight gradients and their Adam update,
+    so the peaks differ by at least 12 P - 16 A minus those intermediates."""
+    from megatron_csbp.bench import lora as bench
+
+    assert bench.main(["--quick", "--out", str(tmp_path / "lora")]) == 0
+    result = json.loads((tmp_path / "lora.json").read_text())
+    c = result["config"]
+    layer = LayerShape(4, 4, c["hidden_size"] // 4, mlp_ffn=c["ffn_hidden_size"])
+    model = ModelConfig("bench", c["hidden_size"], c["vocab_size"], (layer,) * c["num_layers"], gated_mlp=True)
+    rows = c["seq_length"]  # CSBP on 2 ranks: 2L / 2 rows per rank
+    intermediates = 2 * 4 * c["num_layers"] * rows * c["rank"] * 4  # z and its gradient, 4 linears a layer
+    for rk in result["ranks"]:
+        full, lo = rk["full"], rk["lora"]
+        P, A = full["params"], lo["trained_params"]
+        assert A == adapter_count(model, LoRAPlan(c["rank"])) and lo["params"] == P + A
+        assert abs(full["static_tensor_bytes"] - lo["static_tensor_bytes"] - (12 * P - 16 * A)) <= 4096
+        assert full["peak_tensor_bytes"] - lo["peak_tensor_bytes"] >= 12 * P - 16 * A - intermediates
+    assert result["summary"]["ratio"]["peak_tensor_bytes"] < 1
+    assert (tmp_path / "lora.md").read_text().startswith("# LoRA vs full fine-tuning on CPU")

@@ -504,10 +504,10 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 flops, hbm = layer_forward_cost(model, layer, lora, tp, s)
                 t["lora"] = t.get("lora", 0.0) + (3 + (1 if recompute else 0)) * rows * max(
                     flops / (peak * hw.gemm_efficiency), hbm / (hw.hbm_gbps * 1e9))
-                if tp > 1:  # a [rows, r] partial per adapted linear reduced over TP (once per pass, about)
-                    t["tp_comm"] += (passes_fwd + 1) / 2 * (
-                        2 * rows * layer_tp_reduced_bytes(model, layer, lora, s) * (tp - 1) / tp
-                        / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + 2 * lat)
+                if tp > 1:  # a [rows, r] gather or reduce-scatter per adapted linear and pass
+                    t["tp_comm"] += (passes_fwd + 1) * (
+                        rows * layer_tp_reduced_bytes(model, layer, lora, s) * (tp - 1) / tp
+                        / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + lat)
             if layer.is_gdn:
                 gw = gdn[r]
                 rec = gdn_recurrence_flops(gw, layer, tp, B) / (peak * hw.attention_efficiency)

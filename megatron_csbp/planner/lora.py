@@ -109,7 +109,8 @@ def layer_forward_cost(model: ModelConfig, layer: LayerShape, lora: LoRAPlan, tp
 def layer_kept_bytes(model: ModelConfig, layer: LayerShape, lora: LoRAPlan, tp: int, s: int) -> float:
     """Bytes per row LoRA changes in what the layer keeps for backward, against the trained layer
     of `cost.activation_bytes_per_row` (which counts each linear's input once): per adapted linear
-    the rank-r intermediate z (for B's gradient; whole on every TP rank) and, with dropout, its
+    the rank-r intermediate z B's gradient needs (a column layer's gathered over TP, a row layer's
+    reduce-scattered: / TP; an expert's whole, per routed copy) and, with dropout, its
     1-byte mask (A keeps the dropped copy of x in x's place); a frozen linear without adapter keeps
     no input (megatron-core's `linear_with_frozen_weight`), so qkv's and fc1's inputs (the norms'
     outputs, h) and fc2's (the activation's output) go unless something else keeps them (proj's
@@ -119,14 +120,15 @@ def layer_kept_bytes(model: ModelConfig, layer: LayerShape, lora: LoRAPlan, tp: 
     for x in layer_linears(model, layer):
         copies = layer.topk if x.expert else 1
         if (x.name, x.expert) in adapted:
-            delta += copies * (s * lora.rank + (x.fan_in / tp if lora.dropout else 0.0))
+            z = lora.rank / (tp if x.name not in COLUMN_PARALLEL and not x.expert else 1)
+            delta += copies * (s * z + (x.fan_in / tp if lora.dropout else 0.0))
         elif x.name != "linear_proj":
             delta -= copies * s * x.fan_in / tp
     return delta
 
 
 def layer_tp_reduced_bytes(model: ModelConfig, layer: LayerShape, lora: LoRAPlan, s: int) -> float:
-    """Bytes per row of the rank-r tensors reduced over TP in one pass: one [rows, r] partial per
-    adapted linear (row-parallel: z = x_shard A_shard^T in forward; column-parallel: dz = dy_shard
-    B_shard in backward), per routed copy for experts."""
+    """Bytes per row of the rank-r tensors that cross the TP group in one pass (sequence parallel):
+    one [rows, r] tensor per adapted linear (column: z gathered in forward, dz reduce-scattered in
+    backward; row: z reduce-scattered, dz gathered), per routed copy for experts."""
     return sum((layer.topk if x.expert else 1) * s * lora.rank for x in _adapted(model, layer, lora))
