@@ -1,6 +1,7 @@
 """The planner's LoRA (`plan --lora-rank`, planner/lora.py): adapter parameters per rank, the frozen
 base's memory and GEMMs, the paper's DiffusionGemma rows next to full fine-tuning."""
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -229,7 +230,8 @@ def test_lora_benchmark_peak_is_below_full_fine_tunings(tmp_path):
     so the peaks differ by at least 12 P - 16 A minus those intermediates."""
     from megatron_csbp.bench import lora as bench
 
-    assert bench.main(["--quick", "--out", str(tmp_path / "lora")]) == 0
+    profile = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "cpu_profile.json")
+    assert bench.main(["--quick", "--profile", profile, "--out", str(tmp_path / "lora")]) == 0
     result = json.loads((tmp_path / "lora.json").read_text())
     c = result["config"]
     layer = LayerShape(4, 4, c["hidden_size"] // 4, mlp_ffn=c["ffn_hidden_size"])
@@ -243,4 +245,18 @@ def test_lora_benchmark_peak_is_below_full_fine_tunings(tmp_path):
         assert abs(full["static_tensor_bytes"] - lo["static_tensor_bytes"] - (12 * P - 16 * A)) <= 4096
         assert full["peak_tensor_bytes"] - lo["peak_tensor_bytes"] >= 12 * P - 16 * A - intermediates
     assert result["summary"]["ratio"]["peak_tensor_bytes"] < 1
+    assert result["summary"]["predicted_ratio"]["peak_tensor_bytes"] < 1  # the planner agrees
     assert (tmp_path / "lora.md").read_text().startswith("# LoRA vs full fine-tuning on CPU")
+
+
+def test_plan_prints_the_trainers_lora_flags(capsys):
+    """The best layout's command line carries the LoRA flags the trainer takes (parsed by it)."""
+    from megatron_csbp.training.arguments import parse_args
+
+    assert main(["--model", "nemotron-diffusion-3b", "--seq-length", "8192", "--block-size", "64", "--gpus", "8",
+                 "--lora-rank", "8", "--lora-target-modules", "linear_qkv", "linear_fc2", "--lora-dropout", "0.1",
+                 "--json"]) == 0
+    flags = " ".join(json.loads(capsys.readouterr().out)["best"]["flags"]).split()
+    args = parse_args(flags + ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                               "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3"])
+    assert (args.lora_rank, args.lora_target_modules, args.lora_dropout) == (8, ["linear_qkv", "linear_fc2"], 0.1)

@@ -8,7 +8,7 @@ median step seconds, the tensor peak, the static tensors at the step's start (we
 buffers, optimizer state) and the trained parameters. How to read it: docs/lora.md, "Memory, time
 and the planner".
 
-    python -m megatron_csbp.bench.lora --out docs/benchmarks/lora
+    python -m megatron_csbp.bench.lora --steps 5 --profile docs/benchmarks/cpu_profile.json --out docs/benchmarks/lora
     python -m megatron_csbp.bench.lora --quick --out /tmp/lora_quick
 """
 from __future__ import annotations
@@ -64,19 +64,21 @@ def _case(argv: List[str], steps: int) -> Dict:
     trainer = Trainer(TrainerConfig.from_args(parse_args(argv))).build()
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     trainer.train_step(0)  # warm-up: plans, buffers, the optimizer's state
-    times = []
+    times, cpu = [], []
     for k in range(1, steps + 1):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         trainer.train_step(k)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        times.append(float(dt))
+        times.append(float(dt[0]))
+        cpu.append(float(dt[1]))
     gc.collect()
     dist.barrier()
     with TensorPeakTracker() as tracker:
         trainer.train_step(steps + 1)
-    out = dict(step_s=statistics.median(times), step_times_s=times, peak_tensor_bytes=tracker.peak_bytes,
+    out = dict(step_s=statistics.median(times), step_times_s=times, thread_cpu_s=statistics.median(cpu),
+               peak_tensor_bytes=tracker.peak_bytes,
                static_tensor_bytes=tracker.baseline, params=sum(p.numel() for p in params),
                trained_params=sum(p.numel() for p in params if p.requires_grad))
     del trainer, params
@@ -91,7 +93,7 @@ def _rank(rank: int, world: int, bench: LoRABench) -> Dict:
                                          bench.steps) for case in CASES}}
 
 
-def run(bench: LoRABench, log=print) -> Dict:
+def run(bench: LoRABench, log=print, profile: str = None) -> Dict:
     from megatron_csbp.parallel.spawn import spawn
 
     log(f"[bench.lora] {bench.layout} on 2 ranks: full fine-tuning, then LoRA rank {bench.rank}, {bench.steps} "
@@ -100,8 +102,33 @@ def run(bench: LoRABench, log=print) -> Dict:
     per_rank = sorted(spawn(_rank, 2, bench), key=lambda r: r["rank"])
     result = {"config": asdict(bench), "ranks": per_rank, "wall_s": time.perf_counter() - t0,
               "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__}
+    if profile:
+        result["profile"], result["predicted"] = profile, predicted(bench, profile)
     result["summary"] = summary(result)
     return result
+
+
+def predicted(bench: LoRABench, profile: str) -> Dict:
+    """The planner's step seconds, peak and static bytes of both cases (`plan --lora-rank`'s cost
+    model on the hardware profile FILE, tiled kernel, no reserve), the model as the trainer builds
+    it from the flags (SwiGLU, tied embeddings, 4 query groups)."""
+    from megatron_csbp.planner.cost import Layout, Workload, estimate
+    from megatron_csbp.planner.hardware import GiB, load_hardware
+    from megatron_csbp.planner.lora import LoRAPlan
+    from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+
+    hw = replace(load_hardware(profile), reserved_gib=0.0, attention_kernel="tiled")
+    layer = LayerShape(4, 4, bench.hidden_size // 4, mlp_ffn=bench.ffn_hidden_size)
+    model = ModelConfig("lora-bench", bench.hidden_size, bench.vocab_size, (layer,) * bench.num_layers,
+                        gated_mlp=True, tied_embeddings=True)
+    lay = Layout(1, 2, 2 if bench.layout == "csbp" else 1, 1, 1, distributed_optimizer=False)
+    wl = Workload(bench.seq_length, 16, global_batch_size=1)
+    out = {}
+    for case, w in (("full", wl), ("lora", replace(wl, lora=LoRAPlan(bench.rank)))):
+        e = estimate(model, lay, w, hw, 2)
+        out[case] = {"step_s": e.step_time_s, "peak_tensor_bytes": e.peak_memory_gib * GiB,
+                     "static_tensor_bytes": e.memory_gib["weights_grads_optimizer"] * GiB}
+    return out
 
 
 def summary(result: Dict) -> Dict:
@@ -109,11 +136,16 @@ def summary(result: Dict) -> Dict:
     LoRA / full of each."""
     ranks = result["ranks"]
     out = {case: {"step_s": max(r[case]["step_s"] for r in ranks),
+                  "thread_cpu_s": max(r[case]["thread_cpu_s"] for r in ranks),
                   "peak_tensor_bytes": max(r[case]["peak_tensor_bytes"] for r in ranks),
                   "static_tensor_bytes": max(r[case]["static_tensor_bytes"] for r in ranks),
                   "trained_params": ranks[0][case]["trained_params"], "params": ranks[0][case]["params"]}
            for case in CASES}
-    out["ratio"] = {k: out["lora"][k] / out["full"][k] for k in ("step_s", "peak_tensor_bytes", "static_tensor_bytes")}
+    keys = ("step_s", "peak_tensor_bytes", "static_tensor_bytes")
+    out["ratio"] = {k: out["lora"][k] / out["full"][k] for k in keys + ("thread_cpu_s",)}
+    if "predicted" in result:
+        p = result["predicted"]
+        out["predicted_ratio"] = {k: p["lora"][k] / p["full"][k] for k in keys}
     return out
 
 
@@ -127,18 +159,30 @@ def report(result: Dict) -> str:
         f"(hidden {c['hidden_size']}, FFN {c['ffn_hidden_size']}, 4 heads, vocabulary {c['vocab_size']}), L = "
         f"{c['seq_length']}, block 16, fp32, tiled kernel; LoRA rank {c['rank']} on linear_qkv, linear_proj, "
         f"linear_fc1, linear_fc2. Both cases in the same processes, one after the other: step time = median of "
-        f"{c['steps']} timed steps after a warm-up (the slowest rank's), tensor peak = live-tensor high-water mark "
+        f"{c['steps']} timed steps after a warm-up (the slowest rank's; CPU s: its main thread's CPU seconds, which "
+        "other jobs on the cores change less than wall time), tensor peak = live-tensor high-water mark "
         "of one more step (`bench.memory.TensorPeakTracker`), static = tensors live at that step's start "
         "(weights, gradient buffers, optimizer state). Times depend on the shared machine; bytes do not.",
         "",
-        "| case | trained params | step s | tensor peak MiB | static MiB |", "|---|---|---|---|---|"]
+        "| case | trained params | step s | CPU s | tensor peak MiB | static MiB |", "|---|---|---|---|---|---|"]
     for case in CASES:
         x = s[case]
-        lines.append(f"| {case} | {x['trained_params']:,} of {x['params']:,} | {x['step_s']:.3f} | "
+        lines.append(f"| {case} | {x['trained_params']:,} of {x['params']:,} | {x['step_s']:.3f} | {x['thread_cpu_s']:.3f} | "
                      f"{mib(x['peak_tensor_bytes'])} | {mib(x['static_tensor_bytes'])} |")
     r = s["ratio"]
-    lines += ["", f"LoRA / full: step time {r['step_s']:.3f}, tensor peak {r['peak_tensor_bytes']:.3f}, static "
-              f"{r['static_tensor_bytes']:.3f}.", "", "Per rank:", "",
+    lines += ["", f"LoRA / full: step time {r['step_s']:.3f} (CPU s {r['thread_cpu_s']:.3f}), tensor peak "
+              f"{r['peak_tensor_bytes']:.3f}, static "
+              f"{r['static_tensor_bytes']:.3f}."]
+    if "predicted" in result:
+        p, pr = result["predicted"], s["predicted_ratio"]
+        lines += ["", f"The planner (`plan --lora-rank`'s cost model, profile `{result['profile']}`, tiled kernel, "
+                  "no reserve), same model and layout:", "",
+                  "| case | step s | peak MiB | static MiB |", "|---|---|---|---|"]
+        lines += [f"| {case} | {p[case]['step_s']:.3f} | {mib(p[case]['peak_tensor_bytes'])} | "
+                  f"{mib(p[case]['static_tensor_bytes'])} |" for case in CASES]
+        lines += ["", f"Predicted LoRA / full: step time {pr['step_s']:.3f}, peak {pr['peak_tensor_bytes']:.3f}, "
+                  f"static {pr['static_tensor_bytes']:.3f}."]
+    lines += ["", "Per rank:", "",
               "| rank | case | step s | tensor peak MiB | static MiB |", "|---|---|---|---|---|"]
     for rk in result["ranks"]:
         for case in CASES:
@@ -159,10 +203,12 @@ def main(argv=None) -> int:
     d = LoRABench()
     for name in ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "vocab_size", "rank", "steps"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="a hardware profile (plan --profile FILE): the planner's prediction beside the measurement")
     a = p.parse_args(argv)
     bench = replace(QUICK, layout=a.layout) if a.quick else LoRABench(a.layout, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size,
                                             a.vocab_size, a.rank, a.steps)
-    result = run(bench, log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run(bench, log=lambda m: print(m, file=sys.stderr, flush=True), profile=a.profile)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)

@@ -35,7 +35,11 @@ def layout_flags(lay: Layout, wl: Workload, model_layers: Optional[int] = None) 
              grad_reduce_in_bf16=wl.grad_bytes == 2,
              # Megatron's packed-document flags (attention and positions stay inside documents)
              reset_attention_mask=wl.packed, reset_position_ids=wl.packed)
-    return [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
+    flags = [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
+    if wl.lora is not None:  # the trainer's LoRA flags (its --lora-alpha and --lora-init: their defaults)
+        flags += [flag_text("lora_rank", wl.lora.rank), "--lora-target-modules " + " ".join(wl.lora.target_modules)]
+        flags += [flag_text("lora_dropout", wl.lora.dropout)] if wl.lora.dropout else []
+    return flags
 
 
 def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int,
