@@ -33,3 +33,98 @@ def test_training_steps_change_only_the_adapters():
     assert out["adapters"] == sorted(layers)
     assert out["trainable"] == out["adapters"] and out["changed"] == out["adapters"]
     assert out["optimized"] == out["adapters"]
+
+
+def _families(rank, world_size):
+    """{family: sorted adapted module paths (layer index dropped)} of the converted families' tiny
+    models built with adapters on every projection, expert and GDN name."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.conversion.tiny import tiny_config
+    from megatron_csbp.lora import LoRAConfig, adapter_names
+    from megatron_csbp.lora.spec import adapted
+    from megatron_csbp.model import builder
+    from megatron_csbp.model.diffusiongemma.tiny import tiny_hf_config
+    from megatron_csbp.model.families import shape_from_hf_config
+    from megatron_csbp.parallel import state as bps
+
+    install_cpu_compat()
+    bps.initialize_block_parallel()
+    model_parallel_cuda_manual_seed(1)
+    lora = LoRAConfig(2, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    out = {}
+    configs = {f: tiny_config(f).to_dict() for f in ("qwen3", "qwen3_moe", "qwen3_5")}
+    configs["diffusion_gemma"] = tiny_hf_config().to_dict()
+    for family, cfg in configs.items():
+        shape = shape_from_hf_config(cfg)
+        gpt = adapted(lora, lambda: builder.build_gpt_model(shape, perform_initialization=True,
+                                                                      params_dtype=torch.float64), seed=3)
+        out[family] = sorted({".".join(p for p in n.split(".")[3:] if not p.isdigit()) for n in adapter_names(gpt)})
+        if family == "qwen3":
+            out["peft"] = _against_peft(gpt)
+    bps.destroy_block_parallel()
+    return out
+
+
+def _against_peft(gpt):
+    """max |LoRA layer - PEFT's lora.Linear on the same weights| for a column and a row layer, and
+    the init: B zero, A within nn.Linear's kaiming-uniform bound."""
+    import peft
+
+    layer = gpt.decoder.layers[0]
+    errors, init_ok = {}, True
+    for name, module in (("qkv", layer.self_attention.linear_qkv), ("fc2", layer.mlp.linear_fc2)):
+        init_ok &= bool((module.lora_B == 0).all()) and \
+            float(module.lora_A.detach().abs().max()) <= module.lora_A.shape[1] ** -0.5
+        with torch.no_grad():
+            module.lora_B.copy_(torch.randn_like(module.lora_B))
+        base = torch.nn.Sequential()
+        base.add_module("lin", torch.nn.Linear(module.weight.shape[1], module.weight.shape[0], bias=False,
+                                               dtype=torch.float64))
+        base.lin.weight.data.copy_(module.weight.detach())
+        cfg = module.lora_config
+        wrapped = peft.get_peft_model(base, peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=["lin"]))
+        with torch.no_grad():
+            wrapped.base_model.model.lin.lora_A["default"].weight.copy_(module.lora_A)
+            wrapped.base_model.model.lin.lora_B["default"].weight.copy_(module.lora_B)
+            x = torch.randn(5, 2, module.weight.shape[1], dtype=torch.float64)
+            errors[name] = float((module(x)[0] - wrapped(x)).abs().max())
+    return dict(errors=errors, init_ok=init_ok)
+
+
+def test_every_family_gets_adapters_through_its_spec():
+    out = run_distributed(_families, 1)[0]
+    assert out.pop("peft") == dict(errors={"qkv": pytest.approx(0.0, abs=1e-12), "fc2": pytest.approx(0.0, abs=1e-12)},
+                                   init_ok=True)
+    attention = ["self_attention.linear_proj.lora_A", "self_attention.linear_proj.lora_B",
+                 "self_attention.linear_qkv.lora_A", "self_attention.linear_qkv.lora_B"]
+    mlp = ["mlp.linear_fc1.lora_A", "mlp.linear_fc1.lora_B", "mlp.linear_fc2.lora_A", "mlp.linear_fc2.lora_B"]
+    experts = [m.replace("mlp.", "mlp.experts.local_experts.") for m in mlp]
+    assert out["qwen3"] == sorted(attention + mlp)
+    assert out["qwen3_moe"] == sorted(attention + experts)
+    assert out["qwen3_5"] == sorted(attention + mlp)  # GDN layers: their MLP (in_proj/out_proj not targeted)
+    dense = [m.replace("mlp.", "mlp.dense.") for m in mlp]
+    assert out["diffusion_gemma"] == sorted(attention + experts + dense)
+
+
+def test_bad_lora_flags_fail_in_one_line(capsys):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_csbp.lora import LoRAConfig
+    from megatron_csbp.lora.spec import with_adapters
+    from megatron_csbp.training.arguments import parse_args
+    from tests.train_helpers import error_lines, run_train
+
+    r = run_train(TINY + ["--train-iters", "1", "--lora-rank", "4", "--lora-target-modules", "linear_qkv", "linear_fc3"])
+    assert r.returncode != 0
+    assert error_lines(r.stdout + r.stderr) == [
+        "error: --lora-target-modules linear_fc3: the model has no module named linear_fc3 "
+        "(it has linear_fc1, linear_fc2, linear_proj, linear_qkv)"]
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--lora-rank", "-1"])
+    assert error_lines(capsys.readouterr().err) == ["error: --lora-rank must be at least 0, got -1"]
+    grouped = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True)
+    with pytest.raises(ValueError, match=r"^--lora-rank with --moe-grouped-gemm: grouped experts"):
+        with_adapters(grouped, LoRAConfig(4))
+    with_adapters(grouped, LoRAConfig(4, target_modules=("linear_qkv",)))  # attention only: allowed

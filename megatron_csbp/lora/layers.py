@@ -70,6 +70,15 @@ class _LoRA:
     def lora_world(self) -> int:
         return _tp_size(self.tp_group)
 
+    def _shards(self, axes, prefix, sharded_offsets, metadata):
+        """megatron-core's own sharded state dict of the layer with the adapter's TP-sharded tensor
+        in `axes` (the other one replicated over TP, like a bias)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
 
 class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
     def __init__(self, input_size, output_size, *, config, init_method, lora, lora_gated: bool = False, **kwargs):
@@ -101,10 +110,14 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         return output, bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron_csbp.lora.sharding import column_adapter_shards
+        sd = self._shards({"weight": 0, "bias": 0, "lora_B": 0}, prefix, sharded_offsets, metadata)
+        if self.lora_stride == 2:  # B's rows follow fc1's [gate ; up] like the weight (MLP.sharded_state_dict)
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-        return column_adapter_shards(self, super().sharded_state_dict(prefix, sharded_offsets, metadata),
-                                     prefix, sharded_offsets, metadata)
+            key = f"{prefix}lora_B"
+            sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
+                                                   (metadata or {}).get("singleton_local_shards", False))
+        return sd
 
 
 class LoRARowParallelLinear(_LoRA, RowParallelLinear):
@@ -134,7 +147,4 @@ class LoRARowParallelLinear(_LoRA, RowParallelLinear):
         return output + self.lora_delta(input_).to(output.dtype), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron_csbp.lora.sharding import row_adapter_shards
-
-        return row_adapter_shards(self, super().sharded_state_dict(prefix, sharded_offsets, metadata),
-                                  prefix, sharded_offsets, metadata)
+        return self._shards({"weight": 1, "lora_A": 1}, prefix, sharded_offsets, metadata)

@@ -23,6 +23,7 @@ from megatron_csbp.lora import LoRAConfig, is_adapter
 from megatron_csbp.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
 
 _ACTIVE: contextvars.ContextVar[Optional[LoRAConfig]] = contextvars.ContextVar("lora", default=None)
+GROUPED_EXPERTS = ("GroupedMLP", "TEGroupedMLP")
 _SUBCLASS = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}
 
 
@@ -47,6 +48,10 @@ def _adapted(value, lora: LoRAConfig, path):
 
 
 def _walk(node, lora: LoRAConfig, path):
+    if isinstance(node, ModuleSpec) and getattr(node.module, "__name__", "") in GROUPED_EXPERTS \
+            and any(matches(t, path + [fc]) for t in lora.target_modules for fc in ("linear_fc1", "linear_fc2")):
+        raise ValueError(f"--lora-rank with --moe-grouped-gemm: grouped experts ({node.module.__name__}) take no "
+                         "LoRA adapters; use sequential experts (leave --moe-grouped-gemm off)")
     if isinstance(node, ModuleSpec):
         if node.submodules is not None:
             node.submodules = _walk(node.submodules, lora, path)
@@ -85,8 +90,9 @@ def _active(lora: LoRAConfig):
 
 
 def linear_names(model: torch.nn.Module) -> set:
+    """The names of the parallel linears in the model's layers (those a spec builds)."""
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and n.startswith("decoder.")}
 
 
 def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:

@@ -1,0 +1,221 @@
+"""LoRA is exact under every layout (issue 44, docs/lora.md "Exactness"): the trainer's model chunks
+with adapters (`build_model` / `build_model_chunks`, through megatron-core's schedules, Megatron's
+DDP and `finalize_model_grads`) give the loss and every adapter gradient of one rank, in float64,
+under single / CP / BP / CSBP, each with TP 2 + sequence parallelism, EP 2 (a flag-built MoE,
+sequential experts) and PP 2 (tolerances: tests/gradients.py). The adapters' initial weights are one
+rank's (drawn by global name), B included (`--lora-init random`: PEFT's init_lora_weights=False,
+so that A gets a gradient); the base weights get no gradient and no optimizer state.
+
+Each spawned rank first computes the one-rank reference in-process (every parallel size 1, the
+micro-batches one after the other), then its layout's chunks from the same seed.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+from tests.gradients import EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step
+
+pytestmark = pytest.mark.exactness
+
+L, B, VOCAB, MBS, M = 32, 8, 64, 2, 4
+MOE = dict(num_experts=4, moe_router_topk=2)
+
+
+def model_args(tp=1, cp=1, bp=1, sp=False, pp=1, ep=1, moe=False, num_layers=2, **lora):
+    from megatron_csbp.training.model import ModelArgs
+
+    return ModelArgs(num_layers=num_layers, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                     num_query_groups=2, seq_length=L, vocab_size=VOCAB, block_size=B, mask_token_id=VOCAB - 1,
+                     tensor_model_parallel_size=tp, context_parallel_size=cp, block_parallel_size=bp,
+                     sequence_parallel=sp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                     attention_kernel="tiled", swiglu=True, lora_rank=4, lora_alpha=6.0, lora_init="random",
+                     **dict(MOE if moe else {}), **lora)
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for j in range(M):
+        tokens = torch.randint(0, VOCAB - 1, (MBS, L), generator=g)
+        loss_mask = torch.ones_like(tokens)
+        loss_mask[0, : 3 + j] = 0
+        out.append(dict(tokens=tokens, loss_mask=loss_mask, sample_index=torch.arange(j * MBS, (j + 1) * MBS)))
+    return out
+
+
+def _fp64(build):
+    from megatron_csbp.model import assemble
+
+    orig = assemble.params_dtype
+    assemble.params_dtype = lambda a: EXACT_DTYPE
+    try:
+        return build()
+    finally:
+        assemble.params_dtype = orig
+
+
+def _reference(a):
+    from megatron_csbp.lora import is_adapter
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.training.model import build_model
+
+    bps.initialize_block_parallel()
+    model = _fp64(lambda: build_model(a)).to(EXACT_DTYPE)
+    data = batches()
+    den = sum(model.bdlm.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
+    loss = 0.0
+    for b in data:
+        out = model(b["tokens"], b["loss_mask"], b["sample_index"], den)
+        out.loss.backward()
+        loss += float(out.loss.detach())
+    named = dict(model.gpt.named_parameters())
+    grads = {n: p.grad.clone() for n, p in named.items() if is_adapter(n)}
+    state = {n: p.detach().clone() for n, p in named.items()}
+    base_grads = [n for n, p in named.items() if not is_adapter(n) and (p.requires_grad or p.grad is not None)]
+    bps.destroy_block_parallel()
+    return loss, grads, state, base_grads
+
+
+def _global(name, offset, first_expert):
+    name = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+    return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first_expert + int(m.group(1))}.", name)
+
+
+def _slice(full, param, rank):
+    """This rank's shard of a full tensor as the parameter holds it (stride 2: SwiGLU's fc1)."""
+    if full.shape == param.shape:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    size = param.shape[dim] // stride
+    return torch.cat([part.narrow(dim, rank * size, size) for part in full.chunk(stride, dim)], dim)
+
+
+def _layout(a, ref_grads, ref_state):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_csbp.lora import is_adapter
+    from megatron_csbp.parallel import pipeline
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.training.model import build_model_chunks
+
+    bps.initialize_block_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                  a.context_parallel_size, a.block_parallel_size, a.expert_model_parallel_size)
+
+    def finalize(chunks, num_tokens=None, **kw):
+        return finalize_model_grads(chunks, None, **kw)
+
+    chunks = [c.to(EXACT_DTYPE) for c in _fp64(lambda: build_model_chunks(a, finalize_model_grads_func=finalize))]
+    ddps = [DistributedDataParallel(c.config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), c,
+                                    disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    for c in chunks:
+        c.config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    experts = a.num_experts or 0
+    first_expert = mpu.get_expert_model_parallel_rank() * experts // a.expert_model_parallel_size
+
+    def rank_of(name):
+        expert = "local_experts" in name
+        return mpu.get_expert_tensor_parallel_rank() if expert else mpu.get_tensor_model_parallel_rank()
+
+    init_err, pairs, base_with_grad = 0.0, [], []
+    data = batches()
+    den = sum(chunks[0].bdlm.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
+    losses = []
+    get_forward_backward_func()(
+        forward_step_func=pipeline_forward_step(den, losses), data_iterator=iter(data[dp_rank::dp]),
+        model=ddps, num_microbatches=M // dp, seq_length=pipeline.p2p_seq_length(chunks[0].bdlm),
+        micro_batch_size=MBS, forward_only=False)
+    loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)
+    dist.all_reduce(loss)  # the last stage's partials over the shard group and the DP replicas,
+    loss /= a.tensor_model_parallel_size  # each held by every TP rank
+    for c in chunks:
+        offset = pipeline.first_layer(c.config, c.gpt.vp_stage)
+        for n, p in c.gpt.named_parameters():
+            if not is_adapter(n):
+                if p.requires_grad or getattr(p, "main_grad", None) is not None or p.grad is not None:
+                    base_with_grad.append(n)
+                continue
+            g = _global(n, offset, first_expert)
+            init_err = max(init_err, float((p.detach() - _slice(ref_state[g], p, rank_of(n))).abs().max()))
+            pairs.append((p.main_grad.detach().clone(), _slice(ref_grads[g], p, rank_of(n))))
+    in_optimizer = None
+    bps.destroy_block_parallel()
+    worst, rel_norm = gradient_error(pairs)
+    return float(loss), worst, rel_norm, init_err, base_with_grad, len(pairs), in_optimizer
+
+
+def _rank(rank, world, cases):
+    from megatron_csbp.compat.cpu import install_cpu_compat
+
+    install_cpu_compat()
+    out = []
+    for kw in cases:
+        a = model_args(**kw)
+        ref_loss, ref_grads, ref_state, ref_base = _reference(model_args(moe=kw.get("moe", False)))
+        loss, worst, rel_norm, init_err, base, n, _ = _layout(a, ref_grads, ref_state)
+        out.append(dict(case=kw, loss=loss, ref_loss=ref_loss, worst=worst, rel_norm=rel_norm, init_err=init_err,
+                        base_with_grad=base + ref_base, adapters=n))
+    return out
+
+
+def _check(world, cases):
+    for per_rank in run_distributed(_rank, world, cases):
+        for r in per_rank:
+            print(r)
+            assert r["init_err"] == 0.0, r
+            assert r["base_with_grad"] == [] and r["adapters"] > 0, r
+            check_close(r["loss"], r["ref_loss"], r["worst"], r["rel_norm"],
+                        MOE_TOL if r["case"].get("moe") else FP64_TOL, r["case"])
+
+
+def test_two_ranks_tp_sp_pp_ep_csbp():
+    _check(2, [dict(tp=2, sp=True), dict(pp=2), dict(ep=2, moe=True), dict(cp=2), dict(bp=2)])
+
+
+def test_four_ranks_csbp_and_tp_sp_with_experts():
+    _check(4, [dict(cp=2, bp=2), dict(tp=2, sp=True, ep=2, moe=True), dict(pp=2, tp=2, sp=True)])
+
+
+def _saved_then_read_on_one_rank(rank, world, case, root):
+    """Save the adapters of a layout's chunks with dist_checkpointing, read them into the one-rank
+    model: the full tensors must equal one rank's draws (TP-sharded B of SwiGLU's fc1, experts)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.lora import is_adapter
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.training.model import build_model, build_model_chunks
+
+    install_cpu_compat()
+    a = model_args(**case)
+    bps.initialize_block_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                  a.context_parallel_size, a.block_parallel_size, a.expert_model_parallel_size)
+    (chunk,) = _fp64(lambda: build_model_chunks(a))
+    sd = chunk.gpt.sharded_state_dict()
+    dist_checkpointing.save({k: v for k, v in sd.items() if is_adapter(k)}, root)
+    dist.barrier()
+    bps.destroy_block_parallel()
+    bps.initialize_block_parallel()
+    ref = _fp64(lambda: build_model(model_args(moe=case.get("moe", False))))
+    want = {k: v for k, v in ref.gpt.sharded_state_dict().items() if is_adapter(k)}
+    drawn = {k: v.data.clone() for k, v in ref.gpt.state_dict(keep_vars=True).items() if is_adapter(k)}
+    loaded = dist_checkpointing.load(want, root)
+    bps.destroy_block_parallel()
+    return {k: float((loaded[k] - drawn[k]).abs().max()) for k in drawn}
+
+
+@pytest.mark.parametrize("world,case", [
+    (2, dict(tp=2, sp=True, moe=True)),  # TP-sharded B of the experts' SwiGLU fc1, A of fc2
+    pytest.param(4, dict(tp=2, ep=2, sp=True, moe=True), marks=pytest.mark.slow),
+    pytest.param(2, dict(pp=2, tp=1), marks=pytest.mark.slow)])
+def test_adapter_checkpoint_is_layout_independent(tmp_path, world, case):
+    for per_rank in run_distributed(_saved_then_read_on_one_rank, world, case, str(tmp_path)):
+        assert per_rank and all(err == 0.0 for err in per_rank.values()), per_rank
