@@ -45,7 +45,8 @@ class LoRABench:
         return (f"--mock-data --vocab-size {self.vocab_size} --num-layers {self.num_layers} "
                 f"--hidden-size {self.hidden_size} --ffn-hidden-size {self.ffn_hidden_size} --num-attention-heads 4 "
                 f"--seq-length {self.seq_length} --block-size 16 --micro-batch-size 1 --global-batch-size 1 "
-                f"--train-iters 100 --lr 1e-3 --attention-kernel tiled --no-progress-bar").split() + LAYOUTS[self.layout]
+                f"--train-iters 100 --lr 1e-3 --attention-kernel tiled --no-progress-bar --tokenizer-type NullTokenizer "
+                f"--mask-token-id {self.vocab_size - 1} --make-vocab-size-divisible-by 1").split() + LAYOUTS[self.layout]
 
 
 QUICK = LoRABench(seq_length=128, num_layers=2, hidden_size=128, ffn_hidden_size=512, vocab_size=256, rank=4,
