@@ -2,13 +2,14 @@
 by side in one run, through the trainer (`Trainer.train_step`: forward, backward, Megatron DDP, Adam).
 
 On the same gloo ranks (CSBP: CP 2 x BP 2 by default), each rank builds the full fine-tuning
-trainer, times its steps and tracks one step's live-tensor peak (`bench.memory.TensorPeakTracker`),
-frees it, then does the same with `--lora-rank R` (the same model, seed and tokens). Per rank:
-median step seconds, the tensor peak, the static tensors at the step's start (weights, gradient
-buffers, optimizer state) and the trained parameters. How to read it: docs/lora.md, "Memory, time
-and the planner".
+trainer and tracks one step's live-tensor peak (`bench.memory.TensorPeakTracker`), frees it, does
+the same with `--lora-rank R` (the same model, seed and tokens), then builds both and times their
+steps alternately, so the load of other jobs falls on both alike. Per rank: median step seconds
+(wall and main-thread CPU), the tensor peak, the static tensors at the step's start (weights,
+gradient buffers, optimizer state) and the trained parameters. How to read it: docs/lora.md,
+"Memory, time and the planner".
 
-    python -m megatron_csbp.bench.lora --steps 5 --profile docs/benchmarks/cpu_profile.json --out docs/benchmarks/lora
+    python -m megatron_csbp.bench.lora --steps 8 --profile docs/benchmarks/cpu_profile.json --out docs/benchmarks/lora
     python -m megatron_csbp.bench.lora --quick --out /tmp/lora_quick
 """
 from __future__ import annotations
@@ -54,51 +55,69 @@ QUICK = LoRABench(seq_length=128, num_layers=2, hidden_size=128, ffn_hidden_size
 CASES = ("full", "lora")
 
 
-def _case(argv: List[str], steps: int) -> Dict:
-    import torch.distributed as dist
-
-    from megatron_csbp.bench.memory import TensorPeakTracker
+def _trainer(argv: List[str]):
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
 
     trainer = Trainer(TrainerConfig.from_args(parse_args(argv))).build()
-    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     trainer.train_step(0)  # warm-up: plans, buffers, the optimizer's state
-    times, cpu = [], []
-    for k in range(1, steps + 1):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        trainer.train_step(k)
-        dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        times.append(float(dt[0]))
-        cpu.append(float(dt[1]))
-    gc.collect()
+    return trainer
+
+
+def _memory(argv: List[str]) -> Dict:
+    """One case alone in the process: the live-tensor peak of its second step, the tensors live
+    at that step's start, its parameters."""
+    import torch.distributed as dist
+
+    from megatron_csbp.bench.memory import TensorPeakTracker
+
+    trainer = _trainer(argv)
+    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+    gc.collect()  # the earlier case's reference cycles, before the census
     dist.barrier()
     with TensorPeakTracker() as tracker:
-        trainer.train_step(steps + 1)
-    out = dict(step_s=statistics.median(times), step_times_s=times, thread_cpu_s=statistics.median(cpu),
-               peak_tensor_bytes=tracker.peak_bytes,
-               static_tensor_bytes=tracker.baseline, params=sum(p.numel() for p in params),
-               trained_params=sum(p.numel() for p in params if p.requires_grad))
+        trainer.train_step(1)
+    out = dict(peak_tensor_bytes=tracker.peak_bytes, static_tensor_bytes=tracker.baseline,
+               params=sum(p.numel() for p in params), trained_params=sum(p.numel() for p in params if p.requires_grad))
     del trainer, params
     gc.collect()
     return out
 
 
+def _times(trainers: Dict, steps: int) -> Dict:
+    """Both cases' steps alternated (full, LoRA, full, ...), so the load of other jobs falls on
+    both alike: per case the slowest rank's wall and main-thread CPU seconds of each step."""
+    import torch.distributed as dist
+
+    out = {case: {"step_times_s": [], "thread_cpu_times_s": []} for case in trainers}
+    for k in range(2, steps + 2):
+        for case, trainer in trainers.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            trainer.train_step(k)
+            dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            out[case]["step_times_s"].append(float(dt[0]))
+            out[case]["thread_cpu_times_s"].append(float(dt[1]))
+    for x in out.values():
+        x.update(step_s=statistics.median(x["step_times_s"]), thread_cpu_s=statistics.median(x["thread_cpu_times_s"]))
+    return out
+
+
 def _rank(rank: int, world: int, bench: LoRABench) -> Dict:
     torch.set_num_threads(1)
-    base = bench.argv()
-    return {"rank": rank, **{case: _case(base + (["--lora-rank", str(bench.rank)] if case == "lora" else []),
-                                         bench.steps) for case in CASES}}
+    argv = {"full": bench.argv(), "lora": bench.argv() + ["--lora-rank", str(bench.rank)]}
+    memory = {case: _memory(argv[case]) for case in CASES}  # each case alone
+    times = _times({case: _trainer(argv[case]) for case in CASES}, bench.steps)
+    return {"rank": rank, **{case: {**memory[case], **times[case]} for case in CASES}}
 
 
 def run(bench: LoRABench, log=print, profile: str = None) -> Dict:
     from megatron_csbp.parallel.spawn import spawn
 
-    log(f"[bench.lora] {bench.layout} on 2 ranks: full fine-tuning, then LoRA rank {bench.rank}, {bench.steps} "
-        "timed steps each")
+    log(f"[bench.lora] {bench.layout} on 2 ranks: full fine-tuning and LoRA rank {bench.rank}, the peak of each "
+        f"alone, then {bench.steps} timed steps each, alternated")
     t0 = time.perf_counter()
     per_rank = sorted(spawn(_rank, 2, bench), key=lambda r: r["rank"])
     result = {"config": asdict(bench), "ranks": per_rank, "wall_s": time.perf_counter() - t0,
@@ -159,11 +178,11 @@ def report(result: Dict) -> str:
         f"The trainer (`Trainer.train_step`: forward, backward, Megatron DDP, Adam), a {c['num_layers']}-layer GPT "
         f"(hidden {c['hidden_size']}, FFN {c['ffn_hidden_size']}, 4 heads, vocabulary {c['vocab_size']}), L = "
         f"{c['seq_length']}, block 16, fp32, tiled kernel; LoRA rank {c['rank']} on linear_qkv, linear_proj, "
-        f"linear_fc1, linear_fc2. Both cases in the same processes, one after the other: step time = median of "
-        f"{c['steps']} timed steps after a warm-up (the slowest rank's; CPU s: its main thread's CPU seconds, which "
-        "other jobs on the cores change less than wall time), tensor peak = live-tensor high-water mark "
-        "of one more step (`bench.memory.TensorPeakTracker`), static = tensors live at that step's start "
-        "(weights, gradient buffers, optimizer state). Times depend on the shared machine; bytes do not.",
+        f"linear_fc1, linear_fc2, in the same processes. Tensor peak = live-tensor high-water mark of a step with "
+        "the case alone in the process (`bench.memory.TensorPeakTracker`), static = tensors live at that step's "
+        "start (weights, gradient buffers, optimizer state); then both trainers built, their steps alternated "
+        f"(full, LoRA, full, ...): step time = median of {c['steps']} each after a warm-up (the slowest rank's; "
+        "CPU s: its main thread's CPU seconds). Times depend on the shared machine; bytes do not.",
         "",
         "| case | trained params | step s | CPU s | tensor peak MiB | static MiB |", "|---|---|---|---|---|---|"]
     for case in CASES:
