@@ -219,3 +219,97 @@ def _saved_then_read_on_one_rank(rank, world, case, root):
 def test_adapter_checkpoint_is_layout_independent(tmp_path, world, case):
     for per_rank in run_distributed(_saved_then_read_on_one_rank, world, case, str(tmp_path)):
         assert per_rank and all(err == 0.0 for err in per_rank.values()), per_rank
+
+
+SHARDS = [dict(), dict(cp=2), dict(bp=2), dict(cp=2, bp=2)]  # single, CP, BP, CSBP
+
+
+@pytest.mark.slow
+def test_matrix_two_ranks():
+    # EP 2 over the shard group (plain BP with EP is refused by the trainer: unequal rows per
+    # expert rank), TP 2 with and without SP, PP 2
+    _check(2, [dict(s, ep=2, moe=True) for s in SHARDS if s != dict(bp=2)]
+           + [dict(tp=2, sp=True), dict(tp=2), dict(pp=2), dict(pp=2, moe=True)])
+
+
+@pytest.mark.slow
+def test_matrix_four_ranks():
+    # CP, BP and CSBP each with TP 2 + SP and with PP 2; CSBP x PP 2 with EP 2 experts
+    _check(4, [dict(s, **p) for s in SHARDS[1:] for p in (dict(tp=2, sp=True), dict(pp=2))]
+           + [dict(cp=2, bp=2, pp=2, ep=2, moe=True), dict(bp=2, tp=2, sp=True, moe=True)])
+
+
+def _family_rank(rank, world, family):
+    """tests/test_pipeline_families.py's PP 2 x CSBP run (DiffusionGemma: EP 2 over the shard group)
+    with adapters on every projection: the adapters' gradients equal one rank's."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_csbp.compat.cpu import install_cpu_compat
+    from megatron_csbp.lora import LoRAConfig, is_adapter
+    from megatron_csbp.lora.spec import adapted
+    from megatron_csbp.parallel import pipeline
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.training.model import TrainableBDLM
+    from tests import test_pipeline_families as F
+    from tests.gradients import one_rank_reference
+
+    install_cpu_compat()
+    lora = LoRAConfig(4, alpha=6.0, init="random")
+
+    def build(stage, **kw):
+        out = {}
+        gpt = adapted(lora, lambda: out.setdefault("r", F.FAMILIES[family](stage, **kw))[0], seed=11)
+        return (gpt, *out["r"][1:])
+
+    bps.initialize_block_parallel()
+    gpt, kind, L, tol = build(pipeline.WHOLE)
+    drawn = {n: p.detach().clone() for n, p in gpt.named_parameters() if is_adapter(n)}
+    F._redraw(family, gpt)  # base and adapters (the layout loads them all by global name)
+    state = {k: v.clone() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    model = F._bdlm(gpt, kind, L)
+    data = F._batches(L)
+    den = sum(model.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
+    ref_loss, ref_grads = one_rank_reference(model, gpt, data, den)
+    bps.destroy_block_parallel()
+
+    ep = 2 if family == "diffusion_gemma" else 1
+    bps.initialize_block_parallel(1, 2, 2, 2, ep)
+    (vp,) = pipeline.virtual_stages()
+    pre, post = pipeline.stage_of(vp)
+    gpt, kind, L, tol = build(pipeline.Stage(pre, post, vp), pp=2, ep=ep)
+    config = gpt.config
+    offset = pipeline.first_layer(config, vp)
+    first_expert = mpu.get_expert_model_parallel_rank() * (F.EXPERTS // ep)
+    names = {n: _global(n, offset, first_expert) for n in gpt.state_dict() if not n.endswith("_extra_state")}
+    names = {n: g if g in state else "embedding.word_embeddings.weight" for n, g in names.items()}
+    init_err = max(float((p.detach() - drawn[names[n]]).abs().max()) for n, p in gpt.named_parameters() if is_adapter(n))
+    gpt.load_state_dict({n: state[g] for n, g in names.items()}, strict=False)
+    config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
+    chunk = TrainableBDLM(config, F._bdlm(gpt, kind, L, 2, 2))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), chunk)
+    config.no_sync_func = ddp.no_sync
+    losses = []
+    get_forward_backward_func()(forward_step_func=pipeline_forward_step(den, losses), data_iterator=iter(data),
+                                model=[ddp], num_microbatches=F.M, seq_length=pipeline.p2p_seq_length(chunk.bdlm),
+                                micro_batch_size=F.MBS, forward_only=False)
+    loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)
+    dist.all_reduce(loss, group=bps.get_shard_group())
+    dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
+    pairs = [(p.main_grad.detach().clone(), ref_grads[names[n]]) for n, p in gpt.named_parameters() if is_adapter(n)]
+    frozen = all(not p.requires_grad for n, p in gpt.named_parameters() if not is_adapter(n))
+    bps.destroy_block_parallel()
+    worst, rel_norm = gradient_error(pairs)
+    return dict(loss=float(loss), ref_loss=ref_loss, worst=worst, rel_norm=rel_norm, tol=tol, adapters=len(pairs),
+                init_err=init_err, frozen=frozen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["diffusion_gemma", "hybrid"])
+def test_family_adapters_pp2_csbp_match_one_rank(family):
+    for r in run_distributed(_family_rank, 4, family):
+        print(family, r)
+        assert r["adapters"] > 0 and r["init_err"] == 0.0 and r["frozen"], r
+        check_close(r["loss"], r["ref_loss"], r["worst"], r["rel_norm"], r["tol"], family)

@@ -56,17 +56,21 @@ def _walk(node, lora: LoRAConfig, path):
         if node.submodules is not None:
             node.submodules = _walk(node.submodules, lora, path)
         return node
-    if isinstance(node, functools.partial):
+    if isinstance(node, functools.partial):  # newer megatron-core's specs: a module's `submodules` keyword
         return functools.partial(node.func, *(_walk(a, lora, path) for a in node.args),
-                                 **{k: _walk(v, lora, path + [k]) for k, v in node.keywords.items()})
+                                 **{k: _field(v, lora, path if k == "submodules" else path + [k])
+                                    for k, v in node.keywords.items()})
     if isinstance(node, (list, tuple)):
         return type(node)(_walk(x, lora, path) for x in node)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
-            value = getattr(node, f.name)
-            replacement = _adapted(value, lora, path + [f.name])
-            setattr(node, f.name, replacement if replacement is not None else _walk(value, lora, path + [f.name]))
+            setattr(node, f.name, _field(getattr(node, f.name), lora, path + [f.name]))
     return node
+
+
+def _field(value, lora: LoRAConfig, path):
+    replacement = _adapted(value, lora, path)
+    return replacement if replacement is not None else _walk(value, lora, path)
 
 
 def with_adapters(spec, lora: LoRAConfig):

@@ -26,7 +26,7 @@ def __getattr__(name):
 
 def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our flags (also used as Megatron-LM's extra_args_provider)."""
-    add_options(parser, groups=("bd",))
+    add_options(parser, groups=("bd", "lora"))
     return parser
 
 

@@ -308,6 +308,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
+    from megatron_csbp.lora import LoRAConfig
+    from megatron_csbp.lora.spec import adapted
     from megatron_csbp.model import assemble, builder
     from megatron_csbp.parallel import pipeline
     from megatron_csbp.training.model import TrainableBDLM
@@ -317,23 +319,28 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     config = config or core_transformer_config_from_args(args)
     if not config.calculate_per_token_loss:
         raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        spec = builder.with_block_diffusion(get_gpt_layer_with_transformer_engine_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm), args.attention_kernel)
-    else:
-        spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
-                                        moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
-                                        normalization=args.normalization)
     margs = _model_args_from_megatron(args)
     if margs.mask_token_id is None and objective_class(margs.objective).mask_token_needed is not None:
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
                          "hook picks the first padding id) or pass --mask-token-id")
-    # Megatron-LM seeds each stage with --seed + 100 x PP rank: a chunk is built from --seed instead
-    # (the trainer's weights), leaving Megatron-LM's generator state as it was.
-    with contextlib.nullcontext() if stage.whole else torch.random.fork_rng(devices=[]):
-        gpt = assemble.flag_built_gpt(margs, config, spec, stage, args.padded_vocab_size, args.max_position_embeddings,
-                                      seed=None if stage.whole else args.seed, redraw_experts=False,
-                                      fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True)
+
+    def build():
+        if getattr(args, "transformer_impl", "local") == "transformer_engine":
+            spec = builder.with_block_diffusion(get_gpt_layer_with_transformer_engine_spec(
+                args.num_experts, args.moe_grouped_gemm, args.qk_layernorm), args.attention_kernel)
+        else:
+            spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
+                                            moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+                                            normalization=args.normalization)
+        # Megatron-LM seeds each stage with --seed + 100 x PP rank: a chunk is built from --seed instead
+        # (the trainer's weights), leaving Megatron-LM's generator state as it was.
+        with contextlib.nullcontext() if stage.whole else torch.random.fork_rng(devices=[]):
+            return assemble.flag_built_gpt(margs, config, spec, stage, args.padded_vocab_size,
+                                           args.max_position_embeddings, seed=None if stage.whole else args.seed,
+                                           redraw_experts=False, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                                           parallel_output=True)
+
+    gpt = adapted(LoRAConfig.of(margs), build, args.seed)  # LoRA: adapters, base frozen before Megatron-LM's DDP
     bdlm = assemble.wrap(margs, gpt)
     if config.pipeline_model_parallel_size > 1:
         # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
