@@ -20,6 +20,7 @@ import json
 
 from megatron_csbp.planner.cost import Workload
 from megatron_csbp.planner.hardware import load_hardware, save_hardware
+from megatron_csbp.planner.lora import TARGET_MODULES, LoRAPlan
 from megatron_csbp.planner.model_config import (add_megatron_model_args, from_megatron_args, load_hf_config,
                                                 load_preset, presets)
 from megatron_csbp.planner.search import plan
@@ -69,7 +70,16 @@ def parse_args(argv=None):
     w.add_argument("--doc-length-seed", type=int, default=0, help="seed of the --doc-length-histogram draw")
     w.add_argument("--window-exchange", choices=["window", "all"], default="window",
                    help="CSBP sliding-window layers: exchange only the rows inside windows, or every clean row")
+    lo = p.add_argument_group("LoRA (the trainer's flags; docs/lora.md, 'Memory, time and the planner')")
+    lo.add_argument("--lora-rank", type=int, default=0,
+                    help="plan LoRA fine-tuning of adapters of this rank on the frozen model (0: full fine-tuning); "
+                         "each layout is shown next to full fine-tuning at the same layout")
+    lo.add_argument("--lora-target-modules", nargs="+", default=list(TARGET_MODULES), metavar="MODULE",
+                    help=f"linears given adapters, experts' included (default: {' '.join(TARGET_MODULES)})")
+    lo.add_argument("--lora-dropout", type=float, default=0.0, help="adapter input dropout (keeps its mask)")
     o = p.add_argument_group("output")
+    o.add_argument("--layouts", nargs="+", default=(), metavar="LABEL",
+                   help="only these layouts, labelled as printed without the options, e.g. DP2/EP2/CP8/BP8")
     o.add_argument("--top", type=int, default=8, help="layouts to print")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     o.add_argument("--profile", metavar="FILE", help="measure this machine's hardware profile into FILE and exit")
@@ -116,11 +126,17 @@ def format_table(result, top: int) -> str:
              f"L = {result['seq_length']}, B = {result['block_size']}, {result['gpus']} GPUs "
              f"({result['gpus_per_node']} per node), hardware {result['hardware']}; "
              f"{result['evaluated']} layouts evaluated, {result['infeasible']} do not fit in memory{packed}",
+             *lora_lines(result.get("lora")),
              "",
-             f"{'rank':>4}  {'layout':<44} {'step s':>9} {'tok/s':>9} {'peak GiB':>9} {'attn GiB/GPU':>12}"]
-    for i, l in enumerate(result["layouts"][:top]):
-        lines.append(f"{i + 1:>4}  {l['label']:<44} {l['step_time_s']:>9.2f} {l['tokens_per_s']:>9.0f} "
-                     f"{l['peak_memory_gib']:>9.1f} {l['attn_bytes_per_gpu'] / 2**30:>12.2f}")
+             f"{'rank':>4}  {'layout':<44} {'step s':>9} {'tok/s':>9} {'peak GiB':>9} {'attn GiB/GPU':>12}"
+             + ("   full: step s  peak GiB  fits" if "lora" in result else "")]
+    for i, l in enumerate(result["layouts"][:top] + result.get("layouts_not_fitting", [])):
+        full = l.get("full_fine_tuning")
+        lines.append(f"{i + 1 if l['feasible'] else '-':>4}  {l['label']:<44} {l['step_time_s']:>9.2f} "
+                     f"{l['tokens_per_s']:>9.0f} {l['peak_memory_gib']:>9.1f} {l['attn_bytes_per_gpu'] / 2**30:>12.2f}"
+                     + (f"   {full['step_time_s']:>12.2f} {full['peak_memory_gib']:>9.1f}  "
+                        f"{'yes' if full['feasible'] else 'no'}" if full else "")
+                     + ("" if l["feasible"] else "   (does not fit)"))
     if not result["layouts"]:
         lines.append("  (no layout fits: more GPUs, recompute, or a shorter sequence)")
     for key, title in (("best", "best"), ("best_baseline", "best without block parallelism")):
@@ -134,6 +150,15 @@ def format_table(result, top: int) -> str:
         if why:
             lines.append(why)
     return "\n".join(lines)
+
+
+def lora_lines(lora) -> list:
+    """The table's LoRA line: what trains, against the frozen base ([] without LoRA)."""
+    if not lora:
+        return []
+    return [f"LoRA rank {lora['rank']} on {' '.join(lora['target_modules'])}: {lora['adapter_params'] / 1e6:.1f}M "
+            f"adapter parameters train ({100 * lora['adapter_params'] / lora['base_params']:.2f} % of the "
+            f"{lora['base_params'] / 1e9:.2f}B frozen); 'full' columns: the same layout fully fine-tuned"]
 
 
 def why_no_speedup(result) -> str:
@@ -170,10 +195,12 @@ def main(argv=None) -> int:
         wl = Workload(args.seq_length, args.block_size, args.global_batch_size, args.window_exchange,
                       2 if args.grad_reduce_in_bf16 else 4, args.logits_bytes, args.loss_chunk_rows,
                       args.objective, args.dflash_max_anchors, args.dflash_doc_length, args.dflash_vocab_chunk,
-                      documents)
+                      documents, lora=LoRAPlan(args.lora_rank, tuple(args.lora_target_modules), args.lora_dropout)
+                      if args.lora_rank else None)
         if args.objective == "dflash" and not 1 <= args.dflash_max_anchors < args.seq_length:
             raise ValueError(f"--dflash-max-anchors {args.dflash_max_anchors} must be in [1, --seq-length - 1]")
-        result = plan(model, wl, args.gpus, args.gpus_per_node, hw, baseline=args.baseline, transports=args.transports,
+        result = plan(model, wl, args.gpus, args.gpus_per_node, hw, baseline=args.baseline, only=args.layouts,
+                      transports=args.transports,
                       schedules=args.block_ownership, recompute=args.recompute,
                       distributed_optimizer=not args.no_distributed_optimizer)
         if packing:
@@ -183,7 +210,7 @@ def main(argv=None) -> int:
         return 2
     if args.json:
         print(json.dumps(result, indent=1))
-    elif result["layouts"]:
+    elif result["layouts"] or result.get("layouts_not_fitting"):
         print(format_table(result, args.top))
     if not result["layouts"]:  # nothing to run: a script must not go on as if a layout had been found
         report(f"no layout fits in memory ({result['evaluated']} layouts evaluated for {args.gpus} GPUs, "

@@ -12,6 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 from megatron_csbp.planner.hardware import GiB, HardwareProfile
+from megatron_csbp.planner.lora import (LoRAPlan, adapter_params, layer_forward_cost, layer_kept_bytes,
+                                        layer_tp_reduced_bytes)
 from megatron_csbp.planner.model_config import LayerShape, ModelConfig
 from megatron_csbp.planner.reference import (OURS, Baseline, DFlash2Drafter, contiguous_clean_imbalance,
                                              contiguous_range_factor, native_ce_kept_bytes,
@@ -104,10 +106,15 @@ class Workload:
     # `logits_bytes` each, or `loss_chunk_rows` at a time) or 'native_ce' (the paper's trainer: the
     # native linear cross entropy in 1024-row blocks, `reference.native_ce_workspace_bytes`)
     loss_kernel: str = "logits"
+    # LoRA (`plan --lora-rank`, `planner.lora`): the base frozen, only the adapters train; None: full
+    lora: Optional[LoRAPlan] = None
 
     def __post_init__(self):
         if self.optimizer not in ("megatron", "zero2"):
             raise ValueError(f"Workload.optimizer must be megatron or zero2, got {self.optimizer!r}")
+        if self.lora is not None and (self.objective != "bd3lm" or self.optimizer != "megatron"):
+            raise ValueError("--lora-rank: LoRA is planned for block diffusion training (not --objective dflash) "
+                             "with Megatron's optimizer")
         if self.loss_kernel not in ("logits", "native_ce"):
             raise ValueError(f"Workload.loss_kernel must be logits or native_ce, got {self.loss_kernel!r}")
 
@@ -278,6 +285,9 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
     expert_total = model.expert_params
     dense_rank = dense_total / tp
     expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
+    if wl.lora is not None:  # the base is frozen (its weights only); the adapters train
+        frozen += dense_total + expert_rank * tp
+        dense_rank, expert_rank = adapter_params(model, wl.lora, model.layers, tp, lay.ep)
     D = lay.dp * S
     De = max(1, D // lay.ep)
     grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
@@ -467,6 +477,10 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     # expected detached self-conditioning passes per sample: the EP ranks (each its own sample)
     # run it when any of them draws it (the reference's max over the EP group)
     self_cond = 1.0 - (1.0 - wl.self_conditioning_prob) ** lay.ep if wl.self_conditioning_prob else 0.0
+    lora = wl.lora
+    # GEMMs per linear, in units of its forward: forward, input gradient and (trained) weight
+    # gradient, plus the recompute's forward; a frozen base linear (LoRA) skips the weight gradient
+    base_gemms = (2 if lora else 3) + (1 if recompute else 0)
     per_rank = []
     for r in ranks:
         rows, noisy = base[r].rows, base[r].noisy_rows
@@ -482,10 +496,18 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                     sc += 2 * layer.topk * model.layer_expert_params(layer) / tp * noisy / (
                         peak * hw.grouped_gemm_efficiency)
             dense_flops = 2 * model.layer_dense_params(layer) / tp * rows
-            t["gemm"] += dense_flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
+            t["gemm"] += dense_flops * base_gemms / (peak * hw.gemm_efficiency)
             if layer.num_experts:
                 moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
-                t["moe_gemm"] += moe_flops * (3 + (1 if recompute else 0)) / (peak * hw.grouped_gemm_efficiency)
+                t["moe_gemm"] += moe_flops * base_gemms / (peak * hw.grouped_gemm_efficiency)
+            if lora:  # the adapters' thin GEMMs (trained: 3 + recompute), bound by FLOPs or HBM bytes
+                flops, hbm = layer_forward_cost(model, layer, lora, tp, s)
+                t["lora"] = t.get("lora", 0.0) + (3 + (1 if recompute else 0)) * rows * max(
+                    flops / (peak * hw.gemm_efficiency), hbm / (hw.hbm_gbps * 1e9))
+                if tp > 1:  # a [rows, r] gather or reduce-scatter per adapted linear and pass
+                    t["tp_comm"] += (passes_fwd + 1) * (
+                        rows * layer_tp_reduced_bytes(model, layer, lora, s) * (tp - 1) / tp
+                        / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + lat)
             if layer.is_gdn:
                 gw = gdn[r]
                 rec = gdn_recurrence_flops(gw, layer, tp, B) / (peak * hw.attention_efficiency)
@@ -587,9 +609,10 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                     sc += a2a * noisy / rows / moe_link + 2 * lat
             t["elementwise"] += (rows * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
                                  * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
-        t["output_layer"] = 3 * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
+        out_gemms = 2 if lora else 3  # the output layer (embedding) is frozen under LoRA
+        t["output_layer"] = out_gemms * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
         if wl.encoder_ar_loss:  # the clean rows' AR loss: the output layer forward and backward
-            t["output_layer"] += 3 * 2 * (rows - noisy) * h * V / tp / (peak * hw.gemm_efficiency)
+            t["output_layer"] += out_gemms * 2 * (rows - noisy) * h * V / tp / (peak * hw.gemm_efficiency)
         if self_cond:
             # the detached pass's vocabulary work: logits of the noisy rows and their soft
             # embedding (probabilities x the tied embedding), each 2 x rows x h x V
@@ -609,8 +632,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         per_layer = []
         for layer in model.layers:
             w = work[layer.window][r]
+            kept = rows * layer_kept_bytes(model, layer, lora, tp, s) if lora else 0.0
             if layer.is_gdn:
-                per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel))
+                per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel) + kept)
                 continue
             kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
             if lay.kind == "csbp" and ((layer.window is not None and wl.window_exchange == "window") or wl.packed):
@@ -625,7 +649,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 scores = (16 * max(1, layer.num_heads // tp) + 1) * w.dense_pairs
             elif hw.attention_kernel == "tiled":
                 scores = partials_in_flight_bytes(w, layer, tp, s, lay, ring)
-            per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores)
+            per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores + kept)
         if recompute:
             act = rows * h * s / tp * model.num_layers + max(per_layer)
         else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from itertools import product
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile
@@ -35,7 +35,11 @@ def layout_flags(lay: Layout, wl: Workload, model_layers: Optional[int] = None) 
              grad_reduce_in_bf16=wl.grad_bytes == 2,
              # Megatron's packed-document flags (attention and positions stay inside documents)
              reset_attention_mask=wl.packed, reset_position_ids=wl.packed)
-    return [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
+    flags = [flag_text(k, x) for k, x in v.items() if x is not False]  # False: not printed
+    if wl.lora is not None:  # the trainer's LoRA flags (its --lora-alpha and --lora-init: their defaults)
+        flags += [flag_text("lora_rank", wl.lora.rank), "--lora-target-modules " + " ".join(wl.lora.target_modules)]
+        flags += [flag_text("lora_dropout", wl.lora.dropout)] if wl.lora.dropout else []
+    return flags
 
 
 def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int,
@@ -100,9 +104,11 @@ def _shard_layouts(model, wl, tp, pp, rest, gpus_per_node, transports, schedules
 
 
 def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: HardwareProfile,
-         baseline: str = "ours", **options) -> Dict:
+         baseline: str = "ours", only: Sequence[str] = (), **options) -> Dict:
     """Every candidate layout, fastest first. `baseline`: how CP layouts are charged ('ours', or the
-    paper's 'reference' CP path, `planner/reference.py`)."""
+    paper's 'reference' CP path, `planner/reference.py`); `only`: the layout labels to keep (as
+    printed, without the options in parentheses). With `wl.lora`, each layout also carries its full
+    fine-tuning estimate (`full_fine_tuning`)."""
     from megatron_csbp.planner.reference import baseline_for
 
     bm = baseline_for(baseline, model.name)
@@ -110,13 +116,29 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
         raise ValueError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise ValueError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}")
-    estimates: List[Estimate] = [estimate(model, lay, wl, hw, gpus_per_node, bm)
-                                 for lay in candidate_layouts(model, wl, gpus, gpus_per_node, **options)]
+    candidates = candidate_layouts(model, wl, gpus, gpus_per_node, **options)
+    if only:
+        names = {lay.label().split(" (")[0] for lay in candidates}
+        if set(only) - names:
+            raise ValueError(f"--layouts {' '.join(sorted(set(only) - names))}: not a layout of {gpus} GPUs "
+                             f"(e.g. {', '.join(sorted(names)[:4])})")
+        candidates = [lay for lay in candidates if lay.label().split(" (")[0] in only]
+    estimates: List[Estimate] = [estimate(model, lay, wl, hw, gpus_per_node, bm) for lay in candidates]
     # fastest first; on equal throughput, less memory, then less traffic (CSBP over CP when the
     # ring transport hides CP's traffic completely)
     feasible = sorted((e for e in estimates if e.feasible),
                       key=lambda e: (-round(e.tokens_per_s, 3), round(e.peak_memory_gib, 3), e.attn_bytes_per_gpu))
-    layouts = [e.to_dict(layout_flags(e.layout, wl, model.num_layers)) for e in feasible]
+    # the layouts asked for by name that do not fit are shown too (`layouts_not_fitting`)
+    unfit = [e for e in estimates if not e.feasible] if only else []
+    layouts, not_fitting = ([e.to_dict(layout_flags(e.layout, wl, model.num_layers)) for e in group]
+                            for group in (feasible, unfit))
+    if wl.lora is not None:  # the same layout trained fully: step, peak and whether it fits
+        full = replace(wl, lora=None)
+        for e, d in zip(feasible + unfit, layouts + not_fitting):
+            f = estimate(model, e.layout, full, hw, gpus_per_node, bm)
+            d["full_fine_tuning"] = {"step_time_s": f.step_time_s, "tokens_per_s": f.tokens_per_s,
+                                     "peak_memory_gib": f.peak_memory_gib, "feasible": f.feasible,
+                                     "memory_breakdown_gib": f.memory_gib}
     best = layouts[0] if layouts else None
     baselines = [l for l in layouts if l["bp"] == 1]
     return {
@@ -128,7 +150,17 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
         "layouts": layouts, "best": best, "best_baseline": baselines[0] if baselines else None,
         "speedup_best_vs_baseline": (best["tokens_per_s"] / baselines[0]["tokens_per_s"]
                                      if best and baselines else None),
+        **({"layouts_not_fitting": not_fitting} if only else {}),
+        **({"lora": lora_summary(model, wl.lora)} if wl.lora is not None else {}),
     }
+
+
+def lora_summary(model: ModelConfig, lora) -> Dict:
+    """The LoRA the plan assumes: rank, targets, dropout, trained (adapter) and frozen parameters."""
+    from megatron_csbp.planner.lora import adapter_count
+
+    return {"rank": lora.rank, "target_modules": list(lora.target_modules), "dropout": lora.dropout,
+            "adapter_params": adapter_count(model, lora), "base_params": model.total_params}
 
 
 def find(result: Dict, **match) -> Optional[Dict]:
