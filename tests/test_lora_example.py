@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("peft")
-pytest.importorskip("megatron_csbp.lora.checkpoint")  # the LoRA checkpoint (ckpt's part of issue 44)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
 
 import peft  # noqa: E402
 import transformers  # noqa: E402
@@ -154,7 +152,6 @@ def test_cli_exports_scores_and_imports_a_lora_checkpoint(tmp_path):
     """`convert megatron-to-hf --load LORA_CKPT` (PEFT adapter, and --merge-lora), `convert score` of the
     LoRA checkpoint, and `convert hf-to-megatron --peft-adapter` back to a LoRA checkpoint (float32,
     the converted checkpoint's dtype: the HF-parity tolerance)."""
-    pytest.importorskip("megatron_csbp.lora.checkpoint")
     from megatron_csbp.conversion.cli import main
     from megatron_csbp.lora.checkpoint import read_lora_checkpoint, write_lora_checkpoint
 
@@ -189,7 +186,6 @@ def test_cli_exports_scores_and_imports_a_lora_checkpoint(tmp_path):
 def test_generate_decodes_a_diffusion_gemma_lora_checkpoint(tmp_path):
     """`generate --load LORA_CKPT` (DiffusionGemma): the same tokens as the --merge-lora export
     converted back (the adapters act: other tokens than the base's)."""
-    pytest.importorskip("megatron_csbp.lora.checkpoint")
     from megatron_csbp.generation.decode import main as generate
     from megatron_csbp.lora.checkpoint import write_lora_checkpoint
 

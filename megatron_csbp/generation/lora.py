@@ -11,12 +11,8 @@ from megatron_csbp.lora.peft import Adapters, merged_state
 
 def read_lora(load: str, step=None) -> Optional[Tuple[LoRAConfig, Adapters, str]]:
     """(LoRA config, adapters, base folder) when `load` holds a LoRA checkpoint, else None."""
-    from megatron_csbp.checkpoint import files
+    from megatron_csbp.checkpoint.files import checkpoint_to_load, lora_record
 
-    lora_record = getattr(files, "lora_record", None)  # TODO(merge r24-ckpt): import it; None before it lands
-    if lora_record is None:
-        return None
-    checkpoint_to_load = files.checkpoint_to_load
     iteration = checkpoint_to_load(load, step) if load else None
     if iteration is None or lora_record(load, iteration) is None:
         return None
