@@ -63,6 +63,10 @@ def _families(rank, world_size):
         out[family] = sorted({".".join(p for p in n.split(".")[3:] if not p.isdigit()) for n in adapter_names(gpt)})
         if family == "qwen3":
             out["peft"] = _against_peft(gpt)
+    experts_only = LoRAConfig(2, target_modules=("experts.linear_fc2",))  # a qualified target (the spec's path)
+    gpt = adapted(experts_only, lambda: builder.build_gpt_model(shape_from_hf_config(configs["qwen3_moe"])), seed=3)
+    out["experts.linear_fc2"] = sorted({".".join(p for p in n.split(".")[3:] if not p.isdigit())
+                                        for n in adapter_names(gpt)})
     bps.destroy_block_parallel()
     return out
 
@@ -103,6 +107,7 @@ def test_every_family_gets_adapters_through_its_spec():
     experts = [m.replace("mlp.", "mlp.experts.local_experts.") for m in mlp]
     assert out["qwen3"] == sorted(attention + mlp)
     assert out["qwen3_moe"] == sorted(attention + experts)
+    assert out["experts.linear_fc2"] == experts[2:]
     assert out["qwen3_5"] == sorted(attention + mlp)  # GDN layers: their MLP (in_proj/out_proj not targeted)
     dense = [m.replace("mlp.", "mlp.dense.") for m in mlp]
     assert out["diffusion_gemma"] == sorted(attention + experts + dense)

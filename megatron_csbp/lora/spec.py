@@ -106,7 +106,10 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
 
     from megatron_csbp.parallel.state import collective_device
 
-    adapted = [n.split(".") for n, m in model.named_modules() if isinstance(m, tuple(_SUBCLASS.values()))]
+    # module paths as the spec names them: a sequential expert's `local_experts.<i>` is no step of the
+    # spec's path (experts.linear_fc1 names the experts' fc1 there)
+    adapted = [[p for p in n.split(".") if p != "local_experts" and not p.isdigit()]
+               for n, m in model.named_modules() if isinstance(m, tuple(_SUBCLASS.values()))]
     found = [any(matches(t, path) for path in adapted) for t in lora.target_modules]
     if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
         group = mpu.get_pipeline_model_parallel_group()
