@@ -12,7 +12,7 @@ import tokenize
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "megatron_csbp"
 GOAL = 16_000  # issue 42
-CEILING = 18_112  # after the model contract (18,103) and the kernel line off data-carrying stdout (+9); lower it as code goes
+CEILING = 19_333  # 18,112 after the model contract; +1,221 for LoRA (issue 44: lora/ 11 modules, its planner model, benchmark, PEFT conversion, LoRA checkpoints); lower it as code goes
 
 SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 
