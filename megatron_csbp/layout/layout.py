@@ -11,9 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
-from megatron_csbp.layout.sizes import ShardGroupSizes, check_parallel_sizes
-
-OWNERSHIP_SCHEDULES = ("mirrored", "contiguous")
+from megatron_csbp.layout.sizes import OWNERSHIP_SCHEDULES, ShardGroupSizes, check_parallel_sizes
 
 
 def balanced_block_unit(bp: int, schedule: str) -> int:

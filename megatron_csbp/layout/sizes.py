@@ -9,6 +9,9 @@ Vocabulary used throughout the package:
 """
 from __future__ import annotations
 
+#: --block-ownership: which noisy blocks each BP rank holds (torch-free, for the planner's parser too)
+OWNERSHIP_SCHEDULES = ("mirrored", "contiguous")
+
 
 def check_parallel_sizes(cp: int, bp: int) -> None:
     """The rule for the two sizes, shared by layouts, process groups, the planner and the launcher."""

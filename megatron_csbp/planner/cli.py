@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_csbp.layout.sizes import OWNERSHIP_SCHEDULES
 from megatron_csbp.planner.cost import Workload
 from megatron_csbp.planner.hardware import load_hardware, save_hardware
 from megatron_csbp.planner.lora import TARGET_MODULES, LoRAPlan
@@ -46,7 +47,7 @@ def parse_args(argv=None):
     w.add_argument("--baseline", default="ours", choices=["ours", "reference"],
                    help="how CP layouts are charged: this project's CP (default) or the paper's reference CP path "
                         "(docs/planner.md, 'The paper explained')")
-    w.add_argument("--block-ownership", nargs="+", default=["mirrored"], choices=["mirrored", "contiguous"])
+    w.add_argument("--block-ownership", nargs="+", default=["mirrored"], choices=OWNERSHIP_SCHEDULES)
     w.add_argument("--recompute", nargs="+", default=["none", "full"], choices=["none", "full"])
     w.add_argument("--no-distributed-optimizer", action="store_true")
     w.add_argument("--grad-reduce-in-bf16", action="store_true", help="bf16 main gradients (2 bytes, not 4)")
