@@ -178,6 +178,9 @@ ADDED_WITH_EXPORT = dict(
     rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None, num_experts=None, moe_router_topk=2,
     moe_ffn_hidden_size=None, moe_layer_freq=1, moe_router_score_function="softmax", moe_router_pre_softmax=False,
     moe_input_jitter_eps=None)
+#: the LoRA flags (round 24, issue 44): a checkpoint saved before them is a run without LoRA
+ADDED_WITH_LORA = dict(lora_rank=0, lora_alpha=8.0, lora_dropout=0.0,
+                       lora_target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), lora_init="default")
 #: every "model_args" key the trainer saves: the hand list of round 19, the format `Option.saved` keeps
 SAVED_KEYS = {
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
@@ -185,7 +188,7 @@ SAVED_KEYS = {
     "normalization", "swiglu", "untie_embeddings_and_output_weights", "rotary_base", "tokenizer_type",
     "tokenizer_model", "eod_token_id", "noise_eps_min", "noise_eps_max", "loss_weighting", "seed", "init_method_std",
     "chat_template", "block_times", "encoder_loss_scope",  # round 22: SFT rendering and the DiffusionGemma rules
-    *ADDED_WITH_EXPORT}
+    *ADDED_WITH_EXPORT, *ADDED_WITH_LORA}
 
 
 def test_saved_model_args_keep_their_keys_and_older_checkpoints_their_defaults():
@@ -198,9 +201,11 @@ def test_saved_model_args_keep_their_keys_and_older_checkpoints_their_defaults()
 
     assert len(CHECKPOINT_MODEL_KEYS) == len(SAVED_KEYS) and set(CHECKPOINT_MODEL_KEYS) == SAVED_KEYS
     assert {k: FLAG_DEFAULTS[k] for k in ADDED_WITH_EXPORT} == ADDED_WITH_EXPORT
+    assert {k: FLAG_DEFAULTS[k] for k in ADDED_WITH_LORA} == ADDED_WITH_LORA
     assert (FLAG_DEFAULTS["params_dtype"], FLAG_DEFAULTS["padded_vocab_size"]) == ("float32", None)
     flags = "--tokenizer-type NullTokenizer --vocab-size 100 --ffn-hidden-size 256 --num-query-groups 2"
     meta = model_meta(build_parser().parse_args(flags.split()))
     assert set(meta) == SAVED_KEYS | {"params_dtype", "padded_vocab_size"}
-    older = {k: v for k, v in meta.items() if k not in {*ADDED_WITH_EXPORT, "params_dtype", "padded_vocab_size"}}
+    older = {k: v for k, v in meta.items()
+             if k not in {*ADDED_WITH_EXPORT, *ADDED_WITH_LORA, "params_dtype", "padded_vocab_size"}}
     assert hf_config_of_flags(older) == hf_config_of_flags(meta) and hf_config_of_flags(meta)["vocab_size"] == 128
