@@ -159,13 +159,14 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
         from megatron_csbp.checkpoint.files import checkpoint_shape, checkpoint_to_load, model_source
         load_step = checkpoint_to_load(args.load, args.ckpt_step)
         source = model_source(args.load, load_step, args.pretrained_checkpoint)
-        shape = checkpoint_shape(*source[1:]) if source else None
+        # (no checkpoint to load: --load's shape file alone still gives the model, e.g. a recipe's check)
+        shape = checkpoint_shape(*source[1:]) if source else checkpoint_shape(args.load, None) if args.load else None
         if source and source[0] != "--load":  # (a LoRA checkpoint's recorded base when not given)
             args.pretrained_checkpoint = source[1]
     facts = Resolved(world_size=world_size, data_parallel_size=dp, load_step=load_step, model_source=source,
                      model_shape=shape, shape_unknown=unknown, objective_inputs=inputs, check_notes=notes)
     if shape is not None:
-        apply_model_shape(args, shape, *source[:2])
+        apply_model_shape(args, shape, *(source or ("--load", args.load))[:2])
     check_clean_attention(args, shape)
     # The block geometry and the layout of the shard group, as the model will build them: their
     # own rules (whole blocks, zigzag chunks, a block for every block-parallel rank) run here.
