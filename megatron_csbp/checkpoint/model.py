@@ -141,10 +141,19 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None):
     rebuilt from its saved hyper-parameters (`bdlm_meta.json`; a converted model from its shape file)
     and loaded, in eval mode, on one process. Returns (model, model_meta, step)."""
     from megatron_csbp.checkpoint.state import load_checkpoint
-    from megatron_csbp.model.assemble import ModelArgs, assemble
 
     info = read_trained(load, ckpt_step)
-    margs = info.model_args
+    model = generation_model(load, info)
+    load_checkpoint(load, model.gpt, None, None, info.iteration)
+    return model, info.model_args, info.iteration
+
+
+def generation_model(load: str, info: CheckpointModel, **overrides):
+    """The eval-mode `BlockDiffusionModel` a trained checkpoint's saved flags (then `overrides`) build on
+    one process, weights not loaded; refused unless the run is BD3-LM."""
+    from megatron_csbp.model.assemble import ModelArgs, assemble
+
+    margs = dict(info.model_args, **overrides)
     if margs.get("objective") != "bd3lm":
         # Fast-dLLM v2 decodes with a token shift: not this sampler. Checked before building the model.
         raise ValueError(f"--load {load}: checkpoint objective is {margs.get('objective')!r}; this sampler "
@@ -156,5 +165,4 @@ def load_for_generation(load: str, ckpt_step: Optional[int] = None):
     _, model = assemble(ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None},
                                   model_shape=info.file_shape))
     model.eval()
-    load_checkpoint(load, model.gpt, None, None, info.iteration)
-    return model, margs, info.iteration
+    return model

@@ -32,20 +32,11 @@ def load_for_generation(load: str, step, lora: Tuple[LoRAConfig, Adapters, str])
     """`checkpoint.model.load_for_generation` of a LoRA checkpoint `load` (a BD3-LM run): the model its
     saved flags build, without adapters, with the recorded base's weights and the adapters folded in.
     Returns (model, model_meta, step)."""
-    from megatron_csbp.checkpoint.model import one_process, read_trained
+    from megatron_csbp.checkpoint.model import generation_model, read_trained
     from megatron_csbp.checkpoint.state import load_checkpoint
-    from megatron_csbp.model.assemble import ModelArgs, assemble
 
     info = read_trained(load, step)
-    margs = dict(info.model_args, lora_rank=0)
-    if margs.get("objective") != "bd3lm":
-        raise ValueError(f"--load {load}: a LoRA checkpoint of objective {margs.get('objective')!r}; this sampler "
-                         "decodes BD3-LM (--objective bd3lm) runs and DiffusionGemma models")
-    one_process()
-    fields = ModelArgs.__dataclass_fields__
-    _, model = assemble(ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None},
-                                  model_shape=info.file_shape))
-    model.eval()
+    model = generation_model(load, info, lora_rank=0)  # the base's model: the adapters are folded in below
     load_checkpoint(lora[2], model.gpt, None, None)
     fold_adapters(model.gpt, *lora[:2])
     return model, info.model_args, info.iteration
