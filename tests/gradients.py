@@ -96,3 +96,13 @@ def gather_tensor_parallel(t, param, group):
         chunks = [c for part in parts for c in torch.chunk(part, stride, dim=dim)]
         parts = [chunks[r * stride + s] for s in range(stride) for r in range(tp)]
     return torch.cat(parts, dim=dim)
+
+
+def tp_slice(full, param, tp_rank):
+    """This TP rank's shard of a full tensor as the parameter holds it (the inverse of
+    `gather_tensor_parallel`; SwiGLU's linear_fc1: stride 2, the rank's slice of each of [gate ; up])."""
+    if full.shape == param.shape:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    size = param.shape[dim] // stride
+    return torch.cat([part.narrow(dim, tp_rank * size, size) for part in full.chunk(stride, dim)], dim)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step
+from tests.gradients import (EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step,
+                             tp_slice)
 
 pytestmark = pytest.mark.exactness
 
@@ -86,15 +87,6 @@ def _global(name, offset, first_expert):
     return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first_expert + int(m.group(1))}.", name)
 
 
-def _slice(full, param, rank):
-    """This rank's shard of a full tensor as the parameter holds it (stride 2: SwiGLU's fc1)."""
-    if full.shape == param.shape:
-        return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    size = param.shape[dim] // stride
-    return torch.cat([part.narrow(dim, rank * size, size) for part in full.chunk(stride, dim)], dim)
-
-
 def _layout(a, ref_grads, ref_state):
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -144,8 +136,8 @@ def _layout(a, ref_grads, ref_state):
                     base_with_grad.append(n)
                 continue
             g = _global(n, offset, first_expert)
-            init_err = max(init_err, float((p.detach() - _slice(ref_state[g], p, rank_of(n))).abs().max()))
-            pairs.append((p.main_grad.detach().clone(), _slice(ref_grads[g], p, rank_of(n))))
+            init_err = max(init_err, float((p.detach() - tp_slice(ref_state[g], p, rank_of(n))).abs().max()))
+            pairs.append((p.main_grad.detach().clone(), tp_slice(ref_grads[g], p, rank_of(n))))
     in_optimizer = None
     bps.destroy_block_parallel()
     worst, rel_norm = gradient_error(pairs)

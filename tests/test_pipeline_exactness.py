@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step
+from tests.gradients import (EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step,
+                             tp_slice)
 
 pytestmark = pytest.mark.exactness
 
@@ -90,16 +91,6 @@ def _reference(a):
     return loss, grads, state
 
 
-def _tp_slice(full, param, tp_rank):
-    """This TP rank's shard of a full weight as Megatron holds it (SwiGLU's linear_fc1: stride 2,
-    the rank's slice of each of [gate ; up])."""
-    if full.shape == param.shape:
-        return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    size = param.shape[dim] // stride
-    return torch.cat([part.narrow(dim, tp_rank * size, size) for part in full.chunk(stride, dim)], dim)
-
-
 def _pipelined(a, ref_grads, ref_state):
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -130,7 +121,7 @@ def _pipelined(a, ref_grads, ref_state):
             ref_name = _global_name(n, offset)
             if ref_name not in ref_state:  # the last stage's copy of tied embeddings
                 ref_name = "embedding.word_embeddings.weight"
-            ref = _tp_slice(ref_state[ref_name], p, tp_rank)
+            ref = tp_slice(ref_state[ref_name], p, tp_rank)
             init_err = max(init_err, float((p.detach() - ref).abs().max()))
     data = batches()
     den = sum(chunks[0].bdlm.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
@@ -149,7 +140,7 @@ def _pipelined(a, ref_grads, ref_state):
             ref_name = _global_name(n, offset)
             if ref_name not in ref_grads:
                 ref_name = "embedding.word_embeddings.weight"
-            pairs.append((p.main_grad.detach().clone(), _tp_slice(ref_grads[ref_name], p, tp_rank)))
+            pairs.append((p.main_grad.detach().clone(), tp_slice(ref_grads[ref_name], p, tp_rank)))
     bps.destroy_block_parallel()
     worst, rel_norm = gradient_error(pairs)
     return float(loss), worst, rel_norm, init_err
