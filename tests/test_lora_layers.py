@@ -9,6 +9,19 @@ from tests.train_helpers import TINY
 LORA = ["--lora-rank", "4", "--lora-init", "random"]
 
 
+CANONICAL = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2")
+
+
+def test_canonical_targets_tp_sp_match_one_rank():
+    """Separate q/k/v and gate/up adapters (canonical targets) under TP 2 + SP, dense and with
+    expert-TP experts: float64 loss and every adapter gradient equal one rank's (the harness of
+    tests/test_lora_layouts.py)."""
+    from tests.test_lora_layouts import _check
+
+    _check(2, [dict(tp=2, sp=True, lora_target_modules=CANONICAL),
+               dict(tp=2, sp=True, moe=True, lora_target_modules=("linear_q", "linear_v", "linear_fc1_up"))])
+
+
 def _train_two_steps(rank, world_size, argv):
     from megatron_csbp.lora import adapter_names
     from megatron_csbp.training.arguments import parse_args

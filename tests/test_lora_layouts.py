@@ -151,7 +151,8 @@ def _rank(rank, world, cases):
     out = []
     for kw in cases:
         a = model_args(**kw)
-        ref_loss, ref_grads, ref_state, ref_base = _reference(model_args(moe=kw.get("moe", False)))
+        same = {k: v for k, v in kw.items() if k.startswith("lora_")}  # the reference adapts the same targets
+        ref_loss, ref_grads, ref_state, ref_base = _reference(model_args(moe=kw.get("moe", False), **same))
         loss, worst, rel_norm, init_err, base, n, _ = _layout(a, ref_grads, ref_state)
         out.append(dict(case=kw, loss=loss, ref_loss=ref_loss, worst=worst, rel_norm=rel_norm, init_err=init_err,
                         base_with_grad=base + ref_base, adapters=n))

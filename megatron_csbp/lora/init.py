@@ -58,7 +58,7 @@ def draw_adapters(model: torch.nn.Module, lora: LoRAConfig, seed: int) -> int:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 1_000_003 + zlib.crc32(full_name.encode()))
             master = torch.empty(full, dtype=torch.float32)
-            _fill(master, full_name.rsplit(".", 1)[1], lora)
+            _fill(master, full_name.rsplit(".", 1)[1][:6], lora)  # lora_A / lora_B (a part's lora_A_q too)
         pieces = torch.split(master, p.shape[dim] // stride, dim=dim)
         with torch.no_grad():
             p.copy_(torch.cat(pieces[rank::world], dim=dim).to(p.dtype))

@@ -8,6 +8,8 @@ rank-r activations cross ranks. The collectives and why: docs/lora.md.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -50,14 +52,25 @@ class _ExpertRowShare(torch.autograd.Function):
         return grad, None
 
 
+def fuse_parts(pieces, groups: Optional[int], dim: int = -1) -> torch.Tensor:
+    """A fused module's rows from its parts' (in order): linear_qkv's per query group ([q_g; k_g; v_g]
+    for each of `groups`), SwiGLU fc1's [gate; up] (`groups` None)."""
+    if groups is None:
+        return torch.cat(pieces, dim)
+    dim = dim % pieces[0].dim()
+    split = [p.reshape(*p.shape[:dim], groups, p.shape[dim] // groups, *p.shape[dim + 1:]) for p in pieces]
+    out = torch.cat(split, dim + 1)
+    return out.reshape(*out.shape[:dim], -1, *out.shape[dim + 2:])
+
+
 class _LoRA:
     """The adapter of both layers: A and B, one of them TP-sharded (`sharded`), both initialised to
     zeros here (lora/init.py draws them by global name once the model is built)."""
 
-    def _add_adapter(self, config, lora, a_shape, b_shape, sharded: str, stride: int):
-        self.lora_config, self.lora_scaling, self.lora_stride = lora, lora.scaling, stride
+    def _add_adapter(self, config, lora, shapes, sharded: str, stride: int, suffix: str = ""):
+        self.lora_config, self.lora_scaling = lora, lora.scaling
         self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else torch.nn.Identity()
-        for name, shape in (("lora_A", a_shape), ("lora_B", b_shape)):
+        for name, shape in zip(("lora_A", "lora_B"), shapes):
             p = torch.nn.Parameter(torch.zeros(*shape, dtype=config.params_dtype))
             if name == sharded:
                 set_tensor_model_parallel_attributes(p, True, 0 if name == "lora_B" else 1, stride)
@@ -65,7 +78,7 @@ class _LoRA:
                 set_tensor_model_parallel_attributes(p, False, 0, 1)
             # expert adapters reduce over the expert data-parallel group, like the expert weights
             setattr(p, "allreduce", getattr(self.weight, "allreduce", True))
-            self.register_parameter(name, p)
+            self.register_parameter(name + suffix, p)
 
     @property
     def lora_world(self) -> int:
@@ -81,26 +94,68 @@ class _LoRA:
                                                    dp_cp_group=metadata["dp_cp_group"])
 
 
+def _part_rows(config, name: str, parts, out: int, gated: bool, world: int):
+    """(this rank's rows of each of the fused module's parts, query groups on this rank or None);
+    one line where the module is not laid out as the canonical targets assume."""
+    if name == "linear_fc1":
+        if not gated:
+            raise ValueError(f"--lora-target-modules linear_fc1_{parts[0]}: this model's linear_fc1 is not SwiGLU's "
+                             "[gate; up] (no --swiglu); adapt linear_fc1")
+        return {"gate": out // 2, "up": out // 2}, None
+    heads, groups, d = config.num_attention_heads, config.num_query_groups or config.num_attention_heads, \
+        config.kv_channels
+    if out * world != groups * (heads // groups + 2) * d:
+        raise ValueError(f"--lora-target-modules linear_{parts[0]}: this model's linear_qkv is not [q; k; v] per query "
+                         "group (e.g. a gated or latent attention); adapt linear_qkv")
+    local = groups // world
+    return {"q": local * heads // groups * d, "k": local * d, "v": local * d}, local
+
+
 class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
-    def __init__(self, input_size, output_size, *, config, init_method, lora, lora_gated: bool = False, **kwargs):
+    """With `lora_parts` (canonical targets, e.g. ("q", "v") of linear_qkv): one adapter per part,
+    `lora_A_<part>` [r, in] and `lora_B_<part>` [part rows, r], B's rows the part's rows of the fused
+    weight (contiguous per TP rank), its product placed in the part's rows."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, lora, lora_gated: bool = False,
+                 lora_parts=(), lora_name: str = "", **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
-        stride = 2 if lora_gated and config.gated_linear_unit else 1
-        self._add_adapter(config, lora, (lora.rank, input_size), (self.output_size_per_partition, lora.rank),
-                          "lora_B", stride)
+        gated = lora_gated and config.gated_linear_unit
+        self.lora_parts, self.lora_stride = tuple(lora_parts), 2 if gated else 1
+        if self.lora_parts:
+            self.lora_rows, self.lora_groups = _part_rows(config, lora_name, self.lora_parts,
+                                                          self.output_size_per_partition, gated, self.lora_world)
+            for part in self.lora_parts:
+                self._add_adapter(config, lora, ((lora.rank, input_size), (self.lora_rows[part], lora.rank)),
+                                  "lora_B", 1, "_" + part)
+        else:
+            self._add_adapter(config, lora, ((lora.rank, input_size), (self.output_size_per_partition, lora.rank)),
+                              "lora_B", self.lora_stride)
         if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
             # A's gradient covers this rank's rows only: finalize_model_grads sums it over TP
-            self.lora_A.sequence_parallel = True
+            for part in self.lora_parts or ("",):
+                getattr(self, "lora_A" + ("_" + part if part else "")).sequence_parallel = True
 
-    def lora_delta(self, x):
-        u = F.linear(self.lora_dropout(x), self.lora_A) if not self.explicit_expert_comm or self.lora_world == 1 \
-            else _ExpertColumnA.apply(self.lora_dropout(x), self.lora_A, self.tp_group)
+    def _lora_u(self, x, a):
+        u = F.linear(x, a) if not self.explicit_expert_comm or self.lora_world == 1 \
+            else _ExpertColumnA.apply(x, a, self.tp_group)
         if self.lora_world > 1 and not self.explicit_expert_comm:
             if self.sequence_parallel:
                 u = mappings.gather_from_sequence_parallel_region(u, tensor_parallel_output_grad=True,
                                                                   group=self.tp_group)
             else:
                 u = mappings.copy_to_tensor_model_parallel_region(u, group=self.tp_group)
-        return F.linear(u, self.lora_B) * self.lora_scaling
+        return u
+
+    def lora_delta(self, x):
+        x = self.lora_dropout(x)
+        if not self.lora_parts:
+            return F.linear(self._lora_u(x, self.lora_A), self.lora_B) * self.lora_scaling
+        a = torch.cat([getattr(self, f"lora_A_{p}") for p in self.lora_parts])
+        us = self._lora_u(x, a).split(self.lora_config.rank, dim=-1)
+        ys = dict(zip(self.lora_parts, (F.linear(u, getattr(self, f"lora_B_{p}")) for u, p in zip(us, self.lora_parts))))
+        lead = us[0].shape[:-1]
+        pieces = [ys[p] if p in ys else us[0].new_zeros(*lead, rows) for p, rows in self.lora_rows.items()]
+        return fuse_parts(pieces, self.lora_groups) * self.lora_scaling
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -111,8 +166,9 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         return output, bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        sd = self._shards({"weight": 0, "bias": 0, "lora_B": 0}, prefix, sharded_offsets, metadata)
-        if self.lora_stride == 2:  # B's rows follow fc1's [gate ; up] like the weight (MLP.sharded_state_dict)
+        axes = {"weight": 0, "bias": 0, "lora_B": 0, **{f"lora_B_{p}": 0 for p in self.lora_parts}}
+        sd = self._shards(axes, prefix, sharded_offsets, metadata)
+        if self.lora_stride == 2 and not self.lora_parts:  # B's rows follow fc1's [gate ; up] like the weight
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
             key = f"{prefix}lora_B"
@@ -124,7 +180,7 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
 class LoRARowParallelLinear(_LoRA, RowParallelLinear):
     def __init__(self, input_size, output_size, *, config, init_method, lora, lora_gated: bool = False, **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
-        self._add_adapter(config, lora, (lora.rank, self.input_size_per_partition), (output_size, lora.rank),
+        self._add_adapter(config, lora, ((lora.rank, self.input_size_per_partition), (output_size, lora.rank)),
                           "lora_A", 1)
         if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
             # B's gradient covers this rank's rows only: finalize_model_grads sums it over TP

@@ -17,7 +17,9 @@ LORA_OPTIONS = [
            rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"), saved=True),
     Option(("--lora-target-modules",), str, DEFAULT_TARGETS, "megatron-core module names to adapt: a name matches "
            "every module of that name (attention, dense MLP, experts, shared experts); a qualified name such as "
-           "experts.linear_fc1 only those under that parent", group="lora", nargs="+", saved=True),
+           "experts.linear_fc1 only those under that parent; the canonical targets linear_q / linear_k / linear_v (parts "
+           "of linear_qkv) and linear_fc1_gate / linear_fc1_up (of SwiGLU's linear_fc1) give each part its own A and B "
+           "(PEFT's separate q_proj / k_proj / v_proj, gate_proj / up_proj adapters)", group="lora", nargs="+", saved=True),
     Option(("--lora-init",), str, "default", "adapter init, PEFT's init_lora_weights: default (True: A kaiming-uniform "
            "like nn.Linear, B zeros), gaussian (A ~ N(0, 1/rank^2), B zeros), random (False: A and B both like "
            "nn.Linear; the adapter is not a no-op at step 0: for tests)", group="lora", choices=INITS, saved=True),

@@ -19,7 +19,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_csbp.lora import LoRAConfig, is_adapter
+from megatron_csbp.lora import LoRAConfig, is_adapter, split_target
 from megatron_csbp.lora.layers import LoRAColumnParallelLinear, LoRARowParallelLinear
 
 _ACTIVE: contextvars.ContextVar[Optional[LoRAConfig]] = contextvars.ContextVar("lora", default=None)
@@ -35,7 +35,8 @@ def matches(target: str, path: Sequence[str]) -> bool:
 
 def _adapted(value, lora: LoRAConfig, path):
     module = value.module if isinstance(value, ModuleSpec) else value
-    if not isinstance(module, type) or not any(matches(t, path) for t in lora.target_modules):
+    parts = lora.parts_for(path) if isinstance(module, type) else None
+    if parts is None:
         return None
     if module not in _SUBCLASS:
         if module.__name__.startswith("TE"):
@@ -43,7 +44,8 @@ def _adapted(value, lora: LoRAConfig, path):
                              "megatron-core's local ColumnParallelLinear / RowParallelLinear (use the local layer spec)")
         return None
     params = dict(value.params) if isinstance(value, ModuleSpec) else {}
-    params.update(lora=lora, lora_gated=path[-1] == "linear_fc1")
+    params.update(lora=lora, lora_gated=path[-1] == "linear_fc1", **(dict(lora_parts=parts, lora_name=path[-1])
+                                                                     if parts else {}))
     return ModuleSpec(module=_SUBCLASS[module], params=params)
 
 
@@ -110,7 +112,7 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
     # spec's path (experts.linear_fc1 names the experts' fc1 there)
     adapted = [[p for p in n.split(".") if p != "local_experts" and not p.isdigit()]
                for n, m in model.named_modules() if isinstance(m, tuple(_SUBCLASS.values()))]
-    found = [any(matches(t, path) for path in adapted) for t in lora.target_modules]
+    found = [any(matches(split_target(t)[0], path) for path in adapted) for t in lora.target_modules]
     if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
         group = mpu.get_pipeline_model_parallel_group()
         agreed = torch.tensor(found, dtype=torch.int32, device=collective_device(group))
