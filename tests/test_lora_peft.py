@@ -116,6 +116,50 @@ def test_peft_export_merge_and_import(family, root):
     assert sorted(back) == sorted(adapters) and all(torch.equal(back[k], adapters[k]) for k in adapters)
 
 
+CANONICAL_HF = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "qwen3_moe": ["q_proj", "v_proj", "o_proj"]}  # (the experts' gate_up_proj is one 3D parameter)
+
+
+@pytest.mark.parametrize("family", sorted(CANONICAL_HF))
+def test_peft_adapter_with_separate_a_imports_as_canonical_targets(family, tmp_path):
+    """A PEFT adapter made in Hugging Face (init_lora_weights=False: every A its own) imports as the
+    canonical targets (one adapter per q/k/v, gate/up part); the Megatron model's logits equal
+    PeftModel's, --merge-lora's equal them too, and the export writes the same tensors back."""
+    from safetensors.torch import load_file
+
+    hf, meg, adapter, back, merged = (str(tmp_path / n) for n in ("hf", "meg", "adapter", "back", "merged"))
+    save_tiny_model(family, hf, seed=3)
+    shape = api.hf_to_megatron_checkpoint(hf, meg)
+    torch.manual_seed(0)
+    with_adapter = peft.get_peft_model(_hf_model(family, hf), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=CANONICAL_HF[family])).eval()
+    with_adapter.save_pretrained(adapter)
+    tokens = np.random.RandomState(0).randint(0, shape.vocab_size, (2, SEQ))
+    ref = _hf_logits(family, with_adapter, tokens, None)
+
+    config, adapters = lora_conversion.import_peft_adapter(shape, adapter)
+    want = ("linear_proj", "linear_q", "linear_v") if family == "qwen3_moe" else \
+        ("linear_fc1_gate", "linear_fc1_up", "linear_fc2", "linear_k", "linear_proj", "linear_q", "linear_v")
+    assert config.target_modules == want
+    with single_process_megatron():
+        base, _ = load_checkpoint_model(meg, params_dtype=torch.float64)
+        model = adapted(config, lambda: build_gpt_model(shape, params_dtype=torch.float64), seed=5)
+        model.load_state_dict({**base.state_dict(), **adapters}, strict=False)
+        assert all(torch.equal(p, adapters[n]) for n, p in model.named_parameters() if is_adapter(n))
+        ours = _megatron_logits(family, model.eval(), tokens, None)
+    with with_adapter.disable_adapter():
+        effect = float(np.abs(ref - _hf_logits(family, with_adapter, tokens, None)).max())
+    assert effect > 1.0 and float(np.abs(ours - ref).max()) <= TOLERANCE
+
+    groups = shape.num_query_groups
+    api.megatron_to_hf_checkpoint(meg, merged, transform=lambda s: merged_state(s, config, adapters, groups))
+    assert float(np.abs(_hf_logits(family, _hf_model(family, merged), tokens, None) - ref).max()) <= TOLERANCE
+
+    lora_conversion.export_peft_adapter(shape, config, adapters, back)
+    written, read = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (back, adapter))
+    assert sorted(written) == sorted(read) and all(torch.equal(written[k], read[k]) for k in read)
+
+
 def _meta_adapter(tmp_path, family, **lora_kw):
     """A PEFT adapter folder with peft's own random adapters on the meta-built model of `family`."""
     shape = shape_from_hf_config(tiny_config(family).to_dict())
@@ -126,14 +170,17 @@ def _meta_adapter(tmp_path, family, **lora_kw):
 
 
 def test_what_has_no_exact_megatron_form_is_refused(tmp_path):
-    # PEFT's own q/k/v adapters have independent A's; Megatron's fused linear_qkv shares one
-    shape = _meta_adapter(tmp_path / "qkv", "llama", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    # Qwen3.5's gated q_proj ([q; gate] per head) has no canonical part form: different q/k/v A's
+    # and a part of its fused module are refused
+    gated = _meta_adapter(tmp_path / "qkv", "qwen3_5", target_modules=["q_proj", "k_proj", "v_proj"])
     with pytest.raises(ValueError, match=r"--peft-adapter .*different lora_A.*shares one A"):
-        lora_conversion.import_peft_adapter(shape, str(tmp_path / "qkv"))
-    # q_proj alone is a third of a fused module
-    _meta_adapter(tmp_path / "q", "llama", target_modules=["q_proj"])
+        lora_conversion.import_peft_adapter(gated, str(tmp_path / "qkv"))
+    _meta_adapter(tmp_path / "q", "qwen3_5", target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"linear_qkv is one fused module; the adapter covers only"):
-        lora_conversion.import_peft_adapter(shape, str(tmp_path / "q"))
+        lora_conversion.import_peft_adapter(gated, str(tmp_path / "q"))
+    # q_proj alone of a plain attention: the canonical target linear_q
+    shape = _meta_adapter(tmp_path / "lq", "llama", target_modules=["q_proj"])
+    assert lora_conversion.import_peft_adapter(shape, str(tmp_path / "lq"))[0].target_modules == ("linear_q",)
     # o_proj alone maps exactly: linear_proj; rsLoRA's alpha / sqrt(r) becomes alpha' / r
     _meta_adapter(tmp_path / "o", "llama", target_modules=["o_proj"], use_rslora=True, lora_alpha=8)
     config, adapters = lora_conversion.import_peft_adapter(shape, str(tmp_path / "o"))

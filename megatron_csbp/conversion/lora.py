@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from megatron_csbp.lora import LoRAConfig
+from megatron_csbp.lora import FUSED_PARTS, LoRAConfig
 from megatron_csbp.lora.peft import Adapters, Target, load_peft_adapter, save_peft_adapter
 from megatron_csbp.model.families import DTYPES, ModelShape, get_family
 
@@ -36,7 +36,10 @@ def _gpt_targets(shape: ModelShape) -> List[Target]:
             live = m["layer"] + "mlp.experts." + ("gate_up_proj" if len(t.hf) == 2 else "down_proj")
             out.append(Target(t.megatron[:-7], ((live,),), lambda x: (x,), lambda x: x, int(m["e"])))
         else:
-            out.append(Target(t.megatron[:-7], tuple((n,) for n in t.hf), t.split, t.join))
+            parts = FUSED_PARTS.get(t.megatron[:-7].rsplit(".", 1)[1], ())
+            canonical = len(parts) == len(t.hf) and not (parts[0] == "q" and shape.attention_output_gate)
+            out.append(Target(t.megatron[:-7], tuple((n,) for n in t.hf), t.split, t.join, None,
+                              parts if canonical else ()))
     return out
 
 
@@ -146,10 +149,11 @@ def export_lora_checkpoint(load: str, output: str, merge: bool = False, dtype: O
     from megatron_csbp.lora.peft import merged_state
 
     config, adapters, base = read_lora(load)
+    shape = read_checkpoint_model(base).shape
+    groups = shape.num_query_groups or shape.num_attention_heads
     if merge:
         return api.megatron_to_hf_checkpoint(base, output, dtype, log=log,
-                                             transform=lambda state: merged_state(state, config, adapters), **hf_export)
-    shape = read_checkpoint_model(base).shape
+                                             transform=lambda state: merged_state(state, config, adapters, groups), **hf_export)
     export_peft_adapter(shape, config, adapters, output, dtype=dtype)
     if log is not None:
         log(f"its base: export it with `python -m megatron_csbp.convert megatron-to-hf --load {base}`; load the "

@@ -25,7 +25,7 @@ def fold_adapters(model, config: LoRAConfig, adapters: Adapters) -> None:
     """Fold `adapters` into `model`'s base weights (a base model loaded on one process)."""
     from megatron_csbp.checkpoint.model import load_model_weights
 
-    load_model_weights(model, merged_state(model.state_dict(), config, adapters))
+    load_model_weights(model, merged_state(model.state_dict(), config, adapters, model.config.num_query_groups))
 
 
 def load_for_generation(load: str, step, lora: Tuple[LoRAConfig, Adapters, str]):

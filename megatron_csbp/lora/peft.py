@@ -11,40 +11,77 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_csbp.lora import LoRAConfig
+from megatron_csbp.lora import PART_TARGETS, LoRAConfig, adapter_key
 
 A, B = ".lora_A", ".lora_B"
-Adapters = Dict[str, torch.Tensor]  # {megatron module name + ".lora_A" / ".lora_B": full tensor}
+Adapters = Dict[str, torch.Tensor]  # {megatron module name + ".lora_A" / ".lora_B" (a part's "_q" etc.): full tensor}
+Unit = Tuple[str, Optional[str]]  # (megatron module, part or None): one adapter
+_TARGET_OF = {v: k for k, v in PART_TARGETS.items()}  # (fused module, part) -> canonical target
 
 
 class Target(NamedTuple):
     """Megatron module `megatron` (adapters `megatron.lora_A` / `.lora_B`) whose base weight is the
     Hugging Face parameters `hf` joined by `join` (rows); `split` is its inverse. Each entry of `hf`
     lists the live parameter names that hold that part (a tied copy too); `expert` is the index into
-    a 3D expert parameter [experts, out, in], None for a Linear's weight."""
+    a 3D expert parameter [experts, out, in], None for a Linear's weight; `parts`: the canonical
+    parts (lora/__init__.py FUSED_PARTS) the entries of `hf` are, where the module has that form."""
     megatron: str
     hf: Tuple[Tuple[str, ...], ...]
     split: Callable[[torch.Tensor], Sequence[torch.Tensor]]
     join: Callable[..., torch.Tensor]
     expert: Optional[int] = None
+    parts: Tuple[str, ...] = ()
+
+
+def adapter_units(adapters: Adapters) -> Dict[Unit, Tuple[torch.Tensor, torch.Tensor]]:
+    """{(module, part or None): (A, B)}; each adapter must have both matrices."""
+    found: Dict[Unit, Dict[str, torch.Tensor]] = {}
+    bad = []
+    for k, v in adapters.items():
+        try:
+            module, which, part = adapter_key(k)
+        except ValueError:
+            bad.append(k)
+            continue
+        found.setdefault((module, part), {})[which] = v
+    bad += [m for (m, _), ab in found.items() if len(ab) != 2]
+    if bad:
+        raise ValueError(f"LoRA adapters must come as <module>.lora_A / <module>.lora_B pairs: {bad[:4]}")
+    return {u: (ab["A"], ab["B"]) for u, ab in sorted(found.items(), key=lambda x: (x[0][0], x[0][1] or ""))}
 
 
 def adapted_modules(adapters: Adapters) -> List[str]:
     """The Megatron module names that carry an adapter (each must have both matrices)."""
-    mods = sorted({k[: -len(A)] for k in adapters if k.endswith(A)} | {k[: -len(B)] for k in adapters if k.endswith(B)})
-    bad = [k for k in adapters if not k.endswith((A, B))]
-    bad += [m for m in mods if m + A not in adapters or m + B not in adapters]
-    if bad:
-        raise ValueError(f"LoRA adapters must come as <module>.lora_A / <module>.lora_B pairs: {bad[:4]}")
-    return mods
+    return sorted({m for m, _ in adapter_units(adapters)})
 
 
-def merged_state(state: Dict[str, torch.Tensor], config: LoRAConfig, adapters: Adapters) -> Dict[str, torch.Tensor]:
-    """The base state with every adapter folded in: W + (alpha / rank) * B @ A (in float64, cast back)."""
+def _part_delta(deltas: Dict[str, torch.Tensor], rows: int, query_groups: Optional[int], module: str) -> torch.Tensor:
+    """A fused weight's delta from its parts' (rows in the fused layout; an unadapted part's zero)."""
+    from megatron_csbp.lora.layers import fuse_parts
+
+    d = next(iter(deltas.values()))
+    if "gate" in deltas or "up" in deltas:
+        sizes, groups = {"gate": rows // 2, "up": rows // 2}, None
+    else:
+        if query_groups is None:
+            raise ValueError(f"{module}: folding q/k/v part adapters needs the model's query groups")
+        kv = deltas["k"].shape[0] if "k" in deltas else deltas["v"].shape[0] if "v" in deltas \
+            else (rows - deltas["q"].shape[0]) // 2
+        sizes, groups = {"q": rows - 2 * kv, "k": kv, "v": kv}, query_groups
+    return fuse_parts([deltas[p] if p in deltas else d.new_zeros(n, d.shape[1]) for p, n in sizes.items()], groups, 0)
+
+
+def merged_state(state: Dict[str, torch.Tensor], config: LoRAConfig, adapters: Adapters,
+                 query_groups: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """The base state with every adapter folded in: W + (alpha / rank) * B @ A (in float64, cast back);
+    part adapters each into their part's rows (`query_groups`: the model's, for q/k/v parts)."""
     out = dict(state)
-    for m in adapted_modules(adapters):
+    per_module: Dict[str, Dict[Optional[str], torch.Tensor]] = {}
+    for (m, part), (a, b) in adapter_units(adapters).items():
+        per_module.setdefault(m, {})[part] = b.double() @ a.double() * config.scaling
+    for m, deltas in per_module.items():
         w = state[m + ".weight"]
-        delta = adapters[m + B].double() @ adapters[m + A].double() * config.scaling
+        delta = deltas[None] if None in deltas else _part_delta(deltas, w.shape[0], query_groups, m)
         out[m + ".weight"] = (w.double() + delta).to(w.dtype)
     return out
 
@@ -61,11 +98,11 @@ def _peft_layers(peft_model) -> Dict[str, object]:
     return out
 
 
-def _lora_config(config: LoRAConfig, targets: List[Target], base: Optional[str]):
+def _lora_config(config: LoRAConfig, placed, base: Optional[str]):
     import peft
 
-    linear = sorted({n[: -len(".weight")] for t in targets if t.expert is None for part in t.hf for n in part})
-    params = sorted({n for t in targets if t.expert is not None for part in t.hf for n in part})
+    linear = sorted({n[: -len(".weight")] for names, _, _, expert in placed if expert is None for n in names})
+    params = sorted({n for names, _, _, expert in placed if expert is not None for n in names})
     if params and config.dropout:
         raise ValueError(f"--lora-dropout {config.dropout}: peft's expert adapters (target_parameters on the fused 3D "
                          "expert weights) take no dropout, so this run's expert adapters have no PEFT form; export with "
@@ -89,22 +126,27 @@ def to_peft_model(hf_model, targets: List[Target], config: LoRAConfig, adapters:
     import peft
 
     by_module = {t.megatron: t for t in targets}
-    mods = adapted_modules(adapters)
-    unknown = [m for m in mods if m not in by_module]
+    units = adapter_units(adapters)
+    unknown = [m for m, part in units if m not in by_module or part is not None and part not in by_module[m].parts]
     if unknown:
-        raise ValueError(f"adapters on modules a PEFT adapter of this model has no place for: {unknown[:4]}")
-    chosen = [by_module[m] for m in mods]
-    model = peft.get_peft_model(hf_model, _lora_config(config, chosen, base))
+        raise ValueError(f"adapters on modules a PEFT adapter of this model has no place for: {unknown[:4]} (part "
+                         "adapters of experts' linear_fc1: transformers' fused gate_up_proj takes one; use --merge-lora)")
+    placed = []  # (live Hugging Face names, A, B, expert)
+    for (m, part), (a, b) in units.items():
+        t = by_module[m]
+        if part is not None:
+            placed.append((t.hf[t.parts.index(part)], a, b, None))
+        else:
+            placed += [(names, a, b_part, t.expert) for names, b_part in zip(t.hf, t.split(b))]
+    model = peft.get_peft_model(hf_model, _lora_config(config, placed, base))
     layers = _peft_layers(model)
     experts: Dict[str, Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {}
-    for t in chosen:
-        a, b = adapters[t.megatron + A], adapters[t.megatron + B]
-        for part, b_part in zip(t.hf, t.split(b)):
-            for name in part:
-                if t.expert is None:
-                    _assign(layers[name], a, b_part)
-                else:
-                    experts.setdefault(name, {})[t.expert] = (a, b_part)
+    for names, a, b_part, expert in placed:
+        for name in names:
+            if expert is None:
+                _assign(layers[name], a, b_part)
+            else:
+                experts.setdefault(name, {})[expert] = (a, b_part)
     for name, per_expert in experts.items():
         n = layers[name].num_experts
         if sorted(per_expert) != list(range(n)):
@@ -143,16 +185,25 @@ def _refuse_unmappable(cfg, directory: str, flag: str) -> None:
                              "bias, adapters on linear_qkv / linear_proj / linear_fc1 / linear_fc2 only)")
 
 
-def target_modules(adapted: Sequence[str], targets: List[Target], flag: str) -> Tuple[str, ...]:
-    """--lora-target-modules that adapt exactly the modules `adapted`: a module name where every module
-    of that name is adapted, `experts.<name>` where exactly the experts' are."""
+def _unit_name(unit: Unit) -> str:
+    """An adapter's name as --lora-target-modules matches it: the module's, a part's canonical target
+    in place of its module's leaf (`....self_attention.linear_q`)."""
+    m, part = unit
+    return m if part is None else f"{m.rsplit('.', 1)[0]}.{_TARGET_OF[(m.rsplit('.', 1)[1], part)]}"
+
+
+def target_modules(adapted: Sequence[Unit], targets: List[Target], flag: str) -> Tuple[str, ...]:
+    """--lora-target-modules that adapt exactly the adapters `adapted`: a module (or canonical part)
+    name where every one of that name is adapted, `experts.<name>` where exactly the experts' are."""
+    units = {_unit_name((t.megatron, p)): t.expert is not None for t in targets for p in (None, *t.parts)}
+    adapted = [_unit_name(u) for u in adapted]
     names = []
     for leaf in sorted({m.rsplit(".", 1)[1] for m in adapted}):
         have = {m for m in adapted if m.endswith("." + leaf)}
-        every = {t.megatron for t in targets if t.megatron.endswith("." + leaf)}
+        every = {u for u in units if u.endswith("." + leaf)}
         if have == every:
             names.append(leaf)
-        elif have == {t.megatron for t in targets if t.megatron.endswith("." + leaf) and t.expert is not None}:
+        elif have == {u for u in every if units[u]}:
             names.append("experts." + leaf)
         else:
             raise ValueError(f"{flag}: the adapter covers {len(have)} of the {len(every)} {leaf} modules "
@@ -170,39 +221,51 @@ def load_peft_adapter(hf_model, targets: List[Target], directory: str, flag: str
     cfg = peft.PeftConfig.from_pretrained(directory)
     _refuse_unmappable(cfg, directory, flag)
     model = peft.get_peft_model(hf_model, cfg)
+    seen = set()
     weights = load_peft_weights(directory, device="cpu")
     layers = _peft_layers(model)
     for layer in layers.values():  # the adapters leave the meta device, in the file's dtype
         for d in (layer.lora_A, layer.lora_B):
             d.to_empty(device="cpu").to(next(iter(weights.values())).dtype)
     set_peft_model_state_dict(model, weights)
-    out: Adapters = {}
-    seen = set()
+    read = []  # (target, [(A, B) or None per Hugging Face part])
     for t in targets:
         found = [[n for n in part if n in layers] for part in t.hf]
         if not any(found):
             continue
-        names = [part[0] for part in t.hf]
-        if not all(found):
-            raise ValueError(f"{flag} {directory}: Megatron's {t.megatron} is one fused module; the adapter covers "
-                             f"only {[n for n, f in zip(names, found) if f]} of {names}")
         parts = []
-        for part in t.hf:
-            copies = [_read(layers[n], t.expert) for n in part]
-            seen.update(part)
+        for part, have in zip(t.hf, found):
+            copies = [_read(layers[n], t.expert) for n in have]
+            seen.update(have)
             if any(not (torch.equal(a, copies[0][0]) and torch.equal(b, copies[0][1])) for a, b in copies[1:]):
                 raise ValueError(f"{flag} {directory}: {part[0]} and its tied copy {part[1]} carry different "
                                  "adapters; Megatron's one module holds one")
-            parts.append(copies[0])
+            parts.append(copies[0] if copies else None)
+        read.append((t, parts))
+    # a kind of fused module (linear_qkv, linear_fc1) takes part adapters wherever one of its modules
+    # is covered in part or with different A's, one shared-A adapter otherwise
+    split = {t.megatron.rsplit(".", 1)[1] for t, parts in read if t.parts and
+             (None in parts or any(not torch.equal(a, parts[0][0]) for a, _ in parts[1:]))}
+    out: Adapters = {}
+    for t, parts in read:
+        names = [part[0] for part in t.hf]
+        if t.parts and t.megatron.rsplit(".", 1)[1] in split:
+            for p, ab in zip(t.parts, parts):
+                if ab is not None:
+                    out[f"{t.megatron}{A}_{p}"], out[f"{t.megatron}{B}_{p}"] = ab
+            continue
+        if None in parts:
+            raise ValueError(f"{flag} {directory}: Megatron's {t.megatron} is one fused module; the adapter covers "
+                             f"only {[n for n, f in zip(names, parts) if f is not None]} of {names}")
         if any(not torch.equal(a, parts[0][0]) for a, _ in parts[1:]):
             raise ValueError(f"{flag} {directory}: {names} have different lora_A, but Megatron's fused {t.megatron} "
-                             "adapter shares one A (as every adapter exported from Megatron does); merge this adapter "
-                             "into the Hugging Face model and convert that instead")
+                             "adapter shares one A and it has no part adapters; merge this adapter into the Hugging "
+                             "Face model and convert that instead")
         out[t.megatron + A], out[t.megatron + B] = parts[0][0], t.join(*(b for _, b in parts))
     left = sorted(set(layers) - seen)
     if left:
         raise ValueError(f"{flag} {directory}: adapters on Hugging Face modules with no Megatron LoRA target: {left[:4]}")
     # use_rslora scales by alpha / sqrt(r), which is (alpha * sqrt(r)) / r
     alpha = float(cfg.lora_alpha) * (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else 1.0)
-    lora = LoRAConfig(cfg.r, alpha, float(cfg.lora_dropout), target_modules(adapted_modules(out), targets, flag))
+    lora = LoRAConfig(cfg.r, alpha, float(cfg.lora_dropout), target_modules(list(adapter_units(out)), targets, flag))
     return lora, out
