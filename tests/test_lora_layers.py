@@ -80,6 +80,11 @@ def _families(rank, world_size):
     gpt = adapted(experts_only, lambda: builder.build_gpt_model(shape_from_hf_config(configs["qwen3_moe"])), seed=3)
     out["experts.linear_fc2"] = sorted({".".join(p for p in n.split(".")[3:] if not p.isdigit())
                                         for n in adapter_names(gpt)})
+    try:  # Qwen3.5's gated attention: linear_qkv is not [q; k; v] per query group
+        adapted(LoRAConfig(2, target_modules=("linear_q",)), lambda: builder.build_gpt_model(
+            shape_from_hf_config(configs["qwen3_5"])), seed=3)
+    except ValueError as e:
+        out["gated"] = str(e)
     bps.destroy_block_parallel()
     return out
 
@@ -121,6 +126,9 @@ def test_every_family_gets_adapters_through_its_spec():
     assert out["qwen3"] == sorted(attention + mlp)
     assert out["qwen3_moe"] == sorted(attention + experts)
     assert out["experts.linear_fc2"] == experts[2:]
+    assert out.pop("gated").startswith(  # (megatron-core's build_module appends "when instantiating ...")
+        "--lora-target-modules linear_q: this model's linear_qkv is not [q; k; v] per query group (e.g. a gated or "
+        "latent attention); adapt linear_qkv")
     assert out["qwen3_5"] == sorted(attention + mlp)  # GDN layers: their MLP (in_proj/out_proj not targeted)
     dense = [m.replace("mlp.", "mlp.dense.") for m in mlp]
     assert out["diffusion_gemma"] == sorted(attention + experts + dense)
@@ -150,3 +158,6 @@ def test_bad_lora_flags_fail_in_one_line(capsys):
         adapted = repr(with_adapters(grouped, LoRAConfig(4, target_modules=("experts.linear_fc1",))))
         assert adapted.count("LoRAColumnParallelLinear") == 1 and "LoRARow" not in adapted  # not shared_experts
     with_adapters(grouped, LoRAConfig(4, target_modules=("linear_qkv",)))  # attention only: allowed
+    with pytest.raises(ValueError, match=r"^--lora-target-modules experts.linear_fc1_up and linear_fc1: a fused "
+                                         r"module takes either its own adapter or adapters on its parts, not both$"):
+        LoRAConfig(4, target_modules=("linear_fc1", "experts.linear_fc1_up"))

@@ -193,6 +193,10 @@ def test_what_has_no_exact_megatron_form_is_refused(tmp_path):
         lora_conversion.export_peft_adapter(moe, LoRAConfig(2, dropout=0.1), {expert + ".lora_A": torch.zeros(2, 32),
                                                                                  expert + ".lora_B": torch.zeros(32, 2)},
                                             str(tmp_path / "moe"))
+    # transformers' fused expert gate_up_proj takes one adapter: part adapters there have no PEFT form
+    with pytest.raises(ValueError, match=r"no place for: .*part adapters of experts' linear_fc1"):
+        lora_conversion.export_peft_adapter(moe, LoRAConfig(2), {expert.replace("fc2", "fc1") + f".lora_{x}_gate":
+                                                                 torch.zeros(2, 2) for x in "AB"}, str(tmp_path / "moe2"))
 
 
 def test_cli_exports_scores_and_imports_a_lora_checkpoint(tmp_path):
