@@ -197,7 +197,8 @@ def _saved_then_read_on_one_rank(rank, world, case, root):
     dist.barrier()
     bps.destroy_block_parallel()
     bps.initialize_block_parallel()
-    ref = _fp64(lambda: build_model(model_args(moe=case.get("moe", False))))
+    ref = _fp64(lambda: build_model(model_args(moe=case.get("moe", False),
+                                               **{k: v for k, v in case.items() if k.startswith("lora_")})))
     want = {k: v for k, v in ref.gpt.sharded_state_dict().items() if is_adapter(k)}
     drawn = {k: v.data.clone() for k, v in ref.gpt.state_dict(keep_vars=True).items() if is_adapter(k)}
     loaded = dist_checkpointing.load(want, root)
@@ -207,6 +208,8 @@ def _saved_then_read_on_one_rank(rank, world, case, root):
 
 @pytest.mark.parametrize("world,case", [
     (2, dict(tp=2, sp=True, moe=True)),  # TP-sharded B of the experts' SwiGLU fc1, A of fc2
+    pytest.param(2, dict(tp=2, sp=True, lora_target_modules=("linear_q", "linear_k", "linear_v", "linear_fc1_gate",
+                                                              "linear_fc1_up")), marks=pytest.mark.slow),  # part B's
     pytest.param(4, dict(tp=2, ep=2, sp=True, moe=True), marks=pytest.mark.slow),
     pytest.param(2, dict(pp=2, tp=1), marks=pytest.mark.slow)])
 def test_adapter_checkpoint_is_layout_independent(tmp_path, world, case):

@@ -155,6 +155,14 @@ def test_peft_adapter_with_separate_a_imports_as_canonical_targets(family, tmp_p
     api.megatron_to_hf_checkpoint(meg, merged, transform=lambda s: merged_state(s, config, adapters, groups))
     assert float(np.abs(_hf_logits(family, _hf_model(family, merged), tokens, None) - ref).max()) <= TOLERANCE
 
+    # the LoRA checkpoint of `convert hf-to-megatron --peft-adapter` holds the part adapters as they are
+    from megatron_csbp.lora.checkpoint import read_lora_checkpoint, write_lora_checkpoint
+
+    write_lora_checkpoint(str(tmp_path / "ckpt"), config, adapters, meg)
+    saved, tensors, _ = read_lora_checkpoint(str(tmp_path / "ckpt"))
+    assert saved == config and sorted(tensors) == sorted(adapters)
+    assert all(torch.equal(tensors[k], v) for k, v in adapters.items())
+
     lora_conversion.export_peft_adapter(shape, config, adapters, back)
     written, read = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (back, adapter))
     assert sorted(written) == sorted(read) and all(torch.equal(written[k], read[k]) for k in read)
