@@ -5,8 +5,10 @@ DiffusionGemma with its experts and tied encoder), on tiny converted models in f
   `peft.PeftModel.from_pretrained` on the Hugging Face base model give the same logits;
 - `--merge-lora`'s export (W + scale * B A folded in) gives the same logits with plain transformers;
 - export -> import gives back the same adapters and LoRA config;
-- what has no exact form is refused in one line (different q/k/v A's, a partial fused module,
-  dropout on expert adapters).
+- a PEFT adapter made in Hugging Face (separate q/k/v, gate/up A's) imports as canonical part
+  adapters, exactly, and exports back tensor for tensor;
+- what has no exact form is refused in one line (different q/k/v A's or a partial fused module where
+  no part form exists, dropout on expert adapters, part adapters on fused expert stacks).
 """
 import json
 import os
