@@ -338,12 +338,18 @@ def drafter_state(model: DFlashDrafter) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def load_hf_drafter(model: DFlashDrafter, hf_model) -> None:
-    state = hf_to_megatron_state(model.shape, hf_model.state_dict())
+def load_drafter_state(model: DFlashDrafter, state: Dict[str, torch.Tensor], source: str) -> DFlashDrafter:
+    """`model` with `state` loaded (its `_extra_state` entries may be missing, nothing else);
+    `source` names where the state came from in the refusal."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise RuntimeError(f"drafter conversion: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"{source}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def load_hf_drafter(model: DFlashDrafter, hf_model) -> None:
+    load_drafter_state(model, hf_to_megatron_state(model.shape, hf_model.state_dict()), "drafter conversion")
 
 
 def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dtype: torch.dtype = torch.float32):

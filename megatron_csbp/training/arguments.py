@@ -576,5 +576,3 @@ def model_args(args, **overrides):
         setattr(margs, dest, value)
     return margs
 
-
-DEMO_ARGV: List[str] = []  # filled in by megatron_csbp.training.demo
