@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from megatron_csbp.checkpoint.files import checkpoint_path, read_tracker
-from megatron_csbp.model.dflash import SHAPE_FILE, WEIGHTS_FILE, DrafterShape
+from megatron_csbp.model.dflash import SHAPE_FILE, WEIGHTS_FILE, DrafterShape, load_drafter_state
 
 
 def is_drafter_checkpoint(load: str) -> bool:
@@ -50,16 +50,8 @@ def load_drafter(path: str):
     from megatron_csbp.model.dflash import DFlashDrafter
 
     model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(path, SHAPE_FILE)).read()))
-    return _loaded(model, torch.load(os.path.join(path, WEIGHTS_FILE), map_location="cpu"), path)
-
-
-def _loaded(model, state, path: str):
-    """`model` with `state` loaded (its `_extra_state` entries may be missing, nothing else)."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
-    return model
+    return load_drafter_state(model, torch.load(os.path.join(path, WEIGHTS_FILE), map_location="cpu"),
+                              f"drafter checkpoint {path}")
 
 
 def load_trained_drafter(load: str):
@@ -80,7 +72,7 @@ def load_trained_drafter(load: str):
     wanted = sharded_state_dict_default(model, "")
     check_checkpoint_files(checkpoint_path(load, step))
     state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
-    return _loaded(model, {k: v for k, v in state.items() if k in wanted}, load)
+    return load_drafter_state(model, {k: v for k, v in state.items() if k in wanted}, f"drafter checkpoint {load}")
 
 
 def read_drafter(load: str):

@@ -30,12 +30,8 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 def check_finite(model, iteration: int) -> None:
     """Collective: refuse to save weights with a NaN or infinity on any rank (the previous
     checkpoint stays the latest)."""
-    bad = 0.0
-    for p in model.parameters():
-        if not torch.isfinite(p.detach()).all():
-            bad = 1.0
-            break
-    flag = torch.tensor([bad], device=next(model.parameters()).device)
+    bad = any(not torch.isfinite(p.detach()).all() for p in model.parameters())
+    flag = torch.tensor([float(bad)], device=next(model.parameters()).device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         raise CheckpointError(f"iteration {iteration}: the weights hold NaN or infinite values; not saving a "
@@ -231,15 +227,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, iteration: Optional[
         return None
     path = checkpoint_path(root, iteration)
     check_checkpoint_files(path)
-    if iteration == RELEASE:
-        loaded = _read(dist_checkpointing, _sharded_state(model, None, True, keep), path)
-        _load_model_state(model, loaded, path, keep)
+    release = iteration == RELEASE
+    loaded = _read(dist_checkpointing, _sharded_state(model, None if release else optimizer, True, keep), path)
+    _load_model_state(model, loaded, path, keep)
+    if release:
         if optimizer is not None:  # mixed-precision main params were copied from unloaded weights
             optimizer.reload_model_params()
         return {"iteration": 0, "consumed_samples": 0, "extra": {}, "path": path, "release": True}
-    state = _sharded_state(model, optimizer, is_loading=True, keep=keep)
-    loaded = _read(dist_checkpointing, state, path)
-    _load_model_state(model, loaded, path, keep)
     check_resumed_schedule(scheduler, loaded.get("scheduler"), path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])

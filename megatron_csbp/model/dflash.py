@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_csbp.config.options import BY_NAME
 from megatron_csbp.model.loss import LossOutput
+from megatron_csbp.objectives.dflash import SLIDING_WINDOW
 
 HF_MODEL_TYPE = "muse_glimmer_assistant"
 SHAPE_FILE = "megatron_csbp_drafter.json"
@@ -26,26 +28,31 @@ VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+#: metadata of the `DrafterShape` fields that the trainer flag of the same name sets: what a --load
+#: drafter decides (objectives/dflash.py refuses another value given for them)
+FLAG = {"flag": True}
+
+
 @dataclass
 class DrafterShape:
     """Everything that defines a drafter (and its Hugging Face config)."""
 
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    ffn_hidden_size: int
-    target_layer_ids: List[int]
-    block_size: int
-    mask_token_id: int
-    norm_epsilon: float = 1e-5
-    rotary_base: float = 500000.0
+    hidden_size: int = field(metadata=FLAG)
+    num_layers: int = field(metadata=FLAG)
+    num_attention_heads: int = field(metadata=FLAG)
+    num_query_groups: int = field(metadata=FLAG)
+    kv_channels: int = field(metadata=FLAG)
+    ffn_hidden_size: int = field(metadata=FLAG)
+    target_layer_ids: List[int] = field(metadata=FLAG)
+    block_size: int = field(metadata=FLAG)
+    mask_token_id: int = field(metadata=FLAG)
+    norm_epsilon: float = BY_NAME["norm_epsilon"].default
+    rotary_base: float = field(default=500000.0, metadata=FLAG)  # Hugging Face's default, not the trainer's
     max_position_embeddings: int = 131072
     #: per layer 'full_attention' or 'sliding_attention' (Hugging Face's default: all sliding)
     layer_types: Optional[List[str]] = None
     #: Hugging Face `sliding_window`: a draft row at p sees context positions >= p - sliding_window
-    sliding_window: int = 2048
+    sliding_window: int = field(default=SLIDING_WINDOW.default, metadata=FLAG)
     hf_extra: Dict = field(default_factory=dict)  # ids (bos/eos/pad) passed through to the export
     #: Hugging Face `rope_parameters` of a scaled rotary (rope_type linear / llama3 / ...), verbatim;
     #: empty: the default rotary with `rotary_base`
@@ -106,10 +113,11 @@ class DrafterShape:
             kv_channels=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
             ffn_hidden_size=int(cfg["intermediate_size"]), target_layer_ids=list(cfg["target_layer_ids"]),
             block_size=int(cfg["block_size"]), mask_token_id=int(cfg["mask_token_id"]),
-            norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)), rotary_base=float(rope.get("rope_theta", 500000.0)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
             layer_types=list(cfg["layer_types"]) if cfg.get("layer_types") else None,
-            sliding_window=int(cfg.get("sliding_window") or 2048),
+            norm_epsilon=float(cfg.get("rms_norm_eps", DrafterShape.norm_epsilon)),
+            rotary_base=float(rope.get("rope_theta", DrafterShape.rotary_base)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", DrafterShape.max_position_embeddings)),
+            sliding_window=int(cfg.get("sliding_window") or DrafterShape.sliding_window),
             hf_extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
             rope_parameters=rope if rope.get("rope_type", "default") != "default" else {},
         )
@@ -330,12 +338,18 @@ def drafter_state(model: DFlashDrafter) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def load_hf_drafter(model: DFlashDrafter, hf_model) -> None:
-    state = hf_to_megatron_state(model.shape, hf_model.state_dict())
+def load_drafter_state(model: DFlashDrafter, state: Dict[str, torch.Tensor], source: str) -> DFlashDrafter:
+    """`model` with `state` loaded (its `_extra_state` entries may be missing, nothing else);
+    `source` names where the state came from in the refusal."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise RuntimeError(f"drafter conversion: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"{source}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def load_hf_drafter(model: DFlashDrafter, hf_model) -> None:
+    load_drafter_state(model, hf_to_megatron_state(model.shape, hf_model.state_dict()), "drafter conversion")
 
 
 def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dtype: torch.dtype = torch.float32):

@@ -8,6 +8,7 @@ Definitions: docs/dflash.md#the-objective-megatron_csbpobjectivesdflashpy.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from math import gcd
@@ -95,11 +96,6 @@ LAYER_TYPE = option("--layer-type", None, "full_attention", "dflash: the drafter
 SLIDING_WINDOW = option("--sliding-window", int, 2048, "dflash: with --layer-type sliding_attention")
 EVAL_SEQUENCES = option("--eval-sequences", int, 0, "dflash: the last N captured sequences are held out")
 
-#: trainer flags (dests) that a loaded drafter's shape decides (DrafterShape fields of the same names)
-LOADED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_layers", "num_attention_heads",
-                 "num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "sliding_window", "hidden_size")
-
-
 @register_objective("dflash")
 class DFlashObjective(Objective):
     summary = ("a DFlash speculative drafter on captured verifier features (--features-path, --verifier; "
@@ -115,9 +111,11 @@ class DFlashObjective(Objective):
     #: the held-out split (`for_evaluation`): the model reads features from the last --eval-sequences
     held_out = False
 
-    def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = 512, sampling: str = "uniform",
-                 gamma: float = 7.0, loss: str = "ce", dpace_alpha: float = 0.5, kl_scale: float = 1.0,
-                 kl_decay: float = 1.0, vocab_chunk: int = 8192, seed: int = 1234):
+    def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = MAX_ANCHORS.default,
+                 sampling: str = ANCHOR_SAMPLING_FLAG.default, gamma: float = GAMMA.default,
+                 loss: str = DFLASH_LOSS.default, dpace_alpha: float = DPACE_ALPHA.default,
+                 kl_scale: float = KL_SCALE.default, kl_decay: float = KL_DECAY.default,
+                 vocab_chunk: int = VOCAB_CHUNK.default, seed: int = 1234):
         self.check_options(block_size, max_anchors, sampling, gamma, loss, dpace_alpha, vocab_chunk)
         self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.max_anchors = block_size, mask_token_id, max_anchors
@@ -208,7 +206,7 @@ class DFlashObjective(Objective):
             raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the captured features' {layers}")
         fixed = dict(seq_length=L, target_layer_ids=layers, hidden_size=meta["hidden_size"])
         value = lambda dest: fixed.get(dest, getattr(args, dest))  # noqa: E731  (a flag as these inputs fix it)
-        for dest in LOADED_FIELDS if drafter is not None else ():
+        for dest in (f.name for f in dataclasses.fields(drafter) if f.metadata.get("flag")) if drafter is not None else ():
             given, loaded = value(dest), getattr(drafter, dest)
             if given is not None and given != defaults[dest] and given != loaded:
                 raise ValueError(f"--{dest.replace('_', '-')} {given} differs from the loaded drafter's {dest} {loaded}")
@@ -326,7 +324,7 @@ class _StreamedCE(torch.autograd.Function):
 
 
 def streamed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
-                           chunk: int = 8192) -> torch.Tensor:
+                           chunk: int = VOCAB_CHUNK.default) -> torch.Tensor:
     """[n] cross entropy of the logits hidden [n, h] @ head[V, h].T at `targets` [n] (valid ids),
     computed chunk by chunk over the vocabulary (peak extra memory n x chunk). `head` is the frozen
     LM head: it gets no gradient."""
@@ -363,7 +361,7 @@ def acceptance_from_counts(counts: torch.Tensor) -> Tuple[list, float]:
     return acc.tolist(), float(1.0 + torch.cumprod(acc, 0).sum())
 
 
-def streamed_top2(hidden: torch.Tensor, head: torch.Tensor, chunk: int = 8192):
+def streamed_top2(hidden: torch.Tensor, head: torch.Tensor, chunk: int = VOCAB_CHUNK.default):
     """(argmax [n], margin [n], scale [n]) of the logits hidden [n, h] @ head[V, h].T, chunk by chunk:
     the margin is the top logit minus the runner-up (how far a numeric perturbation of the logits
     must go to flip the argmax: more than margin / 2 on some logit), the scale max_v |logit_v|.

@@ -212,8 +212,6 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
         raise ValueError("give --bf16 or --fp16, not both")
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 reduces bfloat16 gradients: it needs --bf16")
-    if args.loss_scale is not None and args.loss_scale <= 0:
-        raise ValueError(f"--loss-scale must be positive, got {args.loss_scale}")
     if args.sft_trajectory_turns == "all":
         if args.objective != "diffusiongemma-sft":
             raise ValueError("--sft-trajectory-turns all makes one sample per assistant turn for --objective "
@@ -576,5 +574,3 @@ def model_args(args, **overrides):
         setattr(margs, dest, value)
     return margs
 
-
-DEMO_ARGV: List[str] = []  # filled in by megatron_csbp.training.demo

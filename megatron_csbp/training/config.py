@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
-from megatron_csbp.config.options import OPTIONS, all_options
+from megatron_csbp.config.options import all_options
 
 
 def _take(cls, run, **overrides):

@@ -130,18 +130,6 @@ class UnsupportedDiffusionGemmaConfig(ValueError):
     """The Hugging Face config uses an option this Megatron model does not reproduce exactly."""
 
 
-def _get(cfg: Any, key: str, default=None):
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    try:
-        if hasattr(cfg, "allow_global_per_layer_attribute_access"):
-            cfg.allow_global_per_layer_attribute_access = True
-        return getattr(cfg, key, default)
-    finally:
-        if hasattr(cfg, "allow_global_per_layer_attribute_access"):
-            cfg.allow_global_per_layer_attribute_access = False
-
-
 def text_config_dict(cfg: Any) -> Dict[str, Any]:
     """The text config as a plain dict (from a `DiffusionGemmaConfig`/`Gemma4Config` object, its
     text config, or a config.json dict), with `per_layer_config` as {layer index: overrides}."""

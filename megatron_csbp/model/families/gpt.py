@@ -227,24 +227,12 @@ class GPTFamily(Family):
                  # NullTokenizer (Megatron-LM's, the default for pre-tokenized data): the --vocab-size whose
                  # tokenizer has the model's rows exactly (no padding; megatron-core 0.16: rows - 1, 0.19: rows)
                  vocab_size=null_tokenizer_vocab_flag(shape.vocab_size))
-        printed = [*PRINTED, *(PRINTED_GQA if v["group_query_attention"] else ()), *PRINTED_SHAPE,
-                   *(PRINTED_MOE if shape.is_moe else ()), "bf16", "fp16"]
         skip = {"rope_scaling_factor": not v["use_rope_scaling"], "moe_layer_freq": shape.moe_layer_pattern is None,
-                "moe_input_jitter_eps": not shape.moe_input_jitter_eps}
-        return [t for t in (flag_text(k, v[k]) for k in printed if not skip.get(k) and v[k] is not None) if t]
-
-
-#: the order `convert` prints a GPT family's Megatron-LM flags in
-PRINTED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
-           "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
-           "norm_epsilon", "swiglu", "add_bias_linear", "attention_dropout", "hidden_dropout", "vocab_size",
-           "make_vocab_size_divisible_by", "transformer_impl", "masked_softmax_fusion", "bias_swiglu_fusion",
-           "apply_rope_fusion")
-PRINTED_GQA = ("group_query_attention", "num_query_groups")
-PRINTED_SHAPE = ("add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "use_rope_scaling",
-                 "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
-PRINTED_MOE = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
-               "moe_router_load_balancing_type", "moe_router_pre_softmax", "moe_layer_freq", "moe_input_jitter_eps")
+                "moe_input_jitter_eps": not shape.moe_input_jitter_eps,
+                "group_query_attention": not v["group_query_attention"],
+                "num_query_groups": not v["group_query_attention"]}
+        printed = (o.name for o in OPTIONS if o.name in v and not skip.get(o.name) and (shape.is_moe or not o.moe))
+        return [t for t in (flag_text(k, v[k]) for k in printed if v[k] is not None) if t]
 
 
 class Qwen3MoeFamily(GPTFamily):
