@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def trainer_argv(values: Dict[str, Any]) -> List[str]:
+    """The trainer's argv of `values` (flags by dest), each written as the option table declares it."""
+    from megatron_csbp.config.options import flag_text
+
+    return " ".join(flag_text(k, v) for k, v in values.items()).split()
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,15 @@ class BenchModel:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def flags(self) -> Dict[str, Any]:
+        """The model as flags by dest: what the trainer builds (Megatron's TransformerConfig defaults:
+        LayerNorm, GeLU, biases) and the planner reads (`planner.model_config.from_flags`)."""
+        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                    ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
+                    attention_kernel=self.attention_kernel, normalization="LayerNorm", swiglu=False,
+                    add_bias_linear=True)
 
     def check(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -151,6 +167,12 @@ class DiffusionGemmaBenchModel:
     block_size: int = 4
     micro_batch_size: int = 1
     dtype: str = "fp32"
+
+    def flags(self) -> Dict[str, Any]:
+        """The trainer's model flags (the model itself comes from the benchmark's provider)."""
+        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                    ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size)
 
     @property
     def layer_types(self) -> List[str]:
