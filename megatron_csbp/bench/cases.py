@@ -128,17 +128,20 @@ def formula_bytes_sent(case: Case, model: "AnyModel", seq_length: int) -> Option
     if isinstance(model, DiffusionGemmaBenchModel):
         per = dg_formula_bytes_per_layer(case, model, seq_length)
         return None if any(v is None for v in per.values()) else sum(per.values())
-    L, G, d = seq_length, model.num_query_groups, model.head_dim
     s = BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
+    return _layer_bytes(case, seq_length * model.num_query_groups * model.head_dim * s, 4) * model.num_layers
+
+
+def _layer_bytes(case: Case, k_bytes: int, csbp_factor: int) -> int:
+    """One layer's bytes sent per rank, `k_bytes` = L*G*d*s: CP 8*k_bytes*(P-1)/P, CSBP
+    `csbp_factor`*k_bytes*(C-1)/C (ring of C ranks), BP 0."""
     if case.kind == "cp":
         P = case.shard_group_size
-        per_layer = 8 * L * G * d * s * (P - 1) // P
-    elif case.kind == "csbp":
+        return 8 * k_bytes * (P - 1) // P
+    if case.kind == "csbp":
         C = case.ring_size
-        per_layer = 4 * L * G * d * s * (C - 1) // C
-    else:
-        per_layer = 0
-    return per_layer * model.num_layers
+        return csbp_factor * k_bytes * (C - 1) // C
+    return 0
 
 
 @dataclass(frozen=True)
@@ -220,19 +223,8 @@ def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_
         full = kind == "full_attention"
         G, d = (model.full_num_query_groups, model.full_kv_channels) if full else (model.num_query_groups,
                                                                                     model.kv_channels)
-        if case.kind == "cp":
-            P = case.shard_group_size
-            out[i] = 8 * L * G * d * s * (P - 1) // P
-        elif case.kind == "csbp":
-            C = case.ring_size
-            if full:
-                out[i] = 2 * L * G * d * s * (C - 1) // C
-            elif case.attention == "full":
-                out[i] = 4 * L * G * d * s * (C - 1) // C
-            else:
-                out[i] = None
-        else:
-            out[i] = 0
+        windowed = case.kind == "csbp" and not full and case.attention != "full"
+        out[i] = None if windowed else _layer_bytes(case, L * G * d * s, 2 if full else 4)
     return out
 
 
