@@ -15,8 +15,6 @@ gradient buffers, optimizer state) and the trained parameters. How to read it: d
 from __future__ import annotations
 
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +22,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Dict, List
 
 import torch
+
+from megatron_csbp.bench.report import write_out
 
 LAYOUTS = {"csbp": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
            "cp": ["--context-parallel-size", "2"]}
@@ -234,13 +234,7 @@ def main(argv=None) -> int:
     bench = replace(QUICK, layout=a.layout) if a.quick else LoRABench(a.layout, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size,
                                             a.vocab_size, a.rank, a.steps)
     result = run(bench, log=lambda m: print(m, file=sys.stderr, flush=True), profile=a.profile)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    write_out(a.out, result, report(result))
     return 0
 
 
