@@ -22,6 +22,34 @@ def test_formulas():
     assert formula_bytes_sent(Case("bp", 1, 4), m, L) == 0
 
 
+@pytest.mark.parametrize("which", ["gpt", "lora"])
+def test_a_bench_model_is_one_description_for_the_trainer_and_the_planner(which, monkeypatch):
+    """A benchmark's model is declared once (`flags()`): the model the trainer builds from its argv
+    and the planner's model of the same flags (`from_flags`) agree in every dimension the planner
+    counts (heads, K/V heads, head size, FFN, layers, gating, tied embeddings)."""
+    from megatron_csbp.bench.cases import trainer_argv
+    from megatron_csbp.bench.lora import LoRABench
+    from megatron_csbp.planner.model_config import from_flags
+    from megatron_csbp.training.arguments import parse_args as trainer_args
+    from megatron_csbp.training.config import TrainerConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if which == "gpt":
+        bench = BenchModel(num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=3)
+        argv = trainer_argv(dict(bench.flags(), mask_token_id=bench.vocab_size - 1)) + ["--mock-data"]
+    else:
+        bench = LoRABench(num_layers=3, hidden_size=96, ffn_hidden_size=160)
+        argv = bench.argv()
+    m = TrainerConfig.from_args(trainer_args(argv)).model
+    planned = from_flags(bench.flags(), which)
+    assert planned.num_layers == m.num_layers and planned.hidden_size == m.hidden_size
+    assert planned.gated_mlp == m.swiglu and planned.tied_embeddings == (not m.untie_embeddings_and_output_weights)
+    layer = planned.layers[0]
+    assert (layer.num_heads, layer.num_kv_heads, layer.mlp_ffn) == (m.num_attention_heads, m.num_query_groups,
+                                                                   m.ffn_hidden_size)
+    assert layer.head_dim == (m.kv_channels or m.hidden_size // m.num_attention_heads)
+
+
 def test_cases_include_their_baselines():
     names = [c.name for c in cases_for(4, ("csbp-ring", "bp"))]
     assert "cp-ring" in names and "cp-allgather" in names

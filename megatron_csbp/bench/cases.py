@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def trainer_argv(values: Dict[str, Any]) -> List[str]:
+    """The trainer's argv of `values` (flags by dest), each written as the option table declares it."""
+    from megatron_csbp.config.options import flag_text
+
+    return " ".join(flag_text(k, v) for k, v in values.items()).split()
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,15 @@ class BenchModel:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def flags(self) -> Dict[str, Any]:
+        """The model as flags by dest: what the trainer builds (Megatron's TransformerConfig defaults:
+        LayerNorm, GeLU, biases) and the planner reads (`planner.model_config.from_flags`)."""
+        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                    ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
+                    attention_kernel=self.attention_kernel, normalization="LayerNorm", swiglu=False,
+                    add_bias_linear=True)
 
     def check(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -112,17 +128,20 @@ def formula_bytes_sent(case: Case, model: "AnyModel", seq_length: int) -> Option
     if isinstance(model, DiffusionGemmaBenchModel):
         per = dg_formula_bytes_per_layer(case, model, seq_length)
         return None if any(v is None for v in per.values()) else sum(per.values())
-    L, G, d = seq_length, model.num_query_groups, model.head_dim
     s = BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
+    return _layer_bytes(case, seq_length * model.num_query_groups * model.head_dim * s, 4) * model.num_layers
+
+
+def _layer_bytes(case: Case, k_bytes: int, csbp_factor: int) -> int:
+    """One layer's bytes sent per rank, `k_bytes` = L*G*d*s: CP 8*k_bytes*(P-1)/P, CSBP
+    `csbp_factor`*k_bytes*(C-1)/C (ring of C ranks), BP 0."""
     if case.kind == "cp":
         P = case.shard_group_size
-        per_layer = 8 * L * G * d * s * (P - 1) // P
-    elif case.kind == "csbp":
+        return 8 * k_bytes * (P - 1) // P
+    if case.kind == "csbp":
         C = case.ring_size
-        per_layer = 4 * L * G * d * s * (C - 1) // C
-    else:
-        per_layer = 0
-    return per_layer * model.num_layers
+        return csbp_factor * k_bytes * (C - 1) // C
+    return 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +170,12 @@ class DiffusionGemmaBenchModel:
     block_size: int = 4
     micro_batch_size: int = 1
     dtype: str = "fp32"
+
+    def flags(self) -> Dict[str, Any]:
+        """The trainer's model flags (the model itself comes from the benchmark's provider)."""
+        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                    ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size)
 
     @property
     def layer_types(self) -> List[str]:
@@ -198,19 +223,8 @@ def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_
         full = kind == "full_attention"
         G, d = (model.full_num_query_groups, model.full_kv_channels) if full else (model.num_query_groups,
                                                                                     model.kv_channels)
-        if case.kind == "cp":
-            P = case.shard_group_size
-            out[i] = 8 * L * G * d * s * (P - 1) // P
-        elif case.kind == "csbp":
-            C = case.ring_size
-            if full:
-                out[i] = 2 * L * G * d * s * (C - 1) // C
-            elif case.attention == "full":
-                out[i] = 4 * L * G * d * s * (C - 1) // C
-            else:
-                out[i] = None
-        else:
-            out[i] = 0
+        windowed = case.kind == "csbp" and not full and case.attention != "full"
+        out[i] = None if windowed else _layer_bytes(case, L * G * d * s, 2 if full else 4)
     return out
 
 

@@ -15,8 +15,6 @@ gradient buffers, optimizer state) and the trained parameters. How to read it: d
 from __future__ import annotations
 
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +22,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Dict, List
 
 import torch
+
+from megatron_csbp.bench.report import write_out
 
 LAYOUTS = {"csbp": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
            "cp": ["--context-parallel-size", "2"]}
@@ -40,14 +40,21 @@ class LoRABench:
     rank: int = 8
     steps: int = 3
 
+    def flags(self) -> Dict:
+        """The model as flags by dest: what the trainer builds (SwiGLU, tied embeddings, 4 heads) and
+        the planner reads (`planner.model_config.from_flags`)."""
+        return dict(vocab_size=self.vocab_size, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                    ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=4, swiglu=True)
+
     def argv(self) -> List[str]:
+        from megatron_csbp.bench.cases import trainer_argv
+
         if self.layout not in LAYOUTS:
             raise ValueError(f"--layout {self.layout}: choose from {', '.join(LAYOUTS)}")
-        return (f"--mock-data --vocab-size {self.vocab_size} --num-layers {self.num_layers} "
-                f"--hidden-size {self.hidden_size} --ffn-hidden-size {self.ffn_hidden_size} --num-attention-heads 4 "
-                f"--seq-length {self.seq_length} --block-size 16 --micro-batch-size 1 --global-batch-size 1 "
-                f"--train-iters 100 --lr 1e-3 --attention-kernel tiled --no-progress-bar --tokenizer-type NullTokenizer "
-                f"--mask-token-id {self.vocab_size - 1} --make-vocab-size-divisible-by 1").split() + LAYOUTS[self.layout]
+        return ["--mock-data"] + trainer_argv(dict(
+            self.flags(), seq_length=self.seq_length, block_size=16, micro_batch_size=1, global_batch_size=1,
+            train_iters=100, lr=1e-3, attention_kernel="tiled", tokenizer_type="NullTokenizer",
+            mask_token_id=self.vocab_size - 1, make_vocab_size_divisible_by=1)) + ["--no-progress-bar"] + LAYOUTS[self.layout]
 
 
 QUICK = LoRABench(seq_length=128, num_layers=2, hidden_size=128, ffn_hidden_size=512, vocab_size=256, rank=4,
@@ -131,16 +138,14 @@ def run(bench: LoRABench, log=print, profile: str = None) -> Dict:
 def predicted(bench: LoRABench, profile: str) -> Dict:
     """The planner's step seconds, peak and static bytes of both cases (`plan --lora-rank`'s cost
     model on the hardware profile FILE, tiled kernel, no reserve), the model as the trainer builds
-    it from the flags (SwiGLU, tied embeddings, 4 query groups)."""
+    it from the flags (`LoRABench.flags`)."""
     from megatron_csbp.planner.cost import Layout, Workload, estimate
     from megatron_csbp.planner.hardware import GiB, load_hardware
     from megatron_csbp.planner.lora import LoRAPlan
-    from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+    from megatron_csbp.planner.model_config import from_flags
 
     hw = replace(load_hardware(profile), reserved_gib=0.0, attention_kernel="tiled")
-    layer = LayerShape(4, 4, bench.hidden_size // 4, mlp_ffn=bench.ffn_hidden_size)
-    model = ModelConfig("lora-bench", bench.hidden_size, bench.vocab_size, (layer,) * bench.num_layers,
-                        gated_mlp=True, tied_embeddings=True)
+    model = from_flags(bench.flags(), "lora-bench")
     lay = Layout(1, 2, 2 if bench.layout == "csbp" else 1, 1, 1, distributed_optimizer=False)
     wl = Workload(bench.seq_length, 16, global_batch_size=1)
     out = {}
@@ -229,13 +234,7 @@ def main(argv=None) -> int:
     bench = replace(QUICK, layout=a.layout) if a.quick else LoRABench(a.layout, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size,
                                             a.vocab_size, a.rank, a.steps)
     result = run(bench, log=lambda m: print(m, file=sys.stderr, flush=True), profile=a.profile)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    write_out(a.out, result, report(result))
     return 0
 
 

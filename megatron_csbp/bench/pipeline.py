@@ -11,12 +11,12 @@ attention traffic inside a stage differs (CP moves all rows' K/V, CSBP the clean
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import time
 from typing import Dict, List
+
+from megatron_csbp.bench.report import write_out
 
 LAYOUTS = {
     "PP2 x CSBP (CP2 + BP2)": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
@@ -146,12 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args(argv)
     result = run(a.seq_length, a.steps)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"seq_length": a.seq_length, "steps": a.steps, "layouts": result}, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(report(result, a.seq_length))
-    print(report(result, a.seq_length))
+    write_out(a.out, {"seq_length": a.seq_length, "steps": a.steps, "layouts": result}, report(result, a.seq_length))
     return 0
 
 

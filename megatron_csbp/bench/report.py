@@ -422,6 +422,16 @@ def save(result: Dict, out_dir: str, name: str, command: str, with_plots: bool =
     return written
 
 
+def write_out(out: str, result, text: str) -> None:
+    """OUT.json (`result`) and OUT.md (`text`), then `text` printed."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+
+
 def load(path: str) -> Dict:
     with open(path) as f:
         return json.load(f)

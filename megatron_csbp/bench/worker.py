@@ -17,7 +17,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.bench.cases import AnyModel, BenchConfig, Case, DiffusionGemmaBenchModel
+from megatron_csbp.bench.cases import AnyModel, BenchConfig, Case, DiffusionGemmaBenchModel, trainer_argv
 from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
 
 
@@ -30,22 +30,17 @@ def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: f
     from megatron_csbp.training.trainer import Trainer
 
     m = model
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in dict(
-        vocab_size=m.vocab_size, mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1,
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, seq_length=seq_length,
+    argv = trainer_argv(dict(
+        m.flags(), mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1, seq_length=seq_length,
         block_size=m.block_size, micro_batch_size=m.micro_batch_size, global_batch_size=m.micro_batch_size,
         train_iters=10 ** 6, lr=lr, lr_decay_style="constant", seed=seed, context_parallel_size=case.cp,
-        block_parallel_size=case.bp, attention_transport=case.transport, block_ownership=case.schedule).items()]
+        block_parallel_size=case.bp, attention_transport=case.transport, block_ownership=case.schedule))
     argv += ["--mock-data", "--tokenizer-type=NullTokenizer", "--no-progress-bar"]
     provider = None
     if isinstance(m, DiffusionGemmaBenchModel):
         # DiffusionGemma's clean stream is token-causal; the model comes from `provider`
         argv += ["--clean-attention=token_causal"]
         provider = partial(diffusion_gemma, m, seed, case.attention == "full")
-    else:  # Megatron's TransformerConfig defaults: LayerNorm, GELU, biases
-        argv += [f"--attention-kernel={m.attention_kernel}", "--normalization=LayerNorm", "--no-swiglu",
-                 "--add-bias-linear"]
     return Trainer(TrainerConfig.from_args(parse_args(argv)), gpt_provider=provider).build()
 
 

@@ -4,3 +4,17 @@ Library fixes (`compat.libraries`) on every device, keyed on the missing library
 relocation (`compat.cpu.install_cpu_compat()`) only without CUDA. Which patches change numerics,
 and why: docs/compat.md.
 """
+from __future__ import annotations
+
+import functools
+
+
+def replace_once(owner, name: str, make, static: bool = False) -> None:
+    """`owner.name = make(original)` (wrapped to keep its name and doc; `static`: as a staticmethod),
+    unless already done."""
+    orig = getattr(owner, name)
+    if getattr(orig, "__cpu_compat__", False):
+        return
+    patched = functools.wraps(orig)(make(orig))
+    patched.__cpu_compat__ = True
+    setattr(owner, name, staticmethod(patched) if static else patched)

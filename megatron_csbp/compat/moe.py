@@ -9,6 +9,8 @@ import importlib
 
 import torch
 
+from megatron_csbp.compat import replace_once
+
 
 def _as_split_list(sizes):
     if sizes is None or isinstance(sizes, list):
@@ -27,16 +29,12 @@ def patch_te_general_gemm() -> None:
 
 def patch_moe() -> None:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
-    a2a = mappings._AllToAll
-    if getattr(a2a.forward, "__cpu_compat__", False):
-        return
-    orig_forward = a2a.forward
 
-    def forward(ctx, group, input, output_split_sizes, input_split_sizes, *more):
-        # more: later arguments passed on as given (megatron-core 0.19 adds `use_nccl_stream`)
-        return orig_forward(ctx, group, input, _as_split_list(output_split_sizes), _as_split_list(input_split_sizes),
-                            *more)
+    def make(orig_forward):
+        def forward(ctx, group, input, output_split_sizes, input_split_sizes, *more):
+            # more: later arguments passed on as given (megatron-core 0.19 adds `use_nccl_stream`)
+            return orig_forward(ctx, group, input, _as_split_list(output_split_sizes),
+                                _as_split_list(input_split_sizes), *more)
+        return forward
 
-    forward.__cpu_compat__ = True
-    a2a.forward = staticmethod(forward)
-
+    replace_once(mappings._AllToAll, "forward", make, static=True)

@@ -9,25 +9,23 @@ from __future__ import annotations
 import copy
 import importlib
 
+from megatron_csbp.compat import replace_once
+
 
 def patch_torch_norm() -> None:
     torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
-    cls = torch_norm.WrappedTorchNorm
-    if getattr(cls.__new__, "__cpu_compat__", False):
-        return
-    orig_new = cls.__new__
 
-    def __new__(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
-        if not getattr(config, "sequence_parallel", False):
-            return orig_new(klass, config, hidden_size, eps, *args, **kwargs)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = orig_new(klass, plain, hidden_size, eps, *args, **kwargs)
-        for p in norm.parameters():
-            # Replicated over TP but fed sequence shards: finalize_model_grads all-reduces these.
-            setattr(p, "sequence_parallel", True)
-        return norm
+    def make(orig_new):
+        def __new__(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
+            if not getattr(config, "sequence_parallel", False):
+                return orig_new(klass, config, hidden_size, eps, *args, **kwargs)
+            plain = copy.copy(config)
+            plain.sequence_parallel = False
+            norm = orig_new(klass, plain, hidden_size, eps, *args, **kwargs)
+            for p in norm.parameters():
+                # Replicated over TP but fed sequence shards: finalize_model_grads all-reduces these.
+                setattr(p, "sequence_parallel", True)
+            return norm
+        return __new__
 
-    __new__.__cpu_compat__ = True
-    cls.__new__ = staticmethod(__new__)
-
+    replace_once(torch_norm.WrappedTorchNorm, "__new__", make, static=True)

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from megatron_csbp.compat import replace_once
 from megatron_csbp.compat.pipeline import cuda_is_identity
 
 _ORIG_TENSOR_TYPE = torch.Tensor.type
@@ -81,7 +82,7 @@ def patch_cpu_optimizers() -> None:
             return orig(self, True, *args, **kwargs)
         return patched
 
-    _replace_once(distrib.DistributedOptimizer, "get_parameter_state_dp_zero", get_parameter_state_dp_zero)
+    replace_once(distrib.DistributedOptimizer, "get_parameter_state_dp_zero", get_parameter_state_dp_zero)
 
     # The dynamic loss scale's load moves the saved scale with `.cuda(current_device())`: on CPU it stays.
     def load_state_dict(orig):
@@ -91,7 +92,7 @@ def patch_cpu_optimizers() -> None:
         return patched
 
     grad_scaler = importlib.import_module("megatron.core.optimizer.grad_scaler")
-    _replace_once(grad_scaler.DynamicGradScaler, "load_state_dict", load_state_dict)
+    replace_once(grad_scaler.DynamicGradScaler, "load_state_dict", load_state_dict)
 
 
 def patch_torch_adam() -> None:
@@ -138,7 +139,7 @@ def patch_torch_adam() -> None:
         return patched
 
     for make in (_set_main_param_and_optimizer_states, state_dict, load_state_dict):
-        _replace_once(distrib.DistributedOptimizer, make.__name__, make)
+        replace_once(distrib.DistributedOptimizer, make.__name__, make)
 
 
 def patch_mixed_dtype_groups() -> None:
@@ -202,17 +203,7 @@ def patch_mixed_dtype_groups() -> None:
         distrib.DistributedOptimizer.__init__ = functools.wraps(init)(__init__(init))
         distrib.DistributedOptimizer.__init__.__mixed_dtype_fix__ = True
     for make in (sharded_state_dict, load_state_dict):
-        _replace_once(opt_mod.Float16OptimizerWithFloat16Params, make.__name__, make)
-
-
-def _replace_once(owner, name: str, make) -> None:
-    """`owner.name = make(original)` (wrapped to keep its name and doc), unless already done."""
-    orig = getattr(owner, name)
-    if getattr(orig, "__cpu_compat__", False):
-        return
-    patched = functools.wraps(orig)(make(orig))
-    patched.__cpu_compat__ = True
-    setattr(owner, name, patched)
+        replace_once(opt_mod.Float16OptimizerWithFloat16Params, make.__name__, make)
 
 
 def _init_empty_torch_adam_states(opt) -> None:

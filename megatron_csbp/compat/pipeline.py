@@ -5,10 +5,11 @@ Why each patch is needed and why numerics are unchanged: docs/compat.md#every-pa
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 
 import torch
+
+from megatron_csbp.compat import replace_once
 
 
 @contextlib.contextmanager
@@ -23,18 +24,14 @@ def cuda_is_identity():
 
 def patch_embedding_tie() -> None:
     module = importlib.import_module("megatron.core.models.common.language_module.language_module")
-    cls = module.LanguageModule
-    orig = cls.setup_embeddings_and_output_layer
-    if getattr(orig, "__cpu_compat__", False):
-        return
 
-    @functools.wraps(orig)
-    def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        with cuda_is_identity():
-            return orig(self, *args, **kwargs)
+    def make(orig):
+        def setup_embeddings_and_output_layer(self, *args, **kwargs):
+            with cuda_is_identity():
+                return orig(self, *args, **kwargs)
+        return setup_embeddings_and_output_layer
 
-    setup_embeddings_and_output_layer.__cpu_compat__ = True
-    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    replace_once(module.LanguageModule, "setup_embeddings_and_output_layer", make)
 
 
 def patch_output_deallocation() -> None:
@@ -45,19 +42,16 @@ def patch_output_deallocation() -> None:
     schedule's asynchronous gloo send read freed storage): docs/compat.md#every-patched-call-site.
     """
     module = importlib.import_module("megatron.core.pipeline_parallel.schedules")
-    orig = module.deallocate_output_tensor
-    if getattr(orig, "__cpu_compat__", False):
-        return
 
-    @functools.wraps(orig)
-    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
-        # megatron-core >= 0.19 also passes a list or dict of outputs: the original recurses into
-        # it through the module's name, i.e. back into this wrapper, one tensor at a time
-        sent = out.data if (isinstance(out, torch.Tensor) and deallocate_pipeline_outputs
-                            and out.device.type == "cpu") else None
-        orig(out, deallocate_pipeline_outputs)
-        if sent is not None:
-            out._sent_storage = sent  # freed with the output tensor, after its backward
+    def make(orig):
+        def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+            # megatron-core >= 0.19 also passes a list or dict of outputs: the original recurses into
+            # it through the module's name, i.e. back into this wrapper, one tensor at a time
+            sent = out.data if (isinstance(out, torch.Tensor) and deallocate_pipeline_outputs
+                                and out.device.type == "cpu") else None
+            orig(out, deallocate_pipeline_outputs)
+            if sent is not None:
+                out._sent_storage = sent  # freed with the output tensor, after its backward
+        return deallocate_output_tensor
 
-    deallocate_output_tensor.__cpu_compat__ = True
-    module.deallocate_output_tensor = deallocate_output_tensor
+    replace_once(module, "deallocate_output_tensor", make)

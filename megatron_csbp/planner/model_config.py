@@ -289,7 +289,7 @@ def load_preset(name: str) -> ModelConfig:
     return from_hf_config(cfg, name)
 
 
-def from_megatron_args(args) -> ModelConfig:
+def from_megatron_args(args, name: str = "megatron-flags") -> ModelConfig:
     """Megatron-LM model flags (same names and defaults where they exist)."""
     hidden, heads = args.hidden_size, args.num_attention_heads
     if hidden is None or heads is None or args.num_layers is None:
@@ -319,8 +319,22 @@ def from_megatron_args(args) -> ModelConfig:
             num_experts=experts, topk=args.moe_router_topk if experts else 0,
             expert_ffn=(args.moe_ffn_hidden_size or ffn) if experts else 0,
         ))
-    return ModelConfig(name="megatron-flags", hidden_size=hidden, vocab_size=vocab, layers=tuple(layers),
+    return ModelConfig(name=name, hidden_size=hidden, vocab_size=vocab, layers=tuple(layers),
                        gated_mlp=bool(args.swiglu), tied_embeddings=not args.untie_embeddings_and_output_weights)
+
+
+def from_flags(values: Dict, name: str) -> ModelConfig:
+    """The model of the trainer's flags `values` (by dest, e.g. a benchmark's model): a flag not
+    given has Megatron-LM's default, as `plan` parses it; --num-query-groups alone sets the K/V heads,
+    as in the trainer."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_megatron_model_args(parser)
+    args = parser.parse_args([])
+    vars(args).update((k, v) for k, v in values.items() if hasattr(args, k))
+    args.group_query_attention = values.get("num_query_groups") is not None
+    return from_megatron_args(args, name)
 
 
 def add_megatron_model_args(p) -> None:

@@ -305,13 +305,12 @@ def paper_markdown(v: Dict, extra: Dict) -> str:
 
 
 def _bench_model(m: Dict, name: str):
-    """The planner's model of a CPU benchmark's GPT (its config's `model` section)."""
-    from megatron_csbp.planner.model_config import LayerShape, ModelConfig
+    """The planner's model of a CPU benchmark's GPT (its config's `model` section), embeddings
+    counted untied."""
+    from megatron_csbp.bench.cases import BenchModel
+    from megatron_csbp.planner.model_config import from_flags
 
-    d = m["hidden_size"] // m["num_attention_heads"]
-    layer = LayerShape(m["num_attention_heads"], m["num_query_groups"], d, None, False, m["ffn_hidden_size"])
-    return ModelConfig(name, m["hidden_size"], m["vocab_size"], tuple([layer] * m["num_layers"]), gated_mlp=False,
-                       tied_embeddings=False)
+    return from_flags({**BenchModel(**m).flags(), "untie_embeddings_and_output_weights": True}, name)
 
 
 def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
