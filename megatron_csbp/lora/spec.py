@@ -50,10 +50,15 @@ def _adapted(value, lora: LoRAConfig, path):
 
 
 def _walk(node, lora: LoRAConfig, path):
-    if isinstance(node, ModuleSpec) and getattr(node.module, "__name__", "") in GROUPED_EXPERTS \
-            and any(matches(t, path + [fc]) for t in lora.target_modules for fc in ("linear_fc1", "linear_fc2")):
-        raise ValueError(f"--lora-rank with --moe-grouped-gemm: grouped experts ({node.module.__name__}) take no "
-                         "LoRA adapters; use sequential experts (leave --moe-grouped-gemm off)")
+    fcs = tuple(fc for fc in ("linear_fc1", "linear_fc2") if any(matches(t, path + [fc]) for t in lora.target_modules))
+    if fcs and isinstance(node, ModuleSpec) and getattr(node.module, "__name__", "") in GROUPED_EXPERTS:
+        if node.module.__name__ != "GroupedMLP":
+            raise ValueError(f"--lora-rank with --moe-grouped-gemm: TransformerEngine's grouped experts "
+                             f"({node.module.__name__}) take no LoRA adapters; LoRA adapts megatron-core's local "
+                             "GroupedMLP and sequential experts (use the local layer spec)")
+        from megatron_csbp.lora.grouped import GROUPED  # megatron-core 0.16's GroupedMLP (gone in 0.19)
+
+        return ModuleSpec(module=GROUPED[node.module], params=dict(node.params, lora=lora, lora_targets=fcs))
     if isinstance(node, ModuleSpec):
         if node.submodules is not None:
             node.submodules = _walk(node.submodules, lora, path)
@@ -111,7 +116,8 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
     # module paths as the spec names them: a sequential expert's `local_experts.<i>` is no step of the
     # spec's path (experts.linear_fc1 names the experts' fc1 there)
     adapted = [[p for p in n.split(".") if p != "local_experts" and not p.isdigit()]
-               for n, m in model.named_modules() if isinstance(m, tuple(_SUBCLASS.values()))]
+               for n, m in model.named_modules()
+               if isinstance(m, tuple(_SUBCLASS.values())) or "lora_A" in m._parameters]
     found = [any(matches(split_target(t)[0], path) for path in adapted) for t in lora.target_modules]
     if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
         group = mpu.get_pipeline_model_parallel_group()
