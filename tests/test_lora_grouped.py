@@ -200,6 +200,9 @@ def test_grouped_experts_spec():
         assert experts.module is LoRAGroupedMLP and experts.params["lora_targets"] == fcs
     untouched = with_adapters(spec, LoRAConfig(4, target_modules=("linear_qkv",))).submodules.mlp.submodules.experts
     assert untouched.module.__name__ == "GroupedMLP"
+    with pytest.raises(ValueError, match=r"^--lora-target-modules linear_fc1_gate: grouped experts "
+                                         r"\(--moe-grouped-gemm\) take fc1 adapters whole, not per part"):
+        with_adapters(spec, LoRAConfig(4, target_modules=("linear_q", "linear_fc1_gate")))
     spec.submodules.mlp.submodules.experts = ModuleSpec(module=TEGroupedMLP)
     with pytest.raises(ValueError, match=r"^--lora-rank with --moe-grouped-gemm: TransformerEngine's grouped experts "
                                          r"\(TEGroupedMLP\) take no LoRA adapters; LoRA adapts megatron-core's local "

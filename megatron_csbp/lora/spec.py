@@ -51,7 +51,12 @@ def _adapted(value, lora: LoRAConfig, path):
 
 def _walk(node, lora: LoRAConfig, path):
     fcs = tuple(fc for fc in ("linear_fc1", "linear_fc2") if any(matches(t, path + [fc]) for t in lora.target_modules))
-    if fcs and isinstance(node, ModuleSpec) and getattr(node.module, "__name__", "") in GROUPED_EXPERTS:
+    grouped = isinstance(node, ModuleSpec) and getattr(node.module, "__name__", "") in GROUPED_EXPERTS
+    parts = [t for t in lora.target_modules if split_target(t)[1] and matches(split_target(t)[0], path + ["linear_fc1"])]
+    if grouped and parts:
+        raise ValueError(f"--lora-target-modules {parts[0]}: grouped experts (--moe-grouped-gemm) take fc1 adapters "
+                         "whole, not per part; target linear_fc1 there or use sequential experts")
+    if fcs and grouped:
         if node.module.__name__ != "GroupedMLP":
             raise ValueError(f"--lora-rank with --moe-grouped-gemm: TransformerEngine's grouped experts "
                              f"({node.module.__name__}) take no LoRA adapters; LoRA adapts megatron-core's local "
