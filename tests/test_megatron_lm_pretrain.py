@@ -341,9 +341,10 @@ def test_pretrain_lora_csbp_matches_trainer_saves_adapters_and_resumes(tmp_path)
     _trainer_equals_pretrain(run_distributed(train_rank, 2, _trainer_argv(tmp_path, "lora_csbp", data + lora)), run)
 
     saved = ckpt / "iter_0000002"
-    keys = [k for k in FileSystemReader(str(saved)).read_metadata().state_dict_metadata
-            if not k.startswith(("optimizer.", "rng_state"))]
-    assert len(keys) == 8 and all(is_adapter(k) for k in keys), keys  # 4 targets x (A, B), layers stacked
+    keys = list(FileSystemReader(str(saved)).read_metadata().state_dict_metadata)
+    model = [k for k in keys if k.split(".", 1)[0] in ("decoder", "embedding", "output_layer")]
+    assert len(model) == 8 and all(is_adapter(k) for k in model), keys  # 4 targets x (A, B), layers stacked
+    assert not [k for k in keys if k.endswith(("weight", ".bias"))], keys  # no base weight, nor its Adam state
     record = json.loads((saved / "megatron_csbp_lora.json").read_text())
     assert record["lora"]["rank"] == 4 and record["base"]["path"] == str(base) and record["base"]["iteration"] == 1
 

@@ -570,7 +570,7 @@ def install_checkpoint_hook() -> None:
         lora = LoRAConfig.of(a)
         if lora is None:
             return load(ddp_model, optimizer, scheduler, *args, **kwargs)
-        from megatron.training.utils import unwrap_model
+        from megatron.core.utils import unwrap_model
         from megatron_csbp.parallel.pipeline import ModelChunks
 
         held["base"] = base_record(a.pretrained_checkpoint) if a.pretrained_checkpoint else None
