@@ -239,16 +239,12 @@ def _family_rank(rank, world, family):
     """tests/test_pipeline_families.py's PP 2 x CSBP run (DiffusionGemma: EP 2 over the shard group)
     with adapters on every projection: the adapters' gradients equal one rank's."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_csbp.compat.cpu import install_cpu_compat
     from megatron_csbp.lora import LoRAConfig, is_adapter
     from megatron_csbp.lora.spec import adapted
     from megatron_csbp.parallel import pipeline
     from megatron_csbp.parallel import state as bps
-    from megatron_csbp.training.model import TrainableBDLM
     from tests import test_pipeline_families as F
     from tests.gradients import one_rank_reference
 
@@ -283,17 +279,7 @@ def _family_rank(rank, world, family):
     names = {n: g if g in state else "embedding.word_embeddings.weight" for n, g in names.items()}
     init_err = max(float((p.detach() - drawn[names[n]]).abs().max()) for n, p in gpt.named_parameters() if is_adapter(n))
     gpt.load_state_dict({n: state[g] for n, g in names.items()}, strict=False)
-    config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
-    chunk = TrainableBDLM(config, F._bdlm(gpt, kind, L, 2, 2))
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), chunk)
-    config.no_sync_func = ddp.no_sync
-    losses = []
-    get_forward_backward_func()(forward_step_func=pipeline_forward_step(den, losses), data_iterator=iter(data),
-                                model=[ddp], num_microbatches=F.M, seq_length=pipeline.p2p_seq_length(chunk.bdlm),
-                                micro_batch_size=F.MBS, forward_only=False)
-    loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)
-    dist.all_reduce(loss, group=bps.get_shard_group())
-    dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
+    loss = F.pp2_csbp_loss(gpt, kind, L, data, den)
     pairs = [(p.main_grad.detach().clone(), ref_grads[names[n]]) for n, p in gpt.named_parameters() if is_adapter(n)]
     frozen = all(not p.requires_grad for n, p in gpt.named_parameters() if not is_adapter(n))
     bps.destroy_block_parallel()

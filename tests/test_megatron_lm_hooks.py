@@ -84,7 +84,17 @@ def _hook_rank(rank, world_size):
     out, num_tokens, report = lf(loss)
     out.backward()
     grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
-    return dict(dp=args.data_parallel_size, seq=mpu.get_context_parallel_world_size(), kind=model.bdlm.layout.kind,
+    args.lora_rank, args.lora_init = 4, "random"  # the same chunk with --lora-rank 4 --lora-init random
+    lora = megatron_lm.model_provider()
+    args.lora_rank = 0
+    loss, lf = megatron_lm.forward_step(iter([batch]), lora)
+    lf(loss)[0].backward()
+    trained = {n for n, p in lora.named_parameters() if p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0}
+    return dict(lora_state=sorted(lora.sharded_state_dict()), trained=sorted(trained),
+                frozen=sorted(n for n, p in lora.named_parameters() if not p.requires_grad),
+                lora_names=sorted(n for n, _ in lora.named_parameters() if "lora_" in n),
+                full_state=sorted(model.sharded_state_dict()),
+                dp=args.data_parallel_size, seq=mpu.get_context_parallel_world_size(), kind=model.bdlm.layout.kind,
                 bp=bps.get_block_parallel_sizes().block_parallel_size, report=report["lm loss"].detach(), grads=grads,
                 num_tokens=int(num_tokens))
 
@@ -100,6 +110,14 @@ def test_real_megatron_lm_args_initialize_model_forward():
     assert sum(r["num_tokens"] for r in res) == 28
     total = sum(r["report"][0] for r in res) / sum(r["report"][1] for r in res)
     assert torch.isfinite(total) and total > 0
+    # --lora-rank under pretrain(): only the adapters train, and Megatron-LM's checkpoints of the chunk
+    # hold them alone (their base comes from --pretrained-checkpoint: the slow test of
+    # tests/test_megatron_lm_pretrain.py saves, checks and resumes one)
+    for r in res:
+        assert len(r["lora_names"]) == 16 and r["trained"] == r["lora_names"] and r["frozen"]
+        assert not set(r["frozen"]) & set(r["lora_names"])
+        assert len(r["lora_state"]) == 16 and all(k.endswith((".lora_A", ".lora_B")) for k in r["lora_state"])
+        assert "decoder.final_layernorm.weight" in r["full_state"]
 
 
 def _without(argv, flag):

@@ -310,3 +310,45 @@ def test_trainer_and_pretrain_agree_on_packed_documents(tmp_path):
     run = pretrain(tmp_path, "xc_packed", 1, NO_EVAL + data + SAME_RUN + PACKED)
     trainer = run_distributed(train_rank, 1, _trainer_argv(tmp_path, "packed", NO_EVAL + data + SAME_RUN + PACKED))
     _trainer_equals_pretrain(trainer, run)
+
+
+LORA = ["--lora-rank", "4", "--lora-init", "random"]  # random: B != 0, so every adapter moves from iteration 1
+
+
+@pytest.mark.slow  # ~3 min on the shared 2-core machine: a 1-rank trainer base, 2 pretrain() and 1 trainer run on 2 ranks
+def test_pretrain_lora_csbp_matches_trainer_saves_adapters_and_resumes(tmp_path):
+    """Issue 44: --lora-rank through Megatron-LM's pretrain() under CSBP (CP 2 + BP 2, 2 ranks) on a
+    frozen base (--pretrained-checkpoint, a trainer checkpoint): (a) the trainer's losses and gradient
+    norms with the same flags; (b) its checkpoint holds the adapters and their optimizer state only,
+    beside megatron_csbp_lora.json naming the base; (c) --load of it with --pretrained-checkpoint
+    continues with iteration 3 of the uninterrupted run bit for bit, so the base it trained on is the
+    base it read (frozen: unchanged by 2 iterations). Before: pretrain() saved the base weights too,
+    with no LoRA record, and Megatron-LM read --pretrained-checkpoint only when --load was empty."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_csbp.lora import is_adapter
+    from tests.distributed import run_distributed
+    from tests.train_helpers import train_rank
+
+    data = ["--data-path", short_documents(tmp_path), "--split", "100,0,0"] + NO_EVAL + SAME_RUN
+    base, ckpt = tmp_path / "base", tmp_path / "lora"
+    run_distributed(train_rank, 1, _trainer_argv(tmp_path, "base", data + ["--train-iters", "1", "--save", str(base)]))
+    lora = CSBP + LORA + ["--pretrained-checkpoint", str(base)]
+    run = pretrain(tmp_path, "lora_csbp", 2, data + lora + ["--save", str(ckpt), "--save-interval", "2"])
+    assert "loaded the frozen base of the adapters from --pretrained-checkpoint" in run["out"]
+    _trainer_equals_pretrain(run_distributed(train_rank, 2, _trainer_argv(tmp_path, "lora_csbp", data + lora)), run)
+
+    saved = ckpt / "iter_0000002"
+    keys = list(FileSystemReader(str(saved)).read_metadata().state_dict_metadata)
+    model = [k for k in keys if k.split(".", 1)[0] in ("decoder", "embedding", "output_layer")]
+    assert len(model) == 8 and all(is_adapter(k) for k in model), keys  # 4 targets x (A, B), layers stacked
+    assert not [k for k in keys if k.endswith(("weight", ".bias"))], keys  # no base weight, nor its Adam state
+    record = json.loads((saved / "megatron_csbp_lora.json").read_text())
+    assert record["lora"]["rank"] == 4 and record["base"]["path"] == str(base) and record["base"]["iteration"] == 1
+
+    resumed = pretrain(tmp_path, "lora_resume", 2, data + lora + ["--load", str(ckpt), "--ckpt-step", "2"])
+    assert "successfully loaded checkpoint" in resumed["out"] and sorted(resumed["log"]) == [3]
+    assert resumed["tb"]["lm loss"][3] == run["tb"]["lm loss"][3]
+    assert resumed["tb"]["grad-norm"][3] == run["tb"]["grad-norm"][3]

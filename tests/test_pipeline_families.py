@@ -115,16 +115,40 @@ def _bdlm(gpt, layout_kind, L, cp=1, bp=1):
     return BlockDiffusionModel(gpt, _objective(), layout, bps.get_shard_rank(), bps.get_clean_ring_group())
 
 
-def _rank(rank, world, family):
+def pp2_csbp_loss(gpt, kind, L, data, den):
+    """One forward and backward of this rank's PP 2 x CSBP (CP 2 + BP 2) stage `gpt` over `data` through
+    megatron-core's DDP and pipeline schedule; the loss summed over the shard and pipeline groups (the
+    gradients are left in each parameter's `main_grad`). Shared by tests/test_lora_layouts.py."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_csbp.parallel import pipeline
+    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.training.model import TrainableBDLM
+
+    config = gpt.config
+    config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
+    chunk = TrainableBDLM(config, _bdlm(gpt, kind, L, 2, 2))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), chunk)
+    config.no_sync_func = ddp.no_sync
+    losses = []
+    get_forward_backward_func()(forward_step_func=pipeline_forward_step(den, losses), data_iterator=iter(data), model=[ddp],
+                                num_microbatches=M, seq_length=pipeline.p2p_seq_length(chunk.bdlm),
+                                micro_batch_size=MBS, forward_only=False)
+    loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)
+    dist.all_reduce(loss, group=bps.get_shard_group())
+    dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
+    return loss
+
+
+def _rank(rank, world, family):
+    from megatron.core import parallel_state as mpu
+
     from megatron_csbp.parallel import state as bps
     from megatron_csbp.parallel import pipeline
     from megatron_csbp.compat.cpu import install_cpu_compat
-    from megatron_csbp.training.model import TrainableBDLM
 
     install_cpu_compat()
     build = FAMILIES[family]
@@ -155,17 +179,7 @@ def _rank(rank, world, family):
 
     gpt.load_state_dict({k: state[ref_name(k)] for k in gpt.state_dict() if not k.endswith("_extra_state")},
                         strict=False)
-    config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
-    chunk = TrainableBDLM(config, _bdlm(gpt, kind, L, 2, 2))
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), chunk)
-    config.no_sync_func = ddp.no_sync
-    losses = []
-    get_forward_backward_func()(forward_step_func=pipeline_forward_step(den, losses), data_iterator=iter(data), model=[ddp],
-                                num_microbatches=M, seq_length=pipeline.p2p_seq_length(chunk.bdlm),
-                                micro_batch_size=MBS, forward_only=False)
-    loss = torch.tensor([sum(losses)], dtype=EXACT_DTYPE)
-    dist.all_reduce(loss, group=bps.get_shard_group())
-    dist.all_reduce(loss, group=mpu.get_pipeline_model_parallel_group())
+    loss = pp2_csbp_loss(gpt, kind, L, data, den)
     pairs = [(p.main_grad.detach().clone(), ref_grads[ref_name(n)]) for n, p in gpt.named_parameters()]
     worst, rel_norm = gradient_error(pairs)
     kinds = [getattr(layer.self_attention, "layer_kind", type(layer.self_attention).__name__)

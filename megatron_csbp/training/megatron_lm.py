@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from functools import partial
+from functools import lru_cache, partial
 from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_csbp.checkpoint.files import CheckpointError
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
@@ -298,6 +299,26 @@ def _model_args_from_megatron(args):
                       eod_token_id=_eod_token_id(args))
 
 
+class _AdapterState:
+    """A LoRA chunk under pretrain(): Megatron-LM's checkpoints hold its adapters (and their optimizer
+    state) only, as the trainer's (docs/lora.md#checkpoints); the frozen base comes from
+    --pretrained-checkpoint (`install_checkpoint_hook`)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron_csbp.lora import is_adapter
+
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return {k: v for k, v in state.items() if is_adapter(k)}
+
+
+@lru_cache(maxsize=None)
+def adapter_chunk() -> type:
+    """`TrainableBDLM` with `_AdapterState`'s checkpoint state (built on first use: megatron-core)."""
+    from megatron_csbp.training.model import TrainableBDLM
+
+    return type("AdapterChunk", (_AdapterState, TrainableBDLM), {})
+
+
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                    config=None, pg_collection=None):
     """Megatron-LM model provider: GPTModel (Megatron-LM's config and spec choice) as a BDLM, through
@@ -347,7 +368,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         # rank's rows cross the stage boundary (megatron_csbp/parallel/pipeline.py).
         args.decoder_seq_length = pipeline.p2p_seq_length(bdlm)
         config.variable_seq_lengths = pipeline.variable_rows(bdlm.objective)
-    return TrainableBDLM(config, bdlm)
+    return (TrainableBDLM if LoRAConfig.of(margs) is None else adapter_chunk())(config, bdlm)
 
 
 #: Evaluation samples are keyed EVAL_SAMPLE_INDEX_BASE + (their index in the validation stream), so
@@ -496,6 +517,7 @@ def install() -> None:
     install_initialize_hook()
     install_validation_hook()
     install_schedule_hook()
+    install_checkpoint_hook()
     use_prebuilt_dataset_helpers()
 
 
@@ -524,6 +546,58 @@ def install_schedule_hook() -> None:
 
     get_forward_backward_func.__bdlm_hook__ = True
     training.get_forward_backward_func = get_forward_backward_func
+
+
+def install_checkpoint_hook() -> None:
+    """A LoRA run's checkpoints under pretrain() are the trainer's (docs/lora.md#checkpoints): Megatron-LM's
+    `load_checkpoint` first checks --load's LoRA record against the flags and the base
+    (`lora.checkpoint.check_resume`), loads the frozen base of --pretrained-checkpoint (weights only),
+    then --load's adapters and their optimizer state if it holds a checkpoint (Megatron-LM would
+    instead read --pretrained-checkpoint as a full model when --load is empty); `save_checkpoint`
+    writes the LoRA record (`files.LORA_FILE`) beside the adapters (`_AdapterState`)."""
+    from megatron.training import get_args, training
+
+    if getattr(training.load_checkpoint, "__bdlm_hook__", False):
+        return
+    from megatron_csbp.checkpoint import files, state
+    from megatron_csbp.lora import LoRAConfig, is_adapter
+    from megatron_csbp.lora.checkpoint import base_record, check_resume, record_json
+
+    load, save, held = training.load_checkpoint, training.save_checkpoint, {}
+
+    def load_checkpoint(ddp_model, optimizer, scheduler, *args, **kwargs):
+        a = get_args()
+        lora = LoRAConfig.of(a)
+        if lora is None:
+            return load(ddp_model, optimizer, scheduler, *args, **kwargs)
+        from megatron.core.utils import unwrap_model
+        from megatron_csbp.parallel.pipeline import ModelChunks
+
+        held["base"] = base_record(a.pretrained_checkpoint) if a.pretrained_checkpoint else None
+        step = files.checkpoint_to_load(a.load, getattr(a, "ckpt_step", None))
+        if step is not None:
+            check_resume(a.load, step, lora, held["base"])  # before a base is read
+        if held["base"] is not None:
+            gpts = ModelChunks([chunk.gpt for chunk in unwrap_model(ddp_model)])
+            state.load_checkpoint(a.pretrained_checkpoint, gpts, None, None, keep=lambda k: not is_adapter(k))
+            if a.rank == 0:
+                print(f"> block diffusion: loaded the frozen base of the adapters from --pretrained-checkpoint "
+                      f"{a.pretrained_checkpoint}", flush=True)
+        if step is None:  # the adapters of --seed, iteration 0
+            return 0, 0
+        return load(ddp_model, optimizer, scheduler, *args, **kwargs)
+
+    def save_checkpoint(iteration, *args, **kwargs):
+        out = save(iteration, *args, **kwargs)
+        a = get_args()
+        lora, folder = LoRAConfig.of(a), files.checkpoint_path(a.save or "", iteration)
+        if lora is not None and a.rank == 0 and os.path.isdir(folder):
+            with open(os.path.join(folder, files.LORA_FILE), "w") as f:
+                f.write(record_json(lora, held.get("base")))
+        return out
+
+    load_checkpoint.__bdlm_hook__ = True
+    training.load_checkpoint, training.save_checkpoint = load_checkpoint, save_checkpoint
 
 
 def _dataset_on_every_stage(vp_stage=None, is_packed_sequence=False) -> bool:
@@ -580,7 +654,7 @@ def pretrain_bdlm(argv: Optional[Sequence[str]] = None) -> None:
     pretrain_gpt.is_dataset_built_on_rank = _dataset_on_every_stage
     try:
         _run_pretrain(pretrain, pretrain_gpt.train_valid_test_datasets_provider, ModelType.encoder_or_decoder)
-    except MegatronLMFlagError as e:
+    except (MegatronLMFlagError, CheckpointError) as e:
         if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
             raise
         cli.fail(str(e), e.exit_code)
