@@ -1,6 +1,7 @@
 """Spawn N single-threaded CPU ranks on gloo and collect what each returns (benchmarks, tests)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -17,8 +18,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, setup):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+#: imported once by the fork server every rank is forked from: a spawned rank would import them again
+#: (about 6 s of CPU per rank, most of a small test's time)
+PRELOAD = ("torch", "megatron.core", "megatron_csbp.training.trainer")
+
+
+def _start_method(setup) -> str:
+    """"spawn" where `setup` must run before megatron is imported (tests/cuda_shaped.py), else a fork
+    server that preloads PRELOAD (started on first use, from this process's environment)."""
+    if setup is not None:
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
+
+
+def _entry(rank, world_size, port, out_dir, fn, args, setup, environ):
+    os.environ.clear()  # the caller's environment now, as a spawned rank would have it
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -61,8 +77,8 @@ def spawn(fn, world_size: int, *args, attempts: int = 3, setup=None):
 def _spawn_once(fn, world_size: int, args, setup):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, setup),
-                               nprocs=world_size, join=True, start_method="spawn")
+            mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, setup, dict(os.environ)),
+                               nprocs=world_size, join=True, start_method=_start_method(setup))
         except Exception as exc:
             errors = []
             for r in range(world_size):
