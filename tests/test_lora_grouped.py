@@ -29,7 +29,7 @@ pytest.importorskip("megatron.core.transformer.moe.grouped_gemm_util", reason=(
     "builds SequentialMLP for --moe-grouped-gemm, which takes adapters)"))
 
 from tests.distributed import run_distributed  # noqa: E402
-from tests.gradients import EXACT_DTYPE, FP64_TOL, check_close, gradient_error  # noqa: E402
+from tests.gradients import EXACT_DTYPE, FP64_TOL, check_close, gradient_error, one_rank_reference  # noqa: E402
 from tests.test_lora_layouts import MOE, _fp64, batches, model_args  # noqa: E402
 
 pytestmark = pytest.mark.exactness
@@ -68,12 +68,9 @@ def _loss_and_grads(model, micro_batches):
 
     data = batches()[:micro_batches]
     den = sum(model.bdlm.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
-    loss = 0.0
-    for b in data:
-        out = model(b["tokens"], b["loss_mask"], b["sample_index"], den)
-        out.loss.backward()
-        loss += float(out.loss.detach())
-    return loss, {n: p.grad for n, p in model.gpt.named_parameters() if is_adapter(n)}
+    loss, every = one_rank_reference(model, model.gpt, data, den)
+    assert all(p.grad is not None for n, p in model.gpt.named_parameters() if is_adapter(n)), "an adapter got no gradient"
+    return loss, {n: g for n, g in every.items() if is_adapter(n)}
 
 
 def _saved(model, folder):
