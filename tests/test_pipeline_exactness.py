@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_distributed
-from tests.gradients import (EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, pipeline_forward_step,
-                             tp_slice)
+from tests.gradients import (EXACT_DTYPE, FP64_TOL, MOE_TOL, check_close, gradient_error, one_rank_reference,
+                             pipeline_forward_step, tp_slice)
 
 pytestmark = pytest.mark.exactness
 
@@ -80,12 +80,8 @@ def _reference(a):
     model = _fp64(lambda: build_model(a)).to(EXACT_DTYPE)
     data = batches()
     den = sum(model.bdlm.objective.denominator(b["loss_mask"]) for b in data).to(EXACT_DTYPE)
-    loss = 0.0
-    for b in data:
-        out = model(b["tokens"], b["loss_mask"], b["sample_index"], den)
-        out.loss.backward()
-        loss += float(out.loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.gpt.named_parameters()}
+    loss, grads = one_rank_reference(model, model.gpt, data, den)
+    assert all(p.grad is not None for p in model.gpt.parameters()), "a parameter got no gradient"
     state = {n: p.detach().clone() for n, p in model.gpt.named_parameters()}
     bps.destroy_block_parallel()
     return loss, grads, state
