@@ -1,6 +1,7 @@
 """LoRA on grouped experts (megatron-core 0.16's `GroupedMLP`, `--moe-grouped-gemm`; lora/grouped.py) equals
-LoRA on sequential experts: the trainer's flag-built MoE with grouped experts and adapters, given the
-sequential model's weights, gives its loss and every adapter gradient in float64 (default tier: EP 2;
+LoRA on sequential experts: the trainer's flag-built MoE with grouped experts and adapters, built from the
+same flags and seed, draws the same base weights as the sequential model (by global name, under any
+layout) and gives its loss and every adapter gradient in float64 (default tier: EP 2;
 slow: one rank, EP 2, expert TP 2 + SP, fc2 only, probabilities on the input), draws the same adapters
 from the same seed, and saves the same adapter checkpoint (keys, global shapes, tensors: each model's
 checkpoint loads into the other).
@@ -49,18 +50,19 @@ def _install_cpu_grouped_gemm():
     gg.grouped_gemm, gg.ops = module, module.ops  # megatron-core looked for it when first imported
 
 
-def _same_weights(grouped, sequential):
-    """The sequential model's weights in the grouped one: GroupedMLP's weight1 / weight2 hold each local
-    expert's fc1 / fc2 weight transposed ([experts, hidden, fc1 rows] and [experts, fc2 columns, hidden] views)."""
+def _drawn_differently(grouped, sequential):
+    """The base weights the grouped model did not draw as the sequential one did (both built from the same flags
+    and seed): GroupedMLP's weight1 / weight2 must hold each local expert's fc1 / fc2 weight transposed
+    ([experts, hidden, fc1 rows] and [experts, fc2 columns, hidden] views), every other weight the same tensor."""
     state = sequential.state_dict()
-    with torch.no_grad():
-        for name, p in grouped.named_parameters():
-            if name in state:
-                p.copy_(state[name])
-        for layer, ref in zip(grouped.decoder.layers, sequential.decoder.layers):
-            mlp, experts = layer.mlp.experts, ref.mlp.experts.local_experts
-            mlp.weight1.copy_(torch.stack([e.linear_fc1.weight.t() for e in experts]).reshape(mlp.weight1.shape))
-            mlp.weight2.copy_(torch.stack([e.linear_fc2.weight.t() for e in experts]).reshape(mlp.weight2.shape))
+    differ = [n for n, p in grouped.named_parameters() if n in state and not torch.equal(p, state[n])]
+    for i, (layer, ref) in enumerate(zip(grouped.decoder.layers, sequential.decoder.layers)):
+        mlp, experts = layer.mlp.experts, ref.mlp.experts.local_experts
+        for w, fc in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
+            expected = torch.stack([getattr(e, fc).weight.t() for e in experts]).reshape(getattr(mlp, w).shape)
+            if not torch.equal(getattr(mlp, w), expected):
+                differ.append(f"decoder.layers.{i}.mlp.experts.{w}")
+    return differ
 
 
 def _loss_and_grads(model, micro_batches):
@@ -140,13 +142,13 @@ def _rank(rank, world, cases, root, micro_batches):
         kinds = {type(layer.mlp.experts).__name__ for layer in grouped.gpt.decoder.layers}
         drawn = {n: torch.equal(p, sequential.gpt.state_dict()[n]) for n, p in grouped.gpt.named_parameters()
                  if is_adapter(n)}
-        _same_weights(grouped.gpt, sequential.gpt)
+        drawn_differently = _drawn_differently(grouped.gpt, sequential.gpt)
         (ref_loss, ref), (loss, got) = (_loss_and_grads(m, micro_batches) for m in (sequential, grouped))
         worst, rel_norm = gradient_error([(got[n], ref[n]) for n in ref])
         keys = [_saved(m, os.path.join(root, f"{i}-{kind}")) for m, kind in ((sequential, "seq"), (grouped, "grp"))]
         crossed = (_loaded_error(sequential, os.path.join(root, f"{i}-grp")),
                    _loaded_error(grouped, os.path.join(root, f"{i}-seq")))
-        out.append(dict(case=case, expert_tp=mpu.get_expert_tensor_parallel_world_size(), kinds=kinds,
+        out.append(dict(case=case, drawn_differently=drawn_differently, expert_tp=mpu.get_expert_tensor_parallel_world_size(), kinds=kinds,
                         names=sorted(got) == sorted(ref), adapters=len(ref),
                         drawn_equal=all(drawn.values()) and len(drawn) == len(ref), loss=loss, ref_loss=ref_loss,
                         worst=worst, rel_norm=rel_norm, same_keys=keys[0] == keys[1], n_keys=len(keys[0]),
@@ -162,6 +164,7 @@ def _check(cases, root, micro_batches):
             assert r["kinds"] == {"LoRAGroupedMLP"} and r["names"] and r["adapters"] > 0, r
             assert r["expert_tp"] == case.get("tp", 1), r
             assert r["drawn_equal"], r  # the same seed draws the same adapters (by global name)
+            assert r["drawn_differently"] == [], r  # and the same base weights: grouped experts by global name too
             check_close(r["loss"], r["ref_loss"], r["worst"], r["rel_norm"], FP64_TOL, r["case"])
             assert r["same_keys"] and r["n_keys"] > 0 and r["crossed"] == (0.0, 0.0), r
             assert r["refusal"] == ("--recompute-modules moe_act with --lora-rank: the grouped experts' adapters are "

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import make_dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -241,19 +242,37 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
     takes it (stride-aware). Under pipeline parallelism the name carries the *global* layer index
     (a chunk's `decoder.layers.i` is layer offset + i) and the last stage's copy of tied embeddings
     is drawn as `embedding.word_embeddings` (the first stage's weight, same init method), so
-    every chunk holds one rank's weights. Returns the number of weights drawn. Size: one full weight
-    at a time."""
-    import zlib
-
+    every chunk holds one rank's weights. Grouped experts (`--moe-grouped-gemm`, megatron-core's
+    `GroupedMLP`) draw each expert's fc1 / fc2 as the sequential experts' `linear_fc1` /
+    `linear_fc2` of the same global name, so both start from the same weights under any layout.
+    Returns the number of weights drawn. Size: one full weight at a time."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.transformer.moe import experts as moe_experts
     from megatron.core.transformer.moe.router import Router
 
+    grouped_mlp = getattr(moe_experts, "GroupedMLP", ())  # megatron-core 0.16; gone in 0.19
     n_local = config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
     first_expert = mpu.get_expert_model_parallel_rank() * n_local
     layer_offset = pipeline.first_layer(config, getattr(gpt, "vp_stage", None))
+    expert_tp = (mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
     drawn = 0
     for name, module in gpt.named_modules():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"] and len(parts) > 2:  # this chunk's layer i -> global layer offset + i
+            parts[2] = str(layer_offset + int(parts[2]))
+        if isinstance(module, grouped_mlp):  # expert e's fc1 / fc2 weight, transposed, in weight1 / weight2
+            fc1_stride = 2 if config.gated_linear_unit else 1
+            w1 = module.weight1.data.view(module.num_local_experts, config.hidden_size, -1)
+            w2 = module.weight2.data.view(module.num_local_experts, -1, config.hidden_size)
+            for e in range(module.num_local_experts):
+                expert = parts + ["local_experts", str(first_expert + e)]
+                w1[e].copy_(_drawn_slice(expert + ["linear_fc1"], w1[e].t().shape, config.init_method,
+                                         seed, 0, fc1_stride, *expert_tp).t())
+                w2[e].copy_(_drawn_slice(expert + ["linear_fc2"], w2[e].t().shape,
+                                         config.output_layer_init_method, seed, 1, 1, *expert_tp).t())
+                drawn += 2
+            continue
         if isinstance(module, RowParallelLinear):
             init = config.output_layer_init_method
         elif isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding, Router)):
@@ -263,9 +282,6 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter):
             continue
-        parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"]:  # this chunk's layer i -> global layer offset + i
-            parts[2] = str(layer_offset + int(parts[2]))
         if getattr(weight, "shared_embedding", False) and parts == ["output_layer"]:
             parts = ["embedding", "word_embeddings"]  # the tied copy: the embedding's draw
         expert = "local_experts" in parts
@@ -273,20 +289,26 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
             k = parts.index("local_experts") + 1
             parts[k] = str(first_expert + int(parts[k]))
         if getattr(weight, "tensor_model_parallel", False):
+            rank, world = expert_tp if expert else (mpu.get_tensor_model_parallel_rank(),
+                                                    mpu.get_tensor_model_parallel_world_size())
             dim, stride = weight.partition_dim, weight.partition_stride
-            rank, world = ((mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
-                           if expert else (mpu.get_tensor_model_parallel_rank(),
-                                           mpu.get_tensor_model_parallel_world_size()))
         else:
             dim, stride, rank, world = 0, 1, 0, 1
-        full = list(weight.shape)
-        full[dim] *= world
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1_000_003 + zlib.crc32(".".join(parts).encode()))
-            master = torch.empty(full, dtype=torch.float32)
-            init(master)
-        pieces = torch.split(master, weight.shape[dim] // stride, dim=dim)
         with torch.no_grad():
-            weight.copy_(torch.cat(pieces[rank::world], dim=dim).to(weight.dtype))
+            weight.copy_(_drawn_slice(parts, weight.shape, init, seed, dim, stride, rank, world))
         drawn += 1
     return drawn
+
+
+def _drawn_slice(parts, local_shape, init, seed: int, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
+    """The weight of the module named `parts`, drawn in full (float32) from (seed, name) with `init`, and the slice of it
+    tensor-parallel rank `rank` of `world` holds along `dim` (`stride` interleaved pieces, as Megatron's CPU
+    initialisation splits it)."""
+    full = list(local_shape)
+    full[dim] *= world
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + zlib.crc32(".".join(parts).encode()))
+        master = torch.empty(full, dtype=torch.float32)
+        init(master)
+    pieces = torch.split(master, local_shape[dim] // stride, dim=dim)
+    return torch.cat(pieces[rank::world], dim=dim)
