@@ -1,7 +1,8 @@
 """LoRA checkpoints (docs/lora.md#checkpoints): a --lora-rank run saves its adapters and their
 optimizer state only, with its base's path and fingerprint; a resume is exact (same layout: bit for
-bit; another layout: the suite's fp32 layout tolerance), in fp32 and bf16; a wrong base, a full
-checkpoint given to a LoRA run and the reverse, and other LoRA flags are refused in one line; the
+bit; another layout: the suite's fp32 layout tolerance), in fp32 and bf16 (fused and canonical q / k /
+v targets); a wrong base, a full checkpoint given to a LoRA run and the reverse, and other LoRA flags
+are refused in one line; the
 checkpoint is smaller than the full model's by the expected factor; `read_lora_checkpoint` /
 `write_lora_checkpoint` give and take the adapters as full tensors."""
 import os
@@ -104,6 +105,12 @@ def _one_rank(rank, world_size, base, other, root):
     out["bf16"], _, _ = _train(run16 + ["--save", bf16, "--save-interval", "2"])
     out["bf16_resumed"], _, _ = _train(run16 + ["--load", bf16, "--ckpt-step", "2"])
     out["bf16_bytes"] = _sizes(os.path.join(bf16, "iter_0000004"))
+    # bf16 with canonical targets (separate q / k / v adapters): save at 2, resume from 2
+    canon = run16 + ["--lora-target-modules", "linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc2"]
+    saved = os.path.join(root, "bf16-canonical")
+    out["canonical"], out["canonical_adapters"], _ = _train(canon + ["--save", saved, "--save-interval", "2"])
+    out["canonical_resumed"], out["canonical_resumed_adapters"], _ = _train(canon + ["--load", saved,
+                                                                                     "--ckpt-step", "2"])
     # without LoRA, Megatron-LM's meaning: --pretrained-checkpoint = the weights of --load ... --finetune
     out["pretrained"] = _train(TINY + ["--pretrained-checkpoint", base, "--train-iters", "2"])[0]
     out["finetune"] = _train(TINY + ["--load", base, "--finetune", "--train-iters", "2"])[0]
@@ -125,6 +132,11 @@ def test_lora_checkpoint_one_rank(bases, tmp_path):
     r = run_distributed(_one_rank, 1, base, other, str(tmp_path))[0]
     assert r["resumed"] == r["full"][2:], "a LoRA resume must continue the loss curve bit for bit"
     assert r["bf16_resumed"] == r["bf16"][2:], "bf16: a LoRA resume must continue the loss curve bit for bit"
+    assert r["canonical_resumed"] == r["canonical"][2:], "bf16, canonical targets: the resume must be bit for bit"
+    parts = {n.rsplit(".", 1)[1] for n in r["canonical_adapters"]}
+    assert {"lora_A_q", "lora_B_k", "lora_B_v"} <= parts, parts
+    assert r["canonical_resumed_adapters"].keys() == r["canonical_adapters"].keys()
+    assert all(torch.equal(r["canonical_resumed_adapters"][n], t) for n, t in r["canonical_adapters"].items())
     assert r["model_keys"] and all(k.endswith((".lora_A", ".lora_B")) for k in r["model_keys"]), r["model_keys"]
     assert '"fingerprint": "sha256:' in r["record"] and os.path.abspath(base) in r["record"]
     # Size: a full fp32 checkpoint holds every parameter x (4 bytes + Adam's 2 x 4), the LoRA one its
