@@ -104,19 +104,14 @@ class BlockGeometry:
 
     def __post_init__(self):
         if self.block_size <= 0 or self.seq_length <= 0:
-            raise ValueError(
-                f"--seq-length ({self.seq_length}) and --block-size ({self.block_size}) must be positive"
-            )
+            raise ValueError(f"--seq-length ({self.seq_length}) and --block-size ({self.block_size}) must be positive")
         if self.seq_length % self.block_size != 0:
-            raise ValueError(
-                f"--block-size {self.block_size} does not divide --seq-length {self.seq_length} (--seq-length "
-                f"{self.seq_length} is not a multiple of --block-size {self.block_size}): block diffusion needs "
-                "whole blocks (no silent round-down)"
-            )
+            raise ValueError(f"--block-size {self.block_size} does not divide --seq-length {self.seq_length} "
+                             f"(--seq-length {self.seq_length} is not a multiple of --block-size {self.block_size}): "
+                             "block diffusion needs whole blocks (no silent round-down)")
         if self.clean_attention not in CLEAN_ATTENTION_VARIANTS:
-            raise ValueError(
-                f"--clean-attention must be one of {CLEAN_ATTENTION_VARIANTS}, got {self.clean_attention!r}"
-            )
+            raise ValueError(f"--clean-attention must be one of {CLEAN_ATTENTION_VARIANTS}, "
+                             f"got {self.clean_attention!r}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"sliding window must be positive, got {self.window}")
         if self.documents is not None and self.documents.seq_length != self.seq_length:
@@ -184,9 +179,8 @@ class RowMeta:
     def of(noisy_positions: torch.Tensor, clean_positions: torch.Tensor) -> "RowMeta":
         """Rows ordered [noisy rows ; clean rows]."""
         position = torch.cat([noisy_positions, clean_positions]).long()
-        is_clean = torch.cat(
-            [torch.zeros(len(noisy_positions), dtype=torch.bool), torch.ones(len(clean_positions), dtype=torch.bool)]
-        )
+        is_clean = torch.cat([torch.zeros(len(noisy_positions), dtype=torch.bool),
+                              torch.ones(len(clean_positions), dtype=torch.bool)])
         return RowMeta(is_clean, position)
 
     @staticmethod
@@ -200,16 +194,15 @@ class RowMeta:
         live = [m for m in metas if m.anchor is not None]
         return RowMeta(is_clean, position, torch.cat([m.anchor for m in live]), torch.cat([m.doc_start for m in live]))
 
+    def _map(self, fn) -> "RowMeta":
+        vectors = (self.is_clean, self.position, self.anchor, self.doc_start)
+        return RowMeta(*(None if t is None else fn(t) for t in vectors))
+
     def select(self, index) -> "RowMeta":
-        if self.anchor is None:
-            return RowMeta(self.is_clean[index], self.position[index])
-        return RowMeta(self.is_clean[index], self.position[index], self.anchor[index], self.doc_start[index])
+        return self._map(lambda t: t[index])
 
     def to(self, device) -> "RowMeta":
-        if self.anchor is None:
-            return RowMeta(self.is_clean.to(device), self.position.to(device))
-        return RowMeta(self.is_clean.to(device), self.position.to(device), self.anchor.to(device),
-                       self.doc_start.to(device))
+        return self._map(lambda t: t.to(device))
 
     @staticmethod
     def anchored(anchors: torch.Tensor, doc_starts: torch.Tensor, block_size: int,
