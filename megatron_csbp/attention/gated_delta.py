@@ -168,10 +168,7 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
 
 
 def routes_for(plan, conv_kernel: int) -> GDNRoutes:
-    key = ("gdn_routes", conv_kernel)
-    if key not in plan._cache:
-        plan._cache[key] = build_routes(plan, conv_kernel)
-    return plan._cache[key]
+    return plan.cached(("gdn_routes", conv_kernel), lambda: build_routes(plan, conv_kernel))
 
 
 # ---- the layer --------------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ from megatron_csbp.attention.kernels.tiled import (
     _backward as tiled_backward,
     _forward as tiled_forward,
     check_shapes,
+    heads_first_backward,
+    heads_first_forward,
     tile_schedule,
 )
 from megatron_csbp.layout.rows import PartialMask, index_runs as _runs
-from megatron_csbp.utils.precision import compute_dtype
 
 # Rows of a piece: one contiguous range (a view), a few ranges (gathered by concatenating views:
 # no index vector kept in the plan) or an index vector.
@@ -89,24 +90,21 @@ def _by_run(rows: Tuple[slice, ...]):
         at += n
 
 
-def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
+def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor, add: bool = False) -> None:
+    """Write (or with `add`, add) `value` into `rows` along dim 2 of `x`."""
+    if isinstance(rows, tuple):
+        for r, part in _by_run(rows):
+            _put(x, r, value[:, :, part], add)
+    elif isinstance(rows, slice) and add:
         x[:, :, rows] += value
-    elif isinstance(rows, tuple):
-        for r, part in _by_run(rows):
-            x[:, :, r] += value[:, :, part]
-    else:
-        x.index_add_(2, rows, value)
-
-
-def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
+    elif isinstance(rows, slice):
         x[:, :, rows] = value
-    elif isinstance(rows, tuple):
-        for r, part in _by_run(rows):
-            x[:, :, r] = value[:, :, part]
     else:
-        x.index_copy_(2, rows, value)
+        (x.index_add_ if add else x.index_copy_)(2, rows, value)
+
+
+def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
+    _put(x, rows, value, add=True)
 
 
 @dataclass(frozen=True)
@@ -324,11 +322,6 @@ def _unbatched(x: torch.Tensor, b: int, seqs: int) -> torch.Tensor:
     return x.view(b, seqs, *x.shape[1:]).transpose(1, 2).reshape(b, x.shape[1], seqs * x.shape[2], *tail)
 
 
-def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
-    b, H, n, d = x.shape
-    return x.view(b, G, H // G, n, d)
-
-
 class _Merge:
     """Running log-sum-exp merge of pieces into [b, H, sq, d] / [b, H, sq] accumulators."""
 
@@ -347,16 +340,14 @@ class _Merge:
         _put(self.lse, rows, lse)
 
 
-def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
+def _forward(qc, kc, vc, mask: PartialMask, plan: CpuFlashPlan, scale: float):
     b, H, sq, d = qc.shape
-    G = kc.shape[1]
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
     for p, first in zip(plan.pieces, plan.firsts):
         if isinstance(p, FlashPiece):
-            q_rows, k_rows = p.q, p.k
-            o, lse = _fa(_batched(qc, q_rows, p.seqs), _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), 0.0,
+            o, lse = _fa(_batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs), _batched(vc, p.k, p.seqs), 0.0,
                          p.causal, scale=scale)
-            merge.add(q_rows, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
+            merge.add(p.q, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
         elif isinstance(p, RunGroup):  # first by construction: written, not merged
             idx = p.index(qc.device)
             qg = qc.index_select(2, idx)
@@ -366,10 +357,8 @@ def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
                                                    scale=scale)
             merge.add(idx, qg, lg, True)
         else:
-            sched = tile_schedule(p.mask)
-            o, lse = tiled_forward(_grouped(_take(qc, p.q), G), _take(kc, p.k), _take(vc, p.k), p.mask, sched, scale)
-            n = _count(p.q)
-            merge.add(p.q, o.view(b, H, n, d), lse.view(b, H, n), first)
+            o, lse = tiled_forward(_take(qc, p.q), _take(kc, p.k), _take(vc, p.k), p.mask, tile_schedule(p.mask), scale)
+            merge.add(p.q, o, lse, first)
     return merge.out, merge.lse.clamp_min(MASKED_SCORE)
 
 
@@ -424,15 +413,10 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
 
 
 def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask, scale, dq, dk, dv):
-    b, H, sq, d = qc.shape
-    G = kc.shape[1]
-    n = _count(q_rows)
-    g = lambda x: _grouped(_take(x, q_rows), G)  # noqa: E731
-    gl = _take(lse, q_rows).view(b, G, H // G, n)
-    gdl = None if dlse is None else _take(dlse, q_rows).view(b, G, H // G, n)
-    gq, gk, gv = tiled_backward(g(qc), _take(kc, k_rows), _take(vc, k_rows), g(out), gl, g(dout), gdl, mask,
-                                tile_schedule(mask), scale)
-    _add(dq, q_rows, gq.view(b, H, n, d))
+    take = lambda x: None if x is None else _take(x, q_rows)  # noqa: E731
+    gq, gk, gv = tiled_backward(take(qc), _take(kc, k_rows), _take(vc, k_rows), take(out), take(lse), take(dout),
+                                take(dlse), mask, tile_schedule(mask), scale)
+    _add(dq, q_rows, gq)
     _add(dk, k_rows, gk)
     _add(dv, k_rows, gv)
 
@@ -440,24 +424,11 @@ def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask
 class _CpuFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, plan, scale):
-        sq, b, H, d = q.shape
-        cdt = compute_dtype(q.dtype)
-        qc, kc, vc = (x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in (q, k, v))
-        out, lse = _forward(qc, kc, vc, plan, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.plan, ctx.scale = mask, plan, scale
-        return out.permute(2, 0, 1, 3).to(q.dtype), lse
+        return heads_first_forward(ctx, _forward, q, k, v, mask, plan, scale)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        cdt = out.dtype
-        qc, kc, vc = (x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in (q, k, v))
-        do = torch.zeros_like(out) if dout is None else dout.to(cdt).permute(1, 2, 0, 3).contiguous()
-        dl = None if dlse is None else dlse.to(cdt)
-        dq, dk, dv = _backward(qc, kc, vc, out, lse, do, dl, ctx.mask, ctx.plan, ctx.scale)
-        back = lambda g, x: g.permute(2, 0, 1, 3).to(x.dtype)  # noqa: E731
-        return back(dq, q), back(dk, k), back(dv, v), None, None, None
+        return heads_first_backward(ctx, _backward, dout, dlse)
 
 
 def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask,
