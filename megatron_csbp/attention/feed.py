@@ -219,15 +219,9 @@ def shard_major_order(rows: RowMeta, shards: int) -> torch.Tensor:
     n = int((~rows.is_clean).sum())
     c = len(rows) - n
     if n % shards or c % shards:
-        raise ValueError(
-            f"--sequence-parallel with --tensor-model-parallel-size {shards} needs this rank's {n} noisy and "
-            f"{c} clean rows to divide by {shards} (choose --seq-length/--block-size accordingly)"
-        )
-    parts = []
-    for i in range(shards):
-        parts.append(torch.arange(i * n // shards, (i + 1) * n // shards))
-        parts.append(n + torch.arange(i * c // shards, (i + 1) * c // shards))
-    return torch.cat(parts)
+        raise ValueError(f"--sequence-parallel with --tensor-model-parallel-size {shards} needs this rank's {n} noisy "
+                         f"and {c} clean rows to divide by {shards} (choose --seq-length/--block-size accordingly)")
+    return torch.cat([torch.arange(n).view(shards, -1), n + torch.arange(c).view(shards, -1)], dim=1).flatten()
 
 
 def sequence_parallel_logit_rows(num_noisy: int, num_clean: int, logit_rows: torch.Tensor, shards: int):
