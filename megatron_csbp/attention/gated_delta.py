@@ -237,10 +237,9 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         """conv output [N, T, conv], beta/alpha [N, T, Hv] -> q, k, v [N, H, T, d], g, beta [N, H, T]."""
         tp = self.tp_size
         N, T, _ = conv_out.shape
-        q, k, v = torch.split(conv_out, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
-        q = q.reshape(N, T, -1, self.key_head_dim).to(dtype)
-        k = k.reshape(N, T, -1, self.key_head_dim).to(dtype)
-        v = v.reshape(N, T, -1, self.value_head_dim).to(dtype)
+        dims = (self.key_head_dim, self.key_head_dim, self.value_head_dim)
+        q, k, v = (x.reshape(N, T, -1, dim).to(dtype) for x, dim in
+                   zip(torch.split(conv_out, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1), dims))
         if self.use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)
         rep = self.num_value_heads // self.num_key_heads
@@ -249,8 +248,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         q = q * (self.key_head_dim ** -0.5)
         g = -self.A_log.to(dtype).exp() * F.softplus(alpha.to(dtype) + self.dt_bias.to(dtype))
         beta = beta_raw.to(dtype).sigmoid()
-        t = lambda x: x.transpose(1, 2)
-        return t(q), t(k), t(v), t(g), t(beta)
+        return tuple(x.transpose(1, 2) for x in (q, k, v, g, beta))
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
@@ -406,12 +404,10 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         K = self.conv_kernel_dim
         width = H * dk * dv + (K - 1) * conv
         order = [blk for dest in routes.send_blocks for blk in dest]
+        payload = torch.zeros(0, b, width, dtype=dtype, device=mixed.device)
         if order:
-            payload = torch.stack([torch.cat([boundaries[blk][0].reshape(b, -1).to(dtype),
-                                              boundaries[blk][1].reshape(b, -1).to(dtype)], dim=-1)
+            payload = torch.stack([torch.cat([x.reshape(b, -1).to(dtype) for x in boundaries[blk]], dim=-1)
                                    for blk in order], 0)
-        else:
-            payload = torch.zeros(0, b, width, dtype=dtype, device=mixed.device)
         send_index = list(torch.arange(len(order)).split([len(dest) for dest in routes.send_blocks]))
         recv_counts = [len(r) for r in routes.recv_blocks]
         got = PendingAllToAll(_tied(payload, ties), send_index, recv_counts, plan.group, self.layer_number).result()

@@ -59,22 +59,30 @@ class PendingGather:
         self.local, self.group, self.layer = local, group, layer
         P = dist.get_world_size(group)
         self.posted = _stamp(group)
-        self.buffer = torch.empty((P * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        self.work = dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group, async_op=True)
+        self.buffer = local.new_empty((P * local.shape[0],) + tuple(local.shape[1:]))
+        self.requests = [dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group,
+                                                     async_op=True)]
         traffic_counter().record(layer, "forward", (P - 1) * _nbytes(local), (P - 1) * _nbytes(local))
 
     def result(self) -> torch.Tensor:
         return _FinishGather.apply(self.local, self)
 
 
+def _arrived(ctx, pending) -> torch.Tensor:
+    """Wait for `pending`'s requests (timed into the traffic counter) and return its buffer; its
+    group and layer stay on `ctx` for the backward."""
+    t0 = _stamp(pending.group)
+    for req in pending.requests:
+        req.wait()
+    traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
+    ctx.group, ctx.layer = pending.group, pending.layer
+    return pending.buffer
+
+
 class _FinishGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, pending: PendingGather):
-        t0 = _stamp(pending.group)
-        pending.work.wait()
-        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
-        ctx.group, ctx.layer = pending.group, pending.layer
-        return pending.buffer
+        return _arrived(ctx, pending)
 
     @staticmethod
     def backward(ctx, grad_full):
@@ -118,12 +126,7 @@ class _FinishShift(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, chunk, pending: PendingShift):
-        t0 = _stamp(pending.group)
-        for req in pending.requests:
-            req.wait()
-        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
-        ctx.group, ctx.layer = pending.group, pending.layer
-        return pending.buffer
+        return _arrived(ctx, pending)
 
     @staticmethod
     def backward(ctx, grad):

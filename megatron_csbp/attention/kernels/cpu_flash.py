@@ -9,6 +9,8 @@ docs/attention-kernels.md#cpu_flash-attentioncpu_flashpy-default-on-cpu.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from itertools import accumulate
 from typing import List, Tuple, Union
 
 import torch
@@ -81,20 +83,12 @@ def _run_index(runs: Tuple[slice, ...], device=None) -> torch.Tensor:
     return torch.arange(shift.numel(), device=device) + shift
 
 
-def _by_run(rows: Tuple[slice, ...]):
-    """(run, slice of the gathered rows it occupies) for each run of a tuple of runs."""
-    at = 0
-    for r in rows:
-        n = r.stop - r.start
-        yield r, slice(at, at + n)
-        at += n
-
-
 def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor, add: bool = False) -> None:
     """Write (or with `add`, add) `value` into `rows` along dim 2 of `x`."""
-    if isinstance(rows, tuple):
-        for r, part in _by_run(rows):
-            _put(x, r, value[:, :, part], add)
+    if isinstance(rows, tuple):  # each run from its rows of `value`
+        at = [0, *accumulate(r.stop - r.start for r in rows)]
+        for r, a, b in zip(rows, at, at[1:]):
+            _put(x, r, value[:, :, a:b], add)
     elif isinstance(rows, slice) and add:
         x[:, :, rows] += value
     elif isinstance(rows, slice):
@@ -240,10 +234,6 @@ def _grouped_runs(pieces, firsts):
     return tuple(out), tuple(out_firsts)
 
 
-def _sub_mask(mask: PartialMask, q: torch.Tensor, k: torch.Tensor) -> PartialMask:
-    return PartialMask(mask.q.select(q), mask.k.select(k))
-
-
 def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, TiledPiece]]:
     cq, ck = call.cu_q.long().tolist(), call.cu_k.long().tolist()
     seqs = [(call.q_index[cq[i]:cq[i + 1]], call.k_index[ck[i]:ck[i + 1]]) for i in range(len(cq) - 1)]
@@ -266,7 +256,7 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
     for qs, ks in seqs:
         nq, nk = qs.numel(), ks.numel()
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
-            out.append(TiledPiece(_rows(qs), _rows(ks), _sub_mask(mask, qs, ks)))
+            out.append(TiledPiece(_rows(qs), _rows(ks), PartialMask(mask.q.select(qs), mask.k.select(ks))))
             continue
         qr = _rows(qs)
         if nk > nq:  # bottom-right causal = the rectangle before the diagonal + a top-left causal square
@@ -345,8 +335,8 @@ def _forward(qc, kc, vc, mask: PartialMask, plan: CpuFlashPlan, scale: float):
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
     for p, first in zip(plan.pieces, plan.firsts):
         if isinstance(p, FlashPiece):
-            o, lse = _fa(_batched(qc, p.q, p.seqs), _batched(kc, p.k, p.seqs), _batched(vc, p.k, p.seqs), 0.0,
-                         p.causal, scale=scale)
+            bq, bk = partial(_batched, rows=p.q, seqs=p.seqs), partial(_batched, rows=p.k, seqs=p.seqs)
+            o, lse = _fa(bq(qc), bk(kc), bk(vc), 0.0, p.causal, scale=scale)
             merge.add(p.q, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
         elif isinstance(p, RunGroup):  # first by construction: written, not merged
             idx = p.index(qc.device)
@@ -382,16 +372,14 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
         if isinstance(p, FlashPiece):
-            q_rows, k_rows = p.q, p.k
-            out_p, do_p = _batched(out, q_rows, p.seqs), _batched(do_f, q_rows, p.seqs)
+            bq, bk = partial(_batched, rows=p.q, seqs=p.seqs), partial(_batched, rows=p.k, seqs=p.seqs)
+            out_p, do_p = bq(out), bq(do_f)
             if fix is not None:  # the piece's rows of out' (a copy of those rows only)
-                out_p = torch.addcmul(out_p, _batched(fix, q_rows, p.seqs), do_p, value=-1)
-            gq, gk, gv = _fa_bwd(do_p, _batched(qc, q_rows, p.seqs),
-                                 _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), out_p,
-                                 _batched(lse.unsqueeze(-1), q_rows, p.seqs).squeeze(-1), 0.0, p.causal, scale=scale)
-            _add(dq, q_rows, _unbatched(gq, b, p.seqs))
-            _add(dk, k_rows, _unbatched(gk, b, p.seqs))
-            _add(dv, k_rows, _unbatched(gv, b, p.seqs))
+                out_p = torch.addcmul(out_p, bq(fix), do_p, value=-1)
+            grads = _fa_bwd(do_p, bq(qc), bk(kc), bk(vc), out_p, bq(lse.unsqueeze(-1)).squeeze(-1), 0.0, p.causal,
+                            scale=scale)
+            for total, rows, grad in zip((dq, dk, dv), (p.q, p.k, p.k), grads):
+                _add(total, rows, _unbatched(grad, b, p.seqs))
         elif isinstance(p, RunGroup):
             idx = p.index(qc.device)
             do_g, q_g, out_g, lse_g = (x.index_select(2, idx) for x in (do_f, qc, out, lse))
