@@ -22,8 +22,7 @@ def deal_anchors(costs: torch.Tensor, ranks: int) -> List[torch.Tensor]:
     n = len(order)
     owned: List[List[int]] = [[] for _ in range(ranks)]
     for j in range((n + 1) // 2):
-        pair = [order[j]] + ([order[n - 1 - j]] if n - 1 - j != j else [])
-        owned[j % ranks].extend(pair)
+        owned[j % ranks].extend({order[j], order[n - 1 - j]})  # the pair (one anchor in the middle)
     return [torch.tensor(sorted(o), dtype=torch.long) for o in owned]
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from megatron_csbp.attention.merge import PartialMerge, merge_partials
+from megatron_csbp.attention.merge import PartialMerge, merge_partials, merged
 from megatron_csbp.attention.transports import (TRANSPORTS, PendingAllToAll, PendingGather, pack_kv, ring_chunks,
                                                 unpack_kv)
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
@@ -160,16 +160,6 @@ class AttentionCall:
         out_noisy, out_clean = clean_out.split([n, clean_out.shape[0] - n])
         noisy_out, _ = merge_partials([noisy, (out_noisy, clean_lse[..., :n])])
         return self.finish(torch.cat([noisy_out, out_clean], dim=0))
-
-
-def merged(parts: Iterable[Optional[Partial]]) -> PartialMerge:
-    """The running merge of `parts` (None: a chunk nobody attends), one accumulator in flight:
-    ring chunks merge as they arrive."""
-    merge = PartialMerge()
-    for part in parts:
-        if part is not None:
-            merge.add(*part)
-    return merge
 
 
 # --- the registry --------------------------------------------------------------------------------
