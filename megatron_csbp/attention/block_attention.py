@@ -131,7 +131,7 @@ class AttentionPlan:
             if bool(used.all()):
                 return m.to(device), None
             cols = used.nonzero().flatten()
-            return m.select_keys(cols).to(device), cols.to(device)
+            return PartialMask(m.q, m.k.select(cols)).to(device), cols.to(device)
 
         return self.cached(key + (geometry.window, str(device)), build)
 

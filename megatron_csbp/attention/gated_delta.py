@@ -167,10 +167,6 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
                      max(len(m) for m in members), members, send_blocks, recv_blocks, ring_sends)
 
 
-def routes_for(plan, conv_kernel: int) -> GDNRoutes:
-    return plan.cached(("gdn_routes", conv_kernel), lambda: build_routes(plan, conv_kernel))
-
-
 # ---- the layer --------------------------------------------------------------------------------------
 
 class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
@@ -261,7 +257,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             raise ValueError("packed sequences (THD) are not supported with block diffusion; pack to --seq-length")
         plan = plan_from_mask(attention_mask)
         K = self.conv_kernel_dim
-        routes = routes_for(plan, K)
+        routes = plan.cached(("gdn_routes", K), lambda: build_routes(plan, K))
         qkvzba, _ = self.in_proj(hidden_states)  # [rows, b, in_proj / TP] (sequence-parallel: gathered)
         if qkvzba.shape[0] != len(plan.local):
             raise RuntimeError(f"Gated DeltaNet got {qkvzba.shape[0]} rows, the block layout has {len(plan.local)}")

@@ -18,10 +18,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _uses_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
-
-
 def _stamp(group):
     """Now, on the timeline a wait on `group` blocks: a CUDA event recorded on the current
     stream for a group whose tensors live on CUDA (NCCL), `time.perf_counter()` otherwise."""
@@ -43,7 +39,7 @@ def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
         dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
         return out
     except (RuntimeError, NotImplementedError):
-        if not _uses_gloo(group):
+        if dist.get_backend(group) != "gloo":
             raise
     # gloo of torch releases without reduce-scatter (the pinned CPU torch has it): all-reduce +
     # slice, still counted as the reduce-scatter it stands for.

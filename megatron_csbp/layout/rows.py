@@ -203,10 +203,6 @@ class PartialMask:
         return PartialMask(QueryRows(zeros, noisy, zeros, zeros),
                            KeyRows(torch.arange(block_size, dtype=_I32, device=device), zeros, noisy.clone()))
 
-    def select_keys(self, index) -> "PartialMask":
-        """The same queries against a subset of the keys (e.g. the keys some query sees)."""
-        return PartialMask(self.q, self.k.select(index))
-
     @property
     def nbytes(self) -> int:
         """Bytes of the row vectors (what the mask itself keeps; derived tables come on top)."""

@@ -58,22 +58,17 @@ def tile_schedule(mask: PartialMask, q_tile: int = DEFAULT_Q_TILE, k_tile: int =
         computed = 0
         for i in range(occupied.shape[0]):
             tq = min(nq, (i + 1) * q_tile) - i * q_tile
-            row: List[Tuple[int, int, bool]] = []
-            if tq > 0 and nk > 0:
-                cols = occupied[i].nonzero().flatten().tolist()
-                is_full = full[i].tolist()
-                start = prev = None
-                for j in cols + [None]:
-                    extend = (j is not None and prev is not None and j == prev + 1
-                              and is_full[j] == is_full[start] and j - start < max_tiles)
-                    if not extend:
-                        if start is not None:
-                            k0, k1 = start * k_tile, min(nk, (prev + 1) * k_tile)
-                            row.append((k0, k1, not is_full[start]))
-                            computed += tq * (k1 - k0)
-                        start = j
-                    prev = j
-            runs.append(tuple(row))
+            tiles: List[List[int]] = []  # [first, last + 1) tile of each chunk
+            is_full = full[i].tolist()
+            for j in occupied[i].nonzero().flatten().tolist() if tq > 0 and nk > 0 else []:
+                first, end = tiles[-1] if tiles else (None, None)
+                if j == end and is_full[j] == is_full[first] and j - first < max_tiles:
+                    tiles[-1][1] = j + 1
+                else:
+                    tiles.append([j, j + 1])
+            row = tuple((a * k_tile, min(nk, b * k_tile), not is_full[a]) for a, b in tiles)
+            computed += sum(tq * (k1 - k0) for k0, k1, _ in row)
+            runs.append(row)
         return TileSchedule(q_tile, k_tile, tuple(runs), computed)
 
     return mask.derived(("tile_schedule", q_tile, k_tile, max_run_keys), build)
