@@ -213,12 +213,10 @@ class RowMeta:
         offsets = torch.arange(block_size)
         draft_pos = (anchors[:, None] + offsets).flatten()
         n, c = draft_pos.numel(), context_positions.numel()
-        return RowMeta(
-            torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(c, dtype=torch.bool)]),
-            torch.cat([draft_pos, context_positions.long()]),
-            torch.cat([anchors.repeat_interleave(block_size), torch.full((c,), -1, dtype=torch.long)]),
-            torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]),
-        )
+        return RowMeta(torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(c, dtype=torch.bool)]),
+                       torch.cat([draft_pos, context_positions.long()]),
+                       torch.cat([anchors.repeat_interleave(block_size), torch.full((c,), -1, dtype=torch.long)]),
+                       torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]))
 
 
 def noisy_block_id(position: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:
@@ -276,18 +274,16 @@ def allowed(q: RowMeta, k: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
     if isinstance(geometry, AnchoredGeometry):
         return anchored_allowed(q, k, geometry)
     lo, hi = clean_key_interval(q, geometry)
-    same_noisy_block = (~q.is_clean[:, None]) & (~k.is_clean[None, :]) & (
-        noisy_block_id(q.position, geometry)[:, None] == noisy_block_id(k.position, geometry)[None, :]
-    )
+    same_block = noisy_block_id(q.position, geometry)[:, None] == noisy_block_id(k.position, geometry)[None, :]
+    same_noisy_block = (~q.is_clean[:, None]) & (~k.is_clean[None, :]) & same_block
     kp = k.position[None, :]
     clean_in_interval = k.is_clean[None, :] & (lo[:, None] <= kp) & (kp < hi[:, None])
     return same_noisy_block | clean_in_interval
 
 
-def dense_reference_mask(
-    seq_len: int, block_size: int, clean_attention: str = "block_causal", window: Optional[int] = None,
-    document_ids: Optional[Sequence[int]] = None,
-) -> torch.BoolTensor:
+def dense_reference_mask(seq_len: int, block_size: int, clean_attention: str = "block_causal",
+                         window: Optional[int] = None,
+                         document_ids: Optional[Sequence[int]] = None) -> torch.BoolTensor:
     """The [2L, 2L] mask in logical order [noisy ; clean], True = may attend. Test oracle only.
 
     Written straight from the rule table of the design brief, independently of `allowed`.

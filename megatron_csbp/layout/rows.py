@@ -185,10 +185,8 @@ class PartialMask:
         """Bool [len(q_index), len(k_index)] for a sub-rectangle (a tile): row vectors gathered
         and compared, O(tile)."""
         q, k = self.q, self.k
-        return pair_allowed(
-            q.block[q_index, None], q.is_clean[q_index, None], q.lo[q_index, None], q.hi[q_index, None],
-            k.position[None, k_index], k.block[None, k_index], k.is_clean[None, k_index],
-        )
+        return pair_allowed(q.block[q_index, None], q.is_clean[q_index, None], q.lo[q_index, None], q.hi[q_index, None],
+                            k.position[None, k_index], k.block[None, k_index], k.is_clean[None, k_index])
 
     def dense(self) -> torch.Tensor:
         """The whole [queries x keys] bool mask: for the math reference kernel and tests only."""

@@ -169,8 +169,7 @@ class CpuFlashPlan:
         # The noisy call last: its (stacked) pieces then merge once into the rows the clean
         # prefixes reached first, instead of each prefix piece merging into its noisy block's
         # rows (CSBP's own chunk: one merge over the noisy rows instead of one per block).
-        calls = list(fp.clean) + ([fp.noisy] if fp.noisy is not None else [])
-        for call in calls:
+        for call in list(fp.clean) + ([fp.noisy] if fp.noisy is not None else []):
             pieces += _pieces_of(call, mask)
         if fp.fallback_mask is not None:
             pieces.append(TiledPiece(_rows(fp.fallback_q), _rows(fp.clean_keys), fp.fallback_mask))
@@ -184,12 +183,9 @@ class CpuFlashPlan:
     @property
     def nbytes(self) -> int:
         """Bytes of the index vectors and sub-masks (slices cost nothing)."""
-        total = 0
-        for p in self.calls:
-            total += sum(r.numel() * r.element_size() for r in (p.q, p.k) if isinstance(r, torch.Tensor))
-            if isinstance(p, TiledPiece):
-                total += p.mask.nbytes + p.mask.derived_nbytes()
-        return total
+        calls = self.calls
+        vectors = sum(r.numel() * r.element_size() for p in calls for r in (p.q, p.k) if isinstance(r, torch.Tensor))
+        return vectors + sum(p.mask.nbytes + p.mask.derived_nbytes() for p in calls if isinstance(p, TiledPiece))
 
     @property
     def calls(self) -> Tuple[Union[FlashPiece, TiledPiece], ...]:
@@ -209,14 +205,10 @@ def _grouped_runs(pieces, firsts):
     def close():
         if len(group) == 1:
             out.append(group[0])
-        elif group:
-            runs, members, at = [], [], 0
-            for p in group:
-                n = _count(p.q)
-                runs += list(p.q)
-                members.append(FlashPiece(slice(at, at + n), p.k, 1, p.causal))
-                at += n
-            out.append(RunGroup(tuple(runs), tuple(members)))
+        elif group:  # each member on its rows of the gathered runs
+            at = [0, *accumulate(_count(p.q) for p in group)]
+            members = tuple(FlashPiece(slice(a, b), p.k, 1, p.causal) for p, a, b in zip(group, at, at[1:]))
+            out.append(RunGroup(tuple(r for p in group for r in p.q), members))
         if group:
             out_firsts.append(True)
         group.clear()
