@@ -118,15 +118,11 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
     B = plan.geometry.block_size
     noisy_idx = _rows_by_position(rows, ~rows.is_clean)
     npos = rows.position[noisy_idx]
-    whole = len(npos) % B == 0
-    if whole and len(npos):
-        blocks = npos.view(-1, B)
-        whole = bool((blocks[:, 0] % B == 0).all()) and bool((blocks - blocks[:, :1] == torch.arange(B)).all())
-    if not whole:
-        raise ValueError(
-            "Gated DeltaNet layers need whole noisy blocks on every rank: under the CP baseline choose "
-            "--seq-length / --context-parallel-size as a multiple of --block-size")
-    noisy_blocks = (npos.view(-1, B)[:, 0] // B).tolist() if len(npos) else []
+    blocks = npos.view(-1, B) if len(npos) % B == 0 else None  # [nb, B] positions
+    if blocks is None or not bool(((blocks[:, :1] % B == 0) & (blocks - blocks[:, :1] == torch.arange(B))).all()):
+        raise ValueError("Gated DeltaNet layers need whole noisy blocks on every rank: under the CP baseline choose "
+                         "--seq-length / --context-parallel-size as a multiple of --block-size")
+    noisy_blocks = (blocks[:, 0] // B).tolist()
     clean_idx = _rows_by_position(rows, rows.is_clean)
     segments = _runs(rows.position[clean_idx])
     if plan.exchange == "none":
@@ -144,12 +140,9 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
     if ring > 1:
         short = [s for m in members for s in m if s[1] - s[0] < conv_kernel - 1]
         if short:
-            raise ValueError(
-                f"Gated DeltaNet: clean shard pieces {short} are shorter than linear_conv_kernel_dim - 1 = "
-                f"{conv_kernel - 1} rows; use a longer --seq-length per rank")
-
-    send_blocks = [[] for _ in range(ring)]
-    recv_blocks = [[] for _ in range(ring)]
+            raise ValueError(f"Gated DeltaNet: clean shard pieces {short} are shorter than linear_conv_kernel_dim - 1 "
+                             f"= {conv_kernel - 1} rows; use a longer --seq-length per rank")
+    send_blocks, recv_blocks = [[] for _ in range(ring)], [[] for _ in range(ring)]
     ring_sends = False
     for dest, m in enumerate(plan.members if ring > 1 else [rows]):
         for b in sorted(set((m.position[~m.is_clean] // B).tolist())):
