@@ -176,11 +176,10 @@ class FlashPlan:
         full_s, full_e = (torch.zeros(q.lo.numel(), dtype=torch.long).index_copy_(0, active, x) for x in (s, e))
         # Candidate sequences: (cost in gathered keys, kind, q rows, k0, k1, left)
         cands = [(int(full_e[r[-1]]) - k0, "causal", r, k0, int(full_e[r[-1]]), left) for r, k0, left in runs]
-        dense_rows = rest
-        if dense_rows.numel():
-            dp = full_s[dense_rows] * n_pos + full_e[dense_rows]
+        if rest.numel():  # dense groups of identical (s, e)
+            dp = full_s[rest] * n_pos + full_e[rest]
             do = torch.argsort(dp, stable=True)
-            dense_rows, dp = dense_rows[do], dp[do]
+            dense_rows, dp = rest[do], dp[do]
             cnt = torch.unique_consecutive(dp, return_counts=True)[1]
             for grp in torch.split(dense_rows, cnt.tolist()):
                 a, b = int(full_s[grp[0]]), int(full_e[grp[0]])
