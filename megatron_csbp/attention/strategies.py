@@ -348,8 +348,7 @@ class FullRing(FullExchange):
             yield call.partial(("ring", src), call.queries, call.plan.peers[src], call.q, ck, cv)
 
 
-def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float,
-                             mask: Optional[PartialMask] = None):
+def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float, mask: PartialMask):
     """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
     batch: nb dense B x B problems instead of one (nb*B)^2 masked one. `mask`: the all-allowed
     `PartialMask.block_diagonal(B)` (a plan passes its cached one, so kernels cache what they
@@ -360,9 +359,6 @@ def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: fl
     def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
         return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
 
-    if mask is None:
-        mask = PartialMask.block_diagonal(B, q.device)
     out, lse = kernel(fold(q), fold(k), fold(v), mask, softmax_scale)
-    out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
-    lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
-    return out, lse
+    return (out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d),
+            lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n))

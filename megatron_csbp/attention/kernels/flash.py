@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.attention.kernels.flex import derived, flex_attention_partial, lse_dtype
+from megatron_csbp.attention.kernels.flex import flex_attention_partial, lse_dtype
 from megatron_csbp.attention.merge import merge_partials
 from megatron_csbp.attention.kernels.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import PartialMask
@@ -225,7 +225,7 @@ class FlashPlan:
 
 def flash_plan(mask: PartialMask, device) -> FlashPlan:
     """The mask's FlashPlan on `device`, built once and cached on the mask."""
-    return derived(mask, ("flash", str(device)), lambda: FlashPlan.of(mask).to(device))
+    return mask.derived(("flash", str(device)), lambda: FlashPlan.of(mask).to(device))
 
 
 def _lse_rows(lse: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:
