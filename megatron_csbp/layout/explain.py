@@ -199,9 +199,8 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
         angles = np.linspace(np.pi / 2, np.pi / 2 - 2 * np.pi, P, endpoint=False)
         xy = np.stack([np.cos(angles), np.sin(angles)], 1)
         for v in views:
-            for d, b in v.sends.items():
-                (x0, y0), (x1, y1) = xy[v.rank], xy[d]
-                gx.annotate("", xy=(x1 * 0.82, y1 * 0.82), xytext=(x0 * 0.82, y0 * 0.82),
+            for d in v.sends:
+                gx.annotate("", xy=tuple(xy[d] * 0.82), xytext=tuple(xy[v.rank] * 0.82),
                             arrowprops=dict(arrowstyle="-|>", lw=0.8 if edges <= 64 else 0.4, color="#555",
                                             shrinkA=6, shrinkB=6, connectionstyle="arc3,rad=0.12"))
         for v in views:

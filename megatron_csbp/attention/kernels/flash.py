@@ -92,11 +92,10 @@ def _sequences(q_rows, q_keys, k_rows, k_keys):
 def _causal_runs(rows, s, e):
     """Split rows (sorted by e, each with a unique (s, e)) into maximal runs with e[i+1] = e[i]+1;
     return the runs that one causal sequence expresses: (rows, segment start, left) each."""
-    runs = []
     if rows.numel() == 0:
-        return runs, rows
+        return [], rows
     breaks = (torch.nonzero(e[1:] != e[:-1] + 1).flatten() + 1).tolist()
-    leftover = []
+    runs, leftover = [], []
     for a, b in zip([0] + breaks, breaks + [rows.numel()]):
         rr, ss, ee = rows[a:b], s[a:b], e[a:b]
         k0 = int(ss.min())
@@ -105,8 +104,7 @@ def _causal_runs(rows, s, e):
             continue
         inside = ss > k0
         if not bool(inside.any()):
-            left = -1
-            ok = bool((ss == k0).all())
+            left, ok = -1, bool((ss == k0).all())
         else:
             lefts = (ee - 1 - ss)[inside]
             left = int(lefts[0])
@@ -201,8 +199,7 @@ class FlashPlan:
             group = sorted((c for c in taken if (c[1], c[5]) == (kind, left)), key=lambda c: (c[3], c[4]))
             qs = [c[2] for c in group]
             ks = [torch.arange(c[3], c[4]) for c in group]
-            nq = torch.tensor([x.numel() for x in qs])
-            nk = torch.tensor([x.numel() for x in ks])
+            nq, nk = (torch.tensor([x.numel() for x in xs]) for xs in (qs, ks))
             calls.append(VarlenCall(torch.cat(qs), clean_keys[torch.cat(ks)], _cu(nq), _cu(nk), int(nq.max()),
                                     int(nk.max()), causal=kind == "causal", window=(left, 0) if kind == "causal" else (-1, -1)))
         fallback_q = torch.sort(torch.cat(fallback)).values if fallback else torch.zeros(0, dtype=torch.long)
