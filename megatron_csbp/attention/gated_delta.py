@@ -289,7 +289,6 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         without its jit and its fp32 cast, so float64 stays float64)."""
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-        dtype = x.dtype
         x = x.reshape(-1, x.shape[-1])
         weight = self.out_norm.weight
         if self.tp_size > 1:  # identity forward; backward sums the weight gradient over TP
@@ -297,7 +296,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps=self.config.layernorm_epsilon)
         gate = gate.reshape(-1, x.shape[-1])
         compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
-        return (y * self.act_fn(gate.to(compute))).to(dtype)
+        return (y * self.act_fn(gate.to(compute))).to(x.dtype)
 
     # -- clean stream ---------------------------------------------------------------------------------
     def _clean_stream(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, dtype, ties):

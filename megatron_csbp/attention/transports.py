@@ -94,10 +94,8 @@ def _start_exchange(tensor: torch.Tensor, send_to: int, recv_from: int, group):
     """Post a send to `send_to` and a receive from `recv_from`; (requests, receive buffer)."""
     tensor = tensor.contiguous()  # a view (e.g. raw k out of the fused projection) or its gradient
     received = torch.empty_like(tensor)
-    ops = [
-        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group),
-        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group),
-    ]
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group)]
     return dist.batch_isend_irecv(ops), received
 
 
