@@ -132,11 +132,9 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
         members = [_runs(torch.sort(m.position[m.is_clean]).values) for m in plan.members]
     # The clean stream of the ring must tile [0, end) (each position held once).
     flat = sorted(s for m in members for s in m)
-    cursor = 0
-    for s, e in flat:
+    for (s, _), cursor in zip(flat, [0] + [e for _, e in flat]):
         if s != cursor:
             raise ValueError(f"Gated DeltaNet: the clean rows of the ring do not tile a prefix (gap or overlap at {cursor})")
-        cursor = e
     if ring > 1:
         short = [s for m in members for s in m if s[1] - s[0] < conv_kernel - 1]
         if short:

@@ -148,10 +148,8 @@ class SequenceLayout(ShardGroupSizes):
             # clean shard is the clean copy of its own blocks), then over the k ring copies.
             k = self.bp_size // self.cp_size
             by_position = split_evenly([s + b for b in mirrored_order(n - s)], self.cp_size)
-            parts = [None] * self.bp_size
-            for i, part in enumerate(by_position):
-                for j, sub in enumerate(split_evenly(part, k)):
-                    parts[j * self.cp_size + i] = sub
+            subs = [split_evenly(part, k) for part in by_position]  # [ring position][ring copy]
+            parts = [subs[i][j] for j in range(k) for i in range(self.cp_size)]  # rank j * cp + i
         return [sorted(p) for p in parts]
 
     # ---- rows ----------------------------------------------------------------------------------

@@ -129,10 +129,10 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
     nk = len(k)
     kt = max(1, -(-nk // k_tile))
     # Per k tile: sorted clean positions (non-clean slots pushed to +big), sorted noisy blocks.
-    kp = _pad(torch.where(k.is_clean, k.position.long(), torch.full_like(k.position, 0).long() + big), k_tile, big)
-    kb = _pad(torch.where(~k.is_clean, k.block.long(), torch.full_like(k.block, 0).long() + big), k_tile, big)
-    clean_sorted = kp.view(kt, k_tile).sort(dim=1).values.contiguous()
-    noisy_sorted = kb.view(kt, k_tile).sort(dim=1).values.contiguous()
+    def sorted_per_tile(keep, values):  # `values` where `keep` (+big elsewhere), sorted within each k tile
+        return _pad(torch.where(keep, values.long(), big), k_tile, big).view(kt, k_tile).sort(dim=1).values.contiguous()
+
+    clean_sorted, noisy_sorted = sorted_per_tile(k.is_clean, k.position), sorted_per_tile(~k.is_clean, k.block)
     real = _pad(torch.ones(nk, dtype=torch.long, device=device), k_tile, 0).view(kt, k_tile).sum(1)  # [kt]
     # A query row sees `seen` keys of a tile: clean ones inside [lo, hi), noisy ones of its own
     # block (noisy queries only). Occupied: seen > 0; full: seen == the tile's real keys. Rows go
