@@ -108,12 +108,16 @@ class AttentionPlan:
         """Rows of q (and of the output) this plan expects."""
         return len(self.local) if self.clean_queries else self.num_noisy
 
+    def cached(self, key, build: Callable):
+        """`build()`, built once per `key` and kept in the plan's cache (static, as the plan is)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
     def window_exchange(self, geometry: BlockGeometry) -> WindowExchangePlan:
         """The static windowed clean exchange of this rank for a sliding-window layer."""
-        key = ("window_exchange", geometry.window)
-        if key not in self._cache:
-            self._cache[key] = WindowExchangePlan.build(self.members, self.peers, geometry, self.ring_index)
-        return self._cache[key]
+        return self.cached(("window_exchange", geometry.window),
+                           lambda: WindowExchangePlan.build(self.members, self.peers, geometry, self.ring_index))
 
     def mask(self, key: Tuple, q: RowMeta, k: RowMeta, geometry: BlockGeometry, device):
         """(`PartialMask` over the keys any query may see, their indices or None when all are),
@@ -121,16 +125,15 @@ class AttentionPlan:
         seen come from the queries' interval union (`PartialMask.keys_seen`), never a dense
         mask. Dropping keys no query sees (other ranks' noisy rows under CP, clean rows past
         every local block) saves moving them into the kernel."""
-        cache_key = key + (geometry.window, str(device))
-        if cache_key not in self._cache:
+        def build():
             m = PartialMask.of(q, k, geometry)
             used = m.keys_seen()
             if bool(used.all()):
-                self._cache[cache_key] = (m.to(device), None)
-            else:
-                cols = used.nonzero().flatten()
-                self._cache[cache_key] = (m.select_keys(cols).to(device), cols.to(device))
-        return self._cache[cache_key]
+                return m.to(device), None
+            cols = used.nonzero().flatten()
+            return PartialMask(m.q, m.k.select(cols)).to(device), cols.to(device)
+
+        return self.cached(key + (geometry.window, str(device)), build)
 
     def gathered_runs(self) -> List[slice]:
         """Runs of the all-gathered clean rows (every ring member's shard, in ring order) that put
@@ -138,32 +141,23 @@ class AttentionPlan:
         runs (mirrored shards) and the kernel makes a call per run, so the rank holding the last
         blocks made 2-3x the calls of the one holding the middle ones. Cached (static); slices
         only, at most 2 per ring member."""
-        if "gathered_runs" not in self._cache:
-            self._cache["gathered_runs"] = index_runs(torch.argsort(RowMeta.cat(self.peers).position, stable=True))
-        return self._cache["gathered_runs"]
+        positions = lambda: RowMeta.cat(self.peers).position  # noqa: E731
+        return self.cached("gathered_runs", lambda: index_runs(torch.argsort(positions(), stable=True)))
 
     def block_diagonal_mask(self, device) -> PartialMask:
         """The B x B all-allowed mask of the folded block-diagonal noisy attention (row vectors)."""
-        cache_key = ("block_diagonal", str(device))
-        if cache_key not in self._cache:
-            self._cache[cache_key] = PartialMask.block_diagonal(self.geometry.block_size, device)
-        return self._cache[cache_key]
+        build = lambda: PartialMask.block_diagonal(self.geometry.block_size, device)  # noqa: E731
+        return self.cached(("block_diagonal", str(device)), build)
 
     def nbytes(self) -> int:
         """Bytes this plan keeps for its masks: row vectors plus derived tile tables/schedules."""
-        total = 0
-        for value in self._cache.values():
-            mask = value[0] if isinstance(value, tuple) else value
-            if isinstance(mask, PartialMask):
-                total += mask.nbytes + mask.derived_nbytes()
-        return total
+        masks = (value[0] if isinstance(value, tuple) else value for value in self._cache.values())
+        return sum(mask.nbytes + mask.derived_nbytes() for mask in masks if isinstance(mask, PartialMask))
 
     def positions(self, key: Tuple, rows: RowMeta, device) -> torch.Tensor:
         """`rows.position` on `device`, cached under `key` (static, as the masks are)."""
-        cache_key = ("positions",) + key + (str(device),)
-        if cache_key not in self._cache:
-            self._cache[cache_key] = self.model_positions(rows.position).to(device)
-        return self._cache[cache_key]
+        build = lambda: self.model_positions(rows.position).to(device)  # noqa: E731
+        return self.cached(("positions",) + key + (str(device),), build)
 
     @cached_property
     def noisy_rows_are_whole_blocks(self) -> bool:

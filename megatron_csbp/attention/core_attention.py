@@ -23,28 +23,16 @@ class BlockDiffusionAttention(MegatronModule):
     """Block-aware core attention with the constructor and forward contract of Megatron's
     `DotProductAttention` / `TEDotProductAttention` (GQA included)."""
 
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type=None,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-        kernel: str = "auto",
-        **kwargs,
-    ):
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, kernel: str = "auto", **kwargs):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError("block-diffusion attention supports self attention only")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
-            raise ValueError(
-                f"--attention-dropout must be 0 with block-diffusion attention (got {dropout}): "
-                "dropout on attention probabilities would make the loss depend on the layout"
-            )
+            raise ValueError(f"--attention-dropout must be 0 with block-diffusion attention (got {dropout}): "
+                             "dropout on attention probabilities would make the loss depend on the layout")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type {config.softmax_type!r} is not supported by block-diffusion attention")
         self.layer_number = max(1, layer_number)
@@ -63,17 +51,8 @@ class BlockDiffusionAttention(MegatronModule):
         backward = torch.is_grad_enabled() and (query.requires_grad or value.requires_grad)
         return choose(self.kernel_name, query.device, max(query.shape[-1], value.shape[-1]), query.dtype, backward)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        **kwargs,
-    ) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs) -> torch.Tensor:
         # megatron-core 0.19 may pass extra keywords (MLA); none of them can be honoured here.
         unsupported = sorted(k for k, v in kwargs.items() if v is not None)
         if unsupported:
@@ -84,14 +63,10 @@ class BlockDiffusionAttention(MegatronModule):
             raise ValueError("attention_bias is not supported by block-diffusion attention")
         plan = plan_from_mask(attention_mask)
         if query.shape[0] != plan.num_query_rows:
-            raise RuntimeError(
-                f"core attention got {query.shape[0]} rows but the block layout has {plan.num_query_rows} on this rank"
-            )
+            raise RuntimeError(f"core attention got {query.shape[0]} rows but the block layout has "
+                               f"{plan.num_query_rows} on this rank")
         kernel = get_kernel(self.kernel_for(query, value), query.device)
-        out = block_diffusion_attention(
-            query, key, value, plan,
-            softmax_scale=self.softmax_scale, kernel=kernel, window=self.window, layer=self.layer_number,
-            kv_source=kv_source_of(value),
-        )
+        out = block_diffusion_attention(query, key, value, plan, softmax_scale=self.softmax_scale, kernel=kernel,
+                                        window=self.window, layer=self.layer_number, kv_source=kv_source_of(value))
         sq, b, H, d = out.shape
         return out.reshape(sq, b, H * d)

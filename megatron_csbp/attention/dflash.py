@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.attention.block_attention import AttentionPlan
-from megatron_csbp.layout.layout import zigzag_chunks
+from megatron_csbp.layout.layout import zigzag_rows
 from megatron_csbp.layout.sizes import ShardGroupSizes, check_parallel_sizes
 from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
 
@@ -22,8 +22,7 @@ def deal_anchors(costs: torch.Tensor, ranks: int) -> List[torch.Tensor]:
     n = len(order)
     owned: List[List[int]] = [[] for _ in range(ranks)]
     for j in range((n + 1) // 2):
-        pair = [order[j]] + ([order[n - 1 - j]] if n - 1 - j != j else [])
-        owned[j % ranks].extend(pair)
+        owned[j % ranks].extend({order[j], order[n - 1 - j]})  # the pair (one anchor in the middle)
     return [torch.tensor(sorted(o), dtype=torch.long) for o in owned]
 
 
@@ -61,9 +60,7 @@ class DFlashLayout(ShardGroupSizes):
             return needed_context(anchors[mine], doc_starts[mine], L).nonzero().flatten()
         # cp / csbp: the whole zigzag shard of this ring position (equal row counts on every ring
         # member, as the all-gather and ring transports need).
-        c = L // (2 * self.cp_size)
-        a, b = zigzag_chunks(self.cp_size, self.ring_of(rank)[1])
-        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+        return zigzag_rows(self.cp_size, self.ring_of(rank)[1], L // (2 * self.cp_size))
 
     def padded_blocks(self, owned) -> int:
         """Draft blocks per rank: under CP (all rows exchanged) every rank holds as many blocks as

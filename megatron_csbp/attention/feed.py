@@ -87,7 +87,10 @@ class RowFeeder:
             layout = self.layout.canvas_layout(s)
             self._plans[s] = plan = self._plan(layout)
             self._counted_clean[s] = self._counted_clean_rows(layout, plan)
-            self._evict_canvas_plans()
+            while len(self._plans) > CANVAS_PLAN_CACHE + 1:  # evict the least recently used (not the own plan)
+                oldest = next(start for start in self._plans if start != self.layout.canvas_start)
+                del self._plans[oldest]
+                self._counted_clean.pop(oldest, None)
         self._plans.move_to_end(s)
         return self._plans[s]
 
@@ -97,13 +100,6 @@ class RowFeeder:
         if self.tp_shards > 1:
             plan.physical_order = shard_major_order(plan.local, self.tp_shards)
         return plan
-
-    def _evict_canvas_plans(self) -> None:
-        own = self.layout.canvas_start
-        while len(self._plans) > CANVAS_PLAN_CACHE + 1:
-            oldest = next(s for s in self._plans if s != own)
-            del self._plans[oldest]
-            self._counted_clean.pop(oldest, None)
 
     def _counted_clean_rows(self, layout: SequenceLayout, plan: AttentionPlan) -> torch.Tensor:
         """Indices (into this rank's clean rows) of the clean rows whose loss this rank counts."""
@@ -219,15 +215,9 @@ def shard_major_order(rows: RowMeta, shards: int) -> torch.Tensor:
     n = int((~rows.is_clean).sum())
     c = len(rows) - n
     if n % shards or c % shards:
-        raise ValueError(
-            f"--sequence-parallel with --tensor-model-parallel-size {shards} needs this rank's {n} noisy and "
-            f"{c} clean rows to divide by {shards} (choose --seq-length/--block-size accordingly)"
-        )
-    parts = []
-    for i in range(shards):
-        parts.append(torch.arange(i * n // shards, (i + 1) * n // shards))
-        parts.append(n + torch.arange(i * c // shards, (i + 1) * c // shards))
-    return torch.cat(parts)
+        raise ValueError(f"--sequence-parallel with --tensor-model-parallel-size {shards} needs this rank's {n} noisy "
+                         f"and {c} clean rows to divide by {shards} (choose --seq-length/--block-size accordingly)")
+    return torch.cat([torch.arange(n).view(shards, -1), n + torch.arange(c).view(shards, -1)], dim=1).flatten()
 
 
 def sequence_parallel_logit_rows(num_noisy: int, num_clean: int, logit_rows: torch.Tensor, shards: int):

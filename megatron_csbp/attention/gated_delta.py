@@ -73,6 +73,26 @@ def _runs(positions: torch.Tensor) -> List[Tuple[int, int]]:
     return [(s.start, s.stop) for s in index_runs(positions)]
 
 
+def _rows_by_position(rows, select: torch.Tensor) -> torch.Tensor:
+    """Indices of the rows where `select` holds, in position order."""
+    idx = torch.nonzero(select).flatten()
+    return idx[torch.argsort(rows.position[idx])]
+
+
+def _segment_chunks(feats, state, s: int, e: int, B: int):
+    """`chunk_rule` over the features (q, k, v, g, beta) of positions [s, e), one chunk per block
+    piece: yields (chunk end, chunk output, state after the chunk)."""
+    cuts = [s] + list(range((s // B + 1) * B, e, B)) + [e]
+    for c0, c1 in zip(cuts[:-1], cuts[1:]):
+        o, state = chunk_rule(*(x[:, :, c0 - s:c1 - s] for x in feats), state)
+        yield c1, o, state
+
+
+def _holder(members: List[List[Tuple[int, int]]], p: int):
+    """The ring index whose clean runs hold position `p` (None: nobody's)."""
+    return next((i for i, m in enumerate(members) if any(s <= p < e for s, e in m)), None)
+
+
 @dataclass
 class GDNRoutes:
     """Static placement of one rank's GDN work under a plan (same on every rank of the ring)."""
@@ -88,25 +108,22 @@ class GDNRoutes:
     # boundary routing: blocks this rank sends (per destination, in the receiver's order) and receives
     send_blocks: List[List[int]]
     recv_blocks: List[List[int]]  # per source: my noisy blocks whose boundary it sends
+    # whether any member of the ring sends a boundary (the same on every member, so either all of
+    # them join the all-to-all or none does)
+    ring_sends: bool
 
 
 def build_routes(plan, conv_kernel: int) -> GDNRoutes:
     rows = plan.local
     B = plan.geometry.block_size
-    noisy_idx = torch.nonzero(~rows.is_clean).flatten()
-    noisy_idx = noisy_idx[torch.argsort(rows.position[noisy_idx])]
+    noisy_idx = _rows_by_position(rows, ~rows.is_clean)
     npos = rows.position[noisy_idx]
-    whole = len(npos) % B == 0
-    if whole and len(npos):
-        blocks = npos.view(-1, B)
-        whole = bool((blocks[:, 0] % B == 0).all()) and bool((blocks - blocks[:, :1] == torch.arange(B)).all())
-    if not whole:
-        raise ValueError(
-            "Gated DeltaNet layers need whole noisy blocks on every rank: under the CP baseline choose "
-            "--seq-length / --context-parallel-size as a multiple of --block-size")
-    noisy_blocks = (npos.view(-1, B)[:, 0] // B).tolist() if len(npos) else []
-    clean_idx = torch.nonzero(rows.is_clean).flatten()
-    clean_idx = clean_idx[torch.argsort(rows.position[clean_idx])]
+    blocks = npos.view(-1, B) if len(npos) % B == 0 else None  # [nb, B] positions
+    if blocks is None or not bool(((blocks[:, :1] % B == 0) & (blocks - blocks[:, :1] == torch.arange(B))).all()):
+        raise ValueError("Gated DeltaNet layers need whole noisy blocks on every rank: under the CP baseline choose "
+                         "--seq-length / --context-parallel-size as a multiple of --block-size")
+    noisy_blocks = (blocks[:, 0] // B).tolist()
+    clean_idx = _rows_by_position(rows, rows.is_clean)
     segments = _runs(rows.position[clean_idx])
     if plan.exchange == "none":
         ring, ring_index, members = 1, 0, [segments]
@@ -115,53 +132,30 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
         members = [_runs(torch.sort(m.position[m.is_clean]).values) for m in plan.members]
     # The clean stream of the ring must tile [0, end) (each position held once).
     flat = sorted(s for m in members for s in m)
-    cursor = 0
-    for s, e in flat:
+    for (s, _), cursor in zip(flat, [0] + [e for _, e in flat]):
         if s != cursor:
             raise ValueError(f"Gated DeltaNet: the clean rows of the ring do not tile a prefix (gap or overlap at {cursor})")
-        cursor = e
     if ring > 1:
         short = [s for m in members for s in m if s[1] - s[0] < conv_kernel - 1]
         if short:
-            raise ValueError(
-                f"Gated DeltaNet: clean shard pieces {short} are shorter than linear_conv_kernel_dim - 1 = "
-                f"{conv_kernel - 1} rows; use a longer --seq-length per rank")
-
-    def holder(p: int) -> int:
-        for i, m in enumerate(members):
-            if any(s <= p < e for s, e in m):
-                return i
-        raise ValueError(f"Gated DeltaNet: no rank of the ring holds clean position {p}")
-
-    member_blocks = [_noisy_blocks_of(m, B) for m in (plan.members if ring > 1 else [rows])]
-    send_blocks = [[] for _ in range(ring)]
-    recv_blocks = [[] for _ in range(ring)]
-    for dest, blocks in enumerate(member_blocks):
-        for b in blocks:
+            raise ValueError(f"Gated DeltaNet: clean shard pieces {short} are shorter than linear_conv_kernel_dim - 1 "
+                             f"= {conv_kernel - 1} rows; use a longer --seq-length per rank")
+    send_blocks, recv_blocks = [[] for _ in range(ring)], [[] for _ in range(ring)]
+    ring_sends = False
+    for dest, m in enumerate(plan.members if ring > 1 else [rows]):
+        for b in sorted(set((m.position[~m.is_clean] // B).tolist())):
             if b == 0:  # starts from the zero state: nothing to send
                 continue
-            src = holder(b * B - 1)
-            if dest == ring_index and src == ring_index:
-                continue  # the boundary is local
-            if src == ring_index:
+            src = _holder(members, b * B - 1)
+            if src is None:
+                raise ValueError(f"Gated DeltaNet: no rank of the ring holds clean position {b * B - 1}")
+            ring_sends = ring_sends or src != dest
+            if src == ring_index and dest != ring_index:
                 send_blocks[dest].append(b)
-            elif dest == ring_index:
+            elif dest == ring_index and src != ring_index:
                 recv_blocks[src].append(b)
-    return GDNRoutes(noisy_idx.view(-1, B) if len(npos) else noisy_idx.view(0, B), noisy_blocks, clean_idx,
-                     segments, ring, ring_index, max(len(m) for m in members), members,
-                     send_blocks, recv_blocks)
-
-
-def _noisy_blocks_of(rows, B: int) -> List[int]:
-    pos = torch.sort(rows.position[~rows.is_clean]).values
-    return sorted(set((pos // B).tolist()))
-
-
-def routes_for(plan, conv_kernel: int) -> GDNRoutes:
-    key = ("gdn_routes", conv_kernel)
-    if key not in plan._cache:
-        plan._cache[key] = build_routes(plan, conv_kernel)
-    return plan._cache[key]
+    return GDNRoutes(noisy_idx.view(-1, B), noisy_blocks, clean_idx, segments, ring, ring_index,
+                     max(len(m) for m in members), members, send_blocks, recv_blocks, ring_sends)
 
 
 # ---- the layer --------------------------------------------------------------------------------------
@@ -230,10 +224,9 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         """conv output [N, T, conv], beta/alpha [N, T, Hv] -> q, k, v [N, H, T, d], g, beta [N, H, T]."""
         tp = self.tp_size
         N, T, _ = conv_out.shape
-        q, k, v = torch.split(conv_out, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
-        q = q.reshape(N, T, -1, self.key_head_dim).to(dtype)
-        k = k.reshape(N, T, -1, self.key_head_dim).to(dtype)
-        v = v.reshape(N, T, -1, self.value_head_dim).to(dtype)
+        dims = (self.key_head_dim, self.key_head_dim, self.value_head_dim)
+        q, k, v = (x.reshape(N, T, -1, dim).to(dtype) for x, dim in
+                   zip(torch.split(conv_out, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1), dims))
         if self.use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)
         rep = self.num_value_heads // self.num_key_heads
@@ -242,8 +235,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         q = q * (self.key_head_dim ** -0.5)
         g = -self.A_log.to(dtype).exp() * F.softplus(alpha.to(dtype) + self.dt_bias.to(dtype))
         beta = beta_raw.to(dtype).sigmoid()
-        t = lambda x: x.transpose(1, 2)
-        return t(q), t(k), t(v), t(g), t(beta)
+        return tuple(x.transpose(1, 2) for x in (q, k, v, g, beta))
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
@@ -256,7 +248,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             raise ValueError("packed sequences (THD) are not supported with block diffusion; pack to --seq-length")
         plan = plan_from_mask(attention_mask)
         K = self.conv_kernel_dim
-        routes = routes_for(plan, K)
+        routes = plan.cached(("gdn_routes", K), lambda: build_routes(plan, K))
         qkvzba, _ = self.in_proj(hidden_states)  # [rows, b, in_proj / TP] (sequence-parallel: gathered)
         if qkvzba.shape[0] != len(plan.local):
             raise RuntimeError(f"Gated DeltaNet got {qkvzba.shape[0]} rows, the block layout has {len(plan.local)}")
@@ -295,7 +287,6 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         without its jit and its fp32 cast, so float64 stays float64)."""
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-        dtype = x.dtype
         x = x.reshape(-1, x.shape[-1])
         weight = self.out_norm.weight
         if self.tp_size > 1:  # identity forward; backward sums the weight gradient over TP
@@ -303,7 +294,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps=self.config.layernorm_epsilon)
         gate = gate.reshape(-1, x.shape[-1])
         compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
-        return (y * self.act_fn(gate.to(compute))).to(dtype)
+        return (y * self.act_fn(gate.to(compute))).to(x.dtype)
 
     # -- clean stream ---------------------------------------------------------------------------------
     def _clean_stream(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, dtype, ties):
@@ -314,27 +305,19 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             return None, {}
         b = mixed.shape[0]
         idx = routes.clean_rows.to(mixed.device)
-        clean = mixed.index_select(1, idx)
-        cbeta, calpha = beta_raw.index_select(1, idx), alpha.index_select(1, idx)
         lengths = [e - s for s, e in routes.segments]
-        pieces = list(torch.split(clean, lengths, dim=1))
+        pieces, betas, alphas = (list(torch.split(x.index_select(1, idx), lengths, dim=1))
+                                 for x in (mixed, beta_raw, alpha))
         halos = self._halos(pieces, routes, plan, ties)
         H = self.num_value_heads // self.tp_size
         dk, dv = self.key_head_dim, self.value_head_dim
-        feats = []
-        off = 0
-        for (s, e), piece, halo in zip(routes.segments, pieces, halos):
-            conv = self._conv(torch.cat([halo, piece], dim=1))
-            feats.append(self._features(conv, cbeta[:, off:off + e - s], calpha[:, off:off + e - s], dtype))
-            off += e - s
+        feats = [self._features(self._conv(torch.cat([halo, piece], dim=1)), cbeta, calpha, dtype)
+                 for piece, halo, cbeta, calpha in zip(pieces, halos, betas, alphas)]
         starts = self._segment_start_states(feats, routes, plan, b, H, dk, dv, dtype, mixed.device, ties)
         outs, boundaries = [], {}
-        for (s, e), (q, k, v, g, beta), state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
+        for (s, e), feat, state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
             ext = torch.cat([halo, piece], dim=1)  # pre-conv rows s-K+1 .. e-1
-            cuts = [s] + [c for c in range((s // B + 1) * B, e, B)] + [e]
-            for c0, c1 in zip(cuts[:-1], cuts[1:]):
-                o, state = chunk_rule(q[:, :, c0 - s:c1 - s], k[:, :, c0 - s:c1 - s], v[:, :, c0 - s:c1 - s],
-                                      g[:, :, c0 - s:c1 - s], beta[:, :, c0 - s:c1 - s], state)
+            for c1, o, state in _segment_chunks(feat, state, s, e, B):
                 outs.append(o)
                 if c1 % B == 0:  # state at block start c1; the K-1 pre-conv rows before it
                     boundaries[c1 // B] = (state, ext[:, c1 - s:c1 - s + K - 1])
@@ -353,16 +336,8 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         tails = [p[:, p.shape[1] - (K - 1):] for p in pieces]
         tails += [zero] * (routes.max_segments - len(tails))
         local = torch.stack(tails, dim=0)  # [m, b, K-1, conv]
-        gathered = PendingGather(_tied(local, ties), plan.group, self.layer_number).result()
-        ties.append(gathered)
-        lookup = {}
-        for i, segs in enumerate(routes.member_segments):
-            for j, (s, e) in enumerate(segs):
-                lookup[e] = gathered[i * routes.max_segments + j]
-        out = []
-        for s, _ in routes.segments:
-            out.append(zero if s == 0 else lookup[s])
-        return out
+        by_end = {e: tail for (_, e), tail in _gathered_segments(local, routes, plan, self.layer_number, ties)}
+        return [zero if s == 0 else by_end[s] for s, _ in routes.segments]
 
     def _segment_start_states(self, feats, routes: GDNRoutes, plan, b, H, dk, dv, dtype, device, ties):
         zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=device)
@@ -374,20 +349,12 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         eye = torch.eye(dk, dtype=dtype, device=device).expand(b, H, dk, dk)
         maps = []
         for (s, e), (q, k, v, g, beta) in zip(routes.segments, feats):
-            state = torch.cat([eye, zero], dim=-1)
             vv = torch.cat([torch.zeros_like(v[..., :1]).expand(*v.shape[:-1], dk), v], dim=-1)
-            cuts = [s] + [c for c in range((s // B + 1) * B, e, B)] + [e]
-            for c0, c1 in zip(cuts[:-1], cuts[1:]):
-                sl = slice(c0 - s, c1 - s)
-                _, state = chunk_rule(q[:, :, sl], k[:, :, sl], vv[:, :, sl], g[:, :, sl], beta[:, :, sl], state)
+            *_, (_, _, state) = _segment_chunks((q, k, vv, g, beta), torch.cat([eye, zero], dim=-1), s, e, B)
             maps.append(state)  # [b, H, dk, dk + dv] = [M | N]
         maps += [torch.zeros_like(maps[0])] * (routes.max_segments - len(maps))
-        gathered = PendingGather(_tied(torch.stack(maps, 0), ties), plan.group, self.layer_number).result()
-        ties.append(gathered)
-        by_start = {}
-        for i, segs in enumerate(routes.member_segments):
-            for j, (s, e) in enumerate(segs):
-                by_start[s] = (e, gathered[i * routes.max_segments + j])
+        gathered = _gathered_segments(torch.stack(maps, 0), routes, plan, self.layer_number, ties)
+        by_start = {s: (e, mn) for (s, e), mn in gathered}
         starts, state, p = {0: zero}, zero, 0
         while p in by_start:
             e, mn = by_start[p]
@@ -402,15 +369,9 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         b, _, conv = mixed.shape
         H = self.num_value_heads // self.tp_size
         dk, dv = self.key_head_dim, self.value_head_dim
-        states, halos = [], []
-        for blk in routes.noisy_blocks:
-            if blk == 0:
-                states.append(torch.zeros(b, H, dk, dv, dtype=dtype, device=mixed.device))
-                halos.append(mixed.new_zeros(b, K - 1, conv))
-            else:
-                st, ha = received[blk] if blk in received else boundaries[blk]
-                states.append(st)
-                halos.append(ha.to(mixed.dtype))
+        zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=mixed.device), mixed.new_zeros(b, K - 1, conv)
+        starts = [zero if blk == 0 else received.get(blk) or boundaries[blk] for blk in routes.noisy_blocks]
+        states, halos = [st for st, _ in starts], [ha.to(mixed.dtype) for _, ha in starts]
         nb, Bsz = routes.noisy_rows.shape
         idx = routes.noisy_rows.flatten().to(mixed.device)
         fold = lambda x: x.index_select(1, idx).reshape(b, nb, Bsz, -1).transpose(0, 1).reshape(nb * b, Bsz, -1)
@@ -418,39 +379,28 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         q, k, v, g, beta = self._features(self._conv(x), fold(beta_raw), fold(alpha), dtype)
         state = torch.stack(states, 0).reshape(nb * b, H, dk, dv)
         o, _ = chunk_rule(q, k, v, g, beta, state)  # [nb*b, H, B, dv]
-        o = o.reshape(nb, b, H, Bsz, dv).permute(1, 0, 3, 2, 4).reshape(b, nb * Bsz, H, dv)
-        return o
+        return o.reshape(nb, b, H, Bsz, dv).permute(1, 0, 3, 2, 4).reshape(b, nb * Bsz, H, dv)
 
     def _route_boundaries(self, routes: GDNRoutes, plan, boundaries, b, conv, mixed, dtype, ties):
         """All-to-all of the boundary payloads over the ring -> {block: (state, halo)} received."""
-        if routes.ring == 1 or not _ring_sends_anything(plan, routes):
+        if routes.ring == 1 or not routes.ring_sends:
             return {}
         H = self.num_value_heads // self.tp_size
         dk, dv = self.key_head_dim, self.value_head_dim
         K = self.conv_kernel_dim
         width = H * dk * dv + (K - 1) * conv
         order = [blk for dest in routes.send_blocks for blk in dest]
+        payload = torch.zeros(0, b, width, dtype=dtype, device=mixed.device)
         if order:
-            payload = torch.stack([torch.cat([boundaries[blk][0].reshape(b, -1).to(dtype),
-                                              boundaries[blk][1].reshape(b, -1).to(dtype)], dim=-1)
+            payload = torch.stack([torch.cat([x.reshape(b, -1).to(dtype) for x in boundaries[blk]], dim=-1)
                                    for blk in order], 0)
-        else:
-            payload = torch.zeros(0, b, width, dtype=dtype, device=mixed.device)
-        send_index, start = [], 0
-        for dest in routes.send_blocks:
-            send_index.append(torch.arange(start, start + len(dest)))
-            start += len(dest)
+        send_index = list(torch.arange(len(order)).split([len(dest) for dest in routes.send_blocks]))
         recv_counts = [len(r) for r in routes.recv_blocks]
         got = PendingAllToAll(_tied(payload, ties), send_index, recv_counts, plan.group, self.layer_number).result()
         ties.append(got)
-        out, row = {}, 0
-        for src in routes.recv_blocks:
-            for blk in src:
-                flat = got[row]
-                out[blk] = (flat[:, :H * dk * dv].reshape(b, H, dk, dv),
-                            flat[:, H * dk * dv:].reshape(b, K - 1, conv))
-                row += 1
-        return out
+        received = [blk for src in routes.recv_blocks for blk in src]
+        return {blk: (flat[:, :H * dk * dv].reshape(b, H, dk, dv), flat[:, H * dk * dv:].reshape(b, K - 1, conv))
+                for blk, flat in zip(received, got)}
 
 
 def _tied(local: torch.Tensor, ties: List[torch.Tensor]) -> torch.Tensor:
@@ -461,29 +411,10 @@ def _tied(local: torch.Tensor, ties: List[torch.Tensor]) -> torch.Tensor:
     return local
 
 
-def _ring_sends_anything(plan, routes: GDNRoutes) -> bool:
-    """Whether any member of the ring sends a boundary (static; the same answer on every member,
-    so either all of them join the all-to-all or none does)."""
-    key = "gdn_ring_sends"
-    if key not in plan._cache:
-        plan._cache[key] = _any_member_sends(plan, routes)
-    return plan._cache[key]
-
-
-def _any_member_sends(plan, routes: GDNRoutes) -> bool:
-    B = plan.geometry.block_size
-
-    def holder(p):
-        for i, m in enumerate(routes.member_segments):
-            if any(s <= p < e for s, e in m):
-                return i
-
-    for dest, m in enumerate(plan.members):
-        for blk in _noisy_blocks_of(m, B):
-            if blk > 0 and holder(blk * B - 1) != dest:
-                return True
-    return False
-
-
-def is_gdn(module) -> bool:
-    return isinstance(module, BlockDiffusionGatedDeltaNet)
+def _gathered_segments(local: torch.Tensor, routes: GDNRoutes, plan, layer: int, ties):
+    """All-gather `local` ([max_segments, ...], one entry per local segment, padded) over the ring:
+    [((start, end), entry)] of every member's segments."""
+    gathered = PendingGather(_tied(local, ties), plan.group, layer).result()
+    ties.append(gathered)
+    return [(seg, gathered[i * routes.max_segments + j])
+            for i, segs in enumerate(routes.member_segments) for j, seg in enumerate(segs)]

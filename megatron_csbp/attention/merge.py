@@ -43,9 +43,16 @@ class PartialMerge:
         return self.out.to(self.dtype), self.lse
 
 
+def merged(partials: Iterable[Optional[Tuple[torch.Tensor, torch.Tensor]]]) -> PartialMerge:
+    """The running merge of `partials` (None: a chunk nobody attends), one accumulator in flight:
+    ring chunks merge as they arrive."""
+    merge = PartialMerge()
+    for part in partials:
+        if part is not None:
+            merge.add(*part)
+    return merge
+
+
 def merge_partials(partials: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact combination of partial attentions over disjoint key sets, in fp32, streamed."""
-    merge = PartialMerge()
-    for out, lse in partials:
-        merge.add(out, lse)
-    return merge.result()
+    return merged(partials).result()

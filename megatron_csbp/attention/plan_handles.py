@@ -47,10 +47,8 @@ def plan_from_mask(attention_mask) -> "AttentionPlan":
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.long and attention_mask.numel() == 1:
         plan = _PLANS.get(int(attention_mask.item()))
     if plan is None:
-        raise RuntimeError(
-            "BlockDiffusionAttention got an ordinary attention mask. Run the model through "
-            "megatron_csbp.model.BlockDiffusionModel, which passes the block layout as the mask."
-        )
+        raise RuntimeError("BlockDiffusionAttention got an ordinary attention mask. Run the model through "
+                           "megatron_csbp.model.BlockDiffusionModel, which passes the block layout as the mask.")
     return plan
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from megatron_csbp.attention.merge import PartialMerge, merge_partials
+from megatron_csbp.attention.merge import PartialMerge, merge_partials, merged
 from megatron_csbp.attention.transports import (TRANSPORTS, PendingAllToAll, PendingGather, pack_kv, ring_chunks,
                                                 unpack_kv)
 from megatron_csbp.layout.masks import BlockGeometry, RowMeta
@@ -109,10 +109,8 @@ class AttentionCall:
         # The noisy and clean rows of q, k, v as one split each, not two slices: a slice's
         # backward allocates a zero gradient of the whole tensor (two per tensor, then their sum);
         # a split's backward concatenates its parts once.
-        sq = q.shape[0]
-        self.q_noisy, self.q_clean = q.split([self.n, sq - self.n])
-        self.k_noisy, self.k_clean = k.split([self.n, k.shape[0] - self.n])
-        self.v_noisy, self.v_clean = v.split([self.n, v.shape[0] - self.n])
+        (self.q_noisy, self.q_clean), (self.k_noisy, self.k_clean), (self.v_noisy, self.v_clean) = (
+            x.split([self.n, x.shape[0] - self.n]) for x in (q, k, v))
         # Chunks that arrived over the network but have no allowed pair are skipped; they stay
         # tied to the output with a zero so that every rank runs the same backward collectives.
         self.anchors: List[torch.Tensor] = []
@@ -144,6 +142,10 @@ class AttentionCall:
             out = out + 0.0 * a
         return out
 
+    def only(self, merge: PartialMerge) -> torch.Tensor:
+        """The output when `merge` holds every key a query sees (zeros when it holds nothing)."""
+        return self.finish(merge.result()[0] if merge.count else self.q * 0.0)
+
     def combine(self, noisy: Optional[Partial], clean: PartialMerge) -> torch.Tensor:
         """Noisy queries merge their in-block part with their clean-prefix part; clean queries
         have only the clean part."""
@@ -158,16 +160,6 @@ class AttentionCall:
         out_noisy, out_clean = clean_out.split([n, clean_out.shape[0] - n])
         noisy_out, _ = merge_partials([noisy, (out_noisy, clean_lse[..., :n])])
         return self.finish(torch.cat([noisy_out, out_clean], dim=0))
-
-
-def merged(parts: Iterable[Optional[Partial]]) -> PartialMerge:
-    """The running merge of `parts` (None: a chunk nobody attends), one accumulator in flight:
-    ring chunks merge as they arrive."""
-    merge = PartialMerge()
-    for part in parts:
-        if part is not None:
-            merge.add(*part)
-    return merge
 
 
 # --- the registry --------------------------------------------------------------------------------
@@ -237,8 +229,7 @@ class NoisyThenClean(ExchangeStrategy):
     def attend(self, call: AttentionCall) -> torch.Tensor:
         pending = self.start(call)
         if getattr(call.kernel, "one_local_partial", False):
-            parts = merged(self.clean_parts(call, pending, with_noisy=True))
-            return call.finish(parts.result()[0] if parts.count else call.q * 0.0)
+            return call.only(merged(self.clean_parts(call, pending, with_noisy=True)))
         noisy = call.noisy_part()
         return call.combine(noisy, merged(self.clean_parts(call, pending)))
 
@@ -253,8 +244,8 @@ class NoExchange(NoisyThenClean):
     def clean_parts(self, call, pending, with_noisy=False):
         if with_noisy:
             yield call.partial(("local",), call.queries, call.plan.local, call.q, call.k, call.v)
-            return
-        yield call.partial(("clean",), call.queries, call.clean_rows, call.q, call.k_clean, call.v_clean)
+        else:
+            yield call.partial(("clean",), call.queries, call.clean_rows, call.q, call.k_clean, call.v_clean)
 
 
 @register("clean", ["allgather"], [False])
@@ -273,14 +264,11 @@ class CleanAllGather(NoisyThenClean):
         runs = call.plan.gathered_runs()
         rows = RowMeta.cat(call.plan.peers)
         rows = RowMeta.cat([rows.select(r) for r in runs])
+        tag, ks, vs = ("clean",), [gk[r] for r in runs], [gv[r] for r in runs]
         if with_noisy:  # [local noisy ; gathered clean]: one partial (the copy replaces the gathered rows)
-            keys = RowMeta.cat([call.noisy_rows, rows])
-            yield call.partial(("noisy+gathered",), call.queries, keys, call.q,
-                               torch.cat([call.k_noisy] + [gk[r] for r in runs]),
-                               torch.cat([call.v_noisy] + [gv[r] for r in runs]))
-            return
-        yield call.partial(("clean",), call.queries, rows, call.q, torch.cat([gk[r] for r in runs]),
-                           torch.cat([gv[r] for r in runs]))
+            tag, rows = ("noisy+gathered",), RowMeta.cat([call.noisy_rows, rows])
+            ks, vs = [call.k_noisy] + ks, [call.v_noisy] + vs
+        yield call.partial(tag, call.queries, rows, call.q, torch.cat(ks), torch.cat(vs))
 
 
 @register("clean", ["ring"], [False])
@@ -321,12 +309,11 @@ class CleanWindowed(NoisyThenClean):
         # (which this rank's sent rows need) in the graph.
         rk, rv = call.kv.arrived(call, ("window", call.geometry.window), recv_rows, transfer.result())
         if with_noisy:  # [all local rows ; received]
-            yield call.partial(("window+local",), call.queries, RowMeta.cat([call.plan.local, recv_rows]), call.q,
-                               torch.cat([call.k, rk]), torch.cat([call.v, rv]))
-            return
-        keys = RowMeta.cat([call.clean_rows, recv_rows])
-        yield call.partial(("window",), call.queries, keys, call.q, torch.cat([call.k_clean, rk]),
-                           torch.cat([call.v_clean, rv]))
+            tag, rows, k, v = ("window+local",), call.plan.local, call.k, call.v
+        else:
+            tag, rows, k, v = ("window",), call.clean_rows, call.k_clean, call.v_clean
+        yield call.partial(tag, call.queries, RowMeta.cat([rows, recv_rows]), call.q, torch.cat([k, rk]),
+                           torch.cat([v, rv]))
 
 
 # --- the CP baseline: K/V of every row cross ranks -----------------------------------------------
@@ -339,8 +326,7 @@ class FullExchange(ExchangeStrategy):
         raise NotImplementedError
 
     def attend(self, call: AttentionCall) -> torch.Tensor:
-        parts = merged(self.parts(call, pack_kv(call.k, call.v)))
-        return call.finish(parts.result()[0] if parts.count else call.q * 0.0)
+        return call.only(merged(self.parts(call, pack_kv(call.k, call.v))))
 
 
 @register("all", ["allgather"])
@@ -362,8 +348,7 @@ class FullRing(FullExchange):
             yield call.partial(("ring", src), call.queries, call.plan.peers[src], call.q, ck, cv)
 
 
-def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float,
-                             mask: Optional[PartialMask] = None):
+def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float, mask: PartialMask):
     """Bidirectional attention inside each block of B consecutive rows, blocks folded into the
     batch: nb dense B x B problems instead of one (nb*B)^2 masked one. `mask`: the all-allowed
     `PartialMask.block_diagonal(B)` (a plan passes its cached one, so kernels cache what they
@@ -374,9 +359,6 @@ def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: fl
     def fold(x):  # [nb*B, b, h, d] -> [B, nb*b, h, d]
         return x.reshape(nb, B, b, x.shape[2], d).transpose(0, 1).reshape(B, nb * b, x.shape[2], d)
 
-    if mask is None:
-        mask = PartialMask.block_diagonal(B, q.device)
     out, lse = kernel(fold(q), fold(k), fold(v), mask, softmax_scale)
-    out = out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d)
-    lse = lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n)
-    return out, lse
+    return (out.reshape(B, nb, b, H, d).transpose(0, 1).reshape(n, b, H, d),
+            lse.reshape(nb, b, H, B).permute(1, 2, 0, 3).reshape(b, H, n))

@@ -18,10 +18,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _uses_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
-
-
 def _stamp(group):
     """Now, on the timeline a wait on `group` blocks: a CUDA event recorded on the current
     stream for a group whose tensors live on CUDA (NCCL), `time.perf_counter()` otherwise."""
@@ -43,7 +39,7 @@ def reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
         dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
         return out
     except (RuntimeError, NotImplementedError):
-        if not _uses_gloo(group):
+        if dist.get_backend(group) != "gloo":
             raise
     # gloo of torch releases without reduce-scatter (the pinned CPU torch has it): all-reduce +
     # slice, still counted as the reduce-scatter it stands for.
@@ -59,22 +55,30 @@ class PendingGather:
         self.local, self.group, self.layer = local, group, layer
         P = dist.get_world_size(group)
         self.posted = _stamp(group)
-        self.buffer = torch.empty((P * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        self.work = dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group, async_op=True)
+        self.buffer = local.new_empty((P * local.shape[0],) + tuple(local.shape[1:]))
+        self.requests = [dist.all_gather_into_tensor(self.buffer, local.detach().contiguous(), group=group,
+                                                     async_op=True)]
         traffic_counter().record(layer, "forward", (P - 1) * _nbytes(local), (P - 1) * _nbytes(local))
 
     def result(self) -> torch.Tensor:
         return _FinishGather.apply(self.local, self)
 
 
+def _arrived(ctx, pending) -> torch.Tensor:
+    """Wait for `pending`'s requests (timed into the traffic counter) and return its buffer; its
+    group and layer stay on `ctx` for the backward."""
+    t0 = _stamp(pending.group)
+    for req in pending.requests:
+        req.wait()
+    traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
+    ctx.group, ctx.layer = pending.group, pending.layer
+    return pending.buffer
+
+
 class _FinishGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, pending: PendingGather):
-        t0 = _stamp(pending.group)
-        pending.work.wait()
-        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
-        ctx.group, ctx.layer = pending.group, pending.layer
-        return pending.buffer
+        return _arrived(ctx, pending)
 
     @staticmethod
     def backward(ctx, grad_full):
@@ -90,10 +94,8 @@ def _start_exchange(tensor: torch.Tensor, send_to: int, recv_from: int, group):
     """Post a send to `send_to` and a receive from `recv_from`; (requests, receive buffer)."""
     tensor = tensor.contiguous()  # a view (e.g. raw k out of the fused projection) or its gradient
     received = torch.empty_like(tensor)
-    ops = [
-        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group),
-        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group),
-    ]
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, send_to), group),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, recv_from), group)]
     return dist.batch_isend_irecv(ops), received
 
 
@@ -118,12 +120,7 @@ class _FinishShift(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, chunk, pending: PendingShift):
-        t0 = _stamp(pending.group)
-        for req in pending.requests:
-            req.wait()
-        traffic_counter().record_transfer(pending.layer, "forward", pending.posted, t0, _stamp(pending.group))
-        ctx.group, ctx.layer = pending.group, pending.layer
-        return pending.buffer
+        return _arrived(ctx, pending)
 
     @staticmethod
     def backward(ctx, grad):

@@ -37,12 +37,10 @@ class WindowExchangePlan:
     @staticmethod
     def build(members: List[RowMeta], shards: List[RowMeta], geometry: BlockGeometry, me: int) -> "WindowExchangePlan":
         """`members[i]`: all local rows (queries) of ring member i; `shards[i]`: its clean rows."""
-        send_index, recv_rows = [], []
-        for i in range(len(members)):
-            send_index.append(torch.zeros(0, dtype=torch.long) if i == me else
-                              needed_clean_rows(members[i], shards[me], geometry))
-            recv_rows.append(shards[i].select(torch.zeros(0, dtype=torch.long)) if i == me else
-                             shards[i].select(needed_clean_rows(members[me], shards[i], geometry)))
+        none = torch.zeros(0, dtype=torch.long)
+        send_index = [none if i == me else needed_clean_rows(m, shards[me], geometry) for i, m in enumerate(members)]
+        recv_rows = [s.select(none if i == me else needed_clean_rows(members[me], s, geometry))
+                     for i, s in enumerate(shards)]
         return WindowExchangePlan(me, send_index, recv_rows)
 
     @property

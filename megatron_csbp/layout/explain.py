@@ -95,14 +95,14 @@ def explain(seq_length: int, block_size: int, cp: int, bp: int, schedule: str = 
     # the exchange each layout runs on a full-attention layer, one pass
     for v in views:
         if layout.kind == "cp":
-            dsts, rows_sent = [d for d in range(P) if d != v.rank], v.rows
+            dsts, rows_sent = range(P), v.rows
         elif layout.kind == "csbp":
-            dsts, rows_sent = [d for d in layout.ring_ranks(v.rank) if d != v.rank], v.clean_rows
+            dsts, rows_sent = layout.ring_ranks(v.rank), v.clean_rows
         else:
             dsts, rows_sent = [], 0
         for d in dsts:
-            v.sends[d] = rows_sent * kv_row
-            views[d].recv[v.rank] = rows_sent * kv_row
+            if d != v.rank:
+                v.sends[d] = views[d].recv[v.rank] = rows_sent * kv_row
     return views
 
 
@@ -137,10 +137,7 @@ def text_report(views: List[RankView], title: str) -> str:
     out += ["", "send/receive graph (bytes per full-attention layer, one pass; forward, backward and a recompute "
                 "forward each move this much):"]
     edges = [(v.rank, d, b) for v in views for d, b in sorted(v.sends.items())]
-    if not edges:
-        out.append("  none (every rank holds the keys its queries need)")
-    for s, d, b in edges:
-        out.append(f"  {s} -> {d}: {b} B")
+    out += [f"  {s} -> {d}: {b} B" for s, d, b in edges] or ["  none (every rank holds the keys its queries need)"]
     out.append(f"total allowed pairs {sum(v.allowed_pairs for v in views)}, "
                f"total K/V moved per layer per pass {sum(b for _, _, b in edges)} B")
     return "\n".join(out)
@@ -180,8 +177,7 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
         ax.axhline(v.noisy_rows / t.q_tile - 0.5, color="k", lw=0.8, ls=":")
         ax.set_title(f"rank {v.rank}: {v.noisy_rows} noisy + {v.clean_rows} clean rows\n"
                      f"{v.allowed_pairs} pairs, sends {v.bytes_sent / 1024:.0f} KiB/layer", fontsize=8)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.set(xticks=[], yticks=[])
         if c == 0:
             ax.set_ylabel("query rows [noisy ; clean]", fontsize=7)
         hx = fig.add_subplot(grid[3 * r + 1, c])
@@ -203,9 +199,8 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
         angles = np.linspace(np.pi / 2, np.pi / 2 - 2 * np.pi, P, endpoint=False)
         xy = np.stack([np.cos(angles), np.sin(angles)], 1)
         for v in views:
-            for d, b in v.sends.items():
-                (x0, y0), (x1, y1) = xy[v.rank], xy[d]
-                gx.annotate("", xy=(x1 * 0.82, y1 * 0.82), xytext=(x0 * 0.82, y0 * 0.82),
+            for d in v.sends:
+                gx.annotate("", xy=tuple(xy[d] * 0.82), xytext=tuple(xy[v.rank] * 0.82),
                             arrowprops=dict(arrowstyle="-|>", lw=0.8 if edges <= 64 else 0.4, color="#555",
                                             shrinkA=6, shrinkB=6, connectionstyle="arc3,rad=0.12"))
         for v in views:
@@ -215,15 +210,12 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
     else:  # too many ranks for a readable graph: what it would show, in words (explain.txt lists every edge)
         gx.text(0, 0, f"{P} ranks, {edges} sends\n(explain.txt lists each)", ha="center", va="center", fontsize=9)
     gx.set_title("K/V sent (full-attention layer)\n" + label, fontsize=8)
-    gx.set_xlim(-1.3, 1.3)
-    gx.set_ylim(-1.3, 1.3)
-    gx.set_aspect("equal")
+    gx.set(xlim=(-1.3, 1.3), ylim=(-1.3, 1.3), aspect="equal")
     gx.axis("off")
-    fig.legend(handles=[Patch(color="#2166ac", label="computed, full tile"),
-                        Patch(color="#f4a582", label="computed, partial tile"),
-                        Patch(color="#f2f2f2", label="skipped"),
-                        Patch(color="#1b7837", label="key held by this rank")],
-               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    legend = {"#2166ac": "computed, full tile", "#f4a582": "computed, partial tile", "#f2f2f2": "skipped",
+              "#1b7837": "key held by this rank"}
+    fig.legend(handles=[Patch(color=c, label=label) for c, label in legend.items()], loc="lower center", ncol=4,
+               fontsize=8, frameon=False)
     if P > len(shown):
         title += f"\n(ranks 0-{len(shown) - 1} of {P} drawn; explain.txt lists every rank)"
     fig.suptitle(title, fontsize=10)

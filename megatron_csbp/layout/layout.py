@@ -23,23 +23,13 @@ def balanced_block_unit(bp: int, schedule: str) -> int:
 def split_evenly(items: List[int], parts: int) -> List[List[int]]:
     """Contiguous split into `parts` pieces whose sizes differ by at most one (larger first)."""
     q, r = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = q + (1 if i < r else 0)
-        out.append(items[start : start + size])
-        start += size
-    return out
+    return [items[i * q + min(i, r) : (i + 1) * q + min(i + 1, r)] for i in range(parts)]
 
 
 def mirrored_order(num_blocks: int) -> List[int]:
     """Blocks in mirrored-pair order 0, n-1, 1, n-2, ...: each pair (i, n-1-i) costs the same
     noisy-prefix work, so any contiguous split of this order into equal counts is balanced."""
-    order = []
-    for i in range((num_blocks + 1) // 2):
-        order.append(i)
-        if num_blocks - 1 - i != i:
-            order.append(num_blocks - 1 - i)
-    return order
+    return [b for i in range((num_blocks + 1) // 2) for b in sorted({i, num_blocks - 1 - i})]
 
 
 def balanced_owners(blocks: List[int], costs, counts: List[int]) -> List[List[int]]:
@@ -56,9 +46,9 @@ def balanced_owners(blocks: List[int], costs, counts: List[int]) -> List[List[in
     return parts
 
 
-def zigzag_chunks(num_chunks_half: int, rank: int) -> Tuple[int, int]:
-    """Chunk indices held by `rank` when a stream is cut into 2P chunks: r and 2P-1-r."""
-    return rank, 2 * num_chunks_half - 1 - rank
+def zigzag_rows(num_chunks_half: int, rank: int, chunk: int) -> torch.Tensor:
+    """The rows held by `rank` when a stream is cut into 2P chunks of `chunk` rows: chunks r and 2P-1-r."""
+    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk) for a in (rank, 2 * num_chunks_half - 1 - rank)])
 
 
 @dataclass(frozen=True)
@@ -84,16 +74,12 @@ class SequenceLayout(ShardGroupSizes):
             raise ValueError(f"--block-ownership must be one of {OWNERSHIP_SCHEDULES}, got {self.schedule!r}")
         P = self.shard_group_size
         if P > 1 and g.seq_length % (2 * P) != 0:  # one rank cuts nothing: any length
-            raise ValueError(
-                f"--seq-length {g.seq_length} must be divisible by 2 x max(--context-parallel-size, "
-                f"--block-parallel-size) = {2 * P} (zigzag sharding cuts the stream into {2 * P} equal chunks: "
-                f"divisible by 2 x {P} shard-group ranks)"
-            )
+            raise ValueError(f"--seq-length {g.seq_length} must be divisible by 2 x max(--context-parallel-size, "
+                             f"--block-parallel-size) = {2 * P} (zigzag sharding cuts the stream into {2 * P} equal "
+                             f"chunks: divisible by 2 x {P} shard-group ranks)")
         if self.kind in ("bp", "csbp") and g.num_blocks < bp:
-            raise ValueError(
-                f"{g.num_blocks} blocks (--seq-length {g.seq_length} / --block-size {g.block_size}) "
-                f"are fewer than --block-parallel-size {bp}: every block-parallel rank must own a block"
-            )
+            raise ValueError(f"{g.num_blocks} blocks (--seq-length {g.seq_length} / --block-size {g.block_size}) "
+                             f"are fewer than --block-parallel-size {bp}: every block-parallel rank must own a block")
         s, n = self.canvas_start, g.num_blocks
         if not 0 <= s <= n:
             raise ValueError(f"canvas start block {s} outside [0, {n}] ({n} blocks)")
@@ -136,12 +122,8 @@ class SequenceLayout(ShardGroupSizes):
 
     def rows_divide_by(self, multiple: int) -> bool:
         """Every rank's noisy and clean row counts divide by `multiple`."""
-        for rank in range(self.shard_group_size):
-            rows = self.rows(rank)
-            noisy = int((~rows.is_clean).sum())
-            if noisy % multiple or (len(rows) - noisy) % multiple:
-                return False
-        return True
+        rows = [self.rows(rank) for rank in range(self.shard_group_size)]
+        return all(int(r.is_clean.sum()) % multiple == 0 and int((~r.is_clean).sum()) % multiple == 0 for r in rows)
 
     # ---- sizes (kind, shard_group_size, ring_of: `ShardGroupSizes`) ----------------------------
     @property
@@ -166,25 +148,14 @@ class SequenceLayout(ShardGroupSizes):
             # clean shard is the clean copy of its own blocks), then over the k ring copies.
             k = self.bp_size // self.cp_size
             by_position = split_evenly([s + b for b in mirrored_order(n - s)], self.cp_size)
-            parts = [None] * self.bp_size
-            for i, part in enumerate(by_position):
-                for j, sub in enumerate(split_evenly(part, k)):
-                    parts[j * self.cp_size + i] = sub
+            subs = [split_evenly(part, k) for part in by_position]  # [ring position][ring copy]
+            parts = [subs[i][j] for j in range(k) for i in range(self.cp_size)]  # rank j * cp + i
         return [sorted(p) for p in parts]
 
     # ---- rows ----------------------------------------------------------------------------------
-    def _block_positions(self, blocks: List[int]) -> torch.Tensor:
-        B = self.geometry.block_size
-        if not blocks:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.cat([torch.arange(b * B, (b + 1) * B) for b in blocks])
-
     def clean_shard_positions(self, ring_position: int) -> torch.Tensor:
         """Clean positions held at `ring_position` of a ring (zigzag over 2C chunks)."""
-        L, C = self.geometry.seq_length, self.cp_size
-        c = L // (2 * C)
-        a, b = zigzag_chunks(C, ring_position)
-        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+        return zigzag_rows(self.cp_size, ring_position, self.geometry.seq_length // (2 * self.cp_size))
 
     def rows(self, rank: int) -> RowMeta:
         """Local rows of `rank`, ordered [noisy ; clean]."""
@@ -199,18 +170,17 @@ class SequenceLayout(ShardGroupSizes):
             # Zigzag over the logical rows [canvas noisy ; clean] (2L rows without a canvas):
             # rank r holds chunks r and 2P-1-r, which keeps its rows in [noisy ; clean] order.
             canvas = L - start
-            c = (canvas + L) // (2 * P)
-            a, b = zigzag_chunks(P, rank)
-            logical = torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+            logical = zigzag_rows(P, rank, (canvas + L) // (2 * P))
             is_clean = logical >= canvas
             return RowMeta(is_clean, torch.where(is_clean, logical - canvas, logical + start))
         owned = self.block_owners[rank]
-        noisy = self._block_positions(owned)
+        B = self.geometry.block_size
+        noisy = (torch.tensor(owned, dtype=torch.long)[:, None] * B + torch.arange(B)).flatten()
         if kind == "bp":
             # The clean prefix the rank's blocks need (recomputed here, no traffic); with a clean
             # loss also the clean rows of its last block, whose loss it may count.
             last = max(owned) + (1 if self.clean_loss else 0) if owned else 0
-            return RowMeta.of(noisy, torch.arange(last * self.geometry.block_size))
+            return RowMeta.of(noisy, torch.arange(last * B))
         return RowMeta.of(noisy, self.clean_shard_positions(self.ring_of(rank)[1]))
 
     def ring_clean_rows(self, rank: int) -> List[RowMeta]:

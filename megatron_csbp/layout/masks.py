@@ -104,19 +104,14 @@ class BlockGeometry:
 
     def __post_init__(self):
         if self.block_size <= 0 or self.seq_length <= 0:
-            raise ValueError(
-                f"--seq-length ({self.seq_length}) and --block-size ({self.block_size}) must be positive"
-            )
+            raise ValueError(f"--seq-length ({self.seq_length}) and --block-size ({self.block_size}) must be positive")
         if self.seq_length % self.block_size != 0:
-            raise ValueError(
-                f"--block-size {self.block_size} does not divide --seq-length {self.seq_length} (--seq-length "
-                f"{self.seq_length} is not a multiple of --block-size {self.block_size}): block diffusion needs "
-                "whole blocks (no silent round-down)"
-            )
+            raise ValueError(f"--block-size {self.block_size} does not divide --seq-length {self.seq_length} "
+                             f"(--seq-length {self.seq_length} is not a multiple of --block-size {self.block_size}): "
+                             "block diffusion needs whole blocks (no silent round-down)")
         if self.clean_attention not in CLEAN_ATTENTION_VARIANTS:
-            raise ValueError(
-                f"--clean-attention must be one of {CLEAN_ATTENTION_VARIANTS}, got {self.clean_attention!r}"
-            )
+            raise ValueError(f"--clean-attention must be one of {CLEAN_ATTENTION_VARIANTS}, "
+                             f"got {self.clean_attention!r}")
         if self.window is not None and self.window <= 0:
             raise ValueError(f"sliding window must be positive, got {self.window}")
         if self.documents is not None and self.documents.seq_length != self.seq_length:
@@ -184,9 +179,8 @@ class RowMeta:
     def of(noisy_positions: torch.Tensor, clean_positions: torch.Tensor) -> "RowMeta":
         """Rows ordered [noisy rows ; clean rows]."""
         position = torch.cat([noisy_positions, clean_positions]).long()
-        is_clean = torch.cat(
-            [torch.zeros(len(noisy_positions), dtype=torch.bool), torch.ones(len(clean_positions), dtype=torch.bool)]
-        )
+        is_clean = torch.cat([torch.zeros(len(noisy_positions), dtype=torch.bool),
+                              torch.ones(len(clean_positions), dtype=torch.bool)])
         return RowMeta(is_clean, position)
 
     @staticmethod
@@ -200,16 +194,15 @@ class RowMeta:
         live = [m for m in metas if m.anchor is not None]
         return RowMeta(is_clean, position, torch.cat([m.anchor for m in live]), torch.cat([m.doc_start for m in live]))
 
+    def _map(self, fn) -> "RowMeta":
+        vectors = (self.is_clean, self.position, self.anchor, self.doc_start)
+        return RowMeta(*(None if t is None else fn(t) for t in vectors))
+
     def select(self, index) -> "RowMeta":
-        if self.anchor is None:
-            return RowMeta(self.is_clean[index], self.position[index])
-        return RowMeta(self.is_clean[index], self.position[index], self.anchor[index], self.doc_start[index])
+        return self._map(lambda t: t[index])
 
     def to(self, device) -> "RowMeta":
-        if self.anchor is None:
-            return RowMeta(self.is_clean.to(device), self.position.to(device))
-        return RowMeta(self.is_clean.to(device), self.position.to(device), self.anchor.to(device),
-                       self.doc_start.to(device))
+        return self._map(lambda t: t.to(device))
 
     @staticmethod
     def anchored(anchors: torch.Tensor, doc_starts: torch.Tensor, block_size: int,
@@ -220,12 +213,10 @@ class RowMeta:
         offsets = torch.arange(block_size)
         draft_pos = (anchors[:, None] + offsets).flatten()
         n, c = draft_pos.numel(), context_positions.numel()
-        return RowMeta(
-            torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(c, dtype=torch.bool)]),
-            torch.cat([draft_pos, context_positions.long()]),
-            torch.cat([anchors.repeat_interleave(block_size), torch.full((c,), -1, dtype=torch.long)]),
-            torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]),
-        )
+        return RowMeta(torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(c, dtype=torch.bool)]),
+                       torch.cat([draft_pos, context_positions.long()]),
+                       torch.cat([anchors.repeat_interleave(block_size), torch.full((c,), -1, dtype=torch.long)]),
+                       torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]))
 
 
 def noisy_block_id(position: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:
@@ -283,18 +274,16 @@ def allowed(q: RowMeta, k: RowMeta, geometry: BlockGeometry) -> torch.Tensor:
     if isinstance(geometry, AnchoredGeometry):
         return anchored_allowed(q, k, geometry)
     lo, hi = clean_key_interval(q, geometry)
-    same_noisy_block = (~q.is_clean[:, None]) & (~k.is_clean[None, :]) & (
-        noisy_block_id(q.position, geometry)[:, None] == noisy_block_id(k.position, geometry)[None, :]
-    )
+    same_block = noisy_block_id(q.position, geometry)[:, None] == noisy_block_id(k.position, geometry)[None, :]
+    same_noisy_block = (~q.is_clean[:, None]) & (~k.is_clean[None, :]) & same_block
     kp = k.position[None, :]
     clean_in_interval = k.is_clean[None, :] & (lo[:, None] <= kp) & (kp < hi[:, None])
     return same_noisy_block | clean_in_interval
 
 
-def dense_reference_mask(
-    seq_len: int, block_size: int, clean_attention: str = "block_causal", window: Optional[int] = None,
-    document_ids: Optional[Sequence[int]] = None,
-) -> torch.BoolTensor:
+def dense_reference_mask(seq_len: int, block_size: int, clean_attention: str = "block_causal",
+                         window: Optional[int] = None,
+                         document_ids: Optional[Sequence[int]] = None) -> torch.BoolTensor:
     """The [2L, 2L] mask in logical order [noisy ; clean], True = may attend. Test oracle only.
 
     Written straight from the rule table of the design brief, independently of `allowed`.

@@ -6,7 +6,7 @@ as empty / full / partial. Sizes, linear in the rows: docs/attention-kernels.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import List, Tuple
 
@@ -26,8 +26,29 @@ def index_runs(index: torch.Tensor) -> List[slice]:
     return [slice(int(index[a]), int(index[a]) + (b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+class _RowVectors:
+    """Row vectors of one length (every field a tensor [rows]): selected, moved and sized alike."""
+
+    @property
+    def _vectors(self) -> Tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __len__(self) -> int:
+        return self._vectors[0].numel()
+
+    def select(self, index):
+        return type(self)(*(t[index] for t in self._vectors))
+
+    def to(self, device):
+        return type(self)(*(t.to(device) for t in self._vectors))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._vectors)
+
+
 @dataclass(frozen=True)
-class QueryRows:
+class QueryRows(_RowVectors):
     """Per query row: noisy block id, is_clean, clean-key interval [lo, hi). All shape [rows]."""
 
     block: torch.Tensor
@@ -51,22 +72,9 @@ class QueryRows:
         return QueryRows(noisy_block_id(meta.position, geometry).to(_I32), meta.is_clean.clone(), lo.to(_I32),
                          hi.to(_I32))
 
-    def __len__(self) -> int:
-        return self.block.numel()
-
-    def select(self, index) -> "QueryRows":
-        return QueryRows(self.block[index], self.is_clean[index], self.lo[index], self.hi[index])
-
-    def to(self, device) -> "QueryRows":
-        return QueryRows(*(t.to(device) for t in (self.block, self.is_clean, self.lo, self.hi)))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.block, self.is_clean, self.lo, self.hi))
-
 
 @dataclass(frozen=True)
-class KeyRows:
+class KeyRows(_RowVectors):
     """Per key row: position, block id, is_clean. All shape [rows]."""
 
     position: torch.Tensor
@@ -79,19 +87,6 @@ class KeyRows:
             return KeyRows(meta.position.to(_I32), meta.anchor.to(_I32), meta.is_clean.clone())
         return KeyRows(meta.position.to(_I32), noisy_block_id(meta.position, geometry).to(_I32), meta.is_clean.clone())
 
-    def __len__(self) -> int:
-        return self.position.numel()
-
-    def select(self, index) -> "KeyRows":
-        return KeyRows(self.position[index], self.block[index], self.is_clean[index])
-
-    def to(self, device) -> "KeyRows":
-        return KeyRows(*(t.to(device) for t in (self.position, self.block, self.is_clean)))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.position, self.block, self.is_clean))
-
 
 def pair_allowed(q_block, q_clean, q_lo, q_hi, k_pos, k_block, k_clean):
     """The predicate of `layout.masks.allowed`, element by element on broadcastable tensors."""
@@ -101,8 +96,9 @@ def pair_allowed(q_block, q_clean, q_lo, q_hi, k_pos, k_block, k_clean):
 
 
 def _pad(x: torch.Tensor, multiple: int, value) -> torch.Tensor:
-    extra = (-x.numel()) % multiple
-    return torch.cat([x, x.new_full((extra,), value)]) if extra else x
+    """`x` with rows of `value` appended along dim 0 up to a multiple of `multiple` rows."""
+    extra = (-x.shape[0]) % multiple
+    return torch.cat([x, x.new_full((extra,) + tuple(x.shape[1:]), value)]) if extra else x
 
 
 @dataclass(frozen=True)
@@ -133,10 +129,10 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
     nk = len(k)
     kt = max(1, -(-nk // k_tile))
     # Per k tile: sorted clean positions (non-clean slots pushed to +big), sorted noisy blocks.
-    kp = _pad(torch.where(k.is_clean, k.position.long(), torch.full_like(k.position, 0).long() + big), k_tile, big)
-    kb = _pad(torch.where(~k.is_clean, k.block.long(), torch.full_like(k.block, 0).long() + big), k_tile, big)
-    clean_sorted = kp.view(kt, k_tile).sort(dim=1).values.contiguous()
-    noisy_sorted = kb.view(kt, k_tile).sort(dim=1).values.contiguous()
+    def sorted_per_tile(keep, values):  # `values` where `keep` (+big elsewhere), sorted within each k tile
+        return _pad(torch.where(keep, values.long(), big), k_tile, big).view(kt, k_tile).sort(dim=1).values.contiguous()
+
+    clean_sorted, noisy_sorted = sorted_per_tile(k.is_clean, k.position), sorted_per_tile(~k.is_clean, k.block)
     real = _pad(torch.ones(nk, dtype=torch.long, device=device), k_tile, 0).view(kt, k_tile).sum(1)  # [kt]
     # A query row sees `seen` keys of a tile: clean ones inside [lo, hi), noisy ones of its own
     # block (noisy queries only). Occupied: seen > 0; full: seen == the tile's real keys. Rows go
@@ -148,16 +144,14 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
     occ_tiles, full_tiles = [], []
     for start in range(0, nq, chunk_rows):
         sl = slice(start, min(nq, start + chunk_rows))
-        lo = q.lo[sl].long()[None, :].expand(kt, -1).contiguous()
-        hi = q.hi[sl].long()[None, :].expand(kt, -1).contiguous()
-        qb = q.block[sl].long()[None, :].expand(kt, -1).contiguous()
+        lo, hi, qb = (x[sl].long()[None, :].expand(kt, -1).contiguous() for x in (q.lo, q.hi, q.block))
         clean_seen = torch.searchsorted(clean_sorted, hi) - torch.searchsorted(clean_sorted, lo)  # [kt, rows]
         clean_seen = clean_seen.clamp_min(0)
         same_block = torch.searchsorted(noisy_sorted, qb, right=True) - torch.searchsorted(noisy_sorted, qb)
         noisy_seen = torch.where(q.is_clean[sl][None, :], torch.zeros_like(same_block), same_block)
         seen = clean_seen + noisy_seen
-        occ = _pad_rows((seen > 0).T, q_tile, False)  # [rows, kt]
-        full = _pad_rows((seen == real[:, None]).T, q_tile, True)
+        occ = _pad((seen > 0).T, q_tile, False)  # [rows, kt]
+        full = _pad((seen == real[:, None]).T, q_tile, True)
         occ_tiles.append(occ.view(-1, q_tile, kt).any(1))
         full_tiles.append(full.view(-1, q_tile, kt).all(1))
     if not occ_tiles:
@@ -165,13 +159,6 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
         return TileTable(q_tile, k_tile, occ, occ.clone())
     occ, full = torch.cat(occ_tiles), torch.cat(full_tiles)
     return TileTable(q_tile, k_tile, occ, full & occ)
-
-
-def _pad_rows(x: torch.Tensor, multiple: int, value: bool) -> torch.Tensor:
-    extra = (-x.shape[0]) % multiple
-    if not extra:
-        return x
-    return torch.cat([x, x.new_full((extra, x.shape[1]), value)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,10 +185,8 @@ class PartialMask:
         """Bool [len(q_index), len(k_index)] for a sub-rectangle (a tile): row vectors gathered
         and compared, O(tile)."""
         q, k = self.q, self.k
-        return pair_allowed(
-            q.block[q_index, None], q.is_clean[q_index, None], q.lo[q_index, None], q.hi[q_index, None],
-            k.position[None, k_index], k.block[None, k_index], k.is_clean[None, k_index],
-        )
+        return pair_allowed(q.block[q_index, None], q.is_clean[q_index, None], q.lo[q_index, None], q.hi[q_index, None],
+                            k.position[None, k_index], k.block[None, k_index], k.is_clean[None, k_index])
 
     def dense(self) -> torch.Tensor:
         """The whole [queries x keys] bool mask: for the math reference kernel and tests only."""
@@ -215,10 +200,6 @@ class PartialMask:
         noisy = torch.zeros(block_size, dtype=torch.bool, device=device)
         return PartialMask(QueryRows(zeros, noisy, zeros, zeros),
                            KeyRows(torch.arange(block_size, dtype=_I32, device=device), zeros, noisy.clone()))
-
-    def select_keys(self, index) -> "PartialMask":
-        """The same queries against a subset of the keys (e.g. the keys some query sees)."""
-        return PartialMask(self.q, self.k.select(index))
 
     @property
     def nbytes(self) -> int:

@@ -18,10 +18,8 @@ def check_parallel_sizes(cp: int, bp: int) -> None:
     if cp < 1 or bp < 1:
         raise ValueError(f"--context-parallel-size ({cp}) and --block-parallel-size ({bp}) must be >= 1")
     if bp > 1 and bp % cp != 0:
-        raise ValueError(
-            f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
-            "BP = k * CP runs k clean rings of CP ranks"
-        )
+        raise ValueError(f"--block-parallel-size {bp} must be a multiple of --context-parallel-size {cp}: "
+                         "BP = k * CP runs k clean rings of CP ranks")
 
 
 def shard_group_size(cp: int, bp: int) -> int:

@@ -9,6 +9,8 @@ docs/attention-kernels.md#cpu_flash-attentioncpu_flashpy-default-on-cpu.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from itertools import accumulate
 from typing import List, Tuple, Union
 
 import torch
@@ -19,10 +21,11 @@ from megatron_csbp.attention.kernels.tiled import (
     _backward as tiled_backward,
     _forward as tiled_forward,
     check_shapes,
+    heads_first_backward,
+    heads_first_forward,
     tile_schedule,
 )
 from megatron_csbp.layout.rows import PartialMask, index_runs as _runs
-from megatron_csbp.utils.precision import compute_dtype
 
 # Rows of a piece: one contiguous range (a view), a few ranges (gathered by concatenating views:
 # no index vector kept in the plan) or an index vector.
@@ -80,33 +83,22 @@ def _run_index(runs: Tuple[slice, ...], device=None) -> torch.Tensor:
     return torch.arange(shift.numel(), device=device) + shift
 
 
-def _by_run(rows: Tuple[slice, ...]):
-    """(run, slice of the gathered rows it occupies) for each run of a tuple of runs."""
-    at = 0
-    for r in rows:
-        n = r.stop - r.start
-        yield r, slice(at, at + n)
-        at += n
+def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor, add: bool = False) -> None:
+    """Write (or with `add`, add) `value` into `rows` along dim 2 of `x`."""
+    if isinstance(rows, tuple):  # each run from its rows of `value`
+        at = [0, *accumulate(r.stop - r.start for r in rows)]
+        for r, a, b in zip(rows, at, at[1:]):
+            _put(x, r, value[:, :, a:b], add)
+    elif isinstance(rows, slice) and add:
+        x[:, :, rows] += value
+    elif isinstance(rows, slice):
+        x[:, :, rows] = value
+    else:
+        (x.index_add_ if add else x.index_copy_)(2, rows, value)
 
 
 def _add(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        x[:, :, rows] += value
-    elif isinstance(rows, tuple):
-        for r, part in _by_run(rows):
-            x[:, :, r] += value[:, :, part]
-    else:
-        x.index_add_(2, rows, value)
-
-
-def _put(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        x[:, :, rows] = value
-    elif isinstance(rows, tuple):
-        for r, part in _by_run(rows):
-            x[:, :, r] = value[:, :, part]
-    else:
-        x.index_copy_(2, rows, value)
+    _put(x, rows, value, add=True)
 
 
 @dataclass(frozen=True)
@@ -177,8 +169,7 @@ class CpuFlashPlan:
         # The noisy call last: its (stacked) pieces then merge once into the rows the clean
         # prefixes reached first, instead of each prefix piece merging into its noisy block's
         # rows (CSBP's own chunk: one merge over the noisy rows instead of one per block).
-        calls = list(fp.clean) + ([fp.noisy] if fp.noisy is not None else [])
-        for call in calls:
+        for call in list(fp.clean) + ([fp.noisy] if fp.noisy is not None else []):
             pieces += _pieces_of(call, mask)
         if fp.fallback_mask is not None:
             pieces.append(TiledPiece(_rows(fp.fallback_q), _rows(fp.clean_keys), fp.fallback_mask))
@@ -192,12 +183,9 @@ class CpuFlashPlan:
     @property
     def nbytes(self) -> int:
         """Bytes of the index vectors and sub-masks (slices cost nothing)."""
-        total = 0
-        for p in self.calls:
-            total += sum(r.numel() * r.element_size() for r in (p.q, p.k) if isinstance(r, torch.Tensor))
-            if isinstance(p, TiledPiece):
-                total += p.mask.nbytes + p.mask.derived_nbytes()
-        return total
+        calls = self.calls
+        vectors = sum(r.numel() * r.element_size() for p in calls for r in (p.q, p.k) if isinstance(r, torch.Tensor))
+        return vectors + sum(p.mask.nbytes + p.mask.derived_nbytes() for p in calls if isinstance(p, TiledPiece))
 
     @property
     def calls(self) -> Tuple[Union[FlashPiece, TiledPiece], ...]:
@@ -217,14 +205,10 @@ def _grouped_runs(pieces, firsts):
     def close():
         if len(group) == 1:
             out.append(group[0])
-        elif group:
-            runs, members, at = [], [], 0
-            for p in group:
-                n = _count(p.q)
-                runs += list(p.q)
-                members.append(FlashPiece(slice(at, at + n), p.k, 1, p.causal))
-                at += n
-            out.append(RunGroup(tuple(runs), tuple(members)))
+        elif group:  # each member on its rows of the gathered runs
+            at = [0, *accumulate(_count(p.q) for p in group)]
+            members = tuple(FlashPiece(slice(a, b), p.k, 1, p.causal) for p, a, b in zip(group, at, at[1:]))
+            out.append(RunGroup(tuple(r for p in group for r in p.q), members))
         if group:
             out_firsts.append(True)
         group.clear()
@@ -240,10 +224,6 @@ def _grouped_runs(pieces, firsts):
         out_firsts.append(first)
     close()
     return tuple(out), tuple(out_firsts)
-
-
-def _sub_mask(mask: PartialMask, q: torch.Tensor, k: torch.Tensor) -> PartialMask:
-    return PartialMask(mask.q.select(q), mask.k.select(k))
 
 
 def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, TiledPiece]]:
@@ -268,7 +248,7 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
     for qs, ks in seqs:
         nq, nk = qs.numel(), ks.numel()
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
-            out.append(TiledPiece(_rows(qs), _rows(ks), _sub_mask(mask, qs, ks)))
+            out.append(TiledPiece(_rows(qs), _rows(ks), PartialMask(mask.q.select(qs), mask.k.select(ks))))
             continue
         qr = _rows(qs)
         if nk > nq:  # bottom-right causal = the rectangle before the diagonal + a top-left causal square
@@ -324,11 +304,6 @@ def _unbatched(x: torch.Tensor, b: int, seqs: int) -> torch.Tensor:
     return x.view(b, seqs, *x.shape[1:]).transpose(1, 2).reshape(b, x.shape[1], seqs * x.shape[2], *tail)
 
 
-def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
-    b, H, n, d = x.shape
-    return x.view(b, G, H // G, n, d)
-
-
 class _Merge:
     """Running log-sum-exp merge of pieces into [b, H, sq, d] / [b, H, sq] accumulators."""
 
@@ -347,16 +322,14 @@ class _Merge:
         _put(self.lse, rows, lse)
 
 
-def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
+def _forward(qc, kc, vc, mask: PartialMask, plan: CpuFlashPlan, scale: float):
     b, H, sq, d = qc.shape
-    G = kc.shape[1]
     merge = _Merge(b, H, sq, d, qc.dtype, qc.device)
     for p, first in zip(plan.pieces, plan.firsts):
         if isinstance(p, FlashPiece):
-            q_rows, k_rows = p.q, p.k
-            o, lse = _fa(_batched(qc, q_rows, p.seqs), _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), 0.0,
-                         p.causal, scale=scale)
-            merge.add(q_rows, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
+            bq, bk = partial(_batched, rows=p.q, seqs=p.seqs), partial(_batched, rows=p.k, seqs=p.seqs)
+            o, lse = _fa(bq(qc), bk(kc), bk(vc), 0.0, p.causal, scale=scale)
+            merge.add(p.q, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
         elif isinstance(p, RunGroup):  # first by construction: written, not merged
             idx = p.index(qc.device)
             qg = qc.index_select(2, idx)
@@ -366,10 +339,8 @@ def _forward(qc, kc, vc, plan: CpuFlashPlan, scale: float):
                                                    scale=scale)
             merge.add(idx, qg, lg, True)
         else:
-            sched = tile_schedule(p.mask)
-            o, lse = tiled_forward(_grouped(_take(qc, p.q), G), _take(kc, p.k), _take(vc, p.k), p.mask, sched, scale)
-            n = _count(p.q)
-            merge.add(p.q, o.view(b, H, n, d), lse.view(b, H, n), first)
+            o, lse = tiled_forward(_take(qc, p.q), _take(kc, p.k), _take(vc, p.k), p.mask, tile_schedule(p.mask), scale)
+            merge.add(p.q, o, lse, first)
     return merge.out, merge.lse.clamp_min(MASKED_SCORE)
 
 
@@ -393,16 +364,14 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             do_f, dlse_f = dout * keep[:, None], dlse * keep
     for p in plan.pieces:
         if isinstance(p, FlashPiece):
-            q_rows, k_rows = p.q, p.k
-            out_p, do_p = _batched(out, q_rows, p.seqs), _batched(do_f, q_rows, p.seqs)
+            bq, bk = partial(_batched, rows=p.q, seqs=p.seqs), partial(_batched, rows=p.k, seqs=p.seqs)
+            out_p, do_p = bq(out), bq(do_f)
             if fix is not None:  # the piece's rows of out' (a copy of those rows only)
-                out_p = torch.addcmul(out_p, _batched(fix, q_rows, p.seqs), do_p, value=-1)
-            gq, gk, gv = _fa_bwd(do_p, _batched(qc, q_rows, p.seqs),
-                                 _batched(kc, k_rows, p.seqs), _batched(vc, k_rows, p.seqs), out_p,
-                                 _batched(lse.unsqueeze(-1), q_rows, p.seqs).squeeze(-1), 0.0, p.causal, scale=scale)
-            _add(dq, q_rows, _unbatched(gq, b, p.seqs))
-            _add(dk, k_rows, _unbatched(gk, b, p.seqs))
-            _add(dv, k_rows, _unbatched(gv, b, p.seqs))
+                out_p = torch.addcmul(out_p, bq(fix), do_p, value=-1)
+            grads = _fa_bwd(do_p, bq(qc), bk(kc), bk(vc), out_p, bq(lse.unsqueeze(-1)).squeeze(-1), 0.0, p.causal,
+                            scale=scale)
+            for total, rows, grad in zip((dq, dk, dv), (p.q, p.k, p.k), grads):
+                _add(total, rows, _unbatched(grad, b, p.seqs))
         elif isinstance(p, RunGroup):
             idx = p.index(qc.device)
             do_g, q_g, out_g, lse_g = (x.index_select(2, idx) for x in (do_f, qc, out, lse))
@@ -424,15 +393,10 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
 
 
 def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask, scale, dq, dk, dv):
-    b, H, sq, d = qc.shape
-    G = kc.shape[1]
-    n = _count(q_rows)
-    g = lambda x: _grouped(_take(x, q_rows), G)  # noqa: E731
-    gl = _take(lse, q_rows).view(b, G, H // G, n)
-    gdl = None if dlse is None else _take(dlse, q_rows).view(b, G, H // G, n)
-    gq, gk, gv = tiled_backward(g(qc), _take(kc, k_rows), _take(vc, k_rows), g(out), gl, g(dout), gdl, mask,
-                                tile_schedule(mask), scale)
-    _add(dq, q_rows, gq.view(b, H, n, d))
+    take = lambda x: None if x is None else _take(x, q_rows)  # noqa: E731
+    gq, gk, gv = tiled_backward(take(qc), _take(kc, k_rows), _take(vc, k_rows), take(out), take(lse), take(dout),
+                                take(dlse), mask, tile_schedule(mask), scale)
+    _add(dq, q_rows, gq)
     _add(dk, k_rows, gk)
     _add(dv, k_rows, gv)
 
@@ -440,24 +404,11 @@ def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask
 class _CpuFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, plan, scale):
-        sq, b, H, d = q.shape
-        cdt = compute_dtype(q.dtype)
-        qc, kc, vc = (x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in (q, k, v))
-        out, lse = _forward(qc, kc, vc, plan, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.plan, ctx.scale = mask, plan, scale
-        return out.permute(2, 0, 1, 3).to(q.dtype), lse
+        return heads_first_forward(ctx, _forward, q, k, v, mask, plan, scale)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        cdt = out.dtype
-        qc, kc, vc = (x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in (q, k, v))
-        do = torch.zeros_like(out) if dout is None else dout.to(cdt).permute(1, 2, 0, 3).contiguous()
-        dl = None if dlse is None else dlse.to(cdt)
-        dq, dk, dv = _backward(qc, kc, vc, out, lse, do, dl, ctx.mask, ctx.plan, ctx.scale)
-        back = lambda g, x: g.permute(2, 0, 1, 3).to(x.dtype)  # noqa: E731
-        return back(dq, q), back(dk, k), back(dv, v), None, None, None
+        return heads_first_backward(ctx, _backward, dout, dlse)
 
 
 def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask,

@@ -8,12 +8,12 @@ docs/attention-kernels.md#flash-attentionflashpy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.attention.kernels.flex import derived, flex_attention_partial, lse_dtype
+from megatron_csbp.attention.kernels.flex import flex_attention_partial, lse_dtype
 from megatron_csbp.attention.merge import merge_partials
 from megatron_csbp.attention.kernels.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import PartialMask
@@ -50,8 +50,7 @@ class VarlenCall:
     window: Tuple[int, int] = (-1, -1)
 
     def to(self, device) -> "VarlenCall":
-        return VarlenCall(self.q_index.to(device), self.k_index.to(device), self.cu_q.to(device), self.cu_k.to(device),
-                          self.max_q, self.max_k, self.causal, self.window)
+        return replace(self, **{f: getattr(self, f).to(device) for f in ("q_index", "k_index", "cu_q", "cu_k")})
 
     def pairs(self) -> torch.Tensor:
         """The (query row, key row) pairs this call attends, int64 [n, 2]: for tests (O(pairs))."""
@@ -72,6 +71,11 @@ class VarlenCall:
         return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.long)
 
 
+def _cu(counts: torch.Tensor) -> torch.Tensor:
+    """Sequence boundaries (int32 [n + 1]) of sequences of `counts` rows."""
+    return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+
+
 def _sequences(q_rows, q_keys, k_rows, k_keys):
     """Group q rows by key `q_keys`, k rows by `k_keys`, keep groups on both sides, in order:
     (q_index, k_index, cu_q, cu_k, max_q, max_k)."""
@@ -81,18 +85,17 @@ def _sequences(q_rows, q_keys, k_rows, k_keys):
     qo, ko = torch.argsort(q_keys, stable=True), torch.argsort(k_keys, stable=True)
     qc = torch.unique_consecutive(q_keys[qo], return_counts=True)[1]
     kc = torch.unique_consecutive(k_keys[ko], return_counts=True)[1]
-    cu = lambda c: torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]).to(torch.int32)  # noqa: E731
-    return q_rows[qo], k_rows[ko], cu(qc), cu(kc), int(qc.max()) if qc.numel() else 0, int(kc.max()) if kc.numel() else 0
+    longest = [int(c.max()) if c.numel() else 0 for c in (qc, kc)]
+    return q_rows[qo], k_rows[ko], _cu(qc), _cu(kc), *longest
 
 
 def _causal_runs(rows, s, e):
     """Split rows (sorted by e, each with a unique (s, e)) into maximal runs with e[i+1] = e[i]+1;
     return the runs that one causal sequence expresses: (rows, segment start, left) each."""
-    runs = []
     if rows.numel() == 0:
-        return runs, rows
+        return [], rows
     breaks = (torch.nonzero(e[1:] != e[:-1] + 1).flatten() + 1).tolist()
-    leftover = []
+    runs, leftover = [], []
     for a, b in zip([0] + breaks, breaks + [rows.numel()]):
         rr, ss, ee = rows[a:b], s[a:b], e[a:b]
         k0 = int(ss.min())
@@ -101,8 +104,7 @@ def _causal_runs(rows, s, e):
             continue
         inside = ss > k0
         if not bool(inside.any()):
-            left = -1
-            ok = bool((ss == k0).all())
+            left, ok = -1, bool((ss == k0).all())
         else:
             lefts = (ee - 1 - ss)[inside]
             left = int(lefts[0])
@@ -169,16 +171,13 @@ class FlashPlan:
             in_runs += [x[0] for x in r]
         taken_rows = torch.cat(in_runs) if in_runs else active[:0]
         rest = active[~torch.isin(active, taken_rows)]
-        full_s = torch.zeros(q.lo.numel(), dtype=torch.long)
-        full_e = torch.zeros(q.lo.numel(), dtype=torch.long)
-        full_s[active], full_e[active] = s, e
+        full_s, full_e = (torch.zeros(q.lo.numel(), dtype=torch.long).index_copy_(0, active, x) for x in (s, e))
         # Candidate sequences: (cost in gathered keys, kind, q rows, k0, k1, left)
         cands = [(int(full_e[r[-1]]) - k0, "causal", r, k0, int(full_e[r[-1]]), left) for r, k0, left in runs]
-        dense_rows = rest
-        if dense_rows.numel():
-            dp = full_s[dense_rows] * (pos.numel() + 1) + full_e[dense_rows]
+        if rest.numel():  # dense groups of identical (s, e)
+            dp = full_s[rest] * n_pos + full_e[rest]
             do = torch.argsort(dp, stable=True)
-            dense_rows, dp = dense_rows[do], dp[do]
+            dense_rows, dp = rest[do], dp[do]
             cnt = torch.unique_consecutive(dp, return_counts=True)[1]
             for grp in torch.split(dense_rows, cnt.tolist()):
                 a, b = int(full_s[grp[0]]), int(full_e[grp[0]])
@@ -200,10 +199,8 @@ class FlashPlan:
             group = sorted((c for c in taken if (c[1], c[5]) == (kind, left)), key=lambda c: (c[3], c[4]))
             qs = [c[2] for c in group]
             ks = [torch.arange(c[3], c[4]) for c in group]
-            nq = torch.tensor([x.numel() for x in qs])
-            nk = torch.tensor([x.numel() for x in ks])
-            cu = lambda n: torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]).to(torch.int32)  # noqa: E731
-            calls.append(VarlenCall(torch.cat(qs), clean_keys[torch.cat(ks)], cu(nq), cu(nk), int(nq.max()),
+            nq, nk = (torch.tensor([x.numel() for x in xs]) for xs in (qs, ks))
+            calls.append(VarlenCall(torch.cat(qs), clean_keys[torch.cat(ks)], _cu(nq), _cu(nk), int(nq.max()),
                                     int(nk.max()), causal=kind == "causal", window=(left, 0) if kind == "causal" else (-1, -1)))
         fallback_q = torch.sort(torch.cat(fallback)).values if fallback else torch.zeros(0, dtype=torch.long)
         fallback_mask = PartialMask(q.select(fallback_q), k.select(clean_keys)) if fallback_q.numel() else None
@@ -225,7 +222,7 @@ class FlashPlan:
 
 def flash_plan(mask: PartialMask, device) -> FlashPlan:
     """The mask's FlashPlan on `device`, built once and cached on the mask."""
-    return derived(mask, ("flash", str(device)), lambda: FlashPlan.of(mask).to(device))
+    return mask.derived(("flash", str(device)), lambda: FlashPlan.of(mask).to(device))
 
 
 def _lse_rows(lse: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:

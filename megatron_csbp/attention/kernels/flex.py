@@ -38,17 +38,6 @@ def bucket(n: int, block: int = FLEX_BLOCK) -> int:
     raise AssertionError("unreachable")
 
 
-def derived(mask: PartialMask, key, build):
-    """`build()` once per (mask, key), kept on the mask and freed with it: `PartialMask.derived`
-    where the mask has it, else a dict in the mask's __dict__."""
-    if hasattr(mask, "derived"):
-        return mask.derived(key, build)
-    cache = mask.__dict__.setdefault("_kernel_cache", {})
-    if key not in cache:
-        cache[key] = build()
-    return cache[key]
-
-
 def lse_dtype(q: torch.Tensor) -> torch.dtype:
     """The kernels' lse dtype: fp32, fp64 for fp64 inputs (as the math and tiled kernels)."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -136,7 +125,7 @@ def flex_mask(mask: PartialMask, device: torch.device, block: int = FLEX_BLOCK) 
                                               seq_lengths=(q_len, k_len))
         return FlexMask(q_len, k_len, block_mask, padded.q.nbytes + padded.k.nbytes)
 
-    return derived(mask, ("flex", str(device), block), build)
+    return mask.derived(("flex", str(device), block), build)
 
 
 @functools.lru_cache(maxsize=None)

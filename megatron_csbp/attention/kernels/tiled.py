@@ -58,47 +58,49 @@ def tile_schedule(mask: PartialMask, q_tile: int = DEFAULT_Q_TILE, k_tile: int =
         computed = 0
         for i in range(occupied.shape[0]):
             tq = min(nq, (i + 1) * q_tile) - i * q_tile
-            row: List[Tuple[int, int, bool]] = []
-            if tq > 0 and nk > 0:
-                cols = occupied[i].nonzero().flatten().tolist()
-                is_full = full[i].tolist()
-                start = prev = None
-                for j in cols + [None]:
-                    extend = (j is not None and prev is not None and j == prev + 1
-                              and is_full[j] == is_full[start] and j - start < max_tiles)
-                    if not extend:
-                        if start is not None:
-                            k0, k1 = start * k_tile, min(nk, (prev + 1) * k_tile)
-                            row.append((k0, k1, not is_full[start]))
-                            computed += tq * (k1 - k0)
-                        start = j
-                    prev = j
-            runs.append(tuple(row))
+            tiles: List[List[int]] = []  # [first, last + 1) tile of each chunk
+            is_full = full[i].tolist()
+            for j in occupied[i].nonzero().flatten().tolist() if tq > 0 and nk > 0 else []:
+                first, end = tiles[-1] if tiles else (None, None)
+                if j == end and is_full[j] == is_full[first] and j - first < max_tiles:
+                    tiles[-1][1] = j + 1
+                else:
+                    tiles.append([j, j + 1])
+            row = tuple((a * k_tile, min(nk, b * k_tile), not is_full[a]) for a, b in tiles)
+            computed += sum(tq * (k1 - k0) for k0, k1, _ in row)
+            runs.append(row)
         return TileSchedule(q_tile, k_tile, tuple(runs), computed)
 
     return mask.derived(("tile_schedule", q_tile, k_tile, max_run_keys), build)
 
 
-def _grouped(q, k, v, cdt):
-    """q [sq, b, H, d] -> [b, G, rep, sq, d]; k, v [sk, b, G, d] -> [b, G, sk, d], in `cdt`."""
-    sq, b, H, d = q.shape
-    G = k.shape[2]
-    qg = q.to(cdt).permute(1, 2, 0, 3).reshape(b, G, H // G, sq, d).contiguous()
-    kg = k.to(cdt).permute(1, 2, 0, 3).contiguous()
-    vg = v.to(cdt).permute(1, 2, 0, 3).contiguous()
-    return qg, kg, vg
+def heads_first(cdt, *xs):
+    """[s, b, heads, d] tensors as contiguous [b, heads, s, d] in `cdt`."""
+    return tuple(x.to(cdt).permute(1, 2, 0, 3).contiguous() for x in xs)
 
 
-def _forward(qg, kg, vg, mask: PartialMask, sched: TileSchedule, scale: float):
+def _by_group(G: int, x: torch.Tensor) -> torch.Tensor:
+    """[b, H, rows, ...] -> [b, G, H / G, rows, ...] (a view)."""
+    return x.view(x.shape[0], G, -1, *x.shape[2:])
+
+
+def _query_tiles(sched: TileSchedule, qg):
+    """(q0, q1, the tile's queries [b, G, rep * tq, d], its chunks) of every query tile with chunks."""
+    b, G, rep, sq, d = qg.shape
+    for i, runs in enumerate(sched.runs):
+        if runs:
+            q0, q1 = i * sched.q_tile, min(sq, (i + 1) * sched.q_tile)
+            yield q0, q1, qg[:, :, :, q0:q1].reshape(b, G, rep * (q1 - q0), d), runs
+
+
+def _forward(q, kg, vg, mask: PartialMask, sched: TileSchedule, scale: float):
+    """q [b, H, sq, d], k/v [b, G, sk, d] -> (out [b, H, sq, d], lse [b, H, sq])."""
+    qg = _by_group(kg.shape[1], q)
     b, G, rep, sq, d = qg.shape
     out = torch.zeros_like(qg)
     lse = torch.full((b, G, rep, sq), MASKED_SCORE, dtype=qg.dtype, device=qg.device)
-    for i, runs in enumerate(sched.runs):
-        if not runs:
-            continue
-        q0, q1 = i * sched.q_tile, min(sq, (i + 1) * sched.q_tile)
+    for q0, q1, qi, runs in _query_tiles(sched, qg):
         tq = q1 - q0
-        qi = qg[:, :, :, q0:q1].reshape(b, G, rep * tq, d)
         m = torch.full((b, G, rep, tq), MASKED_SCORE, dtype=qg.dtype, device=qg.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(b, G, rep, tq, d, dtype=qg.dtype, device=qg.device)
@@ -120,22 +122,21 @@ def _forward(qg, kg, vg, mask: PartialMask, sched: TileSchedule, scale: float):
         out[:, :, :, q0:q1] = acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)
         lse[:, :, :, q0:q1] = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))),
                                           torch.full_like(m, MASKED_SCORE))
-    return out, lse
+    return out.reshape(q.shape), lse.view(b, -1, sq)
 
 
-def _backward(qg, kg, vg, out, lse, dout, dlse, mask: PartialMask, sched: TileSchedule, scale: float):
+def _backward(q, kg, vg, out, lse, dout, dlse, mask: PartialMask, sched: TileSchedule, scale: float):
+    """Gradients (dq [b, H, sq, d], dk, dv [b, G, sk, d]); shapes as `_forward`, dout as out, dlse as lse."""
+    G = kg.shape[1]
+    qg, out, lse, dout = (_by_group(G, x) for x in (q, out, lse, dout))
     b, G, rep, sq, d = qg.shape
     dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
     # dS = P * (dP - D + dlse) with D = rowsum(dO * O).
     delta = (dout * out).sum(-1)
     if dlse is not None:
-        delta = delta - dlse
-    for i, runs in enumerate(sched.runs):
-        if not runs:
-            continue
-        q0, q1 = i * sched.q_tile, min(sq, (i + 1) * sched.q_tile)
+        delta = delta - _by_group(G, dlse)
+    for q0, q1, qi, runs in _query_tiles(sched, qg):
         tq = q1 - q0
-        qi = qg[:, :, :, q0:q1].reshape(b, G, rep * tq, d)
         doi = dout[:, :, :, q0:q1].reshape(b, G, rep * tq, d)
         li = lse[:, :, :, q0:q1].unsqueeze(-1)
         di = delta[:, :, :, q0:q1].unsqueeze(-1)
@@ -153,32 +154,38 @@ def _backward(qg, kg, vg, out, lse, dout, dlse, mask: PartialMask, sched: TileSc
             dk[:, :, k0:k1] += torch.matmul(ds2.transpose(-1, -2), qi).mul_(scale)
             dqi += torch.matmul(ds2, kc).mul_(scale)
         dq[:, :, :, q0:q1] = dqi.view(b, G, rep, tq, d)
-    return dq, dk, dv
+    return dq.reshape(q.shape), dk, dv
+
+
+def heads_first_forward(ctx, forward, q, k, v, mask, plan, scale):
+    """An autograd function's forward around a kernel `forward(q, k, v, mask, plan, scale)` on
+    [b, heads, rows, d] copies in the compute dtype (its `backward` counterpart: `heads_first_backward`):
+    q [sq, b, H, d], k/v [sk, b, G, d] -> (out [sq, b, H, d], lse [b, H, sq] in the compute dtype)."""
+    out, lse = forward(*heads_first(compute_dtype(q.dtype), q, k, v), mask, plan, scale)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mask, ctx.plan, ctx.scale = mask, plan, scale
+    return out.permute(2, 0, 1, 3).to(q.dtype), lse
+
+
+def heads_first_backward(ctx, backward, dout, dlse):
+    """The gradients of q, k, v from a kernel's `backward(q, k, v, out, lse, dout, dlse, mask, plan,
+    scale)` on the heads-first copies (None for the other inputs)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    cdt = out.dtype
+    do = torch.zeros_like(out) if dout is None else heads_first(cdt, dout)[0]
+    dl = None if dlse is None else dlse.to(cdt)
+    grads = backward(*heads_first(cdt, q, k, v), out, lse, do, dl, ctx.mask, ctx.plan, ctx.scale)
+    return tuple(g.permute(2, 0, 1, 3).to(x.dtype) for g, x in zip(grads, (q, k, v))) + (None, None, None)
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, sched, scale):
-        sq, b, H, d = q.shape
-        cdt = compute_dtype(q.dtype)
-        qg, kg, vg = _grouped(q, k, v, cdt)
-        out, lse = _forward(qg, kg, vg, mask, sched, scale)
-        del qg, kg, vg
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.sched, ctx.scale = mask, sched, scale
-        return out.reshape(b, H, sq, d).permute(2, 0, 1, 3).to(q.dtype), lse.reshape(b, H, sq)
+        return heads_first_forward(ctx, _forward, q, k, v, mask, sched, scale)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        sq, b, H, d = q.shape
-        cdt = out.dtype
-        qg, kg, vg = _grouped(q, k, v, cdt)
-        do = torch.zeros_like(out) if dout is None else dout.to(cdt).permute(1, 2, 0, 3).reshape(out.shape)
-        dl = None if dlse is None else dlse.to(cdt).reshape(lse.shape)
-        dq, dk, dv = _backward(qg, kg, vg, out, lse, do, dl, ctx.mask, ctx.sched, ctx.scale)
-        dq = dq.reshape(b, H, sq, d).permute(2, 0, 1, 3).to(q.dtype)
-        return dq, dk.permute(2, 0, 1, 3).to(k.dtype), dv.permute(2, 0, 1, 3).to(v.dtype), None, None, None
+        return heads_first_backward(ctx, _backward, dout, dlse)
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, mask: PartialMask) -> None:
