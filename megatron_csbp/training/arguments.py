@@ -94,10 +94,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     """The flags, checked and resolved (`Resolved`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return validate_args(args, world_size)
+        return validate_args(args, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -151,8 +149,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     load_step = shape = source = None
     away = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("load", "pretrained_checkpoint") if check_only
             and getattr(args, d) and (d in placeholders or not os.path.exists(getattr(args, d)))]
-    unknown = bool(away)
-    if unknown:
+    if away:
         notes.append(f"{' and '.join(away)} {'is' if len(away) == 1 else 'are'} not here: the model-shape rules (flags "
                      "vs the checkpoint's shape, MoE and DiffusionGemma requirements) run at launch")
     elif args.load or args.ckpt_step is not None or args.pretrained_checkpoint:
@@ -164,7 +161,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
         if source and source[0] != "--load":  # (a LoRA checkpoint's recorded base when not given)
             args.pretrained_checkpoint = source[1]
     facts = Resolved(world_size=world_size, data_parallel_size=dp, load_step=load_step, model_source=source,
-                     model_shape=shape, shape_unknown=unknown, objective_inputs=inputs, check_notes=notes)
+                     model_shape=shape, shape_unknown=bool(away), objective_inputs=inputs, check_notes=notes)
     if shape is not None:
         apply_model_shape(args, shape, *(source or ("--load", args.load))[:2])
     check_clean_attention(args, shape)
@@ -283,7 +280,8 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
             raise ValueError(f"--data-path {where} holds token id {top}, outside the vocabulary of {args.vocab_size} "
                              f"ids ({vocab}{', the --load checkpoint' if shape is not None else ''}): give the "
                              "tokenizer the data was preprocessed with")
-    if check_only and ({"mask_token", "mask_token_id"} & placeholders or (args.mask_token is not None and unknown)):
+    if check_only and ({"mask_token", "mask_token_id"} & placeholders
+                       or (args.mask_token is not None and facts.shape_unknown)):
         notes.append("the mask token is a placeholder (or needs the --load checkpoint's tokenizer): its "
                      "vocabulary rule runs at launch")
         return facts
@@ -530,10 +528,8 @@ def moe_pattern(args):
 
 def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
     """Rules of the MoE flags of a flag-built model (`shape`: the --load model's)."""
-    if args.num_experts is None:
-        return
-    if shape is not None:
-        return  # a converted model's MoE comes from its shape (apply_model_shape compares the flags)
+    if args.num_experts is None or shape is not None:
+        return  # dense; or a converted model, whose MoE comes from its shape (apply_model_shape compares the flags)
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
                          f"{args.num_experts}")

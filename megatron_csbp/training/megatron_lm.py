@@ -35,23 +35,21 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-# Megatron-LM flags whose values the plugin cannot honour: (attribute, flag, allowed values, why).
+_PIPELINE_SPLIT = "stages are cut by --decoder-first/last-pipeline-num-layers or an even split " \
+    "(megatron_csbp/parallel/pipeline.py)"
+# Megatron-LM flags (dests) whose values the plugin cannot honour: (dest, allowed values, why).
 _REFUSED_MEGATRON_FLAGS = (
-    ("position_embedding_type", "--position-embedding-type", ("rope", "none"),
+    ("position_embedding_type", ("rope", "none"),
      "the layouts place a position's noisy and clean rows on different ranks and pass each row's position "
      "to the rotary embedding; Megatron's default learned_absolute embedding reads positions 0..L-1 of the "
      "local rows instead. Pass --position-embedding-type rope"),
-    ("attention_dropout", "--attention-dropout", (0.0,),
-     "dropout on attention probabilities would make the loss depend on the layout (ranks draw different "
-     "masks for the same row). Pass --attention-dropout 0"),
-    ("hidden_dropout", "--hidden-dropout", (0.0,),
+    ("attention_dropout", (0.0,), "dropout on attention probabilities would make the loss depend on the layout "
+     "(ranks draw different masks for the same row). Pass --attention-dropout 0"),
+    ("hidden_dropout", (0.0,),
      "dropout masks are drawn per rank, so the loss would depend on the layout. Pass --hidden-dropout 0"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", (None,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", (False,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", (False,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
+    ("pipeline_model_parallel_layout", (None,), _PIPELINE_SPLIT),
+    ("account_for_embedding_in_pipeline_split", (False,), _PIPELINE_SPLIT),
+    ("account_for_loss_in_pipeline_split", (False,), _PIPELINE_SPLIT),
 )
 
 
@@ -105,10 +103,10 @@ def validate_megatron_args(args) -> None:
     its own `validate_args` (which ends in the ~700-line argument dump): every rule here reads flags
     as given, none needs Megatron's derived values."""
     default_eval_interval(args)
-    for attr, flag, allowed, why in _REFUSED_MEGATRON_FLAGS:
-        value = getattr(args, attr, allowed[0])
+    for dest, allowed, why in _REFUSED_MEGATRON_FLAGS:
+        value = getattr(args, dest, allowed[0])
         if value not in allowed:
-            raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
+            raise ValueError(f"--{dest.replace('_', '-')} {value} is not supported with block diffusion: {why}")
     _requirements_of_this_machine(args)
     if not args.skip_train and not any(getattr(args, a, None) for a in DATA_SOURCES):
         raise ValueError("no training data: pass --data-path PREFIX (a .bin/.idx pair that python -m "
@@ -213,18 +211,10 @@ def _flag_value(argv: List[str], name: str, default: int) -> int:
 
 
 def _set_flag(argv: List[str], name: str, value) -> List[str]:
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out + [name, str(value)]
+    """`argv` without `name` (and its value), then `name value`."""
+    kept = [a for i, a in enumerate(argv)
+            if a != name and not a.startswith(name + "=") and (i == 0 or argv[i - 1] != name)]
+    return kept + [name, str(value)]
 
 
 def rewrite_argv(argv: Sequence[str]) -> List[str]:
@@ -494,7 +484,6 @@ def use_prebuilt_dataset_helpers() -> bool:
     so with Megatron-LM's training package on top of the wheel that `make` fails. When the prebuilt
     module imports, compiling is skipped; a source checkout of megatron/core is left as it was."""
     import importlib.util
-    import os
 
     from megatron.core.datasets import utils as dataset_utils
 

@@ -66,7 +66,8 @@ def init_distributed(parallel) -> None:
         if "RANK" not in os.environ and "MASTER_ADDR" not in os.environ:
             # `python -m megatron_csbp.train` without torchrun: one process, an in-memory store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        elif _restarted_under_torchrun():
+        elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun restarted this worker
             dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]))
         else:
@@ -84,11 +85,6 @@ def init_distributed(parallel) -> None:
                                           parallel, "virtual_pipeline_model_parallel_size", None))
 
 
-def _restarted_under_torchrun() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def _attempt_store():
     """torchrun (`--max-restarts`) keeps its agent's store across restarts and hands the workers the
     bare store, so a restarted gloo group read the peer addresses of the failed attempt ("Connection
@@ -98,6 +94,15 @@ def _attempt_store():
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=False, timeout=timedelta(minutes=10))
     return dist.PrefixStore(f"megatron_csbp/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def destroy_process_groups() -> None:
+    """Tear down the plugin's and torch.distributed's process groups."""
+    from megatron_csbp.parallel import state as bps
+    if bps.is_initialized():
+        bps.destroy_block_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
@@ -555,12 +560,7 @@ class Trainer:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Tear down the plugin's and torch.distributed's process groups."""
-        from megatron_csbp.parallel import state as bps
-        if bps.is_initialized():
-            bps.destroy_block_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
 
     def __enter__(self) -> "Trainer":
         try:
