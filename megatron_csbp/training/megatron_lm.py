@@ -9,6 +9,7 @@ does and why: docs/megatron-lm.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from functools import lru_cache, partial
 from typing import List, Optional, Sequence
@@ -20,7 +21,8 @@ from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
 from megatron_csbp.objectives.registry import objective_class
-from megatron_csbp.training.arguments import add_block_diffusion_args
+from megatron_csbp.lora import LoRAConfig, is_adapter
+from megatron_csbp.training.arguments import add_block_diffusion_args, model_args
 from megatron_csbp.utils.cli import UsageError
 
 
@@ -86,8 +88,6 @@ def _requirements_of_this_machine(args) -> None:
                          "none: pass --distributed-backend gloo (docs/megatron-lm.md lists the other flags of a "
                          "CPU run)")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        import importlib.util
-
         if importlib.util.find_spec("transformer_engine") is None:
             raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
                              "Engine, which is not installed: pass --transformer-impl local")
@@ -282,8 +282,6 @@ def _eod_token_id(args) -> Optional[int]:
 def _model_args_from_megatron(args):
     """ModelArgs of Megatron-LM's arguments (the same names): the embedding's rows are its padded
     vocabulary, the clean ring its true CP (`_true_cp`)."""
-    from megatron_csbp.training.arguments import model_args
-
     return model_args(args, vocab_size=args.padded_vocab_size, make_vocab_size_divisible_by=1,
                       context_parallel_size=_true_cp(args), clean_attention=args.clean_attention or "block_causal",
                       eod_token_id=_eod_token_id(args))
@@ -295,8 +293,6 @@ class _AdapterState:
     --pretrained-checkpoint (`install_checkpoint_hook`)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        from megatron_csbp.lora import is_adapter
-
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         return {k: v for k, v in state.items() if is_adapter(k)}
 
@@ -319,7 +315,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_csbp.lora import LoRAConfig
     from megatron_csbp.lora.spec import adapted
     from megatron_csbp.model import assemble, builder
     from megatron_csbp.parallel import pipeline
@@ -483,8 +478,6 @@ def use_prebuilt_dataset_helpers() -> bool:
     index helpers. The megatron-core wheel ships them prebuilt (`helpers_cpp`) and has no Makefile,
     so with Megatron-LM's training package on top of the wheel that `make` fails. When the prebuilt
     module imports, compiling is skipped; a source checkout of megatron/core is left as it was."""
-    import importlib.util
-
     from megatron.core.datasets import utils as dataset_utils
 
     here = os.path.dirname(os.path.abspath(dataset_utils.__file__))
@@ -549,7 +542,6 @@ def install_checkpoint_hook() -> None:
     if getattr(training.load_checkpoint, "__bdlm_hook__", False):
         return
     from megatron_csbp.checkpoint import files, state
-    from megatron_csbp.lora import LoRAConfig, is_adapter
     from megatron_csbp.lora.checkpoint import base_record, check_resume, record_json
 
     load, save, held = training.load_checkpoint, training.save_checkpoint, {}

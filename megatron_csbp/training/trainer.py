@@ -21,10 +21,18 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_csbp.data.megatron_data import MicroBatchSampler, collate, microbatch_indices, train_batches
+from megatron_csbp.lora import LoRAConfig, is_adapter
+from megatron_csbp.model.assemble import wrap
 from megatron_csbp.model.contract import Metrics
+from megatron_csbp.objectives import objective_class
+from megatron_csbp.parallel import pipeline
+from megatron_csbp.parallel.self_conditioning import relay_for
 from megatron_csbp.training.config import TrainerConfig
 from megatron_csbp.training.metrics import Logger, allreduce, flops_per_sample, peak_memory_bytes
-from megatron_csbp.training.signals import PROGRAM_START  # noqa: F401  (--exit-duration-in-mins counts from here)
+from megatron_csbp.training.model import TrainableBDLM, build_model_chunks
+# (PROGRAM_START: --exit-duration-in-mins counts from this import)
+from megatron_csbp.training.signals import PROGRAM_START, ExitConditions, ExitSignal, exit_signals  # noqa: F401
 from megatron_csbp.utils.cli import CliError
 
 
@@ -138,13 +146,6 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.objectives import objective_class
-        from megatron_csbp.parallel import pipeline
-        from megatron_csbp.parallel.self_conditioning import relay_for
-        from megatron_csbp.training.model import build_model_chunks
-
-        from megatron_csbp.lora import LoRAConfig
-
         c = self.config
         self.lora = LoRAConfig.of(c.model)
         init_distributed(c.parallel)
@@ -158,9 +159,6 @@ class Trainer:
         if self.gpt_provider is None:
             self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
         else:
-            from megatron_csbp.model.assemble import wrap
-            from megatron_csbp.training.model import TrainableBDLM
-
             config, gpt = self.gpt_provider(c.model)
             config.finalize_model_grads_func = finalize
             self.chunks = [TrainableBDLM(config, wrap(c.model, gpt, device=device()))]
@@ -249,7 +247,6 @@ class Trainer:
         """Forward and backward of one global batch starting at `consumed` under `objective`, or with
         `metrics` (an evaluation's accumulator, a one-item list) forward only; returns the global loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron_csbp.data.megatron_data import collate, microbatch_indices
 
         b_cfg = self.config.batch
         dev = device()
@@ -290,8 +287,6 @@ class Trainer:
             else:
                 out, metrics[0] = chunk.evaluation_loss(*args, objective=objective, metrics=metrics[0])
             return out.loss, partial(loss_func, out)
-
-        from megatron_csbp.parallel import pipeline
 
         fb = get_forward_backward_func()
         # Under pipeline parallelism P2P moves this rank's rows ([rows, b, h]): the schedule's
@@ -405,7 +400,6 @@ class Trainer:
         if self.lora is None:
             return {}
         from megatron_csbp.checkpoint.files import LORA_FILE
-        from megatron_csbp.lora import is_adapter
         from megatron_csbp.lora.checkpoint import record_json
 
         return {"keep": is_adapter, "files": {LORA_FILE: record_json(self.lora, self.base)}}
@@ -421,8 +415,6 @@ class Trainer:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
         release: weights only, from iteration 0). Returns (iteration, consumed samples)."""
         from megatron_csbp.checkpoint import files, state
-
-        from megatron_csbp.lora import is_adapter
         from megatron_csbp.lora.checkpoint import base_record, check_resume
 
         ck = self.config.checkpoint
@@ -471,8 +463,6 @@ class Trainer:
         `exit_signal`: an active `ExitSignal` installed earlier (the CLI installs it before the build,
         as Megatron-LM does at initialization); with --exit-signal-handler and none, one is
         installed here."""
-        from megatron_csbp.training.signals import ExitSignal, exit_signals
-
         if exit_signal is not None or not self.config.batch.exit_signal_handler:
             return self._train(exit_signal)
         with ExitSignal(exit_signals(self.config.batch.exit_signal)) as exit_signal:
@@ -480,14 +470,11 @@ class Trainer:
 
     def _train(self, exit_signal) -> Dict:
         from megatron_csbp.attention.accounting import traffic_counter
-        from megatron_csbp.training.signals import ExitConditions
 
         c = self.config
         bc, ck = c.batch, c.checkpoint
         iteration, consumed = self.load()
         if c.data.num_workers and not bc.skip_train:
-            from megatron_csbp.data.megatron_data import MicroBatchSampler, train_batches
-
             sampler = MicroBatchSampler(consumed, bc.train_iters * bc.global_batch_size, bc.num_microbatches,
                                         bc.micro_batch_size, self.dp_rank, self.dp_size)
             self._batches, self._batches_at = train_batches(self.train_ds, sampler, c.data.num_workers), consumed
