@@ -44,18 +44,13 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     cfg = parse_args(argv)
-    import torch.distributed as dist
-
-    from megatron_csbp.parallel import state as bps
     from megatron_csbp.training.demo import run
+    from megatron_csbp.training.trainer import destroy_process_groups
 
     try:
         run(cfg, log=lambda s: print(s, flush=True))
     finally:
-        if bps.is_initialized():
-            bps.destroy_block_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
     return 0
 
 

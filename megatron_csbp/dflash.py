@@ -100,9 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(a) -> None:
-    if a.command == "prepare-features":
-        if a.seq_length <= 0 or a.shard_size <= 0:
-            raise ValueError("--seq-length and --shard-size must be positive")
+    if a.command == "prepare-features" and (a.seq_length <= 0 or a.shard_size <= 0):
+        raise ValueError("--seq-length and --shard-size must be positive")
     if a.command == "evaluate" and not (a.features_path or a.prompts_data_path):
         raise ValueError("evaluate needs --features-path or --prompts-data-path (where the prompts come from)")
     if a.command == "evaluate" and not a.logit_tolerance > 0:

@@ -17,16 +17,13 @@ def parse_args(argv=None):
     p = ArgumentParser(prog="python -m megatron_csbp.explain", description=library.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=None, help="a recipe (examples/recipes/*.yaml): its trainer flags")
-    p.add_argument("--seq-length", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--block-parallel-size", type=int, default=1)
+    for flag, default in (("--seq-length", None), ("--block-size", None), ("--context-parallel-size", 1),
+                          ("--block-parallel-size", 1)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--block-ownership", choices=OWNERSHIP_SCHEDULES, default="mirrored")
     p.add_argument("--clean-attention", default="block_causal")
-    p.add_argument("--num-attention-heads", type=int, default=None)
-    p.add_argument("--num-query-groups", type=int, default=None)
-    p.add_argument("--kv-channels", type=int, default=None)
-    p.add_argument("--hidden-size", type=int, default=None)
+    for flag in ("--num-attention-heads", "--num-query-groups", "--kv-channels", "--hidden-size"):
+        p.add_argument(flag, type=int, default=None)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--fp32", action="store_true", help="4-byte K/V (default: bf16, 2 bytes)")
     p.add_argument("--tile", type=int, default=None, help="tile rows/keys of the picture (default: 2L / 64)")

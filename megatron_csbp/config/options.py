@@ -374,24 +374,20 @@ def add_options(parser: argparse.ArgumentParser, groups=tuple(GROUPS)) -> None:
 
     made = {k: parser.add_argument_group(GROUPS[k]) for k in GROUPS if k in groups}
     for o in OPTIONS:
-        if o.group not in groups:
-            continue
-        g = made[o.group]
-        if o.name == "objective":
-            g.add_argument(o.flag, choices=objective_names(), default=o.default, help=objective_help())
-            add_objective_args(g)  # each objective's flags (megatron_csbp/objectives/), shared ones once
-            continue
-        o.add_to(g)
+        if o.group in groups and o.name == "objective":
+            made[o.group].add_argument(o.flag, choices=objective_names(), default=o.default, help=objective_help())
+            add_objective_args(made[o.group])  # each objective's flags (megatron_csbp/objectives/), shared ones once
+        elif o.group in groups:
+            o.add_to(made[o.group])
 
 
 def check_options(args) -> None:
     """Each declared flag's own rule, on the values given (None: not given)."""
     for o in OPTIONS:
         value = getattr(args, o.name, None)
-        if o.rule is not None and value is not None:
-            refusal = o.rule(o.flag, value)
-            if refusal:
-                raise ValueError(refusal)
+        refusal = o.rule is not None and value is not None and o.rule(o.flag, value)
+        if refusal:
+            raise ValueError(refusal)
 
 
 #: model flags (dests) that fix the shapes of the saved tensors: a resume must give the same values

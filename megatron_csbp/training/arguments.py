@@ -13,9 +13,17 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+import torch
+
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
 from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
+from megatron_csbp.data.megatron_data import (NULL_TOKENIZER_RULE, build_tokenizer, largest_token_id, missing_prefixes,
+                                              null_tokenizer_vocab_flag)
+from megatron_csbp.layout.layout import SequenceLayout, balanced_block_unit
+from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.objectives.base import ObjectiveInputs
+from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
+from megatron_csbp.objectives.flags import default_mask_token_id
 
 
 def __getattr__(name):
@@ -94,10 +102,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     """The flags, checked and resolved (`Resolved`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        return validate_args(args, world_size)
+        return validate_args(args, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -128,8 +134,6 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     the run's files): a --load checkpoint or tokenizer that is not here, and flags whose values are
     placeholders (`args.placeholders`, a set of dests), skip the rules that need them; every other
     rule runs. What was skipped is listed in `Resolved.check_notes`."""
-    from megatron_csbp.layout.layout import SequenceLayout
-    from megatron_csbp.layout.masks import BlockGeometry
     from megatron_csbp.parallel.state import check_topology
 
     placeholders, notes = set(getattr(args, "placeholders", ())), []
@@ -151,8 +155,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     load_step = shape = source = None
     away = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("load", "pretrained_checkpoint") if check_only
             and getattr(args, d) and (d in placeholders or not os.path.exists(getattr(args, d)))]
-    unknown = bool(away)
-    if unknown:
+    if away:
         notes.append(f"{' and '.join(away)} {'is' if len(away) == 1 else 'are'} not here: the model-shape rules (flags "
                      "vs the checkpoint's shape, MoE and DiffusionGemma requirements) run at launch")
     elif args.load or args.ckpt_step is not None or args.pretrained_checkpoint:
@@ -164,7 +167,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
         if source and source[0] != "--load":  # (a LoRA checkpoint's recorded base when not given)
             args.pretrained_checkpoint = source[1]
     facts = Resolved(world_size=world_size, data_parallel_size=dp, load_step=load_step, model_source=source,
-                     model_shape=shape, shape_unknown=unknown, objective_inputs=inputs, check_notes=notes)
+                     model_shape=shape, shape_unknown=bool(away), objective_inputs=inputs, check_notes=notes)
     if shape is not None:
         apply_model_shape(args, shape, *(source or ("--load", args.load))[:2])
     check_clean_attention(args, shape)
@@ -197,11 +200,10 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     check_run_flags(args)
     check_experts_and_objective(args, facts)
     # Data and tokenizer.
-    sources = [bool(args.mock_data), bool(args.data_path), bool(args.sft_data_path),
-               bool(getattr(args, "features_path", None))]
-    if sum(sources) == 0:
+    sources = sum(bool(getattr(args, d, None)) for d in ("mock_data", "data_path", "sft_data_path", "features_path"))
+    if sources == 0:
         raise ValueError("give one of --mock-data, --data-path or --sft-data-path")
-    if sum(sources) > 1:
+    if sources > 1:
         raise ValueError("--mock-data, --data-path and --sft-data-path are mutually exclusive")
     if args.data_path and "data_path" not in placeholders:
         from megatron_csbp.objectives.data import check_token_data
@@ -252,8 +254,6 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     # Tokenizer facts (cheap to load): vocabulary, EOD, default mask token.
-    from megatron_csbp.data.megatron_data import build_tokenizer, largest_token_id, missing_prefixes
-
     if check_only and args.tokenizer_type != "NullTokenizer" and (
             "tokenizer_model" in placeholders or (args.tokenizer_model and not os.path.exists(args.tokenizer_model))):
         notes.append(f"--tokenizer-model {args.tokenizer_model} is not here: the vocabulary and mask-token "
@@ -275,22 +275,20 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     if args.data_path and "data_path" not in placeholders and not (check_only and missing_prefixes(args.data_path)):
         top, where = largest_token_id(args.data_path, args.vocab_size)
         if top >= args.vocab_size:
-            from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
-
             vocab = (f"--tokenizer-type NullTokenizer --vocab-size {null_tokenizer_vocab_flag(args.vocab_size)}"
                      if args.tokenizer_type == "NullTokenizer"
                      else f"--tokenizer-type {args.tokenizer_type} {args.tokenizer_model or ''}".strip())
             raise ValueError(f"--data-path {where} holds token id {top}, outside the vocabulary of {args.vocab_size} "
                              f"ids ({vocab}{', the --load checkpoint' if shape is not None else ''}): give the "
                              "tokenizer the data was preprocessed with")
-    if check_only and ({"mask_token", "mask_token_id"} & placeholders or (args.mask_token is not None and unknown)):
+    if check_only and ({"mask_token", "mask_token_id"} & placeholders
+                       or (args.mask_token is not None and facts.shape_unknown)):
         notes.append("the mask token is a placeholder (or needs the --load checkpoint's tokenizer): its "
                      "vocabulary rule runs at launch")
         return facts
     if args.mask_token is not None:
         if args.mask_token_id is not None:
             raise ValueError("give --mask-token-id or --mask-token, not both")
-        from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
         assets = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else \
             os.path.join(source[1], "hf_assets") if source else None
         try:
@@ -302,8 +300,6 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
 
     rows = embedding_rows(args, shape)
     if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
-        from megatron_csbp.objectives.flags import default_mask_token_id
-
         args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
     build_objective(args, rows)  # as the model will build it: its mask token a real id of the vocabulary
     return facts
@@ -344,8 +340,6 @@ def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", fol
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     for dest, value in flag_values(shape).items():
         if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
-            from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
-
             value = null_tokenizer_vocab_flag(value)  # the flag whose NullTokenizer has the checkpoint's rows
         given = getattr(args, dest)
         if given == defaults.get_default(dest) or given == value:
@@ -355,8 +349,6 @@ def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", fol
             continue  # a tokenizer's vocabulary may be smaller than the model's: checked later
         flag = "--" + dest.replace("_", "-")
         if dest == "vocab_size":  # (NullTokenizer)
-            from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE
-
             raise ValueError(f"--vocab-size {given} contradicts the checkpoint {where}: its vocabulary of "
                              f"{shape.vocab_size} ids is --vocab-size {value} ({NULL_TOKENIZER_RULE}); drop the flag")
         raise ValueError(f"{flag} {given} contradicts the checkpoint {where} ({flag} {value} in its "
@@ -397,13 +389,10 @@ def check_model_options(args, check_only: bool = False, shape=None) -> None:
             raise ValueError(f"--attention-backend {args.attention_backend} selects the {implied} kernel, "
                              f"--attention-kernel {args.attention_kernel} another: give one of them")
         args.attention_kernel = implied
-    if args.attention_kernel == "flex" and not args.skip_train and not check_only:
-        import torch
-        if not torch.cuda.is_available():
-            raise ValueError("--attention-kernel flex (or --attention-backend flash/fused) trains on CUDA only: "
-                             "FlexAttention has no backward on CPU; use tiled (--attention-backend local) here")
+    if args.attention_kernel == "flex" and not args.skip_train and not check_only and not torch.cuda.is_available():
+        raise ValueError("--attention-kernel flex (or --attention-backend flash/fused) trains on CUDA only: "
+                         "FlexAttention has no backward on CPU; use tiled (--attention-backend local) here")
     if args.attention_kernel == "flash" and not check_only:
-        import torch
         from megatron_csbp.attention.kernels.flash import require_flash_attn
         if not torch.cuda.is_available():
             raise ValueError("--attention-kernel flash runs on CUDA only (flash-attn's kernels); use tiled "
@@ -453,8 +442,6 @@ def check_experts_and_objective(args, facts: Resolved) -> None:
                              f"{args.block_parallel_size} and --context-parallel-size 1 (plain BP) is not supported: "
                              "BP ranks hold different row counts, which the MoE token dispatcher cannot exchange; "
                              "use CSBP (--context-parallel-size > 1) or CP")
-        from megatron_csbp.layout.layout import balanced_block_unit
-
         unit = balanced_block_unit(args.block_parallel_size, args.block_ownership)
         blocks = args.seq_length // args.block_size
         if args.block_parallel_size > 1 and blocks % unit:
@@ -530,10 +517,8 @@ def moe_pattern(args):
 
 def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
     """Rules of the MoE flags of a flag-built model (`shape`: the --load model's)."""
-    if args.num_experts is None:
-        return
-    if shape is not None:
-        return  # a converted model's MoE comes from its shape (apply_model_shape compares the flags)
+    if args.num_experts is None or shape is not None:
+        return  # dense; or a converted model, whose MoE comes from its shape (apply_model_shape compares the flags)
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
                          f"{args.num_experts}")
@@ -543,12 +528,9 @@ def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
                          f"{args.num_layers}, at least one MoE layer")
     if args.moe_token_dispatcher_type == "flex":
         raise ValueError("--moe-token-dispatcher-type flex needs DeepEP (CUDA): use allgather or alltoall")
-    if args.moe_grouped_gemm:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--moe-grouped-gemm needs CUDA (grouped GEMM kernels); on CPU leave it off "
-                             "(SequentialMLP experts, the same weights)")
+    if args.moe_grouped_gemm and not torch.cuda.is_available():
+        raise ValueError("--moe-grouped-gemm needs CUDA (grouped GEMM kernels); on CPU leave it off "
+                         "(SequentialMLP experts, the same weights)")
     if args.moe_aux_loss_coeff and args.moe_router_load_balancing_type not in ("none",):
         # Megatron's load-balancing losses are computed from the tokens each rank routes: under CP /
         # BP / CSBP a rank routes its rows (noisy and clean copies, a layout-dependent subset), so the

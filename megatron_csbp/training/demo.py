@@ -24,8 +24,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_csbp.data import DEFAULT_CORPUS, unigram_entropy
 
 RUN_DIR = os.environ.get("MEGATRON_CSBP_DEMO_DIR", os.path.join("runs", "default"))
 #: what a run leaves in its folder (the preprocessed data/ and command.txt are written before it starts)
@@ -135,7 +138,8 @@ def prepare_demo(world_size: int) -> List[str]:
     data_dir = os.path.join(run_dir(), "data")
     prefix = os.path.join(data_dir, "pydoc_text_document")
     done = prefix + ".done"
-    args = build_parser().parse_args(demo_argv(world_size, prefix))
+    argv = demo_argv(world_size, prefix)
+    args = build_parser().parse_args(argv)
     args.placeholders = {"data_path"}
     validate_args(args, world_size, check_only=True)  # e.g. a world size the layout cannot split the sequence for
     if rank == 0:
@@ -147,7 +151,6 @@ def prepare_demo(world_size: int) -> List[str]:
             preprocess(["--input", "shipped", "--output-prefix", os.path.join(data_dir, "pydoc"), "--append-eod"])
             with open(done, "w") as f:
                 f.write("ok\n")
-        argv = demo_argv(world_size, prefix)
         cmd = f"torchrun --nproc-per-node {world_size} -m megatron_csbp.train " + " ".join(argv)
         with open(os.path.join(run_dir(), "command.txt"), "w") as f:
             f.write(cmd + "\n")
@@ -159,7 +162,7 @@ def prepare_demo(world_size: int) -> List[str]:
             if time.time() > deadline:
                 raise RuntimeError(f"rank {rank}: rank 0 did not prepare {done}")
             time.sleep(0.5)
-    return demo_argv(world_size, prefix)
+    return argv
 
 
 def ema(values: List[float], decay: float = 0.95) -> List[float]:
@@ -175,10 +178,7 @@ def ema(values: List[float], decay: float = 0.95) -> List[float]:
 def corpus_unigram_entropy(prefix: str) -> float:
     """Entropy (nats/token) of the unigram distribution of the preprocessed corpus: the loss of the
     best model that ignores context, for scale."""
-    import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from megatron_csbp.data.corpus import unigram_entropy
 
     ds = IndexedDataset(prefix)
     tokens = np.concatenate([ds[i] for i in range(len(ds))])
@@ -244,10 +244,9 @@ def finish_demo(args, result: Dict, wall_seconds: float, sample: Optional[Callab
           f"plot {png}", flush=True)
     if sample is None:
         return
-    prompt = SAMPLE_PROMPT
-    before, after = (sample(["--load", args.save, "--ckpt-step", str(step), "--prompt", prompt] + SAMPLE_FLAGS)
+    before, after = (sample(["--load", args.save, "--ckpt-step", str(step), "--prompt", SAMPLE_PROMPT] + SAMPLE_FLAGS)
                      for step in (0, result["iteration"]))
-    text = (f" > samples (python -m megatron_csbp.generate --load {args.save} --ckpt-step N --prompt '{prompt}' "
+    text = (f" > samples (python -m megatron_csbp.generate --load {args.save} --ckpt-step N --prompt '{SAMPLE_PROMPT}' "
             f"--temperature 0.8 --unmask-order random --seed 1):\n"
             f"--- untrained (iteration 0) ---\n{before}\n"
             f"--- trained (iteration {result['iteration']}) ---\n{after}")
@@ -290,10 +289,8 @@ def prepare_data(cfg: DemoConfig, data_dir: str):
     """The corpus in Megatron's indexed format under `data_dir` (an EOD after every document).
     Returns (prefix, unigram entropy of the training split's tokens, train rows, held-out rows,
     vocabulary size)."""
-    import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_csbp.data import DEFAULT_CORPUS, unigram_entropy
     from megatron_csbp.data.megatron_data import _split_documents, _split_matrix, build_tokenizer
     from megatron_csbp.data.preprocess import preprocess
 
@@ -346,15 +343,13 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     evals = [(h["iteration"], h["eval_loss"]) for h in trained["history"] if h.get("eval_loss") is not None]
     if not evals or evals[-1][0] != cfg.steps:
         evals.append((cfg.steps, trainer.evaluate()))
-    result = DemoResult(unigram_entropy=entropy, train_losses=[loss for _, loss in trained["train_losses"]],
-                        eval_steps=[i for i, _ in evals], eval_losses=[v for _, v in evals],
-                        train_rows=train_rows, eval_rows=eval_rows)
-    tail = result.train_losses[-max(1, min(cfg.log_interval, len(result.train_losses))):]
-    result.final_train_objective = sum(tail) / len(tail)
-    # The train NELBO with the eval estimator, on as many training batches as held-out ones.
-    result.final_train_loss = trainer.evaluate(trainer.train_ds)
-    result.final_eval_loss = result.eval_losses[-1]
-    result.seconds = time.time() - t0
+    losses = [loss for _, loss in trained["train_losses"]]
+    tail = losses[-max(1, min(cfg.log_interval, len(losses))):]
+    # final_train_loss: the train NELBO with the eval estimator, on as many training batches as held-out ones
+    result = DemoResult(entropy, losses, [i for i, _ in evals], [v for _, v in evals],
+                        final_train_loss=trainer.evaluate(trainer.train_ds),
+                        final_train_objective=sum(tail) / len(tail), final_eval_loss=evals[-1][1],
+                        train_rows=train_rows, eval_rows=eval_rows, seconds=time.time() - t0)
 
     log(f"step {cfg.steps:4d}/{cfg.steps} | loss {result.train_losses[-1]:7.4f} | avg {result.final_train_objective:7.4f}"
         f" | eval {result.final_eval_loss:7.4f}")

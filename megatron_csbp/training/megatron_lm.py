@@ -9,6 +9,7 @@ does and why: docs/megatron-lm.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from functools import lru_cache, partial
 from typing import List, Optional, Sequence
@@ -20,7 +21,8 @@ from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
 from megatron_csbp.objectives.registry import objective_class
-from megatron_csbp.training.arguments import add_block_diffusion_args
+from megatron_csbp.lora import LoRAConfig, is_adapter
+from megatron_csbp.training.arguments import add_block_diffusion_args, model_args
 from megatron_csbp.utils.cli import UsageError
 
 
@@ -35,23 +37,21 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-# Megatron-LM flags whose values the plugin cannot honour: (attribute, flag, allowed values, why).
+_PIPELINE_SPLIT = "stages are cut by --decoder-first/last-pipeline-num-layers or an even split " \
+    "(megatron_csbp/parallel/pipeline.py)"
+# Megatron-LM flags (dests) whose values the plugin cannot honour: (dest, allowed values, why).
 _REFUSED_MEGATRON_FLAGS = (
-    ("position_embedding_type", "--position-embedding-type", ("rope", "none"),
+    ("position_embedding_type", ("rope", "none"),
      "the layouts place a position's noisy and clean rows on different ranks and pass each row's position "
      "to the rotary embedding; Megatron's default learned_absolute embedding reads positions 0..L-1 of the "
      "local rows instead. Pass --position-embedding-type rope"),
-    ("attention_dropout", "--attention-dropout", (0.0,),
-     "dropout on attention probabilities would make the loss depend on the layout (ranks draw different "
-     "masks for the same row). Pass --attention-dropout 0"),
-    ("hidden_dropout", "--hidden-dropout", (0.0,),
+    ("attention_dropout", (0.0,), "dropout on attention probabilities would make the loss depend on the layout "
+     "(ranks draw different masks for the same row). Pass --attention-dropout 0"),
+    ("hidden_dropout", (0.0,),
      "dropout masks are drawn per rank, so the loss would depend on the layout. Pass --hidden-dropout 0"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", (None,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", (False,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", (False,),
-     "stages are cut by --decoder-first/last-pipeline-num-layers or an even split (megatron_csbp/parallel/pipeline.py)"),
+    ("pipeline_model_parallel_layout", (None,), _PIPELINE_SPLIT),
+    ("account_for_embedding_in_pipeline_split", (False,), _PIPELINE_SPLIT),
+    ("account_for_loss_in_pipeline_split", (False,), _PIPELINE_SPLIT),
 )
 
 
@@ -88,8 +88,6 @@ def _requirements_of_this_machine(args) -> None:
                          "none: pass --distributed-backend gloo (docs/megatron-lm.md lists the other flags of a "
                          "CPU run)")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        import importlib.util
-
         if importlib.util.find_spec("transformer_engine") is None:
             raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
                              "Engine, which is not installed: pass --transformer-impl local")
@@ -105,10 +103,10 @@ def validate_megatron_args(args) -> None:
     its own `validate_args` (which ends in the ~700-line argument dump): every rule here reads flags
     as given, none needs Megatron's derived values."""
     default_eval_interval(args)
-    for attr, flag, allowed, why in _REFUSED_MEGATRON_FLAGS:
-        value = getattr(args, attr, allowed[0])
+    for dest, allowed, why in _REFUSED_MEGATRON_FLAGS:
+        value = getattr(args, dest, allowed[0])
         if value not in allowed:
-            raise ValueError(f"{flag} {value} is not supported with block diffusion: {why}")
+            raise ValueError(f"--{dest.replace('_', '-')} {value} is not supported with block diffusion: {why}")
     _requirements_of_this_machine(args)
     if not args.skip_train and not any(getattr(args, a, None) for a in DATA_SOURCES):
         raise ValueError("no training data: pass --data-path PREFIX (a .bin/.idx pair that python -m "
@@ -213,18 +211,10 @@ def _flag_value(argv: List[str], name: str, default: int) -> int:
 
 
 def _set_flag(argv: List[str], name: str, value) -> List[str]:
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out + [name, str(value)]
+    """`argv` without `name` (and its value), then `name value`."""
+    kept = [a for i, a in enumerate(argv)
+            if a != name and not a.startswith(name + "=") and (i == 0 or argv[i - 1] != name)]
+    return kept + [name, str(value)]
 
 
 def rewrite_argv(argv: Sequence[str]) -> List[str]:
@@ -292,8 +282,6 @@ def _eod_token_id(args) -> Optional[int]:
 def _model_args_from_megatron(args):
     """ModelArgs of Megatron-LM's arguments (the same names): the embedding's rows are its padded
     vocabulary, the clean ring its true CP (`_true_cp`)."""
-    from megatron_csbp.training.arguments import model_args
-
     return model_args(args, vocab_size=args.padded_vocab_size, make_vocab_size_divisible_by=1,
                       context_parallel_size=_true_cp(args), clean_attention=args.clean_attention or "block_causal",
                       eod_token_id=_eod_token_id(args))
@@ -305,8 +293,6 @@ class _AdapterState:
     --pretrained-checkpoint (`install_checkpoint_hook`)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        from megatron_csbp.lora import is_adapter
-
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         return {k: v for k, v in state.items() if is_adapter(k)}
 
@@ -329,7 +315,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_csbp.lora import LoRAConfig
     from megatron_csbp.lora.spec import adapted
     from megatron_csbp.model import assemble, builder
     from megatron_csbp.parallel import pipeline
@@ -493,9 +478,6 @@ def use_prebuilt_dataset_helpers() -> bool:
     index helpers. The megatron-core wheel ships them prebuilt (`helpers_cpp`) and has no Makefile,
     so with Megatron-LM's training package on top of the wheel that `make` fails. When the prebuilt
     module imports, compiling is skipped; a source checkout of megatron/core is left as it was."""
-    import importlib.util
-    import os
-
     from megatron.core.datasets import utils as dataset_utils
 
     here = os.path.dirname(os.path.abspath(dataset_utils.__file__))
@@ -560,7 +542,6 @@ def install_checkpoint_hook() -> None:
     if getattr(training.load_checkpoint, "__bdlm_hook__", False):
         return
     from megatron_csbp.checkpoint import files, state
-    from megatron_csbp.lora import LoRAConfig, is_adapter
     from megatron_csbp.lora.checkpoint import base_record, check_resume, record_json
 
     load, save, held = training.load_checkpoint, training.save_checkpoint, {}

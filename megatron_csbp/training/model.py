@@ -33,10 +33,7 @@ class TrainableBDLM(MegatronModule):
     objective = property(lambda self: self.bdlm.objective)
     last_stage = property(lambda self: self.bdlm.last_stage)
     plan = property(lambda self: self.bdlm.plan)
-
-    @property
-    def gpt(self) -> GPTModel:
-        return self.bdlm.gpt
+    gpt = property(lambda self: self.bdlm.gpt)
 
     @property
     def module(self) -> GPTModel:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
+from megatron_csbp.training.metrics import allreduce
 from megatron_csbp.utils.cli import CliError, Interrupted
 
 #: the program's start for --exit-duration-in-mins (Megatron-LM: `_TRAIN_START_TIME`, set when
@@ -24,10 +25,7 @@ PROGRAM_START = time.time()
 
 def _any_rank(flags) -> list:
     """Collective: each flag OR-ed over every rank (one all-reduce)."""
-    t = torch.tensor([1.0 if f else 0.0 for f in flags],
-                     device=torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return [bool(v) for v in allreduce([float(bool(f)) for f in flags], op=dist.ReduceOp.MAX)]
 
 
 def exit_signals(name: str = "SIGTERM") -> tuple:
@@ -42,9 +40,7 @@ class ExitSignal:
     a repeated signal must not kill it)."""
 
     def __init__(self, sigs=exit_signals()):
-        self.sigs = tuple(sigs) if isinstance(sigs, (tuple, list)) else (sigs,)
-        self._received = None
-        self._previous = {}
+        self.sigs, self._received, self._previous = tuple(sigs), None, {}
 
     def __enter__(self) -> "ExitSignal":
         self._received = None
@@ -106,15 +102,13 @@ class Interruptible:
                           "with --save saves the iteration reached on SIGINT or SIGTERM and exits 0)") from None
 
 
+@dataclass
 class ExitConditions:
     """`--exit-signal-handler`, `--exit-duration-in-mins`, `--exit-interval` (Megatron-LM's order)."""
-
-    def __init__(self, exit_signal: Optional[ExitSignal], exit_duration_in_mins: Optional[float],
-                 exit_interval: Optional[int], start: float = PROGRAM_START):
-        self.exit_signal = exit_signal
-        self.exit_duration_in_mins = exit_duration_in_mins
-        self.exit_interval = exit_interval
-        self.start = start
+    exit_signal: Optional[ExitSignal]
+    exit_duration_in_mins: Optional[float]
+    exit_interval: Optional[int]
+    start: float = PROGRAM_START
 
     def check(self, iteration: int) -> Optional[str]:
         """Why the run stops after `iteration` (one line), or None. Collective when the signal

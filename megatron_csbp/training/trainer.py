@@ -21,10 +21,18 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_csbp.data.megatron_data import MicroBatchSampler, collate, microbatch_indices, train_batches
+from megatron_csbp.lora import LoRAConfig, is_adapter
+from megatron_csbp.model.assemble import wrap
 from megatron_csbp.model.contract import Metrics
+from megatron_csbp.objectives import objective_class
+from megatron_csbp.parallel import pipeline
+from megatron_csbp.parallel.self_conditioning import relay_for
 from megatron_csbp.training.config import TrainerConfig
 from megatron_csbp.training.metrics import Logger, allreduce, flops_per_sample, peak_memory_bytes
-from megatron_csbp.training.signals import PROGRAM_START  # noqa: F401  (--exit-duration-in-mins counts from here)
+from megatron_csbp.training.model import TrainableBDLM, build_model_chunks
+# (PROGRAM_START: --exit-duration-in-mins counts from this import)
+from megatron_csbp.training.signals import PROGRAM_START, ExitConditions, ExitSignal, exit_signals  # noqa: F401
 from megatron_csbp.utils.cli import CliError
 
 
@@ -66,7 +74,8 @@ def init_distributed(parallel) -> None:
         if "RANK" not in os.environ and "MASTER_ADDR" not in os.environ:
             # `python -m megatron_csbp.train` without torchrun: one process, an in-memory store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        elif _restarted_under_torchrun():
+        elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun restarted this worker
             dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]))
         else:
@@ -84,11 +93,6 @@ def init_distributed(parallel) -> None:
                                           parallel, "virtual_pipeline_model_parallel_size", None))
 
 
-def _restarted_under_torchrun() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def _attempt_store():
     """torchrun (`--max-restarts`) keeps its agent's store across restarts and hands the workers the
     bare store, so a restarted gloo group read the peer addresses of the failed attempt ("Connection
@@ -98,6 +102,15 @@ def _attempt_store():
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=False, timeout=timedelta(minutes=10))
     return dist.PrefixStore(f"megatron_csbp/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def destroy_process_groups() -> None:
+    """Tear down the plugin's and torch.distributed's process groups."""
+    from megatron_csbp.parallel import state as bps
+    if bps.is_initialized():
+        bps.destroy_block_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
@@ -133,13 +146,6 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.objectives import objective_class
-        from megatron_csbp.parallel import pipeline
-        from megatron_csbp.parallel.self_conditioning import relay_for
-        from megatron_csbp.training.model import build_model_chunks
-
-        from megatron_csbp.lora import LoRAConfig
-
         c = self.config
         self.lora = LoRAConfig.of(c.model)
         init_distributed(c.parallel)
@@ -153,9 +159,6 @@ class Trainer:
         if self.gpt_provider is None:
             self.chunks = build_model_chunks(c.model, device=device(), finalize_model_grads_func=finalize)
         else:
-            from megatron_csbp.model.assemble import wrap
-            from megatron_csbp.training.model import TrainableBDLM
-
             config, gpt = self.gpt_provider(c.model)
             config.finalize_model_grads_func = finalize
             self.chunks = [TrainableBDLM(config, wrap(c.model, gpt, device=device()))]
@@ -244,7 +247,6 @@ class Trainer:
         """Forward and backward of one global batch starting at `consumed` under `objective`, or with
         `metrics` (an evaluation's accumulator, a one-item list) forward only; returns the global loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron_csbp.data.megatron_data import collate, microbatch_indices
 
         b_cfg = self.config.batch
         dev = device()
@@ -285,8 +287,6 @@ class Trainer:
             else:
                 out, metrics[0] = chunk.evaluation_loss(*args, objective=objective, metrics=metrics[0])
             return out.loss, partial(loss_func, out)
-
-        from megatron_csbp.parallel import pipeline
 
         fb = get_forward_backward_func()
         # Under pipeline parallelism P2P moves this rank's rows ([rows, b, h]): the schedule's
@@ -400,7 +400,6 @@ class Trainer:
         if self.lora is None:
             return {}
         from megatron_csbp.checkpoint.files import LORA_FILE
-        from megatron_csbp.lora import is_adapter
         from megatron_csbp.lora.checkpoint import record_json
 
         return {"keep": is_adapter, "files": {LORA_FILE: record_json(self.lora, self.base)}}
@@ -416,8 +415,6 @@ class Trainer:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
         release: weights only, from iteration 0). Returns (iteration, consumed samples)."""
         from megatron_csbp.checkpoint import files, state
-
-        from megatron_csbp.lora import is_adapter
         from megatron_csbp.lora.checkpoint import base_record, check_resume
 
         ck = self.config.checkpoint
@@ -466,8 +463,6 @@ class Trainer:
         `exit_signal`: an active `ExitSignal` installed earlier (the CLI installs it before the build,
         as Megatron-LM does at initialization); with --exit-signal-handler and none, one is
         installed here."""
-        from megatron_csbp.training.signals import ExitSignal, exit_signals
-
         if exit_signal is not None or not self.config.batch.exit_signal_handler:
             return self._train(exit_signal)
         with ExitSignal(exit_signals(self.config.batch.exit_signal)) as exit_signal:
@@ -475,14 +470,11 @@ class Trainer:
 
     def _train(self, exit_signal) -> Dict:
         from megatron_csbp.attention.accounting import traffic_counter
-        from megatron_csbp.training.signals import ExitConditions
 
         c = self.config
         bc, ck = c.batch, c.checkpoint
         iteration, consumed = self.load()
         if c.data.num_workers and not bc.skip_train:
-            from megatron_csbp.data.megatron_data import MicroBatchSampler, train_batches
-
             sampler = MicroBatchSampler(consumed, bc.train_iters * bc.global_batch_size, bc.num_microbatches,
                                         bc.micro_batch_size, self.dp_rank, self.dp_size)
             self._batches, self._batches_at = train_batches(self.train_ds, sampler, c.data.num_workers), consumed
@@ -555,12 +547,7 @@ class Trainer:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Tear down the plugin's and torch.distributed's process groups."""
-        from megatron_csbp.parallel import state as bps
-        if bps.is_initialized():
-            bps.destroy_block_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
 
     def __enter__(self) -> "Trainer":
         try:
