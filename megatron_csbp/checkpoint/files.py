@@ -161,9 +161,13 @@ def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
     path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
     if step == RELEASE or not os.path.isfile(path):
         return None
+    return dict(_read_json(root, path).get("model_args") or {})
+
+
+def _read_json(root: str, path: str):
     try:
         with open(path) as f:
-            return dict(json.load(f).get("model_args") or {})
+            return json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
 
@@ -174,13 +178,7 @@ def lora_record(root: Optional[str], step) -> Optional[Dict[str, Any]]:
     """The `LORA_FILE` of checkpoint `step` of `root` ({"lora": LoRA config, "base": {"path",
     "iteration", "fingerprint"}}), or None: not a LoRA checkpoint."""
     path = os.path.join(checkpoint_path(root, step), LORA_FILE) if root and step is not None else None
-    if path is None or not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
+    return _read_json(root, path) if path is not None and os.path.isfile(path) else None
 
 
 def model_source(load: Optional[str], load_step, pretrained: Optional[str]):
