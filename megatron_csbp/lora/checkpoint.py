@@ -184,19 +184,15 @@ def write_lora_checkpoint(out: str, config: LoRAConfig, adapters: Dict[str, torc
     folder = checkpoint_path(out, RELEASE)
     if os.path.isdir(folder) and os.listdir(folder):
         raise FileExistsError(f"{folder} exists and is not empty: choose a new --output")
-    base_step = checkpoint_to_load(base_path)
-    if base_step is None:
-        raise CheckpointError(f"--pretrained-checkpoint {base_path} holds no checkpoint (no {TRACKER})")
-    shapes = {k: tuple(m.size) for k, m in
-              FileSystemReader(checkpoint_path(base_path, base_step)).read_metadata().state_dict_metadata.items()
-              if hasattr(m, "size")}
-    state = {}
-    for name, t in adapters.items():
-        key, index, stacked = _key(name, shapes)
-        state[name] = _fragment(key, t.detach().contiguous().clone(), index, stacked)
-    os.makedirs(folder, exist_ok=True)
     with single_process_megatron():
         base = base_record(base_path)
+        metadata = FileSystemReader(checkpoint_path(base_path, base["iteration"])).read_metadata()
+        shapes = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+        state = {}
+        for name, t in adapters.items():
+            key, index, stacked = _key(name, shapes)
+            state[name] = _fragment(key, t.detach().contiguous().clone(), index, stacked)
+        os.makedirs(folder, exist_ok=True)
         dist_checkpointing.save({"model": state, "iteration": 0}, folder)
         with open(os.path.join(folder, LORA_FILE), "w") as f:
             f.write(record_json(config, base))
