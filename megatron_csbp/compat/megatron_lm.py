@@ -24,13 +24,8 @@ _EAGER_MODULES = ("megatron.training", *(f"megatron.training.{name}" for name in
 class _TrainingCuda(device_view.CpuCuda):
     """`torch.cuda` as Megatron-LM's training package sees it on CPU: one device, the CPU."""
 
-    @staticmethod
-    def device_count():
-        return 1
-
-    @staticmethod
-    def set_device(*a, **k):
-        pass
+    device_count = staticmethod(lambda: 1)
+    set_device = staticmethod(device_view._nothing)
 
 
 class _TrainingTorchProxy(device_view.TorchProxy):
@@ -80,11 +75,8 @@ def _patch_initialize() -> None:
     if fused_kernels is not None:
         fused_kernels.load = lambda args: None
 
-    def get_device_arch_version():
-        return 0
-
     for name in ("megatron.training.utils", "megatron.training.arguments"):
-        importlib.import_module(name).get_device_arch_version = get_device_arch_version
+        importlib.import_module(name).get_device_arch_version = lambda: 0
 
 
 def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
