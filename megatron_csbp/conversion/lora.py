@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from megatron_csbp.lora import FUSED_PARTS, LoRAConfig
-from megatron_csbp.lora.peft import Adapters, Target, load_peft_adapter, save_peft_adapter
+from megatron_csbp.lora.peft import Adapters, Target, load_peft_adapter, to_peft_model
 from megatron_csbp.model.families import DTYPES, ModelShape, get_family
 
 #: the megatron-core linears LoRA adapts, by their weights' names
@@ -125,7 +125,7 @@ def export_peft_adapter(shape: ModelShape, config: LoRAConfig, adapters: Adapter
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
         adapters = {k: v.to(DTYPES[dtype]) for k, v in adapters.items()}
-    save_peft_adapter(meta_hf_model(shape), peft_targets(shape), config, adapters, output, base)
+    to_peft_model(meta_hf_model(shape), peft_targets(shape), config, adapters, base).save_pretrained(output)
 
 
 def import_peft_adapter(shape: ModelShape, directory: str, flag: str = "--peft-adapter"):

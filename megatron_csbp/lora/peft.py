@@ -50,11 +50,6 @@ def adapter_units(adapters: Adapters) -> Dict[Unit, Tuple[torch.Tensor, torch.Te
     return {u: (ab["A"], ab["B"]) for u, ab in sorted(found.items(), key=lambda x: (x[0][0], x[0][1] or ""))}
 
 
-def adapted_modules(adapters: Adapters) -> List[str]:
-    """The Megatron module names that carry an adapter (each must have both matrices)."""
-    return sorted({m for m, _ in adapter_units(adapters)})
-
-
 def _part_delta(deltas: Dict[str, torch.Tensor], rows: int, query_groups: Optional[int], module: str) -> torch.Tensor:
     """A fused weight's delta from its parts' (rows in the fused layout; an unadapted part's zero)."""
     from megatron_csbp.lora.layers import fuse_parts
@@ -155,12 +150,6 @@ def to_peft_model(hf_model, targets: List[Target], config: LoRAConfig, adapters:
         b = torch.stack([per_expert[e][1] for e in range(n)], dim=-1)
         _assign(layers[name], torch.cat([per_expert[e][0] for e in range(n)]), b.reshape(b.shape[0], -1))
     return model
-
-
-def save_peft_adapter(hf_model, targets: List[Target], config: LoRAConfig, adapters: Adapters, output: str,
-                      base: Optional[str] = None) -> None:
-    """Write `adapters` as a PEFT adapter folder (peft's `save_pretrained`)."""
-    to_peft_model(hf_model, targets, config, adapters, base).save_pretrained(output)
 
 
 def _read(layer, expert: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
