@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Optional
 
 import torch
@@ -73,11 +72,7 @@ def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShap
     from megatron_csbp.conversion.tokenizer import has_tokenizer
 
     if has_tokenizer(hf_path):  # the verifier's tokenizer, exported with the drafter
-        dst = os.path.join(output, ASSETS_DIR)
-        os.makedirs(dst, exist_ok=True)
-        for name in hf_io.asset_files(hf_path):
-            if name not in ("config.json", "generation_config.json"):
-                shutil.copy2(os.path.join(hf_path, name), os.path.join(dst, name))
+        hf_io.copy_assets(hf_path, os.path.join(output, ASSETS_DIR), exclude=("config.json", "generation_config.json"))
     return shape
 
 

@@ -73,14 +73,11 @@ def write_tensors(path: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: 
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return [SINGLE_FILE]
-    files, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(files, shards):
         save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-        files.append(name)
-        for k, t in shard.items():
-            weight_map[k] = name
-            total += t.numel() * t.element_size()
+    weight_map = {k: name for name, shard in zip(files, shards) for k in shard}
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
     return files
