@@ -277,8 +277,6 @@ def checkpoint_shape(root: Optional[str], iteration=None):
         p = os.path.join(root, SHAPE_FILE)
         if not os.path.isfile(p):
             return None
-        from megatron_csbp.model.families import ModelShape
-
         with open(p) as f:
             return ModelShape.from_json(f.read())
     try:

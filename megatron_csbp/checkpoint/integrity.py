@@ -48,9 +48,7 @@ def write_checksums(folder: str) -> None:
     rank, world = _world()
     names = sorted(n for n in os.listdir(folder) if n != CHECKSUM_FILE and os.path.isfile(os.path.join(folder, n)))
     mine = {n: digest(os.path.join(folder, n)) for n in names[rank::world]}
-    files: Dict[str, str] = {}
-    for part in _all(mine):
-        files.update(part)
+    files = {name: sha for part in _all(mine) for name, sha in part.items()}
     if rank == 0:
         with open(os.path.join(folder, CHECKSUM_FILE), "w") as f:
             json.dump({"algorithm": ALGORITHM, "files": files}, f, indent=0, sort_keys=True)
