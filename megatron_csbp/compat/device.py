@@ -47,10 +47,6 @@ class _NoOpStream:
 _STREAM = _NoOpStream()
 
 
-def _stream(*a, **k):
-    return _STREAM
-
-
 class _NoOpEvent:
     __init__ = record = wait = synchronize = _nothing
 
@@ -73,7 +69,7 @@ class CpuCuda(types.ModuleType):
     current_device = staticmethod(lambda: torch.device("cpu"))
 
     synchronize = empty_cache = reset_peak_memory_stats = staticmethod(_nothing)
-    Stream = current_stream = default_stream = staticmethod(_stream)  # Stream mirrors torch.cuda.Stream
+    Stream = current_stream = default_stream = staticmethod(lambda *a, **k: _STREAM)  # Stream: torch.cuda.Stream
     Event = _NoOpEvent
 
     stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
