@@ -127,19 +127,17 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         gated = lora_gated and config.gated_linear_unit
         self.lora_parts, self.lora_stride = tuple(lora_parts), 2 if gated else 1
+        rows = {"": self.output_size_per_partition}  # B's rows by adapter suffix ("_q" ...: a part's)
         if self.lora_parts:
             self.lora_rows, self.lora_groups = _part_rows(config, lora_name, self.lora_parts,
                                                           self.output_size_per_partition, gated, self.lora_world)
-            for part in self.lora_parts:
-                self._add_adapter(config, lora, ((lora.rank, input_size), (self.lora_rows[part], lora.rank)),
-                                  "lora_B", 1, "_" + part)
-        else:
-            self._add_adapter(config, lora, ((lora.rank, input_size), (self.output_size_per_partition, lora.rank)),
-                              "lora_B", self.lora_stride)
-        if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
-            # A's gradient covers this rank's rows only: finalize_model_grads sums it over TP
-            for part in self.lora_parts or ("",):
-                getattr(self, "lora_A" + ("_" + part if part else "")).sequence_parallel = True
+            rows = {"_" + part: self.lora_rows[part] for part in self.lora_parts}
+        for suffix, n in rows.items():
+            self._add_adapter(config, lora, ((lora.rank, input_size), (n, lora.rank)), "lora_B",
+                              1 if suffix else self.lora_stride, suffix)
+            if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
+                # A's gradient covers this rank's rows only: finalize_model_grads sums it over TP
+                getattr(self, "lora_A" + suffix).sequence_parallel = True
 
     def _lora_u(self, x, a):
         u = F.linear(x, a) if not self.explicit_expert_comm or self.lora_world == 1 \

@@ -138,12 +138,10 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
 
 def freeze_base(model: torch.nn.Module) -> int:
     """requires_grad=False on every parameter but the adapters; returns the number frozen."""
-    frozen = 0
-    for name, p in model.named_parameters():
-        if not is_adapter(name):
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
+    base = [p for name, p in model.named_parameters() if not is_adapter(name)]
+    for p in base:
+        p.requires_grad_(False)
+    return len(base)
 
 
 def adapted(lora: Optional[LoRAConfig], build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
