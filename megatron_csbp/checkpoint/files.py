@@ -145,9 +145,7 @@ def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
     if not root:
         return None
     step = ckpt_step if ckpt_step is not None else read_tracker(root)
-    if step is None:
-        return None
-    if not os.path.isdir(checkpoint_path(root, step)):
+    if step is not None and not os.path.isdir(checkpoint_path(root, step)):
         saved = saved_iterations(root)
         have = f"it holds iterations {', '.join(map(str, saved))}" if saved else "it holds no iter_N checkpoint"
         what = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER} (iteration {step})"
