@@ -307,10 +307,6 @@ def unwritable(folder: str) -> Optional[str]:
     return None
 
 
-def _same_folder(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
-
-
 def check_run_folders(args, load_step, start_iteration: int, load_claimed: bool = False) -> None:
     """At parse time, before anything is written: `--load` is a checkpoint folder, or holds none and
     starting from scratch is meant (it is the `--save` folder of a resumable job's first run, or
@@ -330,7 +326,8 @@ def check_run_folders(args, load_step, start_iteration: int, load_claimed: bool 
         saved = saved_iterations(load)
         why = (f"it holds {', '.join(f'iter_{i:07d}' for i in saved[:3])} but no {TRACKER}" if saved else
                f"no {TRACKER}" + ("" if os.path.isdir(load) else "; the folder does not exist"))
-        fresh = (_same_folder(load, save) and not saved) or not getattr(args, "exit_on_missing_checkpoint", True)
+        same = bool(save) and os.path.realpath(load) == os.path.realpath(save)
+        fresh = (same and not saved) or not getattr(args, "exit_on_missing_checkpoint", True)
         if not fresh:  # (--load = --save, empty: a resumable job's first run)
             raise CheckpointError(f"--load {load} holds no checkpoint ({why}): check the path; to start from scratch "
                                   "on purpose drop --load, or pass --no-exit-on-missing-checkpoint")

@@ -91,18 +91,13 @@ def check_checkpoint_files(path: str) -> None:
         raise CheckpointError(f"cannot load checkpoint {path}: {why}")
 
 
-def _tensor_files(folder: str) -> List[str]:
-    """The files of a torch_dist folder that hold its tensors: the shards and their index."""
-    return sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")
-
-
 def fingerprint(folder: str) -> str:
     """Collective: what identifies the weights of the torch_dist checkpoint `folder` (a LoRA
     checkpoint records its base's): the sha256 of the (file, sha256) list of its tensor files, read
     from `CHECKSUM_FILE` when the save wrote one (a JSON read, whatever the checkpoint's size), else
     hashed here, each rank every world-th file (Megatron-LM's checkpoints)."""
     rank, world = _world()
-    names = _tensor_files(folder)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")  # shards, index
     known: Dict[str, str] = {}
     try:
         with open(os.path.join(folder, CHECKSUM_FILE)) as f:

@@ -12,7 +12,7 @@ import re
 import shutil
 import uuid
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -273,16 +273,6 @@ def param_groups_keyed_by_lr() -> bool:
     return "max_lr" in getattr(core_optimizer, "param_group_identifier_keys", ())
 
 
-def _scheduler_changes(scheduler, saved: Dict[str, Any]) -> List[str]:
-    now = scheduler.state_dict()
-    out, seen = [], set()
-    for key, flag in SCHEDULER_FLAGS.items():
-        if key in saved and key in now and now[key] != saved[key] and flag not in seen:
-            seen.add(flag)
-            out.append(f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
-    return out
-
-
 def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str) -> None:
     """Before the optimizer and scheduler state are loaded: refuse, in one line naming the flags, a
     resume that Megatron-LM would stop with an assertion or a parameter-group error (see above)."""
@@ -301,11 +291,14 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
     override = getattr(scheduler, "override_opt_param_scheduler", False)
     use_checkpoint = getattr(scheduler, "use_checkpoint_opt_param_scheduler", False)
     if not (override or use_checkpoint):
-        changes = _scheduler_changes(scheduler, saved)
+        now, changes = scheduler.state_dict(), {}  # one line per flag: its first changed value
+        for key, flag in SCHEDULER_FLAGS.items():
+            if key in saved and key in now and now[key] != saved[key]:
+                changes.setdefault(flag, f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
         if changes:
             raise CheckpointError(
-                f"cannot resume {path}: {'; '.join(changes)}. Pass --use-checkpoint-opt_param-scheduler (keep the "
-                "checkpoint's schedule) or --override-opt_param-scheduler (take the flags'), or resume with the "
+                f"cannot resume {path}: {'; '.join(changes.values())}. Pass --use-checkpoint-opt_param-scheduler (keep "
+                "the checkpoint's schedule) or --override-opt_param-scheduler (take the flags'), or resume with the "
                 "checkpoint's values (Megatron-LM's rule)")
     elif override and lr_changed and dist.get_rank() == 0:
         print(f" --override-opt_param-scheduler: the schedule follows the flags, but {' and '.join(lr_changed)} "

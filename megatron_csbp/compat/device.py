@@ -141,7 +141,3 @@ def proxy_modules(select: Callable[[str], bool], proxy: types.ModuleType = None)
             module.torch = proxy
         PROXIED.add(name)
 
-
-def proxy_loaded_modules() -> None:
-    """The CPU view for every megatron-core module loaded so far."""
-    proxy_modules(lambda name: name.startswith("megatron.core"))

@@ -39,10 +39,6 @@ _TRAINING_CUDA = _TrainingCuda()
 _TRAINING_TORCH_PROXY = _TrainingTorchProxy()
 
 
-def _proxy_training_modules() -> None:
-    device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
-
-
 def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
     return self
 
@@ -88,7 +84,7 @@ def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
     for name in _EAGER_MODULES:
         importlib.import_module(name)
     core_compat.install_cpu_compat(force=force)  # megatron.core modules the training package imported
-    _proxy_training_modules()
+    device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
     if not _INSTALLED:
         torch.Tensor.cuda = _tensor_cuda
         torch.nn.Module.cuda = _module_cuda

@@ -23,7 +23,8 @@ _CONFIGS = {
     "llama": ("LlamaConfig", dict(max_position_embeddings=65536, rope_parameters={
         "rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192})),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),  # head_dim != hidden / heads, as in Qwen3
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                          norm_topk_prob=True)),

@@ -108,7 +108,8 @@ def load_recipe(path: str) -> Dict:
         if not isinstance(recipe[s], dict):
             raise RecipeError(f"recipe {path}: section {s!r} must be a mapping of flag names to values")
     launch = recipe.setdefault("launch", {})
-    for what, given, known in (("launch", launch, LAUNCH_KEYS), ("launch.slurm", launch.get("slurm") or {}, SLURM_KEYS)):
+    for what, given, known in (("launch", launch, LAUNCH_KEYS),
+                               ("launch.slurm", launch.get("slurm") or {}, SLURM_KEYS)):
         if set(given) - set(known):
             raise RecipeError(f"recipe {path}: unknown {what} keys {sorted(set(given) - set(known))}; "
                               f"expected {list(known)}")

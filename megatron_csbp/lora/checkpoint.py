@@ -22,10 +22,6 @@ from megatron_csbp.lora import LoRAConfig, is_adapter
 RESUMED = {"rank": "--lora-rank", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
 
 
-def config_json(config: LoRAConfig) -> Dict[str, Any]:
-    return json.loads(config.to_json())
-
-
 def base_record(pretrained: str) -> Dict[str, Any]:
     """Collective: {"path", "iteration", "fingerprint"} of the base `--pretrained-checkpoint` loads
     (its tracker's checkpoint)."""
@@ -39,7 +35,7 @@ def base_record(pretrained: str) -> Dict[str, Any]:
 
 
 def record_json(config: LoRAConfig, base: Dict[str, Any]) -> str:
-    return json.dumps({"lora": config_json(config), "base": base}, indent=1, sort_keys=True)
+    return json.dumps({"lora": json.loads(config.to_json()), "base": base}, indent=1, sort_keys=True)
 
 
 def check_resume(load: str, step, config: Optional[LoRAConfig], base: Optional[Dict[str, Any]]) -> None:
