@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from megatron_csbp.config.options import SHAPE_FLAGS
@@ -39,8 +40,7 @@ def read_tracker(root: str):
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    text = Path(path).read_text().strip()
     if text == RELEASE:
         return RELEASE
     if not text.isdigit():
@@ -114,8 +114,7 @@ def read_checkpoint_model(load: str, step=None) -> CheckpointModel:
     for d in (path, load, os.path.dirname(os.path.abspath(path))):
         shape_file = os.path.join(d, SHAPE_FILE)
         if os.path.isfile(shape_file):
-            with open(shape_file) as f:
-                return CheckpointModel(path, load, iteration, meta, ModelShape.from_json(f.read()))
+            return CheckpointModel(path, load, iteration, meta, ModelShape.from_json(Path(shape_file).read_text()))
     if not meta.get("model_args"):
         raise FileNotFoundError(
             f"--load {load}: {path} has neither {SHAPE_FILE} (written by `convert hf-to-megatron` and copied into "
@@ -275,8 +274,7 @@ def checkpoint_shape(root: Optional[str], iteration=None):
         p = os.path.join(root, SHAPE_FILE)
         if not os.path.isfile(p):
             return None
-        with open(p) as f:
-            return ModelShape.from_json(f.read())
+        return ModelShape.from_json(Path(p).read_text())
     try:
         return read_checkpoint_model(root, iteration).file_shape
     except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint

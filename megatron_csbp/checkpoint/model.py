@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Optional, Union
 
 import torch.distributed as dist
@@ -58,17 +59,14 @@ def save_gpt_model(model, shape: ModelShape, output: str) -> str:
     state = {MODEL_KEY: model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
     dist_checkpointing.save(state, ckpt_dir)
     if rank == 0:
-        text = shape.to_json()
         for d in (output, ckpt_dir):
-            with open(os.path.join(d, SHAPE_FILE), "w") as f:
-                f.write(text)
+            Path(d, SHAPE_FILE).write_text(shape.to_json())
     barrier()
     from megatron_csbp.checkpoint.integrity import write_checksums
 
     write_checksums(ckpt_dir)
     if rank == 0:
-        with open(os.path.join(output, TRACKER), "w") as f:
-            f.write(RELEASE)
+        Path(output, TRACKER).write_text(RELEASE)
     barrier()
     return ckpt_dir
 

@@ -5,13 +5,14 @@ models and refusals: docs/training.md#checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
 import shutil
 import uuid
-import contextlib
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
@@ -125,8 +126,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         meta = json.dumps({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, indent=1)
         for name, text in {META_FILE: meta, **({SHAPE_FILE: shape.to_json()} if shape is not None else {}),
                            **(files or {})}.items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
+            Path(tmp, name).write_text(text)
     dist.barrier()
     write_checksums(tmp)  # every file, checked before every load
     if rank == 0:
@@ -145,8 +145,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
         if shape is not None:
             shape_tmp = os.path.join(root, f".{SHAPE_FILE}.{nonce[0]}")
-            with open(shape_tmp, "w") as f:
-                f.write(shape.to_json())
+            Path(shape_tmp).write_text(shape.to_json())
             os.replace(shape_tmp, os.path.join(root, SHAPE_FILE))
         dst = os.path.join(root, ASSETS_DIR)
         if assets_from and os.path.isdir(assets_from) and not os.path.exists(dst) \

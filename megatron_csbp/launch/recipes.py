@@ -19,6 +19,7 @@ import os
 import shlex
 import sys
 import warnings
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, run
@@ -348,8 +349,7 @@ def main(argv=None) -> int:
             else:
                 for d in (os.path.dirname(script_path), job.log_dir, job.work_dir):
                     os.makedirs(d, exist_ok=True)  # SLURM writes --output only into an existing directory
-                with open(script_path, "w") as f:
-                    f.write(job.script)
+                Path(script_path).write_text(job.script)
                 print(f"wrote {args.slurm} (logs in {job.log_dir}); submit with: sbatch {args.slurm}")
             for note in requeue_safe(recipe)[1]:
                 print(f"warning: {note}", file=sys.stderr)

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -190,9 +191,7 @@ def write_lora_checkpoint(out: str, config: LoRAConfig, adapters: Dict[str, torc
             state[name] = _fragment(key, t.detach().contiguous().clone(), index, stacked)
         os.makedirs(folder, exist_ok=True)
         dist_checkpointing.save({"model": state, "iteration": 0}, folder)
-        with open(os.path.join(folder, LORA_FILE), "w") as f:
-            f.write(record_json(config, base))
+        Path(folder, LORA_FILE).write_text(record_json(config, base))
         write_checksums(folder)
-    with open(os.path.join(out, TRACKER), "w") as f:
-        f.write(RELEASE)
+    Path(out, TRACKER).write_text(RELEASE)
     return folder
