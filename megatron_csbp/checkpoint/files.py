@@ -105,11 +105,8 @@ def read_checkpoint_model(load: str, step=None) -> CheckpointModel:
     FileNotFoundError when there is none; its `.shape` raises UnsupportedModelError when a
     flag-built model has no model shape (e.g. --normalization LayerNorm), naming the flag."""
     path, iteration = _locate(load, step)
-    meta: Dict[str, Any] = {}
     meta_file = os.path.join(path, META_FILE)
-    if os.path.isfile(meta_file):
-        with open(meta_file) as f:
-            meta = json.load(f)
+    meta = json.loads(Path(meta_file).read_text()) if os.path.isfile(meta_file) else {}
     # The iteration folder's own shape file first: a root copy may belong to a newer save.
     for d in (path, load, os.path.dirname(os.path.abspath(path))):
         shape_file = os.path.join(d, SHAPE_FILE)
@@ -163,8 +160,7 @@ def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
 
 def _read_json(root: str, path: str):
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
 

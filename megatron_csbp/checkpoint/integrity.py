@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -64,8 +65,7 @@ def verify_checksums(folder: str) -> Optional[str]:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
-            expected = json.load(f)["files"]
+        expected = json.loads(Path(path).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{path} is corrupt ({type(exc).__name__})"
     bad = []
@@ -100,8 +100,7 @@ def fingerprint(folder: str) -> str:
     names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")  # shards, index
     known: Dict[str, str] = {}
     try:
-        with open(os.path.join(folder, CHECKSUM_FILE)) as f:
-            known = json.load(f)["files"]
+        known = json.loads(Path(folder, CHECKSUM_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     todo = [n for n in names if n not in known]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -60,8 +61,7 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
     cfg.update(dtype=out_dtype, **({"torch_dtype": out_dtype} if "torch_dtype" in cfg else {}))
     if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
         cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
+    Path(output, "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
