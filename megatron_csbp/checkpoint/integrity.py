@@ -5,6 +5,7 @@ hashes its share of the files; the verdict is agreed. Cost and refusals: docs/tr
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -99,10 +100,8 @@ def fingerprint(folder: str) -> str:
     rank, world = _world()
     names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")  # shards, index
     known: Dict[str, str] = {}
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         known = json.loads(Path(folder, CHECKSUM_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     todo = [n for n in names if n not in known]
     mine = {n: digest(os.path.join(folder, n)) for n in todo[rank::world]}
     for part in _all(mine) if todo else []:

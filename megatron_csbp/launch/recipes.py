@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -78,11 +79,9 @@ def _resolve_paths(recipe: Dict, base: str) -> None:
     def resolve(value, must_exist):
         if not isinstance(value, str) or value == "" or os.path.isabs(value) or PLACEHOLDER in value:
             return value
-        try:
+        with contextlib.suppress(ValueError):
             float(value)  # a --data-path blend weight
             return value
-        except ValueError:
-            pass
         path = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
         return value if must_exist and not os.path.exists(path) else path
 
