@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_csbp.lora import PART_TARGETS, LoRAConfig, adapter_key
+from megatron_csbp.lora import PART_TARGETS, LoRAConfig, adapter_key, is_adapter
 
 A, B = ".lora_A", ".lora_B"
 Adapters = Dict[str, torch.Tensor]  # {megatron module name + ".lora_A" / ".lora_B" (a part's "_q" etc.): full tensor}
@@ -38,11 +38,10 @@ def adapter_units(adapters: Adapters) -> Dict[Unit, Tuple[torch.Tensor, torch.Te
     found: Dict[Unit, Dict[str, torch.Tensor]] = {}
     bad = []
     for k, v in adapters.items():
-        try:
-            module, which, part = adapter_key(k)
-        except ValueError:
+        if not is_adapter(k):
             bad.append(k)
             continue
+        module, which, part = adapter_key(k)
         found.setdefault((module, part), {})[which] = v
     bad += [m for (m, _), ab in found.items() if len(ab) != 2]
     if bad:
