@@ -7,6 +7,7 @@ folder is here: the trainer's (`trainer_drafter`), export's (`read_drafter`), sp
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -30,8 +31,7 @@ def read_shape(load: str) -> Optional[DrafterShape]:
 
 
 def write_shape(output: str, shape: DrafterShape) -> None:
-    with open(os.path.join(output, SHAPE_FILE), "w") as f:
-        f.write(shape.to_json())
+    Path(output, SHAPE_FILE).write_text(shape.to_json())
 
 
 def save_drafter(state, shape: DrafterShape, output: str) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from megatron_csbp.config.options import SHAPE_FLAGS
@@ -39,8 +40,7 @@ def read_tracker(root: str):
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    text = Path(path).read_text().strip()
     if text == RELEASE:
         return RELEASE
     if not text.isdigit():
@@ -105,17 +105,13 @@ def read_checkpoint_model(load: str, step=None) -> CheckpointModel:
     FileNotFoundError when there is none; its `.shape` raises UnsupportedModelError when a
     flag-built model has no model shape (e.g. --normalization LayerNorm), naming the flag."""
     path, iteration = _locate(load, step)
-    meta: Dict[str, Any] = {}
     meta_file = os.path.join(path, META_FILE)
-    if os.path.isfile(meta_file):
-        with open(meta_file) as f:
-            meta = json.load(f)
+    meta = json.loads(Path(meta_file).read_text()) if os.path.isfile(meta_file) else {}
     # The iteration folder's own shape file first: a root copy may belong to a newer save.
     for d in (path, load, os.path.dirname(os.path.abspath(path))):
         shape_file = os.path.join(d, SHAPE_FILE)
         if os.path.isfile(shape_file):
-            with open(shape_file) as f:
-                return CheckpointModel(path, load, iteration, meta, ModelShape.from_json(f.read()))
+            return CheckpointModel(path, load, iteration, meta, ModelShape.from_json(Path(shape_file).read_text()))
     if not meta.get("model_args"):
         raise FileNotFoundError(
             f"--load {load}: {path} has neither {SHAPE_FILE} (written by `convert hf-to-megatron` and copied into "
@@ -145,9 +141,7 @@ def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
     if not root:
         return None
     step = ckpt_step if ckpt_step is not None else read_tracker(root)
-    if step is None:
-        return None
-    if not os.path.isdir(checkpoint_path(root, step)):
+    if step is not None and not os.path.isdir(checkpoint_path(root, step)):
         saved = saved_iterations(root)
         have = f"it holds iterations {', '.join(map(str, saved))}" if saved else "it holds no iter_N checkpoint"
         what = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER} (iteration {step})"
@@ -161,9 +155,12 @@ def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
     path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
     if step == RELEASE or not os.path.isfile(path):
         return None
+    return dict(_read_json(root, path).get("model_args") or {})
+
+
+def _read_json(root: str, path: str):
     try:
-        with open(path) as f:
-            return dict(json.load(f).get("model_args") or {})
+        return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
 
@@ -174,13 +171,7 @@ def lora_record(root: Optional[str], step) -> Optional[Dict[str, Any]]:
     """The `LORA_FILE` of checkpoint `step` of `root` ({"lora": LoRA config, "base": {"path",
     "iteration", "fingerprint"}}), or None: not a LoRA checkpoint."""
     path = os.path.join(checkpoint_path(root, step), LORA_FILE) if root and step is not None else None
-    if path is None or not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
+    return _read_json(root, path) if path is not None and os.path.isfile(path) else None
 
 
 def model_source(load: Optional[str], load_step, pretrained: Optional[str]):
@@ -279,10 +270,7 @@ def checkpoint_shape(root: Optional[str], iteration=None):
         p = os.path.join(root, SHAPE_FILE)
         if not os.path.isfile(p):
             return None
-        from megatron_csbp.model.families import ModelShape
-
-        with open(p) as f:
-            return ModelShape.from_json(f.read())
+        return ModelShape.from_json(Path(p).read_text())
     try:
         return read_checkpoint_model(root, iteration).file_shape
     except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
@@ -313,10 +301,6 @@ def unwritable(folder: str) -> Optional[str]:
     return None
 
 
-def _same_folder(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
-
-
 def check_run_folders(args, load_step, start_iteration: int, load_claimed: bool = False) -> None:
     """At parse time, before anything is written: `--load` is a checkpoint folder, or holds none and
     starting from scratch is meant (it is the `--save` folder of a resumable job's first run, or
@@ -336,7 +320,8 @@ def check_run_folders(args, load_step, start_iteration: int, load_claimed: bool 
         saved = saved_iterations(load)
         why = (f"it holds {', '.join(f'iter_{i:07d}' for i in saved[:3])} but no {TRACKER}" if saved else
                f"no {TRACKER}" + ("" if os.path.isdir(load) else "; the folder does not exist"))
-        fresh = (_same_folder(load, save) and not saved) or not getattr(args, "exit_on_missing_checkpoint", True)
+        same = bool(save) and os.path.realpath(load) == os.path.realpath(save)
+        fresh = (same and not saved) or not getattr(args, "exit_on_missing_checkpoint", True)
         if not fresh:  # (--load = --save, empty: a resumable job's first run)
             raise CheckpointError(f"--load {load} holds no checkpoint ({why}): check the path; to start from scratch "
                                   "on purpose drop --load, or pass --no-exit-on-missing-checkpoint")

@@ -5,9 +5,11 @@ hashes its share of the files; the verdict is agreed. Cost and refusals: docs/tr
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -48,9 +50,7 @@ def write_checksums(folder: str) -> None:
     rank, world = _world()
     names = sorted(n for n in os.listdir(folder) if n != CHECKSUM_FILE and os.path.isfile(os.path.join(folder, n)))
     mine = {n: digest(os.path.join(folder, n)) for n in names[rank::world]}
-    files: Dict[str, str] = {}
-    for part in _all(mine):
-        files.update(part)
+    files = {name: sha for part in _all(mine) for name, sha in part.items()}
     if rank == 0:
         with open(os.path.join(folder, CHECKSUM_FILE), "w") as f:
             json.dump({"algorithm": ALGORITHM, "files": files}, f, indent=0, sort_keys=True)
@@ -66,8 +66,7 @@ def verify_checksums(folder: str) -> Optional[str]:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
-            expected = json.load(f)["files"]
+        expected = json.loads(Path(path).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{path} is corrupt ({type(exc).__name__})"
     bad = []
@@ -93,24 +92,16 @@ def check_checkpoint_files(path: str) -> None:
         raise CheckpointError(f"cannot load checkpoint {path}: {why}")
 
 
-def _tensor_files(folder: str) -> List[str]:
-    """The files of a torch_dist folder that hold its tensors: the shards and their index."""
-    return sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")
-
-
 def fingerprint(folder: str) -> str:
     """Collective: what identifies the weights of the torch_dist checkpoint `folder` (a LoRA
     checkpoint records its base's): the sha256 of the (file, sha256) list of its tensor files, read
     from `CHECKSUM_FILE` when the save wrote one (a JSON read, whatever the checkpoint's size), else
     hashed here, each rank every world-th file (Megatron-LM's checkpoints)."""
     rank, world = _world()
-    names = _tensor_files(folder)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")  # shards, index
     known: Dict[str, str] = {}
-    try:
-        with open(os.path.join(folder, CHECKSUM_FILE)) as f:
-            known = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        known = json.loads(Path(folder, CHECKSUM_FILE).read_text())["files"]
     todo = [n for n in names if n not in known]
     mine = {n: digest(os.path.join(folder, n)) for n in todo[rank::world]}
     for part in _all(mine) if todo else []:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Optional, Union
 
 import torch.distributed as dist
@@ -48,30 +49,25 @@ def save_gpt_model(model, shape: ModelShape, output: str) -> str:
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     ckpt_dir = os.path.join(output, RELEASE)
     if rank == 0:
         if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
             raise FileExistsError(f"{ckpt_dir} exists and is not empty: choose a new --output")
         os.makedirs(ckpt_dir, exist_ok=True)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     state = {MODEL_KEY: model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
     dist_checkpointing.save(state, ckpt_dir)
     if rank == 0:
-        text = shape.to_json()
         for d in (output, ckpt_dir):
-            with open(os.path.join(d, SHAPE_FILE), "w") as f:
-                f.write(text)
-    if dist.is_initialized():
-        dist.barrier()
+            Path(d, SHAPE_FILE).write_text(shape.to_json())
+    barrier()
     from megatron_csbp.checkpoint.integrity import write_checksums
 
     write_checksums(ckpt_dir)
     if rank == 0:
-        with open(os.path.join(output, TRACKER), "w") as f:
-            f.write(RELEASE)
-    if dist.is_initialized():
-        dist.barrier()
+        Path(output, TRACKER).write_text(RELEASE)
+    barrier()
     return ckpt_dir
 
 

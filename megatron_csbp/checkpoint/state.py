@@ -5,14 +5,15 @@ models and refusals: docs/training.md#checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
 import shutil
 import uuid
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,17 +55,15 @@ def _sharded_state(model, optimizer, is_loading: bool, keep: Keep = None) -> Dic
 
 
 def _fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
-        pass
 
 
-@contextmanager
+@contextlib.contextmanager
 def write_results_in_process():
     """While active, megatron-core's torch_dist writer hands its write results back through a queue
     of this process instead of a `multiprocessing.Manager` queue.
@@ -116,32 +115,27 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         os.makedirs(tmp)
     dist.barrier()
     state = _sharded_state(model, optimizer, is_loading=False, keep=keep)
-    state["iteration"] = iteration
-    state["consumed_samples"] = consumed_samples
-    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    state["extra"] = extra or {}
+    state.update(iteration=iteration, consumed_samples=consumed_samples, extra=extra or {},
+                 scheduler=scheduler.state_dict() if scheduler is not None else None)
     with write_results_in_process():  # synchronous: nothing a SIGTERM to the job could kill mid-save
         dist_checkpointing.save(state, tmp)
     dist.barrier()
     if _fail_after_write:
         raise RuntimeError("simulated crash during checkpoint save")
     if rank == 0:
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, f, indent=1)
-        for name, text in {**({SHAPE_FILE: shape.to_json()} if shape is not None else {}), **(files or {})}.items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
+        meta = json.dumps({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, indent=1)
+        for name, text in {META_FILE: meta, **({SHAPE_FILE: shape.to_json()} if shape is not None else {}),
+                           **(files or {})}.items():
+            Path(tmp, name).write_text(text)
     dist.barrier()
     write_checksums(tmp)  # every file, checked before every load
     if rank == 0:
         _fsync_dir(tmp)
+        old = f"{final}.old-{nonce[0]}"
         if os.path.exists(final):  # re-saving the same iteration: move the old one aside first
-            old = f"{final}.old-{nonce[0]}"
             os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(root)
         tracker_tmp = os.path.join(root, f".{TRACKER}.{nonce[0]}")
         with open(tracker_tmp, "w") as f:
@@ -151,8 +145,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
         if shape is not None:
             shape_tmp = os.path.join(root, f".{SHAPE_FILE}.{nonce[0]}")
-            with open(shape_tmp, "w") as f:
-                f.write(shape.to_json())
+            Path(shape_tmp).write_text(shape.to_json())
             os.replace(shape_tmp, os.path.join(root, SHAPE_FILE))
         dst = os.path.join(root, ASSETS_DIR)
         if assets_from and os.path.isdir(assets_from) and not os.path.exists(dst) \
@@ -183,9 +176,10 @@ def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[
             todo += [e.__cause__, e.__context__]
     errors = [e for e in chain if isinstance(e, OSError) and e.errno]
     texts = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}" for e in chain[1:] + chain[:1]]
-    errno = next((m for t in texts + list(logged) for m in [re.search(r"\[Errno (\d+)\]", t)] if m), None)
-    short = next((m.group(0) for t in texts + list(logged) for m in [re.search(r"unexpected pos \d+ vs \d+", t)] if m),
-                 None)  # torch's zip writer after a short write
+    lines = texts + list(logged)
+    errno = next((m for t in lines for m in [re.search(r"\[Errno (\d+)\]", t)] if m), None)
+    # torch's zip writer after a short write
+    short = next((m.group(0) for t in lines for m in [re.search(r"unexpected pos \d+ vs \d+", t)] if m), None)
     if errors:
         cause = os.strerror(errors[0].errno) + (f" ({errors[0].filename})" if errors[0].filename else "")
     elif errno:
@@ -194,11 +188,8 @@ def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[
         cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short}"
     else:
         cause = texts[0]
-    try:
-        free = shutil.disk_usage(first_existing(root)).free
-        cause += f" ({free / 2**20:.1f} MiB free there)"
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        cause += f" ({shutil.disk_usage(first_existing(root)).free / 2**20:.1f} MiB free there)"
     return cause
 
 
@@ -281,16 +272,6 @@ def param_groups_keyed_by_lr() -> bool:
     return "max_lr" in getattr(core_optimizer, "param_group_identifier_keys", ())
 
 
-def _scheduler_changes(scheduler, saved: Dict[str, Any]) -> List[str]:
-    now = scheduler.state_dict()
-    out, seen = [], set()
-    for key, flag in SCHEDULER_FLAGS.items():
-        if key in saved and key in now and now[key] != saved[key] and flag not in seen:
-            seen.add(flag)
-            out.append(f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
-    return out
-
-
 def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str) -> None:
     """Before the optimizer and scheduler state are loaded: refuse, in one line naming the flags, a
     resume that Megatron-LM would stop with an assertion or a parameter-group error (see above)."""
@@ -309,11 +290,14 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
     override = getattr(scheduler, "override_opt_param_scheduler", False)
     use_checkpoint = getattr(scheduler, "use_checkpoint_opt_param_scheduler", False)
     if not (override or use_checkpoint):
-        changes = _scheduler_changes(scheduler, saved)
+        now, changes = scheduler.state_dict(), {}  # one line per flag: its first changed value
+        for key, flag in SCHEDULER_FLAGS.items():
+            if key in saved and key in now and now[key] != saved[key]:
+                changes.setdefault(flag, f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
         if changes:
             raise CheckpointError(
-                f"cannot resume {path}: {'; '.join(changes)}. Pass --use-checkpoint-opt_param-scheduler (keep the "
-                "checkpoint's schedule) or --override-opt_param-scheduler (take the flags'), or resume with the "
+                f"cannot resume {path}: {'; '.join(changes.values())}. Pass --use-checkpoint-opt_param-scheduler (keep "
+                "the checkpoint's schedule) or --override-opt_param-scheduler (take the flags'), or resume with the "
                 "checkpoint's values (Megatron-LM's rule)")
     elif override and lr_changed and dist.get_rank() == 0:
         print(f" --override-opt_param-scheduler: the schedule follows the flags, but {' and '.join(lr_changed)} "
@@ -326,9 +310,9 @@ def _read(dist_checkpointing, state, path: str):
     rank may have failed: not agreed). Damaged bytes can raise any exception while unpickled."""
     try:
         return dist_checkpointing.load(state, path)
+    except CliError:
+        raise
     except Exception as exc:
-        if isinstance(exc, CliError):
-            raise
         text = f"{type(exc).__name__}: {exc}".strip()
         if "weights_only" in text:  # torch's advice to unpickle anything: a pickled part is garbage
             text = f"{type(exc).__name__}: a pickled part is corrupt"
@@ -340,8 +324,8 @@ def _load_model_state(model, loaded, path: str, keep: Keep = None) -> None:
 
     chunks = chunks_of(model)
     for i, chunk in enumerate(chunks):  # a model chunk (its `gpt`), or a bare model (generation's)
-        missing, unexpected = getattr(chunk, "gpt", chunk).load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
-                                                        strict=False)
+        key = "model" if len(chunks) == 1 else f"model{i}"
+        missing, _ = getattr(chunk, "gpt", chunk).load_state_dict(loaded[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and (keep is None or keep(k))]
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks model keys {missing[:5]}")

@@ -55,7 +55,7 @@ def install_cpu_compat(force: bool = False) -> bool:
     logging.getLogger("megatron.core").setLevel(max(logging.getLogger("megatron.core").level, logging.ERROR))
     for name in _EAGER_MODULES:
         importlib.import_module(name)
-    device.proxy_loaded_modules()
+    device.proxy_modules(lambda name: name.startswith("megatron.core"))  # every one loaded so far
     if not _INSTALLED:
         rng.patch_rng()
         optimizer.patch_cpu_optimizers()

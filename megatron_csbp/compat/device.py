@@ -21,7 +21,6 @@ def cuda_absent() -> bool:
     return not torch.cuda.is_available()
 
 
-
 def _to_cpu_device(device):
     if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")) or (
             isinstance(device, torch.device) and device.type == "cuda"):
@@ -48,10 +47,6 @@ class _NoOpStream:
 _STREAM = _NoOpStream()
 
 
-def _stream(*a, **k):
-    return _STREAM
-
-
 class _NoOpEvent:
     __init__ = record = wait = synchronize = _nothing
 
@@ -71,37 +66,17 @@ class CpuCuda(types.ModuleType):
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
 
-    @staticmethod
-    def current_device():
-        return torch.device("cpu")
+    current_device = staticmethod(lambda: torch.device("cpu"))
 
     synchronize = empty_cache = reset_peak_memory_stats = staticmethod(_nothing)
-    Stream = current_stream = default_stream = staticmethod(_stream)  # Stream mirrors torch.cuda.Stream
+    Stream = current_stream = default_stream = staticmethod(lambda *a, **k: _STREAM)  # Stream: torch.cuda.Stream
     Event = _NoOpEvent
 
-    @staticmethod
-    def stream(*a, **k):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def memory_allocated(*a, **k):
-        return 0
-
-    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
-
-    @staticmethod
-    def get_rng_state(*a, **k):
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(state, *a, **k):
-        torch.set_rng_state(state)
-
-    @staticmethod
-    def manual_seed(seed):
-        torch.manual_seed(seed)
-
-    manual_seed_all = manual_seed
+    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
+    memory_allocated = max_memory_allocated = memory_reserved = max_memory_reserved = staticmethod(lambda *a, **k: 0)
+    get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
+    manual_seed = manual_seed_all = staticmethod(lambda seed: torch.manual_seed(seed))
 
 
 _CPU_CUDA = CpuCuda()
@@ -150,11 +125,9 @@ def mentions_cuda(module) -> bool:
     path = getattr(module, "__file__", None)
     if not path or not path.endswith(".py"):
         return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            return "cuda" in f.read()
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
+        return "cuda" in f.read()
+    return False
 
 
 def proxy_modules(select: Callable[[str], bool], proxy: types.ModuleType = None) -> None:
@@ -168,7 +141,3 @@ def proxy_modules(select: Callable[[str], bool], proxy: types.ModuleType = None)
             module.torch = proxy
         PROXIED.add(name)
 
-
-def proxy_loaded_modules() -> None:
-    """The CPU view for every megatron-core module loaded so far."""
-    proxy_modules(lambda name: name.startswith("megatron.core"))

@@ -24,13 +24,8 @@ _EAGER_MODULES = ("megatron.training", *(f"megatron.training.{name}" for name in
 class _TrainingCuda(device_view.CpuCuda):
     """`torch.cuda` as Megatron-LM's training package sees it on CPU: one device, the CPU."""
 
-    @staticmethod
-    def device_count():
-        return 1
-
-    @staticmethod
-    def set_device(*a, **k):
-        pass
+    device_count = staticmethod(lambda: 1)
+    set_device = staticmethod(device_view._nothing)
 
 
 class _TrainingTorchProxy(device_view.TorchProxy):
@@ -42,10 +37,6 @@ class _TrainingTorchProxy(device_view.TorchProxy):
 
 _TRAINING_CUDA = _TrainingCuda()
 _TRAINING_TORCH_PROXY = _TrainingTorchProxy()
-
-
-def _proxy_training_modules() -> None:
-    device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
 
 
 def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
@@ -80,11 +71,8 @@ def _patch_initialize() -> None:
     if fused_kernels is not None:
         fused_kernels.load = lambda args: None
 
-    def get_device_arch_version():
-        return 0
-
     for name in ("megatron.training.utils", "megatron.training.arguments"):
-        importlib.import_module(name).get_device_arch_version = get_device_arch_version
+        importlib.import_module(name).get_device_arch_version = lambda: 0
 
 
 def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
@@ -96,7 +84,7 @@ def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
     for name in _EAGER_MODULES:
         importlib.import_module(name)
     core_compat.install_cpu_compat(force=force)  # megatron.core modules the training package imported
-    _proxy_training_modules()
+    device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
     if not _INSTALLED:
         torch.Tensor.cuda = _tensor_cuda
         torch.nn.Module.cuda = _module_cuda

@@ -41,15 +41,10 @@ def cuda_type_names():
 
 
 def _with_cuda_type_names(fn):
-    if getattr(fn, "__cpu_compat__", False):
-        return fn
-
-    @functools.wraps(fn)
+    """`fn` under `cuda_type_names` (`replace_once` wraps it and marks it)."""
     def wrapper(*args, **kwargs):
         with cuda_type_names():
             return fn(*args, **kwargs)
-
-    wrapper.__cpu_compat__ = True
     return wrapper
 
 
@@ -64,15 +59,12 @@ def patch_cpu_optimizers() -> None:
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    wrapped = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
-    clip_grads.clip_grad_by_total_norm_fp32 = wrapped
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and module is not None:
-            if getattr(module, "clip_grad_by_total_norm_fp32", None) is not None and \
-                    not getattr(module.clip_grad_by_total_norm_fp32, "__cpu_compat__", False):
-                module.clip_grad_by_total_norm_fp32 = wrapped
+    replace_once(clip_grads, "clip_grad_by_total_norm_fp32", _with_cuda_type_names)
+    for name, module in list(sys.modules.items()):  # the modules that imported it by name
+        if name.startswith("megatron.core") and getattr(module, "clip_grad_by_total_norm_fp32", None) is not None:
+            module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib.DistributedOptimizer):
-        cls.__init__ = _with_cuda_type_names(cls.__init__)
+        replace_once(cls, "__init__", _with_cuda_type_names)
     # The non-gloo branch of the DP-zero state gather moves shards with `.cuda()`; on CPU the
     # "NCCL" data-parallel group is gloo anyway, so take the gloo branch (same collectives).
     def get_parameter_state_dp_zero(orig):
@@ -209,10 +201,8 @@ def patch_mixed_dtype_groups() -> None:
 def _init_empty_torch_adam_states(opt) -> None:
     if not _is_torch_adam(opt):
         return
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if len(opt.state[p]) == 0:
-                opt.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
-                opt.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                opt.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for p in (p for group in opt.param_groups for p in group["params"] if len(opt.state[p]) == 0):
+        opt.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
+                            exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                            exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 

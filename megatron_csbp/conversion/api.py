@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -57,13 +58,10 @@ def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[
     hf_io.write_tensors(output, tensors, max_shard_bytes)
     if assets_from is not None and os.path.isdir(assets_from):
         hf_io.copy_assets(assets_from, output, exclude=skip_assets)
-    cfg["dtype"] = out_dtype
-    if "torch_dtype" in cfg:
-        cfg["torch_dtype"] = out_dtype
+    cfg.update(dtype=out_dtype, **({"torch_dtype": out_dtype} if "torch_dtype" in cfg else {}))
     if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
         cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
+    Path(output, "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
@@ -218,12 +216,9 @@ def score(load: str, tokens: np.ndarray, batch_size: int = 8, noisy_tokens: Opti
                                           clean_attention or "block_causal", packing)
         with torch.no_grad():
             for start in range(0, tokens.shape[0], batch_size):
-                chunk = torch.from_numpy(tokens[start:start + batch_size].astype(np.int64))
-                if noisy_tokens is None:
-                    out.append(scorer(chunk).float().numpy())
-                else:
-                    noisy = torch.from_numpy(noisy_tokens[start:start + batch_size].astype(np.int64))
-                    out.append(scorer(chunk, noisy).float().numpy())
+                inputs = [torch.from_numpy(ids[start:start + batch_size].astype(np.int64))
+                          for ids in (tokens, noisy_tokens) if ids is not None]  # (clean[, noisy])
+                out.append(scorer(*inputs).float().numpy())
     rows = tokens.shape[1] - (prompt_length if noisy_tokens is not None else 0)
     return np.concatenate(out, axis=0) if out else np.zeros((0, rows, shape.vocab_size), np.float32)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -29,10 +29,8 @@ def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[s
     from megatron_csbp.conversion.tokenizer import has_tokenizer, export_tokenizer
 
     assets = os.path.join(load, ASSETS_DIR)
-    record = {}
-    if os.path.isfile(os.path.join(load, VERIFIER_FILE)):
-        with open(os.path.join(load, VERIFIER_FILE)) as f:
-            record = json.load(f)
+    verifier = os.path.join(load, VERIFIER_FILE)
+    record = json.loads(Path(verifier).read_text()) if os.path.isfile(verifier) else {}
     if tokenizer_model is None and os.path.isdir(assets) and os.listdir(assets):
         tokenizer_model = assets
     if tokenizer_model is None and not record:
@@ -49,8 +47,7 @@ def is_hf_drafter(hf_path: str) -> bool:
     path = os.path.join(hf_path, "config.json")
     if not os.path.isfile(path):
         return False
-    with open(path) as f:
-        return json.load(f).get("model_type") == HF_MODEL_TYPE
+    return json.loads(Path(path).read_text()).get("model_type") == HF_MODEL_TYPE
 
 
 def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShape:
@@ -73,11 +70,7 @@ def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShap
     from megatron_csbp.conversion.tokenizer import has_tokenizer
 
     if has_tokenizer(hf_path):  # the verifier's tokenizer, exported with the drafter
-        dst = os.path.join(output, ASSETS_DIR)
-        os.makedirs(dst, exist_ok=True)
-        for name in hf_io.asset_files(hf_path):
-            if name not in ("config.json", "generation_config.json"):
-                shutil.copy2(os.path.join(hf_path, name), os.path.join(dst, name))
+        hf_io.copy_assets(hf_path, os.path.join(output, ASSETS_DIR), exclude=("config.json", "generation_config.json"))
     return shape
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
@@ -27,15 +28,13 @@ def read_config(path: str) -> Dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder: no config.json")
-    with open(cfg_path) as f:
-        return json.load(f)
+    return json.loads(Path(cfg_path).read_text())
 
 
 def weight_files(path: str) -> List[str]:
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
         return [os.path.join(path, name) for name in files]
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
@@ -73,16 +72,13 @@ def write_tensors(path: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: 
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return [SINGLE_FILE]
-    files, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(files, shards):
         save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-        files.append(name)
-        for k, t in shard.items():
-            weight_map[k] = name
-            total += t.numel() * t.element_size()
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    weight_map = {k: name for name, shard in zip(files, shards) for k in shard}
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    Path(path, INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
     return files
 
 

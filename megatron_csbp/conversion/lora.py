@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from megatron_csbp.lora import FUSED_PARTS, LoRAConfig
-from megatron_csbp.lora.peft import Adapters, Target, load_peft_adapter, save_peft_adapter
+from megatron_csbp.lora.peft import Adapters, Target, load_peft_adapter, to_peft_model
 from megatron_csbp.model.families import DTYPES, ModelShape, get_family
 
 #: the megatron-core linears LoRA adapts, by their weights' names
@@ -19,6 +19,8 @@ LINEARS = tuple(f"{n}.weight" for n in ("linear_qkv", "linear_proj", "linear_fc1
 
 
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.)[\w.]*experts\.(?P<e>\d+)\.\w+\.weight$")
+#: (split, join) of a module whose base weight is one Hugging Face parameter
+_WHOLE = (lambda x: (x,), lambda x: x)
 
 
 def _gpt_targets(shape: ModelShape) -> List[Target]:
@@ -34,7 +36,7 @@ def _gpt_targets(shape: ModelShape) -> List[Target]:
         m = _EXPERT.match(t.hf[0])
         if m:
             live = m["layer"] + "mlp.experts." + ("gate_up_proj" if len(t.hf) == 2 else "down_proj")
-            out.append(Target(t.megatron[:-7], ((live,),), lambda x: (x,), lambda x: x, int(m["e"])))
+            out.append(Target(t.megatron[:-7], ((live,),), *_WHOLE, int(m["e"])))
         else:
             parts = FUSED_PARTS.get(t.megatron[:-7].rsplit(".", 1)[1], ())
             canonical = len(parts) == len(t.hf) and not (parts[0] == "q" and shape.attention_output_gate)
@@ -66,18 +68,13 @@ def _dg_targets(shape: ModelShape) -> List[Target]:
         out += [Target(m + "self_attention.linear_qkv", both(*qkv),
                        lambda t, s=(heads, groups, d, k_eq_v): [p for p in _qkv_from_megatron(t, *s) if p is not None],
                        lambda q, k, v=None, s=(heads, groups, d): _qkv_to_megatron(q, k, v, *s)),
-                Target(m + "self_attention.linear_proj", both("self_attn.o_proj.weight"), lambda x: (x,), lambda x: x),
+                Target(m + "self_attention.linear_proj", both("self_attn.o_proj.weight"), *_WHOLE),
                 Target(m + "mlp.dense.linear_fc1", both("mlp.gate_proj.weight", "mlp.up_proj.weight"), *halves),
-                Target(m + "mlp.dense.linear_fc2", both("mlp.down_proj.weight"), lambda x: (x,), lambda x: x)]
-        for e in range(config.num_moe_experts):
-            x = f"{m}mlp.experts.local_experts.{e}."
-            out += [Target(x + "linear_fc1", both("experts.gate_up_proj"), lambda x: (x,), lambda x: x, e),
-                    Target(x + "linear_fc2", both("experts.down_proj"), lambda x: (x,), lambda x: x, e)]
+                Target(m + "mlp.dense.linear_fc2", both("mlp.down_proj.weight"), *_WHOLE)]
+        experts = f"{m}mlp.experts.local_experts."
+        out += [Target(f"{experts}{e}.{fc}", both(f"experts.{hf}"), *_WHOLE, e) for e in range(config.num_moe_experts)
+                for fc, hf in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj"))]
     return out
-
-
-def _gpt_hf_config(shape: ModelShape) -> dict:
-    return dict(shape.hf_config)
 
 
 def _dg_hf_config(shape: ModelShape) -> dict:
@@ -93,7 +90,7 @@ class _FamilyMap(NamedTuple):
 
 #: family name -> how its adapters map (the GPT families share one)
 FAMILY_MAPS: Dict[str, _FamilyMap] = {
-    **{name: _FamilyMap(_gpt_targets, _gpt_hf_config)
+    **{name: _FamilyMap(_gpt_targets, lambda shape: dict(shape.hf_config))
        for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")},
     "diffusion_gemma": _FamilyMap(_dg_targets, _dg_hf_config),
 }
@@ -128,7 +125,7 @@ def export_peft_adapter(shape: ModelShape, config: LoRAConfig, adapters: Adapter
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
         adapters = {k: v.to(DTYPES[dtype]) for k, v in adapters.items()}
-    save_peft_adapter(meta_hf_model(shape), peft_targets(shape), config, adapters, output, base)
+    to_peft_model(meta_hf_model(shape), peft_targets(shape), config, adapters, base).save_pretrained(output)
 
 
 def import_peft_adapter(shape: ModelShape, directory: str, flag: str = "--peft-adapter"):

@@ -7,52 +7,46 @@ biases around 0 so a transposed or misplaced tensor shows up.
 """
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, Dict
+from typing import Any
 
 import torch
-
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")
 
 _COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                rms_norm_eps=1e-6, attention_dropout=0.0)
+
+#: family -> (its transformers config class, its settings beside _COMMON)
+_CONFIGS = {
+    # rope_theta 1e6 with llama3 scaling: head_dim 8 puts one frequency in each scaling regime
+    "llama": ("LlamaConfig", dict(max_position_embeddings=65536, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),  # head_dim != hidden / heads, as in Qwen3
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Hybrid: Gated DeltaNet, attention, GDN, attention (full_attention_interval 2); gated
+    # attention with head_dim 16 and partial rotary 0.25 (4 rotated dims), (1 + w) norms.
+    "qwen3_5": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, head_dim=16, full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+}
+FAMILIES = tuple(_CONFIGS)
 
 
 def tiny_config(family: str, **overrides: Any):
     """A transformers config of `family` (GQA 4 query heads over 2 KV groups)."""
     import transformers
 
-    kw: Dict[str, Any] = dict(_COMMON)
-    if family == "llama":
-        # rope_theta 1e6 with llama3 scaling: head_dim 8 puts one frequency in each scaling regime
-        cls = transformers.LlamaConfig
-        kw.update(max_position_embeddings=65536,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    elif family == "qwen2":
-        cls = transformers.Qwen2Config
-        kw.update(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    elif family == "qwen3":
-        cls = transformers.Qwen3Config
-        kw.update(head_dim=16, tie_word_embeddings=True)  # head_dim != hidden / heads, as in Qwen3
-    elif family == "qwen3_moe":
-        cls = transformers.Qwen3MoeConfig
-        kw.update(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
-    elif family == "mixtral":
-        cls = transformers.MixtralConfig
-        kw.update(num_local_experts=4, num_experts_per_tok=2)
-    elif family == "qwen3_5":
-        # Hybrid: Gated DeltaNet, attention, GDN, attention (full_attention_interval 2); gated
-        # attention with head_dim 16 and partial rotary 0.25 (4 rotated dims), (1 + w) norms.
-        cls = transformers.Qwen3_5TextConfig
-        kw.update(num_hidden_layers=4, head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
-                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    else:
+    if family not in _CONFIGS:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
-    kw.update(overrides)
-    return cls(**kw)
+    cls, kw = _CONFIGS[family]
+    return getattr(transformers, cls)(**{**copy.deepcopy({**_COMMON, **kw}), **overrides})
 
 
 def tiny_model(family: str, seed: int = 0, **overrides: Any):

@@ -55,10 +55,8 @@ def slurm_executor(recipe: Dict, nnodes: int, nproc: int, job_dir: str):
     `output` is NeMo-Run's own (the job directory's sbatch_*.out and log-*.out)."""
     run = _run()
     sl = dict(recipe["launch"].get("slurm") or {})
-    extra = {}
-    for line in sl.get("extra_sbatch") or []:
-        key, _, value = str(line).lstrip("-").partition("=")
-        extra[key.replace("-", "_")] = value or None
+    sbatch = (str(line).lstrip("-").partition("=") for line in sl.get("extra_sbatch") or [])  # "--key=value"
+    extra = {key.replace("-", "_"): value or None for key, _, value in sbatch}
     mounts = sl.get("container_mounts")
     if isinstance(mounts, str):
         mounts = [m for m in mounts.split(",") if m]

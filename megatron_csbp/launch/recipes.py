@@ -15,9 +15,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
+import warnings
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, run
@@ -76,11 +79,9 @@ def _resolve_paths(recipe: Dict, base: str) -> None:
     def resolve(value, must_exist):
         if not isinstance(value, str) or value == "" or os.path.isabs(value) or PLACEHOLDER in value:
             return value
-        try:
+        with contextlib.suppress(ValueError):
             float(value)  # a --data-path blend weight
             return value
-        except ValueError:
-            pass
         path = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
         return value if must_exist and not os.path.exists(path) else path
 
@@ -106,13 +107,12 @@ def load_recipe(path: str) -> Dict:
         recipe.setdefault(s, {})
         if not isinstance(recipe[s], dict):
             raise RecipeError(f"recipe {path}: section {s!r} must be a mapping of flag names to values")
-    recipe.setdefault("launch", {})
-    bad = set(recipe["launch"]) - set(LAUNCH_KEYS)
-    if bad:
-        raise RecipeError(f"recipe {path}: unknown launch keys {sorted(bad)}; expected {list(LAUNCH_KEYS)}")
-    bad = set(recipe["launch"].get("slurm") or {}) - set(SLURM_KEYS)
-    if bad:
-        raise RecipeError(f"recipe {path}: unknown launch.slurm keys {sorted(bad)}; expected {list(SLURM_KEYS)}")
+    launch = recipe.setdefault("launch", {})
+    for what, given, known in (("launch", launch, LAUNCH_KEYS),
+                               ("launch.slurm", launch.get("slurm") or {}, SLURM_KEYS)):
+        if set(given) - set(known):
+            raise RecipeError(f"recipe {path}: unknown {what} keys {sorted(set(given) - set(known))}; "
+                              f"expected {list(known)}")
     recipe.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     _resolve_paths(recipe, os.path.dirname(os.path.abspath(path)))
     return recipe
@@ -161,9 +161,8 @@ def apply_overrides(recipe: Dict, overrides: List[str]) -> Dict:
         if len(owners) > 1:
             raise RecipeError(f"override {item!r}: {key!r} is in sections {owners}; write SECTION.{key}=VALUE")
         sec = recipe[owners[0]]
-        for x in list(sec):
-            if _norm(x) == k:
-                del sec[x]
+        for x in [x for x in sec if _norm(x) == k]:
+            del sec[x]
         sec[k] = value
     return recipe
 
@@ -178,16 +177,11 @@ def recipe_flag_groups(recipe: Dict) -> List[Tuple[str, List[str]]]:
             if name in seen:
                 raise RecipeError(f"flag {name} is set in both {seen[name]!r} and {s!r}")
             seen[name] = s
-            if value is None or value is False:
-                continue
-            if value is True:
-                groups.append((name, []))
-            elif isinstance(value, (list, tuple)):
-                groups.append((name, [str(v) for v in value]))
-            elif isinstance(value, dict):
+            if isinstance(value, dict):
                 raise RecipeError(f"{s}.{key}: a flag value cannot be a mapping")
-            else:
-                groups.append((name, [str(value)]))
+            if value is not None and value is not False:
+                values = value if isinstance(value, (list, tuple)) else [] if value is True else [value]
+                groups.append((name, [str(v) for v in values]))
     return groups
 
 
@@ -197,17 +191,11 @@ def recipe_flags(recipe: Dict) -> List[str]:
 
 
 def _flag(recipe: Dict, name: str, default=None):
-    for s in SECTIONS:
-        for k, v in recipe[s].items():
-            if _norm(k) == name:
-                return v
-    return default
+    return next((v for s in SECTIONS for k, v in recipe[s].items() if _norm(k) == name), default)
 
 
 def check_world(recipe: Dict, nnodes: int, nproc: int) -> int:
     """Fail early, with the flag names, when the layout cannot tile the world."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's import-time notices (no TE/apex)
         from megatron_csbp.parallel.state import check_topology
@@ -216,10 +204,8 @@ def check_world(recipe: Dict, nnodes: int, nproc: int) -> int:
         raise RecipeError(f"--nnodes ({nnodes}) and --nproc-per-node ({nproc}) must be >= 1")
     world = nnodes * nproc
     try:
-        check_topology(world, int(_flag(recipe, "tensor_model_parallel_size", 1)),
-                       int(_flag(recipe, "pipeline_model_parallel_size", 1)),
-                       int(_flag(recipe, "context_parallel_size", 1)), int(_flag(recipe, "block_parallel_size", 1)),
-                       int(_flag(recipe, "expert_model_parallel_size", 1)))
+        check_topology(world, *(int(_flag(recipe, f"{axis}_parallel_size", 1))
+                                for axis in ("tensor_model", "pipeline_model", "context", "block", "expert_model")))
     except ValueError as e:
         raise RecipeError(f"{nnodes} node(s) x {nproc} process(es): {e}") from None
     return world
@@ -235,8 +221,6 @@ def check_recipe(recipe: Dict, nnodes: int, nproc: int) -> str:
     batch, objective, ...). Starts nothing. Values holding PLACEHOLDER are listed, not parsed, and
     the rules that need files absent from this machine (a --load checkpoint, a tokenizer) are
     skipped and named. Returns a one-paragraph report; raises RecipeError naming the flag and rule."""
-    import warnings
-
     world = check_world(recipe, nnodes, nproc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -326,7 +310,7 @@ def requeue_safe(recipe: Dict) -> Tuple[Dict, List[str]]:
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m megatron_csbp.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe file, or a shipped recipe's name (examples/recipes/NAME.yaml)")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE or SECTION.KEY=VALUE")
     p.add_argument("--dry-run", action="store_true", help="print the command (or script) and exit")
@@ -364,8 +348,7 @@ def main(argv=None) -> int:
             else:
                 for d in (os.path.dirname(script_path), job.log_dir, job.work_dir):
                     os.makedirs(d, exist_ok=True)  # SLURM writes --output only into an existing directory
-                with open(script_path, "w") as f:
-                    f.write(job.script)
+                Path(script_path).write_text(job.script)
                 print(f"wrote {args.slurm} (logs in {job.log_dir}); submit with: sbatch {args.slurm}")
             for note in requeue_safe(recipe)[1]:
                 print(f"warning: {note}", file=sys.stderr)

@@ -8,6 +8,7 @@ keeps torch's handling. docs/training.md#preemption-sigterm-ctrl-c-time-limits-r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -45,11 +46,9 @@ def _signal_workers(pids, sig) -> list:
     and torch's shutdown signals the group: the rank and its helper processes); the pids still there."""
     sent = []
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)
             sent.append(pid)
-        except ProcessLookupError:
-            pass
     return sent
 
 

@@ -70,10 +70,9 @@ class LoRAConfig:
     @classmethod
     def of(cls, args) -> Optional["LoRAConfig"]:
         """The config of the flags (a namespace or ModelArgs); None when --lora-rank is 0 or absent."""
-        rank = getattr(args, "lora_rank", 0) or 0
-        if rank == 0:
+        if not getattr(args, "lora_rank", 0):
             return None
-        return cls(rank, float(args.lora_alpha), float(args.lora_dropout), tuple(args.lora_target_modules),
+        return cls(args.lora_rank, float(args.lora_alpha), float(args.lora_dropout), tuple(args.lora_target_modules),
                    args.lora_init)
 
     def to_json(self) -> str:

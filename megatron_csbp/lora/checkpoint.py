@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -20,10 +21,6 @@ from megatron_csbp.lora import LoRAConfig, is_adapter
 
 #: the LoRA flags a resume must repeat (they shape the adapters or their scale), by LoRAConfig field
 RESUMED = {"rank": "--lora-rank", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules"}
-
-
-def config_json(config: LoRAConfig) -> Dict[str, Any]:
-    return json.loads(config.to_json())
 
 
 def base_record(pretrained: str) -> Dict[str, Any]:
@@ -39,7 +36,7 @@ def base_record(pretrained: str) -> Dict[str, Any]:
 
 
 def record_json(config: LoRAConfig, base: Dict[str, Any]) -> str:
-    return json.dumps({"lora": config_json(config), "base": base}, indent=1, sort_keys=True)
+    return json.dumps({"lora": json.loads(config.to_json()), "base": base}, indent=1, sort_keys=True)
 
 
 def check_resume(load: str, step, config: Optional[LoRAConfig], base: Optional[Dict[str, Any]]) -> None:
@@ -184,23 +181,17 @@ def write_lora_checkpoint(out: str, config: LoRAConfig, adapters: Dict[str, torc
     folder = checkpoint_path(out, RELEASE)
     if os.path.isdir(folder) and os.listdir(folder):
         raise FileExistsError(f"{folder} exists and is not empty: choose a new --output")
-    base_step = checkpoint_to_load(base_path)
-    if base_step is None:
-        raise CheckpointError(f"--pretrained-checkpoint {base_path} holds no checkpoint (no {TRACKER})")
-    shapes = {k: tuple(m.size) for k, m in
-              FileSystemReader(checkpoint_path(base_path, base_step)).read_metadata().state_dict_metadata.items()
-              if hasattr(m, "size")}
-    state = {}
-    for name, t in adapters.items():
-        key, index, stacked = _key(name, shapes)
-        state[name] = _fragment(key, t.detach().contiguous().clone(), index, stacked)
-    os.makedirs(folder, exist_ok=True)
     with single_process_megatron():
         base = base_record(base_path)
+        metadata = FileSystemReader(checkpoint_path(base_path, base["iteration"])).read_metadata()
+        shapes = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+        state = {}
+        for name, t in adapters.items():
+            key, index, stacked = _key(name, shapes)
+            state[name] = _fragment(key, t.detach().contiguous().clone(), index, stacked)
+        os.makedirs(folder, exist_ok=True)
         dist_checkpointing.save({"model": state, "iteration": 0}, folder)
-        with open(os.path.join(folder, LORA_FILE), "w") as f:
-            f.write(record_json(config, base))
+        Path(folder, LORA_FILE).write_text(record_json(config, base))
         write_checksums(folder)
-    with open(os.path.join(out, TRACKER), "w") as f:
-        f.write(RELEASE)
+    Path(out, TRACKER).write_text(RELEASE)
     return folder

@@ -9,12 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.moe import grouped_gemm_util as gg
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
 from megatron_csbp.lora import LoRAConfig
-from megatron_csbp.lora.layers import _ExpertColumnA, _ExpertRowShare, _tp_size
+from megatron_csbp.lora.layers import _ExpertColumnA, _ExpertRowShare, _tp_size, add_adapter_pair
 
 FCS = ("linear_fc1", "linear_fc2")
 
@@ -28,14 +27,8 @@ class ExpertAdapter(torch.nn.Module):
         super().__init__()
         self.sharded = "lora_B" if fc == "linear_fc1" else "lora_A"
         self.stride, self.group = stride, group
-        for name, shape in (("lora_A", (lora.rank, in_features)), ("lora_B", (out_features, lora.rank))):
-            p = torch.nn.Parameter(torch.zeros(*shape, dtype=like.dtype, device=like.device))
-            if name == self.sharded:
-                set_tensor_model_parallel_attributes(p, True, 0 if name == "lora_B" else 1, stride)
-            else:
-                set_tensor_model_parallel_attributes(p, False, 0, 1)
-            p.allreduce = getattr(like, "allreduce", True)  # reduced like the expert weights
-            self.register_parameter(name, p)
+        add_adapter_pair(self, ((lora.rank, in_features), (out_features, lora.rank)), self.sharded, stride, like,
+                         dtype=like.dtype, device=like.device)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """As the LoRA linear of a sequential expert stores its adapter (lora/layers.py `_shards`)."""
@@ -57,10 +50,8 @@ class _ExpertAdapters(torch.nn.ModuleDict):
     """One local expert's adapters (`linear_fc1`, `linear_fc2`): a sequential expert's MLP's names."""
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        out = {}
-        for name, adapter in self.items():
-            out.update(adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
-        return out
+        return {k: v for name, adapter in self.items()
+                for k, v in adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata).items()}
 
 
 class LoRAGroupedMLP(GroupedMLP):

@@ -63,6 +63,20 @@ def fuse_parts(pieces, groups: Optional[int], dim: int = -1) -> torch.Tensor:
     return out.reshape(*out.shape[:dim], -1, *out.shape[dim + 2:])
 
 
+def add_adapter_pair(module, shapes, sharded: str, stride: int, weight, suffix: str = "", **factory) -> None:
+    """Register `lora_A` and `lora_B` (+ `suffix`) of `shapes` on `module`, zeros (`factory`: dtype,
+    device): `sharded` the TP-sharded one (B by rows with `stride`, A by columns), the other replicated;
+    reduced over data parallelism like `weight` (expert adapters over the expert data-parallel group)."""
+    for name, shape in zip(("lora_A", "lora_B"), shapes):
+        p = torch.nn.Parameter(torch.zeros(*shape, **factory))
+        if name == sharded:
+            set_tensor_model_parallel_attributes(p, True, 0 if name == "lora_B" else 1, stride)
+        else:
+            set_tensor_model_parallel_attributes(p, False, 0, 1)
+        p.allreduce = getattr(weight, "allreduce", True)
+        module.register_parameter(name + suffix, p)
+
+
 class _LoRA:
     """The adapter of both layers: A and B, one of them TP-sharded (`sharded`), both initialised to
     zeros here (lora/init.py draws them by global name once the model is built)."""
@@ -70,15 +84,7 @@ class _LoRA:
     def _add_adapter(self, config, lora, shapes, sharded: str, stride: int, suffix: str = ""):
         self.lora_config, self.lora_scaling = lora, lora.scaling
         self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else torch.nn.Identity()
-        for name, shape in zip(("lora_A", "lora_B"), shapes):
-            p = torch.nn.Parameter(torch.zeros(*shape, dtype=config.params_dtype))
-            if name == sharded:
-                set_tensor_model_parallel_attributes(p, True, 0 if name == "lora_B" else 1, stride)
-            else:
-                set_tensor_model_parallel_attributes(p, False, 0, 1)
-            # expert adapters reduce over the expert data-parallel group, like the expert weights
-            setattr(p, "allreduce", getattr(self.weight, "allreduce", True))
-            self.register_parameter(name + suffix, p)
+        add_adapter_pair(self, shapes, sharded, stride, self.weight, suffix, dtype=config.params_dtype)
 
     @property
     def lora_world(self) -> int:
@@ -121,19 +127,17 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         gated = lora_gated and config.gated_linear_unit
         self.lora_parts, self.lora_stride = tuple(lora_parts), 2 if gated else 1
+        rows = {"": self.output_size_per_partition}  # B's rows by adapter suffix ("_q" ...: a part's)
         if self.lora_parts:
             self.lora_rows, self.lora_groups = _part_rows(config, lora_name, self.lora_parts,
                                                           self.output_size_per_partition, gated, self.lora_world)
-            for part in self.lora_parts:
-                self._add_adapter(config, lora, ((lora.rank, input_size), (self.lora_rows[part], lora.rank)),
-                                  "lora_B", 1, "_" + part)
-        else:
-            self._add_adapter(config, lora, ((lora.rank, input_size), (self.output_size_per_partition, lora.rank)),
-                              "lora_B", self.lora_stride)
-        if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
-            # A's gradient covers this rank's rows only: finalize_model_grads sums it over TP
-            for part in self.lora_parts or ("",):
-                getattr(self, "lora_A" + ("_" + part if part else "")).sequence_parallel = True
+            rows = {"_" + part: self.lora_rows[part] for part in self.lora_parts}
+        for suffix, n in rows.items():
+            self._add_adapter(config, lora, ((lora.rank, input_size), (n, lora.rank)), "lora_B",
+                              1 if suffix else self.lora_stride, suffix)
+            if self.sequence_parallel and not self.explicit_expert_comm and self.lora_world > 1:
+                # A's gradient covers this rank's rows only: finalize_model_grads sums it over TP
+                getattr(self, "lora_A" + suffix).sequence_parallel = True
 
     def _lora_u(self, x, a):
         u = F.linear(x, a) if not self.explicit_expert_comm or self.lora_world == 1 \

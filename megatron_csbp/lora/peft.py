@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_csbp.lora import PART_TARGETS, LoRAConfig, adapter_key
+from megatron_csbp.lora import PART_TARGETS, LoRAConfig, adapter_key, is_adapter
 
 A, B = ".lora_A", ".lora_B"
 Adapters = Dict[str, torch.Tensor]  # {megatron module name + ".lora_A" / ".lora_B" (a part's "_q" etc.): full tensor}
@@ -38,21 +38,15 @@ def adapter_units(adapters: Adapters) -> Dict[Unit, Tuple[torch.Tensor, torch.Te
     found: Dict[Unit, Dict[str, torch.Tensor]] = {}
     bad = []
     for k, v in adapters.items():
-        try:
-            module, which, part = adapter_key(k)
-        except ValueError:
+        if not is_adapter(k):
             bad.append(k)
             continue
+        module, which, part = adapter_key(k)
         found.setdefault((module, part), {})[which] = v
     bad += [m for (m, _), ab in found.items() if len(ab) != 2]
     if bad:
         raise ValueError(f"LoRA adapters must come as <module>.lora_A / <module>.lora_B pairs: {bad[:4]}")
     return {u: (ab["A"], ab["B"]) for u, ab in sorted(found.items(), key=lambda x: (x[0][0], x[0][1] or ""))}
-
-
-def adapted_modules(adapters: Adapters) -> List[str]:
-    """The Megatron module names that carry an adapter (each must have both matrices)."""
-    return sorted({m for m, _ in adapter_units(adapters)})
 
 
 def _part_delta(deltas: Dict[str, torch.Tensor], rows: int, query_groups: Optional[int], module: str) -> torch.Tensor:
@@ -155,12 +149,6 @@ def to_peft_model(hf_model, targets: List[Target], config: LoRAConfig, adapters:
         b = torch.stack([per_expert[e][1] for e in range(n)], dim=-1)
         _assign(layers[name], torch.cat([per_expert[e][0] for e in range(n)]), b.reshape(b.shape[0], -1))
     return model
-
-
-def save_peft_adapter(hf_model, targets: List[Target], config: LoRAConfig, adapters: Adapters, output: str,
-                      base: Optional[str] = None) -> None:
-    """Write `adapters` as a PEFT adapter folder (peft's `save_pretrained`)."""
-    to_peft_model(hf_model, targets, config, adapters, base).save_pretrained(output)
 
 
 def _read(layer, expert: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,6 @@ the targets, freezes the base weights and draws the adapters (lora/init.py).
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -96,15 +95,6 @@ def active_transform(spec):
     return spec if lora is None else with_adapters(spec, lora)
 
 
-@contextlib.contextmanager
-def _active(lora: LoRAConfig):
-    token = _ACTIVE.set(lora)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 def linear_names(model: torch.nn.Module) -> set:
     """The names of the parallel linears in the model's layers (those a spec builds)."""
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
@@ -138,12 +128,10 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
 
 def freeze_base(model: torch.nn.Module) -> int:
     """requires_grad=False on every parameter but the adapters; returns the number frozen."""
-    frozen = 0
-    for name, p in model.named_parameters():
-        if not is_adapter(name):
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
+    base = [p for name, p in model.named_parameters() if not is_adapter(name)]
+    for p in base:
+        p.requires_grad_(False)
+    return len(base)
 
 
 def adapted(lora: Optional[LoRAConfig], build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
@@ -151,8 +139,11 @@ def adapted(lora: Optional[LoRAConfig], build: Callable[[], torch.nn.Module], se
     name; `build()` itself when `lora` is None."""
     if lora is None:
         return build()
-    with _active(lora):
+    token = _ACTIVE.set(lora)
+    try:
         model = build()
+    finally:
+        _ACTIVE.reset(token)
     check_targets(model, lora)
     freeze_base(model)
     from megatron_csbp.lora.init import draw_adapters

@@ -19,13 +19,10 @@ def check_pipeline_args(args, num_microbatches: int) -> Optional[int]:
     the virtual pipeline size (None without interleaving: Megatron-LM's
     `args.virtual_pipeline_model_parallel_size`). Needs `num_layers` filled in."""
     P = args.pipeline_model_parallel_size
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
-    per_vstage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    vstages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    given = {"--decoder-first-pipeline-num-layers": first, "--decoder-last-pipeline-num-layers": last,
-             "--num-layers-per-virtual-pipeline-stage": per_vstage,
-             "--num-virtual-stages-per-pipeline-rank": vstages}
+    given = {"--" + dest.replace("_", "-"): getattr(args, dest, None) for dest in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")}
+    first, last, per_vstage, vstages = given.values()
     if P < 1:
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {P}")
     for flag, v in given.items():
@@ -73,13 +70,11 @@ def check_pipeline_args(args, num_microbatches: int) -> Optional[int]:
     if middle_stages and V and (middle_layers // middle_stages) % V:
         raise ValueError(f"the {middle_layers // middle_stages} layers of a middle pipeline stage must be divisible by "
                          f"the virtual stages per pipeline rank {V}")
-    if V:
-        M = num_microbatches
-        # megatron-core's interleaved schedule: micro-batches go in groups of P per virtual stage.
-        if M % P:
-            raise ValueError(f"interleaved pipelining needs the micro-batches per iteration ({M} = "
-                             f"--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple of "
-                             f"--pipeline-model-parallel-size {P}")
+    # megatron-core's interleaved schedule: micro-batches go in groups of P per virtual stage.
+    if V and num_microbatches % P:
+        raise ValueError(f"interleaved pipelining needs the micro-batches per iteration ({num_microbatches} = "
+                         f"--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple of "
+                         f"--pipeline-model-parallel-size {P}")
     return V
 
 

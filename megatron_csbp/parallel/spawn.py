@@ -76,17 +76,12 @@ def spawn(fn, world_size: int, *args, attempts: int = 3, setup=None):
 
 def _spawn_once(fn, world_size: int, args, setup):
     with tempfile.TemporaryDirectory() as out_dir:
+        paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(world_size)]
         try:
             mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args, setup, dict(os.environ)),
                                nprocs=world_size, join=True, start_method=_start_method(setup))
         except Exception as exc:
-            errors = []
-            for r in range(world_size):
-                p = os.path.join(out_dir, f"rank{r}.pt")
-                if os.path.exists(p):
-                    rec = torch.load(p, weights_only=False)
-                    if not rec["ok"]:
-                        errors.append(f"--- rank {r} ---\n{rec['error']}")
+            saved = {r: torch.load(p, weights_only=False) for r, p in enumerate(paths) if os.path.exists(p)}
+            errors = [f"--- rank {r} ---\n{rec['error']}" for r, rec in saved.items() if not rec["ok"]]
             raise RuntimeError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["result"]
-                for r in range(world_size)]
+        return [torch.load(p, weights_only=False)["result"] for p in paths]

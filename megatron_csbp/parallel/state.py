@@ -47,17 +47,13 @@ def check_topology(world_size: int, tensor_model_parallel_size: int = 1, pipelin
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pipeline_model_parallel_size}")
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * sizes.shard_group_size
     if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-            f"{tensor_model_parallel_size} x --pipeline-model-parallel-size {pipeline_model_parallel_size} x "
-            f"max(--context-parallel-size, --block-parallel-size) {sizes.shard_group_size}"
-        )
+        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                         f"{tensor_model_parallel_size} x --pipeline-model-parallel-size {pipeline_model_parallel_size}"
+                         f" x max(--context-parallel-size, --block-parallel-size) {sizes.shard_group_size}")
     dp_cp = world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)
     if expert_model_parallel_size > 1 and dp_cp % expert_model_parallel_size != 0:
-        raise ValueError(
-            f"--expert-model-parallel-size {expert_model_parallel_size} must divide data x sequence "
-            f"parallel ranks ({dp_cp})"
-        )
+        raise ValueError(f"--expert-model-parallel-size {expert_model_parallel_size} must divide data x sequence "
+                         f"parallel ranks ({dp_cp})")
     return sizes
 
 
@@ -69,13 +65,10 @@ def initialize_block_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     sizes = check_topology(dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size,
                            context_parallel_size, block_parallel_size, expert_model_parallel_size)
     before = set(_process_groups())
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        context_parallel_size=sizes.shard_group_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        **megatron_kwargs,
-    )
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                  pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                  context_parallel_size=sizes.shard_group_size,
+                                  expert_model_parallel_size=expert_model_parallel_size, **megatron_kwargs)
     _build_subgroups(sizes, tensor_model_parallel_size, pipeline_model_parallel_size)
     _OWNED_GROUPS = [pg for pg in _process_groups() if pg not in before]
     _SIZES = sizes
@@ -88,9 +81,8 @@ def _process_groups() -> List:
 
 
 def _all_shard_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
-    world = dist.get_world_size()
-    generator = mpu.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * seq), pp=pp, cp=seq, order="tp-cp-ep-dp-pp")
-    return generator.get_ranks("cp")
+    dp = dist.get_world_size() // (tp * pp * seq)
+    return mpu.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=seq, order="tp-cp-ep-dp-pp").get_ranks("cp")
 
 
 def _build_subgroups(sizes: BlockParallelSizes, tp: int, pp: int) -> None:

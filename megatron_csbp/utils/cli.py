@@ -8,6 +8,7 @@ docs/training.md#failing-loudly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -76,12 +77,9 @@ def _tell_torchrun(line: str) -> None:
     import json
     import time
 
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                              "timestamp": str(int(time.time()))}}}, f)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -119,15 +117,12 @@ def run(main: Callable, argv: Optional[Sequence[str]] = None) -> int:
     `ValueError` becomes the one line."""
     try:
         result = main(argv) if argv is not None else main()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, CliError, ValueError) as exc:
         if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
             raise
-        fail("interrupted by SIGINT", Interrupted.exit_code)
-    except (CliError, ValueError) as exc:
-        if os.environ.get("MEGATRON_CSBP_TRACEBACK"):
-            raise
-        code = exc.exit_code if isinstance(exc, CliError) else 2
-        fail(str(exc), code, getattr(exc, "agreed", True))
+        if isinstance(exc, KeyboardInterrupt):
+            fail("interrupted by SIGINT", Interrupted.exit_code)
+        fail(str(exc), exc.exit_code if isinstance(exc, CliError) else 2, getattr(exc, "agreed", True))
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
