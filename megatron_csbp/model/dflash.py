@@ -146,15 +146,13 @@ class DrafterShape:
 def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
     from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
 
-    kw = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
-        params_dtype=params_dtype, **PORTABLE_CONFIG,
-    )
-    kw.update(overrides)
-    return transformer_config(**kw)
+    return transformer_config(**{
+        **dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+               num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+               kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
+               params_dtype=params_dtype, **PORTABLE_CONFIG),
+        **overrides})
 
 
 class DrafterLayer(torch.nn.Module):
@@ -358,9 +356,7 @@ def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dt
 
     hf = MuseGlimmerAssistantModel(model.shape.hf_config()).to(dtype)
     state = megatron_to_hf_state(model.shape, drafter_state(model))
-    missing, unexpected = hf.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"drafter export: missing {missing}, unexpected {unexpected}")
+    load_drafter_state(hf, {k: v.to(dtype) for k, v in state.items()}, "drafter export")
     if output_dir is not None:
         hf.save_pretrained(output_dir)
     return hf
@@ -471,11 +467,11 @@ class DFlashTrainingModel(torch.nn.Module):
             if len(idx):
                 pred[idx], margin[idx], scale[idx] = streamed_top2(hidden.index_select(0, idx).detach(), self.lm_head,
                                                                    objective.vocab_chunk)
-            right = (pred == targets).view(-1, B).cpu()
-            metrics = dict(metrics, acceptance_counts=acceptance_counts(right, sup.view(-1, B).cpu()),
-                           acceptance_blocks={"anchors": mine.anchors.cpu(), "right": right & sup.view(-1, B).cpu(),
-                                              "supervised": sup.view(-1, B).cpu(),
-                                              "margin": margin.view(-1, B).cpu(), "scale": scale.view(-1, B).cpu()})
+            right, supervised = (pred == targets).view(-1, B).cpu(), sup.view(-1, B).cpu()
+            metrics = dict(metrics, acceptance_counts=acceptance_counts(right, supervised),
+                           acceptance_blocks={"anchors": mine.anchors.cpu(), "right": right & supervised,
+                                              "supervised": supervised, "margin": margin.view(-1, B).cpu(),
+                                              "scale": scale.view(-1, B).cpu()})
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)
@@ -547,9 +543,7 @@ class TrainableDrafter(torch.nn.Module):
                       objective=None) -> LossOutput:
         return self._run(objective or self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
 
-    def stage_output(self, tokens, loss_mask, sample_index, denominator, document_ids=None, self_conditioning=None,
-                     objective=None) -> torch.Tensor:
-        return self._run(objective or self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
+    stage_output = training_loss  # on a stage before the last, `_run` gives its rows
 
     def evaluation_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None, *, objective,
                         metrics: Dict) -> Tuple[LossOutput, Dict]:

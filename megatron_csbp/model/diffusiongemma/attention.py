@@ -47,17 +47,9 @@ class DiffusionGemmaSelfAttention(SelfAttention):
             # No value projection: [q heads of the group ; k] per KV group.
             self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
             self.linear_qkv = submodules.linear_qkv(
-                self.config.hidden_size,
-                self.linear_qkv_out_dim,
-                config=self.config,
-                init_method=self.config.init_method,
-                gather_output=False,
-                bias=False,
-                skip_bias_add=False,
-                is_expert=False,
-                tp_comm_buffer_name="qkv",
-                tp_group=self.pg_collection.tp,
-            )
+                self.config.hidden_size, self.linear_qkv_out_dim, config=self.config,
+                init_method=self.config.init_method, gather_output=False, bias=False, skip_bias_add=False,
+                is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
         self.v_layernorm = WeightlessRMSNorm(config, self.hidden_size_per_attention_head, eps=config.layernorm_epsilon)
         #: K=V layers hand core attention raw k as the K/V source (CSBP moves it instead of K and V)
         self.exchange_kv_source = self.k_eq_v

@@ -206,27 +206,15 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
         refuse(full_prop != 1.0, "default rope with partial_rotary_factor != 1 is not supported")
 
     kwargs = dict(
-        num_layers=n,
-        hidden_size=int(c["hidden_size"]),
-        ffn_hidden_size=int(c["intermediate_size"]),
-        num_attention_heads=heads,
-        num_query_groups=sliding_g,
-        kv_channels=sliding_d,
-        layer_types=layer_types,
-        sliding_window=int(c["sliding_window"]),
-        full_kv_channels=full_d,
-        full_num_query_groups=full_g,
-        full_k_eq_v=k_eq_v_full,
-        rotary_base=float(s_rope.get("rope_theta", 10000.0)),
-        full_rotary_base=float(f_rope.get("rope_theta", 1_000_000.0)),
-        full_rotary_proportion=full_prop,
+        num_layers=n, hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["intermediate_size"]),
+        num_attention_heads=heads, num_query_groups=sliding_g, kv_channels=sliding_d, layer_types=layer_types,
+        sliding_window=int(c["sliding_window"]), full_kv_channels=full_d, full_num_query_groups=full_g,
+        full_k_eq_v=k_eq_v_full, rotary_base=float(s_rope.get("rope_theta", 10000.0)),
+        full_rotary_base=float(f_rope.get("rope_theta", 1_000_000.0)), full_rotary_proportion=full_prop,
         full_rope_factor=float(f_rope.get("factor", 1.0)),
-        final_logit_softcapping=c.get("final_logit_softcapping", 30.0),
-        embedding_padding_idx=c.get("pad_token_id", 0),
-        layernorm_epsilon=float(c.get("rms_norm_eps", 1e-6)),
-        num_moe_experts=int(c["num_experts"]),
-        moe_router_topk=int(c["top_k_experts"]),
-        moe_ffn_hidden_size=int(c["moe_intermediate_size"]),
+        final_logit_softcapping=c.get("final_logit_softcapping", 30.0), embedding_padding_idx=c.get("pad_token_id", 0),
+        layernorm_epsilon=float(c.get("rms_norm_eps", 1e-6)), num_moe_experts=int(c["num_experts"]),
+        moe_router_topk=int(c["top_k_experts"]), moe_ffn_hidden_size=int(c["moe_intermediate_size"]),
         params_dtype=params_dtype,
     )
     kwargs.update(overrides)
@@ -238,23 +226,11 @@ def make_config(**kwargs) -> DiffusionGemmaConfig:
     shape and parallelism (tensor_model_parallel_size, expert_model_parallel_size, ...)."""
     dtype = kwargs.get("params_dtype", torch.float32)
     base = dict(
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=gelu_tanh,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
-        softmax_scale=1.0,
-        **PORTABLE_CONFIG,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=False,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=gelu_tanh,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, softmax_scale=1.0, **PORTABLE_CONFIG,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
     )
     base.update(kwargs)
     return transformer_config(DiffusionGemmaConfig, **base)

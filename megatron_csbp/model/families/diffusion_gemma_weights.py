@@ -161,10 +161,9 @@ def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaC
         if v is not None:
             out[hp + "self_attn.v_proj.weight"] = v
         out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = take(m + "mlp.dense.linear_fc1.weight").chunk(2)
-        out[hp + "experts.gate_up_proj"] = torch.stack(
-            [take(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight") for e in range(config.num_moe_experts)])
-        out[hp + "experts.down_proj"] = torch.stack(
-            [take(f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight") for e in range(config.num_moe_experts)])
+        for hf_name, fc in (("gate_up_proj", "fc1"), ("down_proj", "fc2")):
+            out[f"{hp}experts.{hf_name}"] = torch.stack(
+                [take(f"{m}mlp.experts.local_experts.{e}.linear_{fc}.weight") for e in range(config.num_moe_experts)])
     left = sorted(k for k in state if k not in used and k != "output_layer.weight")
     if left:
         raise ConversionError(f"Megatron tensors with no Hugging Face counterpart: {left[:8]}")
@@ -215,9 +214,9 @@ def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, 
         "self_conditioning.up_proj.weight": (std * torch.randn(ffn, hidden, generator=g)).to(dtype),
         "self_conditioning.down_proj.weight": torch.zeros(hidden, ffn, dtype=dtype),
     }
+    towers = tuple(prefix + n for n in ("vision", "audio", "embed_vision", "embed_audio"))
     renamed = {HF_TEXT + k[len(prefix):]: v for k, v in hf_state.items() if k.startswith(prefix)
-               and not k.startswith(prefix + "vision") and not k.startswith(prefix + "audio")
-               and not k.startswith(prefix + "embed_vision") and not k.startswith(prefix + "embed_audio")}
+               and not k.startswith(towers)}
     renamed.update({HF_TEXT + k: v for k, v in sc.items()})
     if "lm_head.weight" in hf_state:
         renamed["lm_head.weight"] = hf_state["lm_head.weight"]
