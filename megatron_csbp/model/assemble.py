@@ -66,29 +66,20 @@ def run_options(a) -> dict:
     return dict(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
-        sequence_parallel=a.sequence_parallel,
-        hidden_dropout=a.hidden_dropout,
-        attention_dropout=a.attention_dropout,
-        attention_backend=attention_backend(a),
-        pipeline_dtype=params_dtype(a),
+        sequence_parallel=a.sequence_parallel, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        attention_backend=attention_backend(a), pipeline_dtype=params_dtype(a),
         # The loss is already divided by the global denominator: gradients are SUMMED over
         # DP x CP x BP (Megatron DDP with per-token loss does not average).
-        calculate_per_token_loss=True,
-        **recompute_options(a),
-        **pipeline.config_fields(a),
+        calculate_per_token_loss=True, **recompute_options(a), **pipeline.config_fields(a),
     )
 
 
 def transformer_config(a):
     """The config of the flag-built model (weights drawn on CPU from --seed)."""
     return builder.transformer_config(
-        **run_options(a),
-        use_cpu_initialization=True,
-        perform_initialization=True,
+        **run_options(a), use_cpu_initialization=True, perform_initialization=True,
         **config_fields(a),  # the declared fields (normalization, epsilon, biases, no fusion, ...)
-        activation_func=F.silu if a.swiglu else F.gelu,
-        params_dtype=params_dtype(a),
-        **config_fields(a, moe=True),
+        activation_func=F.silu if a.swiglu else F.gelu, params_dtype=params_dtype(a), **config_fields(a, moe=True),
     )
 
 
@@ -231,7 +222,7 @@ def assemble_drafter(a, shape, embedding, head, objective, seq_length: int, spli
     return TrainableDrafter(config, model, splits)
 
 
-def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
+def redraw_weights_by_global_name(gpt, config, seed: int) -> None:
     """Layout-independent initial weights of a flag-built MoE. Megatron draws each rank's local
     experts from the one CPU generator, so under expert parallelism a rank draws fewer experts and
     every weight built after the first MoE layer comes from another point of the stream. Here every
@@ -241,8 +232,7 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
     takes it (stride-aware). Under pipeline parallelism the name carries the *global* layer index
     (a chunk's `decoder.layers.i` is layer offset + i) and the last stage's copy of tied embeddings
     is drawn as `embedding.word_embeddings` (the first stage's weight, same init method), so
-    every chunk holds one rank's weights. Returns the number of weights drawn. Size: one full weight
-    at a time."""
+    every chunk holds one rank's weights. Size: one full weight at a time."""
     import zlib
 
     from megatron.core import parallel_state as mpu
@@ -252,7 +242,6 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
     n_local = config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
     first_expert = mpu.get_expert_model_parallel_rank() * n_local
     layer_offset = pipeline.first_layer(config, getattr(gpt, "vp_stage", None))
-    drawn = 0
     for name, module in gpt.named_modules():
         if isinstance(module, RowParallelLinear):
             init = config.output_layer_init_method
@@ -288,5 +277,3 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
         pieces = torch.split(master, weight.shape[dim] // stride, dim=dim)
         with torch.no_grad():
             weight.copy_(torch.cat(pieces[rank::world], dim=dim).to(weight.dtype))
-        drawn += 1
-    return drawn

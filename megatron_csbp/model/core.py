@@ -16,14 +16,9 @@ from megatron_csbp.config.options import OPTIONS
 #: on the layout), no fused kernels (they need CUDA, TransformerEngine or Apex, and exactness is
 #: checked against unfused math), weights created on CPU.
 PORTABLE_CONFIG = dict(
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
+    hidden_dropout=0.0, attention_dropout=0.0,
+    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+    apply_rope_fusion=False, gradient_accumulation_fusion=False,
     use_cpu_initialization=True,
 )
 

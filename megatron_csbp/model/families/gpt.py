@@ -180,7 +180,7 @@ class GPTFamily(Family):
             max_sequence_length=shape.max_position_embeddings,
             **stage.kwargs(),
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
-            **rotary_kwargs(shape),
+            **gpt_kwargs(SimpleNamespace(**flag_values(shape))),  # rotary: the flag-built model's route
         )
 
     # ---- weights -----------------------------------------------------------------------------
@@ -245,11 +245,6 @@ class MixtralFamily(GPTFamily):
         shape.moe_router_pre_softmax = False  # top-k of the logits, softmax over the k
         jitter = float(cfg.get("router_jitter_noise", 0.0) or 0.0)
         shape.moe_input_jitter_eps = jitter or None
-
-
-def rotary_kwargs(shape: ModelShape) -> Dict[str, Any]:
-    """GPTModel's rotary keywords of `shape`: those of its flags (the flag-built model's route)."""
-    return gpt_kwargs(SimpleNamespace(**flag_values(shape)))
 
 
 register_family(GPTFamily("llama", "llama", "LlamaForCausalLM", attention_bias_has_o_proj=True))
