@@ -6,6 +6,7 @@ block-aware core attention on an anchored plan. Architecture: docs/dflash.md#the
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -26,6 +27,11 @@ WEIGHTS_FILE = "drafter.pt"
 #: the verifier the drafter was trained against (its tokenizer is the drafter's)
 VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: `DrafterShape` field -> its Hugging Face config key (`rope_parameters` and `hf_extra` aside)
+HF_KEYS = {"ffn_hidden_size": "intermediate_size", "num_layers": "num_hidden_layers",
+           "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim", "norm_epsilon": "rms_norm_eps",
+           **{name: name for name in ("hidden_size", "num_attention_heads", "max_position_embeddings", "sliding_window",
+                                      "layer_types", "block_size", "mask_token_id", "target_layer_ids")}}
 
 
 #: metadata of the `DrafterShape` fields that the trainer flag of the same name sets: what a --load
@@ -126,14 +132,8 @@ class DrafterShape:
         from transformers import MuseGlimmerAssistantConfig
 
         return MuseGlimmerAssistantConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
-            head_dim=self.kv_channels, rms_norm_eps=self.norm_epsilon,
-            rope_parameters=dict(self.rope_parameters) or {"rope_type": "default", "rope_theta": self.rotary_base},
-            max_position_embeddings=self.max_position_embeddings, sliding_window=self.sliding_window,
-            layer_types=list(self.layer_types), block_size=self.block_size, mask_token_id=self.mask_token_id,
-            target_layer_ids=list(self.target_layer_ids), **self.hf_extra,
-        )
+            **{key: copy.copy(getattr(self, name)) for name, key in HF_KEYS.items()}, **self.hf_extra,
+            rope_parameters=dict(self.rope_parameters) or {"rope_type": "default", "rope_theta": self.rotary_base})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -285,7 +285,7 @@ class DFlashDrafter(torch.nn.Module):
 # ---- Hugging Face <-> Megatron ------------------------------------------------------------------
 
 #: Megatron <-> Hugging Face (`MuseGlimmerAssistantModel`) names of the drafter's tensors renamed as
-#: they are; per layer, k/v and the MLP's gate/up (`_FUSED`) are fused on the Megatron side
+#: they are (per layer: `layers.{i}.` + a `_LAYER_NAMES` pair)
 _TOP_NAMES = (("encoder.fc.weight", "encoder.fc.weight"), ("encoder.norm.weight", "encoder.output_norm_enc.weight"),
               ("final_norm.weight", "norm.weight"))
 _LAYER_NAMES = (("input_layernorm.weight", "input_layernorm.weight"), ("linear_q.weight", "self_attn.q_proj.weight"),
@@ -293,41 +293,44 @@ _LAYER_NAMES = (("input_layernorm.weight", "input_layernorm.weight"), ("linear_q
                 ("linear_proj.weight", "self_attn.o_proj.weight"),
                 ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
                 ("mlp.linear_fc2.weight", "mlp.down_proj.weight"))
-_FUSED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+#: per layer, Megatron's fused tensor <- the Hugging Face tensors it joins: per query group [k | v] (d rows
+#: each, Megatron's cross-attention layout), and the MLP's [gate ; up]
+_FUSED = {"linear_kv.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+          "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _renamed(shape: DrafterShape) -> List[Tuple[str, str]]:
+    """(Megatron, Hugging Face) names of the tensors renamed as they are."""
+    per_layer = [(f"layers.{i}.{meg}", f"layers.{i}.{hf}") for i in range(shape.num_layers) for meg, hf in _LAYER_NAMES]
+    return list(_TOP_NAMES) + per_layer
+
+
+def _fused(shape: DrafterShape) -> List[Tuple[str, List[str], int]]:
+    """(Megatron name, its Hugging Face parts, groups of rows the parts interleave in) of the fused tensors."""
+    return [(f"layers.{i}.{meg}", [f"layers.{i}.{hf}" for hf in parts],
+             shape.num_query_groups if meg == "linear_kv.weight" else 1)
+            for i in range(shape.num_layers) for meg, parts in _FUSED.items()]
 
 
 def hf_tensor_names(shape: DrafterShape) -> set:
     """Every tensor name of the Hugging Face drafter of `shape`."""
-    per_layer = [hf for _, hf in _LAYER_NAMES] + list(_FUSED)
-    return {hf for _, hf in _TOP_NAMES} | {f"layers.{i}.{n}" for i in range(shape.num_layers) for n in per_layer}
+    return {hf for _, hf in _renamed(shape)} | {hf for _, parts, _ in _fused(shape) for hf in parts}
 
 
 def hf_to_megatron_state(shape: DrafterShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`MuseGlimmerAssistantModel` state dict -> `DFlashDrafter` state dict."""
-    G, d = shape.num_query_groups, shape.kv_channels
-    out = {meg: hf[name] for meg, name in _TOP_NAMES}
-    for i in range(shape.num_layers):
-        p = f"layers.{i}."
-        out.update({p + meg: hf[p + name] for meg, name in _LAYER_NAMES})
-        k = hf[p + "self_attn.k_proj.weight"].view(G, d, -1)
-        v = hf[p + "self_attn.v_proj.weight"].view(G, d, -1)
-        out[p + "linear_kv.weight"] = torch.cat([k, v], dim=1).reshape(2 * G * d, -1)
-        out[p + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+    out = {meg: hf[name] for meg, name in _renamed(shape)}
+    for meg, parts, groups in _fused(shape):
+        out[meg] = torch.cat([hf[name].view(groups, -1, hf[name].shape[-1]) for name in parts], dim=1).flatten(0, 1)
     return out
 
 
 def megatron_to_hf_state(shape: DrafterShape, meg: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`DFlashDrafter` state dict -> `MuseGlimmerAssistantModel` state dict (inverse of the above)."""
-    G, d, f = shape.num_query_groups, shape.kv_channels, shape.ffn_hidden_size
-    out = {name: meg[m] for m, name in _TOP_NAMES}
-    for i in range(shape.num_layers):
-        p = f"layers.{i}."
-        out.update({p + name: meg[p + m] for m, name in _LAYER_NAMES})
-        kv = meg[p + "linear_kv.weight"].view(G, 2 * d, -1)
-        fc1 = meg[p + "mlp.linear_fc1.weight"]
-        out.update({p + "self_attn.k_proj.weight": kv[:, :d].reshape(G * d, -1),
-                    p + "self_attn.v_proj.weight": kv[:, d:].reshape(G * d, -1),
-                    p + "mlp.gate_proj.weight": fc1[:f], p + "mlp.up_proj.weight": fc1[f:]})
+    out = {name: meg[m] for m, name in _renamed(shape)}
+    for m, parts, groups in _fused(shape):
+        fused = meg[m].view(groups, len(parts), -1, meg[m].shape[-1])
+        out.update(zip(parts, (part.flatten(0, 1) for part in fused.unbind(1))))
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 

@@ -135,10 +135,7 @@ def text_config_dict(cfg: Any) -> Dict[str, Any]:
     text config, or a config.json dict), with `per_layer_config` as {layer index: overrides}."""
     if not isinstance(cfg, dict):
         cfg = cfg.to_dict()
-    if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-        cfg = dict(cfg["text_config"])
-    else:
-        cfg = dict(cfg)
+    cfg = dict(cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg)
     plc = cfg.get("per_layer_config")
     if plc is None:
         # Configs saved before per_layer_config existed carry global_head_dim instead.
