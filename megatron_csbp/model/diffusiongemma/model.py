@@ -154,15 +154,12 @@ class DiffusionGemmaModel(GPTModel):
             if sc_logits.shape[1] != plan_noisy:
                 raise ValueError(f"self-conditioning logits cover {sc_logits.shape[1]} rows, the plan has {plan_noisy} noisy rows")
             soft = self.soft_embeddings(sc_logits, sc_mask)  # [noisy rows, b, h]
-            if sp:
+            if sp:  # this rank's rows of the soft embeddings, zero on the clean rows
                 full = soft.new_zeros((emb.shape[0] * parallel_state.get_tensor_model_parallel_world_size(),) + soft.shape[1:])
                 full = full.index_copy(0, torch.nonzero(~physical_is_clean(plan).to(emb.device)).squeeze(1), soft)
-                soft_local = tensor_parallel.scatter_to_sequence_parallel_region(full)
-                signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft_local))
-                canvas = emb + signal
-            else:
-                signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft))
-                canvas = emb.index_add(0, noisy_idx, signal)
+                soft = tensor_parallel.scatter_to_sequence_parallel_region(full)
+            signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft))
+            canvas = emb + signal if sp else emb.index_add(0, noisy_idx, signal)
         else:
             canvas = emb
         normed = rms_normalize(canvas, self.config.layernorm_epsilon).type_as(canvas)
