@@ -51,11 +51,6 @@ def recompute_options(a) -> dict:
                 recompute_num_layers=(1 if a.recompute_num_layers is None else a.recompute_num_layers) if full else None)
 
 
-def attention_backend(a):
-    from megatron.core.transformer.enums import AttnBackend
-    return AttnBackend[a.attention_backend]
-
-
 def params_dtype(a) -> torch.dtype:
     return torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 
@@ -63,11 +58,13 @@ def params_dtype(a) -> torch.dtype:
 def run_options(a) -> dict:
     """The config fields this run's flags set on every model, flag-built or converted: parallel
     layout (CP size = the shard group), dropout, attention backend, per-token loss, recompute."""
+    from megatron.core.transformer.enums import AttnBackend
+
     return dict(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
         sequence_parallel=a.sequence_parallel, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
-        attention_backend=attention_backend(a), pipeline_dtype=params_dtype(a),
+        attention_backend=AttnBackend[a.attention_backend], pipeline_dtype=params_dtype(a),
         # The loss is already divided by the global denominator: gradients are SUMMED over
         # DP x CP x BP (Megatron DDP with per-token loss does not average).
         calculate_per_token_loss=True, **recompute_options(a), **pipeline.config_fields(a),

@@ -31,9 +31,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """The padded vocabulary of a flag-built model: a multiple of lcm(--make-vocab-size-divisible-by,
     TP), so that TP never changes the model (Megatron-LM pads to a multiple of the flag x TP: the
     same at TP 1; docs/megatron-lm.md)."""
-    multiple = divisible_by
-    if multiple % tp:
-        multiple = multiple * tp // math.gcd(multiple, tp)
+    multiple = math.lcm(divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
