@@ -196,8 +196,7 @@ class DrafterLayer(torch.nn.Module):
         q = self.q_layernorm(q.view(n, b, self.heads, self.head_dim))
         kv, _ = self.linear_kv(torch.cat([x, context]))
         kv = kv.view(kv.shape[0], b, self.groups, 2 * self.head_dim)
-        k, v = kv[..., : self.head_dim], kv[..., self.head_dim :]
-        k = self.k_layernorm(k)
+        k, v = self.k_layernorm(kv[..., : self.head_dim]), kv[..., self.head_dim :]
         q = apply_rotary_pos_emb(q, q_freqs, self.config)
         k = apply_rotary_pos_emb(k, kv_freqs, self.config)
         out = self.core_attention(q, k, v.contiguous(), mask)

@@ -77,14 +77,15 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
                 raise ConversionError(f"{key} differs from the shared copy {what}: the checkpoint's encoder "
                                       "and decoder weights must be tied")
 
-    out: Dict[str, torch.Tensor] = {}
-    emb = take(HF_TEXT + "embed_tokens.weight")
-    check_copy(HF_ENCODER + "embed_tokens.weight", emb, HF_TEXT + "embed_tokens.weight")
+    def tied(suffix, decoder=HF_TEXT, encoder=HF_ENCODER):
+        """The decoder's tensor, its encoder copy checked against it."""
+        t = take(decoder + suffix)
+        check_copy(encoder + suffix, t, decoder + suffix)
+        return t
+
+    emb = tied("embed_tokens.weight")
     check_copy("lm_head.weight", emb, HF_TEXT + "embed_tokens.weight")
-    out["embedding.word_embeddings.weight"] = emb
-    norm = take(HF_TEXT + "norm.weight")
-    check_copy(HF_ENCODER + "norm.weight", norm, HF_TEXT + "norm.weight")
-    out["decoder.final_layernorm.weight"] = norm
+    out = {"embedding.word_embeddings.weight": emb, "decoder.final_layernorm.weight": tied("norm.weight")}
     sc = HF_TEXT + "self_conditioning."
     out["self_conditioning_norm.weight"] = take(sc + "pre_norm.weight")
     out["self_conditioning_mlp.linear_fc1.weight"] = torch.cat([take(sc + "gate_proj.weight"), take(sc + "up_proj.weight")])
@@ -96,13 +97,9 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
         heads, groups, d, k_eq_v = _layer_shape(config, i)
 
         def layer(suffix):
-            t = take(hp + suffix)
-            if suffix != "layer_scalar":
-                check_copy(ep + suffix, t, hp + suffix)
-            return t
+            return take(hp + suffix) if suffix == "layer_scalar" else tied(suffix, hp, ep)
 
-        for suffix, mkey in _layer_map(i):
-            out[mkey] = layer(suffix)
+        out.update({mkey: layer(suffix) for suffix, mkey in _layer_map(i)})
         enc_scalar = ep + "layer_scalar"
         out[m + "clean_layer_scalar"] = take(enc_scalar) if enc_scalar in hf_state else out[m + "layer_scalar"]
         q, k = layer("self_attn.q_proj.weight"), layer("self_attn.k_proj.weight")
