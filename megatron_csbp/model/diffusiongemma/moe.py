@@ -99,7 +99,5 @@ class DiffusionGemmaMoELayer(MoELayer):
         expert_in, probs = self.preprocess(self.pre_experts_layernorm(residual).contiguous(), probs, routing_map)
         dispatched, probs = self.dispatch(expert_in, probs)
         expert_out, _ = self.routed_experts_compute(dispatched, probs)
-        expert_out = self.combine(expert_out)
-        expert_out = self.postprocess(expert_out, None)
-        h2 = self.post_experts_layernorm(expert_out)
+        h2 = self.post_experts_layernorm(self.postprocess(self.combine(expert_out), None))
         return h1 + h2, None
