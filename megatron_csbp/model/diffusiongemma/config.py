@@ -214,8 +214,7 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
         moe_router_topk=int(c["top_k_experts"]), moe_ffn_hidden_size=int(c["moe_intermediate_size"]),
         params_dtype=params_dtype,
     )
-    kwargs.update(overrides)
-    return make_config(**kwargs)
+    return make_config(**(kwargs | overrides))
 
 
 def make_config(**kwargs) -> DiffusionGemmaConfig:
@@ -229,5 +228,4 @@ def make_config(**kwargs) -> DiffusionGemmaConfig:
         moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
     )
-    base.update(kwargs)
-    return transformer_config(DiffusionGemmaConfig, **base)
+    return transformer_config(DiffusionGemmaConfig, **(base | kwargs))

@@ -147,9 +147,7 @@ class GPTFamily(Family):
     def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
         from megatron_csbp.model import core
 
-        kwargs = self.config_fields(shape, params_dtype or shape.torch_dtype)
-        kwargs.update(overrides)
-        return core.transformer_config(**kwargs)
+        return core.transformer_config(**(self.config_fields(shape, params_dtype or shape.torch_dtype) | overrides))
 
     def layer_spec(self, shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto"):
         """Megatron local layer spec of `shape` (a decoder block spec when dense and MoE layers mix),
