@@ -452,8 +452,7 @@ class DFlashTrainingModel(torch.nn.Module):
         targets = mine.targets.flatten().to(device)
         sup = targets >= 0
         idx = sup.nonzero().flatten()
-        ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx],
-                                        objective.vocab_chunk)
+        ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx], objective.vocab_chunk)
         ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
         num, den, metrics = objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
                                                       sup.view(-1, B), reduce=self._reduce)

@@ -161,26 +161,20 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
     heads = int(c["num_attention_heads"])
     head_dim, kv_heads = int(c["head_dim"]), int(c["num_key_value_heads"])
 
-    def per_layer(i, key, default):
-        return int(plc.get(i, {}).get(key, default))
-
-    def one_value(kind, key, default):
-        vals = {per_layer(i, key, default) for i, t in enumerate(layer_types) if t == kind}
-        if len(vals) > 1:
-            raise UnsupportedDiffusionGemmaConfig(f"{kind} layers with different {key}: {sorted(vals)}")
-        return vals.pop() if vals else default
-
-    for i, over in plc.items():
-        unknown = set(over) - {"head_dim", "num_key_value_heads"}
-        if unknown:
-            raise UnsupportedDiffusionGemmaConfig(f"per_layer_config[{i}] overrides {sorted(unknown)}")
-    sliding_d, sliding_g = one_value(SLIDING, "head_dim", head_dim), one_value(SLIDING, "num_key_value_heads", kv_heads)
-    full_d, full_g = one_value(FULL, "head_dim", head_dim), one_value(FULL, "num_key_value_heads", kv_heads)
-
     def refuse(cond, what):
         if cond:
             raise UnsupportedDiffusionGemmaConfig(what)
 
+    def one_value(kind, key, default):
+        vals = {int(plc.get(i, {}).get(key, default)) for i, t in enumerate(layer_types) if t == kind}
+        refuse(len(vals) > 1, f"{kind} layers with different {key}: {sorted(vals)}")
+        return vals.pop() if vals else default
+
+    for i, over in plc.items():
+        unknown = set(over) - {"head_dim", "num_key_value_heads"}
+        refuse(bool(unknown), f"per_layer_config[{i}] overrides {sorted(unknown)}")
+    sliding_d, sliding_g = one_value(SLIDING, "head_dim", head_dim), one_value(SLIDING, "num_key_value_heads", kv_heads)
+    full_d, full_g = one_value(FULL, "head_dim", head_dim), one_value(FULL, "num_key_value_heads", kv_heads)
     refuse(c.get("use_bidirectional_attention") == "all",
            "use_bidirectional_attention='all' (bidirectional clean stream) is not supported: the clean stream is token-causal")
     refuse(c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
@@ -199,8 +193,8 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
     refuse(f_rope.get("rope_type", "default") not in ("default", "proportional"), f"full rope {f_rope}")
     refuse(s_rope.get("partial_rotary_factor", 1.0) != 1.0, f"sliding rope {s_rope}")
     full_prop = float(f_rope.get("partial_rotary_factor", 1.0))
-    if f_rope.get("rope_type", "default") == "default":
-        refuse(full_prop != 1.0, "default rope with partial_rotary_factor != 1 is not supported")
+    refuse(f_rope.get("rope_type", "default") == "default" and full_prop != 1.0,
+           "default rope with partial_rotary_factor != 1 is not supported")
 
     kwargs = dict(
         num_layers=n, hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["intermediate_size"]),
