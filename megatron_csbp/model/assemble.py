@@ -199,9 +199,8 @@ def assemble_drafter(a, shape, embedding, head, objective, seq_length: int, spli
     # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
     config = drafter_transformer_config(shape, params_dtype=dtype, perform_initialization=True,
                                         init_method_std=a.init_method_std, calculate_per_token_loss=True,
-                                        pipeline_dtype=dtype, bf16=a.bf16, fp16=a.fp16, **pipeline.config_fields(a))
-    if finalize_model_grads_func is not None:
-        config.finalize_model_grads_func = finalize_model_grads_func
+                                        pipeline_dtype=dtype, bf16=a.bf16, fp16=a.fp16, **pipeline.config_fields(a),
+                                        finalize_model_grads_func=finalize_model_grads_func)
     torch.manual_seed(a.seed)
     # this pipeline stage's layers (megatron-core's split: --num-layers over the stages, or
     # --decoder-first/last-pipeline-num-layers); the context projection first, the final norm last

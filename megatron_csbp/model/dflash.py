@@ -528,10 +528,8 @@ class TrainableDrafter(torch.nn.Module):
     pre_process = property(lambda self: self.model.drafter.pre_process)
     post_process = last_stage = property(lambda self: self.model.drafter.post_process)
 
-    @property
-    def gpt(self) -> DFlashDrafter:
-        """The module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)."""
-        return self.model.drafter
+    # the module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)
+    gpt = property(lambda self: self.model.drafter)
 
     def supervised(self, tokens, loss_mask):
         return loss_mask

@@ -93,8 +93,7 @@ class ModelShape:
         version = data.get("format_version", 0)
         if version != SHAPE_FORMAT_VERSION:
             raise ValueError(f"{SHAPE_FILE} has format_version {version}, this code reads {SHAPE_FORMAT_VERSION}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"{SHAPE_FILE} has unknown fields {unknown}")
         return cls(**data)
