@@ -123,8 +123,7 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
     text_left = sorted(k for k in hf_state if k not in used and (k.startswith(HF_TEXT) or k.startswith(HF_ENCODER)))
     if text_left:
         raise ConversionError(f"text weights with no Megatron counterpart: {text_left[:8]}")
-    rest = {k: v for k, v in hf_state.items() if k not in used}
-    return out, config, rest
+    return out, config, {k: v for k, v in hf_state.items() if k not in used}
 
 
 def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaConfig,
@@ -169,10 +168,7 @@ def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaC
             if key.startswith(HF_TEXT) and "self_conditioning." not in key and not key.endswith("layer_scalar"):
                 out[HF_ENCODER + key[len(HF_TEXT):]] = out[key]
         out["lm_head.weight"] = out[HF_TEXT + "embed_tokens.weight"]
-    out = {k: v.contiguous() for k, v in out.items()}
-    if extra:
-        out.update(extra)
-    return out
+    return {k: v.contiguous() for k, v in out.items()} | (extra or {})
 
 
 # ---- Gemma 4 text MoE checkpoints (AR starting points) ---------------------------------------
@@ -219,5 +215,4 @@ def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, 
         renamed["lm_head.weight"] = hf_state["lm_head.weight"]
     state, config, _ = hf_to_megatron_state(renamed, c, config=config)
     used = {k for k in hf_state if k.startswith(prefix) and HF_TEXT + k[len(prefix):] in renamed} | {"lm_head.weight"}
-    rest = {k: v for k, v in hf_state.items() if k not in used}
-    return state, config, rest
+    return state, config, {k: v for k, v in hf_state.items() if k not in used}
