@@ -209,8 +209,7 @@ class GPTFamily(Family):
                  vocab_size=null_tokenizer_vocab_flag(shape.vocab_size))
         skip = {"rope_scaling_factor": not v["use_rope_scaling"], "moe_layer_freq": shape.moe_layer_pattern is None,
                 "moe_input_jitter_eps": not shape.moe_input_jitter_eps,
-                "group_query_attention": not v["group_query_attention"],
-                "num_query_groups": not v["group_query_attention"]}
+                **dict.fromkeys(("group_query_attention", "num_query_groups"), not v["group_query_attention"])}
         printed = (o.name for o in OPTIONS if o.name in v and not skip.get(o.name) and (shape.is_moe or not o.moe))
         return [t for t in (flag_text(k, v[k]) for k in printed if v[k] is not None) if t]
 
