@@ -52,11 +52,6 @@ def recompute_options(a) -> dict:
                 recompute_num_layers=(1 if a.recompute_num_layers is None else a.recompute_num_layers) if full else None)
 
 
-def attention_backend(a):
-    from megatron.core.transformer.enums import AttnBackend
-    return AttnBackend[a.attention_backend]
-
-
 def params_dtype(a) -> torch.dtype:
     return torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 
@@ -64,32 +59,25 @@ def params_dtype(a) -> torch.dtype:
 def run_options(a) -> dict:
     """The config fields this run's flags set on every model, flag-built or converted: parallel
     layout (CP size = the shard group), dropout, attention backend, per-token loss, recompute."""
+    from megatron.core.transformer.enums import AttnBackend
+
     return dict(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
-        sequence_parallel=a.sequence_parallel,
-        hidden_dropout=a.hidden_dropout,
-        attention_dropout=a.attention_dropout,
-        attention_backend=attention_backend(a),
-        pipeline_dtype=params_dtype(a),
+        sequence_parallel=a.sequence_parallel, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        attention_backend=AttnBackend[a.attention_backend], pipeline_dtype=params_dtype(a),
         # The loss is already divided by the global denominator: gradients are SUMMED over
         # DP x CP x BP (Megatron DDP with per-token loss does not average).
-        calculate_per_token_loss=True,
-        **recompute_options(a),
-        **pipeline.config_fields(a),
+        calculate_per_token_loss=True, **recompute_options(a), **pipeline.config_fields(a),
     )
 
 
 def transformer_config(a):
     """The config of the flag-built model (weights drawn on CPU from --seed)."""
     return builder.transformer_config(
-        **run_options(a),
-        use_cpu_initialization=True,
-        perform_initialization=True,
+        **run_options(a), use_cpu_initialization=True, perform_initialization=True,
         **config_fields(a),  # the declared fields (normalization, epsilon, biases, no fusion, ...)
-        activation_func=F.silu if a.swiglu else F.gelu,
-        params_dtype=params_dtype(a),
-        **config_fields(a, moe=True),
+        activation_func=F.silu if a.swiglu else F.gelu, params_dtype=params_dtype(a), **config_fields(a, moe=True),
     )
 
 
@@ -212,9 +200,8 @@ def assemble_drafter(a, shape, embedding, head, objective, seq_length: int, spli
     # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
     config = drafter_transformer_config(shape, params_dtype=dtype, perform_initialization=True,
                                         init_method_std=a.init_method_std, calculate_per_token_loss=True,
-                                        pipeline_dtype=dtype, bf16=a.bf16, fp16=a.fp16, **pipeline.config_fields(a))
-    if finalize_model_grads_func is not None:
-        config.finalize_model_grads_func = finalize_model_grads_func
+                                        pipeline_dtype=dtype, bf16=a.bf16, fp16=a.fp16, **pipeline.config_fields(a),
+                                        finalize_model_grads_func=finalize_model_grads_func)
     torch.manual_seed(a.seed)
     # this pipeline stage's layers (megatron-core's split: --num-layers over the stages, or
     # --decoder-first/last-pipeline-num-layers); the context projection first, the final norm last
@@ -232,7 +219,7 @@ def assemble_drafter(a, shape, embedding, head, objective, seq_length: int, spli
     return TrainableDrafter(config, model, splits)
 
 
-def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
+def redraw_weights_by_global_name(gpt, config, seed: int) -> None:
     """Layout-independent initial weights of a flag-built MoE. Megatron draws each rank's local
     experts from the one CPU generator, so under expert parallelism a rank draws fewer experts and
     every weight built after the first MoE layer comes from another point of the stream. Here every
@@ -245,7 +232,7 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
     every chunk holds one rank's weights. Grouped experts (`--moe-grouped-gemm`, megatron-core's
     `GroupedMLP`) draw each expert's fc1 / fc2 as the sequential experts' `linear_fc1` /
     `linear_fc2` of the same global name, so both start from the same weights under any layout.
-    Returns the number of weights drawn. Size: one full weight at a time."""
+    Size: one full weight at a time."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from megatron.core.transformer.moe import experts as moe_experts
@@ -256,7 +243,6 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
     first_expert = mpu.get_expert_model_parallel_rank() * n_local
     layer_offset = pipeline.first_layer(config, getattr(gpt, "vp_stage", None))
     expert_tp = (mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
-    drawn = 0
     for name, module in gpt.named_modules():
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"] and len(parts) > 2:  # this chunk's layer i -> global layer offset + i
@@ -271,7 +257,6 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
                                          seed, 0, fc1_stride, *expert_tp).t())
                 w2[e].copy_(_drawn_slice(expert + ["linear_fc2"], w2[e].t().shape,
                                          config.output_layer_init_method, seed, 1, 1, *expert_tp).t())
-                drawn += 2
             continue
         if isinstance(module, RowParallelLinear):
             init = config.output_layer_init_method
@@ -296,8 +281,6 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> int:
             dim, stride, rank, world = 0, 1, 0, 1
         with torch.no_grad():
             weight.copy_(_drawn_slice(parts, weight.shape, init, seed, dim, stride, rank, world))
-        drawn += 1
-    return drawn
 
 
 def _drawn_slice(parts, local_shape, init, seed: int, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from megatron_csbp.model.core import (  # noqa: F401  (re-exported: the constructors' public place)
-    DIMENSIONS, PORTABLE_CONFIG, dimensions, embedding_rows, gpt_model, local_layer_spec, padded_vocab_size,
-    transformer_config, with_block_diffusion,
+    PORTABLE_CONFIG, embedding_rows, gpt_model, local_layer_spec, padded_vocab_size, transformer_config,
+    with_block_diffusion,
 )
 
 
@@ -49,20 +49,18 @@ def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: st
     return model
 
 
-def mark_tensor_parallel_weights(model: torch.nn.Module, config) -> int:
+def mark_tensor_parallel_weights(model: torch.nn.Module, config) -> None:
     """Set the tensor-parallel attributes Megatron only sets while initialising weights.
 
     With `perform_initialization=False` (weights about to be loaded), megatron-core 0.16 leaves
     `tensor_model_parallel` / `partition_dim` / `partition_stride` unset on the weights of parallel
     linears and embeddings, so gradient-norm and optimizer code would treat TP-sharded weights as
     TP duplicates. This sets exactly what initialisation sets: dim 0 for column-parallel layers and
-    the vocabulary embedding, dim 1 for row-parallel layers, stride 2 for SwiGLU `linear_fc1`.
-    Returns the number of weights marked."""
+    the vocabulary embedding, dim 1 for row-parallel layers, stride 2 for SwiGLU `linear_fc1`."""
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
     )
 
-    marked = 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or getattr(weight, "tensor_model_parallel", False):
@@ -72,7 +70,3 @@ def mark_tensor_parallel_weights(model: torch.nn.Module, config) -> int:
             set_tensor_model_parallel_attributes(weight, True, 0, stride)
         elif isinstance(module, RowParallelLinear):
             set_tensor_model_parallel_attributes(weight, True, 1, 1)
-        else:
-            continue
-        marked += 1
-    return marked

@@ -16,14 +16,9 @@ from megatron_csbp.config.options import OPTIONS
 #: on the layout), no fused kernels (they need CUDA, TransformerEngine or Apex, and exactness is
 #: checked against unfused math), weights created on CPU.
 PORTABLE_CONFIG = dict(
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
+    hidden_dropout=0.0, attention_dropout=0.0,
+    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+    apply_rope_fusion=False, gradient_accumulation_fusion=False,
     use_cpu_initialization=True,
 )
 
@@ -36,9 +31,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """The padded vocabulary of a flag-built model: a multiple of lcm(--make-vocab-size-divisible-by,
     TP), so that TP never changes the model (Megatron-LM pads to a multiple of the flag x TP: the
     same at TP 1; docs/megatron-lm.md)."""
-    multiple = divisible_by
-    if multiple % tp:
-        multiple = multiple * tp // math.gcd(multiple, tp)
+    multiple = math.lcm(divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

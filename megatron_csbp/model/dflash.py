@@ -6,6 +6,7 @@ block-aware core attention on an anchored plan. Architecture: docs/dflash.md#the
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -26,6 +27,11 @@ WEIGHTS_FILE = "drafter.pt"
 #: the verifier the drafter was trained against (its tokenizer is the drafter's)
 VERIFIER_FILE = "megatron_csbp_drafter_verifier.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: `DrafterShape` field -> its Hugging Face config key (`rope_parameters` and `hf_extra` aside)
+HF_KEYS = {"ffn_hidden_size": "intermediate_size", "num_layers": "num_hidden_layers",
+           "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim", "norm_epsilon": "rms_norm_eps",
+           **{name: name for name in ("hidden_size", "num_attention_heads", "max_position_embeddings", "sliding_window",
+                                      "layer_types", "block_size", "mask_token_id", "target_layer_ids")}}
 
 
 #: metadata of the `DrafterShape` fields that the trainer flag of the same name sets: what a --load
@@ -126,14 +132,8 @@ class DrafterShape:
         from transformers import MuseGlimmerAssistantConfig
 
         return MuseGlimmerAssistantConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
-            head_dim=self.kv_channels, rms_norm_eps=self.norm_epsilon,
-            rope_parameters=dict(self.rope_parameters) or {"rope_type": "default", "rope_theta": self.rotary_base},
-            max_position_embeddings=self.max_position_embeddings, sliding_window=self.sliding_window,
-            layer_types=list(self.layer_types), block_size=self.block_size, mask_token_id=self.mask_token_id,
-            target_layer_ids=list(self.target_layer_ids), **self.hf_extra,
-        )
+            **{key: copy.copy(getattr(self, name)) for name, key in HF_KEYS.items()}, **self.hf_extra,
+            rope_parameters=dict(self.rope_parameters) or {"rope_type": "default", "rope_theta": self.rotary_base})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -146,15 +146,12 @@ class DrafterShape:
 def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
     from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
 
-    kw = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
-        params_dtype=params_dtype, **PORTABLE_CONFIG,
-    )
-    kw.update(overrides)
-    return transformer_config(**kw)
+    fields = dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+                  num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+                  kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+                  gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
+                  params_dtype=params_dtype, **PORTABLE_CONFIG)
+    return transformer_config(**(fields | overrides))
 
 
 class DrafterLayer(torch.nn.Module):
@@ -198,8 +195,7 @@ class DrafterLayer(torch.nn.Module):
         q = self.q_layernorm(q.view(n, b, self.heads, self.head_dim))
         kv, _ = self.linear_kv(torch.cat([x, context]))
         kv = kv.view(kv.shape[0], b, self.groups, 2 * self.head_dim)
-        k, v = kv[..., : self.head_dim], kv[..., self.head_dim :]
-        k = self.k_layernorm(k)
+        k, v = self.k_layernorm(kv[..., : self.head_dim]), kv[..., self.head_dim :]
         q = apply_rotary_pos_emb(q, q_freqs, self.config)
         k = apply_rotary_pos_emb(k, kv_freqs, self.config)
         out = self.core_attention(q, k, v.contiguous(), mask)
@@ -287,7 +283,7 @@ class DFlashDrafter(torch.nn.Module):
 # ---- Hugging Face <-> Megatron ------------------------------------------------------------------
 
 #: Megatron <-> Hugging Face (`MuseGlimmerAssistantModel`) names of the drafter's tensors renamed as
-#: they are; per layer, k/v and the MLP's gate/up (`_FUSED`) are fused on the Megatron side
+#: they are (per layer: `layers.{i}.` + a `_LAYER_NAMES` pair)
 _TOP_NAMES = (("encoder.fc.weight", "encoder.fc.weight"), ("encoder.norm.weight", "encoder.output_norm_enc.weight"),
               ("final_norm.weight", "norm.weight"))
 _LAYER_NAMES = (("input_layernorm.weight", "input_layernorm.weight"), ("linear_q.weight", "self_attn.q_proj.weight"),
@@ -295,41 +291,44 @@ _LAYER_NAMES = (("input_layernorm.weight", "input_layernorm.weight"), ("linear_q
                 ("linear_proj.weight", "self_attn.o_proj.weight"),
                 ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
                 ("mlp.linear_fc2.weight", "mlp.down_proj.weight"))
-_FUSED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+#: per layer, Megatron's fused tensor <- the Hugging Face tensors it joins: per query group [k | v] (d rows
+#: each, Megatron's cross-attention layout), and the MLP's [gate ; up]
+_FUSED = {"linear_kv.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+          "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _renamed(shape: DrafterShape) -> List[Tuple[str, str]]:
+    """(Megatron, Hugging Face) names of the tensors renamed as they are."""
+    per_layer = [(f"layers.{i}.{meg}", f"layers.{i}.{hf}") for i in range(shape.num_layers) for meg, hf in _LAYER_NAMES]
+    return list(_TOP_NAMES) + per_layer
+
+
+def _fused(shape: DrafterShape) -> List[Tuple[str, List[str], int]]:
+    """(Megatron name, its Hugging Face parts, groups of rows the parts interleave in) of the fused tensors."""
+    return [(f"layers.{i}.{meg}", [f"layers.{i}.{hf}" for hf in parts],
+             shape.num_query_groups if meg == "linear_kv.weight" else 1)
+            for i in range(shape.num_layers) for meg, parts in _FUSED.items()]
 
 
 def hf_tensor_names(shape: DrafterShape) -> set:
     """Every tensor name of the Hugging Face drafter of `shape`."""
-    per_layer = [hf for _, hf in _LAYER_NAMES] + list(_FUSED)
-    return {hf for _, hf in _TOP_NAMES} | {f"layers.{i}.{n}" for i in range(shape.num_layers) for n in per_layer}
+    return {hf for _, hf in _renamed(shape)} | {hf for _, parts, _ in _fused(shape) for hf in parts}
 
 
 def hf_to_megatron_state(shape: DrafterShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`MuseGlimmerAssistantModel` state dict -> `DFlashDrafter` state dict."""
-    G, d = shape.num_query_groups, shape.kv_channels
-    out = {meg: hf[name] for meg, name in _TOP_NAMES}
-    for i in range(shape.num_layers):
-        p = f"layers.{i}."
-        out.update({p + meg: hf[p + name] for meg, name in _LAYER_NAMES})
-        k = hf[p + "self_attn.k_proj.weight"].view(G, d, -1)
-        v = hf[p + "self_attn.v_proj.weight"].view(G, d, -1)
-        out[p + "linear_kv.weight"] = torch.cat([k, v], dim=1).reshape(2 * G * d, -1)
-        out[p + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+    out = {meg: hf[name] for meg, name in _renamed(shape)}
+    for meg, parts, groups in _fused(shape):
+        out[meg] = torch.cat([hf[name].view(groups, -1, hf[name].shape[-1]) for name in parts], dim=1).flatten(0, 1)
     return out
 
 
 def megatron_to_hf_state(shape: DrafterShape, meg: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`DFlashDrafter` state dict -> `MuseGlimmerAssistantModel` state dict (inverse of the above)."""
-    G, d, f = shape.num_query_groups, shape.kv_channels, shape.ffn_hidden_size
-    out = {name: meg[m] for m, name in _TOP_NAMES}
-    for i in range(shape.num_layers):
-        p = f"layers.{i}."
-        out.update({p + name: meg[p + m] for m, name in _LAYER_NAMES})
-        kv = meg[p + "linear_kv.weight"].view(G, 2 * d, -1)
-        fc1 = meg[p + "mlp.linear_fc1.weight"]
-        out.update({p + "self_attn.k_proj.weight": kv[:, :d].reshape(G * d, -1),
-                    p + "self_attn.v_proj.weight": kv[:, d:].reshape(G * d, -1),
-                    p + "mlp.gate_proj.weight": fc1[:f], p + "mlp.up_proj.weight": fc1[f:]})
+    out = {name: meg[m] for m, name in _renamed(shape)}
+    for m, parts, groups in _fused(shape):
+        fused = meg[m].view(groups, len(parts), -1, meg[m].shape[-1])
+        out.update(zip(parts, (part.flatten(0, 1) for part in fused.unbind(1))))
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -358,9 +357,7 @@ def export_hf_drafter(model: DFlashDrafter, output_dir: Optional[str] = None, dt
 
     hf = MuseGlimmerAssistantModel(model.shape.hf_config()).to(dtype)
     state = megatron_to_hf_state(model.shape, drafter_state(model))
-    missing, unexpected = hf.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"drafter export: missing {missing}, unexpected {unexpected}")
+    load_drafter_state(hf, {k: v.to(dtype) for k, v in state.items()}, "drafter export")
     if output_dir is not None:
         hf.save_pretrained(output_dir)
     return hf
@@ -455,8 +452,7 @@ class DFlashTrainingModel(torch.nn.Module):
         targets = mine.targets.flatten().to(device)
         sup = targets >= 0
         idx = sup.nonzero().flatten()
-        ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx],
-                                        objective.vocab_chunk)
+        ce_sel = streamed_cross_entropy(hidden.index_select(0, idx), self.lm_head, targets[idx], objective.vocab_chunk)
         ce = torch.zeros(len(targets), dtype=ce_sel.dtype, device=device).index_put((idx,), ce_sel)
         num, den, metrics = objective.token_loss(ce.view(-1, B), mine.position_weights.to(device),
                                                       sup.view(-1, B), reduce=self._reduce)
@@ -471,11 +467,11 @@ class DFlashTrainingModel(torch.nn.Module):
             if len(idx):
                 pred[idx], margin[idx], scale[idx] = streamed_top2(hidden.index_select(0, idx).detach(), self.lm_head,
                                                                    objective.vocab_chunk)
-            right = (pred == targets).view(-1, B).cpu()
-            metrics = dict(metrics, acceptance_counts=acceptance_counts(right, sup.view(-1, B).cpu()),
-                           acceptance_blocks={"anchors": mine.anchors.cpu(), "right": right & sup.view(-1, B).cpu(),
-                                              "supervised": sup.view(-1, B).cpu(),
-                                              "margin": margin.view(-1, B).cpu(), "scale": scale.view(-1, B).cpu()})
+            right, supervised = (pred == targets).view(-1, B).cpu(), sup.view(-1, B).cpu()
+            metrics = dict(metrics, acceptance_counts=acceptance_counts(right, supervised),
+                           acceptance_blocks={"anchors": mine.anchors.cpu(), "right": right & supervised,
+                                              "supervised": supervised, "margin": margin.view(-1, B).cpu(),
+                                              "scale": scale.view(-1, B).cpu()})
         # A rank without supervised slots still returns a loss attached to every parameter.
         loss = num / den.clamp_min(torch.finfo(torch.float32).tiny) + 0.0 * hidden.sum()
         return DFlashLoss(loss, num.detach(), metrics)
@@ -532,10 +528,8 @@ class TrainableDrafter(torch.nn.Module):
     pre_process = property(lambda self: self.model.drafter.pre_process)
     post_process = last_stage = property(lambda self: self.model.drafter.post_process)
 
-    @property
-    def gpt(self) -> DFlashDrafter:
-        """The module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)."""
-        return self.model.drafter
+    # the module whose state a checkpoint holds (the trainer's checkpointing loads `chunk.gpt`)
+    gpt = property(lambda self: self.model.drafter)
 
     def supervised(self, tokens, loss_mask):
         return loss_mask
@@ -547,9 +541,7 @@ class TrainableDrafter(torch.nn.Module):
                       objective=None) -> LossOutput:
         return self._run(objective or self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
 
-    def stage_output(self, tokens, loss_mask, sample_index, denominator, document_ids=None, self_conditioning=None,
-                     objective=None) -> torch.Tensor:
-        return self._run(objective or self.objective, tokens, loss_mask, sample_index, denominator, document_ids)[0]
+    stage_output = training_loss  # on a stage before the last, `_run` gives its rows
 
     def evaluation_loss(self, tokens, loss_mask, sample_index, denominator, document_ids=None, *, objective,
                         metrics: Dict) -> Tuple[LossOutput, Dict]:

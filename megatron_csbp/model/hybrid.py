@@ -31,14 +31,12 @@ def linear_attention_pattern(num_layers: int, *, layer_types: Optional[Sequence[
         if bad:
             raise ValueError(f"layer_types {bad}: only linear_attention and full_attention layers are supported")
         pattern = [int(t == "linear_attention") for t in layer_types]
-    elif full_attention_interval is not None:
-        if int(full_attention_interval) < 1:
-            raise ValueError(f"full_attention_interval must be >= 1, got {full_attention_interval}")
-        pattern = [int((i + 1) % int(full_attention_interval) != 0) for i in range(num_layers)]
-    elif isinstance(linear_attention_freq, int):
-        if linear_attention_freq < 1:
-            raise ValueError(f"linear_attention_freq must be >= 1, got {linear_attention_freq}")
-        pattern = [int((i + 1) % linear_attention_freq != 0) for i in range(num_layers)]
+    elif full_attention_interval is not None or isinstance(linear_attention_freq, int):
+        name, every = (("full_attention_interval", full_attention_interval) if linear_attention_freq is None
+                       else ("linear_attention_freq", linear_attention_freq))
+        if int(every) < 1:
+            raise ValueError(f"{name} must be >= 1, got {every}")
+        pattern = [int((i + 1) % int(every) != 0) for i in range(num_layers)]
     else:
         pattern = [int(x) for x in linear_attention_freq]
     if len(pattern) != num_layers:
@@ -69,10 +67,8 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 
 def gated_delta_net_spec() -> ModuleSpec:
     norm = LocalSpecProvider().layer_norm(rms_norm=True)
-    return ModuleSpec(
-        module=BlockDiffusionGatedDeltaNet,
-        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
-    )
+    return ModuleSpec(module=BlockDiffusionGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear))
 
 
 def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False, kernel: str = "auto",
@@ -94,17 +90,10 @@ def hybrid_block_spec(pattern: Sequence[int], qk_layernorm: bool = False, kernel
             sub.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
             sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
     norm = attention_layer.submodules.input_layernorm
-    gdn_layer = ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=gated_delta_net_spec(),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=attention_layer.submodules.pre_mlp_layernorm,
-            mlp=attention_layer.submodules.mlp,
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+    gdn_layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm, self_attention=gated_delta_net_spec(), self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=attention_layer.submodules.pre_mlp_layernorm, mlp=attention_layer.submodules.mlp,
+        mlp_bda=get_bias_dropout_add))
     if 0 in pattern:
         attention_layer = with_block_diffusion_attention(attention_layer, kernel)
     gdn_layer = active_transform(gdn_layer)  # its MLP's LoRA adapters (the attention layer's come with the swap)

@@ -49,9 +49,7 @@ def weighted_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, weights:
     logits_sb = logits_f.transpose(0, 1)
     logits_sb = (logits_sb.clone(memory_format=torch.contiguous_format) if logits_sb.data_ptr() == logits.data_ptr()
                  else logits_sb.contiguous())
-    ce = vocab_parallel_cross_entropy(
-        logits_sb, safe_targets.transpose(0, 1).contiguous()
-    ).transpose(0, 1)
+    ce = vocab_parallel_cross_entropy(logits_sb, safe_targets.transpose(0, 1).contiguous()).transpose(0, 1)
     weighted = torch.where(is_target, ce * weights, torch.zeros_like(ce)).sum()
     # A rank whose rows hold no target still returns a loss attached to every parameter.
     loss = weighted / denominator + 0.0 * logits.sum()

@@ -19,8 +19,7 @@ import torch
 class LayoutRotaryEmbedding(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.base = base
-        self.dtype = dtype
+        self.base, self.dtype = base, dtype
         self.positions = None  # set by `at` (BlockDiffusionModel.logits) around each forward
 
     @contextlib.contextmanager

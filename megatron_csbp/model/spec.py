@@ -41,7 +41,6 @@ def _swap(node, replacement, counter):
                 counter[0] += 1
             else:
                 setattr(node, f.name, _swap(value, replacement, counter))
-        return node
     return node
 
 

@@ -47,17 +47,9 @@ class DiffusionGemmaSelfAttention(SelfAttention):
             # No value projection: [q heads of the group ; k] per KV group.
             self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
             self.linear_qkv = submodules.linear_qkv(
-                self.config.hidden_size,
-                self.linear_qkv_out_dim,
-                config=self.config,
-                init_method=self.config.init_method,
-                gather_output=False,
-                bias=False,
-                skip_bias_add=False,
-                is_expert=False,
-                tp_comm_buffer_name="qkv",
-                tp_group=self.pg_collection.tp,
-            )
+                self.config.hidden_size, self.linear_qkv_out_dim, config=self.config,
+                init_method=self.config.init_method, gather_output=False, bias=False, skip_bias_add=False,
+                is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
         self.v_layernorm = WeightlessRMSNorm(config, self.hidden_size_per_attention_head, eps=config.layernorm_epsilon)
         #: K=V layers hand core attention raw k as the K/V source (CSBP moves it instead of K and V)
         self.exchange_kv_source = self.k_eq_v
@@ -82,15 +74,12 @@ class DiffusionGemmaSelfAttention(SelfAttention):
         mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (q_per_group + kv_slots) * hn)
         parts = torch.split(mixed, [q_per_group * hn] + [hn] * kv_slots, dim=3)
         query = parts[0].reshape(parts[0].size(0), parts[0].size(1), -1, hn)
-        key = parts[1]
-        raw_value = parts[1] if self.k_eq_v else parts[2]
+        key, raw_value = parts[1], parts[-1]  # K=V: the value is k
         if self.config.num_query_groups < self.world_size:
             idx = parallel_state.get_tensor_model_parallel_rank() % (self.world_size // self.config.num_query_groups)
             size = self.num_attention_heads_per_partition // (self.world_size // self.config.num_query_groups)
             query = query[:, :, idx * size : (idx + 1) * size, :]
-        query = self.q_layernorm(query)
-        key = self.k_layernorm(key)
-        value = self.v_layernorm(raw_value)
+        query, key, value = self.q_layernorm(query), self.k_layernorm(key), self.v_layernorm(raw_value)
         if self.k_eq_v and self.exchange_kv_source and self._call_rotates_keys is not None:
             with_kv_source(value, KVSource(raw_value, functools.partial(self.derive_kv, rotate=self._call_rotates_keys)))
         return query, key, value
@@ -99,8 +88,7 @@ class DiffusionGemmaSelfAttention(SelfAttention):
         """(K, V) of K=V rows from raw k [n, b, G, d] at layout `positions` [n]: the same norms and
         the same Megatron rotary function as `forward`, the angles of this layer kind's table at
         those positions (`layer_rotary_angles`, equal to the model's table rows)."""
-        key = self.k_layernorm(raw)
-        value = self.v_layernorm(raw)
+        key, value = self.k_layernorm(raw), self.v_layernorm(raw)
         if rotate:
             device = raw.device
             if device not in self._inv_freq:

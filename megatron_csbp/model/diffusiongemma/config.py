@@ -135,10 +135,7 @@ def text_config_dict(cfg: Any) -> Dict[str, Any]:
     text config, or a config.json dict), with `per_layer_config` as {layer index: overrides}."""
     if not isinstance(cfg, dict):
         cfg = cfg.to_dict()
-    if "text_config" in cfg and isinstance(cfg["text_config"], dict):
-        cfg = dict(cfg["text_config"])
-    else:
-        cfg = dict(cfg)
+    cfg = dict(cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg)
     plc = cfg.get("per_layer_config")
     if plc is None:
         # Configs saved before per_layer_config existed carry global_head_dim instead.
@@ -164,26 +161,20 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
     heads = int(c["num_attention_heads"])
     head_dim, kv_heads = int(c["head_dim"]), int(c["num_key_value_heads"])
 
-    def per_layer(i, key, default):
-        return int(plc.get(i, {}).get(key, default))
-
-    def one_value(kind, key, default):
-        vals = {per_layer(i, key, default) for i, t in enumerate(layer_types) if t == kind}
-        if len(vals) > 1:
-            raise UnsupportedDiffusionGemmaConfig(f"{kind} layers with different {key}: {sorted(vals)}")
-        return vals.pop() if vals else default
-
-    for i, over in plc.items():
-        unknown = set(over) - {"head_dim", "num_key_value_heads"}
-        if unknown:
-            raise UnsupportedDiffusionGemmaConfig(f"per_layer_config[{i}] overrides {sorted(unknown)}")
-    sliding_d, sliding_g = one_value(SLIDING, "head_dim", head_dim), one_value(SLIDING, "num_key_value_heads", kv_heads)
-    full_d, full_g = one_value(FULL, "head_dim", head_dim), one_value(FULL, "num_key_value_heads", kv_heads)
-
     def refuse(cond, what):
         if cond:
             raise UnsupportedDiffusionGemmaConfig(what)
 
+    def one_value(kind, key, default):
+        vals = {int(plc.get(i, {}).get(key, default)) for i, t in enumerate(layer_types) if t == kind}
+        refuse(len(vals) > 1, f"{kind} layers with different {key}: {sorted(vals)}")
+        return vals.pop() if vals else default
+
+    for i, over in plc.items():
+        unknown = set(over) - {"head_dim", "num_key_value_heads"}
+        refuse(bool(unknown), f"per_layer_config[{i}] overrides {sorted(unknown)}")
+    sliding_d, sliding_g = one_value(SLIDING, "head_dim", head_dim), one_value(SLIDING, "num_key_value_heads", kv_heads)
+    full_d, full_g = one_value(FULL, "head_dim", head_dim), one_value(FULL, "num_key_value_heads", kv_heads)
     refuse(c.get("use_bidirectional_attention") == "all",
            "use_bidirectional_attention='all' (bidirectional clean stream) is not supported: the clean stream is token-causal")
     refuse(c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
@@ -202,35 +193,22 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
     refuse(f_rope.get("rope_type", "default") not in ("default", "proportional"), f"full rope {f_rope}")
     refuse(s_rope.get("partial_rotary_factor", 1.0) != 1.0, f"sliding rope {s_rope}")
     full_prop = float(f_rope.get("partial_rotary_factor", 1.0))
-    if f_rope.get("rope_type", "default") == "default":
-        refuse(full_prop != 1.0, "default rope with partial_rotary_factor != 1 is not supported")
+    refuse(f_rope.get("rope_type", "default") == "default" and full_prop != 1.0,
+           "default rope with partial_rotary_factor != 1 is not supported")
 
     kwargs = dict(
-        num_layers=n,
-        hidden_size=int(c["hidden_size"]),
-        ffn_hidden_size=int(c["intermediate_size"]),
-        num_attention_heads=heads,
-        num_query_groups=sliding_g,
-        kv_channels=sliding_d,
-        layer_types=layer_types,
-        sliding_window=int(c["sliding_window"]),
-        full_kv_channels=full_d,
-        full_num_query_groups=full_g,
-        full_k_eq_v=k_eq_v_full,
-        rotary_base=float(s_rope.get("rope_theta", 10000.0)),
-        full_rotary_base=float(f_rope.get("rope_theta", 1_000_000.0)),
-        full_rotary_proportion=full_prop,
+        num_layers=n, hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["intermediate_size"]),
+        num_attention_heads=heads, num_query_groups=sliding_g, kv_channels=sliding_d, layer_types=layer_types,
+        sliding_window=int(c["sliding_window"]), full_kv_channels=full_d, full_num_query_groups=full_g,
+        full_k_eq_v=k_eq_v_full, rotary_base=float(s_rope.get("rope_theta", 10000.0)),
+        full_rotary_base=float(f_rope.get("rope_theta", 1_000_000.0)), full_rotary_proportion=full_prop,
         full_rope_factor=float(f_rope.get("factor", 1.0)),
-        final_logit_softcapping=c.get("final_logit_softcapping", 30.0),
-        embedding_padding_idx=c.get("pad_token_id", 0),
-        layernorm_epsilon=float(c.get("rms_norm_eps", 1e-6)),
-        num_moe_experts=int(c["num_experts"]),
-        moe_router_topk=int(c["top_k_experts"]),
-        moe_ffn_hidden_size=int(c["moe_intermediate_size"]),
+        final_logit_softcapping=c.get("final_logit_softcapping", 30.0), embedding_padding_idx=c.get("pad_token_id", 0),
+        layernorm_epsilon=float(c.get("rms_norm_eps", 1e-6)), num_moe_experts=int(c["num_experts"]),
+        moe_router_topk=int(c["top_k_experts"]), moe_ffn_hidden_size=int(c["moe_intermediate_size"]),
         params_dtype=params_dtype,
     )
-    kwargs.update(overrides)
-    return make_config(**kwargs)
+    return make_config(**(kwargs | overrides))
 
 
 def make_config(**kwargs) -> DiffusionGemmaConfig:
@@ -238,23 +216,10 @@ def make_config(**kwargs) -> DiffusionGemmaConfig:
     shape and parallelism (tensor_model_parallel_size, expert_model_parallel_size, ...)."""
     dtype = kwargs.get("params_dtype", torch.float32)
     base = dict(
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=gelu_tanh,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
-        softmax_scale=1.0,
-        **PORTABLE_CONFIG,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=False,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=gelu_tanh,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, softmax_scale=1.0, **PORTABLE_CONFIG,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
     )
-    base.update(kwargs)
-    return transformer_config(DiffusionGemmaConfig, **base)
+    return transformer_config(DiffusionGemmaConfig, **(base | kwargs))

@@ -86,38 +86,23 @@ def diffusion_gemma_layer_spec(kernel_core_attention=DotProductAttention) -> Mod
     """Spec of one DiffusionGemma layer (local Megatron linears). Per-layer head dims, KV heads and
     windows come from the config (`get_config_for_layer`). The core attention is Megatron's; apply
     `with_block_diffusion_attention` to train it as a block-diffusion LM."""
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    branch_norms = {f"{p}_{branch}_layernorm": GemmaRMSNorm for p in ("pre", "post") for branch in ("dense", "experts")}
+    attention = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=kernel_core_attention,
+                                        linear_proj=RowParallelLinear, q_layernorm=GemmaRMSNorm,
+                                        k_layernorm=GemmaRMSNorm)
     return ModuleSpec(
         module=DiffusionGemmaTransformerLayer,
         submodules=DiffusionGemmaLayerSubmodules(
             input_layernorm=GemmaRMSNorm,
-            self_attention=ModuleSpec(
-                module=DiffusionGemmaSelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=kernel_core_attention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=GemmaRMSNorm,
-                    k_layernorm=GemmaRMSNorm,
-                ),
-            ),
+            self_attention=ModuleSpec(module=DiffusionGemmaSelfAttention, submodules=attention,
+                                      params={"attn_mask_type": AttnMaskType.causal}),
             self_attn_bda=get_bias_dropout_add,  # replaced by the post-attention sandwich add
             post_attention_layernorm=GemmaRMSNorm,
             pre_mlp_layernorm=IdentityOp,  # the FFN block normalises each branch itself
-            mlp=ModuleSpec(
-                module=DiffusionGemmaMoELayer,
-                submodules=DiffusionGemmaMoESubmodules(
-                    experts=ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
-                        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-                    router=DiffusionGemmaRouter,
-                    dense=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-                    pre_dense_layernorm=GemmaRMSNorm,
-                    post_dense_layernorm=GemmaRMSNorm,
-                    pre_experts_layernorm=GemmaRMSNorm,
-                    post_experts_layernorm=GemmaRMSNorm,
-                ),
-            ),
+            mlp=ModuleSpec(module=DiffusionGemmaMoELayer, submodules=DiffusionGemmaMoESubmodules(
+                experts=ModuleSpec(module=SequentialMLP, submodules=linears), router=DiffusionGemmaRouter,
+                dense=ModuleSpec(module=MLP, submodules=linears), **branch_norms)),
             mlp_bda=get_bias_dropout_add,  # replaced by the post-feedforward sandwich add
             post_feedforward_layernorm=GemmaRMSNorm,
         ),

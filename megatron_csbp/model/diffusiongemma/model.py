@@ -61,13 +61,11 @@ class DiffusionGemmaModel(GPTModel):
     def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
                  pre_process: bool = True, post_process: bool = True, parallel_output: bool = True,
                  pg_collection=None, vp_stage=None):
-        super().__init__(
-            config=config, transformer_layer_spec=transformer_layer_spec, vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
-            parallel_output=parallel_output, share_embeddings_and_output_weights=True,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=config.rotary_base,
-            pg_collection=pg_collection, vp_stage=vp_stage,
-        )
+        super().__init__(config=config, transformer_layer_spec=transformer_layer_spec, vocab_size=vocab_size,
+                         max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
+                         parallel_output=parallel_output, share_embeddings_and_output_weights=True,
+                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=config.rotary_base,
+                         pg_collection=pg_collection, vp_stage=vp_stage)
         self.rotary_pos_emb = GemmaRotaryTables(config, cp_group=self.pg_collection.cp)
         self._pending_sc = None
         #: None: soft-cap in at least fp32 (training); a dtype: cast the logits to it, then cap, in
@@ -75,10 +73,9 @@ class DiffusionGemmaModel(GPTModel):
         self.softcap_dtype: Optional[torch.dtype] = None
         if pre_process and config.self_conditioning:
             self.self_conditioning_norm = GemmaRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
-            self.self_conditioning_mlp = MLP(
-                config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                tp_group=self.pg_collection.tp,
-            )
+            self.self_conditioning_mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                   linear_fc2=RowParallelLinear),
+                                             tp_group=self.pg_collection.tp)
         if post_process and config.final_logit_softcapping:
             self.output_layer.register_forward_hook(self._softcap_hook)
 
@@ -157,15 +154,12 @@ class DiffusionGemmaModel(GPTModel):
             if sc_logits.shape[1] != plan_noisy:
                 raise ValueError(f"self-conditioning logits cover {sc_logits.shape[1]} rows, the plan has {plan_noisy} noisy rows")
             soft = self.soft_embeddings(sc_logits, sc_mask)  # [noisy rows, b, h]
-            if sp:
+            if sp:  # this rank's rows of the soft embeddings, zero on the clean rows
                 full = soft.new_zeros((emb.shape[0] * parallel_state.get_tensor_model_parallel_world_size(),) + soft.shape[1:])
                 full = full.index_copy(0, torch.nonzero(~physical_is_clean(plan).to(emb.device)).squeeze(1), soft)
-                soft_local = tensor_parallel.scatter_to_sequence_parallel_region(full)
-                signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft_local))
-                canvas = emb + signal
-            else:
-                signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft))
-                canvas = emb.index_add(0, noisy_idx, signal)
+                soft = tensor_parallel.scatter_to_sequence_parallel_region(full)
+            signal, _ = self.self_conditioning_mlp(self.self_conditioning_norm(soft))
+            canvas = emb + signal if sp else emb.index_add(0, noisy_idx, signal)
         else:
             canvas = emb
         normed = rms_normalize(canvas, self.config.layernorm_epsilon).type_as(canvas)
@@ -182,12 +176,10 @@ class DiffusionGemmaModel(GPTModel):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embed(input_ids, position_ids, attention_mask,
                                        self_conditioning_logits, self_conditioning_mask)
-        return super().forward(
-            input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-            inference_context=inference_context, packed_seq_params=packed_seq_params,
-            extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
-            inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask,
-        )
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+                               inference_context=inference_context, packed_seq_params=packed_seq_params,
+                               extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
+                               inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask)
 
 
 def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, block_diffusion: bool = True,

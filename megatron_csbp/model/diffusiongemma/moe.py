@@ -77,15 +77,10 @@ class DiffusionGemmaMoELayer(MoELayer):
         # (megatron-core 0.19 adds `is_mtp_layer=` and `name=`; 0.16.1 passes nothing more).
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                          **kwargs)
-
-        def norm(spec):
-            return build_module(spec, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
-
         self.dense = build_module(submodules.dense, config=config, tp_group=self.tp_group)
-        self.pre_dense_layernorm = norm(submodules.pre_dense_layernorm)
-        self.post_dense_layernorm = norm(submodules.post_dense_layernorm)
-        self.pre_experts_layernorm = norm(submodules.pre_experts_layernorm)
-        self.post_experts_layernorm = norm(submodules.post_experts_layernorm)
+        for name in ("pre_dense_layernorm", "post_dense_layernorm", "pre_experts_layernorm", "post_experts_layernorm"):
+            setattr(self, name, build_module(getattr(submodules, name), config=config, hidden_size=config.hidden_size,
+                                             eps=config.layernorm_epsilon))
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:
@@ -104,7 +99,5 @@ class DiffusionGemmaMoELayer(MoELayer):
         expert_in, probs = self.preprocess(self.pre_experts_layernorm(residual).contiguous(), probs, routing_map)
         dispatched, probs = self.dispatch(expert_in, probs)
         expert_out, _ = self.routed_experts_compute(dispatched, probs)
-        expert_out = self.combine(expert_out)
-        expert_out = self.postprocess(expert_out, None)
-        h2 = self.post_experts_layernorm(expert_out)
+        h2 = self.post_experts_layernorm(self.postprocess(self.combine(expert_out), None))
         return h1 + h2, None

@@ -19,8 +19,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 class GemmaRMSNorm(MegatronModule):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, with_scale: bool = True):
         super().__init__(config=config)
-        self.eps = eps
-        self.with_scale = with_scale
+        self.eps, self.with_scale = eps, with_scale
         if with_scale:
             self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
             # Replicated over TP: with sequence parallelism its gradient is a TP partial sum.

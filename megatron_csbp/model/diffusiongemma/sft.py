@@ -13,7 +13,6 @@ machinery of `BlockDiffusionModel` driven by the objective's `NoisedBatch`:
 """
 from __future__ import annotations
 
-from megatron_csbp.attention.block_attention import AttentionPlan
 from megatron_csbp.model.bdlm import BlockDiffusionModel, register_wrapper
 from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
@@ -31,6 +30,3 @@ class DiffusionGemmaSFTModel(BlockDiffusionModel):
         if loss_mask is None:
             raise ValueError("diffusiongemma-sft needs a loss mask (1 on response tokens)")
         return super()._run(mode, objective, tokens, loss_mask, *args)
-
-
-__all__ = ["DiffusionGemmaSFTModel", "AttentionPlan"]

@@ -70,8 +70,7 @@ def tiny_megatron_config(vocab_size: Optional[int] = None, sliding_window: int =
               num_query_groups=2, kv_channels=8, layer_types=list(layer_types), sliding_window=sliding_window,
               full_kv_channels=16, full_num_query_groups=1, num_moe_experts=4, moe_router_topk=2,
               moe_ffn_hidden_size=12)
-    kw.update(overrides)
-    return make_config(**kw)
+    return make_config(**(kw | overrides))
 
 
 def main(argv=None) -> int:

@@ -29,8 +29,7 @@ def register_family(family: Family) -> Family:
         raise ValueError(f"model family {family.name!r}: Hugging Face model types {taken} already belong to "
                          f"{sorted({_BY_MODEL_TYPE[t].name for t in taken})}")
     _FAMILIES[family.name] = family
-    for t in family.model_types:
-        _BY_MODEL_TYPE[t] = family
+    _BY_MODEL_TYPE.update(dict.fromkeys(family.model_types, family))
     return family
 
 

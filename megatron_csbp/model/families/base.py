@@ -93,8 +93,7 @@ class ModelShape:
         version = data.get("format_version", 0)
         if version != SHAPE_FORMAT_VERSION:
             raise ValueError(f"{SHAPE_FILE} has format_version {version}, this code reads {SHAPE_FORMAT_VERSION}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"{SHAPE_FILE} has unknown fields {unknown}")
         return cls(**data)
@@ -109,10 +108,11 @@ class ModelShape:
 
     # ---- the flags a shape implies (flag_values) ------------------------------------------------
     normalization, swiglu, position_embedding_type = "RMSNorm", True, "rope"
-
-    @property
-    def untie_embeddings_and_output_weights(self) -> bool:
-        return not self.tie_word_embeddings
+    untie_embeddings_and_output_weights = property(lambda self: not self.tie_word_embeddings)
+    use_rope_scaling = property(lambda self: self._rope("llama3") is not None)
+    rope_scaling_factor = property(lambda self: self._rope("llama3"))
+    rotary_seq_len_interpolation_factor = property(lambda self: self._rope("linear"))
+    moe_layer_freq = property(lambda self: self.moe_layer_pattern)
 
     def _rope(self, kind: str):
         """The rope scaling factor when its type is `kind` (None otherwise)."""
@@ -120,22 +120,6 @@ class ModelShape:
         if rope and rope.get("type") not in ("llama3", "linear"):  # a hand-edited file
             raise UnsupportedModelError(f"rope scaling {self.rope_scaling} is not supported")
         return rope["factor"] if rope.get("type") == kind else None
-
-    @property
-    def use_rope_scaling(self) -> bool:
-        return self._rope("llama3") is not None
-
-    @property
-    def rope_scaling_factor(self) -> Optional[float]:
-        return self._rope("llama3")
-
-    @property
-    def rotary_seq_len_interpolation_factor(self) -> Optional[float]:
-        return self._rope("linear")
-
-    @property
-    def moe_layer_freq(self):
-        return self.moe_layer_pattern
 
     def moe_layers(self) -> List[int]:
         """Indices (0-based) of the MoE layers."""

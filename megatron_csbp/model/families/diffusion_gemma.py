@@ -54,17 +54,10 @@ def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None
     return ModelShape(
         family=FAMILY,
         **dict(dimensions(config), kv_channels=config.sliding_kv_channels),  # the sliding layers' head dim
-        vocab_size=int(text["vocab_size"]),
-        max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
-        norm_epsilon=config.layernorm_epsilon,
-        rotary_base=config.rotary_base,
-        qk_layernorm=True,
-        tie_word_embeddings=True,
-        num_experts=config.num_moe_experts,
-        moe_router_topk=config.moe_router_topk,
-        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
-        params_dtype=dtype,
-        hf_config=dict(cfg),
+        vocab_size=int(text["vocab_size"]), max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
+        norm_epsilon=config.layernorm_epsilon, rotary_base=config.rotary_base, qk_layernorm=True,
+        tie_word_embeddings=True, num_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size, params_dtype=dtype, hf_config=dict(cfg),
         diffusion_gemma=options,
     )
 
@@ -107,9 +100,8 @@ def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
             "this model started from a Gemma 4 checkpoint with attention_k_eq_v=False: its full layers have a "
             "v_proj, which Hugging Face diffusion_gemma (always K=V) cannot hold")
     if opts["final_logit_softcapping"] != DIFFUSION_GEMMA_SOFTCAP:
-        raise UnsupportedModelError(
-            f"final_logit_softcapping {opts['final_logit_softcapping']}: Hugging Face diffusion_gemma fixes it at "
-            f"{DIFFUSION_GEMMA_SOFTCAP}")
+        raise UnsupportedModelError(f"final_logit_softcapping {opts['final_logit_softcapping']}: Hugging Face "
+                                    f"diffusion_gemma fixes it at {DIFFUSION_GEMMA_SOFTCAP}")
     try:
         from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig
     except ImportError as exc:  # pragma: no cover - transformers is in the CPU requirements
@@ -138,20 +130,14 @@ class DiffusionGemmaFamily(Family):
     carries_extra_weights = True
     trainer_trains_moe = True
 
-    def shape_from_hf_config(self, cfg, params_dtype=None):
-        return shape_from_hf_config(cfg, params_dtype)
-
-    def transformer_config(self, shape, params_dtype=None, **overrides):
-        return transformer_config(shape, params_dtype, **overrides)
-
-    def build_model(self, shape, config, block_diffusion=True, kernel="auto", stage=None):
-        return build_model(shape, config, block_diffusion, kernel, stage)
+    shape_from_hf_config = staticmethod(shape_from_hf_config)
+    transformer_config = staticmethod(transformer_config)
+    build_model = staticmethod(build_model)
 
     def megatron_flags(self, shape):
-        raise UnsupportedModelError(
-            "DiffusionGemma has no Megatron-LM flag set (heterogeneous layers, K=V full layers, sandwich norms): "
-            "build it with megatron_csbp.model.builder.build_gpt_model or train it with "
-            "python -m megatron_csbp.train --load CHECKPOINT")
+        raise UnsupportedModelError("DiffusionGemma has no Megatron-LM flag set (heterogeneous layers, K=V full "
+                                    "layers, sandwich norms): build it with megatron_csbp.model.builder.build_gpt_model"
+                                    " or train it with python -m megatron_csbp.train --load CHECKPOINT")
 
     def hf_to_megatron(self, shape, tensors, cfg):
         from megatron_csbp.model.families import diffusion_gemma_weights as dg

@@ -77,14 +77,15 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
                 raise ConversionError(f"{key} differs from the shared copy {what}: the checkpoint's encoder "
                                       "and decoder weights must be tied")
 
-    out: Dict[str, torch.Tensor] = {}
-    emb = take(HF_TEXT + "embed_tokens.weight")
-    check_copy(HF_ENCODER + "embed_tokens.weight", emb, HF_TEXT + "embed_tokens.weight")
+    def tied(suffix, decoder=HF_TEXT, encoder=HF_ENCODER):
+        """The decoder's tensor, its encoder copy checked against it."""
+        t = take(decoder + suffix)
+        check_copy(encoder + suffix, t, decoder + suffix)
+        return t
+
+    emb = tied("embed_tokens.weight")
     check_copy("lm_head.weight", emb, HF_TEXT + "embed_tokens.weight")
-    out["embedding.word_embeddings.weight"] = emb
-    norm = take(HF_TEXT + "norm.weight")
-    check_copy(HF_ENCODER + "norm.weight", norm, HF_TEXT + "norm.weight")
-    out["decoder.final_layernorm.weight"] = norm
+    out = {"embedding.word_embeddings.weight": emb, "decoder.final_layernorm.weight": tied("norm.weight")}
     sc = HF_TEXT + "self_conditioning."
     out["self_conditioning_norm.weight"] = take(sc + "pre_norm.weight")
     out["self_conditioning_mlp.linear_fc1.weight"] = torch.cat([take(sc + "gate_proj.weight"), take(sc + "up_proj.weight")])
@@ -96,13 +97,9 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
         heads, groups, d, k_eq_v = _layer_shape(config, i)
 
         def layer(suffix):
-            t = take(hp + suffix)
-            if suffix != "layer_scalar":
-                check_copy(ep + suffix, t, hp + suffix)
-            return t
+            return take(hp + suffix) if suffix == "layer_scalar" else tied(suffix, hp, ep)
 
-        for suffix, mkey in _layer_map(i):
-            out[mkey] = layer(suffix)
+        out.update({mkey: layer(suffix) for suffix, mkey in _layer_map(i)})
         enc_scalar = ep + "layer_scalar"
         out[m + "clean_layer_scalar"] = take(enc_scalar) if enc_scalar in hf_state else out[m + "layer_scalar"]
         q, k = layer("self_attn.q_proj.weight"), layer("self_attn.k_proj.weight")
@@ -126,8 +123,7 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
     text_left = sorted(k for k in hf_state if k not in used and (k.startswith(HF_TEXT) or k.startswith(HF_ENCODER)))
     if text_left:
         raise ConversionError(f"text weights with no Megatron counterpart: {text_left[:8]}")
-    rest = {k: v for k, v in hf_state.items() if k not in used}
-    return out, config, rest
+    return out, config, {k: v for k, v in hf_state.items() if k not in used}
 
 
 def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaConfig,
@@ -161,10 +157,9 @@ def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaC
         if v is not None:
             out[hp + "self_attn.v_proj.weight"] = v
         out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = take(m + "mlp.dense.linear_fc1.weight").chunk(2)
-        out[hp + "experts.gate_up_proj"] = torch.stack(
-            [take(f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight") for e in range(config.num_moe_experts)])
-        out[hp + "experts.down_proj"] = torch.stack(
-            [take(f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight") for e in range(config.num_moe_experts)])
+        for hf_name, fc in (("gate_up_proj", "fc1"), ("down_proj", "fc2")):
+            out[f"{hp}experts.{hf_name}"] = torch.stack(
+                [take(f"{m}mlp.experts.local_experts.{e}.linear_{fc}.weight") for e in range(config.num_moe_experts)])
     left = sorted(k for k in state if k not in used and k != "output_layer.weight")
     if left:
         raise ConversionError(f"Megatron tensors with no Hugging Face counterpart: {left[:8]}")
@@ -173,10 +168,7 @@ def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaC
             if key.startswith(HF_TEXT) and "self_conditioning." not in key and not key.endswith("layer_scalar"):
                 out[HF_ENCODER + key[len(HF_TEXT):]] = out[key]
         out["lm_head.weight"] = out[HF_TEXT + "embed_tokens.weight"]
-    out = {k: v.contiguous() for k, v in out.items()}
-    if extra:
-        out.update(extra)
-    return out
+    return {k: v.contiguous() for k, v in out.items()} | (extra or {})
 
 
 # ---- Gemma 4 text MoE checkpoints (AR starting points) ---------------------------------------
@@ -215,13 +207,12 @@ def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, 
         "self_conditioning.up_proj.weight": (std * torch.randn(ffn, hidden, generator=g)).to(dtype),
         "self_conditioning.down_proj.weight": torch.zeros(hidden, ffn, dtype=dtype),
     }
+    towers = tuple(prefix + n for n in ("vision", "audio", "embed_vision", "embed_audio"))
     renamed = {HF_TEXT + k[len(prefix):]: v for k, v in hf_state.items() if k.startswith(prefix)
-               and not k.startswith(prefix + "vision") and not k.startswith(prefix + "audio")
-               and not k.startswith(prefix + "embed_vision") and not k.startswith(prefix + "embed_audio")}
+               and not k.startswith(towers)}
     renamed.update({HF_TEXT + k: v for k, v in sc.items()})
     if "lm_head.weight" in hf_state:
         renamed["lm_head.weight"] = hf_state["lm_head.weight"]
     state, config, _ = hf_to_megatron_state(renamed, c, config=config)
     used = {k for k in hf_state if k.startswith(prefix) and HF_TEXT + k[len(prefix):] in renamed} | {"lm_head.weight"}
-    rest = {k: v for k, v in hf_state.items() if k not in used}
-    return state, config, rest
+    return state, config, {k: v for k, v in hf_state.items() if k not in used}

@@ -47,16 +47,12 @@ def _rope(cfg: Dict[str, Any]):
         # Megatron's RotaryEmbedding(rope_scaling=True) hard-codes the Llama 3.1 constants.
         fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for key, want in fixed.items():
-            if float(scaling.get(key, want)) != want:
-                raise UnsupportedModelError(
-                    f"rope_scaling llama3 with {key}={scaling.get(key)}: Megatron's rope scaling "
-                    f"supports only {key}={want}"
-                )
+            refuse_if(float(scaling.get(key, want)) != want,
+                      f"rope_scaling llama3 with {key}={scaling.get(key)}: Megatron's rope scaling "
+                      f"supports only {key}={want}")
         return float(theta), {"type": "llama3", "factor": float(scaling["factor"])}
-    raise UnsupportedModelError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3); "
-        "block-diffusion rotary embeddings use Megatron's RotaryEmbedding"
-    )
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3); "
+                                "block-diffusion rotary embeddings use Megatron's RotaryEmbedding")
 
 
 class GPTFamily(Family):
@@ -87,10 +83,8 @@ class GPTFamily(Family):
     def shape_from_hf_config(self, cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
         family = self.name
         for arch in cfg.get("architectures") or []:
-            if arch not in self.architectures:
-                raise UnsupportedModelError(
-                    f"architecture {arch!r} is not supported (only causal LMs: {sorted(self.architectures)})"
-                )
+            refuse_if(arch not in self.architectures,
+                      f"architecture {arch!r} is not supported (only causal LMs: {sorted(self.architectures)})")
         act = cfg.get("hidden_act", "silu")
         refuse_if(act != "silu", f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
         refuse_if(cfg.get("attention_bias", False) and self.attention_bias_has_o_proj,
@@ -98,12 +92,10 @@ class GPTFamily(Family):
         refuse_if(cfg.get("mlp_bias", False), "mlp_bias=True is not supported (add_bias_linear=False)")
         refuse_if(float(cfg.get("attention_dropout", 0.0) or 0.0) != 0.0,
                   f"attention_dropout={cfg.get('attention_dropout')} is not supported with block diffusion")
-        if self.refuse_use_sliding_window:
-            refuse_if(bool(cfg.get("use_sliding_window", False)),
-                      "use_sliding_window=True (sliding-window layers of Qwen) is not supported by the converter")
-        if self.refuse_sliding_window:
-            refuse_if(cfg.get("sliding_window") is not None,
-                      f"sliding_window={cfg.get('sliding_window')} (Mistral sliding-window attention) is not supported")
+        refuse_if(self.refuse_use_sliding_window and bool(cfg.get("use_sliding_window", False)),
+                  "use_sliding_window=True (sliding-window layers of Qwen) is not supported by the converter")
+        refuse_if(self.refuse_sliding_window and cfg.get("sliding_window") is not None,
+                  f"sliding_window={cfg.get('sliding_window')} (Mistral sliding-window attention) is not supported")
         allowed_layers = set(self.layer_types)
         refuse_if(cfg.get("layer_types") is not None and any(t not in allowed_layers for t in cfg["layer_types"]),
                   f"layer_types {sorted(set(cfg.get('layer_types') or []))}: only {sorted(allowed_layers)} layers "
@@ -118,23 +110,13 @@ class GPTFamily(Family):
         refuse_if(partial not in (None, 1.0) and not self.partial_rotary, f"partial_rotary_factor={partial} is not supported")
         dtype = check_dtype(params_dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
         shape = ModelShape(
-            family=family,
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=hidden,
-            ffn_hidden_size=int(cfg["intermediate_size"]),
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            kv_channels=int(head_dim),
-            vocab_size=int(cfg["vocab_size"]),
+            family=family, num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden,
+            ffn_hidden_size=int(cfg["intermediate_size"]), num_attention_heads=heads, num_query_groups=groups,
+            kv_channels=int(head_dim), vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-            rotary_base=theta,
-            rope_scaling=scaling,
-            add_qkv_bias=self.qkv_bias or bool(cfg.get("attention_bias", False)),
-            qk_layernorm=self.qk_layernorm,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            params_dtype=dtype,
-            hf_config=dict(cfg),
+            norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)), rotary_base=theta, rope_scaling=scaling,
+            add_qkv_bias=self.qkv_bias or bool(cfg.get("attention_bias", False)), qk_layernorm=self.qk_layernorm,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), params_dtype=dtype, hf_config=dict(cfg),
         )
         self._complete(shape, cfg, partial)
         if shape.is_moe:
@@ -165,9 +147,7 @@ class GPTFamily(Family):
     def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
         from megatron_csbp.model import core
 
-        kwargs = self.config_fields(shape, params_dtype or shape.torch_dtype)
-        kwargs.update(overrides)
-        return core.transformer_config(**kwargs)
+        return core.transformer_config(**(self.config_fields(shape, params_dtype or shape.torch_dtype) | overrides))
 
     def layer_spec(self, shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto"):
         """Megatron local layer spec of `shape` (a decoder block spec when dense and MoE layers mix),
@@ -198,7 +178,7 @@ class GPTFamily(Family):
             max_sequence_length=shape.max_position_embeddings,
             **stage.kwargs(),
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
-            **rotary_kwargs(shape),
+            **gpt_kwargs(SimpleNamespace(**flag_values(shape))),  # rotary: the flag-built model's route
         )
 
     # ---- weights -----------------------------------------------------------------------------
@@ -229,8 +209,7 @@ class GPTFamily(Family):
                  vocab_size=null_tokenizer_vocab_flag(shape.vocab_size))
         skip = {"rope_scaling_factor": not v["use_rope_scaling"], "moe_layer_freq": shape.moe_layer_pattern is None,
                 "moe_input_jitter_eps": not shape.moe_input_jitter_eps,
-                "group_query_attention": not v["group_query_attention"],
-                "num_query_groups": not v["group_query_attention"]}
+                **dict.fromkeys(("group_query_attention", "num_query_groups"), not v["group_query_attention"])}
         printed = (o.name for o in OPTIONS if o.name in v and not skip.get(o.name) and (shape.is_moe or not o.moe))
         return [t for t in (flag_text(k, v[k]) for k in printed if v[k] is not None) if t]
 
@@ -263,11 +242,6 @@ class MixtralFamily(GPTFamily):
         shape.moe_router_pre_softmax = False  # top-k of the logits, softmax over the k
         jitter = float(cfg.get("router_jitter_noise", 0.0) or 0.0)
         shape.moe_input_jitter_eps = jitter or None
-
-
-def rotary_kwargs(shape: ModelShape) -> Dict[str, Any]:
-    """GPTModel's rotary keywords of `shape`: those of its flags (the flag-built model's route)."""
-    return gpt_kwargs(SimpleNamespace(**flag_values(shape)))
 
 
 register_family(GPTFamily("llama", "llama", "LlamaForCausalLM", attention_bias_has_o_proj=True))

@@ -6,7 +6,7 @@ embeddings: docs/conversion.md#tensor-mapping-unsharded-tp--1.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,12 +21,6 @@ class ConversionError(ValueError):
 
 
 MoENames = Tuple[str, str, Tuple[str, str, str]]
-
-
-def _moe_names(shape: ModelShape, moe_names: Optional[MoENames]) -> MoENames:
-    """(module prefix, router name, (gate, up, down) expert weight names) of a MoE family: the
-    family's own (`GPTFamily.hf_moe_names`) unless given."""
-    return moe_names if moe_names is not None else get_family(shape.family).hf_moe_names
 
 
 def fuse_groups(parts: List[torch.Tensor], groups: int) -> torch.Tensor:
@@ -104,9 +98,6 @@ class _Source:
         self.used.add(name)
         return self.tensors[name]
 
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
     def unused(self) -> List[str]:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_HF_SUFFIXES))
 
@@ -153,7 +144,8 @@ def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[
                 out += [Tensors(f"{a}{p}_layernorm.weight", [f"{attn}{p}_norm.weight"]) for p in "qk"]
             out.append(Tensors(a + "linear_proj.weight", [attn + "o_proj.weight"]))
         if i in moe_layers:
-            block, router, (gate, up, down) = _moe_names(shape, moe_names)
+            # (module prefix, router name, (gate, up, down) expert weight names): the family's unless given
+            block, router, (gate, up, down) = moe_names or get_family(shape.family).hf_moe_names
             out.append(Tensors(m + "mlp.router.weight", [f"{h}{block}.{router}.weight"]))
             for e in range(shape.num_experts):
                 x, y = f"{h}{block}.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
@@ -175,7 +167,7 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
     used (an unknown one means an option the model would silently drop)."""
     src = _Source(hf)
     out = {t.megatron: t.join(*map(src.take, t.hf)) for t in tensor_map(shape, moe_names)}
-    if shape.tie_word_embeddings and src.has("lm_head.weight"):
+    if shape.tie_word_embeddings and "lm_head.weight" in src.tensors:
         if not torch.equal(src.take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
             raise ConversionError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens.weight")
     unused = src.unused()
@@ -203,7 +195,3 @@ def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
 
 def cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     return {k: v.to(dtype) for k, v in tensors.items()}
-
-
-def names(tensors: Iterable[str]) -> List[str]:
-    return sorted(tensors)
