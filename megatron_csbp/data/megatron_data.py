@@ -253,12 +253,8 @@ def _split_documents(bookends, num_documents: int):
 
 def _empty_splits(matrix, lengths: np.ndarray, read: Sequence[bool]) -> List[int]:
     """The splits the run reads that get no document (or no token) of a prefix with these document lengths."""
-    empty = []
-    for i, needed in enumerate(read):
-        begin, end = _split_documents(matrix[i], len(lengths))
-        if needed and (end <= begin or int(lengths[begin:end].sum()) == 0):
-            empty.append(i)
-    return empty
+    return [i for i, needed in enumerate(read)
+            if needed and int(lengths[slice(*_split_documents(matrix[i], len(lengths)))].sum()) == 0]
 
 
 def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None):
@@ -327,20 +323,11 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
 
     blend = parse_data_path(data_path)
     matrix = checked_split_matrix(data_path, split, read)
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=blend,
-        split=split,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        add_extra_token_to_sequence=True,  # Megatron-LM's (pretrain_gpt.py); the sample is its labels
-        mid_level_dataset_surplus=0.005,
-    )
+    # add_extra_token_to_sequence: Megatron-LM's (pretrain_gpt.py); the sample is its labels
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=blend, split=split,
+                              path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                              add_extra_token_to_sequence=True, mid_level_dataset_surplus=0.005)
     config.split_matrix = matrix  # Megatron's own boundaries, the splits not read dropped
     # Rank 0 builds the index caches first, then everybody reads them (Megatron-LM's pattern).
     distributed = dist.is_initialized() and dist.get_world_size() > 1
