@@ -133,9 +133,7 @@ def split_documents(docs: Sequence[str], eval_fraction: float = 0.1, seed: int =
     keyed = sorted(range(len(docs)), key=lambda i: hashlib.sha256(f"{seed}:{docs[i]}".encode()).hexdigest())
     n_eval = min(len(docs) - 1, max(1, round(eval_fraction * len(docs))))
     eval_ids = set(keyed[:n_eval])
-    train = [d for i, d in enumerate(docs) if i not in eval_ids]
-    held_out = [d for i, d in enumerate(docs) if i in eval_ids]
-    return train, held_out
+    return [d for i, d in enumerate(docs) if i not in eval_ids], [d for i, d in enumerate(docs) if i in eval_ids]
 
 
 def pack_token_stream(token_lists: Iterable[Sequence[int]], seq_length: int, eod: int) -> torch.Tensor:

@@ -86,12 +86,10 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    from megatron_csbp.utils.cli import filter_warnings
+    from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
 
     filter_warnings()  # hide the library warnings a user cannot act on
-    from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
-
-    from megatron_csbp.utils.cli import ArgumentParser
 
     # errors are one line (no usage dump before them), as in every command of the package
     p = ArgumentParser(prog="python -m megatron_csbp.data.preprocess", description=__doc__,

@@ -227,14 +227,12 @@ def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
     bins: List[List[int]] = []
     room: List[int] = []
     for i, n in enumerate(lengths):
-        for b, r in enumerate(room):
-            if n <= r:
-                bins[b].append(i)
-                room[b] -= n
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - n)
+        b = next((b for b, r in enumerate(room) if n <= r), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] -= n
     return bins
 
 
@@ -329,10 +327,8 @@ class SFTDataset(torch.utils.data.Dataset):
             ids = [t for i in members for t in convs[i][0]]
             mask = [t for i in members for t in convs[i][1]]
             doc = [d for d, i in enumerate(members) for _ in convs[i][0]]
-            pad = seq_length - len(ids)
-            ids, mask, doc = ids + [fill] * pad, mask + [0] * pad, doc + [len(members)] * pad
-            rows.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
-                         torch.tensor(doc, dtype=torch.long)))
+            doc += [len(members)] * (seq_length - len(doc))  # the padding: a document of its own
+            rows.append(SFTDataset._row(ids, mask, fill, seq_length) + (torch.tensor(doc, dtype=torch.long),))
         return rows
 
     def describe_packing(self) -> str:

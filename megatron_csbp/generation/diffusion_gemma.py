@@ -113,9 +113,9 @@ class DiffusionGemmaSampler:
         self.forward_calls = 0
 
         sampler = g.EntropyBoundSampler(config.sampler_config, C, self.V, N)
-        processors = []
+        schedule = None
         if config.t_min is not None and config.t_max is not None:
-            processors.append(g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N))
+            schedule = g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N)
         stopping = StoppingCriteriaList()
         if config.max_length is not None:
             stopping.append(MaxLengthCriteria(config.max_length))
@@ -142,8 +142,8 @@ class DiffusionGemmaSampler:
                 self.denoising_steps += ~(done | finished)
                 step = torch.tensor(cur, dtype=torch.int32)
                 logits = self.canvas_logits(canvas, s, sc)
-                for proc in processors:
-                    logits = proc(input_ids, logits, cur_step=step)
+                if schedule is not None:
+                    logits = schedule(input_ids, logits, cur_step=step)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
                 drawn = torch.multinomial(probs.view(-1, self.V), num_samples=1).view(b, C)
                 new_argmax = torch.argmax(logits, dim=-1)

@@ -70,8 +70,8 @@ def evaluate_cli(a) -> Dict:
                 prompts.append(ids[: a.prompt_length].tolist())
     else:
         data = FeatureDataset(a.features_path)
-        for i in range(len(data) - a.eval_sequences, len(data)):
-            prompts.append(data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist())
+        prompts = [data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist()
+                   for i in range(len(data) - a.eval_sequences, len(data))]
     result = evaluate(verifier, drafter, prompts, a.max_new_tokens)
     # the training-time estimator on the same documents: the verifier's greedy outputs, serving's anchors
     result.update(serving_estimate(verifier, drafter, prompts, result.pop("outputs"), a.logit_tolerance))
@@ -169,8 +169,9 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
                 deciding = (slot[None, :] <= runs[v, None] + 1) & blocks["supervised"][v][:, 1:]
                 eps = logit_tolerance * blocks["scale"][v][:, 1:].clamp_min(1.0)
                 margin = blocks["margin"][v][:, 1:]
-                risky = (deciding & (margin <= 2 * eps)).any(dim=1)
-                uncertain += int((deciding & (margin <= 2 * eps)).sum())
+                close = deciding & (margin <= 2 * eps)
+                risky = close.any(dim=1)
+                uncertain += int(close.sum())
                 if deciding.any():
                     min_margin = min(min_margin, float((margin / eps)[deciding].min()))
                 # the blocks up to the first one with an uncertain slot are serving's for sure; from it on,
