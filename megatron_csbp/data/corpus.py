@@ -34,22 +34,17 @@ _UNDERLINE = re.compile(r"^([=\-*~])\1*$")
 def _split_sections(topic_text: str) -> List[Tuple[str, List[str]]]:
     """(heading, body lines) of each section; headings are lines underlined with = - * ~."""
     lines = topic_text.split("\n")
-    sections: List[Tuple[str, List[str]]] = []
-    heading, body = "", []
+    sections: List[Tuple[str, List[str]]] = [("", [])]  # the text before the first heading
     i = 0
     while i < len(lines):
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
         if lines[i].strip() and _UNDERLINE.match(nxt) and len(nxt) == len(lines[i]):
-            if heading or any(x.strip() for x in body):
-                sections.append((heading, body))
-            heading, body = lines[i].strip(), []
+            sections.append((lines[i].strip(), []))
             i += 2
-            continue
-        body.append(lines[i])
-        i += 1
-    if heading or any(x.strip() for x in body):
-        sections.append((heading, body))
-    return sections
+        else:
+            sections[-1][1].append(lines[i])
+            i += 1
+    return [(heading, body) for heading, body in sections if heading or any(x.strip() for x in body)]
 
 
 def _reflow(lines: Sequence[str]) -> str:
@@ -78,9 +73,8 @@ def extract_pydoc_documents(topics: Optional[Dict[str, str]] = None) -> List[Dic
             text = _reflow(body)
             if heading:
                 text = heading + "\n\n" + text if text else heading
-            if len(text) < 200:  # stray headings and one-line stubs
-                continue
-            if text in seen:  # several topics repeat sections: keep the first, no train/eval leak
+            # stray headings and one-line stubs; several topics repeat sections: keep the first, no train/eval leak
+            if len(text) < 200 or text in seen:
                 continue
             seen.add(text)
             docs.append({"id": f"{topic}/{k}", "topic": topic, "text": text})

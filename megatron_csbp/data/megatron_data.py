@@ -27,10 +27,8 @@ class MegatronTokenizerAdapter:
 
     def __init__(self, tokenizer, null: bool = False):
         self.tokenizer, self.null = tokenizer, null  # null: megatron-core's NullTokenizer (ids as text)
-        self.vocab_size = int(tokenizer.vocab_size)
-        self.eod = int(tokenizer.eod)
+        self.vocab_size, self.eod, self.pad = int(tokenizer.vocab_size), int(tokenizer.eod), -1
         self.mask_token_id = None if self.null else tokenizer.mask_token_id  # Megatron's NullTokenizer: mask -1
-        self.pad = -1
         # Megatron's dataset cache keys hash this (its MegatronTokenizer has the same attribute).
         model = getattr(tokenizer, "model_path", None) or getattr(tokenizer, "path", None)
         self.unique_identifiers = {"class": "MegatronTokenizerAdapter", "model": str(model),

@@ -283,7 +283,6 @@ class SFTDataset(torch.utils.data.Dataset):
                            for ids, mask in convs])
         if not groups:
             raise ValueError(f"--sft-data-path {path} holds no records")
-        self.packing_efficiency = None
         self.conversations = sum(len(g) for g in groups)
         if not pack:
             rows = [[self._row(ids, mask, fill, seq_length) for ids, mask in g] for g in groups]
@@ -292,8 +291,8 @@ class SFTDataset(torch.utils.data.Dataset):
         else:
             rows = [[r] for r in self._pack([c for g in groups for c in g], fill, seq_length)]
         self.sequences = sum(len(r) for r in rows)
-        if pack:
-            self.packing_efficiency = sum(len(ids) for g in groups for ids, _ in g) / (self.sequences * seq_length)
+        tokens = sum(len(ids) for g in groups for ids, _ in g)
+        self.packing_efficiency = tokens / (self.sequences * seq_length) if pack else None
         if trajectory_turns != "all":
             self.samples = [r[0] for r in rows]
             return

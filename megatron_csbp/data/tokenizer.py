@@ -295,8 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     e.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     if args.cmd == "build":
-        paths = build_assets(args.out_dir, args.vocab_size)
-        for k, p in paths.items():
+        for k, p in build_assets(args.out_dir, args.vocab_size).items():
             print(f"{k}: {p}")
         return 0
     tok = SentencePieceTokenizer(args.model)

@@ -28,9 +28,8 @@ def evaluate(verifier, drafter, prompts: Sequence[Sequence[int]], max_new_tokens
     hook = verifier.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     draft_hook = drafter.register_forward_pre_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
     identical, tokens, steps, plain_steps, drafts, outputs = True, 0, 0, 0, 0, []
-    spec = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, speculation_type="dflash",
-                            pad_token_id=None, eos_token_id=None)
-    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=None, eos_token_id=None)
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=None, eos_token_id=None)
+    spec, plain = GenerationConfig(speculation_type="dflash", **greedy), GenerationConfig(**greedy)
     try:
         for prompt in prompts:
             ids = torch.as_tensor(prompt, dtype=torch.long)[None]

@@ -6,13 +6,13 @@ same noise for the same sample, so the loss does not depend on the parallel layo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Set, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
 from megatron_csbp.data.megatron_data import sample_generator  # noqa: F401  (objectives draw with it)
 from megatron_csbp.objectives.flags import check_mask_token_id, check_noise_interval, option_values
-from megatron_csbp.utils.option import Option, add_options
+from megatron_csbp.utils.option import Option
 
 
 @dataclass
@@ -103,11 +103,6 @@ class Objective:
 
     # ---- flags and rules ------------------------------------------------------------------------
     @classmethod
-    def add_args(cls, parser, added: Optional[Set[str]] = None) -> None:
-        """Add this objective's flags to `parser` (an argument group), skipping names in `added`."""
-        add_options(parser, cls.flags, added)
-
-    @classmethod
     def prepare_args(cls, args, defaults, check_only: bool, notes: list, drafter=None) -> ObjectiveInputs:
         """Before the trainer's rules, what the objective's own inputs fix (DFlash: the captured
         features, the verifier, `drafter`: the --load drafter's `DrafterShape` when `loads_drafter`).
@@ -188,6 +183,4 @@ class Objective:
 
         g = BlockGeometry(seq_length, block_size, clean_attention)
         lo, hi = clean_key_interval(logical_rows(seq_length), g)
-        clean = int((hi - lo).clamp_min(0).sum())
-        noisy_in_block = seq_length * block_size  # each noisy query sees its own block
-        return clean + noisy_in_block
+        return int((hi - lo).clamp_min(0).sum()) + seq_length * block_size  # + each noisy query's own block

@@ -13,8 +13,7 @@ def mock_datasets(args):
     # (`args.vocab_size` is the tokenizer's vocabulary, EOD included, on every megatron-core; its mask id
     # defaults to a padding id above); another tokenizer's stay below its last two ids.
     num_ids = args.vocab_size - 1 if args.tokenizer_type == "NullTokenizer" else args.vocab_size - 2
-    return (MockDataset(args.seq_length, num_ids, args.seed, "train"),
-            MockDataset(args.seq_length, num_ids, args.seed, "valid"))
+    return tuple(MockDataset(args.seq_length, num_ids, args.seed, split) for split in ("train", "valid"))
 
 
 def sft_datasets(args, align_response_to: Optional[int] = None):

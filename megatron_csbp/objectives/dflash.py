@@ -49,9 +49,8 @@ def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.T
     """[L] bool: supervised, next position supervised, both in the same document segment."""
     sup = loss_mask.bool()
     valid = torch.zeros_like(sup)
-    if sup.numel() > 1:
-        starts = document_starts(doc_ids)
-        valid[:-1] = sup[:-1] & sup[1:] & (starts[:-1] == starts[1:]) & (doc_ids[:-1] >= 0)
+    starts = document_starts(doc_ids)
+    valid[:-1] = sup[:-1] & sup[1:] & (starts[:-1] == starts[1:]) & (doc_ids[:-1] >= 0)
     return valid
 
 
@@ -222,9 +221,8 @@ class DFlashObjective(Objective):
                sample_index: int) -> DFlashSample:
         """Draft blocks of one sequence ([L] tensors), the same on every rank."""
         L, B = tokens.numel(), self.block_size
-        if doc_ids is None:
-            doc_ids = torch.zeros(L, dtype=torch.long)
-        tokens, loss_mask, doc_ids = tokens.cpu().long(), loss_mask.cpu(), doc_ids.cpu().long()
+        doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids.cpu().long()
+        tokens, loss_mask = tokens.cpu().long(), loss_mask.cpu()
         gen = sample_generator(self.seed, int(sample_index))
         anchors = sample_anchors(valid_anchor_mask(loss_mask, doc_ids), self.max_anchors, self.sampling, B, gen)
         starts = document_starts(doc_ids)
@@ -281,10 +279,8 @@ class _StreamedCE(torch.autograd.Function):
             w = head[start : start + chunk].to(h.dtype)
             logits = h @ w.T
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-            inside = (targets >= start) & (targets < start + w.shape[0])
-            if inside.any():
-                idx = inside.nonzero().flatten()
-                target_logit[idx] = logits[idx, targets[idx] - start]
+            idx = ((targets >= start) & (targets < start + w.shape[0])).nonzero().flatten()  # targets in the chunk
+            target_logit[idx] = logits[idx, targets[idx] - start]
         ctx.save_for_backward(hidden, head, targets, lse)
         ctx.chunk = chunk
         return lse - target_logit
@@ -298,10 +294,8 @@ class _StreamedCE(torch.autograd.Function):
         for start in range(0, head.shape[0], ctx.chunk):
             w = head[start : start + ctx.chunk].to(h.dtype)
             probs = torch.exp(h @ w.T - lse[:, None])
-            inside = (targets >= start) & (targets < start + w.shape[0])
-            if inside.any():
-                idx = inside.nonzero().flatten()
-                probs[idx, targets[idx] - start] -= 1.0
+            idx = ((targets >= start) & (targets < start + w.shape[0])).nonzero().flatten()
+            probs[idx, targets[idx] - start] -= 1.0
             grad += (probs * g[:, None]) @ w
         return grad.to(hidden.dtype), None, None, None
 

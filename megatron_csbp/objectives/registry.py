@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Type
 
+from megatron_csbp.utils.option import add_options
+
 _REGISTRY: Dict[str, type] = {}
 
 
@@ -72,9 +74,7 @@ def objective_options(args) -> Dict[str, object]:
 
 def add_objective_args(parser) -> None:
     """The flags of every objective (each flag once, in registration order)."""
-    added = set()
-    for cls in registered_objectives().values():
-        cls.add_args(parser, added)
+    add_options(parser, [flag for cls in registered_objectives().values() for flag in cls.flags])
 
 
 def objective_help() -> str:
