@@ -183,8 +183,8 @@ def _feature_plan(a, meta: Dict, n: int) -> Dict:
                 return {"error": f"--output {a.output} holds features with {k}={old.get(k)}, this run asks for "
                                  f"{meta[k]}: use another --output or the same flags to resume"}
     json.dump(meta, open(meta_path, "w"), indent=2)
-    shards = list(range(-(-n // a.shard_size)))
-    return {"pending": [s for s in shards if not os.path.isdir(os.path.join(a.output, f"shard_{s:05d}"))]}
+    return {"pending": [s for s in range(-(-n // a.shard_size))
+                        if not os.path.isdir(os.path.join(a.output, f"shard_{s:05d}"))]}
 
 
 def prepare_features(a, hf_path: str) -> Dict:

@@ -76,12 +76,6 @@ def null_tokenizer_rule() -> str:
             "data ids 0..V-1 plus EOD V (V + 1 ids)")
 
 
-def __getattr__(name):  # NULL_TOKENIZER_RULE: computed when asked for (it imports megatron-core)
-    if name == "NULL_TOKENIZER_RULE":
-        return null_tokenizer_rule()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int]):
     """The one tokenizer factory: the trainer, `data.preprocess` and `generate` all build theirs here.
     `vocab_size` is the `--vocab-size` flag (read by NullTokenizer only)."""

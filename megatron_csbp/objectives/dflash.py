@@ -41,8 +41,7 @@ class DFlashSample:
         return self.targets >= 0
 
     def select(self, index: torch.Tensor) -> "DFlashSample":
-        return DFlashSample(self.anchors[index], self.doc_starts[index], self.draft_tokens[index],
-                            self.targets[index], self.position_weights[index])
+        return DFlashSample(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:

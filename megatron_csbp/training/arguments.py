@@ -355,10 +355,10 @@ def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", fol
             continue  # a tokenizer's vocabulary may be smaller than the model's: checked later
         flag = "--" + dest.replace("_", "-")
         if dest == "vocab_size":  # (NullTokenizer)
-            from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE
+            from megatron_csbp.data.megatron_data import null_tokenizer_rule
 
             raise ValueError(f"--vocab-size {given} contradicts the checkpoint {where}: its vocabulary of "
-                             f"{shape.vocab_size} ids is --vocab-size {value} ({NULL_TOKENIZER_RULE}); drop the flag")
+                             f"{shape.vocab_size} ids is --vocab-size {value} ({null_tokenizer_rule()}); drop the flag")
         raise ValueError(f"{flag} {given} contradicts the checkpoint {where} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
     from megatron_csbp.model.families import family_names, get_family
