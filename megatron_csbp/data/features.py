@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -121,8 +121,7 @@ def pack_documents(prefix: str, seq_length: int, eod: Optional[int], max_sequenc
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
-    tokens: List[np.ndarray] = []
-    docs: List[np.ndarray] = []
+    tokens, docs = [], []  # per document: its ids, its index repeated
     for i in range(len(ds)):
         ids = np.asarray(ds[i], dtype=np.int64)
         if eod is not None and (len(ids) == 0 or ids[-1] != eod):

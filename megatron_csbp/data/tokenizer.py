@@ -188,10 +188,9 @@ def hf_tokenizer_from_sentencepiece(model_path: Optional[str] = None, eos_id: Op
     def piece(i: Optional[int]) -> Optional[str]:
         return None if i is None or not 0 <= int(i) < len(pieces) else pieces[int(i)].piece
 
-    eos = piece(sp.eod if eos_id is None else eos_id)
-    mask = piece(sp.mask_token_id if mask_id is None else mask_id)
     named = {"unk_token": piece(proto.trainer_spec.unk_id), "bos_token": piece(proto.trainer_spec.bos_id),
-             "eos_token": eos, "pad_token": piece(proto.trainer_spec.pad_id), "mask_token": mask}
+             "eos_token": piece(sp.eod if eos_id is None else eos_id), "pad_token": piece(proto.trainer_spec.pad_id),
+             "mask_token": piece(sp.mask_token_id if mask_id is None else mask_id)}
     named = {k: v for k, v in named.items() if v is not None}
     extra = [p.piece for p in pieces if p.type == _CONTROL and p.piece not in named.values()]
     return PreTrainedTokenizerFast(tokenizer_object=tok, **named, extra_special_tokens=extra,

@@ -80,8 +80,7 @@ class DiffusionGemmaSFTObjective(Objective):
 
     def response_blocks(self, loss_mask: torch.Tensor) -> torch.Tensor:
         """[b, n] bool: blocks holding supervised tokens. Refuses responses that start mid-block."""
-        b, L = loss_mask.shape
-        B = self.block_size
+        (b, L), B = loss_mask.shape, self.block_size
         self.num_blocks(L)  # whole blocks only
         sup = loss_mask.bool()
         has = sup.any(dim=1)
@@ -106,8 +105,7 @@ class DiffusionGemmaSFTObjective(Objective):
         return ok
 
     def noise(self, tokens, loss_mask, sample_index, document_ids=None) -> NoisedBatch:
-        b, L = tokens.shape
-        B = self.block_size
+        (b, L), B = tokens.shape, self.block_size
         n = L // B
         blocks = self.response_blocks(loss_mask)  # [b, n]
         sup = loss_mask.bool()
