@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -83,12 +82,10 @@ def extract_pydoc_documents(topics: Optional[Dict[str, str]] = None) -> List[Dic
 
 def write_documents(docs: Iterable[Dict[str, str]], path: str) -> None:
     """Byte-reproducible gzip jsonl (no timestamp, no file name in the gzip header)."""
-    raw = io.BytesIO()
-    for d in docs:
-        raw.write((json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8"))
+    raw = "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in docs).encode("utf-8")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=9) as gz:
-        gz.write(raw.getvalue())
+        gz.write(raw)
 
 
 def load_records(path: Optional[str] = None) -> List[Dict[str, str]]:
@@ -138,10 +135,7 @@ def pack_token_stream(token_lists: Iterable[Sequence[int]], seq_length: int, eod
     """
     if seq_length <= 0:
         raise ValueError(f"--seq-length must be positive, got {seq_length}")
-    stream: List[int] = []
-    for ids in token_lists:
-        stream.extend(int(i) for i in ids)
-        stream.append(int(eod))
+    stream = [int(i) for ids in token_lists for i in [*ids, eod]]  # each document followed by eod
     rows = len(stream) // seq_length
     if rows == 0:
         raise ValueError(f"{len(stream)} tokens cannot fill one sequence of --seq-length {seq_length}")
@@ -152,8 +146,7 @@ def unigram_entropy(token_lists: Iterable[Sequence[int]], vocab_size: int) -> fl
     """Entropy in nats/token of the empirical unigram distribution of the given tokens."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids in token_lists:
-        if len(ids):
-            counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)
+        counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)
     total = counts.sum()
     if total == 0:
         raise ValueError("no tokens to measure")

@@ -66,9 +66,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
         builder = IndexedDatasetBuilder(tmp + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
         n = 0
         for text in iter_jsonl(input_path, json_key):
-            ids = tokenizer.tokenize(text)
-            if append_eod:
-                ids = list(ids) + [tokenizer.eod]
+            ids = list(tokenizer.tokenize(text)) + ([tokenizer.eod] if append_eod else [])
             if not ids:
                 continue
             builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])

@@ -146,14 +146,13 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
             if N < 2:  # the prefill step alone: nothing drafted
                 steps += N
                 continue
-            tokens = torch.as_tensor(y, dtype=torch.long)
             feats = capture_sequence(verifier, np.asarray(y), np.zeros(L, dtype=np.int64), shape.target_layer_ids)
             # every position of the continuation is an anchor (max_anchors >= L: all valid ones drawn)
             objective = DFlashObjective(B, shape.mask_token_id, max_anchors=L)
             model = DFlashTrainingModel(drafter, embedding, head, objective, DFlashLayout(L, B))
             loss_mask = (torch.arange(L) >= P).long()
-            blocks = model(torch.from_numpy(feats), tokens, loss_mask, with_acceptance=True
-                           ).metrics["acceptance_blocks"]
+            blocks = model(torch.from_numpy(feats), torch.as_tensor(y, dtype=torch.long), loss_mask,
+                           with_acceptance=True).metrics["acceptance_blocks"]
             if blocks["anchors"].tolist() != list(range(P, L - 1)):
                 raise RuntimeError(f"expected a block at every anchor {P}..{L - 2}, got {blocks['anchors'].tolist()}")
             right = blocks["right"][:, 1:].long()

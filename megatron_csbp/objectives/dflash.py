@@ -70,7 +70,7 @@ def sample_anchors(valid: torch.Tensor, max_anchors: int, sampling: str, stride:
         start = int(torch.randint(n, (1,), generator=generator))
         chosen = (start + torch.arange(count) * step) % n
     else:
-        check_choice(ANCHOR_SAMPLING_FLAG, sampling, ANCHOR_SAMPLING)
+        check_choice(ANCHOR_SAMPLING_FLAG, sampling)
     return candidates[chosen].sort().values
 
 

@@ -50,11 +50,9 @@ def check_mask_token_id(mask_token_id: Optional[int], vocab_size: Optional[int] 
     """A mask id is a row of the embedding: in [0, vocab_size) (checked once the vocabulary is
     known). `needed_by` ("--objective NAME needs --mask-token-id (why)"): the message when it is
     unset; None: an unset id passes."""
-    if mask_token_id is None:
-        if needed_by is not None:
-            raise ValueError(needed_by)
-        return
-    if vocab_size is not None and not 0 <= int(mask_token_id) < vocab_size:
+    if mask_token_id is None and needed_by is not None:
+        raise ValueError(needed_by)
+    if mask_token_id is not None and vocab_size is not None and not 0 <= int(mask_token_id) < vocab_size:
         raise ValueError(f"--mask-token-id {int(mask_token_id)} is outside the {vocabulary} [0, {vocab_size})")
 
 
@@ -70,10 +68,9 @@ def default_mask_token_id(own: Optional[int], tokenizer_vocab: int, padded_vocab
     return int(tokenizer_vocab) if padded_vocab > tokenizer_vocab else None
 
 
-def check_choice(flag: Option, value, choices=None) -> None:
-    choices = flag.choices if choices is None else choices
-    if value not in choices:
-        raise ValueError(f"{flag.flag} must be one of {tuple(choices)}, got {value!r}")
+def check_choice(flag: Option, value) -> None:
+    if value not in flag.choices:
+        raise ValueError(f"{flag.flag} must be one of {tuple(flag.choices)}, got {value!r}")
 
 
 def option_values(options: Mapping[str, Option], args=None, **given) -> Dict[str, Any]:
@@ -87,10 +84,12 @@ def option_values(options: Mapping[str, Option], args=None, **given) -> Dict[str
     values = {}
     for key, flag in options.items():
         value = flag.value(source)
-        values[key] = value = flag.type(value) if flag.type is not None and value is not None else value
+        if value is not None and flag.type is not None:
+            value = flag.type(value)
         if flag.choices:
             check_choice(flag, value)
         refusal = flag.rule(flag.flag, value) if flag.rule is not None else None
         if refusal:
             raise ValueError(refusal)
+        values[key] = value
     return values
