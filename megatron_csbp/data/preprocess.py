@@ -39,8 +39,7 @@ def _lines(path: str):
 
 def iter_jsonl(path: str, key: str) -> Iterable[str]:
     for lineno, line in _lines(path):
-        line = line.strip()
-        if not line:
+        if not line.strip():
             continue
         try:
             record = json.loads(line)
