@@ -4,6 +4,7 @@
 serving's anchors with the bound docs/dflash.md derives (`serving_estimate`)."""
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Dict, Sequence
 
@@ -56,17 +57,13 @@ def evaluate_cli(a) -> Dict:
 
     verifier = load_verifier(a.verifier)
     drafter = MuseGlimmerAssistantModel.from_pretrained(a.drafter, dtype=torch.float32).eval()
-    prompts = []
     if a.prompts_data_path:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         docs = IndexedDataset(a.prompts_data_path)
-        for i in range(len(docs) - 1, -1, -1):  # the last documents with a full prompt
-            if len(prompts) == a.eval_sequences:
-                break
-            ids = np.asarray(docs[i], dtype=np.int64)
-            if len(ids) > a.prompt_length:
-                prompts.append(ids[: a.prompt_length].tolist())
+        last_first = (np.asarray(docs[i], dtype=np.int64) for i in reversed(range(len(docs))))
+        full = (ids for ids in last_first if len(ids) > a.prompt_length)  # the last documents with a full prompt
+        prompts = [ids[: a.prompt_length].tolist() for ids in itertools.islice(full, a.eval_sequences)]
     else:
         data = FeatureDataset(a.features_path)
         prompts = [data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist()
