@@ -212,12 +212,12 @@ def check_model_flags(args, root: str, step, flag: str = "--load") -> None:
         given = getattr(args, dest)
         if given != saved[dest]:
             if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
-                from megatron_csbp.data.megatron_data import NULL_TOKENIZER_RULE, null_tokenizer_vocab_flag
+                from megatron_csbp.data.megatron_data import null_tokenizer_rule, null_tokenizer_vocab_flag
 
                 # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
                 raise CheckpointError(
                     f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
-                    f"NullTokenizer has {saved[dest]} ({where}; {NULL_TOKENIZER_RULE}): resume with --vocab-size "
+                    f"NullTokenizer has {saved[dest]} ({where}; {null_tokenizer_rule()}): resume with --vocab-size "
                     f"{null_tokenizer_vocab_flag(saved[dest])}")
             flag = "--" + dest.replace("_", "-")
             raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} ({where}): resume "

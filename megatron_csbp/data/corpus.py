@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -34,22 +33,17 @@ _UNDERLINE = re.compile(r"^([=\-*~])\1*$")
 def _split_sections(topic_text: str) -> List[Tuple[str, List[str]]]:
     """(heading, body lines) of each section; headings are lines underlined with = - * ~."""
     lines = topic_text.split("\n")
-    sections: List[Tuple[str, List[str]]] = []
-    heading, body = "", []
+    sections: List[Tuple[str, List[str]]] = [("", [])]  # the text before the first heading
     i = 0
     while i < len(lines):
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
         if lines[i].strip() and _UNDERLINE.match(nxt) and len(nxt) == len(lines[i]):
-            if heading or any(x.strip() for x in body):
-                sections.append((heading, body))
-            heading, body = lines[i].strip(), []
+            sections.append((lines[i].strip(), []))
             i += 2
-            continue
-        body.append(lines[i])
-        i += 1
-    if heading or any(x.strip() for x in body):
-        sections.append((heading, body))
-    return sections
+        else:
+            sections[-1][1].append(lines[i])
+            i += 1
+    return [(heading, body) for heading, body in sections if heading or any(x.strip() for x in body)]
 
 
 def _reflow(lines: Sequence[str]) -> str:
@@ -78,9 +72,8 @@ def extract_pydoc_documents(topics: Optional[Dict[str, str]] = None) -> List[Dic
             text = _reflow(body)
             if heading:
                 text = heading + "\n\n" + text if text else heading
-            if len(text) < 200:  # stray headings and one-line stubs
-                continue
-            if text in seen:  # several topics repeat sections: keep the first, no train/eval leak
+            # stray headings and one-line stubs; several topics repeat sections: keep the first, no train/eval leak
+            if len(text) < 200 or text in seen:
                 continue
             seen.add(text)
             docs.append({"id": f"{topic}/{k}", "topic": topic, "text": text})
@@ -89,12 +82,10 @@ def extract_pydoc_documents(topics: Optional[Dict[str, str]] = None) -> List[Dic
 
 def write_documents(docs: Iterable[Dict[str, str]], path: str) -> None:
     """Byte-reproducible gzip jsonl (no timestamp, no file name in the gzip header)."""
-    raw = io.BytesIO()
-    for d in docs:
-        raw.write((json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8"))
+    raw = "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in docs).encode("utf-8")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=9) as gz:
-        gz.write(raw.getvalue())
+        gz.write(raw)
 
 
 def load_records(path: Optional[str] = None) -> List[Dict[str, str]]:
@@ -133,9 +124,7 @@ def split_documents(docs: Sequence[str], eval_fraction: float = 0.1, seed: int =
     keyed = sorted(range(len(docs)), key=lambda i: hashlib.sha256(f"{seed}:{docs[i]}".encode()).hexdigest())
     n_eval = min(len(docs) - 1, max(1, round(eval_fraction * len(docs))))
     eval_ids = set(keyed[:n_eval])
-    train = [d for i, d in enumerate(docs) if i not in eval_ids]
-    held_out = [d for i, d in enumerate(docs) if i in eval_ids]
-    return train, held_out
+    return [d for i, d in enumerate(docs) if i not in eval_ids], [d for i, d in enumerate(docs) if i in eval_ids]
 
 
 def pack_token_stream(token_lists: Iterable[Sequence[int]], seq_length: int, eod: int) -> torch.Tensor:
@@ -146,10 +135,7 @@ def pack_token_stream(token_lists: Iterable[Sequence[int]], seq_length: int, eod
     """
     if seq_length <= 0:
         raise ValueError(f"--seq-length must be positive, got {seq_length}")
-    stream: List[int] = []
-    for ids in token_lists:
-        stream.extend(int(i) for i in ids)
-        stream.append(int(eod))
+    stream = [int(i) for ids in token_lists for i in [*ids, eod]]  # each document followed by eod
     rows = len(stream) // seq_length
     if rows == 0:
         raise ValueError(f"{len(stream)} tokens cannot fill one sequence of --seq-length {seq_length}")
@@ -160,8 +146,7 @@ def unigram_entropy(token_lists: Iterable[Sequence[int]], vocab_size: int) -> fl
     """Entropy in nats/token of the empirical unigram distribution of the given tokens."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids in token_lists:
-        if len(ids):
-            counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)
+        counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)
     total = counts.sum()
     if total == 0:
         raise ValueError("no tokens to measure")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -64,24 +64,19 @@ class FeatureSplit:
         return self.first + int(i) % self.count
 
     def __getitem__(self, i: int) -> Dict:
-        import torch
-
         item = self.data[self.data_index(i)]
-        return {"tokens": torch.from_numpy(item["tokens"].astype(np.int64)),
-                "loss_mask": torch.from_numpy(item["loss_mask"].astype(np.int64)),
-                "document_ids": torch.from_numpy(item["doc_ids"].astype(np.int64))}
+        names = {"tokens": "tokens", "loss_mask": "loss_mask", "document_ids": "doc_ids"}
+        return {name: torch.from_numpy(item[key].astype(np.int64)) for name, key in names.items()}
 
 
 # ---- capture ---------------------------------------------------------------------------------------
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     """[L] first position of each position's document segment (a change of id starts one)."""
-    L = doc_ids.numel()
-    pos = torch.arange(L)
-    changed = torch.ones(L, dtype=torch.bool)
-    if L > 1:
-        changed[1:] = doc_ids[1:] != doc_ids[:-1]
-    return torch.cummax(torch.where(changed, pos, torch.zeros_like(pos)), dim=0).values
+    pos = torch.arange(doc_ids.numel())
+    changed = torch.ones_like(pos, dtype=torch.bool)
+    changed[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.cummax(torch.where(changed, pos, 0), dim=0).values
 
 
 def load_verifier(hf_path: str, dtype=torch.float32, tensor_parallel: int = 1):
@@ -98,8 +93,7 @@ def load_verifier(hf_path: str, dtype=torch.float32, tensor_parallel: int = 1):
     import torch.distributed as dist
     from transformers.distributed import DistributedConfig
 
-    world = dist.get_world_size()
-    config = DistributedConfig(tp_size=tensor_parallel, dp_replicate_size=world // tensor_parallel)
+    config = DistributedConfig(tp_size=tensor_parallel, dp_replicate_size=dist.get_world_size() // tensor_parallel)
     return AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype, distributed_config=config).eval()
 
 
@@ -127,8 +121,7 @@ def pack_documents(prefix: str, seq_length: int, eod: Optional[int], max_sequenc
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
-    tokens: List[np.ndarray] = []
-    docs: List[np.ndarray] = []
+    tokens, docs = [], []  # per document: its ids, its index repeated
     for i in range(len(ds)):
         ids = np.asarray(ds[i], dtype=np.int64)
         if eod is not None and (len(ids) == 0 or ids[-1] != eod):
@@ -189,8 +182,8 @@ def _feature_plan(a, meta: Dict, n: int) -> Dict:
                 return {"error": f"--output {a.output} holds features with {k}={old.get(k)}, this run asks for "
                                  f"{meta[k]}: use another --output or the same flags to resume"}
     json.dump(meta, open(meta_path, "w"), indent=2)
-    shards = list(range(-(-n // a.shard_size)))
-    return {"pending": [s for s in shards if not os.path.isdir(os.path.join(a.output, f"shard_{s:05d}"))]}
+    return {"pending": [s for s in range(-(-n // a.shard_size))
+                        if not os.path.isdir(os.path.join(a.output, f"shard_{s:05d}"))]}
 
 
 def prepare_features(a, hf_path: str) -> Dict:
@@ -252,11 +245,9 @@ def prepare_features(a, hf_path: str) -> Dict:
     with tqdm(total=total, desc="features", unit="seq", disable=a.no_progress_bar or rank != 0) as bar:
         bar.update(total - sum(min(a.shard_size, n - s * a.shard_size) for s in mine))  # complete before
         for s in mine:
+            start, stop = s * a.shard_size, min((s + 1) * a.shard_size, n)
             final = os.path.join(a.output, f"shard_{s:05d}")
-            start = s * a.shard_size
-            stop = min(start + a.shard_size, n)
-            tmp = final + ".tmp"
-            feats = None
+            tmp, feats = final + ".tmp", None
             if tp_rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)

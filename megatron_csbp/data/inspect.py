@@ -5,6 +5,7 @@ padding."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -13,16 +14,9 @@ from typing import List, Optional, Sequence
 
 def marked_text(tokenizer, ids: Sequence[int], mask: Sequence[int], open_mark: str = "[[", close_mark: str = "]]") -> str:
     """The rendered text, each run of supervised tokens between the marks."""
-    out, run, state = [], [], 0
-    for i, m in list(zip(ids, mask)) + [(None, -1)]:
-        if m != state and run:
-            text = tokenizer.detokenize(run)
-            out.append(open_mark + text + close_mark if state else text)
-            run = []
-        state = m
-        if i is not None:
-            run.append(int(i))
-    return "".join(out)
+    runs = itertools.groupby(zip(ids, mask), key=lambda pair: pair[1])
+    texts = ((supervised, tokenizer.detokenize([int(i) for i, _ in run])) for supervised, run in runs)
+    return "".join(open_mark + text + close_mark if supervised else text for supervised, text in texts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -27,10 +27,8 @@ class MegatronTokenizerAdapter:
 
     def __init__(self, tokenizer, null: bool = False):
         self.tokenizer, self.null = tokenizer, null  # null: megatron-core's NullTokenizer (ids as text)
-        self.vocab_size = int(tokenizer.vocab_size)
-        self.eod = int(tokenizer.eod)
+        self.vocab_size, self.eod, self.pad = int(tokenizer.vocab_size), int(tokenizer.eod), -1
         self.mask_token_id = None if self.null else tokenizer.mask_token_id  # Megatron's NullTokenizer: mask -1
-        self.pad = -1
         # Megatron's dataset cache keys hash this (its MegatronTokenizer has the same attribute).
         model = getattr(tokenizer, "model_path", None) or getattr(tokenizer, "path", None)
         self.unique_identifiers = {"class": "MegatronTokenizerAdapter", "model": str(model),
@@ -76,12 +74,6 @@ def null_tokenizer_rule() -> str:
                 "V ids, data ids 0..V-2 and EOD V-1")
     return ("--tokenizer-type NullTokenizer --vocab-size V is Megatron-LM's (megatron-core 0.16): "
             "data ids 0..V-1 plus EOD V (V + 1 ids)")
-
-
-def __getattr__(name):  # NULL_TOKENIZER_RULE: computed when asked for (it imports megatron-core)
-    if name == "NULL_TOKENIZER_RULE":
-        return null_tokenizer_rule()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int]):
@@ -253,12 +245,8 @@ def _split_documents(bookends, num_documents: int):
 
 def _empty_splits(matrix, lengths: np.ndarray, read: Sequence[bool]) -> List[int]:
     """The splits the run reads that get no document (or no token) of a prefix with these document lengths."""
-    empty = []
-    for i, needed in enumerate(read):
-        begin, end = _split_documents(matrix[i], len(lengths))
-        if needed and (end <= begin or int(lengths[begin:end].sum()) == 0):
-            empty.append(i)
-    return empty
+    return [i for i, needed in enumerate(read)
+            if needed and int(lengths[slice(*_split_documents(matrix[i], len(lengths)))].sum()) == 0]
 
 
 def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None):
@@ -327,20 +315,11 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
 
     blend = parse_data_path(data_path)
     matrix = checked_split_matrix(data_path, split, read)
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=blend,
-        split=split,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        add_extra_token_to_sequence=True,  # Megatron-LM's (pretrain_gpt.py); the sample is its labels
-        mid_level_dataset_surplus=0.005,
-    )
+    # add_extra_token_to_sequence: Megatron-LM's (pretrain_gpt.py); the sample is its labels
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=blend, split=split,
+                              path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                              add_extra_token_to_sequence=True, mid_level_dataset_surplus=0.005)
     config.split_matrix = matrix  # Megatron's own boundaries, the splits not read dropped
     # Rank 0 builds the index caches first, then everybody reads them (Megatron-LM's pattern).
     distributed = dist.is_initialized() and dist.get_world_size() > 1

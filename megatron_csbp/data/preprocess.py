@@ -39,8 +39,7 @@ def _lines(path: str):
 
 def iter_jsonl(path: str, key: str) -> Iterable[str]:
     for lineno, line in _lines(path):
-        line = line.strip()
-        if not line:
+        if not line.strip():
             continue
         try:
             record = json.loads(line)
@@ -66,9 +65,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
         builder = IndexedDatasetBuilder(tmp + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
         n = 0
         for text in iter_jsonl(input_path, json_key):
-            ids = tokenizer.tokenize(text)
-            if append_eod:
-                ids = list(ids) + [tokenizer.eod]
+            ids = list(tokenizer.tokenize(text)) + ([tokenizer.eod] if append_eod else [])
             if not ids:
                 continue
             builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
@@ -86,12 +83,10 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    from megatron_csbp.utils.cli import filter_warnings
+    from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
 
     filter_warnings()  # hide the library warnings a user cannot act on
-    from megatron_csbp.data.megatron_data import TOKENIZER_TYPES, build_tokenizer
-
-    from megatron_csbp.utils.cli import ArgumentParser
 
     # errors are one line (no usage dump before them), as in every command of the package
     p = ArgumentParser(prog="python -m megatron_csbp.data.preprocess", description=__doc__,

@@ -227,14 +227,12 @@ def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
     bins: List[List[int]] = []
     room: List[int] = []
     for i, n in enumerate(lengths):
-        for b, r in enumerate(room):
-            if n <= r:
-                bins[b].append(i)
-                room[b] -= n
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - n)
+        b = next((b for b, r in enumerate(room) if n <= r), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] -= n
     return bins
 
 
@@ -285,7 +283,6 @@ class SFTDataset(torch.utils.data.Dataset):
                            for ids, mask in convs])
         if not groups:
             raise ValueError(f"--sft-data-path {path} holds no records")
-        self.packing_efficiency = None
         self.conversations = sum(len(g) for g in groups)
         if not pack:
             rows = [[self._row(ids, mask, fill, seq_length) for ids, mask in g] for g in groups]
@@ -294,8 +291,8 @@ class SFTDataset(torch.utils.data.Dataset):
         else:
             rows = [[r] for r in self._pack([c for g in groups for c in g], fill, seq_length)]
         self.sequences = sum(len(r) for r in rows)
-        if pack:
-            self.packing_efficiency = sum(len(ids) for g in groups for ids, _ in g) / (self.sequences * seq_length)
+        tokens = sum(len(ids) for g in groups for ids, _ in g)
+        self.packing_efficiency = tokens / (self.sequences * seq_length) if pack else None
         if trajectory_turns != "all":
             self.samples = [r[0] for r in rows]
             return
@@ -329,10 +326,8 @@ class SFTDataset(torch.utils.data.Dataset):
             ids = [t for i in members for t in convs[i][0]]
             mask = [t for i in members for t in convs[i][1]]
             doc = [d for d, i in enumerate(members) for _ in convs[i][0]]
-            pad = seq_length - len(ids)
-            ids, mask, doc = ids + [fill] * pad, mask + [0] * pad, doc + [len(members)] * pad
-            rows.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.float32),
-                         torch.tensor(doc, dtype=torch.long)))
+            doc += [len(members)] * (seq_length - len(doc))  # the padding: a document of its own
+            rows.append(SFTDataset._row(ids, mask, fill, seq_length) + (torch.tensor(doc, dtype=torch.long),))
         return rows
 
     def describe_packing(self) -> str:

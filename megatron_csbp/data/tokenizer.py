@@ -54,16 +54,15 @@ class SentencePieceTokenizer:
 
         self.model_path = model_path or DEFAULT_MODEL
         if not os.path.exists(self.model_path):
-            raise FileNotFoundError(
-                f"tokenizer model {self.model_path} not found; rebuild the shipped assets with "
-                "`python -m megatron_csbp.data.tokenizer build`"
-            )
+            raise FileNotFoundError(f"tokenizer model {self.model_path} not found; rebuild the shipped assets with "
+                                    "`python -m megatron_csbp.data.tokenizer build`")
         self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
         # Other models' sentencepiece files (e.g. Gemma's `<eos>`, no `<mask>`) work too: EOD falls
         # back to the model's own EOS id; a missing default `<mask>` leaves mask_token_id None, which
         # only the absorbing-mask objectives refuse (by flag). A mask piece asked for by name must exist.
-        self._mask = self._special_id(mask_token, "mask token", required=mask_token != MASK)
-        self._eod = self._special_id(eod_token, "end-of-document token", fallback=int(self.sp.eos_id()))
+        self.mask_token_id = self._special_id(mask_token, "mask token", required=mask_token != MASK)
+        self.eod = self._special_id(eod_token, "end-of-document token", fallback=int(self.sp.eos_id()))
+        self.vocab_size, self.pad = int(self.sp.get_piece_size()), int(self.sp.pad_id())
 
     def _special_id(self, piece: str, what: str, required: bool = True, fallback: int = -1) -> Optional[int]:
         i = self.sp.piece_to_id(piece)
@@ -74,22 +73,6 @@ class SentencePieceTokenizer:
                 return None
             raise ValueError(f"tokenizer {self.model_path} has no {what} piece {piece!r}")
         return int(i)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.sp.get_piece_size())
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def mask_token_id(self) -> int:
-        return self._mask
-
-    @property
-    def pad(self) -> int:
-        return int(self.sp.pad_id())
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of `text` (no BOS/EOS added)."""
@@ -131,31 +114,13 @@ class HuggingFaceTokenizer:
             raise ValueError(f"--tokenizer-model {path}: transformers cannot load a tokenizer from it ({first})") from None
         if self.tok.eos_token_id is None:
             raise ValueError(f"--tokenizer-model {path}: the tokenizer has no EOS token to end documents with (EOD)")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tok)
-
-    @property
-    def eod(self) -> int:
-        return int(self.tok.eos_token_id)
-
-    @property
-    def mask_token_id(self) -> Optional[int]:
-        i = self.tok.mask_token_id
-        return None if i is None else int(i)
-
-    @property
-    def pad(self) -> int:
-        i = self.tok.pad_token_id
-        return self.eod if i is None else int(i)
+        self.vocab_size, self.eod = len(self.tok), int(self.tok.eos_token_id)
+        self.mask_token_id = None if self.tok.mask_token_id is None else int(self.tok.mask_token_id)
+        self.pad = self.eod if self.tok.pad_token_id is None else int(self.tok.pad_token_id)
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of `text` (no special tokens added)."""
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return [list(x) for x in self.tok(list(texts), add_special_tokens=False)["input_ids"]]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -223,10 +188,9 @@ def hf_tokenizer_from_sentencepiece(model_path: Optional[str] = None, eos_id: Op
     def piece(i: Optional[int]) -> Optional[str]:
         return None if i is None or not 0 <= int(i) < len(pieces) else pieces[int(i)].piece
 
-    eos = piece(sp.eod if eos_id is None else eos_id)
-    mask = piece(sp.mask_token_id if mask_id is None else mask_id)
     named = {"unk_token": piece(proto.trainer_spec.unk_id), "bos_token": piece(proto.trainer_spec.bos_id),
-             "eos_token": eos, "pad_token": piece(proto.trainer_spec.pad_id), "mask_token": mask}
+             "eos_token": piece(sp.eod if eos_id is None else eos_id), "pad_token": piece(proto.trainer_spec.pad_id),
+             "mask_token": piece(sp.mask_token_id if mask_id is None else mask_id)}
     named = {k: v for k, v in named.items() if v is not None}
     extra = [p.piece for p in pieces if p.type == _CONTROL and p.piece not in named.values()]
     return PreTrainedTokenizerFast(tokenizer_object=tok, **named, extra_special_tokens=extra,
@@ -281,11 +245,9 @@ def train_sentencepiece(texts: Sequence[str], vocab_size: int = 1024) -> bytes:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(list(texts)), model_writer=buf, model_type="unigram", vocab_size=vocab_size,
         pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=PAD, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
-        control_symbols=RESERVED, user_defined_symbols=[NEWLINE],
-        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        character_coverage=1.0, split_digits=True, max_sentence_length=1 << 16,
-        num_threads=1, minloglevel=2,
-    )
+        control_symbols=RESERVED, user_defined_symbols=[NEWLINE], normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=1.0,
+        split_digits=True, max_sentence_length=1 << 16, num_threads=1, minloglevel=2)
     return buf.getvalue()
 
 
@@ -306,16 +268,11 @@ def build_assets(out_dir: Optional[str] = None, vocab_size: int = 1024) -> Dict[
         f.write(train_sentencepiece([d["text"] for d in docs], vocab_size))
     import sentencepiece
 
-    manifest = {
-        "source": "pydoc_data.topics of CPython (PSF License)",
-        "python": platform.python_version(),
-        "sentencepiece": sentencepiece.__version__,
-        "documents": len(docs),
-        "characters": sum(len(d["text"]) for d in docs),
-        "vocab_size": vocab_size,
-        "files": {os.path.basename(p): _sha256(p) for p in (corpus_path, model_path)},
-        "command": "python -m megatron_csbp.data.tokenizer build",
-    }
+    manifest = {"source": "pydoc_data.topics of CPython (PSF License)", "python": platform.python_version(),
+                "sentencepiece": sentencepiece.__version__, "documents": len(docs),
+                "characters": sum(len(d["text"]) for d in docs), "vocab_size": vocab_size,
+                "files": {os.path.basename(p): _sha256(p) for p in (corpus_path, model_path)},
+                "command": "python -m megatron_csbp.data.tokenizer build"}
     with open(os.path.join(out_dir, MANIFEST_FILE), "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -337,8 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     e.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     if args.cmd == "build":
-        paths = build_assets(args.out_dir, args.vocab_size)
-        for k, p in paths.items():
+        for k, p in build_assets(args.out_dir, args.vocab_size).items():
             print(f"{k}: {p}")
         return 0
     tok = SentencePieceTokenizer(args.model)

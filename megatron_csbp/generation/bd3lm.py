@@ -36,11 +36,10 @@ class BlockDiffusionSampler:
 
     def _clean_rows(self, tokens: List[int], start: int, end: int) -> None:
         """Append clean positions [start, end) to the KV cache."""
-        if end <= start:
-            return
-        self.state.mode = "extend"
-        self.state.rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
-        self._run(torch.tensor(tokens[start:end]), self.state.rows)
+        if end > start:
+            self.state.mode = "extend"
+            self.state.rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
+            self._run(torch.tensor(tokens[start:end]), self.state.rows)
 
     def block_logits(self, tokens: List[int], block: int) -> torch.Tensor:
         """Logits [B, V] of the noisy rows of `block` given the clean prefix tokens[: block*B]."""
@@ -48,14 +47,11 @@ class BlockDiffusionSampler:
         noisy_pos = torch.arange(block * B, (block + 1) * B)
         noisy_ids = torch.tensor(tokens[block * B:(block + 1) * B])
         if self.kv_cache:
-            self.state.mode = "decode"
-            self.state.rows = RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long))
+            self.state.mode, self.state.rows = "decode", RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long))
             return self._run(noisy_ids, self.state.rows)
         self.state.mode = "off"
-        clean_pos = torch.arange(block * B)
-        rows = RowMeta.of(noisy_pos, clean_pos)
         ids = torch.cat([noisy_ids, torch.tensor(tokens[: block * B], dtype=torch.long)])
-        return self._run(ids, rows)
+        return self._run(ids, RowMeta.of(noisy_pos, torch.arange(block * B)))
 
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -67,9 +63,7 @@ class BlockDiffusionSampler:
         if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError(f"--threshold must be in (0, 1], got {threshold}")
         B = self.B
-        total = len(prompt) + max_new_tokens
-        if max_length is not None:
-            total = min(total, max_length)
+        total = len(prompt) + max_new_tokens if max_length is None else min(len(prompt) + max_new_tokens, max_length)
         if total <= len(prompt):
             return []
         n_blocks = math.ceil(total / B)
@@ -91,25 +85,20 @@ class BlockDiffusionSampler:
                 logits = self.block_logits(tokens, block).float()[:, : self.V]
                 logits[:, self.mask_id] = float("-inf")
                 idx = torch.tensor([p - lo for p in masked])
-                probs = torch.softmax(logits[idx] / temperature, -1) if temperature > 0 else \
-                    torch.softmax(logits[idx], -1)
-                if temperature > 0:
-                    pred = torch.multinomial(probs, 1, generator=g)[:, 0]
-                else:
-                    pred = probs.argmax(-1)
+                probs = torch.softmax(logits[idx] / temperature if temperature > 0 else logits[idx], -1)
+                pred = torch.multinomial(probs, 1, generator=g)[:, 0] if temperature > 0 else probs.argmax(-1)
                 confidence = probs.gather(1, pred[:, None])[:, 0]
+                count = math.ceil(len(masked) / (steps - step))
                 if threshold is not None:  # Fast-dLLM: all confident positions, at least the best one
                     chosen = torch.nonzero(confidence >= threshold)[:, 0].tolist() or [int(confidence.argmax())]
                 elif order == "random":  # MDLM's ancestral order: any masked position is equally likely
-                    chosen = torch.randperm(len(masked), generator=g)[:math.ceil(len(masked) / (steps - step))].tolist()
+                    chosen = torch.randperm(len(masked), generator=g)[:count].tolist()
                 else:
-                    chosen = torch.topk(confidence, math.ceil(len(masked) / (steps - step))).indices.tolist()
+                    chosen = torch.topk(confidence, count).indices.tolist()
                 for j in chosen:
                     tokens[masked[j]] = int(pred[j])
-            block_tokens = tokens[lo:lo + B]
-            new = [t for p, t in zip(range(lo, lo + B), block_tokens) if p >= len(prompt)]
-            if self.eod in new:
-                generated_end = lo + block_tokens.index(self.eod, max(0, len(prompt) - lo))
+            if self.eod in tokens[max(lo, len(prompt)):lo + B]:  # the block's new tokens
+                generated_end = tokens.index(self.eod, max(lo, len(prompt)))
                 break
             if self.kv_cache:
                 self._clean_rows(tokens, lo, lo + B)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -137,6 +137,7 @@ def _diffusion_gemma(load: str, step: Optional[int]):
 
 def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
     from megatron_csbp.checkpoint.model import load_checkpoint_model, single_process_megatron
+    from megatron_csbp.data.megatron_data import build_tokenizer
     from megatron_csbp.generation import diffusion_gemma as dg
     from megatron_csbp.generation.lora import fold_adapters
 
@@ -151,8 +152,6 @@ def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
     if a.max_new_tokens is not None and a.max_new_tokens <= 0:
         p.error(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
     tok = None
-    from megatron_csbp.data.megatron_data import build_tokenizer
-
     if a.tokenizer_model:
         tok = build_tokenizer("SentencePieceTokenizer", a.tokenizer_model, shape.vocab_size)
     elif a.chat and dg.assets_dir(info):  # the tokenizer (and its chat template) converted with the model
@@ -184,6 +183,7 @@ def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
 
 
 def run_bd3lm(p, a, lora=None) -> np.ndarray:
+    from megatron_csbp.data.megatron_data import saved_tokenizer
     from megatron_csbp.generation import lora as lora_generation
 
     try:
@@ -191,8 +191,6 @@ def run_bd3lm(p, a, lora=None) -> np.ndarray:
                               else lora_generation.load_for_generation(a.load, a.ckpt_step, lora))
     except ValueError as exc:
         p.error(str(exc))
-    from megatron_csbp.data.megatron_data import saved_tokenizer
-
     tokenizer_type = margs.get("tokenizer_type") or "SentencePieceTokenizer"
     tok = saved_tokenizer(tokenizer_type, a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
     ids = _prompt_ids(p, a, tok, null_tokenizer=tokenizer_type == "NullTokenizer",
@@ -205,12 +203,10 @@ def run_bd3lm(p, a, lora=None) -> np.ndarray:
     new = BD3LM_DEFAULT_NEW_TOKENS if a.max_new_tokens is None else a.max_new_tokens
     sampler = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], tok.eod,
                                     margs["block_size"], use_cache=not a.no_kv_cache)
-    rows: List[List[int]] = []
     try:
-        for prompt in ids.tolist():
-            rows.append(prompt + sampler.generate(prompt, new, a.steps_per_block, a.temperature, a.seed,
-                                                  max_length=margs["seq_length"], order=a.unmask_order,
-                                                  threshold=a.threshold))
+        rows = [prompt + sampler.generate(prompt, new, a.steps_per_block, a.temperature, a.seed,
+                                          max_length=margs["seq_length"], order=a.unmask_order, threshold=a.threshold)
+                for prompt in ids.tolist()]
     except ValueError as exc:
         p.error(str(exc))
     print(f"[checkpoint {a.load} iteration {step}; {sampler.forward_calls} forward calls]")

@@ -78,16 +78,6 @@ class DiffusionGemmaSampler:
         out = self.bdlm.logits(ids, plan, logit_rows=empty if clean else None, self_conditioning_logits=sc_logits)
         return None if clean else out
 
-    def extend(self, ids: torch.Tensor, start: int) -> None:
-        """Run tokens [b, n] at positions start .. start + n - 1 as clean rows into the cache."""
-        if ids.shape[1]:
-            self._run(ids, torch.arange(start, start + ids.shape[1]), clean=True)
-
-    def canvas_logits(self, canvas: torch.Tensor, start: int, sc_logits: Optional[torch.Tensor]) -> torch.Tensor:
-        """fp32 logits [b, C, V] of the canvas at positions start .. start + C - 1 (Hugging Face
-        casts the output layer's logits to fp32, then soft-caps)."""
-        return self._run(canvas, torch.arange(start, start + self.C), clean=False, sc_logits=sc_logits).float()
-
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, config, max_new_tokens: Optional[int] = None) -> torch.Tensor:
@@ -113,9 +103,9 @@ class DiffusionGemmaSampler:
         self.forward_calls = 0
 
         sampler = g.EntropyBoundSampler(config.sampler_config, C, self.V, N)
-        processors = []
+        schedule = None
         if config.t_min is not None and config.t_max is not None:
-            processors.append(g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N))
+            schedule = g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N)
         stopping = StoppingCriteriaList()
         if config.max_length is not None:
             stopping.append(MaxLengthCriteria(config.max_length))
@@ -131,7 +121,8 @@ class DiffusionGemmaSampler:
         self.denoising_steps = torch.zeros(b, dtype=torch.int)
         cached = 0
         for _ in range(canvases):
-            self.extend(input_ids[:, cached:], cached)  # 1.a: the new clean tokens
+            if input_ids.shape[1] > cached:  # 1.a: the new clean tokens into the cache
+                self._run(input_ids[:, cached:], torch.arange(cached, input_ids.shape[1]), clean=True)
             cached = s = input_ids.shape[1]
             canvas = sampler.initialize_canvas(b, input_ids.device)  # 1.b
             argmax, sc = canvas, None
@@ -141,9 +132,10 @@ class DiffusionGemmaSampler:
             for cur in reversed(range(1, N + 1)):  # 1.c
                 self.denoising_steps += ~(done | finished)
                 step = torch.tensor(cur, dtype=torch.int32)
-                logits = self.canvas_logits(canvas, s, sc)
-                for proc in processors:
-                    logits = proc(input_ids, logits, cur_step=step)
+                # fp32 logits [b, C, V] (Hugging Face casts the output layer's logits to fp32, then soft-caps)
+                logits = self._run(canvas, torch.arange(s, s + C), clean=False, sc_logits=sc).float()
+                if schedule is not None:
+                    logits = schedule(input_ids, logits, cur_step=step)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
                 drawn = torch.multinomial(probs.view(-1, self.V), num_samples=1).view(b, C)
                 new_argmax = torch.argmax(logits, dim=-1)

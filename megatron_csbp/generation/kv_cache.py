@@ -44,20 +44,18 @@ class CachedBlockAttention(torch.nn.Module):
 
         layer = self.inner.layer_number
         geometry = st.geometry.with_window(self.inner.window)
-        cached = st.kv.get(layer)
-        if cached is not None:
-            k_all = torch.cat([cached[0], key], 0)
-            v_all = torch.cat([cached[1], value], 0)
-            k_meta = RowMeta.cat([cached[2], st.rows])
-        else:
-            k_all, v_all, k_meta = key, value, st.rows
+        k_meta = st.rows
+        if layer in st.kv:  # the cached clean rows' keys first
+            cached_key, cached_value, cached_rows = st.kv[layer]
+            key, value = torch.cat([cached_key, key]), torch.cat([cached_value, value])
+            k_meta = RowMeta.cat([cached_rows, k_meta])
         # Row vectors of this call's queries and cached + new keys; the layer's kernel (tiled on
         # CPU) never builds a [queries x keys] mask.
         mask = PartialMask.of(st.rows, k_meta, geometry).to(query.device)
-        kernel = get_kernel(self.inner.kernel_for(query, v_all), query.device)  # the layer's choice (head dim, device)
-        out, _ = kernel(query, k_all, v_all, mask, self.inner.softmax_scale)
+        kernel = get_kernel(self.inner.kernel_for(query, value), query.device)  # the layer's choice (head dim, device)
+        out, _ = kernel(query, key, value, mask, self.inner.softmax_scale)
         if st.mode == "extend":
-            st.kv[layer] = (k_all.detach(), v_all.detach(), k_meta)
+            st.kv[layer] = (key.detach(), value.detach(), k_meta)
         sq, b, H, d = out.shape
         return out.reshape(sq, b, H * d)
 

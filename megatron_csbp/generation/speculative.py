@@ -4,6 +4,7 @@
 serving's anchors with the bound docs/dflash.md derives (`serving_estimate`)."""
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Dict, Sequence
 
@@ -28,9 +29,8 @@ def evaluate(verifier, drafter, prompts: Sequence[Sequence[int]], max_new_tokens
     hook = verifier.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     draft_hook = drafter.register_forward_pre_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
     identical, tokens, steps, plain_steps, drafts, outputs = True, 0, 0, 0, 0, []
-    spec = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, speculation_type="dflash",
-                            pad_token_id=None, eos_token_id=None)
-    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=None, eos_token_id=None)
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=None, eos_token_id=None)
+    spec, plain = GenerationConfig(speculation_type="dflash", **greedy), GenerationConfig(**greedy)
     try:
         for prompt in prompts:
             ids = torch.as_tensor(prompt, dtype=torch.long)[None]
@@ -57,21 +57,17 @@ def evaluate_cli(a) -> Dict:
 
     verifier = load_verifier(a.verifier)
     drafter = MuseGlimmerAssistantModel.from_pretrained(a.drafter, dtype=torch.float32).eval()
-    prompts = []
     if a.prompts_data_path:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         docs = IndexedDataset(a.prompts_data_path)
-        for i in range(len(docs) - 1, -1, -1):  # the last documents with a full prompt
-            if len(prompts) == a.eval_sequences:
-                break
-            ids = np.asarray(docs[i], dtype=np.int64)
-            if len(ids) > a.prompt_length:
-                prompts.append(ids[: a.prompt_length].tolist())
+        last_first = (np.asarray(docs[i], dtype=np.int64) for i in reversed(range(len(docs))))
+        full = (ids for ids in last_first if len(ids) > a.prompt_length)  # the last documents with a full prompt
+        prompts = [ids[: a.prompt_length].tolist() for ids in itertools.islice(full, a.eval_sequences)]
     else:
         data = FeatureDataset(a.features_path)
-        for i in range(len(data) - a.eval_sequences, len(data)):
-            prompts.append(data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist())
+        prompts = [data[i]["tokens"][: a.prompt_length].astype(np.int64).tolist()
+                   for i in range(len(data) - a.eval_sequences, len(data))]
     result = evaluate(verifier, drafter, prompts, a.max_new_tokens)
     # the training-time estimator on the same documents: the verifier's greedy outputs, serving's anchors
     result.update(serving_estimate(verifier, drafter, prompts, result.pop("outputs"), a.logit_tolerance))
@@ -147,14 +143,13 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
             if N < 2:  # the prefill step alone: nothing drafted
                 steps += N
                 continue
-            tokens = torch.as_tensor(y, dtype=torch.long)
             feats = capture_sequence(verifier, np.asarray(y), np.zeros(L, dtype=np.int64), shape.target_layer_ids)
             # every position of the continuation is an anchor (max_anchors >= L: all valid ones drawn)
             objective = DFlashObjective(B, shape.mask_token_id, max_anchors=L)
             model = DFlashTrainingModel(drafter, embedding, head, objective, DFlashLayout(L, B))
             loss_mask = (torch.arange(L) >= P).long()
-            blocks = model(torch.from_numpy(feats), tokens, loss_mask, with_acceptance=True
-                           ).metrics["acceptance_blocks"]
+            blocks = model(torch.from_numpy(feats), torch.as_tensor(y, dtype=torch.long), loss_mask,
+                           with_acceptance=True).metrics["acceptance_blocks"]
             if blocks["anchors"].tolist() != list(range(P, L - 1)):
                 raise RuntimeError(f"expected a block at every anchor {P}..{L - 2}, got {blocks['anchors'].tolist()}")
             right = blocks["right"][:, 1:].long()
@@ -169,8 +164,9 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
                 deciding = (slot[None, :] <= runs[v, None] + 1) & blocks["supervised"][v][:, 1:]
                 eps = logit_tolerance * blocks["scale"][v][:, 1:].clamp_min(1.0)
                 margin = blocks["margin"][v][:, 1:]
-                risky = (deciding & (margin <= 2 * eps)).any(dim=1)
-                uncertain += int((deciding & (margin <= 2 * eps)).sum())
+                close = deciding & (margin <= 2 * eps)
+                risky = close.any(dim=1)
+                uncertain += int(close.sum())
                 if deciding.any():
                     min_margin = min(min_margin, float((margin / eps)[deciding].min()))
                 # the blocks up to the first one with an uncertain slot are serving's for sure; from it on,

@@ -27,8 +27,7 @@ class AutoregressiveObjective(Objective):
 
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
         targets = torch.full_like(tokens, -100)
-        ok = loss_mask[:, 1:].bool()
-        targets[:, :-1] = torch.where(ok, tokens[:, 1:], targets[:, :-1])
+        targets[:, :-1] = torch.where(loss_mask[:, 1:].bool(), tokens[:, 1:], targets[:, :-1])  # both supervised
         weights = (targets >= 0).float()
         return NoisedBatch(tokens, targets, weights)
 

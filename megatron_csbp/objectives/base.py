@@ -6,13 +6,13 @@ same noise for the same sample, so the loss does not depend on the parallel layo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Set, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
 from megatron_csbp.data.megatron_data import sample_generator  # noqa: F401  (objectives draw with it)
-from megatron_csbp.objectives.flags import check_mask_token_id
-from megatron_csbp.utils.option import Option, add_options
+from megatron_csbp.objectives.flags import check_mask_token_id, check_noise_interval, option_values
+from megatron_csbp.utils.option import Option
 
 
 @dataclass
@@ -59,7 +59,8 @@ class Objective:
     """Base class. A subclass is registered by name (`registry.register_objective`) and owns everything
     the trainer needs to know about it: flags and rules, rows, mask-token needs, model wrapper or
     builder, data, FLOPs terms, evaluation, Megatron-LM refusal (the list:
-    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `from_args`).
+    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `from_args` unless
+    they are built from the block size, mask id, seed and `options`).
     """
 
     name = "base"
@@ -67,6 +68,8 @@ class Objective:
     summary: Optional[str] = None
     #: the flags it reads (`Option`s: its own and shared ones), in the order they appear in --help
     flags: Tuple[Option, ...] = ()
+    #: constructor keyword (and attribute) -> the flag that sets it (`option_values` reads and checks them)
+    options: Mapping[str, Option] = {}
     #: False for plain next-token training: the model sees the clean stream only
     uses_noisy_stream = True
     #: batch rows the objective makes of one sample (Fast-dLLM v2's two complementary views: 2)
@@ -100,11 +103,6 @@ class Objective:
 
     # ---- flags and rules ------------------------------------------------------------------------
     @classmethod
-    def add_args(cls, parser, added: Optional[Set[str]] = None) -> None:
-        """Add this objective's flags to `parser` (an argument group), skipping names in `added`."""
-        add_options(parser, cls.flags, added)
-
-    @classmethod
     def prepare_args(cls, args, defaults, check_only: bool, notes: list, drafter=None) -> ObjectiveInputs:
         """Before the trainer's rules, what the objective's own inputs fix (DFlash: the captured
         features, the verifier, `drafter`: the --load drafter's `DrafterShape` when `loads_drafter`).
@@ -116,10 +114,20 @@ class Objective:
     def validate(cls, args, facts=None) -> None:
         """The rules on this objective's flags that need no tokenizer (ValueError naming the flag);
         `facts`: what the trainer's flags derive (training.arguments.Resolved; None in the Megatron-LM hooks)."""
+        cls.option_values(args)
+
+    @classmethod
+    def option_values(cls, args=None, **given) -> dict:
+        """keyword -> value of `options`, from the flags `args` or the constructor's keywords `given`
+        (`flags.option_values`: each checked by its flag), and the noise interval when it reads one."""
+        values = option_values(cls.options, args, **given)
+        if "eps_min" in values:
+            check_noise_interval(values["eps_min"], values["eps_max"])
+        return values
 
     @classmethod
     def from_args(cls, args) -> "Objective":
-        raise NotImplementedError
+        return cls(args.block_size, args.mask_token_id, seed=args.seed, **cls.option_values(args))
 
     @classmethod
     def check_mask(cls, mask_token_id: Optional[int], vocab_size: Optional[int] = None,
@@ -175,6 +183,4 @@ class Objective:
 
         g = BlockGeometry(seq_length, block_size, clean_attention)
         lo, hi = clean_key_interval(logical_rows(seq_length), g)
-        clean = int((hi - lo).clamp_min(0).sum())
-        noisy_in_block = seq_length * block_size  # each noisy query sees its own block
-        return clean + noisy_in_block
+        return int((hi - lo).clamp_min(0).sum()) + seq_length * block_size  # + each noisy query's own block

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
-from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_choice,
-                                            check_noise_interval, option)
+from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, NOISE_OPTIONS, option
 from megatron_csbp.objectives.registry import register_objective
 
 LOSS_WEIGHTINGS = ("inverse_t", "unit")
@@ -20,30 +19,15 @@ LOSS_WEIGHTING = option("--loss-weighting", None, "inverse_t", "weight of a mask
 class BD3LMObjective(Objective):
     exclude_mask_from_softmax = True
     flags = MASK_TOKEN_FLAGS + NOISE_FLAGS + (LOSS_WEIGHTING,)
+    options = dict(NOISE_OPTIONS, loss_weighting=LOSS_WEIGHTING)
     mask_token_needed = "--mask-token-id (a token id the data never uses; the tokenizer has no <mask>)"
     mask_from_tokenizer = True
 
-    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
-                 eps_min: float = NOISE_EPS_MIN.default, eps_max: float = NOISE_EPS_MAX.default,
-                 loss_weighting: str = LOSS_WEIGHTING.default):
-        self.check_options(eps_min, eps_max, loss_weighting)
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
+        """`options`: eps_min, eps_max, loss_weighting (their flags' defaults when not given)."""
+        vars(self).update(self.option_values(**options))
         self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.seed = block_size, int(mask_token_id), seed
-        self.eps_min, self.eps_max, self.loss_weighting = eps_min, eps_max, loss_weighting
-
-    @staticmethod
-    def check_options(eps_min: float, eps_max: float, loss_weighting: str) -> None:
-        check_noise_interval(eps_min, eps_max)
-        check_choice(LOSS_WEIGHTING, loss_weighting, LOSS_WEIGHTINGS)
-
-    @classmethod
-    def validate(cls, args, facts=None) -> None:
-        cls.check_options(NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args), LOSS_WEIGHTING.value(args))
-
-    @classmethod
-    def from_args(cls, args) -> "BD3LMObjective":
-        return cls(args.block_size, args.mask_token_id, seed=args.seed, eps_min=NOISE_EPS_MIN.value(args),
-                   eps_max=NOISE_EPS_MAX.value(args), loss_weighting=LOSS_WEIGHTING.value(args))
 
     def for_evaluation(self) -> "BD3LMObjective":
         """Always the NELBO (t ~ U[1e-3, 1], 1/t weights), an upper bound on the model's NLL in

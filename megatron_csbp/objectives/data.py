@@ -13,13 +13,14 @@ def mock_datasets(args):
     # (`args.vocab_size` is the tokenizer's vocabulary, EOD included, on every megatron-core; its mask id
     # defaults to a padding id above); another tokenizer's stay below its last two ids.
     num_ids = args.vocab_size - 1 if args.tokenizer_type == "NullTokenizer" else args.vocab_size - 2
-    return (MockDataset(args.seq_length, num_ids, args.seed, "train"),
-            MockDataset(args.seq_length, num_ids, args.seed, "valid"))
+    return tuple(MockDataset(args.seq_length, num_ids, args.seed, split) for split in ("train", "valid"))
 
 
 def sft_datasets(args, align_response_to: Optional[int] = None):
     """One SFT dataset serves both splits. `align_response_to`: pad prompts so that responses start
     on a multiple of it (DiffusionGemma's canvases start on block boundaries)."""
+    import torch.distributed as dist
+
     from megatron_csbp.data.megatron_data import saved_tokenizer
     from megatron_csbp.data.sft import SFTDataset, chat_template, describe_rendering
 
@@ -28,17 +29,11 @@ def sft_datasets(args, align_response_to: Optional[int] = None):
     ds = SFTDataset(args.sft_data_path, tok, args.seq_length, align_response_to=align_response_to,
                     pack=bool(getattr(args, "pack_sequences", False)), template=template,
                     trajectory_turns=getattr(args, "sft_trajectory_turns", "record"))
-    if _first_rank():
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(describe_rendering(template), flush=True)
         if ds.packing_efficiency is not None:
             print(ds.describe_packing(), flush=True)
     return ds, ds
-
-
-def _first_rank() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def token_splits_read(args):

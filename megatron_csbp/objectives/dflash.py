@@ -18,8 +18,9 @@ import torch
 
 from megatron_csbp.data.features import document_starts  # noqa: F401 (the objective's API too)
 from megatron_csbp.objectives.base import Objective, ObjectiveInputs, sample_generator
-from megatron_csbp.objectives.flags import check_choice, option
+from megatron_csbp.objectives.flags import AT_LEAST_1, IN_0_1, check_choice, option
 from megatron_csbp.objectives.registry import register_objective, registered_objectives
+from megatron_csbp.utils.option import POSITIVE
 
 ANCHOR_SAMPLING = ("uniform", "locality")
 DFLASH_LOSSES = ("ce", "dpace")
@@ -40,17 +41,15 @@ class DFlashSample:
         return self.targets >= 0
 
     def select(self, index: torch.Tensor) -> "DFlashSample":
-        return DFlashSample(self.anchors[index], self.doc_starts[index], self.draft_tokens[index],
-                            self.targets[index], self.position_weights[index])
+        return DFlashSample(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[L] bool: supervised, next position supervised, both in the same document segment."""
     sup = loss_mask.bool()
     valid = torch.zeros_like(sup)
-    if sup.numel() > 1:
-        starts = document_starts(doc_ids)
-        valid[:-1] = sup[:-1] & sup[1:] & (starts[:-1] == starts[1:]) & (doc_ids[:-1] >= 0)
+    starts = document_starts(doc_ids)
+    valid[:-1] = sup[:-1] & sup[1:] & (starts[:-1] == starts[1:]) & (doc_ids[:-1] >= 0)
     return valid
 
 
@@ -71,20 +70,20 @@ def sample_anchors(valid: torch.Tensor, max_anchors: int, sampling: str, stride:
         start = int(torch.randint(n, (1,), generator=generator))
         chosen = (start + torch.arange(count) * step) % n
     else:
-        check_choice(ANCHOR_SAMPLING_FLAG, sampling, ANCHOR_SAMPLING)
+        check_choice(ANCHOR_SAMPLING_FLAG, sampling)
     return candidates[chosen].sort().values
 
 
 DFLASH_LOSS = option("--dflash-loss", None, "ce", "ce: exp(-(k-1)/gamma)-weighted CE; dpace: DFlash2's D-PACE weights "
                      "and lambda mixing", choices=DFLASH_LOSSES)
-MAX_ANCHORS = option("--dflash-max-anchors", int, 512, "draft blocks per sequence (at most)")
+MAX_ANCHORS = option("--dflash-max-anchors", int, 512, "draft blocks per sequence (at most)", rule=AT_LEAST_1)
 ANCHOR_SAMPLING_FLAG = option("--dflash-anchor-sampling", None, "uniform", "anchors drawn at random (uniform) or on a "
                               "stride from a random start (locality)", choices=ANCHOR_SAMPLING)
-GAMMA = option("--dflash-gamma", float, 7.0, "slot weight exp(-(k-1)/gamma)")
-DPACE_ALPHA = option("--dflash-dpace-alpha", float, 0.5, "dpace: s_k = (1-alpha) p_k + alpha")
+GAMMA = option("--dflash-gamma", float, 7.0, "slot weight exp(-(k-1)/gamma)", rule=POSITIVE)
+DPACE_ALPHA = option("--dflash-dpace-alpha", float, 0.5, "dpace: s_k = (1-alpha) p_k + alpha", rule=IN_0_1)
 KL_SCALE = option("--dflash-kl-scale", float, 1.0, "dpace: c = kl_scale exp(-kl_decay acceptance) mixes CE and 1 - p")
 KL_DECAY = option("--dflash-kl-decay", float, 1.0, "dpace: see --dflash-kl-scale")
-VOCAB_CHUNK = option("--dflash-vocab-chunk", int, 8192, "LM-head rows per streamed chunk")
+VOCAB_CHUNK = option("--dflash-vocab-chunk", int, 8192, "LM-head rows per streamed chunk", rule=AT_LEAST_1)
 
 
 FEATURES_PATH = option("--features-path", None, None, "dflash: captured verifier features")
@@ -111,44 +110,26 @@ class DFlashObjective(Objective):
     #: the held-out split (`for_evaluation`): the model reads features from the last --eval-sequences
     held_out = False
 
-    def __init__(self, block_size: int, mask_token_id: int, max_anchors: int = MAX_ANCHORS.default,
-                 sampling: str = ANCHOR_SAMPLING_FLAG.default, gamma: float = GAMMA.default,
-                 loss: str = DFLASH_LOSS.default, dpace_alpha: float = DPACE_ALPHA.default,
-                 kl_scale: float = KL_SCALE.default, kl_decay: float = KL_DECAY.default,
-                 vocab_chunk: int = VOCAB_CHUNK.default, seed: int = 1234):
-        self.check_options(block_size, max_anchors, sampling, gamma, loss, dpace_alpha, vocab_chunk)
+    #: constructor keyword (and attribute) -> its flag, in the order their rules are checked
+    options = dict(max_anchors=MAX_ANCHORS, sampling=ANCHOR_SAMPLING_FLAG, loss=DFLASH_LOSS, gamma=GAMMA,
+                   dpace_alpha=DPACE_ALPHA, kl_scale=KL_SCALE, kl_decay=KL_DECAY, vocab_chunk=VOCAB_CHUNK)
+
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
+        """`options`: the keywords of `options` (their flags' defaults when not given)."""
+        self.check_block_size(block_size)
+        vars(self).update(self.option_values(**options))
         self.check_mask(mask_token_id)
-        self.block_size, self.mask_token_id, self.max_anchors = block_size, mask_token_id, max_anchors
-        self.sampling, self.gamma, self.loss_kind = sampling, gamma, loss
-        self.dpace_alpha, self.kl_scale, self.kl_decay = dpace_alpha, kl_scale, kl_decay
-        self.vocab_chunk, self.seed = vocab_chunk, seed
+        self.block_size, self.mask_token_id, self.seed = block_size, mask_token_id, seed
 
     @staticmethod
-    def check_options(block_size: int, max_anchors: int, sampling: str, gamma: float, loss: str,
-                      dpace_alpha: float, vocab_chunk: int) -> None:
+    def check_block_size(block_size: int) -> None:
         if block_size < 2:
             raise ValueError(f"--block-size must be >= 2 for DFlash (slot 0 is the anchor), got {block_size}")
-        if max_anchors < 1:
-            raise ValueError(f"--dflash-max-anchors must be >= 1, got {max_anchors}")
-        check_choice(ANCHOR_SAMPLING_FLAG, sampling, ANCHOR_SAMPLING)
-        check_choice(DFLASH_LOSS, loss, DFLASH_LOSSES)
-        if gamma <= 0:
-            raise ValueError(f"--dflash-gamma must be positive, got {gamma}")
-        if not 0.0 <= dpace_alpha <= 1.0:
-            raise ValueError(f"--dflash-dpace-alpha must be in [0, 1], got {dpace_alpha}")
-        if vocab_chunk < 1:
-            raise ValueError(f"--dflash-vocab-chunk must be >= 1, got {vocab_chunk}")
 
     @classmethod
     def validate(cls, args, facts=None) -> None:
-        cls.check_options(args.block_size, MAX_ANCHORS.value(args), ANCHOR_SAMPLING_FLAG.value(args),
-                          GAMMA.value(args), DFLASH_LOSS.value(args), DPACE_ALPHA.value(args), VOCAB_CHUNK.value(args))
-
-    @classmethod
-    def from_args(cls, args) -> "DFlashObjective":
-        return cls(args.block_size, args.mask_token_id, MAX_ANCHORS.value(args), ANCHOR_SAMPLING_FLAG.value(args),
-                   GAMMA.value(args), DFLASH_LOSS.value(args), DPACE_ALPHA.value(args), KL_SCALE.value(args),
-                   KL_DECAY.value(args), VOCAB_CHUNK.value(args), seed=args.seed)
+        cls.check_block_size(args.block_size)
+        cls.option_values(args)
 
     @classmethod
     def build_datasets(cls, args):
@@ -239,9 +220,8 @@ class DFlashObjective(Objective):
                sample_index: int) -> DFlashSample:
         """Draft blocks of one sequence ([L] tensors), the same on every rank."""
         L, B = tokens.numel(), self.block_size
-        if doc_ids is None:
-            doc_ids = torch.zeros(L, dtype=torch.long)
-        tokens, loss_mask, doc_ids = tokens.cpu().long(), loss_mask.cpu(), doc_ids.cpu().long()
+        doc_ids = torch.zeros(L, dtype=torch.long) if doc_ids is None else doc_ids.cpu().long()
+        tokens, loss_mask = tokens.cpu().long(), loss_mask.cpu()
         gen = sample_generator(self.seed, int(sample_index))
         anchors = sample_anchors(valid_anchor_mask(loss_mask, doc_ids), self.max_anchors, self.sampling, B, gen)
         starts = document_starts(doc_ids)
@@ -265,7 +245,7 @@ class DFlashObjective(Objective):
         reduce = reduce or (lambda t: t)
         sup = supervised.float()
         p = torch.exp(-ce.detach()) * sup
-        if self.loss_kind == "ce":
+        if self.loss == "ce":
             w = weights * sup
             stats = reduce(torch.stack([w.sum(), p.sum(), sup.sum()]).double())
             num = (ce * w).sum()
@@ -298,10 +278,8 @@ class _StreamedCE(torch.autograd.Function):
             w = head[start : start + chunk].to(h.dtype)
             logits = h @ w.T
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-            inside = (targets >= start) & (targets < start + w.shape[0])
-            if inside.any():
-                idx = inside.nonzero().flatten()
-                target_logit[idx] = logits[idx, targets[idx] - start]
+            idx = ((targets >= start) & (targets < start + w.shape[0])).nonzero().flatten()  # targets in the chunk
+            target_logit[idx] = logits[idx, targets[idx] - start]
         ctx.save_for_backward(hidden, head, targets, lse)
         ctx.chunk = chunk
         return lse - target_logit
@@ -315,10 +293,8 @@ class _StreamedCE(torch.autograd.Function):
         for start in range(0, head.shape[0], ctx.chunk):
             w = head[start : start + ctx.chunk].to(h.dtype)
             probs = torch.exp(h @ w.T - lse[:, None])
-            inside = (targets >= start) & (targets < start + w.shape[0])
-            if inside.any():
-                idx = inside.nonzero().flatten()
-                probs[idx, targets[idx] - start] -= 1.0
+            idx = ((targets >= start) & (targets < start + w.shape[0])).nonzero().flatten()
+            probs[idx, targets[idx] - start] -= 1.0
             grad += (probs * g[:, None]) @ w
         return grad.to(hidden.dtype), None, None, None
 

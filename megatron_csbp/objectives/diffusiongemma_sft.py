@@ -7,17 +7,12 @@ from __future__ import annotations
 import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
-from megatron_csbp.objectives.flags import (NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_choice,
-                                            check_noise_interval, option)
+from megatron_csbp.objectives.flags import IN_0_1, NOISE_FLAGS, NOISE_OPTIONS, option
 from megatron_csbp.objectives.registry import register_objective
-
-
-#: the fields (clean targets/weights, self-conditioning draws, first canvas block) live on NoisedBatch
-DiffusionGemmaNoisedBatch = NoisedBatch
-
+from megatron_csbp.utils.option import must
 
 ENCODER_LOSS_WEIGHT = option("--encoder-loss-weight", float, 1.0, "diffusiongemma-sft: weight of the AR next-token "
-                             "loss on the clean stream")
+                             "loss on the clean stream", rule=must(lambda v: v >= 0, "must be >= 0"))
 BLOCK_TIMES = option("--block-times", None, None, "diffusiongemma-sft: a sample's response-block times, antithetic (the "
                      "reference's, the default) or independent (the rule before; a resume keeps its checkpoint's)",
                      choices=("antithetic", "independent"), fallback="antithetic", before="independent", saved=True)
@@ -27,7 +22,7 @@ ENCODER_LOSS_SCOPE = option("--encoder-loss-scope", None, None, "diffusiongemma-
                             "(response: the rule before; a resume keeps its checkpoint's)",
                             choices=("all", "response"), fallback="all", before="response", saved=True)
 SELF_CONDITIONING_PROB = option("--self-conditioning-prob", float, 0.5, "diffusiongemma-sft: probability that a sample "
-                                "gets the self-conditioning pass")
+                                "gets the self-conditioning pass", rule=IN_0_1)
 
 
 @register_objective("diffusiongemma-sft")
@@ -43,30 +38,17 @@ class DiffusionGemmaSFTObjective(Objective):
     megatron_lm_refusal = ("runs in python -m megatron_csbp.train (DiffusionGemma is built from a converted "
                            "checkpoint, not from Megatron-LM flags)")
 
-    def __init__(self, block_size: int, vocab_size: int, seed: int = 1234, encoder_loss_weight: float = 1.0,
-                 self_conditioning_prob: float = 0.5, eps_min: float = NOISE_EPS_MIN.default,
-                 eps_max: float = NOISE_EPS_MAX.default,
-                 block_times: str = "antithetic", encoder_loss_scope: str = "all", pad_id=None):
-        self.check_options(encoder_loss_weight, self_conditioning_prob, eps_min, eps_max, block_times,
-                           encoder_loss_scope)
+    #: constructor keyword (and attribute) -> its flag
+    options = dict(NOISE_OPTIONS, block_times=BLOCK_TIMES, encoder_loss_scope=ENCODER_LOSS_SCOPE,
+                   self_conditioning_prob=SELF_CONDITIONING_PROB, encoder_loss_weight=ENCODER_LOSS_WEIGHT)
+
+    def __init__(self, block_size: int, vocab_size: int, seed: int = 1234, pad_id=None, **options):
+        """`options`: the keywords of `options` (their flags' defaults when not given)."""
+        vars(self).update(self.option_values(**options))
         self.block_size, self.vocab_size, self.seed = int(block_size), int(vocab_size), seed
-        self.encoder_loss_weight = float(encoder_loss_weight)
-        self.self_conditioning_prob = float(self_conditioning_prob)
-        self.eps_min, self.eps_max = eps_min, eps_max
-        self.antithetic, self.encoder_loss_scope = block_times == "antithetic", encoder_loss_scope
+        self.antithetic = self.block_times == "antithetic"
         #: the SFT data's padding id (unsupervised tokens equal to it are no AR pair); None: no padding
         self.pad_id = pad_id
-
-    @staticmethod
-    def check_options(encoder_loss_weight: float, self_conditioning_prob: float, eps_min: float,
-                      eps_max: float, block_times: str = "antithetic", encoder_loss_scope: str = "all") -> None:
-        check_noise_interval(eps_min, eps_max)
-        check_choice(BLOCK_TIMES, block_times)
-        check_choice(ENCODER_LOSS_SCOPE, encoder_loss_scope)
-        if not 0.0 <= self_conditioning_prob <= 1.0:
-            raise ValueError(f"--self-conditioning-prob must be in [0, 1], got {self_conditioning_prob}")
-        if encoder_loss_weight < 0:
-            raise ValueError(f"--encoder-loss-weight must be >= 0, got {encoder_loss_weight}")
 
     @classmethod
     def validate(cls, args, facts=None) -> None:
@@ -79,16 +61,12 @@ class DiffusionGemmaSFTObjective(Objective):
                              "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
         if not args.sft_data_path:
             raise ValueError("--objective diffusiongemma-sft needs --sft-data-path (prompt/response data with loss masks)")
-        cls.check_options(ENCODER_LOSS_WEIGHT.value(args), SELF_CONDITIONING_PROB.value(args),
-                          NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args), BLOCK_TIMES.value(args),
-                          ENCODER_LOSS_SCOPE.value(args))
+        cls.option_values(args)
 
     @classmethod
     def from_args(cls, args) -> "DiffusionGemmaSFTObjective":
-        return cls(args.block_size, args.vocab_size, seed=args.seed, encoder_loss_weight=ENCODER_LOSS_WEIGHT.value(args),
-                   self_conditioning_prob=SELF_CONDITIONING_PROB.value(args), eps_min=NOISE_EPS_MIN.value(args),
-                   eps_max=NOISE_EPS_MAX.value(args), block_times=BLOCK_TIMES.value(args),
-                   encoder_loss_scope=ENCODER_LOSS_SCOPE.value(args), pad_id=getattr(args, "pad_token_id", None))
+        return cls(args.block_size, args.vocab_size, seed=args.seed, pad_id=getattr(args, "pad_token_id", None),
+                   **cls.option_values(args))
 
     @classmethod
     def build_datasets(cls, args):
@@ -102,8 +80,7 @@ class DiffusionGemmaSFTObjective(Objective):
 
     def response_blocks(self, loss_mask: torch.Tensor) -> torch.Tensor:
         """[b, n] bool: blocks holding supervised tokens. Refuses responses that start mid-block."""
-        b, L = loss_mask.shape
-        B = self.block_size
+        (b, L), B = loss_mask.shape, self.block_size
         self.num_blocks(L)  # whole blocks only
         sup = loss_mask.bool()
         has = sup.any(dim=1)
@@ -127,9 +104,8 @@ class DiffusionGemmaSFTObjective(Objective):
             ok = ok & (document_ids[:, 1:] == document_ids[:, :-1])
         return ok
 
-    def noise(self, tokens, loss_mask, sample_index, document_ids=None) -> DiffusionGemmaNoisedBatch:
-        b, L = tokens.shape
-        B = self.block_size
+    def noise(self, tokens, loss_mask, sample_index, document_ids=None) -> NoisedBatch:
+        (b, L), B = tokens.shape, self.block_size
         n = L // B
         blocks = self.response_blocks(loss_mask)  # [b, n]
         sup = loss_mask.bool()

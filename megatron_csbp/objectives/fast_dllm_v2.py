@@ -14,8 +14,7 @@ import torch
 
 from megatron_csbp.objectives.base import NoisedBatch, Objective
 from megatron_csbp.objectives.bd3lm import BD3LMObjective
-from megatron_csbp.objectives.flags import (MASK_TOKEN_FLAGS, NOISE_EPS_MAX, NOISE_EPS_MIN, NOISE_FLAGS, check_mask_token_id,
-                                            check_noise_flags, check_noise_interval)
+from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, NOISE_OPTIONS, check_mask_token_id
 from megatron_csbp.objectives.registry import register_objective
 
 
@@ -24,26 +23,17 @@ class FastDLLMv2Objective(Objective):
     summary = "AR -> BDLM adaptation (complementary masks, token shift), for a converted --load checkpoint"
     exclude_mask_from_softmax = False
     flags = MASK_TOKEN_FLAGS + NOISE_FLAGS
+    options = NOISE_OPTIONS
     views = 2  # the complementary pair m, 1 - m
     target_shift = 1  # token shift: row i predicts token i + 1
     mask_token_needed = "--mask-token-id or --mask-token (an existing reserved mask token the data never uses)"
     needs_pretrained = "adapts a pretrained autoregressive model"
 
-    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234,
-                 eps_min: float = NOISE_EPS_MIN.default, eps_max: float = NOISE_EPS_MAX.default):
-        check_noise_interval(eps_min, eps_max)
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
+        """`options`: eps_min, eps_max (their flags' defaults when not given)."""
+        vars(self).update(self.option_values(**options))
         self.check_mask(mask_token_id)
         self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
-        self.eps_min, self.eps_max = eps_min, eps_max
-
-    @classmethod
-    def validate(cls, args, facts=None) -> None:
-        check_noise_flags(args)
-
-    @classmethod
-    def from_args(cls, args) -> "FastDLLMv2Objective":
-        return cls(args.block_size, args.mask_token_id, seed=args.seed, eps_min=NOISE_EPS_MIN.value(args),
-                   eps_max=NOISE_EPS_MAX.value(args))
 
     # the same antithetic per-block times and per-token draws as BD3-LM
     block_times = BD3LMObjective.block_times

@@ -9,9 +9,10 @@ trainer's `validate_args`, the Megatron-LM hooks and the DFlash trainer all call
 """
 from __future__ import annotations
 
-from typing import Optional
+from types import SimpleNamespace
+from typing import Any, Dict, Mapping, Optional
 
-from megatron_csbp.utils.option import Option
+from megatron_csbp.utils.option import Option, must
 
 
 def option(flag: str, type=None, default=None, help=None, **more) -> Option:
@@ -30,6 +31,10 @@ NOISE_EPS_MAX = option("--noise-eps-max", float, 1.0, "the largest noise time t"
 
 MASK_TOKEN_FLAGS = (MASK_TOKEN_ID, MASK_TOKEN)
 NOISE_FLAGS = (NOISE_EPS_MIN, NOISE_EPS_MAX)
+#: the noise flags as constructor keywords (`Objective.options`)
+NOISE_OPTIONS = dict(eps_min=NOISE_EPS_MIN, eps_max=NOISE_EPS_MAX)
+AT_LEAST_1 = must(lambda v: v >= 1, "must be >= 1")
+IN_0_1 = must(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
 
 
 # ---- shared rules --------------------------------------------------------------------------------
@@ -40,21 +45,14 @@ def check_noise_interval(eps_min: float, eps_max: float) -> None:
         raise ValueError(f"--noise-eps-min/--noise-eps-max must satisfy 0 < min <= max <= 1, got {eps_min}, {eps_max}")
 
 
-def check_noise_flags(args) -> None:
-    """`check_noise_interval` on the parsed --noise-eps-min/--noise-eps-max."""
-    check_noise_interval(NOISE_EPS_MIN.value(args), NOISE_EPS_MAX.value(args))
-
-
 def check_mask_token_id(mask_token_id: Optional[int], vocab_size: Optional[int] = None,
                         needed_by: Optional[str] = None, vocabulary: str = "vocabulary") -> None:
     """A mask id is a row of the embedding: in [0, vocab_size) (checked once the vocabulary is
     known). `needed_by` ("--objective NAME needs --mask-token-id (why)"): the message when it is
     unset; None: an unset id passes."""
-    if mask_token_id is None:
-        if needed_by is not None:
-            raise ValueError(needed_by)
-        return
-    if vocab_size is not None and not 0 <= int(mask_token_id) < vocab_size:
+    if mask_token_id is None and needed_by is not None:
+        raise ValueError(needed_by)
+    if mask_token_id is not None and vocab_size is not None and not 0 <= int(mask_token_id) < vocab_size:
         raise ValueError(f"--mask-token-id {int(mask_token_id)} is outside the {vocabulary} [0, {vocab_size})")
 
 
@@ -70,7 +68,28 @@ def default_mask_token_id(own: Optional[int], tokenizer_vocab: int, padded_vocab
     return int(tokenizer_vocab) if padded_vocab > tokenizer_vocab else None
 
 
-def check_choice(flag: Option, value, choices=None) -> None:
-    choices = flag.choices if choices is None else choices
-    if value not in choices:
-        raise ValueError(f"{flag.flag} must be one of {tuple(choices)}, got {value!r}")
+def check_choice(flag: Option, value) -> None:
+    if value not in flag.choices:
+        raise ValueError(f"{flag.flag} must be one of {tuple(flag.choices)}, got {value!r}")
+
+
+def option_values(options: Mapping[str, Option], args=None, **given) -> Dict[str, Any]:
+    """keyword -> value of each flag of `options` (keyword -> `Option`): read from `args` (parsed flags)
+    when given, else from the keywords `given` (the flag's default, or `fallback`, for the rest),
+    converted to the flag's type and checked against its choices and rule (ValueError naming it)."""
+    unknown = sorted(set(given) - set(options))
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
+    source = args if args is not None else SimpleNamespace(**{options[k].dest: v for k, v in given.items()})
+    values = {}
+    for key, flag in options.items():
+        value = flag.value(source)
+        if value is not None and flag.type is not None:
+            value = flag.type(value)
+        if flag.choices:
+            check_choice(flag, value)
+        refusal = flag.rule(flag.flag, value) if flag.rule is not None else None
+        if refusal:
+            raise ValueError(refusal)
+        values[key] = value
+    return values

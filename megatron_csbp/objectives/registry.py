@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Type
 
+from megatron_csbp.utils.option import add_options
+
 _REGISTRY: Dict[str, type] = {}
 
 
@@ -34,8 +36,7 @@ def unregister_objective(name: str) -> None:
 
 def objective_names() -> Tuple[str, ...]:
     """`--objective`'s choices, in registration order."""
-    _load()
-    return tuple(_REGISTRY)
+    return tuple(registered_objectives())
 
 
 def registered_objectives() -> Dict[str, type]:
@@ -55,8 +56,7 @@ def build_objective(args, vocab_size: Optional[int] = None):
     """The objective `args.objective` names, built from `args` (an argparse namespace or ModelArgs:
     flags it lacks take their declared defaults). With a vocabulary size (given, or `args.vocab_size`
     when `args` has one) its mask token is checked against it (`Objective.check_vocab`)."""
-    cls = objective_class(args.objective)
-    objective = cls.from_args(args)
+    objective = objective_class(args.objective).from_args(args)
     vocab = getattr(args, "vocab_size", None) if vocab_size is None else vocab_size
     if vocab is not None:
         objective.check_vocab(int(vocab))
@@ -66,15 +66,12 @@ def build_objective(args, vocab_size: Optional[int] = None):
 def objective_options(args) -> Dict[str, object]:
     """dest -> value of the flags `args.objective` reads (so a namespace that only copies some
     fields, e.g. ModelArgs, can carry an objective's own flags along)."""
-    cls = objective_class(args.objective)
-    return {flag.dest: flag.value(args) for flag in cls.flags}
+    return {flag.dest: flag.value(args) for flag in objective_class(args.objective).flags}
 
 
 def add_objective_args(parser) -> None:
     """The flags of every objective (each flag once, in registration order)."""
-    added = set()
-    for cls in registered_objectives().values():
-        cls.add_args(parser, added)
+    add_options(parser, [flag for cls in registered_objectives().values() for flag in cls.flags])
 
 
 def objective_help() -> str:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
 from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
-from megatron_csbp.data.megatron_data import (NULL_TOKENIZER_RULE, build_tokenizer, largest_token_id, missing_prefixes,
+from megatron_csbp.data.megatron_data import (build_tokenizer, largest_token_id, missing_prefixes, null_tokenizer_rule,
                                               null_tokenizer_vocab_flag)
 from megatron_csbp.layout.layout import SequenceLayout, balanced_block_unit
 from megatron_csbp.layout.masks import BlockGeometry
@@ -350,7 +350,7 @@ def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", fol
         flag = "--" + dest.replace("_", "-")
         if dest == "vocab_size":  # (NullTokenizer)
             raise ValueError(f"--vocab-size {given} contradicts the checkpoint {where}: its vocabulary of "
-                             f"{shape.vocab_size} ids is --vocab-size {value} ({NULL_TOKENIZER_RULE}); drop the flag")
+                             f"{shape.vocab_size} ids is --vocab-size {value} ({null_tokenizer_rule()}); drop the flag")
         raise ValueError(f"{flag} {given} contradicts the checkpoint {where} ({flag} {value} in its "
                          "megatron_csbp_model.json); drop the flag: the model shape comes from the checkpoint")
     from megatron_csbp.model.families import family_names, get_family
