@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import make_dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -25,6 +24,7 @@ from megatron_csbp.model import builder
 from megatron_csbp.model.diffusiongemma import sft  # noqa: F401  (registers DiffusionGemma SFT's model wrapper)
 from megatron_csbp.objectives.flags import NOISE_EPS_MAX, NOISE_EPS_MIN
 from megatron_csbp.parallel import pipeline
+from megatron_csbp.parallel.global_draw import GlobalNames, drawn_slice, tensor_parallel_rank, tensor_parallel_slice
 from megatron_csbp.parallel.pipeline import WHOLE, Stage
 
 
@@ -233,30 +233,24 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> None:
     `GroupedMLP`) draw each expert's fc1 / fc2 as the sequential experts' `linear_fc1` /
     `linear_fc2` of the same global name, so both start from the same weights under any layout.
     Size: one full weight at a time."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from megatron.core.transformer.moe import experts as moe_experts
     from megatron.core.transformer.moe.router import Router
 
     grouped_mlp = getattr(moe_experts, "GroupedMLP", ())  # megatron-core 0.16; gone in 0.19
-    n_local = config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
-    first_expert = mpu.get_expert_model_parallel_rank() * n_local
-    layer_offset = pipeline.first_layer(config, getattr(gpt, "vp_stage", None))
-    expert_tp = (mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
+    names = GlobalNames(gpt)
     for name, module in gpt.named_modules():
-        parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"] and len(parts) > 2:  # this chunk's layer i -> global layer offset + i
-            parts[2] = str(layer_offset + int(parts[2]))
+        parts = names.parts(name)
         if isinstance(module, grouped_mlp):  # expert e's fc1 / fc2 weight, transposed, in weight1 / weight2
-            fc1_stride = 2 if config.gated_linear_unit else 1
             w1 = module.weight1.data.view(module.num_local_experts, config.hidden_size, -1)
             w2 = module.weight2.data.view(module.num_local_experts, -1, config.hidden_size)
+            split = tensor_parallel_rank(expert=True)  # GroupedMLP's weights: split over expert TP
             for e in range(module.num_local_experts):
-                expert = parts + ["local_experts", str(first_expert + e)]
-                w1[e].copy_(_drawn_slice(expert + ["linear_fc1"], w1[e].t().shape, config.init_method,
-                                         seed, 0, fc1_stride, *expert_tp).t())
-                w2[e].copy_(_drawn_slice(expert + ["linear_fc2"], w2[e].t().shape,
-                                         config.output_layer_init_method, seed, 1, 1, *expert_tp).t())
+                expert = parts + ["local_experts", str(names.first_expert + e)]
+                w1[e].copy_(drawn_slice(expert + ["linear_fc1"], w1[e].t().shape, config.init_method, seed, 0,
+                                        2 if config.gated_linear_unit else 1, *split).t())
+                w2[e].copy_(drawn_slice(expert + ["linear_fc2"], w2[e].t().shape, config.output_layer_init_method,
+                                        seed, 1, 1, *split).t())
             continue
         if isinstance(module, RowParallelLinear):
             init = config.output_layer_init_method
@@ -269,29 +263,6 @@ def redraw_weights_by_global_name(gpt, config, seed: int) -> None:
             continue
         if getattr(weight, "shared_embedding", False) and parts == ["output_layer"]:
             parts = ["embedding", "word_embeddings"]  # the tied copy: the embedding's draw
-        expert = "local_experts" in parts
-        if expert:  # local expert i of this EP rank -> global expert first_expert + i
-            k = parts.index("local_experts") + 1
-            parts[k] = str(first_expert + int(parts[k]))
-        if getattr(weight, "tensor_model_parallel", False):
-            rank, world = expert_tp if expert else (mpu.get_tensor_model_parallel_rank(),
-                                                    mpu.get_tensor_model_parallel_world_size())
-            dim, stride = weight.partition_dim, weight.partition_stride
-        else:
-            dim, stride, rank, world = 0, 1, 0, 1
+        split = tensor_parallel_slice(weight, expert="local_experts" in parts)
         with torch.no_grad():
-            weight.copy_(_drawn_slice(parts, weight.shape, init, seed, dim, stride, rank, world))
-
-
-def _drawn_slice(parts, local_shape, init, seed: int, dim: int, stride: int, rank: int, world: int) -> torch.Tensor:
-    """The weight of the module named `parts`, drawn in full (float32) from (seed, name) with `init`, and the slice of it
-    tensor-parallel rank `rank` of `world` holds along `dim` (`stride` interleaved pieces, as Megatron's CPU
-    initialisation splits it)."""
-    full = list(local_shape)
-    full[dim] *= world
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + zlib.crc32(".".join(parts).encode()))
-        master = torch.empty(full, dtype=torch.float32)
-        init(master)
-    pieces = torch.split(master, local_shape[dim] // stride, dim=dim)
-    return torch.cat(pieces[rank::world], dim=dim)
+            weight.copy_(drawn_slice(parts, weight.shape, init, seed, *split))
