@@ -212,3 +212,44 @@ def test_unsupported_flags_eval_interval_and_mask_id_at_validation():
     assert masks["allowed"] == 5 and masks["padding"] == 100
     assert "--mask-token-id 128 is outside the padded vocabulary [0, 128)" in masks["outside"]
     assert f"no id past the tokenizer's {vocab}" in masks["no_room"]
+
+
+def _interrupted_lora_save_rank(rank, world_size, root):
+    """Megatron-LM's own `save_checkpoint` of a --lora-rank chunk, through the plugin's hook, on one rank, with
+    the tracker file unwritable (a folder in its place): the run stops where Megatron-LM would name the
+    iteration. What the iteration folder holds by then."""
+    _with_megatron_lm()
+    from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
+    install_megatron_lm_cpu_compat()
+    from megatron.core import parallel_state as mpu
+    from megatron.training import global_vars, training
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron_csbp.training import megatron_lm
+
+    lora = ["--lora-rank", "4", "--save", root, "--save-interval", "1", "--no-save-optim"]
+    sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(_without(ARGV, "--block-parallel-size") + lora)
+    args = parse_args(megatron_lm.extra_args_provider)
+    validate_args(args, {})
+    global_vars.build_tokenizer(args)
+    global_vars.set_args(args)
+    megatron_lm.install_initialize_hook()
+    megatron_lm.install_checkpoint_hook()
+    mpu.initialize_model_parallel(create_gloo_process_groups=True)
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    os.makedirs(os.path.join(root, "latest_checkpointed_iteration.txt"))
+    try:
+        training.save_checkpoint(1, [megatron_lm.model_provider()], None, None, 0)
+    except OSError as exc:  # IsADirectoryError: the tracker
+        stopped = type(exc).__name__
+    return stopped, sorted(os.listdir(os.path.join(root, "iter_0000001")))
+
+
+@needs_megatron_lm
+def test_a_lora_save_stopped_before_the_tracker_already_holds_its_record(tmp_path):
+    """pretrain()'s LoRA checkpoints: the record (megatron_csbp_lora.json) is written beside the adapters before
+    Megatron-LM's tracker names the iteration (before: after Megatron-LM's whole save, so a run stopped in between
+    left the tracker on adapters without their record, which --load refuses)."""
+    stopped, held = run_distributed(_interrupted_lora_save_rank, 1, str(tmp_path))[0]
+    assert stopped == "IsADirectoryError", stopped
+    assert "megatron_csbp_lora.json" in held and ".metadata" in held, held

@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import os
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
@@ -536,7 +537,9 @@ def install_checkpoint_hook() -> None:
     (`lora.checkpoint.check_resume`), loads the frozen base of --pretrained-checkpoint (weights only),
     then --load's adapters and their optimizer state if it holds a checkpoint (Megatron-LM would
     instead read --pretrained-checkpoint as a full model when --load is empty); `save_checkpoint`
-    writes the LoRA record (`files.LORA_FILE`) beside the adapters (`_AdapterState`)."""
+    writes the LoRA record (`files.LORA_FILE`) beside the adapters (`_AdapterState`) once they are
+    written and before Megatron-LM's tracker names the iteration, so a run stopped in between resumes
+    from the previous checkpoint, never from adapters without their record."""
     from megatron.training import get_args, training
 
     if getattr(training.load_checkpoint, "__bdlm_hook__", False):
@@ -569,12 +572,28 @@ def install_checkpoint_hook() -> None:
         return load(ddp_model, optimizer, scheduler, *args, **kwargs)
 
     def save_checkpoint(iteration, *args, **kwargs):
-        out = save(iteration, *args, **kwargs)
         a = get_args()
-        lora, folder = LoRAConfig.of(a), files.checkpoint_path(a.save or "", iteration)
-        if lora is not None and a.rank == 0 and os.path.isdir(folder):
-            with open(os.path.join(folder, files.LORA_FILE), "w") as f:
-                f.write(record_json(lora, held.get("base")))
+        lora = LoRAConfig.of(a)
+        if lora is None or a.rank != 0:
+            return save(iteration, *args, **kwargs)
+        from megatron.core import dist_checkpointing
+
+        record, dist_save = record_json(lora, held.get("base")), dist_checkpointing.save
+
+        def save_then_record(state_dict, checkpoint_dir, *rest, **options):
+            """The record beside the adapters before Megatron-LM's tracker names this iteration (torch_dist)."""
+            request = dist_save(state_dict, checkpoint_dir, *rest, **options)
+            Path(checkpoint_dir, files.LORA_FILE).write_text(record)
+            return request
+
+        dist_checkpointing.save = save_then_record
+        try:
+            out = save(iteration, *args, **kwargs)
+        finally:
+            dist_checkpointing.save = dist_save
+        folder = files.checkpoint_path(a.save or "", iteration)
+        if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, files.LORA_FILE)):  # another format
+            Path(folder, files.LORA_FILE).write_text(record)
         return out
 
     load_checkpoint.__bdlm_hook__ = True
