@@ -21,14 +21,14 @@ from typing import Dict, List, Sequence
 import torch
 
 
-def _best(fn, repeats: int) -> float:
-    best = None
+def best_cpu_s(fn, repeats: int) -> float:
+    """The least main-thread CPU seconds of `repeats` calls of `fn()`."""
+    times = []
     for _ in range(repeats):
         t0 = time.thread_time()
         fn()
-        dt = time.thread_time() - t0
-        best = dt if best is None else min(best, dt)
-    return best
+        times.append(time.thread_time() - t0)
+    return min(times)
 
 
 def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[str] = ("tiled", "cpu_flash"),
@@ -66,14 +66,9 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
         fns = {name: run(get_kernel(name, q.device)) for name in kernels}
         for f in fns.values():  # plans and tables built, caches warm
             f()
-        times = {name: None for name in kernels}
-        t_sdpa = None
-        for _ in range(repeats):
-            t = _best(sdpa, 1)
-            t_sdpa = t if t_sdpa is None else min(t_sdpa, t)
-            for name, f in fns.items():
-                t = _best(f, 1)
-                times[name] = t if times[name] is None else min(times[name], t)
+        samples = [[best_cpu_s(f, 1) for f in (sdpa, *fns.values())] for _ in range(repeats)]  # SDPA, kernels
+        t_sdpa, *kernel_s = (min(column) for column in zip(*samples))
+        times = dict(zip(fns, kernel_s))
         sdpa_pairs = n * (n + 1) // 2
         sdpa_ns = t_sdpa / (sdpa_pairs * heads) * 1e9
         for name in kernels:

@@ -19,16 +19,11 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-
-def _storage_key(t: torch.Tensor):
-    st = t.untyped_storage()
-    return st, st.data_ptr(), st.nbytes()
 
 
 class TensorPeakTracker(TorchDispatchMode):
@@ -45,7 +40,8 @@ class TensorPeakTracker(TorchDispatchMode):
         if t.device.type != "cpu" or t.is_sparse:
             return
         try:
-            st, key, nbytes = _storage_key(t)
+            st = t.untyped_storage()
+            key, nbytes = st.data_ptr(), st.nbytes()
         except (RuntimeError, NotImplementedError):
             return
         if nbytes == 0 or key == 0 or key in self.live:
@@ -87,6 +83,19 @@ class TensorPeakTracker(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self.peak
+
+
+def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:
+    """(tensor peak, static tensors at its start, RSS high-water) of `step()`, after freeing earlier
+    cases' reference cycles (models hold hooks) and a barrier of `group`."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier(group=group)
+    reset_rss_high_water()
+    with TensorPeakTracker() as tracker:
+        step()
+    return tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
 
 
 def reset_rss_high_water() -> bool:

@@ -8,8 +8,8 @@ from typing import Dict, List, Optional
 MiB = 2 ** 20
 
 
-def _fmt(x, spec=".2f", none="–"):
-    return none if x is None else format(x, spec)
+def _fmt(x, spec=".2f", scale=1):
+    return "–" if x is None else format(x * scale, spec)
 
 
 def _ratio(x):
@@ -97,30 +97,21 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         "compare layouts within one P.",
         "",
     ]
-    by_p: Dict[int, List[Dict]] = {}
-    for r in rows:
-        by_p.setdefault(r["P"], []).append(r)
-    for P in sorted(by_p):
+    for P in sorted({r["P"] for r in rows}):
         out += [f"## P = {P}" if P > 1 else "## Single rank", ""]
         out += ["| L | layout | CP | BP | step ms | CPU ms | CPU vs CP | comm in flight ms | exposed comm ms "
                 "| hidden | tok/s | time vs CP | attn logical MiB sent/rank "
                 "| vs CP | formula MiB | measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(by_p[P], key=lambda r: (r["seq_length"],)):
+        for r in sorted((r for r in rows if r["P"] == P), key=lambda r: r["seq_length"]):
             mf = (r["attn_bytes_sent"] / r["formula_bytes_sent"]) if r["formula_bytes_sent"] else None
-            hidden = r.get("hidden_comm_share")
+            ms = [_fmt(r.get(key), ".1f", 1e3) for key in ("thread_cpu_s", "in_flight_comm_s", "exposed_comm_s")]
             out.append(
-                f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | "
-                f"{_fmt(r['thread_cpu_s'] * 1e3 if r.get('thread_cpu_s') is not None else None, '.1f')} | "
-                f"{_ratio(r.get('cpu_vs_cp'))} | "
-                f"{_fmt(r['in_flight_comm_s'] * 1e3 if r.get('in_flight_comm_s') is not None else None, '.1f')} | "
-                f"{_fmt(r['exposed_comm_s'] * 1e3 if r.get('exposed_comm_s') is not None else None, '.1f')} | "
-                f"{'–' if hidden is None else f'{100 * hidden:.0f}%'} | "
+                f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | {ms[0]} | "
+                f"{_ratio(r.get('cpu_vs_cp'))} | {ms[1]} | {ms[2]} | {_fmt(r.get('hidden_comm_share'), '.0%')} | "
                 f"{r['tokens_per_s']:.0f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | "
-                f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | "
-                f"{'–' if mf is None else f'{mf:.3f}'} | "
-                f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
-                f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} |")
+                f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | {_fmt(mf, '.3f')} | "
+                f"{_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} |")
         out.append("")
     full = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"] and r["traffic_vs_cp"] is not None]
     if full:
@@ -128,11 +119,12 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         out += [f"CSBP (CP = BP = P) traffic vs CP, every case above: at most {worst:.3f}x "
                 f"({'half or less' if worst <= 0.5 + 1e-12 else 'MORE THAN HALF'}).", ""]
     out += _loss_sentence(rows, "at the same L")
-    out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows)
-    mem = _memory_table(rows)
-    if mem:
-        out += mem
+    out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows) + _memory_table(rows)
     return "\n".join(out + _plots_section(plots))
+
+
+def _peak_mib(r: Dict) -> str:
+    return _fmt(r["peak_tensor_bytes"] / MiB if r["peak_tensor_bytes"] else None, ".1f")
 
 
 def _single_key(r: Dict):
@@ -222,25 +214,23 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
             f"| {r['seq_length']} | {r['case']} | {r['attention']} | {r['cp']} | {r['bp']} | "
             f"{r['median_step_s'] * 1e3:.1f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent']:,} | "
             f"{_fmt(r['traffic_vs_cp'], '.4f')} | "
-            f"{'–' if r['formula_bytes_sent'] is None else format(r['formula_bytes_sent'], ',')} | "
-            f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
-            f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
+            f"{_fmt(r['formula_bytes_sent'], ',')} | {_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
     out.append("")
     out += ["## Logical bytes sent per layer (rank 0)", "",
             "| L | case | " + " | ".join(f"layer {i + 1} ({t})" for i, t in enumerate(types)) + " |",
             "|---|---|" + "---|" * len(types)]
     for r in sorted((r for r in rows if r["P"] > 1), key=lambda r: (r["seq_length"], r["attention"] != "hybrid",
                                                                      r["bp"])):
-        per = r["attn_bytes_sent_per_layer_per_rank"][0]
-        formula = r["formula_bytes_per_layer"]
-        cells = []
-        for i in range(len(types)):
-            got, want = per.get(str(i + 1), 0), formula.get(str(i + 1))
-            cells.append(f"{got:,}" + ("" if want is None else (" (= formula)" if got == want else f" (formula {want:,})")))
+        per, formula = r["attn_bytes_sent_per_layer_per_rank"][0], r["formula_bytes_per_layer"]
+        cells = [_vs_formula(per.get(str(i), 0), formula.get(str(i))) for i in range(1, len(types) + 1)]
         out.append(f"| {r['seq_length']} | {r['case']} | " + " | ".join(cells) + " |")
     out.append("")
     out += _loss_sentence(rows, "of the same model and L")
     return "\n".join(out + _plots_section(plots))
+
+
+def _vs_formula(got: int, want: Optional[int]) -> str:
+    return f"{got:,}" + ("" if want is None else " (= formula)" if got == want else f" (formula {want:,})")
 
 
 def _hidden_summary(rows: List[Dict]) -> List[str]:
@@ -252,9 +242,9 @@ def _hidden_summary(rows: List[Dict]) -> List[str]:
         if not sel:
             continue
         shares = sorted(r["hidden_comm_share"] for r in sel)
-        inflight = sum(t["in_flight_comm_s"] for r in sel for t in r["timing_per_rank"])
-        exposed = sum(t["exposed_comm_s"] for r in sel for t in r["timing_per_rank"])
-        fwd = [t for r in sel for t in r["timing_per_rank"] if "forward_in_flight_comm_s" in t]
+        timing = [t for r in sel for t in r["timing_per_rank"]]
+        inflight, exposed = (sum(t[key] for t in timing) for key in ("in_flight_comm_s", "exposed_comm_s"))
+        fwd = [t for t in timing if "forward_in_flight_comm_s" in t]
         fwd_in = sum(t["forward_in_flight_comm_s"] for t in fwd)
         fwd_share = (f"; forward collectives alone (backward ones block): "
                      f"{100 * (1 - sum(t['forward_exposed_comm_s'] for t in fwd) / fwd_in):.0f}%") if fwd_in else ""
@@ -343,11 +333,7 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
     sizes = sorted({r["P"] for r in rows if r["P"] > 1})
     if not sizes:
         return {}
-    files = {}
-    cases = []
-    for r in rows:
-        if r["P"] > 1 and r["case"] not in cases:
-            cases.append(r["case"])
+    files, cases = {}, list(dict.fromkeys(r["case"] for r in rows if r["P"] > 1))
 
     def series(P, case, key):
         pts = sorted((r["seq_length"], r[key]) for r in rows if r["P"] == P and r["case"] == case
@@ -369,16 +355,14 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
                         ax.plot(x, [v / scale for v in y], linestyle=style, color="k", linewidth=1,
                                 label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
-                singles = [c for c in dict.fromkeys(r["case"] for r in rows if r["P"] == 1)] or ["single"]
+                singles = list(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)) or ["single"]
                 for j, single in enumerate(singles):
                     x, y = series(1, single, key)
                     ax.plot(x, [v / scale for v in y], marker="x", linestyle="--" if j == 0 else "-.", color="k",
                             label="single rank" if single == "single" else f"single rank ({single})")
             if key == "attn_bytes_sent" and any("attention" in r for r in rows):
                 ax.set_yscale("log")  # DiffusionGemma: windowed CSBP moves ~1/30 of CP
-            ax.set_title(f"P = {P}")
-            ax.set_xlabel("sequence length L (clean tokens)")
-            ax.set_ylabel(ylabel)
+            ax.set(title=f"P = {P}", xlabel="sequence length L (clean tokens)", ylabel=ylabel)
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -394,10 +378,8 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
                 for rank, b in enumerate(r["peak_tensor_bytes_per_rank"]):
                     ax.bar(i + (rank - (P - 1) / 2) * width, b / MiB, width=width,
                            color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)
-            ax.set_xticks(range(len(sel)))
-            ax.set_xticklabels([r["case"] for r in sel], rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel("peak live tensor MiB")
-            ax.set_title(f"P = {P}, L = {Lmax}")
+            ax.set_xticks(range(len(sel)), [r["case"] for r in sel], rotation=30, ha="right", fontsize=7)
+            ax.set(ylabel="peak live tensor MiB", title=f"P = {P}, L = {Lmax}")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
         files["peak memory per rank"] = save_figure(fig, os.path.join(out_dir, f"{name}_memory.png"))
@@ -409,27 +391,22 @@ def save(result: Dict, out_dir: str, name: str, command: str, with_plots: bool =
     result = dict(result, command=command)
     if result["config"]["model"].get("arch") == "diffusiongemma-hybrid":
         result["headline"] = dg_headline(result["rows"])
-    written = {}
     figs = plots(result, out_dir, name) if with_plots else {}
-    written.update(figs)
-    md = os.path.join(out_dir, f"{name}.md")
-    with open(md, "w") as f:
-        f.write(markdown(result, command, figs))
-    js = os.path.join(out_dir, f"{name}.json")
-    with open(js, "w") as f:
-        json.dump(result, f, indent=1)
-    written.update(markdown=md, json=js)
-    return written
+    files = write_out(os.path.join(out_dir, name), result, markdown(result, command, figs), echo=False)
+    return dict(figs, markdown=files["markdown"], json=files["json"])
 
 
-def write_out(out: str, result, text: str) -> None:
-    """OUT.json (`result`) and OUT.md (`text`), then `text` printed."""
+def write_out(out: str, result, text: str, echo: bool = True) -> Dict[str, str]:
+    """OUT.json (`result`) and OUT.md (`text`), then `text` printed (`echo`); returns their paths."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
+    files = {"json": out + ".json", "markdown": out + ".md"}
+    with open(files["json"], "w") as f:
         json.dump(result, f, indent=1)
-    with open(out + ".md", "w") as f:
+    with open(files["markdown"], "w") as f:
         f.write(text)
-    print(text)
+    if echo:
+        print(text)
+    return files
 
 
 def load(path: str) -> Dict:
