@@ -19,7 +19,6 @@ import argparse
 from collections import Counter
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -44,9 +43,10 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
     by_name = {c.name: c for c in cases_for(P, layouts)}
     a, b = (by_name[n] for n in layouts)
     order = [c for i in range(pairs) for c in ((a, b) if i % 2 == 0 else (b, a))]
+    from megatron_csbp.bench.runner import load_average
     from megatron_csbp.parallel.spawn import spawn
 
-    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load0 = load_average()
     t0 = time.perf_counter()
     log(f"[alternate] P = {P}, L = {L}: {pairs} pairs of {a.name} / {b.name}")
     per_rank = spawn(world_main, P, cfg, order)
@@ -59,17 +59,12 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
                "median_step_s": records[0]["median_step_s"], "loss_step0": records[0]["loss_step0"]}
         if cfg.count_ops:
             run["ops_per_step"] = [sum(x["op_counts"].values()) for x in records]
-            run["op_counts"] = _summed([x["op_counts"] for x in records])
+            run["op_counts"] = dict(sum((Counter(x["op_counts"]) for x in records), Counter()))
         runs.append(run)
-    out = {"layouts": [a.name, b.name], "P": P, "seq_length": L, "pairs": pairs, "runs": runs,
-           "summary": summary(runs, a.name, b.name),
-           "environment": {"load_average_at_start": load0, "wall_s": time.perf_counter() - t0,
-                           "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None}}
-    return out
-
-
-def _summed(counts: List[Dict[str, int]]) -> Dict[str, int]:
-    return dict(sum((Counter(c) for c in counts), Counter()))
+    return {"layouts": [a.name, b.name], "P": P, "seq_length": L, "pairs": pairs, "runs": runs,
+            "summary": summary(runs, a.name, b.name),
+            "environment": {"load_average_at_start": load0, "wall_s": time.perf_counter() - t0,
+                            "load_average_at_end": load_average()}}
 
 
 def median_ci(x: Sequence[float], level: float = 0.95):

@@ -169,7 +169,6 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
     from megatron_csbp.parallel import state as bps
 
     warnings.filterwarnings("ignore")
-    results = []
     for kernel_name, case_name in jobs:
         case = next(c for c in cfg.cases(world_size) if c.name == case_name)
         bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
@@ -184,10 +183,8 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
                             f.write(json.dumps(r) + "\n")
                     print(f"[long-context] {kernel_name} {case_name} L={L}: step {rec['step_s']:.1f} s, "
                           f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
-                results.append(rec)
         finally:
             bps.destroy_block_parallel()
-    return results
 
 
 def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
@@ -240,13 +237,12 @@ def linearity(rows: List[Dict], kernel: str = "tiled") -> Dict[str, Dict]:
 
 
 def render(result: Dict) -> str:
-    rows, cfg = result["rows"], result["config"]
+    rows, cfg, env = result["rows"], result["config"], result["environment"]
     m = cfg["model"]
     lines = [
         "# Long-context benchmark (CPU ranks)", "",
-        f"Made by `{result['command']}` on {result['environment']['date_utc']} UTC "
-        f"({result['environment']['host_cpus']} shared cores, load average at start "
-        f"{result['environment']['load_average_at_start']}, torch {result['environment']['torch']}, one thread per rank).",
+        f"Made by `{result['command']}` on {env['date_utc']} UTC ({env['host_cpus']} shared cores, load average at "
+        f"start {env['load_average_at_start']}, torch {env['torch']}, one thread per rank).",
         "",
         f"One training step of a {m['num_layers']}-layer GPT (hidden {m['hidden_size']}, {m['num_attention_heads']} "
         f"heads, {m['num_query_groups']} KV group, block {m['block_size']}, micro-batch {m['micro_batch_size']}) with "
@@ -315,12 +311,9 @@ def plot(result: Dict, path: str) -> None:
     title = "Attention wall time / allowed pairs"
     for kernel in sorted({r["kernel"] for r in result.get("attention_scaling") or []}):
         rs = [r for r in result["attention_scaling"] if r["kernel"] == kernel]
-        style = "-o" if kernel == "tiled" else "--x"
-        axes[1].plot([r["seq_length"] for r in rs], [r["attention_cpu_s"] / r["allowed_pairs"] * 1e9 for r in rs],
-                     style, label=f"{kernel}, per allowed pair")
-        axes[1].plot([r["seq_length"] for r in rs],
-                     [r["attention_cpu_s"] / r["kernel_rectangle_pairs"] * 1e9 for r in rs], style, alpha=0.4,
-                     label=f"{kernel}, per rectangle pair")
+        for key, alpha, what in (("allowed_pairs", None, "allowed"), ("kernel_rectangle_pairs", 0.4, "rectangle")):
+            axes[1].plot([r["seq_length"] for r in rs], [r["attention_cpu_s"] / r[key] * 1e9 for r in rs],
+                         "-o" if kernel == "tiled" else "--x", alpha=alpha, label=f"{kernel}, per {what} pair")
         title = "One layer's attention (single rank, CPU time)"
     axes[0].set(xscale="log", xlabel="L (tokens)", ylabel="tensor peak per rank (GiB)", title="Peak memory per rank")
     axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per pair", title=title)

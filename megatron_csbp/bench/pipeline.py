@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from typing import Dict, List
 
 from megatron_csbp.bench.report import write_out
@@ -30,33 +31,25 @@ def _model_flags(seq_length: int) -> List[str]:
             f"--lr 1e-3 --pipeline-model-parallel-size 2 --attention-kernel tiled --no-progress-bar").split()
 
 
-class _P2PCounter:
-    """Bytes this rank sends through megatron-core's pipeline P2P ops."""
+@contextmanager
+def _p2p_bytes_sent():
+    """A list whose one item counts the bytes this rank sends through megatron-core's pipeline P2P ops."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
 
-    def __init__(self):
-        self.bytes = 0
+    sent, orig = [0], (p2p._batched_p2p_ops, p2p._p2p_ops)
 
-    def __enter__(self):
-        from megatron.core.pipeline_parallel import p2p_communication as p2p
+    def counted(fn):
+        def wrapper(**kw):
+            sent[0] += sum(t.numel() * t.element_size() for t in (kw.get("tensor_send_prev"), kw.get("tensor_send_next"))
+                           if t is not None)
+            return fn(**kw)
+        return wrapper
 
-        self._orig = (p2p._batched_p2p_ops, p2p._p2p_ops)
-
-        def counted(fn):
-            def wrapper(**kw):
-                for name in ("tensor_send_prev", "tensor_send_next"):
-                    t = kw.get(name)
-                    if t is not None:
-                        self.bytes += t.numel() * t.element_size()
-                return fn(**kw)
-            return wrapper
-
-        p2p._batched_p2p_ops, p2p._p2p_ops = counted(self._orig[0]), counted(self._orig[1])
-        return self
-
-    def __exit__(self, *exc):
-        from megatron.core.pipeline_parallel import p2p_communication as p2p
-
-        p2p._batched_p2p_ops, p2p._p2p_ops = self._orig
+    p2p._batched_p2p_ops, p2p._p2p_ops = counted(orig[0]), counted(orig[1])
+    try:
+        yield sent
+    finally:
+        p2p._batched_p2p_ops, p2p._p2p_ops = orig
 
 
 def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
@@ -76,16 +69,15 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
         times, attn, p2p = [], [], []
         for k in range(1, steps + 1):
             traffic_counter().reset()
-            with _P2PCounter() as c:
+            with _p2p_bytes_sent() as sent:
                 t0 = time.perf_counter()
                 trainer.train_step(k * G)
                 times.append(time.perf_counter() - t0)
             attn.append(traffic_counter().total)
-            p2p.append(c.bytes)
+            p2p.append(sent[0])
         with TensorPeakTracker() as tracker:
             trainer.train_step((steps + 1) * G)
-        rows = len(trainer.chunks[0].bdlm.plan.local)
-        return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(), rows=rows,
+        return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(), rows=len(trainer.chunks[0].bdlm.plan.local),
                     step_s=statistics.median(times), attn_bytes=attn[-1], p2p_bytes=p2p[-1],
                     peak_tensor_bytes=tracker.peak_bytes)
 
@@ -97,8 +89,7 @@ def run(seq_length: int, steps: int) -> Dict:
     for i, (name, flags) in enumerate(LAYOUTS.items(), 1):
         print(f"[bench.pipeline] layout {i}/{len(LAYOUTS)}: {name} on 4 ranks, {steps} steps", file=sys.stderr,
               flush=True)
-        per_rank = spawn(_rank, 4, _model_flags(seq_length) + flags, steps)
-        out[name] = per_rank
+        out[name] = spawn(_rank, 4, _model_flags(seq_length) + flags, steps)
     return out
 
 

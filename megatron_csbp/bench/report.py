@@ -105,12 +105,13 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted((r for r in rows if r["P"] == P), key=lambda r: r["seq_length"]):
             mf = (r["attn_bytes_sent"] / r["formula_bytes_sent"]) if r["formula_bytes_sent"] else None
+            hidden = _fmt(r.get("hidden_comm_share"), ".0%")
             ms = [_fmt(r.get(key), ".1f", 1e3) for key in ("thread_cpu_s", "in_flight_comm_s", "exposed_comm_s")]
             out.append(
-                f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | {ms[0]} | "
-                f"{_ratio(r.get('cpu_vs_cp'))} | {ms[1]} | {ms[2]} | {_fmt(r.get('hidden_comm_share'), '.0%')} | "
-                f"{r['tokens_per_s']:.0f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | "
-                f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | {_fmt(mf, '.3f')} | "
+                f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | "
+                f"{ms[0]} | {_ratio(r.get('cpu_vs_cp'))} | {ms[1]} | {ms[2]} | {hidden} | {r['tokens_per_s']:.0f} | "
+                f"{_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | {_ratio(r['traffic_vs_cp'])} | "
+                f"{r['formula_bytes_sent'] / MiB:.3f} | {_fmt(mf, '.3f')} | "
                 f"{_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} |")
         out.append("")
     full = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"] and r["traffic_vs_cp"] is not None]
@@ -214,7 +215,8 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
             f"| {r['seq_length']} | {r['case']} | {r['attention']} | {r['cp']} | {r['bp']} | "
             f"{r['median_step_s'] * 1e3:.1f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent']:,} | "
             f"{_fmt(r['traffic_vs_cp'], '.4f')} | "
-            f"{_fmt(r['formula_bytes_sent'], ',')} | {_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
+            f"{_fmt(r['formula_bytes_sent'], ',')} | {_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | "
+            f"{r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
     out.append("")
     out += ["## Logical bytes sent per layer (rank 0)", "",
             "| L | case | " + " | ".join(f"layer {i + 1} ({t})" for i, t in enumerate(types)) + " |",

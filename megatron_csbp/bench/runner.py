@@ -29,12 +29,9 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
                     first.get("attention"))
         if case.shard_group_size != len(records):
             raise RuntimeError(f"case {case.name} of {case.shard_group_size} ranks came back from {len(records)} ranks")
-        L = first["seq_length"]
-        t = first["median_step_s"]  # already the max over ranks, per step
-        sent = [r["attn_bytes_sent"] for r in records]
-        peak = [r["peak_tensor_bytes"] for r in records]
-        rss = [r["rss_high_water_bytes"] for r in records]
-        formula = formula_bytes_sent(case, cfg.model, L)
+        L, t = first["seq_length"], first["median_step_s"]  # t: already the max over ranks, per step
+        keys = ("attn_bytes_sent", "peak_tensor_bytes", "rss_high_water_bytes")
+        sent, peak, rss = ([r[k] for r in records] for k in keys)
         row = {
             "case": case.name, "kind": case.kind, "P": case.shard_group_size, "cp": case.cp, "bp": case.bp,
             "transport": case.transport, "schedule": case.schedule, "seq_length": L,
@@ -45,12 +42,12 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
             "attn_bytes_sent_per_rank": sent, "attn_bytes_sent": max(sent),
             "attn_bytes_received": max(r["attn_bytes_received"] for r in records),
             "attn_bytes_per_layer_rank0": {str(k): v for k, v in records[0]["attn_bytes_per_layer"].items()},
-            "formula_bytes_sent": formula,
+            "formula_bytes_sent": formula_bytes_sent(case, cfg.model, L),
             "peak_tensor_bytes_per_rank": peak,
-            "peak_tensor_bytes": max(peak) if all(p is not None for p in peak) else None,
+            "peak_tensor_bytes": None if None in peak else max(peak),
             "static_tensor_bytes_per_rank": [r["static_tensor_bytes"] for r in records],
             "rss_high_water_bytes_per_rank": rss,
-            "rss_high_water_bytes": max(rss) if all(x is not None for x in rss) else None,
+            "rss_high_water_bytes": None if None in rss else max(rss),
             "baseline": case.baseline_name(),
             # the slowest rank's median seconds waiting on attention collectives per step
             "exposed_comm_s": (max(r["exposed_comm_s"] for r in records)
@@ -86,23 +83,21 @@ def add_ratios(rows: List[Dict]) -> None:
         for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
                          ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp"),
                          ("thread_cpu_s", "cpu_vs_cp")):
-            if base is None or not base.get(key) or r.get(key) is None:
-                r[out] = None
-            else:
-                r[out] = r[key] / base[key]
+            r[out] = None if base is None or not base.get(key) or r.get(key) is None else r[key] / base[key]
+
+
+def load_average():
+    """os.getloadavg(), None where the platform has none."""
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):
+        return None
 
 
 def environment() -> Dict:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "host_cpus": os.cpu_count(), "load_average_at_start": load, "torch": torch.__version__,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "threads_per_rank": 1, "backend": "gloo",
-    }
+    return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host_cpus": os.cpu_count(),
+            "load_average_at_start": load_average(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "threads_per_rank": 1, "backend": "gloo"}
 
 
 def run(cfg: BenchConfig, log=print) -> Dict:
@@ -119,8 +114,7 @@ def run(cfg: BenchConfig, log=print) -> Dict:
         per_world.extend(aggregate(cfg, per_rank))
     add_ratios(per_world)
     env["wall_s"] = time.perf_counter() - t0
-    try:
-        env["load_average_at_end"] = os.getloadavg()
-    except OSError:
-        pass
+    end_load = load_average()
+    if end_load is not None:
+        env["load_average_at_end"] = end_load
     return {"config": cfg.to_dict(), "environment": env, "rows": per_world}
