@@ -15,7 +15,6 @@ load cannot change (the same in every pair).
 """
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 import json
 import math
@@ -40,8 +39,7 @@ def world_main(rank: int, world_size: int, cfg: BenchConfig, order: List[Case]) 
 def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -> Dict:
     """Run layouts A, B alternately `pairs` times in one world; per-pair ratios B / A."""
     (P,), (L,) = cfg.sizes, cfg.seq_lengths
-    by_name = {c.name: c for c in cases_for(P, layouts)}
-    a, b = (by_name[n] for n in layouts)
+    a, b = ({c.name: c for c in cases_for(P, layouts)}[n] for n in layouts)
     order = [c for i in range(pairs) for c in ((a, b) if i % 2 == 0 else (b, a))]
     from megatron_csbp.bench.runner import load_average
     from megatron_csbp.parallel.spawn import spawn
@@ -137,12 +135,10 @@ def render(result: Dict, command: str, top: int = 12) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.alternate", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("alternate", __doc__, raw=True)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--size", type=int, default=4, help="ranks of the shard group (P)")
     p.add_argument("--layouts", nargs=2, default=["cp-ring", "csbp-ring"], choices=ALL_LAYOUTS,
@@ -174,12 +170,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     result = alternate(cfg, args.layouts, args.pairs)
-    command = "python -m megatron_csbp.bench.alternate " + " ".join(shlex.quote(x) for x in argv)
-    md = render(result, command.strip())
+    command = ("python -m megatron_csbp.bench.alternate " + " ".join(shlex.quote(x) for x in argv)).strip()
+    md = render(result, command)
     print(md)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(result, command=command.strip()), f, indent=1)
+            json.dump(dict(result, command=command), f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(md)

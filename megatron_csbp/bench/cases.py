@@ -183,14 +183,13 @@ class DiffusionGemmaBenchModel:
 
 
 AnyModel = Union[BenchModel, DiffusionGemmaBenchModel]
-DG_ATTENTION = ("hybrid", "full")
 
 
 def dg_cases_for(size: int) -> List[Case]:
     """Single, CP and CSBP (CP = BP = P, all-gather transport) on the hybrid model and on the same
     weights with every layer full attention."""
     out = []
-    for att in DG_ATTENTION:
+    for att in ("hybrid", "full"):
         if size == 1:
             out.append(Case(f"single-{att}", 1, 1, attention=att))
         else:
@@ -216,12 +215,6 @@ def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_
         windowed = case.kind == "csbp" and not full and case.attention != "full"
         out[i] = None if windowed else _layer_bytes(case, L * G * d * s, 2 if full else 4)
     return out
-
-
-def cases_for_config(cfg: "BenchConfig", size: int) -> List[Case]:
-    if isinstance(cfg.model, DiffusionGemmaBenchModel):
-        return dg_cases_for(size)
-    return cases_for(size, cfg.layouts)
 
 
 @dataclass

@@ -10,7 +10,6 @@ repeat so drifts hit both. `rate_vs_sdpa` = SDPA's ns per pair / the kernel's (1
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -41,15 +40,13 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
     torch.set_num_threads(1)
     rows = []
     for L in seq_lengths:
-        geometry = BlockGeometry(L, block_size)
         meta = logical_rows(L)
-        mask = PartialMask.of(meta, meta, geometry)
+        mask = PartialMask.of(meta, meta, BlockGeometry(L, block_size))
         pairs = mask.allowed_pairs()
         gen = torch.Generator().manual_seed(L)
         n = 2 * L
-        q = torch.randn(n, 1, heads, head_dim, generator=gen).to(dtype).requires_grad_()
-        k = torch.randn(n, 1, groups, head_dim, generator=gen).to(dtype).requires_grad_()
-        v = torch.randn(n, 1, groups, head_dim, generator=gen).to(dtype).requires_grad_()
+        q, k, v = (torch.randn(n, 1, h, head_dim, generator=gen).to(dtype).requires_grad_()
+                   for h in (heads, groups, groups))
         scale = head_dim ** -0.5
         qs, ks, vs = (x.detach().permute(1, 2, 0, 3).contiguous().requires_grad_() for x in (q, k, v))
 
@@ -68,14 +65,13 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
             f()
         samples = [[best_cpu_s(f, 1) for f in (sdpa, *fns.values())] for _ in range(repeats)]  # SDPA, kernels
         t_sdpa, *kernel_s = (min(column) for column in zip(*samples))
-        times = dict(zip(fns, kernel_s))
-        sdpa_pairs = n * (n + 1) // 2
-        sdpa_ns = t_sdpa / (sdpa_pairs * heads) * 1e9
+        sdpa_ns = t_sdpa / (n * (n + 1) // 2 * heads) * 1e9  # SDPA's causal mask over 2L rows
         for name in kernels:
-            ns = times[name] / (pairs * heads) * 1e9
+            t = dict(zip(fns, kernel_s))[name]
+            ns = t / (pairs * heads) * 1e9
             rows.append({"kernel": name, "seq_length": L, "block_size": block_size, "heads": heads, "groups": groups,
                          "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "allowed_pairs": pairs,
-                         "kernel_s": times[name], "ns_per_pair_head": ns, "sdpa_s": t_sdpa,
+                         "kernel_s": t, "ns_per_pair_head": ns, "sdpa_s": t_sdpa,
                          "sdpa_ns_per_pair_head": sdpa_ns, "rate_vs_sdpa": sdpa_ns / ns})
     return rows
 
@@ -90,11 +86,9 @@ def render(rows: List[Dict]) -> str:
 
 
 def main(argv=None):
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.kernel_rate", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("kernel_rate", __doc__, raw=True)
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--kernels", nargs="+", default=["tiled", "cpu_flash"])
     p.add_argument("--block-size", type=int, default=64)
@@ -125,8 +119,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-
     from megatron_csbp.utils.cli import run
 
     sys.exit(run(main))

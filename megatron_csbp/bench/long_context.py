@@ -345,20 +345,19 @@ def main(args, command: str) -> int:
     cfg = LongContextConfig(**{k: v for k, v in given.items() if v is not None and v != []})
     name = args.name or "long_context"
     os.makedirs(args.output_dir, exist_ok=True)
-    records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
     if args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
         result = {"config": asdict(cfg), "environment": environment(), "command": command + " (partial records)",
                   "records": load_records(args.from_json)}
     elif args.from_json:
         result = load(args.from_json)
     elif not args.attention_scaling:
+        records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
         if os.path.exists(records_path):
             os.remove(records_path)
-        env = environment()
-        t0 = time.perf_counter()
+        env, t0 = environment(), time.perf_counter()
         records = run(cfg, records_path)
-        env["wall_s"] = time.perf_counter() - t0
-        result = {"config": asdict(cfg), "environment": env, "command": command, "records": records}
+        result = {"config": asdict(cfg), "environment": dict(env, wall_s=time.perf_counter() - t0), "command": command,
+                  "records": records}
     scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
     if args.attention_scaling:
         scaling = attention_scaling(cfg)

@@ -182,10 +182,9 @@ def report(result: Dict) -> str:
         "CPU s: its main thread's CPU seconds). Times depend on the shared machine; bytes do not.",
         "",
         "| case | trained params | step s | CPU s | tensor peak MiB | static MiB |", "|---|---|---|---|---|---|"]
-    for case in CASES:
-        x = s[case]
-        lines.append(f"| {case} | {x['trained_params']:,} of {x['params']:,} | {x['step_s']:.3f} | {x['thread_cpu_s']:.3f} | "
-                     f"{mib(x['peak_tensor_bytes'])} | {mib(x['static_tensor_bytes'])} |")
+    lines += [f"| {case} | {s[case]['trained_params']:,} of {s[case]['params']:,} | {s[case]['step_s']:.3f} | "
+              f"{s[case]['thread_cpu_s']:.3f} | {mib(s[case]['peak_tensor_bytes'])} | "
+              f"{mib(s[case]['static_tensor_bytes'])} |" for case in CASES]
     r = s["ratio"]
     lines += ["", f"LoRA / full: step time {r['step_s']:.3f} (CPU s {r['thread_cpu_s']:.3f}), tensor peak "
               f"{r['peak_tensor_bytes']:.3f}, static {r['static_tensor_bytes']:.3f}."]
@@ -200,19 +199,15 @@ def report(result: Dict) -> str:
                   f"static {pr['static_tensor_bytes']:.3f}."]
     lines += ["", "Per rank:", "",
               "| rank | case | step s | tensor peak MiB | static MiB |", "|---|---|---|---|---|"]
-    for rk in result["ranks"]:
-        for case in CASES:
-            x = rk[case]
-            lines.append(f"| {rk['rank']} | {case} | {x['step_s']:.3f} | {mib(x['peak_tensor_bytes'])} | "
-                         f"{mib(x['static_tensor_bytes'])} |")
+    lines += [f"| {rk['rank']} | {case} | {rk[case]['step_s']:.3f} | {mib(rk[case]['peak_tensor_bytes'])} | "
+              f"{mib(rk[case]['static_tensor_bytes'])} |" for rk in result["ranks"] for case in CASES]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.lora", description=__doc__.split("\n")[0])
+    p = bench_parser("lora", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/lora", help="writes OUT.md and OUT.json")
     p.add_argument("--quick", action="store_true", help="the CI-sized configuration (the other sizes ignored)")
     p.add_argument("--layout", default="csbp", choices=sorted(LAYOUTS))

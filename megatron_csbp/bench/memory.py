@@ -56,8 +56,8 @@ class TensorPeakTracker(TorchDispatchMode):
         nbytes = self.live.pop(key, 0)
         self.current -= nbytes
 
-    def census(self) -> int:
-        """Count every tensor reachable from Python now (the state the step starts from)."""
+    def __enter__(self):
+        # count every tensor reachable from Python now (the state the step starts from)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance on deprecated module proxies warns
             for obj in gc.get_objects():
@@ -67,10 +67,6 @@ class TensorPeakTracker(TorchDispatchMode):
                 except ReferenceError:
                     continue
         self.baseline = self.current
-        return self.baseline
-
-    def __enter__(self):
-        self.census()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -92,20 +88,14 @@ def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:
 
     gc.collect()
     dist.barrier(group=group)
-    reset_rss_high_water()
+    try:  # reset the kernel's peak-RSS counter of this process (Linux)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     with TensorPeakTracker() as tracker:
         step()
     return tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
-
-
-def reset_rss_high_water() -> bool:
-    """Reset the kernel's peak-RSS counter of this process (Linux); False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def rss_high_water_bytes() -> Optional[int]:

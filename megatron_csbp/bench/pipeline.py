@@ -128,10 +128,9 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.pipeline", description=__doc__.split("\n")[0])
+    p = bench_parser("pipeline", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/pipeline", help="writes OUT.md and OUT.json")
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)

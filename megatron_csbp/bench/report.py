@@ -1,6 +1,7 @@
 """Markdown table, JSON and PNG plots of a benchmark run."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Dict, List, Optional
@@ -32,6 +33,15 @@ def _machine_bullet(env: Dict) -> str:
             f"per rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.")
 
 
+def bench_parser(module: str, description: str, raw: bool = False):
+    """The parser of `python -m megatron_csbp.bench.MODULE` (one-line errors); library warnings hidden."""
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    return ArgumentParser(prog=f"python -m megatron_csbp.bench.{module}", description=description,
+                          formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
+
+
 def save_figure(fig, path: str) -> str:
     """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns `path`."""
     import matplotlib.pyplot as plt
@@ -50,17 +60,14 @@ _TRAFFIC = ("- traffic: logical bytes each rank *sends* in attention collectives
 
 def _loss_sentence(rows: List[Dict], same: str) -> List[str]:
     """The largest step-0 loss deviation from the single rank's, as a paragraph ([] without a single rank)."""
-    dev = loss_deviation(rows)
-    if dev is None:
-        return []
+    devs = [d for d in (loss_vs_single(r, rows) for r in rows if r["kind"] != "single") if d is not None]
     return [f"Step-0 loss of every layout vs the single-rank loss {same} (same weights, tokens and noise): "
-            f"largest relative difference {dev:.1e}.", ""]
+            f"largest relative difference {max(devs):.1e}.", ""] if devs else []
 
 
 def _plots_section(plots: Dict[str, str]) -> List[str]:
-    if not plots:
-        return []
-    return ["## Plots", ""] + [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()] + [""]
+    return (["## Plots", ""] + [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()] + [""]
+            if plots else [])
 
 
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
@@ -138,13 +145,6 @@ def loss_vs_single(r: Dict, rows: List[Dict]) -> Optional[float]:
     single = {_single_key(x): x["loss_step0"] for x in rows if x["kind"] == "single"}
     ref = single.get(_single_key(r))
     return None if ref is None else abs(r["loss_step0"] - ref) / abs(ref)
-
-
-def loss_deviation(rows: List[Dict]) -> Optional[float]:
-    """Largest |loss - single-rank loss| / |single-rank loss| over all cases (None without single)."""
-    devs = [loss_vs_single(r, rows) for r in rows if r["kind"] != "single"]
-    devs = [d for d in devs if d is not None]
-    return max(devs) if devs else None
 
 
 def dg_headline(rows: List[Dict]) -> List[Dict]:
@@ -252,8 +252,7 @@ def _hidden_summary(rows: List[Dict]) -> List[str]:
                      f"{100 * (1 - sum(t['forward_exposed_comm_s'] for t in fwd) / fwd_in):.0f}%") if fwd_in else ""
         out.append(f"Hidden communication, {transport} transport (CP and CSBP cases): of the time attention "
                    f"collectives were in flight (all ranks, all cases), {100 * (1 - exposed / inflight):.0f}% was "
-                   "covered by compute "
-                   f"(per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
+                   f"covered by compute (per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
                    f"{100 * shares[len(shares) // 2]:.0f}%){fwd_share}.")
     return out + [""] if out else []
 

@@ -9,8 +9,8 @@ from typing import Dict, List
 
 import torch
 
-from megatron_csbp.bench.cases import (BenchConfig, Case, cases_for_config, dg_formula_bytes_per_layer,
-                                      formula_bytes_sent)
+from megatron_csbp.bench.cases import (BenchConfig, Case, DiffusionGemmaBenchModel, cases_for, dg_cases_for,
+                                      dg_formula_bytes_per_layer, formula_bytes_sent)
 from megatron_csbp.parallel.spawn import spawn
 from megatron_csbp.bench.worker import world_main
 
@@ -106,7 +106,7 @@ def run(cfg: BenchConfig, log=print) -> Dict:
     per_world = []
     t0 = time.perf_counter()
     for P in (1,) + tuple(cfg.sizes):
-        cases = cases_for_config(cfg, P)
+        cases = dg_cases_for(P) if isinstance(cfg.model, DiffusionGemmaBenchModel) else cases_for(P, cfg.layouts)
         log(f"[bench] world of {P} rank(s): {', '.join(c.name for c in cases)} at L = {list(cfg.seq_lengths)}")
         tw = time.perf_counter()
         per_rank = spawn(world_main, P, cfg, cases)
