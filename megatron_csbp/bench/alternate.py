@@ -24,16 +24,7 @@ import sys
 import time
 from typing import Dict, List, Sequence
 
-from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, Case, cases_for
-
-
-def world_main(rank: int, world_size: int, cfg: BenchConfig, order: List[Case]) -> List[Dict]:
-    import warnings
-
-    from megatron_csbp.bench.worker import run_case
-
-    warnings.filterwarnings("ignore")  # Megatron's CPU/apex notices, once per case otherwise
-    return [run_case(case, list(cfg.seq_lengths), cfg)[0] for case in order]
+from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, cases_for
 
 
 def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -> Dict:
@@ -42,6 +33,7 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
     a, b = ({c.name: c for c in cases_for(P, layouts)}[n] for n in layouts)
     order = [c for i in range(pairs) for c in ((a, b) if i % 2 == 0 else (b, a))]
     from megatron_csbp.bench.runner import load_average
+    from megatron_csbp.bench.worker import world_main  # one record per run: one sequence length
     from megatron_csbp.parallel.spawn import spawn
 
     load0 = load_average()

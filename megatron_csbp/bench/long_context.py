@@ -69,13 +69,9 @@ def _partial_masks(plan):
 def _plan_pairs(plan) -> Tuple[int, int, int]:
     """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
     allowed = rect = 0
-    for block_diagonal, mask in _partial_masks(plan):
-        if block_diagonal:  # every noisy row sees its whole block (B = mask.shape[0])
-            allowed += plan.num_noisy * mask.shape[0]
-            rect += plan.num_noisy * mask.shape[0]
-        else:
-            allowed += mask.allowed_pairs()
-            rect += mask.shape[0] * mask.shape[1]
+    for block_diagonal, mask in _partial_masks(plan):  # block-diagonal: every noisy row sees its whole block of B
+        allowed += plan.num_noisy * mask.shape[0] if block_diagonal else mask.allowed_pairs()
+        rect += plan.num_noisy * mask.shape[0] if block_diagonal else mask.shape[0] * mask.shape[1]
     return allowed, rect, plan.nbytes()
 
 

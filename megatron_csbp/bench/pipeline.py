@@ -40,8 +40,8 @@ def _p2p_bytes_sent():
 
     def counted(fn):
         def wrapper(**kw):
-            sent[0] += sum(t.numel() * t.element_size() for t in (kw.get("tensor_send_prev"), kw.get("tensor_send_next"))
-                           if t is not None)
+            sends = (kw.get("tensor_send_prev"), kw.get("tensor_send_next"))
+            sent[0] += sum(t.numel() * t.element_size() for t in sends if t is not None)
             return fn(**kw)
         return wrapper
 
@@ -77,9 +77,9 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
             p2p.append(sent[0])
         with TensorPeakTracker() as tracker:
             trainer.train_step((steps + 1) * G)
-        return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(), rows=len(trainer.chunks[0].bdlm.plan.local),
-                    step_s=statistics.median(times), attn_bytes=attn[-1], p2p_bytes=p2p[-1],
-                    peak_tensor_bytes=tracker.peak_bytes)
+        return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(),
+                    rows=len(trainer.chunks[0].bdlm.plan.local), step_s=statistics.median(times), attn_bytes=attn[-1],
+                    p2p_bytes=p2p[-1], peak_tensor_bytes=tracker.peak_bytes)
 
 
 def run(seq_length: int, steps: int) -> Dict:
