@@ -175,8 +175,7 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
                 dist.all_gather_object(gathered, rec)
                 if rank == 0:
                     with open(out_path, "a") as f:
-                        for r in gathered:
-                            f.write(json.dumps(r) + "\n")
+                        f.writelines(json.dumps(r) + "\n" for r in gathered)
                     print(f"[long-context] {kernel_name} {case_name} L={L}: step {rec['step_s']:.1f} s, "
                           f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
         finally:

@@ -108,11 +108,9 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
         "| layout | rank | stage | rows | step s | attention MiB | P2P MiB | tensor peak MiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, ranks in result.items():
-        for r in sorted(ranks, key=lambda r: r["rank"]):
-            lines.append(f"| {name} | {r['rank']} | {r['stage']} | {r['rows']} | {r['step_s']:.3f} | "
-                         f"{r['attn_bytes'] / 2**20:.2f} | {r['p2p_bytes'] / 2**20:.2f} | "
-                         f"{r['peak_tensor_bytes'] / 2**20:.1f} |")
+    lines += [f"| {name} | {r['rank']} | {r['stage']} | {r['rows']} | {r['step_s']:.3f} | "
+              f"{r['attn_bytes'] / 2**20:.2f} | {r['p2p_bytes'] / 2**20:.2f} | {r['peak_tensor_bytes'] / 2**20:.1f} |"
+              for name, ranks in result.items() for r in sorted(ranks, key=lambda r: r["rank"])]
     lines += ["", "| layout | step s (slowest rank) | attention MiB / rank | P2P MiB / rank | tensor peak MiB, stage 0 / stage 1 |",
               "|---|---|---|---|---|"]
     for name, ranks in result.items():

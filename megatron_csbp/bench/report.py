@@ -336,8 +336,8 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
         return {}
     files, cases = {}, list(dict.fromkeys(r["case"] for r in rows if r["P"] > 1))
 
-    def series(P, case, key):
-        pts = sorted((r["seq_length"], r[key]) for r in rows if r["P"] == P and r["case"] == case
+    def series(P, case, key, scale):  # (L, value / scale) sorted by L
+        pts = sorted((r["seq_length"], r[key] / scale) for r in rows if r["P"] == P and r["case"] == case
                      and r[key] is not None)
         return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -346,20 +346,19 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
         fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
         for ax, P in zip(axes[0], sizes):
             for case in cases:
-                x, y = series(P, case, key)
+                x, y = series(P, case, key, scale)
                 if x:
-                    ax.plot(x, [v / scale for v in y], marker="o", label=case)
+                    ax.plot(x, y, marker="o", label=case)
             if key == "attn_bytes_sent":
                 for case, style in (("cp-allgather", ":"), ("csbp-allgather", "--")):
-                    x, y = series(P, case, "formula_bytes_sent")
+                    x, y = series(P, case, "formula_bytes_sent", scale)
                     if x:
-                        ax.plot(x, [v / scale for v in y], linestyle=style, color="k", linewidth=1,
+                        ax.plot(x, y, linestyle=style, color="k", linewidth=1,
                                 label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
                 singles = list(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)) or ["single"]
                 for j, single in enumerate(singles):
-                    x, y = series(1, single, key)
-                    ax.plot(x, [v / scale for v in y], marker="x", linestyle="--" if j == 0 else "-.", color="k",
+                    ax.plot(*series(1, single, key, scale), marker="x", linestyle="--" if j == 0 else "-.", color="k",
                             label="single rank" if single == "single" else f"single rank ({single})")
             if key == "attn_bytes_sent" and any("attention" in r for r in rows):
                 ax.set_yscale("log")  # DiffusionGemma: windowed CSBP moves ~1/30 of CP

@@ -25,8 +25,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
     rows = []
     for records in zip(*per_rank):
         first = records[0]
-        case = Case(first["case"], first["cp"], first["bp"], first["transport"], first["schedule"],
-                    first.get("attention"))
+        case = Case(*(first[k] for k in ("case", "cp", "bp", "transport", "schedule")), first.get("attention"))
         if case.shard_group_size != len(records):
             raise RuntimeError(f"case {case.name} of {case.shard_group_size} ranks came back from {len(records)} ranks")
         L, t = first["seq_length"], first["median_step_s"]  # t: already the max over ranks, per step
@@ -34,28 +33,23 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
         sent, peak, rss = ([r[k] for r in records] for k in keys)
         row = {
             "case": case.name, "kind": case.kind, "P": case.shard_group_size, "cp": case.cp, "bp": case.bp,
-            "transport": case.transport, "schedule": case.schedule, "seq_length": L,
-            "median_step_s": t, "step_times_s": first["step_times_s"],
-            "tokens_per_s": cfg.model.micro_batch_size * L / t,
-            "loss_step0": first["loss_step0"],
-            "rows_per_rank": [r["rows"] for r in records],
+            "transport": case.transport, "schedule": case.schedule, "seq_length": L, "median_step_s": t,
+            "step_times_s": first["step_times_s"], "tokens_per_s": cfg.model.micro_batch_size * L / t,
+            "loss_step0": first["loss_step0"], "rows_per_rank": [r["rows"] for r in records],
             "attn_bytes_sent_per_rank": sent, "attn_bytes_sent": max(sent),
             "attn_bytes_received": max(r["attn_bytes_received"] for r in records),
             "attn_bytes_per_layer_rank0": {str(k): v for k, v in records[0]["attn_bytes_per_layer"].items()},
             "formula_bytes_sent": formula_bytes_sent(case, cfg.model, L),
-            "peak_tensor_bytes_per_rank": peak,
-            "peak_tensor_bytes": None if None in peak else max(peak),
+            "peak_tensor_bytes_per_rank": peak, "peak_tensor_bytes": None if None in peak else max(peak),
             "static_tensor_bytes_per_rank": [r["static_tensor_bytes"] for r in records],
-            "rss_high_water_bytes_per_rank": rss,
-            "rss_high_water_bytes": None if None in rss else max(rss),
+            "rss_high_water_bytes_per_rank": rss, "rss_high_water_bytes": None if None in rss else max(rss),
             "baseline": case.baseline_name(),
             # the slowest rank's median seconds waiting on attention collectives per step
             "exposed_comm_s": (max(r["exposed_comm_s"] for r in records)
                                if all("exposed_comm_s" in r for r in records) else None),
         }
         if all("in_flight_comm_s" in r for r in records):
-            inflight = [r["in_flight_comm_s"] for r in records]
-            exposed = [r["exposed_comm_s"] for r in records]
+            inflight, exposed = ([r[k] for r in records] for k in ("in_flight_comm_s", "exposed_comm_s"))
             row.update(
                 timing_per_rank=[{k: r[k] for k in TIMING_KEYS} for r in records],
                 in_flight_comm_s=max(inflight),
