@@ -85,7 +85,6 @@ def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
     """One layer's block attention forward + backward on this rank's plan, random inputs."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
     from megatron_csbp.attention.kernels.registry import get_kernel
-
     from megatron_csbp.bench.worker import slowest_rank_s
 
     q, k, v = _random_qkv(model, len(plan.local), model.micro_batch_size, 7)

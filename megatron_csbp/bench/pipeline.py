@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from megatron_csbp.utils.cli import run
+if __name__ == "__main__":  # utils.cli.run under another name: this module's run() stays what main calls
+    from megatron_csbp.utils.cli import run as run_cli
 
-    sys.exit(run(main))
+    sys.exit(run_cli(main))

@@ -125,14 +125,12 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         peak_tensor, static, rss_peak = step_memory(lambda: step(cfg.warmup + cfg.steps), shard_group)
     record = {
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
-        "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
-        "shard_rank": shard_rank, "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times,
-        "median_step_s": statistics.median(times),
+        "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length, "shard_rank": shard_rank,
+        "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times, "median_step_s": statistics.median(times),
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "thread_cpu_steps_s": per_step["thread_cpu_s"], "transfers": transfers,
-        **{key: statistics.median(values) for key, values in per_step.items()},
-    }
+        **{key: statistics.median(values) for key, values in per_step.items()}}
     if cfg.count_ops:
         record["op_counts"] = count_ops(lambda: step(cfg.warmup + cfg.steps + 1))
     if case.attention is not None:
