@@ -32,9 +32,7 @@ class TensorPeakTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: Dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-        self.baseline = 0
+        self.current = self.peak = self.baseline = 0
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or t.is_sparse:
@@ -48,13 +46,11 @@ class TensorPeakTracker(TorchDispatchMode):
             return
         self.live[key] = nbytes
         self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
+        self.peak = max(self.peak, self.current)
         weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
-        nbytes = self.live.pop(key, 0)
-        self.current -= nbytes
+        self.current -= self.live.pop(key, 0)
 
     def __enter__(self):
         # count every tensor reachable from Python now (the state the step starts from)

@@ -117,8 +117,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             for key, value in zip(per_step, [counter.total_waited_s, counter.total_in_flight_s, *forward, dc, dp]):
                 per_step[key].append(value)
             transfers += counter.transfers
-    sent, received = counter.total_sent, counter.total_received
-    per_layer = counter.per_layer()
+    sent, received, per_layer = counter.total_sent, counter.total_received, counter.per_layer()
 
     peak_tensor = static = rss_peak = None
     if cfg.measure_memory:
