@@ -69,8 +69,8 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
              "",
              "| mode | tokens | tokens/s with cache | forwards | tokens/s without cache | forwards | speed-up | same tokens |",
              "|---|---|---|---|---|---|---|---|"]
-    for name, n, tc, fc, tn, fn, speed, same in rows:
-        lines.append(f"| {name} | {n} | {tc:.1f} | {fc} | {tn:.1f} | {fn} | {speed:.2f}x | {'yes' if same else 'NO'} |")
+    lines += [f"| {name} | {n} | {tc:.1f} | {fc} | {tn:.1f} | {fn} | {speed:.2f}x | {'yes' if same else 'NO'} |"
+              for name, n, tc, fc, tn, fn, speed, same in rows]
     return "\n".join(lines) + "\n"
 
 

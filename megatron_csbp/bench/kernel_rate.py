@@ -79,9 +79,9 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
 def render(rows: List[Dict]) -> str:
     lines = ["| kernel | L | allowed pairs (M) | fwd+bwd (s) | ns / pair / head | SDPA causal 2L (ns / pair / head) "
              "| rate vs SDPA |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kernel']} | {r['seq_length']} | {r['allowed_pairs'] / 1e6:.1f} | {r['kernel_s']:.3f} "
-                     f"| {r['ns_per_pair_head']:.1f} | {r['sdpa_ns_per_pair_head']:.1f} | {r['rate_vs_sdpa']:.2f} |")
+    lines += [f"| {r['kernel']} | {r['seq_length']} | {r['allowed_pairs'] / 1e6:.1f} | {r['kernel_s']:.3f} "
+              f"| {r['ns_per_pair_head']:.1f} | {r['sdpa_ns_per_pair_head']:.1f} | {r['rate_vs_sdpa']:.2f} |"
+              for r in rows]
     return "\n".join(lines)
 
 

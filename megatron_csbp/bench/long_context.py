@@ -253,31 +253,26 @@ def render(result: Dict) -> str:
         "| mask bytes (KiB) | attention (s) | ns / allowed pair |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        star = "" if r["warm"] else "*"
-        lines.append(
-            f"| {r['kernel']} | {r['case']} | {r['seq_length']} | {r['step_s']:.2f}{star} | "
-            f"{r['peak_tensor_bytes'] / 2**20:.0f} | {r['rss_high_water_bytes'] / 2**20:.0f} | "
-            f"{r['allowed_pairs'] / 1e6:.1f} | {r['kernel_rectangle_pairs'] / 1e6:.1f} | {r['mask_bytes'] / 1024:.0f} | "
-            f"{r['attention_s']:.2f} | {r['attention_s'] / max(1, r['allowed_pairs']) * 1e9:.1f} |")
+    lines += [f"| {r['kernel']} | {r['case']} | {r['seq_length']} | {r['step_s']:.2f}{'' if r['warm'] else '*'} | "
+              f"{r['peak_tensor_bytes'] / 2**20:.0f} | {r['rss_high_water_bytes'] / 2**20:.0f} | "
+              f"{r['allowed_pairs'] / 1e6:.1f} | {r['kernel_rectangle_pairs'] / 1e6:.1f} | "
+              f"{r['mask_bytes'] / 1024:.0f} | {r['attention_s']:.2f} | "
+              f"{r['attention_s'] / max(1, r['allowed_pairs']) * 1e9:.1f} |" for r in rows]
     scaling = result.get("attention_scaling")
     if scaling:
         lines += ["", "Attention alone, single rank (one layer, forward + backward, thread CPU time: other jobs on "
                   "the machine barely move it), with the pairs the tiled kernel's occupied tiles cover:", "",
                   "| kernel | L | CPU s | allowed pairs (M) | tiles cover (M) | rectangle (M) | ns / allowed pair "
                   "| ns / rectangle pair |", "|---|---|---|---|---|---|---|---|"]
-        for r in scaling:
-            lines.append(f"| {r['kernel']} | {r['seq_length']} | {r['attention_cpu_s']:.2f} | "
-                         f"{r['allowed_pairs'] / 1e6:.1f} | {r['tiled_computed_pairs'] / 1e6:.1f} | "
-                         f"{r['kernel_rectangle_pairs'] / 1e6:.1f} | "
-                         f"{r['attention_cpu_s'] / r['allowed_pairs'] * 1e9:.1f} | "
-                         f"{r['attention_cpu_s'] / r['kernel_rectangle_pairs'] * 1e9:.1f} |")
+        lines += [f"| {r['kernel']} | {r['seq_length']} | {r['attention_cpu_s']:.2f} | "
+                  f"{r['allowed_pairs'] / 1e6:.1f} | {r['tiled_computed_pairs'] / 1e6:.1f} | "
+                  f"{r['kernel_rectangle_pairs'] / 1e6:.1f} | {r['attention_cpu_s'] / r['allowed_pairs'] * 1e9:.1f} | "
+                  f"{r['attention_cpu_s'] / r['kernel_rectangle_pairs'] * 1e9:.1f} |" for r in scaling]
     lin = result.get("linearity", {})
     if lin:
         lines += ["", "Memory linearity (tiled): (peak 32K - peak 16K) / (peak 16K - peak 8K), linear = 2.0, "
                   "target <= 2.3:", ""]
-        for case, v in lin.items():
-            lines.append(f"- {case}: {v['ratio']:.2f} ({'ok' if v['ok'] else 'MISSED'})")
+        lines += [f"- {case}: {v['ratio']:.2f} ({'ok' if v['ok'] else 'MISSED'})" for case, v in lin.items()]
     if result.get("notes"):
         lines += [""] + result["notes"]
     lines.append("")

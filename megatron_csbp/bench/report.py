@@ -199,12 +199,9 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
                 "| P | L | bytes, hybrid | bytes, full attention | full / hybrid | step time, hybrid | "
                 "step time, full | peak memory, hybrid | peak memory, full |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for h in head:
-            out.append(f"| {h['P']} | {h['seq_length']} | {_fmt(h['bytes_hybrid'], '.4f')} | "
-                       f"{_fmt(h['bytes_full'], '.4f')} | {_fmt(h['bytes_ratio_of_ratios'], '.1f')}x | "
-                       f"{_ratio(h['time_hybrid'])} | {_ratio(h['time_full'])} | {_ratio(h['memory_hybrid'])} | "
-                       f"{_ratio(h['memory_full'])} |")
-        out.append("")
+        out += [f"| {h['P']} | {h['seq_length']} | {_fmt(h['bytes_hybrid'], '.4f')} | {_fmt(h['bytes_full'], '.4f')} | "
+                f"{_fmt(h['bytes_ratio_of_ratios'], '.1f')}x | {_ratio(h['time_hybrid'])} | {_ratio(h['time_full'])} | "
+                f"{_ratio(h['memory_hybrid'])} | {_ratio(h['memory_full'])} |" for h in head] + [""]
     out += ["## Cases", "",
             "| L | case | attention | CP | BP | step ms | time vs CP | attn logical bytes sent/rank | vs CP | formula bytes "
             "| peak MiB (max rank) | vs CP | loss step 0 | vs single |",
@@ -295,9 +292,9 @@ def _memory_vs_cp(rows: List[Dict]) -> List[str]:
     out = ["## CSBP peak memory vs CP, same transport (L >= 2048)", "",
            "| P | L | CSBP layout | transport | CP MiB | CSBP MiB | CSBP / CP | CSBP - CP KiB |",
            "|---|---|---|---|---|---|---|---|"]
-    for c in cmp:
-        out.append(f"| {c['P']} | {c['seq_length']} | {c['case']} | {c['transport']} | {c['cp_bytes'] / MiB:.2f} | "
-                   f"{c['csbp_bytes'] / MiB:.2f} | {c['ratio']:.4f} | {(c['csbp_bytes'] - c['cp_bytes']) / 1024:+.0f} |")
+    out += [f"| {c['P']} | {c['seq_length']} | {c['case']} | {c['transport']} | {c['cp_bytes'] / MiB:.2f} | "
+            f"{c['csbp_bytes'] / MiB:.2f} | {c['ratio']:.4f} | {(c['csbp_bytes'] - c['cp_bytes']) / 1024:+.0f} |"
+            for c in cmp]
     worst = max(cmp, key=lambda c: c["ratio"])
     above = sum(c["ratio"] > 1.0 for c in cmp)
     verdict = ("CSBP at or below CP in every case above" if not above
