@@ -241,9 +241,8 @@ class BenchConfig:
                                      "(zigzag chunks and balanced mirrored block pairs)")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["seq_lengths"], d["sizes"], d["layouts"] = list(self.seq_lengths), list(self.sizes), list(self.layouts)
-        return d
+        return dict(asdict(self), seq_lengths=list(self.seq_lengths), sizes=list(self.sizes),
+                    layouts=list(self.layouts))
 
 
 def quick_config() -> BenchConfig:
