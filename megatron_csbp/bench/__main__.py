@@ -18,12 +18,11 @@ import sys
 
 from dataclasses import replace
 
-from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, dg_config, dg_quick_config, quick_config
+from megatron_csbp.bench.cases import ALL_LAYOUTS, SIZE_FLAGS, BenchConfig, dg_config, dg_quick_config, quick_config
 
 MODELS = ("gpt", "diffusiongemma-hybrid")
 #: the bench model's sizes a flag of the same name overrides
-MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-               "vocab_size", "block_size", "micro_batch_size")
+MODEL_FLAGS = SIZE_FLAGS + ("block_size", "micro_batch_size")
 
 
 def parse_args(argv=None):
@@ -64,20 +63,11 @@ def config_from_args(args) -> BenchConfig:
         raise ValueError("--layouts: the diffusiongemma-hybrid model runs single, CP and CSBP (all-gather) only")
     if not dg and args.sliding_window is not None:
         raise ValueError("--sliding-window applies to --model diffusiongemma-hybrid only")
-    if dg:
-        cfg = dg_quick_config() if args.quick else dg_config()
-    else:
-        cfg = quick_config() if args.quick else BenchConfig()
+    cfg = ((dg_quick_config if args.quick else dg_config) if dg else (quick_config if args.quick else BenchConfig))()
     overrides = {k: getattr(args, k) for k in MODEL_FLAGS + ("sliding_window",) if getattr(args, k) is not None}
-    cfg = replace(
-        cfg, model=replace(cfg.model, **overrides),
-        seq_lengths=tuple(args.seq_lengths) if args.seq_lengths else cfg.seq_lengths,
-        sizes=tuple(args.sizes) if args.sizes else cfg.sizes,
-        layouts=tuple(args.layouts) if args.layouts else cfg.layouts,
-        warmup=cfg.warmup if args.warmup is None else args.warmup,
-        steps=cfg.steps if args.steps is None else args.steps,
-        measure_memory=not args.no_memory,
-    )
+    cfg = replace(cfg, model=replace(cfg.model, **overrides), measure_memory=not args.no_memory,
+                  **{k: tuple(getattr(args, k)) for k in ("seq_lengths", "sizes", "layouts") if getattr(args, k)},
+                  **{k: getattr(args, k) for k in ("warmup", "steps") if getattr(args, k) is not None})
     cfg.check()
     return cfg
 

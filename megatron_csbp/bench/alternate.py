@@ -15,38 +15,28 @@ load cannot change (the same in every pair).
 """
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
 import time
 from typing import Dict, List, Sequence
 
-from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, Case, cases_for
-
-
-def world_main(rank: int, world_size: int, cfg: BenchConfig, order: List[Case]) -> List[Dict]:
-    import warnings
-
-    from megatron_csbp.bench.worker import run_case
-
-    warnings.filterwarnings("ignore")  # Megatron's CPU/apex notices, once per case otherwise
-    return [run_case(case, list(cfg.seq_lengths), cfg)[0] for case in order]
+from megatron_csbp.bench.cases import ALL_LAYOUTS, BenchConfig, cases_for
 
 
 def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -> Dict:
     """Run layouts A, B alternately `pairs` times in one world; per-pair ratios B / A."""
     (P,), (L,) = cfg.sizes, cfg.seq_lengths
-    by_name = {c.name: c for c in cases_for(P, layouts)}
-    a, b = (by_name[n] for n in layouts)
+    a, b = ({c.name: c for c in cases_for(P, layouts)}[n] for n in layouts)
     order = [c for i in range(pairs) for c in ((a, b) if i % 2 == 0 else (b, a))]
+    from megatron_csbp.bench.runner import load_average
+    from megatron_csbp.bench.worker import world_main  # one record per run: one sequence length
     from megatron_csbp.parallel.spawn import spawn
 
-    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load0 = load_average()
     t0 = time.perf_counter()
     log(f"[alternate] P = {P}, L = {L}: {pairs} pairs of {a.name} / {b.name}")
     per_rank = spawn(world_main, P, cfg, order)
@@ -59,17 +49,12 @@ def alternate(cfg: BenchConfig, layouts: Sequence[str], pairs: int, log=print) -
                "median_step_s": records[0]["median_step_s"], "loss_step0": records[0]["loss_step0"]}
         if cfg.count_ops:
             run["ops_per_step"] = [sum(x["op_counts"].values()) for x in records]
-            run["op_counts"] = _summed([x["op_counts"] for x in records])
+            run["op_counts"] = dict(sum((Counter(x["op_counts"]) for x in records), Counter()))
         runs.append(run)
-    out = {"layouts": [a.name, b.name], "P": P, "seq_length": L, "pairs": pairs, "runs": runs,
-           "summary": summary(runs, a.name, b.name),
-           "environment": {"load_average_at_start": load0, "wall_s": time.perf_counter() - t0,
-                           "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None}}
-    return out
-
-
-def _summed(counts: List[Dict[str, int]]) -> Dict[str, int]:
-    return dict(sum((Counter(c) for c in counts), Counter()))
+    return {"layouts": [a.name, b.name], "P": P, "seq_length": L, "pairs": pairs, "runs": runs,
+            "summary": summary(runs, a.name, b.name),
+            "environment": {"load_average_at_start": load0, "wall_s": time.perf_counter() - t0,
+                            "load_average_at_end": load_average()}}
 
 
 def median_ci(x: Sequence[float], level: float = 0.95):
@@ -142,12 +127,10 @@ def render(result: Dict, command: str, top: int = 12) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.alternate", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("alternate", __doc__, raw=True)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--size", type=int, default=4, help="ranks of the shard group (P)")
     p.add_argument("--layouts", nargs=2, default=["cp-ring", "csbp-ring"], choices=ALL_LAYOUTS,
@@ -179,12 +162,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     result = alternate(cfg, args.layouts, args.pairs)
-    command = "python -m megatron_csbp.bench.alternate " + " ".join(shlex.quote(x) for x in argv)
-    md = render(result, command.strip())
+    command = ("python -m megatron_csbp.bench.alternate " + " ".join(shlex.quote(x) for x in argv)).strip()
+    md = render(result, command)
     print(md)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(result, command=command.strip()), f, indent=1)
+            json.dump(dict(result, command=command), f, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(md)

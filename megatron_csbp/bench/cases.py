@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: the model sizes both benchmark models hand the trainer as flags of the same name
+SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
 
 
 def trainer_argv(values: Dict[str, Any]) -> List[str]:
@@ -14,6 +16,11 @@ def trainer_argv(values: Dict[str, Any]) -> List[str]:
     from megatron_csbp.config.options import flag_text
 
     return " ".join(flag_text(k, v) for k, v in values.items()).split()
+
+
+def _check_fp32(dtype: str) -> None:
+    if dtype != "fp32":
+        raise ValueError("the CPU benchmark runs in fp32 (gloo, CPU kernels)")
 
 
 @dataclass(frozen=True)
@@ -38,11 +45,8 @@ class BenchModel:
     def flags(self) -> Dict[str, Any]:
         """The model as flags by dest: what the trainer builds (Megatron's TransformerConfig defaults:
         LayerNorm, GeLU, biases) and the planner reads (`planner.model_config.from_flags`)."""
-        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
-                    ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
-                    attention_kernel=self.attention_kernel, normalization="LayerNorm", swiglu=False,
-                    add_bias_linear=True)
+        return dict({k: getattr(self, k) for k in SIZE_FLAGS}, attention_kernel=self.attention_kernel,
+                    normalization="LayerNorm", swiglu=False, add_bias_linear=True)
 
     def check(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -51,8 +55,7 @@ class BenchModel:
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
                              f"--num-query-groups {self.num_query_groups}")
-        if self.dtype != "fp32":
-            raise ValueError("the CPU benchmark runs in fp32 (gloo, CPU kernels)")
+        _check_fp32(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -76,18 +79,11 @@ class Case:
     def kind(self) -> str:
         return layout_kind(self.cp, self.bp)
 
-    @property
-    def ring_size(self) -> int:
-        return self.cp
-
     def baseline_name(self) -> Optional[str]:
         """The CP case this one is compared with: CP over the same ranks, same transport."""
         if self.kind == "single":
             return None
-        if self.attention is not None:
-            return f"cp-{self.attention}"
-        transport = self.transport if self.kind in ("cp", "csbp") else "allgather"
-        return f"cp-{transport}"
+        return f"cp-{self.attention or (self.transport if self.kind in ('cp', 'csbp') else 'allgather')}"
 
 
 ALL_LAYOUTS = ("cp-allgather", "cp-ring", "bp", "csbp-allgather", "csbp-ring", "csbp-allgather-contiguous",
@@ -101,16 +97,12 @@ def cases_for(size: int, layouts=ALL_LAYOUTS) -> List[Case]:
         raise ValueError(f"--layouts: unknown {sorted(unknown)}; choose from {list(ALL_LAYOUTS)}")
     if size == 1:
         return [Case("single", 1, 1)]
-    table = {
-        "cp-allgather": Case("cp-allgather", size, 1, "allgather"),
-        "cp-ring": Case("cp-ring", size, 1, "ring"),
-        "bp": Case("bp", 1, size),
-        "csbp-allgather": Case("csbp-allgather", size, size, "allgather", "mirrored"),
-        "csbp-ring": Case("csbp-ring", size, size, "ring", "mirrored"),
-        "csbp-allgather-contiguous": Case("csbp-allgather-contiguous", size, size, "allgather", "contiguous"),
-    }
+    shapes = {"cp-allgather": (size, 1, "allgather"), "cp-ring": (size, 1, "ring"), "bp": (1, size),
+              "csbp-allgather": (size, size, "allgather", "mirrored"), "csbp-ring": (size, size, "ring", "mirrored"),
+              "csbp-allgather-contiguous": (size, size, "allgather", "contiguous")}
     if size >= 4 and size % 2 == 0:
-        table["csbp-2rings"] = Case("csbp-2rings", size // 2, size, "allgather", "mirrored")
+        shapes["csbp-2rings"] = (size // 2, size, "allgather", "mirrored")
+    table = {name: Case(name, *shape) for name, shape in shapes.items()}
     out = [table[name] for name in layouts if name in table]
     # the CP baselines must run for the ratios
     for need in ("cp-allgather", "cp-ring"):
@@ -135,13 +127,10 @@ def formula_bytes_sent(case: Case, model: "AnyModel", seq_length: int) -> Option
 def _layer_bytes(case: Case, k_bytes: int, csbp_factor: int) -> int:
     """One layer's bytes sent per rank, `k_bytes` = L*G*d*s: CP 8*k_bytes*(P-1)/P, CSBP
     `csbp_factor`*k_bytes*(C-1)/C (ring of C ranks), BP 0."""
-    if case.kind == "cp":
-        P = case.shard_group_size
-        return 8 * k_bytes * (P - 1) // P
-    if case.kind == "csbp":
-        C = case.ring_size
-        return csbp_factor * k_bytes * (C - 1) // C
-    return 0
+    if case.kind not in ("cp", "csbp"):
+        return 0
+    ranks, factor = (case.shard_group_size, 8) if case.kind == "cp" else (case.cp, csbp_factor)
+    return factor * k_bytes * (ranks - 1) // ranks
 
 
 @dataclass(frozen=True)
@@ -173,9 +162,7 @@ class DiffusionGemmaBenchModel:
 
     def flags(self) -> Dict[str, Any]:
         """The trainer's model flags (the model itself comes from the benchmark's provider)."""
-        return dict(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                    num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
-                    ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size)
+        return {k: getattr(self, k) for k in SIZE_FLAGS}
 
     @property
     def layer_types(self) -> List[str]:
@@ -188,19 +175,17 @@ class DiffusionGemmaBenchModel:
                              f"({self.num_query_groups} sliding, {self.full_num_query_groups} full)")
         if self.sliding_window < 1 or self.full_every < 1:
             raise ValueError(f"--sliding-window ({self.sliding_window}) and full_every must be >= 1")
-        if self.dtype != "fp32":
-            raise ValueError("the CPU benchmark runs in fp32 (gloo, CPU kernels)")
+        _check_fp32(self.dtype)
 
 
 AnyModel = Union[BenchModel, DiffusionGemmaBenchModel]
-DG_ATTENTION = ("hybrid", "full")
 
 
 def dg_cases_for(size: int) -> List[Case]:
     """Single, CP and CSBP (CP = BP = P, all-gather transport) on the hybrid model and on the same
     weights with every layer full attention."""
     out = []
-    for att in DG_ATTENTION:
+    for att in ("hybrid", "full"):
         if size == 1:
             out.append(Case(f"single-{att}", 1, 1, attention=att))
         else:
@@ -228,12 +213,6 @@ def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_
     return out
 
 
-def cases_for_config(cfg: "BenchConfig", size: int) -> List[Case]:
-    if isinstance(cfg.model, DiffusionGemmaBenchModel):
-        return dg_cases_for(size)
-    return cases_for(size, cfg.layouts)
-
-
 @dataclass
 class BenchConfig:
     model: AnyModel = field(default_factory=BenchModel)
@@ -254,29 +233,24 @@ class BenchConfig:
         for P in self.sizes:
             if P < 2:
                 raise ValueError(f"--sizes must be >= 2 (the single-rank run is always included), got {P}")
-        B = self.model.block_size
         for L in self.seq_lengths:
             for P in self.sizes:
-                if L % (2 * P * B):
-                    raise ValueError(
-                        f"--seq-lengths {L} must be a multiple of 2 x P x --block-size = {2 * P * B} for P = {P} "
-                        "(zigzag chunks and balanced mirrored block pairs)"
-                    )
+                if L % (2 * P * self.model.block_size):
+                    raise ValueError(f"--seq-lengths {L} must be a multiple of 2 x P x --block-size = "
+                                     f"{2 * P * self.model.block_size} for P = {P} "
+                                     "(zigzag chunks and balanced mirrored block pairs)")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["seq_lengths"], d["sizes"], d["layouts"] = list(self.seq_lengths), list(self.sizes), list(self.layouts)
-        return d
+        return dict(asdict(self), seq_lengths=list(self.seq_lengths), sizes=list(self.sizes),
+                    layouts=list(self.layouts))
 
 
 def quick_config() -> BenchConfig:
     """CI-sized: one layer, short sequences, P = 2 only (about half a minute on two cores)."""
-    return BenchConfig(
-        model=BenchModel(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                         ffn_hidden_size=128, vocab_size=128, block_size=8),
-        seq_lengths=(64, 128), sizes=(2,), warmup=1, steps=2,
-        layouts=("cp-allgather", "cp-ring", "bp", "csbp-allgather", "csbp-ring", "csbp-allgather-contiguous"),
-    )
+    return BenchConfig(model=BenchModel(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                        ffn_hidden_size=128, vocab_size=128, block_size=8),
+                       seq_lengths=(64, 128), sizes=(2,), warmup=1, steps=2,
+                       layouts=tuple(name for name in ALL_LAYOUTS if name != "csbp-2rings"))
 
 
 def dg_config() -> BenchConfig:

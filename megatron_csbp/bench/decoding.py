@@ -10,7 +10,6 @@ with it, B rows (plus each finished block once as clean rows).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -47,16 +46,12 @@ def run(load: str, max_new_tokens: int, temperature: float, seed: int):
                                       margs["block_size"], use_cache=cache)
             best = None
             for _ in range(REPEATS):
-                n, t0 = 0, time.perf_counter()
+                t0 = time.perf_counter()
                 s.forward_calls = 0
-                out[cache] = []
-                for prompt in PROMPTS:
-                    ids = s.generate(tok.tokenize(prompt), max_new_tokens, temperature=t, seed=seed,
-                                     max_length=margs["seq_length"], **kw)
-                    out[cache].append(ids)
-                    n += len(ids)
+                out[cache] = [s.generate(tok.tokenize(prompt), max_new_tokens, temperature=t, seed=seed,
+                                         max_length=margs["seq_length"], **kw) for prompt in PROMPTS]
                 best = min(best or 1e9, time.perf_counter() - t0)
-            stats[cache] = (n, best, s.forward_calls)
+            stats[cache] = (sum(map(len, out[cache])), best, s.forward_calls)
         same = out[True] == out[False]
         if not same:
             raise AssertionError(f"{name}: decoding with the KV cache gave other tokens than without it")
@@ -74,17 +69,15 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
              "",
              "| mode | tokens | tokens/s with cache | forwards | tokens/s without cache | forwards | speed-up | same tokens |",
              "|---|---|---|---|---|---|---|---|"]
-    for name, n, tc, fc, tn, fn, speed, same in rows:
-        lines.append(f"| {name} | {n} | {tc:.1f} | {fc} | {tn:.1f} | {fn} | {speed:.2f}x | {'yes' if same else 'NO'} |")
+    lines += [f"| {name} | {n} | {tc:.1f} | {fc} | {tn:.1f} | {fn} | {speed:.2f}x | {'yes' if same else 'NO'} |"
+              for name, n, tc, fc, tn, fn, speed, same in rows]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.decoding", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("decoding", __doc__, raw=True)
     p.add_argument("--load", required=True)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -101,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     return text
 
 
-if __name__ == "__main__":
-    from megatron_csbp.utils.cli import run
+if __name__ == "__main__":  # utils.cli.run under another name: this module's run() stays what main calls
+    from megatron_csbp.utils.cli import run as run_cli
 
-    sys.exit(run(main))
+    sys.exit(run_cli(main))

@@ -10,7 +10,6 @@ repeat so drifts hit both. `rate_vs_sdpa` = SDPA's ns per pair / the kernel's (1
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -21,14 +20,14 @@ from typing import Dict, List, Sequence
 import torch
 
 
-def _best(fn, repeats: int) -> float:
-    best = None
+def best_cpu_s(fn, repeats: int) -> float:
+    """The least main-thread CPU seconds of `repeats` calls of `fn()`."""
+    times = []
     for _ in range(repeats):
         t0 = time.thread_time()
         fn()
-        dt = time.thread_time() - t0
-        best = dt if best is None else min(best, dt)
-    return best
+        times.append(time.thread_time() - t0)
+    return min(times)
 
 
 def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[str] = ("tiled", "cpu_flash"),
@@ -41,15 +40,13 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
     torch.set_num_threads(1)
     rows = []
     for L in seq_lengths:
-        geometry = BlockGeometry(L, block_size)
         meta = logical_rows(L)
-        mask = PartialMask.of(meta, meta, geometry)
+        mask = PartialMask.of(meta, meta, BlockGeometry(L, block_size))
         pairs = mask.allowed_pairs()
         gen = torch.Generator().manual_seed(L)
         n = 2 * L
-        q = torch.randn(n, 1, heads, head_dim, generator=gen).to(dtype).requires_grad_()
-        k = torch.randn(n, 1, groups, head_dim, generator=gen).to(dtype).requires_grad_()
-        v = torch.randn(n, 1, groups, head_dim, generator=gen).to(dtype).requires_grad_()
+        q, k, v = (torch.randn(n, 1, h, head_dim, generator=gen).to(dtype).requires_grad_()
+                   for h in (heads, groups, groups))
         scale = head_dim ** -0.5
         qs, ks, vs = (x.detach().permute(1, 2, 0, 3).contiguous().requires_grad_() for x in (q, k, v))
 
@@ -66,21 +63,15 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
         fns = {name: run(get_kernel(name, q.device)) for name in kernels}
         for f in fns.values():  # plans and tables built, caches warm
             f()
-        times = {name: None for name in kernels}
-        t_sdpa = None
-        for _ in range(repeats):
-            t = _best(sdpa, 1)
-            t_sdpa = t if t_sdpa is None else min(t_sdpa, t)
-            for name, f in fns.items():
-                t = _best(f, 1)
-                times[name] = t if times[name] is None else min(times[name], t)
-        sdpa_pairs = n * (n + 1) // 2
-        sdpa_ns = t_sdpa / (sdpa_pairs * heads) * 1e9
+        samples = [[best_cpu_s(f, 1) for f in (sdpa, *fns.values())] for _ in range(repeats)]  # SDPA, kernels
+        t_sdpa, *kernel_s = (min(column) for column in zip(*samples))
+        sdpa_ns = t_sdpa / (n * (n + 1) // 2 * heads) * 1e9  # SDPA's causal mask over 2L rows
         for name in kernels:
-            ns = times[name] / (pairs * heads) * 1e9
+            t = dict(zip(fns, kernel_s))[name]
+            ns = t / (pairs * heads) * 1e9
             rows.append({"kernel": name, "seq_length": L, "block_size": block_size, "heads": heads, "groups": groups,
                          "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "allowed_pairs": pairs,
-                         "kernel_s": times[name], "ns_per_pair_head": ns, "sdpa_s": t_sdpa,
+                         "kernel_s": t, "ns_per_pair_head": ns, "sdpa_s": t_sdpa,
                          "sdpa_ns_per_pair_head": sdpa_ns, "rate_vs_sdpa": sdpa_ns / ns})
     return rows
 
@@ -88,18 +79,16 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
 def render(rows: List[Dict]) -> str:
     lines = ["| kernel | L | allowed pairs (M) | fwd+bwd (s) | ns / pair / head | SDPA causal 2L (ns / pair / head) "
              "| rate vs SDPA |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['kernel']} | {r['seq_length']} | {r['allowed_pairs'] / 1e6:.1f} | {r['kernel_s']:.3f} "
-                     f"| {r['ns_per_pair_head']:.1f} | {r['sdpa_ns_per_pair_head']:.1f} | {r['rate_vs_sdpa']:.2f} |")
+    lines += [f"| {r['kernel']} | {r['seq_length']} | {r['allowed_pairs'] / 1e6:.1f} | {r['kernel_s']:.3f} "
+              f"| {r['ns_per_pair_head']:.1f} | {r['sdpa_ns_per_pair_head']:.1f} | {r['rate_vs_sdpa']:.2f} |"
+              for r in rows]
     return "\n".join(lines)
 
 
 def main(argv=None):
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.kernel_rate", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("kernel_rate", __doc__, raw=True)
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--kernels", nargs="+", default=["tiled", "cpu_flash"])
     p.add_argument("--block-size", type=int, default=64)
@@ -130,8 +119,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-
     from megatron_csbp.utils.cli import run
 
     sys.exit(run(main))

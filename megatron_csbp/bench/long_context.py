@@ -47,11 +47,6 @@ class LongContextConfig:
     layouts: Tuple[str, ...] = ("single", "cp-allgather", "csbp-allgather")
     seed: int = 1234
 
-    def to_dict(self) -> Dict:
-        d = asdict(self)
-        d["model"] = asdict(self.model)
-        return d
-
     def cases(self, world: int) -> List[Case]:
         table = {"single": Case("single", 1, 1), "cp-allgather": Case("cp-allgather", self.P, 1, "allgather"),
                  "csbp-allgather": Case("csbp-allgather", self.P, self.P, "allgather", "mirrored")}
@@ -74,13 +69,9 @@ def _partial_masks(plan):
 def _plan_pairs(plan) -> Tuple[int, int, int]:
     """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
     allowed = rect = 0
-    for block_diagonal, mask in _partial_masks(plan):
-        if block_diagonal:  # every noisy row sees its whole block (B = mask.shape[0])
-            allowed += plan.num_noisy * mask.shape[0]
-            rect += plan.num_noisy * mask.shape[0]
-        else:
-            allowed += mask.allowed_pairs()
-            rect += mask.shape[0] * mask.shape[1]
+    for block_diagonal, mask in _partial_masks(plan):  # block-diagonal: every noisy row sees its whole block of B
+        allowed += plan.num_noisy * mask.shape[0] if block_diagonal else mask.allowed_pairs()
+        rect += plan.num_noisy * mask.shape[0] if block_diagonal else mask.shape[0] * mask.shape[1]
     return allowed, rect, plan.nbytes()
 
 
@@ -94,22 +85,18 @@ def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
     """One layer's block attention forward + backward on this rank's plan, random inputs."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
     from megatron_csbp.attention.kernels.registry import get_kernel
+    from megatron_csbp.bench.worker import slowest_rank_s
 
     q, k, v = _random_qkv(model, len(plan.local), model.micro_batch_size, 7)
     kernel = get_kernel(kernel_name, q.device)
-    dist.barrier(group=shard_group)
-    t0 = time.perf_counter()
-    out = block_diffusion_attention(q, k, v, plan, softmax_scale=model.head_dim ** -0.5, kernel=kernel, layer=1)
-    out.sum().backward()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
-    return float(dt)
+    return slowest_rank_s(lambda: block_diffusion_attention(
+        q, k, v, plan, softmax_scale=model.head_dim ** -0.5, kernel=kernel, layer=1).sum().backward(), shard_group)[0]
 
 
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
     from megatron_csbp.parallel import state as bps
-    from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
-    from megatron_csbp.bench.worker import bench_trainer
+    from megatron_csbp.bench.memory import step_memory
+    from megatron_csbp.bench.worker import bench_trainer, slowest_rank_s
 
     m = replace(cfg.model, attention_kernel=kernel_name)
     shard_rank, shard_group = bps.get_shard_rank(), bps.get_shard_group()
@@ -118,23 +105,9 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     def step(i: int) -> float:  # the trainer's step (its loss: the global one, summed over ranks)
         return trainer.train_step(i * m.micro_batch_size).loss
 
-    def timed(i: int) -> Tuple[float, float]:
-        dist.barrier(group=shard_group)
-        t0 = time.perf_counter()
-        loss = step(i)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
-        return float(dt), loss
-
-    first_step_s, loss0 = timed(0)  # builds the plan's masks and tile schedules
-    step_s = timed(1)[0] if L <= cfg.warm_max_length else first_step_s
-    gc.collect()
-    dist.barrier(group=shard_group)
-    reset_rss_high_water()
-    tracker = TensorPeakTracker()
-    with tracker:
-        step(2)
-    peak, static, rss = tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
+    first_step_s, loss0 = slowest_rank_s(lambda: step(0), shard_group)  # builds the masks and tile schedules
+    step_s = slowest_rank_s(lambda: step(1), shard_group)[0] if L <= cfg.warm_max_length else first_step_s
+    peak, static, rss = step_memory(lambda: step(2), shard_group)
     plan = trainer.model.bdlm.plan
     allowed, rect, mask_bytes = _plan_pairs(plan)
     attn_s = _attention_time(m, plan, kernel_name, shard_group)
@@ -156,6 +129,7 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
     from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
     from megatron_csbp.attention.kernels.registry import get_kernel
     from megatron_csbp.attention.kernels.tiled import tile_schedule
+    from megatron_csbp.bench.kernel_rate import best_cpu_s
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
 
@@ -168,20 +142,15 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
             plan = plan_for_layout(SequenceLayout(BlockGeometry(L, m.block_size)), 0)
             q, k, v = _random_qkv(m, 2 * L, 1, L)
             kernel = get_kernel(kernel_name, q.device)
-            best = None
-            for _ in range(repeats if L < 16384 else 1):
-                t0 = time.thread_time()
-                block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel).sum().backward()
-                dt = time.thread_time() - t0
-                best = dt if best is None else min(best, dt)
+            best = best_cpu_s(lambda: block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel)
+                              .sum().backward(), repeats if L < 16384 else 1)
             allowed, rect, _ = _plan_pairs(plan)
             computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
                            for block_diagonal, mask in _partial_masks(plan))
-            row = {"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
-                   "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed}
+            out.append({"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
+                        "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed})
             log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
                 f"{best / allowed * 1e9:.1f} ns per allowed pair")
-            out.append(row)
             del q, k, v, plan
             gc.collect()
     return out
@@ -195,7 +164,6 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
     from megatron_csbp.parallel import state as bps
 
     warnings.filterwarnings("ignore")
-    results = []
     for kernel_name, case_name in jobs:
         case = next(c for c in cfg.cases(world_size) if c.name == case_name)
         bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
@@ -206,14 +174,11 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
                 dist.all_gather_object(gathered, rec)
                 if rank == 0:
                     with open(out_path, "a") as f:
-                        for r in gathered:
-                            f.write(json.dumps(r) + "\n")
+                        f.writelines(json.dumps(r) + "\n" for r in gathered)
                     print(f"[long-context] {kernel_name} {case_name} L={L}: step {rec['step_s']:.1f} s, "
                           f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
-                results.append(rec)
         finally:
             bps.destroy_block_parallel()
-    return results
 
 
 def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
@@ -244,7 +209,7 @@ def summarize(records: List[Dict]) -> List[Dict]:
     for r in records:
         groups.setdefault((r["kernel"], r["case"], r["seq_length"]), []).append(r)
     rows = []
-    for (kernel, case, L), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (kernel, case, L), rs in sorted(groups.items()):
         worst = {k: max(r[k] or 0 for r in rs) for k in _WORST_OF_RANKS}
         rows.append({
             "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L, "warm": rs[0]["warm"], **worst,
@@ -266,13 +231,12 @@ def linearity(rows: List[Dict], kernel: str = "tiled") -> Dict[str, Dict]:
 
 
 def render(result: Dict) -> str:
-    rows, cfg = result["rows"], result["config"]
+    rows, cfg, env = result["rows"], result["config"], result["environment"]
     m = cfg["model"]
     lines = [
         "# Long-context benchmark (CPU ranks)", "",
-        f"Made by `{result['command']}` on {result['environment']['date_utc']} UTC "
-        f"({result['environment']['host_cpus']} shared cores, load average at start "
-        f"{result['environment']['load_average_at_start']}, torch {result['environment']['torch']}, one thread per rank).",
+        f"Made by `{result['command']}` on {env['date_utc']} UTC ({env['host_cpus']} shared cores, load average at "
+        f"start {env['load_average_at_start']}, torch {env['torch']}, one thread per rank).",
         "",
         f"One training step of a {m['num_layers']}-layer GPT (hidden {m['hidden_size']}, {m['num_attention_heads']} "
         f"heads, {m['num_query_groups']} KV group, block {m['block_size']}, micro-batch {m['micro_batch_size']}) with "
@@ -289,31 +253,26 @@ def render(result: Dict) -> str:
         "| mask bytes (KiB) | attention (s) | ns / allowed pair |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        star = "" if r["warm"] else "*"
-        lines.append(
-            f"| {r['kernel']} | {r['case']} | {r['seq_length']} | {r['step_s']:.2f}{star} | "
-            f"{r['peak_tensor_bytes'] / 2**20:.0f} | {r['rss_high_water_bytes'] / 2**20:.0f} | "
-            f"{r['allowed_pairs'] / 1e6:.1f} | {r['kernel_rectangle_pairs'] / 1e6:.1f} | {r['mask_bytes'] / 1024:.0f} | "
-            f"{r['attention_s']:.2f} | {r['attention_s'] / max(1, r['allowed_pairs']) * 1e9:.1f} |")
+    lines += [f"| {r['kernel']} | {r['case']} | {r['seq_length']} | {r['step_s']:.2f}{'' if r['warm'] else '*'} | "
+              f"{r['peak_tensor_bytes'] / 2**20:.0f} | {r['rss_high_water_bytes'] / 2**20:.0f} | "
+              f"{r['allowed_pairs'] / 1e6:.1f} | {r['kernel_rectangle_pairs'] / 1e6:.1f} | "
+              f"{r['mask_bytes'] / 1024:.0f} | {r['attention_s']:.2f} | "
+              f"{r['attention_s'] / max(1, r['allowed_pairs']) * 1e9:.1f} |" for r in rows]
     scaling = result.get("attention_scaling")
     if scaling:
         lines += ["", "Attention alone, single rank (one layer, forward + backward, thread CPU time: other jobs on "
                   "the machine barely move it), with the pairs the tiled kernel's occupied tiles cover:", "",
                   "| kernel | L | CPU s | allowed pairs (M) | tiles cover (M) | rectangle (M) | ns / allowed pair "
                   "| ns / rectangle pair |", "|---|---|---|---|---|---|---|---|"]
-        for r in scaling:
-            lines.append(f"| {r['kernel']} | {r['seq_length']} | {r['attention_cpu_s']:.2f} | "
-                         f"{r['allowed_pairs'] / 1e6:.1f} | {r['tiled_computed_pairs'] / 1e6:.1f} | "
-                         f"{r['kernel_rectangle_pairs'] / 1e6:.1f} | "
-                         f"{r['attention_cpu_s'] / r['allowed_pairs'] * 1e9:.1f} | "
-                         f"{r['attention_cpu_s'] / r['kernel_rectangle_pairs'] * 1e9:.1f} |")
+        lines += [f"| {r['kernel']} | {r['seq_length']} | {r['attention_cpu_s']:.2f} | "
+                  f"{r['allowed_pairs'] / 1e6:.1f} | {r['tiled_computed_pairs'] / 1e6:.1f} | "
+                  f"{r['kernel_rectangle_pairs'] / 1e6:.1f} | {r['attention_cpu_s'] / r['allowed_pairs'] * 1e9:.1f} | "
+                  f"{r['attention_cpu_s'] / r['kernel_rectangle_pairs'] * 1e9:.1f} |" for r in scaling]
     lin = result.get("linearity", {})
     if lin:
         lines += ["", "Memory linearity (tiled): (peak 32K - peak 16K) / (peak 16K - peak 8K), linear = 2.0, "
                   "target <= 2.3:", ""]
-        for case, v in lin.items():
-            lines.append(f"- {case}: {v['ratio']:.2f} ({'ok' if v['ok'] else 'MISSED'})")
+        lines += [f"- {case}: {v['ratio']:.2f} ({'ok' if v['ok'] else 'MISSED'})" for case, v in lin.items()]
     if result.get("notes"):
         lines += [""] + result["notes"]
     lines.append("")
@@ -341,12 +300,9 @@ def plot(result: Dict, path: str) -> None:
     title = "Attention wall time / allowed pairs"
     for kernel in sorted({r["kernel"] for r in result.get("attention_scaling") or []}):
         rs = [r for r in result["attention_scaling"] if r["kernel"] == kernel]
-        style = "-o" if kernel == "tiled" else "--x"
-        axes[1].plot([r["seq_length"] for r in rs], [r["attention_cpu_s"] / r["allowed_pairs"] * 1e9 for r in rs],
-                     style, label=f"{kernel}, per allowed pair")
-        axes[1].plot([r["seq_length"] for r in rs],
-                     [r["attention_cpu_s"] / r["kernel_rectangle_pairs"] * 1e9 for r in rs], style, alpha=0.4,
-                     label=f"{kernel}, per rectangle pair")
+        for key, alpha, what in (("allowed_pairs", None, "allowed"), ("kernel_rectangle_pairs", 0.4, "rectangle")):
+            axes[1].plot([r["seq_length"] for r in rs], [r["attention_cpu_s"] / r[key] * 1e9 for r in rs],
+                         "-o" if kernel == "tiled" else "--x", alpha=alpha, label=f"{kernel}, per {what} pair")
         title = "One layer's attention (single rank, CPU time)"
     axes[0].set(xscale="log", xlabel="L (tokens)", ylabel="tensor peak per rank (GiB)", title="Peak memory per rank")
     axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per pair", title=title)
@@ -360,12 +316,9 @@ def plot(result: Dict, path: str) -> None:
 
 
 def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:
-    os.makedirs(output_dir, exist_ok=True)
-    files = {"json": os.path.join(output_dir, f"{name}.json"), "markdown": os.path.join(output_dir, f"{name}.md")}
-    with open(files["json"], "w") as f:
-        json.dump(result, f, indent=1)
-    with open(files["markdown"], "w") as f:
-        f.write(render(result))
+    from megatron_csbp.bench.report import write_out
+
+    files = write_out(os.path.join(output_dir, name), result, render(result), echo=False)
     if with_plots:
         files["plot"] = os.path.join(output_dir, f"{name}_memory.png")
         plot(result, files["plot"])
@@ -373,6 +326,7 @@ def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: 
 
 
 def main(args, command: str) -> int:
+    from megatron_csbp.bench.report import load
     from megatron_csbp.bench.runner import environment
 
     given = {"seq_lengths": args.seq_lengths and tuple(args.seq_lengths), "old_max_length": args.old_max_length,
@@ -380,23 +334,19 @@ def main(args, command: str) -> int:
     cfg = LongContextConfig(**{k: v for k, v in given.items() if v is not None and v != []})
     name = args.name or "long_context"
     os.makedirs(args.output_dir, exist_ok=True)
-    records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
-    if args.attention_scaling and not args.from_json:
-        result = None
-    elif args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
-        result = {"config": cfg.to_dict(), "environment": environment(), "command": command + " (partial records)",
+    if args.from_json and args.from_json.endswith(".jsonl"):  # records of a run that did not finish
+        result = {"config": asdict(cfg), "environment": environment(), "command": command + " (partial records)",
                   "records": load_records(args.from_json)}
     elif args.from_json:
-        with open(args.from_json) as f:
-            result = json.load(f)
+        result = load(args.from_json)
     elif not args.attention_scaling:
+        records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
         if os.path.exists(records_path):
             os.remove(records_path)
-        env = environment()
-        t0 = time.perf_counter()
+        env, t0 = environment(), time.perf_counter()
         records = run(cfg, records_path)
-        env["wall_s"] = time.perf_counter() - t0
-        result = {"config": cfg.to_dict(), "environment": env, "command": command, "records": records}
+        result = {"config": asdict(cfg), "environment": dict(env, wall_s=time.perf_counter() - t0), "command": command,
+                  "records": records}
     scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
     if args.attention_scaling:
         scaling = attention_scaling(cfg)
@@ -406,8 +356,7 @@ def main(args, command: str) -> int:
             print(f"[bench] wrote attention scaling: {scaling_path}")
             return 0
     if os.path.exists(scaling_path) and "attention_scaling" not in result:
-        with open(scaling_path) as f:
-            result["attention_scaling"] = json.load(f)
+        result["attention_scaling"] = load(scaling_path)
     result["rows"] = summarize(result["records"])
     result["linearity"] = linearity(result["rows"])
     files = save(result, args.output_dir, name, with_plots=not args.no_plots)

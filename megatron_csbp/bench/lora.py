@@ -75,17 +75,12 @@ def _trainer(argv: List[str]):
 def _memory(argv: List[str]) -> Dict:
     """One case alone in the process: the live-tensor peak of its second step, the tensors live
     at that step's start, its parameters."""
-    import torch.distributed as dist
-
-    from megatron_csbp.bench.memory import TensorPeakTracker
+    from megatron_csbp.bench.memory import step_memory
 
     trainer = _trainer(argv)
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
-    gc.collect()  # the earlier case's reference cycles, before the census
-    dist.barrier()
-    with TensorPeakTracker() as tracker:
-        trainer.train_step(1)
-    out = dict(peak_tensor_bytes=tracker.peak_bytes, static_tensor_bytes=tracker.baseline,
+    peak, static, _ = step_memory(lambda: trainer.train_step(1))  # after the earlier case's reference cycles
+    out = dict(peak_tensor_bytes=peak, static_tensor_bytes=static,
                params=sum(p.numel() for p in params), trained_params=sum(p.numel() for p in params if p.requires_grad))
     del trainer, params
     gc.collect()
@@ -160,13 +155,10 @@ def summary(result: Dict) -> Dict:
     """Per case: the slowest rank's step, the largest rank's tensor peak and static tensors; and
     LoRA / full of each."""
     ranks = result["ranks"]
-    out = {case: {"step_s": max(r[case]["step_s"] for r in ranks),
-                  "thread_cpu_s": max(r[case]["thread_cpu_s"] for r in ranks),
-                  "peak_tensor_bytes": max(r[case]["peak_tensor_bytes"] for r in ranks),
-                  "static_tensor_bytes": max(r[case]["static_tensor_bytes"] for r in ranks),
+    keys = ("step_s", "peak_tensor_bytes", "static_tensor_bytes")
+    out = {case: {**{k: max(r[case][k] for r in ranks) for k in ("step_s", "thread_cpu_s") + keys[1:]},
                   "trained_params": ranks[0][case]["trained_params"], "params": ranks[0][case]["params"]}
            for case in CASES}
-    keys = ("step_s", "peak_tensor_bytes", "static_tensor_bytes")
     out["ratio"] = {k: out["lora"][k] / out["full"][k] for k in keys + ("thread_cpu_s",)}
     if "predicted" in result:
         p = result["predicted"]
@@ -190,14 +182,12 @@ def report(result: Dict) -> str:
         "CPU s: its main thread's CPU seconds). Times depend on the shared machine; bytes do not.",
         "",
         "| case | trained params | step s | CPU s | tensor peak MiB | static MiB |", "|---|---|---|---|---|---|"]
-    for case in CASES:
-        x = s[case]
-        lines.append(f"| {case} | {x['trained_params']:,} of {x['params']:,} | {x['step_s']:.3f} | {x['thread_cpu_s']:.3f} | "
-                     f"{mib(x['peak_tensor_bytes'])} | {mib(x['static_tensor_bytes'])} |")
+    lines += [f"| {case} | {s[case]['trained_params']:,} of {s[case]['params']:,} | {s[case]['step_s']:.3f} | "
+              f"{s[case]['thread_cpu_s']:.3f} | {mib(s[case]['peak_tensor_bytes'])} | "
+              f"{mib(s[case]['static_tensor_bytes'])} |" for case in CASES]
     r = s["ratio"]
     lines += ["", f"LoRA / full: step time {r['step_s']:.3f} (CPU s {r['thread_cpu_s']:.3f}), tensor peak "
-              f"{r['peak_tensor_bytes']:.3f}, static "
-              f"{r['static_tensor_bytes']:.3f}."]
+              f"{r['peak_tensor_bytes']:.3f}, static {r['static_tensor_bytes']:.3f}."]
     if "predicted" in result:
         p, pr = result["predicted"], s["predicted_ratio"]
         lines += ["", f"The planner (`plan --lora-rank`'s cost model, profile `{result['profile']}`, tiled kernel, "
@@ -209,30 +199,25 @@ def report(result: Dict) -> str:
                   f"static {pr['static_tensor_bytes']:.3f}."]
     lines += ["", "Per rank:", "",
               "| rank | case | step s | tensor peak MiB | static MiB |", "|---|---|---|---|---|"]
-    for rk in result["ranks"]:
-        for case in CASES:
-            x = rk[case]
-            lines.append(f"| {rk['rank']} | {case} | {x['step_s']:.3f} | {mib(x['peak_tensor_bytes'])} | "
-                         f"{mib(x['static_tensor_bytes'])} |")
+    lines += [f"| {rk['rank']} | {case} | {rk[case]['step_s']:.3f} | {mib(rk[case]['peak_tensor_bytes'])} | "
+              f"{mib(rk[case]['static_tensor_bytes'])} |" for rk in result["ranks"] for case in CASES]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.lora", description=__doc__.split("\n")[0])
+    p = bench_parser("lora", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/lora", help="writes OUT.md and OUT.json")
     p.add_argument("--quick", action="store_true", help="the CI-sized configuration (the other sizes ignored)")
     p.add_argument("--layout", default="csbp", choices=sorted(LAYOUTS))
-    d = LoRABench()
-    for name in ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "vocab_size", "rank", "steps"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    sizes = ("seq_length", "num_layers", "hidden_size", "ffn_hidden_size", "vocab_size", "rank", "steps")
+    for name in sizes:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(LoRABench(), name))
     p.add_argument("--profile", metavar="FILE", default=None,
                    help="a hardware profile (plan --profile FILE): the planner's prediction beside the measurement")
     a = p.parse_args(argv)
-    bench = replace(QUICK, layout=a.layout) if a.quick else LoRABench(a.layout, a.seq_length, a.num_layers, a.hidden_size, a.ffn_hidden_size,
-                                            a.vocab_size, a.rank, a.steps)
+    bench = replace(QUICK if a.quick else LoRABench(**{name: getattr(a, name) for name in sizes}), layout=a.layout)
     result = run(bench, log=lambda m: print(m, file=sys.stderr, flush=True), profile=a.profile)
     write_out(a.out, result, report(result))
     return 0

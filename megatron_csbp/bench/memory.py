@@ -19,16 +19,11 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-
-def _storage_key(t: torch.Tensor):
-    st = t.untyped_storage()
-    return st, st.data_ptr(), st.nbytes()
 
 
 class TensorPeakTracker(TorchDispatchMode):
@@ -37,31 +32,28 @@ class TensorPeakTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: Dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-        self.baseline = 0
+        self.current = self.peak = self.baseline = 0
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or t.is_sparse:
             return
         try:
-            st, key, nbytes = _storage_key(t)
+            st = t.untyped_storage()
+            key, nbytes = st.data_ptr(), st.nbytes()
         except (RuntimeError, NotImplementedError):
             return
         if nbytes == 0 or key == 0 or key in self.live:
             return
         self.live[key] = nbytes
         self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
+        self.peak = max(self.peak, self.current)
         weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
-        nbytes = self.live.pop(key, 0)
-        self.current -= nbytes
+        self.current -= self.live.pop(key, 0)
 
-    def census(self) -> int:
-        """Count every tensor reachable from Python now (the state the step starts from)."""
+    def __enter__(self):
+        # count every tensor reachable from Python now (the state the step starts from)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance on deprecated module proxies warns
             for obj in gc.get_objects():
@@ -71,10 +63,6 @@ class TensorPeakTracker(TorchDispatchMode):
                 except ReferenceError:
                     continue
         self.baseline = self.current
-        return self.baseline
-
-    def __enter__(self):
-        self.census()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -89,14 +77,21 @@ class TensorPeakTracker(TorchDispatchMode):
         return self.peak
 
 
-def reset_rss_high_water() -> bool:
-    """Reset the kernel's peak-RSS counter of this process (Linux); False where unsupported."""
-    try:
+def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:
+    """(tensor peak, static tensors at its start, RSS high-water) of `step()`, after freeing earlier
+    cases' reference cycles (models hold hooks) and a barrier of `group`."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier(group=group)
+    try:  # reset the kernel's peak-RSS counter of this process (Linux)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
-        return False
+        pass
+    with TensorPeakTracker() as tracker:
+        step()
+    return tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
 
 
 def rss_high_water_bytes() -> Optional[int]:

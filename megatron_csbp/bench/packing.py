@@ -49,9 +49,8 @@ def rank_numbers(layout: SequenceLayout, documents: Optional[Documents]) -> List
     ownership and under the trainer's per-sample cost-balanced ownership) and allowed pairs."""
     g = layout.geometry
     packed_g = g.with_documents(documents)
-    balanced = layout
-    if documents is not None and layout.kind in ("bp", "csbp"):
-        balanced = replace(layout, block_costs=block_costs(documents, g.block_size, g.seq_length))
+    balanced = (replace(layout, block_costs=block_costs(documents, g.block_size, g.seq_length))
+                if documents is not None and layout.kind in ("bp", "csbp") else layout)
     keys = logical_rows(g.seq_length)
     L, P = g.seq_length, layout.ring_size
     out = []
@@ -101,10 +100,9 @@ def markdown(results: Sequence[dict], kv_bytes_per_row: int) -> str:
 
 
 def main(argv=None):
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.packing", description=__doc__.split("\n\n")[0])
+    p = bench_parser("packing", __doc__.split("\n\n")[0])
     p.add_argument("--seq-length", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layouts", default="4x4,2x8,16x16", help="CPxBP,... (CSBP when CP > 1 and BP > 1)")
@@ -118,10 +116,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     hist = read_histogram(a.doc_length_histogram) if a.doc_length_histogram else None
     docs = pack_documents(a.seq_length, a.doc_length, hist, a.seed)
-    results = []
-    for spec in a.layouts.split(","):
-        cp, bp = (int(x) for x in spec.lower().split("x"))
-        results.append(summary(a.seq_length, a.block_size, cp, bp, docs, a.block_ownership))
+    layouts = [(int(x) for x in spec.lower().split("x")) for spec in a.layouts.split(",")]
+    results = [summary(a.seq_length, a.block_size, cp, bp, docs, a.block_ownership) for cp, bp in layouts]
     print(markdown(results, a.kv_bytes_per_row))
     if a.json:
         with open(a.json, "w") as f:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from typing import Dict, List
 
 from megatron_csbp.bench.report import write_out
@@ -30,33 +31,25 @@ def _model_flags(seq_length: int) -> List[str]:
             f"--lr 1e-3 --pipeline-model-parallel-size 2 --attention-kernel tiled --no-progress-bar").split()
 
 
-class _P2PCounter:
-    """Bytes this rank sends through megatron-core's pipeline P2P ops."""
+@contextmanager
+def _p2p_bytes_sent():
+    """A list whose one item counts the bytes this rank sends through megatron-core's pipeline P2P ops."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
 
-    def __init__(self):
-        self.bytes = 0
+    sent, orig = [0], (p2p._batched_p2p_ops, p2p._p2p_ops)
 
-    def __enter__(self):
-        from megatron.core.pipeline_parallel import p2p_communication as p2p
+    def counted(fn):
+        def wrapper(**kw):
+            sends = (kw.get("tensor_send_prev"), kw.get("tensor_send_next"))
+            sent[0] += sum(t.numel() * t.element_size() for t in sends if t is not None)
+            return fn(**kw)
+        return wrapper
 
-        self._orig = (p2p._batched_p2p_ops, p2p._p2p_ops)
-
-        def counted(fn):
-            def wrapper(**kw):
-                for name in ("tensor_send_prev", "tensor_send_next"):
-                    t = kw.get(name)
-                    if t is not None:
-                        self.bytes += t.numel() * t.element_size()
-                return fn(**kw)
-            return wrapper
-
-        p2p._batched_p2p_ops, p2p._p2p_ops = counted(self._orig[0]), counted(self._orig[1])
-        return self
-
-    def __exit__(self, *exc):
-        from megatron.core.pipeline_parallel import p2p_communication as p2p
-
-        p2p._batched_p2p_ops, p2p._p2p_ops = self._orig
+    p2p._batched_p2p_ops, p2p._p2p_ops = counted(orig[0]), counted(orig[1])
+    try:
+        yield sent
+    finally:
+        p2p._batched_p2p_ops, p2p._p2p_ops = orig
 
 
 def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
@@ -76,18 +69,17 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
         times, attn, p2p = [], [], []
         for k in range(1, steps + 1):
             traffic_counter().reset()
-            with _P2PCounter() as c:
+            with _p2p_bytes_sent() as sent:
                 t0 = time.perf_counter()
                 trainer.train_step(k * G)
                 times.append(time.perf_counter() - t0)
             attn.append(traffic_counter().total)
-            p2p.append(c.bytes)
+            p2p.append(sent[0])
         with TensorPeakTracker() as tracker:
             trainer.train_step((steps + 1) * G)
-        rows = len(trainer.chunks[0].bdlm.plan.local)
-        return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(), rows=rows,
-                    step_s=statistics.median(times), attn_bytes=attn[-1], p2p_bytes=p2p[-1],
-                    peak_tensor_bytes=tracker.peak_bytes)
+        return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(),
+                    rows=len(trainer.chunks[0].bdlm.plan.local), step_s=statistics.median(times), attn_bytes=attn[-1],
+                    p2p_bytes=p2p[-1], peak_tensor_bytes=tracker.peak_bytes)
 
 
 def run(seq_length: int, steps: int) -> Dict:
@@ -97,8 +89,7 @@ def run(seq_length: int, steps: int) -> Dict:
     for i, (name, flags) in enumerate(LAYOUTS.items(), 1):
         print(f"[bench.pipeline] layout {i}/{len(LAYOUTS)}: {name} on 4 ranks, {steps} steps", file=sys.stderr,
               flush=True)
-        per_rank = spawn(_rank, 4, _model_flags(seq_length) + flags, steps)
-        out[name] = per_rank
+        out[name] = spawn(_rank, 4, _model_flags(seq_length) + flags, steps)
     return out
 
 
@@ -117,11 +108,9 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
         "| layout | rank | stage | rows | step s | attention MiB | P2P MiB | tensor peak MiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, ranks in result.items():
-        for r in sorted(ranks, key=lambda r: r["rank"]):
-            lines.append(f"| {name} | {r['rank']} | {r['stage']} | {r['rows']} | {r['step_s']:.3f} | "
-                         f"{r['attn_bytes'] / 2**20:.2f} | {r['p2p_bytes'] / 2**20:.2f} | "
-                         f"{r['peak_tensor_bytes'] / 2**20:.1f} |")
+    lines += [f"| {name} | {r['rank']} | {r['stage']} | {r['rows']} | {r['step_s']:.3f} | "
+              f"{r['attn_bytes'] / 2**20:.2f} | {r['p2p_bytes'] / 2**20:.2f} | {r['peak_tensor_bytes'] / 2**20:.1f} |"
+              for name, ranks in result.items() for r in sorted(ranks, key=lambda r: r["rank"])]
     lines += ["", "| layout | step s (slowest rank) | attention MiB / rank | P2P MiB / rank | tensor peak MiB, stage 0 / stage 1 |",
               "|---|---|---|---|---|"]
     for name, ranks in result.items():
@@ -137,10 +126,9 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+    from megatron_csbp.bench.report import bench_parser
 
-    filter_warnings()  # hide the library warnings a user cannot act on
-    p = ArgumentParser(prog="python -m megatron_csbp.bench.pipeline", description=__doc__.split("\n")[0])
+    p = bench_parser("pipeline", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/pipeline", help="writes OUT.md and OUT.json")
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
@@ -150,7 +138,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from megatron_csbp.utils.cli import run
+if __name__ == "__main__":  # utils.cli.run under another name: this module's run() stays what main calls
+    from megatron_csbp.utils.cli import run as run_cli
 
-    sys.exit(run(main))
+    sys.exit(run_cli(main))

@@ -1,6 +1,7 @@
 """Markdown table, JSON and PNG plots of a benchmark run."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Dict, List, Optional
@@ -8,8 +9,8 @@ from typing import Dict, List, Optional
 MiB = 2 ** 20
 
 
-def _fmt(x, spec=".2f", none="–"):
-    return none if x is None else format(x, spec)
+def _fmt(x, spec=".2f", scale=1):
+    return "–" if x is None else format(x * scale, spec)
 
 
 def _ratio(x):
@@ -32,6 +33,15 @@ def _machine_bullet(env: Dict) -> str:
             f"per rank, gloo; torch {env['torch']}; {env['date_utc']} UTC; the whole run took {env['wall_s']:.0f} s.")
 
 
+def bench_parser(module: str, description: str, raw: bool = False):
+    """The parser of `python -m megatron_csbp.bench.MODULE` (one-line errors); library warnings hidden."""
+    from megatron_csbp.utils.cli import ArgumentParser, filter_warnings
+
+    filter_warnings()  # hide the library warnings a user cannot act on
+    return ArgumentParser(prog=f"python -m megatron_csbp.bench.{module}", description=description,
+                          formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
+
+
 def save_figure(fig, path: str) -> str:
     """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns `path`."""
     import matplotlib.pyplot as plt
@@ -50,17 +60,14 @@ _TRAFFIC = ("- traffic: logical bytes each rank *sends* in attention collectives
 
 def _loss_sentence(rows: List[Dict], same: str) -> List[str]:
     """The largest step-0 loss deviation from the single rank's, as a paragraph ([] without a single rank)."""
-    dev = loss_deviation(rows)
-    if dev is None:
-        return []
+    devs = [d for d in (loss_vs_single(r, rows) for r in rows if r["kind"] != "single") if d is not None]
     return [f"Step-0 loss of every layout vs the single-rank loss {same} (same weights, tokens and noise): "
-            f"largest relative difference {dev:.1e}.", ""]
+            f"largest relative difference {max(devs):.1e}.", ""] if devs else []
 
 
 def _plots_section(plots: Dict[str, str]) -> List[str]:
-    if not plots:
-        return []
-    return ["## Plots", ""] + [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()] + [""]
+    return (["## Plots", ""] + [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()] + [""]
+            if plots else [])
 
 
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
@@ -97,30 +104,22 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         "compare layouts within one P.",
         "",
     ]
-    by_p: Dict[int, List[Dict]] = {}
-    for r in rows:
-        by_p.setdefault(r["P"], []).append(r)
-    for P in sorted(by_p):
+    for P in sorted({r["P"] for r in rows}):
         out += [f"## P = {P}" if P > 1 else "## Single rank", ""]
         out += ["| L | layout | CP | BP | step ms | CPU ms | CPU vs CP | comm in flight ms | exposed comm ms "
                 "| hidden | tok/s | time vs CP | attn logical MiB sent/rank "
                 "| vs CP | formula MiB | measured/formula | peak MiB (max rank) | vs CP | loss step 0 |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(by_p[P], key=lambda r: (r["seq_length"],)):
+        for r in sorted((r for r in rows if r["P"] == P), key=lambda r: r["seq_length"]):
             mf = (r["attn_bytes_sent"] / r["formula_bytes_sent"]) if r["formula_bytes_sent"] else None
-            hidden = r.get("hidden_comm_share")
+            hidden = _fmt(r.get("hidden_comm_share"), ".0%")
+            ms = [_fmt(r.get(key), ".1f", 1e3) for key in ("thread_cpu_s", "in_flight_comm_s", "exposed_comm_s")]
             out.append(
                 f"| {r['seq_length']} | {r['case']} | {r['cp']} | {r['bp']} | {r['median_step_s'] * 1e3:.1f} | "
-                f"{_fmt(r['thread_cpu_s'] * 1e3 if r.get('thread_cpu_s') is not None else None, '.1f')} | "
-                f"{_ratio(r.get('cpu_vs_cp'))} | "
-                f"{_fmt(r['in_flight_comm_s'] * 1e3 if r.get('in_flight_comm_s') is not None else None, '.1f')} | "
-                f"{_fmt(r['exposed_comm_s'] * 1e3 if r.get('exposed_comm_s') is not None else None, '.1f')} | "
-                f"{'–' if hidden is None else f'{100 * hidden:.0f}%'} | "
-                f"{r['tokens_per_s']:.0f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | "
-                f"{_ratio(r['traffic_vs_cp'])} | {r['formula_bytes_sent'] / MiB:.3f} | "
-                f"{'–' if mf is None else f'{mf:.3f}'} | "
-                f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
-                f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} |")
+                f"{ms[0]} | {_ratio(r.get('cpu_vs_cp'))} | {ms[1]} | {ms[2]} | {hidden} | {r['tokens_per_s']:.0f} | "
+                f"{_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent'] / MiB:.3f} | {_ratio(r['traffic_vs_cp'])} | "
+                f"{r['formula_bytes_sent'] / MiB:.3f} | {_fmt(mf, '.3f')} | "
+                f"{_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} |")
         out.append("")
     full = [r for r in rows if r["kind"] == "csbp" and r["cp"] == r["P"] and r["traffic_vs_cp"] is not None]
     if full:
@@ -128,11 +127,12 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         out += [f"CSBP (CP = BP = P) traffic vs CP, every case above: at most {worst:.3f}x "
                 f"({'half or less' if worst <= 0.5 + 1e-12 else 'MORE THAN HALF'}).", ""]
     out += _loss_sentence(rows, "at the same L")
-    out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows)
-    mem = _memory_table(rows)
-    if mem:
-        out += mem
+    out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows) + _memory_table(rows)
     return "\n".join(out + _plots_section(plots))
+
+
+def _peak_mib(r: Dict) -> str:
+    return _fmt(r["peak_tensor_bytes"] / MiB if r["peak_tensor_bytes"] else None, ".1f")
 
 
 def _single_key(r: Dict):
@@ -145,13 +145,6 @@ def loss_vs_single(r: Dict, rows: List[Dict]) -> Optional[float]:
     single = {_single_key(x): x["loss_step0"] for x in rows if x["kind"] == "single"}
     ref = single.get(_single_key(r))
     return None if ref is None else abs(r["loss_step0"] - ref) / abs(ref)
-
-
-def loss_deviation(rows: List[Dict]) -> Optional[float]:
-    """Largest |loss - single-rank loss| / |single-rank loss| over all cases (None without single)."""
-    devs = [loss_vs_single(r, rows) for r in rows if r["kind"] != "single"]
-    devs = [d for d in devs if d is not None]
-    return max(devs) if devs else None
 
 
 def dg_headline(rows: List[Dict]) -> List[Dict]:
@@ -206,12 +199,9 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
                 "| P | L | bytes, hybrid | bytes, full attention | full / hybrid | step time, hybrid | "
                 "step time, full | peak memory, hybrid | peak memory, full |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for h in head:
-            out.append(f"| {h['P']} | {h['seq_length']} | {_fmt(h['bytes_hybrid'], '.4f')} | "
-                       f"{_fmt(h['bytes_full'], '.4f')} | {_fmt(h['bytes_ratio_of_ratios'], '.1f')}x | "
-                       f"{_ratio(h['time_hybrid'])} | {_ratio(h['time_full'])} | {_ratio(h['memory_hybrid'])} | "
-                       f"{_ratio(h['memory_full'])} |")
-        out.append("")
+        out += [f"| {h['P']} | {h['seq_length']} | {_fmt(h['bytes_hybrid'], '.4f')} | {_fmt(h['bytes_full'], '.4f')} | "
+                f"{_fmt(h['bytes_ratio_of_ratios'], '.1f')}x | {_ratio(h['time_hybrid'])} | {_ratio(h['time_full'])} | "
+                f"{_ratio(h['memory_hybrid'])} | {_ratio(h['memory_full'])} |" for h in head] + [""]
     out += ["## Cases", "",
             "| L | case | attention | CP | BP | step ms | time vs CP | attn logical bytes sent/rank | vs CP | formula bytes "
             "| peak MiB (max rank) | vs CP | loss step 0 | vs single |",
@@ -222,25 +212,24 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
             f"| {r['seq_length']} | {r['case']} | {r['attention']} | {r['cp']} | {r['bp']} | "
             f"{r['median_step_s'] * 1e3:.1f} | {_ratio(r['time_vs_cp'])} | {r['attn_bytes_sent']:,} | "
             f"{_fmt(r['traffic_vs_cp'], '.4f')} | "
-            f"{'–' if r['formula_bytes_sent'] is None else format(r['formula_bytes_sent'], ',')} | "
-            f"{_fmt(r['peak_tensor_bytes'] / MiB if r['peak_tensor_bytes'] else None, '.1f')} | "
-            f"{_ratio(r['memory_vs_cp'])} | {r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
+            f"{_fmt(r['formula_bytes_sent'], ',')} | {_peak_mib(r)} | {_ratio(r['memory_vs_cp'])} | "
+            f"{r['loss_step0']:.6f} | {_fmt(dev, '.1e')} |")
     out.append("")
     out += ["## Logical bytes sent per layer (rank 0)", "",
             "| L | case | " + " | ".join(f"layer {i + 1} ({t})" for i, t in enumerate(types)) + " |",
             "|---|---|" + "---|" * len(types)]
     for r in sorted((r for r in rows if r["P"] > 1), key=lambda r: (r["seq_length"], r["attention"] != "hybrid",
                                                                      r["bp"])):
-        per = r["attn_bytes_sent_per_layer_per_rank"][0]
-        formula = r["formula_bytes_per_layer"]
-        cells = []
-        for i in range(len(types)):
-            got, want = per.get(str(i + 1), 0), formula.get(str(i + 1))
-            cells.append(f"{got:,}" + ("" if want is None else (" (= formula)" if got == want else f" (formula {want:,})")))
+        per, formula = r["attn_bytes_sent_per_layer_per_rank"][0], r["formula_bytes_per_layer"]
+        cells = [_vs_formula(per.get(str(i), 0), formula.get(str(i))) for i in range(1, len(types) + 1)]
         out.append(f"| {r['seq_length']} | {r['case']} | " + " | ".join(cells) + " |")
     out.append("")
     out += _loss_sentence(rows, "of the same model and L")
     return "\n".join(out + _plots_section(plots))
+
+
+def _vs_formula(got: int, want: Optional[int]) -> str:
+    return f"{got:,}" + ("" if want is None else " (= formula)" if got == want else f" (formula {want:,})")
 
 
 def _hidden_summary(rows: List[Dict]) -> List[str]:
@@ -252,16 +241,15 @@ def _hidden_summary(rows: List[Dict]) -> List[str]:
         if not sel:
             continue
         shares = sorted(r["hidden_comm_share"] for r in sel)
-        inflight = sum(t["in_flight_comm_s"] for r in sel for t in r["timing_per_rank"])
-        exposed = sum(t["exposed_comm_s"] for r in sel for t in r["timing_per_rank"])
-        fwd = [t for r in sel for t in r["timing_per_rank"] if "forward_in_flight_comm_s" in t]
+        timing = [t for r in sel for t in r["timing_per_rank"]]
+        inflight, exposed = (sum(t[key] for t in timing) for key in ("in_flight_comm_s", "exposed_comm_s"))
+        fwd = [t for t in timing if "forward_in_flight_comm_s" in t]
         fwd_in = sum(t["forward_in_flight_comm_s"] for t in fwd)
         fwd_share = (f"; forward collectives alone (backward ones block): "
                      f"{100 * (1 - sum(t['forward_exposed_comm_s'] for t in fwd) / fwd_in):.0f}%") if fwd_in else ""
         out.append(f"Hidden communication, {transport} transport (CP and CSBP cases): of the time attention "
                    f"collectives were in flight (all ranks, all cases), {100 * (1 - exposed / inflight):.0f}% was "
-                   "covered by compute "
-                   f"(per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
+                   f"covered by compute (per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
                    f"{100 * shares[len(shares) // 2]:.0f}%){fwd_share}.")
     return out + [""] if out else []
 
@@ -304,9 +292,9 @@ def _memory_vs_cp(rows: List[Dict]) -> List[str]:
     out = ["## CSBP peak memory vs CP, same transport (L >= 2048)", "",
            "| P | L | CSBP layout | transport | CP MiB | CSBP MiB | CSBP / CP | CSBP - CP KiB |",
            "|---|---|---|---|---|---|---|---|"]
-    for c in cmp:
-        out.append(f"| {c['P']} | {c['seq_length']} | {c['case']} | {c['transport']} | {c['cp_bytes'] / MiB:.2f} | "
-                   f"{c['csbp_bytes'] / MiB:.2f} | {c['ratio']:.4f} | {(c['csbp_bytes'] - c['cp_bytes']) / 1024:+.0f} |")
+    out += [f"| {c['P']} | {c['seq_length']} | {c['case']} | {c['transport']} | {c['cp_bytes'] / MiB:.2f} | "
+            f"{c['csbp_bytes'] / MiB:.2f} | {c['ratio']:.4f} | {(c['csbp_bytes'] - c['cp_bytes']) / 1024:+.0f} |"
+            for c in cmp]
     worst = max(cmp, key=lambda c: c["ratio"])
     above = sum(c["ratio"] > 1.0 for c in cmp)
     verdict = ("CSBP at or below CP in every case above" if not above
@@ -343,14 +331,10 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
     sizes = sorted({r["P"] for r in rows if r["P"] > 1})
     if not sizes:
         return {}
-    files = {}
-    cases = []
-    for r in rows:
-        if r["P"] > 1 and r["case"] not in cases:
-            cases.append(r["case"])
+    files, cases = {}, list(dict.fromkeys(r["case"] for r in rows if r["P"] > 1))
 
-    def series(P, case, key):
-        pts = sorted((r["seq_length"], r[key]) for r in rows if r["P"] == P and r["case"] == case
+    def series(P, case, key, scale):  # (L, value / scale) sorted by L
+        pts = sorted((r["seq_length"], r[key] / scale) for r in rows if r["P"] == P and r["case"] == case
                      and r[key] is not None)
         return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -359,26 +343,23 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
         fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
         for ax, P in zip(axes[0], sizes):
             for case in cases:
-                x, y = series(P, case, key)
+                x, y = series(P, case, key, scale)
                 if x:
-                    ax.plot(x, [v / scale for v in y], marker="o", label=case)
+                    ax.plot(x, y, marker="o", label=case)
             if key == "attn_bytes_sent":
                 for case, style in (("cp-allgather", ":"), ("csbp-allgather", "--")):
-                    x, y = series(P, case, "formula_bytes_sent")
+                    x, y = series(P, case, "formula_bytes_sent", scale)
                     if x:
-                        ax.plot(x, [v / scale for v in y], linestyle=style, color="k", linewidth=1,
+                        ax.plot(x, y, linestyle=style, color="k", linewidth=1,
                                 label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
-                singles = [c for c in dict.fromkeys(r["case"] for r in rows if r["P"] == 1)] or ["single"]
+                singles = list(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)) or ["single"]
                 for j, single in enumerate(singles):
-                    x, y = series(1, single, key)
-                    ax.plot(x, [v / scale for v in y], marker="x", linestyle="--" if j == 0 else "-.", color="k",
+                    ax.plot(*series(1, single, key, scale), marker="x", linestyle="--" if j == 0 else "-.", color="k",
                             label="single rank" if single == "single" else f"single rank ({single})")
             if key == "attn_bytes_sent" and any("attention" in r for r in rows):
                 ax.set_yscale("log")  # DiffusionGemma: windowed CSBP moves ~1/30 of CP
-            ax.set_title(f"P = {P}")
-            ax.set_xlabel("sequence length L (clean tokens)")
-            ax.set_ylabel(ylabel)
+            ax.set(title=f"P = {P}", xlabel="sequence length L (clean tokens)", ylabel=ylabel)
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -394,10 +375,8 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
                 for rank, b in enumerate(r["peak_tensor_bytes_per_rank"]):
                     ax.bar(i + (rank - (P - 1) / 2) * width, b / MiB, width=width,
                            color=f"C{rank}", label=f"rank {rank}" if i == 0 else None)
-            ax.set_xticks(range(len(sel)))
-            ax.set_xticklabels([r["case"] for r in sel], rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel("peak live tensor MiB")
-            ax.set_title(f"P = {P}, L = {Lmax}")
+            ax.set_xticks(range(len(sel)), [r["case"] for r in sel], rotation=30, ha="right", fontsize=7)
+            ax.set(ylabel="peak live tensor MiB", title=f"P = {P}, L = {Lmax}")
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3, axis="y")
         files["peak memory per rank"] = save_figure(fig, os.path.join(out_dir, f"{name}_memory.png"))
@@ -409,27 +388,22 @@ def save(result: Dict, out_dir: str, name: str, command: str, with_plots: bool =
     result = dict(result, command=command)
     if result["config"]["model"].get("arch") == "diffusiongemma-hybrid":
         result["headline"] = dg_headline(result["rows"])
-    written = {}
     figs = plots(result, out_dir, name) if with_plots else {}
-    written.update(figs)
-    md = os.path.join(out_dir, f"{name}.md")
-    with open(md, "w") as f:
-        f.write(markdown(result, command, figs))
-    js = os.path.join(out_dir, f"{name}.json")
-    with open(js, "w") as f:
-        json.dump(result, f, indent=1)
-    written.update(markdown=md, json=js)
-    return written
+    files = write_out(os.path.join(out_dir, name), result, markdown(result, command, figs), echo=False)
+    return dict(figs, markdown=files["markdown"], json=files["json"])
 
 
-def write_out(out: str, result, text: str) -> None:
-    """OUT.json (`result`) and OUT.md (`text`), then `text` printed."""
+def write_out(out: str, result, text: str, echo: bool = True) -> Dict[str, str]:
+    """OUT.json (`result`) and OUT.md (`text`), then `text` printed (`echo`); returns their paths."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
+    files = {"json": out + ".json", "markdown": out + ".md"}
+    with open(files["json"], "w") as f:
         json.dump(result, f, indent=1)
-    with open(out + ".md", "w") as f:
+    with open(files["markdown"], "w") as f:
         f.write(text)
-    print(text)
+    if echo:
+        print(text)
+    return files
 
 
 def load(path: str) -> Dict:

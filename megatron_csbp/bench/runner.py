@@ -9,8 +9,8 @@ from typing import Dict, List
 
 import torch
 
-from megatron_csbp.bench.cases import (BenchConfig, Case, cases_for_config, dg_formula_bytes_per_layer,
-                                      formula_bytes_sent)
+from megatron_csbp.bench.cases import (BenchConfig, Case, DiffusionGemmaBenchModel, cases_for, dg_cases_for,
+                                      dg_formula_bytes_per_layer, formula_bytes_sent)
 from megatron_csbp.parallel.spawn import spawn
 from megatron_csbp.bench.worker import world_main
 
@@ -25,40 +25,31 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
     rows = []
     for records in zip(*per_rank):
         first = records[0]
-        case = Case(first["case"], first["cp"], first["bp"], first["transport"], first["schedule"],
-                    first.get("attention"))
+        case = Case(*(first[k] for k in ("case", "cp", "bp", "transport", "schedule")), first.get("attention"))
         if case.shard_group_size != len(records):
             raise RuntimeError(f"case {case.name} of {case.shard_group_size} ranks came back from {len(records)} ranks")
-        L = first["seq_length"]
-        t = first["median_step_s"]  # already the max over ranks, per step
-        sent = [r["attn_bytes_sent"] for r in records]
-        peak = [r["peak_tensor_bytes"] for r in records]
-        rss = [r["rss_high_water_bytes"] for r in records]
-        formula = formula_bytes_sent(case, cfg.model, L)
+        L, t = first["seq_length"], first["median_step_s"]  # t: already the max over ranks, per step
+        keys = ("attn_bytes_sent", "peak_tensor_bytes", "rss_high_water_bytes")
+        sent, peak, rss = ([r[k] for r in records] for k in keys)
         row = {
             "case": case.name, "kind": case.kind, "P": case.shard_group_size, "cp": case.cp, "bp": case.bp,
-            "transport": case.transport, "schedule": case.schedule, "seq_length": L,
-            "median_step_s": t, "step_times_s": first["step_times_s"],
-            "tokens_per_s": cfg.model.micro_batch_size * L / t,
-            "loss_step0": first["loss_step0"],
-            "rows_per_rank": [r["rows"] for r in records],
+            "transport": case.transport, "schedule": case.schedule, "seq_length": L, "median_step_s": t,
+            "step_times_s": first["step_times_s"], "tokens_per_s": cfg.model.micro_batch_size * L / t,
+            "loss_step0": first["loss_step0"], "rows_per_rank": [r["rows"] for r in records],
             "attn_bytes_sent_per_rank": sent, "attn_bytes_sent": max(sent),
             "attn_bytes_received": max(r["attn_bytes_received"] for r in records),
             "attn_bytes_per_layer_rank0": {str(k): v for k, v in records[0]["attn_bytes_per_layer"].items()},
-            "formula_bytes_sent": formula,
-            "peak_tensor_bytes_per_rank": peak,
-            "peak_tensor_bytes": max(peak) if all(p is not None for p in peak) else None,
+            "formula_bytes_sent": formula_bytes_sent(case, cfg.model, L),
+            "peak_tensor_bytes_per_rank": peak, "peak_tensor_bytes": None if None in peak else max(peak),
             "static_tensor_bytes_per_rank": [r["static_tensor_bytes"] for r in records],
-            "rss_high_water_bytes_per_rank": rss,
-            "rss_high_water_bytes": max(rss) if all(x is not None for x in rss) else None,
+            "rss_high_water_bytes_per_rank": rss, "rss_high_water_bytes": None if None in rss else max(rss),
             "baseline": case.baseline_name(),
             # the slowest rank's median seconds waiting on attention collectives per step
             "exposed_comm_s": (max(r["exposed_comm_s"] for r in records)
                                if all("exposed_comm_s" in r for r in records) else None),
         }
         if all("in_flight_comm_s" in r for r in records):
-            inflight = [r["in_flight_comm_s"] for r in records]
-            exposed = [r["exposed_comm_s"] for r in records]
+            inflight, exposed = ([r[k] for r in records] for k in ("in_flight_comm_s", "exposed_comm_s"))
             row.update(
                 timing_per_rank=[{k: r[k] for k in TIMING_KEYS} for r in records],
                 in_flight_comm_s=max(inflight),
@@ -86,23 +77,21 @@ def add_ratios(rows: List[Dict]) -> None:
         for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
                          ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp"),
                          ("thread_cpu_s", "cpu_vs_cp")):
-            if base is None or not base.get(key) or r.get(key) is None:
-                r[out] = None
-            else:
-                r[out] = r[key] / base[key]
+            r[out] = None if base is None or not base.get(key) or r.get(key) is None else r[key] / base[key]
+
+
+def load_average():
+    """os.getloadavg(), None where the platform has none."""
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):
+        return None
 
 
 def environment() -> Dict:
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "host_cpus": os.cpu_count(), "load_average_at_start": load, "torch": torch.__version__,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "threads_per_rank": 1, "backend": "gloo",
-    }
+    return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host_cpus": os.cpu_count(),
+            "load_average_at_start": load_average(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "threads_per_rank": 1, "backend": "gloo"}
 
 
 def run(cfg: BenchConfig, log=print) -> Dict:
@@ -111,7 +100,7 @@ def run(cfg: BenchConfig, log=print) -> Dict:
     per_world = []
     t0 = time.perf_counter()
     for P in (1,) + tuple(cfg.sizes):
-        cases = cases_for_config(cfg, P)
+        cases = dg_cases_for(P) if isinstance(cfg.model, DiffusionGemmaBenchModel) else cases_for(P, cfg.layouts)
         log(f"[bench] world of {P} rank(s): {', '.join(c.name for c in cases)} at L = {list(cfg.seq_lengths)}")
         tw = time.perf_counter()
         per_rank = spawn(world_main, P, cfg, cases)
@@ -119,8 +108,7 @@ def run(cfg: BenchConfig, log=print) -> Dict:
         per_world.extend(aggregate(cfg, per_rank))
     add_ratios(per_world)
     env["wall_s"] = time.perf_counter() - t0
-    try:
-        env["load_average_at_end"] = os.getloadavg()
-    except OSError:
-        pass
+    end_load = load_average()
+    if end_load is not None:
+        env["load_average_at_end"] = end_load
     return {"config": cfg.to_dict(), "environment": env, "rows": per_world}

@@ -7,7 +7,6 @@ layout: a cheap check that each layout computes the same thing.
 """
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.bench.cases import AnyModel, BenchConfig, Case, DiffusionGemmaBenchModel, trainer_argv
-from megatron_csbp.bench.memory import TensorPeakTracker, reset_rss_high_water, rss_high_water_bytes
+from megatron_csbp.bench.memory import step_memory
 
 
 def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: float = 1e-4):
@@ -55,19 +54,15 @@ def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: 
     from megatron_csbp.model.diffusiongemma.tiny import redraw_weights, tiny_megatron_config
 
     model_parallel_cuda_manual_seed(seed)
-    config = tiny_megatron_config(
-        sliding_window=model.sliding_window, layer_types=model.layer_types, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        kv_channels=model.kv_channels, full_num_query_groups=model.full_num_query_groups,
-        full_kv_channels=model.full_kv_channels, ffn_hidden_size=model.ffn_hidden_size,
-        num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size, calculate_per_token_loss=True)
+    shape = ("sliding_window", "layer_types", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "full_num_query_groups", "full_kv_channels", "ffn_hidden_size", "num_moe_experts", "moe_router_topk",
+             "moe_ffn_hidden_size")
+    config = tiny_megatron_config(**{k: getattr(model, k) for k in shape}, calculate_per_token_loss=True)
     gpt = diffusion_gemma_model(config, model.vocab_size, args.seq_length).train()
     redraw_weights(gpt, seed)
-    if full_attention:
-        for m in gpt.modules():
-            if isinstance(m, BlockDiffusionAttention):
-                m.window = None
+    for m in gpt.modules():
+        if full_attention and isinstance(m, BlockDiffusionAttention):
+            m.window = None
     return config, gpt
 
 
@@ -87,8 +82,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
     from megatron_csbp.attention.accounting import traffic_counter
 
     m = cfg.model
-    shard_rank = bps.get_shard_rank()
-    shard_group = bps.get_shard_group()
+    shard_rank, shard_group = bps.get_shard_rank(), bps.get_shard_group()
     trainer = bench_trainer(m, case, seq_length, cfg.seed)
 
     def step(i: int) -> float:  # the trainer's step on samples i * micro_batch_size, ...
@@ -123,34 +117,36 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             for key, value in zip(per_step, [counter.total_waited_s, counter.total_in_flight_s, *forward, dc, dp]):
                 per_step[key].append(value)
             transfers += counter.transfers
-    sent, received = counter.total_sent, counter.total_received
-    per_layer = counter.per_layer()
+    sent, received, per_layer = counter.total_sent, counter.total_received, counter.per_layer()
 
-    peak_tensor = rss_peak = static = None
+    peak_tensor = static = rss_peak = None
     if cfg.measure_memory:
-        gc.collect()  # models of earlier cases hold reference cycles (hooks): free them before the census
-        dist.barrier(group=shard_group)
-        reset_rss_high_water()
-        tracker = TensorPeakTracker()
-        with tracker:
-            step(cfg.warmup + cfg.steps)
-        peak_tensor, rss_peak, static = tracker.peak_bytes, rss_high_water_bytes(), tracker.baseline
+        peak_tensor, static, rss_peak = step_memory(lambda: step(cfg.warmup + cfg.steps), shard_group)
     record = {
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
-        "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length,
-        "shard_rank": shard_rank, "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times,
-        "median_step_s": statistics.median(times),
+        "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length, "shard_rank": shard_rank,
+        "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times, "median_step_s": statistics.median(times),
         "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "thread_cpu_steps_s": per_step["thread_cpu_s"], "transfers": transfers,
-        **{key: statistics.median(values) for key, values in per_step.items()},
-    }
+        **{key: statistics.median(values) for key, values in per_step.items()}}
     if cfg.count_ops:
         record["op_counts"] = count_ops(lambda: step(cfg.warmup + cfg.steps + 1))
     if case.attention is not None:
         record["attention"] = case.attention
     del trainer
     return record
+
+
+def slowest_rank_s(fn, group=None):
+    """`fn()` between a barrier of `group` and a MAX all-reduce of its wall time: (the slowest
+    rank's seconds, what `fn` returned)."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    out = fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+    return float(dt), out
 
 
 def count_ops(run) -> Dict[str, int]:
@@ -170,8 +166,9 @@ def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) 
     warnings.filterwarnings("ignore")  # Megatron's CPU/apex notices, once per case otherwise
     results = []
     for case in cases:
-        for r in run_case(case, list(cfg.seq_lengths), cfg):
-            results.append(r)
+        records = run_case(case, list(cfg.seq_lengths), cfg)
+        results += records
+        for r in records:
             if rank == 0 and os.environ.get("CSBP_BENCH_VERBOSE"):
                 print(f"[bench] P={world_size} L={r['seq_length']} {case.name}: {r['median_step_s'] * 1e3:.1f} ms, "
                       f"{r['attn_bytes_sent'] / 2**20:.2f} MiB sent", flush=True)
