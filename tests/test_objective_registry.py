@@ -149,6 +149,17 @@ def test_noise_interval_rule_is_one(eps, capsys):
     assert _message(lambda: Objective.validate(ns, facts)) is None  # the base class has no noise flags
 
 
+def test_a_constructor_setting_is_checked_by_its_flag_never_rounded():
+    """An objective's keyword settings pass through their flags' type and rule: an int setting given 2.5 is
+    refused in one line naming the flag (not truncated to 2), an equal float is taken."""
+    from megatron_csbp.objectives.dflash import DFlashObjective
+
+    assert _message(lambda: DFlashObjective(4, 5, max_anchors=2.5)) == \
+        "--dflash-max-anchors must be of type int, got 2.5"
+    assert DFlashObjective.option_values(max_anchors=3.0, gamma=3) == DFlashObjective.option_values(max_anchors=3,
+                                                                                                    gamma=3.0)
+
+
 @pytest.mark.parametrize("mask_id", [None, -1, 0, 5, V - 1, V, V + 7])
 @pytest.mark.parametrize("cls,name", [(BD3LMObjective, "bd3lm"), (FastDLLMv2Objective, "fast-dllm-v2")])
 def test_mask_id_rule_is_one(cls, name, mask_id, capsys):
