@@ -223,8 +223,7 @@ def gdn_recurrence_flops(w: GDNRankWork, layer: LayerShape, tp: int, block_size:
     flops = rule(w.clean_tokens, w.clean_sq, dv) + rule(w.noisy_tokens, w.noisy_tokens * block_size, dv)
     if w.ring > 1:
         flops += rule(w.clean_tokens, w.clean_sq, dk + dv)
-    conv = 2 * layer.gdn_conv_kernel * layer.gdn_conv_dim / tp * (w.clean_tokens + w.noisy_tokens)
-    return flops + conv
+    return flops + 2 * layer.gdn_conv_kernel * layer.gdn_conv_dim / tp * (w.clean_tokens + w.noisy_tokens)  # + conv
 
 
 def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows: int, tp: int, s: int,
@@ -235,12 +234,10 @@ def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows:
     state (H x d_k x d_v); the boundary states received and the gathered transfer maps. The
     project's pure-torch rule (CPU kernels) also keeps about five fp32 T x T matrices per chunk and
     head (decays, A, the solve, Q K^T); a fused GPU kernel (`sparse` profiles) recomputes them."""
-    h = model.hidden_size
     H = max(1, layer.gdn_value_heads // tp)
     dk, dv = layer.gdn_key_dim, layer.gdn_value_dim
-    conv = layer.gdn_conv_dim / tp
-    v = H * dv
-    per_row = s * (4 * h / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
+    conv, v = layer.gdn_conv_dim / tp, H * dv
+    per_row = s * (4 * model.hidden_size / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
     chunks = -(-w.clean_tokens // block_size) + w.max_runs + w.noisy_tokens // block_size
     state = 4 * H * dk * dv if s < 8 else 8 * H * dk * dv
     held = chunks * state + w.boundary_received * state
@@ -341,8 +338,12 @@ def _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained, fro
     return micro, micro * t_sample + t_grad + t_opt, time, static
 
 
-def _estimate(lay, wl, hw, micro, step, peak_bytes, sent_per_micro, time, mem, **extra) -> Estimate:
+def _estimate(lay, wl, hw, micro, step, static, peak_bytes, sent_per_micro, time, parts, **extra) -> Estimate:
+    """The estimate of a step; `static`: weights, gradients and optimizer state, `parts`: the other
+    bytes of the peak by kind (the breakdown shows each in GiB, and the reserve)."""
     feasible = peak_bytes <= hw.memory_gib * GiB
+    mem = {"weights_grads_optimizer": static / GiB, **{k: v / GiB for k, v in parts.items()},
+           "reserved": hw.reserved_gib}
     return Estimate(
         layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * wl.seq_length / step,
         peak_memory_gib=peak_bytes / GiB, attn_bytes_per_gpu=int(micro * sent_per_micro), feasible=feasible,
@@ -435,12 +436,9 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
     micro, step, time, static = _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained,
                                           model.frozen_params)
-    worst = max(per_rank, key=lambda x: x[3])
-    acts, features, logits = worst[4]
-    peak_bytes = static + worst[3] + hw.reserved_gib * GiB
-    mem = {"weights_grads_optimizer": static / GiB, "activations": acts / GiB, "features": features / GiB,
-           "logits": logits / GiB, "reserved": hw.reserved_gib}
-    return _estimate(lay, wl, hw, micro, step, peak_bytes, sent_sample, time, mem)
+    _, _, _, live, (acts, features, logits) = max(per_rank, key=lambda x: x[3])
+    return _estimate(lay, wl, hw, micro, step, static, static + live + hw.reserved_gib * GiB, sent_sample, time,
+                     {"activations": acts, "features": features, "logits": logits})
 
 
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int,
@@ -656,10 +654,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))
     act_total, act, logits = max(mems, key=lambda m: m[0])
-    peak_bytes = static + act_total + hw.reserved_gib * GiB
-    mem = {"weights_grads_optimizer": static / GiB, "activations": act / GiB, "logits": logits / GiB,
-           "reserved": hw.reserved_gib}
-    return _estimate(lay, wl, hw, micro, step, peak_bytes, sent_sample, time, mem)
+    return _estimate(lay, wl, hw, micro, step, static, static + act_total + hw.reserved_gib * GiB, sent_sample, time,
+                     {"activations": act, "logits": logits})
 
 
 # ---- pipeline parallelism in the cost model: P stages of a layout, each costed by `cost.estimate`.
@@ -775,10 +771,10 @@ def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_pe
     time = {k: slots * v for k, v in slow["time"].items()}
     time.update(grad_reduce_exposed=t_grad, optimizer=t_opt, pipeline_bubble=(slots - micro) * slow["t_micro"])
     worst = max(stages, key=lambda x: x["peak"])
-    mem = {"weights_grads_optimizer": worst["static"] / GiB, "activations": worst["in_flight"] * worst["acts"] / GiB,
-           "logits": worst["logits"] / GiB, "reserved": hw.reserved_gib}
+    parts = {"activations": worst["in_flight"] * worst["acts"], "logits": worst["logits"]}
     info = {"schedule": "1F1B" if vp == 1 else "interleaved 1F1B", "virtual_stages": vp, "micro_batches": micro,
             "bubble_fraction": (slots - micro) / slots, "stage_peak_gib": [x["peak"] / GiB for x in stages],
             "in_flight_micro_batches": [x["in_flight"] for x in stages], "p2p_bytes_per_micro_batch": p2p,
             "p2p_bytes_per_gpu": micro * max(x["p2p_bytes"] for x in stages) * 2}
-    return _estimate(lay, wl, hw, micro, step, worst["peak"], max(x["sent"] for x in stages), time, mem, pipeline=info)
+    return _estimate(lay, wl, hw, micro, step, worst["static"], worst["peak"], max(x["sent"] for x in stages), time,
+                     parts, pipeline=info)

@@ -177,8 +177,8 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
     if experts and not topk:
         raise ValueError("MoE config.json needs num_experts_per_tok")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    dense_ffn = ffn if (not experts or cfg.get("enable_moe_block") or cfg.get("dense_mlp_with_experts")) else 0
-    dense_ffn += shared
+    dense = not experts or cfg.get("enable_moe_block") or cfg.get("dense_mlp_with_experts")
+    dense_ffn = (ffn if dense else 0) + shared
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     gdn = _gdn_shape(cfg)
