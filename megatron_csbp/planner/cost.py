@@ -283,8 +283,7 @@ def attention_transient_bytes(w, layer: LayerShape, tp: int, lay: Layout, ring: 
     kv_heads = max(1, -(-layer.num_kv_heads // tp))
     keys = w.clean_rows + w.kv_rows_gathered
     copies = 2 * 4 * layer.head_dim * (w.rows * heads + 2 * keys * kv_heads)
-    chunks = 3 * 4 * heads * q_tile * min(run_keys, max(1, keys))
-    return copies + chunks
+    return copies + 3 * 4 * heads * q_tile * min(run_keys, max(1, keys))  # + the chunk buffers
 
 
 def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
@@ -292,10 +291,8 @@ def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
     tile tables (2 bytes a 256 x 256 tile) of each partial: linear in the rows (the tables in the
     tiles). At L = 256K on 16 ranks (CSBP): 2.7 MiB of vectors and 0.3 MiB of tables."""
     keys = w.clean_rows + w.kv_rows_gathered
-    parts = _clean_partials(lay, ring)
-    vectors = 13 * w.rows * parts + 9 * keys
-    tables = 2 * (-(-w.rows // tile)) * (-(-keys // tile))
-    return vectors + tables
+    vectors = 13 * w.rows * _clean_partials(lay, ring) + 9 * keys
+    return vectors + 2 * (-(-w.rows // tile)) * (-(-keys // tile))  # + the tables
 
 
 def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile, gpus_per_node: int,
@@ -380,9 +377,8 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     trained = model.dense_params + (d2.extra_params(h, model.num_layers, V) if d2 is not None else 0)
     per_rank = []
     for r in range(len(base)):
-        draft, ctx = base[r].draft_rows, base[r].context_rows
-        if replicated:
-            draft = sum(x.draft_rows for x in base)
+        ctx = base[r].context_rows
+        draft = sum(x.draft_rows for x in base) if replicated else base[r].draft_rows
         t = dict(gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, elementwise=0.0, output_layer=0.0)
         # fc over the context rows: forward and weight gradient (the features need no gradient)
         t["gemm"] += 2 * feat_row * h / tp * ctx * (2 + rc) / gemm_rate

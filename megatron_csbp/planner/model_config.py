@@ -138,10 +138,8 @@ class ModelConfig:
         if self.is_hybrid:
             kinds += f", {sum(1 for l in self.layers if l.is_gdn)} Gated DeltaNet / " \
                      f"{sum(1 for l in self.layers if not l.is_gdn)} attention layers"
-        moe = ""
-        if self.is_moe:
-            l0 = next(l for l in self.layers if l.num_experts)
-            moe = f", MoE {l0.num_experts} experts top-{l0.topk}"
+        l0 = next((l for l in self.layers if l.num_experts), None)
+        moe = f", MoE {l0.num_experts} experts top-{l0.topk}" if l0 else ""
         return (f"{self.name}: {self.total_params / 1e9:.2f}B params ({self.active_params / 1e9:.2f}B active), "
                 f"{self.num_layers} layers, hidden {self.hidden_size}{kinds}{moe}")
 
