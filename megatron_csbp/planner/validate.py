@@ -162,13 +162,10 @@ def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
              "predicted_gap_s": r["step_s"][0] - r["step_s"][1],
              "paper_gap_s": r["paper_step_s"][0] - r["paper_step_s"][1]}
             for r in v["rows"]]
-    for L, paper in ((65536, 1.25), (131072, 1.44), (524288, PAPER_GEMMA_512K)):
-        if L not in extra.get("gemma_by_length", {}):
-            continue
-        s = extra["gemma_by_length"][L]
-        recs.append({"model": "diffusiongemma-26b-a4b", "row": "DP1/EP2/CP8 -> +BP8", "seq_length": L,
-                     "baseline": baseline, "paper_speedup": paper, "predicted_speedup": s[0],
-                     "fits": [s[3], s[4]]})
+    gemma = extra.get("gemma_by_length", {})
+    recs += [{"model": "diffusiongemma-26b-a4b", "row": "DP1/EP2/CP8 -> +BP8", "seq_length": L, "baseline": baseline,
+              "paper_speedup": paper, "predicted_speedup": gemma[L][0], "fits": [gemma[L][3], gemma[L][4]]}
+             for L, paper in ((65536, 1.25), (131072, 1.44), (524288, PAPER_GEMMA_512K)) if L in gemma]
     for L, paper in PAPER_DFLASH.items():
         d = extra.get("dflash", {}).get(L)
         if d is None:
