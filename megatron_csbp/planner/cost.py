@@ -188,8 +188,8 @@ def _precision(hw: HardwareProfile, wl: "Workload"):
     """(weight, grad, optimizer-state) bytes per parameter."""
     if hw.dtype_bytes >= 4:
         return 4, 4, 8  # fp32 training: weights, grads, Adam m and v
-    opt = 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
-    return 2, wl.grad_bytes, opt  # bf16 weights, main grads, fp32 master + m + v (or as the workload says)
+    # bf16 weights, main grads, fp32 master + m + v (or as the workload says)
+    return 2, wl.grad_bytes, 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
 
 
 def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: int) -> float:
@@ -330,8 +330,7 @@ def _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained, fro
     micro-batches of `t_sample` seconds each, gradient reduction and optimizer."""
     micro = wl.samples_per_replica(lay.dp)
     t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, frozen)
-    time = {k: micro * v for k, v in t_parts.items()}
-    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    time = {**{k: micro * v for k, v in t_parts.items()}, "grad_reduce_exposed": t_grad, "optimizer": t_opt}
     return micro, micro * t_sample + t_grad + t_opt, time, static
 
 
