@@ -30,7 +30,7 @@ from megatron_csbp.utils.cli import ArgumentParser, filter_warnings, report
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m megatron_csbp.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model source (one of)")
     src.add_argument("--hf-config", metavar="FILE", help="a Hugging Face config.json (or the model folder holding it)")
     src.add_argument("--model", metavar="PRESET", help=f"a built-in config: {', '.join(presets())}")
@@ -38,8 +38,7 @@ def parse_args(argv=None):
     w = p.add_argument_group("workload and cluster")
     w.add_argument("--seq-length", type=int, help="clean tokens L per sample")
     w.add_argument("--block-size", type=int, help="block size B")
-    w.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per step (default: one per data-parallel replica)")
+    w.add_argument("--global-batch-size", type=int, help="samples per step (default: one per data-parallel replica)")
     w.add_argument("--gpus", type=int, help="GPUs in the job")
     w.add_argument("--gpus-per-node", type=int, default=8)
     w.add_argument("--hardware", default="h200", help="h100, h200, measured, or a profile FILE")
@@ -59,13 +58,13 @@ def parse_args(argv=None):
                    help="bd3lm: block diffusion training (every objective but the drafter); dflash: a DFlash "
                         "drafter on verifier features (needs a drafter model, e.g. --model dflash-drafter-muse-glimmer)")
     w.add_argument("--dflash-max-anchors", type=int, default=512, help="dflash: draft blocks (anchors) per sequence")
-    w.add_argument("--dflash-doc-length", type=int, default=None,
+    w.add_argument("--dflash-doc-length", type=int,
                    help="dflash: document length the anchors' contexts stop at (default: one document per sequence)")
     w.add_argument("--dflash-vocab-chunk", type=int, default=8192,
                    help="dflash: vocabulary columns per chunk of the streamed loss")
-    w.add_argument("--doc-length", type=int, default=None,
+    w.add_argument("--doc-length", type=int,
                    help="packed samples: documents of N tokens (the last one cut at --seq-length)")
-    w.add_argument("--doc-length-histogram", metavar="FILE", default=None,
+    w.add_argument("--doc-length-histogram", metavar="FILE",
                    help="packed samples: document lengths drawn from FILE (JSON {length: count} or "
                         "'length count' lines) until --seq-length is full (docs/planner.md, 'Packed documents')")
     w.add_argument("--doc-length-seed", type=int, default=0, help="seed of the --doc-length-histogram draw")
@@ -141,14 +140,12 @@ def format_table(result, top: int) -> str:
     if not result["layouts"]:
         lines.append("  (no layout fits: more GPUs, recompute, or a shorter sequence)")
     for key, title in (("best", "best"), ("best_baseline", "best without block parallelism")):
-        l = result[key]
-        if l:
-            lines += ["", f"{title}: {l['label']}", "  " + " ".join(l["flags"])]
+        if result[key]:
+            lines += ["", f"{title}: {result[key]['label']}", "  " + " ".join(result[key]["flags"])]
     if result.get("speedup_best_vs_baseline"):
         lines.append(f"\npredicted speedup of the best layout over the best baseline: "
                      f"{result['speedup_best_vs_baseline']:.3f}x")
-        why = why_no_speedup(result)
-        if why:
+        if why := why_no_speedup(result):
             lines.append(why)
     return "\n".join(lines)
 
@@ -186,8 +183,8 @@ def main(argv=None) -> int:
             save_hardware(prof, args.profile)
             print(f"wrote {args.profile}: {prof.notes}")
             return 0
-        missing = [f for f, v in (("--seq-length", args.seq_length), ("--block-size", args.block_size),
-                                  ("--gpus", args.gpus)) if v is None]
+        missing = [f"--{name.replace('_', '-')}" for name in ("seq_length", "block_size", "gpus")
+                   if getattr(args, name) is None]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
         model = model_from_args(args)
@@ -201,8 +198,7 @@ def main(argv=None) -> int:
         if args.objective == "dflash" and not 1 <= args.dflash_max_anchors < args.seq_length:
             raise ValueError(f"--dflash-max-anchors {args.dflash_max_anchors} must be in [1, --seq-length - 1]")
         result = plan(model, wl, args.gpus, args.gpus_per_node, hw, baseline=args.baseline, only=args.layouts,
-                      transports=args.transports,
-                      schedules=args.block_ownership, recompute=args.recompute,
+                      transports=args.transports, schedules=args.block_ownership, recompute=args.recompute,
                       distributed_optimizer=not args.no_distributed_optimizer)
         if packing:
             result["packing"] = packing

@@ -143,10 +143,9 @@ class Estimate:
     pipeline: Dict = field(default_factory=dict)  # PP > 1: schedule, bubble, stage peaks, P2P bytes
 
     def to_dict(self, flags: List[str]) -> Dict:
-        lay = self.layout
+        sizes = ("tp", "pp", "vp", "cp", "bp", "ep", "dp", "recompute", "transport", "schedule")
         return {
-            "tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "bp": lay.bp, "ep": lay.ep, "dp": lay.dp, "recompute": lay.recompute,
-            "transport": lay.transport, "schedule": lay.schedule, "label": lay.label(),
+            **{k: getattr(self.layout, k) for k in sizes}, "label": self.layout.label(),
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "peak_memory_gib": self.peak_memory_gib, "attn_bytes_per_gpu": self.attn_bytes_per_gpu,
             "feasible": self.feasible, "why_infeasible": self.why_infeasible,
@@ -155,16 +154,42 @@ class Estimate:
         }
 
 
-def _spans_nodes(span: int, gpus_per_node: int) -> bool:
-    return span > gpus_per_node
+def _link(hw: HardwareProfile, span: int, gpus_per_node: int) -> float:
+    """Bytes per second of a collective over `span` ranks (the inter-node link when they span nodes)."""
+    return hw.link_gbps(span > gpus_per_node) * 1e9
+
+
+def _kv_row(layer: LayerShape, tp: int, s: int) -> int:
+    """Bytes of one row's K and V on one TP rank."""
+    return 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+
+
+def _ring_exposed(t_pass: float, attn_fwd: float, ring: int, passes_fwd: int) -> float:
+    """Exposed seconds of one layer's streamed ring: each shift hides behind the attention on the
+    chunk before it (the forward passes', then the backward's, 2.5 x the forward work)."""
+    hidden = attn_fwd * (ring - 1) / ring
+    return passes_fwd * max(0.0, t_pass - hidden) + max(0.0, t_pass - 2.5 * hidden)
+
+
+def _windows(model: ModelConfig) -> list:
+    """The model's distinct attention windows, full attention (None) first."""
+    return sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
+
+
+def _ring_link(lay: "Layout", hw: HardwareProfile, gpus_per_node: int, baseline: Baseline) -> Tuple[int, float]:
+    """(ranks sharing the clean stream, bytes per second of their attention collectives); the
+    reference recipes stripe each CP / CP x BP group across nodes (`inter_node_cp`)."""
+    ring = lay.cp if lay.kind in ("cp", "csbp") else 1
+    spans = lay.tp * (lay.shard_group_size if lay.kind == "cp" else ring) > gpus_per_node
+    return ring, hw.link_gbps(spans or (baseline.cp_across_nodes and ring > 1 and lay.gpus > gpus_per_node)) * 1e9
 
 
 def _precision(hw: HardwareProfile, wl: "Workload"):
     """(weight, grad, optimizer-state) bytes per parameter."""
     if hw.dtype_bytes >= 4:
         return 4, 4, 8  # fp32 training: weights, grads, Adam m and v
-    opt = 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
-    return 2, wl.grad_bytes, opt  # bf16 weights, main grads, fp32 master + m + v (or as the workload says)
+    # bf16 weights, main grads, fp32 master + m + v (or as the workload says)
+    return 2, wl.grad_bytes, 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
 
 
 def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: int) -> float:
@@ -198,8 +223,7 @@ def gdn_recurrence_flops(w: GDNRankWork, layer: LayerShape, tp: int, block_size:
     flops = rule(w.clean_tokens, w.clean_sq, dv) + rule(w.noisy_tokens, w.noisy_tokens * block_size, dv)
     if w.ring > 1:
         flops += rule(w.clean_tokens, w.clean_sq, dk + dv)
-    conv = 2 * layer.gdn_conv_kernel * layer.gdn_conv_dim / tp * (w.clean_tokens + w.noisy_tokens)
-    return flops + conv
+    return flops + 2 * layer.gdn_conv_kernel * layer.gdn_conv_dim / tp * (w.clean_tokens + w.noisy_tokens)  # + conv
 
 
 def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows: int, tp: int, s: int,
@@ -210,12 +234,10 @@ def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows:
     state (H x d_k x d_v); the boundary states received and the gathered transfer maps. The
     project's pure-torch rule (CPU kernels) also keeps about five fp32 T x T matrices per chunk and
     head (decays, A, the solve, Q K^T); a fused GPU kernel (`sparse` profiles) recomputes them."""
-    h = model.hidden_size
     H = max(1, layer.gdn_value_heads // tp)
     dk, dv = layer.gdn_key_dim, layer.gdn_value_dim
-    conv = layer.gdn_conv_dim / tp
-    v = H * dv
-    per_row = s * (4 * h / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
+    conv, v = layer.gdn_conv_dim / tp, H * dv
+    per_row = s * (4 * model.hidden_size / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
     chunks = -(-w.clean_tokens // block_size) + w.max_runs + w.noisy_tokens // block_size
     state = 4 * H * dk * dv if s < 8 else 8 * H * dk * dv
     held = chunks * state + w.boundary_received * state
@@ -261,8 +283,7 @@ def attention_transient_bytes(w, layer: LayerShape, tp: int, lay: Layout, ring: 
     kv_heads = max(1, -(-layer.num_kv_heads // tp))
     keys = w.clean_rows + w.kv_rows_gathered
     copies = 2 * 4 * layer.head_dim * (w.rows * heads + 2 * keys * kv_heads)
-    chunks = 3 * 4 * heads * q_tile * min(run_keys, max(1, keys))
-    return copies + chunks
+    return copies + 3 * 4 * heads * q_tile * min(run_keys, max(1, keys))  # + the chunk buffers
 
 
 def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
@@ -270,10 +291,8 @@ def mask_bytes(w, lay: Layout, ring: int, tile: int = 256) -> float:
     tile tables (2 bytes a 256 x 256 tile) of each partial: linear in the rows (the tables in the
     tiles). At L = 256K on 16 ranks (CSBP): 2.7 MiB of vectors and 0.3 MiB of tables."""
     keys = w.clean_rows + w.kv_rows_gathered
-    parts = _clean_partials(lay, ring)
-    vectors = 13 * w.rows * parts + 9 * keys
-    tables = 2 * (-(-w.rows // tile)) * (-(-keys // tile))
-    return vectors + tables
+    vectors = 13 * w.rows * _clean_partials(lay, ring) + 9 * keys
+    return vectors + 2 * (-(-w.rows // tile)) * (-(-keys // tile))  # + the tables
 
 
 def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile, gpus_per_node: int,
@@ -282,29 +301,24 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
     (t_grad, t_opt, static bytes)."""
     tp, S = lay.tp, lay.shard_group_size
     wb, gb, ob = _precision(hw, wl)
-    expert_total = model.expert_params
     dense_rank = dense_total / tp
-    expert_rank = expert_total / (tp * lay.ep) if expert_total else 0.0
+    expert_rank = model.expert_params / (tp * lay.ep) if model.expert_params else 0.0
     if wl.lora is not None:  # the base is frozen (its weights only); the adapters train
         frozen += dense_total + expert_rank * tp
         dense_rank, expert_rank = adapter_params(model, wl.lora, model.layers, tp, lay.ep)
     D = lay.dp * S
     De = max(1, D // lay.ep)
-    grad_link = hw.link_gbps(_spans_nodes(lay.gpus, gpus_per_node)) * 1e9
-    if lay.distributed_optimizer:
-        grad_bytes = (gb + wb) * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
-        opt_params = dense_rank / D + expert_rank / De
-    else:
-        grad_bytes = 2 * gb * (dense_rank * (D - 1) / D + expert_rank * (De - 1) / De)
-        opt_params = dense_rank + expert_rank
-    t_grad = (grad_bytes / grad_link) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
+    reduced = dense_rank * (D - 1) / D + expert_rank * (De - 1) / De
+    grad_bytes = ((gb + wb) if lay.distributed_optimizer else 2 * gb) * reduced
+    opt_params = dense_rank / D + expert_rank / De if lay.distributed_optimizer else dense_rank + expert_rank
+    t_grad = (grad_bytes / _link(hw, lay.gpus, gpus_per_node)) * (1 - hw.grad_reduce_overlap) if D > 1 else 0.0
     t_opt = opt_params * (2 * ob + 2 * wb + gb) / (hw.hbm_gbps * 1e9)
     if wl.optimizer == "zero2":
         # the paper's trainer (`reference.zero2_static_bytes`): partitioned over the ranks of one
         # TP, EP and PP rank (DP x S / EP); buckets of the largest tensor, the embedding / output
         # layer (V h / TP): two with contiguous gradients and overlap, one when EP > 1 turns
         # contiguous gradients off. (The time terms stay the ones above.)
-        static = zero2_static_bytes(dense_rank + expert_rank, max(1, D // lay.ep),
+        static = zero2_static_bytes(dense_rank + expert_rank, De,
                                     model.vocab_size * model.hidden_size / tp, wb, 1 if lay.ep > 1 else 2)
         return t_grad, t_opt, static + wb * frozen / tp
     static = (wb + gb) * (dense_rank + expert_rank) + ob * opt_params + wb * frozen / tp
@@ -316,13 +330,16 @@ def _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained, fro
     micro-batches of `t_sample` seconds each, gradient reduction and optimizer."""
     micro = wl.samples_per_replica(lay.dp)
     t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, frozen)
-    time = {k: micro * v for k, v in t_parts.items()}
-    time.update(grad_reduce_exposed=t_grad, optimizer=t_opt)
+    time = {**{k: micro * v for k, v in t_parts.items()}, "grad_reduce_exposed": t_grad, "optimizer": t_opt}
     return micro, micro * t_sample + t_grad + t_opt, time, static
 
 
-def _estimate(lay, wl, hw, micro, step, peak_bytes, sent_per_micro, time, mem, **extra) -> Estimate:
+def _estimate(lay, wl, hw, micro, step, static, peak_bytes, sent_per_micro, time, parts, **extra) -> Estimate:
+    """The estimate of a step; `static`: weights, gradients and optimizer state, `parts`: the other
+    bytes of the peak by kind (the breakdown shows each in GiB, and the reserve)."""
     feasible = peak_bytes <= hw.memory_gib * GiB
+    mem = {"weights_grads_optimizer": static / GiB, **{k: v / GiB for k, v in parts.items()},
+           "reserved": hw.reserved_gib}
     return Estimate(
         layout=lay, step_time_s=step, tokens_per_s=micro * lay.dp * wl.seq_length / step,
         peak_memory_gib=peak_bytes / GiB, attn_bytes_per_gpu=int(micro * sent_per_micro), feasible=feasible,
@@ -338,19 +355,17 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     traffic, memory; with `wl.dflash2`, the paper's DFlash2 terms (`reference.DFlash2Drafter`).
     Each term: docs/planner.md, the cost model's "DFlash drafter" row.
     """
-    L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
-    s = hw.dtype_bytes
+    L, B, tp, s, h, V = wl.seq_length, wl.block_size, lay.tp, hw.dtype_bytes, model.hidden_size, model.vocab_size
     peak = hw.peak_tflops * 1e12
-    h, V = model.hidden_size, model.vocab_size
+    gemm_rate, attn_rate, hbm = peak * hw.gemm_efficiency, peak * hw.attention_efficiency, hw.hbm_gbps * 1e9
     recompute = lay.recompute == "full"
-    passes_fwd = 2 if recompute else 1
-    windows = sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
+    rc = 1 if recompute else 0  # the recompute's second forward
+    passes_fwd = 1 + rc
+    windows = _windows(model)
     work = {w: drafter_rank_work(L, B, wl.anchors, lay.cp, lay.bp, wl.doc_length, w) for w in windows}
     base = work[windows[0]]
-    ring = lay.cp if lay.kind in ("cp", "csbp") else 1
-    link = hw.link_gbps(_spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)
-                        or (baseline.cp_across_nodes and ring > 1 and lay.gpus > gpus_per_node)) * 1e9
-    lat = hw.collective_latency_us * 1e-6
+    ring, link = _ring_link(lay, hw, gpus_per_node, baseline)
+    lat, tp_link = hw.collective_latency_us * 1e-6, _link(hw, tp, gpus_per_node)
     # the reference CP path (`reference.py` (d)): every CP rank drafts every anchor
     replicated = baseline.replicated_anchors and lay.kind == "cp"
     feat_row = model.target_layers * h
@@ -361,24 +376,21 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
     trained = model.dense_params + (d2.extra_params(h, model.num_layers, V) if d2 is not None else 0)
     per_rank = []
     for r in range(len(base)):
-        draft, ctx = base[r].draft_rows, base[r].context_rows
-        if replicated:
-            draft = sum(x.draft_rows for x in base)
+        ctx = base[r].context_rows
+        draft = sum(x.draft_rows for x in base) if replicated else base[r].draft_rows
         t = dict(gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, elementwise=0.0, output_layer=0.0)
         # fc over the context rows: forward and weight gradient (the features need no gradient)
-        t["gemm"] += 2 * feat_row * h / tp * ctx * (2 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
-        sent = 0
-        acts = 0.0
+        t["gemm"] += 2 * feat_row * h / tp * ctx * (2 + rc) / gemm_rate
+        sent, acts = 0, 0.0
         for layer in model.layers:
             w = work[layer.window][r]
             pairs = sum(x.sparse_pairs for x in work[layer.window]) if replicated else w.sparse_pairs
             kv_params = h * layer.num_kv_heads * layer.head_dim * 2
             flops = 2 * (model.layer_dense_params(layer) - kv_params) / tp * draft + 2 * kv_params / tp * (draft + ctx)
-            t["gemm"] += flops * (3 + (1 if recompute else 0)) / (peak * hw.gemm_efficiency)
-            heads_t = max(1, layer.num_heads // tp)
-            attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
-            t["attention"] += attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
-            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+            t["gemm"] += flops * (3 + rc) / gemm_rate
+            attn_fwd = pairs * 4 * max(1, layer.num_heads // tp) * layer.head_dim / attn_rate
+            t["attention"] += attn_fwd * (ATTN_FWD_BWD + rc)
+            kv_row = _kv_row(layer, tp, s)
             per_pass = w.exchange_rows * kv_row
             sent += per_pass * (passes_fwd + 1)
             if per_pass:
@@ -386,24 +398,19 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
                 t_pass = per_pass / link + n_coll * lat
                 if (lay.transport == "ring" and not (layer.window is not None and lay.kind == "csbp")
                         and not (lay.kind == "cp" and baseline.cp_exposed_allgather)):
-                    hidden_fwd = attn_fwd * (ring - 1) / ring
-                    exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                    t["attn_comm_exposed"] += _ring_exposed(t_pass, attn_fwd, ring, passes_fwd)
                 else:
-                    exposed = (passes_fwd + 1) * t_pass
-                t["attn_comm_exposed"] += exposed
+                    t["attn_comm_exposed"] += (passes_fwd + 1) * t_pass
             if tp > 1:
-                t["tp_comm"] += (passes_fwd + 1) * (4 * (draft + ctx) * h * s * (tp - 1) / tp
-                                                    / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + 4 * lat)
+                t["tp_comm"] += (passes_fwd + 1) * (4 * (draft + ctx) * h * s * (tp - 1) / tp / tp_link + 4 * lat)
             t["elementwise"] += ((draft + ctx) * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
-                                 * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
+                                 * (1.33 if recompute else 1.0) / hbm)
             # kept for backward: the draft rows' activations, the context rows' K/V (computed here
             # and received)
-            acts_layer = (draft * activation_bytes_per_row(model, layer, tp, s)
-                          + (ctx + w.exchange_rows) * kv_row)
+            acts_layer = draft * activation_bytes_per_row(model, layer, tp, s) + (ctx + w.exchange_rows) * kv_row
             if d2 is not None:
                 acts_layer += draft * d2.conv_elements_per_draft_row(h) * s
-                t["gemm"] += (draft * d2.conv_flops_per_draft_row(h) * (3 + (1 if recompute else 0))
-                              / (peak * hw.gemm_efficiency))
+                t["gemm"] += draft * d2.conv_flops_per_draft_row(h) * (3 + rc) / gemm_rate
             acts = max(acts, acts_layer) if recompute else acts + acts_layer
         if recompute:
             acts += (draft + ctx) * h * s / tp * model.num_layers
@@ -411,26 +418,22 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
         features = wl.feature_buffers * ctx * feat_row * s + ctx * h * s
         if d2 is None:
             # frozen LM head on the draft rows: forward + input gradient
-            t["output_layer"] = 2 * 2 * draft * h * V / tp / (peak * hw.gemm_efficiency)
+            t["output_layer"] = 2 * 2 * draft * h * V / tp / gemm_rate
             logits = draft * min(V, wl.vocab_chunk or V) / tp * (wl.logits_bytes if s < 4 else 2 * s)
         else:
             # the native objective on the supervised rows: logits forward, recomputed in backward,
             # input gradient (three GEMMs); kept state per row and the row block's workspace
             supervised = draft * (B - 1) // B
-            t["output_layer"] = 3 * 2 * supervised * h * V / (peak * hw.gemm_efficiency)
-            t["elementwise"] += d2.objective_hbm_bytes(supervised, V, s) / (hw.hbm_gbps * 1e9)
-            logits = (supervised * d2.objective_bytes_per_row(h, s)
-                      + d2.objective_workspace_bytes(supervised, h, V, s))
+            t["output_layer"] = 3 * 2 * supervised * h * V / gemm_rate
+            t["elementwise"] += d2.objective_hbm_bytes(supervised, V, s) / hbm
+            logits = supervised * d2.objective_bytes_per_row(h, s) + d2.objective_workspace_bytes(supervised, h, V, s)
         per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
     t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
     micro, step, time, static = _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained,
                                           model.frozen_params)
-    worst = max(per_rank, key=lambda x: x[3])
-    acts, features, logits = worst[4]
-    peak_bytes = static + worst[3] + hw.reserved_gib * GiB
-    mem = {"weights_grads_optimizer": static / GiB, "activations": acts / GiB, "features": features / GiB,
-           "logits": logits / GiB, "reserved": hw.reserved_gib}
-    return _estimate(lay, wl, hw, micro, step, peak_bytes, sent_sample, time, mem)
+    _, _, _, live, (acts, features, logits) = max(per_rank, key=lambda x: x[3])
+    return _estimate(lay, wl, hw, micro, step, static, static + live + hw.reserved_gib * GiB, sent_sample, time,
+                     {"activations": acts, "features": features, "logits": logits})
 
 
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int,
@@ -452,66 +455,57 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     if lay.pp > 1:
         return estimate_pipelined(model, lay, wl, hw, gpus_per_node, baseline)
     L, B, tp, S = wl.seq_length, wl.block_size, lay.tp, lay.shard_group_size
-    s = hw.dtype_bytes
+    s, h, V = hw.dtype_bytes, model.hidden_size, model.vocab_size
     peak = hw.peak_tflops * 1e12
-    h, V = model.hidden_size, model.vocab_size
+    gemm_rate, attn_rate, hbm = peak * hw.gemm_efficiency, peak * hw.attention_efficiency, hw.hbm_gbps * 1e9
     recompute = lay.recompute == "full"
-    passes_fwd = 2 if recompute else 1  # forward passes through the layers (recompute replays it)
+    rc = 1 if recompute else 0  # the recompute's second forward
+    passes_fwd = 1 + rc  # forward passes through the layers (recompute replays it)
 
     # ---- per-rank work of the real mask, for each distinct attention window ------------------
-    windows = sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
-    work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w, wl.documents)
-            for w in windows}
+    windows = _windows(model)
+    work = {w: rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention, w, wl.documents) for w in windows}
     base = work[windows[0]]
     ranks = range(len(base))
     gdn = gdn_rank_work(L, B, lay.cp, lay.bp, lay.schedule, model.clean_attention) if model.is_hybrid else None
 
     # ---- time of one sample on each rank; the group waits for the slowest ------------------------
-    ring = lay.cp if lay.kind in ("cp", "csbp") else 1
-    ring_span_nodes = _spans_nodes(tp * (S if lay.kind == "cp" else ring), gpus_per_node)
-    # the reference recipes stripe each CP / CP x BP group across nodes (`inter_node_cp`)
-    ring_span_nodes = ring_span_nodes or (baseline.cp_across_nodes and ring > 1 and lay.gpus > gpus_per_node)
-    link = hw.link_gbps(ring_span_nodes) * 1e9
+    ring, link = _ring_link(lay, hw, gpus_per_node, baseline)
     ref_cp = lay.kind == "cp" and not baseline.is_ours
-    lat = hw.collective_latency_us * 1e-6
+    lat, tp_link = hw.collective_latency_us * 1e-6, _link(hw, tp, gpus_per_node)
     # expected detached self-conditioning passes per sample: the EP ranks (each its own sample)
     # run it when any of them draws it (the reference's max over the EP group)
     self_cond = 1.0 - (1.0 - wl.self_conditioning_prob) ** lay.ep if wl.self_conditioning_prob else 0.0
     lora = wl.lora
     # GEMMs per linear, in units of its forward: forward, input gradient and (trained) weight
     # gradient, plus the recompute's forward; a frozen base linear (LoRA) skips the weight gradient
-    base_gemms = (2 if lora else 3) + (1 if recompute else 0)
+    base_gemms = (2 if lora else 3) + rc
     per_rank = []
     for r in ranks:
         rows, noisy = base[r].rows, base[r].noisy_rows
         t = dict(gemm=0.0, moe_gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, moe_comm=0.0,
                  elementwise=0.0, output_layer=0.0)
-        sent = 0
-        sc = 0.0  # one detached self-conditioning forward of this rank's noisy rows (below)
+        sent, sc = 0, 0.0  # sc: one detached self-conditioning forward of this rank's noisy rows (below)
+        moe_rate = peak * hw.grouped_gemm_efficiency
         for layer in model.layers:
             w = work[layer.window][r]
             if self_cond:  # its GEMMs: the noisy rows' forward
-                sc += 2 * model.layer_dense_params(layer) / tp * noisy / (peak * hw.gemm_efficiency)
+                sc += 2 * model.layer_dense_params(layer) / tp * noisy / gemm_rate
                 if layer.num_experts:
-                    sc += 2 * layer.topk * model.layer_expert_params(layer) / tp * noisy / (
-                        peak * hw.grouped_gemm_efficiency)
-            dense_flops = 2 * model.layer_dense_params(layer) / tp * rows
-            t["gemm"] += dense_flops * base_gemms / (peak * hw.gemm_efficiency)
+                    sc += 2 * layer.topk * model.layer_expert_params(layer) / tp * noisy / moe_rate
+            t["gemm"] += 2 * model.layer_dense_params(layer) / tp * rows * base_gemms / gemm_rate
             if layer.num_experts:
-                moe_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp * rows
-                t["moe_gemm"] += moe_flops * base_gemms / (peak * hw.grouped_gemm_efficiency)
+                t["moe_gemm"] += 2 * layer.topk * model.layer_expert_params(layer) / tp * rows * base_gemms / moe_rate
             if lora:  # the adapters' thin GEMMs (trained: 3 + recompute), bound by FLOPs or HBM bytes
-                flops, hbm = layer_forward_cost(model, layer, lora, tp, s)
-                t["lora"] = t.get("lora", 0.0) + (3 + (1 if recompute else 0)) * rows * max(
-                    flops / (peak * hw.gemm_efficiency), hbm / (hw.hbm_gbps * 1e9))
+                flops, hbm_bytes = layer_forward_cost(model, layer, lora, tp, s)
+                t["lora"] = t.get("lora", 0.0) + (3 + rc) * rows * max(flops / gemm_rate, hbm_bytes / hbm)
                 if tp > 1:  # a [rows, r] gather or reduce-scatter per adapted linear and pass
                     t["tp_comm"] += (passes_fwd + 1) * (
-                        rows * layer_tp_reduced_bytes(model, layer, lora, s) * (tp - 1) / tp
-                        / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9) + lat)
+                        rows * layer_tp_reduced_bytes(model, layer, lora, s) * (tp - 1) / tp / tp_link + lat)
             if layer.is_gdn:
                 gw = gdn[r]
-                rec = gdn_recurrence_flops(gw, layer, tp, B) / (peak * hw.attention_efficiency)
-                t["linear_attention"] = t.get("linear_attention", 0.0) + rec * (3 + (1 if recompute else 0))
+                rec = gdn_recurrence_flops(gw, layer, tp, B) / attn_rate
+                t["linear_attention"] = t.get("linear_attention", 0.0) + rec * (3 + rc)
                 fwd_b, bwd_b = gdn_bytes_sent(gw, max(1, layer.gdn_value_heads // tp), layer.gdn_key_dim,
                                               layer.gdn_value_dim, layer.gdn_conv_dim // tp,
                                               layer.gdn_conv_kernel, s, _state_bytes(s))
@@ -530,7 +524,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             else:
                 pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
                 heads_t = max(1, layer.num_heads // tp)
-                attn_fwd = pairs * 4 * heads_t * layer.head_dim / (peak * hw.attention_efficiency)
+                attn_fwd = pairs * 4 * heads_t * layer.head_dim / attn_rate
                 if ref_cp:
                     # reference (a) per-path kernel rates / (c) the busiest contiguous clean slice
                     fr, br, wf = baseline.cp_rates(layer.head_dim)
@@ -538,18 +532,17 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                         wf = contiguous_range_factor(L, B, layer.window)
                     if baseline.contiguous_clean:
                         wf *= contiguous_clean_imbalance(L, B, S)
-                    attn_total = attn_fwd * wf * ((1 + (1 if recompute else 0)) / fr + (ATTN_FWD_BWD - 1) / br)
+                    t["attention"] += attn_fwd * wf * ((1 + rc) / fr + (ATTN_FWD_BWD - 1) / br)
                     sc_attn = attn_fwd * wf / fr
                 else:
-                    attn_total = attn_fwd * (ATTN_FWD_BWD + (1 if recompute else 0))
+                    t["attention"] += attn_fwd * (ATTN_FWD_BWD + rc)
                     sc_attn = attn_fwd
-                t["attention"] += attn_total
                 if self_cond:
                     # the noisy queries' half of the pairs (noisy and clean queries each see
                     # L (L + B) / 2 pairs of the mask; the layouts balance both over the ranks)
                     sc += 0.5 * sc_attn
                 # attention traffic (bytes sent by this rank in one pass)
-                kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
+                kv_row = _kv_row(layer, tp, s)
                 if lay.kind == "csbp" and layer.kv_shared:
                     kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
                 if lay.kind == "cp":
@@ -565,29 +558,23 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                         n_coll = 1 if lay.transport == "allgather" else ring - 1
                 else:
                     per_pass, n_coll = 0, 0
-                n_pass = passes_fwd + 1
-                sent += per_pass * n_pass
+                sent += per_pass * (passes_fwd + 1)
                 if per_pass:
                     t_pass = per_pass / link + n_coll * lat
                     if ref_cp and baseline.cp_exposed_allgather:
                         # reference (b): one all-gather of all rows, waited on before any attention;
                         # the dK/dV reduce-scatter waited on
-                        exposed = (passes_fwd + 1) * (per_pass / link + lat)
+                        t["attn_comm_exposed"] += (passes_fwd + 1) * (per_pass / link + lat)
                     elif lay.transport == "ring" and not (lay.kind == "csbp" and (layer.window is not None
                                                                                    or wl.packed)):
                         # (CSBP sliding or packed layers take the windowed strategy, one all-to-all)
-                        # each shift hides behind the attention on the chunk before it
-                        hidden_fwd = attn_fwd * (ring - 1) / ring
-                        exposed = passes_fwd * max(0.0, t_pass - hidden_fwd) + max(0.0, t_pass - 2.5 * hidden_fwd)
+                        t["attn_comm_exposed"] += _ring_exposed(t_pass, attn_fwd, ring, passes_fwd)
                     else:
                         # all-gather: CSBP's clean gather overlaps the noisy block-diagonal part (forward);
                         # CP's gather must finish before any of its attention; reduce-scatter is exposed
-                        diag = 0.0
-                        if lay.kind == "csbp":
-                            diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim
-                                    / (peak * hw.attention_efficiency))
-                        exposed = passes_fwd * max(0.0, t_pass - diag) + t_pass
-                    t["attn_comm_exposed"] += exposed
+                        diag = (w.noisy_rows * B * 4 * heads_t * layer.head_dim / attn_rate
+                                if lay.kind == "csbp" else 0.0)
+                        t["attn_comm_exposed"] += passes_fwd * max(0.0, t_pass - diag) + t_pass
                 if self_cond and lay.kind == "cp":
                     # CP splits every block over its ranks: the detached pass gathers the new noisy
                     # K/V again (the clean K/V of the trained pass are reused), forward only; the
@@ -598,25 +585,23 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                     else:
                         sc += max(0.0, sc_pass - 0.5 * attn_fwd * (ring - 1) / ring)
             if tp > 1:
-                tp_bytes = 4 * rows * h * s * (tp - 1) / tp
-                t["tp_comm"] += (passes_fwd + 1) * (tp_bytes / (hw.link_gbps(_spans_nodes(tp, gpus_per_node)) * 1e9)
-                                                    + 4 * lat)
+                t["tp_comm"] += (passes_fwd + 1) * (4 * rows * h * s * (tp - 1) / tp / tp_link + 4 * lat)
             if layer.num_experts and lay.ep > 1:
                 a2a = 2 * rows / tp * layer.topk * h * s * (lay.ep - 1) / lay.ep
-                moe_link = hw.link_gbps(_spans_nodes(tp * lay.ep, gpus_per_node)) * 1e9
+                moe_link = _link(hw, tp * lay.ep, gpus_per_node)
                 t["moe_comm"] += (passes_fwd + 1) * (a2a / moe_link + 2 * lat)
                 if self_cond:
                     sc += a2a * noisy / rows / moe_link + 2 * lat
             t["elementwise"] += (rows * h * s * hw.elementwise_bytes_per_row_layer_per_hidden / tp
-                                 * (1.33 if recompute else 1.0) / (hw.hbm_gbps * 1e9))
+                                 * (1.33 if recompute else 1.0) / hbm)
         out_gemms = 2 if lora else 3  # the output layer (embedding) is frozen under LoRA
-        t["output_layer"] = out_gemms * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
+        t["output_layer"] = out_gemms * 2 * noisy * h * V / tp / gemm_rate
         if wl.encoder_ar_loss:  # the clean rows' AR loss: the output layer forward and backward
-            t["output_layer"] += out_gemms * 2 * (rows - noisy) * h * V / tp / (peak * hw.gemm_efficiency)
+            t["output_layer"] += out_gemms * 2 * (rows - noisy) * h * V / tp / gemm_rate
         if self_cond:
             # the detached pass's vocabulary work: logits of the noisy rows and their soft
             # embedding (probabilities x the tied embedding), each 2 x rows x h x V
-            sc += 2 * 2 * noisy * h * V / tp / (peak * hw.gemm_efficiency)
+            sc += 2 * 2 * noisy * h * V / tp / gemm_rate
             t["self_conditioning"] = self_cond * sc
         per_rank.append((sum(t.values()), t, sent))
     t_sample, t_parts, sent_sample = max(per_rank, key=lambda x: x[0])
@@ -627,7 +612,6 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     # ---- memory of the largest rank ----------------------------------------------------------------
     mems = []
     for r in ranks:
-        transient = 0.0
         rows, noisy = base[r].rows, base[r].noisy_rows
         per_layer = []
         for layer in model.layers:
@@ -636,11 +620,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             if layer.is_gdn:
                 per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel) + kept)
                 continue
-            kv_row = 2 * max(1, -(-layer.num_kv_heads // tp)) * layer.head_dim * s
-            if lay.kind == "csbp" and ((layer.window is not None and wl.window_exchange == "window") or wl.packed):
-                kv_held = w.exchange_rows * kv_row
-            else:
-                kv_held = w.kv_rows_gathered * kv_row
+            planned = lay.kind == "csbp" and ((layer.window is not None and wl.window_exchange == "window")
+                                              or wl.packed)
+            kv_held = (w.exchange_rows if planned else w.kv_rows_gathered) * _kv_row(layer, tp, s)
             scores = 0
             if hw.attention_kernel == "dense_partials":
                 # the math kernel keeps fp32 scores, their masked copy, the probabilities and
@@ -650,16 +632,12 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             elif hw.attention_kernel == "tiled":
                 scores = partials_in_flight_bytes(w, layer, tp, s, lay, ring)
             per_layer.append(rows * activation_bytes_per_row(model, layer, tp, s) + kv_held + scores + kept)
-        if recompute:
-            act = rows * h * s / tp * model.num_layers + max(per_layer)
-        else:
-            act = sum(per_layer)
+        act = rows * h * s / tp * model.num_layers + max(per_layer) if recompute else sum(per_layer)
         # masks the plan keeps: row vectors and tile tables, for every kernel (none is dense)
         act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)
-        if hw.attention_kernel == "tiled":
-            # the backward's working set is live only once the loss and logits are freed
-            transient = max([attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
-                             for layer in model.layers if not layer.is_gdn] or [0.0])
+        # the tiled backward's working set is live only once the loss and logits are freed
+        transient = max([attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+                         for layer in model.layers if not layer.is_gdn and hw.attention_kernel == "tiled"] or [0.0])
         if wl.loss_kernel == "native_ce":
             # the paper's trainer: kept state of every loss row, and one call's workspace (the
             # noisy rows'; with the encoder's AR loss, also the clean rows' call), V / TP columns
@@ -671,11 +649,8 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))
     act_total, act, logits = max(mems, key=lambda m: m[0])
-    reserved = hw.reserved_gib * GiB
-    peak_bytes = static + act_total + reserved
-    mem = {"weights_grads_optimizer": static / GiB, "activations": act / GiB, "logits": logits / GiB,
-           "reserved": hw.reserved_gib}
-    return _estimate(lay, wl, hw, micro, step, peak_bytes, sent_sample, time, mem)
+    return _estimate(lay, wl, hw, micro, step, static, static + act_total + hw.reserved_gib * GiB, sent_sample, time,
+                     {"activations": act, "logits": logits})
 
 
 # ---- pipeline parallelism in the cost model: P stages of a layout, each costed by `cost.estimate`.
@@ -723,12 +698,6 @@ def stage_layers(model: ModelConfig, pp: int, vp: int = 1) -> List[tuple]:
             for r in range(pp)]
 
 
-def bubble_slots(micro: int, pp: int, vp: int = 1) -> float:
-    """Step length in units of one rank's micro-batch time t: the m micro-batches plus the bubble,
-    (pp - 1) t for 1F1B, (pp - 1) t / vp for the interleaved schedule."""
-    return micro + (pp - 1) / vp
-
-
 def in_flight_chunks(rank: int, micro: int, pp: int, vp: int = 1) -> int:
     """Model chunks whose activations rank `rank` holds at its peak: megatron-core's warm-up
     forwards + 1 (`get_pp_rank_microbatches`, micro-batch groups of pp), at most every chunk of
@@ -749,14 +718,7 @@ def check_interleaving(model: ModelConfig, pp: int, vp: int, micro: int) -> None
                          f"--pipeline-model-parallel-size {pp}")
 
 
-def boundary_bytes(model: ModelConfig, lay, wl, hw: HardwareProfile) -> int:
-    """Bytes of one stage boundary tensor per micro-batch (one direction): the largest rank's rows."""
-    rows = max(w.rows for w in rank_work(wl.seq_length, wl.block_size, lay.cp, lay.bp, lay.schedule,
-                                         model.clean_attention, None))
-    return int(rows * model.hidden_size * hw.dtype_bytes / lay.tp)
-
-
-def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_per_node: int, baseline=None):
+def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_per_node: int, baseline=OURS):
     """A PP layout's step: each stage's layers estimated as a PP-1 layout (charged by `baseline`,
     `cost.estimate`'s), plus the 1F1B bubble, in-flight activations and P2P."""
     pp, vp = lay.pp, lay.vp
@@ -764,15 +726,17 @@ def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_pe
     micro = wl.samples_per_replica(lay.dp)
     check_interleaving(model, pp, vp, micro)
     one = Workload(**{**wl.__dict__, "global_batch_size": lay.dp})  # one micro-batch per replica
-    p2p = boundary_bytes(model, lay, wl, hw)
+    # one stage boundary tensor per micro-batch (one direction): the largest rank's rows
+    rows = max(w.rows for w in rank_work(wl.seq_length, wl.block_size, lay.cp, lay.bp, lay.schedule,
+                                         model.clean_attention, None))
+    p2p = int(rows * model.hidden_size * hw.dtype_bytes / lay.tp)
     # Megatron orders ranks tp-cp-ep-dp-pp: stages are gpus / pp ranks apart
-    link = hw.link_gbps(_spans_nodes(lay.gpus // pp + 1, gpus_per_node)) * 1e9
-    lat = hw.collective_latency_us * 1e-6
+    link, lat = _link(hw, lay.gpus // pp + 1, gpus_per_node), hw.collective_latency_us * 1e-6
     stages = []
     for s, layers in enumerate(stage_layers(model, pp, vp)):
         first, last = s == 0, s == pp - 1
         stage_model = replace(model, layers=layers)
-        e = estimate(stage_model, flat, one, hw, gpus_per_node, *([baseline] if baseline is not None else []))
+        e = estimate(stage_model, flat, one, hw, gpus_per_node, baseline)
         t = {k: v for k, v in e.time.items() if k not in ("grad_reduce_exposed", "optimizer")}
         if not last:
             t["output_layer"] = 0.0
@@ -794,19 +758,18 @@ def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_pe
                            in_flight=in_flight, logits=logits, peak=peak, sent=e.attn_bytes_per_gpu,
                            p2p_bytes=sends * p2p))
     slow = max(stages, key=lambda x: x["t_micro"])
-    t_grad = max(x["t_grad"] for x in stages)
-    t_opt = max(x["t_opt"] for x in stages)
-    slots = bubble_slots(micro, pp, vp)
+    t_grad, t_opt = (max(x[k] for x in stages) for k in ("t_grad", "t_opt"))
+    # the step in units of one rank's micro-batch time t: the m micro-batches plus the bubble,
+    # (pp - 1) t for 1F1B, (pp - 1) t / vp for the interleaved schedule
+    slots = micro + (pp - 1) / vp
     step = slots * slow["t_micro"] + t_grad + t_opt
     time = {k: slots * v for k, v in slow["time"].items()}
     time.update(grad_reduce_exposed=t_grad, optimizer=t_opt, pipeline_bubble=(slots - micro) * slow["t_micro"])
     worst = max(stages, key=lambda x: x["peak"])
-    mem = {"weights_grads_optimizer": worst["static"] / GiB, "activations": worst["in_flight"] * worst["acts"] / GiB,
-           "logits": worst["logits"] / GiB, "reserved": hw.reserved_gib}
+    parts = {"activations": worst["in_flight"] * worst["acts"], "logits": worst["logits"]}
     info = {"schedule": "1F1B" if vp == 1 else "interleaved 1F1B", "virtual_stages": vp, "micro_batches": micro,
-            "bubble_fraction": (slots - micro) / slots,
-            "stage_peak_gib": [x["peak"] / GiB for x in stages],
-            "in_flight_micro_batches": [x["in_flight"] for x in stages],
-            "p2p_bytes_per_micro_batch": p2p,
+            "bubble_fraction": (slots - micro) / slots, "stage_peak_gib": [x["peak"] / GiB for x in stages],
+            "in_flight_micro_batches": [x["in_flight"] for x in stages], "p2p_bytes_per_micro_batch": p2p,
             "p2p_bytes_per_gpu": micro * max(x["p2p_bytes"] for x in stages) * 2}
-    return _estimate(lay, wl, hw, micro, step, worst["peak"], max(x["sent"] for x in stages), time, mem, pipeline=info)
+    return _estimate(lay, wl, hw, micro, step, worst["static"], worst["peak"], max(x["sent"] for x in stages), time,
+                     parts, pipeline=info)

@@ -78,8 +78,7 @@ def load_hardware(spec: str) -> HardwareProfile:
         raise ValueError(f"--hardware {spec!r}: not one of {sorted(PRESETS) + ['measured']} and no such file")
     with open(spec) as f:
         data = json.load(f)
-    known = {f.name for f in fields(HardwareProfile)}
-    unknown = set(data) - known
+    unknown = set(data) - {f.name for f in fields(HardwareProfile)}
     if unknown:
         raise ValueError(f"--hardware {spec}: unknown keys {sorted(unknown)}")
     try:
@@ -106,12 +105,17 @@ def save_hardware(profile: HardwareProfile, path: str) -> None:
 
 def _best_time(fn, repeat: int = 5) -> float:
     fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    return min(_mean_time(fn, 1) for _ in range(repeat))
+
+
+def _mean_time(fn, reps: int, warmup: int = 0) -> float:
+    """Seconds per call of `fn` over `reps` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
 
 
 def _gemm_gflops(n: int = 384) -> float:
@@ -156,40 +160,26 @@ def _link_worker(rank, world, out):
     import torch
     import torch.distributed as dist
 
-    sizes = {}
     x = torch.randn(2 ** 20)  # 4 MiB per rank
     buf = torch.empty(world * x.numel())
-    for _ in range(2):
-        dist.all_gather_into_tensor(buf, x)
-    t0 = time.perf_counter()
-    reps = 5
-    for _ in range(reps):
-        dist.all_gather_into_tensor(buf, x)
-    bw = reps * x.numel() * 4 * (world - 1) / (time.perf_counter() - t0) / 1e9
+    gather_s = _mean_time(lambda: dist.all_gather_into_tensor(buf, x), 5, warmup=2)
     small = torch.zeros(1)
-    for _ in range(3):
-        dist.all_reduce(small)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        dist.all_reduce(small)
-    sizes["gbps"], sizes["latency_us"] = bw, (time.perf_counter() - t0) / 20 * 1e6
-    return sizes
+    return {"gbps": x.numel() * 4 * (world - 1) / gather_s / 1e9,
+            "latency_us": _mean_time(lambda: dist.all_reduce(small), 20, warmup=3) * 1e6}
 
 
 def measure_cpu_profile(name: str = "measured-cpu") -> HardwareProfile:
     import torch
 
-    torch.set_num_threads(1)
-    gemm = _gemm_gflops()
-    attn = _attention_gflops()
-    mem = _memory_gbps()
     from megatron_csbp.parallel.spawn import spawn
 
+    torch.set_num_threads(1)
+    gemm, attn, mem = _gemm_gflops(), _attention_gflops(), _memory_gbps()
     link = spawn(_link_worker, 2, None)[0]
     try:
         import psutil
         total = psutil.virtual_memory().total / GiB
-    except Exception:
+    except Exception:  # no psutil: assume 8 GiB
         total = 8.0
     return HardwareProfile(
         name=name, peak_tflops=gemm / 1e3, gemm_efficiency=1.0, attention_efficiency=min(1.0, attn / gemm),

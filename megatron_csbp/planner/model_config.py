@@ -81,10 +81,6 @@ class ModelConfig:
         return self.target_layers > 0
 
     @property
-    def fc_params(self) -> int:
-        return self.target_layers * self.hidden_size * self.hidden_size
-
-    @property
     def num_layers(self) -> int:
         return len(self.layers)
 
@@ -108,7 +104,7 @@ class ModelConfig:
     def dense_params(self) -> int:
         """Trained dense parameters (a drafter: its layers and `fc`; the verifier's embeddings and
         LM head are frozen, see `frozen_params`)."""
-        own = self.fc_params if self.is_drafter else self.embedding_params
+        own = self.target_layers * self.hidden_size * self.hidden_size if self.is_drafter else self.embedding_params
         return sum(self.layer_dense_params(l) for l in self.layers) + own
 
     @property
@@ -142,17 +138,10 @@ class ModelConfig:
         if self.is_hybrid:
             kinds += f", {sum(1 for l in self.layers if l.is_gdn)} Gated DeltaNet / " \
                      f"{sum(1 for l in self.layers if not l.is_gdn)} attention layers"
-        moe = ""
-        if self.is_moe:
-            l0 = next(l for l in self.layers if l.num_experts)
-            moe = f", MoE {l0.num_experts} experts top-{l0.topk}"
+        l0 = next((l for l in self.layers if l.num_experts), None)
+        moe = f", MoE {l0.num_experts} experts top-{l0.topk}" if l0 else ""
         return (f"{self.name}: {self.total_params / 1e9:.2f}B params ({self.active_params / 1e9:.2f}B active), "
                 f"{self.num_layers} layers, hidden {self.hidden_size}{kinds}{moe}")
-
-    def to_dict(self) -> Dict:
-        d = asdict(self)
-        d["layers"] = [asdict(l) for l in self.layers]
-        return d
 
 
 def _req(cfg: Dict, *keys, default=None):
@@ -186,8 +175,8 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
     if experts and not topk:
         raise ValueError("MoE config.json needs num_experts_per_tok")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    dense_ffn = ffn if (not experts or cfg.get("enable_moe_block") or cfg.get("dense_mlp_with_experts")) else 0
-    dense_ffn += shared
+    dense = not experts or cfg.get("enable_moe_block") or cfg.get("dense_mlp_with_experts")
+    dense_ffn = (ffn if dense else 0) + shared
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     gdn = _gdn_shape(cfg)
@@ -337,22 +326,21 @@ def from_flags(values: Dict, name: str) -> ModelConfig:
     return from_megatron_args(args, name)
 
 
+_INT, _SWITCH = dict(type=int), dict(action="store_true")
+# the model flags (Megatron-LM's names and defaults), in --help's order
+_MODEL_FLAGS = (
+    ("--num-layers", _INT), ("--hidden-size", _INT), ("--num-attention-heads", _INT),
+    ("--group-query-attention", _SWITCH), ("--num-query-groups", dict(type=int, default=1)), ("--kv-channels", _INT),
+    ("--ffn-hidden-size", _INT), ("--swiglu", _SWITCH), ("--vocab-size", _INT), ("--padded-vocab-size", _INT),
+    ("--untie-embeddings-and-output-weights", _SWITCH), ("--num-experts", _INT),
+    ("--moe-router-topk", dict(type=int, default=2)), ("--moe-ffn-hidden-size", _INT),
+    ("--moe-shared-expert-intermediate-size", _INT),
+    ("--window-size", dict(type=str, help="'LEFT,RIGHT' as in Megatron, e.g. 1023,0")),
+    ("--window-attn-skip-freq", dict(type=int, help="every N-th layer is full attention")),
+)
+
+
 def add_megatron_model_args(p) -> None:
     g = p.add_argument_group("model (Megatron-LM flag names)")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--kv-channels", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--padded-vocab-size", type=int)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--num-experts", type=int)
-    g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-ffn-hidden-size", type=int)
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int)
-    g.add_argument("--window-size", type=str, help="'LEFT,RIGHT' as in Megatron, e.g. 1023,0")
-    g.add_argument("--window-attn-skip-freq", type=int, help="every N-th layer is full attention")
+    for flag, kwargs in _MODEL_FLAGS:
+        g.add_argument(flag, **kwargs)

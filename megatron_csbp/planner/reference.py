@@ -7,7 +7,7 @@ what was read where, and the fitted constants: docs/planner.md#the-paper-explain
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 # ---- FITTED constants (docs/planner.md names them; a GPU measurement in
@@ -301,8 +301,7 @@ OURS = Baseline()
 REFERENCE = Baseline("reference", flex_kernels=True, cp_across_nodes=True, cp_exposed_allgather=True,
                      replicated_anchors=True)
 # the reference code's hybrid Qwen backbone (qwen3_8) serves Qwen3.5- and Qwen3.8-27B alike
-REFERENCE_HYBRID_QWEN = Baseline("reference", flex_kernels=True, cp_across_nodes=True, cp_exposed_allgather=True,
-                                 contiguous_clean=True, gdn_all_rows=True, replicated_anchors=True)
+REFERENCE_HYBRID_QWEN = replace(REFERENCE, contiguous_clean=True, gdn_all_rows=True)
 
 BASELINES = ("ours", "reference")
 
@@ -330,9 +329,8 @@ def contiguous_range_factor(seq_length: int, block_size: int, window: Optional[i
     L, B = seq_length, block_size
     n = L // B
     noisy_range = B * B + (n - 1) * B * L
-    allowed_noisy = L * (L + B) // 2
-    clean = L * (L + B) // 2
-    return (noisy_range + clean) / (allowed_noisy + clean)
+    clean = L * (L + B) // 2  # allowed pairs of the clean queries, and of the noisy ones
+    return (noisy_range + clean) / (clean + clean)
 
 
 def contiguous_clean_imbalance(seq_length: int, block_size: int, ranks: int) -> float:

@@ -69,12 +69,9 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
                 continue
             for lay in _shard_layouts(model, wl, tp, pp, gpus // (tp * pp), gpus_per_node, transports, schedules,
                                       recompute, distributed_optimizer):
-                out.append(lay)
-                if pp == 1:
-                    continue
                 micro = wl.samples_per_replica(lay.dp)
-                out += [replace(lay, vp=v) for v in virtual_stages
-                        if v > 1 and (model.num_layers // pp) % v == 0 and micro % pp == 0]
+                out += [lay] + [replace(lay, vp=v) for v in virtual_stages
+                                if pp > 1 and v > 1 and (model.num_layers // pp) % v == 0 and micro % pp == 0]
     return out
 
 
@@ -93,10 +90,9 @@ def _shard_layouts(model, wl, tp, pp, rest, gpus_per_node, transports, schedules
         for cp, bp in pairs:
             if bp > 1 and (wl.anchors if dflash else n) < bp:
                 continue
-            eps = [1]
-            if model.is_moe:
-                experts = max(l.num_experts for l in model.layers)
-                eps = [e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
+            experts = max(l.num_experts for l in model.layers)
+            eps = ([e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
+                   if experts else [1])
             out += [Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer, pp)
                     for ep, rc, tr, sc in product(eps, recompute, transports if cp > 1 else ("allgather",),
                                                   schedules if bp > 1 else ("mirrored",))]
@@ -143,8 +139,7 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
     baselines = [l for l in layouts if l["bp"] == 1]
     return {
         "model": model.summary(), "objective": wl.objective, "hardware": hw.name, "seq_length": wl.seq_length,
-        "block_size": wl.block_size,
-        "gpus": gpus, "gpus_per_node": gpus_per_node,
+        "block_size": wl.block_size, "gpus": gpus, "gpus_per_node": gpus_per_node,
         "global_batch_size": wl.global_batch_size or "one sample per data-parallel replica",
         "evaluated": len(estimates), "infeasible": len(estimates) - len(feasible),
         "layouts": layouts, "best": best, "best_baseline": baselines[0] if baselines else None,
@@ -165,7 +160,4 @@ def lora_summary(model: ModelConfig, lora) -> Dict:
 
 def find(result: Dict, **match) -> Optional[Dict]:
     """The best feasible layout in a plan result whose fields equal `match`."""
-    for l in result["layouts"]:
-        if all(l.get(k) == v for k, v in match.items()):
-            return l
-    return None
+    return next((l for l in result["layouts"] if all(l.get(k) == v for k, v in match.items())), None)

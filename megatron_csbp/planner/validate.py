@@ -41,13 +41,10 @@ PAPER_L, PAPER_B, PAPER_GPUS, PAPER_GPN = 262144, 256, 16, 8
 def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), transports=("allgather", "ring"),
             schedule="mirrored", baseline: Baseline = OURS) -> Estimate:
     """The fastest feasible (recompute, transport) choice of one layout, else the smallest."""
-    ests = [estimate(model, Layout(tp, cp, bp, ep, dp, rc, tr if cp > 1 else "allgather", schedule), wl, hw, gpn,
-                     baseline)
+    ests = [estimate(model, Layout(tp, cp, bp, ep, dp, rc, tr, schedule), wl, hw, gpn, baseline)
             for rc in recompute for tr in (transports if cp > 1 else ("allgather",))]
     ok = [e for e in ests if e.feasible]
-    if ok:
-        return max(ok, key=lambda e: e.tokens_per_s)
-    return min(ests, key=lambda e: e.peak_memory_gib)
+    return max(ok, key=lambda e: e.tokens_per_s) if ok else min(ests, key=lambda e: e.peak_memory_gib)
 
 
 def _paper_workload(baseline: str, preset: str) -> Dict:
@@ -97,6 +94,9 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
         model = load_preset(preset)
         wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
         base, cs = _cp_vs_csbp(model, preset, tp, cp, ep, dp, wl, hw, baseline)
+        paper_step = (dp * PAPER_L / btok, dp * PAPER_L / ctok)
+        # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
+        saved = base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu
         rows.append({
             "model": preset, "paper_baseline": bl, "paper_csbp": cl, "paper_speedup": speed,
             "paper_baseline_tok_s": btok, "paper_csbp_tok_s": ctok, "paper_peak_gib": (bmem, cmem),
@@ -108,11 +108,8 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
             "pred_attn_gib": (base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30),
             "exposed_comm_s": (base.time["attn_comm_exposed"], cs.time["attn_comm_exposed"]),
             "step_s": (base.step_time_s, cs.step_time_s),
-            "paper_step_s": (dp * PAPER_L / btok, dp * PAPER_L / ctok),
+            "paper_step_s": paper_step, "explaining_gbps": saved / max(1e-9, paper_step[0] - paper_step[1]) / 1e9,
         })
-        # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
-        saved = (base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu)
-        rows[-1]["explaining_gbps"] = saved / max(1e-9, rows[-1]["paper_step_s"][0] - rows[-1]["paper_step_s"][1]) / 1e9
     return {"hardware": hw.name, "baseline": baseline, "rows": rows}
 
 
@@ -146,11 +143,9 @@ def dflash_comparison(L: int, baseline: str, hw_name: str = "h100", gpus: int = 
     # when no CP-only layout fits: the one that comes closest (what the CP side would need)
     smallest = None if cpo is not None else min((e for e in ests if e.layout.bp == 1),
                                                 key=lambda e: e.peak_memory_gib, default=None)
-    same = None
-    if cs is not None:
-        same = max((e for e in ests if e.layout.bp == 1 and e.layout.dp == cs.layout.dp
-                    and e.layout.cp == cs.layout.cp and e.layout.recompute == cs.layout.recompute),
-                   key=lambda e: e.tokens_per_s, default=None)
+    same = None if cs is None else max((e for e in ests if e.layout.bp == 1 and e.layout.dp == cs.layout.dp
+                                        and e.layout.cp == cs.layout.cp and e.layout.recompute == cs.layout.recompute),
+                                       key=lambda e: e.tokens_per_s, default=None)
     return {"csbp": cs, "baseline": cpo, "cp_at_csbp_dp": same, "cp_smallest": smallest,
             "speedup": cs.tokens_per_s / cpo.tokens_per_s if cs and cpo else None}
 
@@ -167,26 +162,21 @@ def paper_records(v: Dict, extra: Dict, baseline: str) -> List[Dict]:
              "predicted_gap_s": r["step_s"][0] - r["step_s"][1],
              "paper_gap_s": r["paper_step_s"][0] - r["paper_step_s"][1]}
             for r in v["rows"]]
-    for L, paper in ((65536, 1.25), (131072, 1.44), (524288, PAPER_GEMMA_512K)):
-        if L not in extra.get("gemma_by_length", {}):
-            continue
-        s = extra["gemma_by_length"][L]
-        recs.append({"model": "diffusiongemma-26b-a4b", "row": "DP1/EP2/CP8 -> +BP8", "seq_length": L,
-                     "baseline": baseline, "paper_speedup": paper, "predicted_speedup": s[0],
-                     "fits": [s[3], s[4]]})
+    gemma = extra.get("gemma_by_length", {})
+    recs += [{"model": "diffusiongemma-26b-a4b", "row": "DP1/EP2/CP8 -> +BP8", "seq_length": L, "baseline": baseline,
+              "paper_speedup": paper, "predicted_speedup": gemma[L][0], "fits": [gemma[L][3], gemma[L][4]]}
+             for L, paper in ((65536, 1.25), (131072, 1.44), (524288, PAPER_GEMMA_512K)) if L in gemma]
     for L, paper in PAPER_DFLASH.items():
         d = extra.get("dflash", {}).get(L)
         if d is None:
             continue
-        same = d.get("cp_at_csbp_dp")
+        same, pair = d.get("cp_at_csbp_dp"), (d["baseline"], d["csbp"])
         recs.append({"model": "dflash-drafter-muse-glimmer", "row": "8 x H100, best CP vs best CSBP",
-                     "seq_length": L, "baseline": baseline, "paper_speedup": paper,
-                     "predicted_speedup": d["speedup"],
-                     "predicted_layouts": [d["baseline"].layout.label() if d["baseline"] else None,
-                                           d["csbp"].layout.label() if d["csbp"] else None],
-                     "predicted_step_s": [e.step_time_s if e else None for e in (d["baseline"], d["csbp"])],
-                     "predicted_peak_gib": [e.peak_memory_gib if e else None for e in (d["baseline"], d["csbp"])],
-                     "predicted_memory_gib": [e.memory_gib if e else None for e in (d["baseline"], d["csbp"])],
+                     "seq_length": L, "baseline": baseline, "paper_speedup": paper, "predicted_speedup": d["speedup"],
+                     "predicted_layouts": [e.layout.label() if e else None for e in pair],
+                     "predicted_step_s": [e.step_time_s if e else None for e in pair],
+                     "predicted_peak_gib": [e.peak_memory_gib if e else None for e in pair],
+                     "predicted_memory_gib": [e.memory_gib if e else None for e in pair],
                      # no CP-only layout fits: the closest one, and what it needs
                      "cp_smallest": None if d.get("cp_smallest") is None else {
                          "layout": d["cp_smallest"].layout.label(), "peak_gib": d["cp_smallest"].peak_memory_gib},
@@ -234,22 +224,20 @@ def extra_checks(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline
     gemma = load_preset("diffusiongemma-26b-a4b")
     out["gemma_by_length"] = gemma_by_length(hw, wl_kwargs, baseline)
     # pure BP at 128K on 16 GPUs (BP16 and DP2 x BP8), every model, best recompute choice
-    bp = {}
+    bp = out["pure_bp_128k"] = {}
     for preset in ("nemotron-diffusion-3b", "nemotron-diffusion-8b", "nemotron-diffusion-14b", "qwen3.5-27b-like",
                    "diffusiongemma-26b-a4b"):
         model = load_preset(preset)
         wl = Workload(131072, PAPER_B, **wl_kwargs)
         ep = 2 if model.is_moe else 1
         tp = 2 if preset.startswith("qwen") else 1
-        e = best_of(model, tp, 1, 16 // tp, ep, 1, wl, hw, PAPER_GPN)
-        c = best_of(model, tp, 16 // tp, 16 // tp, ep, 1, wl, hw, PAPER_GPN)
+        e, c = (best_of(model, tp, cp, 16 // tp, ep, 1, wl, hw, PAPER_GPN) for cp in (1, 16 // tp))
         bp[preset] = (e.layout.label(), e.peak_memory_gib, e.feasible, c.layout.label(), c.peak_memory_gib, c.feasible)
-    out["pure_bp_128k"] = bp
     # mirrored vs contiguous ownership (CSBP, Nemotron 14B, DP2/CP8/BP8)
     m14 = load_preset("nemotron-diffusion-14b")
     wl = Workload(PAPER_L, PAPER_B, **wl_kwargs)
-    mir = best_of(m14, 1, 8, 8, 1, 2, wl, hw, PAPER_GPN, recompute=("full",))
-    con = best_of(m14, 1, 8, 8, 1, 2, wl, hw, PAPER_GPN, recompute=("full",), schedule="contiguous")
+    mir, con = (best_of(m14, 1, 8, 8, 1, 2, wl, hw, PAPER_GPN, recompute=("full",), schedule=schedule)
+                for schedule in ("mirrored", "contiguous"))
     out["mirrored_vs_contiguous_14b"] = mir.tokens_per_s / con.tokens_per_s
     # Nemotron 14B traffic at 256K, P = 8 with full recompute
     for key, model, ep in (("traffic_14b_gib", m14, 1), ("traffic_gemma_gib", gemma, 2)):
@@ -319,9 +307,7 @@ def bench_validation(bench: Dict, hw: HardwareProfile) -> List[Dict]:
     rows = []
     index = {(r["P"], r["seq_length"], r["case"]): r for r in bench["rows"]}
     for r in bench["rows"]:
-        if r["P"] == 1:
-            continue
-        base_row = index.get((r["P"], r["seq_length"], r["baseline"]))
+        base_row = index.get((r["P"], r["seq_length"], r["baseline"])) if r["P"] > 1 else None
         if base_row is None:
             continue
         wl = Workload(r["seq_length"], m["block_size"], global_batch_size=1)
@@ -449,8 +435,7 @@ def main(argv=None) -> int:
         if args.bench:
             hw = load_hardware(args.hardware or "measured")
             with open(args.bench) as f:
-                bench = json.load(f)
-            print(bench_markdown(bench_validation(bench, hw), hw))
+                print(bench_markdown(bench_validation(json.load(f), hw), hw))
         if args.long_context:
             hw = load_hardware(args.hardware or "measured")
             with open(args.long_context) as f:

@@ -77,8 +77,7 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
     out = []
     for r in range(layout.shard_group_size):
         rows = layout.rows(r)
-        pos = rows.position.numpy()
-        clean = rows.is_clean.numpy()
+        pos, clean = rows.position.numpy(), rows.is_clean.numpy()
         n_noisy = int((~clean).sum())
         n_clean = len(pos) - n_noisy
         docs = None if starts is None else _doc_bounds(pos, starts, L)
@@ -98,10 +97,8 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
         # rectangles of the partials block_attention.py runs (keys no query sees are dropped;
         # whole noisy blocks run as a batch of B x B attentions)
         if kind == "cp":
-            noisy_blocks = np.unique(pos[~clean] // B)
-            dense = len(pos) * (used_clean + B * len(noisy_blocks))
-            gathered = 2 * L - len(pos)
-            exchange = gathered
+            dense = len(pos) * (used_clean + B * len(np.unique(pos[~clean] // B)))
+            gathered = exchange = 2 * L - len(pos)
         else:
             dense = n_noisy * B + len(pos) * used_clean
             if kind == "csbp":
@@ -169,8 +166,7 @@ def drafter_work_for(seq_length: int, block_size: int, a, starts, pos_starts, cp
     owned = layout.owned(a, starts)
     all_rows = [layout.rows(r, a, starts, pos_starts, owned) for r in range(layout.shard_group_size)]
     out = []
-    for r in range(layout.shard_group_size):
-        rows = all_rows[r]
+    for r, rows in enumerate(all_rows):
         draft = int((~rows.is_clean).sum())
         ctx = len(rows) - draft
         mine = owned[r]
@@ -181,7 +177,7 @@ def drafter_work_for(seq_length: int, block_size: int, a, starts, pos_starts, cp
             lo = torch.maximum(starts[mine][:, None], a[mine][:, None] + k[None, :] - window + 1)
             pairs = int((a[mine][:, None] - lo).clamp_min(0).sum()) + len(mine) * B * B
         if layout.kind == "cp":
-            exchange = (len(rows)) * (layout.shard_group_size - 1)
+            exchange = len(rows) * (layout.shard_group_size - 1)
         elif layout.kind == "csbp" and window is not None:
             from megatron_csbp.layout.exchange import WindowExchangePlan
             from megatron_csbp.layout.masks import AnchoredGeometry
@@ -219,10 +215,8 @@ def _runs(positions: np.ndarray):
     """[(start, end)) runs of consecutive values of a sorted position array."""
     if len(positions) == 0:
         return []
-    cut = np.nonzero(np.diff(positions) != 1)[0] + 1
-    starts = np.concatenate([[0], cut])
-    ends = np.concatenate([cut, [len(positions)]])
-    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends)]
+    cut = [0, *(np.nonzero(np.diff(positions) != 1)[0] + 1).tolist(), len(positions)]
+    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(cut, cut[1:])]
 
 
 @lru_cache(maxsize=64)
@@ -246,18 +240,11 @@ def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: 
     kind = layout.kind
     out = []
     for r in range(P):
-        if kind in ("single", "bp"):
-            ring = [r]
-        elif kind == "cp":
-            ring = list(range(P))  # the CP baseline's clean stream spans the whole shard group
-        else:
-            ring = layout.ring_ranks(r)
-        holder = {}
-        for m in ring:
-            for s, e in runs[m]:
-                holder[(s, e)] = m
-        starts = np.array(sorted(s for s, _ in holder))
-        spans = [holder_key for holder_key in sorted(holder)]
+        # (the CP baseline's clean stream spans the whole shard group)
+        ring = {"single": [r], "bp": [r], "cp": list(range(P))}.get(kind) or layout.ring_ranks(r)
+        holder = {run: m for m in ring for run in runs[m]}
+        spans = sorted(holder)
+        starts = np.array([s for s, _ in spans])
 
         def who(p: int) -> int:
             i = int(np.searchsorted(starts, p, side="right")) - 1
@@ -276,8 +263,8 @@ def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: 
                     received += m == r
         sq = 0
         for s, e in runs[r]:
-            cuts = [s] + list(range((s // B + 1) * B, e, B)) + [e]
-            sq += sum((c1 - c0) ** 2 for c0, c1 in zip(cuts[:-1], cuts[1:]))
+            cuts = [s, *range((s // B + 1) * B, e, B), e]
+            sq += sum((c1 - c0) ** 2 for c0, c1 in zip(cuts, cuts[1:]))
         out.append(GDNRankWork(len(ring), max(len(runs[m]) for m in ring), sent, received, len(clean[r]), sq,
                                len(blocks[r]) * B))
     return tuple(out)
