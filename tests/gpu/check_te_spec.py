@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--kernel", default="auto",
+                   help="the bf16 model's --attention-kernel (auto: the capability table's)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -156,13 +158,14 @@ def main(argv=None) -> int:
         have_te = True
     except ImportError:
         have_te = False
-    record = {"device": args.device, "seq_length": args.seq_length, "num_layers": args.num_layers,
-              "hidden_size": args.hidden_size, "heads": args.heads, "groups": args.groups, "u_bf16": U_BF16,
+    record = {"device": args.device, "kernel": args.kernel, "seq_length": args.seq_length,
+              "num_layers": args.num_layers, "hidden_size": args.hidden_size, "heads": args.heads,
+              "groups": args.groups, "u_bf16": U_BF16,
               "reference": "local spec, float64, math kernel", "bound_local": "err(local) <= 8u",
               "bound": "err(te) <= 2 err(local) + 8u", "transformer_engine": have_te}
 
     torch.manual_seed(1234)
-    local = _gpt(args, builder.local_layer_spec(), torch.bfloat16, args.device)
+    local = _gpt(args, builder.local_layer_spec(kernel=args.kernel), torch.bfloat16, args.device)
     te = None
     if have_te and args.device == "cuda":
         te = _gpt(args, builder.with_block_diffusion(get_gpt_layer_with_transformer_engine_spec()), torch.bfloat16,
