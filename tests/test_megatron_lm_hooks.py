@@ -238,6 +238,7 @@ def _interrupted_lora_save_rank(rank, world_size, root):
     from megatron.core import tensor_parallel
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     os.makedirs(os.path.join(root, "latest_checkpointed_iteration.txt"))
+    stopped = None
     try:
         training.save_checkpoint(1, [megatron_lm.model_provider()], None, None, 0)
     except OSError as exc:  # IsADirectoryError: the tracker

@@ -85,7 +85,7 @@ def option_values(options: Mapping[str, Option], args=None, **given) -> Dict[str
     for key, flag in options.items():
         value = flag.value(source)
         if value is not None and flag.type is not None:
-            if flag.type(value) != value:  # e.g. 2.5 for an int flag: refused, never rounded
+            if isinstance(value, float) and value == value and flag.type(value) != value:  # 2.5 for an int: refused
                 raise ValueError(f"{flag.flag} must be of type {flag.type.__name__}, got {value!r}")
             value = flag.type(value)
         if flag.choices:
