@@ -156,7 +156,7 @@ def test_stacked_noisy_blocks_equal_dense_fp64(stack_rows, monkeypatch):
     assert [p.seqs for p in noisy] == [per_call] * (L // B // per_call) + ([L // B % per_call] if L // B % per_call else [])
     assert torch.equal(_piece_pairs(mask, plan), dense.long())
     q, k, v = _inputs(2 * L, 2 * L, 1, H, G, 8, torch.float64, seed=5)
-    out, lse = cf._CpuFlashAttention.apply(q, k, v, mask, plan, 0.4)
+    out, lse = cf.HeadsFirstAttention.apply((cf._forward, cf._backward), q, k, v, mask, plan, 0.4)
     out_d, lse_d = dense_fp64(q, k, v, dense, 0.4)
     torch.testing.assert_close(out, out_d, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, lse_d, rtol=0, atol=1e-12)

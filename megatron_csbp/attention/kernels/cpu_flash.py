@@ -18,11 +18,10 @@ import torch
 from megatron_csbp.attention.kernels.flash import FlashPlan, VarlenCall
 from megatron_csbp.attention.kernels.tiled import (
     MASKED_SCORE,
+    HeadsFirstAttention,
     _backward as tiled_backward,
     _forward as tiled_forward,
     check_shapes,
-    heads_first_backward,
-    heads_first_forward,
     tile_schedule,
 )
 from megatron_csbp.layout.rows import PartialMask, index_runs as _runs
@@ -401,16 +400,6 @@ def _tiled_piece_backward(qc, kc, vc, out, lse, dout, dlse, q_rows, k_rows, mask
     _add(dv, k_rows, gv)
 
 
-class _CpuFlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask, plan, scale):
-        return heads_first_forward(ctx, _forward, q, k, v, mask, plan, scale)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return heads_first_backward(ctx, _backward, dout, dlse)
-
-
 def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PartialMask,
                                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [sq, b, H, d], k/v [sk, b, G, d] (G | H) under `mask`; returns (out [sq, b, H, d],
@@ -418,4 +407,4 @@ def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     check_shapes(q, k, mask)
     if q.device.type != "cpu":
         raise ValueError(f"--attention-kernel cpu_flash runs on CPU, got {q.device}")
-    return _CpuFlashAttention.apply(q, k, v, mask, cpu_flash_plan(mask), softmax_scale)
+    return HeadsFirstAttention.apply((_forward, _backward), q, k, v, mask, cpu_flash_plan(mask), softmax_scale)

@@ -157,35 +157,28 @@ def _backward(q, kg, vg, out, lse, dout, dlse, mask: PartialMask, sched: TileSch
     return dq.reshape(q.shape), dk, dv
 
 
-def heads_first_forward(ctx, forward, q, k, v, mask, plan, scale):
-    """An autograd function's forward around a kernel `forward(q, k, v, mask, plan, scale)` on
-    [b, heads, rows, d] copies in the compute dtype (its `backward` counterpart: `heads_first_backward`):
-    q [sq, b, H, d], k/v [sk, b, G, d] -> (out [sq, b, H, d], lse [b, H, sq] in the compute dtype)."""
-    out, lse = forward(*heads_first(compute_dtype(q.dtype), q, k, v), mask, plan, scale)
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mask, ctx.plan, ctx.scale = mask, plan, scale
-    return out.permute(2, 0, 1, 3).to(q.dtype), lse
+class HeadsFirstAttention(torch.autograd.Function):
+    """An autograd function around a kernel pair on [b, heads, rows, d] copies in the compute
+    dtype: `forward(q, k, v, mask, plan, scale) -> (out, lse)` and `backward(q, k, v, out, lse,
+    dout, dlse, mask, plan, scale) -> (dq, dk, dv)`. Applied as `apply((forward, backward), q, k,
+    v, mask, plan, scale)`: q [sq, b, H, d], k/v [sk, b, G, d] -> (out [sq, b, H, d], lse [b, H, sq]
+    in the compute dtype)."""
 
-
-def heads_first_backward(ctx, backward, dout, dlse):
-    """The gradients of q, k, v from a kernel's `backward(q, k, v, out, lse, dout, dlse, mask, plan,
-    scale)` on the heads-first copies (None for the other inputs)."""
-    q, k, v, out, lse = ctx.saved_tensors
-    cdt = out.dtype
-    do = torch.zeros_like(out) if dout is None else heads_first(cdt, dout)[0]
-    dl = None if dlse is None else dlse.to(cdt)
-    grads = backward(*heads_first(cdt, q, k, v), out, lse, do, dl, ctx.mask, ctx.plan, ctx.scale)
-    return tuple(g.permute(2, 0, 1, 3).to(x.dtype) for g, x in zip(grads, (q, k, v))) + (None, None, None)
-
-
-class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, sched, scale):
-        return heads_first_forward(ctx, _forward, q, k, v, mask, sched, scale)
+    def forward(ctx, kernel, q, k, v, mask, plan, scale):
+        out, lse = kernel[0](*heads_first(compute_dtype(q.dtype), q, k, v), mask, plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.mask, ctx.plan, ctx.scale = kernel, mask, plan, scale
+        return out.permute(2, 0, 1, 3).to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return heads_first_backward(ctx, _backward, dout, dlse)
+        q, k, v, out, lse = ctx.saved_tensors
+        cdt = out.dtype
+        do = torch.zeros_like(out) if dout is None else heads_first(cdt, dout)[0]
+        dl = None if dlse is None else dlse.to(cdt)
+        grads = ctx.kernel[1](*heads_first(cdt, q, k, v), out, lse, do, dl, ctx.mask, ctx.plan, ctx.scale)
+        return (None,) + tuple(g.permute(2, 0, 1, 3).to(x.dtype) for g, x in zip(grads, (q, k, v))) + (None,) * 3
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, mask: PartialMask) -> None:
@@ -204,4 +197,4 @@ def tiled_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     (out [sq, b, H, d], lse [b, H, sq] in fp32, fp64 for fp64 inputs)."""
     check_shapes(q, k, mask)
     sched = tile_schedule(mask, q_tile or DEFAULT_Q_TILE, k_tile or DEFAULT_K_TILE)
-    return _TiledAttention.apply(q, k, v, mask, sched, softmax_scale)
+    return HeadsFirstAttention.apply((_forward, _backward), q, k, v, mask, sched, softmax_scale)
