@@ -28,9 +28,7 @@ def deal_anchors(costs: torch.Tensor, ranks: int) -> List[torch.Tensor]:
 
 def needed_context(anchors: torch.Tensor, doc_starts: torch.Tensor, seq_length: int) -> torch.Tensor:
     """[L] bool: positions inside some anchor's [document start, anchor) (difference array, O(L + A))."""
-    diff = torch.zeros(seq_length + 1, dtype=torch.long)
-    diff.index_add_(0, doc_starts.long(), torch.ones(len(anchors), dtype=torch.long))
-    diff.index_add_(0, anchors.long(), -torch.ones(len(anchors), dtype=torch.long))
+    diff = torch.bincount(doc_starts, minlength=seq_length + 1) - torch.bincount(anchors, minlength=seq_length + 1)
     return torch.cumsum(diff[:-1], 0) > 0
 
 

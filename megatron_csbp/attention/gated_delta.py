@@ -20,6 +20,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, torch_chunk_gated_d
 
 from megatron_csbp.attention.transports import PendingAllToAll, PendingGather
 from megatron_csbp.layout.rows import index_runs
+from megatron_csbp.utils.precision import compute_dtype
 
 #: The module whose globals megatron-core's GatedDeltaNet constructor reads (its FLA import guard
 #: `HAVE_FLA`, its `torch`): in 0.16.1 the module `megatron.core.ssm.gated_delta_net`; from 0.19 that
@@ -260,7 +261,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp,
                      self.num_value_heads // tp, self.num_value_heads // tp], dim=-1)
         b, S, _ = mixed.shape
-        dtype = torch.float64 if mixed.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(mixed.dtype)
         core = mixed.new_zeros(b, S, self.num_value_heads // tp, self.value_head_dim, dtype=dtype)
         # Collectives of the layer, in order; each one's input is tied to the previous ones' outputs so
         # that backward runs them in reverse order on every rank, whatever rows a rank holds.
@@ -293,8 +294,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             weight = copy_to_tensor_model_parallel_region(weight, group=self.pg_collection.tp)
         y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps=self.config.layernorm_epsilon)
         gate = gate.reshape(-1, x.shape[-1])
-        compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
-        return (y * self.act_fn(gate.to(compute))).to(x.dtype)
+        return (y * self.act_fn(gate.to(compute_dtype(gate.dtype)))).to(x.dtype)
 
     # -- clean stream ---------------------------------------------------------------------------------
     def _clean_stream(self, mixed, beta_raw, alpha, routes: GDNRoutes, plan, dtype, ties):

@@ -32,14 +32,11 @@ class PackedKV:
     def outgoing(self, call: "AttentionCall") -> torch.Tensor:
         return pack_kv(call.k_clean, call.v_clean)
 
-    def arrived(self, call: "AttentionCall", tag: Tuple, rows: RowMeta, received: torch.Tensor):
-        return unpack_kv(received)
+    def arrived(self, call: "AttentionCall", *args):
+        """(k, v) of the received rows, the last argument of each of the three hooks."""
+        return unpack_kv(args[-1])
 
-    def gathered(self, call: "AttentionCall", gathered: torch.Tensor):
-        return unpack_kv(gathered)
-
-    def ring_chunk(self, call: "AttentionCall", src: int, chunk: torch.Tensor):
-        return unpack_kv(chunk)
+    gathered = ring_chunk = arrived
 
 
 class SourceKV:

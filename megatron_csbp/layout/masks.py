@@ -7,7 +7,7 @@ chunk). A dense 2L x 2L matrix is only ever built by `dense_reference_mask`, the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional, Sequence, Tuple
 
@@ -84,7 +84,7 @@ class Documents:
 
     @property
     def lengths(self) -> Tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.starts, self.starts[1:] + (self.seq_length,)))
+        return tuple((self._ends - self._starts).tolist())
 
     def ids(self) -> torch.Tensor:
         """Document index per position [L] (for oracles and tests)."""
@@ -122,12 +122,11 @@ class BlockGeometry:
         return self.seq_length // self.block_size
 
     def with_window(self, window: Optional[int]) -> "BlockGeometry":
-        return BlockGeometry(self.seq_length, self.block_size, self.clean_attention, window, self.documents)
+        return replace(self, window=window)
 
     def with_documents(self, documents: Optional[Documents]) -> "BlockGeometry":
-        if documents is not None and len(documents) == 1:
-            documents = None  # one document: the unpacked geometry, same masks and fast paths
-        return BlockGeometry(self.seq_length, self.block_size, self.clean_attention, self.window, documents)
+        # one document: the unpacked geometry, same masks and fast paths
+        return replace(self, documents=None if documents is not None and len(documents) == 1 else documents)
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,7 @@ class AnchoredGeometry:
     documents = None
 
     def with_window(self, window: Optional[int]) -> "AnchoredGeometry":
-        return AnchoredGeometry(self.block_size, window)
+        return replace(self, window=window)
 
 
 @dataclass(frozen=True)

@@ -234,10 +234,8 @@ class PartialMask:
             return seen
         # Clean keys: covered by the union of [lo, hi) intervals.
         span = int(max(int(q.hi.max()), int(k.position.max()) + 1))
-        diff = torch.zeros(span + 1, dtype=torch.int64, device=seen.device)
         valid = q.lo < q.hi
-        diff.index_add_(0, q.lo[valid].long(), torch.ones(int(valid.sum()), dtype=torch.int64, device=seen.device))
-        diff.index_add_(0, q.hi[valid].long(), -torch.ones(int(valid.sum()), dtype=torch.int64, device=seen.device))
+        diff = torch.bincount(q.lo[valid], minlength=span + 1) - torch.bincount(q.hi[valid], minlength=span + 1)
         covered = diff.cumsum(0)[:-1] > 0
         seen |= k.is_clean & covered[k.position.long()]
         # Noisy keys: their block has a noisy query.

@@ -150,9 +150,6 @@ class RunGroup:
             out.append(FlashPiece(tuple(rows), m.k, 1, m.causal))
         return tuple(out)
 
-    def index(self, device) -> torch.Tensor:
-        return _run_index(self.q, device)
-
 
 @dataclass(frozen=True)
 class CpuFlashPlan:
@@ -268,10 +265,9 @@ def _stacked(pieces: List[FlashPiece]) -> List[FlashPiece]:
     out: List[FlashPiece] = []
     for p in pieces:
         last = out[-1] if out else None
-        if (last is not None and _stackable(p) and _stackable(last) and p.q.start == last.q.stop
-                and p.k.start == last.k.stop and p.q.stop - p.q.start == (last.q.stop - last.q.start) // last.seqs
-                and p.k.stop - p.k.start == (last.k.stop - last.k.start) // last.seqs
-                and last.q.stop - last.q.start + p.q.stop - p.q.start <= STACK_ROWS):
+        if (last is not None and _stackable(p) and _stackable(last) and (p.q.start, p.k.start) == (last.q.stop, last.k.stop)
+                and (_count(p.q), _count(p.k)) == (_count(last.q) // last.seqs, _count(last.k) // last.seqs)
+                and _count(last.q) + _count(p.q) <= STACK_ROWS):
             out[-1] = FlashPiece(slice(last.q.start, p.q.stop), slice(last.k.start, p.k.stop), last.seqs + 1, False)
         else:
             out.append(p)
@@ -330,7 +326,7 @@ def _forward(qc, kc, vc, mask: PartialMask, plan: CpuFlashPlan, scale: float):
             o, lse = _fa(bq(qc), bk(kc), bk(vc), 0.0, p.causal, scale=scale)
             merge.add(p.q, _unbatched(o, b, p.seqs), _unbatched(lse, b, p.seqs), first)
         elif isinstance(p, RunGroup):  # first by construction: written, not merged
-            idx = p.index(qc.device)
+            idx = _run_index(p.q, qc.device)
             qg = qc.index_select(2, idx)
             lg = qg.new_empty(qg.shape[:3])
             for m in p.members:  # a member's output replaces its queries (read only by its own call)
@@ -372,7 +368,7 @@ def _backward(qc, kc, vc, out, lse, dout, dlse, mask: PartialMask, plan: CpuFlas
             for total, rows, grad in zip((dq, dk, dv), (p.q, p.k, p.k), grads):
                 _add(total, rows, _unbatched(grad, b, p.seqs))
         elif isinstance(p, RunGroup):
-            idx = p.index(qc.device)
+            idx = _run_index(p.q, qc.device)
             do_g, q_g, out_g, lse_g = (x.index_select(2, idx) for x in (do_f, qc, out, lse))
             if fix is not None:
                 out_g.addcmul_(fix.index_select(2, idx), do_g, value=-1)

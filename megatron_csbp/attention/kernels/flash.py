@@ -13,10 +13,11 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.attention.kernels.flex import flex_attention_partial, lse_dtype
+from megatron_csbp.attention.kernels.flex import flex_attention_partial, no_pairs
 from megatron_csbp.attention.merge import merge_partials
 from megatron_csbp.attention.kernels.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import PartialMask
+from megatron_csbp.utils.precision import compute_dtype
 
 KEY_COPY_BUDGET = 2.0  # gathered clean keys per call, at most this many x the partial's clean keys
 _MISSING = "--attention-kernel flash needs flash-attn; pip install flash-attn"
@@ -251,7 +252,7 @@ def _run(fa, q, k, v, call: VarlenCall, scale: float):
     args = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, dropout_p=0.0,
                 softmax_scale=scale, causal=call.causal, window_size=call.window)
     out, lse, _ = fa(qp, kp, vp, return_attn_probs=True, **args)
-    lse = _lse_rows(lse, cq, b * n).to(lse_dtype(q))  # [H, b*n]
+    lse = _lse_rows(lse, cq, b * n).to(compute_dtype(q.dtype))  # [H, b*n]
     if torch.is_grad_enabled() and (qp.requires_grad or kp.requires_grad):
         ok = fa(qp.detach(), kp.detach(), kp, **args)  # (P @ K) per query, differentiable in K only
         a = (qp.to(lse.dtype) * ok.detach().to(lse.dtype)).sum(-1)
@@ -278,7 +279,7 @@ def flash_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         """Pieces over disjoint query sets -> one partial over all sq rows (others: 0, MASKED)."""
         idx = torch.cat([p[0] for p in pieces])
         out = q.new_zeros(sq, b, H, v.shape[-1]).index_copy(0, idx, torch.cat([p[1].to(q.dtype) for p in pieces]))
-        lse = torch.full((b, H, sq), MASKED_SCORE, dtype=lse_dtype(q), device=q.device)
+        lse = torch.full((b, H, sq), MASKED_SCORE, dtype=compute_dtype(q.dtype), device=q.device)
         return out, lse.index_copy(2, idx, torch.cat([p[2].to(lse.dtype) for p in pieces], dim=2))
 
     layers = []
@@ -294,7 +295,6 @@ def flash_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     if clean:
         layers.append(layer(clean))
     if not layers:  # no allowed pair at all
-        out = q.new_zeros(sq, b, H, v.shape[-1]) + 0.0 * (k.sum() + v.sum())
-        return out, torch.full((b, H, sq), MASKED_SCORE, dtype=lse_dtype(q), device=q.device)
+        return no_pairs(q, k, v)
     out, lse = merge_partials(layers)
     return out, lse.clamp_min(MASKED_SCORE)

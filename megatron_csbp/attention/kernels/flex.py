@@ -16,6 +16,7 @@ import torch
 
 from megatron_csbp.attention.kernels.tiled import MASKED_SCORE
 from megatron_csbp.layout.rows import KeyRows, PartialMask, QueryRows, pair_allowed
+from megatron_csbp.utils.precision import compute_dtype
 
 FLEX_BLOCK = 128  # flex's default sparse block: tiles of 128 queries x 128 keys
 # Distinct (b, sq-bucket, sk-bucket, heads, dtype) combinations one run may compile. A training
@@ -38,9 +39,12 @@ def bucket(n: int, block: int = FLEX_BLOCK) -> int:
     raise AssertionError("unreachable")
 
 
-def lse_dtype(q: torch.Tensor) -> torch.dtype:
-    """The kernels' lse dtype: fp32, fp64 for fp64 inputs (as the math and tiled kernels)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def no_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The partial of a mask with no allowed pair: output 0 (tied to k and v, so their gradient
+    is a zero, not None) and lse MASKED_SCORE in the kernels' lse dtype (fp32, fp64 for fp64)."""
+    sq, b, H, _ = q.shape
+    out = q.new_zeros(sq, b, H, v.shape[-1]) + 0.0 * (k.sum() + v.sum())
+    return out, torch.full((b, H, sq), MASKED_SCORE, dtype=compute_dtype(q.dtype), device=q.device)
 
 
 def padded_mask(mask: PartialMask, q_len: int, k_len: int) -> PartialMask:
@@ -162,8 +166,7 @@ def flex_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     if mask.shape != (sq, sk):
         raise ValueError(f"mask is {mask.shape}, q/k have ({sq}, {sk}) rows")
     if sq == 0 or sk == 0:
-        out = q.new_zeros(sq, b, H, v.shape[-1]) + 0.0 * (k.sum() + v.sum())
-        return out, torch.full((b, H, sq), MASKED_SCORE, dtype=lse_dtype(q), device=q.device)
+        return no_pairs(q, k, v)
     fm = flex_mask(mask, q.device)
     qt, kt, vt = _pad_rows(q, fm.q_len), _pad_rows(k, fm.k_len), _pad_rows(v, fm.k_len)
     flex = _flex_fn(q.device, compile)
@@ -174,5 +177,5 @@ def flex_attention_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                         return_aux=AuxRequest(lse=True))
     # Rows with no allowed key come back with lse = -inf and output 0: clamp the lse so the
     # merge weights them by exactly 0, like the math kernel.
-    lse = aux.lse[..., :sq].to(lse_dtype(q)).clamp_min(MASKED_SCORE)
+    lse = aux.lse[..., :sq].to(compute_dtype(q.dtype)).clamp_min(MASKED_SCORE)
     return out[:, :, :sq].permute(2, 0, 1, 3), lse
