@@ -60,12 +60,10 @@ class RowFeeder:
         self.layout, self.shard_rank, self.ring_group, self.transport = layout, shard_rank, ring_group, transport
         self.noisy_stream, self.tp_shards, self.tp_rank = noisy_stream, tp_shards, tp_rank
         if noisy_stream:
-            self.plan: AttentionPlan = self._plan(layout)
-            self.replication = 1
+            plan, self.replication = plan_for_layout(layout, shard_rank, ring_group, transport), 1
         else:
-            self.plan, self.replication = autoregressive_plan(layout, shard_rank, ring_group, transport)
-            if tp_shards > 1:
-                self.plan.physical_order = shard_major_order(self.plan.local, tp_shards)
+            plan, self.replication = autoregressive_plan(layout, shard_rank, ring_group, transport)
+        self.plan: AttentionPlan = self._sharded(plan)
         # Canvas start -> plan, least recently used first; the own plan is never evicted.
         self._plans: "OrderedDict[int, AttentionPlan]" = OrderedDict({layout.canvas_start: self.plan})
         self._canvas_starts: Dict[int, int] = {}  # first response block -> canvas start (ints, <= blocks)
@@ -96,7 +94,9 @@ class RowFeeder:
 
     def _plan(self, layout: SequenceLayout) -> AttentionPlan:
         """This rank's plan of `layout` (its rows shard-major under sequence parallelism)."""
-        plan = plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport)
+        return self._sharded(plan_for_layout(layout, self.shard_rank, self.ring_group, self.transport))
+
+    def _sharded(self, plan: AttentionPlan) -> AttentionPlan:
         if self.tp_shards > 1:
             plan.physical_order = shard_major_order(plan.local, self.tp_shards)
         return plan

@@ -89,11 +89,6 @@ def _segment_chunks(feats, state, s: int, e: int, B: int):
         yield c1, o, state
 
 
-def _holder(members: List[List[Tuple[int, int]]], p: int):
-    """The ring index whose clean runs hold position `p` (None: nobody's)."""
-    return next((i for i, m in enumerate(members) if any(s <= p < e for s, e in m)), None)
-
-
 @dataclass
 class GDNRoutes:
     """Static placement of one rank's GDN work under a plan (same on every rank of the ring)."""
@@ -147,7 +142,8 @@ def build_routes(plan, conv_kernel: int) -> GDNRoutes:
         for b in sorted(set((m.position[~m.is_clean] // B).tolist())):
             if b == 0:  # starts from the zero state: nothing to send
                 continue
-            src = _holder(members, b * B - 1)
+            # the ring index whose clean runs hold the block's last clean position (None: nobody's)
+            src = next((i for i, m in enumerate(members) if any(s < b * B <= e for s, e in m)), None)
             if src is None:
                 raise ValueError(f"Gated DeltaNet: no rank of the ring holds clean position {b * B - 1}")
             ring_sends = ring_sends or src != dest

@@ -98,12 +98,10 @@ class SequenceLayout(ShardGroupSizes):
         (the extra blocks carry no loss); MoE token exchange needs equal row counts.
         `row_multiple`: also down to where every rank's noisy and clean row counts divide by it
         (sequence parallelism feeds each rank's rows as TP shards of [noisy chunk | clean chunk])."""
-        clean_loss = self.clean_loss if clean_loss is None else clean_loss
-        s = self._placeable_start(first_block, balanced)
-        layout = replace(self, canvas_start=s, clean_loss=clean_loss)
-        while row_multiple > 1 and s > 0 and not layout.rows_divide_by(row_multiple):
-            s = self._placeable_start(s - 1, balanced)
-            layout = replace(self, canvas_start=s, clean_loss=clean_loss)
+        layout = replace(self, canvas_start=self._placeable_start(first_block, balanced),
+                         clean_loss=self.clean_loss if clean_loss is None else clean_loss)
+        while row_multiple > 1 and layout.canvas_start > 0 and not layout.rows_divide_by(row_multiple):
+            layout = replace(layout, canvas_start=self._placeable_start(layout.canvas_start - 1, balanced))
         return layout
 
     def _placeable_start(self, first_block: int, balanced: bool) -> int:

@@ -65,12 +65,10 @@ class QueryRows(_RowVectors):
             lo = meta.doc_start
             if geometry.window is not None:
                 lo = torch.maximum(lo, meta.position - geometry.window + 1)
-            lo = torch.where(meta.is_clean, torch.zeros_like(lo), lo)
-            hi = torch.where(meta.is_clean, torch.zeros_like(meta.anchor), meta.anchor)
-            return QueryRows(meta.anchor.to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
-        lo, hi = clean_key_interval(meta, geometry)
-        return QueryRows(noisy_block_id(meta.position, geometry).to(_I32), meta.is_clean.clone(), lo.to(_I32),
-                         hi.to(_I32))
+            block, lo, hi = meta.anchor, lo.masked_fill(meta.is_clean, 0), meta.anchor.masked_fill(meta.is_clean, 0)
+        else:
+            block, (lo, hi) = noisy_block_id(meta.position, geometry), clean_key_interval(meta, geometry)
+        return QueryRows(block.to(_I32), meta.is_clean.clone(), lo.to(_I32), hi.to(_I32))
 
 
 @dataclass(frozen=True)
@@ -83,9 +81,9 @@ class KeyRows(_RowVectors):
 
     @staticmethod
     def of(meta: RowMeta, geometry: BlockGeometry) -> "KeyRows":
-        if isinstance(geometry, AnchoredGeometry):  # a draft key's block is its anchor
-            return KeyRows(meta.position.to(_I32), meta.anchor.to(_I32), meta.is_clean.clone())
-        return KeyRows(meta.position.to(_I32), noisy_block_id(meta.position, geometry).to(_I32), meta.is_clean.clone())
+        # a draft key's block is its anchor
+        block = meta.anchor if isinstance(geometry, AnchoredGeometry) else noisy_block_id(meta.position, geometry)
+        return KeyRows(meta.position.to(_I32), block.to(_I32), meta.is_clean.clone())
 
 
 def pair_allowed(q_block, q_clean, q_lo, q_hi, k_pos, k_block, k_clean):

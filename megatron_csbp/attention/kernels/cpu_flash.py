@@ -265,7 +265,8 @@ def _stacked(pieces: List[FlashPiece]) -> List[FlashPiece]:
     out: List[FlashPiece] = []
     for p in pieces:
         last = out[-1] if out else None
-        if (last is not None and _stackable(p) and _stackable(last) and (p.q.start, p.k.start) == (last.q.stop, last.k.stop)
+        if (last is not None and _stackable(p) and _stackable(last)
+                and (p.q.start, p.k.start) == (last.q.stop, last.k.stop)
                 and (_count(p.q), _count(p.k)) == (_count(last.q) // last.seqs, _count(last.k) // last.seqs)
                 and _count(last.q) + _count(p.q) <= STACK_ROWS):
             out[-1] = FlashPiece(slice(last.q.start, p.q.stop), slice(last.k.start, p.k.stop), last.seqs + 1, False)

@@ -119,9 +119,9 @@ def _forward(q, kg, vg, mask: PartialMask, sched: TileSchedule, scale: float):
             acc = acc * alpha.unsqueeze(-1) + pv
             m = m_new
         seen = l > 0
-        out[:, :, :, q0:q1] = acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1)
-        lse[:, :, :, q0:q1] = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))),
-                                          torch.full_like(m, MASKED_SCORE))
+        safe = torch.where(seen, l, torch.ones_like(l))
+        out[:, :, :, q0:q1] = acc / safe.unsqueeze(-1)
+        lse[:, :, :, q0:q1] = torch.where(seen, m + torch.log(safe), MASKED_SCORE)
     return out.reshape(q.shape), lse.view(b, -1, sq)
 
 
