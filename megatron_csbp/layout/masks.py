@@ -209,13 +209,10 @@ class RowMeta:
         """DFlash rows [draft blocks ; context]: block i holds positions anchors[i] + 0..B-1 (anchor
         anchors[i], document start doc_starts[i]); context rows are clean, key-only."""
         anchors, doc_starts = anchors.long(), doc_starts.long()
-        offsets = torch.arange(block_size)
-        draft_pos = (anchors[:, None] + offsets).flatten()
-        n, c = draft_pos.numel(), context_positions.numel()
-        return RowMeta(torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(c, dtype=torch.bool)]),
-                       torch.cat([draft_pos, context_positions.long()]),
-                       torch.cat([anchors.repeat_interleave(block_size), torch.full((c,), -1, dtype=torch.long)]),
-                       torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]))
+        rows = RowMeta.of((anchors[:, None] + torch.arange(block_size)).flatten(), context_positions)
+        return replace(rows, anchor=torch.cat([anchors.repeat_interleave(block_size),
+                                               torch.full((context_positions.numel(),), -1, dtype=torch.long)]),
+                       doc_start=torch.cat([doc_starts.repeat_interleave(block_size), context_doc_starts.long()]))
 
 
 def noisy_block_id(position: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:

@@ -93,6 +93,14 @@ def pair_allowed(q_block, q_clean, q_lo, q_hi, k_pos, k_block, k_clean):
     return same_noisy_block | clean_in_interval
 
 
+def _seen(clean_sorted, noisy_sorted, lo, hi, block, is_clean) -> torch.Tensor:
+    """Per query (broadcast over leading dims): the keys it sees among sorted clean key positions
+    (those in [lo, hi)) and sorted noisy key blocks (those of its block, noisy queries only)."""
+    clean = (torch.searchsorted(clean_sorted, hi) - torch.searchsorted(clean_sorted, lo)).clamp_min(0)
+    same_block = torch.searchsorted(noisy_sorted, block, right=True) - torch.searchsorted(noisy_sorted, block)
+    return clean + torch.where(is_clean, 0, same_block)
+
+
 def _pad(x: torch.Tensor, multiple: int, value) -> torch.Tensor:
     """`x` with rows of `value` appended along dim 0 up to a multiple of `multiple` rows."""
     extra = (-x.shape[0]) % multiple
@@ -143,11 +151,7 @@ def _tile_table(q: QueryRows, k: KeyRows, q_tile: int, k_tile: int, chunk_rows: 
     for start in range(0, nq, chunk_rows):
         sl = slice(start, min(nq, start + chunk_rows))
         lo, hi, qb = (x[sl].long()[None, :].expand(kt, -1).contiguous() for x in (q.lo, q.hi, q.block))
-        clean_seen = torch.searchsorted(clean_sorted, hi) - torch.searchsorted(clean_sorted, lo)  # [kt, rows]
-        clean_seen = clean_seen.clamp_min(0)
-        same_block = torch.searchsorted(noisy_sorted, qb, right=True) - torch.searchsorted(noisy_sorted, qb)
-        noisy_seen = torch.where(q.is_clean[sl][None, :], torch.zeros_like(same_block), same_block)
-        seen = clean_seen + noisy_seen
+        seen = _seen(clean_sorted, noisy_sorted, lo, hi, qb, q.is_clean[sl][None, :])  # [kt, rows]
         occ = _pad((seen > 0).T, q_tile, False)  # [rows, kt]
         full = _pad((seen == real[:, None]).T, q_tile, True)
         occ_tiles.append(occ.view(-1, q_tile, kt).any(1))
@@ -247,9 +251,5 @@ class PartialMask:
         q, k = self.q, self.k
         if len(q) == 0 or len(k) == 0:
             return 0
-        clean_pos = k.position[k.is_clean].long().sort().values
-        total = (torch.searchsorted(clean_pos, q.hi.long()) - torch.searchsorted(clean_pos, q.lo.long())).clamp_min(0).sum()
-        noisy_blocks = k.block[~k.is_clean].long().sort().values
-        qb = q.block[~q.is_clean].long()
-        total = total + (torch.searchsorted(noisy_blocks, qb, right=True) - torch.searchsorted(noisy_blocks, qb)).sum()
-        return int(total)
+        clean_pos, noisy_blocks = k.position[k.is_clean].long().sort().values, k.block[~k.is_clean].long().sort().values
+        return int(_seen(clean_pos, noisy_blocks, q.lo.long(), q.hi.long(), q.block.long(), q.is_clean).sum())

@@ -48,12 +48,10 @@ def _rows(index: torch.Tensor) -> Rows:
     """A slice when `index` is one increasing run of consecutive rows (a view), its runs when it
     has at most FREE_RUNS of them (a query group of a noisy block and the clean block sharing its
     keys is two), else the index."""
-    n = index.numel()
-    if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index[1:] - index[:-1] == 1).all()):
-        return slice(int(index[0]), int(index[0]) + n)
-    if n and bool(((index[1:] != index[:-1] + 1).sum() < FREE_RUNS)):
-        return tuple(_runs(index))
-    return index
+    breaks = int((index[1:] != index[:-1] + 1).sum()) if index.numel() else FREE_RUNS
+    if breaks == 0:
+        return slice(int(index[0]), int(index[0]) + index.numel())
+    return tuple(_runs(index)) if breaks < FREE_RUNS else index
 
 
 def _count(rows: Rows) -> int:
