@@ -325,9 +325,8 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         K = self.conv_kernel_dim
         b, conv = pieces[0].shape[0], pieces[0].shape[2]
         zero = pieces[0].new_zeros(b, K - 1, conv)
-        if routes.ring == 1:
-            return [zero if s == 0 else pieces[i - 1][:, -(K - 1):] if K > 1 else zero[:, :0]
-                    for i, (s, _) in enumerate(routes.segments)]
+        if routes.ring == 1:  # one clean prefix from 0 (`_segment_start_states` refuses anything else)
+            return [zero] * len(routes.segments)
         # all-gather every member's segment tails (padded to max_segments)
         tails = [p[:, p.shape[1] - (K - 1):] for p in pieces]
         tails += [zero] * (routes.max_segments - len(tails))
