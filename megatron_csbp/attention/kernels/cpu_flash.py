@@ -403,3 +403,9 @@ def cpu_flash_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if q.device.type != "cpu":
         raise ValueError(f"--attention-kernel cpu_flash runs on CPU, got {q.device}")
     return HeadsFirstAttention.apply((_forward, _backward), q, k, v, mask, cpu_flash_plan(mask), softmax_scale)
+
+
+# It takes a rank's local rows as one partial without loss (whole noisy blocks and clean prefixes
+# are flash calls on slices of its own plan): `strategies.NoisyThenClean` then runs no separate
+# noisy part and no noisy/clean merge.
+cpu_flash_partial_attention.one_local_partial = True

@@ -13,6 +13,11 @@ from typing import Tuple
 import torch
 
 from megatron_csbp.attention.merge import PartialMerge, merge_partials
+from megatron_csbp.attention.kernels.cpu_flash import cpu_flash_partial_attention
+# FlexAttention driven by the mask's row vectors (default on CUDA); flash-attn varlen for the pieces
+# it expresses exactly, flex for the rest
+from megatron_csbp.attention.kernels.flash import flash_attention_partial as flash_partial_attention, require_flash_attn
+from megatron_csbp.attention.kernels.flex import flex_attention_partial as flex_partial_attention
 from megatron_csbp.attention.kernels.tiled import MASKED_SCORE, tiled_partial_attention
 from megatron_csbp.layout.rows import PartialMask
 from megatron_csbp.utils.precision import compute_dtype
@@ -48,33 +53,6 @@ def math_partial_attention(
     return out, lse.reshape(b, H, sq)
 
 
-def flex_partial_attention(q, k, v, mask, softmax_scale):
-    """FlexAttention driven by the mask's row vectors (`attention/flex.py`; default on CUDA)."""
-    from megatron_csbp.attention.kernels.flex import flex_attention_partial
-
-    return flex_attention_partial(q, k, v, mask, softmax_scale)
-
-
-def flash_partial_attention(q, k, v, mask, softmax_scale):
-    """flash-attn varlen for the pieces it expresses exactly, flex for the rest (`attention/flash.py`)."""
-    from megatron_csbp.attention.kernels.flash import flash_attention_partial
-
-    return flash_attention_partial(q, k, v, mask, softmax_scale)
-
-
-def cpu_flash_partial_attention(q, k, v, mask, softmax_scale):
-    """The flash decomposition on torch's CPU flash attention, tiled for the rest (`attention/cpu_flash.py`)."""
-    from megatron_csbp.attention.kernels.cpu_flash import cpu_flash_partial_attention as kernel
-
-    return kernel(q, k, v, mask, softmax_scale)
-
-
-# It takes a rank's local rows as one partial without loss (whole noisy blocks and clean prefixes
-# are flash calls on slices of its own plan): `strategies.NoisyThenClean` then runs no separate
-# noisy part and no noisy/clean merge.
-cpu_flash_partial_attention.one_local_partial = True
-
-
 KERNELS = {"math": math_partial_attention, "tiled": tiled_partial_attention, "flex": flex_partial_attention,
            "flash": flash_partial_attention, "cpu_flash": cpu_flash_partial_attention}
 
@@ -87,7 +65,5 @@ def get_kernel(name: str, device: torch.device):
     if name not in KERNELS:
         raise ValueError(f"--attention-kernel must be one of {sorted(KERNELS) + ['auto']}, got {name!r}")
     if name == "flash":  # fail at selection, with the flag's name, not inside the first forward
-        from megatron_csbp.attention.kernels.flash import require_flash_attn
-
         require_flash_attn()
     return KERNELS[name]
