@@ -39,26 +39,25 @@ class TrafficCounter:
         self.sent[(layer, phase)] += int(sent)
         self.received[(layer, phase)] += int(received)
 
-    def record_wait(self, layer: int, phase: str, seconds: float) -> None:
-        self._waited[(layer, phase)] += float(seconds)
-
     def record_transfer(self, layer: int, phase: str, posted, wait_start, wait_end) -> None:
         """One collective: posted at `posted`, waited for from `wait_start` to `wait_end`
         (`time.perf_counter()` seconds, or three CUDA events recorded on the compute stream; a
         blocking one has posted == wait_start)."""
         self.transfers += 1
         if isinstance(posted, float):
-            self.record_wait(layer, phase, wait_end - wait_start)
-            self._in_flight[(layer, phase)] += float(wait_end - posted)
+            self._timed((layer, phase), wait_end - wait_start, wait_end - posted)
         else:
             self._pending_events.append((layer, phase, posted, wait_start, wait_end))
+
+    def _timed(self, key: Tuple[int, str], waited: float, in_flight: float) -> None:
+        self._waited[key] += float(waited)
+        self._in_flight[key] += float(in_flight)
 
     def _resolve(self) -> None:
         pending, self._pending_events = self._pending_events, []
         for layer, phase, posted, start, end in pending:
             end.synchronize()
-            self.record_wait(layer, phase, start.elapsed_time(end) / 1e3)  # elapsed_time: ms
-            self._in_flight[(layer, phase)] += posted.elapsed_time(end) / 1e3
+            self._timed((layer, phase), start.elapsed_time(end) / 1e3, posted.elapsed_time(end) / 1e3)  # ms -> s
 
     @property
     def waited_s(self) -> Dict[Tuple[int, str], float]:
