@@ -220,9 +220,8 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def _features(self, conv_out, beta_raw, alpha, dtype):
         """conv output [N, T, conv], beta/alpha [N, T, Hv] -> q, k, v [N, H, T, d], g, beta [N, H, T]."""
         tp = self.tp_size
-        N, T, _ = conv_out.shape
         dims = (self.key_head_dim, self.key_head_dim, self.value_head_dim)
-        q, k, v = (x.reshape(N, T, -1, dim).to(dtype) for x, dim in
+        q, k, v = (x.unflatten(-1, (-1, dim)).to(dtype) for x, dim in
                    zip(torch.split(conv_out, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1), dims))
         if self.use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)

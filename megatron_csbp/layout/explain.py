@@ -170,7 +170,7 @@ def draw(views: List[RankView], title: str, path: str, seq_length: int) -> None:
     for i, v in enumerate(shown):
         r, c = divmod(i, cols)
         t = v.tiles
-        img = t.occupied.int().numpy() + t.full.int().numpy() * t.occupied.int().numpy()
+        img = (t.occupied.int() + (t.full & t.occupied).int()).numpy()
         ax = fig.add_subplot(grid[3 * r, c])
         ax.imshow(img, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
         ax.axvline(L / t.k_tile - 0.5, color="k", lw=0.8)  # noisy keys | clean keys

@@ -212,7 +212,7 @@ class FlashPlan:
         """Bytes of the index vectors (the fallback's flex tables are counted on its own mask)."""
         calls = ([self.noisy] if self.noisy is not None else []) + self.clean
         vecs = [t for c in calls for t in (c.q_index, c.k_index, c.cu_q, c.cu_k)] + [self.clean_keys, self.fallback_q]
-        rows = self.fallback_mask.q.nbytes + self.fallback_mask.k.nbytes if self.fallback_mask is not None else 0
+        rows = self.fallback_mask.nbytes if self.fallback_mask is not None else 0
         return rows + sum(t.numel() * t.element_size() for t in vecs)
 
     def to(self, device) -> "FlashPlan":
