@@ -99,9 +99,9 @@ class AttentionCall:
         self.device = q.device
         self.n = plan.num_noisy
         local = plan.local
-        # Query metadata: every local row, or the noisy rows alone when clean rows are keys only.
-        self.queries = local if plan.clean_queries else local.select(slice(0, self.n))
         self.noisy_rows, self.clean_rows = local.select(slice(0, self.n)), local.select(slice(self.n, None))
+        # Query metadata: every local row, or the noisy rows alone when clean rows are keys only.
+        self.queries = local if plan.clean_queries else self.noisy_rows
         self.kv = PackedKV() if kv_source is None else SourceKV(kv_source)
         # The noisy and clean rows of q, k, v as one split each, not two slices: a slice's
         # backward allocates a zero gradient of the whole tensor (two per tensor, then their sum);
