@@ -93,10 +93,7 @@ def flex_block_tables(mask: PartialMask, block: int = FLEX_BLOCK):
     qt, kt = max(1, -(-nq // block)), max(1, -(-nk // block))
     exact = mask if (qt * block, kt * block) == (nq, nk) else padded_mask(mask, qt * block, kt * block)
     table = exact.tiles(block, block)
-    partial = table.occupied & ~table.full
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(table.full)
-    return kv_num, kv_idx, full_num, full_idx
+    return (*_ordered(table.partial), *_ordered(table.full))
 
 
 @dataclass(frozen=True)
