@@ -71,9 +71,9 @@ class DFlashLayout(ShardGroupSizes):
         owned = self.owned(anchors, doc_starts) if owned is None else owned
         mine = owned[rank]
         ctx = self.context_positions(rank, anchors, doc_starts, owned)
-        pad = self.padded_blocks(owned) - len(mine)
-        a = torch.cat([anchors[mine], -2 - torch.arange(max(pad, 0))])
-        s = torch.cat([doc_starts[mine], torch.zeros(max(pad, 0), dtype=torch.long)])
+        pad = max(self.padded_blocks(owned) - len(mine), 0)
+        a = torch.cat([anchors[mine], -2 - torch.arange(pad)])
+        s = torch.cat([doc_starts[mine], torch.zeros(pad, dtype=torch.long)])
         return RowMeta.anchored(a, s, self.block_size, ctx, position_doc_starts[ctx])
 
     def plan(self, rank: int, anchors, doc_starts, position_doc_starts, group=None, transport: str = "allgather",

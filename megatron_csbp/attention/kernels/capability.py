@@ -60,8 +60,8 @@ def capabilities(name: str, device: torch.device) -> Tuple[Capability, ...]:
 
 
 def refuses(name: str, device: torch.device, head_dim: int, dtype: torch.dtype, backward: bool) -> Optional[str]:
-    rows = [c for c in capabilities(name, device) if device.type in c.devices] or list(capabilities(name, device))
-    return rows[0].refuses(device, head_dim, dtype, backward)
+    rows = capabilities(name, device)
+    return next((c for c in rows if device.type in c.devices), rows[0]).refuses(device, head_dim, dtype, backward)
 
 
 #: 'auto' on each device: the fastest kernel first, the tiled kernel (any head dim) last
