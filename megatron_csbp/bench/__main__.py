@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    command = ("python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)).strip()
+    command = ("python -m megatron_csbp.bench " + shlex.join(argv)).strip()
     if args.long_context:
         from megatron_csbp.bench import long_context
 

@@ -16,7 +16,6 @@ load cannot change (the same in every pair).
 from __future__ import annotations
 
 from collections import Counter
-import json
 import math
 import shlex
 import statistics
@@ -127,7 +126,7 @@ def render(result: Dict, command: str, top: int = 12) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.bench.report import bench_parser
+    from megatron_csbp.bench.report import bench_parser, write_file
 
     argv = sys.argv[1:] if argv is None else list(argv)
     p = bench_parser("alternate", __doc__, raw=True)
@@ -162,15 +161,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     result = alternate(cfg, args.layouts, args.pairs)
-    command = ("python -m megatron_csbp.bench.alternate " + " ".join(shlex.quote(x) for x in argv)).strip()
+    command = ("python -m megatron_csbp.bench.alternate " + shlex.join(argv)).strip()
     md = render(result, command)
     print(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(result, command=command), f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    write_file(args.json, dict(result, command=command))
+    write_file(args.markdown, md)
     return 0
 
 

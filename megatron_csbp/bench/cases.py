@@ -1,7 +1,7 @@
 """What the benchmark runs: the model, the layouts and the traffic each layout should move."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -240,10 +240,6 @@ class BenchConfig:
                                      f"{2 * P * self.model.block_size} for P = {P} "
                                      "(zigzag chunks and balanced mirrored block pairs)")
 
-    def to_dict(self) -> dict:
-        return dict(asdict(self), seq_lengths=list(self.seq_lengths), sizes=list(self.sizes),
-                    layouts=list(self.layouts))
-
 
 def quick_config() -> BenchConfig:
     """CI-sized: one layer, short sequences, P = 2 only (about half a minute on two cores)."""
@@ -262,5 +258,4 @@ def dg_config() -> BenchConfig:
 
 def dg_quick_config() -> BenchConfig:
     """`--model diffusiongemma-hybrid --quick`: L = 128 only, one warm-up and two timed steps."""
-    return BenchConfig(model=DiffusionGemmaBenchModel(), seq_lengths=(128,), sizes=(2,), layouts=(),
-                       warmup=1, steps=2)
+    return replace(dg_config(), seq_lengths=(128,), warmup=1, steps=2)

@@ -75,22 +75,17 @@ def _plan_pairs(plan) -> Tuple[int, int, int]:
     return allowed, rect, plan.nbytes()
 
 
-def _random_qkv(model, rows: int, batch: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    H, G, d = model.num_attention_heads, model.num_query_groups, model.head_dim
-    return tuple(torch.randn(rows, batch, heads, d, generator=gen, requires_grad=True) for heads in (H, G, G))
-
-
-def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
-    """One layer's block attention forward + backward on this rank's plan, random inputs."""
+def _attention_step(model, plan, kernel_name: str, batch: int, seed: int, **kw):
+    """One layer's block attention forward + backward on the plan's rows, random q, k, v (drawn
+    from `seed`, `batch` samples): a function to time."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
     from megatron_csbp.attention.kernels.registry import get_kernel
-    from megatron_csbp.bench.worker import slowest_rank_s
 
-    q, k, v = _random_qkv(model, len(plan.local), model.micro_batch_size, 7)
+    gen = torch.Generator().manual_seed(seed)
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    q, k, v = (torch.randn(len(plan.local), batch, heads, d, generator=gen, requires_grad=True) for heads in (H, G, G))
     kernel = get_kernel(kernel_name, q.device)
-    return slowest_rank_s(lambda: block_diffusion_attention(
-        q, k, v, plan, softmax_scale=model.head_dim ** -0.5, kernel=kernel, layer=1).sum().backward(), shard_group)[0]
+    return lambda: block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, **kw).sum().backward()
 
 
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
@@ -110,7 +105,7 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     peak, static, rss = step_memory(lambda: step(2), shard_group)
     plan = trainer.model.bdlm.plan
     allowed, rect, mask_bytes = _plan_pairs(plan)
-    attn_s = _attention_time(m, plan, kernel_name, shard_group)
+    attn_s = slowest_rank_s(_attention_step(m, plan, kernel_name, m.micro_batch_size, 7, layer=1), shard_group)[0]
     record = {"case": case.name, "kind": case.kind, "P": case.shard_group_size, "kernel": kernel_name, "seq_length": L,
               "shard_rank": shard_rank, "rows": len(plan.local), "first_step_s": first_step_s, "step_s": step_s,
               "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "loss_step0_global": True,
@@ -126,24 +121,19 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
     layer's block attention forward + backward on the single-rank plan, per kernel and L: the
     tiled kernel's time per allowed pair should stay flat, the math kernel's follows the
     rectangle. Also the pairs the tiled kernel's tiles cover. Best of `repeats` below 16K."""
-    from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-    from megatron_csbp.attention.kernels.registry import get_kernel
+    from megatron_csbp.attention.block_attention import plan_for_layout
     from megatron_csbp.attention.kernels.tiled import tile_schedule
     from megatron_csbp.bench.kernel_rate import best_cpu_s
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
 
     torch.set_num_threads(1)
-    m = cfg.model
-    d = m.head_dim
     out = []
     for kernel_name in cfg.kernels:
         for L in cfg.lengths(kernel_name):
-            plan = plan_for_layout(SequenceLayout(BlockGeometry(L, m.block_size)), 0)
-            q, k, v = _random_qkv(m, 2 * L, 1, L)
-            kernel = get_kernel(kernel_name, q.device)
-            best = best_cpu_s(lambda: block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel)
-                              .sum().backward(), repeats if L < 16384 else 1)
+            plan = plan_for_layout(SequenceLayout(BlockGeometry(L, cfg.model.block_size)), 0)
+            step = _attention_step(cfg.model, plan, kernel_name, 1, L)  # the plan holds all 2L rows
+            best = best_cpu_s(step, repeats if L < 16384 else 1)
             allowed, rect, _ = _plan_pairs(plan)
             computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
                            for block_diagonal, mask in _partial_masks(plan))
@@ -151,7 +141,7 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
                         "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed})
             log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
                 f"{best / allowed * 1e9:.1f} ns per allowed pair")
-            del q, k, v, plan
+            del step, plan
             gc.collect()
     return out
 
@@ -161,13 +151,12 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
     `out_path` as they finish (rank 0 writes every rank's record: a killed run keeps its rows)."""
     import warnings
 
-    from megatron_csbp.parallel import state as bps
+    from megatron_csbp.bench.worker import process_groups
 
     warnings.filterwarnings("ignore")
     for kernel_name, case_name in jobs:
         case = next(c for c in cfg.cases(world_size) if c.name == case_name)
-        bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
-        try:
+        with process_groups(case):
             for L in cfg.lengths(kernel_name):
                 rec = _measure(cfg, case, kernel_name, L)
                 gathered = [None] * world_size
@@ -177,8 +166,6 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
                         f.writelines(json.dumps(r) + "\n" for r in gathered)
                     print(f"[long-context] {kernel_name} {case_name} L={L}: step {rec['step_s']:.1f} s, "
                           f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
-        finally:
-            bps.destroy_block_parallel()
 
 
 def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
@@ -280,12 +267,10 @@ def render(result: Dict) -> str:
 
 
 def plot(result: Dict, path: str) -> None:
-    import matplotlib
+    from megatron_csbp.bench.report import pyplot, save_figure
 
-    from megatron_csbp.bench.report import save_figure
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     rows = result["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -308,8 +293,8 @@ def plot(result: Dict, path: str) -> None:
     axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per pair", title=title)
     for ax in axes:
         ax.set_xticks(sorted({r["seq_length"] for r in rows}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.get_xaxis().set_major_formatter(ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     save_figure(fig, path)
@@ -326,7 +311,7 @@ def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: 
 
 
 def main(args, command: str) -> int:
-    from megatron_csbp.bench.report import load
+    from megatron_csbp.bench.report import load, write_file
     from megatron_csbp.bench.runner import environment
 
     given = {"seq_lengths": args.seq_lengths and tuple(args.seq_lengths), "old_max_length": args.old_max_length,
@@ -350,8 +335,7 @@ def main(args, command: str) -> int:
     scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
     if args.attention_scaling:
         scaling = attention_scaling(cfg)
-        with open(scaling_path, "w") as f:
-            json.dump(scaling, f, indent=1)
+        write_file(scaling_path, scaling)
         if not args.from_json:
             print(f"[bench] wrote attention scaling: {scaling_path}")
             return 0

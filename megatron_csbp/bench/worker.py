@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from functools import partial
 from typing import Dict, List
 
@@ -23,7 +24,7 @@ from megatron_csbp.bench.memory import step_memory
 def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: float = 1e-4):
     """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
     `micro_batch_size` samples per step, Adam at a constant `lr`, the layout's process groups
-    (already initialised by `run_case`)."""
+    (already initialised: `process_groups`)."""
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
@@ -66,13 +67,14 @@ def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: 
     return config, gpt
 
 
-def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]:
-    """Initialise the layout's process groups once, then measure every sequence length."""
+@contextmanager
+def process_groups(case: Case):
+    """The layout's process groups, initialised for the `with` block."""
     from megatron_csbp.parallel import state as bps
 
     bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
     try:
-        return [_measure(case, L, cfg) for L in seq_lengths]
+        yield
     finally:
         bps.destroy_block_parallel()
 
@@ -166,7 +168,8 @@ def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) 
     warnings.filterwarnings("ignore")  # Megatron's CPU/apex notices, once per case otherwise
     results = []
     for case in cases:
-        records = run_case(case, list(cfg.seq_lengths), cfg)
+        with process_groups(case):  # once per case, then every sequence length
+            records = [_measure(case, L, cfg) for L in cfg.seq_lengths]
         results += records
         for r in records:
             if rank == 0 and os.environ.get("CSBP_BENCH_VERBOSE"):
