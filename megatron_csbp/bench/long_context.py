@@ -25,6 +25,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import groupby
 from typing import Dict, List, Tuple
 
 import torch
@@ -100,7 +101,7 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     def step(i: int) -> float:  # the trainer's step (its loss: the global one, summed over ranks)
         return trainer.train_step(i * m.micro_batch_size).loss
 
-    first_step_s, loss0 = slowest_rank_s(lambda: step(0), shard_group)  # builds the masks and tile schedules
+    first_step_s, _, loss0 = slowest_rank_s(lambda: step(0), shard_group)  # builds the masks and tile schedules
     step_s = slowest_rank_s(lambda: step(1), shard_group)[0] if L <= cfg.warm_max_length else first_step_s
     peak, static, rss = step_memory(lambda: step(2), shard_group)
     plan = trainer.model.bdlm.plan
@@ -192,11 +193,12 @@ _WORST_OF_RANKS = ("step_s", "first_step_s", "peak_tensor_bytes", "rss_high_wate
 
 def summarize(records: List[Dict]) -> List[Dict]:
     """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
-    groups: Dict[Tuple, List[Dict]] = {}
-    for r in records:
-        groups.setdefault((r["kernel"], r["case"], r["seq_length"]), []).append(r)
+    def key(r: Dict) -> Tuple:
+        return r["kernel"], r["case"], r["seq_length"]
+
     rows = []
-    for (kernel, case, L), rs in sorted(groups.items()):
+    for (kernel, case, L), group in groupby(sorted(records, key=key), key):
+        rs = list(group)
         worst = {k: max(r[k] or 0 for r in rs) for k in _WORST_OF_RANKS}
         rows.append({
             "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L, "warm": rs[0]["warm"], **worst,
@@ -334,8 +336,7 @@ def main(args, command: str) -> int:
                   "records": records}
     scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
     if args.attention_scaling:
-        scaling = attention_scaling(cfg)
-        write_file(scaling_path, scaling)
+        write_file(scaling_path, attention_scaling(cfg))
         if not args.from_json:
             print(f"[bench] wrote attention scaling: {scaling_path}")
             return 0

@@ -90,18 +90,14 @@ def _memory(argv: List[str]) -> Dict:
 def _times(trainers: Dict, steps: int) -> Dict:
     """Both cases' steps alternated (full, LoRA, full, ...), so the load of other jobs falls on
     both alike: per case the slowest rank's wall and main-thread CPU seconds of each step."""
-    import torch.distributed as dist
+    from megatron_csbp.bench.worker import slowest_rank_s
 
     out = {case: {"step_times_s": [], "thread_cpu_times_s": []} for case in trainers}
     for k in range(2, steps + 2):
         for case, trainer in trainers.items():
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            trainer.train_step(k)
-            dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            out[case]["step_times_s"].append(float(dt[0]))
-            out[case]["thread_cpu_times_s"].append(float(dt[1]))
+            wall_s, cpu_s, _ = slowest_rank_s(lambda: trainer.train_step(k))  # a step lasts as long as its slowest rank
+            out[case]["step_times_s"].append(wall_s)
+            out[case]["thread_cpu_times_s"].append(cpu_s)
     for x in out.values():
         x.update(step_s=statistics.median(x["step_times_s"]), thread_cpu_s=statistics.median(x["thread_cpu_times_s"]))
     return out

@@ -32,7 +32,7 @@ class TensorPeakTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: Dict[int, int] = {}
-        self.current = self.peak = self.baseline = 0
+        self.current = self.peak_bytes = self.baseline = 0
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or t.is_sparse:
@@ -46,7 +46,7 @@ class TensorPeakTracker(TorchDispatchMode):
             return
         self.live[key] = nbytes
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.peak_bytes = max(self.peak_bytes, self.current)
         weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
@@ -71,10 +71,6 @@ class TensorPeakTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t)
         return out
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak
 
 
 def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:

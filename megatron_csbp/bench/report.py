@@ -348,30 +348,26 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
         fig, axes = pyplot().subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
         return fig, zip(axes[0], sizes)
 
-    def series(P, case, key, scale):  # (L, value / scale) sorted by L
+    def line(ax, P, case, key, scale, **style):  # (L, value / scale) sorted by L, where there are values
         pts = sorted((r["seq_length"], r[key] / scale) for r in rows if r["P"] == P and r["case"] == case
                      and r[key] is not None)
-        return [p[0] for p in pts], [p[1] for p in pts]
+        if pts:
+            ax.plot(*zip(*pts), **style)
 
     for key, ylabel, fname, scale in (("attn_bytes_sent", "attention MiB sent per rank per step", "traffic", MiB),
                                       ("median_step_s", "median step time (ms)", "time", 1e-3)):
         fig, axes = panels()
         for ax, P in axes:
             for case in cases:
-                x, y = series(P, case, key, scale)
-                if x:
-                    ax.plot(x, y, marker="o", label=case)
+                line(ax, P, case, key, scale, marker="o", label=case)
             if key == "attn_bytes_sent":
                 for case, style in (("cp-allgather", ":"), ("csbp-allgather", "--")):
-                    x, y = series(P, case, "formula_bytes_sent", scale)
-                    if x:
-                        ax.plot(x, y, linestyle=style, color="k", linewidth=1,
-                                label=f"formula ({case.split('-')[0].upper()})")
+                    line(ax, P, case, "formula_bytes_sent", scale, linestyle=style, color="k", linewidth=1,
+                         label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
-                singles = list(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)) or ["single"]
-                for j, single in enumerate(singles):
-                    ax.plot(*series(1, single, key, scale), marker="x", linestyle="--" if j == 0 else "-.", color="k",
-                            label="single rank" if single == "single" else f"single rank ({single})")
+                for j, single in enumerate(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)):
+                    line(ax, 1, single, key, scale, marker="x", linestyle="--" if j == 0 else "-.", color="k",
+                         label="single rank" if single == "single" else f"single rank ({single})")
             if key == "attn_bytes_sent" and any("attention" in r for r in rows):
                 ax.set_yscale("log")  # DiffusionGemma: windowed CSBP moves ~1/30 of CP
             ax.set(title=f"P = {P}", xlabel="sequence length L (clean tokens)", ylabel=ylabel)

@@ -141,14 +141,14 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
 
 
 def slowest_rank_s(fn, group=None):
-    """`fn()` between a barrier of `group` and a MAX all-reduce of its wall time: (the slowest
-    rank's seconds, what `fn` returned)."""
+    """`fn()` between a barrier of `group` and a MAX all-reduce of its wall time and main-thread CPU
+    time: (the slowest rank's seconds, the largest CPU seconds, what `fn` returned)."""
     dist.barrier(group=group)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     out = fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-    return float(dt), out
+    return float(dt[0]), float(dt[1]), out
 
 
 def count_ops(run) -> Dict[str, int]:
