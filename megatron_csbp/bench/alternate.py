@@ -16,6 +16,7 @@ load cannot change (the same in every pair).
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
 import math
 import shlex
 import statistics
@@ -61,12 +62,9 @@ def median_ci(x: Sequence[float], level: float = 0.95):
     draws): order statistics x_(k) and x_(n+1-k) with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
     None when n is too small for `level` (n < 6 at 95 %)."""
     n, xs = len(x), sorted(x)
-    tail, k = 0.0, 0
-    while True:  # the largest k whose lower tail P(B <= k - 1) stays within (1 - level) / 2
-        nxt = tail + math.comb(n, k) / 2 ** n
-        if nxt > (1 - level) / 2:
-            break
-        tail, k = nxt, k + 1
+    # the largest k whose lower tail P(B <= k - 1) stays within (1 - level) / 2: the tails rise with k
+    tails = accumulate(math.comb(n, j) / 2 ** n for j in range(n + 1))
+    k = sum(tail <= (1 - level) / 2 for tail in tails)
     return None if k == 0 else [xs[k - 1], xs[n - k]]
 
 

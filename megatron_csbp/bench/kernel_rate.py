@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import time
+from functools import partial
 from typing import Dict, List, Sequence
 
 import torch
@@ -54,12 +55,10 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
             o.sum().backward()
 
         def run(kernel):
-            def f():
-                o, lse = kernel(q, k, v, mask, scale)
-                (o.sum() + lse.sum() * 1e-3).backward()  # the lse gets a gradient, as in a merge
-            return f
+            o, lse = kernel(q, k, v, mask, scale)
+            (o.sum() + lse.sum() * 1e-3).backward()  # the lse gets a gradient, as in a merge
 
-        fns = {name: run(get_kernel(name, q.device)) for name in kernels}
+        fns = {name: partial(run, get_kernel(name, q.device)) for name in kernels}
         for f in fns.values():  # plans and tables built, caches warm
             f()
         samples = [[best_cpu_s(f, 1) for f in (sdpa, *fns.values())] for _ in range(repeats)]  # SDPA, kernels

@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.bench.cases import BenchModel, Case
+from megatron_csbp.bench.memory import step_memory
+from megatron_csbp.bench.report import load, pyplot, save_figure, write_file, write_out
+from megatron_csbp.bench.worker import bench_trainer, process_groups, slowest_rank_s
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,6 @@ def _attention_step(model, plan, kernel_name: str, batch: int, seed: int, **kw):
 
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
     from megatron_csbp.parallel import state as bps
-    from megatron_csbp.bench.memory import step_memory
-    from megatron_csbp.bench.worker import bench_trainer, slowest_rank_s
 
     m = replace(cfg.model, attention_kernel=kernel_name)
     shard_rank, shard_group = bps.get_shard_rank(), bps.get_shard_group()
@@ -151,8 +152,6 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
     """All (kernel, layout) jobs of this world size, every length; records appended to
     `out_path` as they finish (rank 0 writes every rank's record: a killed run keeps its rows)."""
     import warnings
-
-    from megatron_csbp.bench.worker import process_groups
 
     warnings.filterwarnings("ignore")
     for kernel_name, case_name in jobs:
@@ -269,8 +268,6 @@ def render(result: Dict) -> str:
 
 
 def plot(result: Dict, path: str) -> None:
-    from megatron_csbp.bench.report import pyplot, save_figure
-
     plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
@@ -303,8 +300,6 @@ def plot(result: Dict, path: str) -> None:
 
 
 def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:
-    from megatron_csbp.bench.report import write_out
-
     files = write_out(os.path.join(output_dir, name), result, render(result), echo=False)
     if with_plots:
         files["plot"] = os.path.join(output_dir, f"{name}_memory.png")
@@ -312,8 +307,8 @@ def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: 
     return files
 
 
-def main(args, command: str) -> int:
-    from megatron_csbp.bench.report import load, write_file
+def main(args, command: str) -> Dict[str, str]:
+    """`python -m megatron_csbp.bench --long-context ...`: what it wrote, by kind."""
     from megatron_csbp.bench.runner import environment
 
     given = {"seq_lengths": args.seq_lengths and tuple(args.seq_lengths), "old_max_length": args.old_max_length,
@@ -338,13 +333,9 @@ def main(args, command: str) -> int:
     if args.attention_scaling:
         write_file(scaling_path, attention_scaling(cfg))
         if not args.from_json:
-            print(f"[bench] wrote attention scaling: {scaling_path}")
-            return 0
+            return {"attention scaling": scaling_path}
     if os.path.exists(scaling_path) and "attention_scaling" not in result:
         result["attention_scaling"] = load(scaling_path)
     result["rows"] = summarize(result["records"])
     result["linearity"] = linearity(result["rows"])
-    files = save(result, args.output_dir, name, with_plots=not args.no_plots)
-    for kind, path in files.items():
-        print(f"[bench] wrote {kind}: {path}")
-    return 0
+    return save(result, args.output_dir, name, with_plots=not args.no_plots)

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Dict, List
 
-from megatron_csbp.bench.report import write_out
+from megatron_csbp.bench.report import bench_parser, write_out
 
 LAYOUTS = {
     "PP2 x CSBP (CP2 + BP2)": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
@@ -58,12 +58,10 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
 
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.bench.memory import TensorPeakTracker
-    from megatron_csbp.training.arguments import parse_args
-    from megatron_csbp.training.config import TrainerConfig
-    from megatron_csbp.training.trainer import Trainer
+    from megatron_csbp.bench.worker import trainer_of
 
     torch.set_num_threads(1)
-    with Trainer(TrainerConfig.from_args(parse_args(argv))) as trainer:
+    with trainer_of(argv) as trainer:
         G = trainer.config.batch.global_batch_size
         trainer.train_step(0)  # warm-up (plans, buffers)
         times, attn, p2p = [], [], []
@@ -126,8 +124,6 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.bench.report import bench_parser
-
     p = bench_parser("pipeline", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/pipeline", help="writes OUT.md and OUT.json")
     p.add_argument("--seq-length", type=int, default=512)

@@ -21,14 +21,19 @@ from megatron_csbp.bench.cases import AnyModel, BenchConfig, Case, DiffusionGemm
 from megatron_csbp.bench.memory import step_memory
 
 
-def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: float = 1e-4):
-    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
-    `micro_batch_size` samples per step, Adam at a constant `lr`, the layout's process groups
-    (already initialised: `process_groups`)."""
+def trainer_of(argv: List[str], **kw):
+    """The `Trainer` (not built yet) of the trainer's command line `argv`; `kw` to its constructor."""
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
 
+    return Trainer(TrainerConfig.from_args(parse_args(argv)), **kw)
+
+
+def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: float = 1e-4):
+    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
+    `micro_batch_size` samples per step, Adam at a constant `lr`, the layout's process groups
+    (already initialised: `process_groups`)."""
     m = model
     argv = trainer_argv(dict(
         m.flags(), mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1, seq_length=seq_length,
@@ -41,7 +46,7 @@ def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: f
         # DiffusionGemma's clean stream is token-causal; the model comes from `provider`
         argv += ["--clean-attention=token_causal"]
         provider = partial(diffusion_gemma, m, seed, case.attention == "full")
-    return Trainer(TrainerConfig.from_args(parse_args(argv)), gpt_provider=provider).build()
+    return trainer_of(argv, gpt_provider=provider).build()
 
 
 def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: bool, args):
@@ -119,6 +124,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             for key, value in zip(per_step, [counter.total_waited_s, counter.total_in_flight_s, *forward, dc, dp]):
                 per_step[key].append(value)
             transfers += counter.transfers
+    # before the untimed steps below add to the counter
     sent, received, per_layer = counter.total_sent, counter.total_received, counter.per_layer()
 
     peak_tensor = static = rss_peak = None
