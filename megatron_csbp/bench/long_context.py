@@ -31,7 +31,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.bench.cases import BenchModel, Case
+from megatron_csbp.bench.cases import BenchModel, Case, cases_for
 from megatron_csbp.bench.memory import step_memory
 from megatron_csbp.bench.report import load, pyplot, save_figure, write_file, write_out
 from megatron_csbp.bench.worker import bench_trainer, process_groups, slowest_rank_s
@@ -52,9 +52,8 @@ class LongContextConfig:
     seed: int = 1234
 
     def cases(self, world: int) -> List[Case]:
-        table = {"single": Case("single", 1, 1), "cp-allgather": Case("cp-allgather", self.P, 1, "allgather"),
-                 "csbp-allgather": Case("csbp-allgather", self.P, self.P, "allgather", "mirrored")}
-        return [table[n] for n in self.layouts if table[n].shard_group_size == world]
+        """The layouts of a world of `world` ranks: single on one rank, CP and CSBP on P."""
+        return [c for c in cases_for(world) if c.name in self.layouts] if world in (1, self.P) else []
 
     def lengths(self, kernel: str) -> List[int]:
         return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from contextlib import suppress
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -80,24 +81,18 @@ def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:
 
     gc.collect()
     dist.barrier(group=group)
-    try:  # reset the kernel's peak-RSS counter of this process (Linux)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # reset this process's peak RSS (Linux)
+        f.write("5")
     with TensorPeakTracker() as tracker:
         step()
     return tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
 
 
 def rss_high_water_bytes() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     try:
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

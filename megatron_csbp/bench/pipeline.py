@@ -64,20 +64,19 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
     with trainer_of(argv) as trainer:
         G = trainer.config.batch.global_batch_size
         trainer.train_step(0)  # warm-up (plans, buffers)
-        times, attn, p2p = [], [], []
-        for k in range(1, steps + 1):
+        times = []
+        for k in range(1, steps + 1):  # bytes: the last step's
             traffic_counter().reset()
             with _p2p_bytes_sent() as sent:
                 t0 = time.perf_counter()
                 trainer.train_step(k * G)
                 times.append(time.perf_counter() - t0)
-            attn.append(traffic_counter().total)
-            p2p.append(sent[0])
+            attn, p2p = traffic_counter().total, sent[0]
         with TensorPeakTracker() as tracker:
             trainer.train_step((steps + 1) * G)
         return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(),
-                    rows=len(trainer.chunks[0].bdlm.plan.local), step_s=statistics.median(times), attn_bytes=attn[-1],
-                    p2p_bytes=p2p[-1], peak_tensor_bytes=tracker.peak_bytes)
+                    rows=len(trainer.chunks[0].bdlm.plan.local), step_s=statistics.median(times), attn_bytes=attn,
+                    p2p_bytes=p2p, peak_tensor_bytes=tracker.peak_bytes)
 
 
 def run(seq_length: int, steps: int) -> Dict:

@@ -81,13 +81,13 @@ def _paragraph(lines: List[str], head: List[str] = ()) -> List[str]:
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
     """The report of a run (GPT or DiffusionGemma), its plots linked at the end."""
     diffusiongemma = result["config"]["model"].get("arch") == "diffusiongemma-hybrid"
-    out = (_markdown_diffusiongemma if diffusiongemma else _markdown_gpt)(result, command)
+    out = (_markdown_diffusiongemma if diffusiongemma else _markdown_gpt)(
+        result["config"], result["environment"], result["rows"], command)
     out += _paragraph([f"![{name}]({os.path.basename(path)})" for name, path in plots.items()], ["## Plots", ""])
     return "\n".join(out)
 
 
-def _markdown_gpt(result: Dict, command: str) -> List[str]:
-    cfg, env, rows = result["config"], result["environment"], result["rows"]
+def _markdown_gpt(cfg: Dict, env: Dict, rows: List[Dict], command: str) -> List[str]:
     m = cfg["model"]
     head_dim = m["hidden_size"] // m["num_attention_heads"]
     out = _made_by("CPU benchmark: single rank, CP, BP and CSBP", command) + [
@@ -182,8 +182,7 @@ def dg_headline(rows: List[Dict]) -> List[Dict]:
     return out
 
 
-def _markdown_diffusiongemma(result: Dict, command: str) -> List[str]:
-    cfg, env, rows = result["config"], result["environment"], result["rows"]
+def _markdown_diffusiongemma(cfg: Dict, env: Dict, rows: List[Dict], command: str) -> List[str]:
     m = cfg["model"]
     types = ["F" if (i + 1) % m["full_every"] == 0 else "S" for i in range(m["num_layers"])]
     out = _made_by("CPU benchmark: DiffusionGemma hybrid (sliding : full) layers, single rank, CP and CSBP",
