@@ -117,11 +117,11 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     return record
 
 
-def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> List[Dict]:
+def attention_scaling(cfg: LongContextConfig) -> List[Dict]:
     """Thread CPU time (insensitive to other jobs on a shared machine, unlike wall time) of one
     layer's block attention forward + backward on the single-rank plan, per kernel and L: the
     tiled kernel's time per allowed pair should stay flat, the math kernel's follows the
-    rectangle. Also the pairs the tiled kernel's tiles cover. Best of `repeats` below 16K."""
+    rectangle. Also the pairs the tiled kernel's tiles cover. Best of 2 below 16K."""
     from megatron_csbp.attention.block_attention import plan_for_layout
     from megatron_csbp.attention.kernels.tiled import tile_schedule
     from megatron_csbp.bench.kernel_rate import best_cpu_s
@@ -134,14 +134,14 @@ def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> Li
         for L in cfg.lengths(kernel_name):
             plan = plan_for_layout(SequenceLayout(BlockGeometry(L, cfg.model.block_size)), 0)
             step = _attention_step(cfg.model, plan, kernel_name, 1, L)  # the plan holds all 2L rows
-            best = best_cpu_s(step, repeats if L < 16384 else 1)
+            best = best_cpu_s(step, 2 if L < 16384 else 1)
             allowed, rect, _ = _plan_pairs(plan)
             computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
                            for block_diagonal, mask in _partial_masks(plan))
             out.append({"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
                         "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed})
-            log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
-                f"{best / allowed * 1e9:.1f} ns per allowed pair")
+            print(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
+                  f"{best / allowed * 1e9:.1f} ns per allowed pair")
             del step, plan
             gc.collect()
     return out
@@ -167,14 +167,14 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
                           f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
 
 
-def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
+def run(cfg: LongContextConfig, records_path: str) -> List[Dict]:
     from megatron_csbp.parallel.spawn import spawn
 
     for world in cfg.worlds:
         jobs = [(k, c.name) for k in cfg.kernels for c in cfg.cases(world)]
         if not jobs:
             continue
-        log(f"[long-context] world of {world}: {jobs}")
+        print(f"[long-context] world of {world}: {jobs}")
         spawn(world_main, world, cfg, jobs, records_path, attempts=1)
     return load_records(records_path)
 
@@ -298,7 +298,7 @@ def plot(result: Dict, path: str) -> None:
     save_figure(fig, path)
 
 
-def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:
+def save(result: Dict, output_dir: str, name: str, with_plots: bool) -> Dict[str, str]:
     files = write_out(os.path.join(output_dir, name), result, render(result), echo=False)
     if with_plots:
         files["plot"] = os.path.join(output_dir, f"{name}_memory.png")

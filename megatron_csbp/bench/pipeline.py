@@ -90,12 +90,12 @@ def run(seq_length: int, steps: int) -> Dict:
     return out
 
 
-def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
+def report(result: Dict, seq_length: int) -> str:
     lines = [
         "# Pipeline parallelism on CPU: PP 2 x CSBP vs PP 2 x CP",
         "",
         f"4 gloo ranks, the trainer (`Trainer.train_step`: megatron-core's 1F1B schedule, DDP, Adam), a 4-layer "
-        f"GPT (hidden {hidden}, 4 heads), L = {seq_length}, block 16, 4 micro-batches of 1 sample per iteration, "
+        f"GPT (hidden 128, 4 heads), L = {seq_length}, block 16, 4 micro-batches of 1 sample per iteration, "
         "fp32, tiled kernel. Per rank: step time (median), attention bytes sent per step (the transports' "
         "counter), P2P bytes sent per step (megatron-core's P2P ops, counted at the call), and the live-tensor "
         "peak of one step (weights, gradients, Adam state, activations of the in-flight micro-batches). Made by "
