@@ -185,7 +185,8 @@ def dg_cases_for(size: int) -> List[Case]:
     """Single, CP and CSBP (CP = BP = P, all-gather transport) on the hybrid model and on the same
     weights with every layer full attention."""
     shapes = {"single": (1, 1)} if size == 1 else {"cp": (size, 1), "csbp": (size, size)}  # (CP, BP)
-    return [Case(f"{kind}-{att}", cp, bp, attention=att) for att in ("hybrid", "full") for kind, (cp, bp) in shapes.items()]
+    return [Case(f"{kind}-{att}", cp, bp, attention=att)
+            for att in ("hybrid", "full") for kind, (cp, bp) in shapes.items()]
 
 
 def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_length: int) -> Dict[int, Optional[int]]:

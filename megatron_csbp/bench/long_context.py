@@ -88,7 +88,8 @@ def _attention_step(model, plan, kernel_name: str, batch: int, seed: int, **kw):
     H, G, d = model.num_attention_heads, model.num_query_groups, model.head_dim
     q, k, v = (torch.randn(len(plan.local), batch, heads, d, generator=gen, requires_grad=True) for heads in (H, G, G))
     kernel = get_kernel(kernel_name, q.device)
-    return lambda: block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, **kw).sum().backward()
+    return lambda: (block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, **kw)
+                    .sum().backward())
 
 
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
