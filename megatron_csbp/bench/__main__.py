@@ -78,17 +78,16 @@ def main(argv=None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    command = ("python -m megatron_csbp.bench " + " ".join(shlex.quote(a) for a in argv)).strip()
-    if args.long_context:
-        from megatron_csbp.bench import long_context
-
-        return long_context.main(args, command)
+    command = ("python -m megatron_csbp.bench " + shlex.join(argv)).strip()
+    from megatron_csbp.bench import long_context
     from megatron_csbp.bench.report import load, save
 
-    if args.from_json:
+    if args.long_context:
+        files = long_context.main(args, command)
+    elif args.from_json:
         result = load(args.from_json)
         name = args.name or os.path.splitext(os.path.basename(args.from_json))[0]
-        command = result["command"]
+        files = save(result, args.output_dir, name, result["command"], with_plots=not args.no_plots)
     else:
         try:
             cfg = config_from_args(args)
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
         result = run(cfg)
         base = "diffusiongemma" if args.model == "diffusiongemma-hybrid" else "cpu"
         name = args.name or (f"{base}_quick" if args.quick else base)
-    files = save(result, args.output_dir, name, command, with_plots=not args.no_plots)
+        files = save(result, args.output_dir, name, command, with_plots=not args.no_plots)
     for kind, path in files.items():
         print(f"[bench] wrote {kind}: {path}")
     return 0

@@ -16,7 +16,7 @@ load cannot change (the same in every pair).
 from __future__ import annotations
 
 from collections import Counter
-import json
+from itertools import accumulate
 import math
 import shlex
 import statistics
@@ -62,12 +62,9 @@ def median_ci(x: Sequence[float], level: float = 0.95):
     draws): order statistics x_(k) and x_(n+1-k) with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
     None when n is too small for `level` (n < 6 at 95 %)."""
     n, xs = len(x), sorted(x)
-    tail, k = 0.0, 0
-    while True:  # the largest k whose lower tail P(B <= k - 1) stays within (1 - level) / 2
-        nxt = tail + math.comb(n, k) / 2 ** n
-        if nxt > (1 - level) / 2:
-            break
-        tail, k = nxt, k + 1
+    # the largest k whose lower tail P(B <= k - 1) stays within (1 - level) / 2: the tails rise with k
+    tails = accumulate(math.comb(n, j) / 2 ** n for j in range(n + 1))
+    k = sum(tail <= (1 - level) / 2 for tail in tails)
     return None if k == 0 else [xs[k - 1], xs[n - k]]
 
 
@@ -127,7 +124,7 @@ def render(result: Dict, command: str, top: int = 12) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.bench.report import bench_parser
+    from megatron_csbp.bench.report import bench_parser, write_file
 
     argv = sys.argv[1:] if argv is None else list(argv)
     p = bench_parser("alternate", __doc__, raw=True)
@@ -162,15 +159,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     result = alternate(cfg, args.layouts, args.pairs)
-    command = ("python -m megatron_csbp.bench.alternate " + " ".join(shlex.quote(x) for x in argv)).strip()
+    command = ("python -m megatron_csbp.bench.alternate " + shlex.join(argv)).strip()
     md = render(result, command)
     print(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(result, command=command), f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    write_file(args.json, dict(result, command=command))
+    write_file(args.markdown, md)
     return 0
 
 

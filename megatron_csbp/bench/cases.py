@@ -1,7 +1,7 @@
 """What the benchmark runs: the model, the layouts and the traffic each layout should move."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
@@ -184,14 +184,9 @@ AnyModel = Union[BenchModel, DiffusionGemmaBenchModel]
 def dg_cases_for(size: int) -> List[Case]:
     """Single, CP and CSBP (CP = BP = P, all-gather transport) on the hybrid model and on the same
     weights with every layer full attention."""
-    out = []
-    for att in ("hybrid", "full"):
-        if size == 1:
-            out.append(Case(f"single-{att}", 1, 1, attention=att))
-        else:
-            out += [Case(f"cp-{att}", size, 1, "allgather", attention=att),
-                    Case(f"csbp-{att}", size, size, "allgather", "mirrored", attention=att)]
-    return out
+    shapes = {"single": (1, 1)} if size == 1 else {"cp": (size, 1), "csbp": (size, size)}  # (CP, BP)
+    return [Case(f"{kind}-{att}", cp, bp, attention=att)
+            for att in ("hybrid", "full") for kind, (cp, bp) in shapes.items()]
 
 
 def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_length: int) -> Dict[int, Optional[int]]:
@@ -240,10 +235,6 @@ class BenchConfig:
                                      f"{2 * P * self.model.block_size} for P = {P} "
                                      "(zigzag chunks and balanced mirrored block pairs)")
 
-    def to_dict(self) -> dict:
-        return dict(asdict(self), seq_lengths=list(self.seq_lengths), sizes=list(self.sizes),
-                    layouts=list(self.layouts))
-
 
 def quick_config() -> BenchConfig:
     """CI-sized: one layer, short sequences, P = 2 only (about half a minute on two cores)."""
@@ -262,5 +253,4 @@ def dg_config() -> BenchConfig:
 
 def dg_quick_config() -> BenchConfig:
     """`--model diffusiongemma-hybrid --quick`: L = 128 only, one warm-up and two timed steps."""
-    return BenchConfig(model=DiffusionGemmaBenchModel(), seq_lengths=(128,), sizes=(2,), layouts=(),
-                       warmup=1, steps=2)
+    return replace(dg_config(), seq_lengths=(128,), warmup=1, steps=2)

@@ -75,7 +75,7 @@ def table(rows, load: str, step: int, margs, max_new_tokens: int, temperature: f
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    from megatron_csbp.bench.report import bench_parser
+    from megatron_csbp.bench.report import bench_parser, write_file
 
     p = bench_parser("decoding", __doc__, raw=True)
     p.add_argument("--load", required=True)
@@ -88,9 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     rows, step, margs = run(a.load, a.max_new_tokens, a.temperature, a.seed)
     text = table(rows, a.load, step, margs, a.max_new_tokens, a.temperature)
     print(text)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write("# Generation benchmark\n\n" + text)
+    write_file(a.output, "# Generation benchmark\n\n" + text)
     return text
 
 

@@ -10,11 +10,11 @@ repeat so drifts hit both. `rate_vs_sdpa` = SDPA's ns per pair / the kernel's (1
 """
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
 import time
+from functools import partial
 from typing import Dict, List, Sequence
 
 import torch
@@ -55,12 +55,10 @@ def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[st
             o.sum().backward()
 
         def run(kernel):
-            def f():
-                o, lse = kernel(q, k, v, mask, scale)
-                (o.sum() + lse.sum() * 1e-3).backward()  # the lse gets a gradient, as in a merge
-            return f
+            o, lse = kernel(q, k, v, mask, scale)
+            (o.sum() + lse.sum() * 1e-3).backward()  # the lse gets a gradient, as in a merge
 
-        fns = {name: run(get_kernel(name, q.device)) for name in kernels}
+        fns = {name: partial(run, get_kernel(name, q.device)) for name in kernels}
         for f in fns.values():  # plans and tables built, caches warm
             f()
         samples = [[best_cpu_s(f, 1) for f in (sdpa, *fns.values())] for _ in range(repeats)]  # SDPA, kernels
@@ -86,7 +84,7 @@ def render(rows: List[Dict]) -> str:
 
 
 def main(argv=None):
-    from megatron_csbp.bench.report import bench_parser
+    from megatron_csbp.bench.report import bench_parser, write_file
 
     p = bench_parser("kernel_rate", __doc__, raw=True)
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 4096])
@@ -100,22 +98,19 @@ def main(argv=None):
     rows = kernel_rates(a.seq_lengths, a.kernels, a.block_size, repeats=a.repeats)
     table = render(rows)
     print(table)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_file(a.json, rows)
     if a.markdown:
-        command = "python -m megatron_csbp.bench.kernel_rate " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
-        with open(a.markdown, "w") as f:
-            f.write("# CPU kernel rate against SDPA\n\nMade by:\n\n```\n" + command + "\n```\n\n"
-                    "One thread, fp32, H = 4 query heads, G = 2 K/V groups, d = 64, micro-batch 1; the mask: one "
-                    "rank's whole BD3-LM mask (2L rows [noisy ; clean] against themselves, block-causal clean "
-                    f"stream, block {a.block_size}); forward + backward (loss sum(out) + 1e-3 sum(lse), so the lse "
-                    "gradient path runs) per allowed pair and query head. SDPA: torch's scaled_dot_product_attention "
-                    "(its CPU flash kernel) on a causal mask over the same 2L rows (2L(2L+1)/2 pairs), in the same "
-                    f"run, alternating with the kernels; best of {a.repeats} by thread CPU time. Machine: "
-                    f"{os.cpu_count()} CPUs shared with other developers' jobs (load average {load:.1f} at the "
-                    f"start); torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
-                    + table + "\n")
+        command = "python -m megatron_csbp.bench.kernel_rate " + shlex.join(argv or sys.argv[1:])
+        write_file(a.markdown, "# CPU kernel rate against SDPA\n\nMade by:\n\n```\n" + command + "\n```\n\n"
+                   "One thread, fp32, H = 4 query heads, G = 2 K/V groups, d = 64, micro-batch 1; the mask: one "
+                   "rank's whole BD3-LM mask (2L rows [noisy ; clean] against themselves, block-causal clean "
+                   f"stream, block {a.block_size}); forward + backward (loss sum(out) + 1e-3 sum(lse), so the lse "
+                   "gradient path runs) per allowed pair and query head. SDPA: torch's scaled_dot_product_attention "
+                   "(its CPU flash kernel) on a causal mask over the same 2L rows (2L(2L+1)/2 pairs), in the same "
+                   f"run, alternating with the kernels; best of {a.repeats} by thread CPU time. Machine: "
+                   f"{os.cpu_count()} CPUs shared with other developers' jobs (load average {load:.1f} at the "
+                   f"start); torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+                   + table + "\n")
 
 
 if __name__ == "__main__":

@@ -25,12 +25,16 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import groupby
 from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_csbp.bench.cases import BenchModel, Case
+from megatron_csbp.bench.cases import BenchModel, Case, cases_for
+from megatron_csbp.bench.memory import step_memory
+from megatron_csbp.bench.report import load, pyplot, save_figure, write_file, write_out
+from megatron_csbp.bench.worker import bench_trainer, process_groups, slowest_rank_s
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,8 @@ class LongContextConfig:
     seed: int = 1234
 
     def cases(self, world: int) -> List[Case]:
-        table = {"single": Case("single", 1, 1), "cp-allgather": Case("cp-allgather", self.P, 1, "allgather"),
-                 "csbp-allgather": Case("csbp-allgather", self.P, self.P, "allgather", "mirrored")}
-        return [table[n] for n in self.layouts if table[n].shard_group_size == world]
+        """The layouts of a world of `world` ranks: single on one rank, CP and CSBP on P."""
+        return [c for c in cases_for(world) if c.name in self.layouts] if world in (1, self.P) else []
 
     def lengths(self, kernel: str) -> List[int]:
         return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]
@@ -75,28 +78,22 @@ def _plan_pairs(plan) -> Tuple[int, int, int]:
     return allowed, rect, plan.nbytes()
 
 
-def _random_qkv(model, rows: int, batch: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    H, G, d = model.num_attention_heads, model.num_query_groups, model.head_dim
-    return tuple(torch.randn(rows, batch, heads, d, generator=gen, requires_grad=True) for heads in (H, G, G))
-
-
-def _attention_time(model, plan, kernel_name: str, shard_group) -> float:
-    """One layer's block attention forward + backward on this rank's plan, random inputs."""
+def _attention_step(model, plan, kernel_name: str, batch: int, seed: int, **kw):
+    """One layer's block attention forward + backward on the plan's rows, random q, k, v (drawn
+    from `seed`, `batch` samples): a function to time."""
     from megatron_csbp.attention.block_attention import block_diffusion_attention
     from megatron_csbp.attention.kernels.registry import get_kernel
-    from megatron_csbp.bench.worker import slowest_rank_s
 
-    q, k, v = _random_qkv(model, len(plan.local), model.micro_batch_size, 7)
+    gen = torch.Generator().manual_seed(seed)
+    H, G, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    q, k, v = (torch.randn(len(plan.local), batch, heads, d, generator=gen, requires_grad=True) for heads in (H, G, G))
     kernel = get_kernel(kernel_name, q.device)
-    return slowest_rank_s(lambda: block_diffusion_attention(
-        q, k, v, plan, softmax_scale=model.head_dim ** -0.5, kernel=kernel, layer=1).sum().backward(), shard_group)[0]
+    return lambda: (block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel, **kw)
+                    .sum().backward())
 
 
 def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Dict:
     from megatron_csbp.parallel import state as bps
-    from megatron_csbp.bench.memory import step_memory
-    from megatron_csbp.bench.worker import bench_trainer, slowest_rank_s
 
     m = replace(cfg.model, attention_kernel=kernel_name)
     shard_rank, shard_group = bps.get_shard_rank(), bps.get_shard_group()
@@ -105,12 +102,12 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     def step(i: int) -> float:  # the trainer's step (its loss: the global one, summed over ranks)
         return trainer.train_step(i * m.micro_batch_size).loss
 
-    first_step_s, loss0 = slowest_rank_s(lambda: step(0), shard_group)  # builds the masks and tile schedules
+    first_step_s, _, loss0 = slowest_rank_s(lambda: step(0), shard_group)  # builds the masks and tile schedules
     step_s = slowest_rank_s(lambda: step(1), shard_group)[0] if L <= cfg.warm_max_length else first_step_s
     peak, static, rss = step_memory(lambda: step(2), shard_group)
     plan = trainer.model.bdlm.plan
     allowed, rect, mask_bytes = _plan_pairs(plan)
-    attn_s = _attention_time(m, plan, kernel_name, shard_group)
+    attn_s = slowest_rank_s(_attention_step(m, plan, kernel_name, m.micro_batch_size, 7, layer=1), shard_group)[0]
     record = {"case": case.name, "kind": case.kind, "P": case.shard_group_size, "kernel": kernel_name, "seq_length": L,
               "shard_rank": shard_rank, "rows": len(plan.local), "first_step_s": first_step_s, "step_s": step_s,
               "warm": L <= cfg.warm_max_length, "loss_step0": loss0, "loss_step0_global": True,
@@ -121,37 +118,32 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     return record
 
 
-def attention_scaling(cfg: LongContextConfig, repeats: int = 2, log=print) -> List[Dict]:
+def attention_scaling(cfg: LongContextConfig) -> List[Dict]:
     """Thread CPU time (insensitive to other jobs on a shared machine, unlike wall time) of one
     layer's block attention forward + backward on the single-rank plan, per kernel and L: the
     tiled kernel's time per allowed pair should stay flat, the math kernel's follows the
-    rectangle. Also the pairs the tiled kernel's tiles cover. Best of `repeats` below 16K."""
-    from megatron_csbp.attention.block_attention import block_diffusion_attention, plan_for_layout
-    from megatron_csbp.attention.kernels.registry import get_kernel
+    rectangle. Also the pairs the tiled kernel's tiles cover. Best of 2 below 16K."""
+    from megatron_csbp.attention.block_attention import plan_for_layout
     from megatron_csbp.attention.kernels.tiled import tile_schedule
     from megatron_csbp.bench.kernel_rate import best_cpu_s
     from megatron_csbp.layout.layout import SequenceLayout
     from megatron_csbp.layout.masks import BlockGeometry
 
     torch.set_num_threads(1)
-    m = cfg.model
-    d = m.head_dim
     out = []
     for kernel_name in cfg.kernels:
         for L in cfg.lengths(kernel_name):
-            plan = plan_for_layout(SequenceLayout(BlockGeometry(L, m.block_size)), 0)
-            q, k, v = _random_qkv(m, 2 * L, 1, L)
-            kernel = get_kernel(kernel_name, q.device)
-            best = best_cpu_s(lambda: block_diffusion_attention(q, k, v, plan, softmax_scale=d ** -0.5, kernel=kernel)
-                              .sum().backward(), repeats if L < 16384 else 1)
+            plan = plan_for_layout(SequenceLayout(BlockGeometry(L, cfg.model.block_size)), 0)
+            step = _attention_step(cfg.model, plan, kernel_name, 1, L)  # the plan holds all 2L rows
+            best = best_cpu_s(step, 2 if L < 16384 else 1)
             allowed, rect, _ = _plan_pairs(plan)
             computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
                            for block_diagonal, mask in _partial_masks(plan))
             out.append({"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
                         "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed})
-            log(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
-                f"{best / allowed * 1e9:.1f} ns per allowed pair")
-            del q, k, v, plan
+            print(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
+                  f"{best / allowed * 1e9:.1f} ns per allowed pair")
+            del step, plan
             gc.collect()
     return out
 
@@ -161,13 +153,10 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
     `out_path` as they finish (rank 0 writes every rank's record: a killed run keeps its rows)."""
     import warnings
 
-    from megatron_csbp.parallel import state as bps
-
     warnings.filterwarnings("ignore")
     for kernel_name, case_name in jobs:
         case = next(c for c in cfg.cases(world_size) if c.name == case_name)
-        bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
-        try:
+        with process_groups(case):
             for L in cfg.lengths(kernel_name):
                 rec = _measure(cfg, case, kernel_name, L)
                 gathered = [None] * world_size
@@ -177,18 +166,16 @@ def world_main(rank: int, world_size: int, cfg: LongContextConfig, jobs: List[Tu
                         f.writelines(json.dumps(r) + "\n" for r in gathered)
                     print(f"[long-context] {kernel_name} {case_name} L={L}: step {rec['step_s']:.1f} s, "
                           f"peak {max(r['peak_tensor_bytes'] for r in gathered) / 2**20:.0f} MiB", flush=True)
-        finally:
-            bps.destroy_block_parallel()
 
 
-def run(cfg: LongContextConfig, records_path: str, log=print) -> List[Dict]:
+def run(cfg: LongContextConfig, records_path: str) -> List[Dict]:
     from megatron_csbp.parallel.spawn import spawn
 
     for world in cfg.worlds:
         jobs = [(k, c.name) for k in cfg.kernels for c in cfg.cases(world)]
         if not jobs:
             continue
-        log(f"[long-context] world of {world}: {jobs}")
+        print(f"[long-context] world of {world}: {jobs}")
         spawn(world_main, world, cfg, jobs, records_path, attempts=1)
     return load_records(records_path)
 
@@ -205,11 +192,12 @@ _WORST_OF_RANKS = ("step_s", "first_step_s", "peak_tensor_bytes", "rss_high_wate
 
 def summarize(records: List[Dict]) -> List[Dict]:
     """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
-    groups: Dict[Tuple, List[Dict]] = {}
-    for r in records:
-        groups.setdefault((r["kernel"], r["case"], r["seq_length"]), []).append(r)
+    def key(r: Dict) -> Tuple:
+        return r["kernel"], r["case"], r["seq_length"]
+
     rows = []
-    for (kernel, case, L), rs in sorted(groups.items()):
+    for (kernel, case, L), group in groupby(sorted(records, key=key), key):
+        rs = list(group)
         worst = {k: max(r[k] or 0 for r in rs) for k in _WORST_OF_RANKS}
         rows.append({
             "kernel": kernel, "case": case, "P": rs[0]["P"], "seq_length": L, "warm": rs[0]["warm"], **worst,
@@ -280,12 +268,8 @@ def render(result: Dict) -> str:
 
 
 def plot(result: Dict, path: str) -> None:
-    import matplotlib
-
-    from megatron_csbp.bench.report import save_figure
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     rows = result["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -308,16 +292,14 @@ def plot(result: Dict, path: str) -> None:
     axes[1].set(xscale="log", yscale="log", xlabel="L (tokens)", ylabel="attention ns per pair", title=title)
     for ax in axes:
         ax.set_xticks(sorted({r["seq_length"] for r in rows}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.get_xaxis().set_major_formatter(ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     save_figure(fig, path)
 
 
-def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: bool = True) -> Dict[str, str]:
-    from megatron_csbp.bench.report import write_out
-
+def save(result: Dict, output_dir: str, name: str, with_plots: bool) -> Dict[str, str]:
     files = write_out(os.path.join(output_dir, name), result, render(result), echo=False)
     if with_plots:
         files["plot"] = os.path.join(output_dir, f"{name}_memory.png")
@@ -325,8 +307,8 @@ def save(result: Dict, output_dir: str, name: str = "long_context", with_plots: 
     return files
 
 
-def main(args, command: str) -> int:
-    from megatron_csbp.bench.report import load
+def main(args, command: str) -> Dict[str, str]:
+    """`python -m megatron_csbp.bench --long-context ...`: what it wrote, by kind."""
     from megatron_csbp.bench.runner import environment
 
     given = {"seq_lengths": args.seq_lengths and tuple(args.seq_lengths), "old_max_length": args.old_max_length,
@@ -349,17 +331,11 @@ def main(args, command: str) -> int:
                   "records": records}
     scaling_path = os.path.join(args.output_dir, f"{name}_attention.json")
     if args.attention_scaling:
-        scaling = attention_scaling(cfg)
-        with open(scaling_path, "w") as f:
-            json.dump(scaling, f, indent=1)
+        write_file(scaling_path, attention_scaling(cfg))
         if not args.from_json:
-            print(f"[bench] wrote attention scaling: {scaling_path}")
-            return 0
+            return {"attention scaling": scaling_path}
     if os.path.exists(scaling_path) and "attention_scaling" not in result:
         result["attention_scaling"] = load(scaling_path)
     result["rows"] = summarize(result["records"])
     result["linearity"] = linearity(result["rows"])
-    files = save(result, args.output_dir, name, with_plots=not args.no_plots)
-    for kind, path in files.items():
-        print(f"[bench] wrote {kind}: {path}")
-    return 0
+    return save(result, args.output_dir, name, with_plots=not args.no_plots)

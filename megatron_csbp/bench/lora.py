@@ -23,7 +23,10 @@ from typing import Dict, List
 
 import torch
 
-from megatron_csbp.bench.report import write_out
+from megatron_csbp.bench.cases import trainer_argv
+from megatron_csbp.bench.memory import step_memory
+from megatron_csbp.bench.report import bench_parser, write_out
+from megatron_csbp.bench.worker import slowest_rank_s, trainer_of
 
 LAYOUTS = {"csbp": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
            "cp": ["--context-parallel-size", "2"]}
@@ -47,8 +50,6 @@ class LoRABench:
                     ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=4, swiglu=True)
 
     def argv(self) -> List[str]:
-        from megatron_csbp.bench.cases import trainer_argv
-
         if self.layout not in LAYOUTS:
             raise ValueError(f"--layout {self.layout}: choose from {', '.join(LAYOUTS)}")
         return ["--mock-data"] + trainer_argv(dict(
@@ -63,11 +64,7 @@ CASES = ("full", "lora")
 
 
 def _trainer(argv: List[str]):
-    from megatron_csbp.training.arguments import parse_args
-    from megatron_csbp.training.config import TrainerConfig
-    from megatron_csbp.training.trainer import Trainer
-
-    trainer = Trainer(TrainerConfig.from_args(parse_args(argv))).build()
+    trainer = trainer_of(argv).build()
     trainer.train_step(0)  # warm-up: plans, buffers, the optimizer's state
     return trainer
 
@@ -75,8 +72,6 @@ def _trainer(argv: List[str]):
 def _memory(argv: List[str]) -> Dict:
     """One case alone in the process: the live-tensor peak of its second step, the tensors live
     at that step's start, its parameters."""
-    from megatron_csbp.bench.memory import step_memory
-
     trainer = _trainer(argv)
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     peak, static, _ = step_memory(lambda: trainer.train_step(1))  # after the earlier case's reference cycles
@@ -90,18 +85,12 @@ def _memory(argv: List[str]) -> Dict:
 def _times(trainers: Dict, steps: int) -> Dict:
     """Both cases' steps alternated (full, LoRA, full, ...), so the load of other jobs falls on
     both alike: per case the slowest rank's wall and main-thread CPU seconds of each step."""
-    import torch.distributed as dist
-
     out = {case: {"step_times_s": [], "thread_cpu_times_s": []} for case in trainers}
     for k in range(2, steps + 2):
         for case, trainer in trainers.items():
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            trainer.train_step(k)
-            dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            out[case]["step_times_s"].append(float(dt[0]))
-            out[case]["thread_cpu_times_s"].append(float(dt[1]))
+            wall_s, cpu_s, _ = slowest_rank_s(lambda: trainer.train_step(k))  # a step lasts as long as its slowest rank
+            out[case]["step_times_s"].append(wall_s)
+            out[case]["thread_cpu_times_s"].append(cpu_s)
     for x in out.values():
         x.update(step_s=statistics.median(x["step_times_s"]), thread_cpu_s=statistics.median(x["thread_cpu_times_s"]))
     return out
@@ -205,8 +194,6 @@ def report(result: Dict) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.bench.report import bench_parser
-
     p = bench_parser("lora", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/lora", help="writes OUT.md and OUT.json")
     p.add_argument("--quick", action="store_true", help="the CI-sized configuration (the other sizes ignored)")

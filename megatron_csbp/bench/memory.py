@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from contextlib import suppress
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -32,7 +33,7 @@ class TensorPeakTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: Dict[int, int] = {}
-        self.current = self.peak = self.baseline = 0
+        self.current = self.peak_bytes = self.baseline = 0
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or t.is_sparse:
@@ -46,7 +47,7 @@ class TensorPeakTracker(TorchDispatchMode):
             return
         self.live[key] = nbytes
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.peak_bytes = max(self.peak_bytes, self.current)
         weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
@@ -72,10 +73,6 @@ class TensorPeakTracker(TorchDispatchMode):
                 self._add(t)
         return out
 
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak
-
 
 def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:
     """(tensor peak, static tensors at its start, RSS high-water) of `step()`, after freeing earlier
@@ -84,24 +81,18 @@ def step_memory(step, group=None) -> Tuple[int, int, Optional[int]]:
 
     gc.collect()
     dist.barrier(group=group)
-    try:  # reset the kernel's peak-RSS counter of this process (Linux)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # reset this process's peak RSS (Linux)
+        f.write("5")
     with TensorPeakTracker() as tracker:
         step()
     return tracker.peak_bytes, tracker.baseline, rss_high_water_bytes()
 
 
 def rss_high_water_bytes() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     try:
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

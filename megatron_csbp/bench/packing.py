@@ -21,7 +21,6 @@ on 16 ranks each plan is built from 32K local rows against 16 shards of 16K clea
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
@@ -100,7 +99,7 @@ def markdown(results: Sequence[dict], kv_bytes_per_row: int) -> str:
 
 
 def main(argv=None):
-    from megatron_csbp.bench.report import bench_parser
+    from megatron_csbp.bench.report import bench_parser, write_file
 
     p = bench_parser("packing", __doc__.split("\n\n")[0])
     p.add_argument("--seq-length", type=int, default=32768)
@@ -119,9 +118,7 @@ def main(argv=None):
     layouts = [(int(x) for x in spec.lower().split("x")) for spec in a.layouts.split(",")]
     results = [summary(a.seq_length, a.block_size, cp, bp, docs, a.block_ownership) for cp, bp in layouts]
     print(markdown(results, a.kv_bytes_per_row))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_file(a.json, results)
     return results
 
 

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Dict, List
 
-from megatron_csbp.bench.report import write_out
+from megatron_csbp.bench.report import bench_parser, write_out
 
 LAYOUTS = {
     "PP2 x CSBP (CP2 + BP2)": ["--context-parallel-size", "2", "--block-parallel-size", "2"],
@@ -58,28 +58,25 @@ def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:
 
     from megatron_csbp.attention.accounting import traffic_counter
     from megatron_csbp.bench.memory import TensorPeakTracker
-    from megatron_csbp.training.arguments import parse_args
-    from megatron_csbp.training.config import TrainerConfig
-    from megatron_csbp.training.trainer import Trainer
+    from megatron_csbp.bench.worker import trainer_of
 
     torch.set_num_threads(1)
-    with Trainer(TrainerConfig.from_args(parse_args(argv))) as trainer:
+    with trainer_of(argv) as trainer:
         G = trainer.config.batch.global_batch_size
         trainer.train_step(0)  # warm-up (plans, buffers)
-        times, attn, p2p = [], [], []
-        for k in range(1, steps + 1):
+        times = []
+        for k in range(1, steps + 1):  # bytes: the last step's
             traffic_counter().reset()
             with _p2p_bytes_sent() as sent:
                 t0 = time.perf_counter()
                 trainer.train_step(k * G)
                 times.append(time.perf_counter() - t0)
-            attn.append(traffic_counter().total)
-            p2p.append(sent[0])
+            attn, p2p = traffic_counter().total, sent[0]
         with TensorPeakTracker() as tracker:
             trainer.train_step((steps + 1) * G)
         return dict(rank=rank, stage=mpu.get_pipeline_model_parallel_rank(),
-                    rows=len(trainer.chunks[0].bdlm.plan.local), step_s=statistics.median(times), attn_bytes=attn[-1],
-                    p2p_bytes=p2p[-1], peak_tensor_bytes=tracker.peak_bytes)
+                    rows=len(trainer.chunks[0].bdlm.plan.local), step_s=statistics.median(times), attn_bytes=attn,
+                    p2p_bytes=p2p, peak_tensor_bytes=tracker.peak_bytes)
 
 
 def run(seq_length: int, steps: int) -> Dict:
@@ -93,12 +90,12 @@ def run(seq_length: int, steps: int) -> Dict:
     return out
 
 
-def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
+def report(result: Dict, seq_length: int) -> str:
     lines = [
         "# Pipeline parallelism on CPU: PP 2 x CSBP vs PP 2 x CP",
         "",
         f"4 gloo ranks, the trainer (`Trainer.train_step`: megatron-core's 1F1B schedule, DDP, Adam), a 4-layer "
-        f"GPT (hidden {hidden}, 4 heads), L = {seq_length}, block 16, 4 micro-batches of 1 sample per iteration, "
+        f"GPT (hidden 128, 4 heads), L = {seq_length}, block 16, 4 micro-batches of 1 sample per iteration, "
         "fp32, tiled kernel. Per rank: step time (median), attention bytes sent per step (the transports' "
         "counter), P2P bytes sent per step (megatron-core's P2P ops, counted at the call), and the live-tensor "
         "peak of one step (weights, gradients, Adam state, activations of the in-flight micro-batches). Made by "
@@ -126,8 +123,6 @@ def report(result: Dict, seq_length: int, hidden: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_csbp.bench.report import bench_parser
-
     p = bench_parser("pipeline", __doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/pipeline", help="writes OUT.md and OUT.json")
     p.add_argument("--seq-length", type=int, default=512)

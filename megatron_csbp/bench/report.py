@@ -42,13 +42,21 @@ def bench_parser(module: str, description: str, raw: bool = False):
                           formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
 
 
-def save_figure(fig, path: str) -> str:
-    """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns `path`."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str) -> str:
+    """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns `path`."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -65,16 +73,22 @@ def _loss_sentence(rows: List[Dict], same: str) -> List[str]:
             f"largest relative difference {max(devs):.1e}.", ""] if devs else []
 
 
-def _plots_section(plots: Dict[str, str]) -> List[str]:
-    return (["## Plots", ""] + [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()] + [""]
-            if plots else [])
+def _paragraph(lines: List[str], head: List[str] = ()) -> List[str]:
+    """`head`, `lines` and a blank line; nothing without `lines`."""
+    return [*head, *lines, ""] if lines else []
 
 
 def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
-    cfg, env, rows = result["config"], result["environment"], result["rows"]
+    """The report of a run (GPT or DiffusionGemma), its plots linked at the end."""
+    diffusiongemma = result["config"]["model"].get("arch") == "diffusiongemma-hybrid"
+    out = (_markdown_diffusiongemma if diffusiongemma else _markdown_gpt)(
+        result["config"], result["environment"], result["rows"], command)
+    out += _paragraph([f"![{name}]({os.path.basename(path)})" for name, path in plots.items()], ["## Plots", ""])
+    return "\n".join(out)
+
+
+def _markdown_gpt(cfg: Dict, env: Dict, rows: List[Dict], command: str) -> List[str]:
     m = cfg["model"]
-    if m.get("arch") == "diffusiongemma-hybrid":
-        return markdown_diffusiongemma(result, command, plots)
     head_dim = m["hidden_size"] // m["num_attention_heads"]
     out = _made_by("CPU benchmark: single rank, CP, BP and CSBP", command) + [
         f"- model: Megatron GPTModel (local spec, block-diffusion core attention, RoPE), {m['num_layers']} layers, "
@@ -127,8 +141,7 @@ def markdown(result: Dict, command: str, plots: Dict[str, str]) -> str:
         out += [f"CSBP (CP = BP = P) traffic vs CP, every case above: at most {worst:.3f}x "
                 f"({'half or less' if worst <= 0.5 + 1e-12 else 'MORE THAN HALF'}).", ""]
     out += _loss_sentence(rows, "at the same L")
-    out += _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows) + _memory_table(rows)
-    return "\n".join(out + _plots_section(plots))
+    return out + _hidden_summary(rows) + _cpu_summary(rows) + _memory_vs_cp(rows) + _memory_table(rows)
 
 
 def _peak_mib(r: Dict) -> str:
@@ -147,10 +160,15 @@ def loss_vs_single(r: Dict, rows: List[Dict]) -> Optional[float]:
     return None if ref is None else abs(r["loss_step0"] - ref) / abs(ref)
 
 
+def by_case(rows: List[Dict]) -> Dict[tuple, Dict]:
+    """The rows by (P, L, case name)."""
+    return {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+
+
 def dg_headline(rows: List[Dict]) -> List[Dict]:
     """Per (P, L): CSBP/CP bytes on the hybrid model, on full attention, their ratio, and CSBP/CP
     step time and peak memory for both."""
-    index = {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+    index = by_case(rows)
     out = []
     for P, L in sorted({(r["P"], r["seq_length"]) for r in rows if r["P"] > 1}):
         h, f = index.get((P, L, "csbp-hybrid")), index.get((P, L, "csbp-full"))
@@ -164,8 +182,7 @@ def dg_headline(rows: List[Dict]) -> List[Dict]:
     return out
 
 
-def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -> str:
-    cfg, env, rows = result["config"], result["environment"], result["rows"]
+def _markdown_diffusiongemma(cfg: Dict, env: Dict, rows: List[Dict], command: str) -> List[str]:
     m = cfg["model"]
     types = ["F" if (i + 1) % m["full_every"] == 0 else "S" for i in range(m["num_layers"])]
     out = _made_by("CPU benchmark: DiffusionGemma hybrid (sliding : full) layers, single rank, CP and CSBP",
@@ -224,8 +241,7 @@ def markdown_diffusiongemma(result: Dict, command: str, plots: Dict[str, str]) -
         cells = [_vs_formula(per.get(str(i), 0), formula.get(str(i))) for i in range(1, len(types) + 1)]
         out.append(f"| {r['seq_length']} | {r['case']} | " + " | ".join(cells) + " |")
     out.append("")
-    out += _loss_sentence(rows, "of the same model and L")
-    return "\n".join(out + _plots_section(plots))
+    return out + _loss_sentence(rows, "of the same model and L")
 
 
 def _vs_formula(got: int, want: Optional[int]) -> str:
@@ -251,7 +267,7 @@ def _hidden_summary(rows: List[Dict]) -> List[str]:
                    f"collectives were in flight (all ranks, all cases), {100 * (1 - exposed / inflight):.0f}% was "
                    f"covered by compute (per case {100 * shares[0]:.0f}% to {100 * shares[-1]:.0f}%, median "
                    f"{100 * shares[len(shares) // 2]:.0f}%){fwd_share}.")
-    return out + [""] if out else []
+    return _paragraph(out)
 
 
 def _cpu_summary(rows: List[Dict]) -> List[str]:
@@ -264,14 +280,14 @@ def _cpu_summary(rows: List[Dict]) -> List[str]:
         out.append(f"- L = {Lmin}, P = {r['P']}, {r['case']}: CPU time per step {r['thread_cpu_s'] * 1e3:.1f} ms, "
                    f"{r['cpu_vs_cp']:.2f}x CP's ({'not slower' if r['cpu_vs_cp'] <= 1.0 else 'SLOWER'}); wall "
                    f"{_ratio(r['time_vs_cp'])}.")
-    return (["CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared machine's "
-             "load):", ""] + out + [""]) if out else []
+    return _paragraph(out, ["CSBP vs CP at the shortest length, CPU time of the largest rank (robust to the shared "
+                            "machine's load):", ""])
 
 
 def memory_vs_cp(rows: List[Dict], min_length: int = 2048) -> List[Dict]:
     """CSBP (CP = BP = P) peak tensor memory per rank against CP with the same transport, every case
     from `min_length` on: the issue's claim (CSBP <= CP)."""
-    index = {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+    index = by_case(rows)
     out = []
     for r in sorted(rows, key=lambda r: (r["P"], r["seq_length"], r["case"])):
         if r["kind"] != "csbp" or r["cp"] != r["P"] or r["seq_length"] < min_length or not r.get("peak_tensor_bytes"):
@@ -316,47 +332,41 @@ def _memory_table(rows: List[Dict]) -> List[str]:
     for r in sorted(sel, key=lambda r: (r["P"], r["case"])):
         per = ", ".join(f"{b / MiB:.1f}" for b in r["peak_tensor_bytes_per_rank"])
         out.append(f"| {r['P']} | {r['case']} | {per} | {', '.join(map(str, r['rows_per_rank']))} |")
-    out.append("")
-    return out
+    return out + [""]
 
 
 def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
     """PNG plots: traffic and step time vs sequence length (one panel per P), memory per rank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     sizes = sorted({r["P"] for r in rows if r["P"] > 1})
     if not sizes:
         return {}
     files, cases = {}, list(dict.fromkeys(r["case"] for r in rows if r["P"] > 1))
 
-    def series(P, case, key, scale):  # (L, value / scale) sorted by L
+    def panels():  # one axis per P
+        fig, axes = pyplot().subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+        return fig, zip(axes[0], sizes)
+
+    def line(ax, P, case, key, scale, **style):  # (L, value / scale) sorted by L, where there are values
         pts = sorted((r["seq_length"], r[key] / scale) for r in rows if r["P"] == P and r["case"] == case
                      and r[key] is not None)
-        return [p[0] for p in pts], [p[1] for p in pts]
+        if pts:
+            ax.plot(*zip(*pts), **style)
 
     for key, ylabel, fname, scale in (("attn_bytes_sent", "attention MiB sent per rank per step", "traffic", MiB),
                                       ("median_step_s", "median step time (ms)", "time", 1e-3)):
-        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
-        for ax, P in zip(axes[0], sizes):
+        fig, axes = panels()
+        for ax, P in axes:
             for case in cases:
-                x, y = series(P, case, key, scale)
-                if x:
-                    ax.plot(x, y, marker="o", label=case)
+                line(ax, P, case, key, scale, marker="o", label=case)
             if key == "attn_bytes_sent":
                 for case, style in (("cp-allgather", ":"), ("csbp-allgather", "--")):
-                    x, y = series(P, case, "formula_bytes_sent", scale)
-                    if x:
-                        ax.plot(x, y, linestyle=style, color="k", linewidth=1,
-                                label=f"formula ({case.split('-')[0].upper()})")
+                    line(ax, P, case, "formula_bytes_sent", scale, linestyle=style, color="k", linewidth=1,
+                         label=f"formula ({case.split('-')[0].upper()})")
             if key == "median_step_s":
-                singles = list(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)) or ["single"]
-                for j, single in enumerate(singles):
-                    ax.plot(*series(1, single, key, scale), marker="x", linestyle="--" if j == 0 else "-.", color="k",
-                            label="single rank" if single == "single" else f"single rank ({single})")
+                for j, single in enumerate(dict.fromkeys(r["case"] for r in rows if r["P"] == 1)):
+                    line(ax, 1, single, key, scale, marker="x", linestyle="--" if j == 0 else "-.", color="k",
+                         label="single rank" if single == "single" else f"single rank ({single})")
             if key == "attn_bytes_sent" and any("attention" in r for r in rows):
                 ax.set_yscale("log")  # DiffusionGemma: windowed CSBP moves ~1/30 of CP
             ax.set(title=f"P = {P}", xlabel="sequence length L (clean tokens)", ylabel=ylabel)
@@ -367,8 +377,8 @@ def plots(result: Dict, out_dir: str, name: str) -> Dict[str, str]:
 
     if rows[0]["peak_tensor_bytes"] is not None:
         Lmax = max(r["seq_length"] for r in rows)
-        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
-        for ax, P in zip(axes[0], sizes):
+        fig, axes = panels()
+        for ax, P in axes:
             sel = [r for r in rows if r["P"] == P and r["seq_length"] == Lmax]
             width = 0.8 / max(1, P)
             for i, r in enumerate(sel):
@@ -397,10 +407,8 @@ def write_out(out: str, result, text: str, echo: bool = True) -> Dict[str, str]:
     """OUT.json (`result`) and OUT.md (`text`), then `text` printed (`echo`); returns their paths."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     files = {"json": out + ".json", "markdown": out + ".md"}
-    with open(files["json"], "w") as f:
-        json.dump(result, f, indent=1)
-    with open(files["markdown"], "w") as f:
-        f.write(text)
+    write_file(files["json"], result)
+    write_file(files["markdown"], text)
     if echo:
         print(text)
     return files
@@ -409,3 +417,14 @@ def write_out(out: str, result, text: str, echo: bool = True) -> Dict[str, str]:
 def load(path: str) -> Dict:
     with open(path) as f:
         return json.load(f)
+
+
+def write_file(path: Optional[str], data) -> None:
+    """`data` to `path`: a string as it is, anything else as JSON (indent 1); nothing without a path."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        if isinstance(data, str):
+            f.write(data)
+        else:
+            json.dump(data, f, indent=1)

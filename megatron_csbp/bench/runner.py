@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import platform
 import time
+from dataclasses import asdict
 from typing import Dict, List
 
 import torch
 
 from megatron_csbp.bench.cases import (BenchConfig, Case, DiffusionGemmaBenchModel, cases_for, dg_cases_for,
                                       dg_formula_bytes_per_layer, formula_bytes_sent)
-from megatron_csbp.parallel.spawn import spawn
+from megatron_csbp.bench.report import by_case
 from megatron_csbp.bench.worker import world_main
+from megatron_csbp.parallel.spawn import spawn
 
 
 #: what each rank measures of its steps' time beside the wall time (`bench.worker`), kept per rank
@@ -29,36 +31,37 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
         if case.shard_group_size != len(records):
             raise RuntimeError(f"case {case.name} of {case.shard_group_size} ranks came back from {len(records)} ranks")
         L, t = first["seq_length"], first["median_step_s"]  # t: already the max over ranks, per step
-        keys = ("attn_bytes_sent", "peak_tensor_bytes", "rss_high_water_bytes")
-        sent, peak, rss = ([r[k] for r in records] for k in keys)
+
+        def each(key: str) -> list:  # the records' values of `key`, rank by rank
+            return [r[key] for r in records]
+
+        sent, peak, rss = each("attn_bytes_sent"), each("peak_tensor_bytes"), each("rss_high_water_bytes")
         row = {
             "case": case.name, "kind": case.kind, "P": case.shard_group_size, "cp": case.cp, "bp": case.bp,
             "transport": case.transport, "schedule": case.schedule, "seq_length": L, "median_step_s": t,
             "step_times_s": first["step_times_s"], "tokens_per_s": cfg.model.micro_batch_size * L / t,
-            "loss_step0": first["loss_step0"], "rows_per_rank": [r["rows"] for r in records],
+            "loss_step0": first["loss_step0"], "rows_per_rank": each("rows"),
             "attn_bytes_sent_per_rank": sent, "attn_bytes_sent": max(sent),
-            "attn_bytes_received": max(r["attn_bytes_received"] for r in records),
-            "attn_bytes_per_layer_rank0": {str(k): v for k, v in records[0]["attn_bytes_per_layer"].items()},
+            "attn_bytes_received": max(each("attn_bytes_received")),
+            "attn_bytes_per_layer_rank0": {str(k): v for k, v in first["attn_bytes_per_layer"].items()},
             "formula_bytes_sent": formula_bytes_sent(case, cfg.model, L),
             "peak_tensor_bytes_per_rank": peak, "peak_tensor_bytes": None if None in peak else max(peak),
-            "static_tensor_bytes_per_rank": [r["static_tensor_bytes"] for r in records],
+            "static_tensor_bytes_per_rank": each("static_tensor_bytes"),
             "rss_high_water_bytes_per_rank": rss, "rss_high_water_bytes": None if None in rss else max(rss),
             "baseline": case.baseline_name(),
             # the slowest rank's median seconds waiting on attention collectives per step
-            "exposed_comm_s": (max(r["exposed_comm_s"] for r in records)
-                               if all("exposed_comm_s" in r for r in records) else None),
+            "exposed_comm_s": max(each("exposed_comm_s")) if all("exposed_comm_s" in r for r in records) else None,
         }
         if all("in_flight_comm_s" in r for r in records):
-            inflight, exposed = ([r[k] for r in records] for k in ("in_flight_comm_s", "exposed_comm_s"))
+            inflight, exposed = each("in_flight_comm_s"), each("exposed_comm_s")
             row.update(
                 timing_per_rank=[{k: r[k] for k in TIMING_KEYS} for r in records],
                 in_flight_comm_s=max(inflight),
                 # over all ranks: the share of the time transfers were in flight that compute covered
                 hidden_comm_share=(1.0 - sum(exposed) / sum(inflight)) if sum(inflight) > 0 else None,
-                transfers=sum(r["transfers"] for r in records),
+                transfers=sum(each("transfers")),
                 # CPU seconds of a rank's step (robust to other jobs sharing the cores): the largest rank
-                thread_cpu_s=max(r["thread_cpu_s"] for r in records),
-                process_cpu_s=max(r["process_cpu_s"] for r in records))
+                thread_cpu_s=max(each("thread_cpu_s")), process_cpu_s=max(each("process_cpu_s")))
         if case.attention is not None:
             row["attention"] = case.attention
             row["formula_bytes_per_layer"] = {str(k): v for k, v in
@@ -71,7 +74,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
 
 
 def add_ratios(rows: List[Dict]) -> None:
-    index = {(r["P"], r["seq_length"], r["case"]): r for r in rows}
+    index = by_case(rows)
     for r in rows:
         base = index.get((r["P"], r["seq_length"], r["baseline"])) if r["baseline"] else None
         for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
@@ -111,4 +114,4 @@ def run(cfg: BenchConfig, log=print) -> Dict:
     end_load = load_average()
     if end_load is not None:
         env["load_average_at_end"] = end_load
-    return {"config": cfg.to_dict(), "environment": env, "rows": per_world}
+    return {"config": asdict(cfg), "environment": env, "rows": per_world}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from functools import partial
 from typing import Dict, List
 
@@ -20,19 +21,24 @@ from megatron_csbp.bench.cases import AnyModel, BenchConfig, Case, DiffusionGemm
 from megatron_csbp.bench.memory import step_memory
 
 
-def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: float = 1e-4):
-    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
-    `micro_batch_size` samples per step, Adam at a constant `lr`, the layout's process groups
-    (already initialised by `run_case`)."""
+def trainer_of(argv: List[str], **kw):
+    """The `Trainer` (not built yet) of the trainer's command line `argv`; `kw` to its constructor."""
     from megatron_csbp.training.arguments import parse_args
     from megatron_csbp.training.config import TrainerConfig
     from megatron_csbp.training.trainer import Trainer
 
+    return Trainer(TrainerConfig.from_args(parse_args(argv)), **kw)
+
+
+def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int):
+    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
+    `micro_batch_size` samples per step, Adam at a constant lr of 1e-4, the layout's process groups
+    (already initialised: `process_groups`)."""
     m = model
     argv = trainer_argv(dict(
         m.flags(), mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1, seq_length=seq_length,
         block_size=m.block_size, micro_batch_size=m.micro_batch_size, global_batch_size=m.micro_batch_size,
-        train_iters=10 ** 6, lr=lr, lr_decay_style="constant", seed=seed, context_parallel_size=case.cp,
+        train_iters=10 ** 6, lr=1e-4, lr_decay_style="constant", seed=seed, context_parallel_size=case.cp,
         block_parallel_size=case.bp, attention_transport=case.transport, block_ownership=case.schedule))
     argv += ["--mock-data", "--tokenizer-type=NullTokenizer", "--no-progress-bar"]
     provider = None
@@ -40,7 +46,7 @@ def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int, lr: f
         # DiffusionGemma's clean stream is token-causal; the model comes from `provider`
         argv += ["--clean-attention=token_causal"]
         provider = partial(diffusion_gemma, m, seed, case.attention == "full")
-    return Trainer(TrainerConfig.from_args(parse_args(argv)), gpt_provider=provider).build()
+    return trainer_of(argv, gpt_provider=provider).build()
 
 
 def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: bool, args):
@@ -66,13 +72,14 @@ def diffusion_gemma(model: DiffusionGemmaBenchModel, seed: int, full_attention: 
     return config, gpt
 
 
-def run_case(case: Case, seq_lengths: List[int], cfg: BenchConfig) -> List[Dict]:
-    """Initialise the layout's process groups once, then measure every sequence length."""
+@contextmanager
+def process_groups(case: Case):
+    """The layout's process groups, initialised for the `with` block."""
     from megatron_csbp.parallel import state as bps
 
     bps.initialize_block_parallel(1, 1, case.cp, case.bp, 1)
     try:
-        return [_measure(case, L, cfg) for L in seq_lengths]
+        yield
     finally:
         bps.destroy_block_parallel()
 
@@ -117,6 +124,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
             for key, value in zip(per_step, [counter.total_waited_s, counter.total_in_flight_s, *forward, dc, dp]):
                 per_step[key].append(value)
             transfers += counter.transfers
+    # before the untimed steps below add to the counter
     sent, received, per_layer = counter.total_sent, counter.total_received, counter.per_layer()
 
     peak_tensor = static = rss_peak = None
@@ -139,14 +147,14 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
 
 
 def slowest_rank_s(fn, group=None):
-    """`fn()` between a barrier of `group` and a MAX all-reduce of its wall time: (the slowest
-    rank's seconds, what `fn` returned)."""
+    """`fn()` between a barrier of `group` and a MAX all-reduce of its wall time and main-thread CPU
+    time: (the slowest rank's seconds, the largest CPU seconds, what `fn` returned)."""
     dist.barrier(group=group)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     out = fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dt = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-    return float(dt), out
+    return float(dt[0]), float(dt[1]), out
 
 
 def count_ops(run) -> Dict[str, int]:
@@ -166,7 +174,8 @@ def world_main(rank: int, world_size: int, cfg: BenchConfig, cases: List[Case]) 
     warnings.filterwarnings("ignore")  # Megatron's CPU/apex notices, once per case otherwise
     results = []
     for case in cases:
-        records = run_case(case, list(cfg.seq_lengths), cfg)
+        with process_groups(case):  # once per case, then every sequence length
+            records = [_measure(case, L, cfg) for L in cfg.seq_lengths]
         results += records
         for r in records:
             if rank == 0 and os.environ.get("CSBP_BENCH_VERBOSE"):
