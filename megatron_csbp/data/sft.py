@@ -19,13 +19,14 @@ over sequence tokens.
 """
 from __future__ import annotations
 
-import gzip
 import os
 import json
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from megatron_csbp.data.corpus import ASSET_DIR, jsonl_lines, load_records
 
 _ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                  "model": "assistant", "system": "system", "tool": "tool", "function": "tool"}
@@ -206,10 +207,10 @@ def describe_rendering(template: Optional[ChatTemplate]) -> str:
 
 def prompt_ids(prompt: str, tokenizer, template: Optional[ChatTemplate] = None) -> List[int]:
     """The ids a model trained on this format should be given to answer `prompt`."""
+    turn = [{"role": "user", "content": prompt}]
     if template is not None:
-        return template.prompt([{"role": "user", "content": prompt}])
-    return tokenizer.tokenize(_HEADERS["user"]) + tokenizer.tokenize(prompt + "\n") + \
-        tokenizer.tokenize(_HEADERS["assistant"])
+        return template.prompt(turn)
+    return render_messages(turn, None, tokenizer, "--prompt")[0] + tokenizer.tokenize(_HEADERS["assistant"])
 
 
 def align_response(ids: List[int], mask: List[int], multiple: int, pad_id: int) -> Tuple[List[int], List[int]]:
@@ -238,16 +239,12 @@ def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
 
 def read_records(path: str) -> Iterator[Tuple[int, Dict, str]]:
     """(line number, record, "--sft-data-path FILE:LINE") of each non-empty line of an SFT jsonl."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"--sft-data-path {path}:{n}"
-            try:
-                yield n, json.loads(line), where
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where} is not JSON ({exc})") from None
+    for n, line in jsonl_lines(path):
+        where = f"--sft-data-path {path}:{n}"
+        try:
+            yield n, json.loads(line), where
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not JSON ({exc})") from None
 
 
 def sft_pad_id(tokenizer) -> int:
@@ -351,8 +348,6 @@ SFT_ASSET = "pydoc_sft.jsonl"
 def pydoc_sft_records(max_response_chars: int = 400) -> List[Dict[str, str]]:
     """Prompt/response pairs from the shipped Python-reference corpus: "What is <section title>?"
     answered by the section's first prose paragraph (cut at the last sentence end that fits)."""
-    from megatron_csbp.data.corpus import load_records
-
     out = []
     for rec in load_records():
         paras = [p.strip() for p in rec["text"].split("\n\n") if p.strip()]
@@ -370,8 +365,6 @@ def pydoc_sft_records(max_response_chars: int = 400) -> List[Dict[str, str]]:
 
 
 def default_sft_path() -> str:
-    from megatron_csbp.data.corpus import ASSET_DIR
-
     return os.path.join(ASSET_DIR, SFT_ASSET)
 
 

@@ -55,6 +55,13 @@ def block_times(num_blocks: int, generator: torch.Generator, eps_min: float, eps
     return eps_min + (eps_max - eps_min) * t
 
 
+def next_token_targets(tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[b, L] targets of a token shift: row p -> token p + 1 where `keep` [b, L - 1] holds, else -100."""
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = torch.where(keep, tokens[:, 1:], targets[:, :-1])
+    return targets
+
+
 class Objective:
     """Base class. A subclass is registered by name (`registry.register_objective`) and owns everything
     the trainer needs to know about it: flags and rules, rows, mask-token needs, model wrapper or
@@ -150,8 +157,9 @@ class Objective:
 
     def denominator(self, loss_mask: torch.Tensor, tokens=None, document_ids=None) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (summed over the global batch): a
-        scalar, or [noisy rows', clean rows'] for an objective whose two terms have their own."""
-        return loss_mask.sum().to(torch.float32)
+        scalar, or [noisy rows', clean rows'] for an objective whose two terms have their own.
+        Default: the supervised target tokens (with a token shift, those from position 1 on)."""
+        return loss_mask[:, self.target_shift:].sum().to(torch.float32)
 
     def for_evaluation(self) -> "Objective":
         """The objective held-out losses use (default: this one)."""

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_csbp.objectives.base import NoisedBatch, Objective
+from megatron_csbp.objectives.base import NoisedBatch, Objective, next_token_targets
 from megatron_csbp.objectives.bd3lm import BD3LMObjective
 from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, NOISE_OPTIONS, check_mask_token_id
 from megatron_csbp.objectives.registry import register_objective
@@ -51,13 +51,8 @@ class FastDLLMv2Objective(Objective):
         masked = torch.stack([m, supervised & ~m], dim=1).flatten(0, 1)  # [2b, L]
         clean = tokens.repeat_interleave(2, dim=0)
         noisy = torch.where(masked, torch.full_like(clean, self.mask_token_id), clean)
-        targets = torch.full_like(clean, -100)
-        targets[:, :-1] = torch.where(masked[:, 1:], clean[:, 1:], targets[:, :-1])
-        weights = (targets >= 0).float()
-        return NoisedBatch(noisy, targets, weights, clean_tokens=clean)
-
-    def denominator(self, loss_mask, tokens=None, document_ids=None):
-        return loss_mask[:, 1:].sum().to(torch.float32)
+        targets = next_token_targets(clean, masked[:, 1:])
+        return NoisedBatch(noisy, targets, (targets >= 0).float(), clean_tokens=clean)
 
 
 def resolve_mask_token(value: Union[int, str], tokenizer_path: Optional[str] = None,
