@@ -260,7 +260,7 @@ def hugging_face_tokenizer(tokenizer):
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """`align_response_to=B` left-pads each sample (with `pad_id`, default `sft_pad_id`) so its
+    """`align_response_to=B` left-pads each sample (with `sft_pad_id`) so its
     response starts on a block boundary (`--objective diffusiongemma-sft`). `pack`: first-fit
     packing of conversations (module docstring); samples then carry `document_ids`.
     `trajectory_turns="all"`: one conversation per assistant turn (`turn_samples`); an item is then
@@ -268,9 +268,8 @@ class SFTDataset(torch.utils.data.Dataset):
     0), so its turns share an optimizer step; packed, a trajectory's turns are packed together."""
 
     def __init__(self, path: str, tokenizer, seq_length: int, align_response_to: Optional[int] = None,
-                 pad_id: Optional[int] = None, pack: bool = False, template: Optional[ChatTemplate] = None,
-                 trajectory_turns: str = "record"):
-        pad_id = sft_pad_id(tokenizer) if pad_id is None else pad_id
+                 pack: bool = False, template: Optional[ChatTemplate] = None, trajectory_turns: str = "record"):
+        pad_id = sft_pad_id(tokenizer)
         fill = pad_id if align_response_to else tokenizer.eod  # aligned (diffusiongemma-sft): padding is no AR pair
         groups = []  # per record: its conversations [(ids, mask)]
         for _, record, where in read_records(path):

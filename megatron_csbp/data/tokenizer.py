@@ -49,7 +49,7 @@ NEWLINE = "\n"
 class SentencePieceTokenizer:
     """ids / detokenize / eod / mask_token_id / vocab_size around a sentencepiece `.model` file."""
 
-    def __init__(self, model_path: Optional[str] = None, mask_token: str = MASK, eod_token: str = EOS):
+    def __init__(self, model_path: Optional[str] = None, mask_token: str = MASK):
         import sentencepiece as spm
 
         self.model_path = model_path or DEFAULT_MODEL
@@ -61,7 +61,7 @@ class SentencePieceTokenizer:
         # back to the model's own EOS id; a missing default `<mask>` leaves mask_token_id None, which
         # only the absorbing-mask objectives refuse (by flag). A mask piece asked for by name must exist.
         self.mask_token_id = self._special_id(mask_token, "mask token", required=mask_token != MASK)
-        self.eod = self._special_id(eod_token, "end-of-document token", fallback=int(self.sp.eos_id()))
+        self.eod = self._special_id(EOS, "end-of-document token", fallback=int(self.sp.eos_id()))
         self.vocab_size, self.pad = int(self.sp.get_piece_size()), int(self.sp.pad_id())
 
     def _special_id(self, piece: str, what: str, required: bool = True, fallback: int = -1) -> Optional[int]:

@@ -14,6 +14,9 @@ class AutoregressiveObjective(Objective):
     uses_noisy_stream = False
     target_shift = 1
 
+    def __init__(self):
+        """No settings: the model and the data say everything."""
+
     @classmethod
     def from_args(cls, args) -> "AutoregressiveObjective":
         return cls()

@@ -66,8 +66,8 @@ class Objective:
     """Base class. A subclass is registered by name (`registry.register_objective`) and owns everything
     the trainer needs to know about it: flags and rules, rows, mask-token needs, model wrapper or
     builder, data, FLOPs terms, evaluation, Megatron-LM refusal (the list:
-    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `from_args` unless
-    they are built from the block size, mask id, seed and `options`).
+    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `__init__` and
+    `from_args` unless they are built from the block size, mask id, seed and `options`).
     """
 
     name = "base"
@@ -107,6 +107,12 @@ class Objective:
 
     #: `noise` takes the micro-batch's `document_ids` (packed SFT) as a keyword
     reads_documents = False
+
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
+        """`options`: the keywords of `options` (their flags' defaults when not given)."""
+        vars(self).update(self.option_values(**options))
+        self.check_mask(mask_token_id)
+        self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
 
     # ---- flags and rules ------------------------------------------------------------------------
     @classmethod

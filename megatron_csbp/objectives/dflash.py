@@ -115,11 +115,8 @@ class DFlashObjective(Objective):
                    dpace_alpha=DPACE_ALPHA, kl_scale=KL_SCALE, kl_decay=KL_DECAY, vocab_chunk=VOCAB_CHUNK)
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
-        """`options`: the keywords of `options` (their flags' defaults when not given)."""
         self.check_block_size(block_size)
-        vars(self).update(self.option_values(**options))
-        self.check_mask(mask_token_id)
-        self.block_size, self.mask_token_id, self.seed = block_size, mask_token_id, seed
+        super().__init__(block_size, mask_token_id, seed, **options)
 
     @staticmethod
     def check_block_size(block_size: int) -> None:

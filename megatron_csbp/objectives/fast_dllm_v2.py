@@ -29,12 +29,6 @@ class FastDLLMv2Objective(Objective):
     mask_token_needed = "--mask-token-id or --mask-token (an existing reserved mask token the data never uses)"
     needs_pretrained = "adapts a pretrained autoregressive model"
 
-    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
-        """`options`: eps_min, eps_max (their flags' defaults when not given)."""
-        vars(self).update(self.option_values(**options))
-        self.check_mask(mask_token_id)
-        self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
-
     # the same antithetic per-block times and per-token draws as BD3-LM
     block_times = BD3LMObjective.block_times
     times_and_draws = BD3LMObjective.times_and_draws
