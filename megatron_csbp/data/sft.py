@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import json
 import re
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -179,8 +180,7 @@ def chat_template(tokenizer, spec: Optional[str] = "auto") -> Optional[ChatTempl
     check_chat_template(spec, hf is not None)
     if is_template_text(spec):
         return ChatTemplate(hf, spec, "the --chat-template")
-    with open(spec, encoding="utf-8") as f:
-        return ChatTemplate(hf, f.read(), spec)
+    return ChatTemplate(hf, Path(spec).read_text(encoding="utf-8"), spec)
 
 
 def is_template_text(spec: str) -> bool:
@@ -378,9 +378,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--output", default=default_sft_path())
     args = p.parse_args(argv)
     records = pydoc_sft_records()
-    with open(args.output, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    Path(args.output).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     print(f"wrote {len(records)} prompt/response pairs -> {args.output}")
     return 0
 

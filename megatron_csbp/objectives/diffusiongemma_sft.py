@@ -55,9 +55,8 @@ class DiffusionGemmaSFTObjective(Objective):
     def validate(cls, args, facts=None) -> None:
         """DiffusionGemma's SFT trains a DiffusionGemma (a converted checkpoint's shape; skipped
         by `launch --check` without the checkpoint) on SFT data."""
-        shape = getattr(facts, "model_shape", None)
-        is_dg = shape is not None and shape.family == "diffusion_gemma"
-        if not is_dg and not getattr(facts, "shape_unknown", False):
+        family = getattr(getattr(facts, "model_shape", None), "family", None)
+        if family != "diffusion_gemma" and not getattr(facts, "shape_unknown", False):
             raise ValueError("--objective diffusiongemma-sft trains a DiffusionGemma: --load a checkpoint converted "
                              "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
         if not args.sft_data_path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -76,8 +77,7 @@ def _lookup_token(token: str, tokenizer_path: Optional[str]) -> int:
     path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer.json at {tokenizer_path} to look up mask token {token!r}")
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(Path(path).read_text())
     for added in data.get("added_tokens", []):
         if added.get("content") == token:
             return int(added["id"])
