@@ -34,14 +34,10 @@ class FastDLLMv2Objective(Objective):
     block_times = BD3LMObjective.block_times
     times_and_draws = BD3LMObjective.times_and_draws
 
-    def masks(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-        """The first view's mask m [b, L] (bool): supervised tokens drawn with their block's t."""
-        t, draws = self.times_and_draws(tokens, sample_index)
-        return (draws < t) & loss_mask.bool()
-
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
         supervised = loss_mask.bool()
-        m = self.masks(tokens, loss_mask, sample_index)
+        t, draws = self.times_and_draws(tokens, sample_index)
+        m = (draws < t) & supervised  # the first view's mask: supervised tokens drawn with their block's t
         # Rows 2i and 2i+1 are the two complementary views of sample i.
         masked = torch.stack([m, supervised & ~m], dim=1).flatten(0, 1)  # [2b, L]
         clean = tokens.repeat_interleave(2, dim=0)
