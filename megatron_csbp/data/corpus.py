@@ -18,7 +18,7 @@ import json
 import os
 import re
 import textwrap
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -88,6 +88,13 @@ def write_documents(docs: Iterable[Dict[str, str]], path: str) -> None:
         gz.write(raw)
 
 
+def jsonl_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """(line number, line) of each non-blank line of a UTF-8 text file, gzip when named .gz: the one
+    jsonl(.gz) reader (the corpus, SFT data, `data.preprocess --input`)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+
+
 def load_records(path: Optional[str] = None) -> List[Dict[str, str]]:
     """All records of a jsonl(.gz) corpus, the shipped one by default."""
     path = path or DEFAULT_CORPUS
@@ -95,16 +102,12 @@ def load_records(path: Optional[str] = None) -> List[Dict[str, str]]:
         raise FileNotFoundError(
             f"corpus {path} not found; rebuild the shipped assets with `python -m megatron_csbp.data.tokenizer build`"
         )
-    opener = gzip.open if path.endswith(".gz") else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if not isinstance(rec.get("text"), str):
-                raise ValueError(f"{path}:{n}: every record needs a string 'text' field")
-            records.append(rec)
+    for n, line in jsonl_lines(path):
+        rec = json.loads(line)
+        if not isinstance(rec.get("text"), str):
+            raise ValueError(f"{path}:{n}: every record needs a string 'text' field")
+        records.append(rec)
     if not records:
         raise ValueError(f"corpus {path} holds no documents")
     return records

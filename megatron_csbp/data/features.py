@@ -79,7 +79,7 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(changed, pos, 0), dim=0).values
 
 
-def load_verifier(hf_path: str, dtype=torch.float32, tensor_parallel: int = 1):
+def load_verifier(hf_path: str, tensor_parallel: int = 1):
     """The Hugging Face causal LM in `hf_path` (a Megatron checkpoint: `dflash.verifier_hf_path`).
 
     `tensor_parallel` > 1 (under torchrun, the process group initialised): transformers' own tensor
@@ -89,12 +89,12 @@ def load_verifier(hf_path: str, dtype=torch.float32, tensor_parallel: int = 1):
     from transformers import AutoModelForCausalLM
 
     if tensor_parallel == 1:
-        return AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).eval()
+        return AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
     import torch.distributed as dist
     from transformers.distributed import DistributedConfig
 
     config = DistributedConfig(tp_size=tensor_parallel, dp_replicate_size=dist.get_world_size() // tensor_parallel)
-    return AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype, distributed_config=config).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32, distributed_config=config).eval()
 
 
 def check_verifier_tensor_parallel(tp: int, world: int, config) -> None:

@@ -12,11 +12,11 @@ import sys
 from typing import List, Optional, Sequence
 
 
-def marked_text(tokenizer, ids: Sequence[int], mask: Sequence[int], open_mark: str = "[[", close_mark: str = "]]") -> str:
-    """The rendered text, each run of supervised tokens between the marks."""
+def marked_text(tokenizer, ids: Sequence[int], mask: Sequence[int]) -> str:
+    """The rendered text, each run of supervised tokens between [[ and ]]."""
     runs = itertools.groupby(zip(ids, mask), key=lambda pair: pair[1])
     texts = ((supervised, tokenizer.detokenize([int(i) for i, _ in run])) for supervised, run in runs)
-    return "".join(open_mark + text + close_mark if supervised else text for supervised, text in texts)
+    return "".join(f"[[{text}]]" if supervised else text for supervised, text in texts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

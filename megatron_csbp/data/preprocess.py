@@ -25,12 +25,14 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from megatron_csbp.data.corpus import DEFAULT_CORPUS, jsonl_lines
+
 
 def _lines(path: str):
-    """(line number, line) of a UTF-8 text file (gzip by its .gz name); a file that is not one is named."""
+    """(line number, line) of the non-blank lines of a UTF-8 text file (gzip by its .gz name); a file that
+    is not one is named."""
     try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            yield from enumerate(f, 1)
+        yield from jsonl_lines(path)
     except (UnicodeDecodeError, gzip.BadGzipFile) as exc:
         what = f"byte 0x{exc.object[exc.start]:02x}" if isinstance(exc, UnicodeDecodeError) else "not gzip data"
         raise ValueError(f"--input {path} is not UTF-8 text ({what}); --input is jsonl(.gz), one "
@@ -39,8 +41,6 @@ def _lines(path: str):
 
 def iter_jsonl(path: str, key: str) -> Iterable[str]:
     for lineno, line in _lines(path):
-        if not line.strip():
-            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -105,7 +105,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     p.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility")
     a = p.parse_args(argv)
     if a.input == "shipped":
-        from megatron_csbp.data.corpus import DEFAULT_CORPUS
         a.input = DEFAULT_CORPUS
     if not os.path.exists(a.input):
         p.error(f"--input {a.input} does not exist")

@@ -19,13 +19,15 @@ over sequence tokens.
 """
 from __future__ import annotations
 
-import gzip
 import os
 import json
 import re
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from megatron_csbp.data.corpus import ASSET_DIR, jsonl_lines, load_records
 
 _ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                  "model": "assistant", "system": "system", "tool": "tool", "function": "tool"}
@@ -178,8 +180,7 @@ def chat_template(tokenizer, spec: Optional[str] = "auto") -> Optional[ChatTempl
     check_chat_template(spec, hf is not None)
     if is_template_text(spec):
         return ChatTemplate(hf, spec, "the --chat-template")
-    with open(spec, encoding="utf-8") as f:
-        return ChatTemplate(hf, f.read(), spec)
+    return ChatTemplate(hf, Path(spec).read_text(encoding="utf-8"), spec)
 
 
 def is_template_text(spec: str) -> bool:
@@ -206,10 +207,10 @@ def describe_rendering(template: Optional[ChatTemplate]) -> str:
 
 def prompt_ids(prompt: str, tokenizer, template: Optional[ChatTemplate] = None) -> List[int]:
     """The ids a model trained on this format should be given to answer `prompt`."""
+    turn = [{"role": "user", "content": prompt}]
     if template is not None:
-        return template.prompt([{"role": "user", "content": prompt}])
-    return tokenizer.tokenize(_HEADERS["user"]) + tokenizer.tokenize(prompt + "\n") + \
-        tokenizer.tokenize(_HEADERS["assistant"])
+        return template.prompt(turn)
+    return render_messages(turn, None, tokenizer, "--prompt")[0] + tokenizer.tokenize(_HEADERS["assistant"])
 
 
 def align_response(ids: List[int], mask: List[int], multiple: int, pad_id: int) -> Tuple[List[int], List[int]]:
@@ -238,16 +239,12 @@ def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
 
 def read_records(path: str) -> Iterator[Tuple[int, Dict, str]]:
     """(line number, record, "--sft-data-path FILE:LINE") of each non-empty line of an SFT jsonl."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"--sft-data-path {path}:{n}"
-            try:
-                yield n, json.loads(line), where
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where} is not JSON ({exc})") from None
+    for n, line in jsonl_lines(path):
+        where = f"--sft-data-path {path}:{n}"
+        try:
+            yield n, json.loads(line), where
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not JSON ({exc})") from None
 
 
 def sft_pad_id(tokenizer) -> int:
@@ -263,7 +260,7 @@ def hugging_face_tokenizer(tokenizer):
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """`align_response_to=B` left-pads each sample (with `pad_id`, default `sft_pad_id`) so its
+    """`align_response_to=B` left-pads each sample (with `sft_pad_id`) so its
     response starts on a block boundary (`--objective diffusiongemma-sft`). `pack`: first-fit
     packing of conversations (module docstring); samples then carry `document_ids`.
     `trajectory_turns="all"`: one conversation per assistant turn (`turn_samples`); an item is then
@@ -271,9 +268,8 @@ class SFTDataset(torch.utils.data.Dataset):
     0), so its turns share an optimizer step; packed, a trajectory's turns are packed together."""
 
     def __init__(self, path: str, tokenizer, seq_length: int, align_response_to: Optional[int] = None,
-                 pad_id: Optional[int] = None, pack: bool = False, template: Optional[ChatTemplate] = None,
-                 trajectory_turns: str = "record"):
-        pad_id = sft_pad_id(tokenizer) if pad_id is None else pad_id
+                 pack: bool = False, template: Optional[ChatTemplate] = None, trajectory_turns: str = "record"):
+        pad_id = sft_pad_id(tokenizer)
         fill = pad_id if align_response_to else tokenizer.eod  # aligned (diffusiongemma-sft): padding is no AR pair
         groups = []  # per record: its conversations [(ids, mask)]
         for _, record, where in read_records(path):
@@ -351,8 +347,6 @@ SFT_ASSET = "pydoc_sft.jsonl"
 def pydoc_sft_records(max_response_chars: int = 400) -> List[Dict[str, str]]:
     """Prompt/response pairs from the shipped Python-reference corpus: "What is <section title>?"
     answered by the section's first prose paragraph (cut at the last sentence end that fits)."""
-    from megatron_csbp.data.corpus import load_records
-
     out = []
     for rec in load_records():
         paras = [p.strip() for p in rec["text"].split("\n\n") if p.strip()]
@@ -370,8 +364,6 @@ def pydoc_sft_records(max_response_chars: int = 400) -> List[Dict[str, str]]:
 
 
 def default_sft_path() -> str:
-    from megatron_csbp.data.corpus import ASSET_DIR
-
     return os.path.join(ASSET_DIR, SFT_ASSET)
 
 
@@ -386,9 +378,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--output", default=default_sft_path())
     args = p.parse_args(argv)
     records = pydoc_sft_records()
-    with open(args.output, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    Path(args.output).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     print(f"wrote {len(records)} prompt/response pairs -> {args.output}")
     return 0
 

@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megatron_csbp.data import corpus as corpus_mod
@@ -49,7 +50,7 @@ NEWLINE = "\n"
 class SentencePieceTokenizer:
     """ids / detokenize / eod / mask_token_id / vocab_size around a sentencepiece `.model` file."""
 
-    def __init__(self, model_path: Optional[str] = None, mask_token: str = MASK, eod_token: str = EOS):
+    def __init__(self, model_path: Optional[str] = None, mask_token: str = MASK):
         import sentencepiece as spm
 
         self.model_path = model_path or DEFAULT_MODEL
@@ -61,7 +62,7 @@ class SentencePieceTokenizer:
         # back to the model's own EOS id; a missing default `<mask>` leaves mask_token_id None, which
         # only the absorbing-mask objectives refuse (by flag). A mask piece asked for by name must exist.
         self.mask_token_id = self._special_id(mask_token, "mask token", required=mask_token != MASK)
-        self.eod = self._special_id(eod_token, "end-of-document token", fallback=int(self.sp.eos_id()))
+        self.eod = self._special_id(EOS, "end-of-document token", fallback=int(self.sp.eos_id()))
         self.vocab_size, self.pad = int(self.sp.get_piece_size()), int(self.sp.pad_id())
 
     def _special_id(self, piece: str, what: str, required: bool = True, fallback: int = -1) -> Optional[int]:
@@ -150,8 +151,7 @@ def hf_tokenizer_from_sentencepiece(model_path: Optional[str] = None, eos_id: Op
 
     sp = SentencePieceTokenizer(model_path)
     proto = sentencepiece_model_pb2.ModelProto()
-    with open(sp.model_path, "rb") as f:
-        proto.ParseFromString(f.read())
+    proto.ParseFromString(Path(sp.model_path).read_bytes())
     if proto.trainer_spec.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
         kind = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
         raise ValueError(f"tokenizer {sp.model_path}: a {kind} sentencepiece model; the export writes unigram models "
@@ -197,16 +197,6 @@ def hf_tokenizer_from_sentencepiece(model_path: Optional[str] = None, eos_id: Op
                                    split_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def tokenizer_files(tokenizer_type: Optional[str], tokenizer_model: Optional[str]) -> Optional[str]:
-    """The file (sentencepiece) or folder (Hugging Face) a run's tokenizer is read from, as
-    `megatron_data.build_tokenizer` resolves it; None for NullTokenizer."""
-    if tokenizer_type in (None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        return tokenizer_model or DEFAULT_MODEL
-    if tokenizer_type == "HuggingFaceTokenizer":
-        return tokenizer_model
-    return None
-
-
 #: the files of a Hugging Face tokenizer folder that define it (hashed by `tokenizer_sha256`)
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                       "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model")
@@ -219,10 +209,8 @@ def tokenizer_sha256(path: str) -> str:
         return _sha256(path)
     h = hashlib.sha256()
     for name in HF_TOKENIZER_FILES:
-        f = os.path.join(path, name)
-        if os.path.isfile(f):
-            with open(f, "rb") as fh:
-                h.update(name.encode() + b"\0" + fh.read() + b"\0")
+        if Path(path, name).is_file():
+            h.update(name.encode() + b"\0" + Path(path, name).read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -230,8 +218,12 @@ def tokenizer_record(tokenizer_type: Optional[str], tokenizer_model: Optional[st
     """What a checkpoint records about its tokenizer beside the flags (`--tokenizer-type`,
     `--tokenizer-model`, a relative path or none for the shipped model): the file's absolute path
     and sha256, so an export from another directory, or after the shipped model changed, finds
-    the very tokenizer the model was trained with or says it cannot. {} for NullTokenizer."""
-    path = tokenizer_files(tokenizer_type, tokenizer_model)
+    the very tokenizer the model was trained with or says it cannot. {} for NullTokenizer.
+    The file (sentencepiece) or folder (Hugging Face) is the one `megatron_data.build_tokenizer` reads."""
+    if tokenizer_type in (None, "SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        path = tokenizer_model or DEFAULT_MODEL
+    else:
+        path = tokenizer_model if tokenizer_type == "HuggingFaceTokenizer" else None
     if path is None or not os.path.exists(path):
         return {}
     return {"tokenizer_path": os.path.abspath(path), "tokenizer_sha256": tokenizer_sha256(path)}
@@ -252,8 +244,7 @@ def train_sentencepiece(texts: Sequence[str], vocab_size: int = 1024) -> bytes:
 
 
 def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def build_assets(out_dir: Optional[str] = None, vocab_size: int = 1024) -> Dict[str, str]:
@@ -264,8 +255,7 @@ def build_assets(out_dir: Optional[str] = None, vocab_size: int = 1024) -> Dict[
     corpus_path = os.path.join(out_dir, corpus_mod.CORPUS_FILE)
     corpus_mod.write_documents(docs, corpus_path)
     model_path = os.path.join(out_dir, MODEL_FILE if vocab_size == 1024 else f"pydoc_topics_unigram{vocab_size}.model")
-    with open(model_path, "wb") as f:
-        f.write(train_sentencepiece([d["text"] for d in docs], vocab_size))
+    Path(model_path).write_bytes(train_sentencepiece([d["text"] for d in docs], vocab_size))
     import sentencepiece
 
     manifest = {"source": "pydoc_data.topics of CPython (PSF License)", "python": platform.python_version(),
@@ -273,9 +263,7 @@ def build_assets(out_dir: Optional[str] = None, vocab_size: int = 1024) -> Dict[
                 "characters": sum(len(d["text"]) for d in docs), "vocab_size": vocab_size,
                 "files": {os.path.basename(p): _sha256(p) for p in (corpus_path, model_path)},
                 "command": "python -m megatron_csbp.data.tokenizer build"}
-    with open(os.path.join(out_dir, MANIFEST_FILE), "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
+    Path(out_dir, MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return {"corpus": corpus_path, "model": model_path, "manifest": os.path.join(out_dir, MANIFEST_FILE)}
 
 

@@ -16,30 +16,19 @@ from megatron_csbp.layout.masks import BlockGeometry, RowMeta
 ORDERS = ("confidence", "random")
 
 
-class BlockDiffusionSampler:
+class BlockDiffusionSampler(kv_cache.CachedDecoder):
     def __init__(self, bdlm, vocab_size: int, mask_token_id: int, eod: int, block_size: int,
                  use_cache: bool = True):
-        self.bdlm, self.gpt = bdlm, bdlm.gpt
+        super().__init__(bdlm)
         self.V, self.mask_id, self.eod, self.B = vocab_size, mask_token_id, eod, block_size
         self.kv_cache = use_cache
-        self.state = kv_cache.CacheState()
-        kv_cache.install(self.gpt, self.state)
-        self.forward_calls = 0
 
     # -- model calls ---------------------------------------------------------------------------
-    def _run(self, ids: torch.Tensor, rows: RowMeta) -> torch.Tensor:
-        """Logits of `rows` (their noisy rows; every row when all are clean) fed with `ids`."""
-        from megatron_csbp.attention.block_attention import AttentionPlan
-
-        self.forward_calls += 1
-        return self.bdlm.logits(ids[None], AttentionPlan(self.state.geometry, rows))[0]
-
     def _clean_rows(self, tokens: List[int], start: int, end: int) -> None:
         """Append clean positions [start, end) to the KV cache."""
         if end > start:
-            self.state.mode = "extend"
-            self.state.rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
-            self._run(torch.tensor(tokens[start:end]), self.state.rows)
+            rows = RowMeta.of(torch.zeros(0, dtype=torch.long), torch.arange(start, end))
+            self._run(torch.tensor(tokens[start:end])[None], rows, "extend")
 
     def block_logits(self, tokens: List[int], block: int) -> torch.Tensor:
         """Logits [B, V] of the noisy rows of `block` given the clean prefix tokens[: block*B]."""
@@ -47,11 +36,9 @@ class BlockDiffusionSampler:
         noisy_pos = torch.arange(block * B, (block + 1) * B)
         noisy_ids = torch.tensor(tokens[block * B:(block + 1) * B])
         if self.kv_cache:
-            self.state.mode, self.state.rows = "decode", RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long))
-            return self._run(noisy_ids, self.state.rows)
-        self.state.mode = "off"
+            return self._run(noisy_ids[None], RowMeta.of(noisy_pos, torch.zeros(0, dtype=torch.long)), "decode")[0]
         ids = torch.cat([noisy_ids, torch.tensor(tokens[: block * B], dtype=torch.long)])
-        return self._run(ids, RowMeta.of(noisy_pos, torch.arange(block * B)))
+        return self._run(ids[None], RowMeta.of(noisy_pos, torch.arange(block * B)), "off")[0]
 
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -44,7 +44,7 @@ def generation_config(assets_dir: Optional[str] = None, **overrides):
     return cfg
 
 
-class DiffusionGemmaSampler:
+class DiffusionGemmaSampler(kv_cache.CachedDecoder):
     """Decodes with a Megatron `DiffusionGemmaModel` (TP = CP = EP = 1, eval mode)."""
 
     def __init__(self, gpt, canvas_length: int):
@@ -53,30 +53,22 @@ class DiffusionGemmaSampler:
         from megatron_csbp.objectives.diffusiongemma_sft import DiffusionGemmaSFTObjective
 
         self.gpt, self.C, self.V = gpt, int(canvas_length), int(gpt.vocab_size)
-        # Logits only: the objective's noise and loss are never used here.
-        layout = SequenceLayout(BlockGeometry(self.C, self.C, "token_causal"))
-        self.bdlm = BlockDiffusionModel(gpt, DiffusionGemmaSFTObjective(self.C, self.V), layout)
-        self.state = kv_cache.CacheState()
         if getattr(gpt.config, "final_logit_softcapping", None):
             gpt.softcap_dtype = torch.float32  # transformers: logits.to(float32), then the cap
-        if kv_cache.install(gpt, self.state) == 0:
-            raise ValueError("the model has no block-diffusion attention to decode with")
-        self.forward_calls = 0
+        # Logits only: the objective's noise and loss are never used here.
+        layout = SequenceLayout(BlockGeometry(self.C, self.C, "token_causal"))
+        super().__init__(BlockDiffusionModel(gpt, DiffusionGemmaSFTObjective(self.C, self.V), layout))
         self._shift = 0
 
     # -- model calls ---------------------------------------------------------------------------
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, clean: bool, sc_logits=None) -> Optional[torch.Tensor]:
-        from megatron_csbp.attention.block_attention import AttentionPlan
-
+    def _rows(self, ids: torch.Tensor, positions: torch.Tensor, clean: bool, sc_logits=None) -> Optional[torch.Tensor]:
+        """Clean rows into the cache (no logits: an empty selection skips the output layer's rows),
+        or the noisy rows' logits over it."""
         empty = torch.zeros(0, dtype=torch.long)
-        rows = RowMeta.of(empty, positions) if clean else RowMeta.of(positions, empty)
-        self.state.mode = "extend" if clean else "decode"
-        self.state.rows = RowMeta(rows.is_clean, rows.position + self._shift)
-        self.forward_calls += 1
-        plan = AttentionPlan(self.state.geometry, rows)
-        # clean rows: no logits wanted (an empty selection skips the output layer's rows)
-        out = self.bdlm.logits(ids, plan, logit_rows=empty if clean else None, self_conditioning_logits=sc_logits)
-        return None if clean else out
+        if clean:
+            self._run(ids, RowMeta.of(empty, positions), "extend", self._shift, logit_rows=empty)
+            return None
+        return self._run(ids, RowMeta.of(positions, empty), "decode", self._shift, self_conditioning_logits=sc_logits)
 
     # -- decoding ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -122,7 +114,7 @@ class DiffusionGemmaSampler:
         cached = 0
         for _ in range(canvases):
             if input_ids.shape[1] > cached:  # 1.a: the new clean tokens into the cache
-                self._run(input_ids[:, cached:], torch.arange(cached, input_ids.shape[1]), clean=True)
+                self._rows(input_ids[:, cached:], torch.arange(cached, input_ids.shape[1]), clean=True)
             cached = s = input_ids.shape[1]
             canvas = sampler.initialize_canvas(b, input_ids.device)  # 1.b
             argmax, sc = canvas, None
@@ -133,7 +125,7 @@ class DiffusionGemmaSampler:
                 self.denoising_steps += ~(done | finished)
                 step = torch.tensor(cur, dtype=torch.int32)
                 # fp32 logits [b, C, V] (Hugging Face casts the output layer's logits to fp32, then soft-caps)
-                logits = self._run(canvas, torch.arange(s, s + C), clean=False, sc_logits=sc).float()
+                logits = self._rows(canvas, torch.arange(s, s + C), clean=False, sc_logits=sc).float()
                 if schedule is not None:
                     logits = schedule(input_ids, logits, cur_step=step)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

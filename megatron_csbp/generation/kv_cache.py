@@ -74,3 +74,22 @@ def install(gpt, state: CacheState) -> int:
             module.core_attention = CachedBlockAttention(ca, state)
             n += 1
     return n
+
+
+class CachedDecoder:
+    """What the BD3-LM and DiffusionGemma samplers share: `bdlm`'s block-diffusion attention wrapped
+    over one `CacheState` (`install`), and the counted model call of one mode."""
+
+    def __init__(self, bdlm):
+        self.bdlm, self.state, self.forward_calls = bdlm, CacheState(), 0
+        if install(bdlm.gpt, self.state) == 0:
+            raise ValueError("the model has no block-diffusion attention to decode with")
+
+    def _run(self, ids: torch.Tensor, rows: RowMeta, mode: str, shift: int = 0, **logits_options) -> torch.Tensor:
+        """`bdlm.logits` of `rows` fed with `ids` in cache `mode` ('extend': clean rows into the cache;
+        'decode': noisy rows over it; 'off': no cache); the mask sees the rows' positions + `shift`."""
+        from megatron_csbp.attention.block_attention import AttentionPlan
+
+        self.state.mode, self.state.rows = mode, RowMeta(rows.is_clean, rows.position + shift)
+        self.forward_calls += 1
+        return self.bdlm.logits(ids, AttentionPlan(self.state.geometry, rows), **logits_options)

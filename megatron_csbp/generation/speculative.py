@@ -11,7 +11,12 @@ from typing import Dict, Sequence
 import numpy as np
 import torch
 
-from megatron_csbp.data.features import FeatureDataset, capture_sequence, load_verifier
+from megatron_csbp.attention.dflash import DFlashLayout
+from megatron_csbp.checkpoint.drafter import drafter_from_hf
+from megatron_csbp.checkpoint.model import single_process_megatron
+from megatron_csbp.data.features import FeatureDataset, FeatureSplit, capture_sequence, load_verifier
+from megatron_csbp.model.dflash import DFlashTrainingModel, TrainableDrafter
+from megatron_csbp.objectives.dflash import DFlashObjective, acceptance_counts, acceptance_from_counts, serving_replay
 
 
 @torch.no_grad()
@@ -84,13 +89,6 @@ def training_estimate(a, verifier, hf_drafter) -> Dict:
     Megatron drafter and evaluated as the trainer evaluates (`TrainableDrafter`, one rank), the
     objective's anchors, the data's tokens as targets (docs/dflash.md: why it differs from the
     measured length)."""
-    from megatron_csbp.checkpoint.drafter import drafter_from_hf
-    from megatron_csbp.checkpoint.model import single_process_megatron
-    from megatron_csbp.data.features import FeatureSplit
-    from megatron_csbp.attention.dflash import DFlashLayout
-    from megatron_csbp.model.dflash import DFlashTrainingModel, TrainableDrafter
-    from megatron_csbp.objectives.dflash import DFlashObjective
-
     data, n = FeatureDataset(a.features_path), a.eval_sequences
     with single_process_megatron():
         drafter, shape = drafter_from_hf(hf_drafter)
@@ -123,13 +121,6 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
     2 eps, eps = logit_tolerance x max(1, max |logit|) (the numeric gap between this forward and
     serving's); otherwise a relaxation over the tokens left after each prompt's first uncertain
     block (docs/dflash.md)."""
-    from megatron_csbp.checkpoint.drafter import drafter_from_hf
-    from megatron_csbp.checkpoint.model import single_process_megatron
-    from megatron_csbp.attention.dflash import DFlashLayout
-    from megatron_csbp.model.dflash import DFlashTrainingModel
-    from megatron_csbp.objectives.dflash import (DFlashObjective, acceptance_counts, acceptance_from_counts,
-                                                 serving_replay)
-
     embedding = verifier.get_input_embeddings().weight.detach().float()
     head = verifier.get_output_embeddings().weight.detach().float()
     counts, steps, drafting, cut, uncertain, min_margin = None, 0, 0, [], 0, float("inf")

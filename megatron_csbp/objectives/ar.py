@@ -5,9 +5,7 @@ supervised. Denominator = number of such targets.
 """
 from __future__ import annotations
 
-import torch
-
-from megatron_csbp.objectives.base import NoisedBatch, Objective
+from megatron_csbp.objectives.base import NoisedBatch, Objective, next_token_targets
 from megatron_csbp.objectives.registry import register_objective
 
 
@@ -15,6 +13,9 @@ from megatron_csbp.objectives.registry import register_objective
 class AutoregressiveObjective(Objective):
     uses_noisy_stream = False
     target_shift = 1
+
+    def __init__(self):
+        """No settings: the model and the data say everything."""
 
     @classmethod
     def from_args(cls, args) -> "AutoregressiveObjective":
@@ -26,10 +27,5 @@ class AutoregressiveObjective(Objective):
         return seq_length * (seq_length + 1) // 2
 
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
-        targets = torch.full_like(tokens, -100)
-        targets[:, :-1] = torch.where(loss_mask[:, 1:].bool(), tokens[:, 1:], targets[:, :-1])  # both supervised
-        weights = (targets >= 0).float()
-        return NoisedBatch(tokens, targets, weights)
-
-    def denominator(self, loss_mask, tokens=None, document_ids=None):
-        return loss_mask[:, 1:].sum().to(torch.float32)
+        targets = next_token_targets(tokens, loss_mask[:, 1:].bool())  # both supervised
+        return NoisedBatch(tokens, targets, (targets >= 0).float())

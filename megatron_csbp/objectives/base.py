@@ -55,12 +55,19 @@ def block_times(num_blocks: int, generator: torch.Generator, eps_min: float, eps
     return eps_min + (eps_max - eps_min) * t
 
 
+def next_token_targets(tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[b, L] targets of a token shift: row p -> token p + 1 where `keep` [b, L - 1] holds, else -100."""
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = torch.where(keep, tokens[:, 1:], targets[:, :-1])
+    return targets
+
+
 class Objective:
     """Base class. A subclass is registered by name (`registry.register_objective`) and owns everything
     the trainer needs to know about it: flags and rules, rows, mask-token needs, model wrapper or
     builder, data, FLOPs terms, evaluation, Megatron-LM refusal (the list:
-    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `from_args` unless
-    they are built from the block size, mask id, seed and `options`).
+    docs/training.md#objectives-one-registry). Subclasses implement `noise` (and `__init__` and
+    `from_args` unless they are built from the block size, mask id, seed and `options`).
     """
 
     name = "base"
@@ -100,6 +107,12 @@ class Objective:
 
     #: `noise` takes the micro-batch's `document_ids` (packed SFT) as a keyword
     reads_documents = False
+
+    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
+        """`options`: the keywords of `options` (their flags' defaults when not given)."""
+        vars(self).update(self.option_values(**options))
+        self.check_mask(mask_token_id)
+        self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
 
     # ---- flags and rules ------------------------------------------------------------------------
     @classmethod
@@ -150,8 +163,9 @@ class Objective:
 
     def denominator(self, loss_mask: torch.Tensor, tokens=None, document_ids=None) -> torch.Tensor:
         """This micro-batch's share of the loss denominator (summed over the global batch): a
-        scalar, or [noisy rows', clean rows'] for an objective whose two terms have their own."""
-        return loss_mask.sum().to(torch.float32)
+        scalar, or [noisy rows', clean rows'] for an objective whose two terms have their own.
+        Default: the supervised target tokens (with a token shift, those from position 1 on)."""
+        return loss_mask[:, self.target_shift:].sum().to(torch.float32)
 
     def for_evaluation(self) -> "Objective":
         """The objective held-out losses use (default: this one)."""

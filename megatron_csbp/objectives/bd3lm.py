@@ -23,12 +23,6 @@ class BD3LMObjective(Objective):
     mask_token_needed = "--mask-token-id (a token id the data never uses; the tokenizer has no <mask>)"
     mask_from_tokenizer = True
 
-    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
-        """`options`: eps_min, eps_max, loss_weighting (their flags' defaults when not given)."""
-        vars(self).update(self.option_values(**options))
-        self.check_mask(mask_token_id)
-        self.block_size, self.mask_token_id, self.seed = block_size, int(mask_token_id), seed
-
     def for_evaluation(self) -> "BD3LMObjective":
         """Always the NELBO (t ~ U[1e-3, 1], 1/t weights), an upper bound on the model's NLL in
         nats/token, whatever schedule training draws from (`--noise-eps-min/max`,

@@ -48,9 +48,8 @@ def check_token_data(args, files_elsewhere: bool = False) -> Optional[str]:
     (`launch --check`): prefixes that are not here are a note, not an error."""
     from megatron_csbp.data.megatron_data import checked_split_matrix, missing_prefixes
 
-    if files_elsewhere and missing_prefixes(args.data_path):
-        return (f"--data-path {' '.join(missing_prefixes(args.data_path))} is not here: the --split rule runs "
-                "at launch")
+    if files_elsewhere and (missing := missing_prefixes(args.data_path)):
+        return f"--data-path {' '.join(missing)} is not here: the --split rule runs at launch"
     checked_split_matrix(args.data_path, args.split, token_splits_read(args))
     return None
 

@@ -115,11 +115,8 @@ class DFlashObjective(Objective):
                    dpace_alpha=DPACE_ALPHA, kl_scale=KL_SCALE, kl_decay=KL_DECAY, vocab_chunk=VOCAB_CHUNK)
 
     def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
-        """`options`: the keywords of `options` (their flags' defaults when not given)."""
         self.check_block_size(block_size)
-        vars(self).update(self.option_values(**options))
-        self.check_mask(mask_token_id)
-        self.block_size, self.mask_token_id, self.seed = block_size, mask_token_id, seed
+        super().__init__(block_size, mask_token_id, seed, **options)
 
     @staticmethod
     def check_block_size(block_size: int) -> None:
@@ -210,12 +207,6 @@ class DFlashObjective(Objective):
         return ObjectiveInputs(fixed, dict(dflash_drafter_load=args.load if drafter is not None else None,
                                            dflash_drafter_save=getattr(args, "save", None)))
 
-    def slot_weights(self) -> torch.Tensor:
-        k = torch.arange(self.block_size, dtype=torch.float32)
-        w = torch.exp(-(k - 1).clamp_min(0) / self.gamma)
-        w[0] = 0.0
-        return w
-
     def sample(self, tokens: torch.Tensor, loss_mask: torch.Tensor, doc_ids: Optional[torch.Tensor],
                sample_index: int) -> DFlashSample:
         """Draft blocks of one sequence ([L] tensors), the same on every rank."""
@@ -232,7 +223,8 @@ class DFlashObjective(Objective):
         draft = torch.full((len(anchors), B), self.mask_token_id, dtype=torch.long)
         draft[:, 0] = tokens[anchors]
         targets = torch.where(supervised, tokens[safe], torch.full_like(safe, -100))
-        weights = self.slot_weights().expand(len(anchors), B) * supervised
+        # slot k's weight exp(-(k-1)/gamma); slot 0 (the anchor) is never supervised
+        weights = torch.exp(-(torch.arange(B, dtype=torch.float32) - 1).clamp_min(0) / self.gamma) * supervised
         return DFlashSample(anchors, starts[anchors], draft, targets, weights.float())
 
     def token_loss(self, ce: torch.Tensor, weights: torch.Tensor, supervised: torch.Tensor, reduce=None

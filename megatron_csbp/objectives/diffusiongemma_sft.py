@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_csbp.objectives.base import NoisedBatch, Objective, block_times, sample_generator
+from megatron_csbp.objectives.base import (NoisedBatch, Objective, block_times, next_token_targets,
+                                           sample_generator)
 from megatron_csbp.objectives.flags import IN_0_1, NOISE_FLAGS, NOISE_OPTIONS, option
 from megatron_csbp.objectives.registry import register_objective
 from megatron_csbp.utils.option import must
@@ -54,9 +55,8 @@ class DiffusionGemmaSFTObjective(Objective):
     def validate(cls, args, facts=None) -> None:
         """DiffusionGemma's SFT trains a DiffusionGemma (a converted checkpoint's shape; skipped
         by `launch --check` without the checkpoint) on SFT data."""
-        shape = getattr(facts, "model_shape", None)
-        is_dg = shape is not None and shape.family == "diffusion_gemma"
-        if not is_dg and not getattr(facts, "shape_unknown", False):
+        family = getattr(getattr(facts, "model_shape", None), "family", None)
+        if family != "diffusion_gemma" and not getattr(facts, "shape_unknown", False):
             raise ValueError("--objective diffusiongemma-sft trains a DiffusionGemma: --load a checkpoint converted "
                              "from a diffusion_gemma or Gemma 4 MoE model (python -m megatron_csbp.convert hf-to-megatron)")
         if not args.sft_data_path:
@@ -136,9 +136,7 @@ class DiffusionGemmaSFTObjective(Objective):
         # AR targets on the clean stream: row p -> token p+1 over the valid pairs. `all`: weight
         # encoder_loss_weight, over the global pair count (the denominator's second entry);
         # `response`: the per-sample token mean, over the sample count.
-        clean_targets = torch.full_like(tokens, -100)
-        ok = self.valid_pairs(tokens, loss_mask, document_ids)
-        clean_targets[:, :-1] = torch.where(ok, tokens[:, 1:], clean_targets[:, :-1])
+        clean_targets = next_token_targets(tokens, self.valid_pairs(tokens, loss_mask, document_ids))
         per_pair = torch.full((b,), self.encoder_loss_weight, device=dev)
         if self.encoder_loss_scope == "response":
             per_pair = per_pair / (clean_targets >= 0).sum(dim=1).clamp_min(1).float()

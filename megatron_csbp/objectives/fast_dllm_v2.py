@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from megatron_csbp.objectives.base import NoisedBatch, Objective
+from megatron_csbp.objectives.base import NoisedBatch, Objective, next_token_targets
 from megatron_csbp.objectives.bd3lm import BD3LMObjective
 from megatron_csbp.objectives.flags import MASK_TOKEN_FLAGS, NOISE_FLAGS, NOISE_OPTIONS, check_mask_token_id
 from megatron_csbp.objectives.registry import register_objective
@@ -29,35 +30,20 @@ class FastDLLMv2Objective(Objective):
     mask_token_needed = "--mask-token-id or --mask-token (an existing reserved mask token the data never uses)"
     needs_pretrained = "adapts a pretrained autoregressive model"
 
-    def __init__(self, block_size: int, mask_token_id: int, seed: int = 1234, **options):
-        """`options`: eps_min, eps_max (their flags' defaults when not given)."""
-        vars(self).update(self.option_values(**options))
-        self.check_mask(mask_token_id)
-        self.block_size, self.mask_token_id, self.seed = int(block_size), int(mask_token_id), seed
-
     # the same antithetic per-block times and per-token draws as BD3-LM
     block_times = BD3LMObjective.block_times
     times_and_draws = BD3LMObjective.times_and_draws
 
-    def masks(self, tokens: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-        """The first view's mask m [b, L] (bool): supervised tokens drawn with their block's t."""
-        t, draws = self.times_and_draws(tokens, sample_index)
-        return (draws < t) & loss_mask.bool()
-
     def noise(self, tokens, loss_mask, sample_index) -> NoisedBatch:
         supervised = loss_mask.bool()
-        m = self.masks(tokens, loss_mask, sample_index)
+        t, draws = self.times_and_draws(tokens, sample_index)
+        m = (draws < t) & supervised  # the first view's mask: supervised tokens drawn with their block's t
         # Rows 2i and 2i+1 are the two complementary views of sample i.
         masked = torch.stack([m, supervised & ~m], dim=1).flatten(0, 1)  # [2b, L]
         clean = tokens.repeat_interleave(2, dim=0)
         noisy = torch.where(masked, torch.full_like(clean, self.mask_token_id), clean)
-        targets = torch.full_like(clean, -100)
-        targets[:, :-1] = torch.where(masked[:, 1:], clean[:, 1:], targets[:, :-1])
-        weights = (targets >= 0).float()
-        return NoisedBatch(noisy, targets, weights, clean_tokens=clean)
-
-    def denominator(self, loss_mask, tokens=None, document_ids=None):
-        return loss_mask[:, 1:].sum().to(torch.float32)
+        targets = next_token_targets(clean, masked[:, 1:])
+        return NoisedBatch(noisy, targets, (targets >= 0).float(), clean_tokens=clean)
 
 
 def resolve_mask_token(value: Union[int, str], tokenizer_path: Optional[str] = None,
@@ -87,8 +73,7 @@ def _lookup_token(token: str, tokenizer_path: Optional[str]) -> int:
     path = os.path.join(tokenizer_path, "tokenizer.json") if os.path.isdir(tokenizer_path) else tokenizer_path
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer.json at {tokenizer_path} to look up mask token {token!r}")
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(Path(path).read_text())
     for added in data.get("added_tokens", []):
         if added.get("content") == token:
             return int(added["id"])

@@ -45,8 +45,7 @@ def registered_objectives() -> Dict[str, type]:
 
 
 def objective_class(name: str) -> Type:
-    _load()
-    cls = _REGISTRY.get(name)
+    cls = registered_objectives().get(name)
     if cls is None:
         raise ValueError(f"--objective must be one of {tuple(_REGISTRY)}, got {name!r}")
     return cls
