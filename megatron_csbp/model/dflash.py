@@ -538,24 +538,19 @@ class TrainableDrafter(torch.nn.Module):
     def _run(self, objective, tokens, loss_mask, sample_index, denominator, document_ids, with_acceptance=False):
         """(the loss, or on a stage before the last its rows; the summed acceptance counts)."""
         split = self.splits[1 if objective.held_out else 0]
-        total, outputs, start, counts = 0.0, [], 0, 0
+        outputs, start = [], 0
         for i in range(tokens.shape[0]):
             index = split.data_index(int(sample_index[i]))
             seq = (tokens[i].cpu(), loss_mask[i].cpu(), None if document_ids is None else document_ids[i].cpu())
             blocks = self.model.draft_blocks(*seq, sample_index=index, objective=objective)
             rows = None if self.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
             start += len(blocks[1].local)
-            out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=with_acceptance,
-                             rows=rows, blocks=blocks, objective=objective)
-            if not self.last_stage:
-                outputs.append(out)
-                continue
-            total = total + out.loss
-            if with_acceptance:
-                counts = counts + out.metrics["acceptance_counts"]
+            outputs.append(self.model(split.data[index]["features"], *seq, sample_index=index, rows=rows, blocks=blocks,
+                                      with_acceptance=with_acceptance, objective=objective))
         if not self.last_stage:
-            return torch.cat(outputs), counts
-        loss = total / denominator
+            return torch.cat(outputs), 0
+        counts = sum(out.metrics["acceptance_counts"] for out in outputs) if with_acceptance else 0
+        loss = sum(out.loss for out in outputs) / denominator
         return LossOutput(loss, torch.tensor(tokens.shape[0]), loss.detach()), counts
 
     def eval_record(self, metrics: Dict, log=print) -> Dict:

@@ -1,7 +1,7 @@
 """Hugging Face `diffusion_gemma` <-> Megatron `DiffusionGemmaModel` state dicts (full, unsharded).
 
 Import checks every encoder duplicate against the decoder copy; the two `layer_scalar` copies are
-kept apart; vision weights are returned untouched for export. Both layouts (see `_layer_map`):
+kept apart; vision weights are returned untouched for export. Both layouts (see `tensor_map`):
 docs/diffusiongemma.md#conversion.
 """
 from __future__ import annotations
@@ -17,26 +17,25 @@ HF_TEXT = "model.decoder."
 HF_ENCODER = "model.encoder.language_model."
 
 
-def _layer_map(i: int):
-    """(HF suffix under layers.{i}., Megatron key) for the one-to-one tensors of layer i."""
-    m = f"decoder.layers.{i}."
-    return [
-        ("self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-        ("self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
-        ("self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
-        ("input_layernorm.weight", m + "input_layernorm.weight"),
-        ("post_attention_layernorm.weight", m + "post_attention_layernorm.weight"),
-        ("pre_feedforward_layernorm.weight", m + "mlp.pre_dense_layernorm.weight"),
-        ("post_feedforward_layernorm_1.weight", m + "mlp.post_dense_layernorm.weight"),
-        ("pre_feedforward_layernorm_2.weight", m + "mlp.pre_experts_layernorm.weight"),
-        ("post_feedforward_layernorm_2.weight", m + "mlp.post_experts_layernorm.weight"),
-        ("post_feedforward_layernorm.weight", m + "post_feedforward_layernorm.weight"),
-        ("mlp.down_proj.weight", m + "mlp.dense.linear_fc2.weight"),
-        ("router.proj.weight", m + "mlp.router.weight"),
-        ("router.scale", m + "mlp.router.scale"),
-        ("router.per_expert_scale", m + "mlp.router.per_expert_scale"),
-        ("layer_scalar", m + "layer_scalar"),
-    ]
+#: (Hugging Face name under `layers.{i}.`, Megatron name under `decoder.layers.{i}.`) of each layer's
+#: tensors renamed as they are
+_LAYER_NAMES = (
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+    ("pre_feedforward_layernorm.weight", "mlp.pre_dense_layernorm.weight"),
+    ("post_feedforward_layernorm_1.weight", "mlp.post_dense_layernorm.weight"),
+    ("pre_feedforward_layernorm_2.weight", "mlp.pre_experts_layernorm.weight"),
+    ("post_feedforward_layernorm_2.weight", "mlp.post_experts_layernorm.weight"),
+    ("post_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
+    ("mlp.down_proj.weight", "mlp.dense.linear_fc2.weight"),
+    ("router.proj.weight", "mlp.router.weight"),
+    ("router.scale", "mlp.router.scale"),
+    ("router.per_expert_scale", "mlp.router.per_expert_scale"),
+    ("layer_scalar", "layer_scalar"),
+)
 
 
 def _layer_shape(config: DiffusionGemmaConfig, i: int):
@@ -64,7 +63,7 @@ def tensor_map(config: DiffusionGemmaConfig) -> List[Tensors]:
            Tensors("self_conditioning_mlp.linear_fc2.weight", [sc + "down_proj.weight"])]
     for i in range(config.num_layers):
         hp, m = f"{HF_TEXT}layers.{i}.", f"decoder.layers.{i}."
-        out += [Tensors(mkey, [hp + suffix]) for suffix, mkey in _layer_map(i)]
+        out += [Tensors(m + meg, [hp + hf]) for hf, meg in _LAYER_NAMES]
         out += [Tensors(m + "clean_layer_scalar", [f"{HF_ENCODER}layers.{i}.layer_scalar"]), qkv_tensors(config, i),
                 Tensors(m + "mlp.dense.linear_fc1.weight", [hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"],
                         _concat, _halves)]
