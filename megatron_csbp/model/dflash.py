@@ -136,11 +136,9 @@ class DrafterShape:
 
 
 def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
-    from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
+    from megatron_csbp.model.core import PORTABLE_CONFIG, dimensions, transformer_config
 
-    fields = dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-                  num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-                  kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+    fields = dict(dimensions(shape), normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
                   gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
                   params_dtype=params_dtype, **PORTABLE_CONFIG)
     return transformer_config(**(fields | overrides))
