@@ -30,7 +30,7 @@ def _gpt_targets(shape: ModelShape) -> List[Target]:
     from megatron_csbp.model.families.gpt_weights import tensor_map
 
     out = []
-    for t in tensor_map(shape, get_family(shape.family).hf_moe_names):
+    for t in tensor_map(shape):
         if not t.megatron.endswith(LINEARS):
             continue
         m = _EXPERT.match(t.hf[0])

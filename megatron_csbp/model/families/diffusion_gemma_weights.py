@@ -76,14 +76,14 @@ def _expert_prefixes(i: int) -> Tuple[str, str]:
 
 
 def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
-                         config: Optional[DiffusionGemmaConfig] = None, **config_overrides
+                         config: Optional[DiffusionGemmaConfig] = None
                          ) -> Tuple[Dict[str, torch.Tensor], DiffusionGemmaConfig, Dict[str, torch.Tensor]]:
     """Returns (Megatron state dict, the model's config, HF tensors without a Megatron counterpart).
 
     `hf_config`: the HF config object or its config.json dict (`per_layer_config` is read from it).
     """
     if config is None:
-        config = config_from_hf(hf_config, **config_overrides)
+        config = config_from_hf(hf_config)
     used = set()
 
     def check_copy(key, reference, what):
@@ -168,7 +168,7 @@ GEMMA4_PREFIXES = ("model.language_model.", "model.")  # Gemma4ForConditionalGen
 
 
 def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, seed: int = 0,
-                             init_std: Optional[float] = None, **config_overrides
+                             init_std: Optional[float] = None
                              ) -> Tuple[Dict[str, torch.Tensor], DiffusionGemmaConfig, Dict[str, torch.Tensor]]:
     """A Gemma 4 text MoE checkpoint (`enable_moe_block`, no per-layer inputs, no KV sharing) as the
     starting point of a DiffusionGemma: same layers, embedding, final norm and soft-cap; K=V on full
@@ -186,8 +186,8 @@ def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, 
     prefix = next((p for p in GEMMA4_PREFIXES if p + "embed_tokens.weight" in hf_state), None)
     if prefix is None:
         raise ConversionError(f"no Gemma 4 text weights under {GEMMA4_PREFIXES}")
-    config_overrides.setdefault("final_logit_softcapping", c.get("final_logit_softcapping"))
-    config = config_from_hf(c, k_eq_v_full=bool(c.get("attention_k_eq_v", False)), **config_overrides)
+    config = config_from_hf(c, k_eq_v_full=bool(c.get("attention_k_eq_v", False)),
+                            final_logit_softcapping=c.get("final_logit_softcapping"))
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
     g = torch.Generator().manual_seed(seed)
     std = float(init_std if init_std is not None else c.get("initializer_range", 0.02))

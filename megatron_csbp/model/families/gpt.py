@@ -175,12 +175,12 @@ class GPTFamily(Family):
     def hf_to_megatron(self, shape, tensors, cfg):
         from megatron_csbp.model.families.gpt_weights import hf_to_megatron
 
-        return hf_to_megatron(shape, tensors, self.hf_moe_names), {}
+        return hf_to_megatron(shape, tensors), {}
 
     def megatron_to_hf(self, shape, state):
         from megatron_csbp.model.families.gpt_weights import megatron_to_hf
 
-        return dict(shape.hf_config), megatron_to_hf(shape, state, self.hf_moe_names), ()
+        return dict(shape.hf_config), megatron_to_hf(shape, state), ()
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:
         """Megatron-LM command-line flags that rebuild the same model (local spec): the shape's

@@ -6,7 +6,7 @@ embeddings: docs/conversion.md#tensor-mapping-unsharded-tp--1.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence
 
 import torch
 
@@ -18,9 +18,6 @@ IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class ConversionError(ValueError):
     pass
-
-
-MoENames = Tuple[str, str, Tuple[str, str, str]]
 
 
 def fuse_groups(parts: List[torch.Tensor], groups: int) -> torch.Tensor:
@@ -109,7 +106,7 @@ def _halves(t: torch.Tensor) -> Sequence[torch.Tensor]:
     return torch.chunk(t, 2, dim=0)
 
 
-def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[Tensors]:
+def tensor_map(shape: ModelShape) -> List[Tensors]:
     """Every Megatron tensor of `shape` with the Hugging Face tensors it is made of, in checkpoint order."""
     groups, d = shape.num_query_groups, shape.kv_channels
     qkv_rows = [shape.num_attention_heads // groups * d, d, d]  # per query group: its q heads, k, v
@@ -137,8 +134,8 @@ def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[
                 out += [Tensors(f"{a}{p}_layernorm.weight", [f"{attn}{p}_norm.weight"]) for p in "qk"]
             out.append(Tensors(a + "linear_proj.weight", [attn + "o_proj.weight"]))
         if i in moe_layers:
-            # (module prefix, router name, (gate, up, down) expert weight names): the family's unless given
-            block, router, (gate, up, down) = moe_names or get_family(shape.family).hf_moe_names
+            # (module prefix, router name, (gate, up, down) expert weight names) of the family
+            block, router, (gate, up, down) = get_family(shape.family).hf_moe_names
             out.append(Tensors(m + "mlp.router.weight", [f"{h}{block}.{router}.weight"]))
             for e in range(shape.num_experts):
                 x, y = f"{h}{block}.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
@@ -154,12 +151,11 @@ def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[
     return out
 
 
-def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
-                   moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
+def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Hugging Face tensors -> the unsharded Megatron state dict. Every Hugging Face tensor must be
     used (an unknown one means an option the model would silently drop)."""
     src = _Source(hf)
-    out = {t.megatron: t.join(*map(src.take, t.hf)) for t in tensor_map(shape, moe_names)}
+    out = {t.megatron: t.join(*map(src.take, t.hf)) for t in tensor_map(shape)}
     if shape.tie_word_embeddings and "lm_head.weight" in src.tensors:
         if not torch.equal(src.take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
             raise ConversionError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens.weight")
@@ -172,13 +168,12 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
     return out
 
 
-def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
-                   moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
+def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The unsharded Megatron state dict -> Hugging Face tensors (on-disk names)."""
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     src = _Source(sd, "Megatron")
     out: Dict[str, torch.Tensor] = {}
-    for t in tensor_map(shape, moe_names):
+    for t in tensor_map(shape):
         out.update(zip(t.hf, t.split(src.take(t.megatron))))
     left = sorted(set(sd) - src.used)
     if left:
