@@ -30,7 +30,7 @@ def _gpt_targets(shape: ModelShape) -> List[Target]:
     from megatron_csbp.model.families.gpt_weights import tensor_map
 
     out = []
-    for t in tensor_map(shape, get_family(shape.family).hf_moe_names):
+    for t in tensor_map(shape):
         if not t.megatron.endswith(LINEARS):
             continue
         m = _EXPERT.match(t.hf[0])
@@ -51,23 +51,20 @@ def _dg_targets(shape: ModelShape) -> List[Target]:
     weights, separate modules: the adapter goes on both)."""
     from megatron_csbp.model.families.diffusion_gemma import transformer_config
     from megatron_csbp.model.families.diffusion_gemma_weights import (
-        HF_ENCODER, HF_TEXT, _layer_shape, _qkv_from_megatron, _qkv_to_megatron,
+        HF_ENCODER, HF_TEXT, qkv_tensors,
     )
 
     config = transformer_config(shape)
     halves = (lambda t: t.chunk(2), lambda g, u: torch.cat([g, u]))
     out = []
     for i in range(config.num_layers):
-        m = f"decoder.layers.{i}."
-        heads, groups, d, k_eq_v = _layer_shape(config, i)
+        m, qkv = f"decoder.layers.{i}.", qkv_tensors(config, i)
 
         def both(*names):
             return tuple((f"{HF_TEXT}layers.{i}.{n}", f"{HF_ENCODER}layers.{i}.{n}") for n in names)
 
-        qkv = ["self_attn.q_proj.weight", "self_attn.k_proj.weight"] + ([] if k_eq_v else ["self_attn.v_proj.weight"])
-        out += [Target(m + "self_attention.linear_qkv", both(*qkv),
-                       lambda t, s=(heads, groups, d, k_eq_v): [p for p in _qkv_from_megatron(t, *s) if p is not None],
-                       lambda q, k, v=None, s=(heads, groups, d): _qkv_to_megatron(q, k, v, *s)),
+        qkv_names = (n.removeprefix(f"{HF_TEXT}layers.{i}.") for n in qkv.hf)
+        out += [Target(m + "self_attention.linear_qkv", both(*qkv_names), qkv.split, qkv.join),
                 Target(m + "self_attention.linear_proj", both("self_attn.o_proj.weight"), *_WHOLE),
                 Target(m + "mlp.dense.linear_fc1", both("mlp.gate_proj.weight", "mlp.up_proj.weight"), *halves),
                 Target(m + "mlp.dense.linear_fc2", both("mlp.down_proj.weight"), *_WHOLE)]

@@ -93,7 +93,7 @@ def build_layout(a) -> SequenceLayout:
 
 
 def converted_gpt(a, stage: Stage = WHOLE):
-    """(config, `GPTModel`) of a converted checkpoint's shape (`a.model_shape`) under this run's
+    """The `GPTModel` of a converted checkpoint's shape (`a.model_shape`) under this run's
     parallel layout (weights uninitialised: they are loaded next)."""
     from megatron.core import tensor_parallel
 
@@ -106,21 +106,15 @@ def converted_gpt(a, stage: Stage = WHOLE):
     # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
     # --sequence-parallel (the weights themselves are loaded next).
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-    return config, builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel, stage=stage)
+    return builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel, stage=stage)
 
 
 def layer_spec(a, config, vp_stage: Optional[int] = None):
-    """The flag-built model's layer spec with block-diffusion core attention."""
-    if a.num_experts and isinstance(a.moe_layer_freq, list) and not all(a.moe_layer_freq):
-        # dense and MoE layers mixed: Megatron's decoder block spec reads the pattern from the config
-        # (cut to this chunk's layers: the pattern entries of the layers it holds, by global index)
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        return builder.with_block_diffusion(get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization=a.normalization, vp_stage=vp_stage), a.attention_kernel)
-    return builder.local_layer_spec(kernel=a.attention_kernel, normalization=a.normalization,
-                                    qk_layernorm=a.qk_layernorm, num_experts=a.num_experts,
-                                    moe_grouped_gemm=a.moe_grouped_gemm)
+    """The flag-built model's layer spec with block-diffusion core attention (`core.gpt_layer_spec`)."""
+    mixed_moe = bool(a.num_experts) and isinstance(a.moe_layer_freq, list) and not all(a.moe_layer_freq)
+    return builder.gpt_layer_spec(config, mixed_moe, kernel=a.attention_kernel, normalization=a.normalization,
+                                  vp_stage=vp_stage, qk_layernorm=a.qk_layernorm, num_experts=a.num_experts,
+                                  moe_grouped_gemm=a.moe_grouped_gemm)
 
 
 def flag_built_gpt(a, config, spec, stage: Stage, vocab_size: int, max_sequence_length: int,
@@ -170,7 +164,7 @@ def assemble(a, device=None, finalize_model_grads_func=None, stage: Stage = WHOL
 
     def build():
         if a.model_shape is not None:
-            return converted_gpt(a, stage)[1]
+            return converted_gpt(a, stage)
         config = transformer_config(a)
         # Same draws on every rank and layout: seed the CPU generator (and Megatron's tracker).
         torch.manual_seed(a.seed)

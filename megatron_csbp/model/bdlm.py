@@ -249,18 +249,14 @@ class BlockDiffusionModel(torch.nn.Module):
         the output layer's input of those rows is appended to it and the output layer gets none."""
         plan = self.plan if plan is None else plan
         fed = self.feeder.feed(plan, tokens, logit_rows)
-        rope = self.gpt.rotary_pos_emb.at(fed.positions) if self.gpt.position_embedding_type == "rope" \
-            else contextlib.nullcontext()
-        # the output layer's rows: a pre-hook bound to this call's rows, removed after it
-        hook = self.gpt.output_layer.register_forward_pre_hook(partial(_keep_rows, fed.output, capture)) \
-            if self.last_stage else None
-        try:
-            with rope:
-                out = self.gpt(fed.input_ids, fed.positions[None].expand_as(fed.input_ids),
-                               attention_mask=plan_mask(plan), **model_kwargs)
-        finally:
-            if hook is not None:
-                hook.remove()
+        with contextlib.ExitStack() as scope:
+            if self.gpt.position_embedding_type == "rope":
+                scope.enter_context(self.gpt.rotary_pos_emb.at(fed.positions))
+            if self.last_stage:  # the output layer's rows: a pre-hook bound to this call's rows, removed after it
+                scope.callback(self.gpt.output_layer.register_forward_pre_hook(
+                    partial(_keep_rows, fed.output, capture)).remove)
+            out = self.gpt(fed.input_ids, fed.positions[None].expand_as(fed.input_ids),
+                           attention_mask=plan_mask(plan), **model_kwargs)
         order = fed.output.gathered_order  # sequence parallelism with `logit_rows`: all-gathered rows
         if order is None or not self.last_stage:  # [shard 0's k | shard 1's k | ...] -> the requested order
             return out

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from megatron_csbp.model.core import (  # noqa: F401  (re-exported: the constructors' public place)
-    PORTABLE_CONFIG, embedding_rows, gpt_model, local_layer_spec, padded_vocab_size, transformer_config,
+    PORTABLE_CONFIG, embedding_rows, gpt_layer_spec, gpt_model, local_layer_spec, padded_vocab_size, transformer_config,
     with_block_diffusion,
 )
 

@@ -68,6 +68,21 @@ def local_layer_spec(block_diffusion: bool = True, kernel: str = "auto", **spec_
     return with_block_diffusion(spec, kernel) if block_diffusion else spec
 
 
+def gpt_layer_spec(config, mixed_moe: bool, block_diffusion: bool = True, kernel: str = "auto",
+                   normalization: str = "RMSNorm", vp_stage=None, **local_options):
+    """The GPT layer spec of a flag-built or converted model, with the block-diffusion core attention
+    unless `block_diffusion=False`: Megatron's decoder block spec when dense and MoE layers mix
+    (`mixed_moe`; it reads the pattern from `config`, cut to this chunk's layers), else
+    `local_layer_spec(**local_options)`."""
+    if not mixed_moe:
+        return local_layer_spec(block_diffusion, kernel, normalization=normalization, **local_options)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization,
+                                      vp_stage=vp_stage)
+    return with_block_diffusion(spec, kernel) if block_diffusion else spec
+
+
 def with_block_diffusion(spec, kernel: str = "auto"):
     from megatron_csbp.model.spec import with_block_diffusion_attention
 

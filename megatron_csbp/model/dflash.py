@@ -109,24 +109,16 @@ class DrafterShape:
     def from_hf_config(cfg: Dict) -> "DrafterShape":
         if cfg.get("model_type") != HF_MODEL_TYPE:
             raise ValueError(f"not a {HF_MODEL_TYPE} config (model_type {cfg.get('model_type')!r})")
-        rope = dict(cfg.get("rope_parameters") or {})
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
-        heads = int(cfg["num_attention_heads"])
-        return DrafterShape(
-            hidden_size=int(cfg["hidden_size"]), num_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=heads, num_query_groups=int(cfg.get("num_key_value_heads") or heads),
-            kv_channels=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            ffn_hidden_size=int(cfg["intermediate_size"]), target_layer_ids=list(cfg["target_layer_ids"]),
-            block_size=int(cfg["block_size"]), mask_token_id=int(cfg["mask_token_id"]),
-            layer_types=list(cfg["layer_types"]) if cfg.get("layer_types") else None,
-            norm_epsilon=float(cfg.get("rms_norm_eps", DrafterShape.norm_epsilon)),
-            rotary_base=float(rope.get("rope_theta", DrafterShape.rotary_base)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", DrafterShape.max_position_embeddings)),
-            sliding_window=int(cfg.get("sliding_window") or DrafterShape.sliding_window),
-            hf_extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
-            rope_parameters=rope if rope.get("rope_type", "default") != "default" else {},
-        )
+        rope = dict(cfg.get("rope_parameters") or {})
+        # the keys given (copied: the shape owns its lists); an absent or null key keeps the field's default
+        given = {name: copy.copy(cfg[key]) for name, key in HF_KEYS.items() if cfg.get(key) is not None}
+        heads = given["num_attention_heads"]
+        return DrafterShape(**{"num_query_groups": heads, "kv_channels": given["hidden_size"] // heads, **given},
+                            rotary_base=float(rope.get("rope_theta", DrafterShape.rotary_base)),
+                            hf_extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
+                            rope_parameters=rope if rope.get("rope_type", "default") != "default" else {})
 
     def hf_config(self):
         from transformers import MuseGlimmerAssistantConfig
@@ -144,11 +136,9 @@ class DrafterShape:
 
 
 def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
-    from megatron_csbp.model.builder import PORTABLE_CONFIG, transformer_config
+    from megatron_csbp.model.core import PORTABLE_CONFIG, dimensions, transformer_config
 
-    fields = dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-                  num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-                  kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+    fields = dict(dimensions(shape), normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
                   gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
                   params_dtype=params_dtype, **PORTABLE_CONFIG)
     return transformer_config(**(fields | overrides))
@@ -291,45 +281,39 @@ _LAYER_NAMES = (("input_layernorm.weight", "input_layernorm.weight"), ("linear_q
                 ("linear_proj.weight", "self_attn.o_proj.weight"),
                 ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
                 ("mlp.linear_fc2.weight", "mlp.down_proj.weight"))
-#: per layer, Megatron's fused tensor <- the Hugging Face tensors it joins: per query group [k | v] (d rows
-#: each, Megatron's cross-attention layout), and the MLP's [gate ; up]
-_FUSED = {"linear_kv.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-          "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
-def _renamed(shape: DrafterShape) -> List[Tuple[str, str]]:
-    """(Megatron, Hugging Face) names of the tensors renamed as they are."""
-    per_layer = [(f"layers.{i}.{meg}", f"layers.{i}.{hf}") for i in range(shape.num_layers) for meg, hf in _LAYER_NAMES]
-    return list(_TOP_NAMES) + per_layer
+def tensor_map(shape: DrafterShape) -> list:
+    """Every drafter tensor with the Hugging Face tensors it joins (`gpt_weights.Tensors`): the renamed
+    ones, and per layer the fused [k | v] per query group (d rows each, Megatron's cross-attention
+    layout) and the MLP's [gate ; up]."""
+    from megatron_csbp.model.families.gpt_weights import Tensors, grouped
 
-
-def _fused(shape: DrafterShape) -> List[Tuple[str, List[str], int]]:
-    """(Megatron name, its Hugging Face parts, groups of rows the parts interleave in) of the fused tensors."""
-    return [(f"layers.{i}.{meg}", [f"layers.{i}.{hf}" for hf in parts],
-             shape.num_query_groups if meg == "linear_kv.weight" else 1)
-            for i in range(shape.num_layers) for meg, parts in _FUSED.items()]
+    out = [Tensors(meg, [hf]) for meg, hf in _TOP_NAMES]
+    for i in range(shape.num_layers):
+        p = f"layers.{i}."  # both sides' prefix
+        out += [Tensors(p + meg, [p + hf]) for meg, hf in _LAYER_NAMES]
+        out += [grouped(p + "linear_kv.weight", [p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                        shape.num_query_groups, [shape.kv_channels] * 2),
+                grouped(p + "mlp.linear_fc1.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 1,
+                        [shape.ffn_hidden_size] * 2)]
+    return out
 
 
 def hf_tensor_names(shape: DrafterShape) -> set:
     """Every tensor name of the Hugging Face drafter of `shape`."""
-    return {hf for _, hf in _renamed(shape)} | {hf for _, parts, _ in _fused(shape) for hf in parts}
+    return {hf for t in tensor_map(shape) for hf in t.hf}
 
 
 def hf_to_megatron_state(shape: DrafterShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`MuseGlimmerAssistantModel` state dict -> `DFlashDrafter` state dict."""
-    out = {meg: hf[name] for meg, name in _renamed(shape)}
-    for meg, parts, groups in _fused(shape):
-        out[meg] = torch.cat([hf[name].view(groups, -1, hf[name].shape[-1]) for name in parts], dim=1).flatten(0, 1)
-    return out
+    return {t.megatron: t.join(*(hf[name] for name in t.hf)) for t in tensor_map(shape)}
 
 
 def megatron_to_hf_state(shape: DrafterShape, meg: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """`DFlashDrafter` state dict -> `MuseGlimmerAssistantModel` state dict (inverse of the above)."""
-    out = {name: meg[m] for m, name in _renamed(shape)}
-    for m, parts, groups in _fused(shape):
-        fused = meg[m].view(groups, len(parts), -1, meg[m].shape[-1])
-        out.update(zip(parts, (part.flatten(0, 1) for part in fused.unbind(1))))
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    return {hf: part.contiguous().clone() for t in tensor_map(shape)
+            for hf, part in zip(t.hf, t.split(meg[t.megatron]))}
 
 
 def drafter_state(model: DFlashDrafter) -> Dict[str, torch.Tensor]:
@@ -552,24 +536,19 @@ class TrainableDrafter(torch.nn.Module):
     def _run(self, objective, tokens, loss_mask, sample_index, denominator, document_ids, with_acceptance=False):
         """(the loss, or on a stage before the last its rows; the summed acceptance counts)."""
         split = self.splits[1 if objective.held_out else 0]
-        total, outputs, start, counts = 0.0, [], 0, 0
+        outputs, start = [], 0
         for i in range(tokens.shape[0]):
             index = split.data_index(int(sample_index[i]))
             seq = (tokens[i].cpu(), loss_mask[i].cpu(), None if document_ids is None else document_ids[i].cpu())
             blocks = self.model.draft_blocks(*seq, sample_index=index, objective=objective)
             rows = None if self.pre_process else self.input_tensor[start:start + len(blocks[1].local)]
             start += len(blocks[1].local)
-            out = self.model(split.data[index]["features"], *seq, sample_index=index, with_acceptance=with_acceptance,
-                             rows=rows, blocks=blocks, objective=objective)
-            if not self.last_stage:
-                outputs.append(out)
-                continue
-            total = total + out.loss
-            if with_acceptance:
-                counts = counts + out.metrics["acceptance_counts"]
+            outputs.append(self.model(split.data[index]["features"], *seq, sample_index=index, rows=rows, blocks=blocks,
+                                      with_acceptance=with_acceptance, objective=objective))
         if not self.last_stage:
-            return torch.cat(outputs), counts
-        loss = total / denominator
+            return torch.cat(outputs), 0
+        counts = sum(out.metrics["acceptance_counts"] for out in outputs) if with_acceptance else 0
+        loss = sum(out.loss for out in outputs) / denominator
         return LossOutput(loss, torch.tensor(tokens.shape[0]), loss.detach()), counts
 
     def eval_record(self, metrics: Dict, log=print) -> Dict:

@@ -72,12 +72,9 @@ class DiffusionGemmaConfig(TransformerConfig):
         if self.full_num_query_groups is None:
             self.full_num_query_groups = self.num_query_groups
         # Per-layer sliding windows through Megatron's own fields (keys q-W < k <= q).
-        if SLIDING in self.layer_types:
-            self.window_size = (self.sliding_window - 1, 0)
-            self.window_attn_skip_freq = [int(t == SLIDING) for t in self.layer_types]
-        else:
-            self.window_size = None
-            self.window_attn_skip_freq = None
+        sliding = SLIDING in self.layer_types
+        self.window_size = (self.sliding_window - 1, 0) if sliding else None
+        self.window_attn_skip_freq = [int(t == SLIDING) for t in self.layer_types] if sliding else None
         self.heterogeneous_block_specs = True
         super().__post_init__()
         self.heterogeneous_block_specs = True
@@ -111,13 +108,10 @@ class DiffusionGemmaConfig(TransformerConfig):
         Sliding: theta^(-2i/d) over all d dims. Full ("proportional"): the first
         int(proportion * d // 2) entries theta^(-2i/d), zeros after, so the rotate-half covers all
         d dims and the tail pairs do not rotate."""
-        if kind == SLIDING:
-            d, base, factor, proportion = self.sliding_kv_channels, self.rotary_base, self.sliding_rope_factor, 1.0
-        elif kind == FULL:
-            d, base, factor = self.full_kv_channels, self.full_rotary_base, self.full_rope_factor
-            proportion = self.full_rotary_proportion
-        else:
-            raise ValueError(kind)
+        d, base, factor, proportion = {
+            SLIDING: (self.sliding_kv_channels, self.rotary_base, self.sliding_rope_factor, 1.0),
+            FULL: (self.full_kv_channels, self.full_rotary_base, self.full_rope_factor, self.full_rotary_proportion),
+        }[kind]
         angles = int(proportion * d // 2)
         rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(torch.float32) / d))
         inv = torch.cat([rotated, torch.zeros(d // 2 - angles, dtype=torch.float32)])

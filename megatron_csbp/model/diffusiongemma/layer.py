@@ -82,13 +82,13 @@ class DiffusionGemmaTransformerLayer(TransformerLayer):
         return output * scale, context
 
 
-def diffusion_gemma_layer_spec(kernel_core_attention=DotProductAttention) -> ModuleSpec:
+def diffusion_gemma_layer_spec() -> ModuleSpec:
     """Spec of one DiffusionGemma layer (local Megatron linears). Per-layer head dims, KV heads and
     windows come from the config (`get_config_for_layer`). The core attention is Megatron's; apply
     `with_block_diffusion_attention` to train it as a block-diffusion LM."""
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     branch_norms = {f"{p}_{branch}_layernorm": GemmaRMSNorm for p in ("pre", "post") for branch in ("dense", "experts")}
-    attention = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=kernel_core_attention,
+    attention = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
                                         linear_proj=RowParallelLinear, q_layernorm=GemmaRMSNorm,
                                         k_layernorm=GemmaRMSNorm)
     return ModuleSpec(

@@ -183,7 +183,7 @@ class DiffusionGemmaModel(GPTModel):
 
 
 def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, block_diffusion: bool = True,
-                          kernel: str = "auto", parallel_output: bool = True, stage=None) -> DiffusionGemmaModel:
+                          kernel: str = "auto", stage=None) -> DiffusionGemmaModel:
     """Model provider (parallel state must be initialised). `stage`: the pipeline chunk
     (`megatron_csbp.parallel.pipeline.Stage`; None: the whole model): the embedding and self-conditioning
     MLP on the first stage, the soft-capped tied output layer on the last; layers keep their global
@@ -192,5 +192,4 @@ def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, blo
 
     stage = stage or WHOLE
     spec = diffusion_gemma_block_spec(config, block_diffusion=block_diffusion, kernel=kernel, vp_stage=stage.vp_stage)
-    return DiffusionGemmaModel(config, spec, vocab_size, max_sequence_length, parallel_output=parallel_output,
-                               **stage.kwargs())
+    return DiffusionGemmaModel(config, spec, vocab_size, max_sequence_length, **stage.kwargs())

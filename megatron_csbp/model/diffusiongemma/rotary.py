@@ -31,11 +31,9 @@ def select_table(emb: torch.Tensor, kind: str, half_dims) -> torch.Tensor:
     hs, hf = half_dims
     if emb.shape[-1] != 2 * (hs + hf):
         raise RuntimeError(f"rotary tensor has {emb.shape[-1]} angles, expected 2 x ({hs} + {hf})")
-    if kind == SLIDING:
-        return torch.cat([emb[..., :hs], emb[..., hs + hf : 2 * hs + hf]], dim=-1)
-    if kind == FULL:
-        return torch.cat([emb[..., hs : hs + hf], emb[..., 2 * hs + hf :]], dim=-1)
-    raise ValueError(kind)
+    start, width = {SLIDING: (0, hs), FULL: (hs, hf)}[kind]  # its angles in each half of cat(F, F)
+    half = hs + hf
+    return torch.cat([emb[..., start : start + width], emb[..., half + start : half + start + width]], dim=-1)
 
 
 def layer_rotary_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_csbp.model.diffusiongemma.config import FULL, SLIDING, make_config
+from megatron_csbp.model.diffusiongemma.config import FULL, SLIDING, config_from_hf
 
 TINY_LAYER_TYPES = (SLIDING, FULL, SLIDING, FULL)
 
@@ -20,7 +20,11 @@ def tiny_text_config(vocab_size: int = 96, sliding_window: int = 6, layer_types:
     return dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=48, num_hidden_layers=len(layer_types),
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
                 num_global_key_value_heads=1, layer_types=list(layer_types), sliding_window=sliding_window,
-                num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=12, max_position_embeddings=256)
+                num_experts=num_experts, top_k_experts=top_k, moe_intermediate_size=12, max_position_embeddings=256,
+                # transformers' defaults, spelled out so that `config_from_hf` reads them without transformers
+                rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1_000_000.0}})
 
 
 def tiny_hf_config(**text_kwargs):
@@ -65,12 +69,8 @@ def redraw_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def tiny_megatron_config(vocab_size: Optional[int] = None, sliding_window: int = 6,
                          layer_types: Sequence[str] = TINY_LAYER_TYPES, **overrides):
-    """The Megatron config of `tiny_hf_model` (without transformers)."""
-    kw = dict(num_layers=len(layer_types), hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-              num_query_groups=2, kv_channels=8, layer_types=list(layer_types), sliding_window=sliding_window,
-              full_kv_channels=16, full_num_query_groups=1, num_moe_experts=4, moe_router_topk=2,
-              moe_ffn_hidden_size=12)
-    return make_config(**(kw | overrides))
+    """The Megatron config of `tiny_hf_model` (without transformers): its text config read by `config_from_hf`."""
+    return config_from_hf(tiny_text_config(sliding_window=sliding_window, layer_types=layer_types), **overrides)
 
 
 def main(argv=None) -> int:

@@ -123,11 +123,8 @@ class ModelShape:
 
     def moe_layers(self) -> List[int]:
         """Indices (0-based) of the MoE layers."""
-        if not self.is_moe:
-            return []
-        if self.moe_layer_pattern is None:
-            return list(range(self.num_layers))
-        return [i for i, m in enumerate(self.moe_layer_pattern) if m]
+        pattern = [1] * self.num_layers if self.moe_layer_pattern is None else self.moe_layer_pattern
+        return [i for i, m in enumerate(pattern) if m] if self.is_moe else []
 
 
 def flag_values(shape: ModelShape) -> Dict[str, Any]:

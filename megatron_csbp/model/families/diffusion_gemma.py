@@ -102,10 +102,8 @@ def hf_config_for_export(shape: ModelShape) -> Dict[str, Any]:
     if opts["final_logit_softcapping"] != DIFFUSION_GEMMA_SOFTCAP:
         raise UnsupportedModelError(f"final_logit_softcapping {opts['final_logit_softcapping']}: Hugging Face "
                                     f"diffusion_gemma fixes it at {DIFFUSION_GEMMA_SOFTCAP}")
-    try:
-        from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig
-    except ImportError as exc:  # pragma: no cover - transformers is in the CPU requirements
-        raise UnsupportedModelError("exporting a Gemma 4 start as diffusion_gemma needs transformers >= 5.24") from exc
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig  # transformers >= 5.24 (setup.py)
+
     from megatron_csbp.model.diffusiongemma.config import text_config_dict
 
     text = text_config_dict(cfg)

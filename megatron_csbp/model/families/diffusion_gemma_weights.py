@@ -1,51 +1,41 @@
 """Hugging Face `diffusion_gemma` <-> Megatron `DiffusionGemmaModel` state dicts (full, unsharded).
 
 Import checks every encoder duplicate against the decoder copy; the two `layer_scalar` copies are
-kept apart; vision weights are returned untouched for export. Both layouts (see `_layer_map`):
+kept apart; vision weights are returned untouched for export. Both layouts (see `tensor_map`):
 docs/diffusiongemma.md#conversion.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_csbp.model.families.gpt_weights import ConversionError, fuse_groups, split_groups
+from megatron_csbp.model.families.gpt_weights import ConversionError, Tensors, _concat, _halves, grouped
 from megatron_csbp.model.diffusiongemma.config import DiffusionGemmaConfig, config_from_hf
 
 HF_TEXT = "model.decoder."
 HF_ENCODER = "model.encoder.language_model."
 
 
-def _layer_map(i: int):
-    """(HF suffix under layers.{i}., Megatron key) for the one-to-one tensors of layer i."""
-    m = f"decoder.layers.{i}."
-    return [
-        ("self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-        ("self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
-        ("self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
-        ("input_layernorm.weight", m + "input_layernorm.weight"),
-        ("post_attention_layernorm.weight", m + "post_attention_layernorm.weight"),
-        ("pre_feedforward_layernorm.weight", m + "mlp.pre_dense_layernorm.weight"),
-        ("post_feedforward_layernorm_1.weight", m + "mlp.post_dense_layernorm.weight"),
-        ("pre_feedforward_layernorm_2.weight", m + "mlp.pre_experts_layernorm.weight"),
-        ("post_feedforward_layernorm_2.weight", m + "mlp.post_experts_layernorm.weight"),
-        ("post_feedforward_layernorm.weight", m + "post_feedforward_layernorm.weight"),
-        ("mlp.down_proj.weight", m + "mlp.dense.linear_fc2.weight"),
-        ("router.proj.weight", m + "mlp.router.weight"),
-        ("router.scale", m + "mlp.router.scale"),
-        ("router.per_expert_scale", m + "mlp.router.per_expert_scale"),
-        ("layer_scalar", m + "layer_scalar"),
-    ]
-
-
-def _qkv_to_megatron(q, k, v, heads: int, groups: int, d: int) -> torch.Tensor:
-    return fuse_groups([q, k] + ([] if v is None else [v]), groups)
-
-
-def _qkv_from_megatron(qkv, heads: int, groups: int, d: int, k_eq_v: bool):
-    q, k, *v = split_groups(qkv, groups, [heads // groups * d, d] + ([] if k_eq_v else [d]))
-    return q, k, (v[0] if v else None)
+#: (Hugging Face name under `layers.{i}.`, Megatron name under `decoder.layers.{i}.`) of each layer's
+#: tensors renamed as they are
+_LAYER_NAMES = (
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+    ("pre_feedforward_layernorm.weight", "mlp.pre_dense_layernorm.weight"),
+    ("post_feedforward_layernorm_1.weight", "mlp.post_dense_layernorm.weight"),
+    ("pre_feedforward_layernorm_2.weight", "mlp.pre_experts_layernorm.weight"),
+    ("post_feedforward_layernorm_2.weight", "mlp.post_experts_layernorm.weight"),
+    ("post_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
+    ("mlp.down_proj.weight", "mlp.dense.linear_fc2.weight"),
+    ("router.proj.weight", "mlp.router.weight"),
+    ("router.scale", "mlp.router.scale"),
+    ("router.per_expert_scale", "mlp.router.per_expert_scale"),
+    ("layer_scalar", "layer_scalar"),
+)
 
 
 def _layer_shape(config: DiffusionGemmaConfig, i: int):
@@ -53,22 +43,48 @@ def _layer_shape(config: DiffusionGemmaConfig, i: int):
     return config.num_attention_heads, c.num_query_groups, c.kv_channels, config.k_eq_v(i + 1)
 
 
+def qkv_tensors(config: DiffusionGemmaConfig, i: int) -> Tensors:
+    """Layer i's fused QKV: per query group its q heads, k and (unless K=V) v (Megatron's order)."""
+    heads, groups, d, k_eq_v = _layer_shape(config, i)
+    hf = [f"{HF_TEXT}layers.{i}.self_attn.{p}_proj.weight" for p in ("qk" if k_eq_v else "qkv")]
+    return grouped(f"decoder.layers.{i}.self_attention.linear_qkv.weight", hf, groups,
+                   [heads // groups * d] + [d] * (len(hf) - 1))
+
+
+def tensor_map(config: DiffusionGemmaConfig) -> List[Tensors]:
+    """Every Megatron tensor but the experts' with the Hugging Face tensors it is made of (the
+    decoder's; `clean_layer_scalar` is the encoder's `layer_scalar`)."""
+    sc = HF_TEXT + "self_conditioning."
+    out = [Tensors("embedding.word_embeddings.weight", [HF_TEXT + "embed_tokens.weight"]),
+           Tensors("decoder.final_layernorm.weight", [HF_TEXT + "norm.weight"]),
+           Tensors("self_conditioning_norm.weight", [sc + "pre_norm.weight"]),
+           Tensors("self_conditioning_mlp.linear_fc1.weight", [sc + "gate_proj.weight", sc + "up_proj.weight"],
+                   _concat, _halves),
+           Tensors("self_conditioning_mlp.linear_fc2.weight", [sc + "down_proj.weight"])]
+    for i in range(config.num_layers):
+        hp, m = f"{HF_TEXT}layers.{i}.", f"decoder.layers.{i}."
+        out += [Tensors(m + meg, [hp + hf]) for hf, meg in _LAYER_NAMES]
+        out += [Tensors(m + "clean_layer_scalar", [f"{HF_ENCODER}layers.{i}.layer_scalar"]), qkv_tensors(config, i),
+                Tensors(m + "mlp.dense.linear_fc1.weight", [hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"],
+                        _concat, _halves)]
+    return out
+
+
+def _expert_prefixes(i: int) -> Tuple[str, str]:
+    """(Hugging Face prefix of layer i's stacked expert tensors, Megatron prefix of its experts)."""
+    return f"{HF_TEXT}layers.{i}.experts.", f"decoder.layers.{i}.mlp.experts.local_experts."
+
+
 def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
-                         config: Optional[DiffusionGemmaConfig] = None, **config_overrides
+                         config: Optional[DiffusionGemmaConfig] = None
                          ) -> Tuple[Dict[str, torch.Tensor], DiffusionGemmaConfig, Dict[str, torch.Tensor]]:
     """Returns (Megatron state dict, the model's config, HF tensors without a Megatron counterpart).
 
     `hf_config`: the HF config object or its config.json dict (`per_layer_config` is read from it).
     """
     if config is None:
-        config = config_from_hf(hf_config, **config_overrides)
+        config = config_from_hf(hf_config)
     used = set()
-
-    def take(key):
-        if key not in hf_state:
-            raise ConversionError(f"Hugging Face state dict lacks {key}")
-        used.add(key)
-        return hf_state[key]
 
     def check_copy(key, reference, what):
         if key in hf_state:
@@ -77,48 +93,38 @@ def hf_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any,
                 raise ConversionError(f"{key} differs from the shared copy {what}: the checkpoint's encoder "
                                       "and decoder weights must be tied")
 
-    def tied(suffix, decoder=HF_TEXT, encoder=HF_ENCODER):
-        """The decoder's tensor, its encoder copy checked against it."""
-        t = take(decoder + suffix)
-        check_copy(encoder + suffix, t, decoder + suffix)
-        return t
-
-    emb = tied("embed_tokens.weight")
-    check_copy("lm_head.weight", emb, HF_TEXT + "embed_tokens.weight")
-    out = {"embedding.word_embeddings.weight": emb, "decoder.final_layernorm.weight": tied("norm.weight")}
-    sc = HF_TEXT + "self_conditioning."
-    out["self_conditioning_norm.weight"] = take(sc + "pre_norm.weight")
-    out["self_conditioning_mlp.linear_fc1.weight"] = torch.cat([take(sc + "gate_proj.weight"), take(sc + "up_proj.weight")])
-    out["self_conditioning_mlp.linear_fc2.weight"] = take(sc + "down_proj.weight")
+    def take(key):
+        """The tensor `key`; a decoder tensor's encoder copy checked against it (tied weights, the
+        `layer_scalar`s aside); a missing encoder `layer_scalar`: the decoder's (one for both streams)."""
+        if key.startswith(HF_ENCODER) and key not in hf_state:
+            key = HF_TEXT + key[len(HF_ENCODER):]
+        if key not in hf_state:
+            raise ConversionError(f"Hugging Face state dict lacks {key}")
+        used.add(key)
+        if key.startswith(HF_TEXT) and not key.endswith("layer_scalar"):
+            check_copy(HF_ENCODER + key[len(HF_TEXT):], hf_state[key], key)
+        return hf_state[key]
 
     for i in range(config.num_layers):
-        hp, ep = f"{HF_TEXT}layers.{i}.", f"{HF_ENCODER}layers.{i}."
-        m = f"decoder.layers.{i}."
         heads, groups, d, k_eq_v = _layer_shape(config, i)
-
-        def layer(suffix):
-            return take(hp + suffix) if suffix == "layer_scalar" else tied(suffix, hp, ep)
-
-        out.update({mkey: layer(suffix) for suffix, mkey in _layer_map(i)})
-        enc_scalar = ep + "layer_scalar"
-        out[m + "clean_layer_scalar"] = take(enc_scalar) if enc_scalar in hf_state else out[m + "layer_scalar"]
-        q, k = layer("self_attn.q_proj.weight"), layer("self_attn.k_proj.weight")
-        has_v = (hp + "self_attn.v_proj.weight") in hf_state
+        attn = f"{HF_TEXT}layers.{i}.self_attn."
+        q, k = take(attn + "q_proj.weight"), take(attn + "k_proj.weight")
+        has_v = (attn + "v_proj.weight") in hf_state
         if has_v == k_eq_v:
             raise ConversionError(f"layer {i}: v_proj {'present' if has_v else 'missing'} but the config says "
                                   f"{'K=V' if k_eq_v else 'separate V'}")
-        v = layer("self_attn.v_proj.weight") if has_v else None
         if q.shape[0] != heads * d or k.shape[0] != groups * d:
             raise ConversionError(f"layer {i}: q/k shapes {tuple(q.shape)}/{tuple(k.shape)} do not match "
                                   f"{heads} heads, {groups} KV heads of dim {d} (per_layer_config)")
-        out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(q, k, v, heads, groups, d)
-        out[m + "mlp.dense.linear_fc1.weight"] = torch.cat([layer("mlp.gate_proj.weight"), layer("mlp.up_proj.weight")])
-        gate_up, down = layer("experts.gate_up_proj"), layer("experts.down_proj")
+    out = {t.megatron: t.join(*map(take, t.hf)) for t in tensor_map(config)}
+    check_copy("lm_head.weight", out["embedding.word_embeddings.weight"], HF_TEXT + "embed_tokens.weight")
+    for i in range(config.num_layers):
+        hf, experts = _expert_prefixes(i)
+        gate_up, down = take(hf + "gate_up_proj"), take(hf + "down_proj")
         if gate_up.shape[0] != config.num_moe_experts:
             raise ConversionError(f"layer {i}: {gate_up.shape[0]} experts, config says {config.num_moe_experts}")
         for e in range(config.num_moe_experts):
-            out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
-            out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+            out[f"{experts}{e}.linear_fc1.weight"], out[f"{experts}{e}.linear_fc2.weight"] = gate_up[e], down[e]
 
     text_left = sorted(k for k in hf_state if k not in used and (k.startswith(HF_TEXT) or k.startswith(HF_ENCODER)))
     if text_left:
@@ -133,33 +139,18 @@ def megatron_to_hf_state(state: Dict[str, torch.Tensor], config: DiffusionGemmaC
     encoder `layer_scalar`s, `extra` such as vision weights passed through). `tied_copies=True`
     also writes the encoder copies and `lm_head.weight`, i.e. a live model's `state_dict()`."""
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
-    out: Dict[str, torch.Tensor] = {}
     used = set()
 
     def take(key):
         used.add(key)
         return state[key]
 
-    out[HF_TEXT + "embed_tokens.weight"] = take("embedding.word_embeddings.weight")
-    out[HF_TEXT + "norm.weight"] = take("decoder.final_layernorm.weight")
-    sc = HF_TEXT + "self_conditioning."
-    out[sc + "pre_norm.weight"] = take("self_conditioning_norm.weight")
-    out[sc + "gate_proj.weight"], out[sc + "up_proj.weight"] = take("self_conditioning_mlp.linear_fc1.weight").chunk(2)
-    out[sc + "down_proj.weight"] = take("self_conditioning_mlp.linear_fc2.weight")
+    out = {hf: part for t in tensor_map(config) for hf, part in zip(t.hf, t.split(take(t.megatron)))}
     for i in range(config.num_layers):
-        hp, ep, m = f"{HF_TEXT}layers.{i}.", f"{HF_ENCODER}layers.{i}.", f"decoder.layers.{i}."
-        heads, groups, d, k_eq_v = _layer_shape(config, i)
-        for suffix, mkey in _layer_map(i):
-            out[hp + suffix] = take(mkey)
-        out[ep + "layer_scalar"] = take(m + "clean_layer_scalar")
-        q, k, v = _qkv_from_megatron(take(m + "self_attention.linear_qkv.weight"), heads, groups, d, k_eq_v)
-        out[hp + "self_attn.q_proj.weight"], out[hp + "self_attn.k_proj.weight"] = q, k
-        if v is not None:
-            out[hp + "self_attn.v_proj.weight"] = v
-        out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = take(m + "mlp.dense.linear_fc1.weight").chunk(2)
-        for hf_name, fc in (("gate_up_proj", "fc1"), ("down_proj", "fc2")):
-            out[f"{hp}experts.{hf_name}"] = torch.stack(
-                [take(f"{m}mlp.experts.local_experts.{e}.linear_{fc}.weight") for e in range(config.num_moe_experts)])
+        hf, experts = _expert_prefixes(i)
+        for name, fc in (("gate_up_proj", "fc1"), ("down_proj", "fc2")):
+            out[hf + name] = torch.stack([take(f"{experts}{e}.linear_{fc}.weight")
+                                          for e in range(config.num_moe_experts)])
     left = sorted(k for k in state if k not in used and k != "output_layer.weight")
     if left:
         raise ConversionError(f"Megatron tensors with no Hugging Face counterpart: {left[:8]}")
@@ -177,7 +168,7 @@ GEMMA4_PREFIXES = ("model.language_model.", "model.")  # Gemma4ForConditionalGen
 
 
 def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, seed: int = 0,
-                             init_std: Optional[float] = None, **config_overrides
+                             init_std: Optional[float] = None
                              ) -> Tuple[Dict[str, torch.Tensor], DiffusionGemmaConfig, Dict[str, torch.Tensor]]:
     """A Gemma 4 text MoE checkpoint (`enable_moe_block`, no per-layer inputs, no KV sharing) as the
     starting point of a DiffusionGemma: same layers, embedding, final norm and soft-cap; K=V on full
@@ -195,8 +186,8 @@ def gemma4_to_megatron_state(hf_state: Dict[str, torch.Tensor], hf_config: Any, 
     prefix = next((p for p in GEMMA4_PREFIXES if p + "embed_tokens.weight" in hf_state), None)
     if prefix is None:
         raise ConversionError(f"no Gemma 4 text weights under {GEMMA4_PREFIXES}")
-    config_overrides.setdefault("final_logit_softcapping", c.get("final_logit_softcapping"))
-    config = config_from_hf(c, k_eq_v_full=bool(c.get("attention_k_eq_v", False)), **config_overrides)
+    config = config_from_hf(c, k_eq_v_full=bool(c.get("attention_k_eq_v", False)),
+                            final_logit_softcapping=c.get("final_logit_softcapping"))
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
     g = torch.Generator().manual_seed(seed)
     std = float(init_std if init_std is not None else c.get("initializer_range", 0.02))

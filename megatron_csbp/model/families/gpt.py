@@ -24,6 +24,8 @@ from megatron_csbp.model.families.base import (
 
 #: (module prefix, router name, (gate, up, down) expert weight names) of Hugging Face MoE layers
 MLP_MOE_NAMES = ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+#: the Llama 3.1 rope scaling constants Megatron's RotaryEmbedding(rope_scaling=True) hard-codes
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 # ---- Hugging Face config -> shape ----------------------------------------------------------------
@@ -44,9 +46,7 @@ def _rope(cfg: Dict[str, Any]):
     if kind == "linear":
         return float(theta), {"type": "linear", "factor": float(scaling["factor"])}
     if kind == "llama3":
-        # Megatron's RotaryEmbedding(rope_scaling=True) hard-codes the Llama 3.1 constants.
-        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        for key, want in fixed.items():
+        for key, want in LLAMA3_FIXED.items():
             refuse_if(float(scaling.get(key, want)) != want,
                       f"rope_scaling llama3 with {key}={scaling.get(key)}: Megatron's rope scaling "
                       f"supports only {key}={want}")
@@ -81,7 +81,6 @@ class GPTFamily(Family):
 
     # ---- Hugging Face config -> shape --------------------------------------------------------
     def shape_from_hf_config(self, cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
-        family = self.name
         for arch in cfg.get("architectures") or []:
             refuse_if(arch not in self.architectures,
                       f"architecture {arch!r} is not supported (only causal LMs: {sorted(self.architectures)})")
@@ -96,10 +95,9 @@ class GPTFamily(Family):
                   "use_sliding_window=True (sliding-window layers of Qwen) is not supported by the converter")
         refuse_if(self.refuse_sliding_window and cfg.get("sliding_window") is not None,
                   f"sliding_window={cfg.get('sliding_window')} (Mistral sliding-window attention) is not supported")
-        allowed_layers = set(self.layer_types)
-        refuse_if(cfg.get("layer_types") is not None and any(t not in allowed_layers for t in cfg["layer_types"]),
-                  f"layer_types {sorted(set(cfg.get('layer_types') or []))}: only {sorted(allowed_layers)} layers "
-                  f"are supported for {family}")
+        layer_types = set(cfg.get("layer_types") or [])
+        refuse_if(not layer_types <= set(self.layer_types), f"layer_types {sorted(layer_types)}: only "
+                  f"{sorted(self.layer_types)} layers are supported for {self.name}")
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         groups = int(cfg.get("num_key_value_heads") or heads)
@@ -110,7 +108,7 @@ class GPTFamily(Family):
         refuse_if(partial not in (None, 1.0) and not self.partial_rotary, f"partial_rotary_factor={partial} is not supported")
         dtype = check_dtype(params_dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
         shape = ModelShape(
-            family=family, num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden,
+            family=self.name, num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden,
             ffn_hidden_size=int(cfg["intermediate_size"]), num_attention_heads=heads, num_query_groups=groups,
             kv_channels=int(head_dim), vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
@@ -155,17 +153,9 @@ class GPTFamily(Family):
         in unless `block_diffusion=False`."""
         from megatron_csbp.model import core
 
-        if shape.is_moe and shape.moe_layer_pattern is not None:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-            if config is None:
-                raise ValueError("a mixed dense/MoE layer pattern needs the TransformerConfig")
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-            return core.with_block_diffusion(spec, kernel) if block_diffusion else spec
-        return core.local_layer_spec(block_diffusion, kernel,
-                                     num_experts=shape.num_experts if shape.is_moe else None,
-                                     moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm,
-                                     normalization="RMSNorm")
+        mixed_moe = shape.is_moe and shape.moe_layer_pattern is not None
+        return core.gpt_layer_spec(config, mixed_moe, block_diffusion, kernel, qk_layernorm=shape.qk_layernorm,
+                                   num_experts=shape.num_experts if shape.is_moe else None, moe_grouped_gemm=False)
 
     def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
         from megatron_csbp.model import core
@@ -185,12 +175,12 @@ class GPTFamily(Family):
     def hf_to_megatron(self, shape, tensors, cfg):
         from megatron_csbp.model.families.gpt_weights import hf_to_megatron
 
-        return hf_to_megatron(shape, tensors, self.hf_moe_names), {}
+        return hf_to_megatron(shape, tensors), {}
 
     def megatron_to_hf(self, shape, state):
         from megatron_csbp.model.families.gpt_weights import megatron_to_hf
 
-        return dict(shape.hf_config), megatron_to_hf(shape, state, self.hf_moe_names), ()
+        return dict(shape.hf_config), megatron_to_hf(shape, state), ()
 
     def megatron_flags(self, shape: ModelShape) -> List[str]:
         """Megatron-LM command-line flags that rebuild the same model (local spec): the shape's
@@ -299,9 +289,8 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
              max_position_embeddings=a["max_position_embeddings"] or a["seq_length"])
     vocab = a["padded_vocab_size"] or padded_vocab_size(int(a["vocab_size"]), int(a["make_vocab_size_divisible_by"]), 1)
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(a["rotary_base"])}
-    if a["use_rope_scaling"]:  # Megatron's fixed Llama 3.1 constants
-        rope.update(rope_type="llama3", factor=float(a["rope_scaling_factor"]), low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if a["use_rope_scaling"]:
+        rope.update(rope_type="llama3", factor=float(a["rope_scaling_factor"]), **LLAMA3_FIXED)
     elif a["rotary_seq_len_interpolation_factor"]:
         rope.update(rope_type="linear", factor=float(a["rotary_seq_len_interpolation_factor"]))
     # the options declared with a Hugging Face key (config/options.py), then what the flags imply
@@ -311,7 +300,7 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
                attention_dropout=0.0, dtype=a["params_dtype"])
     if model_type == "llama":
         cfg["mlp_bias"] = False
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if get_family(model_type).refuse_use_sliding_window:  # Qwen's sliding-window switch, off
         cfg["use_sliding_window"] = False
     if moe:
         cfg["num_experts_per_tok"] = int(a["moe_router_topk"])

@@ -6,7 +6,7 @@ embeddings: docs/conversion.md#tensor-mapping-unsharded-tp--1.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence
 
 import torch
 
@@ -18,9 +18,6 @@ IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class ConversionError(ValueError):
     pass
-
-
-MoENames = Tuple[str, str, Tuple[str, str, str]]
 
 
 def fuse_groups(parts: List[torch.Tensor], groups: int) -> torch.Tensor:
@@ -36,21 +33,6 @@ def split_groups(fused: torch.Tensor, groups: int, sizes: List[int]) -> List[tor
     return [p.reshape(-1, *rest) for p in torch.split(fused.reshape(groups, -1, *rest), sizes, dim=1)]
 
 
-def _qkv_sizes(shape: ModelShape) -> Tuple[int, int, int]:
-    """(query groups, q rows of a group, kv channels)."""
-    return shape.num_query_groups, shape.num_attention_heads // shape.num_query_groups * shape.kv_channels, shape.kv_channels
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """[q; k; v] (Hugging Face) -> Megatron's per-group interleaved layout."""
-    return fuse_groups([q, k, v], shape.num_query_groups)
-
-
-def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
-    groups, q_rows, d = _qkv_sizes(shape)
-    return split_groups(qkv, groups, [q_rows, d, d])
-
-
 def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """Qwen3.5 gated attention: q_proj rows are [q_h ; gate_h] per head; Megatron's `linear_qkv`
     with `attention_output_gate` is, per query group, [its q heads, their gates, k, v]."""
@@ -60,8 +42,8 @@ def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape
 
 
 def split_gated_qkv(qkv: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
-    groups, q_rows, d = _qkv_sizes(shape)
-    rest = qkv.shape[1:]
+    groups, d, rest = shape.num_query_groups, shape.kv_channels, qkv.shape[1:]
+    q_rows = shape.num_attention_heads // groups * d
     q, gate, k, v = split_groups(qkv, groups, [q_rows, q_rows, d, d])
     q_gate = torch.stack([q.reshape(groups, -1, d, *rest), gate.reshape(groups, -1, d, *rest)], dim=2)
     return [q_gate.reshape(-1, *rest), k, v]
@@ -110,6 +92,12 @@ class Tensors(NamedTuple):
     split: Callable[[torch.Tensor], Sequence[torch.Tensor]] = lambda t: (t,)
 
 
+def grouped(megatron: str, hf: List[str], groups: int, sizes: List[int]) -> Tensors:
+    """`Tensors` whose Hugging Face parts interleave per group (`fuse_groups`), part j `sizes[j]` rows a group."""
+    return Tensors(megatron, hf, lambda *parts: fuse_groups(list(parts), groups),
+                   lambda t: split_groups(t, groups, sizes))
+
+
 def _concat(*parts: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
@@ -118,9 +106,10 @@ def _halves(t: torch.Tensor) -> Sequence[torch.Tensor]:
     return torch.chunk(t, 2, dim=0)
 
 
-def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[Tensors]:
+def tensor_map(shape: ModelShape) -> List[Tensors]:
     """Every Megatron tensor of `shape` with the Hugging Face tensors it is made of, in checkpoint order."""
-    qkv = (fuse_gated_qkv, split_gated_qkv) if shape.attention_output_gate else (fuse_qkv, split_qkv)
+    groups, d = shape.num_query_groups, shape.kv_channels
+    qkv_rows = [shape.num_attention_heads // groups * d, d, d]  # per query group: its q heads, k, v
     moe_layers = set(shape.moe_layers())
     out = [Tensors("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
     for i in range(shape.num_layers):
@@ -133,19 +122,20 @@ def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[
             out.append(Tensors(a + "in_proj.weight", [f"{la}{n}.weight" for n in GDN_IN_PROJ], _concat,
                                lambda t: torch.split(t, _gdn_sizes(shape), dim=0)))
             out += [Tensors(a + meg, [la + hf_name]) for meg, hf_name in GDN_SAME.items()]
-        else:
+        elif shape.attention_output_gate:
             out.append(Tensors(a + "linear_qkv.weight", [f"{attn}{p}_proj.weight" for p in "qkv"],
-                               lambda q, k, v: qkv[0](q, k, v, shape), lambda t: qkv[1](t, shape)))
+                               lambda q, k, v: fuse_gated_qkv(q, k, v, shape), lambda t: split_gated_qkv(t, shape)))
+        else:
+            out.append(grouped(a + "linear_qkv.weight", [f"{attn}{p}_proj.weight" for p in "qkv"], groups, qkv_rows))
         if shape.add_qkv_bias:
-            out.append(Tensors(a + "linear_qkv.bias", [f"{attn}{p}_proj.bias" for p in "qkv"],
-                               lambda q, k, v: fuse_qkv(q, k, v, shape), lambda t: split_qkv(t, shape)))
+            out.append(grouped(a + "linear_qkv.bias", [f"{attn}{p}_proj.bias" for p in "qkv"], groups, qkv_rows))
         if not _is_gdn_layer(shape, i):
             if shape.qk_layernorm:
                 out += [Tensors(f"{a}{p}_layernorm.weight", [f"{attn}{p}_norm.weight"]) for p in "qk"]
             out.append(Tensors(a + "linear_proj.weight", [attn + "o_proj.weight"]))
         if i in moe_layers:
-            # (module prefix, router name, (gate, up, down) expert weight names): the family's unless given
-            block, router, (gate, up, down) = moe_names or get_family(shape.family).hf_moe_names
+            # (module prefix, router name, (gate, up, down) expert weight names) of the family
+            block, router, (gate, up, down) = get_family(shape.family).hf_moe_names
             out.append(Tensors(m + "mlp.router.weight", [f"{h}{block}.{router}.weight"]))
             for e in range(shape.num_experts):
                 x, y = f"{h}{block}.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
@@ -161,12 +151,11 @@ def tensor_map(shape: ModelShape, moe_names: Optional[MoENames] = None) -> List[
     return out
 
 
-def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
-                   moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
+def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Hugging Face tensors -> the unsharded Megatron state dict. Every Hugging Face tensor must be
     used (an unknown one means an option the model would silently drop)."""
     src = _Source(hf)
-    out = {t.megatron: t.join(*map(src.take, t.hf)) for t in tensor_map(shape, moe_names)}
+    out = {t.megatron: t.join(*map(src.take, t.hf)) for t in tensor_map(shape)}
     if shape.tie_word_embeddings and "lm_head.weight" in src.tensors:
         if not torch.equal(src.take("lm_head.weight"), out["embedding.word_embeddings.weight"]):
             raise ConversionError("tie_word_embeddings=True but lm_head.weight differs from embed_tokens.weight")
@@ -179,13 +168,12 @@ def hf_to_megatron(shape: ModelShape, hf: Dict[str, torch.Tensor],
     return out
 
 
-def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor],
-                   moe_names: Optional[MoENames] = None) -> Dict[str, torch.Tensor]:
+def megatron_to_hf(shape: ModelShape, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The unsharded Megatron state dict -> Hugging Face tensors (on-disk names)."""
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     src = _Source(sd, "Megatron")
     out: Dict[str, torch.Tensor] = {}
-    for t in tensor_map(shape, moe_names):
+    for t in tensor_map(shape):
         out.update(zip(t.hf, t.split(src.take(t.megatron))))
     left = sorted(set(sd) - src.used)
     if left:
