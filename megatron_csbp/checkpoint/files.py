@@ -152,26 +152,25 @@ def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
 def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
     """The model flags the checkpoint was trained with (`bdlm_meta.json` "model_args"), or None
     (a converted release has none: its shape file is the reference)."""
-    path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
-    if step == RELEASE or not os.path.isfile(path):
+    meta = None if step == RELEASE else _checkpoint_json(root, step, META_FILE)
+    return None if meta is None else dict(meta.get("model_args") or {})
+
+
+def _checkpoint_json(root: Optional[str], step, name: str) -> Optional[Dict[str, Any]]:
+    """The JSON file `name` of checkpoint `step` of `root`, or None when it has none."""
+    path = os.path.join(checkpoint_path(root, step), name) if root and step is not None else None
+    if path is None or not os.path.isfile(path):
         return None
-    return dict(_read_json(root, path).get("model_args") or {})
-
-
-def _read_json(root: str, path: str):
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
 
 
-
-
 def lora_record(root: Optional[str], step) -> Optional[Dict[str, Any]]:
     """The `LORA_FILE` of checkpoint `step` of `root` ({"lora": LoRA config, "base": {"path",
     "iteration", "fingerprint"}}), or None: not a LoRA checkpoint."""
-    path = os.path.join(checkpoint_path(root, step), LORA_FILE) if root and step is not None else None
-    return _read_json(root, path) if path is not None and os.path.isfile(path) else None
+    return _checkpoint_json(root, step, LORA_FILE)
 
 
 def model_source(load: Optional[str], load_step, pretrained: Optional[str]):

@@ -137,16 +137,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(root)
-        tracker_tmp = os.path.join(root, f".{TRACKER}.{nonce[0]}")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        if shape is not None:
-            shape_tmp = os.path.join(root, f".{SHAPE_FILE}.{nonce[0]}")
-            Path(shape_tmp).write_text(shape.to_json())
-            os.replace(shape_tmp, os.path.join(root, SHAPE_FILE))
+        for name, text in ((TRACKER, str(iteration)), *([(SHAPE_FILE, shape.to_json())] if shape is not None else [])):
+            part = os.path.join(root, f".{name}.{nonce[0]}")  # each replaced atomically
+            with open(part, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, os.path.join(root, name))
         dst = os.path.join(root, ASSETS_DIR)
         if assets_from and os.path.isdir(assets_from) and not os.path.exists(dst) \
                 and os.path.abspath(assets_from) != os.path.abspath(dst):
@@ -277,8 +274,9 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
     resume that Megatron-LM would stop with an assertion or a parameter-group error (see above)."""
     if scheduler is None or saved is None:
         return
-    lr_changed = [f"{SCHEDULER_FLAGS[k]} {scheduler.state_dict()[k]} (the checkpoint's {saved[k]})"
-                  for k in ("max_lr", "min_lr") if k in saved and scheduler.state_dict()[k] != saved[k]]
+    now = scheduler.state_dict()
+    lr_changed = [f"{SCHEDULER_FLAGS[k]} {now[k]} (the checkpoint's {saved[k]})" for k in ("max_lr", "min_lr")
+                  if k in saved and now[k] != saved[k]]
     if lr_changed and param_groups_keyed_by_lr():
         import megatron.core
 
@@ -290,7 +288,7 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
     override = getattr(scheduler, "override_opt_param_scheduler", False)
     use_checkpoint = getattr(scheduler, "use_checkpoint_opt_param_scheduler", False)
     if not (override or use_checkpoint):
-        now, changes = scheduler.state_dict(), {}  # one line per flag: its first changed value
+        changes = {}  # one line per flag: its first changed value
         for key, flag in SCHEDULER_FLAGS.items():
             if key in saved and key in now and now[key] != saved[key]:
                 changes.setdefault(flag, f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
@@ -320,11 +318,9 @@ def _read(dist_checkpointing, state, path: str):
 
 
 def _load_model_state(model, loaded, path: str, keep: Keep = None) -> None:
-    from megatron_csbp.parallel.pipeline import chunks_of
+    from megatron_csbp.parallel.pipeline import keyed_chunks
 
-    chunks = chunks_of(model)
-    for i, chunk in enumerate(chunks):  # a model chunk (its `gpt`), or a bare model (generation's)
-        key = "model" if len(chunks) == 1 else f"model{i}"
+    for key, chunk in keyed_chunks(model).items():  # a model chunk (its `gpt`), or a bare model (generation's)
         missing, _ = getattr(chunk, "gpt", chunk).load_state_dict(loaded[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and (keep is None or keep(k))]
         if missing:

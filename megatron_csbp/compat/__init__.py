@@ -18,3 +18,13 @@ def replace_once(owner, name: str, make, static: bool = False) -> None:
     patched = functools.wraps(orig)(make(orig))
     patched.__cpu_compat__ = True
     setattr(owner, name, staticmethod(patched) if static else patched)
+
+
+def under(context):
+    """A `make` for `replace_once`: the original, called inside `context()`."""
+    def make(orig):
+        def patched(*args, **kwargs):
+            with context():
+                return orig(*args, **kwargs)
+        return patched
+    return make

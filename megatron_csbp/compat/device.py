@@ -97,17 +97,13 @@ class TorchProxy(types.ModuleType):
 
     def __init__(self):
         super().__init__("torch(cpu-compat)")
-        self.__dict__["_wrapped"] = {}
 
     def __getattr__(self, name):
         if name == "cuda":
             return _CPU_CUDA
         value = getattr(torch, name)
         if isinstance(value, (types.BuiltinFunctionType, types.FunctionType)):
-            cache = self.__dict__["_wrapped"]
-            if name not in cache:
-                cache[name] = _remap_device_kwarg(value)
-            return cache[name]
+            value = self.__dict__[name] = _remap_device_kwarg(value)  # wrapped once: found there from now on
         return value
 
 

@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from megatron_csbp.compat import cpu as core_compat, device as device_view
+from megatron_csbp.compat import cpu as core_compat, device as device_view, replace_once, under
 
 _INSTALLED = False
 _PREFIXES = ("megatron.training", "megatron.legacy", "megatron.post_training", "megatron.rl")
@@ -39,11 +39,8 @@ _TRAINING_CUDA = _TrainingCuda()
 _TRAINING_TORCH_PROXY = _TrainingTorchProxy()
 
 
-def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-    return self
-
-
-def _module_cuda(self, device=None):
+def _stay(self, *args, **kwargs):
+    """`Tensor.cuda` / `Module.cuda` on CPU: the tensor or module itself."""
     return self
 
 
@@ -59,14 +56,8 @@ def _patch_initialize() -> None:
 
     training.initialize_megatron = initialize_megatron
 
-    warmup = initialize._warmup_jit_function
-
-    @functools.wraps(warmup)
-    def _warmup_jit_function(*args, **kwargs):  # core_v0.19.0 passes tp_size
-        with torch.random.fork_rng(devices=[]):
-            warmup(*args, **kwargs)
-
-    initialize._warmup_jit_function = _warmup_jit_function
+    # (its arguments passed through: core_v0.19.0 passes tp_size)
+    replace_once(initialize, "_warmup_jit_function", under(lambda: torch.random.fork_rng(devices=[])))
     fused_kernels = getattr(initialize, "fused_kernels", None)  # megatron.legacy's, imported by core_v0.16.1 only
     if fused_kernels is not None:
         fused_kernels.load = lambda args: None
@@ -86,8 +77,7 @@ def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
     core_compat.install_cpu_compat(force=force)  # megatron.core modules the training package imported
     device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
     if not _INSTALLED:
-        torch.Tensor.cuda = _tensor_cuda
-        torch.nn.Module.cuda = _module_cuda
+        torch.Tensor.cuda = torch.nn.Module.cuda = _stay
         _patch_initialize()
         _INSTALLED = True
     return True

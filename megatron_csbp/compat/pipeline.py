@@ -9,7 +9,7 @@ import importlib
 
 import torch
 
-from megatron_csbp.compat import replace_once
+from megatron_csbp.compat import replace_once, under
 
 
 @contextlib.contextmanager
@@ -24,14 +24,7 @@ def cuda_is_identity():
 
 def patch_embedding_tie() -> None:
     module = importlib.import_module("megatron.core.models.common.language_module.language_module")
-
-    def make(orig):
-        def setup_embeddings_and_output_layer(self, *args, **kwargs):
-            with cuda_is_identity():
-                return orig(self, *args, **kwargs)
-        return setup_embeddings_and_output_layer
-
-    replace_once(module.LanguageModule, "setup_embeddings_and_output_layer", make)
+    replace_once(module.LanguageModule, "setup_embeddings_and_output_layer", under(cuda_is_identity))
 
 
 def patch_output_deallocation() -> None:

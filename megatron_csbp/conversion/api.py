@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_csbp.checkpoint.files import ASSETS_DIR, read_checkpoint_model
 from megatron_csbp.checkpoint.model import (
@@ -38,8 +39,6 @@ def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = 
         save_gpt_model(model, shape, output)
     hf_io.copy_assets(hf_path, os.path.join(output, ASSETS_DIR))
     if extra:
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in extra.items()}, os.path.join(output, ASSETS_DIR, EXTRA_WEIGHTS_FILE))
     return shape
 
@@ -81,17 +80,23 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
         state = model.state_dict()
     state = transform(state) if transform is not None else state
     shape = info.shape
-    extra = None
     extra_file = os.path.join(info.assets_dir, EXTRA_WEIGHTS_FILE)
-    if get_family(shape.family).carries_extra_weights and os.path.isfile(extra_file):
-        from safetensors.torch import load_file
-
-        extra = load_file(extra_file)
-    megatron_state_to_hf(shape, state, output, dtype, info.assets_dir, max_shard_bytes, extra)
+    carried = get_family(shape.family).carries_extra_weights and os.path.isfile(extra_file)
+    megatron_state_to_hf(shape, state, output, dtype, info.assets_dir, max_shard_bytes,
+                         load_file(extra_file) if carried else None)
     line = export_tokenizer(info.model_args, output, tokenizer_model, info.assets_dir)
     if log is not None:
         log(line)
     return shape
+
+
+def one_rank_model(model, objective, packing, *geometry):
+    """`model` in the block-diffusion wrapper on one rank (any length), its layout of `BlockGeometry(*geometry)`."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.bdlm import BlockDiffusionModel
+
+    return BlockDiffusionModel(model, objective, SequenceLayout(BlockGeometry(*geometry)), packing=packing)
 
 
 class ARScorer:
@@ -100,14 +105,10 @@ class ARScorer:
     trainer's `--objective ar` takes)."""
 
     def __init__(self, model, seq_length: int, packing=None):
-        from megatron_csbp.layout.layout import SequenceLayout
-        from megatron_csbp.layout.masks import BlockGeometry
-        from megatron_csbp.model.bdlm import BlockDiffusionModel
         from megatron_csbp.objectives.ar import AutoregressiveObjective
 
         self.seq_length = seq_length
-        layout = SequenceLayout(BlockGeometry(seq_length, seq_length))  # one rank: any length
-        self.bdlm = BlockDiffusionModel(model, AutoregressiveObjective(), layout, packing=packing)
+        self.bdlm = one_rank_model(model, AutoregressiveObjective(), packing, seq_length, seq_length)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.seq_length:
@@ -122,9 +123,6 @@ class BlockDiffusionScorer:
 
     def __init__(self, model, seq_length: int, block_size: int, prompt_length: int = 0,
                  clean_attention: str = "block_causal", packing=None):
-        from megatron_csbp.layout.layout import SequenceLayout
-        from megatron_csbp.layout.masks import BlockGeometry
-        from megatron_csbp.model.bdlm import BlockDiffusionModel
         from megatron_csbp.objectives import BD3LMObjective
 
         if block_size <= 0 or seq_length % block_size:
@@ -133,9 +131,9 @@ class BlockDiffusionScorer:
             raise ValueError(f"--prompt-length {prompt_length} must be a multiple of --block-size {block_size} "
                              f"below the sequence length {seq_length} (noisy blocks start on block boundaries)")
         self.seq_length, self.prompt_length = seq_length, prompt_length
-        layout = SequenceLayout(BlockGeometry(seq_length, block_size, clean_attention))
         # Logits only: the objective's noise and loss are never used here.
-        self.bdlm = BlockDiffusionModel(model, BD3LMObjective(block_size, mask_token_id=0), layout, packing=packing)
+        self.bdlm = one_rank_model(model, BD3LMObjective(block_size, mask_token_id=0), packing, seq_length, block_size,
+                                   clean_attention)
         self.plan = self.bdlm.canvas_plan(prompt_length // block_size)
         rows = self.plan.local
         self.noisy_positions = rows.position[~rows.is_clean]

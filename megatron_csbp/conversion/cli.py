@@ -18,17 +18,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron torch_dist release checkpoint")
     a.add_argument("--hf-path", required=True, help="folder with config.json and safetensors weights")
-    a.add_argument("--output", required=True, help="new checkpoint folder (the trainer's --load)")
-    a.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weight dtype of the checkpoint (default: the Hugging Face config's dtype)")
+    b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any parallel layout) -> Hugging Face folder")
+    b.add_argument("--load", required=True, help="checkpoint folder (converted or saved by the trainer)")
+    for sp, output, dtype in (
+            (a, "new checkpoint folder (the trainer's --load)",
+             "weight dtype of the checkpoint (default: the Hugging Face config's dtype)"),
+            (b, "Hugging Face folder to write", "dtype of the written weights (default: the checkpoint's)")):
+        sp.add_argument("--output", required=True, help=output)
+        sp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=dtype)
     a.add_argument("--peft-adapter", default=None,
                    help="a PEFT LoRA adapter folder for the --hf-path model: --output becomes a LoRA checkpoint over "
                         "the base converted into OUTPUT/base (docs/lora.md)")
-    b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any parallel layout) -> Hugging Face folder")
-    b.add_argument("--load", required=True, help="checkpoint folder (converted or saved by the trainer)")
-    b.add_argument("--output", required=True, help="Hugging Face folder to write")
-    b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype of the written weights (default: the checkpoint's)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
     b.add_argument("--merge-lora", action="store_true",
                    help="a LoRA checkpoint: write the merged full model (W + alpha/rank * B A) instead of a PEFT "
@@ -64,14 +64,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     args = _parser().parse_args(argv)
-    from megatron_csbp.conversion import api
+    from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
+    from megatron_csbp.conversion import api, drafter, lora as conversion_lora
+    from megatron_csbp.generation.lora import read_lora
     from megatron_csbp.layout.packing import Packing
 
-    from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
-    from megatron_csbp.conversion import drafter
-    from megatron_csbp.conversion import lora as conversion_lora
-    from megatron_csbp.generation.lora import read_lora
-
+    lines = []  # what an export logs, printed after its first line
     try:
         flag, src = {"megatron-to-hf": ("--load", getattr(args, "load", None)),
                      "hf-to-megatron": ("--hf-path", getattr(args, "hf_path", None))}.get(args.command, (None, None))
@@ -85,7 +83,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"block {d.block_size}, target layers {d.target_layer_ids}) -> {args.output}")
             print("train it with: python -m megatron_csbp.dflash train --load " + args.output + " --features-path ...")
         elif args.command == "megatron-to-hf" and is_drafter_checkpoint(args.load):
-            lines = []
             drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype, args.tokenizer_model, log=lines.append)
             print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
             print("\n".join(lines))
@@ -96,7 +93,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"train on with: --load {args.output} --pretrained-checkpoint {os.path.join(args.output, 'base')} "
                   f"--lora-rank {lora.rank} --lora-alpha {lora.alpha} --lora-target-modules {' '.join(lora.target_modules)}")
         elif args.command == "megatron-to-hf" and read_lora(args.load):
-            lines = []
             shape = conversion_lora.export_lora_checkpoint(
                 args.load, args.output, args.merge_lora, args.dtype, log=lines.append,
                 max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), tokenizer_model=args.tokenizer_model)
@@ -117,7 +113,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print("Megatron flags that rebuild this model:")
                 print("    " + api.flags_text(shape))
         elif args.command == "megatron-to-hf":
-            lines = []
             shape = api.megatron_to_hf_checkpoint(args.load, args.output, args.dtype,
                                                   int(args.max_shard_size_gb * (1 << 30)), args.tokenizer_model,
                                                   log=lines.append)

@@ -80,16 +80,12 @@ def _process_groups() -> List:
     return list(dist.distributed_c10d._world.pg_map)
 
 
-def _all_shard_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
-    dp = dist.get_world_size() // (tp * pp * seq)
-    return mpu.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=seq, order="tp-cp-ep-dp-pp").get_ranks("cp")
-
-
 def _build_subgroups(sizes: BlockParallelSizes, tp: int, pp: int) -> None:
     global _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS
     me = dist.get_rank()
     C, S = sizes.context_parallel_size, sizes.shard_group_size
-    shard_groups = _all_shard_groups(tp, pp, S)
+    dp = dist.get_world_size() // (tp * pp * S)
+    shard_groups = mpu.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=S, order="tp-cp-ep-dp-pp").get_ranks("cp")
     mine = mpu.get_context_parallel_global_ranks()
     assert any(list(g) == list(mine) for g in shard_groups), "rank generator disagrees with Megatron's CP groups"
     for g in shard_groups:  # same order on every rank
