@@ -206,21 +206,19 @@ def check_model_flags(args, root: str, step, flag: str = "--load") -> None:
         return
     where = f"{flag} {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
     for dest in SHAPE_FLAGS:
-        if dest not in saved or saved[dest] is None or not hasattr(args, dest):
+        given = getattr(args, dest, None)
+        if saved.get(dest) is None or not hasattr(args, dest) or given == saved[dest]:
             continue
-        given = getattr(args, dest)
-        if given != saved[dest]:
-            if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
-                from megatron_csbp.data.megatron_data import null_tokenizer_rule, null_tokenizer_vocab_flag
+        if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
+            from megatron_csbp.data.megatron_data import null_tokenizer_rule, null_tokenizer_vocab_flag
 
-                # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
-                raise CheckpointError(
-                    f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
-                    f"NullTokenizer has {saved[dest]} ({where}; {null_tokenizer_rule()}): resume with --vocab-size "
-                    f"{null_tokenizer_vocab_flag(saved[dest])}")
-            flag = "--" + dest.replace("_", "-")
-            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} ({where}): resume "
-                                  "with the model flags it was trained with")
+            # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
+            raise CheckpointError(
+                f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
+                f"NullTokenizer has {saved[dest]} ({where}; {null_tokenizer_rule()}): resume with --vocab-size "
+                f"{null_tokenizer_vocab_flag(saved[dest])}")
+        raise CheckpointError(f"--{dest.replace('_', '-')} {given} differs from the checkpoint's {saved[dest]} "
+                              f"({where}): resume with the model flags it was trained with")
     mask, saved_mask = getattr(args, "mask_token_id", None), saved.get("mask_token_id")
     if (saved_mask is not None and mask != saved_mask and saved.get("objective") == getattr(args, "objective", None)
             and not getattr(args, "finetune", False)):
@@ -267,9 +265,7 @@ def checkpoint_shape(root: Optional[str], iteration=None):
         # Nothing saved yet. A shape file alone in `root` still names the model to build (a recipe
         # validated against a released model's shape; a run that starts from that architecture).
         p = os.path.join(root, SHAPE_FILE)
-        if not os.path.isfile(p):
-            return None
-        return ModelShape.from_json(Path(p).read_text())
+        return ModelShape.from_json(Path(p).read_text()) if os.path.isfile(p) else None
     try:
         return read_checkpoint_model(root, iteration).file_shape
     except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
@@ -292,9 +288,7 @@ def unwritable(folder: str) -> Optional[str]:
     if not os.path.isdir(base):
         return f"{base} is a file, not a folder"
     try:
-        fd, probe = tempfile.mkstemp(dir=base, prefix=".megatron_csbp-probe-")
-        os.close(fd)
-        os.remove(probe)
+        tempfile.NamedTemporaryFile(dir=base, prefix=".megatron_csbp-probe-").close()  # created, then removed
     except OSError as exc:
         return f"cannot create a file in {base} ({os.strerror(exc.errno) if exc.errno else exc})"
     return None

@@ -6,6 +6,7 @@ models and refusals: docs/training.md#checkpoints.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import queue
@@ -107,11 +108,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
     tmp = f"{final}.tmp-{nonce[0]}"
+    shape_file = {SHAPE_FILE: shape.to_json()} if shape is not None else {}
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of crashed saves
-            if ".tmp-" in name:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for leftover in glob.glob(os.path.join(glob.escape(root), "*.tmp-*")):  # of crashed saves
+            shutil.rmtree(leftover, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     state = _sharded_state(model, optimizer, is_loading=False, keep=keep)
@@ -124,8 +125,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         raise RuntimeError("simulated crash during checkpoint save")
     if rank == 0:
         meta = json.dumps({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, indent=1)
-        for name, text in {META_FILE: meta, **({SHAPE_FILE: shape.to_json()} if shape is not None else {}),
-                           **(files or {})}.items():
+        for name, text in {META_FILE: meta, **shape_file, **(files or {})}.items():
             Path(tmp, name).write_text(text)
     dist.barrier()
     write_checksums(tmp)  # every file, checked before every load
@@ -137,8 +137,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(root)
-        for name, text in ((TRACKER, str(iteration)), *([(SHAPE_FILE, shape.to_json())] if shape is not None else [])):
-            part = os.path.join(root, f".{name}.{nonce[0]}")  # each replaced atomically
+        for name, text in {TRACKER: str(iteration), **shape_file}.items():  # each replaced atomically
+            part = os.path.join(root, f".{name}.{nonce[0]}")
             with open(part, "w") as f:
                 f.write(text)
                 f.flush()
@@ -159,10 +159,9 @@ def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[
     OSError in the chain or in torch's per-rank failures, else an `[Errno N]` or a short write in
     their texts or in the error lines the writer `logged` (megatron-core 0.19 keeps the errno only
     there), else the exception's last line."""
-    if dist.get_rank() == 0 and os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith(os.path.basename(iteration_dir(root, iteration)) + ".tmp-"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if dist.get_rank() == 0:
+        for leftover in glob.glob(glob.escape(iteration_dir(root, iteration)) + ".tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     chain, todo = [], [exc]
     while todo:
         e = todo.pop(0)
@@ -173,16 +172,15 @@ def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[
             todo += [e.__cause__, e.__context__]
     errors = [e for e in chain if isinstance(e, OSError) and e.errno]
     texts = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}" for e in chain[1:] + chain[:1]]
-    lines = texts + list(logged)
-    errno = next((m for t in lines for m in [re.search(r"\[Errno (\d+)\]", t)] if m), None)
-    # torch's zip writer after a short write
-    short = next((m.group(0) for t in lines for m in [re.search(r"unexpected pos \d+ vs \d+", t)] if m), None)
+    lines = "\n".join(texts + list(logged))
+    # (the first line that has one; torch's zip writer after a short write)
+    errno, short = re.search(r"\[Errno (\d+)\]", lines), re.search(r"unexpected pos \d+ vs \d+", lines)
     if errors:
         cause = os.strerror(errors[0].errno) + (f" ({errors[0].filename})" if errors[0].filename else "")
     elif errno:
         cause = os.strerror(int(errno.group(1)))
     elif short:
-        cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short}"
+        cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short.group(0)}"
     else:
         cause = texts[0]
     with contextlib.suppress(OSError):

@@ -6,6 +6,7 @@ and why: docs/compat.md.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 
@@ -18,6 +19,17 @@ def replace_once(owner, name: str, make, static: bool = False) -> None:
     patched = functools.wraps(orig)(make(orig))
     patched.__cpu_compat__ = True
     setattr(owner, name, staticmethod(patched) if static else patched)
+
+
+@contextlib.contextmanager
+def swapped(owner, name: str, value):
+    """While active, `owner.name` is `value` (then what it was again)."""
+    orig = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, orig)
 
 
 def under(context):

@@ -7,14 +7,13 @@ numerics: docs/compat.md#every-patched-call-site.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import sys
 
 import torch
 
-from megatron_csbp.compat import replace_once, under
+from megatron_csbp.compat import replace_once, swapped, under
 from megatron_csbp.compat.pipeline import cuda_is_identity
 
 _ORIG_TENSOR_TYPE = torch.Tensor.type
@@ -22,22 +21,12 @@ _ORIG_TENSOR_TYPE = torch.Tensor.type
 
 def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
     if dtype is None and not kwargs and self.device.type == "cpu":
-        name = _ORIG_TENSOR_TYPE(self)
-        return name.replace("torch.", "torch.cuda.", 1)
+        return _ORIG_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
     return _ORIG_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
-@contextlib.contextmanager
-def cuda_type_names():
-    """While active, CPU tensors report `torch.cuda.<T>Tensor` from `.type()`."""
-    if torch.Tensor.type is _cuda_named_type:  # nested
-        yield
-        return
-    torch.Tensor.type = _cuda_named_type
-    try:
-        yield
-    finally:
-        torch.Tensor.type = _ORIG_TENSOR_TYPE
+#: while active, CPU tensors report `torch.cuda.<T>Tensor` from `.type()`
+cuda_type_names = functools.partial(swapped, torch.Tensor, "type", _cuda_named_type)
 
 
 def _is_torch_adam(opt) -> bool:

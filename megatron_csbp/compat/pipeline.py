@@ -4,22 +4,20 @@ Why each patch is needed and why numerics are unchanged: docs/compat.md#every-pa
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib
 
 import torch
 
-from megatron_csbp.compat import replace_once, under
+from megatron_csbp.compat import replace_once, swapped, under
+
+def itself(self, *args, **kwargs):
+    """`Tensor.cuda` / `Module.cuda` on CPU: the tensor or module itself."""
+    return self
 
 
-@contextlib.contextmanager
-def cuda_is_identity():
-    orig = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = orig
+#: while active, `Tensor.cuda()` returns the tensor itself
+cuda_is_identity = functools.partial(swapped, torch.Tensor, "cuda", itself)
 
 
 def patch_embedding_tie() -> None:

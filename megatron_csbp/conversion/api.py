@@ -43,26 +43,6 @@ def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = 
     return shape
 
 
-def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[str] = None,
-                         assets_from: Optional[str] = None, max_shard_bytes: int = 5 << 30,
-                         extra: Optional[dict] = None) -> None:
-    """Write `state` (the unsharded Megatron state dict) as a Hugging Face folder; `extra`: HF
-    tensors carried through unchanged (a diffusion_gemma vision tower)."""
-    out_dtype = dtype or shape.params_dtype
-    if out_dtype not in DTYPES:
-        raise ValueError(f"--dtype {out_dtype!r} is not one of {sorted(DTYPES)}")
-    cfg, tensors, skip_assets = get_family(shape.family).megatron_to_hf(shape, state)
-    tensors = cast(tensors, DTYPES[out_dtype])
-    tensors.update(extra or {})
-    hf_io.write_tensors(output, tensors, max_shard_bytes)
-    if assets_from is not None and os.path.isdir(assets_from):
-        hf_io.copy_assets(assets_from, output, exclude=skip_assets)
-    cfg.update(dtype=out_dtype, **({"torch_dtype": out_dtype} if "torch_dtype" in cfg else {}))
-    if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
-        cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
-    Path(output, "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-
-
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
                               max_shard_bytes: int = 5 << 30, tokenizer_model: Optional[str] = None,
                               log: Optional[Callable[[str], None]] = None,
@@ -79,11 +59,22 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
         model, _ = load_checkpoint_model(info)
         state = model.state_dict()
     state = transform(state) if transform is not None else state
-    shape = info.shape
+    shape, family = info.shape, get_family(info.shape.family)
+    out_dtype = dtype or shape.params_dtype
+    if out_dtype not in DTYPES:
+        raise ValueError(f"--dtype {out_dtype!r} is not one of {sorted(DTYPES)}")
+    cfg, tensors, skip_assets = family.megatron_to_hf(shape, state)
+    tensors = cast(tensors, DTYPES[out_dtype])
     extra_file = os.path.join(info.assets_dir, EXTRA_WEIGHTS_FILE)
-    carried = get_family(shape.family).carries_extra_weights and os.path.isfile(extra_file)
-    megatron_state_to_hf(shape, state, output, dtype, info.assets_dir, max_shard_bytes,
-                         load_file(extra_file) if carried else None)
+    if family.carries_extra_weights and os.path.isfile(extra_file):  # HF tensors carried through unchanged
+        tensors.update(load_file(extra_file))
+    hf_io.write_tensors(output, tensors, max_shard_bytes)
+    if os.path.isdir(info.assets_dir):
+        hf_io.copy_assets(info.assets_dir, output, exclude=skip_assets)
+    cfg.update(dtype=out_dtype, **({"torch_dtype": out_dtype} if "torch_dtype" in cfg else {}))
+    if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
+        cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
+    Path(output, "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     line = export_tokenizer(info.model_args, output, tokenizer_model, info.assets_dir)
     if log is not None:
         log(line)

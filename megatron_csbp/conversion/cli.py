@@ -65,11 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     args = _parser().parse_args(argv)
     from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
+    from megatron_csbp.checkpoint.files import read_checkpoint_model
     from megatron_csbp.conversion import api, drafter, lora as conversion_lora
     from megatron_csbp.generation.lora import read_lora
     from megatron_csbp.layout.packing import Packing
 
-    lines = []  # what an export logs, printed after its first line
+    lines = []  # what an export logs
     try:
         flag, src = {"megatron-to-hf": ("--load", getattr(args, "load", None)),
                      "hf-to-megatron": ("--hf-path", getattr(args, "hf_path", None))}.get(args.command, (None, None))
@@ -85,7 +86,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.command == "megatron-to-hf" and is_drafter_checkpoint(args.load):
             drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype, args.tokenizer_model, log=lines.append)
             print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
-            print("\n".join(lines))
         elif args.command == "hf-to-megatron" and args.peft_adapter:
             shape, lora = conversion_lora.import_peft_checkpoint(args.hf_path, args.peft_adapter, args.output, args.dtype)
             print(f"imported a PEFT adapter (rank {lora.rank}, alpha {lora.alpha}, {' '.join(lora.target_modules)}) "
@@ -98,7 +98,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), tokenizer_model=args.tokenizer_model)
             what = "merged with its LoRA adapters" if args.merge_lora else "LoRA adapters as a PEFT adapter"
             print(f"exported {shape.family} {what} -> {args.output}")
-            print("\n".join(lines))
         elif args.command == "megatron-to-hf" and args.merge_lora:
             raise ValueError(f"--merge-lora: --load {args.load} is not a LoRA checkpoint (it holds a full model; export "
                              "it without --merge-lora)")
@@ -117,7 +116,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                   int(args.max_shard_size_gb * (1 << 30)), args.tokenizer_model,
                                                   log=lines.append)
             print(f"exported {shape.family} -> {args.output}")
-            print("\n".join(lines))
         elif args.command == "score":
             noisy = None if args.noisy_tokens is None else np.load(args.noisy_tokens)
             packing = None
@@ -133,9 +131,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             np.save(args.output, logits.astype(np.float32))
             print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
         elif args.command == "flags":
-            from megatron_csbp.checkpoint.files import read_checkpoint_model
-
             print(api.flags_text(read_checkpoint_model(args.load).shape))
+        if lines:  # an export's log, after its first line
+            print("\n".join(lines))
     except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

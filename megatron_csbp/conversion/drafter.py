@@ -18,6 +18,7 @@ import torch
 
 from megatron_csbp.checkpoint.drafter import read_drafter, save_drafter
 from megatron_csbp.checkpoint.files import ASSETS_DIR
+from megatron_csbp.conversion import hf_io
 from megatron_csbp.conversion.tokenizer import export_tokenizer, has_tokenizer
 from megatron_csbp.model.dflash import HF_MODEL_TYPE, VERIFIER_FILE, DrafterShape, record_verifier  # noqa: F401
 from megatron_csbp.model.families import DTYPES
@@ -43,15 +44,12 @@ def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[s
 
 
 def is_hf_drafter(hf_path: str) -> bool:
-    path = os.path.join(hf_path, "config.json")
-    if not os.path.isfile(path):
-        return False
-    return json.loads(Path(path).read_text()).get("model_type") == HF_MODEL_TYPE
+    has_config = os.path.isfile(os.path.join(hf_path, "config.json"))
+    return has_config and hf_io.read_config(hf_path).get("model_type") == HF_MODEL_TYPE
 
 
 def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShape:
     """A `MuseGlimmerAssistantModel` folder -> a drafter checkpoint `dflash train --load` reads."""
-    from megatron_csbp.conversion import hf_io
     from megatron_csbp.model.dflash import hf_tensor_names, hf_to_megatron_state
 
     cfg = hf_io.read_config(hf_path)

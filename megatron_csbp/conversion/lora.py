@@ -34,15 +34,14 @@ def _gpt_targets(shape: ModelShape) -> List[Target]:
     for t in tensor_map(shape, get_family(shape.family).hf_moe_names):
         if not t.megatron.endswith(LINEARS):
             continue
-        m = _EXPERT.match(t.hf[0])
+        module, m = t.megatron[: -len(".weight")], _EXPERT.match(t.hf[0])
         if m:
             live = m["layer"] + "mlp.experts." + ("gate_up_proj" if len(t.hf) == 2 else "down_proj")
-            out.append(Target(t.megatron[:-7], ((live,),), *_WHOLE, int(m["e"])))
+            out.append(Target(module, ((live,),), *_WHOLE, int(m["e"])))
         else:
-            parts = FUSED_PARTS.get(t.megatron[:-7].rsplit(".", 1)[1], ())
+            parts = FUSED_PARTS.get(module.rsplit(".", 1)[1], ())
             canonical = len(parts) == len(t.hf) and not (parts[0] == "q" and shape.attention_output_gate)
-            out.append(Target(t.megatron[:-7], tuple((n,) for n in t.hf), t.split, t.join, None,
-                              parts if canonical else ()))
+            out.append(Target(module, tuple((n,) for n in t.hf), t.split, t.join, None, parts if canonical else ()))
     return out
 
 

@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Dict, NamedTuple, Optional
 
-from megatron_csbp.launch.recipes import TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
+from megatron_csbp.launch.recipes import CHECKOUT, TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
 
 
 def _run():
@@ -43,8 +43,7 @@ def recipe_partial(recipe: Dict):
 def local_executor(recipe: Dict, nproc: int):
     env = recipe_env(recipe)
     # Spawned ranks import this checkout first, as `python -m megatron_csbp.launch` itself does.
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
     return _run().LocalExecutor(ntasks_per_node=nproc, nodes=1, launcher="torchrun", env_vars=env)
 
 

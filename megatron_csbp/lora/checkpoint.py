@@ -114,10 +114,10 @@ def _key(name: str, shapes: Dict[str, Tuple[int, ...]]):
     weight is stored (`shapes`: the base checkpoint's keys and global shapes): its layer and expert
     indices stacked, or left in the key (megatron-core's non-homogeneous layers, e.g. MoE every
     other layer)."""
-    found = [(rx, repl, m) for rx, repl in _INDEX for m in [rx.search(name)] if m]
+    found = [(rx, repl) for rx, repl in _INDEX if rx.search(name)]
     for stack in itertools.product((True, False), repeat=len(found)):
         key, index = name, []
-        for (rx, repl, m), stacked in zip(found, stack):
+        for (rx, repl), stacked in zip(found, stack):
             if stacked:
                 index.append(int(rx.search(key).group(1)))
                 key = rx.sub(repl, key, count=1)

@@ -107,7 +107,6 @@ class _LoRA:
         return _tp_size(self.tp_group)
 
 
-
 def _part_rows(config, name: str, parts, out: int, gated: bool, world: int):
     """(this rank's rows of each of the fused module's parts, query groups on this rank or None);
     one line where the module is not laid out as the canonical targets assume."""
