@@ -24,6 +24,7 @@ from megatron_csbp.checkpoint.files import (
     first_existing, iteration_dir,
 )
 from megatron_csbp.checkpoint.integrity import check_checkpoint_files, write_checksums
+from megatron_csbp.compat import swapped
 from megatron_csbp.utils.cli import CliError
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -64,7 +65,6 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
-@contextlib.contextmanager
 def write_results_in_process():
     """While active, megatron-core's torch_dist writer hands its write results back through a queue
     of this process instead of a `multiprocessing.Manager` queue.
@@ -81,14 +81,8 @@ def write_results_in_process():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not hasattr(filesystem_async, "_results_queue"):
-        yield
-        return
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous
+        return contextlib.nullcontext()
+    return swapped(filesystem_async, "_results_queue", queue.Queue())
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int,
