@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_csbp.compat.device import _NoOpStream, _to_cpu_device
+from megatron_csbp.compat.device import _NoOp, _to_cpu_device
 
 _TAG = "_cuda_shaped_on_cuda"
 DEVICE_COUNT = 8
@@ -330,7 +330,7 @@ class Event:
         return (end.t - self.t) * 1e3
 
 
-class _Stream(_NoOpStream):
+class _Stream(_NoOp):
     def __init__(self, *a, **k):
         self.device = _cuda_device()
 

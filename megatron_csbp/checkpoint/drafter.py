@@ -24,14 +24,10 @@ def read_shape(load: str) -> Optional[DrafterShape]:
     """The `DrafterShape` of the folder `load`; None when it holds no drafter (a `drafter.pt`
     without its shape file is refused)."""
     if is_drafter_checkpoint(load):
-        return DrafterShape.from_json(open(os.path.join(load, SHAPE_FILE)).read())
+        return DrafterShape.from_json(Path(load, SHAPE_FILE).read_text())
     if os.path.isfile(os.path.join(load, WEIGHTS_FILE)):
         raise ValueError(f"--load {load}: {WEIGHTS_FILE} without {SHAPE_FILE}: not a drafter this project wrote")
     return None
-
-
-def write_shape(output: str, shape: DrafterShape) -> None:
-    Path(output, SHAPE_FILE).write_text(shape.to_json())
 
 
 def save_drafter(state, shape: DrafterShape, output: str) -> None:
@@ -41,7 +37,7 @@ def save_drafter(state, shape: DrafterShape, output: str) -> None:
         raise FileExistsError(f"{output} already holds a drafter: choose a new --output")
     tmp = os.path.join(output, WEIGHTS_FILE + ".tmp")
     torch.save({k: v.contiguous().clone() for k, v in state.items()}, tmp)
-    write_shape(output, shape)
+    Path(output, SHAPE_FILE).write_text(shape.to_json())
     os.replace(tmp, os.path.join(output, WEIGHTS_FILE))
 
 
@@ -49,7 +45,7 @@ def load_drafter(path: str):
     """The `DFlashDrafter` of the checkpoint folder `path`, its weights loaded."""
     from megatron_csbp.model.dflash import DFlashDrafter
 
-    model = DFlashDrafter(DrafterShape.from_json(open(os.path.join(path, SHAPE_FILE)).read()))
+    model = DFlashDrafter(read_shape(path))
     return load_drafter_state(model, torch.load(os.path.join(path, WEIGHTS_FILE), map_location="cpu"),
                               f"drafter checkpoint {path}")
 
@@ -87,8 +83,6 @@ def trainer_drafter(a, hidden_size: int):
     giving the --load folder's `drafter.pt` state (an import or an older `dflash train --save`:
     weights only, iteration 0, fresh optimizer), else None (drawn from --seed). With --save, rank 0
     writes the shape and the verifier record there (what `--load` and the export read)."""
-    import torch.distributed as dist
-
     from megatron_csbp.model.dflash import drafter_shape_from_args, drafter_state, record_verifier
 
     load, save = a.dflash_drafter_load, a.dflash_drafter_save
@@ -96,7 +90,7 @@ def trainer_drafter(a, hidden_size: int):
     if shape.hidden_size != hidden_size:
         raise ValueError(f"--load {load}: the drafter's hidden size {shape.hidden_size} differs from the features' "
                          f"{hidden_size}")
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     weights = None
     if load and os.path.isfile(os.path.join(load, WEIGHTS_FILE)):
         def weights():
@@ -107,7 +101,7 @@ def trainer_drafter(a, hidden_size: int):
             return state
     if save and rank0:
         os.makedirs(save, exist_ok=True)
-        write_shape(save, shape)
+        Path(save, SHAPE_FILE).write_text(shape.to_json())
         record_verifier(save, a.verifier)  # its tokenizer goes with the export
     return shape, weights
 

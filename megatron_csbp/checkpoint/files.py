@@ -152,26 +152,25 @@ def checkpoint_to_load(root: Optional[str], ckpt_step: Optional[int] = None):
 def saved_model_args(root: str, step) -> Optional[Dict[str, Any]]:
     """The model flags the checkpoint was trained with (`bdlm_meta.json` "model_args"), or None
     (a converted release has none: its shape file is the reference)."""
-    path = os.path.join(checkpoint_path(root, step), "bdlm_meta.json")
-    if step == RELEASE or not os.path.isfile(path):
+    meta = None if step == RELEASE else _checkpoint_json(root, step, META_FILE)
+    return None if meta is None else dict(meta.get("model_args") or {})
+
+
+def _checkpoint_json(root: Optional[str], step, name: str) -> Optional[Dict[str, Any]]:
+    """The JSON file `name` of checkpoint `step` of `root`, or None when it has none."""
+    path = os.path.join(checkpoint_path(root, step), name) if root and step is not None else None
+    if path is None or not os.path.isfile(path):
         return None
-    return dict(_read_json(root, path).get("model_args") or {})
-
-
-def _read_json(root: str, path: str):
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"--load {root}: cannot read {path}: {exc}") from None
 
 
-
-
 def lora_record(root: Optional[str], step) -> Optional[Dict[str, Any]]:
     """The `LORA_FILE` of checkpoint `step` of `root` ({"lora": LoRA config, "base": {"path",
     "iteration", "fingerprint"}}), or None: not a LoRA checkpoint."""
-    path = os.path.join(checkpoint_path(root, step), LORA_FILE) if root and step is not None else None
-    return _read_json(root, path) if path is not None and os.path.isfile(path) else None
+    return _checkpoint_json(root, step, LORA_FILE)
 
 
 def model_source(load: Optional[str], load_step, pretrained: Optional[str]):
@@ -207,21 +206,19 @@ def check_model_flags(args, root: str, step, flag: str = "--load") -> None:
         return
     where = f"{flag} {root}, {os.path.basename(checkpoint_path(root, step))}/bdlm_meta.json"
     for dest in SHAPE_FLAGS:
-        if dest not in saved or saved[dest] is None or not hasattr(args, dest):
+        given = getattr(args, dest, None)
+        if saved.get(dest) is None or not hasattr(args, dest) or given == saved[dest]:
             continue
-        given = getattr(args, dest)
-        if given != saved[dest]:
-            if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
-                from megatron_csbp.data.megatron_data import null_tokenizer_rule, null_tokenizer_vocab_flag
+        if dest == "vocab_size" and args.tokenizer_type == saved.get("tokenizer_type") == "NullTokenizer":
+            from megatron_csbp.data.megatron_data import null_tokenizer_rule, null_tokenizer_vocab_flag
 
-                # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
-                raise CheckpointError(
-                    f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
-                    f"NullTokenizer has {saved[dest]} ({where}; {null_tokenizer_rule()}): resume with --vocab-size "
-                    f"{null_tokenizer_vocab_flag(saved[dest])}")
-            flag = "--" + dest.replace("_", "-")
-            raise CheckpointError(f"{flag} {given} differs from the checkpoint's {saved[dest]} ({where}): resume "
-                                  "with the model flags it was trained with")
+            # (a checkpoint saved before the trainer took Megatron-LM's meaning counted the EOD in V)
+            raise CheckpointError(
+                f"--vocab-size {null_tokenizer_vocab_flag(given)} gives {given} token ids, the checkpoint's "
+                f"NullTokenizer has {saved[dest]} ({where}; {null_tokenizer_rule()}): resume with --vocab-size "
+                f"{null_tokenizer_vocab_flag(saved[dest])}")
+        raise CheckpointError(f"--{dest.replace('_', '-')} {given} differs from the checkpoint's {saved[dest]} "
+                              f"({where}): resume with the model flags it was trained with")
     mask, saved_mask = getattr(args, "mask_token_id", None), saved.get("mask_token_id")
     if (saved_mask is not None and mask != saved_mask and saved.get("objective") == getattr(args, "objective", None)
             and not getattr(args, "finetune", False)):
@@ -268,9 +265,7 @@ def checkpoint_shape(root: Optional[str], iteration=None):
         # Nothing saved yet. A shape file alone in `root` still names the model to build (a recipe
         # validated against a released model's shape; a run that starts from that architecture).
         p = os.path.join(root, SHAPE_FILE)
-        if not os.path.isfile(p):
-            return None
-        return ModelShape.from_json(Path(p).read_text())
+        return ModelShape.from_json(Path(p).read_text()) if os.path.isfile(p) else None
     try:
         return read_checkpoint_model(root, iteration).file_shape
     except FileNotFoundError as exc:  # a tracker naming a missing or incomplete checkpoint
@@ -293,9 +288,7 @@ def unwritable(folder: str) -> Optional[str]:
     if not os.path.isdir(base):
         return f"{base} is a file, not a folder"
     try:
-        fd, probe = tempfile.mkstemp(dir=base, prefix=".megatron_csbp-probe-")
-        os.close(fd)
-        os.remove(probe)
+        tempfile.NamedTemporaryFile(dir=base, prefix=".megatron_csbp-probe-").close()  # created, then removed
     except OSError as exc:
         return f"cannot create a file in {base} ({os.strerror(exc.errno) if exc.errno else exc})"
     return None

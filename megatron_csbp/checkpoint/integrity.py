@@ -44,14 +44,19 @@ def digest(path: str) -> str:
     return h.hexdigest()
 
 
+def _digests(folder: str, names: List[str]) -> Dict[str, str]:
+    """Collective: {name: digest} of the files `names` of `folder`, each rank hashing every world-th."""
+    rank, world = _world()
+    mine = {n: digest(os.path.join(folder, n)) for n in names[rank::world]}
+    return {name: sha for part in _all(mine) for name, sha in part.items()}
+
+
 def write_checksums(folder: str) -> None:
     """Collective: the digest of every file in `folder` (each rank hashes every world-th file)
     into `folder/CHECKSUM_FILE`, written by rank 0."""
-    rank, world = _world()
     names = sorted(n for n in os.listdir(folder) if n != CHECKSUM_FILE and os.path.isfile(os.path.join(folder, n)))
-    mine = {n: digest(os.path.join(folder, n)) for n in names[rank::world]}
-    files = {name: sha for part in _all(mine) for name, sha in part.items()}
-    if rank == 0:
+    files = _digests(folder, names)
+    if _world()[0] == 0:
         with open(os.path.join(folder, CHECKSUM_FILE), "w") as f:
             json.dump({"algorithm": ALGORITHM, "files": files}, f, indent=0, sort_keys=True)
             f.flush()
@@ -97,14 +102,12 @@ def fingerprint(folder: str) -> str:
     checkpoint records its base's): the sha256 of the (file, sha256) list of its tensor files, read
     from `CHECKSUM_FILE` when the save wrote one (a JSON read, whatever the checkpoint's size), else
     hashed here, each rank every world-th file (Megatron-LM's checkpoints)."""
-    rank, world = _world()
     names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp") or n == ".metadata")  # shards, index
     known: Dict[str, str] = {}
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         known = json.loads(Path(folder, CHECKSUM_FILE).read_text())["files"]
     todo = [n for n in names if n not in known]
-    mine = {n: digest(os.path.join(folder, n)) for n in todo[rank::world]}
-    for part in _all(mine) if todo else []:
-        known.update(part)
+    if todo:
+        known.update(_digests(folder, todo))
     listing = json.dumps({n: known[n] for n in names}, sort_keys=True)
     return f"{ALGORITHM}:{hashlib.new(ALGORITHM, listing.encode()).hexdigest()}"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_csbp.checkpoint.files import (
     MODEL_KEY, RELEASE, TRACKER, CheckpointModel, checkpoint_to_load, read_checkpoint_model,
 )
+from megatron_csbp.checkpoint.integrity import check_checkpoint_files, write_checksums
 from megatron_csbp.compat.cpu import install_cpu_compat
 from megatron_csbp.model.families import SHAPE_FILE, ModelShape
 
@@ -62,8 +63,6 @@ def save_gpt_model(model, shape: ModelShape, output: str) -> str:
         for d in (output, ckpt_dir):
             Path(d, SHAPE_FILE).write_text(shape.to_json())
     barrier()
-    from megatron_csbp.checkpoint.integrity import write_checksums
-
     write_checksums(ckpt_dir)
     if rank == 0:
         Path(output, TRACKER).write_text(RELEASE)
@@ -82,10 +81,8 @@ def load_checkpoint_model(checkpoint: Union[str, CheckpointModel], params_dtype=
 
     info = checkpoint if isinstance(checkpoint, CheckpointModel) else read_checkpoint_model(checkpoint, step)
     shape = info.shape
-    model = build_gpt_model(shape, block_diffusion=block_diffusion,
-                            **dict(dict(params_dtype=params_dtype or shape.torch_dtype), **config_overrides))
-    from megatron_csbp.checkpoint.integrity import check_checkpoint_files
-
+    model = build_gpt_model(shape, block_diffusion=block_diffusion, params_dtype=params_dtype or shape.torch_dtype,
+                            **config_overrides)
     check_checkpoint_files(info.path)
     state = dist_checkpointing.load({MODEL_KEY: model.sharded_state_dict()}, info.path)
     try:

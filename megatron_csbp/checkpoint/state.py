@@ -6,6 +6,7 @@ models and refusals: docs/training.md#checkpoints.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ from megatron_csbp.checkpoint.files import (
     first_existing, iteration_dir,
 )
 from megatron_csbp.checkpoint.integrity import check_checkpoint_files, write_checksums
+from megatron_csbp.compat import swapped
 from megatron_csbp.utils.cli import CliError
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -63,7 +65,6 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
-@contextlib.contextmanager
 def write_results_in_process():
     """While active, megatron-core's torch_dist writer hands its write results back through a queue
     of this process instead of a `multiprocessing.Manager` queue.
@@ -80,14 +81,8 @@ def write_results_in_process():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not hasattr(filesystem_async, "_results_queue"):
-        yield
-        return
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous
+        return contextlib.nullcontext()
+    return swapped(filesystem_async, "_results_queue", queue.Queue())
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int,
@@ -107,11 +102,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
     tmp = f"{final}.tmp-{nonce[0]}"
+    shape_file = {SHAPE_FILE: shape.to_json()} if shape is not None else {}
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of crashed saves
-            if ".tmp-" in name:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for leftover in glob.glob(os.path.join(glob.escape(root), "*.tmp-*")):  # of crashed saves
+            shutil.rmtree(leftover, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     state = _sharded_state(model, optimizer, is_loading=False, keep=keep)
@@ -124,8 +119,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         raise RuntimeError("simulated crash during checkpoint save")
     if rank == 0:
         meta = json.dumps({"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}, indent=1)
-        for name, text in {META_FILE: meta, **({SHAPE_FILE: shape.to_json()} if shape is not None else {}),
-                           **(files or {})}.items():
+        for name, text in {META_FILE: meta, **shape_file, **(files or {})}.items():
             Path(tmp, name).write_text(text)
     dist.barrier()
     write_checksums(tmp)  # every file, checked before every load
@@ -137,16 +131,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(root)
-        tracker_tmp = os.path.join(root, f".{TRACKER}.{nonce[0]}")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        if shape is not None:
-            shape_tmp = os.path.join(root, f".{SHAPE_FILE}.{nonce[0]}")
-            Path(shape_tmp).write_text(shape.to_json())
-            os.replace(shape_tmp, os.path.join(root, SHAPE_FILE))
+        for name, text in {TRACKER: str(iteration), **shape_file}.items():  # each replaced atomically
+            part = os.path.join(root, f".{name}.{nonce[0]}")
+            with open(part, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, os.path.join(root, name))
         dst = os.path.join(root, ASSETS_DIR)
         if assets_from and os.path.isdir(assets_from) and not os.path.exists(dst) \
                 and os.path.abspath(assets_from) != os.path.abspath(dst):
@@ -162,10 +153,9 @@ def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[
     OSError in the chain or in torch's per-rank failures, else an `[Errno N]` or a short write in
     their texts or in the error lines the writer `logged` (megatron-core 0.19 keeps the errno only
     there), else the exception's last line."""
-    if dist.get_rank() == 0 and os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith(os.path.basename(iteration_dir(root, iteration)) + ".tmp-"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if dist.get_rank() == 0:
+        for leftover in glob.glob(glob.escape(iteration_dir(root, iteration)) + ".tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     chain, todo = [], [exc]
     while todo:
         e = todo.pop(0)
@@ -176,16 +166,15 @@ def failed_save(root: str, iteration: int, exc: BaseException, logged: Sequence[
             todo += [e.__cause__, e.__context__]
     errors = [e for e in chain if isinstance(e, OSError) and e.errno]
     texts = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}" for e in chain[1:] + chain[:1]]
-    lines = texts + list(logged)
-    errno = next((m for t in lines for m in [re.search(r"\[Errno (\d+)\]", t)] if m), None)
-    # torch's zip writer after a short write
-    short = next((m.group(0) for t in lines for m in [re.search(r"unexpected pos \d+ vs \d+", t)] if m), None)
+    lines = "\n".join(texts + list(logged))
+    # (the first line that has one; torch's zip writer after a short write)
+    errno, short = re.search(r"\[Errno (\d+)\]", lines), re.search(r"unexpected pos \d+ vs \d+", lines)
     if errors:
         cause = os.strerror(errors[0].errno) + (f" ({errors[0].filename})" if errors[0].filename else "")
     elif errno:
         cause = os.strerror(int(errno.group(1)))
     elif short:
-        cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short}"
+        cause = f"a file write was cut short (a full disk, or a file-size limit): torch's zip writer: {short.group(0)}"
     else:
         cause = texts[0]
     with contextlib.suppress(OSError):
@@ -277,8 +266,9 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
     resume that Megatron-LM would stop with an assertion or a parameter-group error (see above)."""
     if scheduler is None or saved is None:
         return
-    lr_changed = [f"{SCHEDULER_FLAGS[k]} {scheduler.state_dict()[k]} (the checkpoint's {saved[k]})"
-                  for k in ("max_lr", "min_lr") if k in saved and scheduler.state_dict()[k] != saved[k]]
+    now = scheduler.state_dict()
+    lr_changed = [f"{SCHEDULER_FLAGS[k]} {now[k]} (the checkpoint's {saved[k]})" for k in ("max_lr", "min_lr")
+                  if k in saved and now[k] != saved[k]]
     if lr_changed and param_groups_keyed_by_lr():
         import megatron.core
 
@@ -290,7 +280,7 @@ def check_resumed_schedule(scheduler, saved: Optional[Dict[str, Any]], path: str
     override = getattr(scheduler, "override_opt_param_scheduler", False)
     use_checkpoint = getattr(scheduler, "use_checkpoint_opt_param_scheduler", False)
     if not (override or use_checkpoint):
-        now, changes = scheduler.state_dict(), {}  # one line per flag: its first changed value
+        changes = {}  # one line per flag: its first changed value
         for key, flag in SCHEDULER_FLAGS.items():
             if key in saved and key in now and now[key] != saved[key]:
                 changes.setdefault(flag, f"{flag} gives {key} {now[key]}, the checkpoint's is {saved[key]}")
@@ -320,11 +310,9 @@ def _read(dist_checkpointing, state, path: str):
 
 
 def _load_model_state(model, loaded, path: str, keep: Keep = None) -> None:
-    from megatron_csbp.parallel.pipeline import chunks_of
+    from megatron_csbp.parallel.pipeline import keyed_chunks
 
-    chunks = chunks_of(model)
-    for i, chunk in enumerate(chunks):  # a model chunk (its `gpt`), or a bare model (generation's)
-        key = "model" if len(chunks) == 1 else f"model{i}"
+    for key, chunk in keyed_chunks(model).items():  # a model chunk (its `gpt`), or a bare model (generation's)
         missing, _ = getattr(chunk, "gpt", chunk).load_state_dict(loaded[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and (keep is None or keep(k))]
         if missing:

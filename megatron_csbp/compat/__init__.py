@@ -6,6 +6,7 @@ and why: docs/compat.md.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 
@@ -18,3 +19,24 @@ def replace_once(owner, name: str, make, static: bool = False) -> None:
     patched = functools.wraps(orig)(make(orig))
     patched.__cpu_compat__ = True
     setattr(owner, name, staticmethod(patched) if static else patched)
+
+
+@contextlib.contextmanager
+def swapped(owner, name: str, value):
+    """While active, `owner.name` is `value` (then what it was again)."""
+    orig = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, orig)
+
+
+def under(context):
+    """A `make` for `replace_once`: the original, called inside `context()`."""
+    def make(orig):
+        def patched(*args, **kwargs):
+            with context():
+                return orig(*args, **kwargs)
+        return patched
+    return make

@@ -32,29 +32,22 @@ def _nothing(*a, **k):
     pass
 
 
-class _NoOpStream:
-    """Stands in for torch.cuda.Stream / current_stream / default_stream."""
+class _NoOp:
+    """Stands in for torch.cuda.Stream / current_stream / default_stream and torch.cuda.Event."""
 
-    wait_stream = wait_event = synchronize = _nothing
+    __init__ = wait_stream = wait_event = synchronize = record = wait = _nothing
 
     def record_event(self, event=None):
-        return event if event is not None else _NoOpEvent()
-
-    def query(self):
-        return True
-
-
-_STREAM = _NoOpStream()
-
-
-class _NoOpEvent:
-    __init__ = record = wait = synchronize = _nothing
+        return event if event is not None else _NoOp()
 
     def query(self):
         return True
 
     def elapsed_time(self, other):
         return 0.0
+
+
+_STREAM = _NoOp()
 
 
 class CpuCuda(types.ModuleType):
@@ -70,7 +63,7 @@ class CpuCuda(types.ModuleType):
 
     synchronize = empty_cache = reset_peak_memory_stats = staticmethod(_nothing)
     Stream = current_stream = default_stream = staticmethod(lambda *a, **k: _STREAM)  # Stream: torch.cuda.Stream
-    Event = _NoOpEvent
+    Event = _NoOp
 
     stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
     memory_allocated = max_memory_allocated = memory_reserved = max_memory_reserved = staticmethod(lambda *a, **k: 0)
@@ -93,25 +86,20 @@ def _remap_device_kwarg(fn):
 
 
 class TorchProxy(types.ModuleType):
-    """`torch` as seen by a proxied megatron module: CUDA devices become CPU."""
+    """`torch` as seen by a proxied megatron module: CUDA devices become CPU; its `torch.cuda` is `cuda`."""
 
-    def __init__(self):
+    def __init__(self, cuda: types.ModuleType):
         super().__init__("torch(cpu-compat)")
-        self.__dict__["_wrapped"] = {}
+        self.cuda = cuda
 
-    def __getattr__(self, name):
-        if name == "cuda":
-            return _CPU_CUDA
+    def __getattr__(self, name):  # (a name the proxy does not hold)
         value = getattr(torch, name)
         if isinstance(value, (types.BuiltinFunctionType, types.FunctionType)):
-            cache = self.__dict__["_wrapped"]
-            if name not in cache:
-                cache[name] = _remap_device_kwarg(value)
-            return cache[name]
+            value = self.__dict__[name] = _remap_device_kwarg(value)  # wrapped once: found there from now on
         return value
 
 
-TORCH_PROXY = TorchProxy()
+TORCH_PROXY = TorchProxy(_CPU_CUDA)
 
 
 def torch_view_for_module():

@@ -11,7 +11,8 @@ import importlib
 
 import torch
 
-from megatron_csbp.compat import cpu as core_compat, device as device_view
+from megatron_csbp.compat import cpu as core_compat, device as device_view, replace_once, under
+from megatron_csbp.compat.pipeline import itself
 
 _INSTALLED = False
 _PREFIXES = ("megatron.training", "megatron.legacy", "megatron.post_training", "megatron.rl")
@@ -28,45 +29,16 @@ class _TrainingCuda(device_view.CpuCuda):
     set_device = staticmethod(device_view._nothing)
 
 
-class _TrainingTorchProxy(device_view.TorchProxy):
-    def __getattr__(self, name):
-        if name == "cuda":
-            return _TRAINING_CUDA
-        return super().__getattr__(name)
-
-
-_TRAINING_CUDA = _TrainingCuda()
-_TRAINING_TORCH_PROXY = _TrainingTorchProxy()
-
-
-def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-    return self
-
-
-def _module_cuda(self, device=None):
-    return self
+_TRAINING_TORCH_PROXY = device_view.TorchProxy(_TrainingCuda())
 
 
 def _patch_initialize() -> None:
     training = importlib.import_module("megatron.training.training")
     initialize = importlib.import_module("megatron.training.initialize")
-    original_init = initialize.initialize_megatron
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
 
-    @functools.wraps(original_init)
-    def initialize_megatron(*args, **kwargs):
-        kwargs["allow_no_cuda"] = True
-        return original_init(*args, **kwargs)
-
-    training.initialize_megatron = initialize_megatron
-
-    warmup = initialize._warmup_jit_function
-
-    @functools.wraps(warmup)
-    def _warmup_jit_function(*args, **kwargs):  # core_v0.19.0 passes tp_size
-        with torch.random.fork_rng(devices=[]):
-            warmup(*args, **kwargs)
-
-    initialize._warmup_jit_function = _warmup_jit_function
+    # (its arguments passed through: core_v0.19.0 passes tp_size)
+    replace_once(initialize, "_warmup_jit_function", under(lambda: torch.random.fork_rng(devices=[])))
     fused_kernels = getattr(initialize, "fused_kernels", None)  # megatron.legacy's, imported by core_v0.16.1 only
     if fused_kernels is not None:
         fused_kernels.load = lambda args: None
@@ -86,8 +58,7 @@ def install_megatron_lm_cpu_compat(force: bool = False) -> bool:
     core_compat.install_cpu_compat(force=force)  # megatron.core modules the training package imported
     device_view.proxy_modules(lambda name: name.startswith(_PREFIXES) or name in _SCRIPTS, _TRAINING_TORCH_PROXY)
     if not _INSTALLED:
-        torch.Tensor.cuda = _tensor_cuda
-        torch.nn.Module.cuda = _module_cuda
+        torch.Tensor.cuda = torch.nn.Module.cuda = itself
         _patch_initialize()
         _INSTALLED = True
     return True

@@ -7,14 +7,13 @@ numerics: docs/compat.md#every-patched-call-site.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import sys
 
 import torch
 
-from megatron_csbp.compat import replace_once
+from megatron_csbp.compat import replace_once, swapped, under
 from megatron_csbp.compat.pipeline import cuda_is_identity
 
 _ORIG_TENSOR_TYPE = torch.Tensor.type
@@ -22,30 +21,12 @@ _ORIG_TENSOR_TYPE = torch.Tensor.type
 
 def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
     if dtype is None and not kwargs and self.device.type == "cpu":
-        name = _ORIG_TENSOR_TYPE(self)
-        return name.replace("torch.", "torch.cuda.", 1)
+        return _ORIG_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
     return _ORIG_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
-@contextlib.contextmanager
-def cuda_type_names():
-    """While active, CPU tensors report `torch.cuda.<T>Tensor` from `.type()`."""
-    if torch.Tensor.type is _cuda_named_type:  # nested
-        yield
-        return
-    torch.Tensor.type = _cuda_named_type
-    try:
-        yield
-    finally:
-        torch.Tensor.type = _ORIG_TENSOR_TYPE
-
-
-def _with_cuda_type_names(fn):
-    """`fn` under `cuda_type_names` (`replace_once` wraps it and marks it)."""
-    def wrapper(*args, **kwargs):
-        with cuda_type_names():
-            return fn(*args, **kwargs)
-    return wrapper
+#: while active, CPU tensors report `torch.cuda.<T>Tensor` from `.type()`
+cuda_type_names = functools.partial(swapped, torch.Tensor, "type", _cuda_named_type)
 
 
 def _is_torch_adam(opt) -> bool:
@@ -59,12 +40,12 @@ def patch_cpu_optimizers() -> None:
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    replace_once(clip_grads, "clip_grad_by_total_norm_fp32", _with_cuda_type_names)
+    replace_once(clip_grads, "clip_grad_by_total_norm_fp32", under(cuda_type_names))
     for name, module in list(sys.modules.items()):  # the modules that imported it by name
         if name.startswith("megatron.core") and getattr(module, "clip_grad_by_total_norm_fp32", None) is not None:
             module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib.DistributedOptimizer):
-        replace_once(cls, "__init__", _with_cuda_type_names)
+        replace_once(cls, "__init__", under(cuda_type_names))
     # The non-gloo branch of the DP-zero state gather moves shards with `.cuda()`; on CPU the
     # "NCCL" data-parallel group is gloo anyway, so take the gloo branch (same collectives).
     def get_parameter_state_dp_zero(orig):
@@ -77,14 +58,8 @@ def patch_cpu_optimizers() -> None:
     replace_once(distrib.DistributedOptimizer, "get_parameter_state_dp_zero", get_parameter_state_dp_zero)
 
     # The dynamic loss scale's load moves the saved scale with `.cuda(current_device())`: on CPU it stays.
-    def load_state_dict(orig):
-        def patched(self, state_dict):
-            with cuda_is_identity():
-                return orig(self, state_dict)
-        return patched
-
     grad_scaler = importlib.import_module("megatron.core.optimizer.grad_scaler")
-    replace_once(grad_scaler.DynamicGradScaler, "load_state_dict", load_state_dict)
+    replace_once(grad_scaler.DynamicGradScaler, "load_state_dict", under(cuda_is_identity))
 
 
 def patch_torch_adam() -> None:
@@ -111,8 +86,12 @@ def patch_torch_adam() -> None:
     # same optimizer, and the load then overwrites them.
     def state_dict(orig):
         def patched(self, *args, **kwargs):
-            if _is_torch_adam(self.optimizer):
-                _init_empty_torch_adam_states(self.optimizer)
+            opt = self.optimizer
+            if _is_torch_adam(opt):
+                for p in (p for group in opt.param_groups for p in group["params"] if len(opt.state[p]) == 0):
+                    opt.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
+                                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
             return orig(self, *args, **kwargs)
         return patched
 
@@ -196,13 +175,3 @@ def patch_mixed_dtype_groups() -> None:
         distrib.DistributedOptimizer.__init__.__mixed_dtype_fix__ = True
     for make in (sharded_state_dict, load_state_dict):
         replace_once(opt_mod.Float16OptimizerWithFloat16Params, make.__name__, make)
-
-
-def _init_empty_torch_adam_states(opt) -> None:
-    if not _is_torch_adam(opt):
-        return
-    for p in (p for group in opt.param_groups for p in group["params"] if len(opt.state[p]) == 0):
-        opt.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
-                            exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                            exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
-

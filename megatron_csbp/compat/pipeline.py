@@ -4,34 +4,25 @@ Why each patch is needed and why numerics are unchanged: docs/compat.md#every-pa
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib
 
 import torch
 
-from megatron_csbp.compat import replace_once
+from megatron_csbp.compat import replace_once, swapped, under
+
+def itself(self, *args, **kwargs):
+    """`Tensor.cuda` / `Module.cuda` on CPU: the tensor or module itself."""
+    return self
 
 
-@contextlib.contextmanager
-def cuda_is_identity():
-    orig = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = orig
+#: while active, `Tensor.cuda()` returns the tensor itself
+cuda_is_identity = functools.partial(swapped, torch.Tensor, "cuda", itself)
 
 
 def patch_embedding_tie() -> None:
     module = importlib.import_module("megatron.core.models.common.language_module.language_module")
-
-    def make(orig):
-        def setup_embeddings_and_output_layer(self, *args, **kwargs):
-            with cuda_is_identity():
-                return orig(self, *args, **kwargs)
-        return setup_embeddings_and_output_layer
-
-    replace_once(module.LanguageModule, "setup_embeddings_and_output_layer", make)
+    replace_once(module.LanguageModule, "setup_embeddings_and_output_layer", under(cuda_is_identity))
 
 
 def patch_output_deallocation() -> None:

@@ -30,10 +30,9 @@ def _make_cpu_tracker_class(random_mod):
             self.seeds_.add(seed)
             if name in self.states_:
                 raise Exception("cuda rng state {} already exists".format(name))
-            orig = torch.get_rng_state()
-            torch.manual_seed(seed)
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(orig)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.states_[name] = torch.get_rng_state()
 
         @contextlib.contextmanager
         def fork(self, name=random_mod._MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -66,14 +65,9 @@ def patch_rng() -> None:
     if getattr(random_mod.CudaRNGStatesTracker, "__cpu_compat__", False):
         return
 
-    def _get_cpu_rng_state(device="cuda", clone=False, graph_safe=False):
-        return torch.get_rng_state()
-
-    def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
-        torch.set_rng_state(new_state)
-
-    random_mod._get_cuda_rng_state = _get_cpu_rng_state
-    random_mod._set_cuda_rng_state = _set_cpu_rng_state
+    # (device, clone, graph_safe: the CPU generator has one state)
+    random_mod._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random_mod._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     random_mod.CudaRNGStatesTracker = _make_cpu_tracker_class(random_mod)
     tracker = random_mod._CUDA_RNG_STATE_TRACKER
     if tracker is not None and not getattr(type(tracker), "__cpu_compat__", False):

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_csbp.checkpoint.files import ASSETS_DIR, read_checkpoint_model
 from megatron_csbp.checkpoint.model import (
@@ -38,30 +39,8 @@ def hf_to_megatron_checkpoint(hf_path: str, output: str, dtype: Optional[str] = 
         save_gpt_model(model, shape, output)
     hf_io.copy_assets(hf_path, os.path.join(output, ASSETS_DIR))
     if extra:
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in extra.items()}, os.path.join(output, ASSETS_DIR, EXTRA_WEIGHTS_FILE))
     return shape
-
-
-def megatron_state_to_hf(shape: ModelShape, state, output: str, dtype: Optional[str] = None,
-                         assets_from: Optional[str] = None, max_shard_bytes: int = 5 << 30,
-                         extra: Optional[dict] = None) -> None:
-    """Write `state` (the unsharded Megatron state dict) as a Hugging Face folder; `extra`: HF
-    tensors carried through unchanged (a diffusion_gemma vision tower)."""
-    out_dtype = dtype or shape.params_dtype
-    if out_dtype not in DTYPES:
-        raise ValueError(f"--dtype {out_dtype!r} is not one of {sorted(DTYPES)}")
-    cfg, tensors, skip_assets = get_family(shape.family).megatron_to_hf(shape, state)
-    tensors = cast(tensors, DTYPES[out_dtype])
-    tensors.update(extra or {})
-    hf_io.write_tensors(output, tensors, max_shard_bytes)
-    if assets_from is not None and os.path.isdir(assets_from):
-        hf_io.copy_assets(assets_from, output, exclude=skip_assets)
-    cfg.update(dtype=out_dtype, **({"torch_dtype": out_dtype} if "torch_dtype" in cfg else {}))
-    if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
-        cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
-    Path(output, "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = None,
@@ -80,18 +59,35 @@ def megatron_to_hf_checkpoint(load: str, output: str, dtype: Optional[str] = Non
         model, _ = load_checkpoint_model(info)
         state = model.state_dict()
     state = transform(state) if transform is not None else state
-    shape = info.shape
-    extra = None
+    shape, family = info.shape, get_family(info.shape.family)
+    out_dtype = dtype or shape.params_dtype
+    if out_dtype not in DTYPES:
+        raise ValueError(f"--dtype {out_dtype!r} is not one of {sorted(DTYPES)}")
+    cfg, tensors, skip_assets = family.megatron_to_hf(shape, state)
+    tensors = cast(tensors, DTYPES[out_dtype])
     extra_file = os.path.join(info.assets_dir, EXTRA_WEIGHTS_FILE)
-    if get_family(shape.family).carries_extra_weights and os.path.isfile(extra_file):
-        from safetensors.torch import load_file
-
-        extra = load_file(extra_file)
-    megatron_state_to_hf(shape, state, output, dtype, info.assets_dir, max_shard_bytes, extra)
+    if family.carries_extra_weights and os.path.isfile(extra_file):  # HF tensors carried through unchanged
+        tensors.update(load_file(extra_file))
+    hf_io.write_tensors(output, tensors, max_shard_bytes)
+    if os.path.isdir(info.assets_dir):
+        hf_io.copy_assets(info.assets_dir, output, exclude=skip_assets)
+    cfg.update(dtype=out_dtype, **({"torch_dtype": out_dtype} if "torch_dtype" in cfg else {}))
+    if isinstance(cfg.get("text_config"), dict) and cfg["text_config"].get("dtype") is not None:
+        cfg["text_config"] = dict(cfg["text_config"], dtype=out_dtype)
+    Path(output, "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     line = export_tokenizer(info.model_args, output, tokenizer_model, info.assets_dir)
     if log is not None:
         log(line)
     return shape
+
+
+def one_rank_model(model, objective, packing, *geometry):
+    """`model` in the block-diffusion wrapper on one rank (any length), its layout of `BlockGeometry(*geometry)`."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.model.bdlm import BlockDiffusionModel
+
+    return BlockDiffusionModel(model, objective, SequenceLayout(BlockGeometry(*geometry)), packing=packing)
 
 
 class ARScorer:
@@ -100,14 +96,10 @@ class ARScorer:
     trainer's `--objective ar` takes)."""
 
     def __init__(self, model, seq_length: int, packing=None):
-        from megatron_csbp.layout.layout import SequenceLayout
-        from megatron_csbp.layout.masks import BlockGeometry
-        from megatron_csbp.model.bdlm import BlockDiffusionModel
         from megatron_csbp.objectives.ar import AutoregressiveObjective
 
         self.seq_length = seq_length
-        layout = SequenceLayout(BlockGeometry(seq_length, seq_length))  # one rank: any length
-        self.bdlm = BlockDiffusionModel(model, AutoregressiveObjective(), layout, packing=packing)
+        self.bdlm = one_rank_model(model, AutoregressiveObjective(), packing, seq_length, seq_length)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.seq_length:
@@ -122,9 +114,6 @@ class BlockDiffusionScorer:
 
     def __init__(self, model, seq_length: int, block_size: int, prompt_length: int = 0,
                  clean_attention: str = "block_causal", packing=None):
-        from megatron_csbp.layout.layout import SequenceLayout
-        from megatron_csbp.layout.masks import BlockGeometry
-        from megatron_csbp.model.bdlm import BlockDiffusionModel
         from megatron_csbp.objectives import BD3LMObjective
 
         if block_size <= 0 or seq_length % block_size:
@@ -133,9 +122,9 @@ class BlockDiffusionScorer:
             raise ValueError(f"--prompt-length {prompt_length} must be a multiple of --block-size {block_size} "
                              f"below the sequence length {seq_length} (noisy blocks start on block boundaries)")
         self.seq_length, self.prompt_length = seq_length, prompt_length
-        layout = SequenceLayout(BlockGeometry(seq_length, block_size, clean_attention))
         # Logits only: the objective's noise and loss are never used here.
-        self.bdlm = BlockDiffusionModel(model, BD3LMObjective(block_size, mask_token_id=0), layout, packing=packing)
+        self.bdlm = one_rank_model(model, BD3LMObjective(block_size, mask_token_id=0), packing, seq_length, block_size,
+                                   clean_attention)
         self.plan = self.bdlm.canvas_plan(prompt_length // block_size)
         rows = self.plan.local
         self.noisy_positions = rows.position[~rows.is_clean]

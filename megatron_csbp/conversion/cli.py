@@ -18,17 +18,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron torch_dist release checkpoint")
     a.add_argument("--hf-path", required=True, help="folder with config.json and safetensors weights")
-    a.add_argument("--output", required=True, help="new checkpoint folder (the trainer's --load)")
-    a.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weight dtype of the checkpoint (default: the Hugging Face config's dtype)")
+    b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any parallel layout) -> Hugging Face folder")
+    b.add_argument("--load", required=True, help="checkpoint folder (converted or saved by the trainer)")
+    for sp, output, dtype in (
+            (a, "new checkpoint folder (the trainer's --load)",
+             "weight dtype of the checkpoint (default: the Hugging Face config's dtype)"),
+            (b, "Hugging Face folder to write", "dtype of the written weights (default: the checkpoint's)")):
+        sp.add_argument("--output", required=True, help=output)
+        sp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help=dtype)
     a.add_argument("--peft-adapter", default=None,
                    help="a PEFT LoRA adapter folder for the --hf-path model: --output becomes a LoRA checkpoint over "
                         "the base converted into OUTPUT/base (docs/lora.md)")
-    b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (any parallel layout) -> Hugging Face folder")
-    b.add_argument("--load", required=True, help="checkpoint folder (converted or saved by the trainer)")
-    b.add_argument("--output", required=True, help="Hugging Face folder to write")
-    b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype of the written weights (default: the checkpoint's)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
     b.add_argument("--merge-lora", action="store_true",
                    help="a LoRA checkpoint: write the merged full model (W + alpha/rank * B A) instead of a PEFT "
@@ -64,14 +64,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     filter_warnings()  # hide the library warnings a user cannot act on
     args = _parser().parse_args(argv)
-    from megatron_csbp.conversion import api
+    from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
+    from megatron_csbp.checkpoint.files import read_checkpoint_model
+    from megatron_csbp.conversion import api, drafter, lora as conversion_lora
+    from megatron_csbp.generation.lora import read_lora
     from megatron_csbp.layout.packing import Packing
 
-    from megatron_csbp.checkpoint.drafter import is_drafter_checkpoint
-    from megatron_csbp.conversion import drafter
-    from megatron_csbp.conversion import lora as conversion_lora
-    from megatron_csbp.generation.lora import read_lora
-
+    lines = []  # what an export logs
     try:
         flag, src = {"megatron-to-hf": ("--load", getattr(args, "load", None)),
                      "hf-to-megatron": ("--hf-path", getattr(args, "hf_path", None))}.get(args.command, (None, None))
@@ -85,10 +84,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"block {d.block_size}, target layers {d.target_layer_ids}) -> {args.output}")
             print("train it with: python -m megatron_csbp.dflash train --load " + args.output + " --features-path ...")
         elif args.command == "megatron-to-hf" and is_drafter_checkpoint(args.load):
-            lines = []
             drafter.megatron_to_hf_drafter(args.load, args.output, args.dtype, args.tokenizer_model, log=lines.append)
             print(f"exported a DFlash drafter ({drafter.HF_MODEL_TYPE}) -> {args.output}")
-            print("\n".join(lines))
         elif args.command == "hf-to-megatron" and args.peft_adapter:
             shape, lora = conversion_lora.import_peft_checkpoint(args.hf_path, args.peft_adapter, args.output, args.dtype)
             print(f"imported a PEFT adapter (rank {lora.rank}, alpha {lora.alpha}, {' '.join(lora.target_modules)}) "
@@ -96,13 +93,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"train on with: --load {args.output} --pretrained-checkpoint {os.path.join(args.output, 'base')} "
                   f"--lora-rank {lora.rank} --lora-alpha {lora.alpha} --lora-target-modules {' '.join(lora.target_modules)}")
         elif args.command == "megatron-to-hf" and read_lora(args.load):
-            lines = []
             shape = conversion_lora.export_lora_checkpoint(
                 args.load, args.output, args.merge_lora, args.dtype, log=lines.append,
                 max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), tokenizer_model=args.tokenizer_model)
             what = "merged with its LoRA adapters" if args.merge_lora else "LoRA adapters as a PEFT adapter"
             print(f"exported {shape.family} {what} -> {args.output}")
-            print("\n".join(lines))
         elif args.command == "megatron-to-hf" and args.merge_lora:
             raise ValueError(f"--merge-lora: --load {args.load} is not a LoRA checkpoint (it holds a full model; export "
                              "it without --merge-lora)")
@@ -117,12 +112,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print("Megatron flags that rebuild this model:")
                 print("    " + api.flags_text(shape))
         elif args.command == "megatron-to-hf":
-            lines = []
             shape = api.megatron_to_hf_checkpoint(args.load, args.output, args.dtype,
                                                   int(args.max_shard_size_gb * (1 << 30)), args.tokenizer_model,
                                                   log=lines.append)
             print(f"exported {shape.family} -> {args.output}")
-            print("\n".join(lines))
         elif args.command == "score":
             noisy = None if args.noisy_tokens is None else np.load(args.noisy_tokens)
             packing = None
@@ -138,9 +131,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             np.save(args.output, logits.astype(np.float32))
             print(f"wrote logits {tuple(logits.shape)} float32 -> {args.output}")
         elif args.command == "flags":
-            from megatron_csbp.checkpoint.files import read_checkpoint_model
-
             print(api.flags_text(read_checkpoint_model(args.load).shape))
+        if lines:  # an export's log, after its first line
+            print("\n".join(lines))
     except (UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

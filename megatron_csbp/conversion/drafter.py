@@ -17,17 +17,17 @@ from typing import Optional
 import torch
 
 from megatron_csbp.checkpoint.drafter import read_drafter, save_drafter
+from megatron_csbp.checkpoint.files import ASSETS_DIR
+from megatron_csbp.conversion import hf_io
+from megatron_csbp.conversion.tokenizer import export_tokenizer, has_tokenizer
 from megatron_csbp.model.dflash import HF_MODEL_TYPE, VERIFIER_FILE, DrafterShape, record_verifier  # noqa: F401
-
-ASSETS_DIR = "hf_assets"
+from megatron_csbp.model.families import DTYPES
 
 
 def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[str] = None) -> str:
     """The drafter's tokenizer (its verifier's) into the exported folder `output`; one line saying
     what was written. Sources, first found: `tokenizer_model`, the import's `hf_assets/`, the
     recorded verifier (sha256-checked)."""
-    from megatron_csbp.conversion.tokenizer import has_tokenizer, export_tokenizer
-
     assets = os.path.join(load, ASSETS_DIR)
     verifier = os.path.join(load, VERIFIER_FILE)
     record = json.loads(Path(verifier).read_text()) if os.path.isfile(verifier) else {}
@@ -44,15 +44,12 @@ def export_drafter_tokenizer(load: str, output: str, tokenizer_model: Optional[s
 
 
 def is_hf_drafter(hf_path: str) -> bool:
-    path = os.path.join(hf_path, "config.json")
-    if not os.path.isfile(path):
-        return False
-    return json.loads(Path(path).read_text()).get("model_type") == HF_MODEL_TYPE
+    has_config = os.path.isfile(os.path.join(hf_path, "config.json"))
+    return has_config and hf_io.read_config(hf_path).get("model_type") == HF_MODEL_TYPE
 
 
 def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShape:
     """A `MuseGlimmerAssistantModel` folder -> a drafter checkpoint `dflash train --load` reads."""
-    from megatron_csbp.conversion import hf_io
     from megatron_csbp.model.dflash import hf_tensor_names, hf_to_megatron_state
 
     cfg = hf_io.read_config(hf_path)
@@ -63,12 +60,8 @@ def hf_to_megatron_drafter(hf_path: str, output: str, dtype=None) -> DrafterShap
     if unused:
         raise ValueError(f"{hf_path}: tensors the drafter has no place for: {unused[:8]}")
     if dtype is not None:
-        from megatron_csbp.model.families import DTYPES
-
         state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
     save_drafter(state, shape, output)
-    from megatron_csbp.conversion.tokenizer import has_tokenizer
-
     if has_tokenizer(hf_path):  # the verifier's tokenizer, exported with the drafter
         hf_io.copy_assets(hf_path, os.path.join(output, ASSETS_DIR), exclude=("config.json", "generation_config.json"))
     return shape
@@ -80,7 +73,6 @@ def megatron_to_hf_drafter(load: str, output: str, dtype=None, tokenizer_model: 
     folder, with its verifier's tokenizer (`export_drafter_tokenizer`; `log` gets its line)."""
     from megatron_csbp.checkpoint.model import single_process_megatron
     from megatron_csbp.model.dflash import export_hf_drafter
-    from megatron_csbp.model.families import DTYPES
 
     with single_process_megatron():
         model = read_drafter(load)

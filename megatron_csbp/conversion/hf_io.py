@@ -60,7 +60,7 @@ def write_tensors(path: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: 
     """Write `tensors` as one file or as shards plus an index (Hugging Face's layout)."""
     os.makedirs(path, exist_ok=True)
     shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size = total = 0
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         nbytes = t.numel() * t.element_size()
@@ -69,6 +69,7 @@ def write_tensors(path: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: 
             size = 0
         shards[-1][name] = t
         size += nbytes
+        total += nbytes
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
         return [SINGLE_FILE]
@@ -76,26 +77,18 @@ def write_tensors(path: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: 
     for name, shard in zip(files, shards):
         save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
     weight_map = {k: name for name, shard in zip(files, shards) for k in shard}
-    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     Path(path, INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
     return files
 
 
-def asset_files(path: str) -> List[str]:
-    """Tokenizer / generation / template files of a model folder (everything small but weights)."""
-    out = []
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if (os.path.isfile(full) and name.endswith(ASSET_SUFFIXES) and name not in WEIGHT_FILES
-                and os.path.getsize(full) <= MAX_ASSET_BYTES):
-            out.append(name)
-    return out
-
-
 def copy_assets(src: str, dst: str, exclude: Tuple[str, ...] = ()) -> List[str]:
+    """Copy the tokenizer / generation / template files of the model folder `src` (everything small but
+    weights; not `exclude`) into `dst`."""
     os.makedirs(dst, exist_ok=True)
-    copied = [name for name in asset_files(src) if name not in exclude]
+    copied = [name for name in sorted(os.listdir(src)) if name.endswith(ASSET_SUFFIXES) and name not in WEIGHT_FILES
+              and name not in exclude and os.path.isfile(os.path.join(src, name))
+              and os.path.getsize(os.path.join(src, name)) <= MAX_ASSET_BYTES]
     for name in copied:
         shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
     return copied

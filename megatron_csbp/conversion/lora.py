@@ -13,6 +13,7 @@ import torch
 from megatron_csbp.lora import FUSED_PARTS, LoRAConfig
 from megatron_csbp.lora.peft import Adapters, Target, load_peft_adapter, to_peft_model
 from megatron_csbp.model.families import DTYPES, ModelShape, get_family
+from megatron_csbp.model.families.diffusion_gemma import hf_config_for_export, transformer_config
 
 #: the megatron-core linears LoRA adapts, by their weights' names
 LINEARS = tuple(f"{n}.weight" for n in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
@@ -33,15 +34,14 @@ def _gpt_targets(shape: ModelShape) -> List[Target]:
     for t in tensor_map(shape):
         if not t.megatron.endswith(LINEARS):
             continue
-        m = _EXPERT.match(t.hf[0])
+        module, m = t.megatron[: -len(".weight")], _EXPERT.match(t.hf[0])
         if m:
             live = m["layer"] + "mlp.experts." + ("gate_up_proj" if len(t.hf) == 2 else "down_proj")
-            out.append(Target(t.megatron[:-7], ((live,),), *_WHOLE, int(m["e"])))
+            out.append(Target(module, ((live,),), *_WHOLE, int(m["e"])))
         else:
-            parts = FUSED_PARTS.get(t.megatron[:-7].rsplit(".", 1)[1], ())
+            parts = FUSED_PARTS.get(module.rsplit(".", 1)[1], ())
             canonical = len(parts) == len(t.hf) and not (parts[0] == "q" and shape.attention_output_gate)
-            out.append(Target(t.megatron[:-7], tuple((n,) for n in t.hf), t.split, t.join, None,
-                              parts if canonical else ()))
+            out.append(Target(module, tuple((n,) for n in t.hf), t.split, t.join, None, parts if canonical else ()))
     return out
 
 
@@ -49,7 +49,6 @@ def _dg_targets(shape: ModelShape) -> List[Target]:
     """DiffusionGemma: every projection of the decoder layers (Megatron adapts no other: the
     self-conditioning MLP stays as it is), which Hugging Face's encoder language model shares (tied
     weights, separate modules: the adapter goes on both)."""
-    from megatron_csbp.model.families.diffusion_gemma import transformer_config
     from megatron_csbp.model.families.diffusion_gemma_weights import (
         HF_ENCODER, HF_TEXT, qkv_tensors,
     )
@@ -74,12 +73,6 @@ def _dg_targets(shape: ModelShape) -> List[Target]:
     return out
 
 
-def _dg_hf_config(shape: ModelShape) -> dict:
-    from megatron_csbp.model.families.diffusion_gemma import hf_config_for_export
-
-    return hf_config_for_export(shape)
-
-
 class _FamilyMap(NamedTuple):
     targets: Callable[[ModelShape], List[Target]]
     hf_config: Callable[[ModelShape], dict]
@@ -89,7 +82,7 @@ class _FamilyMap(NamedTuple):
 FAMILY_MAPS: Dict[str, _FamilyMap] = {
     **{name: _FamilyMap(_gpt_targets, lambda shape: dict(shape.hf_config))
        for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5")},
-    "diffusion_gemma": _FamilyMap(_dg_targets, _dg_hf_config),
+    "diffusion_gemma": _FamilyMap(_dg_targets, hf_config_for_export),
 }
 
 

@@ -9,6 +9,10 @@ import os
 import shutil
 from typing import Any, Dict, Optional
 
+from megatron_csbp.data.tokenizer import (
+    DEFAULT_MODEL, HF_TOKENIZER_FILES, hf_tokenizer_from_sentencepiece, tokenizer_sha256,
+)
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 
@@ -16,8 +20,6 @@ def _find(flag_path: Optional[str], recorded: Dict[str, Any], what: str, also: O
     """The tokenizer file/folder the checkpoint recorded, where it still is (and unchanged): at
     the flag's path, the recorded absolute path, then `also` (the shipped model when the flag named
     none; the checkpoint's own hf_assets for a Hugging Face tokenizer)."""
-    from megatron_csbp.data.tokenizer import tokenizer_sha256
-
     sha = recorded.get("tokenizer_sha256")
     named = [p for p in (flag_path, recorded.get("tokenizer_path")) if p]
     found = next((p for p in named + [also] if p and os.path.exists(p)
@@ -49,8 +51,6 @@ def checkpoint_tokenizer(model_args: Dict[str, Any], tokenizer_model: Optional[s
     if ttype == "HuggingFaceTokenizer":
         return "hf", _find(model_args.get("tokenizer_model"), model_args, "Hugging Face tokenizer folder", assets_dir)
     if ttype in (None,) + SENTENCEPIECE_TYPES:
-        from megatron_csbp.data.tokenizer import DEFAULT_MODEL
-
         flag = model_args.get("tokenizer_model")
         return "sentencepiece", _find(flag, model_args, "sentencepiece model", None if flag else DEFAULT_MODEL)
     raise ValueError(f"the checkpoint's --tokenizer-type {ttype!r} is not one the export knows")
@@ -75,8 +75,6 @@ def export_tokenizer(model_args: Dict[str, Any], output: str, tokenizer_model: O
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             return f"tokenizer: {what} copied; AutoTokenizer cannot load it ({first})"
     elif kind == "sentencepiece":
-        from megatron_csbp.data.tokenizer import hf_tokenizer_from_sentencepiece
-
         vocab = model_args.get("vocab_size")
         hf = hf_tokenizer_from_sentencepiece(path, eos_id=eod, mask_id=mask if mask is not None and
                                              (vocab is None or mask < vocab) else None)
@@ -96,15 +94,11 @@ def export_tokenizer(model_args: Dict[str, Any], output: str, tokenizer_model: O
 
 
 def has_tokenizer(folder: str) -> bool:
-    from megatron_csbp.data.tokenizer import HF_TOKENIZER_FILES
-
     return any(os.path.isfile(os.path.join(folder, f)) for f in HF_TOKENIZER_FILES if f != "tokenizer_config.json")
 
 
 def _clear_tokenizer(folder: str) -> None:
     """Remove tokenizer files copied from hf_assets that belong to another tokenizer."""
-    from megatron_csbp.data.tokenizer import HF_TOKENIZER_FILES
-
     for f in HF_TOKENIZER_FILES:
         p = os.path.join(folder, f)
         if os.path.isfile(p):

@@ -11,7 +11,8 @@ import re
 import sys
 from typing import Dict, NamedTuple, Optional
 
-from megatron_csbp.launch.recipes import TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
+from megatron_csbp.compat import swapped
+from megatron_csbp.launch.recipes import CHECKOUT, TORCHRUN, RecipeError, _flag, recipe_flags, torchrun_command
 
 
 def _run():
@@ -43,8 +44,7 @@ def recipe_partial(recipe: Dict):
 def local_executor(recipe: Dict, nproc: int):
     env = recipe_env(recipe)
     # Spawned ranks import this checkout first, as `python -m megatron_csbp.launch` itself does.
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
     return _run().LocalExecutor(ntasks_per_node=nproc, nodes=1, launcher="torchrun", env_vars=env)
 
 
@@ -104,17 +104,12 @@ def slurm_job(recipe: Dict, nnodes: int, nproc: int, job_dir: Optional[str] = No
     executor.job_details = SlurmJobDetails(job_name=name)
     # NeMo-Run's LocalTunnel runs its shell commands through invoke, which mirrors stdin: a dry run
     # reads nothing, so give it an empty one (a closed or captured stdin would make it fail).
-    stdin = sys.stdin
-    with open(os.devnull) as devnull:
-        sys.stdin = devnull
-        try:
-            with run.Experiment(recipe["name"], executor=executor, log_level="ERROR") as exp:
-                exp.add(recipe_script(recipe, python="python"), name=name)
-                exp.dryrun(log=False)
-                script = exp.jobs[0]._dryrun_info.request.materialize()
-                task_executor = exp.jobs[0].executor
-        finally:
-            sys.stdin = stdin
+    with open(os.devnull) as devnull, swapped(sys, "stdin", devnull):
+        with run.Experiment(recipe["name"], executor=executor, log_level="ERROR") as exp:
+            exp.add(recipe_script(recipe, python="python"), name=name)
+            exp.dryrun(log=False)
+            script = exp.jobs[0]._dryrun_info.request.materialize()
+            task_executor = exp.jobs[0].executor
     # the directory NeMo-Run's script names for this task: <job_dir>/<experiment>/<experiment id>/<task>
     task_dir = os.path.join(task_executor.tunnel.job_dir, os.path.basename(task_executor.job_dir))
     if _flag(recipe, "exit_signal_handler"):  # torchrun exits 1 after a SIGTERM; launch_torchrun 0

@@ -43,8 +43,9 @@ def _yaml():
     return yaml
 
 
-#: the shipped recipes (in a source checkout); `launch NAME` accepts their bare names
-RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "recipes")
+#: the source checkout this package is in, and its shipped recipes (`launch NAME` accepts their bare names)
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE_DIR = os.path.join(CHECKOUT, "examples", "recipes")
 
 #: flags whose value is a filesystem path: a relative one in a recipe is relative to the recipe's own
 #: directory (so `launch RECIPE --check` means the same from any directory); command-line overrides
@@ -120,18 +121,12 @@ def load_recipe(path: str) -> Dict:
 
 def placeholders(recipe: Dict) -> List[str]:
     """The recipe keys (`data.data_path`, `launch.slurm.account`) whose value still holds PLACEHOLDER."""
-    found = []
-
     def walk(prefix, node):
         if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif PLACEHOLDER in str(node):  # a value, or any item of a list
-            found.append(prefix)
+            return [key for k, v in node.items() for key in walk(f"{prefix}.{k}", v)]
+        return [prefix] if PLACEHOLDER in str(node) else []  # a value, or any item of a list
 
-    for s in SECTIONS + ("launch",):
-        walk(s, recipe.get(s) or {})
-    return found
+    return [key for s in SECTIONS + ("launch",) for key in walk(s, recipe.get(s) or {})]
 
 
 def _norm(key: str) -> str:

@@ -41,17 +41,6 @@ def _torch_api():
     return found
 
 
-def _signal_workers(pids, sig) -> list:
-    """Send `sig` to each worker's process group (torchrun starts each worker in a session of its own,
-    and torch's shutdown signals the group: the rank and its helper processes); the pids still there."""
-    sent = []
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, sig)
-            sent.append(pid)
-    return sent
-
-
 def exit_signal_of(argv) -> signal.Signals:
     """The job's `--exit-signal` (Megatron-LM's flag; SIGTERM unless given)."""
     for i, a in enumerate(argv):
@@ -74,7 +63,13 @@ def forward_signals(sigs=(signal.SIGTERM, signal.SIGINT)) -> None:
             return  # torch installs no handler there either
 
         def forward(signum, frame):
-            sent = _signal_workers(pcontext.pids().values(), signum)
+            # to each worker's process group (torchrun starts each worker in a session of its own, and
+            # torch's shutdown signals the group: the rank and its helper processes); `sent`: those still there
+            sent = []
+            for pid in pcontext.pids().values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signum)
+                    sent.append(pid)
             if not sent and not forwarded:  # no worker that could save: torch's shutdown
                 raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
             forwarded.extend(sent)

@@ -1,9 +1,8 @@
 """LoRA adapters on megatron-core's parallel linears, inserted through the layer spec (docs/lora.md)."""
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_csbp.lora.options import DEFAULT_TARGETS, INITS, LORA_OPTIONS  # noqa: F401
@@ -74,13 +73,6 @@ class LoRAConfig:
             return None
         return cls(args.lora_rank, float(args.lora_alpha), float(args.lora_dropout), tuple(args.lora_target_modules),
                    args.lora_init)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "LoRAConfig":
-        return cls(**json.loads(text))
 
 
 def is_adapter(name: str) -> bool:

@@ -5,6 +5,7 @@ use `base_record`, `check_resume` and `record_json`; the PEFT export/import and 
 `read_lora_checkpoint` / `write_lora_checkpoint`. Rules and format: docs/lora.md#checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -13,10 +14,14 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_csbp.checkpoint.files import (
     LORA_FILE, RELEASE, TRACKER, CheckpointError, checkpoint_path, checkpoint_to_load, lora_record,
 )
+from megatron_csbp.checkpoint.integrity import check_checkpoint_files, fingerprint, write_checksums
+from megatron_csbp.checkpoint.model import single_process_megatron
 from megatron_csbp.lora import LoRAConfig, is_adapter
 
 #: the LoRA flags a resume must repeat (they shape the adapters or their scale), by LoRAConfig field
@@ -26,8 +31,6 @@ RESUMED = {"rank": "--lora-rank", "alpha": "--lora-alpha", "target_modules": "--
 def base_record(pretrained: str) -> Dict[str, Any]:
     """Collective: {"path", "iteration", "fingerprint"} of the base `--pretrained-checkpoint` loads
     (its tracker's checkpoint)."""
-    from megatron_csbp.checkpoint.integrity import fingerprint
-
     step = checkpoint_to_load(pretrained)
     if step is None:
         raise CheckpointError(f"--pretrained-checkpoint {pretrained} holds no checkpoint (no {TRACKER})")
@@ -36,7 +39,7 @@ def base_record(pretrained: str) -> Dict[str, Any]:
 
 
 def record_json(config: LoRAConfig, base: Dict[str, Any]) -> str:
-    return json.dumps({"lora": json.loads(config.to_json()), "base": base}, indent=1, sort_keys=True)
+    return json.dumps({"lora": dataclasses.asdict(config), "base": base}, indent=1, sort_keys=True)
 
 
 def check_resume(load: str, step, config: Optional[LoRAConfig], base: Optional[Dict[str, Any]]) -> None:
@@ -50,7 +53,7 @@ def check_resume(load: str, step, config: Optional[LoRAConfig], base: Optional[D
                 f"--load {load} holds a full (non-LoRA) checkpoint, and --lora-rank {config.rank} resumes LoRA "
                 f"checkpoints only (no {LORA_FILE}): to train adapters on it, give it as --pretrained-checkpoint")
         return
-    saved = LoRAConfig.from_json(json.dumps(record["lora"]))
+    saved = LoRAConfig(**record["lora"])
     if config is None:
         raise CheckpointError(
             f"--load {load} holds a LoRA checkpoint (rank {saved.rank} adapters, {LORA_FILE}): resume it with "
@@ -111,10 +114,10 @@ def _key(name: str, shapes: Dict[str, Tuple[int, ...]]):
     weight is stored (`shapes`: the base checkpoint's keys and global shapes): its layer and expert
     indices stacked, or left in the key (megatron-core's non-homogeneous layers, e.g. MoE every
     other layer)."""
-    found = [(rx, repl, m) for rx, repl in _INDEX for m in [rx.search(name)] if m]
+    found = [(rx, repl) for rx, repl in _INDEX if rx.search(name)]
     for stack in itertools.product((True, False), repeat=len(found)):
         key, index = name, []
-        for (rx, repl, m), stacked in zip(found, stack):
+        for (rx, repl), stacked in zip(found, stack):
             if stacked:
                 index.append(int(rx.search(key).group(1)))
                 key = rx.sub(repl, key, count=1)
@@ -135,12 +138,6 @@ def read_lora_checkpoint(load: str, step=None) -> Tuple[LoRAConfig, Dict[str, to
     """(LoRA config, {one-process name: full unsharded adapter tensor}, base path) of the LoRA
     checkpoint `load` (the tracker's, or iteration `step`), on one process, whatever layout saved it
     (layers and experts by their global index, as the base's weights are named)."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_csbp.checkpoint.integrity import check_checkpoint_files
-    from megatron_csbp.checkpoint.model import single_process_megatron
-
     step = checkpoint_to_load(load, step)
     record = lora_record(load, step)
     if record is None:
@@ -161,7 +158,7 @@ def read_lora_checkpoint(load: str, step=None) -> Tuple[LoRAConfig, Dict[str, to
         check_checkpoint_files(path)
         loaded = dist_checkpointing.load(wanted, path)
     adapters = {name: loaded[name] for name in wanted}  # (load also returns the checkpoint's common state)
-    return LoRAConfig.from_json(json.dumps(record["lora"])), adapters, (record.get("base") or {}).get("path")
+    return LoRAConfig(**record["lora"]), adapters, (record.get("base") or {}).get("path")
 
 
 def write_lora_checkpoint(out: str, config: LoRAConfig, adapters: Dict[str, torch.Tensor], base_path: str) -> str:
@@ -169,12 +166,6 @@ def write_lora_checkpoint(out: str, config: LoRAConfig, adapters: Dict[str, torc
     checkpoint `out/release/` over the base `base_path` (its fingerprint recorded; the counts of
     layers and experts read from its metadata): a `--load` of a LoRA run starts from these adapters at
     iteration 0 with a fresh optimizer. One process."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_csbp.checkpoint.integrity import write_checksums
-    from megatron_csbp.checkpoint.model import single_process_megatron
-
     bad = [n for n in adapters if not is_adapter(n)]
     if bad:
         raise ValueError(f"write_lora_checkpoint: {bad[:3]} are not adapter tensors (.lora_A / .lora_B)")

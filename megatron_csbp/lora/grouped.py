@@ -13,7 +13,7 @@ from megatron.core.transformer.moe import grouped_gemm_util as gg
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
 from megatron_csbp.lora import LoRAConfig
-from megatron_csbp.lora.layers import _ExpertColumnA, _ExpertRowShare, _tp_size, add_adapter_pair
+from megatron_csbp.lora.layers import _ExpertColumnA, _ExpertRowShare, _tp_size, add_adapter_pair, lora_shards
 
 FCS = ("linear_fc1", "linear_fc2")
 
@@ -31,19 +31,9 @@ class ExpertAdapter(torch.nn.Module):
                          dtype=like.dtype, device=like.device)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """As the LoRA linear of a sequential expert stores its adapter (lora/layers.py `_shards`)."""
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        sd = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
-                                                 {self.sharded: 0 if self.sharded == "lora_B" else 1},
-                                                 sharded_offsets, tp_group=self.group,
-                                                 dp_cp_group=metadata["dp_cp_group"])
-        if self.stride == 2:
-            key = f"{prefix}lora_B"
-            sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
-                                                   (metadata or {}).get("singleton_local_shards", False))
-        return sd
+        """As the LoRA linear of a sequential expert stores its adapter (lora/layers.py `lora_shards`)."""
+        return lora_shards(self, self.group, {self.sharded: 0 if self.sharded == "lora_B" else 1}, self.stride == 2,
+                           prefix, sharded_offsets, metadata)
 
 
 class _ExpertAdapters(torch.nn.ModuleDict):

@@ -77,6 +77,22 @@ def add_adapter_pair(module, shapes, sharded: str, stride: int, weight, suffix: 
         module.register_parameter(name + suffix, p)
 
 
+def lora_shards(module, group, axes, swiglu: bool, prefix, sharded_offsets, metadata):
+    """megatron-core's own sharded state dict of `module` with the TP-sharded (over `group`) tensors in
+    `axes` (the adapter's other one replicated over TP, like a bias); `swiglu`: lora_B's rows follow
+    fc1's [gate ; up] like the weight."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    sd = make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                             sharded_offsets, tp_group=group, dp_cp_group=metadata["dp_cp_group"])
+    if swiglu:
+        key = f"{prefix}lora_B"
+        sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
+                                               (metadata or {}).get("singleton_local_shards", False))
+    return sd
+
+
 class _LoRA:
     """The adapter of both layers: A and B, one of them TP-sharded (`sharded`), both initialised to
     zeros here (lora/init.py draws them by global name once the model is built)."""
@@ -89,15 +105,6 @@ class _LoRA:
     @property
     def lora_world(self) -> int:
         return _tp_size(self.tp_group)
-
-    def _shards(self, axes, prefix, sharded_offsets, metadata):
-        """megatron-core's own sharded state dict of the layer with the adapter's TP-sharded tensor
-        in `axes` (the other one replicated over TP, like a bias)."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 def _part_rows(config, name: str, parts, out: int, gated: bool, world: int):
@@ -171,14 +178,8 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {"weight": 0, "bias": 0, "lora_B": 0, **{f"lora_B_{p}": 0 for p in self.lora_parts}}
-        sd = self._shards(axes, prefix, sharded_offsets, metadata)
-        if self.lora_stride == 2 and not self.lora_parts:  # B's rows follow fc1's [gate ; up] like the weight
-            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-            key = f"{prefix}lora_B"
-            sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
-                                                   (metadata or {}).get("singleton_local_shards", False))
-        return sd
+        return lora_shards(self, self.tp_group, axes, self.lora_stride == 2 and not self.lora_parts, prefix,
+                           sharded_offsets, metadata)
 
 
 class LoRARowParallelLinear(_LoRA, RowParallelLinear):
@@ -210,4 +211,4 @@ class LoRARowParallelLinear(_LoRA, RowParallelLinear):
         return output + self.lora_delta(input_).to(output.dtype), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return self._shards({"weight": 1, "lora_A": 1}, prefix, sharded_offsets, metadata)
+        return lora_shards(self, self.tp_group, {"weight": 1, "lora_A": 1}, False, prefix, sharded_offsets, metadata)

@@ -92,20 +92,6 @@ def _peft_layers(peft_model) -> Dict[str, object]:
     return out
 
 
-def _lora_config(config: LoRAConfig, placed, base: Optional[str]):
-    import peft
-
-    linear = sorted({n[: -len(".weight")] for names, _, _, expert in placed if expert is None for n in names})
-    params = sorted({n for names, _, _, expert in placed if expert is not None for n in names})
-    if params and config.dropout:
-        raise ValueError(f"--lora-dropout {config.dropout}: peft's expert adapters (target_parameters on the fused 3D "
-                         "expert weights) take no dropout, so this run's expert adapters have no PEFT form; export with "
-                         "--merge-lora, or train with --lora-dropout 0")
-    return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
-                           target_modules=linear or None, target_parameters=params or None,
-                           base_model_name_or_path=base)
-
-
 def _assign(layer, a: torch.Tensor, b: torch.Tensor) -> None:
     for lin, w in ((layer.lora_A["default"], a), (layer.lora_B["default"], b)):
         if tuple(lin.weight.shape) != tuple(w.shape):
@@ -132,7 +118,15 @@ def to_peft_model(hf_model, targets: List[Target], config: LoRAConfig, adapters:
             placed.append((t.hf[t.parts.index(part)], a, b, None))
         else:
             placed += [(names, a, b_part, t.expert) for names, b_part in zip(t.hf, t.split(b))]
-    model = peft.get_peft_model(hf_model, _lora_config(config, placed, base))
+    linear = sorted({n[: -len(".weight")] for names, _, _, expert in placed if expert is None for n in names})
+    params = sorted({n for names, _, _, expert in placed if expert is not None for n in names})
+    if params and config.dropout:
+        raise ValueError(f"--lora-dropout {config.dropout}: peft's expert adapters (target_parameters on the fused 3D "
+                         "expert weights) take no dropout, so this run's expert adapters have no PEFT form; export "
+                         "with --merge-lora, or train with --lora-dropout 0")
+    model = peft.get_peft_model(hf_model, peft.LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none", target_modules=linear or None,
+        target_parameters=params or None, base_model_name_or_path=base))
     layers = _peft_layers(model)
     experts: Dict[str, Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {}
     for names, a, b_part, expert in placed:
@@ -157,20 +151,6 @@ def _read(layer, expert: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         return a, b
     n = layer.num_experts
     return a.reshape(n, -1, a.shape[-1])[expert], b.reshape(b.shape[0], -1, n)[:, :, expert]
-
-
-def _refuse_unmappable(cfg, directory: str, flag: str) -> None:
-    import peft
-
-    for bad, what in ((cfg.peft_type != peft.PeftType.LORA, f"a {cfg.peft_type} adapter"),
-                      (getattr(cfg, "use_dora", False), "DoRA (use_dora)"),
-                      (getattr(cfg, "lora_bias", False) or getattr(cfg, "bias", "none") != "none", "adapter biases"),
-                      (bool(getattr(cfg, "modules_to_save", None)), "modules_to_save (full weights beside the adapters)"),
-                      (bool(getattr(cfg, "rank_pattern", None)) or bool(getattr(cfg, "alpha_pattern", None)),
-                       "per-module ranks or alphas (rank_pattern / alpha_pattern)")):
-        if bad:
-            raise ValueError(f"{flag} {directory}: {what} has no Megatron LoRA counterpart (one rank and alpha, no "
-                             "bias, adapters on linear_qkv / linear_proj / linear_fc1 / linear_fc2 only)")
 
 
 def _unit_name(unit: Unit) -> str:
@@ -207,7 +187,16 @@ def load_peft_adapter(hf_model, targets: List[Target], directory: str, flag: str
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
     cfg = peft.PeftConfig.from_pretrained(directory)
-    _refuse_unmappable(cfg, directory, flag)
+    for bad, what in ((cfg.peft_type != peft.PeftType.LORA, f"a {cfg.peft_type} adapter"),
+                      (getattr(cfg, "use_dora", False), "DoRA (use_dora)"),
+                      (getattr(cfg, "lora_bias", False) or getattr(cfg, "bias", "none") != "none", "adapter biases"),
+                      (bool(getattr(cfg, "modules_to_save", None)),
+                       "modules_to_save (full weights beside the adapters)"),
+                      (bool(getattr(cfg, "rank_pattern", None)) or bool(getattr(cfg, "alpha_pattern", None)),
+                       "per-module ranks or alphas (rank_pattern / alpha_pattern)")):
+        if bad:
+            raise ValueError(f"{flag} {directory}: {what} has no Megatron LoRA counterpart (one rank and alpha, no "
+                             "bias, adapters on linear_qkv / linear_proj / linear_fc1 / linear_fc2 only)")
     model = peft.get_peft_model(hf_model, cfg)
     seen = set()
     weights = load_peft_weights(directory, device="cpu")

@@ -95,12 +95,6 @@ def active_transform(spec):
     return spec if lora is None else with_adapters(spec, lora)
 
 
-def linear_names(model: torch.nn.Module) -> set:
-    """The names of the parallel linears in the model's layers (those a spec builds)."""
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and n.startswith("decoder.")}
-
-
 def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
     """One line for a target no module of `model` matches (of any pipeline stage's chunk: a stage
     may hold no layer of a kind, e.g. a hybrid's stage of Gated DeltaNet layers only)."""
@@ -120,18 +114,11 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
         found = agreed.tolist()
     for target, ok in zip(lora.target_modules, found):
-        if not ok:
-            have = ", ".join(sorted(linear_names(model)))
+        if not ok:  # (the parallel linears of the model's layers: those a spec builds)
+            have = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                     if isinstance(m, tuple(_SUBCLASS)) and n.startswith("decoder.")}))
             raise ValueError(f"--lora-target-modules {target}: the model has no module named {target} "
                              f"(it has {have})")
-
-
-def freeze_base(model: torch.nn.Module) -> int:
-    """requires_grad=False on every parameter but the adapters; returns the number frozen."""
-    base = [p for name, p in model.named_parameters() if not is_adapter(name)]
-    for p in base:
-        p.requires_grad_(False)
-    return len(base)
 
 
 def adapted(lora: Optional[LoRAConfig], build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
@@ -145,7 +132,9 @@ def adapted(lora: Optional[LoRAConfig], build: Callable[[], torch.nn.Module], se
     finally:
         _ACTIVE.reset(token)
     check_targets(model, lora)
-    freeze_base(model)
+    for name, p in model.named_parameters():  # the base frozen
+        if not is_adapter(name):
+            p.requires_grad_(False)
     from megatron_csbp.lora.init import draw_adapters
 
     draw_adapters(model, lora, seed)

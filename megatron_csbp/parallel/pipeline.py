@@ -7,7 +7,7 @@ docs/pipeline.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
 
 import torch
@@ -108,7 +108,7 @@ class Stage:
         return self.pre_process and self.post_process and self.vp_stage is None
 
     def kwargs(self) -> dict:
-        return dict(pre_process=self.pre_process, post_process=self.post_process, vp_stage=self.vp_stage)
+        return asdict(self)
 
 
 WHOLE = Stage()
@@ -214,13 +214,12 @@ class ModelChunks(torch.nn.Module):
         self.chunks = torch.nn.ModuleList(chunks)
 
 
-def chunks_of(model) -> list:
-    return list(model.chunks) if isinstance(model, ModelChunks) else [model]
+def keyed_chunks(model) -> dict:
+    """{'model': the model} of one chunk; {'model0': chunk 0, 'model1': ...} of several."""
+    chunks = list(model.chunks) if isinstance(model, ModelChunks) else [model]
+    return {"model" if len(chunks) == 1 else f"model{i}": c for i, c in enumerate(chunks)}
 
 
 def sharded_state(model) -> dict:
-    """{'model': sharded state} of one chunk; {'model0': ..., 'model1': ...} of several."""
-    chunks = chunks_of(model)
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    """The sharded state of each of `keyed_chunks(model)`, by its key."""
+    return {key: c.sharded_state_dict() for key, c in keyed_chunks(model).items()}

@@ -34,7 +34,6 @@ _SIZES: Optional[BlockParallelSizes] = None
 _RING_GROUP = None
 _OWNED_GROUPS: List = []  # the process groups initialize_block_parallel created (destroyed with it)
 _RING_RANKS: Optional[List[int]] = None
-_REPLICA_GROUP = None
 _REPLICA_RANKS: Optional[List[int]] = None
 
 
@@ -80,16 +79,12 @@ def _process_groups() -> List:
     return list(dist.distributed_c10d._world.pg_map)
 
 
-def _all_shard_groups(tp: int, pp: int, seq: int) -> List[List[int]]:
-    dp = dist.get_world_size() // (tp * pp * seq)
-    return mpu.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=seq, order="tp-cp-ep-dp-pp").get_ranks("cp")
-
-
 def _build_subgroups(sizes: BlockParallelSizes, tp: int, pp: int) -> None:
-    global _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS
+    global _RING_GROUP, _RING_RANKS, _REPLICA_RANKS
     me = dist.get_rank()
     C, S = sizes.context_parallel_size, sizes.shard_group_size
-    shard_groups = _all_shard_groups(tp, pp, S)
+    dp = dist.get_world_size() // (tp * pp * S)
+    shard_groups = mpu.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=S, order="tp-cp-ep-dp-pp").get_ranks("cp")
     mine = mpu.get_context_parallel_global_ranks()
     assert any(list(g) == list(mine) for g in shard_groups), "rank generator disagrees with Megatron's CP groups"
     for g in shard_groups:  # same order on every rank
@@ -100,9 +95,9 @@ def _build_subgroups(sizes: BlockParallelSizes, tp: int, pp: int) -> None:
                 _RING_GROUP, _RING_RANKS = group, ring
         for i in range(C):
             replica = list(g[i::C])
-            group = mpu.create_group(replica, group_desc="BLOCK_PARALLEL_CLEAN_REPLICA")
+            mpu.create_group(replica, group_desc="BLOCK_PARALLEL_CLEAN_REPLICA")  # (collective: every rank makes each)
             if me in replica:
-                _REPLICA_GROUP, _REPLICA_RANKS = group, replica
+                _REPLICA_RANKS = replica
 
 
 def is_initialized() -> bool:
@@ -121,8 +116,8 @@ def destroy_block_parallel() -> None:
     initialises layout after layout (the benchmark, the tests) grew by ~57 threads per layout, hundreds
     after a few pairs, and its CPU time with them. The groups created by initialize_block_parallel
     (Megatron's and this module's, nothing made before it) are destroyed here."""
-    global _SIZES, _RING_GROUP, _RING_RANKS, _REPLICA_GROUP, _REPLICA_RANKS, _OWNED_GROUPS
-    _SIZES = _RING_GROUP = _RING_RANKS = _REPLICA_GROUP = _REPLICA_RANKS = None
+    global _SIZES, _RING_GROUP, _RING_RANKS, _REPLICA_RANKS, _OWNED_GROUPS
+    _SIZES = _RING_GROUP = _RING_RANKS = _REPLICA_RANKS = None
     mpu.destroy_model_parallel()
     owned, _OWNED_GROUPS = _OWNED_GROUPS, []
     live = set(_process_groups())

@@ -81,21 +81,16 @@ def find(cwd: bool = False) -> Optional[str]:
     return cache if is_checkout(cache) else None
 
 
-def extract_command(version: Optional[str] = None) -> str:
-    tag, d = tag_for(version), cache_dir(version)
-    return (f"git clone https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM && mkdir -p {d} && "
-            f"git -C /tmp/Megatron-LM archive {tag} {' '.join(archive_paths(tag))} | tar -x -C {d}")
-
-
-def missing_message(version: Optional[str] = None) -> str:
-    """One line: why nothing was found and the command that fixes it."""
-    version = version or megatron_core_version() or "(not installed)"
-    env = os.environ.get("MEGATRON_LM_PATH")
+def missing_message() -> str:
+    """One line: why nothing was found and the command that fixes it (for the installed megatron-core)."""
+    env, tag, d = os.environ.get("MEGATRON_LM_PATH"), tag_for(), cache_dir()
     if env:
         return (f"MEGATRON_LM_PATH={env} holds no Megatron-LM checkout (pretrain_gpt.py and megatron/training); "
-                f"unset it to use {cache_dir()} or point it at a clone of tag {tag_for()}")
-    return (f"Megatron-LM's training package for megatron-core {version} (tag {tag_for()}) is not in "
-            f"{cache_dir()}; get it with: {extract_command()} (docs/megatron-lm.md; or set MEGATRON_LM_PATH)")
+                f"unset it to use {d} or point it at a clone of tag {tag}")
+    return (f"Megatron-LM's training package for megatron-core {megatron_core_version() or '(not installed)'} (tag "
+            f"{tag}) is not in {d}; get it with: git clone https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM && "
+            f"mkdir -p {d} && git -C /tmp/Megatron-LM archive {tag} {' '.join(archive_paths(tag))} | tar -x -C {d} "
+            "(docs/megatron-lm.md; or set MEGATRON_LM_PATH)")
 
 
 def main() -> int:
