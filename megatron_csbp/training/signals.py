@@ -67,10 +67,6 @@ class ExitSignal:
         """Whether this rank got the signal (local, no communication)."""
         return bool(self._received)
 
-    def received(self) -> bool:
-        """Collective: whether any rank got the signal."""
-        return _any_rank([bool(self._received)])[0]
-
 
 class Interruptible:
     """Context manager for a run without --exit-signal-handler: SIGINT (Ctrl-C; torchrun passes it

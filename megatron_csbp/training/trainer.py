@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_csbp.data.megatron_data import MicroBatchSampler, collate, microbatch_indices, train_batches
 from megatron_csbp.lora import LoRAConfig, is_adapter
-from megatron_csbp.model.assemble import wrap
+from megatron_csbp.model.assemble import params_dtype, wrap
 from megatron_csbp.model.contract import Metrics
 from megatron_csbp.objectives import objective_class
 from megatron_csbp.parallel import pipeline
@@ -89,8 +89,7 @@ def init_distributed(parallel) -> None:
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
                                       parallel.expert_model_parallel_size,
-                                      virtual_pipeline_model_parallel_size=getattr(
-                                          parallel, "virtual_pipeline_model_parallel_size", None))
+                                      virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
 
 
 def _attempt_store():
@@ -178,7 +177,7 @@ class Trainer:
         # every optim field megatron-core's OptimizerConfig has (lr, Adam's, clipping, loss scaling), by name
         shared = {f.name for f in fields(OptimizerConfig)} & {f.name for f in fields(o)}
         opt_config = OptimizerConfig(optimizer="adam", **{n: getattr(o, n) for n in shared},
-                                     params_dtype=torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32,
+                                     params_dtype=params_dtype(o),
                                      use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
         if o.fp16:  # megatron-core's schedules scale the loss before backward (Megatron-LM sets the same)
@@ -375,7 +374,8 @@ class Trainer:
 
         writer_log, writer_errors = logging.getLogger(filesystem_async.__name__), _WriterErrors()
         writer_log.addFilter(writer_errors)
-        self._sync_params()
+        if self.config.parallel.overlap_param_gather:  # Megatron-LM's `force_param_sync` before a save: the
+            self.ddp.start_param_sync(force_sync=True)  # distributed optimizer's gather of the updated weights
         try:
             state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
                                   extra={"model_args": dict(ck.model_meta)}, **self._shape_files(), **self._lora_save())
@@ -403,13 +403,6 @@ class Trainer:
         from megatron_csbp.lora.checkpoint import record_json
 
         return {"keep": is_adapter, "files": {LORA_FILE: record_json(self.lora, self.base)}}
-
-    def _sync_params(self) -> None:
-        """With --overlap-param-gather the distributed optimizer's all-gather of the updated weights
-        waits for the next forward's pre-hooks: gather them now (Megatron-LM's `force_param_sync`
-        before a save)."""
-        if self.config.parallel.overlap_param_gather:
-            self.ddp.start_param_sync(force_sync=True)
 
     def load(self) -> Tuple[int, int]:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
