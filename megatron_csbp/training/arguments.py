@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
-from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
+from megatron_csbp.config.options import BACKEND_KERNEL, BY_NAME, OPTIONS, add_options, check_options
 from megatron_csbp.data.megatron_data import (build_tokenizer, largest_token_id, missing_prefixes, null_tokenizer_rule,
                                               null_tokenizer_vocab_flag)
 from megatron_csbp.layout.layout import SequenceLayout, balanced_block_unit
@@ -335,14 +335,13 @@ def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", fol
     where = f"{flag} {folder or args.load}"
     from megatron_csbp.model.families import flag_values
 
-    defaults = build_parser()
     if args.tokenizer_type is None and not args.tokenizer_model:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     for dest, value in flag_values(shape).items():
         if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
             value = null_tokenizer_vocab_flag(value)  # the flag whose NullTokenizer has the checkpoint's rows
         given = getattr(args, dest)
-        if given == defaults.get_default(dest) or given == value:
+        if given == BY_NAME[dest].default or given == value:
             setattr(args, dest, value)
             continue
         if dest == "vocab_size" and args.tokenizer_type not in (None, "NullTokenizer"):
