@@ -73,8 +73,8 @@ def init_distributed(parallel) -> None:
     if not bps.is_initialized():
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
-                                      parallel.expert_model_parallel_size,
-                                      virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size)
+                                      parallel.expert_model_parallel_size, virtual_pipeline_model_parallel_size=(
+                                          parallel.virtual_pipeline_model_parallel_size))
 
 
 def _attempt_store():
