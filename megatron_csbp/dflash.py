@@ -41,16 +41,6 @@ def verifier_hf_path(hf_path: Optional[str] = None, load: Optional[str] = None) 
     return tmp
 
 
-# ---- export --------------------------------------------------------------------------------------
-
-def export(a) -> str:
-    """The drafter as a Hugging Face folder, with its verifier's tokenizer (prints what it wrote)."""
-    from megatron_csbp.conversion.drafter import megatron_to_hf_drafter
-
-    megatron_to_hf_drafter(a.load, a.output, tokenizer_model=getattr(a, "tokenizer_model", None), log=print)
-    return a.output
-
-
 # ---- command line --------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,13 +107,6 @@ TRAIN_DEFAULTS = ["--lr", "3e-3", "--train-iters", "100", "--weight-decay", "0",
 ARCHITECTURE_DEFAULTS = ["--num-layers", "1", "--block-size", "8"]
 
 
-def train_parser():
-    """What `dflash train` accepts: the trainer's parser (`--objective dflash`)."""
-    from megatron_csbp.training.arguments import build_parser as trainer_parser
-
-    return trainer_parser()
-
-
 def train(argv: Sequence[str]):
     """`dflash train ...`: `python -m megatron_csbp.train --objective dflash ...` (the `Trainer`)."""
     from megatron_csbp.training.loop import main as train_main
@@ -150,8 +133,11 @@ def main(argv: Optional[Sequence[str]] = None):
         result = prepare_features(a, verifier_hf_path(a.hf_path, a.load))
         print(json.dumps(result))
         return result
-    if a.command == "export":
-        print(export(a))
+    if a.command == "export":  # the drafter as a Hugging Face folder, with its verifier's tokenizer
+        from megatron_csbp.conversion.drafter import megatron_to_hf_drafter
+
+        megatron_to_hf_drafter(a.load, a.output, tokenizer_model=a.tokenizer_model, log=print)
+        print(a.output)
         return a.output
     from megatron_csbp.attention.kernels.capability import info_to_stderr
     from megatron_csbp.generation.speculative import evaluate_cli

@@ -322,11 +322,10 @@ def test_every_recipe_passes_check(path, capsys):
     nnodes, nproc = launch_sizes(r, None, None)
     assert f"OK for {nnodes * nproc} ranks" in out
     # every flag is one the trainer takes (the parser refuses the rest); `--objective dflash`
-    # hands every flag to `python -m megatron_csbp.dflash train`, whose parser decides
-    from megatron_csbp.dflash import train_parser
+    # hands every flag to `python -m megatron_csbp.dflash train`, whose parser is the trainer's
     from megatron_csbp.training.arguments import build_parser
 
-    parser = train_parser() if r["objective"].get("objective") == "dflash" else build_parser()
+    parser = build_parser()
     known = {s for a in parser._actions for s in a.option_strings}
     assert {f for f in recipe_flags(r) if f.startswith("--")} <= known
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
-from megatron_csbp.config.options import BACKEND_KERNEL, OPTIONS, add_options, check_options
+from megatron_csbp.config.options import BACKEND_KERNEL, BY_NAME, OPTIONS, add_options, check_options
 from megatron_csbp.data.megatron_data import (build_tokenizer, largest_token_id, missing_prefixes, null_tokenizer_rule,
                                               null_tokenizer_vocab_flag)
 from megatron_csbp.layout.layout import SequenceLayout, balanced_block_unit
@@ -244,7 +244,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     from megatron_csbp.parallel.pipeline import check_pipeline_args
     facts = replace(facts, virtual_pipeline_model_parallel_size=check_pipeline_args(args, facts.num_microbatches))
     if (args.pipeline_model_parallel_size > 1 and args.micro_batch_size > 1
-            and not objective_class(args.objective).fixed_rows
+            and not objective.fixed_rows
             and (args.reset_attention_mask or args.reset_position_ids)):
         # Samples with different documents run one by one and a stage sends their hidden states
         # side by side ([rows, b, h]): that needs the same rows in every sample.
@@ -299,7 +299,7 @@ def check_flags(args: _Resolving, world_size: int, check_only: bool = False) -> 
     from megatron_csbp.model.builder import embedding_rows
 
     rows = embedding_rows(args, shape)
-    if args.mask_token_id is None and objective_class(args.objective).mask_from_tokenizer:
+    if args.mask_token_id is None and objective.mask_from_tokenizer:
         args.mask_token_id = default_mask_token_id(tok.mask_token_id, tok.vocab_size, rows)
     build_objective(args, rows)  # as the model will build it: its mask token a real id of the vocabulary
     return facts
@@ -316,7 +316,7 @@ def check_counts(args) -> None:
 def check_pretrained(args, facts: Resolved) -> None:
     """An objective that adapts a pretrained model (fast-dllm-v2) and Megatron's --finetune start from
     weights: a --load that holds no checkpoint (a typo) must not start a random model."""
-    needs = objective_class(args.objective).needs_pretrained if args.objective in objective_names() else None
+    needs = objective_class(args.objective).needs_pretrained  # (an unknown objective: refused by check_flags)
     why = f"--objective {args.objective} {needs}" if needs else \
         ("--finetune starts from the weights of --load" if getattr(args, "finetune", False) else None)
     if why is None or facts.model_source is not None or facts.shape_unknown:  # (launch --check: --load not here)
@@ -335,14 +335,13 @@ def apply_model_shape(args: argparse.Namespace, shape, flag: str = "--load", fol
     where = f"{flag} {folder or args.load}"
     from megatron_csbp.model.families import flag_values
 
-    defaults = build_parser()
     if args.tokenizer_type is None and not args.tokenizer_model:
         args.tokenizer_type = "NullTokenizer"  # pre-tokenized data of the source model's tokenizer
     for dest, value in flag_values(shape).items():
         if dest == "vocab_size" and args.tokenizer_type == "NullTokenizer":
             value = null_tokenizer_vocab_flag(value)  # the flag whose NullTokenizer has the checkpoint's rows
         given = getattr(args, dest)
-        if given == defaults.get_default(dest) or given == value:
+        if given == BY_NAME[dest].default or given == value:
             setattr(args, dest, value)
             continue
         if dest == "vocab_size" and args.tokenizer_type not in (None, "NullTokenizer"):
@@ -509,12 +508,6 @@ def check_run_flags(args: argparse.Namespace) -> None:
                              "logs without an account)")
 
 
-def moe_pattern(args):
-    """1 where layer i is MoE (Megatron's moe_layer_freq as a list)."""
-    freq = args.moe_layer_freq
-    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
-
-
 def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
     """Rules of the MoE flags of a flag-built model (`shape`: the --load model's)."""
     if args.num_experts is None or shape is not None:
@@ -522,7 +515,8 @@ def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
                          f"{args.num_experts}")
-    pattern = moe_pattern(args)
+    freq = args.moe_layer_freq  # 1 where layer i is MoE (Megatron's moe_layer_freq as a list)
+    pattern = list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
     if len(pattern) != args.num_layers or not any(pattern):
         raise ValueError(f"--moe-layer-freq {args.moe_layer_freq}: {len(pattern)} entries for --num-layers "
                          f"{args.num_layers}, at least one MoE layer")

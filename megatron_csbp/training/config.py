@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
-from megatron_csbp.layout.sizes import layout_kind, shard_group_size
+from megatron_csbp.layout.sizes import layout_kind
 from megatron_csbp.config.options import all_options
 
 
@@ -44,22 +44,13 @@ class ParallelConfig:
     data_parallel_size: int = extra(1)
     virtual_pipeline_model_parallel_size: Optional[int] = extra()  # interleaved 1F1B (parallel/pipeline.py)
 
-    @property
-    def shard_group_size(self) -> int:
-        """Ranks that hold one sequence: max(CP, BP) (Megatron's context-parallel axis)."""
-        return shard_group_size(self.context_parallel_size, self.block_parallel_size)
-
-    @property
-    def layout(self) -> str:
-        return layout_kind(self.context_parallel_size, self.block_parallel_size)
-
     def describe(self) -> str:
-        pp = ""
+        pp, cp, bp = "", self.context_parallel_size, self.block_parallel_size
         if self.pipeline_model_parallel_size > 1:
             vp = self.virtual_pipeline_model_parallel_size
             pp = f" x PP {self.pipeline_model_parallel_size}" + (f" (VP {vp})" if vp else "")
-        return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {self.context_parallel_size} / "
-                f"BP {self.block_parallel_size} (layout {self.layout}) x DP {self.data_parallel_size}")
+        return (f"world {self.world_size} = TP {self.tensor_model_parallel_size}{pp} x CP {cp} / BP {bp} (layout "
+                f"{layout_kind(cp, bp)}) x DP {self.data_parallel_size}")
 
 
 @dataclass(frozen=True)

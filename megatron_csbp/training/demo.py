@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -185,21 +185,25 @@ def corpus_unigram_entropy(prefix: str) -> float:
     return unigram_entropy([tokens], int(tokens.max()) + 1)
 
 
-def plot_losses(train_losses: List, history: List[Dict], path: str, entropy: float = None,
+def eval_points(history: List[Dict]) -> List[Tuple[int, float]]:
+    """(iteration, held-out loss) of the logged records that hold an evaluation."""
+    return [(h["iteration"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
+
+
+def plot_losses(train_losses: List, evals: List[Tuple[int, float]], path: str, entropy: float = None,
                 title: str = "block diffusion LM (BD3-LM), CSBP on 2 CPU ranks") -> None:
-    """(iteration, loss) per step with its EMA, the held-out NELBO of `history`, the entropy line."""
+    """(iteration, loss) per step with its EMA, the held-out NELBO points `evals`, the entropy line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = [(h["iteration"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if train_losses:
         it, loss = zip(*train_losses)
         ax.plot(it, loss, color="tab:blue", alpha=0.2, lw=0.7, label="train objective (per step)")
         ax.plot(it, ema(list(loss)), color="tab:blue", lw=1.8, label="train objective (EMA 0.95)")
-    if ev:
-        ax.plot(*zip(*ev), "o-", color="tab:red", label="held-out NELBO")
+    if evals:
+        ax.plot(*zip(*evals), "o-", color="tab:red", label="held-out NELBO")
     if entropy is not None:
         ax.axhline(entropy, color="k", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
     ax.set_xlabel("iteration")
@@ -223,13 +227,11 @@ def finish_demo(args, result: Dict, wall_seconds: float, sample: Optional[Callab
     (`sample(generate_argv) -> text`, given by the app that decodes: `generation.decode.sample_text`)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    hist = result["history"]
+    hist, evals = result["history"], eval_points(result["history"])
     png = os.path.join(run_dir(), "loss_curve.png")
-    prefix = args.data_path[-1]
-    entropy = corpus_unigram_entropy(prefix)
-    plot_losses(result.get("train_losses", []), hist, png, entropy)
+    entropy = corpus_unigram_entropy(args.data_path[-1])
+    plot_losses(result.get("train_losses", []), evals, png, entropy)
     losses = [h["loss"] for h in hist if "loss" in h]
-    evals = [(h["iteration"], h["eval_loss"]) for h in hist if h.get("eval_loss") is not None]
     comm = [h["attn_comm_bytes"] for h in hist if "attn_comm_bytes" in h]
     summary = {"wall_seconds": round(wall_seconds, 1), "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "last_eval_loss": evals[-1][1] if evals else None,
@@ -340,7 +342,7 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     log(f"model: megatron-core GPTModel, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{n_params / 1e6:.2f}M parameters, device {next(trainer.model.parameters()).device}")
     trained = trainer.train()  # a non-finite loss stops the trainer (TrainingStopped)
-    evals = [(h["iteration"], h["eval_loss"]) for h in trained["history"] if h.get("eval_loss") is not None]
+    evals = eval_points(trained["history"])
     if not evals or evals[-1][0] != cfg.steps:
         evals.append((cfg.steps, trainer.evaluate()))
     losses = [loss for _, loss in trained["train_losses"]]
@@ -361,7 +363,7 @@ def run(cfg: DemoConfig, log=print) -> DemoResult:
     if cfg.output_dir:
         os.makedirs(cfg.output_dir, exist_ok=True)
         result.plot_path = os.path.join(cfg.output_dir, "loss_curve.png")
-        plot_losses(trained["train_losses"], [{"iteration": i, "eval_loss": v} for i, v in evals], result.plot_path, entropy,
+        plot_losses(trained["train_losses"], evals, result.plot_path, entropy,
                     f"BD3-LM on one rank: L={cfg.seq_length}, B={cfg.block_size}, {cfg.num_layers}x{cfg.hidden_size}")
         with open(os.path.join(cfg.output_dir, "metrics.json"), "w") as f:
             json.dump({"config": asdict(cfg), "result": asdict(result)}, f, indent=1)

@@ -12,16 +12,6 @@ from typing import Dict, List, Optional
 import torch
 
 
-def objective_of(argv: List[str]) -> Optional[str]:
-    """The value of --objective in argv (either spelling), or None."""
-    for i, a in enumerate(argv):
-        if a == "--objective" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--objective="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def main(argv: Optional[List[str]] = None, sample=None) -> Dict:
     from megatron_csbp.utils.cli import filter_warnings
 

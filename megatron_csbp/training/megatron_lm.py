@@ -202,13 +202,14 @@ def install_validation_hook() -> None:
     module.validate_args, module.set_global_variables = validate, set_globals
 
 
-def _flag_value(argv: List[str], name: str, default: int) -> int:
+def flag_value(argv: Sequence[str], name: str) -> Optional[str]:
+    """The value of flag `name` in argv (either spelling: `name value`, `name=value`), or None."""
     for i, a in enumerate(argv):
         if a == name and i + 1 < len(argv):
-            return int(argv[i + 1])
+            return argv[i + 1]
         if a.startswith(name + "="):
-            return int(a.split("=", 1)[1])
-    return default
+            return a.split("=", 1)[1]
+    return None
 
 
 def _set_flag(argv: List[str], name: str, value) -> List[str]:
@@ -221,8 +222,8 @@ def _set_flag(argv: List[str], name: str, value) -> List[str]:
 def rewrite_argv(argv: Sequence[str]) -> List[str]:
     """Megatron-LM argv with CP = max(CP, BP), the true CP recorded, per-token loss on."""
     argv = list(argv)
-    cp = _flag_value(argv, "--context-parallel-size", 1)
-    bp = _flag_value(argv, "--block-parallel-size", 1)
+    cp = int(flag_value(argv, "--context-parallel-size") or 1)
+    bp = int(flag_value(argv, "--block-parallel-size") or 1)
     try:
         check_parallel_sizes(cp, bp)
     except ValueError as e:
@@ -327,6 +328,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     if not config.calculate_per_token_loss:
         raise ValueError("block diffusion needs --calculate-per-token-loss (rewrite_argv adds it)")
     margs = _model_args_from_megatron(args)
+    lora = LoRAConfig.of(margs)
     if margs.mask_token_id is None and objective_class(margs.objective).mask_token_needed is not None:
         raise ValueError(f"--objective {margs.objective} needs a mask id: run through pretrain_bdlm (its validation "
                          "hook picks the first padding id) or pass --mask-token-id")
@@ -347,14 +349,14 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                                            redraw_experts=False, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
                                            parallel_output=True)
 
-    gpt = adapted(LoRAConfig.of(margs), build, args.seed)  # LoRA: adapters, base frozen before Megatron-LM's DDP
+    gpt = adapted(lora, build, args.seed)  # LoRA: adapters, base frozen before Megatron-LM's DDP
     bdlm = assemble.wrap(margs, gpt)
     if config.pipeline_model_parallel_size > 1:
         # Megatron-LM's schedules send [decoder_seq_length (else seq_length) / CP, b, h]: this
         # rank's rows cross the stage boundary (megatron_csbp/parallel/pipeline.py).
         args.decoder_seq_length = pipeline.p2p_seq_length(bdlm)
         config.variable_seq_lengths = pipeline.variable_rows(bdlm.objective)
-    return (TrainableBDLM if LoRAConfig.of(margs) is None else adapter_chunk())(config, bdlm)
+    return (TrainableBDLM if lora is None else adapter_chunk())(config, bdlm)
 
 
 #: Evaluation samples are keyed EVAL_SAMPLE_INDEX_BASE + (their index in the validation stream), so
@@ -448,15 +450,12 @@ def forward_step(data_iterator, model):
     """Megatron-LM forward step: whole samples on every rank of the shard group (and every pipeline
     stage; a stage before the last returns its hidden states, megatron_csbp/parallel/pipeline.py)."""
     from megatron.core import parallel_state as mpu
+    from megatron.core.utils import unwrap_model
     from megatron.training import get_args
-
-    from megatron_csbp.training.model import TrainableBDLM
 
     args = get_args()
     batch = batch_on_every_stage(data_iterator)  # no get_batch_on_this_cp_rank: the layout places rows
-    inner = model
-    while not isinstance(inner, TrainableBDLM):
-        inner = inner.module
+    inner = unwrap_model(model)  # the TrainableBDLM inside DDP and Float16Module
     tokens, loss_mask = bdlm_batch(batch, inner.bdlm.objective.mask_token_id, inner.bdlm.packing,
                                    inner.bdlm.objective.target_shift)
     sample_index = _COUNTER.indices(args, tokens.shape[0], training=model.training,

@@ -95,7 +95,7 @@ class Logger:
             for key in ("loss", "grad_norm", "lr", "tokens_per_second", "attn_comm_bytes", "peak_memory_bytes",
                         "tflops_per_gpu", "eval_loss"):
                 if rec.get(key) is not None:
-                    self.tb.add_scalar(key.replace("loss", "lm loss") if key == "loss" else key, rec[key], it)
+                    self.tb.add_scalar("lm loss" if key == "loss" else key, rec[key], it)
             self.tb.flush()
         if self.wandb is not None:  # Megatron-LM's names ("lm loss", "grad-norm", "learning-rate", ...)
             names = {"loss": "lm loss", "grad_norm": "grad-norm", "lr": "learning-rate", "eval_loss": "lm loss validation",

@@ -23,11 +23,6 @@ from megatron_csbp.utils.cli import CliError, Interrupted
 PROGRAM_START = time.time()
 
 
-def _any_rank(flags) -> list:
-    """Collective: each flag OR-ed over every rank (one all-reduce)."""
-    return [bool(v) for v in allreduce([float(bool(f)) for f in flags], op=dist.ReduceOp.MAX)]
-
-
 def exit_signals(name: str = "SIGTERM") -> tuple:
     """The signals `--exit-signal-handler` notes: Megatron-LM's `--exit-signal` (default SIGTERM) and
     SIGINT, a terminal's Ctrl-C (torchrun passes it on to the ranks)."""
@@ -66,10 +61,6 @@ class ExitSignal:
     def noted(self) -> bool:
         """Whether this rank got the signal (local, no communication)."""
         return bool(self._received)
-
-    def received(self) -> bool:
-        """Collective: whether any rank got the signal."""
-        return _any_rank([bool(self._received)])[0]
 
 
 class Interruptible:
@@ -119,7 +110,8 @@ class ExitConditions:
         minutes = (time.time() - self.start) / 60.0
         if self.exit_duration_in_mins:
             flags.append(minutes > self.exit_duration_in_mins)
-        agreed = _any_rank(flags) if flags else []
+        # collective: each flag OR-ed over every rank (one all-reduce)
+        agreed = allreduce([float(f) for f in flags], op=dist.ReduceOp.MAX) if flags else []
         if self.exit_signal is not None and agreed.pop(0):
             return f"received {self.exit_signal.name} (--exit-signal-handler): exiting after iteration {iteration}"
         if self.exit_duration_in_mins and agreed.pop(0):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_csbp.data.megatron_data import MicroBatchSampler, collate, microbatch_indices, train_batches
 from megatron_csbp.lora import LoRAConfig, is_adapter
-from megatron_csbp.model.assemble import wrap
+from megatron_csbp.model.assemble import params_dtype, wrap
 from megatron_csbp.model.contract import Metrics
 from megatron_csbp.objectives import objective_class
 from megatron_csbp.parallel import pipeline
@@ -43,21 +43,6 @@ class TrainingStopped(CliError):
 def _log0(*a):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*a, flush=True)
-
-
-class _WriterErrors(logging.Filter):
-    """The error lines megatron-core's checkpoint writer logs, kept (the one line of a failed save
-    restates their cause) instead of printed."""
-
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def filter(self, record) -> bool:
-        if record.levelno >= logging.ERROR:
-            self.lines.append(record.getMessage())
-            return False
-        return True
 
 
 def device() -> torch.device:
@@ -88,9 +73,8 @@ def init_distributed(parallel) -> None:
     if not bps.is_initialized():
         bps.initialize_block_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.context_parallel_size, parallel.block_parallel_size,
-                                      parallel.expert_model_parallel_size,
-                                      virtual_pipeline_model_parallel_size=getattr(
-                                          parallel, "virtual_pipeline_model_parallel_size", None))
+                                      parallel.expert_model_parallel_size, virtual_pipeline_model_parallel_size=(
+                                          parallel.virtual_pipeline_model_parallel_size))
 
 
 def _attempt_store():
@@ -178,7 +162,7 @@ class Trainer:
         # every optim field megatron-core's OptimizerConfig has (lr, Adam's, clipping, loss scaling), by name
         shared = {f.name for f in fields(OptimizerConfig)} & {f.name for f in fields(o)}
         opt_config = OptimizerConfig(optimizer="adam", **{n: getattr(o, n) for n in shared},
-                                     params_dtype=torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32,
+                                     params_dtype=params_dtype(o),
                                      use_distributed_optimizer=c.parallel.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.ddps)
         if o.fp16:  # megatron-core's schedules scale the loss before backward (Megatron-LM sets the same)
@@ -373,9 +357,18 @@ class Trainer:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
 
-        writer_log, writer_errors = logging.getLogger(filesystem_async.__name__), _WriterErrors()
-        writer_log.addFilter(writer_errors)
-        self._sync_params()
+        # the error lines megatron-core's checkpoint writer logs, kept (the one line of a failed save restates
+        # their cause) instead of printed
+        writer_log, writer_errors = logging.getLogger(filesystem_async.__name__), []
+
+        def keep_errors(record) -> bool:
+            if record.levelno >= logging.ERROR:
+                writer_errors.append(record.getMessage())
+            return record.levelno < logging.ERROR
+
+        writer_log.addFilter(keep_errors)
+        if self.config.parallel.overlap_param_gather:  # Megatron-LM's `force_param_sync` before a save: the
+            self.ddp.start_param_sync(force_sync=True)  # distributed optimizer's gather of the updated weights
         try:
             state.save_checkpoint(ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed,
                                   extra={"model_args": dict(ck.model_meta)}, **self._shape_files(), **self._lora_save())
@@ -384,10 +377,10 @@ class Trainer:
                 raise
             last = f"iteration {self.last_saved}" if self.last_saved is not None else "none"
             raise files.CheckpointError(f"cannot save the checkpoint of iteration {iteration} to --save {ck.save}: "
-                                        f"{state.failed_save(ck.save, iteration, exc, writer_errors.lines)}; the latest "
+                                        f"{state.failed_save(ck.save, iteration, exc, writer_errors)}; the latest "
                                         f"checkpoint there stays {last}") from exc
         finally:
-            writer_log.removeFilter(writer_errors)
+            writer_log.removeFilter(keep_errors)
         self.last_saved = iteration
         _log0(f" saved checkpoint at iteration {iteration} to {ck.save}")
         if ck.save_retain_interval and dist.get_rank() == 0:
@@ -403,13 +396,6 @@ class Trainer:
         from megatron_csbp.lora.checkpoint import record_json
 
         return {"keep": is_adapter, "files": {LORA_FILE: record_json(self.lora, self.base)}}
-
-    def _sync_params(self) -> None:
-        """With --overlap-param-gather the distributed optimizer's all-gather of the updated weights
-        waits for the next forward's pre-hooks: gather them now (Megatron-LM's `force_param_sync`
-        before a save)."""
-        if self.config.parallel.overlap_param_gather:
-            self.ddp.start_param_sync(force_sync=True)
 
     def load(self) -> Tuple[int, int]:
         """Resume from `--load` (a training checkpoint: iteration and consumed samples; a converted
@@ -495,7 +481,8 @@ class Trainer:
             exits = ExitConditions(exit_signal, bc.exit_duration_in_mins, bc.exit_interval)
             start_iteration, wall_start = iteration, time.perf_counter()
             train_losses = []  # (iteration, loss) of every step, for plots
-            while iteration < stop_at:
+            why = None  # the exit condition that ends the run early (training/signals.py)
+            while iteration < stop_at and why is None:
                 traffic_counter().reset()
                 t0 = time.perf_counter()
                 step = self.train_step(consumed)
@@ -529,21 +516,20 @@ class Trainer:
                 if ck.save and ck.save_interval and iteration % ck.save_interval == 0:
                     self.save(iteration, consumed)
                 why = exits.check(iteration)
-                if why is not None:  # Megatron-LM: save (unless this iteration was just saved), exit 0
-                    if ck.save and self.last_saved != iteration:
-                        self.save(iteration, consumed)
-                    _log0(f" {why}" + (f"; resume with --load {ck.save}" if ck.save else " (no --save: nothing saved)"))
-                    out = {"history": history, "iteration": iteration, "consumed_samples": consumed,
-                           "train_losses": train_losses, "exit": why}
-                    if exit_signal is not None and why.startswith("received"):
-                        out["exit_signal"] = exit_signal.name
-                    return out
+            # the end, or an exit condition (Megatron-LM: save unless this iteration was just saved, exit 0)
             if ck.save and self.last_saved != iteration and iteration > 0:
                 self.save(iteration, consumed)
+            if why is not None:
+                _log0(f" {why}" + (f"; resume with --load {ck.save}" if ck.save else " (no --save: nothing saved)"))
         finally:
             logger.close()
             self._batches = None  # ends the DataLoader's workers
-        return {"history": history, "iteration": iteration, "consumed_samples": consumed, "train_losses": train_losses}
+        out = {"history": history, "iteration": iteration, "consumed_samples": consumed, "train_losses": train_losses}
+        if why is not None:
+            out["exit"] = why
+            if exit_signal is not None and why.startswith("received"):
+                out["exit_signal"] = exit_signal.name
+        return out
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
