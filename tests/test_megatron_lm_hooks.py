@@ -45,7 +45,7 @@ def _with_megatron_lm():
             sys.path.insert(0, p)
 
 
-def _hook_rank(rank, world_size):
+def _hook_rank(rank, world_size, extra=(), model_only=False):
     _with_megatron_lm()
     from megatron_csbp.compat.megatron_lm import install_megatron_lm_cpu_compat
     install_megatron_lm_cpu_compat()
@@ -57,7 +57,7 @@ def _hook_rank(rank, world_size):
     from megatron_csbp.parallel import state as bps
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's rule for CP > 1 (no GPU architecture on CPU)
-    sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(ARGV)
+    sys.argv = ["pretrain_bdlm.py"] + rewrite_argv(ARGV + list(extra))
     args = parse_args(megatron_lm.extra_args_provider)
     validate_args(args, {})
     global_vars.build_tokenizer(args)  # sets args.padded_vocab_size (128)
@@ -72,6 +72,8 @@ def _hook_rank(rank, world_size):
     from megatron.core import tensor_parallel
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     model = megatron_lm.model_provider()
+    if model_only:
+        return [type(layer.mlp).__name__ for layer in model.bdlm.gpt.decoder.layers]
     g = torch.Generator().manual_seed(3)
     text = torch.randint(6, 60, (1, 33), generator=g)
     labels = text[:, 1:].clone()
@@ -118,6 +120,16 @@ def test_real_megatron_lm_args_initialize_model_forward():
         assert not set(r["frozen"]) & set(r["lora_names"])
         assert len(r["lora_state"]) == 16 and all(k.endswith((".lora_A", ".lora_B")) for k in r["lora_state"])
         assert "decoder.final_layernorm.weight" in r["full_state"]
+
+
+@needs_megatron_lm
+def test_moe_layer_freq_places_the_moe_layers_under_pretrain():
+    """--moe-layer-freq under pretrain(): MoE every 2nd layer (an int) and a 0/1 pattern build MoE
+    layers where the flag says and dense ones elsewhere, as the trainer and Megatron-LM's own GPT
+    builder do (the model provider took one layer spec for every layer before)."""
+    moe = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq"]
+    assert run_distributed(_hook_rank, 2, moe + ["2"], True)[0] == ["MoELayer", "MLP", "MoELayer", "MLP"]
+    assert run_distributed(_hook_rank, 2, moe + ["([0,1,1,0])"], True)[0] == ["MLP", "MoELayer", "MoELayer", "MLP"]
 
 
 def _without(argv, flag):

@@ -119,3 +119,14 @@ def test_model_flags_reach_the_transformer_config(megatron_single_rank):
     assert (cfg.add_bias_linear, cfg.hidden_dropout, cfg.attention_dropout) == (False, 0.0, 0.0)
     assert (cfg.recompute_method, cfg.recompute_num_layers) == ("uniform", 1)
     assert cfg.kv_channels == args.hidden_size // args.num_attention_heads
+
+
+def test_moe_layer_freq_places_the_moe_layers(megatron_single_rank):
+    """--moe-layer-freq: MoE every N layers (an int) or a 0/1 pattern places the MoE layers; the
+    others are dense (MoE every 2nd layer built every layer as MoE before)."""
+    moe = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq"]
+    cases = (("1", ["MoELayer"] * 4), ("2", ["MoELayer", "MLP"] * 2),
+             ("([0,1,1,0])", ["MLP", "MoELayer", "MoELayer", "MLP"]))
+    for freq, mlps in cases:
+        _, model = build(TINY + moe + [freq])
+        assert [type(layer.mlp).__name__ for layer in model.gpt.decoder.layers] == mlps, freq

@@ -109,12 +109,14 @@ def converted_gpt(a, stage: Stage = WHOLE):
     return builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel, stage=stage)
 
 
-def layer_spec(a, config, vp_stage: Optional[int] = None):
-    """The flag-built model's layer spec with block-diffusion core attention (`core.gpt_layer_spec`)."""
-    mixed_moe = bool(a.num_experts) and isinstance(a.moe_layer_freq, list) and not all(a.moe_layer_freq)
+def layer_spec(a, config, vp_stage: Optional[int] = None, transformer_engine: bool = False):
+    """The flag-built model's layer spec with block-diffusion core attention (`core.gpt_layer_spec`;
+    `transformer_engine`: TransformerEngine's layers, under Megatron-LM's pretrain())."""
+    freq = a.moe_layer_freq  # Megatron's: MoE every `freq` layers, or a 0/1 list per layer
+    mixed_moe = bool(a.num_experts) and (not all(freq) if isinstance(freq, list) else int(freq) != 1)
     return builder.gpt_layer_spec(config, mixed_moe, kernel=a.attention_kernel, normalization=a.normalization,
                                   vp_stage=vp_stage, qk_layernorm=a.qk_layernorm, num_experts=a.num_experts,
-                                  moe_grouped_gemm=a.moe_grouped_gemm)
+                                  moe_grouped_gemm=a.moe_grouped_gemm, transformer_engine=transformer_engine)
 
 
 def flag_built_gpt(a, config, spec, stage: Stage, vocab_size: int, max_sequence_length: int,

@@ -69,17 +69,22 @@ def local_layer_spec(block_diffusion: bool = True, kernel: str = "auto", **spec_
 
 
 def gpt_layer_spec(config, mixed_moe: bool, block_diffusion: bool = True, kernel: str = "auto",
-                   normalization: str = "RMSNorm", vp_stage=None, **local_options):
+                   normalization: str = "RMSNorm", vp_stage=None, transformer_engine: bool = False, **layer_options):
     """The GPT layer spec of a flag-built or converted model, with the block-diffusion core attention
     unless `block_diffusion=False`: Megatron's decoder block spec when dense and MoE layers mix
-    (`mixed_moe`; it reads the pattern from `config`, cut to this chunk's layers), else
-    `local_layer_spec(**local_options)`."""
-    if not mixed_moe:
-        return local_layer_spec(block_diffusion, kernel, normalization=normalization, **local_options)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    (`mixed_moe`; it reads the pattern from `config`, cut to this chunk's layers), else one layer spec
+    for every layer (`layer_options`: num_experts, moe_grouped_gemm, qk_layernorm), local (torch) or
+    TransformerEngine's (`transformer_engine`: Megatron-LM's --transformer-impl transformer_engine), as
+    Megatron-LM's own GPT builder chooses."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization,
-                                      vp_stage=vp_stage)
+    if mixed_moe:
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_engine,
+                                                          normalization=normalization, vp_stage=vp_stage)
+    elif transformer_engine:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**layer_options)
+    else:
+        return local_layer_spec(block_diffusion, kernel, normalization=normalization, **layer_options)
     return with_block_diffusion(spec, kernel) if block_diffusion else spec
 
 

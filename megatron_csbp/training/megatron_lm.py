@@ -313,12 +313,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     `model.assemble` (the trainer's weights under pipeline parallelism)."""
     import contextlib
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_csbp.lora.spec import adapted
-    from megatron_csbp.model import assemble, builder
+    from megatron_csbp.model import assemble
     from megatron_csbp.parallel import pipeline
     from megatron_csbp.training.model import TrainableBDLM
 
@@ -334,13 +333,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                          "hook picks the first padding id) or pass --mask-token-id")
 
     def build():
-        if getattr(args, "transformer_impl", "local") == "transformer_engine":
-            spec = builder.with_block_diffusion(get_gpt_layer_with_transformer_engine_spec(
-                args.num_experts, args.moe_grouped_gemm, args.qk_layernorm), args.attention_kernel)
-        else:
-            spec = builder.local_layer_spec(kernel=args.attention_kernel, num_experts=args.num_experts,
-                                            moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
-                                            normalization=args.normalization)
+        # the trainer's layer spec (a --moe-layer-freq pattern places the MoE layers, as in Megatron-LM's
+        # own GPT builder), with TransformerEngine's layers under --transformer-impl transformer_engine
+        spec = assemble.layer_spec(margs, config, vp_stage, args.transformer_impl == "transformer_engine")
         # Megatron-LM seeds each stage with --seed + 100 x PP rank: a chunk is built from --seed instead
         # (the trainer's weights), leaving Megatron-LM's generator state as it was.
         with contextlib.nullcontext() if stage.whole else torch.random.fork_rng(devices=[]):
