@@ -291,9 +291,9 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
     (t_grad, t_opt, static bytes)."""
     tp, S = lay.tp, lay.shard_group_size
     # (weight, grad, optimizer-state) bytes per parameter: fp32 training keeps fp32 weights, grads, Adam m
-    # and v; bf16: main grads of `grad_bytes`, fp32 master + m + v (or as the workload says)
-    ob = 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
-    wb, gb, ob = (4, 4, 8) if hw.dtype_bytes >= 4 else (2, wl.grad_bytes, ob)
+    # and v; bf16 main gradients of `grad_bytes`, fp32 master + m + v (or as the workload says)
+    bf16_state = 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
+    wb, gb, ob = (4, 4, 8) if hw.dtype_bytes >= 4 else (2, wl.grad_bytes, bf16_state)
     dense_rank = dense_total / tp
     expert_rank = model.expert_params / (tp * lay.ep) if model.expert_params else 0.0
     if wl.lora is not None:  # the base is frozen (its weights only); the adapters train

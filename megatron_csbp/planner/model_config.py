@@ -133,7 +133,7 @@ class ModelConfig:
 
     def summary(self) -> str:
         windows = sorted({l.window for l in self.layers if l.window})
-        sliding, gdn = (sum(1 for l in self.layers if l.window), sum(1 for l in self.layers if l.is_gdn))
+        sliding, gdn = sum(1 for l in self.layers if l.window), sum(1 for l in self.layers if l.is_gdn)
         kinds = f", {sliding} sliding (W={windows}) / {self.num_layers - sliding} full layers" if windows else ""
         if self.is_hybrid:
             kinds += f", {gdn} Gated DeltaNet / {self.num_layers - gdn} attention layers"
