@@ -118,7 +118,7 @@ def _packing(args):
 
 
 def format_table(result, top: int) -> str:
-    packing = result.get("packing")
+    packing, lora = result.get("packing"), result.get("lora")
     packed = (f"; packed: {packing['documents']} documents ({packing['source']}), "
               f"longest {packing['longest']}" if packing else "")
     lines = [f"model: {result['model']}",
@@ -126,10 +126,14 @@ def format_table(result, top: int) -> str:
              f"L = {result['seq_length']}, B = {result['block_size']}, {result['gpus']} GPUs "
              f"({result['gpus_per_node']} per node), hardware {result['hardware']}; "
              f"{result['evaluated']} layouts evaluated, {result['infeasible']} do not fit in memory{packed}",
-             *lora_lines(result.get("lora")),
+             # LoRA: what trains, against the frozen base
+             *([f"LoRA rank {lora['rank']} on {' '.join(lora['target_modules'])}: {lora['adapter_params'] / 1e6:.1f}M "
+                f"adapter parameters train ({100 * lora['adapter_params'] / lora['base_params']:.2f} % of the "
+                f"{lora['base_params'] / 1e9:.2f}B frozen); 'full' columns: the same layout fully fine-tuned"]
+               if lora else []),
              "",
              f"{'rank':>4}  {'layout':<44} {'step s':>9} {'tok/s':>9} {'peak GiB':>9} {'attn GiB/GPU':>12}"
-             + ("   full: step s  peak GiB  fits" if "lora" in result else "")]
+             + ("   full: step s  peak GiB  fits" if lora else "")]
     for i, l in enumerate(result["layouts"][:top] + result.get("layouts_not_fitting", [])):
         full = l.get("full_fine_tuning")
         lines.append(f"{i + 1 if l['feasible'] else '-':>4}  {l['label']:<44} {l['step_time_s']:>9.2f} "
@@ -148,15 +152,6 @@ def format_table(result, top: int) -> str:
         if why := why_no_speedup(result):
             lines.append(why)
     return "\n".join(lines)
-
-
-def lora_lines(lora) -> list:
-    """The table's LoRA line: what trains, against the frozen base ([] without LoRA)."""
-    if not lora:
-        return []
-    return [f"LoRA rank {lora['rank']} on {' '.join(lora['target_modules'])}: {lora['adapter_params'] / 1e6:.1f}M "
-            f"adapter parameters train ({100 * lora['adapter_params'] / lora['base_params']:.2f} % of the "
-            f"{lora['base_params'] / 1e9:.2f}B frozen); 'full' columns: the same layout fully fine-tuned"]
 
 
 def why_no_speedup(result) -> str:

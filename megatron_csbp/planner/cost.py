@@ -144,11 +144,10 @@ class Estimate:
 
     def to_dict(self, flags: List[str]) -> Dict:
         sizes = ("tp", "pp", "vp", "cp", "bp", "ep", "dp", "recompute", "transport", "schedule")
+        results = ("step_time_s", "tokens_per_s", "peak_memory_gib", "attn_bytes_per_gpu", "feasible", "why_infeasible")
         return {
             **{k: getattr(self.layout, k) for k in sizes}, "label": self.layout.label(),
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "peak_memory_gib": self.peak_memory_gib, "attn_bytes_per_gpu": self.attn_bytes_per_gpu,
-            "feasible": self.feasible, "why_infeasible": self.why_infeasible,
+            **{k: getattr(self, k) for k in results},
             "time_breakdown_s": self.time, "memory_breakdown_gib": self.memory_gib, "flags": flags,
             **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
@@ -182,14 +181,6 @@ def _ring_link(lay: "Layout", hw: HardwareProfile, gpus_per_node: int, baseline:
     ring = lay.cp if lay.kind in ("cp", "csbp") else 1
     spans = lay.tp * (lay.shard_group_size if lay.kind == "cp" else ring) > gpus_per_node
     return ring, hw.link_gbps(spans or (baseline.cp_across_nodes and ring > 1 and lay.gpus > gpus_per_node)) * 1e9
-
-
-def _precision(hw: HardwareProfile, wl: "Workload"):
-    """(weight, grad, optimizer-state) bytes per parameter."""
-    if hw.dtype_bytes >= 4:
-        return 4, 4, 8  # fp32 training: weights, grads, Adam m and v
-    # bf16 weights, main grads, fp32 master + m + v (or as the workload says)
-    return 2, wl.grad_bytes, 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
 
 
 def activation_bytes_per_row(model: ModelConfig, layer: LayerShape, tp: int, s: int) -> float:
@@ -239,7 +230,7 @@ def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows:
     conv, v = layer.gdn_conv_dim / tp, H * dv
     per_row = s * (4 * model.hidden_size / tp + conv + v + 2 * H + conv + v) + 4 * (H * (2 * dk + dv) + v)
     chunks = -(-w.clean_tokens // block_size) + w.max_runs + w.noisy_tokens // block_size
-    state = 4 * H * dk * dv if s < 8 else 8 * H * dk * dv
+    state = _state_bytes(s) * H * dk * dv
     held = chunks * state + w.boundary_received * state
     if w.ring > 1:
         held += w.ring * w.max_runs * H * dk * (dk + dv) * _state_bytes(s) + chunks * H * dk * dk * 4
@@ -274,8 +265,7 @@ def partials_in_flight_bytes(w, layer: LayerShape, tp: int, s: int, lay: Layout,
     return w.noisy_rows * (out_row + fold_row) + w.rows * _clean_partials(lay, ring) * out_row
 
 
-def attention_transient_bytes(w, layer: LayerShape, tp: int, lay: Layout, ring: int, q_tile: int = 256,
-                              run_keys: int = 2048) -> float:
+def attention_transient_bytes(w, layer: LayerShape, tp: int, q_tile: int = 256, run_keys: int = 2048) -> float:
     """Working set of one tiled-kernel backward (live once, at the peak, not per layer): fp32
     grouped copies of q, k, v and their gradients, plus three [heads x q tile x run] fp32 chunk
     buffers (probabilities, dP, dS)."""
@@ -300,7 +290,10 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
     """Gradient reduction, optimizer step and static memory of one layout (shared by both objectives):
     (t_grad, t_opt, static bytes)."""
     tp, S = lay.tp, lay.shard_group_size
-    wb, gb, ob = _precision(hw, wl)
+    # (weight, grad, optimizer-state) bytes per parameter: fp32 training keeps fp32 weights, grads, Adam m
+    # and v; bf16 main gradients of `grad_bytes`, fp32 master + m + v (or as the workload says)
+    bf16_state = 12 if wl.optimizer_state_bytes is None else wl.optimizer_state_bytes
+    wb, gb, ob = (4, 4, 8) if hw.dtype_bytes >= 4 else (2, wl.grad_bytes, bf16_state)
     dense_rank = dense_total / tp
     expert_rank = model.expert_params / (tp * lay.ep) if model.expert_params else 0.0
     if wl.lora is not None:  # the base is frozen (its weights only); the adapters train
@@ -325,15 +318,6 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
     return t_grad, t_opt, static
 
 
-def _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained, frozen=0.0):
-    """(micro-batches, step seconds, time parts per step, static bytes) of a step of `wl.samples_per_replica`
-    micro-batches of `t_sample` seconds each, gradient reduction and optimizer."""
-    micro = wl.samples_per_replica(lay.dp)
-    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, frozen)
-    time = {**{k: micro * v for k, v in t_parts.items()}, "grad_reduce_exposed": t_grad, "optimizer": t_opt}
-    return micro, micro * t_sample + t_grad + t_opt, time, static
-
-
 def _estimate(lay, wl, hw, micro, step, static, peak_bytes, sent_per_micro, time, parts, **extra) -> Estimate:
     """The estimate of a step; `static`: weights, gradients and optimizer state, `parts`: the other
     bytes of the peak by kind (the breakdown shows each in GiB, and the reserve)."""
@@ -346,6 +330,17 @@ def _estimate(lay, wl, hw, micro, step, static, peak_bytes, sent_per_micro, time
         time=time, memory_gib=mem, **extra,
         why_infeasible="" if feasible else f"needs {peak_bytes / GiB:.1f} GiB > {hw.memory_gib:.1f} GiB",
     )
+
+
+def _step_estimate(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, sent, trained, live, parts, frozen=0.0):
+    """The estimate of a PP-1 step: `wl.samples_per_replica` micro-batches of `t_sample` seconds
+    each (`t_parts` by kind, `sent` attention bytes), gradient reduction and optimizer; the peak:
+    the static bytes, `live` (by kind in `parts`) and the reserve."""
+    micro = wl.samples_per_replica(lay.dp)
+    t_grad, t_opt, static = _step_terms(model, lay, wl, hw, gpus_per_node, trained, frozen)
+    time = {**{k: micro * v for k, v in t_parts.items()}, "grad_reduce_exposed": t_grad, "optimizer": t_opt}
+    return _estimate(lay, wl, hw, micro, micro * t_sample + t_grad + t_opt, static,
+                     static + live + hw.reserved_gib * GiB, sent, time, parts)
 
 
 def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwareProfile,
@@ -429,11 +424,9 @@ def estimate_drafter(model: ModelConfig, lay: Layout, wl: "Workload", hw: Hardwa
             logits = supervised * d2.objective_bytes_per_row(h, s) + d2.objective_workspace_bytes(supervised, h, V, s)
         per_rank.append((sum(t.values()), t, sent, acts + features + logits, (acts, features, logits)))
     t_sample, t_parts, sent_sample, _, _ = max(per_rank, key=lambda x: x[0])
-    micro, step, time, static = _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, trained,
-                                          model.frozen_params)
     _, _, _, live, (acts, features, logits) = max(per_rank, key=lambda x: x[3])
-    return _estimate(lay, wl, hw, micro, step, static, static + live + hw.reserved_gib * GiB, sent_sample, time,
-                     {"activations": acts, "features": features, "logits": logits})
+    return _step_estimate(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, sent_sample, trained, live,
+                          {"activations": acts, "features": features, "logits": logits}, model.frozen_params)
 
 
 def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile, gpus_per_node: int,
@@ -606,9 +599,6 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         per_rank.append((sum(t.values()), t, sent))
     t_sample, t_parts, sent_sample = max(per_rank, key=lambda x: x[0])
 
-    # ---- per step: micro-batches, gradient reduction, optimizer ---------------------------------
-    micro, step, time, static = _per_step(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, model.dense_params)
-
     # ---- memory of the largest rank ----------------------------------------------------------------
     mems = []
     for r in ranks:
@@ -636,7 +626,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         # masks the plan keeps: row vectors and tile tables, for every kernel (none is dense)
         act += sum(mask_bytes(work[w][r], lay, ring) for w in windows)
         # the tiled backward's working set is live only once the loss and logits are freed
-        transient = max([attention_transient_bytes(work[layer.window][r], layer, tp, lay, ring)
+        transient = max([attention_transient_bytes(work[layer.window][r], layer, tp)
                          for layer in model.layers if not layer.is_gdn and hw.attention_kernel == "tiled"] or [0.0])
         if wl.loss_kernel == "native_ce":
             # the paper's trainer: kept state of every loss row, and one call's workspace (the
@@ -649,8 +639,9 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             logits = logit_rows * V / tp * (wl.logits_bytes if s < 4 else 2 * s)
         mems.append((act + max(logits, transient), act, logits))
     act_total, act, logits = max(mems, key=lambda m: m[0])
-    return _estimate(lay, wl, hw, micro, step, static, static + act_total + hw.reserved_gib * GiB, sent_sample, time,
-                     {"activations": act, "logits": logits})
+    # per step: micro-batches, gradient reduction, optimizer
+    return _step_estimate(model, lay, wl, hw, gpus_per_node, t_sample, t_parts, sent_sample, model.dense_params,
+                          act_total, {"activations": act, "logits": logits})
 
 
 # ---- pipeline parallelism in the cost model: P stages of a layout, each costed by `cost.estimate`.
@@ -706,25 +697,20 @@ def in_flight_chunks(rank: int, micro: int, pp: int, vp: int = 1) -> int:
     return min(warmup + 1, micro * vp)
 
 
-def check_interleaving(model: ModelConfig, pp: int, vp: int, micro: int) -> None:
-    """The trainer's interleaving rules (`megatron_csbp/parallel/pipeline.py::check_pipeline_args`)."""
-    if vp == 1:
-        return
-    if pp < 2:
-        raise ValueError(f"--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (got {pp})")
-    stage_layers(model, pp, vp)
-    if micro % pp:
-        raise ValueError(f"interleaved pipelining needs the micro-batches per iteration ({micro}) to be a multiple of "
-                         f"--pipeline-model-parallel-size {pp}")
-
-
 def estimate_pipelined(model: ModelConfig, lay, wl, hw: HardwareProfile, gpus_per_node: int, baseline=OURS):
     """A PP layout's step: each stage's layers estimated as a PP-1 layout (charged by `baseline`,
     `cost.estimate`'s), plus the 1F1B bubble, in-flight activations and P2P."""
     pp, vp = lay.pp, lay.vp
     flat = replace(lay, pp=1, vp=1)
     micro = wl.samples_per_replica(lay.dp)
-    check_interleaving(model, pp, vp, micro)
+    if vp > 1:  # the trainer's interleaving rules (`megatron_csbp/parallel/pipeline.py::check_pipeline_args`)
+        if pp < 2:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
+                             f"(got {pp})")
+        stage_layers(model, pp, vp)
+        if micro % pp:
+            raise ValueError(f"interleaved pipelining needs the micro-batches per iteration ({micro}) to be a "
+                             f"multiple of --pipeline-model-parallel-size {pp}")
     one = Workload(**{**wl.__dict__, "global_batch_size": lay.dp})  # one micro-batch per replica
     # one stage boundary tensor per micro-batch (one direction): the largest rank's rows
     rows = max(w.rows for w in rank_work(wl.seq_length, wl.block_size, lay.cp, lay.bp, lay.schedule,

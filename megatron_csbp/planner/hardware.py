@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import time
+import timeit
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Dict
 
-GB = 1e9
 GiB = 2 ** 30
 
 
@@ -105,17 +105,14 @@ def save_hardware(profile: HardwareProfile, path: str) -> None:
 
 def _best_time(fn, repeat: int = 5) -> float:
     fn()
-    return min(_mean_time(fn, 1) for _ in range(repeat))
+    return min(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def _mean_time(fn, reps: int, warmup: int = 0) -> float:
     """Seconds per call of `fn` over `reps` calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
+    return timeit.timeit(fn, number=reps) / reps
 
 
 def _gemm_gflops(n: int = 384) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "models")
@@ -133,11 +133,10 @@ class ModelConfig:
 
     def summary(self) -> str:
         windows = sorted({l.window for l in self.layers if l.window})
-        kinds = f", {sum(1 for l in self.layers if l.window)} sliding (W={windows}) / " \
-                f"{sum(1 for l in self.layers if not l.window)} full layers" if windows else ""
+        sliding, gdn = sum(1 for l in self.layers if l.window), sum(1 for l in self.layers if l.is_gdn)
+        kinds = f", {sliding} sliding (W={windows}) / {self.num_layers - sliding} full layers" if windows else ""
         if self.is_hybrid:
-            kinds += f", {sum(1 for l in self.layers if l.is_gdn)} Gated DeltaNet / " \
-                     f"{sum(1 for l in self.layers if not l.is_gdn)} attention layers"
+            kinds += f", {gdn} Gated DeltaNet / {self.num_layers - gdn} attention layers"
         l0 = next((l for l in self.layers if l.num_experts), None)
         moe = f", MoE {l0.num_experts} experts top-{l0.topk}" if l0 else ""
         return (f"{self.name}: {self.total_params / 1e9:.2f}B params ({self.active_params / 1e9:.2f}B active), "
@@ -208,6 +207,11 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
     q_gate = bool(cfg.get("attn_output_gate", False))
     mlp = dict(mlp_ffn=dense_ffn, num_experts=experts, topk=topk if experts else 0,
                expert_ffn=expert_ffn if experts else 0)
+    drafter = cfg.get("model_type") == "muse_glimmer_assistant" or cfg.get("target_layer_ids") is not None
+    if window and cfg.get("model_type") == "muse_glimmer_assistant":
+        # Hugging Face's drafter window: a row at p sees context >= p - sliding_window, i.e. the
+        # project's W = sliding_window + 1 (`DrafterShape.window`)
+        window = int(window) + 1
     layers = []
     for t in layer_types:
         sliding = t in ("sliding_attention", "sliding", "local")
@@ -219,11 +223,6 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
                                      window=int(window) if sliding else None, kv_shared=(k_eq_v and not sliding), **mlp))
     act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu")
     gated = bool(cfg.get("gated_mlp", act in ("silu", "swiglu", "gelu_pytorch_tanh", "gelu", "geglu")))
-    drafter = cfg.get("model_type") == "muse_glimmer_assistant" or cfg.get("target_layer_ids") is not None
-    if drafter and cfg.get("sliding_window") and cfg.get("model_type") == "muse_glimmer_assistant":
-        # Hugging Face's drafter window: a row at p sees context >= p - sliding_window, i.e. the
-        # project's W = sliding_window + 1 (`DrafterShape.window`)
-        layers = [l if l.window is None else LayerShape(**{**asdict(l), "window": l.window + 1}) for l in layers]
     return ModelConfig(
         name=name or cfg.get("name") or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model",
         hidden_size=hidden, vocab_size=vocab, layers=tuple(layers), gated_mlp=gated,
@@ -250,8 +249,9 @@ def _gdn_shape(cfg: Dict) -> Dict:
     return shape
 
 
-def load_hf_config(path: str) -> ModelConfig:
-    """A Hugging Face config.json, or a model folder holding one (ValueError naming --hf-config otherwise)."""
+def load_hf_config(path: str, name: Optional[str] = None) -> ModelConfig:
+    """A Hugging Face config.json, or a model folder holding one (ValueError naming --hf-config otherwise);
+    `name`: the model's (default: the config's own, else its folder's)."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
@@ -261,7 +261,7 @@ def load_hf_config(path: str) -> ModelConfig:
             cfg = json.load(f)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--hf-config {path}: not a readable JSON config ({exc})") from None
-    return from_hf_config(cfg, cfg.get("name") or os.path.basename(os.path.dirname(os.path.abspath(path))))
+    return from_hf_config(cfg, name or cfg.get("name") or os.path.basename(os.path.dirname(os.path.abspath(path))))
 
 
 def presets() -> Dict[str, str]:
@@ -273,43 +273,37 @@ def load_preset(name: str) -> ModelConfig:
     table = presets()
     if name not in table:
         raise ValueError(f"--model {name!r} is not a preset; choose from {sorted(table)}")
-    with open(table[name]) as f:
-        cfg = json.load(f)
-    return from_hf_config(cfg, name)
+    return load_hf_config(table[name], name)
 
 
 def from_megatron_args(args, name: str = "megatron-flags") -> ModelConfig:
-    """Megatron-LM model flags (same names and defaults where they exist)."""
+    """Megatron-LM model flags (same names and defaults where they exist), read as the config.json
+    they describe."""
     hidden, heads = args.hidden_size, args.num_attention_heads
     if hidden is None or heads is None or args.num_layers is None:
         raise ValueError("give --hf-config FILE, --model PRESET, or at least --num-layers, --hidden-size and "
                          "--num-attention-heads")
     if hidden % heads and args.kv_channels is None:
         raise ValueError(f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}; set --kv-channels")
-    head_dim = args.kv_channels or hidden // heads
     kv = args.num_query_groups if args.group_query_attention else heads
     if heads % kv:
         raise ValueError(f"--num-attention-heads {heads} must be divisible by --num-query-groups {kv}")
-    ffn = args.ffn_hidden_size or (4 * hidden if not args.swiglu else int(8 * hidden / 3))
     vocab = args.padded_vocab_size or args.vocab_size
     if vocab is None:
         raise ValueError("give --vocab-size (or --padded-vocab-size)")
-    experts = args.num_experts or 0
-    window = None
-    if args.window_size:
-        left = int(str(args.window_size).split(",")[0])
-        window = left + 1 if left >= 0 else None
-    layers = []
-    for i in range(1, args.num_layers + 1):
-        full = window is None or (args.window_attn_skip_freq and i % args.window_attn_skip_freq == 0)
-        layers.append(LayerShape(
-            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, window=None if full else window,
-            mlp_ffn=(args.moe_shared_expert_intermediate_size or 0) if experts else ffn,
-            num_experts=experts, topk=args.moe_router_topk if experts else 0,
-            expert_ffn=(args.moe_ffn_hidden_size or ffn) if experts else 0,
-        ))
-    return ModelConfig(name=name, hidden_size=hidden, vocab_size=vocab, layers=tuple(layers),
-                       gated_mlp=bool(args.swiglu), tied_embeddings=not args.untie_embeddings_and_output_weights)
+    left = int(str(args.window_size).split(",")[0]) if args.window_size else -1
+    skip, experts = args.window_attn_skip_freq, args.num_experts
+    # the config.json these flags describe (`from_hf_config` reads it)
+    return from_hf_config(dict(
+        hidden_size=hidden, num_hidden_layers=args.num_layers, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=args.kv_channels, vocab_size=vocab,
+        intermediate_size=args.ffn_hidden_size or (4 * hidden if not args.swiglu else int(8 * hidden / 3)),
+        num_experts=experts, num_experts_per_tok=args.moe_router_topk, moe_intermediate_size=args.moe_ffn_hidden_size,
+        shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size if experts else None,
+        sliding_window=left + 1 if left >= 0 else None, gated_mlp=bool(args.swiglu),
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+        layer_types=["full_attention" if left < 0 or (skip and i % skip == 0) else "sliding_attention"
+                     for i in range(1, args.num_layers + 1)]), name)
 
 
 def from_flags(values: Dict, name: str) -> ModelConfig:

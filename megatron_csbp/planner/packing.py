@@ -30,26 +30,24 @@ def read_histogram(path: str) -> Dict[int, float]:
         raw = json.loads(text)
     except json.JSONDecodeError:
         raw = None
-    try:
-        if raw is not None:
-            if not isinstance(raw, dict):
-                raise ValueError(f"{flag}: JSON must be an object {{length: count}}")
+    if raw is None:
+        hist = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                parts = line.split()
+                if len(parts) != 2:
+                    raise ValueError(f"{flag}:{n}: expected 'length count', got {line!r}")
+                try:
+                    hist[int(parts[0])] = float(parts[1])
+                except ValueError:
+                    raise ValueError(f"{flag}:{n}: expected an integer length and a number, got {line!r}") from None
+    elif not isinstance(raw, dict):
+        raise ValueError(f"{flag}: JSON must be an object {{length: count}}")
+    else:
+        try:
             hist = {int(k): float(v) for k, v in raw.items()}
-        else:
-            hist = {}
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip() and not line.lstrip().startswith("#"):
-                    parts = line.split()
-                    if len(parts) != 2:
-                        raise ValueError(f"{flag}:{n}: expected 'length count', got {line!r}")
-                    try:
-                        hist[int(parts[0])] = float(parts[1])
-                    except ValueError:
-                        raise ValueError(f"{flag}:{n}: expected an integer length and a number, got {line!r}") from None
-    except (TypeError, ValueError) as e:
-        if str(e).startswith(flag):
-            raise
-        raise ValueError(f"{flag}: lengths must be integers and counts numbers ({e})") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{flag}: lengths must be integers and counts numbers ({e})") from None
     if not hist or any(k <= 0 or v < 0 for k, v in hist.items()) or sum(hist.values()) <= 0:
         raise ValueError(f"{flag}: lengths must be positive and counts non-negative, not all 0")
     return hist

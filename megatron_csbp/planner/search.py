@@ -7,6 +7,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from megatron_csbp.planner.cost import Estimate, Layout, Workload, estimate
 from megatron_csbp.planner.hardware import HardwareProfile
+from megatron_csbp.planner.lora import adapter_count
 from megatron_csbp.planner.model_config import ModelConfig
 
 
@@ -57,45 +58,31 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
         raise ValueError(f"--seq-length {wl.seq_length} is not a multiple of --block-size {wl.block_size}")
     heads = [l.num_heads for l in model.layers if not l.is_gdn]
     heads += [h for l in model.layers if l.is_gdn for h in (l.gdn_key_heads, l.gdn_value_heads)]
-    out = []
     dflash = wl.objective == "dflash"
-    for tp in divisors(gpus):
-        if tp > gpus_per_node or any(h % tp for h in heads):
-            continue
-        if dflash and tp > 1:  # the drafter runs at TP = 1 (model/dflash.py: fc over the context is not split)
-            continue
-        for pp in pipelines:
-            if (gpus // tp) % pp or model.num_layers % pp or (dflash and pp > 1):
-                continue
-            for lay in _shard_layouts(model, wl, tp, pp, gpus // (tp * pp), gpus_per_node, transports, schedules,
-                                      recompute, distributed_optimizer):
-                micro = wl.samples_per_replica(lay.dp)
-                out += [lay] + [replace(lay, vp=v) for v in virtual_stages
-                                if pp > 1 and v > 1 and (model.num_layers // pp) % v == 0 and micro % pp == 0]
-    return out
-
-
-def _shard_layouts(model, wl, tp, pp, rest, gpus_per_node, transports, schedules, recompute,
-                   distributed_optimizer) -> List[Layout]:
-    """The (CP, BP) x DP (x EP) layouts of the `rest` = gpus / (TP x PP) ranks of one stage."""
-    L, B = wl.seq_length, wl.block_size
-    n = L // B
-    dflash = wl.objective == "dflash"
+    experts = max(l.num_experts for l in model.layers)
     out = []
-    for S in divisors(rest):
-        dp = rest // S
-        if (wl.global_batch_size and wl.global_batch_size % dp) or L % (2 * S):
+    for tp, pp in product(divisors(gpus), pipelines):
+        if tp > gpus_per_node or any(h % tp for h in heads) or (gpus // tp) % pp or model.num_layers % pp:
             continue
-        pairs = [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]
-        for cp, bp in pairs:
-            if bp > 1 and (wl.anchors if dflash else n) < bp:
+        # the drafter runs at TP = 1 (model/dflash.py: fc over the context is not split) and PP = 1
+        if dflash and (tp > 1 or pp > 1):
+            continue
+        rest = gpus // (tp * pp)  # the ranks of one stage: (CP, BP) x DP (x EP)
+        for S in divisors(rest):
+            dp = rest // S
+            if (wl.global_batch_size and wl.global_batch_size % dp) or wl.seq_length % (2 * S):
                 continue
-            experts = max(l.num_experts for l in model.layers)
+            micro = wl.samples_per_replica(dp)
+            vps = [1] + [v for v in virtual_stages
+                         if pp > 1 and v > 1 and (model.num_layers // pp) % v == 0 and micro % pp == 0]
             eps = ([e for e in divisors(dp * S) if experts % e == 0 and tp * e <= max(gpus_per_node, tp)]
                    if experts else [1])
-            out += [Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer, pp)
-                    for ep, rc, tr, sc in product(eps, recompute, transports if cp > 1 else ("allgather",),
-                                                  schedules if bp > 1 else ("mirrored",))]
+            for cp, bp in [(1, 1)] if S == 1 else [(S, 1), (1, S)] + [(c, S) for c in divisors(S) if c > 1]:
+                if bp > 1 and (wl.anchors if dflash else wl.seq_length // wl.block_size) < bp:
+                    continue
+                out += [Layout(tp, cp, bp, ep, dp, rc, tr, sc, distributed_optimizer, pp, vp)
+                        for ep, rc, tr, sc, vp in product(eps, recompute, transports if cp > 1 else ("allgather",),
+                                                          schedules if bp > 1 else ("mirrored",), vps)]
     return out
 
 
@@ -146,16 +133,11 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
         "speedup_best_vs_baseline": (best["tokens_per_s"] / baselines[0]["tokens_per_s"]
                                      if best and baselines else None),
         **({"layouts_not_fitting": not_fitting} if only else {}),
-        **({"lora": lora_summary(model, wl.lora)} if wl.lora is not None else {}),
+        # the LoRA the plan assumes: rank, targets, dropout, trained (adapter) and frozen parameters
+        **({"lora": {"rank": wl.lora.rank, "target_modules": list(wl.lora.target_modules), "dropout": wl.lora.dropout,
+                     "adapter_params": adapter_count(model, wl.lora), "base_params": model.total_params}}
+           if wl.lora is not None else {}),
     }
-
-
-def lora_summary(model: ModelConfig, lora) -> Dict:
-    """The LoRA the plan assumes: rank, targets, dropout, trained (adapter) and frozen parameters."""
-    from megatron_csbp.planner.lora import adapter_count
-
-    return {"rank": lora.rank, "target_modules": list(lora.target_modules), "dropout": lora.dropout,
-            "adapter_params": adapter_count(model, lora), "base_params": model.total_params}
 
 
 def find(result: Dict, **match) -> Optional[Dict]:

@@ -47,22 +47,6 @@ def best_of(model, tp, cp, bp, ep, dp, wl, hw, gpn, recompute=("none", "full"), 
     return max(ok, key=lambda e: e.tokens_per_s) if ok else min(ests, key=lambda e: e.peak_memory_gib)
 
 
-def _paper_workload(baseline: str, preset: str) -> Dict:
-    """The paper's recipe workload (`reference.recipe_workload`) for `--baseline reference`; this
-    project's objective (no extra terms) for `ours`."""
-    return recipe_workload(preset) if baseline == "reference" else {}
-
-
-def _paper_options(baseline: str, preset: str) -> Dict:
-    """The recompute and transport choices `best_of` may pick for the paper's row of `preset`: the
-    recipe's own (`reference.recipe_layout_options`: full activation checkpointing and the
-    collective (all-gather) transport on the block-diffusion runs) for `--baseline reference`;
-    every choice for `ours`."""
-    opts = recipe_layout_options(preset) if baseline == "reference" else {}
-    return {"recompute": tuple(opts.get("recompute", ("none", "full"))),
-            "transports": tuple(opts.get("transports", ("allgather", "ring")))}
-
-
 def _paper_step(baseline: str, preset: str, est: Estimate) -> Estimate:
     """`est` with the paper's FITTED unexplained time per step (`reference.recipe_fixed_step_s`)
     added for `--baseline reference` (CP and CSBP alike; the same tokens in a longer step); `est`
@@ -75,14 +59,23 @@ def _paper_step(baseline: str, preset: str, est: Estimate) -> Estimate:
                    time={**est.time, "recipe_fixed": extra})
 
 
-def _cp_vs_csbp(model, preset: str, tp: int, cp: int, ep: int, dp: int, wl, hw, baseline: str):
-    """The best CP layout and the best CSBP layout (BP = CP) with the CP layout's recompute choice
-    (like with like), each with the paper's fixed step time under `--baseline reference`."""
-    bm, options = baseline_for(baseline, preset), _paper_options(baseline, preset)
-    base = _paper_step(baseline, preset, best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm, **options))
+def _cp_vs_csbp(model, L: int, tp: int, cp: int, ep: int, dp: int, wl_kwargs: Dict, hw, baseline: str):
+    """The best CP layout and the best CSBP layout (BP = CP) of `model` at L with the CP layout's
+    recompute choice (like with like). Under `--baseline reference` the paper's recipe: its workload
+    (`reference.recipe_workload`), its recompute and transport choices (`reference.recipe_layout_options`:
+    full activation checkpointing and the collective (all-gather) transport on the block-diffusion
+    runs) and its fixed step time (`_paper_step`); under `ours` this project's objective (no extra
+    terms) and every choice."""
+    recipe = baseline == "reference"
+    wl = Workload(L, PAPER_B, **wl_kwargs, **(recipe_workload(model.name) if recipe else {}))
+    opts = recipe_layout_options(model.name) if recipe else {}
+    options = {"recompute": tuple(opts.get("recompute", ("none", "full"))),
+               "transports": tuple(opts.get("transports", ("allgather", "ring")))}
+    bm = baseline_for(baseline, model.name)
+    base = best_of(model, tp, cp, 1, ep, dp, wl, hw, PAPER_GPN, baseline=bm, **options)
     options["recompute"] = (base.layout.recompute,)
-    return base, _paper_step(baseline, preset, best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, baseline=bm,
-                                                       **options))
+    cs = best_of(model, tp, cp, cp, ep, dp, wl, hw, PAPER_GPN, baseline=bm, **options)
+    return _paper_step(baseline, model.name, base), _paper_step(baseline, model.name, cs)
 
 
 def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, baseline: str = "ours",
@@ -91,9 +84,7 @@ def paper_validation(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, base
     rows = []
     for i, (preset, bl, cl, btok, ctok, speed, bmem, cmem, (tp, cp, ep, dp)) in enumerate(paper_rows, 1):
         progress(f"paper row {i}/{len(paper_rows)}: {preset}, the best CP and CSBP layouts")
-        model = load_preset(preset)
-        wl = Workload(PAPER_L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, preset))
-        base, cs = _cp_vs_csbp(model, preset, tp, cp, ep, dp, wl, hw, baseline)
+        base, cs = _cp_vs_csbp(load_preset(preset), PAPER_L, tp, cp, ep, dp, wl_kwargs, hw, baseline)
         paper_step = (dp * PAPER_L / btok, dp * PAPER_L / ctok)
         # the link bandwidth at which the saved traffic alone would account for the paper's step-time gap
         saved = base.attn_bytes_per_gpu - cs.attn_bytes_per_gpu
@@ -209,8 +200,7 @@ def gemma_by_length(hw: HardwareProfile, wl_kwargs: Optional[Dict] = None, basel
     gemma = load_preset("diffusiongemma-26b-a4b")
     sp = {}
     for L in lengths:
-        wl = Workload(L, PAPER_B, **wl_kwargs, **_paper_workload(baseline, gemma.name))
-        base, cs = _cp_vs_csbp(gemma, gemma.name, 1, 8, 2, 2, wl, hw, baseline)
+        base, cs = _cp_vs_csbp(gemma, L, 1, 8, 2, 2, wl_kwargs, hw, baseline)
         sp[L] = (cs.tokens_per_s / base.tokens_per_s, base.attn_bytes_per_gpu / 2 ** 30, cs.attn_bytes_per_gpu / 2 ** 30,
                  base.feasible, cs.feasible)
     return sp
@@ -424,14 +414,13 @@ def main(argv=None) -> int:
             v = paper_validation(hw, wl_kwargs, args.baseline, progress=progress)
             extra = extra_checks(hw, wl_kwargs, args.baseline, progress=progress)
             print(paper_markdown(v, extra))
-            if args.baseline != "ours" or args.json:
-                recs = paper_records(v, extra, args.baseline)
-                if args.baseline != "ours":
-                    print(f"Baseline `{args.baseline}`: predicted vs paper speedup per row", "", records_markdown(recs),
-                          "", sep="\n")
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump({"baseline": args.baseline, "hardware": hw.name, "records": recs}, f, indent=1)
+            recs = paper_records(v, extra, args.baseline)
+            if args.baseline != "ours":
+                print(f"Baseline `{args.baseline}`: predicted vs paper speedup per row", "", records_markdown(recs),
+                      "", sep="\n")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"baseline": args.baseline, "hardware": hw.name, "records": recs}, f, indent=1)
         if args.bench:
             hw = load_hardware(args.hardware or "measured")
             with open(args.bench) as f:

@@ -26,26 +26,14 @@ class RankWork:
     kv_rows_gathered: int  # rows of K/V this rank holds from others after the exchange
 
 
-def _doc_bounds(position: np.ndarray, starts: np.ndarray, L: int) -> Tuple[np.ndarray, np.ndarray]:
-    """[start, end) of each position's document."""
-    i = np.searchsorted(starts, position, side="right") - 1
-    ends = np.append(starts[1:], L)
-    return starts[i], ends[i]
-
-
-def _intervals(position: np.ndarray, is_clean: np.ndarray, B: int, clean_attention: str,
-               window: Optional[int], docs=None) -> Tuple[np.ndarray, np.ndarray]:
+def _intervals(position: np.ndarray, is_clean: np.ndarray, B: int, clean_attention: str, window: Optional[int],
+               doc_start: np.ndarray, doc_end: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Each query's clean-key interval [lo, hi), cut to its document (masks.clean_key_interval)."""
     block_start = (position // B) * B
     clean_hi = block_start + B if clean_attention == "block_causal" else position + 1
-    hi = np.where(is_clean, clean_hi, block_start)
-    if window is None:
-        lo = np.zeros_like(hi)
-    else:
-        lo = np.maximum(np.where(is_clean, position - window + 1, block_start - (window - 1)), 0)
-    if docs is not None:  # cut to the query's document (masks.clean_key_interval)
-        d_start, d_end = docs
-        hi = np.minimum(hi, d_end)
-        lo = np.minimum(np.maximum(lo, d_start), hi)
+    hi = np.minimum(np.where(is_clean, clean_hi, block_start), doc_end)
+    lo = 0 if window is None else np.where(is_clean, position - window + 1, block_start - (window - 1))
+    lo = np.minimum(np.maximum(lo, doc_start), hi)
     return lo, np.maximum(hi, lo)
 
 
@@ -64,30 +52,30 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
     L, B = seq_length, block_size
     layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
     kind = layout.kind
-    starts = None
-    if documents is not None and len(documents) > 1:
+    packed = documents is not None and len(documents) > 1
+    if packed:
         from megatron_csbp.layout.masks import Documents
         from megatron_csbp.layout.packing import block_costs
 
-        Documents(documents, L)  # validates the starts
-        starts = np.asarray(documents, dtype=np.int64)
+        docs = Documents(documents, L)  # validates the starts
         if kind == "bp":  # the trainer's per-sample cost-balanced ownership (not under CSBP:
             # moving blocks off their documents' clean shard multiplies the exchange)
-            layout = replace(layout, block_costs=block_costs(Documents(documents, L), B, L))
+            layout = replace(layout, block_costs=block_costs(docs, B, L))
+    starts = np.asarray(documents if packed else (0,), dtype=np.int64)  # unpacked: one document
+    ends = np.append(starts[1:], L)
     out = []
     for r in range(layout.shard_group_size):
         rows = layout.rows(r)
         pos, clean = rows.position.numpy(), rows.is_clean.numpy()
         n_noisy = int((~clean).sum())
         n_clean = len(pos) - n_noisy
-        docs = None if starts is None else _doc_bounds(pos, starts, L)
-        lo, hi = _intervals(pos, clean, B, clean_attention, window, docs)
-        if docs is None:
-            sparse = int((hi - lo).sum()) + B * n_noisy
-        else:  # a noisy query sees the piece of its block inside its document
-            bs = (pos[~clean] // B) * B
-            piece = np.minimum(bs + B, docs[1][~clean]) - np.maximum(bs, docs[0][~clean])
-            sparse = int((hi - lo).sum()) + int(piece.sum())
+        doc = np.searchsorted(starts, pos, side="right") - 1  # each position's document [start, end)
+        doc_start, doc_end = starts[doc], ends[doc]
+        lo, hi = _intervals(pos, clean, B, clean_attention, window, doc_start, doc_end)
+        # a noisy query sees the piece of its block inside its document
+        bs = (pos[~clean] // B) * B
+        piece = np.minimum(bs + B, doc_end[~clean]) - np.maximum(bs, doc_start[~clean])
+        sparse = int((hi - lo).sum()) + int(piece.sum())
         # clean positions any local query may see (their union): the keys a partial keeps
         diff = np.zeros(L + 1, dtype=np.int64)
         np.add.at(diff, lo, 1)
@@ -103,12 +91,12 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
             dense = n_noisy * B + len(pos) * used_clean
             if kind == "csbp":
                 gathered = L - n_clean
-                if window is None and starts is None:
+                if window is None and not packed:
                     exchange = gathered
                 else:
                     need[pos[clean]] = False
                     exchange = int(need.sum())
-                    if starts is not None:
+                    if packed:
                         gathered = exchange  # the packed plan's rows are all a rank holds
             else:  # single, bp: every clean key the rank needs is local
                 gathered = exchange = 0
@@ -170,12 +158,9 @@ def drafter_work_for(seq_length: int, block_size: int, a, starts, pos_starts, cp
         draft = int((~rows.is_clean).sum())
         ctx = len(rows) - draft
         mine = owned[r]
-        if window is None:
-            pairs = int(((a[mine] - starts[mine]) * B).sum() + len(mine) * B * B)
-        else:  # slot k at p = a + k sees context [max(s, p - W + 1), a)
-            k = torch.arange(B)
-            lo = torch.maximum(starts[mine][:, None], a[mine][:, None] + k[None, :] - window + 1)
-            pairs = int((a[mine][:, None] - lo).clamp_min(0).sum()) + len(mine) * B * B
+        # slot k at p = a + k sees context [max(s, p - W + 1), a) (no window: [s, a))
+        lo = torch.maximum(starts[mine][:, None], a[mine][:, None] + torch.arange(B)[None, :] - (window or L + B) + 1)
+        pairs = int((a[mine][:, None] - lo).clamp_min(0).sum()) + len(mine) * B * B
         if layout.kind == "cp":
             exchange = len(rows) * (layout.shard_group_size - 1)
         elif layout.kind == "csbp" and window is not None:
@@ -242,25 +227,16 @@ def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: 
     for r in range(P):
         # (the CP baseline's clean stream spans the whole shard group)
         ring = {"single": [r], "bp": [r], "cp": list(range(P))}.get(kind) or layout.ring_ranks(r)
-        holder = {run: m for m in ring for run in runs[m]}
-        spans = sorted(holder)
-        starts = np.array([s for s, _ in spans])
-
-        def who(p: int) -> int:
-            i = int(np.searchsorted(starts, p, side="right")) - 1
-            return holder[spans[i]]
-
         sent = received = 0
-        if len(ring) > 1:
+        if len(ring) > 1:  # each noisy block's boundary state comes from the holder of the row before it
+            held = sorted((start, m) for m in ring for start, _ in runs[m])
+            starts, owner = np.array([x for x, _ in held]), np.array([m for _, m in held])
             for m in ring:
-                for b in blocks[m].tolist():
-                    if b == 0:
-                        continue
-                    src = who(b * B - 1)
-                    if src == m:
-                        continue
-                    sent += src == r
-                    received += m == r
+                b = blocks[m][blocks[m] > 0]
+                src = owner[np.searchsorted(starts, b * B - 1, side="right") - 1]
+                src = src[src != m]  # the boundaries that move
+                sent += int((src == r).sum())
+                received += len(src) if m == r else 0
         sq = 0
         for s, e in runs[r]:
             cuts = [s, *range((s // B + 1) * B, e, B), e]
