@@ -130,3 +130,12 @@ def test_moe_layer_freq_places_the_moe_layers(megatron_single_rank):
     for freq, mlps in cases:
         _, model = build(TINY + moe + [freq])
         assert [type(layer.mlp).__name__ for layer in model.gpt.decoder.layers] == mlps, freq
+
+
+def test_moe_layer_freq_below_one_is_refused(capsys):
+    """--moe-layer-freq 0 (MoE every 0 layers) is one line naming the flag (a ZeroDivisionError before)."""
+    from megatron_csbp.training.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--num-experts", "4", "--moe-layer-freq", "0"], world_size=1)
+    assert "--moe-layer-freq '0' must be at least 1" in capsys.readouterr().err

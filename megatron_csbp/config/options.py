@@ -37,7 +37,16 @@ def moe_freq_type(x):
         if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
             raise argparse.ArgumentTypeError(f"--moe-layer-freq {x!r} must give a list of 0/1 per layer")
         return pattern
+    if int(x) < 1:
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {x!r} must be at least 1 (one MoE layer every N) "
+                                         "or a list of 0/1 per layer")
     return int(x)
+
+
+def moe_layer_pattern(freq, num_layers: int) -> List[int]:
+    """Megatron's --moe-layer-freq as 0/1 per layer (1: MoE): the list as given, or an int N's
+    every N-th layer from layer 0."""
+    return list(freq) if isinstance(freq, list) else [int(i % int(freq) == 0) for i in range(num_layers)]
 
 
 #: Megatron-LM's --ckpt-format choices; the trainer writes torch_dist only

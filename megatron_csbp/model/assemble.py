@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_csbp import objectives
-from megatron_csbp.config.options import config_fields, gpt_kwargs, section_fields
+from megatron_csbp.config.options import config_fields, gpt_kwargs, moe_layer_pattern, section_fields
 from megatron_csbp.layout.layout import SequenceLayout
 from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.layout.packing import Packing
@@ -112,8 +112,7 @@ def converted_gpt(a, stage: Stage = WHOLE):
 def layer_spec(a, config, vp_stage: Optional[int] = None, transformer_engine: bool = False):
     """The flag-built model's layer spec with block-diffusion core attention (`core.gpt_layer_spec`;
     `transformer_engine`: TransformerEngine's layers, under Megatron-LM's pretrain())."""
-    freq = a.moe_layer_freq  # Megatron's: MoE every `freq` layers, or a 0/1 list per layer
-    mixed_moe = bool(a.num_experts) and (not all(freq) if isinstance(freq, list) else int(freq) != 1)
+    mixed_moe = bool(a.num_experts) and not all(moe_layer_pattern(a.moe_layer_freq, a.num_layers))
     return builder.gpt_layer_spec(config, mixed_moe, kernel=a.attention_kernel, normalization=a.normalization,
                                   vp_stage=vp_stage, qk_layernorm=a.qk_layernorm, num_experts=a.num_experts,
                                   moe_grouped_gemm=a.moe_grouped_gemm, transformer_engine=transformer_engine)

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
-from megatron_csbp.config.options import BACKEND_KERNEL, BY_NAME, OPTIONS, add_options, check_options
+from megatron_csbp.config.options import (BACKEND_KERNEL, BY_NAME, OPTIONS, add_options, check_options,
+                                          moe_layer_pattern)
 from megatron_csbp.data.megatron_data import (build_tokenizer, largest_token_id, missing_prefixes, null_tokenizer_rule,
                                               null_tokenizer_vocab_flag)
 from megatron_csbp.layout.layout import SequenceLayout, balanced_block_unit
@@ -515,8 +516,7 @@ def check_moe_flags(args: argparse.Namespace, shape=None) -> None:
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ValueError(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts "
                          f"{args.num_experts}")
-    freq = args.moe_layer_freq  # 1 where layer i is MoE (Megatron's moe_layer_freq as a list)
-    pattern = list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(args.num_layers)]
+    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)  # 1 where layer i is MoE
     if len(pattern) != args.num_layers or not any(pattern):
         raise ValueError(f"--moe-layer-freq {args.moe_layer_freq}: {len(pattern)} entries for --num-layers "
                          f"{args.num_layers}, at least one MoE layer")

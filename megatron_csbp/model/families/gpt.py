@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.config.options import OPTIONS, gpt_kwargs
+from megatron_csbp.config.options import OPTIONS, gpt_kwargs, moe_layer_pattern
 from megatron_csbp.model.families import register_family
 from megatron_csbp.model.families.base import (
     Family, ModelShape, UnsupportedModelError, check_dtype, flag_values, refuse_if,
@@ -305,8 +305,7 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     if moe:
         cfg["num_experts_per_tok"] = int(a["moe_router_topk"])
         ffn = int(a["moe_ffn_hidden_size"] or a["ffn_hidden_size"])
-        freq = a["moe_layer_freq"]
-        pattern = list(freq) if isinstance(freq, list) else [int(i % int(freq) == 0) for i in range(cfg["num_hidden_layers"])]
+        pattern = moe_layer_pattern(a["moe_layer_freq"], cfg["num_hidden_layers"])
         if model_type == "qwen3_moe":
             # norm_topk_prob=True: softmax over the top-k logits (Megatron without --moe-router-pre-softmax)
             if a["moe_input_jitter_eps"]:
@@ -317,7 +316,7 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
                        mlp_only_layers=[i for i, m in enumerate(pattern) if not m])
         else:
             for flag, ok in (("--moe-router-pre-softmax", not a["moe_router_pre_softmax"]),
-                             (f"--moe-layer-freq {freq}", all(pattern))):
+                             (f"--moe-layer-freq {a['moe_layer_freq']}", all(pattern))):
                 if not ok:
                     raise UnsupportedModelError(f"the checkpoint's model was built with {flag}: MixtralForCausalLM "
                                                 "has every layer MoE with top-k-then-softmax routing (add "
