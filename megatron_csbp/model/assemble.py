@@ -101,12 +101,11 @@ def converted_gpt(a, stage: Stage = WHOLE):
     if shape.vocab_size % a.tensor_model_parallel_size:
         raise ValueError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must divide the checkpoint's "
                          f"vocabulary {shape.vocab_size}")
-    config = builder.shape_transformer_config(shape, params_dtype=params_dtype(a), **run_options(a),
-                                              expert_model_parallel_size=a.expert_model_parallel_size)
     # Megatron's RNG tracker must hold its model-parallel state: the embedding forks it under
     # --sequence-parallel (the weights themselves are loaded next).
     tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
-    return builder.build_gpt_model(shape, config=config, kernel=a.attention_kernel, stage=stage)
+    return builder.build_gpt_model(shape, kernel=a.attention_kernel, stage=stage, params_dtype=params_dtype(a),
+                                   **run_options(a), expert_model_parallel_size=a.expert_model_parallel_size)
 
 
 def layer_spec(a, config, vp_stage: Optional[int] = None, transformer_engine: bool = False):

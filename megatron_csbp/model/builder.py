@@ -1,13 +1,11 @@
-"""The model of a `ModelShape` (a converted checkpoint): `shape_transformer_config(shape, ...)` and
-`build_gpt_model(shape, ...)` build it through the family registered under `shape.family`
-(`megatron_csbp.model.families`), with the tensor-parallel attributes of loaded weights set.
+"""The model of a `ModelShape` (a converted checkpoint): `build_gpt_model(shape, ...)` builds it
+through the family registered under `shape.family` (`megatron_csbp.model.families`), with the
+tensor-parallel attributes of loaded weights set.
 
 The megatron-core constructors every caller goes through (`transformer_config`, `gpt_model`,
 `PORTABLE_CONFIG`, ...) live in `megatron_csbp.model.core`, below the families, and are re-exported here.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -19,17 +17,7 @@ from megatron_csbp.model.core import (  # noqa: F401  (re-exported: the construc
 
 # ---- a ModelShape, through its family ----------------------------------------------------------
 
-def shape_transformer_config(shape, params_dtype: Optional[torch.dtype] = None, **overrides):
-    """The megatron-core config of `shape` (its family's). `overrides` set parallelism and training
-    options (tensor_model_parallel_size, sequence_parallel, recompute, ...); weights are not drawn
-    unless `perform_initialization=True`."""
-    from megatron_csbp.model.families import get_family
-
-    return get_family(shape.family).transformer_config(shape, params_dtype, **overrides)
-
-
-def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: str = "auto", stage=None,
-                    **config_overrides):
+def build_gpt_model(shape, block_diffusion: bool = True, kernel: str = "auto", stage=None, **config_overrides):
     """The megatron-core model of `shape` (a `GPTModel`, or the family's subclass of it) under the
     current parallel state. The vocabulary is exactly `shape.vocab_size` (no padding: TP must divide
     it). `kernel`: the block-diffusion attention kernel (--attention-kernel).
@@ -37,13 +25,11 @@ def build_gpt_model(shape, config=None, block_diffusion: bool = True, kernel: st
     Weights are not initialised (they are about to be loaded); pass `perform_initialization=True`
     in `config_overrides` to draw them. Other overrides set parallelism and training options.
     `stage`: the pipeline chunk (`megatron_csbp.parallel.pipeline.Stage`; default the whole model)."""
-    from megatron_csbp.parallel.pipeline import WHOLE
     from megatron_csbp.model.families import get_family
 
     family = get_family(shape.family)
-    if config is None:
-        config = family.transformer_config(shape, **config_overrides)
-    model = family.build_model(shape, config, block_diffusion, kernel, stage=stage or WHOLE)
+    config = family.transformer_config(shape, **config_overrides)
+    model = family.build_model(shape, config, block_diffusion, kernel, stage=stage)
     if not config.perform_initialization:
         mark_tensor_parallel_weights(model, config)
     return model
