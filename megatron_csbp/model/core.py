@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from megatron_csbp.config.options import OPTIONS
 
 #: What every model the plugin builds from a checkpoint shares: no dropout (the loss must not depend
@@ -21,6 +23,10 @@ PORTABLE_CONFIG = dict(
     apply_rope_fusion=False, gradient_accumulation_fusion=False,
     use_cpu_initialization=True,
 )
+#: The routing every converted MoE shares: softmax top-k, no load balancing; allgather runs on CPU
+#: without streams (any dispatcher reads the same checkpoint).
+PORTABLE_MOE_CONFIG = dict(moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                           moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
 
 #: The integer sizes a `TransformerConfig` shares by name with `ModelShape`, the trainer's
 #: `ModelArgs` and Megatron configs (the options declared so, config/options.py).
@@ -43,6 +49,11 @@ def embedding_rows(a, shape=None) -> int:
     if shape is not None:
         return int(shape.vocab_size)
     return padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+
+
+def dtype_fields(dtype) -> dict:
+    """The config's weight dtype and its bf16 / fp16 switches."""
+    return dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
 
 
 def dimensions(source) -> dict:

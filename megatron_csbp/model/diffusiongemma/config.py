@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_csbp.model.core import PORTABLE_CONFIG, transformer_config
+from megatron_csbp.model.core import PORTABLE_CONFIG, PORTABLE_MOE_CONFIG, dtype_fields, transformer_config
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -208,12 +208,9 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
 def make_config(**kwargs) -> DiffusionGemmaConfig:
     """A `DiffusionGemmaConfig` with the fixed DiffusionGemma choices filled in; `kwargs` set the
     shape and parallelism (tensor_model_parallel_size, expert_model_parallel_size, ...)."""
-    dtype = kwargs.get("params_dtype", torch.float32)
     base = dict(
         normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=gelu_tanh,
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, softmax_scale=1.0, **PORTABLE_CONFIG,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        **dtype_fields(kwargs.get("params_dtype", torch.float32)), **PORTABLE_MOE_CONFIG, moe_router_pre_softmax=False,
     )
     return transformer_config(DiffusionGemmaConfig, **(base | kwargs))

@@ -128,18 +128,13 @@ class GPTFamily(Family):
     # ---- shape -> Megatron -------------------------------------------------------------------
     def config_fields(self, shape: ModelShape, dtype: torch.dtype) -> Dict[str, Any]:
         """The shape's options with a TransformerConfig field (config/options.py), then the fixed ones."""
-        from megatron_csbp.model.core import PORTABLE_CONFIG
+        from megatron_csbp.model.core import PORTABLE_CONFIG, PORTABLE_MOE_CONFIG, dtype_fields
 
         flags = flag_values(shape)
         kwargs = {o.config: flags[o.name] for o in OPTIONS if o.shape and o.config and (shape.is_moe or not o.moe)}
-        kwargs.update(activation_func=F.silu, add_bias_linear=False, **PORTABLE_CONFIG,
-                      # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
-                      perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                      fp16=dtype == torch.float16)
-        if shape.is_moe:
-            # allgather runs on CPU without streams; any dispatcher reads the same checkpoint
-            kwargs.update(moe_router_score_function="softmax", moe_router_load_balancing_type="none",
-                          moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
+        # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
+        kwargs.update(activation_func=F.silu, add_bias_linear=False, **PORTABLE_CONFIG, perform_initialization=False,
+                      **dtype_fields(dtype), **(PORTABLE_MOE_CONFIG if shape.is_moe else {}))
         return kwargs
 
     def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
