@@ -13,7 +13,6 @@ from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import all_gather_last_dim_from_tensor_parallel_region
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_csbp.attention.block_attention import KVSource
 from megatron_csbp.attention.plan_handles import with_kv_source
@@ -31,13 +30,10 @@ except ImportError:  # pragma: no cover - other megatron-core versions
 
 
 class DiffusionGemmaSelfAttention(SelfAttention):
-    def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
-                 cp_comm_type=None, pg_collection=None, **kwargs):
-        # kwargs: what the transformer layer passes beyond these, handed to `SelfAttention` as is
-        # (megatron-core 0.19 adds `name=`, the module's dotted name; 0.16.1 passes nothing more).
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
-                         **kwargs)
+    def __init__(self, config, submodules, layer_number: int, **kwargs):
+        # kwargs: the rest of what the transformer layer passes (attn_mask_type, cp_comm_type, pg_collection;
+        # megatron-core 0.19 adds `name=`, the module's dotted name), handed to `SelfAttention` as is.
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         if config.attention_output_gate:
             raise ValueError("attention_output_gate is not part of DiffusionGemma")
         self.layer_kind = config.layer_type(layer_number)

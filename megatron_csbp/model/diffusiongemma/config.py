@@ -190,7 +190,8 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
     refuse(f_rope.get("rope_type", "default") == "default" and full_prop != 1.0,
            "default rope with partial_rotary_factor != 1 is not supported")
 
-    kwargs = dict(
+    # the shape and sources' options, then DiffusionGemma's fixed choices (`overrides`: parallelism, ...)
+    fields = dict(
         num_layers=n, hidden_size=int(c["hidden_size"]), ffn_hidden_size=int(c["intermediate_size"]),
         num_attention_heads=heads, num_query_groups=sliding_g, kv_channels=sliding_d, layer_types=layer_types,
         sliding_window=int(c["sliding_window"]), full_kv_channels=full_d, full_num_query_groups=full_g,
@@ -200,17 +201,8 @@ def config_from_hf(hf_cfg: Any, params_dtype: torch.dtype = torch.float32, k_eq_
         final_logit_softcapping=c.get("final_logit_softcapping", 30.0), embedding_padding_idx=c.get("pad_token_id", 0),
         layernorm_epsilon=float(c.get("rms_norm_eps", 1e-6)), num_moe_experts=int(c["num_experts"]),
         moe_router_topk=int(c["top_k_experts"]), moe_ffn_hidden_size=int(c["moe_intermediate_size"]),
-        params_dtype=params_dtype,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=gelu_tanh, add_bias_linear=False,
+        add_qkv_bias=False, qk_layernorm=True, softmax_scale=1.0, **PORTABLE_CONFIG, **dtype_fields(params_dtype),
+        **PORTABLE_MOE_CONFIG, moe_router_pre_softmax=False,
     )
-    return make_config(**(kwargs | overrides))
-
-
-def make_config(**kwargs) -> DiffusionGemmaConfig:
-    """A `DiffusionGemmaConfig` with the fixed DiffusionGemma choices filled in; `kwargs` set the
-    shape and parallelism (tensor_model_parallel_size, expert_model_parallel_size, ...)."""
-    base = dict(
-        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=gelu_tanh,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, softmax_scale=1.0, **PORTABLE_CONFIG,
-        **dtype_fields(kwargs.get("params_dtype", torch.float32)), **PORTABLE_MOE_CONFIG, moe_router_pre_softmax=False,
-    )
-    return transformer_config(DiffusionGemmaConfig, **(base | kwargs))
+    return transformer_config(DiffusionGemmaConfig, **(fields | overrides))

@@ -51,10 +51,9 @@ class DiffusionGemmaLayerSubmodules(TransformerLayerSubmodules):
 
 
 class DiffusionGemmaTransformerLayer(TransformerLayer):
-    def __init__(self, config, submodules: DiffusionGemmaLayerSubmodules, layer_number: int = 1,
-                 hidden_dropout=None, pg_collection=None, vp_stage=None):
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         hidden_dropout=hidden_dropout, pg_collection=pg_collection, vp_stage=vp_stage)
+    def __init__(self, config, submodules: DiffusionGemmaLayerSubmodules, **kwargs):
+        # kwargs: TransformerLayer's other arguments (layer_number, hidden_dropout, pg_collection, vp_stage)
+        super().__init__(config=config, submodules=submodules, **kwargs)
         if self.hidden_dropout:
             raise ValueError("hidden_dropout must be 0 for DiffusionGemma (sandwich norms replace bias-dropout-add)")
 

@@ -59,13 +59,11 @@ class _SoftCap(torch.autograd.Function):
 
 class DiffusionGemmaModel(GPTModel):
     def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
-                 pre_process: bool = True, post_process: bool = True, parallel_output: bool = True,
-                 pg_collection=None, vp_stage=None):
-        super().__init__(config=config, transformer_layer_spec=transformer_layer_spec, vocab_size=vocab_size,
-                         max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
-                         parallel_output=parallel_output, share_embeddings_and_output_weights=True,
-                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=config.rotary_base,
-                         pg_collection=pg_collection, vp_stage=vp_stage)
+                 pre_process: bool = True, post_process: bool = True, **kwargs):
+        # kwargs: GPTModel's other arguments (parallel_output, pg_collection, vp_stage), handed on as they are
+        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=pre_process,
+                         post_process=post_process, share_embeddings_and_output_weights=True,
+                         position_embedding_type="rope", rotary_percent=1.0, rotary_base=config.rotary_base, **kwargs)
         self.rotary_pos_emb = GemmaRotaryTables(config, cp_group=self.pg_collection.cp)
         self._pending_sc = None
         #: None: soft-cap in at least fp32 (training); a dtype: cast the logits to it, then cap, in
@@ -165,10 +163,10 @@ class DiffusionGemmaModel(GPTModel):
         normed = rms_normalize(canvas, self.config.layernorm_epsilon).type_as(canvas)
         return torch.where(is_clean[:, None, None], emb, normed)
 
-    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
-                inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
-                runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None,
-                self_conditioning_logits=None, self_conditioning_mask=None, self_conditioning_hidden=None):
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
+                self_conditioning_logits=None, self_conditioning_mask=None, self_conditioning_hidden=None, **kwargs):
+        """GPTModel's forward (`args` / `kwargs`: its other arguments, handed on as they are) on the
+        embedding with self-conditioning (`embed`)."""
         if self_conditioning_logits is None and self._pending_sc is not None:
             self_conditioning_logits, self_conditioning_mask = self._pending_sc
         if self_conditioning_hidden is not None and self.pre_process:
@@ -176,10 +174,7 @@ class DiffusionGemmaModel(GPTModel):
         if decoder_input is None and self.pre_process:
             decoder_input = self.embed(input_ids, position_ids, attention_mask,
                                        self_conditioning_logits, self_conditioning_mask)
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-                               inference_context=inference_context, packed_seq_params=packed_seq_params,
-                               extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
-                               inference_params=inference_params, loss_mask=loss_mask, padding_mask=padding_mask)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 
 def diffusion_gemma_model(config, vocab_size: int, max_sequence_length: int, block_diffusion: bool = True,

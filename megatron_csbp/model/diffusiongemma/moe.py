@@ -69,14 +69,12 @@ class DiffusionGemmaMoESubmodules(MoESubmodules):
 
 
 class DiffusionGemmaMoELayer(MoELayer):
-    def __init__(self, config, submodules: DiffusionGemmaMoESubmodules, layer_number=None, pg_collection=None,
-                 **kwargs):
+    def __init__(self, config, submodules: DiffusionGemmaMoESubmodules, **kwargs):
         if config.moe_shared_expert_intermediate_size is not None:
             raise ValueError("DiffusionGemma's dense branch is its own submodule, not a Megatron shared expert")
-        # kwargs: what the transformer layer passes beyond these, handed to `MoELayer` as is
-        # (megatron-core 0.19 adds `is_mtp_layer=` and `name=`; 0.16.1 passes nothing more).
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
-                         **kwargs)
+        # kwargs: the rest of what the transformer layer passes (layer_number, pg_collection; megatron-core
+        # 0.19 adds `is_mtp_layer=` and `name=`), handed to `MoELayer` as is.
+        super().__init__(config=config, submodules=submodules, **kwargs)
         self.dense = build_module(submodules.dense, config=config, tp_group=self.tp_group)
         for name in ("pre_dense_layernorm", "post_dense_layernorm", "pre_experts_layernorm", "post_experts_layernorm"):
             setattr(self, name, build_module(getattr(submodules, name), config=config, hidden_size=config.hidden_size,

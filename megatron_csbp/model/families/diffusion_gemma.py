@@ -23,34 +23,26 @@ SOURCE_TYPES = ("diffusion_gemma", "gemma4", "gemma4_text")
 DIFFUSION_GEMMA_SOFTCAP = 30.0
 
 
-def _options(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    from megatron_csbp.model.diffusiongemma.config import text_config_dict
-
-    source = cfg.get("model_type")
-    if source == "diffusion_gemma":
-        return dict(source=source, k_eq_v_full=True, final_logit_softcapping=DIFFUSION_GEMMA_SOFTCAP)
-    text = text_config_dict(cfg)
-    if not text.get("enable_moe_block", False):
-        raise UnsupportedModelError("Gemma 4 checkpoint without the MoE block (enable_moe_block=False) is not "
-                                    "supported: DiffusionGemma layers are dense MLP + experts")
-    return dict(source=source, k_eq_v_full=bool(text.get("attention_k_eq_v", False)),
-                final_logit_softcapping=text.get("final_logit_softcapping"))
-
-
 def shape_from_hf_config(cfg: Dict[str, Any], params_dtype: Optional[str] = None) -> ModelShape:
     """The shape of a `diffusion_gemma` or Gemma 4 text MoE config; refuses what the Megatron model
     cannot reproduce (the message names the option)."""
+    from megatron_csbp.model.core import dimensions
     from megatron_csbp.model.diffusiongemma.config import UnsupportedDiffusionGemmaConfig, text_config_dict
 
-    options = _options(cfg)
+    source, text = cfg.get("model_type"), text_config_dict(cfg)
+    if source == "diffusion_gemma":
+        options = dict(source=source, k_eq_v_full=True, final_logit_softcapping=DIFFUSION_GEMMA_SOFTCAP)
+    elif not text.get("enable_moe_block", False):
+        raise UnsupportedModelError("Gemma 4 checkpoint without the MoE block (enable_moe_block=False) is not "
+                                    "supported: DiffusionGemma layers are dense MLP + experts")
+    else:
+        options = dict(source=source, k_eq_v_full=bool(text.get("attention_k_eq_v", False)),
+                       final_logit_softcapping=text.get("final_logit_softcapping"))
     try:
         config = megatron_config_from(cfg, options, torch.float32)
     except UnsupportedDiffusionGemmaConfig as exc:
-        raise UnsupportedModelError(f"{cfg.get('model_type')}: {exc}") from exc
-    text = text_config_dict(cfg)
+        raise UnsupportedModelError(f"{source}: {exc}") from exc
     dtype = check_dtype(params_dtype or cfg.get("dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    from megatron_csbp.model.core import dimensions
-
     return ModelShape(
         family=FAMILY,
         **dict(dimensions(config), kv_channels=config.sliding_kv_channels),  # the sliding layers' head dim
