@@ -9,16 +9,30 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.utils import sharded_state_dict_default
 
+from megatron_csbp.attention.core_attention import BlockDiffusionAttention
+from megatron_csbp.attention.plan_handles import plan_mask
 from megatron_csbp.config.options import BY_NAME
+from megatron_csbp.model.core import PORTABLE_CONFIG, dimensions, transformer_config
 from megatron_csbp.model.loss import LossOutput
-from megatron_csbp.objectives.dflash import SLIDING_WINDOW
+from megatron_csbp.objectives.dflash import (
+    SLIDING_WINDOW, acceptance_counts, acceptance_from_counts, document_starts, streamed_cross_entropy, streamed_top2,
+)
 
 HF_MODEL_TYPE = "muse_glimmer_assistant"
 SHAPE_FILE = "megatron_csbp_drafter.json"
@@ -136,8 +150,6 @@ class DrafterShape:
 
 
 def drafter_transformer_config(shape: DrafterShape, params_dtype: torch.dtype = torch.float32, **overrides):
-    from megatron_csbp.model.core import PORTABLE_CONFIG, dimensions, transformer_config
-
     fields = dict(dimensions(shape), normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
                   gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
                   params_dtype=params_dtype, **PORTABLE_CONFIG)
@@ -149,12 +161,6 @@ class DrafterLayer(torch.nn.Module):
 
     def __init__(self, config, shape: DrafterShape, layer: int):
         super().__init__()
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-        from megatron.core.transformer.mlp import MLP, MLPSubmodules
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        from megatron_csbp.attention.core_attention import BlockDiffusionAttention
-
         h, d = shape.hidden_size, shape.kv_channels
         H, G = shape.num_attention_heads, shape.num_query_groups
         init = config.init_method
@@ -177,8 +183,6 @@ class DrafterLayer(torch.nn.Module):
     def forward(self, hidden, context, q_freqs, kv_freqs, mask):
         """hidden [n, b, h] draft rows, context [c, b, h] projected context rows; freqs of the
         draft rows and of [draft ; context] rows; `mask` the plan handle."""
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
         n, b, _ = hidden.shape
         x = self.input_layernorm(hidden)
         q, _ = self.linear_q(x)
@@ -205,10 +209,6 @@ class DFlashDrafter(torch.nn.Module):
     def __init__(self, shape: DrafterShape, config=None, layers: Optional[range] = None, pre_process: bool = True,
                  post_process: bool = True):
         super().__init__()
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-        from megatron.core.tensor_parallel import ColumnParallelLinear
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
         self.shape = shape
         self.config = config = config or drafter_transformer_config(shape)
         if config.tensor_model_parallel_size != 1:
@@ -259,8 +259,6 @@ class DFlashDrafter(torch.nn.Module):
     def run_layers(self, hidden: torch.Tensor, context: torch.Tensor, plan) -> torch.Tensor:
         """This stage's layers over the draft rows `hidden` [n, b, h], attending to the projected
         `context` [c, b, h] (which no layer updates)."""
-        from megatron_csbp.attention.plan_handles import plan_mask
-
         positions = plan.positions(("drafter",), plan.local, hidden.device)
         kv_freqs = self.freqs(positions)
         q_freqs = kv_freqs[: plan.num_noisy]
@@ -387,8 +385,6 @@ class DFlashTrainingModel(torch.nn.Module):
         """(this rank's draft blocks, its attention plan) of one sequence (tokens / loss_mask /
         doc_ids [L]) under `objective` (None: the model's): a pure function of the sequence and its
         sample index, which every pipeline stage rebuilds."""
-        from megatron_csbp.objectives.dflash import document_starts
-
         L = tokens.numel()
         if L != self.layout.seq_length:
             raise ValueError(f"sequence of {L} tokens, the layout was built for --seq-length {self.layout.seq_length}")
@@ -410,8 +406,6 @@ class DFlashTrainingModel(torch.nn.Module):
         draft tokens and projects the context, a later one takes `rows`, the previous stage's output
         for this sequence ([draft rows ; projected context rows], [n + c, 1, h]); a stage before the
         last returns its rows, the last the `DFlashLoss`. `objective`: the one it runs (None: the model's)."""
-        from megatron_csbp.objectives.dflash import streamed_cross_entropy
-
         objective = objective or self.objective
         mine, plan = blocks or self.draft_blocks(tokens, loss_mask, doc_ids, sample_index, objective)
         device = self.embedding.device
@@ -443,8 +437,6 @@ class DFlashTrainingModel(torch.nn.Module):
         if with_acceptance:  # this rank's blocks: metrics["acceptance_counts"], summed over blocks
             # and, per block of this rank, metrics["acceptance_blocks"]: anchors [A], right / supervised
             # [A, B] and the top-2 logit margin and logit scale [A, B] of each slot (0 where unsupervised)
-            from megatron_csbp.objectives.dflash import acceptance_counts, streamed_top2
-
             pred = torch.full_like(targets, -1)
             margin = torch.zeros(len(targets), dtype=torch.float32, device=device)
             scale = torch.zeros_like(margin)
@@ -463,8 +455,6 @@ class DFlashTrainingModel(torch.nn.Module):
 
 def record_verifier(save: str, verifier: str) -> None:
     """Write `VERIFIER_FILE` into the drafter checkpoint `save` (rank 0)."""
-    import os
-
     from megatron_csbp.data.tokenizer import tokenizer_record
 
     record = {"verifier": os.path.abspath(verifier), **tokenizer_record("HuggingFaceTokenizer", verifier)}
@@ -501,8 +491,6 @@ class TrainableDrafter(torch.nn.Module):
 
     def __init__(self, config, training_model: "DFlashTrainingModel", splits):
         super().__init__()
-        from megatron.core.enums import ModelType
-
         self.config, self.model, self.splits = config, training_model, splits
         self.model_type = ModelType.encoder_or_decoder
         self.input_tensor = None  # the previous pipeline stage's rows (megatron-core's schedules set it)
@@ -556,10 +544,6 @@ class TrainableDrafter(torch.nn.Module):
         acceptance length (`objectives.dflash.acceptance_from_counts`) of the held-out blocks in
         `metrics`, counts summed over the shard group, data-parallel replicas and pipeline stages;
         rank 0 `log`s them."""
-        from megatron.core import parallel_state as mpu
-
-        from megatron_csbp.objectives.dflash import acceptance_from_counts
-
         counts = metrics.get("acceptance_counts", 0) + torch.zeros(2, self.objective.block_size - 1, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             counts = counts.to(self.model.embedding.device)
@@ -573,6 +557,4 @@ class TrainableDrafter(torch.nn.Module):
         return {"eval_acceptance_per_offset": acc, "eval_expected_acceptance_length": tau}
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        from megatron.core.transformer.utils import sharded_state_dict_default
-
         return sharded_state_dict_default(self.model.drafter, prefix, sharded_offsets, metadata)
