@@ -16,8 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.config.options import OPTIONS, gpt_kwargs, moe_layer_pattern
-from megatron_csbp.model.families import register_family
+from megatron_csbp.config.options import OPTIONS, flag_text, gpt_kwargs, moe_layer_pattern
+from megatron_csbp.model import core
+from megatron_csbp.model.families import get_family, register_family
 from megatron_csbp.model.families.base import (
     Family, ModelShape, UnsupportedModelError, check_dtype, flag_values, refuse_if,
 )
@@ -128,32 +129,26 @@ class GPTFamily(Family):
     # ---- shape -> Megatron -------------------------------------------------------------------
     def config_fields(self, shape: ModelShape, dtype: torch.dtype) -> Dict[str, Any]:
         """The shape's options with a TransformerConfig field (config/options.py), then the fixed ones."""
-        from megatron_csbp.model.core import PORTABLE_CONFIG, PORTABLE_MOE_CONFIG, dtype_fields
-
         flags = flag_values(shape)
         kwargs = {o.config: flags[o.name] for o in OPTIONS if o.shape and o.config and (shape.is_moe or not o.moe)}
         # weights are loaded from a checkpoint; pass perform_initialization=True to draw them
-        kwargs.update(activation_func=F.silu, add_bias_linear=False, **PORTABLE_CONFIG, perform_initialization=False,
-                      **dtype_fields(dtype), **(PORTABLE_MOE_CONFIG if shape.is_moe else {}))
+        kwargs.update(activation_func=F.silu, add_bias_linear=False, **core.PORTABLE_CONFIG,
+                      perform_initialization=False, **core.dtype_fields(dtype),
+                      **(core.PORTABLE_MOE_CONFIG if shape.is_moe else {}))
         return kwargs
 
     def transformer_config(self, shape: ModelShape, params_dtype: Optional[torch.dtype] = None, **overrides):
-        from megatron_csbp.model import core
-
         return core.transformer_config(**(self.config_fields(shape, params_dtype or shape.torch_dtype) | overrides))
 
     def layer_spec(self, shape: ModelShape, config=None, block_diffusion: bool = True, kernel: str = "auto"):
         """Megatron local layer spec of `shape` (a decoder block spec when dense and MoE layers mix),
         with the block-diffusion core attention (attention kernel `kernel`: --attention-kernel) swapped
         in unless `block_diffusion=False`."""
-        from megatron_csbp.model import core
-
         mixed_moe = shape.is_moe and shape.moe_layer_pattern is not None
         return core.gpt_layer_spec(config, mixed_moe, block_diffusion, kernel, qk_layernorm=shape.qk_layernorm,
                                    num_experts=shape.num_experts if shape.is_moe else None, moe_grouped_gemm=False)
 
     def build_model(self, shape: ModelShape, config, block_diffusion: bool = True, kernel: str = "auto", stage=None):
-        from megatron_csbp.model import core
         from megatron_csbp.parallel.pipeline import WHOLE, stage_block_spec
 
         stage = stage or WHOLE
@@ -181,7 +176,6 @@ class GPTFamily(Family):
         """Megatron-LM command-line flags that rebuild the same model (local spec): the shape's
         `flag_values` and the fixed ones, each written as config/options.py declares it."""
         from megatron_csbp.data.megatron_data import null_tokenizer_vocab_flag
-        from megatron_csbp.config.options import flag_text
 
         v = dict(flag_values(shape), add_bias_linear=False, attention_dropout=0.0,
                  hidden_dropout=0.0, make_vocab_size_divisible_by=1, transformer_impl="local",
@@ -257,9 +251,6 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     `Qwen3ForCausalLM` with --qk-layernorm; `Qwen2ForCausalLM` with --add-qkv-bias; with
     --num-experts `MixtralForCausalLM` / `Qwen3MoeForCausalLM` (--qk-layernorm). Refuses, naming the
     flag, what none of them holds. The vocabulary is the trainer's padded one (the embedding's rows)."""
-    from megatron_csbp.model.core import padded_vocab_size
-    from megatron_csbp.model.families import get_family
-
     a = dict(FLAG_DEFAULTS, **{k: v for k, v in model_args.items() if v is not None})
     for flag, ok, why in (
             ("--normalization LayerNorm", a["normalization"] == "RMSNorm", "they use RMSNorm"),
@@ -282,7 +273,8 @@ def hf_config_of_flags(model_args: Dict[str, Any]) -> Dict[str, Any]:
     heads = int(a["num_attention_heads"])
     a.update(num_query_groups=a["num_query_groups"] or heads, kv_channels=a["kv_channels"] or int(a["hidden_size"]) // heads,
              max_position_embeddings=a["max_position_embeddings"] or a["seq_length"])
-    vocab = a["padded_vocab_size"] or padded_vocab_size(int(a["vocab_size"]), int(a["make_vocab_size_divisible_by"]), 1)
+    divisible_by = int(a["make_vocab_size_divisible_by"])
+    vocab = a["padded_vocab_size"] or core.padded_vocab_size(int(a["vocab_size"]), divisible_by, 1)
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(a["rotary_base"])}
     if a["use_rope_scaling"]:
         rope.update(rope_type="llama3", factor=float(a["rope_scaling_factor"]), **LLAMA3_FIXED)
