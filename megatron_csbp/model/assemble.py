@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as mpu, tensor_parallel
+from megatron.core.transformer.enums import AttnBackend
 
 from megatron_csbp import objectives
 from megatron_csbp.config.options import config_fields, gpt_kwargs, moe_layer_pattern, section_fields
@@ -21,9 +23,10 @@ from megatron_csbp.layout.sizes import shard_group_size
 from megatron_csbp.lora import LoRAConfig
 from megatron_csbp.lora.spec import adapted
 from megatron_csbp.model import builder
+from megatron_csbp.model.bdlm import wrapper_class
 from megatron_csbp.model.diffusiongemma import sft  # noqa: F401  (registers DiffusionGemma SFT's model wrapper)
 from megatron_csbp.objectives.flags import NOISE_EPS_MAX, NOISE_EPS_MIN
-from megatron_csbp.parallel import pipeline
+from megatron_csbp.parallel import pipeline, state as bps
 from megatron_csbp.parallel.global_draw import GlobalNames, drawn_slice, tensor_parallel_rank, tensor_parallel_slice
 from megatron_csbp.parallel.pipeline import WHOLE, Stage
 
@@ -59,8 +62,6 @@ def params_dtype(a) -> torch.dtype:
 def run_options(a) -> dict:
     """The config fields this run's flags set on every model, flag-built or converted: parallel
     layout (CP size = the shard group), dropout, attention backend, per-token loss, recompute."""
-    from megatron.core.transformer.enums import AttnBackend
-
     return dict(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         context_parallel_size=shard_group_size(a.context_parallel_size, a.block_parallel_size),
@@ -95,8 +96,6 @@ def build_layout(a) -> SequenceLayout:
 def converted_gpt(a, stage: Stage = WHOLE):
     """The `GPTModel` of a converted checkpoint's shape (`a.model_shape`) under this run's
     parallel layout (weights uninitialised: they are loaded next)."""
-    from megatron.core import tensor_parallel
-
     shape = a.model_shape
     if shape.vocab_size % a.tensor_model_parallel_size:
         raise ValueError(f"--tensor-model-parallel-size {a.tensor_model_parallel_size} must divide the checkpoint's "
@@ -141,9 +140,6 @@ def flag_built_gpt(a, config, spec, stage: Stage, vocab_size: int, max_sequence_
 def wrap(a, gpt, objective=None, layout: Optional[SequenceLayout] = None, device=None):
     """`gpt` as the `BlockDiffusionModel` (sub)class of the objective (`model.bdlm.wrapper_class`) on
     this rank's place of the layout; `objective` / `layout` default to the flags'."""
-    from megatron_csbp.model.bdlm import wrapper_class
-    from megatron_csbp.parallel import state as bps
-
     objective = objective or build_objective(a)
     layout = layout or build_layout(a)
     if device is not None:
@@ -158,8 +154,6 @@ def assemble(a, device=None, finalize_model_grads_func=None, stage: Stage = WHOL
     """(config, `BlockDiffusionModel`) of pipeline chunk `stage` of `a` (ModelArgs): built on CPU
     with a fixed seed (layout-independent weights), or of `a.model_shape` (a converted checkpoint's
     family, weights left to load), then moved to `device`."""
-    from megatron.core import tensor_parallel
-
     objective, layout = build_objective(a), build_layout(a)
 
     def build():
@@ -183,12 +177,10 @@ def assemble_drafter(a, shape, embedding, head, objective, seq_length: int, spli
                      finalize_model_grads_func=None, weights: Optional[Callable[[], dict]] = None):
     """The DFlash drafter's chunk of this pipeline stage (`TrainableDrafter`, weights drawn from --seed,
     then `weights()` loaded when given) with the verifier's frozen `embedding` and `head`, on this rank's shard group."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     from megatron_csbp.attention.dflash import DFlashLayout
     from megatron_csbp.model.dflash import DFlashDrafter, DFlashTrainingModel, TrainableDrafter, drafter_transformer_config
-    from megatron_csbp.parallel import state as bps
 
     dtype = params_dtype(a)
     # the losses are pre-divided by the global count of sequences: Megatron's schedule must not average
