@@ -209,6 +209,11 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             self.A_log.copy_(torch.log(A))
 
     # -- pieces on [N, T, ...] tensors ------------------------------------------------------------
+    def _zero_state(self, b: int, dtype, device) -> torch.Tensor:
+        """The zero recurrent state [b, H, d_k, d_v] of this TP rank's value heads."""
+        heads = self.num_value_heads // self.tp_size
+        return torch.zeros(b, heads, self.key_head_dim, self.value_head_dim, dtype=dtype, device=device)
+
     def _conv(self, x_with_halo: torch.Tensor) -> torch.Tensor:
         """x [N, K-1+T, conv] (halo first) -> activated conv output [N, T, conv]."""
         w = self.conv1d.weight
@@ -304,11 +309,9 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         pieces, betas, alphas = (list(torch.split(x.index_select(1, idx), lengths, dim=1))
                                  for x in (mixed, beta_raw, alpha))
         halos = self._halos(pieces, routes, plan, ties)
-        H = self.num_value_heads // self.tp_size
-        dk, dv = self.key_head_dim, self.value_head_dim
         feats = [self._features(self._conv(torch.cat([halo, piece], dim=1)), cbeta, calpha, dtype)
                  for piece, halo, cbeta, calpha in zip(pieces, halos, betas, alphas)]
-        starts = self._segment_start_states(feats, routes, plan, b, H, dk, dv, dtype, mixed.device, ties)
+        starts = self._segment_start_states(feats, routes, plan, self._zero_state(b, dtype, mixed.device), ties)
         outs, boundaries = [], {}
         for (s, e), feat, state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
             ext = torch.cat([halo, piece], dim=1)  # pre-conv rows s-K+1 .. e-1
@@ -333,14 +336,13 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         by_end = {e: tail for (_, e), tail in _gathered_segments(local, routes, plan, self.layer_number, ties)}
         return [zero if s == 0 else by_end[s] for s, _ in routes.segments]
 
-    def _segment_start_states(self, feats, routes: GDNRoutes, plan, b, H, dk, dv, dtype, device, ties):
-        zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=device)
+    def _segment_start_states(self, feats, routes: GDNRoutes, plan, zero, ties):
         if routes.ring == 1:
             if routes.segments[0][0] != 0 or len(routes.segments) != 1:
                 raise ValueError("Gated DeltaNet: a rank without a clean ring must hold a clean prefix from 0")
             return [zero]
-        B = plan.geometry.block_size
-        eye = torch.eye(dk, dtype=dtype, device=device).expand(b, H, dk, dk)
+        B, dk = plan.geometry.block_size, self.key_head_dim
+        eye = torch.eye(dk, dtype=zero.dtype, device=zero.device).expand(*zero.shape[:-1], dk)
         maps = []
         for (s, e), (q, k, v, g, beta) in zip(routes.segments, feats):
             vv = torch.cat([torch.zeros_like(v[..., :1]).expand(*v.shape[:-1], dk), v], dim=-1)
@@ -359,21 +361,16 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
 
     # -- noisy blocks --------------------------------------------------------------------------------------
     def _noisy_blocks(self, mixed, beta_raw, alpha, routes: GDNRoutes, boundaries, received, dtype):
-        K = self.conv_kernel_dim
         b, _, conv = mixed.shape
-        H = self.num_value_heads // self.tp_size
-        dk, dv = self.key_head_dim, self.value_head_dim
-        zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=mixed.device), mixed.new_zeros(b, K - 1, conv)
+        zero = self._zero_state(b, dtype, mixed.device), mixed.new_zeros(b, self.conv_kernel_dim - 1, conv)
         starts = [zero if blk == 0 else received.get(blk) or boundaries[blk] for blk in routes.noisy_blocks]
-        states, halos = [st for st, _ in starts], [ha.to(mixed.dtype) for _, ha in starts]
         nb, Bsz = routes.noisy_rows.shape
         idx = routes.noisy_rows.flatten().to(mixed.device)
         fold = lambda x: x.index_select(1, idx).reshape(b, nb, Bsz, -1).transpose(0, 1).reshape(nb * b, Bsz, -1)
-        x = torch.cat([torch.stack(halos, 0).reshape(nb * b, K - 1, conv), fold(mixed)], dim=1)
+        x = torch.cat([torch.cat([halo.to(mixed.dtype) for _, halo in starts]), fold(mixed)], dim=1)
         q, k, v, g, beta = self._features(self._conv(x), fold(beta_raw), fold(alpha), dtype)
-        state = torch.stack(states, 0).reshape(nb * b, H, dk, dv)
-        o, _ = chunk_rule(q, k, v, g, beta, state)  # [nb*b, H, B, dv]
-        return o.reshape(nb, b, H, Bsz, dv).permute(1, 0, 3, 2, 4).reshape(b, nb * Bsz, H, dv)
+        o, _ = chunk_rule(q, k, v, g, beta, torch.cat([state for state, _ in starts]))  # [nb*b, H, B, dv]
+        return o.unflatten(0, (nb, b)).permute(1, 0, 3, 2, 4).flatten(1, 2)  # [b, nb*B, H, dv]
 
     def _route_boundaries(self, routes: GDNRoutes, plan, boundaries, b, conv, mixed, dtype, ties):
         """All-to-all of the boundary payloads over the ring -> {block: (state, halo)} received."""
