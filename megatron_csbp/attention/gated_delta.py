@@ -303,18 +303,19 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         K, B = self.conv_kernel_dim, plan.geometry.block_size
         if not routes.segments:
             return None, {}
-        b = mixed.shape[0]
         idx = routes.clean_rows.to(mixed.device)
         lengths = [e - s for s, e in routes.segments]
         pieces, betas, alphas = (list(torch.split(x.index_select(1, idx), lengths, dim=1))
                                  for x in (mixed, beta_raw, alpha))
+        # each segment's pre-conv rows s-K+1 .. e-1
         halos = self._halos(pieces, routes, plan, ties)
-        feats = [self._features(self._conv(torch.cat([halo, piece], dim=1)), cbeta, calpha, dtype)
-                 for piece, halo, cbeta, calpha in zip(pieces, halos, betas, alphas)]
-        starts = self._segment_start_states(feats, routes, plan, self._zero_state(b, dtype, mixed.device), ties)
+        exts = [torch.cat([halo, piece], dim=1) for halo, piece in zip(halos, pieces)]
+        feats = [self._features(self._conv(ext), cbeta, calpha, dtype)
+                 for ext, cbeta, calpha in zip(exts, betas, alphas)]
+        zero = self._zero_state(len(mixed), dtype, mixed.device)
+        starts = self._segment_start_states(feats, routes, plan, zero, ties)
         outs, boundaries = [], {}
-        for (s, e), feat, state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
-            ext = torch.cat([halo, piece], dim=1)  # pre-conv rows s-K+1 .. e-1
+        for (s, e), feat, state, ext in zip(routes.segments, feats, starts, exts):
             for c1, o, state in _segment_chunks(feat, state, s, e, B):
                 outs.append(o)
                 if c1 % B == 0:  # state at block start c1; the K-1 pre-conv rows before it
@@ -329,11 +330,9 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         zero = pieces[0].new_zeros(b, K - 1, conv)
         if routes.ring == 1:  # one clean prefix from 0 (`_segment_start_states` refuses anything else)
             return [zero] * len(routes.segments)
-        # all-gather every member's segment tails (padded to max_segments)
+        # all-gather every member's segment tails
         tails = [p[:, p.shape[1] - (K - 1):] for p in pieces]
-        tails += [zero] * (routes.max_segments - len(tails))
-        local = torch.stack(tails, dim=0)  # [m, b, K-1, conv]
-        by_end = {e: tail for (_, e), tail in _gathered_segments(local, routes, plan, self.layer_number, ties)}
+        by_end = {e: tail for (_, e), tail in _gathered_segments(tails, routes, plan, self.layer_number, ties)}
         return [zero if s == 0 else by_end[s] for s, _ in routes.segments]
 
     def _segment_start_states(self, feats, routes: GDNRoutes, plan, zero, ties):
@@ -348,8 +347,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             vv = torch.cat([torch.zeros_like(v[..., :1]).expand(*v.shape[:-1], dk), v], dim=-1)
             *_, (_, _, state) = _segment_chunks((q, k, vv, g, beta), torch.cat([eye, zero], dim=-1), s, e, B)
             maps.append(state)  # [b, H, dk, dk + dv] = [M | N]
-        maps += [torch.zeros_like(maps[0])] * (routes.max_segments - len(maps))
-        gathered = _gathered_segments(torch.stack(maps, 0), routes, plan, self.layer_number, ties)
+        gathered = _gathered_segments(maps, routes, plan, self.layer_number, ties)
         by_start = {s: (e, mn) for (s, e), mn in gathered}
         starts, state, p = {0: zero}, zero, 0
         while p in by_start:
@@ -402,9 +400,10 @@ def _tied(local: torch.Tensor, ties: List[torch.Tensor]) -> torch.Tensor:
     return local
 
 
-def _gathered_segments(local: torch.Tensor, routes: GDNRoutes, plan, layer: int, ties):
-    """All-gather `local` ([max_segments, ...], one entry per local segment, padded) over the ring:
-    [((start, end), entry)] of every member's segments."""
+def _gathered_segments(entries: List[torch.Tensor], routes: GDNRoutes, plan, layer: int, ties):
+    """All-gather `entries` (one per local segment, padded with zeros to max_segments) over the
+    ring: [((start, end), entry)] of every member's segments."""
+    local = torch.stack(entries + [torch.zeros_like(entries[0])] * (routes.max_segments - len(entries)))
     gathered = PendingGather(_tied(local, ties), plan.group, layer).result()
     ties.append(gathered)
     return [(seg, gathered[i * routes.max_segments + j])
