@@ -151,7 +151,7 @@ class RowFeeder:
         pos = plan.local.position.to(tokens.device)
         is_clean = plan.local.is_clean.to(tokens.device)
         input_ids = torch.where(is_clean[None], tokens[:, pos], noised.noisy_tokens[:, pos])
-        n = int((~is_clean).sum())
+        n = plan.num_noisy
         if noised.clean_targets is None:
             target_pos = pos[~is_clean] if self.noisy_stream else pos
             return LossRows(input_ids, n, None, noised.targets[:, target_pos], noised.weights[:, target_pos])
@@ -174,7 +174,7 @@ class RowFeeder:
         output layer: the noisy rows (every row when there are none, AR), or `logit_rows` (local
         row indices: every noisy row in order, then chosen clean rows) in that order."""
         rows = plan.local
-        num_noisy = int((~rows.is_clean).sum())
+        num_noisy = plan.num_noisy
         positions = plan.model_positions(rows.position).to(tokens.device)
         keep, gathered_order = logit_rows, None
         if plan.physical_order is not None:
