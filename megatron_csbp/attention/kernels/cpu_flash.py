@@ -214,15 +214,13 @@ def _grouped_runs(pieces, firsts):
 
 
 def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, TiledPiece]]:
-    cq, ck = call.cu_q.long().tolist(), call.cu_k.long().tolist()
-    seqs = [(call.q_index[cq[i]:cq[i + 1]], call.k_index[ck[i]:ck[i + 1]]) for i in range(len(cq) - 1)]
     out: List[Union[FlashPiece, TiledPiece]] = []
     if not call.causal:
         # Keys in few contiguous ranges: a call per range on views (queries gathered if they are
         # not contiguous). Otherwise the sequence is gathered, and gathered sequences of one
         # shape go in one call.
         by_shape = {}
-        for qs, ks in seqs:
+        for qs, ks in call.sequences():
             runs = _runs(ks)
             if len(runs) <= FREE_RUNS:
                 qr = _rows(qs)
@@ -232,7 +230,7 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
         for group in by_shape.values():
             out.append(FlashPiece(torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group]), len(group), False))
         return _stacked(out)
-    for qs, ks in seqs:
+    for qs, ks in call.sequences():
         nq, nk = qs.numel(), ks.numel()
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
             out.append(TiledPiece(_rows(qs), _rows(ks), PartialMask(mask.q.select(qs), mask.k.select(ks))))

@@ -53,12 +53,15 @@ class VarlenCall:
     def to(self, device) -> "VarlenCall":
         return replace(self, **{f: getattr(self, f).to(device) for f in ("q_index", "k_index", "cu_q", "cu_k")})
 
+    def sequences(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(query rows, key rows) of each sequence."""
+        cq, ck = self.cu_q.long().tolist(), self.cu_k.long().tolist()
+        return [(self.q_index[a:b], self.k_index[c:d]) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+
     def pairs(self) -> torch.Tensor:
         """The (query row, key row) pairs this call attends, int64 [n, 2]: for tests (O(pairs))."""
         out = []
-        for i in range(self.cu_q.numel() - 1):
-            qs = self.q_index[int(self.cu_q[i]):int(self.cu_q[i + 1])]
-            ks = self.k_index[int(self.cu_k[i]):int(self.cu_k[i + 1])]
+        for qs, ks in self.sequences():
             nq, nk = qs.numel(), ks.numel()
             qi, ki = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
             ok = torch.ones(nq, nk, dtype=torch.bool)
