@@ -326,8 +326,7 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def _halos(self, pieces, routes: GDNRoutes, plan, ties):
         """The K-1 pre-conv rows before each local segment ([b, K-1, conv]; zeros before position 0)."""
         K = self.conv_kernel_dim
-        b, conv = pieces[0].shape[0], pieces[0].shape[2]
-        zero = pieces[0].new_zeros(b, K - 1, conv)
+        zero = pieces[0].new_zeros(pieces[0].shape[0], K - 1, pieces[0].shape[2])  # [b, K-1, conv]
         if routes.ring == 1:  # one clean prefix from 0 (`_segment_start_states` refuses anything else)
             return [zero] * len(routes.segments)
         # all-gather every member's segment tails
