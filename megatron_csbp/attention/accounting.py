@@ -70,9 +70,7 @@ class TrafficCounter:
         return self._in_flight
 
     def reset(self) -> None:
-        for counts in (self.sent, self.received, self._waited, self._in_flight, self._pending_events):
-            counts.clear()
-        self.transfers = 0
+        self.__init__()  # every field back to its default, in place (callers hold this counter)
 
     @property
     def total_in_flight_s(self) -> float:

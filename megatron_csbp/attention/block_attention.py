@@ -66,7 +66,7 @@ class AttentionPlan:
         self.num_noisy = int((~self.local.is_clean).sum())
         if self.exchange != "none":
             assert self.group is not None and self.peers is not None
-        if self.exchange == "none":
+        else:
             assert bool(self.local.is_clean[self.num_noisy :].all()), "local rows must be [noisy ; clean]"
         if not self.clean_queries:
             assert self.physical_order is None, "key-only clean rows are not supported with sequence parallelism"

@@ -36,9 +36,8 @@ class BlockDiffusionAttention(MegatronModule):
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type {config.softmax_type!r} is not supported by block-diffusion attention")
         self.layer_number = max(1, layer_number)
-        kv_channels = kwargs.get("k_channels") or config.kv_channels
         if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(kv_channels)
+            softmax_scale = 1.0 / math.sqrt(kwargs.get("k_channels") or config.kv_channels)
         if config.apply_query_key_layer_scaling:
             raise ValueError("--apply-query-key-layer-scaling is not supported by block-diffusion attention")
         self.softmax_scale = softmax_scale

@@ -93,6 +93,5 @@ class DFlashLayout(ShardGroupSizes):
         members = [self.rows(r, anchors, doc_starts, position_doc_starts, owned) for r in ring]
         if kind == "cp":
             return AttentionPlan(geometry, local, "all", transport, group, members, members, i, clean_queries=False)
-        n_of = [int((~m.is_clean).sum()) for m in members]
-        peers = [m.select(slice(n, None)) for m, n in zip(members, n_of)]
+        peers = [m.select(slice(int((~m.is_clean).sum()), None)) for m in members]  # their clean rows
         return AttentionPlan(geometry, local, "clean", transport, group, peers, members, i, clean_queries=False)

@@ -76,15 +76,12 @@ class RowFeeder:
         block-parallel rank, for expert-parallel peers); built once per start and kept in an
         LRU cache of `CANVAS_PLAN_CACHE` plans (the own plan always stays)."""
         first_block = int(first_block)
-        if first_block in self._canvas_starts:
-            s = self._canvas_starts[first_block]
-        else:
+        if first_block not in self._canvas_starts:
             layout = self.layout.canvas_layout(first_block, balanced=balanced, row_multiple=self.tp_shards)
-            s = self._canvas_starts[first_block] = layout.canvas_start
+            self._canvas_starts[first_block] = layout.canvas_start
+        s = self._canvas_starts[first_block]
         if s not in self._plans:
-            layout = self.layout.canvas_layout(s)
-            self._plans[s] = plan = self._plan(layout)
-            self._counted_clean[s] = self._counted_clean_rows(layout, plan)
+            self._plans[s] = self._plan(self.layout.canvas_layout(s))
             while len(self._plans) > CANVAS_PLAN_CACHE + 1:  # evict the least recently used (not the own plan)
                 oldest = next(start for start in self._plans if start != self.layout.canvas_start)
                 del self._plans[oldest]
@@ -101,20 +98,17 @@ class RowFeeder:
             plan.physical_order = shard_major_order(plan.local, self.tp_shards)
         return plan
 
-    def _counted_clean_rows(self, layout: SequenceLayout, plan: AttentionPlan) -> torch.Tensor:
-        """Indices (into this rank's clean rows) of the clean rows whose loss this rank counts."""
-        clean_pos = plan.local.position[plan.local.is_clean]
-        counted = layout.clean_loss_positions(self.shard_rank)
-        return torch.nonzero(torch.isin(clean_pos, counted)).flatten()
-
     def counted_clean_rows(self, plan: AttentionPlan) -> torch.Tensor:
+        """Indices (into the plan's clean rows) of the clean rows whose loss this rank counts."""
         plan = plan.base or plan  # a packed sample's plan counts the rows of the plan it came from
-        for s, p in self._plans.items():
-            if p is plan:
-                if s not in self._counted_clean:
-                    self._counted_clean[s] = self._counted_clean_rows(self.layout.canvas_layout(s), plan)
-                return self._counted_clean[s]
-        raise KeyError("plan not built by this feeder")
+        start = next((s for s, p in self._plans.items() if p is plan), None)
+        if start is None:
+            raise KeyError("plan not built by this feeder")
+        if start not in self._counted_clean:
+            clean_pos = plan.local.position[plan.local.is_clean]
+            counted = self.layout.canvas_layout(start).clean_loss_positions(self.shard_rank)
+            self._counted_clean[start] = torch.nonzero(torch.isin(clean_pos, counted)).flatten()
+        return self._counted_clean[start]
 
     # ---- packed samples ----------------------------------------------------------------------------
     def packed_plan(self, plan: AttentionPlan, packing, tokens: torch.Tensor,
@@ -157,7 +151,7 @@ class RowFeeder:
         pos = plan.local.position.to(tokens.device)
         is_clean = plan.local.is_clean.to(tokens.device)
         input_ids = torch.where(is_clean[None], tokens[:, pos], noised.noisy_tokens[:, pos])
-        n = int((~is_clean).sum())
+        n = plan.num_noisy
         if noised.clean_targets is None:
             target_pos = pos[~is_clean] if self.noisy_stream else pos
             return LossRows(input_ids, n, None, noised.targets[:, target_pos], noised.weights[:, target_pos])
@@ -180,7 +174,7 @@ class RowFeeder:
         output layer: the noisy rows (every row when there are none, AR), or `logit_rows` (local
         row indices: every noisy row in order, then chosen clean rows) in that order."""
         rows = plan.local
-        num_noisy = int((~rows.is_clean).sum())
+        num_noisy = plan.num_noisy
         positions = plan.model_positions(rows.position).to(tokens.device)
         keep, gathered_order = logit_rows, None
         if plan.physical_order is not None:

@@ -209,6 +209,11 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
             self.A_log.copy_(torch.log(A))
 
     # -- pieces on [N, T, ...] tensors ------------------------------------------------------------
+    def _zero_state(self, b: int, dtype, device) -> torch.Tensor:
+        """The zero recurrent state [b, H, d_k, d_v] of this TP rank's value heads."""
+        heads = self.num_value_heads // self.tp_size
+        return torch.zeros(b, heads, self.key_head_dim, self.value_head_dim, dtype=dtype, device=device)
+
     def _conv(self, x_with_halo: torch.Tensor) -> torch.Tensor:
         """x [N, K-1+T, conv] (halo first) -> activated conv output [N, T, conv]."""
         w = self.conv1d.weight
@@ -298,20 +303,19 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
         K, B = self.conv_kernel_dim, plan.geometry.block_size
         if not routes.segments:
             return None, {}
-        b = mixed.shape[0]
         idx = routes.clean_rows.to(mixed.device)
         lengths = [e - s for s, e in routes.segments]
         pieces, betas, alphas = (list(torch.split(x.index_select(1, idx), lengths, dim=1))
                                  for x in (mixed, beta_raw, alpha))
+        # each segment's pre-conv rows s-K+1 .. e-1
         halos = self._halos(pieces, routes, plan, ties)
-        H = self.num_value_heads // self.tp_size
-        dk, dv = self.key_head_dim, self.value_head_dim
-        feats = [self._features(self._conv(torch.cat([halo, piece], dim=1)), cbeta, calpha, dtype)
-                 for piece, halo, cbeta, calpha in zip(pieces, halos, betas, alphas)]
-        starts = self._segment_start_states(feats, routes, plan, b, H, dk, dv, dtype, mixed.device, ties)
+        exts = [torch.cat([halo, piece], dim=1) for halo, piece in zip(halos, pieces)]
+        feats = [self._features(self._conv(ext), cbeta, calpha, dtype)
+                 for ext, cbeta, calpha in zip(exts, betas, alphas)]
+        zero = self._zero_state(len(mixed), dtype, mixed.device)
+        starts = self._segment_start_states(feats, routes, plan, zero, ties)
         outs, boundaries = [], {}
-        for (s, e), feat, state, piece, halo in zip(routes.segments, feats, starts, pieces, halos):
-            ext = torch.cat([halo, piece], dim=1)  # pre-conv rows s-K+1 .. e-1
+        for (s, e), feat, state, ext in zip(routes.segments, feats, starts, exts):
             for c1, o, state in _segment_chunks(feat, state, s, e, B):
                 outs.append(o)
                 if c1 % B == 0:  # state at block start c1; the K-1 pre-conv rows before it
@@ -322,32 +326,27 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
     def _halos(self, pieces, routes: GDNRoutes, plan, ties):
         """The K-1 pre-conv rows before each local segment ([b, K-1, conv]; zeros before position 0)."""
         K = self.conv_kernel_dim
-        b, conv = pieces[0].shape[0], pieces[0].shape[2]
-        zero = pieces[0].new_zeros(b, K - 1, conv)
+        zero = pieces[0].new_zeros(pieces[0].shape[0], K - 1, pieces[0].shape[2])  # [b, K-1, conv]
         if routes.ring == 1:  # one clean prefix from 0 (`_segment_start_states` refuses anything else)
             return [zero] * len(routes.segments)
-        # all-gather every member's segment tails (padded to max_segments)
+        # all-gather every member's segment tails
         tails = [p[:, p.shape[1] - (K - 1):] for p in pieces]
-        tails += [zero] * (routes.max_segments - len(tails))
-        local = torch.stack(tails, dim=0)  # [m, b, K-1, conv]
-        by_end = {e: tail for (_, e), tail in _gathered_segments(local, routes, plan, self.layer_number, ties)}
+        by_end = {e: tail for (_, e), tail in _gathered_segments(tails, routes, plan, self.layer_number, ties)}
         return [zero if s == 0 else by_end[s] for s, _ in routes.segments]
 
-    def _segment_start_states(self, feats, routes: GDNRoutes, plan, b, H, dk, dv, dtype, device, ties):
-        zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=device)
+    def _segment_start_states(self, feats, routes: GDNRoutes, plan, zero, ties):
         if routes.ring == 1:
             if routes.segments[0][0] != 0 or len(routes.segments) != 1:
                 raise ValueError("Gated DeltaNet: a rank without a clean ring must hold a clean prefix from 0")
             return [zero]
-        B = plan.geometry.block_size
-        eye = torch.eye(dk, dtype=dtype, device=device).expand(b, H, dk, dk)
+        B, dk = plan.geometry.block_size, self.key_head_dim
+        eye = torch.eye(dk, dtype=zero.dtype, device=zero.device).expand(*zero.shape[:-1], dk)
         maps = []
         for (s, e), (q, k, v, g, beta) in zip(routes.segments, feats):
             vv = torch.cat([torch.zeros_like(v[..., :1]).expand(*v.shape[:-1], dk), v], dim=-1)
             *_, (_, _, state) = _segment_chunks((q, k, vv, g, beta), torch.cat([eye, zero], dim=-1), s, e, B)
             maps.append(state)  # [b, H, dk, dk + dv] = [M | N]
-        maps += [torch.zeros_like(maps[0])] * (routes.max_segments - len(maps))
-        gathered = _gathered_segments(torch.stack(maps, 0), routes, plan, self.layer_number, ties)
+        gathered = _gathered_segments(maps, routes, plan, self.layer_number, ties)
         by_start = {s: (e, mn) for (s, e), mn in gathered}
         starts, state, p = {0: zero}, zero, 0
         while p in by_start:
@@ -359,21 +358,16 @@ class BlockDiffusionGatedDeltaNet(GatedDeltaNet):
 
     # -- noisy blocks --------------------------------------------------------------------------------------
     def _noisy_blocks(self, mixed, beta_raw, alpha, routes: GDNRoutes, boundaries, received, dtype):
-        K = self.conv_kernel_dim
         b, _, conv = mixed.shape
-        H = self.num_value_heads // self.tp_size
-        dk, dv = self.key_head_dim, self.value_head_dim
-        zero = torch.zeros(b, H, dk, dv, dtype=dtype, device=mixed.device), mixed.new_zeros(b, K - 1, conv)
+        zero = self._zero_state(b, dtype, mixed.device), mixed.new_zeros(b, self.conv_kernel_dim - 1, conv)
         starts = [zero if blk == 0 else received.get(blk) or boundaries[blk] for blk in routes.noisy_blocks]
-        states, halos = [st for st, _ in starts], [ha.to(mixed.dtype) for _, ha in starts]
         nb, Bsz = routes.noisy_rows.shape
         idx = routes.noisy_rows.flatten().to(mixed.device)
         fold = lambda x: x.index_select(1, idx).reshape(b, nb, Bsz, -1).transpose(0, 1).reshape(nb * b, Bsz, -1)
-        x = torch.cat([torch.stack(halos, 0).reshape(nb * b, K - 1, conv), fold(mixed)], dim=1)
+        x = torch.cat([torch.cat([halo.to(mixed.dtype) for _, halo in starts]), fold(mixed)], dim=1)
         q, k, v, g, beta = self._features(self._conv(x), fold(beta_raw), fold(alpha), dtype)
-        state = torch.stack(states, 0).reshape(nb * b, H, dk, dv)
-        o, _ = chunk_rule(q, k, v, g, beta, state)  # [nb*b, H, B, dv]
-        return o.reshape(nb, b, H, Bsz, dv).permute(1, 0, 3, 2, 4).reshape(b, nb * Bsz, H, dv)
+        o, _ = chunk_rule(q, k, v, g, beta, torch.cat([state for state, _ in starts]))  # [nb*b, H, B, dv]
+        return o.unflatten(0, (nb, b)).permute(1, 0, 3, 2, 4).flatten(1, 2)  # [b, nb*B, H, dv]
 
     def _route_boundaries(self, routes: GDNRoutes, plan, boundaries, b, conv, mixed, dtype, ties):
         """All-to-all of the boundary payloads over the ring -> {block: (state, halo)} received."""
@@ -405,9 +399,10 @@ def _tied(local: torch.Tensor, ties: List[torch.Tensor]) -> torch.Tensor:
     return local
 
 
-def _gathered_segments(local: torch.Tensor, routes: GDNRoutes, plan, layer: int, ties):
-    """All-gather `local` ([max_segments, ...], one entry per local segment, padded) over the ring:
-    [((start, end), entry)] of every member's segments."""
+def _gathered_segments(entries: List[torch.Tensor], routes: GDNRoutes, plan, layer: int, ties):
+    """All-gather `entries` (one per local segment, padded with zeros to max_segments) over the
+    ring: [((start, end), entry)] of every member's segments."""
+    local = torch.stack(entries + [torch.zeros_like(entries[0])] * (routes.max_segments - len(entries)))
     gathered = PendingGather(_tied(local, ties), plan.group, layer).result()
     ties.append(gathered)
     return [(seg, gathered[i * routes.max_segments + j])

@@ -42,24 +42,19 @@ def plan_mask(plan: "AttentionPlan") -> torch.Tensor:
     return handle
 
 
-def plan_from_mask(attention_mask) -> "AttentionPlan":
-    plan = None
+def plan_or_none(attention_mask) -> Optional["AttentionPlan"]:
+    """The block-diffusion plan carried by `attention_mask`, or None for an ordinary mask."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.long and attention_mask.numel() == 1:
-        plan = _PLANS.get(int(attention_mask.item()))
+        return _PLANS.get(int(attention_mask.item()))
+    return None
+
+
+def plan_from_mask(attention_mask) -> "AttentionPlan":
+    plan = plan_or_none(attention_mask)
     if plan is None:
         raise RuntimeError("BlockDiffusionAttention got an ordinary attention mask. Run the model through "
                            "megatron_csbp.model.BlockDiffusionModel, which passes the block layout as the mask.")
     return plan
-
-
-def plan_or_none(attention_mask) -> Optional["AttentionPlan"]:
-    """The block-diffusion plan carried by `attention_mask`, or None for an ordinary mask."""
-    if attention_mask is None:
-        return None
-    try:
-        return plan_from_mask(attention_mask)
-    except RuntimeError:
-        return None
 
 
 _KV_SOURCE = "block_diffusion_kv_source"

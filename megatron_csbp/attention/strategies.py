@@ -315,34 +315,28 @@ class CleanWindowed(NoisyThenClean):
 
 # --- the CP baseline: K/V of every row cross ranks -----------------------------------------------
 
-class FullExchange(ExchangeStrategy):
-    """CP baseline: K/V of all local rows are exchanged (packed; never a K/V source, as Megatron's
-    CP has none) and every query attends every chunk under the same predicate."""
-
-    def parts(self, call: AttentionCall, kv: torch.Tensor) -> Iterator[Optional[Partial]]:
-        raise NotImplementedError
-
-    def attend(self, call: AttentionCall) -> torch.Tensor:
-        return call.only(merged(self.parts(call, pack_kv(call.k, call.v))))
-
+# K/V of all local rows are exchanged (packed; never a K/V source, as Megatron's CP has none) and
+# every query attends every chunk under the same predicate.
 
 @register("all", ["allgather"])
-class FullAllGather(FullExchange):
+class FullAllGather(ExchangeStrategy):
     name = "full all-gather"
 
-    def parts(self, call, kv):
-        gk, gv = unpack_kv(PendingGather(kv, call.plan.group, call.layer).result())
-        yield call.partial(("all",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)
+    def attend(self, call):
+        gk, gv = unpack_kv(PendingGather(pack_kv(call.k, call.v), call.plan.group, call.layer).result())
+        return call.only(merged([call.partial(("all",), call.queries, RowMeta.cat(call.plan.peers), call.q, gk, gv)]))
 
 
 @register("all", ["ring"])
-class FullRing(FullExchange):
+class FullRing(ExchangeStrategy):
     name = "full ring"
 
-    def parts(self, call, kv):
-        for src, chunk in ring_chunks(kv, call.plan.group, call.layer):
-            ck, cv = unpack_kv(chunk)
-            yield call.partial(("ring", src), call.queries, call.plan.peers[src], call.q, ck, cv)
+    def attend(self, call):
+        plan = call.plan
+        chunks = ring_chunks(pack_kv(call.k, call.v), plan.group, call.layer)
+        # a generator: each chunk is merged as it arrives
+        return call.only(merged(call.partial(("ring", src), call.queries, plan.peers[src], call.q, *unpack_kv(chunk))
+                                for src, chunk in chunks))
 
 
 def block_diagonal_attention(q, k, v, block_size: int, kernel, softmax_scale: float, mask: PartialMask):

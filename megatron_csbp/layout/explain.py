@@ -25,6 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
+from megatron_csbp.layout.layout import SequenceLayout
+from megatron_csbp.layout.masks import BlockGeometry, logical_rows
+from megatron_csbp.layout.rows import PartialMask, index_runs
+
 
 @dataclass
 class RankView:
@@ -56,10 +62,6 @@ class RankView:
 
 
 def _ranges(positions) -> List[Tuple[int, int]]:
-    import torch
-
-    from megatron_csbp.layout.rows import index_runs
-
     return [(s.start, s.stop) for s in index_runs(torch.tensor(sorted(int(x) for x in positions), dtype=torch.long))]
 
 
@@ -67,12 +69,6 @@ def explain(seq_length: int, block_size: int, cp: int, bp: int, schedule: str = 
             clean_attention: str = "block_causal", kv_heads: int = 8, head_dim: int = 128, dtype_bytes: int = 2,
             tile: Optional[int] = None) -> List[RankView]:
     """Per-rank view of a layout (see the module docstring)."""
-    import torch
-
-    from megatron_csbp.layout.layout import SequenceLayout
-    from megatron_csbp.layout.masks import BlockGeometry, logical_rows
-    from megatron_csbp.layout.rows import PartialMask
-
     L, B = seq_length, block_size
     geometry = BlockGeometry(L, B, clean_attention)
     layout = SequenceLayout(geometry, cp, bp, schedule)

@@ -209,7 +209,7 @@ class SequenceLayout(ShardGroupSizes):
             B, s = self.geometry.block_size, self.canvas_start
             owner = {b: r for r, blocks in enumerate(self.block_owners) for b in blocks}
             counted = torch.tensor([owner[max(int(p) // B, s)] == rank for p in clean], dtype=torch.bool)
-            return clean[counted] if len(clean) else clean
+            return clean[counted]
         j, _ = self.ring_of(rank)
         k = self.bp_size // self.cp_size
         parts = split_evenly(list(range(len(clean))), k)

@@ -231,10 +231,7 @@ def clean_key_interval(q: RowMeta, geometry: BlockGeometry):
     documents cut to the query's document [start, end) (then possibly empty, lo == hi)."""
     B, W = geometry.block_size, geometry.window
     block_start = (q.position // B) * B
-    if geometry.clean_attention == "block_causal":
-        clean_hi = block_start + B
-    else:
-        clean_hi = q.position + 1
+    clean_hi = block_start + B if geometry.clean_attention == "block_causal" else q.position + 1
     # Noisy queries see the strict clean prefix before their block.
     hi = torch.where(q.is_clean, clean_hi, block_start)
     if W is None:

@@ -9,7 +9,7 @@ docs/attention-kernels.md#cpu_flash-attentioncpu_flashpy-default-on-cpu.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from itertools import accumulate
 from typing import List, Tuple, Union
 
@@ -133,20 +133,18 @@ class RunGroup:
     tokens on 16 ranks: a group's index is at most 4 KiB and its gathered copies at most 8 MiB
     each (512 rows x 32 heads x d 128, fp32), whatever the length."""
 
-    q: Tuple[slice, ...]  # every member's query runs, in member order
-    members: Tuple[FlashPiece, ...]
+    pieces: Tuple[FlashPiece, ...]  # what the group replaces: its q rows are runs of the partial's rows
 
-    def calls(self) -> Tuple[FlashPiece, ...]:
-        """The members with their query runs in the partial's rows (what the group replaces)."""
-        runs, out = list(self.q), []
-        for m in self.members:
-            need, rows = m.q.stop - m.q.start, []
-            while need:
-                r = runs.pop(0)
-                rows.append(r)
-                need -= r.stop - r.start
-            out.append(FlashPiece(tuple(rows), m.k, 1, m.causal))
-        return tuple(out)
+    @cached_property
+    def q(self) -> Tuple[slice, ...]:
+        """Every member's query runs, in member order."""
+        return tuple(r for p in self.pieces for r in p.q)
+
+    @cached_property
+    def members(self) -> Tuple[FlashPiece, ...]:
+        """Each piece on its rows of the gathered runs."""
+        at = [0, *accumulate(_count(p.q) for p in self.pieces)]
+        return tuple(FlashPiece(slice(a, b), p.k, 1, p.causal) for p, a, b in zip(self.pieces, at, at[1:]))
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,7 @@ class CpuFlashPlan:
     @property
     def calls(self) -> Tuple[Union[FlashPiece, TiledPiece], ...]:
         """Every kernel call in order, a group's members in the partial's rows."""
-        return tuple(c for p in self.pieces for c in (p.calls() if isinstance(p, RunGroup) else (p,)))
+        return tuple(c for p in self.pieces for c in (p.pieces if isinstance(p, RunGroup) else (p,)))
 
     @property
     def flash_calls(self) -> int:
@@ -197,13 +195,8 @@ def _grouped_runs(pieces, firsts):
     out, out_firsts, group = [], [], []
 
     def close():
-        if len(group) == 1:
-            out.append(group[0])
-        elif group:  # each member on its rows of the gathered runs
-            at = [0, *accumulate(_count(p.q) for p in group)]
-            members = tuple(FlashPiece(slice(a, b), p.k, 1, p.causal) for p, a, b in zip(group, at, at[1:]))
-            out.append(RunGroup(tuple(r for p in group for r in p.q), members))
         if group:
+            out.append(group[0] if len(group) == 1 else RunGroup(tuple(group)))
             out_firsts.append(True)
         group.clear()
 
@@ -221,15 +214,13 @@ def _grouped_runs(pieces, firsts):
 
 
 def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, TiledPiece]]:
-    cq, ck = call.cu_q.long().tolist(), call.cu_k.long().tolist()
-    seqs = [(call.q_index[cq[i]:cq[i + 1]], call.k_index[ck[i]:ck[i + 1]]) for i in range(len(cq) - 1)]
     out: List[Union[FlashPiece, TiledPiece]] = []
     if not call.causal:
         # Keys in few contiguous ranges: a call per range on views (queries gathered if they are
         # not contiguous). Otherwise the sequence is gathered, and gathered sequences of one
         # shape go in one call.
         by_shape = {}
-        for qs, ks in seqs:
+        for qs, ks in call.sequences():
             runs = _runs(ks)
             if len(runs) <= FREE_RUNS:
                 qr = _rows(qs)
@@ -239,7 +230,7 @@ def _pieces_of(call: VarlenCall, mask: PartialMask) -> List[Union[FlashPiece, Ti
         for group in by_shape.values():
             out.append(FlashPiece(torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group]), len(group), False))
         return _stacked(out)
-    for qs, ks in seqs:
+    for qs, ks in call.sequences():
         nq, nk = qs.numel(), ks.numel()
         if call.window[0] >= 0 or nk < nq:  # windowed (or keys short of the diagonal): masked tiles
             out.append(TiledPiece(_rows(qs), _rows(ks), PartialMask(mask.q.select(qs), mask.k.select(ks))))

@@ -53,12 +53,15 @@ class VarlenCall:
     def to(self, device) -> "VarlenCall":
         return replace(self, **{f: getattr(self, f).to(device) for f in ("q_index", "k_index", "cu_q", "cu_k")})
 
+    def sequences(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(query rows, key rows) of each sequence."""
+        cq, ck = self.cu_q.long().tolist(), self.cu_k.long().tolist()
+        return [(self.q_index[a:b], self.k_index[c:d]) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+
     def pairs(self) -> torch.Tensor:
         """The (query row, key row) pairs this call attends, int64 [n, 2]: for tests (O(pairs))."""
         out = []
-        for i in range(self.cu_q.numel() - 1):
-            qs = self.q_index[int(self.cu_q[i]):int(self.cu_q[i + 1])]
-            ks = self.k_index[int(self.cu_k[i]):int(self.cu_k[i + 1])]
+        for qs, ks in self.sequences():
             nq, nk = qs.numel(), ks.numel()
             qi, ki = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
             ok = torch.ones(nq, nk, dtype=torch.bool)
@@ -77,44 +80,40 @@ def _cu(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
 
 
-def _sequences(q_rows, q_keys, k_rows, k_keys):
-    """Group q rows by key `q_keys`, k rows by `k_keys`, keep groups on both sides, in order:
-    (q_index, k_index, cu_q, cu_k, max_q, max_k)."""
+def _noisy_call(q, k) -> Optional[VarlenCall]:
+    """Noisy query rows grouped by block, noisy key rows by block, blocks on both sides kept, in
+    order: one non-causal sequence per block (None without any)."""
+    q_rows, k_rows = (~q.is_clean).nonzero().flatten(), (~k.is_clean).nonzero().flatten()
+    q_keys, k_keys = q.block[q_rows].long(), k.block[k_rows].long()
     common = torch.unique(q_keys)[torch.isin(torch.unique(q_keys), k_keys)]
     qm, km = torch.isin(q_keys, common), torch.isin(k_keys, common)
+    if not bool(qm.any()):
+        return None
     q_rows, q_keys, k_rows, k_keys = q_rows[qm], q_keys[qm], k_rows[km], k_keys[km]
     qo, ko = torch.argsort(q_keys, stable=True), torch.argsort(k_keys, stable=True)
     qc = torch.unique_consecutive(q_keys[qo], return_counts=True)[1]
     kc = torch.unique_consecutive(k_keys[ko], return_counts=True)[1]
-    longest = [int(c.max()) if c.numel() else 0 for c in (qc, kc)]
-    return q_rows[qo], k_rows[ko], _cu(qc), _cu(kc), *longest
+    return VarlenCall(q_rows[qo], k_rows[ko], _cu(qc), _cu(kc), int(qc.max()), int(kc.max()), causal=False)
 
 
 def _causal_runs(rows, s, e):
     """Split rows (sorted by e, each with a unique (s, e)) into maximal runs with e[i+1] = e[i]+1;
     return the runs that one causal sequence expresses: (rows, segment start, left) each."""
     if rows.numel() == 0:
-        return [], rows
+        return []
     breaks = (torch.nonzero(e[1:] != e[:-1] + 1).flatten() + 1).tolist()
-    runs, leftover = [], []
+    runs = []
     for a, b in zip([0] + breaks, breaks + [rows.numel()]):
         rr, ss, ee = rows[a:b], s[a:b], e[a:b]
         k0 = int(ss.min())
         if int(ss[0]) != k0 or rr.numel() < 2:
-            leftover.append(rr)
             continue
-        inside = ss > k0
-        if not bool(inside.any()):
-            left, ok = -1, bool((ss == k0).all())
-        else:
-            lefts = (ee - 1 - ss)[inside]
-            left = int(lefts[0])
-            ok = bool((lefts == left).all()) and bool((ss == torch.clamp(ee - 1 - left, min=k0)).all())
-        if ok:
-            runs.append((rr, k0, left))
-        else:
-            leftover.append(rr)
-    return runs, (torch.cat(leftover) if leftover else rows[:0])
+        lefts = (ee - 1 - ss)[ss > k0]  # the window of the queries whose keys start past k0
+        if not lefts.numel():  # every query's keys start at k0: no window
+            runs.append((rr, k0, -1))
+        elif bool((lefts == lefts[0]).all()) and bool((ss == torch.clamp(ee - 1 - lefts[0], min=k0)).all()):
+            runs.append((rr, k0, int(lefts[0])))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -136,13 +135,7 @@ class FlashPlan:
         `attention/cpu_flash.py`)."""
         m = mask.to("cpu")
         q, k = m.q, m.k
-        # Noisy layer: block-diagonal after gathering by block.
-        qn, kn = (~q.is_clean).nonzero().flatten(), (~k.is_clean).nonzero().flatten()
-        noisy = None
-        if qn.numel() and kn.numel():
-            qi, ki, cq, ck, mq, mk = _sequences(qn, q.block[qn].long(), kn, k.block[kn].long())
-            if qi.numel():
-                noisy = VarlenCall(qi, ki, cq, ck, mq, mk, causal=False)
+        noisy = _noisy_call(q, k)  # the noisy layer: block-diagonal after gathering by block
         # Clean layer: each query's keys are the sorted clean keys [s, e).
         kc = k.is_clean.nonzero().flatten()
         pos = k.position[kc].long()
@@ -151,37 +144,33 @@ class FlashPlan:
         s = torch.searchsorted(pos, q.lo.long())
         e = torch.searchsorted(pos, q.hi.long())
         active = (e > s).nonzero().flatten()
-        s, e = s[active], e[active]
         # Causal runs, among clean queries and among noisy queries separately (a token-causal
         # clean query shares its keys with a block of noisy queries): one representative row per
         # distinct (s, e), sorted by e. The other rows form dense groups of identical (s, e).
         n_pos = pos.numel() + 1
         runs, in_runs = [], []
         for kind in (q.is_clean[active], ~q.is_clean[active]):
-            rows, ss, ee = active[kind], s[kind], e[kind]
-            if not rows.numel():
-                continue
+            rows = active[kind]
+            ss, ee = s[rows], e[rows]
             pair = ss * n_pos + ee
             perm = torch.argsort(pair, stable=True)
-            first = torch.ones(rows.numel(), dtype=torch.bool)
-            first[1:] = pair[perm][1:] != pair[perm][:-1]
-            reps = perm[first]
+            counts = torch.unique_consecutive(pair[perm], return_counts=True)[1]
+            reps = perm[counts.cumsum(0) - counts]  # the first row of each distinct (s, e)
             reps = reps[torch.argsort(ee[reps] * n_pos + ss[reps], stable=True)]
-            r, _ = _causal_runs(rows[reps], ss[reps], ee[reps])
+            r = _causal_runs(rows[reps], ss[reps], ee[reps])
             runs += r
             in_runs += [x[0] for x in r]
         taken_rows = torch.cat(in_runs) if in_runs else active[:0]
         rest = active[~torch.isin(active, taken_rows)]
-        full_s, full_e = (torch.zeros(q.lo.numel(), dtype=torch.long).index_copy_(0, active, x) for x in (s, e))
         # Candidate sequences: (cost in gathered keys, kind, q rows, k0, k1, left)
-        cands = [(int(full_e[r[-1]]) - k0, "causal", r, k0, int(full_e[r[-1]]), left) for r, k0, left in runs]
+        cands = [(int(e[r[-1]]) - k0, "causal", r, k0, int(e[r[-1]]), left) for r, k0, left in runs]
         if rest.numel():  # dense groups of identical (s, e)
-            dp = full_s[rest] * n_pos + full_e[rest]
+            dp = s[rest] * n_pos + e[rest]
             do = torch.argsort(dp, stable=True)
             dense_rows, dp = rest[do], dp[do]
             cnt = torch.unique_consecutive(dp, return_counts=True)[1]
             for grp in torch.split(dense_rows, cnt.tolist()):
-                a, b = int(full_s[grp[0]]), int(full_e[grp[0]])
+                a, b = int(s[grp[0]]), int(e[grp[0]])
                 cands.append((b - a, "dense", grp, a, b, -1))
         if free_runs and cands:  # clean_keys[k0:k1] in few runs of consecutive rows: sliced, not copied
             run = torch.cat([torch.zeros(1, dtype=torch.long), (clean_keys[1:] != clean_keys[:-1] + 1).long().cumsum(0)])
