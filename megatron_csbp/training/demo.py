@@ -175,13 +175,13 @@ def ema(values: List[float], decay: float = 0.95) -> List[float]:
     return out
 
 
-def documents_entropy(prefix: str, first: int = 0, last: Optional[int] = None) -> float:
-    """Entropy (nats/token) of the unigram distribution of documents [first, last) of the preprocessed
-    corpus (default: all): the loss of the best model that ignores context, for scale."""
+def corpus_unigram_entropy(prefix: str) -> float:
+    """Entropy (nats/token) of the unigram distribution of the preprocessed corpus: the loss of the
+    best model that ignores context, for scale."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    docs = IndexedDataset(prefix)
-    tokens = np.concatenate([docs[i] for i in range(first, len(docs) if last is None else last)])
+    ds = IndexedDataset(prefix)
+    tokens = np.concatenate([ds[i] for i in range(len(ds))])
     return unigram_entropy([tokens], int(tokens.max()) + 1)
 
 
@@ -229,7 +229,7 @@ def finish_demo(args, result: Dict, wall_seconds: float, sample: Optional[Callab
         return
     hist, evals = result["history"], eval_points(result["history"])
     png = os.path.join(run_dir(), "loss_curve.png")
-    entropy = documents_entropy(args.data_path[-1])
+    entropy = corpus_unigram_entropy(args.data_path[-1])
     plot_losses(result.get("train_losses", []), evals, png, entropy)
     losses = [h["loss"] for h in hist if "loss" in h]
     comm = [h["attn_comm_bytes"] for h in hist if "attn_comm_bytes" in h]
@@ -303,9 +303,10 @@ def prepare_data(cfg: DemoConfig, data_dir: str):
     docs = IndexedDataset(prefix)
     matrix = _split_matrix(split(cfg))
     (t0, t1), (v0, v1) = (_split_documents(matrix[i], len(docs)) for i in (0, 1))
-    train, held_out = (int(docs.sequence_lengths[a:b].sum()) for a, b in ((t0, t1), (v0, v1)))
-    return (prefix, documents_entropy(prefix, t0, t1), train // cfg.seq_length, held_out // cfg.seq_length,
-            tokenizer.vocab_size)
+    train = np.concatenate([docs[i] for i in range(t0, t1)])
+    held_out = int(docs.sequence_lengths[v0:v1].sum())
+    entropy = unigram_entropy([train.tolist()], tokenizer.vocab_size)
+    return prefix, entropy, len(train) // cfg.seq_length, held_out // cfg.seq_length, tokenizer.vocab_size
 
 
 def run(cfg: DemoConfig, log=print) -> DemoResult:
