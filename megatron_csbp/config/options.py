@@ -70,78 +70,75 @@ GROUPS = {"network": "network size", "transformer": "transformer configuration",
 O = Option
 OPTIONS: List[Option] = [
     # ---- model ----------------------------------------------------------------------------
-    O(("--num-layers",), int, 4, "transformer layers", group="transformer", rule=POSITIVE, saved=True,
+    O(("--num-layers",), int, 4, "transformer layers", rule=POSITIVE,
       config="num_layers", shape=True, hf="num_hidden_layers", tensors=True),
-    O(("--hidden-size",), int, 128, "hidden size of the transformer", group="transformer", rule=POSITIVE, saved=True,
+    O(("--hidden-size",), int, 128, "hidden size of the transformer", rule=POSITIVE,
       config="hidden_size", shape=True, hf="hidden_size", tensors=True),
     O(("--ffn-hidden-size",), int, None, "MLP hidden size (default: 4 x --hidden-size; with --swiglu 8/3 x "
-      "--hidden-size rounded up to a multiple of 16)", group="transformer", saved=True, config="ffn_hidden_size",
+      "--hidden-size rounded up to a multiple of 16)", config="ffn_hidden_size",
       shape=True, hf="intermediate_size", tensors=True),
-    O(("--num-attention-heads",), int, 4, "attention heads per layer", group="transformer", rule=POSITIVE, saved=True,
+    O(("--num-attention-heads",), int, 4, "attention heads per layer", rule=POSITIVE,
       config="num_attention_heads", shape=True, hf="num_attention_heads", tensors=True),
     O(("--num-query-groups",), int, None, "K/V heads (grouped-query attention; default: --num-attention-heads)",
-      group="transformer", saved=True, config="num_query_groups", shape=True, hf="num_key_value_heads", tensors=True),
+      config="num_query_groups", shape=True, hf="num_key_value_heads", tensors=True),
     O(("--kv-channels",), int, None, "projection size per attention head (default: --hidden-size / "
-      "--num-attention-heads)", group="transformer", rule=POSITIVE, saved=True,
-      config="kv_channels", shape=True, hf="head_dim"),
+      "--num-attention-heads)", rule=POSITIVE, config="kv_channels", shape=True, hf="head_dim"),
     O(("--group-query-attention",), None, False, "accepted for Megatron-LM compatibility", group="network", to=()),
     O(("--seq-length",), int, 128, "clean tokens per sample (the model sees 2 x this many rows: noisy and clean)",
       group="data", to=("model", "batch", "data"), rule=POSITIVE, saved=True),
     O(("--max-position-embeddings",), int, None, "longest position the model holds (default: --seq-length)",
-      group="network", saved=True, shape=True, hf="max_position_embeddings"),
-    O(("--normalization",), str, "RMSNorm", "normalization layers", group="transformer",
-      choices=("RMSNorm", "LayerNorm"), config="normalization", saved=True, shape=True, tensors=True),
+      group="network", shape=True, hf="max_position_embeddings"),
+    O(("--normalization",), str, "RMSNorm", "normalization layers",
+      choices=("RMSNorm", "LayerNorm"), config="normalization", shape=True, tensors=True),
     O(("--swiglu",), None, True, "SwiGLU MLP (the default here)", group="network", off="--no-swiglu",
-      off_help="plain GeLU MLP", config="gated_linear_unit", saved=True, shape=True, tensors=True),
+      off_help="plain GeLU MLP", config="gated_linear_unit", shape=True, tensors=True),
     O(("--untie-embeddings-and-output-weights",), None, False, "an output layer of its own instead of the input "
-      "embedding's weights", group="network", saved=True, shape=True, tensors=True),
+      "embedding's weights", group="network", shape=True, tensors=True),
     O(("--position-embedding-type",), str, "rope", "rope only: block diffusion indexes rotary angles by each "
-      "row's position", group="network", choices=("rope",), gpt="position_embedding_type", saved=True, shape=True),
-    O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model", group="transformer",
+      "row's position", group="network", choices=("rope",), gpt="position_embedding_type", shape=True),
+    O(("--add-bias-linear",), None, False, "biases in the linear layers of a flag-built model",
       off="--disable-bias-linear", off_help="no biases in linear layers (the default here; Megatron-LM's default "
       "is with biases)", config="add_bias_linear", saved=True),
     O(("--attention-dropout",), float, 0.0, "must be 0: dropout on attention probabilities would make the loss "
-      "depend on the layout", group="transformer", rule=lambda f, v: v and (
+      "depend on the layout", rule=lambda f, v: v and (
           f"{f} must be 0 with block-diffusion attention (got {v}): dropout on attention probabilities would make "
           "the loss depend on the layout")),
     O(("--hidden-dropout",), float, 0.0, "dropout after attention and MLP (Megatron's)",
-      group="transformer", rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
+      rule=must(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")),
     O(("--attention-backend",), str, "auto", "Megatron's attention backend names for the block-diffusion core "
       "attention (which replaces Megatron's): local -> --attention-kernel tiled, unfused -> math, flash/fused -> "
-      "flex, auto -> --attention-kernel; also set as TransformerConfig.attention_backend",
-      group="transformer", choices=ATTENTION_BACKENDS),
-    O(("--init-method-std",), float, 0.02, "standard deviation of the initial weights", group="transformer",
+      "flex, auto -> --attention-kernel; also set as TransformerConfig.attention_backend", choices=ATTENTION_BACKENDS),
+    O(("--init-method-std",), float, 0.02, "standard deviation of the initial weights",
       config="init_method_std", saved=True),
-    O(("--rotary-base",), int, 10000, "rope base period", group="network", gpt="rotary_base", saved=True, shape=True),
+    O(("--rotary-base",), int, 10000, "rope base period", group="network", gpt="rotary_base", shape=True),
     O(("--make-vocab-size-divisible-by",), int, 128, "pad the tokenizer's vocabulary to a multiple of this (the "
-      "padding ids hold the default mask id)", group="network", saved=True, tensors=True),
+      "padding ids hold the default mask id)", group="network", tensors=True),
     O(("--bf16",), None, False, "bfloat16 weights and activations with fp32 main weights in the optimizer",
-      group="transformer", to=("model", "optim"), config="bf16"),
+      to=("model", "optim"), config="bf16"),
     # Megatron's fp16 mixed precision: float16 weights with fp32 main weights in the optimizer and a
     # loss scale (dynamic unless --loss-scale is given); a step whose gradients overflow is skipped.
-    O(("--fp16",), None, False, "float16 mixed precision with a loss scale", group="transformer",
-      to=("model", "optim"), config="fp16"),
+    O(("--fp16",), None, False, "float16 mixed precision with a loss scale", to=("model", "optim"), config="fp16"),
     O(("--recompute-granularity",), str, None, "activation recomputation (Megatron's "
-      "TransformerConfig.recompute_granularity)", group="transformer", choices=("full", "selective")),
+      "TransformerConfig.recompute_granularity)", choices=("full", "selective")),
     O(("--recompute-method",), str, None, "with --recompute-granularity full (default there: uniform)",
-      group="transformer", choices=("uniform", "block")),
+      choices=("uniform", "block")),
     O(("--recompute-num-layers",), int, None, "with --recompute-granularity full: layers per recomputed chunk "
-      "(uniform) or recomputed layers (block); default 1", group="transformer"),
+      "(uniform) or recomputed layers (block); default 1"),
     O(("--qk-layernorm",), None, False, "RMSNorm on each head's queries and keys (Qwen3); exported as "
-      "Qwen3ForCausalLM", group="transformer", config="qk_layernorm", saved=True, shape=True),
-    O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer", group="transformer",
-      config="layernorm_epsilon", rule=POSITIVE, saved=True, shape=True, hf="rms_norm_eps"),
+      "Qwen3ForCausalLM", config="qk_layernorm", shape=True),
+    O(("--norm-epsilon",), float, 1e-5, "epsilon of every normalization layer",
+      config="layernorm_epsilon", rule=POSITIVE, shape=True, hf="rms_norm_eps"),
     O(("--rotary-percent",), float, 1.0, "fraction of each head's dims that rope rotates", group="network",
-      gpt="rotary_percent", rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), saved=True, shape=True),
+      gpt="rotary_percent", rule=must(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"), shape=True),
     O(("--add-qkv-bias",), None, False, "bias on the q/k/v projections only (Qwen2); exported as Qwen2ForCausalLM",
-      group="transformer", config="add_qkv_bias", saved=True, shape=True, hf="attention_bias"),
-    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", group="network", saved=True, shape=True),
-    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", group="network", saved=True, shape=True),
+      config="add_qkv_bias", shape=True, hf="attention_bias"),
+    O(("--use-rope-scaling",), None, False, "Llama 3.1 rope scaling", group="network", shape=True),
+    O(("--rope-scaling-factor",), float, 8.0, "with --use-rope-scaling", group="network", shape=True),
     O(("--rotary-seq-len-interpolation-factor",), int, None, "linear rope interpolation (positions divided by this "
       "factor)", group="network", gpt="seq_len_interpolation_factor", rule=must(lambda v: v >= 1, "must be >= 1"),
-      saved=True, shape=True),
+      shape=True),
     O(("--transformer-impl",), str, "local", "local only (the default here): block-diffusion attention replaces the "
-      "core attention of Megatron's local spec", group="transformer", choices=("local", "transformer_engine"), to=(),
+      "core attention of Megatron's local spec", choices=("local", "transformer_engine"), to=(),
       rule=lambda f, v: v != "local" and (
           f"{f} {v}: the trainer builds Megatron's local spec (block-diffusion attention replaces its core "
           f"attention); use {f} local")),
@@ -155,27 +152,25 @@ OPTIONS: List[Option] = [
         ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", "gradient_accumulation_fusion"))),
     # ---- mixture of experts (TransformerConfig fields of an MoE model: moe_config) -------------
     O(("--num-experts",), int, None, "experts per MoE layer (None: dense)", group="moe", config="num_moe_experts",
-      rule=POSITIVE, saved=True, shape=True),
-    O(("--moe-router-topk",), int, 2, "experts per token", group="transformer", config="moe_router_topk", saved=True,
-      shape=True),
-    O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)", group="transformer",
-      config="moe_ffn_hidden_size", saved=True, shape=True),
+      rule=POSITIVE, shape=True),
+    O(("--moe-router-topk",), int, 2, "experts per token", config="moe_router_topk", shape=True),
+    O(("--moe-ffn-hidden-size",), int, None, "expert FFN size (default --ffn-hidden-size)",
+      config="moe_ffn_hidden_size", shape=True),
     O(("--moe-layer-freq",), moe_freq_type, 1, "one MoE layer every N layers, or a 0/1 pattern per layer such as "
-      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq", saved=True, shape=True),
-    O(("--moe-router-score-function",), str, "softmax", "router scores over the experts", group="transformer",
+      "\"([1]*3+[0]*1)*3\"", group="moe", config="moe_layer_freq", shape=True),
+    O(("--moe-router-score-function",), str, "softmax", "router scores over the experts",
       choices=("softmax", "sigmoid"), config="moe_router_score_function", saved=True),
     O(("--moe-router-pre-softmax",), None, False, "softmax over all experts before top-k (default: top-k logits, "
-      "then softmax over them)", group="transformer", config="moe_router_pre_softmax", saved=True, shape=True),
+      "then softmax over them)", config="moe_router_pre_softmax", shape=True),
     O(("--moe-router-load-balancing-type",), str, "aux_loss", "the router's load-balancing scheme", group="moe",
       choices=LOAD_BALANCING, config="moe_router_load_balancing_type"),
     O(("--moe-aux-loss-coeff",), float, 0.0, "weight of the load-balancing loss", group="moe",
       config="moe_aux_loss_coeff"),
-    O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)", group="transformer",
-      config="moe_input_jitter_eps", saved=True, shape=True),
+    O(("--moe-input-jitter-eps",), float, None, "router input jitter (Mixtral)",
+      config="moe_input_jitter_eps", shape=True),
     O(("--moe-token-dispatcher-type",), str, "allgather", "how tokens reach their experts across expert-parallel "
-      "ranks", group="transformer", choices=("allgather", "alltoall", "flex"), config="moe_token_dispatcher_type"),
-    O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", group="transformer",
-      config="moe_grouped_gemm"),
+      "ranks", choices=("allgather", "alltoall", "flex"), config="moe_token_dispatcher_type"),
+    O(("--moe-grouped-gemm",), None, False, "grouped GEMM experts (CUDA)", config="moe_grouped_gemm"),
     # ---- training -------------------------------------------------------------------------
     O(("--micro-batch-size",), int, 2, "samples per micro-batch on each data-parallel replica", group="training",
       to=("batch",), rule=POSITIVE),
@@ -229,10 +224,8 @@ OPTIONS: List[Option] = [
       "the training process; Megatron-LM's default is 2)", group="data", to=("data",),
       rule=must(lambda v: v >= 0, "must be >= 0")),
     # ---- parallelism ----------------------------------------------------------------------
-    O(("--tensor-model-parallel-size",), int, 1, "tensor-parallel ranks (TP)", group="transformer",
-      to=("model", "parallel")),
-    O(("--pipeline-model-parallel-size",), int, 1, "pipeline stages (PP)", group="transformer",
-      to=("model", "parallel")),
+    O(("--tensor-model-parallel-size",), int, 1, "tensor-parallel ranks (TP)", to=("model", "parallel")),
+    O(("--pipeline-model-parallel-size",), int, 1, "pipeline stages (PP)", to=("model", "parallel")),
     # Megatron-LM's pipeline flags (their rules: parallel/pipeline.check_pipeline_args)
     O(("--decoder-first-pipeline-num-layers",), int, None, "transformer layers on the first pipeline stage "
       "(default: an even split)", group="distributed"),
@@ -243,11 +236,10 @@ OPTIONS: List[Option] = [
     O(("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"), int, None,
       "interleaved 1F1B: model chunks per pipeline rank", group="distributed", to=()),
     O(("--context-parallel-size",), int, 1, "context-parallel ranks (CP): ranks sharing one sample's clean rows; "
-      "with --block-parallel-size > 1 too: CSBP", group="transformer", to=("model", "parallel")),
-    O(("--expert-model-parallel-size",), int, 1, "expert-parallel ranks (EP)", group="transformer",
-      to=("model", "parallel")),
+      "with --block-parallel-size > 1 too: CSBP", to=("model", "parallel")),
+    O(("--expert-model-parallel-size",), int, 1, "expert-parallel ranks (EP)", to=("model", "parallel")),
     O(("--sequence-parallel",), None, False, "split the activations outside attention over the TP ranks (needs TP "
-      "> 1)", group="transformer", to=("model", "parallel")),
+      "> 1)", to=("model", "parallel")),
     O(("--distributed-backend",), str, None, "default: nccl with CUDA, gloo without", group="distributed",
       to=("parallel",), choices=("nccl", "gloo")),
     # ---- checkpoints and logs -------------------------------------------------------------
@@ -280,12 +272,10 @@ OPTIONS: List[Option] = [
       "keyed by (--seed, sample index))", group="checkpointing", to=()),
     O(("--override-opt_param-scheduler", "--override-opt-param-scheduler"), None, False, "on resume, take the "
       "learning-rate schedule of the flags, not the --load checkpoint's (Megatron-LM's rule; docs/megatron-lm.md "
-      "\"Resuming with other learning-rate flags\")", group="lr", to=("checkpoint",),
-      dest="override_opt_param_scheduler"),
+      "\"Resuming with other learning-rate flags\")", group="lr", to=("checkpoint",)),
     O(("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"), None, False, "on resume, "
       "keep the --load checkpoint's learning-rate schedule whatever the flags say (Megatron-LM's; without either "
-      "flag a changed schedule is refused)", group="lr", to=("checkpoint",),
-      dest="use_checkpoint_opt_param_scheduler"),
+      "flag a changed schedule is refused)", group="lr", to=("checkpoint",)),
     O(("--log-interval",), int, 10, "print (and log) every this many iterations", group="logging", to=("log",),
       rule=POSITIVE),
     O(("--eval-interval",), int, None, "evaluate the held-out loss every this many iterations", group="validation",
@@ -317,8 +307,7 @@ OPTIONS: List[Option] = [
       to=("data",)),
     O(("--data-cache-path",), str, None, "folder for Megatron's dataset index caches (default: beside the data)",
       group="data", to=("data",)),
-    O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data",
-      to=("data",)),
+    O(("--sft-data-path",), str, None, "jsonl of conversations or prompt/response pairs", group="data", to=("data",)),
     O(("--chat-template",), str, "auto", "how --sft-data-path records become tokens: auto (a Hugging Face "
       "tokenizer's own chat template, the plain User:/Assistant: rendering for a tokenizer without one), none (the "
       "plain rendering), a Jinja chat template file, or the template's text (Megatron-LM's meaning); docs/sft.md",
@@ -333,7 +322,7 @@ OPTIONS: List[Option] = [
     O(("--vocab-size",), int, None, "NullTokenizer: Megatron-LM's meaning on the installed megatron-core (0.16: "
       "data ids 0..V-1 plus EOD V; 0.19: V ids, EOD V-1); the model pads the tokenizer's vocabulary to "
       "--make-vocab-size-divisible-by and the default mask id is the first padding id", group="tokenizer",
-      to=("model", "data"), saved=True, shape=True, tensors=True),
+      to=("model", "data"), shape=True, tensors=True),
     O(("--mock-data",), None, False, "random tokens (Megatron's MockGPTDataset) instead of --data-path", group="data",
       to=("data",)),
     # Megatron's packed-document flags (same names and meaning; docs/semantics.md "Packed documents")

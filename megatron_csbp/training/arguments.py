@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_csbp.objectives.registry import build_objective, objective_class, objective_names, objective_options
+from megatron_csbp.objectives.registry import build_objective, objective_class, objective_options
 from megatron_csbp.config.options import (BACKEND_KERNEL, BY_NAME, OPTIONS, add_options, check_options,
                                           moe_layer_pattern)
 from megatron_csbp.data.megatron_data import (build_tokenizer, largest_token_id, missing_prefixes, null_tokenizer_rule,
@@ -25,12 +25,6 @@ from megatron_csbp.layout.masks import BlockGeometry
 from megatron_csbp.objectives.base import ObjectiveInputs
 from megatron_csbp.objectives.fast_dllm_v2 import resolve_mask_token
 from megatron_csbp.objectives.flags import default_mask_token_id
-
-
-def __getattr__(name):
-    if name == "OBJECTIVES":  # `--objective`'s choices: the objective registry's names, in its order
-        return objective_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_block_diffusion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron_csbp.checkpoint.files import CheckpointError
+from megatron_csbp.compat import replace_once, swapped
 from megatron_csbp.layout.packing import Packing
 from megatron_csbp.layout.sizes import check_parallel_sizes, shard_group_size
 from megatron_csbp.objectives.flags import check_mask_token_id, default_mask_token_id
@@ -174,32 +175,31 @@ def install_validation_hook() -> None:
     `validate_args` (and its argument dump), and resolves the mask id right after building the
     tokenizer (which sets `padded_vocab_size`), before any process group or model exists. A refusal
     is a `MegatronLMFlagError`."""
-    module = validation_module()
-    if getattr(module.validate_args, "__bdlm_hook__", False):
-        return
-    validate_args, set_global_variables = module.validate_args, module.set_global_variables
-
-    def validate(args, defaults={}):
-        try:
-            validate_megatron_args(args)
-        except ValueError as e:
-            raise MegatronLMFlagError(str(e)) from None
-        return validate_args(args, defaults)
-
-    def set_globals(args, build_tokenizer=True):
-        out = set_global_variables(args, build_tokenizer)
-        if build_tokenizer:
-            from megatron.training import get_tokenizer
+    def validate(validate_args):
+        def validated(args, defaults={}):
             try:
-                mask = resolve_mask_token_id(args, get_tokenizer())
+                validate_megatron_args(args)
             except ValueError as e:
                 raise MegatronLMFlagError(str(e)) from None
-            if args.rank == 0 and mask is not None:
-                print(f"> block diffusion: --objective {args.objective}, mask token id {mask}", flush=True)
-        return out
+            return validate_args(args, defaults)
+        return validated
 
-    validate.__bdlm_hook__ = True
-    module.validate_args, module.set_global_variables = validate, set_globals
+    def set_globals(set_global_variables):
+        def with_mask_token(args, build_tokenizer=True):
+            out = set_global_variables(args, build_tokenizer)
+            if build_tokenizer:
+                from megatron.training import get_tokenizer
+                try:
+                    mask = resolve_mask_token_id(args, get_tokenizer())
+                except ValueError as e:
+                    raise MegatronLMFlagError(str(e)) from None
+                if args.rank == 0 and mask is not None:
+                    print(f"> block diffusion: --objective {args.objective}, mask token id {mask}", flush=True)
+            return out
+        return with_mask_token
+
+    replace_once(validation_module(), "validate_args", validate)
+    replace_once(validation_module(), "set_global_variables", set_globals)
 
 
 def flag_value(argv: Sequence[str], name: str) -> Optional[str]:
@@ -244,32 +244,27 @@ def install_initialize_hook() -> None:
     """After this, Megatron-LM's `mpu.initialize_model_parallel(...)` also builds the plugin groups."""
     from megatron.core import parallel_state as mpu
 
-    if getattr(mpu.initialize_model_parallel, "__bdlm_hook__", False):
-        return
-    original = mpu.initialize_model_parallel
+    def hook(original):
+        def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                      virtual_pipeline_model_parallel_size=None, *args, **kwargs):
+            from megatron.training import get_args
+            from megatron_csbp.parallel import state as bps
 
-    def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                  virtual_pipeline_model_parallel_size=None, *args, **kwargs):
-        from megatron.training import get_args
-        from megatron_csbp.parallel import state as bps
+            a = get_args()
+            seq = kwargs.pop("context_parallel_size", 1)
+            ep = kwargs.pop("expert_model_parallel_size", 1)
+            cp, bp = _true_cp(a), a.block_parallel_size
+            if shard_group_size(cp, bp) != seq:
+                raise ValueError(f"Megatron's --context-parallel-size is {seq}, expected max(CP {cp}, BP {bp}); "
+                                 "launch through megatron_csbp.training.megatron_lm.rewrite_argv "
+                                 "(examples/megatron_lm/pretrain_bdlm.py)")
+            with swapped(mpu, "initialize_model_parallel", original):  # initialize_block_parallel calls Megatron's
+                bps.initialize_block_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, cp, bp, ep,
+                                              virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                                              **kwargs)
+        return initialize_model_parallel
 
-        a = get_args()
-        seq = kwargs.pop("context_parallel_size", 1)
-        ep = kwargs.pop("expert_model_parallel_size", 1)
-        cp, bp = _true_cp(a), a.block_parallel_size
-        if shard_group_size(cp, bp) != seq:
-            raise ValueError(f"Megatron's --context-parallel-size is {seq}, expected max(CP {cp}, BP {bp}); launch "
-                             "through megatron_csbp.training.megatron_lm.rewrite_argv (examples/megatron_lm/pretrain_bdlm.py)")
-        mpu.initialize_model_parallel = original  # initialize_block_parallel calls Megatron's own
-        try:
-            bps.initialize_block_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, cp, bp, ep,
-                                          virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                                          **kwargs)
-        finally:
-            mpu.initialize_model_parallel = initialize_model_parallel
-
-    initialize_model_parallel.__bdlm_hook__ = True
-    mpu.initialize_model_parallel = initialize_model_parallel
+    replace_once(mpu, "initialize_model_parallel", hook)
 
 
 def _eod_token_id(args) -> Optional[int]:
@@ -507,22 +502,19 @@ def install_schedule_hook() -> None:
     `seq_length` whenever `decoder_seq_length` is set (a no-op without PP, where it is None)."""
     from megatron.training import training
 
-    if getattr(training.get_forward_backward_func, "__bdlm_hook__", False):
-        return
-    original = training.get_forward_backward_func
+    def hook(original):
+        def get_forward_backward_func(*args, **kwargs):
+            schedule = original(*args, **kwargs)
 
-    def get_forward_backward_func(*args, **kwargs):
-        schedule = original(*args, **kwargs)
+            def rows_schedule(*a, **kw):
+                if kw.get("decoder_seq_length"):
+                    kw["seq_length"] = kw["decoder_seq_length"]
+                return schedule(*a, **kw)
 
-        def rows_schedule(*a, **kw):
-            if kw.get("decoder_seq_length"):
-                kw["seq_length"] = kw["decoder_seq_length"]
-            return schedule(*a, **kw)
+            return rows_schedule
+        return get_forward_backward_func
 
-        return rows_schedule
-
-    get_forward_backward_func.__bdlm_hook__ = True
-    training.get_forward_backward_func = get_forward_backward_func
+    replace_once(training, "get_forward_backward_func", hook)
 
 
 def install_checkpoint_hook() -> None:
@@ -536,62 +528,61 @@ def install_checkpoint_hook() -> None:
     from the previous checkpoint, never from adapters without their record."""
     from megatron.training import get_args, training
 
-    if getattr(training.load_checkpoint, "__bdlm_hook__", False):
-        return
     from megatron_csbp.checkpoint import files, state
     from megatron_csbp.lora.checkpoint import base_record, check_resume, record_json
 
-    load, save, held = training.load_checkpoint, training.save_checkpoint, {}
+    held = {}
 
-    def load_checkpoint(ddp_model, optimizer, scheduler, *args, **kwargs):
-        a = get_args()
-        lora = LoRAConfig.of(a)
-        if lora is None:
+    def loading(load):
+        def load_checkpoint(ddp_model, optimizer, scheduler, *args, **kwargs):
+            a = get_args()
+            lora = LoRAConfig.of(a)
+            if lora is None:
+                return load(ddp_model, optimizer, scheduler, *args, **kwargs)
+            from megatron.core.utils import unwrap_model
+            from megatron_csbp.parallel.pipeline import ModelChunks
+
+            held["base"] = base_record(a.pretrained_checkpoint) if a.pretrained_checkpoint else None
+            step = files.checkpoint_to_load(a.load, getattr(a, "ckpt_step", None))
+            if step is not None:
+                check_resume(a.load, step, lora, held["base"])  # before a base is read
+            if held["base"] is not None:
+                gpts = ModelChunks([chunk.gpt for chunk in unwrap_model(ddp_model)])
+                state.load_checkpoint(a.pretrained_checkpoint, gpts, None, None, keep=lambda k: not is_adapter(k))
+                if a.rank == 0:
+                    print(f"> block diffusion: loaded the frozen base of the adapters from --pretrained-checkpoint "
+                          f"{a.pretrained_checkpoint}", flush=True)
+            if step is None:  # the adapters of --seed, iteration 0
+                return 0, 0
             return load(ddp_model, optimizer, scheduler, *args, **kwargs)
-        from megatron.core.utils import unwrap_model
-        from megatron_csbp.parallel.pipeline import ModelChunks
+        return load_checkpoint
 
-        held["base"] = base_record(a.pretrained_checkpoint) if a.pretrained_checkpoint else None
-        step = files.checkpoint_to_load(a.load, getattr(a, "ckpt_step", None))
-        if step is not None:
-            check_resume(a.load, step, lora, held["base"])  # before a base is read
-        if held["base"] is not None:
-            gpts = ModelChunks([chunk.gpt for chunk in unwrap_model(ddp_model)])
-            state.load_checkpoint(a.pretrained_checkpoint, gpts, None, None, keep=lambda k: not is_adapter(k))
-            if a.rank == 0:
-                print(f"> block diffusion: loaded the frozen base of the adapters from --pretrained-checkpoint "
-                      f"{a.pretrained_checkpoint}", flush=True)
-        if step is None:  # the adapters of --seed, iteration 0
-            return 0, 0
-        return load(ddp_model, optimizer, scheduler, *args, **kwargs)
+    def saving(save):
+        def save_checkpoint(iteration, *args, **kwargs):
+            a = get_args()
+            lora = LoRAConfig.of(a)
+            if lora is None or a.rank != 0:
+                return save(iteration, *args, **kwargs)
+            from megatron.core import dist_checkpointing
 
-    def save_checkpoint(iteration, *args, **kwargs):
-        a = get_args()
-        lora = LoRAConfig.of(a)
-        if lora is None or a.rank != 0:
-            return save(iteration, *args, **kwargs)
-        from megatron.core import dist_checkpointing
+            record, dist_save = record_json(lora, held.get("base")), dist_checkpointing.save
 
-        record, dist_save = record_json(lora, held.get("base")), dist_checkpointing.save
+            def save_then_record(state_dict, checkpoint_dir, *rest, **options):
+                """The record beside the adapters before Megatron-LM's tracker names this iteration (torch_dist)."""
+                request = dist_save(state_dict, checkpoint_dir, *rest, **options)
+                Path(checkpoint_dir, files.LORA_FILE).write_text(record)
+                return request
 
-        def save_then_record(state_dict, checkpoint_dir, *rest, **options):
-            """The record beside the adapters before Megatron-LM's tracker names this iteration (torch_dist)."""
-            request = dist_save(state_dict, checkpoint_dir, *rest, **options)
-            Path(checkpoint_dir, files.LORA_FILE).write_text(record)
-            return request
+            with swapped(dist_checkpointing, "save", save_then_record):
+                out = save(iteration, *args, **kwargs)
+            folder = files.checkpoint_path(a.save or "", iteration)
+            if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, files.LORA_FILE)):  # another format
+                Path(folder, files.LORA_FILE).write_text(record)
+            return out
+        return save_checkpoint
 
-        dist_checkpointing.save = save_then_record
-        try:
-            out = save(iteration, *args, **kwargs)
-        finally:
-            dist_checkpointing.save = dist_save
-        folder = files.checkpoint_path(a.save or "", iteration)
-        if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, files.LORA_FILE)):  # another format
-            Path(folder, files.LORA_FILE).write_text(record)
-        return out
-
-    load_checkpoint.__bdlm_hook__ = True
-    training.load_checkpoint, training.save_checkpoint = load_checkpoint, save_checkpoint
+    replace_once(training, "load_checkpoint", loading)
+    replace_once(training, "save_checkpoint", saving)
 
 
 def _dataset_on_every_stage(vp_stage=None, is_packed_sequence=False) -> bool:

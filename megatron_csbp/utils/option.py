@@ -27,7 +27,9 @@ class Option:
     gpt: Optional[str] = None     # GPTModel keyword of a flag-built model
     nargs: Optional[str] = None
     action: Optional[str] = None  # Megatron's odd switches (--no-rope-fusion: store_false, default False)
-    saved: bool = False  # in a checkpoint's bdlm_meta.json "model_args" (training.config.CHECKPOINT_MODEL_KEYS)
+    #: in a checkpoint's bdlm_meta.json "model_args" (training.config.CHECKPOINT_MODEL_KEYS); `shape` and
+    #: `tensors` imply it
+    saved: bool = False
     #: `ModelShape` has the attribute of this name: a converted checkpoint's value of the flag
     shape: bool = False
     #: the Hugging Face config.json key of a flag-built model's export
@@ -42,6 +44,7 @@ class Option:
     def __post_init__(self):
         if self.dest is None:
             object.__setattr__(self, "dest", self.flags[0][2:].replace("-", "_"))
+        object.__setattr__(self, "saved", self.saved or self.shape or self.tensors)
 
     @property
     def name(self) -> str:
