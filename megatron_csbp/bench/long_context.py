@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from itertools import groupby
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
@@ -181,8 +182,7 @@ def run(cfg: LongContextConfig, records_path: str) -> List[Dict]:
 
 
 def load_records(path: str) -> List[Dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 #: record fields summarized as their largest value over the ranks
@@ -323,8 +323,7 @@ def main(args, command: str) -> Dict[str, str]:
         result = load(args.from_json)
     elif not args.attention_scaling:
         records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
-        if os.path.exists(records_path):
-            os.remove(records_path)
+        Path(records_path).unlink(missing_ok=True)
         env, t0 = environment(), time.perf_counter()
         records = run(cfg, records_path)
         result = {"config": asdict(cfg), "environment": dict(env, wall_s=time.perf_counter() - t0), "command": command,

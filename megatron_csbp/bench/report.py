@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Dict, List, Optional
 
 MiB = 2 ** 20
@@ -415,16 +416,10 @@ def write_out(out: str, result, text: str, echo: bool = True) -> Dict[str, str]:
 
 
 def load(path: str) -> Dict:
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(Path(path).read_text())
 
 
 def write_file(path: Optional[str], data) -> None:
     """`data` to `path`: a string as it is, anything else as JSON (indent 1); nothing without a path."""
-    if not path:
-        return
-    with open(path, "w") as f:
-        if isinstance(data, str):
-            f.write(data)
-        else:
-            json.dump(data, f, indent=1)
+    if path:
+        Path(path).write_text(data if isinstance(data, str) else json.dumps(data, indent=1))

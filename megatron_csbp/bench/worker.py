@@ -31,21 +31,18 @@ def trainer_of(argv: List[str], **kw):
 
 
 def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int):
-    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
-    `micro_batch_size` samples per step, Adam at a constant lr of 1e-4, the layout's process groups
-    (already initialised: `process_groups`)."""
-    m = model
+    """A built `Trainer` of the benchmark's model on this layout: mock tokens (`trainer_argv`), one
+    micro-batch of `micro_batch_size` samples per step, Adam at a constant lr of 1e-4, the layout's
+    process groups (already initialised: `process_groups`)."""
     argv = trainer_argv(dict(
-        m.flags(), mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1, seq_length=seq_length,
-        block_size=m.block_size, micro_batch_size=m.micro_batch_size, global_batch_size=m.micro_batch_size,
-        train_iters=10 ** 6, lr=1e-4, lr_decay_style="constant", seed=seed, context_parallel_size=case.cp,
-        block_parallel_size=case.bp, attention_transport=case.transport, block_ownership=case.schedule))
-    argv += ["--mock-data", "--tokenizer-type=NullTokenizer", "--no-progress-bar"]
+        model.flags(), seq_length=seq_length, global_batch_size=model.micro_batch_size, train_iters=10 ** 6, lr=1e-4,
+        lr_decay_style="constant", seed=seed, context_parallel_size=case.cp, block_parallel_size=case.bp,
+        attention_transport=case.transport, block_ownership=case.schedule))
     provider = None
-    if isinstance(m, DiffusionGemmaBenchModel):
+    if isinstance(model, DiffusionGemmaBenchModel):
         # DiffusionGemma's clean stream is token-causal; the model comes from `provider`
         argv += ["--clean-attention=token_causal"]
-        provider = partial(diffusion_gemma, m, seed, case.attention == "full")
+        provider = partial(diffusion_gemma, model, seed, case.attention == "full")
     return trainer_of(argv, gpt_provider=provider).build()
 
 
