@@ -90,9 +90,7 @@ class Case:
 
     def baseline_name(self) -> Optional[str]:
         """The CP case this one is compared with: CP over the same ranks, same transport."""
-        if self.kind == "single":
-            return None
-        return f"cp-{self.attention or (self.transport if self.kind in ('cp', 'csbp') else 'allgather')}"
+        return None if self.kind == "single" else f"cp-{self.attention or (self.transport if self.kind in ('cp', 'csbp') else 'allgather')}"
 
 
 ALL_LAYOUTS = ("cp-allgather", "cp-ring", "bp", "csbp-allgather", "csbp-ring", "csbp-allgather-contiguous",

@@ -149,15 +149,11 @@ def _peak_mib(r: Dict) -> str:
     return _fmt(r["peak_tensor_bytes"] / MiB if r["peak_tensor_bytes"] else None, ".1f")
 
 
-def _single_key(r: Dict):
-    return r["seq_length"], r.get("attention")
-
-
 def loss_vs_single(r: Dict, rows: List[Dict]) -> Optional[float]:
     """|loss - single-rank loss| / |single-rank loss| of one case (same L, and for DiffusionGemma
     the same attention variant); None without a single-rank case."""
-    single = {_single_key(x): x["loss_step0"] for x in rows if x["kind"] == "single"}
-    ref = single.get(_single_key(r))
+    ref = next((x["loss_step0"] for x in rows if x["kind"] == "single" and x["seq_length"] == r["seq_length"]
+                and x.get("attention") == r.get("attention")), None)
     return None if ref is None else abs(r["loss_step0"] - ref) / abs(ref)
 
 

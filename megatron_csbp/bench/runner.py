@@ -77,7 +77,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
 def add_ratios(rows: List[Dict]) -> None:
     index = by_case(rows)
     for r in rows:
-        base = index.get((r["P"], r["seq_length"], r["baseline"])) if r["baseline"] else None
+        base = index.get((r["P"], r["seq_length"], r["baseline"]))  # None: a single rank's (no baseline)
         for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
                          ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp"),
                          ("thread_cpu_s", "cpu_vs_cp")):

@@ -102,18 +102,16 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "exposed_comm_s", "in_flight_comm_s", "forward_exposed_comm_s", "forward_in_flight_comm_s", "thread_cpu_s",
         "process_cpu_s")}
     transfers = 0
-    first_loss = None
+    losses = []
     for i in range(cfg.warmup + cfg.steps):
         dist.barrier(group=shard_group)
         counter.reset()
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        loss = step(i)
+        losses.append(step(i))
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dc, dp = time.thread_time() - c0, time.process_time() - p0
         # a step lasts as long as its slowest rank
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
-        if i == 0:
-            first_loss = loss
         if i >= cfg.warmup:
             times.append(float(dt))
             forward = [sum(v for (_, phase), v in by_phase.items() if phase == "forward")
@@ -131,7 +129,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
         "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length, "shard_rank": shard_rank,
         "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times, "median_step_s": statistics.median(times),
-        "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
+        "loss_step0": losses[0], "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "thread_cpu_steps_s": per_step["thread_cpu_s"], "transfers": transfers,
         **{key: statistics.median(values) for key, values in per_step.items()}}
