@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -189,9 +190,7 @@ _WORST_OF_RANKS = ("step_s", "first_step_s", "peak_tensor_bytes", "rss_high_wate
 
 def summarize(records: List[Dict]) -> List[Dict]:
     """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
-    def key(r: Dict) -> Tuple:
-        return r["kernel"], r["case"], r["seq_length"]
-
+    key = itemgetter("kernel", "case", "seq_length")
     rows = []
     for (kernel, case, L), group in groupby(sorted(records, key=key), key):
         rs = list(group)
