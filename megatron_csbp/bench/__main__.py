@@ -18,11 +18,9 @@ import sys
 
 from dataclasses import replace
 
-from megatron_csbp.bench.cases import ALL_LAYOUTS, SIZE_FLAGS, BenchConfig, dg_config, dg_quick_config, quick_config
+from megatron_csbp.bench.cases import ALL_LAYOUTS, MODEL_FLAGS, BenchConfig, dg_config, dg_quick_config, quick_config
 
 MODELS = ("gpt", "diffusiongemma-hybrid")
-#: the bench model's sizes a flag of the same name overrides
-MODEL_FLAGS = SIZE_FLAGS + ("block_size", "micro_batch_size")
 
 
 def parse_args(argv=None):

@@ -7,14 +7,19 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from megatron_csbp.layout.sizes import layout_kind, shard_group_size
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: the model sizes both benchmark models hand the trainer as flags of the same name
-SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+#: the sizes both benchmark models hand the trainer as flags of the same name (and `python -m
+#: megatron_csbp.bench` takes as flags overriding them)
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
+               "block_size", "micro_batch_size")
 
 
 def trainer_argv(values: Dict[str, Any]) -> List[str]:
-    """The trainer's argv of `values` (flags by dest), each written as the option table declares it."""
+    """The trainer's argv of `values` (flags by dest) on mock tokens of the NullTokenizer, its last id
+    the mask token (unless `values` say otherwise), each flag written as the option table declares it."""
     from megatron_csbp.config.options import flag_text
 
+    values = {"mock_data": True, "no_progress_bar": True, "tokenizer_type": "NullTokenizer",
+              "mask_token_id": values["vocab_size"] - 1, "make_vocab_size_divisible_by": 1, **values}
     return " ".join(flag_text(k, v) for k, v in values.items()).split()
 
 
@@ -42,10 +47,14 @@ class BenchModel:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def kv_layers(self) -> List[Tuple[int, int, bool, bool]]:
+        """(K/V groups G, head size d, K = V, sliding window) of each layer."""
+        return [(self.num_query_groups, self.head_dim, False, False)] * self.num_layers
+
     def flags(self) -> Dict[str, Any]:
         """The model as flags by dest: what the trainer builds (Megatron's TransformerConfig defaults:
         LayerNorm, GeLU, biases) and the planner reads (`planner.model_config.from_flags`)."""
-        return dict({k: getattr(self, k) for k in SIZE_FLAGS}, attention_kernel=self.attention_kernel,
+        return dict({k: getattr(self, k) for k in MODEL_FLAGS}, attention_kernel=self.attention_kernel,
                     normalization="LayerNorm", swiglu=False, add_bias_linear=True)
 
     def check(self) -> None:
@@ -81,9 +90,7 @@ class Case:
 
     def baseline_name(self) -> Optional[str]:
         """The CP case this one is compared with: CP over the same ranks, same transport."""
-        if self.kind == "single":
-            return None
-        return f"cp-{self.attention or (self.transport if self.kind in ('cp', 'csbp') else 'allgather')}"
+        return None if self.kind == "single" else f"cp-{self.attention or (self.transport if self.kind in ('cp', 'csbp') else 'allgather')}"
 
 
 ALL_LAYOUTS = ("cp-allgather", "cp-ring", "bp", "csbp-allgather", "csbp-ring", "csbp-allgather-contiguous",
@@ -112,25 +119,10 @@ def cases_for(size: int, layouts=ALL_LAYOUTS) -> List[Case]:
 
 
 def formula_bytes_sent(case: Case, model: "AnyModel", seq_length: int) -> Optional[int]:
-    """Attention bytes each rank sends per step (forward + backward), all layers (design brief 2).
-
-    CP: 8*L*G*d*s*(P-1)/P per layer; CSBP: 4*L*G*d*s*(C-1)/C (C = ring size, half of CP when
-    C = P); BP: 0. Times the micro-batch size.
-    """
-    if isinstance(model, DiffusionGemmaBenchModel):
-        per = dg_formula_bytes_per_layer(case, model, seq_length)
-        return None if any(v is None for v in per.values()) else sum(per.values())
-    s = BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
-    return _layer_bytes(case, seq_length * model.num_query_groups * model.head_dim * s, 4) * model.num_layers
-
-
-def _layer_bytes(case: Case, k_bytes: int, csbp_factor: int) -> int:
-    """One layer's bytes sent per rank, `k_bytes` = L*G*d*s: CP 8*k_bytes*(P-1)/P, CSBP
-    `csbp_factor`*k_bytes*(C-1)/C (ring of C ranks), BP 0."""
-    if case.kind not in ("cp", "csbp"):
-        return 0
-    ranks, factor = (case.shard_group_size, 8) if case.kind == "cp" else (case.cp, csbp_factor)
-    return factor * k_bytes * (ranks - 1) // ranks
+    """Attention bytes each rank sends per step (forward + backward), all layers (design brief 2):
+    the sum of `formula_bytes_per_layer`, None where a layer has no formula."""
+    per = formula_bytes_per_layer(case, model, seq_length).values()
+    return None if None in per else sum(per)
 
 
 @dataclass(frozen=True)
@@ -162,12 +154,19 @@ class DiffusionGemmaBenchModel:
 
     def flags(self) -> Dict[str, Any]:
         """The trainer's model flags (the model itself comes from the benchmark's provider)."""
-        return {k: getattr(self, k) for k in SIZE_FLAGS}
+        return {k: getattr(self, k) for k in MODEL_FLAGS}
 
     @property
     def layer_types(self) -> List[str]:
         return ["full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
                 for i in range(self.num_layers)]
+
+    def kv_layers(self) -> List[Tuple[int, int, bool, bool]]:
+        """(K/V groups G, head size d, K = V, sliding window) of each layer: the full layers' one
+        K = V head, the sliding layers' own."""
+        full = (self.full_num_query_groups, self.full_kv_channels, True, False)
+        sliding = (self.num_query_groups, self.kv_channels, False, True)
+        return [full if kind == "full_attention" else sliding for kind in self.layer_types]
 
     def check(self) -> None:
         if self.num_attention_heads % self.num_query_groups or self.num_attention_heads % self.full_num_query_groups:
@@ -189,22 +188,23 @@ def dg_cases_for(size: int) -> List[Case]:
             for att in ("hybrid", "full") for kind, (cp, bp) in shapes.items()]
 
 
-def dg_formula_bytes_per_layer(case: Case, model: DiffusionGemmaBenchModel, seq_length: int) -> Dict[int, Optional[int]]:
-    """Bytes each rank sends per layer (forward + backward), layers numbered from 1.
+def formula_bytes_per_layer(case: Case, model: AnyModel, seq_length: int) -> Dict[int, Optional[int]]:
+    """Bytes each rank sends per layer (forward + backward), layers numbered from 1, times the
+    micro-batch size.
 
     CP: 8*L*G*d*s*(P-1)/P on every layer with the layer's G and d (K and V on every layer, the K=V
-    layer too; windows only mask). CSBP, full attention: 4*L*G*d*s*(C-1)/C, and half of it on the
-    K=V layer (raw k only). CSBP on a sliding layer with its window: the windowed all-to-all's
-    bytes depend on which clean rows the windows reach across ranks: no closed formula here (None).
+    layer too; windows only mask). CSBP: 4*L*G*d*s*(C-1)/C (C = ring size, half of CP when C = P),
+    and half of it on a K=V layer (raw k only). BP: 0. CSBP on a sliding layer with its window:
+    the windowed all-to-all's bytes depend on which clean rows the windows reach across ranks: no
+    closed formula here (None).
     """
-    L, s = seq_length, BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
+    s = BYTES_PER_ELEMENT[model.dtype] * model.micro_batch_size
+    ranks = case.shard_group_size if case.kind == "cp" else case.cp  # CSBP: the ring's
     out: Dict[int, Optional[int]] = {}
-    for i, kind in enumerate(model.layer_types, start=1):
-        full = kind == "full_attention"
-        G, d = (model.full_num_query_groups, model.full_kv_channels) if full else (model.num_query_groups,
-                                                                                    model.kv_channels)
-        windowed = case.kind == "csbp" and not full and case.attention != "full"
-        out[i] = None if windowed else _layer_bytes(case, L * G * d * s, 2 if full else 4)
+    for i, (G, d, k_is_v, sliding) in enumerate(model.kv_layers(), start=1):
+        factor = {"cp": 8, "csbp": 2 if k_is_v else 4}.get(case.kind, 0)
+        windowed = case.kind == "csbp" and sliding and case.attention != "full"
+        out[i] = None if windowed else factor * seq_length * G * d * s * (ranks - 1) // ranks
     return out
 
 

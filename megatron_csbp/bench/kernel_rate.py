@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import time
+import timeit
 from functools import partial
 from typing import Dict, List, Sequence
 
@@ -21,13 +22,9 @@ import torch
 
 
 def best_cpu_s(fn, repeats: int) -> float:
-    """The least main-thread CPU seconds of `repeats` calls of `fn()`."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return min(times)
+    """The least main-thread CPU seconds of `repeats` calls of `fn()` (garbage collection on, as
+    outside `timeit`)."""
+    return min(timeit.repeat(fn, "gc.enable()", time.thread_time, repeat=repeats, number=1))
 
 
 def kernel_rates(seq_lengths: Sequence[int] = (2048, 4096), kernels: Sequence[str] = ("tiled", "cpu_flash"),

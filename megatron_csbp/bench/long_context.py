@@ -26,6 +26,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from itertools import groupby
+from operator import itemgetter
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
@@ -35,6 +37,7 @@ from megatron_csbp.bench.cases import BenchModel, Case, cases_for
 from megatron_csbp.bench.memory import step_memory
 from megatron_csbp.bench.report import load, pyplot, save_figure, write_file, write_out
 from megatron_csbp.bench.worker import bench_trainer, process_groups, slowest_rank_s
+from megatron_csbp.layout.rows import PartialMask
 
 
 @dataclass(frozen=True)
@@ -59,23 +62,20 @@ class LongContextConfig:
         return [L for L in self.seq_lengths if kernel != self.old_kernel or L <= self.old_max_length]
 
 
-def _partial_masks(plan):
-    """(is the block-diagonal one, mask) of each partial mask the plan keeps."""
-    from megatron_csbp.layout.rows import PartialMask
-
+def _pairs(plan, count) -> int:
+    """`count(mask)` summed over the partial masks the plan keeps; the block-diagonal one counts
+    every noisy row against its whole block of B."""
+    total = 0
     for key, value in plan._cache.items():
         mask = value[0] if isinstance(value, tuple) else value
         if isinstance(mask, PartialMask):
-            yield key[0] == "block_diagonal", mask
+            total += plan.num_noisy * mask.shape[0] if key[0] == "block_diagonal" else count(mask)
+    return total
 
 
-def _plan_pairs(plan) -> Tuple[int, int, int]:
-    """(allowed pairs, rectangle handed to kernels, bytes of masks kept) over the plan's masks."""
-    allowed = rect = 0
-    for block_diagonal, mask in _partial_masks(plan):  # block-diagonal: every noisy row sees its whole block of B
-        allowed += plan.num_noisy * mask.shape[0] if block_diagonal else mask.allowed_pairs()
-        rect += plan.num_noisy * mask.shape[0] if block_diagonal else mask.shape[0] * mask.shape[1]
-    return allowed, rect, plan.nbytes()
+def _rectangle(mask) -> int:
+    """The query x key rectangle a kernel is handed for `mask`."""
+    return mask.shape[0] * mask.shape[1]
 
 
 def _attention_step(model, plan, kernel_name: str, batch: int, seed: int, **kw):
@@ -106,7 +106,7 @@ def _measure(cfg: LongContextConfig, case: Case, kernel_name: str, L: int) -> Di
     step_s = slowest_rank_s(lambda: step(1), shard_group)[0] if L <= cfg.warm_max_length else first_step_s
     peak, static, rss = step_memory(lambda: step(2), shard_group)
     plan = trainer.model.bdlm.plan
-    allowed, rect, mask_bytes = _plan_pairs(plan)
+    allowed, rect, mask_bytes = _pairs(plan, PartialMask.allowed_pairs), _pairs(plan, _rectangle), plan.nbytes()
     attn_s = slowest_rank_s(_attention_step(m, plan, kernel_name, m.micro_batch_size, 7, layer=1), shard_group)[0]
     record = {"case": case.name, "kind": case.kind, "P": case.shard_group_size, "kernel": kernel_name, "seq_length": L,
               "shard_rank": shard_rank, "rows": len(plan.local), "first_step_s": first_step_s, "step_s": step_s,
@@ -136,9 +136,8 @@ def attention_scaling(cfg: LongContextConfig) -> List[Dict]:
             plan = plan_for_layout(SequenceLayout(BlockGeometry(L, cfg.model.block_size)), 0)
             step = _attention_step(cfg.model, plan, kernel_name, 1, L)  # the plan holds all 2L rows
             best = best_cpu_s(step, 2 if L < 16384 else 1)
-            allowed, rect, _ = _plan_pairs(plan)
-            computed = sum(plan.num_noisy * mask.shape[0] if block_diagonal else tile_schedule(mask).computed_pairs
-                           for block_diagonal, mask in _partial_masks(plan))
+            allowed, rect = _pairs(plan, PartialMask.allowed_pairs), _pairs(plan, _rectangle)
+            computed = _pairs(plan, lambda mask: tile_schedule(mask).computed_pairs)
             out.append({"kernel": kernel_name, "seq_length": L, "attention_cpu_s": best, "allowed_pairs": allowed,
                         "kernel_rectangle_pairs": rect, "tiled_computed_pairs": computed})
             print(f"[long-context] attention {kernel_name} L={L}: {best:.2f} s CPU, "
@@ -181,8 +180,7 @@ def run(cfg: LongContextConfig, records_path: str) -> List[Dict]:
 
 
 def load_records(path: str) -> List[Dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 #: record fields summarized as their largest value over the ranks
@@ -192,9 +190,7 @@ _WORST_OF_RANKS = ("step_s", "first_step_s", "peak_tensor_bytes", "rss_high_wate
 
 def summarize(records: List[Dict]) -> List[Dict]:
     """One row per (kernel, case, L): max over ranks of memory and time, pairs of the worst rank."""
-    def key(r: Dict) -> Tuple:
-        return r["kernel"], r["case"], r["seq_length"]
-
+    key = itemgetter("kernel", "case", "seq_length")
     rows = []
     for (kernel, case, L), group in groupby(sorted(records, key=key), key):
         rs = list(group)
@@ -323,8 +319,7 @@ def main(args, command: str) -> Dict[str, str]:
         result = load(args.from_json)
     elif not args.attention_scaling:
         records_path = os.path.join(args.output_dir, f"{name}.records.jsonl")
-        if os.path.exists(records_path):
-            os.remove(records_path)
+        Path(records_path).unlink(missing_ok=True)
         env, t0 = environment(), time.perf_counter()
         records = run(cfg, records_path)
         result = {"config": asdict(cfg), "environment": dict(env, wall_s=time.perf_counter() - t0), "command": command,

@@ -52,10 +52,8 @@ class LoRABench:
     def argv(self) -> List[str]:
         if self.layout not in LAYOUTS:
             raise ValueError(f"--layout {self.layout}: choose from {', '.join(LAYOUTS)}")
-        return ["--mock-data"] + trainer_argv(dict(
-            self.flags(), seq_length=self.seq_length, block_size=16, micro_batch_size=1, global_batch_size=1,
-            train_iters=100, lr=1e-3, attention_kernel="tiled", tokenizer_type="NullTokenizer",
-            mask_token_id=self.vocab_size - 1, make_vocab_size_divisible_by=1)) + ["--no-progress-bar"] + LAYOUTS[self.layout]
+        return trainer_argv(dict(self.flags(), seq_length=self.seq_length, block_size=16, micro_batch_size=1,
+                                 global_batch_size=1, train_iters=100, lr=1e-3, attention_kernel="tiled")) + LAYOUTS[self.layout]
 
 
 QUICK = LoRABench(seq_length=128, num_layers=2, hidden_size=128, ffn_hidden_size=512, vocab_size=256, rank=4,

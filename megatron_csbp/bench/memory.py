@@ -93,8 +93,6 @@ def rss_high_water_bytes() -> Optional[int]:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    try:
+    with suppress(Exception):  # no /proc: the process's peak RSS since its start
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except Exception:
-        return None

@@ -123,8 +123,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
-
     from megatron_csbp.utils.cli import run
 
-    sys.exit(run(main))
+    raise SystemExit(run(main))

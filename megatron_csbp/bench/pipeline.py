@@ -36,7 +36,9 @@ def _p2p_bytes_sent():
     """A list whose one item counts the bytes this rank sends through megatron-core's pipeline P2P ops."""
     from megatron.core.pipeline_parallel import p2p_communication as p2p
 
-    sent, orig = [0], (p2p._batched_p2p_ops, p2p._p2p_ops)
+    from megatron_csbp.compat import swapped
+
+    sent = [0]
 
     def counted(fn):
         def wrapper(**kw):
@@ -45,11 +47,9 @@ def _p2p_bytes_sent():
             return fn(**kw)
         return wrapper
 
-    p2p._batched_p2p_ops, p2p._p2p_ops = counted(orig[0]), counted(orig[1])
-    try:
+    with (swapped(p2p, "_batched_p2p_ops", counted(p2p._batched_p2p_ops)),
+          swapped(p2p, "_p2p_ops", counted(p2p._p2p_ops))):
         yield sent
-    finally:
-        p2p._batched_p2p_ops, p2p._p2p_ops = orig
 
 
 def _rank(rank: int, world: int, argv: List[str], steps: int) -> Dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Dict, List, Optional
 
 MiB = 2 ** 20
@@ -148,15 +149,11 @@ def _peak_mib(r: Dict) -> str:
     return _fmt(r["peak_tensor_bytes"] / MiB if r["peak_tensor_bytes"] else None, ".1f")
 
 
-def _single_key(r: Dict):
-    return r["seq_length"], r.get("attention")
-
-
 def loss_vs_single(r: Dict, rows: List[Dict]) -> Optional[float]:
     """|loss - single-rank loss| / |single-rank loss| of one case (same L, and for DiffusionGemma
     the same attention variant); None without a single-rank case."""
-    single = {_single_key(x): x["loss_step0"] for x in rows if x["kind"] == "single"}
-    ref = single.get(_single_key(r))
+    ref = next((x["loss_step0"] for x in rows if x["kind"] == "single" and x["seq_length"] == r["seq_length"]
+                and x.get("attention") == r.get("attention")), None)
     return None if ref is None else abs(r["loss_step0"] - ref) / abs(ref)
 
 
@@ -415,16 +412,10 @@ def write_out(out: str, result, text: str, echo: bool = True) -> Dict[str, str]:
 
 
 def load(path: str) -> Dict:
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(Path(path).read_text())
 
 
 def write_file(path: Optional[str], data) -> None:
     """`data` to `path`: a string as it is, anything else as JSON (indent 1); nothing without a path."""
-    if not path:
-        return
-    with open(path, "w") as f:
-        if isinstance(data, str):
-            f.write(data)
-        else:
-            json.dump(data, f, indent=1)
+    if path:
+        Path(path).write_text(data if isinstance(data, str) else json.dumps(data, indent=1))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import platform
 import time
+from contextlib import suppress
 from dataclasses import asdict
 from typing import Dict, List
 
 import torch
 
 from megatron_csbp.bench.cases import (BenchConfig, Case, DiffusionGemmaBenchModel, cases_for, dg_cases_for,
-                                      dg_formula_bytes_per_layer, formula_bytes_sent)
+                                      formula_bytes_per_layer, formula_bytes_sent)
 from megatron_csbp.bench.report import by_case
 from megatron_csbp.bench.worker import world_main
 from megatron_csbp.parallel.spawn import spawn
@@ -65,7 +66,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
         if case.attention is not None:
             row["attention"] = case.attention
             row["formula_bytes_per_layer"] = {str(k): v for k, v in
-                                              dg_formula_bytes_per_layer(case, cfg.model, L).items()}
+                                              formula_bytes_per_layer(case, cfg.model, L).items()}
             row["attn_bytes_sent_per_layer_per_rank"] = [
                 {str(k): sum(v for key, v in per.items() if key.endswith("_sent"))
                  for k, per in r["attn_bytes_per_layer"].items()} for r in records]
@@ -76,7 +77,7 @@ def aggregate(cfg: BenchConfig, per_rank: List[List[Dict]]) -> List[Dict]:
 def add_ratios(rows: List[Dict]) -> None:
     index = by_case(rows)
     for r in rows:
-        base = index.get((r["P"], r["seq_length"], r["baseline"])) if r["baseline"] else None
+        base = index.get((r["P"], r["seq_length"], r["baseline"]))  # None: a single rank's (no baseline)
         for key, out in (("median_step_s", "time_vs_cp"), ("attn_bytes_sent", "traffic_vs_cp"),
                          ("peak_tensor_bytes", "memory_vs_cp"), ("tokens_per_s", "throughput_vs_cp"),
                          ("thread_cpu_s", "cpu_vs_cp")):
@@ -85,10 +86,8 @@ def add_ratios(rows: List[Dict]) -> None:
 
 def load_average():
     """os.getloadavg(), None where the platform has none."""
-    try:
+    with suppress(AttributeError, OSError):
         return os.getloadavg()
-    except (AttributeError, OSError):
-        return None
 
 
 def environment() -> Dict:

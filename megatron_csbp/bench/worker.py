@@ -31,21 +31,18 @@ def trainer_of(argv: List[str], **kw):
 
 
 def bench_trainer(model: AnyModel, case: Case, seq_length: int, seed: int):
-    """A built `Trainer` of the benchmark's model on this layout: mock tokens, one micro-batch of
-    `micro_batch_size` samples per step, Adam at a constant lr of 1e-4, the layout's process groups
-    (already initialised: `process_groups`)."""
-    m = model
+    """A built `Trainer` of the benchmark's model on this layout: mock tokens (`trainer_argv`), one
+    micro-batch of `micro_batch_size` samples per step, Adam at a constant lr of 1e-4, the layout's
+    process groups (already initialised: `process_groups`)."""
     argv = trainer_argv(dict(
-        m.flags(), mask_token_id=m.vocab_size - 1, make_vocab_size_divisible_by=1, seq_length=seq_length,
-        block_size=m.block_size, micro_batch_size=m.micro_batch_size, global_batch_size=m.micro_batch_size,
-        train_iters=10 ** 6, lr=1e-4, lr_decay_style="constant", seed=seed, context_parallel_size=case.cp,
-        block_parallel_size=case.bp, attention_transport=case.transport, block_ownership=case.schedule))
-    argv += ["--mock-data", "--tokenizer-type=NullTokenizer", "--no-progress-bar"]
+        model.flags(), seq_length=seq_length, global_batch_size=model.micro_batch_size, train_iters=10 ** 6, lr=1e-4,
+        lr_decay_style="constant", seed=seed, context_parallel_size=case.cp, block_parallel_size=case.bp,
+        attention_transport=case.transport, block_ownership=case.schedule))
     provider = None
-    if isinstance(m, DiffusionGemmaBenchModel):
+    if isinstance(model, DiffusionGemmaBenchModel):
         # DiffusionGemma's clean stream is token-causal; the model comes from `provider`
         argv += ["--clean-attention=token_causal"]
-        provider = partial(diffusion_gemma, m, seed, case.attention == "full")
+        provider = partial(diffusion_gemma, model, seed, case.attention == "full")
     return trainer_of(argv, gpt_provider=provider).build()
 
 
@@ -105,18 +102,16 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "exposed_comm_s", "in_flight_comm_s", "forward_exposed_comm_s", "forward_in_flight_comm_s", "thread_cpu_s",
         "process_cpu_s")}
     transfers = 0
-    first_loss = None
+    losses = []
     for i in range(cfg.warmup + cfg.steps):
         dist.barrier(group=shard_group)
         counter.reset()
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        loss = step(i)
+        losses.append(step(i))
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dc, dp = time.thread_time() - c0, time.process_time() - p0
         # a step lasts as long as its slowest rank
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=shard_group)
-        if i == 0:
-            first_loss = loss
         if i >= cfg.warmup:
             times.append(float(dt))
             forward = [sum(v for (_, phase), v in by_phase.items() if phase == "forward")
@@ -134,7 +129,7 @@ def _measure(case: Case, seq_length: int, cfg: BenchConfig) -> Dict:
         "case": case.name, "kind": case.kind, "cp": case.cp, "bp": case.bp, "size": case.shard_group_size,
         "transport": case.transport, "schedule": case.schedule, "seq_length": seq_length, "shard_rank": shard_rank,
         "rows": len(trainer.model.bdlm.plan.local), "step_times_s": times, "median_step_s": statistics.median(times),
-        "loss_step0": first_loss, "attn_bytes_sent": sent, "attn_bytes_received": received,
+        "loss_step0": losses[0], "attn_bytes_sent": sent, "attn_bytes_received": received,
         "attn_bytes_per_layer": per_layer, "peak_tensor_bytes": peak_tensor, "static_tensor_bytes": static,
         "rss_high_water_bytes": rss_peak, "thread_cpu_steps_s": per_step["thread_cpu_s"], "transfers": transfers,
         **{key: statistics.median(values) for key, values in per_step.items()}}
