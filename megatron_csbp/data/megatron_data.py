@@ -232,13 +232,18 @@ def _split_matrix(split: str):
     return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
 
 
+def _split_documents(bookends, num_documents: int):
+    """Documents [begin, end) of one split of a prefix: Megatron's own rounding
+    (`BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`)."""
+    if bookends is None:
+        return 0, 0
+    return int(round(bookends[0] * float(num_documents))), int(round(bookends[1] * float(num_documents)))
+
+
 def _empty_splits(matrix, lengths: np.ndarray, read: Sequence[bool]) -> List[int]:
-    """The splits the run reads that get no document (or no token) of a prefix with these document
-    lengths. Split i holds documents [round(b0 x n), round(b1 x n)) of its bookends (b0, b1):
-    Megatron's own rounding (`BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`)."""
-    n = float(len(lengths))
-    return [i for i, needed in enumerate(read) if needed and (
-        matrix[i] is None or int(lengths[round(matrix[i][0] * n):round(matrix[i][1] * n)].sum()) == 0)]
+    """The splits the run reads that get no document (or no token) of a prefix with these document lengths."""
+    return [i for i, needed in enumerate(read)
+            if needed and int(lengths[slice(*_split_documents(matrix[i], len(lengths)))].sum()) == 0]
 
 
 def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None):

@@ -7,7 +7,6 @@ it gives transformers' tokens. The loop, settings and the test: docs/diffusionge
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 from typing import Optional
@@ -29,10 +28,8 @@ def generation_config(assets_dir: Optional[str] = None, **overrides):
     """transformers' resolution: the checkpoint's `generation_config.json` (in `assets_dir`), then
     the global defaults for what it leaves unset, then `overrides` (None = not given)."""
     g = _hf()
-    path = os.path.join(assets_dir, "generation_config.json") if assets_dir else None
-    base = g.DiffusionGemmaGenerationConfig.from_pretrained(assets_dir) if path and os.path.isfile(path) \
-        else g.DiffusionGemmaGenerationConfig()
-    cfg = copy.deepcopy(base)
+    saved = assets_dir and os.path.isfile(os.path.join(assets_dir, "generation_config.json"))
+    cfg = g.DiffusionGemmaGenerationConfig.from_pretrained(assets_dir) if saved else g.DiffusionGemmaGenerationConfig()
     cfg.update(**cfg._get_default_generation_params(), defaults_only=True)
     given = {k: v for k, v in overrides.items() if v is not None}
     if "entropy_bound" in given:
@@ -95,17 +92,15 @@ class DiffusionGemmaSampler(kv_cache.CachedDecoder):
         self.forward_calls = 0
 
         sampler = g.EntropyBoundSampler(config.sampler_config, C, self.V, N)
-        schedule = None
-        if config.t_min is not None and config.t_max is not None:
-            schedule = g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N)
+        schedule = (g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N)
+                    if config.t_min is not None and config.t_max is not None else None)
         stopping = StoppingCriteriaList()
         if config.max_length is not None:
             stopping.append(MaxLengthCriteria(config.max_length))
         if config.eos_token_id is not None:
             stopping.append(EosTokenCriteria(config.eos_token_id))
-        adaptive = None
-        if config.stability_threshold is not None and config.confidence_threshold is not None:
-            adaptive = g.StableAndConfidentStoppingCriteria(config.stability_threshold, config.confidence_threshold)
+        adaptive = (g.StableAndConfidentStoppingCriteria(config.stability_threshold, config.confidence_threshold)
+                    if config.stability_threshold is not None and config.confidence_threshold is not None else None)
         eos = torch.tensor(config.eos_token_id) if config.eos_token_id is not None else None
         emb_dtype = self.gpt.embedding.word_embeddings.weight.dtype
 
