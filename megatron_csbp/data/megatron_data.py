@@ -250,13 +250,11 @@ def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None)
     """(largest token id, its `.bin`) over every `--data-path` prefix: one pass over each `.bin`
     through a numpy memmap (the `.idx` header gives the dtype; cost: docs/training.md#data). A
     prefix whose dtype holds no id >= `vocab_size` is not read."""
-    from megatron.core.datasets.indexed_dataset import DType
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     best = (-1, None)
     for prefix in parse_data_path(data_path)[0]:
-        with open(prefix + ".idx", "rb") as f:
-            header = f.read(18)  # magic (9 bytes), version (<Q), dtype code (<B)
-        dtype = DType.dtype_from_code(header[17])
+        dtype = IndexedDataset(prefix, multimodal=False, mmap=True).index.dtype  # from the .idx header
         if vocab_size is not None and np.issubdtype(dtype, np.integer) and np.iinfo(dtype).max < vocab_size:
             continue
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
