@@ -8,10 +8,10 @@ import platform
 import pytest
 import torch
 
-from megatron_csbp.data import (DEFAULT_CORPUS, DEFAULT_MODEL, SentencePieceTokenizer, load_documents,
-                                pack_token_stream, split_documents, unigram_entropy)
+from megatron_csbp.data import DEFAULT_CORPUS, load_documents, pack_token_stream, split_documents, unigram_entropy
 from megatron_csbp.data import corpus as corpus_mod
 from megatron_csbp.data import tokenizer as tokenizer_mod
+from megatron_csbp.data.tokenizer import DEFAULT_MODEL, SentencePieceTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,6 @@ def prepare_features(a, hf_path: str) -> Dict:
     verifier = load_verifier(hf_path, tensor_parallel=tp)
     if tp == 1 and world > 1 and torch.cuda.is_available():
         verifier.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    dtype = np.float16 if a.dtype == "float16" else np.float32
     done = 0
     total = n - sum(min(a.shard_size, n - s * a.shard_size) for s in plan["pending"] if s not in mine)
     with tqdm(total=total, desc="features", unit="seq", disable=a.no_progress_bar or rank != 0) as bar:
@@ -251,7 +250,7 @@ def prepare_features(a, hf_path: str) -> Dict:
             if tp_rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
-                feats = np.lib.format.open_memmap(os.path.join(tmp, "features.npy"), mode="w+", dtype=dtype,
+                feats = np.lib.format.open_memmap(os.path.join(tmp, "features.npy"), mode="w+", dtype=a.dtype,
                                                   shape=(stop - start, L, width))
             for i in range(start, stop):
                 row = capture_sequence(verifier, tokens[i], doc_ids[i], a.target_layer_ids)

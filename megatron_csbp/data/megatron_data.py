@@ -200,19 +200,16 @@ def missing_prefixes(data_path: Sequence[str]) -> List[str]:
 
 def parse_data_path(data_path: Sequence[str]):
     """Megatron's blend syntax: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`; a clear error otherwise."""
-    for prefix in _blend(data_path)[0]:
-        _check_prefix(prefix)
-    return _blend(data_path)
-
-
-def _check_prefix(prefix: str) -> None:
-    for ext in (".bin", ".idx"):
-        if prefix.endswith(ext) and not os.path.exists(prefix + ".bin"):  # the file named, not its prefix
-            raise ValueError(f"--data-path takes the prefix without .bin/.idx: did you mean {prefix[:-len(ext)]}?")
-    for ext in (".bin", ".idx"):
-        if not os.path.exists(prefix + ext):
-            raise ValueError(f"--data-path: {prefix}{ext} does not exist (expected a prefix written by "
-                             "python -m megatron_csbp.data.preprocess)")
+    blend = _blend(data_path)
+    for prefix in blend[0]:
+        named = next((ext for ext in (".bin", ".idx") if prefix.endswith(ext)), None)
+        if named and not os.path.exists(prefix + ".bin"):  # the file named, not its prefix
+            raise ValueError(f"--data-path takes the prefix without .bin/.idx: did you mean {prefix[:-len(named)]}?")
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(prefix + ext):
+                raise ValueError(f"--data-path: {prefix}{ext} does not exist (expected a prefix written by "
+                                 "python -m megatron_csbp.data.preprocess)")
+    return blend
 
 
 SPLIT_NAMES = ("training", "validation", "test")
@@ -253,13 +250,11 @@ def largest_token_id(data_path: Sequence[str], vocab_size: Optional[int] = None)
     """(largest token id, its `.bin`) over every `--data-path` prefix: one pass over each `.bin`
     through a numpy memmap (the `.idx` header gives the dtype; cost: docs/training.md#data). A
     prefix whose dtype holds no id >= `vocab_size` is not read."""
-    from megatron.core.datasets.indexed_dataset import DType
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     best = (-1, None)
     for prefix in parse_data_path(data_path)[0]:
-        with open(prefix + ".idx", "rb") as f:
-            header = f.read(18)  # magic (9 bytes), version (<Q), dtype code (<B)
-        dtype = DType.dtype_from_code(header[17])
+        dtype = IndexedDataset(prefix, multimodal=False, mmap=True).index.dtype  # from the .idx header
         if vocab_size is not None and np.issubdtype(dtype, np.integer) and np.iinfo(dtype).max < vocab_size:
             continue
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
@@ -340,15 +335,9 @@ def microbatch_indices(consumed_samples: int, micro: int, micro_batch_size: int,
 
 
 def collate(dataset, indices: Sequence[int], device=None) -> Dict[str, torch.Tensor]:
-    batch = _stacked([dataset[i] for i in indices], indices)
-    if device is not None:
-        batch = {k: v.to(device) for k, v in batch.items()}
-    return batch
-
-
-def _stacked(samples, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
-    """The micro-batch of `samples` (global indices `indices`). A sample of T rows [T, L] (an SFT
+    """The micro-batch of the samples `indices` (global indices). A sample of T rows [T, L] (an SFT
     trajectory, `SFTDataset(trajectory_turns="all")`) gives T rows, row j of sample i indexed i * T + j."""
+    samples = [dataset[i] for i in indices]
     keys = ["tokens", "loss_mask"] + (["document_ids"] if "document_ids" in samples[0] else [])  # packed SFT
     batch = {k: torch.stack([s[k] for s in samples]) for k in keys}
     index = torch.tensor(list(indices), dtype=torch.long)
@@ -357,18 +346,14 @@ def _stacked(samples, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
         batch = {k: v.flatten(0, 1) for k, v in batch.items()}
         index = (index[:, None] * rows + torch.arange(rows)).flatten()
     batch["sample_index"] = index
-    return batch
+    return batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 
-class _Indexed(_View):
-    """`dataset[i]` together with its global index (what `collate` needs)."""
+class _MicroBatches(_View):
+    """`collate` of a micro-batch's global indices (what the sampler yields)."""
 
-    def __getitem__(self, i):
-        return i, self.dataset[i]
-
-
-def _collate_indexed(items):
-    return _stacked([s for _, s in items], [i for i, _ in items])
+    def __getitem__(self, indices):
+        return collate(self.dataset, indices)
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):
@@ -394,5 +379,5 @@ def train_batches(dataset, sampler: MicroBatchSampler, num_workers: int):
     """Micro-batches in training order, read by `num_workers` DataLoader worker processes
     (Megatron-LM's --num-workers; 0: in this process). Memory: at most 2 x num_workers micro-batches
     prefetched (DataLoader's default prefetch factor)."""
-    return iter(torch.utils.data.DataLoader(_Indexed(dataset), batch_sampler=sampler, num_workers=num_workers,
-                                            collate_fn=_collate_indexed, persistent_workers=False))
+    return iter(torch.utils.data.DataLoader(_MicroBatches(dataset), sampler=sampler, batch_size=None,
+                                            num_workers=num_workers, persistent_workers=False))

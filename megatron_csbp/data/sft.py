@@ -66,8 +66,7 @@ def render(record: Dict, tokenizer, where: str = "record", template: Optional["C
            ) -> Tuple[List[int], List[int]]:
     """(token ids, loss mask) of one record, before truncation/padding: through `template`
     (`ChatTemplate`) or, without one, the plain rendering (module docstring)."""
-    messages, tools = messages_of(record, where)
-    return render_messages(messages, tools, tokenizer, where, template)
+    return render_messages(*messages_of(record, where), tokenizer, where, template)
 
 
 def turn_samples(record: Dict, tokenizer, where: str = "record", template: Optional["ChatTemplate"] = None
@@ -119,20 +118,22 @@ class ChatTemplate:
         how = "its generation markers" if self.markers else "rendered prefixes"
         return f" > SFT data: rendered with {self.source} chat template (loss masks from {how})"
 
+    def _apply(self, messages, tools, **options):
+        return self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, **options)
+
     def text(self, messages, tools=None, generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
-                                            add_generation_prompt=generation_prompt)
+        return self._apply(messages, tools, tokenize=False, add_generation_prompt=generation_prompt)
 
     def prompt(self, messages, tools=None) -> List[int]:
         """The ids a model trained on this template is given to answer after `messages`."""
-        return list(self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
-                                                 return_dict=True, add_generation_prompt=True)["input_ids"])
+        enc = self._apply(messages, tools, tokenize=True, return_dict=True, add_generation_prompt=True)
+        return list(enc["input_ids"])
 
     def render(self, messages, tools, where: str, last_turn: bool = False) -> Tuple[List[int], List[int]]:
         """`last_turn`: only the last message's tokens are supervised (`turn_samples`)."""
         try:
-            enc = self.tok.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=True,
-                                               return_dict=True, return_assistant_tokens_mask=self.markers)
+            enc = self._apply(messages, tools, tokenize=True, return_dict=True,
+                              return_assistant_tokens_mask=self.markers)
             ids = list(enc["input_ids"])
             if self.markers:
                 mask = list(enc["assistant_masks"])
@@ -225,8 +226,7 @@ def align_response(ids: List[int], mask: List[int], multiple: int, pad_id: int) 
 def first_fit(lengths: List[int], capacity: int) -> List[List[int]]:
     """Bins (lists of item indices, in order) of first-fit packing: each item into the first bin
     with room for it, else a new bin. O(items x bins); lengths must be <= capacity."""
-    bins: List[List[int]] = []
-    room: List[int] = []
+    bins, room = [], []  # item indices, room left
     for i, n in enumerate(lengths):
         b = next((b for b, r in enumerate(room) if n <= r), len(bins))
         if b == len(bins):

@@ -80,47 +80,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompt_ids(p: argparse.ArgumentParser, a, tok=None, null_tokenizer: bool = False,
-                template_spec: Optional[str] = "auto") -> np.ndarray:
+def _prompt_ids(a, tok=None, null_tokenizer: bool = False, template_spec: Optional[str] = "auto") -> np.ndarray:
     """[batch, prompt] int64 from --prompt-ids or --prompt (ids for a NullTokenizer); with --chat the
     prompt as a user turn of `template_spec` (data.sft.chat_template), the generation prompt added."""
     if a.chat:
         if a.prompt is None or tok is None or null_tokenizer:
-            p.error("--chat renders --prompt text with the checkpoint's tokenizer: give --prompt (and a checkpoint "
-                    "with a text tokenizer)")
+            raise ValueError("--chat renders --prompt text with the checkpoint's tokenizer: give --prompt (and a "
+                             "checkpoint with a text tokenizer)")
         from megatron_csbp.data.sft import chat_template, prompt_ids
 
-        try:
-            return np.asarray([prompt_ids(a.prompt, tok, chat_template(tok, template_spec))], dtype=np.int64)
-        except ValueError as exc:
-            p.error(str(exc))
+        return np.asarray([prompt_ids(a.prompt, tok, chat_template(tok, template_spec))], dtype=np.int64)
     if a.prompt_ids is not None:
         try:
             ids = np.load(a.prompt_ids)
         except (OSError, ValueError) as exc:
-            p.error(f"--prompt-ids {a.prompt_ids}: not a .npy array ({exc})")
-        if ids.ndim == 1:
-            ids = ids[None]
+            raise ValueError(f"--prompt-ids {a.prompt_ids}: not a .npy array ({exc})") from None
+        ids = ids[None] if ids.ndim == 1 else ids
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            p.error(f"--prompt-ids must be an integer array [batch, prompt], got {ids.dtype} {ids.shape}")
+            raise ValueError(f"--prompt-ids must be an integer array [batch, prompt], got {ids.dtype} {ids.shape}")
         return ids.astype(np.int64)
     if tok is None:
-        p.error("--prompt needs a tokenizer: give --tokenizer-model (SentencePiece), or pass ids with --prompt-ids")
+        raise ValueError("--prompt needs a tokenizer: give --tokenizer-model (SentencePiece), or pass ids with "
+                         "--prompt-ids")
     if null_tokenizer:
         try:
             ids = [int(t) for t in a.prompt.split()]
         except ValueError:
-            p.error(f"--prompt {a.prompt!r}: this checkpoint has a NullTokenizer (no vocabulary); give token ids "
-                    "separated by spaces (--prompt '5 17 42') or --prompt-ids PROMPT.npy")
+            raise ValueError(f"--prompt {a.prompt!r}: this checkpoint has a NullTokenizer (no vocabulary); give token "
+                             "ids separated by spaces (--prompt '5 17 42') or --prompt-ids PROMPT.npy") from None
         return np.asarray([ids], dtype=np.int64)
     return np.asarray([tok.tokenize(a.prompt)], dtype=np.int64)
 
 
-def _check_range(p, ids: np.ndarray, vocab_size: int) -> None:
+def _check_range(ids: np.ndarray, vocab_size: int) -> None:
     if ids.shape[1] == 0:
-        p.error("--prompt / --prompt-ids: the prompt is empty")
+        raise ValueError("--prompt / --prompt-ids: the prompt is empty")
     if ids.min() < 0 or ids.max() >= vocab_size:
-        p.error(f"--prompt-ids: token ids must lie in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
+        raise ValueError(f"--prompt-ids: token ids must lie in [0, {vocab_size}), got [{ids.min()}, {ids.max()}]")
 
 
 def _diffusion_gemma(load: str, step: Optional[int]):
@@ -135,7 +131,7 @@ def _diffusion_gemma(load: str, step: Optional[int]):
         return None
 
 
-def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
+def run_diffusion_gemma(a, info, lora=None) -> np.ndarray:
     from megatron_csbp.checkpoint.model import load_checkpoint_model, single_process_megatron
     from megatron_csbp.data.megatron_data import build_tokenizer
     from megatron_csbp.generation import diffusion_gemma as dg
@@ -148,19 +144,16 @@ def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
             eos_token_id=a.eos_token_id if a.eos_token_id is None or len(a.eos_token_id) > 1 else a.eos_token_id[0],
             pad_token_id=a.pad_token_id)
     except ValueError as exc:
-        p.error(f"DiffusionGemma generation settings: {exc}")
+        raise ValueError(f"DiffusionGemma generation settings: {exc}") from None
     if a.max_new_tokens is not None and a.max_new_tokens <= 0:
-        p.error(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
+        raise ValueError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
     tok = None
     if a.tokenizer_model:
         tok = build_tokenizer("SentencePieceTokenizer", a.tokenizer_model, shape.vocab_size)
     elif a.chat and dg.assets_dir(info):  # the tokenizer (and its chat template) converted with the model
-        try:
-            tok = build_tokenizer("HuggingFaceTokenizer", dg.assets_dir(info), None)
-        except ValueError as exc:
-            p.error(str(exc))
-    ids = _prompt_ids(p, a, tok)
-    _check_range(p, ids, shape.vocab_size)
+        tok = build_tokenizer("HuggingFaceTokenizer", dg.assets_dir(info), None)
+    ids = _prompt_ids(a, tok)
+    _check_range(ids, shape.vocab_size)
     dtype = getattr(torch, a.dtype)
     with single_process_megatron():
         model, _ = load_checkpoint_model(info, params_dtype=dtype)
@@ -182,33 +175,28 @@ def run_diffusion_gemma(p, a, info, lora=None) -> np.ndarray:
     return out
 
 
-def run_bd3lm(p, a, lora=None) -> np.ndarray:
+def run_bd3lm(a, lora=None) -> np.ndarray:
     from megatron_csbp.data.megatron_data import saved_tokenizer
     from megatron_csbp.generation import lora as lora_generation
 
-    try:
-        model, margs, step = (load_for_generation(a.load, a.ckpt_step) if lora is None
-                              else lora_generation.load_for_generation(a.load, a.ckpt_step, lora))
-    except ValueError as exc:
-        p.error(str(exc))
+    model, margs, step = (load_for_generation(a.load, a.ckpt_step) if lora is None
+                          else lora_generation.load_for_generation(a.load, a.ckpt_step, lora))
     tokenizer_type = margs.get("tokenizer_type") or "SentencePieceTokenizer"
     tok = saved_tokenizer(tokenizer_type, a.tokenizer_model or margs.get("tokenizer_model"), margs.get("vocab_size"))
-    ids = _prompt_ids(p, a, tok, null_tokenizer=tokenizer_type == "NullTokenizer",
+    ids = _prompt_ids(a, tok, null_tokenizer=tokenizer_type == "NullTokenizer",
                       template_spec=margs.get("chat_template") or "auto")
-    _check_range(p, ids, margs["vocab_size"])
+    _check_range(ids, margs["vocab_size"])
     if ids.shape[1] >= margs["seq_length"]:
-        p.error(f"--prompt has {ids.shape[1]} tokens; the model was trained on --seq-length {margs['seq_length']}")
+        raise ValueError(f"--prompt has {ids.shape[1]} tokens; the model was trained on --seq-length "
+                         f"{margs['seq_length']}")
     if a.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {a.temperature}")
+        raise ValueError(f"--temperature must be >= 0, got {a.temperature}")
     new = BD3LM_DEFAULT_NEW_TOKENS if a.max_new_tokens is None else a.max_new_tokens
     sampler = BlockDiffusionSampler(model, margs["vocab_size"], margs["mask_token_id"], tok.eod,
                                     margs["block_size"], use_cache=not a.no_kv_cache)
-    try:
-        rows = [prompt + sampler.generate(prompt, new, a.steps_per_block, a.temperature, a.seed,
-                                          max_length=margs["seq_length"], order=a.unmask_order, threshold=a.threshold)
-                for prompt in ids.tolist()]
-    except ValueError as exc:
-        p.error(str(exc))
+    rows = [prompt + sampler.generate(prompt, new, a.steps_per_block, a.temperature, a.seed,
+                                      max_length=margs["seq_length"], order=a.unmask_order, threshold=a.threshold)
+            for prompt in ids.tolist()]
     print(f"[checkpoint {a.load} iteration {step}; {sampler.forward_calls} forward calls]")
     if a.output is None or a.prompt is not None:
         for row in rows:
@@ -218,6 +206,8 @@ def run_bd3lm(p, a, lora=None) -> np.ndarray:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
+    """The `generate` app; a `ValueError` (a bad checkpoint, prompt or setting) is its one-line error
+    under `utils.cli.run` (`python -m megatron_csbp.generate`)."""
     filter_warnings()  # hide the library warnings a user cannot act on
     info_to_stderr()  # stdout is the generated text
     p = build_parser()
@@ -229,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> np.ndarray:
 
     lora = read_lora(a.load, a.ckpt_step)  # a LoRA checkpoint: its recorded base with the adapters folded in
     info = _diffusion_gemma(lora[2], None) if lora else _diffusion_gemma(a.load, a.ckpt_step)
-    out = run_diffusion_gemma(p, a, info, lora) if info is not None else run_bd3lm(p, a, lora)
+    out = run_diffusion_gemma(a, info, lora) if info is not None else run_bd3lm(a, lora)
     if a.output is not None:
         np.save(a.output, out)
         print(f"wrote {out.shape[0]} x {out.shape[1]} ids -> {a.output}")

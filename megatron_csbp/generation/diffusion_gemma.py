@@ -1,13 +1,13 @@
 """DiffusionGemma decoding with transformers' own sampler, on the project's Megatron model.
 
 `DiffusionGemmaSampler.generate` is the loop of transformers 5.24's
-`DiffusionGemmaForBlockDiffusion.generate`, its classes unchanged, with the model forward replaced
+`DiffusionGemmaForBlockDiffusion.generate`, its classes and config-only steps (stopping criteria,
+logits processor, `_finalize_canvas`) unchanged, with the model forward replaced
 by the Megatron `DiffusionGemmaModel` over the clean-prefix KV cache: after `torch.manual_seed(S)`
 it gives transformers' tokens. The loop, settings and the test: docs/diffusiongemma.md#decoding.
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 from typing import Optional
@@ -29,10 +29,8 @@ def generation_config(assets_dir: Optional[str] = None, **overrides):
     """transformers' resolution: the checkpoint's `generation_config.json` (in `assets_dir`), then
     the global defaults for what it leaves unset, then `overrides` (None = not given)."""
     g = _hf()
-    path = os.path.join(assets_dir, "generation_config.json") if assets_dir else None
-    base = g.DiffusionGemmaGenerationConfig.from_pretrained(assets_dir) if path and os.path.isfile(path) \
-        else g.DiffusionGemmaGenerationConfig()
-    cfg = copy.deepcopy(base)
+    saved = assets_dir and os.path.isfile(os.path.join(assets_dir, "generation_config.json"))
+    cfg = g.DiffusionGemmaGenerationConfig.from_pretrained(assets_dir) if saved else g.DiffusionGemmaGenerationConfig()
     cfg.update(**cfg._get_default_generation_params(), defaults_only=True)
     given = {k: v for k, v in overrides.items() if v is not None}
     if "entropy_bound" in given:
@@ -76,8 +74,6 @@ class DiffusionGemmaSampler(kv_cache.CachedDecoder):
         """[b, P] prompt ids -> [b, P + canvases x C] (transformers' `sequences`); draws from torch's
         global generator. `config`: a resolved `DiffusionGemmaGenerationConfig` (`generation_config`)."""
         g = _hf()
-        from transformers.generation import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
-
         input_ids = input_ids.long()
         b, P = input_ids.shape
         if P == 0:
@@ -95,17 +91,11 @@ class DiffusionGemmaSampler(kv_cache.CachedDecoder):
         self.forward_calls = 0
 
         sampler = g.EntropyBoundSampler(config.sampler_config, C, self.V, N)
-        schedule = None
-        if config.t_min is not None and config.t_max is not None:
-            schedule = g.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max, N)
-        stopping = StoppingCriteriaList()
-        if config.max_length is not None:
-            stopping.append(MaxLengthCriteria(config.max_length))
-        if config.eos_token_id is not None:
-            stopping.append(EosTokenCriteria(config.eos_token_id))
-        adaptive = None
-        if config.stability_threshold is not None and config.confidence_threshold is not None:
-            adaptive = g.StableAndConfidentStoppingCriteria(config.stability_threshold, config.confidence_threshold)
+        # transformers' own preparation steps (they read the config only) and, below, its _finalize_canvas
+        hf = g.DiffusionGemmaGenerationMixin()
+        schedule = hf._prepare_logits_processor(config)  # the linear temperature schedule when t_min/t_max are set
+        stopping = hf._prepare_ar_stopping_criteria(config)  # max_length, EOS
+        adaptive = hf._prepare_diffusion_stopping_criteria(config)  # stable-and-confident, or None
         eos = torch.tensor(config.eos_token_id) if config.eos_token_id is not None else None
         emb_dtype = self.gpt.embedding.word_embeddings.weight.dtype
 
@@ -126,8 +116,7 @@ class DiffusionGemmaSampler(kv_cache.CachedDecoder):
                 step = torch.tensor(cur, dtype=torch.int32)
                 # fp32 logits [b, C, V] (Hugging Face casts the output layer's logits to fp32, then soft-caps)
                 logits = self._rows(canvas, torch.arange(s, s + C), clean=False, sc_logits=sc).float()
-                if schedule is not None:
-                    logits = schedule(input_ids, logits, cur_step=step)
+                logits = schedule(input_ids, logits, cur_step=step)
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
                 drawn = torch.multinomial(probs.view(-1, self.V), num_samples=1).view(b, C)
                 new_argmax = torch.argmax(logits, dim=-1)
@@ -143,17 +132,7 @@ class DiffusionGemmaSampler(kv_cache.CachedDecoder):
                 if bool(done.all()):
                     break
             input_ids = torch.cat([input_ids, argmax], dim=-1)  # 1.d
-            # 1.e: transformers' _finalize_canvas
-            this = stopping(input_ids, None, new_token_length=C)
-            previously = finished
-            finished = previously | this
-            if config.pad_token_id is not None and bool(finished.any()):
-                input_ids[previously, -C:] = config.pad_token_id
-                if eos is not None and bool(this.any()):
-                    tail = input_ids[:, -C:]
-                    is_eos = torch.isin(tail, eos)
-                    count = is_eos.cumsum(dim=-1)
-                    tail[(count > 0) & ~((count == 1) & is_eos)] = config.pad_token_id
+            input_ids, finished = hf._finalize_canvas(input_ids, finished, config, stopping, C, eos)  # 1.e
             if bool(finished.all()):
                 break
         self.state.mode = "off"

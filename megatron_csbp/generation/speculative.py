@@ -143,16 +143,14 @@ def serving_estimate(verifier, hf_drafter, prompts, outputs, logit_tolerance: fl
                            with_acceptance=True).metrics["acceptance_blocks"]
             if blocks["anchors"].tolist() != list(range(P, L - 1)):
                 raise RuntimeError(f"expected a block at every anchor {P}..{L - 2}, got {blocks['anchors'].tolist()}")
-            right = blocks["right"][:, 1:].long()
-            runs = right.cumprod(dim=1).sum(dim=1)
+            runs = blocks["right"][:, 1:].long().cumprod(dim=1).sum(dim=1)  # each block's right run
             replay = serving_replay(runs.tolist(), P, N, B)
             v = torch.tensor(replay["visited"], dtype=torch.long)
             if len(v):
                 c = acceptance_counts(blocks["right"][v], blocks["supervised"][v])
                 counts = c if counts is None else counts + c
                 # deciding slots: the right run and the first wrong supervised slot after it
-                slot = torch.arange(1, B)
-                deciding = (slot[None, :] <= runs[v, None] + 1) & blocks["supervised"][v][:, 1:]
+                deciding = (torch.arange(1, B)[None, :] <= runs[v, None] + 1) & blocks["supervised"][v][:, 1:]
                 eps = logit_tolerance * blocks["scale"][v][:, 1:].clamp_min(1.0)
                 margin = blocks["margin"][v][:, 1:]
                 close = deciding & (margin <= 2 * eps)

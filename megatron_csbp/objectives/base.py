@@ -143,11 +143,10 @@ class Objective:
         return cls(args.block_size, args.mask_token_id, seed=args.seed, **cls.option_values(args))
 
     @classmethod
-    def check_mask(cls, mask_token_id: Optional[int], vocab_size: Optional[int] = None,
-                   vocabulary: str = "vocabulary") -> None:
+    def check_mask(cls, mask_token_id: Optional[int], vocab_size: Optional[int] = None) -> None:
         """A given mask id lies in the vocabulary; an objective that needs one refuses None."""
         needed = f"--objective {cls.name} needs {cls.mask_token_needed}" if cls.mask_token_needed else None
-        check_mask_token_id(mask_token_id, vocab_size, needed, vocabulary)
+        check_mask_token_id(mask_token_id, vocab_size, needed)
 
     def check_vocab(self, vocab_size: int) -> None:
         self.check_mask(self.mask_token_id, vocab_size)

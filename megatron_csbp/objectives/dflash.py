@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from math import gcd
@@ -64,9 +65,8 @@ def sample_anchors(valid: torch.Tensor, max_anchors: int, sampling: str, stride:
     if sampling == "uniform":
         chosen = torch.randperm(n, generator=generator)[:count]
     elif sampling == "locality":
-        step = max(1, stride)
-        while gcd(step, n) != 1:
-            step += 1
+        # the first step from the stride on that is coprime to n: `count` distinct candidates
+        step = next(k for k in itertools.count(max(1, stride)) if gcd(k, n) == 1)
         start = int(torch.randint(n, (1,), generator=generator))
         chosen = (start + torch.arange(count) * step) % n
     else:

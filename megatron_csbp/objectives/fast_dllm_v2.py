@@ -74,15 +74,12 @@ def _lookup_token(token: str, tokenizer_path: Optional[str]) -> int:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer.json at {tokenizer_path} to look up mask token {token!r}")
     data = json.loads(Path(path).read_text())
-    for added in data.get("added_tokens", []):
-        if added.get("content") == token:
-            return int(added["id"])
     vocab = (data.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict) and token in vocab:
-        return int(vocab[token])
-    if isinstance(vocab, list):  # unigram vocabularies: [[piece, score], ...]
-        for i, entry in enumerate(vocab):
-            if entry and entry[0] == token:
-                return i
+    # token -> id: the model's vocabulary (a dict, or unigram's [[piece, score], ...]), the added tokens first
+    ids = {entry[0]: i for i, entry in enumerate(vocab) if entry} if isinstance(vocab, list) else {}
+    ids.update(vocab if isinstance(vocab, dict) else {})
+    ids.update((added.get("content"), added["id"]) for added in data.get("added_tokens", []))
+    if token in ids:
+        return int(ids[token])
     raise ValueError(f"mask token {token!r} is not a token of {path}; Fast-dLLM v2 reuses an existing reserved "
                      "token (no embedding resize): pick one of the tokenizer's added/reserved tokens or pass an id")
