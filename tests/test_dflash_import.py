@@ -56,7 +56,7 @@ def imported(tmp_path_factory):
 def test_drafter_import_round_trip_and_parity(imported, megatron_single_rank):
     from megatron_csbp.attention.block_attention import AttentionPlan
     from megatron_csbp.conversion import hf_io
-    from megatron_csbp.checkpoint.drafter import load_drafter
+    from megatron_csbp.checkpoint.drafter import read_drafter
     from megatron_csbp.layout.masks import AnchoredGeometry, RowMeta
 
     root, hf = imported
@@ -70,7 +70,7 @@ def test_drafter_import_round_trip_and_parity(imported, megatron_single_rank):
 
     # Outputs equal transformers' (llama3-scaled rotary, a sliding layer cutting the context):
     # fp32, the error model of tests/test_dflash_model.py (1e-4).
-    model = load_drafter(str(root / "meg"))
+    model = read_drafter(str(root / "meg"))
     c, B = 13, 4
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(1, c, 2 * 16, generator=g)

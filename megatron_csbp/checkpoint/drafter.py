@@ -41,40 +41,29 @@ def save_drafter(state, shape: DrafterShape, output: str) -> None:
     os.replace(tmp, os.path.join(output, WEIGHTS_FILE))
 
 
-def load_drafter(path: str):
-    """The `DFlashDrafter` of the checkpoint folder `path`, its weights loaded."""
-    from megatron_csbp.model.dflash import DFlashDrafter
-
-    model = DFlashDrafter(read_shape(path))
-    return load_drafter_state(model, torch.load(os.path.join(path, WEIGHTS_FILE), map_location="cpu"),
-                              f"drafter checkpoint {path}")
-
-
-def load_trained_drafter(load: str):
-    """The drafter of the newest torch_dist checkpoint `python -m megatron_csbp.train --objective
-    dflash --save` wrote in `load` (with its `megatron_csbp_drafter.json`), on one process."""
+def read_drafter(load: str):
+    """The drafter of `load` on one process: its `drafter.pt` when it has one, else the newest torch_dist
+    checkpoint `python -m megatron_csbp.train --objective dflash --save` wrote there (with its
+    `megatron_csbp_drafter.json`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.utils import sharded_state_dict_default
 
     from megatron_csbp.checkpoint.integrity import check_checkpoint_files
     from megatron_csbp.model.dflash import DFlashDrafter
 
-    if not is_drafter_checkpoint(load):
+    shape, weights = read_shape(load), os.path.join(load, WEIGHTS_FILE)
+    if shape is None:
         raise ValueError(f"--load {load}: no {SHAPE_FILE} (not a drafter checkpoint)")
+    model = DFlashDrafter(shape)
+    if os.path.isfile(weights):
+        return load_drafter_state(model, torch.load(weights, map_location="cpu"), f"drafter checkpoint {load}")
     step = read_tracker(load)
     if step is None:
         raise ValueError(f"--load {load}: neither {WEIGHTS_FILE} nor a training checkpoint")
-    model = DFlashDrafter(read_shape(load))
     wanted = sharded_state_dict_default(model, "")
     check_checkpoint_files(checkpoint_path(load, step))
     state = dist_checkpointing.load(wanted, checkpoint_path(load, step))  # (plus the checkpoint's common state)
     return load_drafter_state(model, {k: v for k, v in state.items() if k in wanted}, f"drafter checkpoint {load}")
-
-
-def read_drafter(load: str):
-    """The drafter of `load` on one process: its `drafter.pt` when it has one, else its newest
-    torch_dist checkpoint."""
-    return load_drafter(load) if os.path.isfile(os.path.join(load, WEIGHTS_FILE)) else load_trained_drafter(load)
 
 
 def trainer_drafter(a, hidden_size: int):
@@ -94,7 +83,7 @@ def trainer_drafter(a, hidden_size: int):
     weights = None
     if load and os.path.isfile(os.path.join(load, WEIGHTS_FILE)):
         def weights():
-            state = drafter_state(load_drafter(load))
+            state = drafter_state(read_drafter(load))
             if rank0:
                 print(f" loaded drafter weights {os.path.join(load, WEIGHTS_FILE)} (an import or an older dflash "
                       "train --save: weights only, iteration 0, fresh optimizer)", flush=True)

@@ -114,21 +114,6 @@ def read_trained(load: str, ckpt_step: Optional[int] = None) -> CheckpointModel:
     return info
 
 
-def one_process() -> None:
-    """A one-rank gloo group and the block-parallel state at TP = CP = BP = 1, kept for the caller's
-    decoding."""
-    from megatron_csbp.parallel import state as bps
-    from megatron_csbp.compat.cpu import install_compat
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
-    install_compat()
-    if not bps.is_initialized():
-        bps.initialize_block_parallel()
-
-
 def load_for_generation(load: str, ckpt_step: Optional[int] = None):
     """The `BlockDiffusionModel` of a `python -m megatron_csbp.train` checkpoint at TP = CP = BP = 1,
     rebuilt from its saved hyper-parameters (`bdlm_meta.json`; a converted model from its shape file)
@@ -145,6 +130,7 @@ def generation_model(load: str, info: CheckpointModel, **overrides):
     """The eval-mode `BlockDiffusionModel` a trained checkpoint's saved flags (then `overrides`) build on
     one process, weights not loaded; refused unless the run is BD3-LM."""
     from megatron_csbp.model.assemble import ModelArgs, assemble
+    from megatron_csbp.parallel import state as bps
 
     margs = dict(info.model_args, **overrides)
     if margs.get("objective") != "bd3lm":
@@ -153,7 +139,14 @@ def generation_model(load: str, info: CheckpointModel, **overrides):
                          "decodes BD3-LM (--objective bd3lm) checkpoints and DiffusionGemma models. Export others "
                          "with `python -m megatron_csbp.convert megatron-to-hf` and generate with their Hugging "
                          "Face model")
-    one_process()
+    # a one-rank gloo group and the block-parallel state at TP = CP = BP = 1, kept for the caller's decoding
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise ValueError("python -m megatron_csbp.generate runs on one process (no torchrun)")
+    install_cpu_compat()
+    if not bps.is_initialized():
+        bps.initialize_block_parallel()
     fields = ModelArgs.__dataclass_fields__
     _, model = assemble(ModelArgs(**{k: v for k, v in margs.items() if k in fields and v is not None},
                                   model_shape=info.file_shape))

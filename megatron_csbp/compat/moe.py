@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
 from megatron_csbp.compat import replace_once
 
 
 def _as_split_list(sizes):
-    if sizes is None or isinstance(sizes, list):
-        return sizes
-    if isinstance(sizes, torch.Tensor):
-        return [int(x) for x in sizes.tolist()]
-    return [int(x) for x in sizes]
+    """gloo's all_to_all takes the split sizes as a list of ints (a tensor's or tuple's elements)."""
+    return None if sizes is None else [int(x) for x in sizes]
 
 
 def patch_te_general_gemm() -> None:

@@ -92,20 +92,19 @@ def _flag_text(value) -> str:
 # ("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.lora_A").
 
 #: per stacked axis (layer, expert): the torch_dist key's part, and the one-process name's
-_AXES = ((re.compile(r"(decoder\.layers\.)(?!\d)"), "decoder.layers.{}."),
-         (re.compile(r"(\.experts\.)experts\."), ".experts.local_experts.{}."))
-_INDEX = ((re.compile(r"decoder\.layers\.(\d+)\."), "decoder.layers."),
-          (re.compile(r"\.experts\.local_experts\.(\d+)\."), ".experts.experts."))
+_AXES = (("decoder.layers.", "decoder.layers.{}."), (".experts.experts.", ".experts.local_experts.{}."))
+#: (the one-process name's part, its index captured; the torch_dist key's part) per axis
+_INDEX = [(re.compile(re.escape(named).replace(r"\{\}", r"(\d+)")), stacked) for stacked, named in _AXES]
 
 
 def _stacked_axes(key: str):
     """The stacked axes (layer, then expert) of the torch_dist key `key`, in order."""
-    return [(rx, fmt) for rx, fmt in _AXES if rx.search(key)]
+    return [(stacked, named) for stacked, named in _AXES if re.search(re.escape(stacked) + r"(?!\d)", key)]
 
 
 def _name(key: str, index) -> str:
-    for (rx, fmt), i in zip(_stacked_axes(key), index):
-        key = rx.sub(fmt.format(i), key, count=1)
+    for (stacked, named), i in zip(_stacked_axes(key), index):
+        key = key.replace(stacked, named.format(i), 1)
     return key
 
 

@@ -13,7 +13,7 @@ from megatron.core.transformer.moe import grouped_gemm_util as gg
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
 from megatron_csbp.lora import LoRAConfig
-from megatron_csbp.lora.layers import _ExpertColumnA, _ExpertRowShare, _tp_size, add_adapter_pair, lora_shards
+from megatron_csbp.lora.layers import _ExpertRowShare, _tp_size, add_adapter_pair, expert_tp_a, lora_shards
 
 FCS = ("linear_fc1", "linear_fc2")
 
@@ -72,7 +72,7 @@ class LoRAGroupedMLP(GroupedMLP):
         adapters, world, group = [e[fc] for e in self.local_experts], _tp_size(self.tp_group), self.tp_group
         row = fc == "linear_fc2"
         pieces = torch.split(self.lora_dropout(x), splits)
-        u = torch.cat([F.linear(xe, ad.lora_A) if row or world == 1 else _ExpertColumnA.apply(xe, ad.lora_A, group)
+        u = torch.cat([F.linear(xe, ad.lora_A if row else expert_tp_a(ad.lora_A, group))
                        for ad, xe in zip(adapters, pieces)])
         if row and world > 1:
             u = mappings.reduce_from_tensor_model_parallel_region(u, group=group)

@@ -21,22 +21,11 @@ def _tp_size(group) -> int:
     return group.size() if group is not None and torch.distributed.is_initialized() else 1
 
 
-class _ExpertColumnA(torch.autograd.Function):
-    """x @ A^T on an expert-TP rank whose input gradient stays partial (the token dispatcher sums it):
-    A's gradient uses the full rank-r output gradient (summed over the expert-TP group)."""
-
-    @staticmethod
-    def forward(ctx, x, a, group):
-        ctx.save_for_backward(x, a)
-        ctx.group = group
-        return F.linear(x, a)
-
-    @staticmethod
-    def backward(ctx, du):
-        x, a = ctx.saved_tensors
-        grad_a = du.reshape(-1, du.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        torch.distributed.all_reduce(grad_a, group=ctx.group)
-        return du @ a, grad_a, None
+def expert_tp_a(a: torch.Tensor, group) -> torch.Tensor:
+    """A as an expert-TP rank's `x @ A^T` takes it: the input's gradient stays partial (the token
+    dispatcher sums it), so A's gradient is summed over the expert-TP `group` (megatron-core's copy to
+    the tensor-parallel region: identity forward, all-reduce backward)."""
+    return mappings.copy_to_tensor_model_parallel_region(a, group=group) if _tp_size(group) > 1 else a
 
 
 class _ExpertRowShare(torch.autograd.Function):
@@ -147,8 +136,7 @@ class LoRAColumnParallelLinear(_LoRA, ColumnParallelLinear):
                 getattr(self, "lora_A" + suffix).sequence_parallel = True
 
     def _lora_u(self, x, a):
-        u = F.linear(x, a) if not self.explicit_expert_comm or self.lora_world == 1 \
-            else _ExpertColumnA.apply(x, a, self.tp_group)
+        u = F.linear(x, expert_tp_a(a, self.tp_group) if self.explicit_expert_comm else a)
         if self.lora_world > 1 and not self.explicit_expert_comm:
             if self.sequence_parallel:
                 u = mappings.gather_from_sequence_parallel_region(u, tensor_parallel_output_grad=True,

@@ -43,8 +43,8 @@ def rank() -> Optional[int]:
     dist = sys.modules.get("torch.distributed")  # not imported by torch-free entry points (plan)
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    r = os.environ.get("RANK")
-    return int(r) if r is not None and r.isdigit() else None
+    r = os.environ.get("RANK", "")
+    return int(r) if r.isdigit() else None
 
 
 def report(message: str, agreed: bool = True) -> bool:

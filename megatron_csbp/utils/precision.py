@@ -43,8 +43,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> 
     sum_exp = shifted.exp().sum(dim=-1)
     local = target - start
     inside = (local >= 0) & (local < width)
-    picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-    picked = torch.where(inside, picked, torch.zeros_like(picked))
+    picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
     if tp > 1:
         sum_exp = tensor_parallel.reduce_from_tensor_model_parallel_region(sum_exp)
         picked = tensor_parallel.reduce_from_tensor_model_parallel_region(picked)
