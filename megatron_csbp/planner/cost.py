@@ -175,6 +175,12 @@ def _windows(model: ModelConfig) -> list:
     return sorted({l.window for l in model.layers}, key=lambda w: -1 if w is None else w)
 
 
+def _planned_exchange(layer: LayerShape, wl: "Workload") -> bool:
+    """Whether CSBP moves this layer's clean K/V by a static plan (one variable all-to-all of the
+    rows inside windows, or of the packed documents' rows) instead of the whole clean stream."""
+    return (layer.window is not None and wl.window_exchange == "window") or wl.packed
+
+
 def _ring_link(lay: "Layout", hw: HardwareProfile, gpus_per_node: int, baseline: Baseline) -> Tuple[int, float]:
     """(ranks sharing the clean stream, bytes per second of their attention collectives); the
     reference recipes stripe each CP / CP x BP group across nodes (`inter_node_cp`)."""
@@ -241,10 +247,8 @@ def gdn_layer_bytes(model: ModelConfig, layer: LayerShape, w: GDNRankWork, rows:
 
 def _clean_partials(lay: Layout, ring: int) -> int:
     """Partials over clean keys (CP: over all keys) a rank runs per layer: one after an all-gather,
-    one per ring member when streamed."""
-    if lay.kind in ("cp", "csbp") and lay.transport == "ring":
-        return ring if lay.kind == "csbp" else lay.shard_group_size
-    return 1
+    one per ring member when streamed (`ring`: 1 without CP)."""
+    return ring if lay.transport == "ring" else 1
 
 
 def partials_in_flight_bytes(w, layer: LayerShape, tp: int, s: int, lay: Layout, ring: int) -> float:
@@ -313,9 +317,9 @@ def _step_terms(model: ModelConfig, lay: Layout, wl: "Workload", hw: HardwarePro
         # contiguous gradients off. (The time terms stay the ones above.)
         static = zero2_static_bytes(dense_rank + expert_rank, De,
                                     model.vocab_size * model.hidden_size / tp, wb, 1 if lay.ep > 1 else 2)
-        return t_grad, t_opt, static + wb * frozen / tp
-    static = (wb + gb) * (dense_rank + expert_rank) + ob * opt_params + wb * frozen / tp
-    return t_grad, t_opt, static
+    else:
+        static = (wb + gb) * (dense_rank + expert_rank) + ob * opt_params
+    return t_grad, t_opt, static + wb * frozen / tp
 
 
 def _estimate(lay, wl, hw, micro, step, static, peak_bytes, sent_per_micro, time, parts, **extra) -> Estimate:
@@ -451,6 +455,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
     s, h, V = hw.dtype_bytes, model.hidden_size, model.vocab_size
     peak = hw.peak_tflops * 1e12
     gemm_rate, attn_rate, hbm = peak * hw.gemm_efficiency, peak * hw.attention_efficiency, hw.hbm_gbps * 1e9
+    moe_rate = peak * hw.grouped_gemm_efficiency
     recompute = lay.recompute == "full"
     rc = 1 if recompute else 0  # the recompute's second forward
     passes_fwd = 1 + rc  # forward passes through the layers (recompute replays it)
@@ -478,17 +483,16 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
         rows, noisy = base[r].rows, base[r].noisy_rows
         t = dict(gemm=0.0, moe_gemm=0.0, attention=0.0, attn_comm_exposed=0.0, tp_comm=0.0, moe_comm=0.0,
                  elementwise=0.0, output_layer=0.0)
-        sent, sc = 0, 0.0  # sc: one detached self-conditioning forward of this rank's noisy rows (below)
-        moe_rate = peak * hw.grouped_gemm_efficiency
+        sent, sc = 0, 0.0  # sc: one detached self-conditioning forward of this rank's noisy rows
         for layer in model.layers:
             w = work[layer.window][r]
-            if self_cond:  # its GEMMs: the noisy rows' forward
-                sc += 2 * model.layer_dense_params(layer) / tp * noisy / gemm_rate
-                if layer.num_experts:
-                    sc += 2 * layer.topk * model.layer_expert_params(layer) / tp * noisy / moe_rate
-            t["gemm"] += 2 * model.layer_dense_params(layer) / tp * rows * base_gemms / gemm_rate
+            dense_flops = 2 * model.layer_dense_params(layer) / tp  # per row and forward
+            t["gemm"] += dense_flops * rows * base_gemms / gemm_rate
+            sc += dense_flops * noisy / gemm_rate
             if layer.num_experts:
-                t["moe_gemm"] += 2 * layer.topk * model.layer_expert_params(layer) / tp * rows * base_gemms / moe_rate
+                expert_flops = 2 * layer.topk * model.layer_expert_params(layer) / tp
+                t["moe_gemm"] += expert_flops * rows * base_gemms / moe_rate
+                sc += expert_flops * noisy / moe_rate
             if lora:  # the adapters' thin GEMMs (trained: 3 + recompute), bound by FLOPs or HBM bytes
                 flops, hbm_bytes = layer_forward_cost(model, layer, lora, tp, s)
                 t["lora"] = t.get("lora", 0.0) + (3 + rc) * rows * max(flops / gemm_rate, hbm_bytes / hbm)
@@ -518,37 +522,27 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
                 pairs = w.dense_pairs if hw.attention_kernel == "dense_partials" else w.sparse_pairs
                 heads_t = max(1, layer.num_heads // tp)
                 attn_fwd = pairs * 4 * heads_t * layer.head_dim / attn_rate
-                if ref_cp:
-                    # reference (a) per-path kernel rates / (c) the busiest contiguous clean slice
-                    fr, br, wf = baseline.cp_rates(layer.head_dim)
-                    if wf is None:
-                        wf = contiguous_range_factor(L, B, layer.window)
-                    if baseline.contiguous_clean:
-                        wf *= contiguous_clean_imbalance(L, B, S)
-                    t["attention"] += attn_fwd * wf * ((1 + rc) / fr + (ATTN_FWD_BWD - 1) / br)
-                    sc_attn = attn_fwd * wf / fr
-                else:
-                    t["attention"] += attn_fwd * (ATTN_FWD_BWD + rc)
-                    sc_attn = attn_fwd
+                # (forward rate, backward rate, work factor): the reference CP path's (a) per-path
+                # kernel rates and (c) the busiest contiguous clean slice; 1 for every other path
+                fr, br, wf = baseline.cp_rates(layer.head_dim) if ref_cp else (1.0, 1.0, 1.0)
+                if wf is None:
+                    wf = contiguous_range_factor(L, B, layer.window)
+                if ref_cp and baseline.contiguous_clean:
+                    wf *= contiguous_clean_imbalance(L, B, S)
+                t["attention"] += attn_fwd * wf * ((1 + rc) / fr + (ATTN_FWD_BWD - 1) / br)
                 if self_cond:
                     # the noisy queries' half of the pairs (noisy and clean queries each see
                     # L (L + B) / 2 pairs of the mask; the layouts balance both over the ranks)
-                    sc += 0.5 * sc_attn
+                    sc += 0.5 * (attn_fwd * wf / fr)
                 # attention traffic (bytes sent by this rank in one pass)
                 kv_row = _kv_row(layer, tp, s)
                 if lay.kind == "csbp" and layer.kv_shared:
                     kv_row //= 2  # K=V layers: CSBP moves the raw k only, receivers derive K and V
-                if lay.kind == "cp":
-                    per_pass = rows * kv_row * (S - 1)
-                    n_coll = 1 if lay.transport == "allgather" else S - 1
-                elif lay.kind == "csbp":
-                    if (layer.window is not None and wl.window_exchange == "window") or wl.packed:
-                        # one variable all-to-all (the window / packed plan), received ~ sent
-                        per_pass = w.exchange_rows * kv_row
-                        n_coll = 1
-                    else:
-                        per_pass = w.clean_rows * kv_row * (ring - 1)
-                        n_coll = 1 if lay.transport == "allgather" else ring - 1
+                if lay.kind == "csbp" and _planned_exchange(layer, wl):
+                    per_pass, n_coll = w.exchange_rows * kv_row, 1  # one variable all-to-all, received ~ sent
+                elif lay.kind in ("cp", "csbp"):  # every row (CP) or the clean rows (CSBP) to the ring
+                    per_pass = (rows if lay.kind == "cp" else w.clean_rows) * kv_row * (ring - 1)
+                    n_coll = 1 if lay.transport == "allgather" else ring - 1
                 else:
                     per_pass, n_coll = 0, 0
                 sent += per_pass * (passes_fwd + 1)
@@ -610,8 +604,7 @@ def estimate(model: ModelConfig, lay: Layout, wl: Workload, hw: HardwareProfile,
             if layer.is_gdn:
                 per_layer.append(gdn_layer_bytes(model, layer, gdn[r], rows, tp, s, B, hw.attention_kernel) + kept)
                 continue
-            planned = lay.kind == "csbp" and ((layer.window is not None and wl.window_exchange == "window")
-                                              or wl.packed)
+            planned = lay.kind == "csbp" and _planned_exchange(layer, wl)
             kv_held = (w.exchange_rows if planned else w.kv_rows_gathered) * _kv_row(layer, tp, s)
             scores = 0
             if hw.attention_kernel == "dense_partials":

@@ -173,11 +173,7 @@ def measure_cpu_profile(name: str = "measured-cpu") -> HardwareProfile:
     torch.set_num_threads(1)
     gemm, attn, mem = _gemm_gflops(), _attention_gflops(), _memory_gbps()
     link = spawn(_link_worker, 2, None)[0]
-    try:
-        import psutil
-        total = psutil.virtual_memory().total / GiB
-    except Exception:  # no psutil: assume 8 GiB
-        total = 8.0
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB  # physical memory
     return HardwareProfile(
         name=name, peak_tflops=gemm / 1e3, gemm_efficiency=1.0, attention_efficiency=min(1.0, attn / gemm),
         grouped_gemm_efficiency=1.0, memory_gib=total, reserved_gib=0.0, hbm_gbps=mem,

@@ -69,12 +69,10 @@ class ModelConfig:
     gated_mlp: bool = True  # SwiGLU / GeGLU: 3 matrices instead of 2
     tied_embeddings: bool = False
     clean_attention: str = "block_causal"
-    notes: str = ""
     # DFlash drafter (muse_glimmer_assistant configs): the verifier's hidden states of
     # `target_layers` layers, concatenated, are projected by `fc` into the drafter's width; the
     # verifier's embeddings and LM head (vocab_size x hidden) are read, frozen. 0 = not a drafter.
     target_layers: int = 0
-    drafter_block_size: int = 0
 
     @property
     def is_drafter(self) -> bool:
@@ -227,10 +225,8 @@ def from_hf_config(cfg: Dict, name: Optional[str] = None) -> ModelConfig:
         name=name or cfg.get("name") or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model",
         hidden_size=hidden, vocab_size=vocab, layers=tuple(layers), gated_mlp=gated,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        clean_attention=cfg.get("clean_attention", "block_causal"), notes=cfg.get("notes", ""),
-        target_layers=len(cfg.get("target_layer_ids") or [1, 13, 25, 37, 49]) if drafter else 0,
-        drafter_block_size=int(cfg.get("block_size") or 16) if drafter else 0,
-    )
+        clean_attention=cfg.get("clean_attention", "block_causal"),
+        target_layers=len(cfg.get("target_layer_ids") or [1, 13, 25, 37, 49]) if drafter else 0)
 
 
 def _gdn_shape(cfg: Dict) -> Dict:

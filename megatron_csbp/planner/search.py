@@ -56,16 +56,14 @@ def candidate_layouts(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node
     divides the layers of a stage and the micro-batches per replica are a multiple of PP."""
     if wl.seq_length % wl.block_size:
         raise ValueError(f"--seq-length {wl.seq_length} is not a multiple of --block-size {wl.block_size}")
-    heads = [l.num_heads for l in model.layers if not l.is_gdn]
-    heads += [h for l in model.layers if l.is_gdn for h in (l.gdn_key_heads, l.gdn_value_heads)]
+    heads = [h for l in model.layers for h in ((l.gdn_key_heads, l.gdn_value_heads) if l.is_gdn else (l.num_heads,))]
     dflash = wl.objective == "dflash"
     experts = max(l.num_experts for l in model.layers)
     out = []
     for tp, pp in product(divisors(gpus), pipelines):
-        if tp > gpus_per_node or any(h % tp for h in heads) or (gpus // tp) % pp or model.num_layers % pp:
-            continue
-        # the drafter runs at TP = 1 (model/dflash.py: fc over the context is not split) and PP = 1
-        if dflash and (tp > 1 or pp > 1):
+        # (the drafter runs at TP = 1, model/dflash.py: fc over the context is not split, and PP = 1)
+        if (tp > gpus_per_node or any(h % tp for h in heads) or (gpus // tp) % pp or model.num_layers % pp
+                or (dflash and (tp > 1 or pp > 1))):
             continue
         rest = gpus // (tp * pp)  # the ranks of one stage: (CP, BP) x DP (x EP)
         for S in divisors(rest):
@@ -118,10 +116,9 @@ def plan(model: ModelConfig, wl: Workload, gpus: int, gpus_per_node: int, hw: Ha
     if wl.lora is not None:  # the same layout trained fully: step, peak and whether it fits
         full = replace(wl, lora=None)
         for e, d in zip(feasible + unfit, layouts + not_fitting):
-            f = estimate(model, e.layout, full, hw, gpus_per_node, bm)
-            d["full_fine_tuning"] = {"step_time_s": f.step_time_s, "tokens_per_s": f.tokens_per_s,
-                                     "peak_memory_gib": f.peak_memory_gib, "feasible": f.feasible,
-                                     "memory_breakdown_gib": f.memory_gib}
+            f = estimate(model, e.layout, full, hw, gpus_per_node, bm).to_dict([])
+            d["full_fine_tuning"] = {k: f[k] for k in ("step_time_s", "tokens_per_s", "peak_memory_gib", "feasible",
+                                                        "memory_breakdown_gib")}
     best = layouts[0] if layouts else None
     baselines = [l for l in layouts if l["bp"] == 1]
     return {

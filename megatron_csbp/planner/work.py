@@ -8,7 +8,7 @@ sliding-window layer); packed samples cut the mask to documents. docs/planner.md
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional, Tuple
 
@@ -37,6 +37,14 @@ def _intervals(position: np.ndarray, is_clean: np.ndarray, B: int, clean_attenti
     return lo, np.maximum(hi, lo)
 
 
+def _sequence_layout(L: int, B: int, cp: int, bp: int, schedule: str, clean_attention: str):
+    """The trainer's `SequenceLayout` of the sizes (imported here: the planner imports without torch)."""
+    from megatron_csbp.layout.layout import SequenceLayout
+    from megatron_csbp.layout.masks import BlockGeometry
+
+    return SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
+
+
 @lru_cache(maxsize=256)
 def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str, clean_attention: str,
               window: Optional[int], documents: Optional[Tuple[int, ...]] = None) -> Tuple[RankWork, ...]:
@@ -44,13 +52,8 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
     document: unpacked). Transient: the rank's row metadata and a length-L difference array
     (at 256K tokens on 16 CSBP ranks 32K rows and 2 MiB of int64 per rank); with documents also
     the per-block costs (1K ints at B = 256) and the document starts."""
-    from dataclasses import replace
-
-    from megatron_csbp.layout.layout import SequenceLayout
-    from megatron_csbp.layout.masks import BlockGeometry
-
     L, B = seq_length, block_size
-    layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
+    layout = _sequence_layout(L, B, cp, bp, schedule, clean_attention)
     kind = layout.kind
     packed = documents is not None and len(documents) > 1
     if packed:
@@ -77,10 +80,7 @@ def rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
         piece = np.minimum(bs + B, doc_end[~clean]) - np.maximum(bs, doc_start[~clean])
         sparse = int((hi - lo).sum()) + int(piece.sum())
         # clean positions any local query may see (their union): the keys a partial keeps
-        diff = np.zeros(L + 1, dtype=np.int64)
-        np.add.at(diff, lo, 1)
-        np.add.at(diff, hi, -1)
-        need = np.cumsum(diff[:-1]) > 0
+        need = np.cumsum(np.bincount(lo, minlength=L + 1) - np.bincount(hi, minlength=L + 1))[:-1] > 0
         used_clean = int(need.sum())
         # rectangles of the partials block_attention.py runs (keys no query sees are dropped;
         # whole noisy blocks run as a batch of B x B attentions)
@@ -196,14 +196,6 @@ class GDNRankWork:
     noisy_tokens: int  # rows of the noisy blocks (each block one chunk of B)
 
 
-def _runs(positions: np.ndarray):
-    """[(start, end)) runs of consecutive values of a sorted position array."""
-    if len(positions) == 0:
-        return []
-    cut = [0, *(np.nonzero(np.diff(positions) != 1)[0] + 1).tolist(), len(positions)]
-    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(cut, cut[1:])]
-
-
 @lru_cache(maxsize=64)
 def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: str,
                   clean_attention: str) -> Tuple[GDNRankWork, ...]:
@@ -212,16 +204,15 @@ def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: 
     int64 at 256K tokens on 16 ranks; BP's replicated prefixes about 9 x that), the runs of each
     rank (at most 2 per ring member under CP / CSBP, one prefix under BP) and one holder lookup per
     noisy block (at 256K tokens, B = 256: 1K blocks)."""
-    from megatron_csbp.layout.layout import SequenceLayout
-    from megatron_csbp.layout.masks import BlockGeometry
+    from megatron_csbp.layout.rows import index_runs
 
     L, B = seq_length, block_size
-    layout = SequenceLayout(BlockGeometry(L, B, clean_attention), cp, bp, schedule)
+    layout = _sequence_layout(L, B, cp, bp, schedule, clean_attention)
     P = layout.shard_group_size
     rows = [layout.rows(r) for r in range(P)]
-    clean = [np.sort(r.position[r.is_clean].numpy()) for r in rows]
+    clean = [r.position[r.is_clean].sort().values for r in rows]
     blocks = [np.unique(r.position[~r.is_clean].numpy() // B) for r in rows]
-    runs = [_runs(c) for c in clean]
+    runs = [index_runs(c) for c in clean]  # each rank's clean runs (slices of positions)
     kind = layout.kind
     out = []
     for r in range(P):
@@ -229,7 +220,7 @@ def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: 
         ring = {"single": [r], "bp": [r], "cp": list(range(P))}.get(kind) or layout.ring_ranks(r)
         sent = received = 0
         if len(ring) > 1:  # each noisy block's boundary state comes from the holder of the row before it
-            held = sorted((start, m) for m in ring for start, _ in runs[m])
+            held = sorted((run.start, m) for m in ring for run in runs[m])
             starts, owner = np.array([x for x, _ in held]), np.array([m for _, m in held])
             for m in ring:
                 b = blocks[m][blocks[m] > 0]
@@ -238,8 +229,8 @@ def gdn_rank_work(seq_length: int, block_size: int, cp: int, bp: int, schedule: 
                 sent += int((src == r).sum())
                 received += len(src) if m == r else 0
         sq = 0
-        for s, e in runs[r]:
-            cuts = [s, *range((s // B + 1) * B, e, B), e]
+        for run in runs[r]:
+            cuts = [run.start, *range((run.start // B + 1) * B, run.stop, B), run.stop]
             sq += sum((c1 - c0) ** 2 for c0, c1 in zip(cuts, cuts[1:]))
         out.append(GDNRankWork(len(ring), max(len(runs[m]) for m in ring), sent, received, len(clean[r]), sq,
                                len(blocks[r]) * B))
